@@ -1,0 +1,35 @@
+# fusesearch — two commands: `make demo` and `make test` (both install first).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+EXTRAS := dev,dist,plot
+DEMO_MODEL  ?= zoo:resnet50
+DEMO_DEVICE ?= h100-sxm
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+# Re-installs only when pyproject.toml changed (idempotent; a no-op otherwise).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/fusesearch inspect $(DEMO_MODEL)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check fusesearch costmodels tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/bench_load.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

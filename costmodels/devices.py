@@ -1,0 +1,529 @@
+"""Hardware descriptions: `DeviceSpec`, the built-in GPU table and `host_cpu()`.
+
+Problem: a cost model needs a GPU's peak rates and per-SM limits, and every figure must be
+traceable to a public source so that a plan for "h100-sxm" means the same thing to every reader.
+Approach: per-SM limits come from one table keyed by compute capability (CUDA C++ Programming
+Guide, "Technical Specifications per Compute Capability"); per-product figures (SM count, boost
+clock, peak FLOP/s, DRAM bandwidth, L2) come from NVIDIA whitepapers and datasheets, cited next to
+each entry. Tensor-core figures are DENSE (datasheets print the 2:4-sparse figure, twice as large,
+with an asterisk); 0 means the device has no tensor-core path for that type.
+`host_cpu()` describes the machine it runs on with the same fields: counts and caches read from
+/proc and /sys, the copy bandwidth measured, the FP32 peak estimated.
+Invariants: specs are frozen; every rate and size is positive (tensor-core rates may be 0);
+names are lowercase-hyphen; the table never changes at run time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import platform
+import re
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from costmodels.errors import InvalidSpec, UnknownDevice
+
+KIB = 1024
+MIB = 1024 * KIB
+MHZ = 1e6
+TERA = 1e12
+GB_PER_S = 1e9  # datasheets use decimal gigabytes
+
+KINDS = ("gpu", "cpu")
+HOST_NAMES = ("host", "cpu")
+_NAME_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+
+# Kernel launch overhead, GPU. Not published by NVIDIA; XLA's gpu_performance_model uses
+# kKernelLaunchOverhead = 1 us (gpu_performance_model_base.h; 5 us in older releases), and an
+# empty kernel timed back to back with CUDA events takes ~2-3 us. Calibration rescales it
+# (RooflineParams.launch_overhead_scale).
+GPU_LAUNCH_OVERHEAD_S = 2e-6
+
+# Sources, cited by key in each entry.
+SRC_CUDA_GUIDE = (
+    "CUDA C++ Programming Guide (v12.x), table 'Technical Specifications per Compute "
+    "Capability' (per-SM threads, blocks, registers, shared memory)"
+)
+SRC_VOLTA = "NVIDIA Tesla V100 GPU Architecture whitepaper (WP-08608-001_v1.1), table 1"
+SRC_V100_DS = "NVIDIA Tesla V100 datasheet (2020): SXM2 125 TFLOPS tensor, 15.7 FP32, 900 GB/s"
+SRC_TURING = "NVIDIA Turing GPU Architecture whitepaper (WP-09183-001_v01), TU104 / Tesla T4"
+SRC_T4_DS = "NVIDIA T4 datasheet: 8.1 TFLOPS FP32, 65 TFLOPS FP16 mixed, 320 GB/s GDDR6"
+SRC_GA100 = "NVIDIA A100 Tensor Core GPU Architecture whitepaper (V1.0), tables 1 and 3"
+SRC_A100_DS = (
+    "NVIDIA A100 datasheet (2021): FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS dense; "
+    "1,555 GB/s (40GB), 2,039 GB/s (80GB SXM), 1,935 GB/s (80GB PCIe)"
+)
+SRC_GA102 = (
+    "NVIDIA Ampere GA102 GPU Architecture whitepaper (V2.0), appendix A (RTX 3090) and A10 "
+    "column; 6,144 KB L2"
+)
+SRC_A10_DS = "NVIDIA A10 datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125 TFLOPS dense, 600 GB/s"
+SRC_ADA = "NVIDIA Ada GPU Architecture whitepaper (V2.02), appendix (RTX 4090, L40/AD102, AD104)"
+SRC_L4_DS = "NVIDIA L4 datasheet: FP32 30.3, TF32 120*, FP16/BF16 242* TFLOPS (*sparse), 300 GB/s"
+SRC_L40S_DS = (
+    "NVIDIA L40S datasheet: FP32 91.6, TF32 366*, BF16/FP16 733* TFLOPS (*sparse), 864 GB/s"
+)
+SRC_HOPPER = "NVIDIA H100 Tensor Core GPU Architecture whitepaper (V1.04), table 3; 50 MB L2"
+SRC_H100_DS = (
+    "NVIDIA H100 datasheet: SXM FP32 67, TF32 989*, BF16/FP16 1,979* TFLOPS, 3.35 TB/s; "
+    "PCIe FP32 51, TF32 756*, FP16 1,513*, 2 TB/s (*sparse)"
+)
+SRC_H200_DS = "NVIDIA H200 datasheet: SXM FP32 67, TF32 989*, FP16 1,979* TFLOPS, 4.8 TB/s HBM3e"
+SRC_LAUNCH = (
+    "launch overhead: estimate (XLA gpu_performance_model kKernelLaunchOverhead = 1 us; "
+    "CUDA-event timing of an empty kernel ~2-3 us)"
+)
+
+# Per-SM limits by compute capability (SRC_CUDA_GUIDE). Every GPU here has 64 K 32-bit registers
+# per SM, at most 255 registers per thread, 1,024 threads per block and 32-thread warps.
+REGS_PER_SM = 64 * KIB
+REGS_PER_THREAD_MAX = 255
+MAX_THREADS_PER_BLOCK = 1024
+WARP_SIZE = 32
+ARCH_LIMITS: Mapping[str, Mapping[str, int]] = {
+    # cc 7.0 (Volta): 96 KB smem per SM, 96 KB per block (opt-in), 2048 threads, 32 blocks.
+    "sm_70": {"smem_per_sm_bytes": 96 * KIB, "smem_per_block_max_bytes": 96 * KIB,
+              "max_threads_per_sm": 2048, "max_blocks_per_sm": 32},
+    # cc 7.5 (Turing): 64 KB smem per SM and per block, 1024 threads, 16 blocks.
+    "sm_75": {"smem_per_sm_bytes": 64 * KIB, "smem_per_block_max_bytes": 64 * KIB,
+              "max_threads_per_sm": 1024, "max_blocks_per_sm": 16},
+    # cc 8.0 (GA100): 164 KB smem per SM, 163 KB per block, 2048 threads, 32 blocks.
+    "sm_80": {"smem_per_sm_bytes": 164 * KIB, "smem_per_block_max_bytes": 163 * KIB,
+              "max_threads_per_sm": 2048, "max_blocks_per_sm": 32},
+    # cc 8.6 (GA102...): 100 KB smem per SM, 99 KB per block, 1536 threads, 16 blocks.
+    "sm_86": {"smem_per_sm_bytes": 100 * KIB, "smem_per_block_max_bytes": 99 * KIB,
+              "max_threads_per_sm": 1536, "max_blocks_per_sm": 16},
+    # cc 8.9 (Ada): 100 KB smem per SM, 99 KB per block, 1536 threads, 24 blocks.
+    "sm_89": {"smem_per_sm_bytes": 100 * KIB, "smem_per_block_max_bytes": 99 * KIB,
+              "max_threads_per_sm": 1536, "max_blocks_per_sm": 24},
+    # cc 9.0 (Hopper): 228 KB smem per SM, 227 KB per block, 2048 threads, 32 blocks.
+    "sm_90": {"smem_per_sm_bytes": 228 * KIB, "smem_per_block_max_bytes": 227 * KIB,
+              "max_threads_per_sm": 2048, "max_blocks_per_sm": 32},
+}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device's peak rates and per-SM limits (a CPU fills the same fields by analogy).
+
+    Rates are peaks at the boost clock: `fp32_flops_per_s` on CUDA cores (FMA = 2 flops),
+    `fp16_simt_flops_per_s` for half2 math on CUDA cores (0: use the FP32 rate), and dense
+    tensor-core rates `tf32_flops_per_s` / `fp16_flops_per_s` / `bf16_flops_per_s` (FP32
+    accumulate; 0 where the device has none). `smem_per_block_max_bytes` is the opt-in maximum
+    (above the default 48 KiB).
+    """
+
+    name: str
+    vendor: str
+    kind: str
+    arch: str
+    sm_count: int
+    clock_hz: float
+    fp32_flops_per_s: float
+    tf32_flops_per_s: float
+    fp16_flops_per_s: float
+    bf16_flops_per_s: float
+    fp16_simt_flops_per_s: float
+    dram_bytes_per_s: float
+    l2_bytes: int
+    smem_per_sm_bytes: int
+    smem_per_block_max_bytes: int
+    regs_per_sm: int
+    regs_per_thread_max: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    max_threads_per_block: int
+    warp_size: int
+    launch_overhead_s: float
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sources", tuple(str(s) for s in self.sources))
+        if not self.name or not _NAME_RE.match(self.name):
+            raise InvalidSpec(f"device name {self.name!r} must be lowercase-hyphen, e.g. 'h100-sxm'")
+        if self.kind not in KINDS:
+            raise InvalidSpec(f"device {self.name}: kind {self.kind!r} must be one of {KINDS}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("name", "vendor", "kind", "arch", "sources"):
+                continue
+            may_be_zero = f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s"
+            if not _finite_number(value) or value < 0 or (value == 0 and not may_be_zero):
+                raise InvalidSpec(f"device {self.name}: {f.name} = {value!r}, expected > 0")
+        if self.smem_per_block_max_bytes > self.smem_per_sm_bytes:
+            raise InvalidSpec(
+                f"device {self.name}: smem_per_block_max_bytes {self.smem_per_block_max_bytes} "
+                f"> smem_per_sm_bytes {self.smem_per_sm_bytes}"
+            )
+
+    @property
+    def max_warps_per_sm(self) -> int:
+        return self.max_threads_per_sm // self.warp_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (sources as a list)."""
+        out = asdict(self)
+        out["sources"] = list(self.sources)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
+        """Inverse of `to_dict`; raises InvalidSpec naming missing or unknown fields."""
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data and n != "sources"]
+        unknown = sorted(set(data) - set(names))
+        if missing or unknown:
+            raise InvalidSpec(f"device fields: missing {missing}, unknown {unknown}")
+        kwargs = dict(data)
+        kwargs["sources"] = tuple(kwargs.get("sources", ()))
+        return cls(**kwargs)
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
+
+
+def _nvidia(
+    name: str,
+    *,
+    arch: str,
+    sm_count: int,
+    boost_mhz: float,
+    fp32_tflops: float,
+    fp16_simt_tflops: float,
+    tf32_tc_tflops: float,
+    fp16_tc_tflops: float,
+    bf16_tc_tflops: float,
+    dram_gb_per_s: float,
+    l2_mib: float,
+    sources: tuple[str, ...],
+) -> DeviceSpec:
+    """One NVIDIA GPU: product figures as given, per-SM limits from ARCH_LIMITS[arch]."""
+    return DeviceSpec(
+        name=name,
+        vendor="nvidia",
+        kind="gpu",
+        arch=arch,
+        sm_count=sm_count,
+        clock_hz=boost_mhz * MHZ,
+        fp32_flops_per_s=fp32_tflops * TERA,
+        tf32_flops_per_s=tf32_tc_tflops * TERA,
+        fp16_flops_per_s=fp16_tc_tflops * TERA,
+        bf16_flops_per_s=bf16_tc_tflops * TERA,
+        fp16_simt_flops_per_s=fp16_simt_tflops * TERA,
+        dram_bytes_per_s=dram_gb_per_s * GB_PER_S,
+        l2_bytes=int(l2_mib * MIB),
+        regs_per_sm=REGS_PER_SM,
+        regs_per_thread_max=REGS_PER_THREAD_MAX,
+        max_threads_per_block=MAX_THREADS_PER_BLOCK,
+        warp_size=WARP_SIZE,
+        launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
+        sources=(*sources, SRC_CUDA_GUIDE, SRC_LAUNCH),
+        **ARCH_LIMITS[arch],
+    )
+
+
+# GeForce parts (RTX 3090/4090) run FP16/BF16 tensor-core math with FP32 accumulate at half the
+# FP16-accumulate rate; the table uses the FP32-accumulate figure (what cuBLAS / ORT use for
+# inference GEMMs). Ampere GA102 and Ada run FP16 on CUDA cores at the FP32 rate (1:1); GV100,
+# TU104, GA100 and GH100 at 2x (GA100: 4x).
+_TABLE: tuple[DeviceSpec, ...] = (
+    # V100 SXM2 16/32 GB: 80 SMs, 1530 MHz boost, 15.7 FP32, 31.4 FP16, 125 FP16 tensor TFLOPS,
+    # no TF32/BF16; 900 GB/s HBM2; 6 MB L2 (SRC_VOLTA, SRC_V100_DS).
+    _nvidia("v100-sxm2", arch="sm_70", sm_count=80, boost_mhz=1530, fp32_tflops=15.7,
+            fp16_simt_tflops=31.4, tf32_tc_tflops=0, fp16_tc_tflops=125, bf16_tc_tflops=0,
+            dram_gb_per_s=900, l2_mib=6, sources=(SRC_VOLTA, SRC_V100_DS)),
+    # T4: 40 SMs, 1590 MHz, 8.1 FP32, 16.2 FP16 (2x), 65 FP16 tensor, no TF32/BF16; 320 GB/s
+    # GDDR6; 4 MB L2 (SRC_TURING, SRC_T4_DS).
+    _nvidia("t4", arch="sm_75", sm_count=40, boost_mhz=1590, fp32_tflops=8.1,
+            fp16_simt_tflops=16.2, tf32_tc_tflops=0, fp16_tc_tflops=65, bf16_tc_tflops=0,
+            dram_gb_per_s=320, l2_mib=4, sources=(SRC_TURING, SRC_T4_DS)),
+    # A10: 72 SMs, 1695 MHz, 31.2 FP32, TF32 62.5, FP16/BF16 125 dense; 600 GB/s; 6 MB L2.
+    _nvidia("a10", arch="sm_86", sm_count=72, boost_mhz=1695, fp32_tflops=31.2,
+            fp16_simt_tflops=31.2, tf32_tc_tflops=62.5, fp16_tc_tflops=125, bf16_tc_tflops=125,
+            dram_gb_per_s=600, l2_mib=6, sources=(SRC_GA102, SRC_A10_DS)),
+    # L4: 58 SMs, 2040 MHz, 30.3 FP32, TF32 60, FP16/BF16 121 dense; 300 GB/s; 48 MB L2.
+    _nvidia("l4", arch="sm_89", sm_count=58, boost_mhz=2040, fp32_tflops=30.3,
+            fp16_simt_tflops=30.3, tf32_tc_tflops=60, fp16_tc_tflops=121, bf16_tc_tflops=121,
+            dram_gb_per_s=300, l2_mib=48, sources=(SRC_ADA, SRC_L4_DS)),
+    # A100 SXM4 40 GB: 108 SMs, 1410 MHz, 19.5 FP32, 78 FP16 (non-tensor), TF32 156,
+    # FP16/BF16 312 dense; 1,555 GB/s HBM2; 40 MB L2 (SRC_GA100, SRC_A100_DS).
+    _nvidia("a100-40gb", arch="sm_80", sm_count=108, boost_mhz=1410, fp32_tflops=19.5,
+            fp16_simt_tflops=78, tf32_tc_tflops=156, fp16_tc_tflops=312, bf16_tc_tflops=312,
+            dram_gb_per_s=1555, l2_mib=40, sources=(SRC_GA100, SRC_A100_DS)),
+    # A100 PCIe 40 GB: same GA100 configuration and clocks, 1,555 GB/s.
+    _nvidia("a100-40gb-pcie", arch="sm_80", sm_count=108, boost_mhz=1410, fp32_tflops=19.5,
+            fp16_simt_tflops=78, tf32_tc_tflops=156, fp16_tc_tflops=312, bf16_tc_tflops=312,
+            dram_gb_per_s=1555, l2_mib=40, sources=(SRC_GA100, SRC_A100_DS)),
+    # A100 SXM4 80 GB: as the 40 GB part with 2,039 GB/s HBM2e.
+    _nvidia("a100-80gb", arch="sm_80", sm_count=108, boost_mhz=1410, fp32_tflops=19.5,
+            fp16_simt_tflops=78, tf32_tc_tflops=156, fp16_tc_tflops=312, bf16_tc_tflops=312,
+            dram_gb_per_s=2039, l2_mib=40, sources=(SRC_GA100, SRC_A100_DS)),
+    # A100 PCIe 80 GB: 1,935 GB/s HBM2e.
+    _nvidia("a100-80gb-pcie", arch="sm_80", sm_count=108, boost_mhz=1410, fp32_tflops=19.5,
+            fp16_simt_tflops=78, tf32_tc_tflops=156, fp16_tc_tflops=312, bf16_tc_tflops=312,
+            dram_gb_per_s=1935, l2_mib=40, sources=(SRC_GA100, SRC_A100_DS)),
+    # L40S: 142 SMs, 2520 MHz, 91.6 FP32, TF32 183, FP16/BF16 362 dense; 864 GB/s; 96 MB L2.
+    _nvidia("l40s", arch="sm_89", sm_count=142, boost_mhz=2520, fp32_tflops=91.6,
+            fp16_simt_tflops=91.6, tf32_tc_tflops=183, fp16_tc_tflops=362, bf16_tc_tflops=362,
+            dram_gb_per_s=864, l2_mib=96, sources=(SRC_ADA, SRC_L40S_DS)),
+    # H100 PCIe: 114 SMs, 1755 MHz, 51.2 FP32, 102.4 FP16, TF32 378, FP16/BF16 756 dense;
+    # 2,000 GB/s HBM2e; 50 MB L2 (SRC_HOPPER, SRC_H100_DS).
+    _nvidia("h100-pcie", arch="sm_90", sm_count=114, boost_mhz=1755, fp32_tflops=51.2,
+            fp16_simt_tflops=102.4, tf32_tc_tflops=378, fp16_tc_tflops=756, bf16_tc_tflops=756,
+            dram_gb_per_s=2000, l2_mib=50, sources=(SRC_HOPPER, SRC_H100_DS)),
+    # H100 SXM5: 132 SMs, 1980 MHz, 66.9 FP32, 133.8 FP16, TF32 494.7, FP16/BF16 989.4 dense;
+    # 3,350 GB/s HBM3; 50 MB L2.
+    _nvidia("h100-sxm", arch="sm_90", sm_count=132, boost_mhz=1980, fp32_tflops=66.9,
+            fp16_simt_tflops=133.8, tf32_tc_tflops=494.7, fp16_tc_tflops=989.4,
+            bf16_tc_tflops=989.4, dram_gb_per_s=3350, l2_mib=50,
+            sources=(SRC_HOPPER, SRC_H100_DS)),
+    # H200 SXM: the H100 SXM5 GH100 configuration with 141 GB HBM3e at 4,800 GB/s.
+    _nvidia("h200", arch="sm_90", sm_count=132, boost_mhz=1980, fp32_tflops=66.9,
+            fp16_simt_tflops=133.8, tf32_tc_tflops=494.7, fp16_tc_tflops=989.4,
+            bf16_tc_tflops=989.4, dram_gb_per_s=4800, l2_mib=50,
+            sources=(SRC_HOPPER, SRC_H200_DS)),
+    # RTX 3090: 82 SMs, 1695 MHz, 35.6 FP32, TF32 35.6, FP16/BF16 71 dense (FP32 accumulate);
+    # 936 GB/s GDDR6X; 6 MB L2 (SRC_GA102).
+    _nvidia("rtx-3090", arch="sm_86", sm_count=82, boost_mhz=1695, fp32_tflops=35.6,
+            fp16_simt_tflops=35.6, tf32_tc_tflops=35.6, fp16_tc_tflops=71, bf16_tc_tflops=71,
+            dram_gb_per_s=936, l2_mib=6, sources=(SRC_GA102,)),
+    # RTX 4090: 128 SMs, 2520 MHz, 82.6 FP32, TF32 82.6, FP16/BF16 165.2 dense (FP32 accumulate);
+    # 1,008 GB/s GDDR6X; 72 MB L2 (SRC_ADA).
+    _nvidia("rtx-4090", arch="sm_89", sm_count=128, boost_mhz=2520, fp32_tflops=82.6,
+            fp16_simt_tflops=82.6, tf32_tc_tflops=82.6, fp16_tc_tflops=165.2,
+            bf16_tc_tflops=165.2, dram_gb_per_s=1008, l2_mib=72, sources=(SRC_ADA,)),
+)
+
+DEVICES: Mapping[str, DeviceSpec] = {d.name: d for d in _TABLE}
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The built-in spec for `name` ('host' / 'cpu': this machine); UnknownDevice otherwise."""
+    key = name.strip().lower()
+    if key in HOST_NAMES:
+        return host_cpu()
+    if key in DEVICES:
+        return DEVICES[key]
+    close = difflib.get_close_matches(key, list(DEVICES), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UnknownDevice(
+        f"unknown device {name!r}; {hint}known devices: {', '.join(DEVICES)}, host; "
+        "run `fusesearch devices` to list them, or pass a profile.json from `fusesearch calibrate`"
+    )
+
+
+def device_table_rows(devices: Mapping[str, DeviceSpec] | None = None) -> list[dict[str, Any]]:
+    """One dict per device for a CLI table, in table order, with human units."""
+    rows = []
+    for d in (devices or DEVICES).values():
+        rows.append({
+            "name": d.name,
+            "arch": d.arch,
+            "sms": d.sm_count,
+            "fp32_tflops": round(d.fp32_flops_per_s / TERA, 1),
+            "fp16_tc_tflops": round(d.fp16_flops_per_s / TERA, 1),
+            "dram_gb_per_s": round(d.dram_bytes_per_s / GB_PER_S),
+            "l2_mib": round(d.l2_bytes / MIB, 1),
+            "smem_per_block_kib": round(d.smem_per_block_max_bytes / KIB, 1),
+            "launch_us": round(d.launch_overhead_s * 1e6, 2),
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The host CPU
+# ---------------------------------------------------------------------------------------------
+
+# FP32 peak estimate per core and cycle = SIMD lanes x 2 (FMA) x 2 (FMA ports). Two FMA ports is
+# true of Intel Haswell..Sapphire Rapids server parts and AMD Zen 2+; an estimate elsewhere.
+CPU_FMA_PORTS = 2
+CPU_DEFAULT_CLOCK_HZ = 2.5e9  # used only where neither /sys nor /proc reports a frequency
+# Fork/join of an OpenMP parallel region plus a ctypes call: a few microseconds (EPCC OpenMP
+# micro-benchmarks report ~1-2 us per PARALLEL region on a few cores). Estimate.
+CPU_LAUNCH_OVERHEAD_S = 3e-6
+# Copy used to measure bandwidth: a 256 MiB source, far beyond any last-level cache.
+BANDWIDTH_PROBE_BYTES = 256 * MIB
+BANDWIDTH_PROBE_BUDGET_S = 0.8
+_SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def _read(path: Path | str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _cpuinfo() -> dict[str, str]:
+    """First processor block of /proc/cpuinfo as key -> value ({} off Linux)."""
+    info: dict[str, str] = {}
+    for line in _read("/proc/cpuinfo").splitlines():
+        if not line.strip():
+            if info:
+                break
+            continue
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    return info
+
+
+def _usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _threads_per_core() -> int:
+    """SMT width from cpu0's thread siblings ('0,64' or '0-1' -> 2); 1 when unknown."""
+    text = _read(_SYS_CPU / "cpu0/topology/thread_siblings_list").strip()
+    if not text:
+        return 1
+    count = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi) - int(lo) + 1 if hi else 1
+    return max(1, count)
+
+
+def _simd_fp32_lanes(flags: set[str]) -> int:
+    """FP32 lanes per vector register: AVX-512 16, AVX/AVX2 8, SSE/NEON 4."""
+    if "avx512f" in flags:
+        return 16
+    if "avx2" in flags or "avx" in flags:
+        return 8
+    return 4
+
+
+def _cpu_clock_hz(cpuinfo: Mapping[str, str]) -> float:
+    """Max frequency from cpufreq (kHz), else 'cpu MHz' from /proc/cpuinfo, else a default."""
+    khz = _read(_SYS_CPU / "cpu0/cpufreq/cpuinfo_max_freq").strip()
+    if khz.isdigit() and int(khz) > 0:
+        return int(khz) * 1e3
+    try:
+        mhz = float(cpuinfo.get("cpu MHz", ""))
+    except ValueError:
+        mhz = 0.0
+    return mhz * MHZ if mhz > 0 else CPU_DEFAULT_CLOCK_HZ
+
+
+def _parse_size(text: str) -> int:
+    """'32K' / '1024K' / '32M' -> bytes (0 when unreadable)."""
+    m = re.fullmatch(r"(\d+)\s*([KMG]?)B?", text.strip(), flags=re.IGNORECASE)
+    if not m:
+        return 0
+    scale = {"": 1, "K": KIB, "M": MIB, "G": 1024 * MIB}[m.group(2).upper()]
+    return int(m.group(1)) * scale
+
+
+def _cache_bytes_by_level() -> dict[int, int]:
+    """Data/unified cache size per level for cpu0 (e.g. {1: 32 KiB, 2: 1 MiB, 3: 32 MiB})."""
+    sizes: dict[int, int] = {}
+    for index in sorted((_SYS_CPU / "cpu0/cache").glob("index*")):
+        if _read(index / "type").strip() == "Instruction":
+            continue
+        level = _read(index / "level").strip()
+        if level.isdigit():
+            sizes[int(level)] = max(sizes.get(int(level), 0), _parse_size(_read(index / "size")))
+    return {k: v for k, v in sizes.items() if v > 0}
+
+
+@functools.lru_cache(maxsize=4)
+def measure_copy_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, workers: int = 0) -> float:
+    """Copy bandwidth in bytes/s (read + write, as STREAM counts it): best of a few copies.
+
+    The array is split across `workers` threads (default: usable CPUs; numpy releases the GIL
+    while copying), stopping after BANDWIDTH_PROBE_BUDGET_S. Halves the size when memory is short.
+    """
+    available = _mem_available_bytes()
+    while available and nbytes > 16 * MIB and 4 * nbytes > available:
+        nbytes //= 2
+    workers = workers or min(_usable_cpus(), 16)
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.zeros_like(src)
+    bounds = np.linspace(0, src.size, workers + 1).astype(int)
+    chunks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def copy(chunk: tuple[int, int]) -> None:
+        np.copyto(dst[chunk[0]:chunk[1]], src[chunk[0]:chunk[1]])
+
+    best_s = float("inf")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            list(pool.map(copy, chunks))
+            best_s = min(best_s, time.perf_counter() - t0)
+            if time.perf_counter() - start > BANDWIDTH_PROBE_BUDGET_S:
+                break
+    return 2 * src.nbytes / best_s
+
+
+def _mem_available_bytes() -> int:
+    m = re.search(r"MemAvailable:\s+(\d+) kB", _read("/proc/meminfo"))
+    return int(m.group(1)) * KIB if m else 0
+
+
+@functools.lru_cache(maxsize=1)
+def host_cpu() -> DeviceSpec:
+    """This machine as a DeviceSpec (measures copy bandwidth once, < 1 s; cached).
+
+    Analogies for GPU-only fields: an SM is a usable logical CPU; a warp is one SIMD vector
+    (`warp_size` = FP32 lanes); "shared memory" per SM and per block is the per-core L2 (what a
+    tile must fit to stay on-core); `l2_bytes` is the last-level cache; there are no tensor cores
+    (tensor-core rates 0, so the model uses the FP32 rate); registers and thread limits keep GPU
+    nominal values (64 K regs, 255 per thread, 2048 threads, 32 blocks) so the shared register
+    model only flags gross pressure. FP32 peak = physical cores x clock x lanes x 2 (FMA)
+    x CPU_FMA_PORTS: an upper-bound estimate, not a measurement.
+    """
+    info = _cpuinfo()
+    flags = set(info.get("flags", info.get("Features", "")).split())
+    cpus = _usable_cpus()
+    cores = max(1, cpus // _threads_per_core())
+    lanes = _simd_fp32_lanes(flags)
+    fma = 2 if ("fma" in flags or "asimd" in flags or platform.machine() == "arm64") else 1
+    clock_hz = _cpu_clock_hz(info)
+    caches = _cache_bytes_by_level()
+    llc_bytes = caches[max(caches)] if caches else 8 * MIB
+    core_cache_bytes = caches.get(2, caches.get(1, 256 * KIB))
+    return DeviceSpec(
+        name="host",
+        vendor=(info.get("vendor_id") or platform.processor() or "unknown").lower(),
+        kind="cpu",
+        arch=platform.machine() or "unknown",
+        sm_count=cpus,
+        clock_hz=clock_hz,
+        fp32_flops_per_s=cores * clock_hz * lanes * fma * CPU_FMA_PORTS,
+        tf32_flops_per_s=0.0,
+        fp16_flops_per_s=0.0,
+        bf16_flops_per_s=0.0,
+        fp16_simt_flops_per_s=0.0,
+        dram_bytes_per_s=measure_copy_bandwidth(),
+        l2_bytes=llc_bytes,
+        smem_per_sm_bytes=core_cache_bytes,
+        smem_per_block_max_bytes=core_cache_bytes,
+        regs_per_sm=REGS_PER_SM,
+        regs_per_thread_max=REGS_PER_THREAD_MAX,
+        max_threads_per_sm=2048,
+        max_blocks_per_sm=32,
+        max_threads_per_block=MAX_THREADS_PER_BLOCK,
+        warp_size=lanes,
+        launch_overhead_s=CPU_LAUNCH_OVERHEAD_S,
+        sources=(
+            f"/proc/cpuinfo: {info.get('model name', 'unknown model')}; {cpus} usable CPUs, "
+            f"{cores} physical cores, {lanes} fp32 lanes",
+            "/sys/devices/system/cpu/cpu0/cache (L2 per core, last-level cache)",
+            "dram_bytes_per_s: measured, best multi-threaded numpy copy (read + write bytes)",
+            "fp32_flops_per_s: estimate = cores x clock x lanes x 2 (FMA) x 2 (ports)",
+            "launch_overhead_s: estimate for an OpenMP parallel region + ctypes call",
+        ),
+    )

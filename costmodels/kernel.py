@@ -1,0 +1,148 @@
+"""`KernelSpec`: the numbers a cost model needs about one kernel, and nothing about graphs.
+
+Problem: the cost model must score a fused group without knowing what a graph is (as XLA's
+gpu_performance_model scores a fusion from its cost analysis, not from the pass that asks).
+Approach: the graph side (`fusesearch.lowering`) reduces a group to counts — FLOPs split by the
+unit that runs them, DRAM bytes, iteration space, resource requests — and hands over this plain
+record; `costmodels` turns it into time. `to_row()` / `from_row()` make it one flat table row
+(measurements are stored as Parquet rows of specs and times).
+Invariants: frozen; every count is finite and non-negative; `template` and `dtype` come from the
+closed lists below; `tile` and `op_types` are tuples.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from costmodels.errors import InvalidSpec
+
+TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "opaque")
+
+DTYPE_BYTES: Mapping[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "bool": 1,
+    "float8e4m3fn": 1, "float8e5m2": 1, "float8e4m3fnuz": 1, "float8e5m2fnuz": 1,
+}
+
+DEFAULT_THREADS_PER_BLOCK = 256
+
+_FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "dram_read_bytes",
+                 "dram_write_bytes")
+_INT_FIELDS = ("iteration_size", "reduction_length", "smem_bytes", "live_values_per_thread",
+               "threads_per_block", "num_ops")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel, as counts.
+
+    - `template`: the code shape that runs it — "pointwise" (one thread per output element),
+      "rowwise" (reductions over a row, e.g. Softmax / LayerNorm), "gemm", "conv", or "opaque"
+      (a library call or an op without a lowering).
+    - `tc_flops`: FLOPs a tensor core may run (the GEMM / conv main loop; FMA = 2).
+      `scalar_flops`: other arithmetic, on CUDA cores. `transcendentals`: exp / log / tanh /
+      erf / rsqrt ... evaluations (counted apart; the model weighs them).
+    - `dram_read_bytes` / `dram_write_bytes`: compulsory DRAM traffic (each input read once,
+      each output written once; the lowering adds re-reads it expects).
+    - `iteration_size`: size of the parallel iteration space = output elements (for a rowwise
+      reduction that keeps the row, rows x columns; for one that drops it, rows). Used only to
+      count blocks in the grid (see `resources.grid_blocks`).
+    - `reduction_length`: elements reduced per output (K of a GEMM, the row of a Softmax), 0 if
+      none. `tile`: (M, N, K) block tile for gemm / conv, () otherwise.
+    - `smem_bytes`: shared memory requested per block. `live_values_per_thread`: values a thread
+      keeps live at the peak (accumulators + operands), the register-pressure proxy.
+    - `num_ops` / `op_types`: the fused operators, for reports only.
+    """
+
+    template: str
+    dtype: str = "float32"
+    tc_flops: float = 0.0
+    scalar_flops: float = 0.0
+    transcendentals: float = 0.0
+    dram_read_bytes: float = 0.0
+    dram_write_bytes: float = 0.0
+    iteration_size: int = 0
+    reduction_length: int = 0
+    tile: tuple[int, ...] = ()
+    smem_bytes: int = 0
+    live_values_per_thread: int = 4
+    threads_per_block: int = DEFAULT_THREADS_PER_BLOCK
+    num_ops: int = 1
+    op_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.template not in TEMPLATES:
+            raise InvalidSpec(f"KernelSpec.template {self.template!r}, expected one of {TEMPLATES}")
+        if self.dtype not in DTYPE_BYTES:
+            raise InvalidSpec(
+                f"KernelSpec.dtype {self.dtype!r}, expected one of {', '.join(DTYPE_BYTES)}"
+            )
+        for name in _FLOAT_FIELDS:
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, _int_count(name, getattr(self, name)))
+        if self.threads_per_block < 1:
+            raise InvalidSpec(f"KernelSpec.threads_per_block = {self.threads_per_block}, expected >= 1")
+        object.__setattr__(self, "tile", tuple(_int_count("tile", t) for t in self.tile))
+        if 0 in self.tile:
+            raise InvalidSpec(f"KernelSpec.tile = {self.tile!r}, expected positive ints")
+        object.__setattr__(self, "op_types", tuple(str(t) for t in self.op_types))
+
+    @property
+    def flops(self) -> float:
+        """Arithmetic count: tensor-core + scalar FLOPs + transcendental evaluations."""
+        return self.tc_flops + self.scalar_flops + self.transcendentals
+
+    @property
+    def dram_bytes(self) -> float:
+        return self.dram_read_bytes + self.dram_write_bytes
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per DRAM byte (inf when no bytes move)."""
+        return self.flops / self.dram_bytes if self.dram_bytes else math.inf
+
+    def to_row(self) -> dict[str, Any]:
+        """Flat row: scalars only (`tile` as '128x128x32', `op_types` as 'Conv,Relu')."""
+        row = asdict(self)
+        row["tile"] = "x".join(str(t) for t in self.tile)
+        row["op_types"] = ",".join(self.op_types)
+        return row
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> KernelSpec:
+        """Inverse of `to_row` (extra keys, e.g. measured times in the same row, are ignored)."""
+        kwargs = {f.name: row[f.name] for f in fields(cls) if f.name in row}
+        tile = kwargs.get("tile", ())
+        if isinstance(tile, str):
+            kwargs["tile"] = tuple(int(t) for t in tile.split("x") if t)
+        ops = kwargs.get("op_types", ())
+        if isinstance(ops, str):
+            kwargs["op_types"] = tuple(t for t in ops.split(",") if t)
+        return cls(**kwargs)
+
+
+def _count(name: str, value: object) -> float:
+    """A finite, non-negative number as a Python float; InvalidSpec otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidSpec(f"KernelSpec.{name} = {value!r}, expected a number >= 0")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidSpec(f"KernelSpec.{name} = {value!r}, expected a finite number >= 0")
+    return float(value)
+
+
+def _int_count(name: str, value: object) -> int:
+    """A non-negative integer (a float like 3.0, as read back from Parquet, is accepted)."""
+    number = _count(name, value)
+    if not number.is_integer():
+        raise InvalidSpec(f"KernelSpec.{name} = {value!r}, expected an integer")
+    return int(number)

@@ -1,0 +1,3 @@
+from fusesearch.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,484 @@
+"""Canonicalize a loaded model to a fixed point, counting what each pass did.
+
+Problem: exporters leave work that no GPU kernel should do (Identity, inference Dropout, Shape
+chains over static shapes, BatchNormalization after a convolution, weights computed at run time by
+Constant/ConstantOfShape nodes). Fusion and costs must see the graph a good compiler would run.
+
+Approach: a loop over the main graph of an `onnx_ir.Model` until no pass changes anything:
+
+    identity ─ dropout ─ noop_cast ─ noop_reshape ─ constant_folding ─ batchnorm_folding
+        ─ matmul_add_to_gemm ─ dead_nodes ─► (shape inference) ─► again if anything changed
+
+then shape completion for values onnx's inference left unknown (the node is run once on zeros).
+Which library does what:
+  - onnx-ir: the IR, graph surgery, memory-mapped external data, and shape inference
+    (`ShapeInferencePass`, which strips weights so models over 2 GB work).
+  - onnx's reference evaluator computes folded constants (exact ONNX semantics for every opset).
+  - ours: the passes themselves. onnxscript's optimizer folds inside If/Loop bodies, inlines Ifs
+    with constant conditions and stops at a size limit meant for small constants (weights computed
+    by ConstantOfShape must fold whatever their size); it also has no per-pass counts. Our BN
+    folding computes in float64 and checks that the producer has no other consumer; our
+    MatMul+Add→Gemm only fires where Gemm's 2-D semantics are exact.
+Invariants: results never change (tests compare ONNX Runtime outputs before/after on every zoo
+model); graph input and output names are kept; If/Loop/Scan nodes and their bodies are never
+rewritten; node names stay unique (a rewritten node keeps its name).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx.reference import ReferenceEvaluator
+from onnx_ir.passes.common import ShapeInferencePass
+
+log = logging.getLogger(__name__)
+
+MAX_ITERATIONS = 16
+FOLD_LIMIT_BYTES = 1 << 30  # never materialize a folded constant above 1 GiB
+COMPLETE_LIMIT_ELEMENTS = 1 << 24  # shape completion runs a node on zeros only when small
+NEVER_FOLD = frozenset({
+    "If", "Loop", "Scan", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+    "Multinomial", "Bernoulli", "SequenceEmpty", "SequenceConstruct", "SplitToSequence",
+    "Optional", "OptionalGetElement", "OptionalHasElement",
+})
+ANCHORS_FOR_BN = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+
+Counts = Counter
+
+
+def canonicalize(model: ir.Model) -> tuple[ir.Model, dict[str, int]]:
+    """Rewrite `model` in place to a fixed point; return it and the per-pass counts."""
+    counts: Counts = Counter()
+    opset = model.opset_imports.get("", 21)
+    passes: list[Callable[[ir.Graph, int], int]] = [
+        remove_identity, remove_dropout, remove_noop_cast, remove_noop_reshape,
+        fold_constants, fold_batchnorm, matmul_add_to_gemm, remove_dead_nodes,
+    ]
+    for iteration in range(MAX_ITERATIONS):
+        changed = 0
+        for run in passes:
+            done = run(model.graph, opset)
+            counts[_pass_name(run)] += done
+            changed += done
+        if not changed:
+            break
+        _infer_shapes(model)
+        log.debug("canonicalize iteration %d: %d rewrites", iteration, changed)
+    counts["shapes_completed"] += complete_shapes(model.graph, opset)
+    counts["unused_weights"] += remove_unused_initializers(model.graph)
+    return model, {k: int(v) for k, v in sorted(counts.items())}
+
+
+def _pass_name(run: Callable) -> str:
+    return {
+        "remove_identity": "identity", "remove_dropout": "dropout", "remove_noop_cast": "noop_cast",
+        "remove_noop_reshape": "noop_reshape", "fold_constants": "constant_folding",
+        "fold_batchnorm": "batchnorm_folding", "matmul_add_to_gemm": "matmul_add_to_gemm",
+        "remove_dead_nodes": "dead_nodes",
+    }[run.__name__]
+
+
+def _infer_shapes(model: ir.Model) -> None:
+    ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    if value is None or value.shape is None:
+        return None
+    dims = tuple(value.shape)
+    if all(isinstance(d, int) and d >= 0 for d in dims):
+        return tuple(int(d) for d in dims)
+    return None
+
+
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.const_value is None:
+        return None
+    return value.const_value.numpy()
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _only_use_is(value: ir.Value, node: ir.Node) -> bool:
+    users = {id(u.node) for u in value.uses()}
+    return users == {id(node)} and not value.is_graph_output()
+
+
+def _new_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
+    name, k = base, 1
+    while name in graph.initializers:
+        name, k = f"{base}_{k}", k + 1
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def _bypass(graph: ir.Graph, old: ir.Value, new: ir.Value) -> bool:
+    """Make every user of `old` read `new`; keep graph output names. False if impossible."""
+    if old.is_graph_output():
+        if new.is_graph_input() or new.is_graph_output() or new.is_initializer() or new.producer() is None:
+            return False
+        name = old.name
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        old.name = None
+        new.name = name
+        return True
+    old.replace_all_uses_with(new)
+    return True
+
+
+def _remove(graph: ir.Graph, node: ir.Node) -> None:
+    graph.remove(node, safe=True)
+
+
+# -- passes -----------------------------------------------------------------------------------
+
+def _main_nodes(graph: ir.Graph, op_type: str | None = None) -> list[ir.Node]:
+    return [n for n in graph if n.domain in ("", "ai.onnx") and (op_type is None or n.op_type == op_type)]
+
+
+def _remove_passthrough(graph: ir.Graph, node: ir.Node) -> int:
+    if node.inputs[0] is None or not _bypass(graph, node.outputs[0], node.inputs[0]):
+        return 0
+    _remove(graph, node)
+    return 1
+
+
+def remove_identity(graph: ir.Graph, opset: int) -> int:
+    return sum(_remove_passthrough(graph, n) for n in _main_nodes(graph, "Identity"))
+
+
+def remove_dropout(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for node in _main_nodes(graph, "Dropout"):
+        training = _const(node.inputs[2]) if len(node.inputs) > 2 else None
+        if len(node.inputs) > 2 and node.inputs[2] is not None and (training is None or bool(training)):
+            continue  # training mode, or not known to be off
+        if len(node.outputs) > 1 and node.outputs[1].uses() or any(o.is_graph_output() for o in node.outputs[1:]):
+            continue  # the mask is used
+        done += _remove_passthrough(graph, node)
+    return done
+
+
+def remove_noop_cast(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for node in _main_nodes(graph, "Cast"):
+        src = node.inputs[0]
+        if src is not None and src.dtype is not None and src.dtype.value == _attr(node, "to"):
+            done += _remove_passthrough(graph, node)
+    return done
+
+
+def remove_noop_reshape(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for node in _main_nodes(graph, "Reshape") + _main_nodes(graph, "Flatten") + _main_nodes(graph, "Squeeze") \
+            + _main_nodes(graph, "Unsqueeze") + _main_nodes(graph, "Expand"):
+        src_shape, out_shape = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+        if src_shape is not None and src_shape == out_shape:
+            done += _remove_passthrough(graph, node)
+    return done
+
+
+def remove_dead_nodes(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for node in reversed(list(graph)):
+        if any(o.uses() or o.is_graph_output() for o in node.outputs):
+            continue
+        _remove(graph, node)
+        done += 1
+    return done
+
+
+def remove_unused_initializers(graph: ir.Graph) -> int:
+    unused = [name for name, v in graph.initializers.items() if not v.uses() and not v.is_graph_output()]
+    for name in unused:
+        graph.initializers.pop(name)
+    return len(unused)
+
+
+# -- constant folding -------------------------------------------------------------------------
+
+def fold_constants(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD:
+            continue
+        if any(o.is_graph_output() for o in node.outputs):
+            continue
+        arrays = _shape_query(node) if node.op_type in ("Shape", "Size") else _evaluate(node, opset)
+        if arrays is None:
+            continue
+        for out, array in zip(node.outputs, arrays, strict=True):
+            name, out.name = out.name or f"{node.name}_out", None
+            out.replace_all_uses_with(_new_initializer(graph, name, np.asarray(array)))
+        _remove(graph, node)
+        done += 1
+    return done
+
+
+def _shape_query(node: ir.Node) -> list[np.ndarray] | None:
+    shape = static_shape(node.inputs[0])
+    if shape is None:
+        return None
+    if node.op_type == "Size":
+        return [np.array(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)]
+    rank = len(shape)
+    start = _attr(node, "start", 0)
+    end = _attr(node, "end", rank)
+    return [np.array(shape[slice(start, end)], dtype=np.int64)]
+
+
+def _evaluate(node: ir.Node, opset: int) -> list[np.ndarray] | None:
+    inputs = [_const(v) if v is not None else None for v in node.inputs]
+    if any(v is not None and a is None for v, a in zip(node.inputs, inputs, strict=True)):
+        return None
+    if not any(out.uses() for out in node.outputs):
+        return None  # dead: left to remove_dead_nodes
+    if _estimated_bytes(node) > FOLD_LIMIT_BYTES:
+        return None
+    proto = ir.serde.serialize_node(node)
+    names = [f"in{i}" if v is not None else "" for i, v in enumerate(node.inputs)]
+    del proto.input[:]
+    proto.input.extend(names)
+    del proto.output[:]
+    proto.output.extend(f"out{i}" for i in range(len(node.outputs)))
+    try:
+        results = ReferenceEvaluator(proto, opsets={"": opset}).run(
+            None, {n: a for n, a in zip(names, inputs, strict=True) if n})
+    except Exception as exc:  # an op the evaluator cannot run stays as it is
+        log.debug("not folded %s (%s): %s", node.name, node.op_type, exc)
+        return None
+    return [np.asarray(r) for r in results]
+
+
+def _estimated_bytes(node: ir.Node) -> int:
+    total = 0
+    for out in node.outputs:
+        shape = static_shape(out)
+        if shape is None:
+            return 0  # unknown: evaluate and see
+        itemsize = out.dtype.itemsize if out.dtype is not None else 8
+        total += int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+    return total
+
+
+# -- BatchNormalization folding ---------------------------------------------------------------
+
+def fold_batchnorm(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for bn in _main_nodes(graph, "BatchNormalization"):
+        folded = _fold_one_bn(graph, bn)
+        done += folded
+    return done
+
+
+def _bn_scale_shift(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
+    params = [_const(v) for v in bn.inputs[1:5]]
+    if any(p is None for p in params) or _attr(bn, "training_mode", 0) or not _attr(bn, "spatial", 1):
+        return None
+    if any(o.uses() or o.is_graph_output() for o in bn.outputs[1:]):
+        return None
+    gamma, beta, mean, var = (p.astype(np.float64).reshape(-1) for p in params)
+    scale = gamma / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
+    return scale, beta - mean * scale
+
+
+def _fold_one_bn(graph: ir.Graph, bn: ir.Node) -> int:
+    x = bn.inputs[0]
+    producer = x.producer() if x is not None else None
+    if producer is None or producer.op_type not in ANCHORS_FOR_BN or producer.domain not in ("", "ai.onnx"):
+        return 0
+    if not _only_use_is(x, bn):
+        return 0
+    st = _bn_scale_shift(bn)
+    if st is None:
+        return 0
+    fold = {"Conv": _fold_into_conv, "ConvTranspose": _fold_into_conv_transpose,
+            "Gemm": _fold_into_gemm, "MatMul": _fold_into_matmul}[producer.op_type]
+    new_out = fold(graph, producer, bn, *st)
+    if new_out is None or not _bypass(graph, bn.outputs[0], new_out):
+        return 0
+    _remove(graph, bn)
+    return 1
+
+
+def _set_input(node: ir.Node, index: int, value: ir.Value) -> None:
+    if len(node.inputs) <= index:
+        node.resize_inputs(index + 1)
+    node.replace_input_with(index, value)
+
+
+def _fold_into_conv(graph, conv, bn, scale, shift) -> ir.Value | None:
+    w = _const(conv.inputs[1])
+    bias = _const(conv.inputs[2]) if len(conv.inputs) > 2 and conv.inputs[2] is not None else None
+    if w is None or (len(conv.inputs) > 2 and conv.inputs[2] is not None and bias is None) or w.shape[0] != scale.size:
+        return None
+    w64 = w.astype(np.float64) * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+    b64 = (bias.astype(np.float64) if bias is not None else 0.0) * scale + shift
+    _set_input(conv, 1, _new_initializer(graph, f"{conv.name}.W_bn", w64.astype(w.dtype)))
+    _set_input(conv, 2, _new_initializer(graph, f"{conv.name}.B_bn", b64.astype(w.dtype)))
+    return conv.outputs[0]
+
+
+def _fold_into_conv_transpose(graph, conv, bn, scale, shift) -> ir.Value | None:
+    w = _const(conv.inputs[1])
+    bias = _const(conv.inputs[2]) if len(conv.inputs) > 2 and conv.inputs[2] is not None else None
+    if w is None or (len(conv.inputs) > 2 and conv.inputs[2] is not None and bias is None):
+        return None
+    group = int(_attr(conv, "group", 1))
+    cin, cout_g = w.shape[0], w.shape[1]
+    if cout_g * group != scale.size:
+        return None
+    grouped = w.astype(np.float64).reshape((group, cin // group, cout_g) + w.shape[2:])
+    grouped = grouped * scale.reshape((group, 1, cout_g) + (1,) * (w.ndim - 2))
+    b64 = (bias.astype(np.float64) if bias is not None else 0.0) * scale + shift
+    _set_input(conv, 1, _new_initializer(graph, f"{conv.name}.W_bn", grouped.reshape(w.shape).astype(w.dtype)))
+    _set_input(conv, 2, _new_initializer(graph, f"{conv.name}.B_bn", b64.astype(w.dtype)))
+    return conv.outputs[0]
+
+
+def _fold_into_gemm(graph, gemm, bn, scale, shift) -> ir.Value | None:
+    b = _const(gemm.inputs[1])
+    has_c = len(gemm.inputs) > 2 and gemm.inputs[2] is not None
+    c = _const(gemm.inputs[2]) if has_c else None
+    out_shape = static_shape(gemm.outputs[0])
+    if b is None or (has_c and c is None) or out_shape is None or out_shape[1] != scale.size:
+        return None
+    trans_b = int(_attr(gemm, "transB", 0))
+    beta = float(_attr(gemm, "beta", 1.0)) if has_c else 1.0
+    if beta == 0.0:
+        return None
+    b64 = b.astype(np.float64) * (scale[:, None] if trans_b else scale[None, :])
+    c64 = (c.astype(np.float64) * scale if c is not None else 0.0) + shift / beta
+    c64 = np.broadcast_to(c64, np.broadcast_shapes(np.shape(c64), (scale.size,))).copy()
+    _set_input(gemm, 1, _new_initializer(graph, f"{gemm.name}.B_bn", b64.astype(b.dtype)))
+    _set_input(gemm, 2, _new_initializer(graph, f"{gemm.name}.C_bn", c64.astype(b.dtype)))
+    if not has_c:
+        gemm.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
+    return gemm.outputs[0]
+
+
+def _fold_into_matmul(graph, matmul, bn, scale, shift) -> ir.Value | None:
+    """Y = A @ B with a 2-D output: BN's channel axis is N, so B's columns take the scale and an
+    Add of the shift follows (matmul_add_to_gemm may then make a Gemm of it)."""
+    b = _const(matmul.inputs[1])
+    out_shape = static_shape(matmul.outputs[0])
+    if b is None or b.ndim != 2 or out_shape is None or len(out_shape) != 2 or out_shape[1] != scale.size:
+        return None
+    b64 = b.astype(np.float64) * scale[None, :]
+    matmul.replace_input_with(1, _new_initializer(graph, f"{matmul.name}.B_bn", b64.astype(b.dtype)))
+    shift_value = _new_initializer(graph, f"{bn.name}.shift", shift.astype(b.dtype))
+    add = ir.Node("", "Add", [matmul.outputs[0], shift_value], name=bn.name + "_shift")
+    add.outputs[0].name = f"{bn.name}_shift_out"
+    add.outputs[0].shape = ir.Shape(out_shape)
+    add.outputs[0].type = ir.TensorType(ir.DataType.from_numpy(b.dtype))
+    graph.insert_after(matmul, add)
+    return add.outputs[0]
+
+
+# -- MatMul + Add -> Gemm ---------------------------------------------------------------------
+
+def matmul_add_to_gemm(graph: ir.Graph, opset: int) -> int:
+    done = 0
+    for matmul in _main_nodes(graph, "MatMul"):
+        done += _gemm_from(graph, matmul)
+    return done
+
+
+def _gemm_from(graph: ir.Graph, matmul: ir.Node) -> int:
+    out = matmul.outputs[0]
+    users = [u.node for u in out.uses()]
+    if len(users) != 1 or out.is_graph_output() or users[0].op_type != "Add" or users[0].domain not in ("", "ai.onnx"):
+        return 0
+    add = users[0]
+    a_shape, b_shape = static_shape(matmul.inputs[0]), static_shape(matmul.inputs[1])
+    if a_shape is None or b_shape is None or len(a_shape) != 2 or len(b_shape) != 2:
+        return 0
+    bias = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+    c_shape, mn = static_shape(bias), (a_shape[0], b_shape[1])
+    if bias is out or c_shape is None or static_shape(add.outputs[0]) != mn or not _unidirectional(c_shape, mn):
+        return 0
+    if out.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
+        return 0
+    gemm = ir.Node("", "Gemm", [matmul.inputs[0], matmul.inputs[1], bias], name=matmul.name)
+    gemm.outputs[0].name = f"{matmul.name}_gemm_out"
+    gemm.outputs[0].shape = ir.Shape(mn)
+    gemm.outputs[0].type = out.type
+    graph.insert_after(add, gemm)
+    if not _bypass(graph, add.outputs[0], gemm.outputs[0]):
+        graph.remove(gemm)
+        return 0
+    _remove(graph, add)
+    _remove(graph, matmul)
+    return 1
+
+
+def _unidirectional(shape: tuple[int, ...], target: tuple[int, int]) -> bool:
+    if len(shape) > 2:
+        return False
+    padded = (1,) * (2 - len(shape)) + shape
+    return all(s in (1, t) for s, t in zip(padded, target, strict=True))
+
+
+# -- shape completion -------------------------------------------------------------------------
+
+def complete_shapes(graph: ir.Graph, opset: int) -> int:
+    """Run, on zeros, each node whose inputs are known but outputs unknown to onnx's inference."""
+    done = 0
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD:
+            continue
+        if all(static_shape(o) is not None for o in node.outputs):
+            continue
+        done += _complete_one(node, opset)
+    return done
+
+
+def _complete_one(node: ir.Node, opset: int) -> int:
+    feeds = []
+    for v in node.inputs:
+        if v is None:
+            feeds.append(None)
+            continue
+        const, shape = _const(v), static_shape(v)
+        if const is None and (shape is None or v.dtype is None):
+            return 0
+        feeds.append(const if const is not None else np.zeros(shape, dtype=v.dtype.numpy()))
+    if sum(f.size for f in feeds if f is not None) > COMPLETE_LIMIT_ELEMENTS:
+        return 0
+    proto = ir.serde.serialize_node(node)
+    names = [f"in{i}" if f is not None else "" for i, f in enumerate(feeds)]
+    del proto.input[:]
+    proto.input.extend(names)
+    del proto.output[:]
+    proto.output.extend(f"out{i}" for i in range(len(node.outputs)))
+    try:
+        results = ReferenceEvaluator(proto, opsets={"": opset}).run(
+            None, {n: f for n, f in zip(names, feeds, strict=True) if n})
+    except Exception:  # still unknown; costs treat it as such
+        return 0
+    for out, res in zip(node.outputs, results, strict=True):
+        res = np.asarray(res)
+        out.shape = ir.Shape(res.shape)
+        if out.dtype is None:
+            out.type = ir.TensorType(ir.DataType.from_numpy(res.dtype))
+    return 1
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """Serialize with the lowest IR version the opsets allow (runtimes lag onnx's newest)."""
+    proto = ir.serde.serialize_model(model)
+    opsets = [onnx.helper.make_opsetid(o.domain, o.version) for o in proto.opset_import]
+    proto.ir_version = max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 7)
+    return proto

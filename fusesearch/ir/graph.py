@@ -1,0 +1,194 @@
+"""Frozen analysis view of a canonical ONNX graph: nodes, tensors, producers, reachability.
+
+Problem: enumeration, legality checks, costs and plan validation ask the same questions millions
+of times (who produces this tensor, who reads it, does node a reach node b) and must not mutate
+the model while asking.
+Approach: `Graph.from_ir` copies the main graph of an `onnx_ir.Model` into frozen dataclasses:
+nodes in topological order with integer ids 0..n-1, a `TensorInfo` per value, and per node the
+bitset (a Python int) of all nodes reachable from it, built in one reverse-topological sweep:
+
+    desc[i] = OR over successors j of (1 << j | desc[j])        O(edges) big-int ORs
+
+so `reaches(a, b)` is one shift-and-mask, and the convexity test of a group S is
+"no node outside S is both reached from S and reaches into S".
+Invariants: node ids equal positions in topological order; every edge goes from a lower to a
+higher id; the view never changes after construction (transforms build a new Graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+_DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
+    "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1,
+    "float8e4m3fn": 1, "float8e5m2": 1, "float8e4m3fnuz": 1, "float8e5m2fnuz": 1, "int4": 1,
+    "uint4": 1, "complex64": 8, "complex128": 16, "string": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A value of the graph: static shape (None if unknown), dtype name ('float32', ...)."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    dtype: str
+    constant: bool = False
+
+    @property
+    def size(self) -> int:
+        """Element count (0 when the shape is unknown)."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One operator. `inputs` / `outputs` are tensor names ('' for an omitted optional input)."""
+
+    id: int
+    name: str
+    op_type: str
+    domain: str
+    kind: Any  # OpKind
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: Mapping[str, Any]
+
+    def __repr__(self) -> str:
+        return f"Node({self.id}, {self.name!r}, {self.op_type})"
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    name: str
+    nodes: tuple[Node, ...]
+    tensors: Mapping[str, TensorInfo]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    _producer: Mapping[str, int] = field(repr=False)
+    _consumers: Mapping[str, tuple[int, ...]] = field(repr=False)
+    _desc: tuple[int, ...] = field(repr=False)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, name: str, nodes: Iterable[Node], tensors: Mapping[str, TensorInfo],
+              inputs: Iterable[str], outputs: Iterable[str]) -> Graph:
+        nodes = tuple(nodes)
+        producer: dict[str, int] = {}
+        consumers: dict[str, list[int]] = {}
+        for node in nodes:
+            for t in node.outputs:
+                if t:
+                    producer[t] = node.id
+        for node in nodes:
+            for t in dict.fromkeys(node.inputs):
+                if t:
+                    consumers.setdefault(t, []).append(node.id)
+        desc = _descendants(nodes, producer)
+        return cls(name, nodes, MappingProxyType(dict(tensors)), tuple(inputs), tuple(outputs),
+                   MappingProxyType(producer), MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
+                   desc)
+
+    @classmethod
+    def from_ir(cls, model) -> Graph:
+        from fusesearch.ir._from_ir import graph_from_ir
+
+        return graph_from_ir(model, cls)
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def node(self, key: int | str) -> Node:
+        return self.nodes[key] if isinstance(key, int) else self.nodes[self._by_name[key]]
+
+    @cached_property
+    def _by_name(self) -> Mapping[str, int]:
+        return {n.name: n.id for n in self.nodes}
+
+    def producer(self, tensor: str) -> int | None:
+        """Id of the node writing `tensor`; None for graph inputs and constants."""
+        return self._producer.get(tensor)
+
+    def consumers(self, tensor: str) -> tuple[int, ...]:
+        return self._consumers.get(tensor, ())
+
+    def successors(self, node_id: int) -> tuple[int, ...]:
+        return tuple(sorted({c for t in self.nodes[node_id].outputs for c in self.consumers(t)}))
+
+    def predecessors(self, node_id: int) -> tuple[int, ...]:
+        found = {self._producer[t] for t in self.nodes[node_id].inputs if t in self._producer}
+        return tuple(sorted(found))
+
+    def descendants(self, node_id: int) -> int:
+        """Bitset of nodes reachable from `node_id` (excluding itself)."""
+        return self._desc[node_id]
+
+    def reaches(self, a: int, b: int) -> bool:
+        """True when a path of one or more edges leads from node a to node b."""
+        return bool(self._desc[a] >> b & 1)
+
+    def is_convex(self, group: Iterable[int]) -> bool:
+        """No path leaves the group and comes back: (desc(S) \\ S) ∩ anc(S) = ∅."""
+        members = 0
+        for i in group:
+            members |= 1 << i
+        outside_reached = 0
+        for i in _bits(members):
+            outside_reached |= self._desc[i]
+        outside_reached &= ~members
+        return not any(self._desc[j] & members for j in _bits(outside_reached))
+
+    def is_output(self, tensor: str) -> bool:
+        return tensor in self._outputs_set
+
+    @cached_property
+    def _outputs_set(self) -> frozenset[str]:
+        return frozenset(self.outputs)
+
+    def info(self, tensor: str) -> TensorInfo | None:
+        return self.tensors.get(tensor) if tensor else None
+
+    def node_inputs(self, node: Node) -> list[TensorInfo | None]:
+        return [self.info(t) for t in node.inputs]
+
+    def node_outputs(self, node: Node) -> list[TensorInfo | None]:
+        return [self.info(t) for t in node.outputs]
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _descendants(nodes: tuple[Node, ...], producer: Mapping[str, int]) -> tuple[int, ...]:
+    succ: list[set[int]] = [set() for _ in nodes]
+    for node in nodes:
+        for t in node.inputs:
+            p = producer.get(t)
+            if p is not None:
+                if p >= node.id:
+                    raise ValueError(f"node {node.name} reads {t} from a later node: not topological")
+                succ[p].add(node.id)
+    desc = [0] * len(nodes)
+    for i in range(len(nodes) - 1, -1, -1):
+        acc = 0
+        for j in succ[i]:
+            acc |= (1 << j) | desc[j]
+        desc[i] = acc
+    return tuple(desc)

@@ -1,0 +1,309 @@
+"""Read an ONNX model (a file or `zoo:NAME`), check it, and make it static and current.
+
+Problem: models in the wild are old (opset 7-9), unsorted, carry unnamed nodes, dynamic dims,
+external data, even cycles or dangling inputs. Downstream passes need one well-formed shape.
+Approach, in order (each step raises a one-line `BadInput` naming the file/node/option and the fix):
+  1. read the protobuf without external data (`onnx.load(load_external_data=False)`);
+  2. check external data locations: relative, inside the model's folder, present, long enough;
+  3. check the main graph: every node input is produced, no cycle; sort it topologically;
+     give unnamed or duplicate-named nodes unique names (`<op>_<index>`);
+  4. upgrade the opset to `TARGET_OPSET` with onnx's version converter (kept as is, with a
+     warning, where the converter has no adapter);
+  5. drop initializers listed as graph inputs (they are weights), bind dynamic dims, and run onnx
+     shape inference with data propagation;
+  6. hand back an `onnx_ir.Model` whose external tensors are memory-mapped from the model's folder
+     (so models above 2 GB load without copying their weights).
+Invariants: the user's file is only read; the result has static graph-input shapes, unique node
+names, topological order, and opset >= TARGET_OPSET where the converter allowed it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from fusesearch.errors import ModelLoadError, ShapeBindingError, UnsupportedModel
+from fusesearch.ir.shapes import ShapeBindings, bind_inputs
+
+log = logging.getLogger(__name__)
+
+MIN_OPSET = 7
+TARGET_OPSET = 21
+ZOO_PREFIX = "zoo:"
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A checked, static model ready for canonicalization."""
+
+    model: ir.Model
+    name: str
+    source: str  # the MODEL argument as given
+    sha256: str  # of the file's bytes (or the zoo model's serialization)
+    nodes: int  # main-graph node count as read (before canonicalization)
+    opset: int  # the default-domain opset as read
+    bindings: ShapeBindings
+
+
+def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel:
+    bindings = bindings or ShapeBindings()
+    proto, sha, base_dir, bindings = _read(model, bindings)
+    label = model
+    opset = _default_opset(proto, label)
+    _check_external_data(proto, base_dir, label)
+    nodes = len(proto.graph.node)
+    _check_and_sort(proto.graph, label)
+    _name_nodes(proto.graph)
+    proto = _upgrade(proto, opset, label)
+    _make_static(proto, bindings, label)
+    proto = _infer_shapes(proto, label)
+    ir_model = ir.serde.deserialize_model(proto)
+    if base_dir is not None:
+        ir.external_data.set_base_dir(ir_model.graph, base_dir)
+    name = proto.graph.name or Path(model.removeprefix(ZOO_PREFIX)).stem
+    return LoadedModel(ir_model, name, model, sha, nodes, opset, bindings)
+
+
+# -- 1. reading -------------------------------------------------------------------------------
+
+def _read(model: str, bindings: ShapeBindings) -> tuple[onnx.ModelProto, str, str | None, ShapeBindings]:
+    if model.startswith(ZOO_PREFIX):
+        from fusesearch import zoo
+
+        entry = zoo.ZOO.get(model[len(ZOO_PREFIX):])
+        if entry is None:
+            raise ModelLoadError(f"{model}: unknown zoo model; available: {', '.join(zoo.ZOO)} "
+                                 "(see `fusesearch zoo list`)")
+        proto = entry.build()
+        sha = hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
+        return proto, sha, None, bindings.with_defaults(entry.default_dims)
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"{model}: no such file; give a path to an .onnx file or zoo:NAME "
+                             "(see `fusesearch zoo list`)")
+    if not path.is_file():
+        raise ModelLoadError(f"{model}: is a directory, not an .onnx file; give the model file inside it")
+    return _parse_file(path, model), _sha256_file(path), str(path.resolve().parent), bindings
+
+
+def _parse_file(path: Path, label: str) -> onnx.ModelProto:
+    try:
+        proto = onnx.load_model(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{label}: not a valid ONNX protobuf ({reason}); the file may be truncated "
+                             "or not an ONNX model: re-export or re-download it") from None
+    if not proto.HasField("graph") or not proto.opset_import:
+        raise ModelLoadError(f"{label}: not an ONNX model (no graph or no opset_import); give an .onnx "
+                             "file exported by onnx/torch.onnx/tf2onnx")
+    return proto
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _default_opset(proto: onnx.ModelProto, label: str) -> int:
+    versions = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    if not versions:
+        raise UnsupportedModel(f"{label}: no default-domain (ai.onnx) opset import; "
+                               "export the model with a standard ONNX opset (7-21)")
+    version = versions[0]
+    latest = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= version <= latest:
+        raise UnsupportedModel(f"{label}: opset {version} is outside {MIN_OPSET}..{latest}; "
+                               f"re-export with an opset between {MIN_OPSET} and {TARGET_OPSET}")
+    return version
+
+
+# -- 2. external data -------------------------------------------------------------------------
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _all_tensors(sub)
+
+
+def _check_external_data(proto: onnx.ModelProto, base_dir: str | None, label: str) -> None:
+    for tensor in _all_tensors(proto.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        where = f"{label}: initializer '{tensor.name}' external data location '{location}'"
+        if base_dir is None:
+            raise ModelLoadError(f"{where}: external data needs a model file on disk")
+        _check_location(location, base_dir, where)
+        target = os.path.join(base_dir, location)
+        if not os.path.isfile(target):
+            raise ModelLoadError(f"{where}: file not found next to the model; copy it into {base_dir}")
+        needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if os.path.getsize(target) < needed:
+            raise ModelLoadError(f"{where}: file is {os.path.getsize(target)} bytes, the tensor needs "
+                                 f"{needed}; the data file is truncated: copy it again")
+
+
+def _check_location(location: str, base_dir: str, where: str) -> None:
+    if not location or os.path.isabs(location) or location.startswith(("/", "\\")):
+        raise ModelLoadError(f"{where}: must be a relative path inside the model's folder; "
+                             "re-save the model with its data next to it")
+    parts = Path(location.replace("\\", "/")).parts
+    inside = os.path.realpath(os.path.join(base_dir, location))
+    root = os.path.realpath(base_dir)
+    if ".." in parts or os.path.commonpath([inside, root]) != root:
+        raise ModelLoadError(f"{where}: escapes the model's folder; move the data file next to the "
+                             "model and re-save it with a relative location")
+
+
+# -- 3. structure -----------------------------------------------------------------------------
+
+def _check_and_sort(graph: onnx.GraphProto, label: str) -> None:
+    """Every input produced, no cycle; reorder the nodes topologically (stable)."""
+    available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer} | {""}
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for out in node.output:
+            if out:
+                producer[out] = i
+    deps: list[set[int]] = []
+    for i, node in enumerate(graph.node):
+        needed = set()
+        for name in _node_reads(node):
+            if name in producer:
+                needed.add(producer[name])
+            elif name not in available:
+                raise ModelLoadError(
+                    f"{label}: node '{node.name or node.op_type + '#' + str(i)}' ({node.op_type}) reads "
+                    f"'{name}', which no node, input or initializer produces; fix the export")
+        deps.append(needed)
+    order = _stable_toposort(deps, graph, label)
+    if order != list(range(len(order))):
+        nodes = [graph.node[i] for i in order]
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+
+def _node_reads(node: onnx.NodeProto) -> set[str]:
+    """Inputs of the node and outer-scope names its subgraphs read."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            names |= _outer_reads(sub)
+    return names
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    local = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
+    reads: set[str] = set()
+    for node in graph.node:
+        reads |= {n for n in _node_reads(node) if n not in local}
+        local |= set(node.output)
+    return reads - {""}
+
+
+def _stable_toposort(deps: list[set[int]], graph: onnx.GraphProto, label: str) -> list[int]:
+    import heapq
+
+    users: list[list[int]] = [[] for _ in deps]
+    missing = [len(d) for d in deps]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    ready = [i for i, m in enumerate(missing) if m == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(deps):
+        stuck = next(i for i, m in enumerate(missing) if m > 0)
+        node = graph.node[stuck]
+        raise ModelLoadError(f"{label}: the graph has a cycle through node '{node.name or node.op_type}' "
+                             f"({node.op_type}); an ONNX graph must be acyclic: fix the export")
+    return order
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    """Unique node names: keep good ones, name the rest `<op>_<index>`."""
+    seen: set[str] = set()
+    taken = {n.name for n in graph.node if n.name}
+    for i, node in enumerate(graph.node):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        base = f"{node.op_type.lower()}_{i}"
+        name, k = base, 1
+        while name in seen or name in taken:
+            name, k = f"{base}_{k}", k + 1
+        node.name = name
+        seen.add(name)
+
+
+# -- 4. opset ---------------------------------------------------------------------------------
+
+def _upgrade(proto: onnx.ModelProto, opset: int, label: str) -> onnx.ModelProto:
+    if opset >= TARGET_OPSET:
+        return proto
+    try:
+        upgraded = onnx.version_converter.convert_version(proto, TARGET_OPSET)
+    except Exception as exc:  # the converter raises bare RuntimeError/ConvertError
+        log.warning("%s: kept opset %d, the version converter failed: %s", label,
+                    opset, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return proto
+    _name_nodes(upgraded.graph)
+    return upgraded
+
+
+# -- 5. static shapes -------------------------------------------------------------------------
+
+def _make_static(proto: onnx.ModelProto, bindings: ShapeBindings, label: str) -> None:
+    graph = proto.graph
+    weights = {t.name for t in graph.initializer}
+    real_inputs = [vi for vi in graph.input if vi.name not in weights]
+    if len(real_inputs) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(real_inputs)
+    try:
+        bind_inputs(graph, bindings, list(graph.input))
+    except ShapeBindingError as exc:
+        raise ShapeBindingError(f"{label}: {exc}") from None
+    del graph.value_info[:]
+    for out in graph.output:
+        if out.type.HasField("tensor_type"):
+            out.type.tensor_type.ClearField("shape")
+
+
+def _infer_shapes(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ModelLoadError(f"{label}: shapes do not fit ({first}); check the --input-shape/--dim "
+                             "values against the model's inputs") from None
+    except (ValueError, RuntimeError) as exc:  # e.g. a model >2 GB serialized inline
+        log.warning("%s: onnx shape inference skipped: %s", label, str(exc).splitlines()[0])
+        return proto

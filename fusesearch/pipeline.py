@@ -1,0 +1,104 @@
+"""The front of the pipeline: MODEL + shape flags → loaded, canonical model → Graph → summary.
+
+Problem: every command (inspect, plan, compare, measure, ...) starts the same way and must report
+the same figures.
+Approach: `prepare()` runs load → canonicalize → Graph once and keeps each stage's result;
+`summarize()` turns a `Prepared` into the JSON document `fusesearch inspect --json` prints.
+Invariants: `prepare` never writes files; the summary is deterministic (sorted keys, stable order).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+
+from fusesearch.ir.canonicalize import canonicalize, to_proto
+from fusesearch.ir.graph import Graph
+from fusesearch.ir.load import LoadedModel, load_model
+from fusesearch.ir.op_kind import node_flops
+from fusesearch.ir.shapes import ShapeBindings
+
+log = logging.getLogger(__name__)
+
+LARGE_MODEL_BYTES = 1 << 30  # above this --canonical writes weights to an external data file
+
+
+@dataclass(frozen=True)
+class Prepared:
+    loaded: LoadedModel
+    canonical: ir.Model
+    passes: dict[str, int]
+    graph: Graph
+
+
+def prepare(model: str, bindings: ShapeBindings | None = None) -> Prepared:
+    loaded = load_model(model, bindings)
+    canonical, passes = canonicalize(loaded.model)
+    graph = Graph.from_ir(canonical)
+    return Prepared(loaded, canonical, passes, graph)
+
+
+def summarize(prep: Prepared) -> dict:
+    g = prep.graph
+    ops = Counter(n.op_type for n in g.nodes)
+    kinds = Counter(n.kind.name.lower() for n in g.nodes)
+    return {
+        "model": prep.loaded.name,
+        "source": prep.loaded.source,
+        "sha256": prep.loaded.sha256,
+        "opset": prep.loaded.opset,
+        "canonical_opset": prep.canonical.opset_imports.get("", prep.loaded.opset),
+        "nodes": prep.loaded.nodes,
+        "canonical_nodes": len(g.nodes),
+        "ops": dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "kinds": dict(sorted(kinds.items())),
+        "flops": graph_flops(g),
+        "weight_bytes": weight_bytes(g),
+        "activation_bytes": activation_bytes(g),
+        "inputs": [_io(g, t) for t in g.inputs],
+        "outputs": [_io(g, t) for t in g.outputs],
+        "passes": dict(sorted(prep.passes.items())),
+        "bindings": prep.loaded.bindings.to_flags(),
+    }
+
+
+def _io(g: Graph, name: str) -> dict:
+    info = g.tensors[name]
+    return {"name": name, "shape": list(info.shape) if info.shape is not None else None, "dtype": info.dtype}
+
+
+def graph_flops(g: Graph) -> int:
+    return sum(node_flops(n.op_type, n.attrs, g.node_inputs(n), g.node_outputs(n)) for n in g.nodes)
+
+
+def weight_bytes(g: Graph) -> int:
+    used = {t for n in g.nodes for t in n.inputs if t}
+    return sum(info.nbytes for name, info in g.tensors.items() if info.constant and name in used)
+
+
+def activation_bytes(g: Graph) -> int:
+    produced = {t for n in g.nodes for t in n.outputs if t}
+    return sum(g.tensors[t].nbytes for t in produced)
+
+
+def write_canonical(prep: Prepared, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the canonical model (weights external above 1 GiB) and return the path."""
+    from fusesearch.errors import BadInput
+
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise BadInput(f"--canonical {path}: file exists; remove it or pass --force to overwrite")
+    if not path.parent.exists():
+        raise BadInput(f"--canonical {path}: folder {path.parent} does not exist; create it first")
+    if weight_bytes(prep.graph) > LARGE_MODEL_BYTES:
+        data = path.with_suffix(path.suffix + ".data").name
+        proto_model = prep.canonical
+        proto_model.ir_version = to_proto(prep.canonical).ir_version
+        ir.save(proto_model, path, external_data=data)
+    else:
+        path.write_bytes(to_proto(prep.canonical).SerializeToString())
+    return path
