@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = exc.ctx.command_path if exc.ctx else "fusesearch"
         print(f"fusesearch: error: {exc.format_message()} (see `{cmd} --help`)", file=sys.stderr)
         return 2
-    except click_errors.Exit as exc:
+    except typer.Exit as exc:
         return exc.exit_code
-    except click_errors.Abort:
+    except typer.Abort:
         print("fusesearch: aborted", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,0 +1,178 @@
+"""Canonicalization passes on tiny graphs: structure after, and ONNX Runtime equality."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from fusesearch.ir.canonicalize import canonicalize, to_proto
+from fusesearch.verify import compare, random_feeds, run
+from tests.ir.test_load import load_model_proto
+from tests.conftest import make_model
+
+rng = np.random.default_rng(7)
+
+
+def f32(*shape, lo=None, hi=None):
+    if lo is not None:
+        return rng.uniform(lo, hi, shape).astype(np.float32)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def bn_inits(c, prefix="bn"):
+    return [(f"{prefix}_g", f32(c, lo=0.5, hi=1.5)), (f"{prefix}_b", f32(c)), (f"{prefix}_m", f32(c)),
+            (f"{prefix}_v", f32(c, lo=0.5, hi=1.5))]
+
+
+def bn(x, y, prefix="bn", **kw):
+    return helper.make_node("BatchNormalization", [x, f"{prefix}_g", f"{prefix}_b", f"{prefix}_m", f"{prefix}_v"],
+                            [y], name=prefix, **kw)
+
+
+def canon(model, bindings=None):
+    """Canonicalize and check ORT equality on seeded inputs; return (ops, counts, proto)."""
+    loaded = load_model_proto(model, bindings)
+    canonical, counts = canonicalize(loaded.model)
+    proto = to_proto(canonical)
+    feeds = random_feeds(to_proto(load_model_proto(model, bindings).model), seed=3)
+    diffs = compare(run(model, feeds), run(proto, feeds))
+    assert all(d.ok for d in diffs), diffs
+    return [n.op_type for n in proto.graph.node], counts, proto
+
+
+def test_conv_bn_relu_folds_bn_in_float64():
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"), bn("c", "b"),
+             helper.make_node("Relu", ["b"], ["y"], name="relu")]
+    model = make_model(nodes, [("x", [1, 3, 8, 8])], [("y", None)], [("W", f32(8, 3, 3, 3))] + bn_inits(8))
+    ops, counts, proto = canon(model)
+    assert ops == ["Conv", "Relu"]
+    assert counts["batchnorm_folding"] == 1
+    assert proto.graph.node[0].name == "conv"
+
+
+def test_bn_not_folded_when_conv_output_has_another_consumer():
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"]), bn("c", "b"),
+             helper.make_node("Add", ["b", "c"], ["y"])]
+    model = make_model(nodes, [("x", [1, 3, 8, 8])], [("y", None)], [("W", f32(4, 3, 1, 1))] + bn_inits(4))
+    ops, counts, _ = canon(model)
+    assert "BatchNormalization" in ops and counts["batchnorm_folding"] == 0
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_convtranspose_bn_folds(group):
+    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["c"], strides=[2, 2], group=group), bn("c", "y")]
+    model = make_model(nodes, [("x", [1, 4, 5, 5])], [("y", None)],
+                       [("W", f32(4, 6 // group * 1 if group == 1 else 3, 2, 2))] + bn_inits(6 if group == 1 else 6))
+    ops, counts, _ = canon(model)
+    assert ops == ["ConvTranspose"] and counts["batchnorm_folding"] == 1
+
+
+@pytest.mark.parametrize(("trans_b", "with_c"), [(0, True), (1, True), (1, False)])
+def test_gemm_bn_folds(trans_b, with_c):
+    b = f32(5, 6) if trans_b else f32(6, 5)
+    inputs = ["x", "B"] + (["C"] if with_c else [])
+    nodes = [helper.make_node("Gemm", inputs, ["g"], transB=trans_b, alpha=0.5, beta=2.0), bn("g", "y")]
+    inits = [("B", b)] + ([("C", f32(5))] if with_c else []) + bn_inits(5)
+    model = make_model(nodes, [("x", [3, 6])], [("y", None)], inits)
+    ops, counts, _ = canon(model)
+    assert ops == ["Gemm"] and counts["batchnorm_folding"] == 1
+
+
+def test_matmul_bn_becomes_gemm():
+    nodes = [helper.make_node("MatMul", ["x", "B"], ["m"]), bn("m", "y")]
+    model = make_model(nodes, [("x", [3, 6])], [("y", None)], [("B", f32(6, 5))] + bn_inits(5))
+    ops, counts, _ = canon(model)
+    assert ops == ["Gemm"]
+    assert counts["batchnorm_folding"] == 1 and counts["matmul_add_to_gemm"] == 1
+
+
+def test_matmul_add_to_gemm_only_for_2d():
+    nodes = [helper.make_node("MatMul", ["x", "B"], ["m"]), helper.make_node("Add", ["m", "c"], ["y"]),
+             helper.make_node("MatMul", ["x3", "B"], ["m3"]), helper.make_node("Add", ["m3", "c"], ["y3"])]
+    model = make_model(nodes, [("x", [3, 6]), ("x3", [2, 3, 6])], [("y", None), ("y3", None)],
+                       [("B", f32(6, 5)), ("c", f32(5))])
+    ops, counts, proto = canon(model)
+    assert sorted(ops) == ["Add", "Gemm", "MatMul"]
+    assert [o.name for o in proto.graph.output] == ["y", "y3"]
+
+
+def test_identity_dropout_noop_cast_reshape_removed_and_output_names_kept():
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Dropout", ["a"], ["b"], name="drop"),
+             helper.make_node("Cast", ["b"], ["c"], to=TensorProto.FLOAT),
+             helper.make_node("Reshape", ["c", "shape"], ["d"]), helper.make_node("Relu", ["d"], ["e"]),
+             helper.make_node("Identity", ["e"], ["y"])]
+    model = make_model(nodes, [("x", [2, 3])], [("y", None)], [("shape", np.array([2, 3], np.int64))], opset=12)
+    ops, counts, proto = canon(model)
+    assert ops == ["Relu"]
+    assert [o.name for o in proto.graph.output] == ["y"]
+    assert counts["identity"] == 2 and counts["dropout"] == 1
+    assert counts["noop_cast"] == 1 and counts["noop_reshape"] == 1
+
+
+def test_dropout_with_used_mask_stays():
+    nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"])]
+    model = make_model(nodes, [("x", [4])], [("y", None), ("mask", None, TensorProto.BOOL)], opset=12)
+    loaded = load_model_proto(model)
+    canonical, counts = canonicalize(loaded.model)
+    assert counts["dropout"] == 0
+
+
+def test_shape_chain_folds_to_a_static_reshape():
+    """PyTorch's head split: Shape→Gather→Unsqueeze→Concat→Reshape, folded once shapes are static."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "ax0"], ["bu"]),
+             helper.make_node("Concat", ["bu", "rest"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["y"], perm=[0, 2, 1, 3])]
+    inits = [("i0", np.array(0, np.int64)), ("ax0", np.array([0], np.int64)), ("rest", np.array([-1, 2, 4], np.int64))]
+    model = make_model(nodes, [("x", ["batch", 6, 8])], [("y", None)], inits, opset=13)
+    from fusesearch.ir.shapes import ShapeBindings
+
+    ops, counts, proto = canon(model, ShapeBindings.parse([], ["batch=3"]))
+    assert ops == ["Reshape", "Transpose"]
+    assert counts["constant_folding"] >= 4
+
+
+def test_weights_from_constant_of_shape_fold_before_bn():
+    """A conv weight computed at run time (ConstantOfShape + Mul) becomes an initializer, then BN folds."""
+    shape = helper.make_tensor("shape", TensorProto.INT64, [4], [4, 3, 1, 1])
+    nodes = [helper.make_node("Constant", [], ["wshape"], value=shape),
+             helper.make_node("ConstantOfShape", ["wshape"], ["ones"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.5])),
+             helper.make_node("Mul", ["ones", "k"], ["W"]),
+             helper.make_node("Conv", ["x", "W"], ["c"], name="conv"), bn("c", "y")]
+    model = make_model(nodes, [("x", [1, 3, 4, 4])], [("y", None)], [("k", f32(4, 1, 1, 1))] + bn_inits(4))
+    ops, counts, _ = canon(model)
+    assert ops == ["Conv"]
+    assert counts["constant_folding"] == 3 and counts["batchnorm_folding"] == 1
+
+
+def test_control_flow_bodies_untouched():
+    """An If whose branches hold an Identity and a Dropout: the bodies keep them."""
+    then_g = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["x"], ["e0"]), helper.make_node("Dropout", ["e0"], ["e"])],
+                               "else", [], [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g, name="branch")]
+    model = make_model(nodes, [("x", [4])], [("y", [4])], [("zero", np.array(0.0, np.float32))], opset=13)
+    ops, counts, proto = canon(model)
+    assert ops == ["ReduceSum", "Greater", "If"]
+    branch = proto.graph.node[2]
+    bodies = {a.name: [n.op_type for n in a.g.node] for a in branch.attribute}
+    assert bodies == {"then_branch": ["Identity"], "else_branch": ["Neg", "Dropout"]}
+
+
+def test_dead_nodes_removed_and_fixed_point_reached():
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["x"], ["unused"]),
+             helper.make_node("Abs", ["unused"], ["unused2"])]
+    model = make_model(nodes, [("x", [4])], [("y", None)])
+    ops, counts, _ = canon(model)
+    assert ops == ["Relu"] and counts["dead_nodes"] == 2
+    loaded = load_model_proto(model)
+    once, _ = canonicalize(loaded.model)
+    _, again = canonicalize(once)
+    assert sum(v for k, v in again.items() if k != "shapes_completed") == 0
