@@ -350,9 +350,13 @@ CPU_DEFAULT_CLOCK_HZ = 2.5e9  # used only where neither /sys nor /proc reports a
 # Fork/join of an OpenMP parallel region plus a ctypes call: a few microseconds (EPCC OpenMP
 # micro-benchmarks report ~1-2 us per PARALLEL region on a few cores). Estimate.
 CPU_LAUNCH_OVERHEAD_S = 3e-6
-# Copy used to measure bandwidth: a 256 MiB source, far beyond any last-level cache.
-BANDWIDTH_PROBE_BYTES = 256 * MIB
-BANDWIDTH_PROBE_BUDGET_S = 0.8
+# Copy used to measure bandwidth: each array is 2x the last-level cache (a streaming working set
+# larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
+# touched. First-touch page faults are slow and erratic on some VMs, so the arrays are
+# initialized in parallel, outside the timed passes, and the best of a few passes counts.
+BANDWIDTH_PROBE_MIN_BYTES = 32 * MIB
+BANDWIDTH_PROBE_BYTES = 128 * MIB
+BANDWIDTH_PROBE_BUDGET_S = 0.4
 _SYS_CPU = Path("/sys/devices/system/cpu")
 
 
@@ -441,25 +445,31 @@ def _cache_bytes_by_level() -> dict[int, int]:
 def measure_copy_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, workers: int = 0) -> float:
     """Copy bandwidth in bytes/s (read + write, as STREAM counts it): best of a few copies.
 
-    The array is split across `workers` threads (default: usable CPUs; numpy releases the GIL
-    while copying), stopping after BANDWIDTH_PROBE_BUDGET_S. Halves the size when memory is short.
+    The arrays are split across `workers` threads (default: usable CPUs, at most 16; numpy
+    releases the GIL while copying), each thread first-touching its own chunk. Stops after
+    BANDWIDTH_PROBE_BUDGET_S; halves the size when memory is short.
     """
     available = _mem_available_bytes()
-    while available and nbytes > 16 * MIB and 4 * nbytes > available:
+    while available and nbytes > BANDWIDTH_PROBE_MIN_BYTES and 4 * nbytes > available:
         nbytes //= 2
     workers = workers or min(_usable_cpus(), 16)
-    src = np.ones(nbytes // 4, dtype=np.float32)
-    dst = np.zeros_like(src)
+    src = np.empty(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
     bounds = np.linspace(0, src.size, workers + 1).astype(int)
-    chunks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    chunks = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def copy(chunk: tuple[int, int]) -> None:
-        np.copyto(dst[chunk[0]:chunk[1]], src[chunk[0]:chunk[1]])
+    def touch(chunk: slice) -> None:
+        src[chunk] = 1.0
+        dst[chunk] = 0.0
+
+    def copy(chunk: slice) -> None:
+        np.copyto(dst[chunk], src[chunk])
 
     best_s = float("inf")
-    start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for _ in range(5):
+        list(pool.map(touch, chunks))
+        start = time.perf_counter()
+        for _ in range(20):
             t0 = time.perf_counter()
             list(pool.map(copy, chunks))
             best_s = min(best_s, time.perf_counter() - t0)
@@ -475,7 +485,7 @@ def _mem_available_bytes() -> int:
 
 @functools.lru_cache(maxsize=1)
 def host_cpu() -> DeviceSpec:
-    """This machine as a DeviceSpec (measures copy bandwidth once, < 1 s; cached).
+    """This machine as a DeviceSpec (measures copy bandwidth once, ~0.1-1 s; cached).
 
     Analogies for GPU-only fields: an SM is a usable logical CPU; a warp is one SIMD vector
     (`warp_size` = FP32 lanes); "shared memory" per SM and per block is the per-core L2 (what a
@@ -495,6 +505,7 @@ def host_cpu() -> DeviceSpec:
     caches = _cache_bytes_by_level()
     llc_bytes = caches[max(caches)] if caches else 8 * MIB
     core_cache_bytes = caches.get(2, caches.get(1, 256 * KIB))
+    probe_bytes = min(BANDWIDTH_PROBE_BYTES, max(BANDWIDTH_PROBE_MIN_BYTES, 2 * llc_bytes))
     return DeviceSpec(
         name="host",
         vendor=(info.get("vendor_id") or platform.processor() or "unknown").lower(),
@@ -507,7 +518,7 @@ def host_cpu() -> DeviceSpec:
         fp16_flops_per_s=0.0,
         bf16_flops_per_s=0.0,
         fp16_simt_flops_per_s=0.0,
-        dram_bytes_per_s=measure_copy_bandwidth(),
+        dram_bytes_per_s=measure_copy_bandwidth(probe_bytes),
         l2_bytes=llc_bytes,
         smem_per_sm_bytes=core_cache_bytes,
         smem_per_block_max_bytes=core_cache_bytes,
@@ -522,7 +533,8 @@ def host_cpu() -> DeviceSpec:
             f"/proc/cpuinfo: {info.get('model name', 'unknown model')}; {cpus} usable CPUs, "
             f"{cores} physical cores, {lanes} fp32 lanes",
             "/sys/devices/system/cpu/cpu0/cache (L2 per core, last-level cache)",
-            "dram_bytes_per_s: measured, best multi-threaded numpy copy (read + write bytes)",
+            f"dram_bytes_per_s: measured, best multi-threaded numpy copy of {probe_bytes // MIB} MiB "
+            "(read + write bytes)",
             "fp32_flops_per_s: estimate = cores x clock x lanes x 2 (FMA) x 2 (ports)",
             "launch_overhead_s: estimate for an OpenMP parallel region + ctypes call",
         ),

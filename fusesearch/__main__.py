@@ -1,3 +1,5 @@
-from fusesearch.cli import main
 import sys
+
+from fusesearch.cli import main
+
 sys.exit(main())

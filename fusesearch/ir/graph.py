@@ -5,12 +5,14 @@ of times (who produces this tensor, who reads it, does node a reach node b) and 
 the model while asking.
 Approach: `Graph.from_ir` copies the main graph of an `onnx_ir.Model` into frozen dataclasses:
 nodes in topological order with integer ids 0..n-1, a `TensorInfo` per value, and per node the
-bitset (a Python int) of all nodes reachable from it, built in one reverse-topological sweep:
+bitsets (Python ints) of all nodes reachable from it and of all nodes that reach it, built in
+one sweep each way:
 
     desc[i] = OR over successors j of (1 << j | desc[j])        O(edges) big-int ORs
+    anc[i]  = OR over predecessors j of (1 << j | anc[j])
 
-so `reaches(a, b)` is one shift-and-mask, and the convexity test of a group S is
-"no node outside S is both reached from S and reaches into S".
+so `reaches(a, b)` is one shift-and-mask, and a group S is convex iff no node outside S is both
+reached from S and reaches into S: (OR desc) & (OR anc) & ~S == 0, O(|S|) big-int ops.
 Invariants: node ids equal positions in topological order; every edge goes from a lower to a
 higher id; the view never changes after construction (transforms build a new Graph).
 """
@@ -79,6 +81,7 @@ class Graph:
     _producer: Mapping[str, int] = field(repr=False)
     _consumers: Mapping[str, tuple[int, ...]] = field(repr=False)
     _desc: tuple[int, ...] = field(repr=False)
+    _anc: tuple[int, ...] = field(repr=False)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -96,10 +99,10 @@ class Graph:
             for t in dict.fromkeys(node.inputs):
                 if t:
                     consumers.setdefault(t, []).append(node.id)
-        desc = _descendants(nodes, producer)
+        desc, anc = _closures(nodes, producer)
         return cls(name, nodes, MappingProxyType(dict(tensors)), tuple(inputs), tuple(outputs),
                    MappingProxyType(producer), MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
-                   desc)
+                   desc, anc)
 
     @classmethod
     def from_ir(cls, model) -> Graph:
@@ -137,20 +140,22 @@ class Graph:
         """Bitset of nodes reachable from `node_id` (excluding itself)."""
         return self._desc[node_id]
 
+    def ancestors(self, node_id: int) -> int:
+        """Bitset of nodes from which `node_id` is reachable (excluding itself)."""
+        return self._anc[node_id]
+
     def reaches(self, a: int, b: int) -> bool:
         """True when a path of one or more edges leads from node a to node b."""
         return bool(self._desc[a] >> b & 1)
 
     def is_convex(self, group: Iterable[int]) -> bool:
-        """No path leaves the group and comes back: (desc(S) \\ S) ∩ anc(S) = ∅."""
-        members = 0
+        """No path leaves the group and comes back: desc(S) ∩ anc(S) ⊆ S."""
+        members = desc = anc = 0
         for i in group:
             members |= 1 << i
-        outside_reached = 0
-        for i in _bits(members):
-            outside_reached |= self._desc[i]
-        outside_reached &= ~members
-        return not any(self._desc[j] & members for j in _bits(outside_reached))
+            desc |= self._desc[i]
+            anc |= self._anc[i]
+        return not (desc & anc & ~members)
 
     def is_output(self, tensor: str) -> bool:
         return tensor in self._outputs_set
@@ -169,15 +174,10 @@ class Graph:
         return [self.info(t) for t in node.outputs]
 
 
-def _bits(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def _descendants(nodes: tuple[Node, ...], producer: Mapping[str, int]) -> tuple[int, ...]:
+def _closures(nodes: tuple[Node, ...], producer: Mapping[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Descendant and ancestor bitsets of every node, one sweep each."""
     succ: list[set[int]] = [set() for _ in nodes]
+    pred: list[set[int]] = [set() for _ in nodes]
     for node in nodes:
         for t in node.inputs:
             p = producer.get(t)
@@ -185,10 +185,17 @@ def _descendants(nodes: tuple[Node, ...], producer: Mapping[str, int]) -> tuple[
                 if p >= node.id:
                     raise ValueError(f"node {node.name} reads {t} from a later node: not topological")
                 succ[p].add(node.id)
+                pred[node.id].add(p)
     desc = [0] * len(nodes)
     for i in range(len(nodes) - 1, -1, -1):
         acc = 0
         for j in succ[i]:
             acc |= (1 << j) | desc[j]
         desc[i] = acc
-    return tuple(desc)
+    anc = [0] * len(nodes)
+    for i in range(len(nodes)):
+        acc = 0
+        for j in pred[i]:
+            acc |= (1 << j) | anc[j]
+        anc[i] = acc
+    return tuple(desc), tuple(anc)

@@ -8,8 +8,8 @@ from onnx import TensorProto, helper
 
 from fusesearch.ir.canonicalize import canonicalize, to_proto
 from fusesearch.verify import compare, random_feeds, run
-from tests.ir.test_load import load_model_proto
 from tests.conftest import make_model
+from tests.ir.test_load import load_model_proto
 
 rng = np.random.default_rng(7)
 

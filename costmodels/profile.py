@@ -1,0 +1,140 @@
+"""Device profiles: a DeviceSpec plus fitted RooflineParams, saved as JSON.
+
+Problem: `fusesearch calibrate` fits the model to one machine; `fusesearch plan --device` must
+then accept either a table name ("h100-sxm": datasheet figures, default parameters) or the
+profile.json that calibration wrote (measured device, fitted parameters).
+Approach: `Profile` <-> JSON under schema "fusesearch.profile/1"
+({"schema", "device", "backend", "params", "fit", "versions"}); `load_device` dispatches on
+whether its argument looks like a path.
+Invariants: writing is deterministic (sorted keys, non-finite floats as null); every read failure
+is a `ProfileError` that names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from costmodels.devices import DEVICES, HOST_NAMES, DeviceSpec, get_device
+from costmodels.errors import InvalidSpec, ProfileError
+from costmodels.roofline import RooflineParams
+
+SCHEMA = "fusesearch.profile/1"
+_FIX = "expected a profile.json written by `fusesearch calibrate`"
+
+
+def default_versions() -> dict[str, str]:
+    """Versions that produced a profile (for provenance; not checked on load)."""
+    try:
+        package = metadata.version("fusesearch")
+    except metadata.PackageNotFoundError:
+        package = "unknown"
+    return {"fusesearch": package, "python": platform.python_version(), "numpy": np.__version__}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A device, the model parameters for it, and how they were obtained (`fit`: accuracy
+    report from calibration, None for defaults)."""
+
+    device: DeviceSpec
+    params: RooflineParams = field(default_factory=RooflineParams)
+    backend: str = ""
+    fit: Mapping[str, Any] | None = None
+    versions: Mapping[str, str] = field(default_factory=default_versions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "device": self.device.to_dict(),
+            "backend": self.backend,
+            "params": self.params.to_dict(),
+            "fit": _json_safe(self.fit),
+            "versions": dict(self.versions),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        """Inverse of `to_dict`; raises ValueError (InvalidSpec) saying what is wrong."""
+        if not isinstance(data, Mapping):
+            raise InvalidSpec(f"top level is {type(data).__name__}, expected an object")
+        if data.get("schema") != SCHEMA:
+            raise InvalidSpec(f"schema {data.get('schema')!r}, expected {SCHEMA!r}")
+        if not isinstance(data.get("device"), Mapping):
+            raise InvalidSpec("missing 'device' object")
+        params = data.get("params") or {}
+        if not isinstance(params, Mapping):
+            raise InvalidSpec("'params' is not an object")
+        fit = data.get("fit")
+        if fit is not None and not isinstance(fit, Mapping):
+            raise InvalidSpec("'fit' is not an object or null")
+        return cls(
+            device=DeviceSpec.from_dict(data["device"]),
+            params=RooflineParams.from_dict(params),
+            backend=str(data.get("backend") or ""),
+            fit=fit,
+            versions=dict(data.get("versions") or {}),
+        )
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:
+    """Write `profile` as JSON (parents created); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(profile.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+    out.write_text(text + "\n")
+    return out
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read a profile.json; ProfileError naming the file and the problem on any failure."""
+    src = Path(path)
+    try:
+        text = src.read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"{src}: no such file; {_FIX}") from None
+    except OSError as exc:
+        raise ProfileError(f"{src}: cannot read ({exc.strerror}); {_FIX}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(
+            f"{src}: not valid JSON ({exc.msg} at line {exc.lineno}); {_FIX}") from None
+    try:
+        return Profile.from_dict(data)
+    except (InvalidSpec, TypeError, ValueError) as exc:
+        raise ProfileError(f"{src}: {exc}; {_FIX}") from None
+
+
+def load_device(name_or_path: str | os.PathLike[str]) -> tuple[DeviceSpec, RooflineParams]:
+    """A table name ('h100-sxm', 'host') -> (spec, default params); a profile path (ends in
+    .json, contains a path separator, or names an existing file) -> (its device, its params)."""
+    text = os.fspath(name_or_path)
+    looks_like_path = text.lower().endswith(".json") or "/" in text or os.sep in text
+    is_name = text.strip().lower() in DEVICES or text.strip().lower() in HOST_NAMES
+    if looks_like_path or (not is_name and Path(text).is_file()):
+        profile = load_profile(text)
+        return profile.device, profile.params
+    return get_device(text), RooflineParams()
+
+
+def _json_safe(value: Any) -> Any:
+    """Plain JSON types; NaN / inf become None (JSON has no spelling for them)."""
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,305 @@
+"""Roofline cost of one kernel on one device: `RooflineModel.cost(spec, device) -> KernelCost`.
+
+Problem: rank fusion choices by predicted kernel time, from counts alone, fast enough to score
+thousands of candidate groups, with every knob exposed for calibration.
+Approach (after XLA's gpu_performance_model, which knows nothing of the pass that calls it):
+
+    compute_s = tc_flops / (tensor peak(dtype) x tc_eff[t] x occ)
+              + (scalar_flops + transcendentals x w) / (scalar peak(dtype) x scalar_eff[t] x occ)
+    memory_s  = (read + write + spill traffic) / (DRAM bytes/s x mem_eff[t] x occ)
+    time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
+
+where t is the template, occ = min(1, achieved occupancy / knee[t]) on GPUs (1 on CPUs, which
+hide latency with out-of-order cores and prefetchers, not resident warps), and launch_s is the
+device's launch overhead x a scale. Tensor peak: float16 / bfloat16 use the FP16 / BF16 tensor
+cores; float32 uses TF32 tensor cores where the device has them and
+`RooflineParams.float32_uses_tf32` (the default of cuBLAS-backed inference: ONNX Runtime's CUDA EP
+`use_tf32=1`), else the FP32 CUDA-core peak; any dtype without a tensor-core rate on the device
+falls back to the FP32 CUDA-core peak (so float64 is optimistic on GeForce parts). Scalar peak:
+half2 for float16 where the device lists one, else FP32.
+Invariants: pure and deterministic; a kernel that cannot launch (shared memory over the per-block
+maximum, too many threads, one block does not fit an SM) is infeasible with time_s = inf and a
+reason naming both numbers; `bound` names the largest of compute, memory and launch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from costmodels import resources
+from costmodels.devices import KIB, DeviceSpec
+from costmodels.errors import InvalidSpec
+from costmodels.kernel import TEMPLATES, KernelSpec
+
+PerTemplate = tuple[tuple[str, float], ...]
+
+
+def per_template(values: Mapping[str, float]) -> PerTemplate:
+    """A frozen per-template table in TEMPLATES order (every template required)."""
+    missing = [t for t in TEMPLATES if t not in values]
+    unknown = sorted(set(values) - set(TEMPLATES))
+    if missing or unknown:
+        raise InvalidSpec(f"per-template values: missing {missing}, unknown {unknown}")
+    return tuple((t, _number(t, values[t])) for t in TEMPLATES)
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidSpec(f"RooflineParams {name} = {value!r}, expected a number")
+    return float(value)
+
+
+# Defaults are informed estimates; `fusesearch calibrate` fits them per device.
+# Tensor-core efficiency: large cuBLAS GEMMs reach ~75-90% of dense peak; implicit-GEMM convs
+# less (im2col gathers); the rest rarely use tensor cores.
+DEFAULT_TC_EFFICIENCY = per_template(
+    {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
+# Scalar efficiency: peaks count an FMA as 2 flops, while most elementwise ops issue one
+# 1-flop instruction per slot, so ~0.5 of peak is the practical ceiling.
+DEFAULT_SCALAR_EFFICIENCY = per_template(
+    {"pointwise": 0.5, "rowwise": 0.4, "gemm": 0.5, "conv": 0.5, "opaque": 0.3})
+# Memory efficiency: STREAM-like copies reach ~85-92% of datasheet DRAM bandwidth on
+# V100/A100/H100 (BabelStream results); strided or tiled access patterns less.
+DEFAULT_MEMORY_EFFICIENCY = per_template(
+    {"pointwise": 0.9, "rowwise": 0.85, "gemm": 0.8, "conv": 0.75, "opaque": 0.6})
+# Occupancy knee: streaming kernels saturate DRAM from ~25% occupancy; tensor-core GEMMs run
+# near peak with one 8-warp block per SM (12.5% on a 64-warp SM), as cuBLAS kernels do.
+DEFAULT_OCCUPANCY_KNEE = per_template(
+    {"pointwise": 0.25, "rowwise": 0.25, "gemm": 0.125, "conv": 0.125, "opaque": 0.25})
+# XLA gpu_performance_model: kMemoryComputeParallelism = 0.95.
+DEFAULT_OVERLAP = 0.95
+# SFU throughput is 16 results/clock/SM vs 128 FP32 FMA = 256 flops/clock/SM (CUDA C++
+# Programming Guide, "Arithmetic Instructions" throughput table, cc 5.x-9.0): 16 flop-equivalents.
+DEFAULT_TRANSCENDENTAL_FLOPS = 16.0
+# DRAM-equivalent bytes per spilled byte: a spilled register is stored once and reloaded once
+# (2 accesses), and local memory is cached, so about 1 access in 8 reaches DRAM (XLA's
+# gpu_performance_model takes L1 as kL1CacheSpeedup = 8x faster than DRAM): 2 / 8 = 0.25.
+DEFAULT_SPILL_TRAFFIC_FACTOR = 0.25
+
+_TABLE_FIELDS = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")
+
+
+@dataclass(frozen=True)
+class RooflineParams:
+    """Every tunable number of the model (per-template tables are tuples of (template, value))."""
+
+    tc_efficiency: PerTemplate = DEFAULT_TC_EFFICIENCY
+    scalar_efficiency: PerTemplate = DEFAULT_SCALAR_EFFICIENCY
+    memory_efficiency: PerTemplate = DEFAULT_MEMORY_EFFICIENCY
+    occupancy_knee: PerTemplate = DEFAULT_OCCUPANCY_KNEE
+    overlap: float = DEFAULT_OVERLAP
+    launch_overhead_scale: float = 1.0
+    transcendental_flops: float = DEFAULT_TRANSCENDENTAL_FLOPS
+    spill_traffic_factor: float = DEFAULT_SPILL_TRAFFIC_FACTOR
+    regs_base: float = resources.DEFAULT_REGS_BASE
+    regs_per_live_value: float = resources.DEFAULT_REGS_PER_LIVE_VALUE
+    float32_uses_tf32: bool = True
+
+    def __post_init__(self) -> None:
+        for name in _TABLE_FIELDS:
+            try:
+                table = dict(getattr(self, name))
+            except (TypeError, ValueError) as exc:
+                raise InvalidSpec(f"RooflineParams.{name}: expected {{template: value}}") from exc
+            object.__setattr__(self, name, per_template(table))
+            for template, value in getattr(self, name):
+                low_ok = value > 0
+                high_ok = value <= 1 if name == "occupancy_knee" else math.isfinite(value)
+                if not (low_ok and high_ok):
+                    raise InvalidSpec(f"RooflineParams.{name}[{template}] = {value}, out of range")
+        for name in ("overlap", "launch_overhead_scale", "transcendental_flops",
+                     "spill_traffic_factor", "regs_base", "regs_per_live_value"):
+            value = _number(name, getattr(self, name))
+            object.__setattr__(self, name, value)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidSpec(f"RooflineParams.{name} = {value}, expected a finite value >= 0")
+        if self.overlap > 1.0:
+            raise InvalidSpec(f"RooflineParams.overlap = {self.overlap}, expected in [0, 1]")
+        if not isinstance(self.float32_uses_tf32, bool):
+            raise InvalidSpec(
+                f"RooflineParams.float32_uses_tf32 = {self.float32_uses_tf32!r}, expected a bool")
+
+    def get(self, table: str, template: str) -> float:
+        """One per-template value, e.g. get('memory_efficiency', 'pointwise')."""
+        return dict(getattr(self, table))[template]
+
+    def with_updates(self, **updates: Any) -> RooflineParams:
+        """A copy with some values changed. Tables take a partial dict (merged) or dotted keys:
+        `with_updates(overlap=0.8, memory_efficiency={"gemm": 0.7})` or
+        `with_updates(**{"memory_efficiency.gemm": 0.7})`."""
+        tables = {name: dict(getattr(self, name)) for name in _TABLE_FIELDS}
+        scalars: dict[str, Any] = {}
+        known = {f.name for f in fields(self)}
+        for key, value in updates.items():
+            table, _, template = key.partition(".")
+            if template and table in tables and template in TEMPLATES:
+                tables[table][template] = value
+            elif key in tables and isinstance(value, Mapping):
+                tables[key].update(value)
+            elif key in known and not template:
+                scalars[key] = value
+            else:
+                raise InvalidSpec(
+                    f"RooflineParams has no parameter {key!r}; known: {', '.join(self.flat())}, "
+                    "float32_uses_tf32")
+        merged = {name: per_template(tables[name]) for name in _TABLE_FIELDS}
+        merged.update(scalars)
+        return replace(self, **merged)
+
+    def flat(self) -> dict[str, float]:
+        """Every numeric parameter under a dotted name ('memory_efficiency.gemm'), for fitting."""
+        out: dict[str, float] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _TABLE_FIELDS:
+                out.update({f"{f.name}.{t}": v for t, v in value})
+            elif not isinstance(value, bool):
+                out[f.name] = float(value)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; tables become {template: value}."""
+        out = asdict(self)
+        for name in _TABLE_FIELDS:
+            out[name] = dict(getattr(self, name))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RooflineParams:
+        """Inverse of `to_dict`. Missing keys take defaults (older profiles); unknown keys fail."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidSpec(f"unknown RooflineParams keys {unknown}; known: {sorted(known)}")
+        default = cls()
+        return default.with_updates(**dict(data))
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """Predicted time of one kernel and the numbers behind it.
+
+    `regs_per_thread` is the allocated count (capped at the device maximum), `spill_bytes` the
+    spilled bytes per thread (as ptxas reports them), `dram_bytes` the modeled DRAM traffic
+    including spill traffic, `occupancy` the achieved occupancy (resident warps / max warps).
+    """
+
+    time_s: float
+    compute_s: float
+    memory_s: float
+    launch_s: float
+    occupancy: float
+    regs_per_thread: int
+    smem_bytes: int
+    spill_bytes: int
+    bound: str
+    feasible: bool
+    reason: str
+    flops: float
+    dram_bytes: float
+    limiter: str = ""
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tensor_peak_flops_per_s(device: DeviceSpec, dtype: str, float32_uses_tf32: bool = True) -> float:
+    """Peak rate for tensor-core-eligible FLOPs of `dtype` (see module note for the rules)."""
+    by_dtype = {"float16": device.fp16_flops_per_s, "bfloat16": device.bf16_flops_per_s}
+    if float32_uses_tf32:
+        by_dtype["float32"] = device.tf32_flops_per_s
+    # int8 / fp8 tensor-core rates (2x FP16 where present) are not tabulated: FP16 rate.
+    if dtype.startswith(("int8", "uint8", "float8")):
+        by_dtype[dtype] = device.fp16_flops_per_s
+    return by_dtype.get(dtype) or device.fp32_flops_per_s
+
+
+def scalar_peak_flops_per_s(device: DeviceSpec, dtype: str) -> float:
+    """Peak rate for CUDA-core FLOPs: half2 for float16 where listed, else FP32."""
+    if dtype == "float16" and device.fp16_simt_flops_per_s > 0:
+        return device.fp16_simt_flops_per_s
+    return device.fp32_flops_per_s
+
+
+@dataclass(frozen=True)
+class RooflineModel:
+    """Scores a KernelSpec on a DeviceSpec. Holds only its parameters."""
+
+    params: RooflineParams = field(default_factory=RooflineParams)
+
+    def cost(self, spec: KernelSpec, device: DeviceSpec) -> KernelCost:
+        p = self.params
+        regs = resources.estimate_registers(
+            spec.live_values_per_thread, spec.dtype_bytes, device.regs_per_thread_max,
+            base=p.regs_base, per_value=p.regs_per_live_value)
+        occ = resources.occupancy(device, spec.threads_per_block, regs.regs_per_thread,
+                                  spec.smem_bytes)
+        grid = resources.grid_blocks(spec)
+        achieved = resources.achieved_occupancy(occ, grid, device.sm_count)
+        reason = _infeasible_reason(spec, device, regs.regs_per_thread, occ)
+        scale = self._occupancy_scale(spec, device, achieved) if not reason else 1.0
+
+        compute_s = self._compute_s(spec, device) / scale
+        spill_traffic = (regs.spill_bytes_per_thread * grid * spec.threads_per_block
+                         * p.spill_traffic_factor)
+        dram_bytes = spec.dram_bytes + spill_traffic
+        memory_s = dram_bytes / (device.dram_bytes_per_s
+                                 * p.get("memory_efficiency", spec.template) * scale)
+        launch_s = device.launch_overhead_s * p.launch_overhead_scale
+        overlapped = max(compute_s, memory_s) + (1.0 - p.overlap) * min(compute_s, memory_s)
+        parts = (("compute", compute_s), ("memory", memory_s), ("launch", launch_s))
+        return KernelCost(
+            time_s=math.inf if reason else launch_s + overlapped,
+            compute_s=compute_s,
+            memory_s=memory_s,
+            launch_s=launch_s,
+            occupancy=achieved,
+            regs_per_thread=regs.regs_per_thread,
+            smem_bytes=spec.smem_bytes,
+            spill_bytes=regs.spill_bytes_per_thread,
+            bound=max(parts, key=lambda item: item[1])[0],
+            feasible=not reason,
+            reason=reason,
+            flops=spec.flops,
+            dram_bytes=dram_bytes,
+            limiter=occ.limiter,
+        )
+
+    def _compute_s(self, spec: KernelSpec, device: DeviceSpec) -> float:
+        """Compute time at full occupancy: tensor-core part + scalar part (they share issue)."""
+        p = self.params
+        tc_rate = (tensor_peak_flops_per_s(device, spec.dtype, p.float32_uses_tf32)
+                   * p.get("tc_efficiency", spec.template))
+        scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
+                       * p.get("scalar_efficiency", spec.template))
+        scalar_flops = spec.scalar_flops + spec.transcendentals * p.transcendental_flops
+        return spec.tc_flops / tc_rate + scalar_flops / scalar_rate
+
+    def _occupancy_scale(self, spec: KernelSpec, device: DeviceSpec, achieved: float) -> float:
+        """Efficiency multiplier: linear below the template's knee, 1 above; 1 on CPUs."""
+        if device.kind != "gpu":
+            return 1.0
+        return min(1.0, achieved / self.params.get("occupancy_knee", spec.template))
+
+
+def _infeasible_reason(
+    spec: KernelSpec, device: DeviceSpec, regs_per_thread: int, occ: resources.Occupancy
+) -> str:
+    """Why the kernel cannot launch on the device ('' when it can)."""
+    if spec.threads_per_block > device.max_threads_per_block:
+        return (f"threads {spec.threads_per_block} per block > {device.max_threads_per_block} "
+                f"max on {device.name}")
+    if spec.smem_bytes > device.smem_per_block_max_bytes:
+        return (f"smem {spec.smem_bytes / KIB:.1f} KiB > "
+                f"{device.smem_per_block_max_bytes / KIB:.1f} KiB per block on {device.name}")
+    if occ.blocks_per_sm == 0 and occ.limiter == "registers":
+        need = regs_per_thread * spec.threads_per_block
+        return (f"registers {regs_per_thread} x {spec.threads_per_block} threads = {need} > "
+                f"{device.regs_per_sm} per SM on {device.name}")
+    if occ.blocks_per_sm == 0:
+        return f"one block does not fit an SM of {device.name} (limited by {occ.limiter})"
+    return ""

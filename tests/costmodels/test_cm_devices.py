@@ -1,0 +1,134 @@
+"""Device table and host CPU: every figure present, positive, sourced and self-consistent."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import pytest
+
+from costmodels import DEVICES, DeviceSpec, UnknownDevice, device_table_rows, get_device, host_cpu
+from costmodels.devices import KIB, measure_copy_bandwidth
+from costmodels.errors import InvalidSpec
+
+REQUIRED = ("v100-sxm2", "t4", "a10", "l4", "a100-40gb", "a100-80gb", "l40s", "h100-pcie",
+            "h100-sxm", "h200", "rtx-3090", "rtx-4090")
+# FP32 lanes per SM by arch (whitepapers: GV100 / TU104 / GA100 64, GA102 / AD10x / GH100 128).
+FP32_LANES_PER_SM = {"sm_70": 64, "sm_75": 64, "sm_80": 64, "sm_86": 128, "sm_89": 128,
+                     "sm_90": 128}
+POSITIVE = ("sm_count", "clock_hz", "fp32_flops_per_s", "dram_bytes_per_s", "l2_bytes",
+            "smem_per_sm_bytes", "smem_per_block_max_bytes", "regs_per_sm",
+            "regs_per_thread_max", "max_threads_per_sm", "max_blocks_per_sm",
+            "max_threads_per_block", "warp_size", "launch_overhead_s")
+
+
+def test_table_has_the_required_devices():
+    """Table contents: every GPU the design names is present."""
+    assert set(REQUIRED) <= set(DEVICES)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_every_device_has_positive_figures_and_sources(name):
+    """Table sanity: positive rates and limits, tensor-core rates >= 0, sources cited."""
+    d = DEVICES[name]
+    for field in POSITIVE:
+        assert getattr(d, field) > 0, field
+    for field in ("tf32_flops_per_s", "fp16_flops_per_s", "bf16_flops_per_s"):
+        assert getattr(d, field) >= 0
+    assert d.fp16_flops_per_s > d.fp32_flops_per_s  # every listed GPU has FP16 tensor cores
+    assert d.kind == "gpu" and d.vendor == "nvidia"
+    assert any("whitepaper" in s for s in d.sources)
+    assert any("Compute Capability" in s for s in d.sources)
+    assert d.smem_per_block_max_bytes <= d.smem_per_sm_bytes
+    assert (d.regs_per_thread_max, d.max_threads_per_block, d.warp_size) == (255, 1024, 32)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_names_are_lowercase_hyphen(name):
+    """Naming: table keys are lowercase-hyphen and equal the spec's own name."""
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name)
+    assert DEVICES[name].name == name
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_fp32_peak_matches_sms_times_lanes_times_clock(name):
+    """Consistency of sourced figures: FP32 peak = SMs x lanes x 2 (FMA) x boost clock (2%)."""
+    d = DEVICES[name]
+    derived = d.sm_count * FP32_LANES_PER_SM[d.arch] * 2 * d.clock_hz
+    assert d.fp32_flops_per_s == pytest.approx(derived, rel=0.02)
+
+
+def test_tensor_core_gaps_are_zero():
+    """Hardware gaps: V100 and T4 have no TF32 / BF16 tensor cores."""
+    for name in ("v100-sxm2", "t4"):
+        assert DEVICES[name].tf32_flops_per_s == 0
+        assert DEVICES[name].bf16_flops_per_s == 0
+    assert DEVICES["a100-80gb"].tf32_flops_per_s == pytest.approx(156e12)
+    assert DEVICES["h100-sxm"].fp16_flops_per_s == pytest.approx(989.4e12)  # dense, not sparse
+
+
+@pytest.mark.parametrize(("name", "kib"), [("h100-sxm", 227), ("h200", 227), ("a100-80gb", 163),
+                                           ("a10", 99), ("l4", 99), ("rtx-4090", 99), ("t4", 64),
+                                           ("v100-sxm2", 96)])
+def test_smem_per_block_opt_in_maximum(name, kib):
+    """Per-block shared-memory limit (CUDA guide, opt-in maximum) by compute capability."""
+    assert DEVICES[name].smem_per_block_max_bytes == kib * KIB
+
+
+def test_get_device_is_case_insensitive_and_resolves_host():
+    """Lookup: names ignore case and spaces; 'host' and 'cpu' mean this machine."""
+    assert get_device(" H100-SXM ") is DEVICES["h100-sxm"]
+    assert get_device("host") is host_cpu()
+    assert get_device("cpu") is host_cpu()
+
+
+def test_unknown_device_lists_names_and_the_fix():
+    """Bad input: an unknown name is a ValueError listing the known names and `fusesearch devices`."""
+    with pytest.raises(UnknownDevice) as info:
+        get_device("h100-sxm6")
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "h100-sxm6" in message and "fusesearch devices" in message
+    assert all(name in message for name in REQUIRED)
+    assert "did you mean 'h100-sxm'" in message
+    assert "\n" not in message
+
+
+def test_device_table_rows_for_the_cli():
+    """CLI table: one row per device with human units."""
+    rows = device_table_rows()
+    assert [r["name"] for r in rows] == list(DEVICES)
+    h100 = next(r for r in rows if r["name"] == "h100-sxm")
+    assert h100 == {"name": "h100-sxm", "arch": "sm_90", "sms": 132, "fp32_tflops": 66.9,
+                    "fp16_tc_tflops": 989.4, "dram_gb_per_s": 3350, "l2_mib": 50.0,
+                    "smem_per_block_kib": 227.0, "launch_us": 2.0}
+
+
+def test_device_spec_round_trips_and_validates():
+    """Serialization: to_dict / from_dict round-trip; bad figures and fields are refused."""
+    d = DEVICES["l4"]
+    assert DeviceSpec.from_dict(d.to_dict()) == d
+    with pytest.raises(InvalidSpec, match="dram_bytes_per_s"):
+        dataclasses.replace(d, dram_bytes_per_s=0)
+    with pytest.raises(InvalidSpec, match="lowercase-hyphen"):
+        dataclasses.replace(d, name="L4_GPU")
+    with pytest.raises(InvalidSpec, match="unknown"):
+        DeviceSpec.from_dict({**d.to_dict(), "hbm_stacks": 4})
+
+
+def test_host_cpu_is_measured_quickly():
+    """Host CPU: positive cores, clock, measured bandwidth and FP32 estimate, in under 2 s."""
+    host_cpu.cache_clear()
+    measure_copy_bandwidth.cache_clear()
+    start = time.perf_counter()
+    host = host_cpu()
+    elapsed_s = time.perf_counter() - start
+    assert elapsed_s < 2.0
+    assert host.kind == "cpu" and host.name == "host"
+    assert host.sm_count >= 1 and host.clock_hz > 0
+    assert 1e8 < host.dram_bytes_per_s < 1e13
+    assert host.fp32_flops_per_s > 0 and host.warp_size in (4, 8, 16)
+    assert host.tf32_flops_per_s == host.fp16_flops_per_s == 0
+    assert host.smem_per_block_max_bytes > 0 and host.l2_bytes >= host.smem_per_sm_bytes
+    assert host_cpu() is host  # cached

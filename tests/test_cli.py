@@ -1,0 +1,87 @@
+"""The command line contract: `inspect` (text, --json, --canonical), `zoo list|export`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx
+
+from fusesearch.verify import compare, random_feeds, run
+
+
+def test_inspect_json_keys_and_resnet50_counts(run_cli):
+    code, out, err = run_cli("inspect", "zoo:resnet50", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    for key in ("model", "nodes", "canonical_nodes", "ops", "kinds", "flops", "weight_bytes",
+                "activation_bytes", "inputs", "outputs", "passes"):
+        assert key in doc
+    assert doc["nodes"] == 175 and doc["canonical_nodes"] == 122
+    assert doc["passes"]["batchnorm_folding"] == 53
+    assert "BatchNormalization" not in doc["ops"] and doc["ops"]["Conv"] == 53
+    assert doc["inputs"][0]["shape"] == [1, 3, 224, 224]
+    assert 7.5e9 < doc["flops"] < 8.5e9  # ResNet-50 is ~4.1 GMACs at 224x224
+
+
+def test_inspect_text_output(run_cli):
+    code, out, err = run_cli("inspect", "zoo:resnet18")
+    assert code == 0, err
+    assert "after canonicalization" in out and "Conv" in out and "batchnorm_folding" in out
+
+
+def test_inspect_canonical_runs_in_ort_and_refuses_overwrite(run_cli, tmp_path):
+    path = tmp_path / "canon.onnx"
+    code, out, err = run_cli("inspect", "zoo:mobilenetv2", "--canonical", path, "--json")
+    assert code == 0, err
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    assert len(model.graph.node) == json.loads(out)["canonical_nodes"]
+    feeds = random_feeds(model, seed=0)
+    assert run(str(path), feeds)
+    code, _, err = run_cli("inspect", "zoo:mobilenetv2", "--canonical", path)
+    assert code == 2 and "exists" in err
+    code, _, err = run_cli("inspect", "zoo:mobilenetv2", "--canonical", path, "--force")
+    assert code == 0
+
+
+def test_zoo_list_and_export_round_trip(run_cli, tmp_path):
+    code, out, _ = run_cli("zoo", "list", "--json")
+    names = [m["name"] for m in json.loads(out)["models"]]
+    assert {"resnet18", "resnet50", "mobilenetv2", "bert-base", "gpt2", "unet"} <= set(names)
+    path = tmp_path / "bert.onnx"
+    code, _, err = run_cli("zoo", "export", "bert-small", "-o", path)
+    assert code == 0, err
+    code, _, err = run_cli("inspect", path)
+    assert code == 2 and "--dim" in err  # exported models keep their dynamic dims
+    code, out, err = run_cli("inspect", path, "--dim", "batch=2", "--dim", "seq=16", "--json")
+    assert code == 0, err
+    assert json.loads(out)["inputs"][0]["shape"] == [2, 16]
+    code, _, err = run_cli("zoo", "export", "bert-small", "-o", path)
+    assert code == 2 and "exists" in err
+
+
+def test_json_stdout_is_one_document_and_entry_point_runs():
+    proc = subprocess.run([sys.executable, "-m", "fusesearch", "inspect", "zoo:resnet18", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"]
+    bad = subprocess.run([sys.executable, "-m", "fusesearch", "inspect", "missing.onnx"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_canonicalization_keeps_results_for_a_model_file(tmp_path):
+    """The end-to-end path on a file: export, inspect --canonical, ORT on both."""
+    from fusesearch import zoo
+
+    src = tmp_path / "r18.onnx"
+    src.write_bytes(zoo.build_model("resnet18").SerializeToString())
+    out = tmp_path / "r18c.onnx"
+    proc = subprocess.run([sys.executable, "-m", "fusesearch", "inspect", str(src), "--dim", "batch=2",
+                           "--canonical", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    canonical = onnx.load(str(out))
+    feeds = random_feeds(canonical, seed=5)
+    assert all(d.ok for d in compare(run(str(src), feeds), run(str(out), feeds)))
