@@ -34,7 +34,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 zoo_app = typer.Typer(no_args_is_help=True, help="Built-in models (zoo:NAME).")
 app.add_typer(zoo_app, name="zoo")
 
-out = Console(highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True, highlight=False)
 
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
@@ -76,13 +76,18 @@ def inspect(
     dim: Dim = None,
     canonical: Annotated[Path | None, typer.Option("--canonical", help="Write the canonical model here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --canonical file.")] = False,
+    device: Annotated[str | None, typer.Option("--device", help="Also predict unfused time and the lower "
+                                               "bound on these devices (NAME[,NAME...] or profile.json).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Load and canonicalize a model; print its nodes, ops, FLOPs, bytes and what each pass did."""
     from fusesearch.pipeline import prepare, summarize, write_canonical
 
+    devices = _devices(device) if device else []
     prep = prepare(model, _bindings(input_shape, dim))
     summary = summarize(prep)
+    if devices:
+        summary["devices"] = [_figures(prep.graph, name, spec, params) for name, spec, params in devices]
     if canonical is not None:
         summary["canonical_path"] = str(write_canonical(prep, canonical, overwrite=force))
     if json_out:
@@ -114,8 +119,71 @@ def _print_inspect(s: dict) -> None:
     out.print(ops)
     out.print("kinds: " + ", ".join(f"{k} {v}" for k, v in s["kinds"].items()))
     out.print("passes: " + ", ".join(f"{k} {v}" for k, v in s["passes"].items()))
+    if s.get("devices"):
+        table = Table(title="predicted (roofline, default efficiencies)", title_justify="left")
+        for col in ("device", "unfused kernels", "unfused", "lower bound", "unfused / bound"):
+            table.add_column(col, justify="right" if col != "device" else "left")
+        for d in s["devices"]:
+            table.add_row(d["device"], str(d["unfused_kernels"]), _fmt_time(d["unfused_time_s"]),
+                          _fmt_time(d["lower_bound_s"]), f"{d['unfused_time_s'] / d['lower_bound_s']:.1f}x")
+        out.print(table)
     if "canonical_path" in s:
         out.print(f"canonical model written to {s['canonical_path']}")
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _devices(arg: str):
+    """NAME[,NAME...] or a profile.json → [(label, DeviceSpec, RooflineParams)]; bad names exit 2."""
+    from costmodels import CostModelError, load_device
+
+    found = []
+    for name in [n.strip() for n in arg.split(",") if n.strip()]:
+        try:
+            spec, params = load_device(name)
+        except CostModelError as exc:
+            raise BadInput(f"--device {name}: {exc}") from None
+        found.append((name, spec, params))
+    if not found:
+        raise BadInput("--device: give a device name (see `fusesearch devices`) or a profile.json")
+    return found
+
+
+def _figures(graph, label, spec, params) -> dict:
+    from costmodels import RooflineModel
+
+    from fusesearch.costing import graph_figures
+
+    f = graph_figures(graph, spec, RooflineModel(params))
+    return {"device": label, "unfused_time_s": f.unfused_time_s, "unfused_kernels": f.unfused_kernels,
+            "lower_bound_s": f.lower_bound_s, "min_dram_bytes": f.min_dram_bytes,
+            "tc_flops": f.tc_flops, "scalar_flops": f.scalar_flops}
+
+
+# -- devices ----------------------------------------------------------------------------------
+
+@app.command()
+def devices(json_out: JsonFlag = False) -> None:
+    """The built-in GPU table (and this machine's CPU as `host`)."""
+    from costmodels import DEVICES, device_table_rows, host_cpu
+
+    if json_out:
+        _emit_json({"devices": [spec.to_dict() for spec in list(DEVICES.values()) + [host_cpu()]]})
+        return
+    rows = device_table_rows({**DEVICES, "host": host_cpu()})
+    headers = {"name": "name", "arch": "arch", "sms": "SMs", "fp32_tflops": "FP32 TFLOP/s",
+               "fp16_tc_tflops": "FP16 TC TFLOP/s", "dram_gb_per_s": "DRAM GB/s", "l2_mib": "L2 MiB",
+               "smem_per_block_kib": "smem/block KiB", "launch_us": "launch us"}
+    table = Table()
+    for col in rows[0]:
+        table.add_column(headers.get(col, col), justify="left" if col in ("name", "arch") else "right")
+    for r in rows:
+        table.add_row(*[f"{v:g}" if isinstance(v, float) else str(v) for v in r.values()])
+    out.print(table)
 
 
 # -- zoo --------------------------------------------------------------------------------------

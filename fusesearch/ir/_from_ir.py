@@ -14,7 +14,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusesearch.ir.graph import Node, TensorInfo
+from fusesearch.ir.graph import SMALL_CONSTANT, Node, TensorInfo
 from fusesearch.ir.op_kind import kind_of
 
 
@@ -78,12 +78,15 @@ def _collect_captured(sub: ir.Graph, found: dict[int, ir.Value]) -> None:
 def graph_from_ir(model: ir.Model, graph_cls):
     g = model.graph
     tensors: dict[str, TensorInfo] = {}
+    small: dict = {}
 
     def note(value: ir.Value | None) -> str:
         if value is None:
             return ""
         if value.name not in tensors:
-            tensors[value.name] = tensor_info(value)
+            info = tensors[value.name] = tensor_info(value)
+            if info.constant and info.shape is not None and info.size <= SMALL_CONSTANT:
+                small[value.name] = value.const_value.numpy().copy()
         return value.name
 
     for v in g.inputs:
@@ -98,4 +101,4 @@ def graph_from_ir(model: ir.Model, graph_cls):
         nodes.append(Node(i, n.name or f"{n.op_type.lower()}_{i}", n.op_type, n.domain or "",
                           kind_of(n.op_type, n.domain or ""), inputs, outputs, attrs))
     outputs = tuple(note(v) for v in g.outputs)
-    return graph_cls.build(g.name or "graph", nodes, tensors, [v.name for v in g.inputs], outputs)
+    return graph_cls.build(g.name or "graph", nodes, tensors, [v.name for v in g.inputs], outputs, small)

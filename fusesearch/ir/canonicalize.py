@@ -7,9 +7,11 @@ Constant/ConstantOfShape nodes). Fusion and costs must see the graph a good comp
 Approach: a loop over the main graph of an `onnx_ir.Model` until no pass changes anything:
 
     identity ─ dropout ─ noop_cast ─ noop_reshape ─ constant_folding ─ batchnorm_folding
-        ─ matmul_add_to_gemm ─ dead_nodes ─► (shape inference) ─► again if anything changed
+        ─ matmul_add_to_gemm ─ dead_nodes ─► shape inference ─► shape completion ─► again if
+        anything changed
 
-then shape completion for values onnx's inference left unknown (the node is run once on zeros).
+Shape completion fills values onnx's inference left unknown by running the node once on zeros
+(control flow included; for an If this takes the shape of the branch zeros select).
 Which library does what:
   - onnx-ir: the IR, graph surgery, memory-mapped external data, and shape inference
     (`ShapeInferencePass`, which strips weights so models over 2 GB work).
@@ -46,6 +48,7 @@ NEVER_FOLD = frozenset({
     "Multinomial", "Bernoulli", "SequenceEmpty", "SequenceConstruct", "SplitToSequence",
     "Optional", "OptionalGetElement", "OptionalHasElement",
 })
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 ANCHORS_FOR_BN = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 Counts = Counter
@@ -59,6 +62,7 @@ def canonicalize(model: ir.Model) -> tuple[ir.Model, dict[str, int]]:
         remove_identity, remove_dropout, remove_noop_cast, remove_noop_reshape,
         fold_constants, fold_batchnorm, matmul_add_to_gemm, remove_dead_nodes,
     ]
+    counts["shapes_completed"] += complete_shapes(model.graph, opset)
     for iteration in range(MAX_ITERATIONS):
         changed = 0
         for run in passes:
@@ -68,8 +72,8 @@ def canonicalize(model: ir.Model) -> tuple[ir.Model, dict[str, int]]:
         if not changed:
             break
         _infer_shapes(model)
+        counts["shapes_completed"] += complete_shapes(model.graph, opset)
         log.debug("canonicalize iteration %d: %d rewrites", iteration, changed)
-    counts["shapes_completed"] += complete_shapes(model.graph, opset)
     counts["unused_weights"] += remove_unused_initializers(model.graph)
     return model, {k: int(v) for k, v in sorted(counts.items())}
 
@@ -437,7 +441,7 @@ def complete_shapes(graph: ir.Graph, opset: int) -> int:
     """Run, on zeros, each node whose inputs are known but outputs unknown to onnx's inference."""
     done = 0
     for node in graph:
-        if node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD:
+        if node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD - CONTROL_FLOW:
             continue
         if all(static_shape(o) is not None for o in node.outputs):
             continue
@@ -446,27 +450,21 @@ def complete_shapes(graph: ir.Graph, opset: int) -> int:
 
 
 def _complete_one(node: ir.Node, opset: int) -> int:
-    feeds = []
-    for v in node.inputs:
-        if v is None:
-            feeds.append(None)
-            continue
+    from fusesearch.ir._from_ir import captured_values
+
+    values = {v.name: v for v in list(node.inputs) + captured_values(node) if v is not None}
+    feeds = {}
+    for name, v in values.items():
         const, shape = _const(v), static_shape(v)
         if const is None and (shape is None or v.dtype is None):
             return 0
-        feeds.append(const if const is not None else np.zeros(shape, dtype=v.dtype.numpy()))
-    if sum(f.size for f in feeds if f is not None) > COMPLETE_LIMIT_ELEMENTS:
+        feeds[name] = const if const is not None else np.zeros(shape, dtype=v.dtype.numpy())
+    if sum(f.size for f in feeds.values()) > COMPLETE_LIMIT_ELEMENTS:
         return 0
     proto = ir.serde.serialize_node(node)
-    names = [f"in{i}" if f is not None else "" for i, f in enumerate(feeds)]
-    del proto.input[:]
-    proto.input.extend(names)
-    del proto.output[:]
-    proto.output.extend(f"out{i}" for i in range(len(node.outputs)))
     try:
-        results = ReferenceEvaluator(proto, opsets={"": opset}).run(
-            None, {n: f for n, f in zip(names, feeds, strict=True) if n})
-    except Exception:  # still unknown; costs treat it as such
+        results = ReferenceEvaluator(proto, opsets={"": opset}).run(None, feeds)
+    except Exception:  # still unknown; costs treat the node as opaque
         return 0
     for out, res in zip(node.outputs, results, strict=True):
         res = np.asarray(res)

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+SMALL_CONSTANT = 4096  # constants up to this many elements keep their values in the view
+
 _DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
     "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1,
@@ -82,12 +84,14 @@ class Graph:
     _consumers: Mapping[str, tuple[int, ...]] = field(repr=False)
     _desc: tuple[int, ...] = field(repr=False)
     _anc: tuple[int, ...] = field(repr=False)
+    _small_constants: Mapping[str, np.ndarray] = field(repr=False, default_factory=dict)
 
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
     def build(cls, name: str, nodes: Iterable[Node], tensors: Mapping[str, TensorInfo],
-              inputs: Iterable[str], outputs: Iterable[str]) -> Graph:
+              inputs: Iterable[str], outputs: Iterable[str],
+              small_constants: Mapping[str, np.ndarray] | None = None) -> Graph:
         nodes = tuple(nodes)
         producer: dict[str, int] = {}
         consumers: dict[str, list[int]] = {}
@@ -102,7 +106,7 @@ class Graph:
         desc, anc = _closures(nodes, producer)
         return cls(name, nodes, MappingProxyType(dict(tensors)), tuple(inputs), tuple(outputs),
                    MappingProxyType(producer), MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
-                   desc, anc)
+                   desc, anc, MappingProxyType(dict(small_constants or {})))
 
     @classmethod
     def from_ir(cls, model) -> Graph:
@@ -163,6 +167,10 @@ class Graph:
     @cached_property
     def _outputs_set(self) -> frozenset[str]:
         return frozenset(self.outputs)
+
+    def constant_value(self, tensor: str) -> np.ndarray | None:
+        """Value of a small constant (axes, shapes, scalars: up to SMALL_CONSTANT elements)."""
+        return self._small_constants.get(tensor)
 
     def info(self, tensor: str) -> TensorInfo | None:
         return self.tensors.get(tensor) if tensor else None

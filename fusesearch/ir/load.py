@@ -302,8 +302,8 @@ def _infer_shapes(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as exc:
         first = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"{label}: shapes do not fit ({first}); check the --input-shape/--dim "
-                             "values against the model's inputs") from None
+        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the --input-shape/--dim "
+                             "values against the model's inputs, or fix the export") from None
     except (ValueError, RuntimeError) as exc:  # e.g. a model >2 GB serialized inline
         log.warning("%s: onnx shape inference skipped: %s", label, str(exc).splitlines()[0])
         return proto

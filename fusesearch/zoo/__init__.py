@@ -62,7 +62,7 @@ ZOO: dict[str, ZooEntry] = {
                  vit_small, _IMAGE),
         ZooEntry("vit-base", "ViT-B/16, opset 17, LayerNormalization op, 12x768, 12 heads",
                  vit_base, _IMAGE),
-        ZooEntry("bert-base", "BERT-base, opset 12 PyTorch export: decomposed LayerNorm, shape chains",
+        ZooEntry("bert-base", "BERT-base, opset 12 PyTorch export style, decomposed LayerNorm",
                  bert_base, _TEXT),
         ZooEntry("bert-small", "BERT, 2x128, 2 heads (configurable), same idioms as bert-base",
                  bert_small, _TEXT),

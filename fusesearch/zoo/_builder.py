@@ -7,8 +7,8 @@ counter (`conv_12`, `bn_12`, `relu_13`), the node / initializer / input / output
 of scalar constants. Layers (`conv`, `batch_norm`, `linear`, `gelu_erf`, ...) are free functions
 over a builder, so a model module reads as its paper's block diagram.
 Invariants: the same calls in the same order give byte-identical models; a node's single output
-tensor has the node's name; node names are unique in the whole model (a subgraph builder shares
-its parent's counters and generator).
+tensor has the node's name (graph outputs excepted: `output` renames them); node names are unique
+in the whole model (a subgraph builder shares its parent's counters and generator).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class GraphBuilder:
         return self._scalars[key]
 
     def ints(self, values: Sequence[int]) -> str:
-        """A 1-d int64 initializer (shapes, axes, scales)."""
+        """A 1-d int64 initializer (shapes, axes, slice bounds)."""
         return self.param(self.fresh("ints"), np.array(values, dtype=np.int64))
 
     def floats(self, values: Sequence[float]) -> str:
@@ -160,7 +160,7 @@ BN_GAIN2 = (13.0 / 12.0) * math.log(3.0)
 def conv(b: GraphBuilder, x: str, cin: int, cout: int, k: int, *, stride: int = 1,
          group: int = 1, bias: bool = False, pad: int | None = None,
          gain: float = RELU_GAIN) -> str:
-    """Conv2d with weights ~ N(0, gain² / fan_in); `bias=False` when a BatchNormalization follows."""
+    """Conv2d, weights of std gain / √fan_in; `bias=False` when a BatchNormalization follows."""
     name = b.fresh("conv")
     fan_in = cin // group * k * k
     std = gain / math.sqrt(fan_in)

@@ -1,4 +1,5 @@
-"""MobileNetV2 (Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks", CVPR 2018).
+"""MobileNetV2 (Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks",
+CVPR 2018).
 
 Idioms (opset 10, a pre-opset-11 export): ReLU6 as `Clip` with min/max ATTRIBUTES, depthwise
 convolutions (`group` = channels), Conv + explicit BatchNormalization, linear bottlenecks,

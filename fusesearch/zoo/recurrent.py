@@ -40,7 +40,9 @@ def _cell_body(b: GraphBuilder, x: str) -> onnx.GraphProto:
     return body.graph()
 
 
-def _branch(b: GraphBuilder, name: str, h: str, ops: list[tuple[str, float | None]]) -> onnx.GraphProto:
+def _branch(
+    b: GraphBuilder, name: str, h: str, ops: list[tuple[str, float | None]]
+) -> onnx.GraphProto:
     """An If branch applying a short elementwise chain to the outer-scope tensor `h`."""
     branch = b.child(name)
     y = h
@@ -68,6 +70,3 @@ def rnn_control() -> onnx.ModelProto:
     logits = linear(b, _gate(b, h), HIDDEN, CLASSES)
     b.output(b.op("Softmax", [logits], axis=-1), "probs", ["batch", CLASSES])
     return b.model("Elman RNN unrolled by Loop (4 steps) + data-dependent If, opset 13.")
-
-
-

@@ -1,0 +1,1 @@
+"""Candidate fusion groups: what may be one kernel, and why not."""

@@ -1,0 +1,75 @@
+"""Kernel and graph-level costs: a Kernel on a device, the unfused graph, the physical lower bound.
+
+Problem: plans are compared against two references — every node its own kernel (unfused), and
+the physics (nothing can beat reading the inputs and weights once, writing the outputs once and
+running every FLOP at peak in one launch).
+Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
+`unfused_time_s` sums single-node kernels; `lower_bound_s` applies the roofline at 100%
+efficiency to the whole graph as one kernel with full overlap.
+Invariants: lower_bound_s <= the time of any valid plan under default efficiencies <= 1;
+functions are pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodels import DeviceSpec, KernelCost, RooflineModel
+from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
+
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.ir.graph import Graph
+from fusesearch.lowering import Kernel, lower
+
+
+def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> KernelCost:
+    if kernel.alias:
+        return KernelCost(time_s=0.0, compute_s=0.0, memory_s=0.0, launch_s=0.0, occupancy=0.0,
+                          regs_per_thread=0, smem_bytes=0, spill_bytes=0, bound="launch", feasible=True,
+                          reason="alias: a view, no kernel", flops=0.0, dram_bytes=0.0)
+    return model.cost(kernel.spec(), device)
+
+
+def unfused_kernels(graph: Graph) -> list[Kernel]:
+    return [lower(graph, FusionGroup.single(n.id)) for n in graph.nodes]
+
+
+def unfused_time_s(graph: Graph, device: DeviceSpec, model: RooflineModel) -> float:
+    return sum(kernel_cost(k, device, model).time_s for k in unfused_kernels(graph))
+
+
+@dataclass(frozen=True)
+class GraphFigures:
+    unfused_time_s: float
+    unfused_kernels: int
+    lower_bound_s: float
+    min_dram_bytes: int
+    tc_flops: int
+    scalar_flops: int
+
+
+def graph_figures(graph: Graph, device: DeviceSpec, model: RooflineModel) -> GraphFigures:
+    kernels = unfused_kernels(graph)
+    unfused = sum(kernel_cost(k, device, model).time_s for k in kernels)
+    tc = sum(k.tc_flops for k in kernels)
+    scalar = sum(k.scalar_flops for k in kernels)
+    dtype = _dominant_dtype(kernels)
+    min_bytes = _compulsory_bytes(graph)
+    compute_s = tc / tensor_peak_flops_per_s(device, dtype) + scalar / scalar_peak_flops_per_s(device, dtype)
+    memory_s = min_bytes / device.dram_bytes_per_s
+    bound = device.launch_overhead_s + max(compute_s, memory_s)
+    return GraphFigures(unfused, sum(not k.alias for k in kernels), bound, min_bytes, tc, scalar)
+
+
+def _compulsory_bytes(graph: Graph) -> int:
+    used = {t for n in graph.nodes for t in n.inputs if t}
+    read = sum(info.nbytes for name, info in graph.tensors.items()
+               if name in used and (info.constant or name in graph.inputs))
+    return read + sum(graph.tensors[t].nbytes for t in set(graph.outputs))
+
+
+def _dominant_dtype(kernels: list[Kernel]) -> str:
+    weights: dict[str, int] = {}
+    for k in kernels:
+        weights[k.dtype] = weights.get(k.dtype, 0) + k.tc_flops + k.scalar_flops
+    return max(sorted(weights), key=weights.get) if weights else "float32"

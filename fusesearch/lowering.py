@@ -1,0 +1,389 @@
+"""Lower a FusionGroup to a Kernel: one template, its ops in order, and the numbers a cost model needs.
+
+Problem: the cost model (package `costmodels`) knows kernels, not graphs. Something must decide
+what code shape a group becomes and count its work and traffic — once, the same way for the
+search, the reports and the code generator.
+Approach: checks first (each refusal is a `FusionDecision` with its reason), then the template:
+
+    any OPAQUE op ............ alone → `opaque` (a library call, costed, never fused)
+    one ANCHOR ............... Conv/ConvTranspose → `conv` (implicit GEMM), MatMul/Gemm → `gemm`;
+                               elementwise/broadcast/injective prologue and epilogue, and a
+                               row Softmax epilogue over the output's last axis
+    REDUCE, no anchor ........ `rowwise`: reductions over inner axes sharing one row count
+    the rest ................. `pointwise`: one thread per output element
+
+Traffic is compulsory traffic: each external input (weights included) read once, each tensor
+used outside the group (or a graph output) written once. FLOPs come from the OpKind table:
+the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
+Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
+treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
+Invariants: a Kernel's `nodes` are in topological order; `inputs`/`outputs` are distinct and in
+first-use order; the same group always lowers to the same Kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from costmodels import KernelSpec
+
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.candidates.rules import FusionDecision
+from fusesearch.errors import FusesearchError
+from fusesearch.ir.graph import Graph, Node, TensorInfo
+from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
+
+THREADS_PER_BLOCK = 256
+PIPELINE_STAGES = 2  # double-buffered operand tiles in shared memory
+TILE_K = 32
+MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
+ROW_EPILOGUE_OPS = frozenset({"Softmax", "LogSoftmax"})
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+GEMM_TEMPLATE = {"Conv": "conv", "ConvTranspose": "conv", "MatMul": "gemm", "Gemm": "gemm"}
+
+
+class CannotLower(FusesearchError):
+    def __init__(self, decision: FusionDecision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+
+
+@dataclass(frozen=True)
+class Kernel:
+    template: str
+    nodes: tuple[int, ...]
+    ops: tuple[str, ...]
+    anchor: int | None
+    dtype: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    iteration_size: int
+    reduction_length: int
+    tile: tuple[int, ...]
+    smem_bytes: int
+    live_values: int
+    threads_per_block: int
+    tc_flops: int
+    scalar_flops: int
+    transcendentals: int
+    read_bytes: int
+    write_bytes: int
+    alias: bool = False
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            template=self.template, dtype=self.dtype if self.dtype in _SPEC_DTYPES else "float32",
+            tc_flops=float(self.tc_flops), scalar_flops=float(self.scalar_flops),
+            transcendentals=float(self.transcendentals), dram_read_bytes=float(self.read_bytes),
+            dram_write_bytes=float(self.write_bytes), iteration_size=self.iteration_size,
+            reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
+            live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
+            num_ops=len(self.ops), op_types=self.ops)
+
+
+_SPEC_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16",
+                          "uint16", "int32", "uint32", "int64", "uint64", "bool"})
+
+
+def lower(graph: Graph, group: FusionGroup) -> Kernel:
+    """The group's Kernel, or `CannotLower` carrying the refusal's reason."""
+    result = try_lower(graph, group)
+    if isinstance(result, FusionDecision):
+        raise CannotLower(result)
+    return result
+
+
+def try_lower(graph: Graph, group: FusionGroup) -> Kernel | FusionDecision:
+    nodes = [graph.nodes[i] for i in sorted(group.nodes)]
+    result = _lower_checked(graph, nodes)
+    if isinstance(result, FusionDecision) and len(nodes) == 1:
+        return _lower_opaque(graph, nodes)  # a lone op without a template runs as a library call
+    return result
+
+
+def _lower_checked(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
+    for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype):
+        decision = check(graph, nodes)
+        if not decision:
+            return decision
+    return _lower_template(graph, nodes)
+
+
+def _lower_template(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
+    anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
+    if anchors:
+        return _lower_anchor(graph, nodes, anchors[0])
+    if any(n.kind == OpKind.REDUCE for n in nodes):
+        return _lower_rowwise(graph, nodes)
+    if nodes[0].kind == OpKind.OPAQUE:
+        return _lower_opaque(graph, nodes)
+    return _lower_pointwise(graph, nodes)
+
+
+def _lower_opaque(graph: Graph, nodes: list[Node]) -> Kernel:
+    return _build(graph, nodes, "opaque", None, _largest_output(graph, nodes), 0, (), 0,
+                  _live_values(graph, nodes))
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+def _label(n: Node) -> str:
+    return f"{n.name}({n.op_type})"
+
+
+def _check_opaque(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    opaque = [n for n in nodes if n.kind == OpKind.OPAQUE]
+    if opaque and len(nodes) > 1:
+        return FusionDecision.refuse(f"{_label(opaque[0])} is opaque and runs alone")
+    return FusionDecision.accept()
+
+
+def _check_shapes(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    if len(nodes) == 1 and nodes[0].kind == OpKind.OPAQUE:
+        return FusionDecision.accept()
+    for n in nodes:
+        for t in n.inputs + n.outputs:
+            info = graph.info(t)
+            if t and (info is None or info.shape is None):
+                return FusionDecision.refuse(f"shape of '{t}' ({_label(n)}) is not static; bind dims "
+                                             "with --dim / --input-shape")
+    return FusionDecision.accept()
+
+
+def _check_connected_convex(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    if len(nodes) == 1:
+        return FusionDecision.accept()
+    ids = {n.id for n in nodes}
+    parent = {i: i for i in ids}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for n in nodes:
+        for p in graph.predecessors(n.id):
+            if p in ids:
+                parent[find(p)] = find(n.id)
+    if len({find(i) for i in ids}) > 1:
+        return FusionDecision.refuse("group is not connected")
+    if not graph.is_convex(ids):
+        return FusionDecision.refuse("group is not convex (a path leaves it and comes back)")
+    return FusionDecision.accept()
+
+
+def _check_anchor(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
+    if len(anchors) > 1:
+        return FusionDecision.refuse(f"two anchors: {_label(anchors[0])} and {_label(anchors[1])}")
+    return FusionDecision.accept()
+
+
+def _check_dtype(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    dtypes = {graph.tensors[t].dtype for n in nodes if n.op_type != "Cast" for t in n.outputs
+              if t and graph.tensors[t].dtype in FLOAT_DTYPES}
+    if len(dtypes) > 1:
+        return FusionDecision.refuse(f"mixed dtypes {'/'.join(sorted(dtypes))} in one group")
+    return FusionDecision.accept()
+
+
+# -- templates --------------------------------------------------------------------------------
+
+def _largest_output(graph: Graph, nodes: list[Node]) -> int:
+    return max((graph.tensors[t].size for n in nodes for t in n.outputs if t), default=0)
+
+
+def _live_values(graph: Graph, nodes: list[Node]) -> int:
+    """Register-pressure proxy for elementwise work: index math plus one value per op and per
+    external input held at once (a fused chain keeps its intermediates in registers)."""
+    return 4 + len(nodes) + len(_external_inputs(graph, nodes))
+
+
+def _lower_pointwise(graph: Graph, nodes: list[Node]) -> Kernel:
+    alias = len(nodes) == 1 and nodes[0].op_type in VIEW_OPS
+    return _build(graph, nodes, "pointwise", None, _largest_output(graph, nodes), 0, (), 0,
+                  _live_values(graph, nodes), alias=alias)
+
+
+def _reduced_rows(graph: Graph, n: Node) -> tuple[int, int] | FusionDecision:
+    """(rows, row length) of a REDUCE node, refused when it reduces a non-inner axis."""
+    shape = graph.tensors[n.inputs[0]].shape
+    rank = len(shape)
+    axes = _reduce_axes(graph, n, rank)
+    if axes is None:
+        return FusionDecision.refuse(f"{_label(n)} has no row-wise lowering")
+    axes = sorted(a % rank for a in axes) if rank else []
+    if axes != list(range(rank - len(axes), rank)):
+        return FusionDecision.refuse(f"{_label(n)} reduces axes {axes}, not the innermost ones")
+    split = rank - len(axes)
+    return math.prod(shape[:split]), math.prod(shape[split:])
+
+
+def _reduce_axes(graph: Graph, n: Node, rank: int) -> list[int] | None:
+    a = n.attrs
+    if n.op_type in ("Softmax", "LogSoftmax", "Hardmax"):
+        return [int(a.get("axis", -1))]
+    if n.op_type in ("ArgMax", "ArgMin"):
+        return [int(a.get("axis", 0))]
+    if n.op_type == "LayerNormalization":
+        axis = int(a.get("axis", -1)) % max(rank, 1)
+        return list(range(axis, rank))
+    if n.op_type in ("GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "InstanceNormalization"):
+        return list(range(2, rank))
+    if n.op_type == "LpNormalization":
+        return [int(a.get("axis", -1))]
+    if n.op_type.startswith("Reduce"):
+        return _reduce_op_axes(graph, n, rank)
+    return None
+
+
+def _reduce_op_axes(graph: Graph, n: Node, rank: int) -> list[int] | None:
+    if "axes" in n.attrs:
+        return [int(x) for x in n.attrs["axes"]]
+    if len(n.inputs) > 1 and n.inputs[1]:
+        axes = graph.constant_value(n.inputs[1])
+        return None if axes is None else [int(x) for x in axes.reshape(-1)]
+    return [] if n.attrs.get("noop_with_empty_axes", 0) else list(range(rank))
+
+
+def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
+    shapes = set()
+    for n in nodes:
+        if n.kind != OpKind.REDUCE:
+            continue
+        rows = _reduced_rows(graph, n)
+        if isinstance(rows, FusionDecision):
+            return rows
+        shapes.add(rows)
+    if len({r for r, _ in shapes}) > 1:
+        return FusionDecision.refuse(f"reductions over different row counts {sorted(shapes)}")
+    rows, row_len = max(shapes, key=lambda s: s[1])
+    live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS_PER_BLOCK))
+    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, (), 0, live)
+
+
+def _gemm_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:
+    """(M, N, K) of the anchor as a GEMM (implicit GEMM for convolutions; M spans batch)."""
+    ins = [graph.tensors[t].shape if t else None for t in anchor.inputs]
+    out = graph.tensors[anchor.outputs[0]].shape
+    if anchor.op_type == "Conv":
+        w = ins[1]
+        group = int(anchor.attrs.get("group", 1))
+        return math.prod(out) // out[1], out[1] // group, math.prod(w[1:])
+    if anchor.op_type == "ConvTranspose":
+        w = ins[1]
+        group = int(anchor.attrs.get("group", 1))
+        return math.prod(out) // out[1], out[1] // group, w[0] // group * math.prod(w[2:])
+    if anchor.op_type == "Gemm":
+        a = ins[0]
+        k = a[0] if anchor.attrs.get("transA", 0) else a[-1]
+        return out[0], out[1], k
+    a = ins[0]
+    k = a[-1]
+    n = out[-1] if len(out) >= 1 else 1
+    return math.prod(out) // max(n, 1), n, k
+
+
+def _tile(m: int, n: int, row_tile: int = 0) -> tuple[int, int, int]:
+    if row_tile:
+        tn = max(32, 1 << (row_tile - 1).bit_length())
+        return (32 if tn > 256 else 64), tn, TILE_K
+    tm = 128 if m >= 128 else 64 if m >= 64 else 32
+    tn = 128 if n >= 128 else 64 if n >= 64 else 32
+    return tm, tn, TILE_K
+
+
+def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | FusionDecision:
+    row_tile = 0
+    for n in nodes:
+        if n.kind == OpKind.REDUCE:
+            decision = _row_epilogue(graph, n, anchor)
+            if isinstance(decision, FusionDecision):
+                return decision
+            row_tile = max(row_tile, decision)
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    tm, tn, tk = _tile(m, n_dim, row_tile)
+    dtype = graph.tensors[anchor.outputs[0]].dtype
+    itemsize = max(1, TensorInfo("", (1,), dtype).nbytes)
+    smem = (tm * tk + tk * tn) * itemsize * PIPELINE_STAGES + (tm * tn * 4 if row_tile else 0)
+    live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
+    if row_tile:  # the row lives in shared memory; a thread keeps its slice of it
+        live = min(live, 64 + 2 * (len(nodes) - 1))
+    out_size = graph.tensors[anchor.outputs[0]].size
+    return _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (tm, tn, tk),
+                  smem, live)
+
+
+def _row_epilogue(graph: Graph, n: Node, anchor: Node) -> int | FusionDecision:
+    """Row length of a Softmax epilogue over the anchor output's last axis, else a refusal."""
+    if n.op_type not in ROW_EPILOGUE_OPS:
+        return FusionDecision.refuse(f"{_label(n)} cannot join the epilogue of {_label(anchor)}")
+    if not graph.reaches(anchor.id, n.id):
+        return FusionDecision.refuse(f"{_label(n)} is not after {_label(anchor)}")
+    rows = _reduced_rows(graph, n)
+    if isinstance(rows, FusionDecision):
+        return rows
+    _, row_len = rows
+    if row_len != graph.tensors[n.inputs[0]].shape[-1]:
+        return FusionDecision.refuse(f"{_label(n)} does not reduce the last axis only")
+    if row_len > MAX_ROW_TILE:
+        return FusionDecision.refuse(f"{_label(n)} row of {row_len} > {MAX_ROW_TILE}: no single tile holds it")
+    return row_len
+
+
+# -- numbers ----------------------------------------------------------------------------------
+
+def _external_inputs(graph: Graph, nodes: Iterable[Node]) -> list[str]:
+    nodes = list(nodes)
+    produced = {t for n in nodes for t in n.outputs}
+    seen: dict[str, None] = {}
+    for n in nodes:
+        for t in n.inputs:
+            if t and t not in produced:
+                seen.setdefault(t)
+    return list(seen)
+
+
+def _external_outputs(graph: Graph, nodes: list[Node]) -> list[str]:
+    ids = {n.id for n in nodes}
+    outs = []
+    for n in nodes:
+        for t in n.outputs:
+            if t and (graph.is_output(t) or any(c not in ids for c in graph.consumers(t))):
+                outs.append(t)
+    return outs
+
+
+def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, iteration: int,
+           reduction: int, tile: tuple[int, ...], smem: int, live: int, *, alias: bool = False) -> Kernel:
+    inputs = _external_inputs(graph, nodes)
+    outputs = _external_outputs(graph, nodes)
+    tc = scalar = trans = 0
+    for n in nodes:
+        flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
+        trans += node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
+        if n.id == anchor:
+            tc += flops
+        else:
+            scalar += flops
+    read = 0 if alias else sum(graph.tensors[t].nbytes for t in inputs)
+    write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
+    dtype = _group_dtype(graph, nodes, anchor)
+    return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
+                  tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
+                  THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias)
+
+
+def _group_dtype(graph: Graph, nodes: list[Node], anchor: int | None) -> str:
+    if anchor is not None:
+        return graph.tensors[graph.nodes[anchor].outputs[0]].dtype
+    floats = [graph.tensors[t].dtype for n in nodes for t in n.outputs
+              if t and graph.tensors[t].dtype in FLOAT_DTYPES]
+    if floats:
+        return floats[-1]
+    outs = [graph.tensors[t].dtype for n in nodes for t in n.outputs if t]
+    return outs[-1] if outs else "float32"

@@ -1,0 +1,115 @@
+"""Costs of lowered groups on pinned devices, each test naming its regime, and the graph-level
+figures (unfused time, physical lower bound)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from costmodels import RooflineModel, get_device
+from fusesearch.costing import graph_figures, kernel_cost
+from fusesearch.lowering import lower
+from fusesearch.pipeline import prepare
+from tests.test_lowering import conv_relu_graph, gemm_softmax_graph, graph_of, group
+
+MODEL = RooflineModel()
+H100, T4, A100 = get_device("h100-sxm"), get_device("t4"), get_device("a100-80gb")
+
+
+def chain_graph(n_elems: int, ops=("Relu", "Neg", "Abs"), dtype=TensorProto.FLOAT):
+    nodes, prev = [], "x"
+    for i, op in enumerate(ops):
+        nodes.append(helper.make_node(op, [prev], [f"t{i}"], name=f"n{i}"))
+        prev = f"t{i}"
+    return graph_of(nodes, [("x", [n_elems], dtype)], [(prev, None, dtype)])
+
+
+def test_memory_bound_elementwise_chain_on_h100():
+    """Regime: DRAM-bound. 64M fp32 elements through Relu→Neg→Abs fused: time ≈ bytes / bandwidth."""
+    n = 64 * 1024 * 1024
+    g = chain_graph(n)
+    k = lower(g, group(g, "n0", "n1", "n2"))
+    cost = kernel_cost(k, H100, MODEL)
+    assert cost.bound == "memory"
+    ideal = 2 * 4 * n / H100.dram_bytes_per_s
+    assert ideal < cost.time_s < ideal / 0.8  # within the pointwise memory efficiency (0.9) + launch
+
+
+def test_large_fp16_gemm_is_tensor_core_compute_bound():
+    """Regime: compute-bound on tensor cores (a100-80gb, fp16 8192³)."""
+    n = 8192
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["y"], name="mm")]
+    g = graph_of(nodes, [("a", [n, n], TensorProto.FLOAT16), ("b", [n, n], TensorProto.FLOAT16)],
+                 [("y", None, TensorProto.FLOAT16)])
+    cost = kernel_cost(lower(g, group(g, "mm")), A100, MODEL)
+    assert cost.bound == "compute"
+    ideal = 2 * n**3 / A100.fp16_flops_per_s
+    assert ideal < cost.time_s < ideal / 0.6
+
+
+def test_tiny_kernel_is_launch_bound():
+    """Regime: launch-bound. 16 floats through one Relu."""
+    g = chain_graph(16, ops=("Relu",))
+    cost = kernel_cost(lower(g, group(g, "n0")), H100, MODEL)
+    assert cost.bound == "launch"
+    assert cost.time_s < 2 * H100.launch_overhead_s
+
+
+def test_conv_relu_fused_moves_fewer_bytes_and_is_faster():
+    """Regime: memory-bound conv epilogue (16 channels, 64x64): fusing removes a round trip."""
+    g = conv_relu_graph(c=16, hw=64)
+    fused = lower(g, group(g, "conv", "relu"))
+    apart = [lower(g, group(g, "conv")), lower(g, group(g, "relu"))]
+    assert fused.read_bytes + fused.write_bytes < sum(k.read_bytes + k.write_bytes for k in apart)
+    for device in (T4, A100, H100):
+        assert kernel_cost(fused, device, MODEL).time_s < sum(kernel_cost(k, device, MODEL).time_s for k in apart)
+
+
+def test_softmax_epilogue_over_a_long_row_exceeds_shared_memory_on_t4():
+    """Regime: infeasible. A 4096-wide Softmax row held in one GEMM tile needs > 64 KiB of smem."""
+    g = gemm_softmax_graph(4096)
+    k = lower(g, group(g, "mm", "sm"))
+    cost = kernel_cost(k, T4, MODEL)
+    assert not cost.feasible and cost.time_s == float("inf")
+    assert "smem" in cost.reason and "KiB per block on t4" in cost.reason
+    assert kernel_cost(lower(g, group(g, "mm")), T4, MODEL).feasible
+
+
+def test_same_kernel_faster_on_h100_than_t4():
+    """Regimes: memory-bound (chain) and compute-bound (conv) — both faster on h100-sxm."""
+    g = chain_graph(1 << 22)
+    k = lower(g, group(g, "n0", "n1", "n2"))
+    assert kernel_cost(k, H100, MODEL).time_s < kernel_cost(k, T4, MODEL).time_s
+    c = conv_relu_graph(c=64, hw=56)
+    kc = lower(c, group(c, "conv", "relu"))
+    assert kernel_cost(kc, H100, MODEL).time_s < kernel_cost(kc, T4, MODEL).time_s
+
+
+def test_occupancy_falls_as_fused_ops_raise_registers():
+    """Regime: register-limited occupancy. A 60-op chain keeps more values live than one op."""
+    ops = tuple(["Relu", "Neg", "Abs", "Sigmoid"] * 15)
+    g = chain_graph(1 << 20, ops=ops)
+    short = kernel_cost(lower(g, group(g, "n0")), H100, MODEL)
+    long = kernel_cost(lower(g, group(g, *[f"n{i}" for i in range(len(ops))])), H100, MODEL)
+    assert long.regs_per_thread > short.regs_per_thread
+    assert long.occupancy < short.occupancy
+
+
+def test_graph_figures_resnet50_unfused_above_lower_bound():
+    """Graph level: every node its own kernel vs the physics bound, on three devices."""
+    prep = prepare("zoo:resnet50")
+    for device in (T4, A100, H100):
+        f = graph_figures(prep.graph, device, MODEL)
+        assert f.unfused_kernels == 121  # 122 nodes, Flatten is an alias
+        assert 0 < f.lower_bound_s < f.unfused_time_s
+        assert f.min_dram_bytes > 97 * 2**20  # weights are read at least once
+    t4, h100 = (graph_figures(prep.graph, d, MODEL) for d in (T4, H100))
+    assert h100.unfused_time_s < t4.unfused_time_s and h100.lower_bound_s < t4.lower_bound_s
+
+
+def test_unfused_time_counts_every_node():
+    g = chain_graph(1 << 16, ops=("Relu", "Neg"))
+    f = graph_figures(g, H100, MODEL)
+    singles = sum(kernel_cost(lower(g, group(g, n)), H100, MODEL).time_s for n in ("n0", "n1"))
+    assert np.isclose(f.unfused_time_s, singles)
+    assert f.unfused_kernels == 2
