@@ -63,9 +63,11 @@ def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel
     nodes = len(proto.graph.node)
     _check_and_sort(proto.graph, label)
     _name_nodes(proto.graph)
+    stash = _strip_weights(proto)
     proto = _upgrade(proto, opset, label)
     _make_static(proto, bindings, label)
     proto = _infer_shapes(proto, label)
+    _restore_weights(proto, stash, label)
     ir_model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
         ir.external_data.set_base_dir(ir_model.graph, base_dir)
@@ -261,6 +263,41 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
             name, k = f"{base}_{k}", k + 1
         node.name = name
         seen.add(name)
+
+
+# -- weights aside ----------------------------------------------------------------------------
+
+STRIP_BYTES = 4096  # initializers above this leave the proto while onnx's C++ passes run
+_STRIPPED = "__fusesearch_stripped__"
+
+
+def _strip_weights(proto: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """Take large inline weights out of the main graph (onnx's converter and shape inference
+    serialize the whole model; they need dims and dtypes, not values). Put back by name."""
+    stash: dict[str, onnx.TensorProto] = {}
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.ByteSize() < STRIP_BYTES:
+            continue
+        stash[tensor.name] = onnx.TensorProto()
+        stash[tensor.name].CopyFrom(tensor)
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            tensor.ClearField(field)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        entry = tensor.external_data.add()
+        entry.key, entry.value = "location", _STRIPPED
+    return stash
+
+
+def _restore_weights(proto: onnx.ModelProto, stash: dict[str, onnx.TensorProto], label: str) -> None:
+    restored = 0
+    for tensor in proto.graph.initializer:
+        original = stash.get(tensor.name)
+        if original is not None and any(e.value == _STRIPPED for e in tensor.external_data):
+            tensor.CopyFrom(original)
+            restored += 1
+    if restored != len(stash):
+        raise ModelLoadError(f"{label}: {len(stash) - restored} weights were lost while upgrading the "
+                             "opset; re-export the model at opset 21 and load that")
 
 
 # -- 4. opset ---------------------------------------------------------------------------------
