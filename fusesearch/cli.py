@@ -164,6 +164,199 @@ def _figures(graph, label, spec, params) -> dict:
             "tc_flops": f.tc_flops, "scalar_flops": f.scalar_flops}
 
 
+# -- plan / compare ---------------------------------------------------------------------------
+
+Strategy = Annotated[str, typer.Option("--strategy", help="none | rules | greedy | cpsat")]
+TimeLimit = Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds (cpsat).")]
+MaxGroup = Annotated[int, typer.Option("--max-group-size", help="Most ops in one kernel.")]
+Seed = Annotated[int, typer.Option("--seed", help="Solver seed.")]
+Workers = Annotated[int | None, typer.Option("--workers", help="CP-SAT workers (default: cores, at most 8).")]
+
+
+def _check_search_args(time_limit: float, max_group_size: int) -> None:
+    if time_limit <= 0:
+        raise BadInput(f"--time-limit {time_limit}: give a positive number of seconds")
+    if max_group_size < 1:
+        raise BadInput(f"--max-group-size {max_group_size}: give a positive number of ops")
+
+
+def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None):
+    from fusesearch.search.problem import SearchConfig
+
+    if workers is not None and workers < 1:
+        raise BadInput(f"--workers {workers}: give a positive number")
+    return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
+                        **({"workers": workers} if workers else {}))
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
+    device: Annotated[str, typer.Option("--device", help="GPU name (see `fusesearch devices`) or profile.json")],
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    strategy: Strategy = "cpsat",
+    time_limit: TimeLimit = 60.0,
+    max_group_size: MaxGroup = 16,
+    seed: Seed = 0,
+    workers: Workers = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.json here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Log every fusion accepted or refused.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
+    from fusesearch.search import STRATEGIES
+
+    if strategy not in STRATEGIES:
+        raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
+    _check_search_args(time_limit, max_group_size)
+    _check_output(output, force, "-o")
+    config = _config(time_limit, max_group_size, seed, workers)
+    result, legality = _run_plan(model, _bindings(input_shape, dim), device, strategy, config)
+    if explain:
+        from fusesearch.explain import explain_lines
+
+        for line in explain_lines(result, legality):
+            print(line, file=sys.stderr)
+    if output is not None:
+        output.write_text(result.to_json())
+    if json_out:
+        doc = result.to_dict()
+        doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
+                      "output": str(output) if output else None}
+        _emit_json(doc)
+        return
+    _print_plan(result, output)
+
+
+def _check_output(path: Path | None, force: bool, flag: str) -> None:
+    if path is None:
+        return
+    if path.exists() and not force:
+        raise BadInput(f"{flag} {path}: file exists; remove it or pass --force to overwrite")
+    if not path.parent.exists():
+        raise BadInput(f"{flag} {path}: folder {path.parent} does not exist; create it first")
+
+
+def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
+    from costmodels import RooflineModel
+
+    from fusesearch.api import model_info, resolve_device
+    from fusesearch.pipeline import prepare
+    from fusesearch.search import SearchProblem, search
+
+    label, spec, params, profile = resolve_device(device)
+    prep = prep or prepare(model, bindings)
+    problem = SearchProblem.build(prep.graph, spec, RooflineModel(params), config)
+    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
+                    profile=profile, model_info=model_info(prep), problem=problem)
+    return result, problem.legality
+
+
+def _print_plan(p, output: Path | None) -> None:
+    s = p.solver
+    status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {_gap(p):.2%}" if s.bound_s is not None else "")
+    out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold], strategy {p.strategy} "
+              f"({status}; {s.wall_s:.2f} s)")
+    out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
+              f"   predicted {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
+              f"   speedup {p.speedup:.2f}x   lower bound {_fmt_time(p.lower_bound_s)}"
+              f" ({p.time_s / p.lower_bound_s:.1f}x above it)")
+    table = Table(title="slowest kernels", title_justify="left")
+    for col in ("group", "template", "ops", "time", "bound", "occupancy"):
+        table.add_column(col, justify="right" if col in ("time", "occupancy") else "left")
+    for g in sorted(p.groups, key=lambda g: -g.cost.time_s)[:10]:
+        ops = "+".join(p.graph.nodes[i].op_type for i in g.nodes)
+        table.add_row(f"g{g.id}", "alias" if g.kernel.alias else g.kernel.template, ops,
+                      _fmt_time(g.cost.time_s), g.cost.bound, f"{g.cost.occupancy:.2f}")
+    out.print(table)
+    if output is not None:
+        out.print(f"plan written to {output}")
+
+
+def _gap(p) -> float:
+    if not p.solver.bound_s or not p.solver.objective_s:
+        return 0.0
+    return max(0.0, (p.solver.objective_s - p.solver.bound_s) / p.solver.objective_s)
+
+
+@app.command()
+def compare(
+    model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
+    device: Annotated[str, typer.Option("--device", help="D[,D2...]: GPU names or profile.json files")],
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated strategies.")] = "none,rules,greedy,cpsat",
+    time_limit: TimeLimit = 60.0,
+    max_group_size: MaxGroup = 16,
+    seed: Seed = 0,
+    workers: Workers = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run strategies side by side on one or more devices; show where the plans differ."""
+    from fusesearch.pipeline import prepare
+    from fusesearch.search import STRATEGIES
+
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise BadInput(f"--strategies {strategies}: unknown {', '.join(bad) or 'empty'}; choose from "
+                       f"{', '.join(STRATEGIES)}")
+    _check_search_args(time_limit, max_group_size)
+    devices = [d.strip() for d in device.split(",") if d.strip()]
+    if not devices:
+        raise BadInput("--device: give at least one device name (see `fusesearch devices`)")
+    config = _config(time_limit, max_group_size, seed, workers)
+    prep = prepare(model, _bindings(input_shape, dim))
+    plans = {(d, s): _run_plan(model, None, d, s, config, prep)[0] for d in devices for s in names}
+    doc = _compare_doc(prep, plans, devices, names)
+    if json_out:
+        _emit_json(doc)
+        return
+    _print_compare(doc)
+
+
+def _compare_doc(prep, plans, devices, names) -> dict:
+    rows = [{"device": d, "strategy": s, "kernels": p.kernels, "time_s": p.time_s,
+             "unfused_time_s": p.unfused_time_s, "lower_bound_s": p.lower_bound_s, "speedup": p.speedup,
+             "status": p.solver.status, "wall_s": round(p.solver.wall_s, 3)} for (d, s), p in plans.items()]
+    diffs = []
+    for s in names:
+        for i, a in enumerate(devices):
+            for b in devices[i + 1:]:
+                pa, pb = set(plans[(a, s)].partition()), set(plans[(b, s)].partition())
+                label = lambda g: "+".join(prep.graph.nodes[v].name for v in sorted(g))  # noqa: E731
+                diffs.append({"strategy": s, "devices": [a, b], "same": pa == pb,
+                              "only_in_a": sorted(label(g) for g in pa - pb if len(g) > 1),
+                              "only_in_b": sorted(label(g) for g in pb - pa if len(g) > 1)})
+    return {"model": prep.loaded.name, "canonical_nodes": len(prep.graph), "results": rows,
+            "differences": diffs}
+
+
+def _print_compare(doc: dict) -> None:
+    out.print(f"[bold]{doc['model']}[/bold] ({doc['canonical_nodes']} canonical nodes)")
+    table = Table()
+    for col in ("device", "strategy", "kernels", "predicted", "speedup", "x lower bound", "status", "wall"):
+        table.add_column(col, justify="left" if col in ("device", "strategy", "status") else "right")
+    for r in doc["results"]:
+        table.add_row(r["device"], r["strategy"], str(r["kernels"]), _fmt_time(r["time_s"]),
+                      f"{r['speedup']:.2f}x", f"{r['time_s'] / r['lower_bound_s']:.1f}x", r["status"],
+                      f"{r['wall_s']:.2f} s")
+    out.print(table)
+    for d in doc["differences"]:
+        a, b = d["devices"]
+        if d["same"]:
+            out.print(f"{d['strategy']}: same plan on {a} and {b}")
+            continue
+        out.print(f"{d['strategy']}: plans differ between {a} and {b}: "
+                  f"{len(d['only_in_a'])} fused groups only on {a}, {len(d['only_in_b'])} only on {b}")
+        for g in d["only_in_a"][:3]:
+            out.print(f"  only on {a}: {g}")
+        for g in d["only_in_b"][:3]:
+            out.print(f"  only on {b}: {g}")
+
+
 # -- devices ----------------------------------------------------------------------------------
 
 @app.command()

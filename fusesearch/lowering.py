@@ -13,7 +13,9 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
     the rest ................. `pointwise`: one thread per output element
 
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
-used outside the group (or a graph output) written once. FLOPs come from the OpKind table:
+used outside the group (or a graph output) written once. A gemm/conv whose output has fewer than
+TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for skinny problems) and pays
+the fp32 partial sums' round trip. FLOPs come from the OpKind table:
 the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
 Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
 treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodels import KernelSpec
 
@@ -38,6 +40,7 @@ from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 THREADS_PER_BLOCK = 256
 PIPELINE_STAGES = 2  # double-buffered operand tiles in shared memory
 TILE_K = 32
+TARGET_BLOCKS = 256  # enough blocks for two waves on the largest GPUs (132 SMs)
 MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
 ROW_EPILOGUE_OPS = frozenset({"Softmax", "LogSoftmax"})
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
@@ -72,6 +75,7 @@ class Kernel:
     read_bytes: int
     write_bytes: int
     alias: bool = False
+    split_k: int = 1  # gemm/conv: K split across blocks when the output has too few tiles
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -121,6 +125,11 @@ def _lower_template(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     if nodes[0].kind == OpKind.OPAQUE:
         return _lower_opaque(graph, nodes)
     return _lower_pointwise(graph, nodes)
+
+
+def lower_as_library(graph: Graph, group: FusionGroup) -> Kernel:
+    """A lone op run by a library call (`opaque`), whatever its kind."""
+    return _lower_opaque(graph, [graph.nodes[i] for i in sorted(group.nodes)])
 
 
 def _lower_opaque(graph: Graph, nodes: list[Node]) -> Kernel:
@@ -288,13 +297,23 @@ def _gemm_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:
     return math.prod(out) // max(n, 1), n, k
 
 
+TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))
+
+
 def _tile(m: int, n: int, row_tile: int = 0) -> tuple[int, int, int]:
+    """Block tile (M, N, K): the largest that still gives TARGET_BLOCKS output tiles (as a
+    library's heuristic picks), else the smallest; skinny M (GEMV-like) gets M rounded up to a
+    power of two. A Softmax epilogue needs the whole row (N) in one tile."""
     if row_tile:
         tn = max(32, 1 << (row_tile - 1).bit_length())
         return (32 if tn > 256 else 64), tn, TILE_K
-    tm = 128 if m >= 128 else 64 if m >= 64 else 32
-    tn = 128 if n >= 128 else 64 if n >= 64 else 32
-    return tm, tn, TILE_K
+    if m < 32:
+        tm = 1 << max(0, (m - 1).bit_length())
+        return tm, 128 if n >= 128 else max(32, 1 << max(0, (n - 1).bit_length())), TILE_K
+    for tm, tn in TILE_CHOICES:
+        if math.ceil(m / tm) * math.ceil(n / tn) >= TARGET_BLOCKS:
+            return tm, tn, TILE_K
+    return TILE_CHOICES[-1] + (TILE_K,)
 
 
 def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | FusionDecision:
@@ -314,8 +333,23 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
     if row_tile:  # the row lives in shared memory; a thread keeps its slice of it
         live = min(live, 64 + 2 * (len(nodes) - 1))
     out_size = graph.tensors[anchor.outputs[0]].size
-    return _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (tm, tn, tk),
-                  smem, live)
+    split = 1 if row_tile else _split_k(m, n_dim, k, tm, tn, tk)
+    kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
+                    (tm, tn, tk), smem, live)
+    if split == 1:
+        return kernel
+    partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
+    return replace(kernel, split_k=split, read_bytes=kernel.read_bytes + partials // 2,
+                   write_bytes=kernel.write_bytes + partials // 2)
+
+
+def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:
+    """Split K across blocks (as cuBLAS / CUTLASS split-K) when the output has fewer tiles than
+    TARGET_BLOCKS, keeping at least 4 K-steps per block."""
+    tiles = max(1, math.ceil(m / tm) * math.ceil(n / tn))
+    if tiles >= TARGET_BLOCKS:
+        return 1
+    return max(1, min(math.ceil(TARGET_BLOCKS / tiles), k // (4 * tk)))
 
 
 def _row_epilogue(graph: Graph, n: Node, anchor: Node) -> int | FusionDecision:

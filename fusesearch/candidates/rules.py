@@ -1,15 +1,35 @@
-"""Fusion decisions: every acceptance or refusal carries its reason.
+"""Legality rules: may this set of nodes be one kernel on this device? Every answer has a reason.
 
-Problem: a user reading `--explain` (or a test) must see why two ops were not fused — which
-node, which limit — not a bare False.
-Approach: as onnxscript's rewriter, a failed check returns its reason: `FusionDecision(False,
-"smem 72.0 KiB > 64.0 KiB per block on t4")`. Truthiness is the verdict.
-Invariants: a refusal always has a non-empty reason.
+Problem: enumeration, the greedy merger, the pattern baseline and plan validation must all agree
+on what one kernel may hold, and a user reading `--explain` must see why two ops were not fused
+(which node, which limit), not a bare False.
+Approach: as onnxscript's rewriter, a failed check returns its reason. A group is legal when each
+rule of `DEFAULT_RULES` accepts it, cheapest first:
+
+    MaxGroupSize      at most K ops (default 16)
+    Lowerable         lowering's checks: OPAQUE ops alone, one anchor, static shapes, one dtype,
+                      connected, convex, reductions over inner axes sharing one row count, a
+                      Softmax epilogue over the anchor's last axis (see fusesearch.lowering)
+    FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
+                      threads within the device's limits
+
+`Legality.check` memoizes (node set → decision, kernel, cost), so each group is lowered and
+costed once per search.
+Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
+whichever caller asks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from costmodels import DeviceSpec, KernelCost, RooflineModel
+
+from fusesearch.ir.graph import Graph
+
+DEFAULT_MAX_GROUP_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -31,3 +51,104 @@ class FusionDecision:
     @classmethod
     def refuse(cls, reason: str) -> FusionDecision:
         return cls(False, reason)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a group is: legal or not (and why), its kernel and predicted cost when legal."""
+
+    decision: FusionDecision
+    kernel: object | None = None  # fusesearch.lowering.Kernel
+    cost: KernelCost | None = None
+
+    @property
+    def time_s(self) -> float:
+        return self.cost.time_s if self.cost is not None else float("inf")
+
+
+class FusionRule(Protocol):
+    name: str
+
+    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision | Verdict: ...
+
+
+@dataclass(frozen=True)
+class MaxGroupSize:
+    name: str = "max-group-size"
+
+    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision:
+        if len(nodes) > legality.max_group_size:
+            return FusionDecision.refuse(f"{len(nodes)} ops > max group size {legality.max_group_size}")
+        return FusionDecision.accept()
+
+
+@dataclass(frozen=True)
+class Lowerable:
+    name: str = "lowerable"
+
+    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision | Verdict:
+        from fusesearch.candidates.group import FusionGroup
+        from fusesearch.lowering import try_lower
+
+        result = try_lower(legality.graph, FusionGroup(nodes))
+        if isinstance(result, FusionDecision):
+            return result
+        return Verdict(FusionDecision.accept(), result)
+
+
+@dataclass(frozen=True)
+class FitsDevice:
+    name: str = "fits-device"
+
+    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision | Verdict:
+        return FusionDecision.accept()  # applied in Legality.check once the kernel exists
+
+
+DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), FitsDevice())
+
+
+@dataclass
+class Legality:
+    """The rules bound to one graph, device and cost model, with a memo of every verdict."""
+
+    graph: Graph
+    device: DeviceSpec
+    model: RooflineModel
+    max_group_size: int = DEFAULT_MAX_GROUP_SIZE
+    rules: tuple[FusionRule, ...] = DEFAULT_RULES
+    _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
+
+    def check(self, nodes: Iterable[int]) -> Verdict:
+        key = frozenset(nodes)
+        verdict = self._memo.get(key)
+        if verdict is None:
+            verdict = self._memo[key] = self._check(key)
+        return verdict
+
+    def _check(self, nodes: frozenset[int]) -> Verdict:
+        from fusesearch.costing import kernel_cost
+
+        kernel = None
+        for rule in self.rules:
+            result = rule.check(self, nodes)
+            if isinstance(result, Verdict):
+                kernel = result.kernel
+            elif not result:
+                return Verdict(result)
+        cost = kernel_cost(kernel, self.device, self.model)
+        if not cost.feasible and len(nodes) == 1:  # a lone op always runs: as a library call
+            from fusesearch.candidates.group import FusionGroup
+            from fusesearch.lowering import lower_as_library
+
+            kernel = lower_as_library(self.graph, FusionGroup(nodes))
+            cost = kernel_cost(kernel, self.device, self.model)
+        if not cost.feasible:
+            return Verdict(FusionDecision.refuse(cost.reason), kernel, cost)
+        return Verdict(FusionDecision.accept(), kernel, cost)
+
+    def time_s(self, nodes: Iterable[int]) -> float:
+        return self.check(nodes).time_s
+
+    @property
+    def evaluated(self) -> int:
+        return len(self._memo)

@@ -1,0 +1,54 @@
+"""The Python API for notebooks: `fusesearch.plan(model, device=..., strategy=...)`.
+
+Problem: researchers script experiments; they want the CLI's pipeline as one call returning
+values they can inspect (`Plan.to_pandas()`), not files.
+Approach: the same steps as `fusesearch plan`: prepare (load → canonicalize → Graph), resolve
+the device (name or profile.json), search, return the validated Plan.
+Invariants: no files are written; errors are the package's (`FusesearchError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from fusesearch.errors import BadInput
+from fusesearch.ir.shapes import ShapeBindings
+from fusesearch.plans import ModelInfo, Plan
+from fusesearch.search.problem import SearchConfig
+
+
+def resolve_device(name_or_path: str):
+    """(label, DeviceSpec, RooflineParams, profile path or None); BadInput for an unknown name."""
+    from costmodels import CostModelError, load_device
+
+    try:
+        spec, params = load_device(name_or_path)
+    except CostModelError as exc:
+        raise BadInput(f"--device {name_or_path}: {exc}") from None
+    is_profile = str(name_or_path).endswith(".json") or Path(str(name_or_path)).is_file()
+    return (spec.name, spec, params, str(name_or_path) if is_profile else None)
+
+
+def model_info(prep) -> ModelInfo:
+    return ModelInfo(prep.loaded.name, prep.loaded.sha256, prep.loaded.nodes, len(prep.graph))
+
+
+def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
+         input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
+         time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
+         workers: int | None = None, prepared=None) -> Plan:
+    from costmodels import RooflineModel
+
+    from fusesearch.pipeline import prepare
+    from fusesearch.search import search
+
+    bindings = ShapeBindings.parse(
+        [f"{k}={'x'.join(map(str, v))}" for k, v in (input_shapes or {}).items()],
+        [f"{k}={v}" for k, v in (dims or {}).items()])
+    prep = prepared or prepare(model, bindings)
+    label, spec, params, profile = resolve_device(device)
+    config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
+                          **({"workers": workers} if workers else {}))
+    return search(prep.graph, spec, RooflineModel(params), strategy, config=config, device_label=label,
+                  profile=profile, model_info=model_info(prep))

@@ -1,0 +1,109 @@
+"""Enumerate candidate fusion groups: connected, convex node sets that the legality rules accept.
+
+Problem: the exact solver chooses among candidates, so the set must hold the groups worth
+choosing, without blowing up on 10,000-node graphs (connected subsets grow exponentially).
+Approach: from each seed node s, a breadth-first growth over undirected neighbours with ids > s
+(so every connected set is produced only from its smallest node, as in the ESU algorithm).
+Each grown set is closed to its convex hull — the nodes on paths between members,
+(OR desc) & (OR anc) from the Graph's bitsets; such nodes have ids between the members', so the
+seed stays the minimum — and kept only if legal; only legal sets grow further. A budget of legality
+checks per seed bounds the work (small groups come first, as BFS goes by size). Every single
+node is a candidate; `extra` groups (those the rules and greedy strategies formed) are added so
+the exact solver can always reproduce them.
+Invariants: groups are distinct, connected, convex and legal; the order is deterministic
+(by smallest node, size, then node ids).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fusesearch.candidates.rules import Legality
+from fusesearch.ir.graph import Graph
+from fusesearch.ir.op_kind import OpKind
+
+DEFAULT_BUDGET_PER_SEED = 48
+
+
+@dataclass(frozen=True)
+class CandidateSet:
+    groups: tuple[frozenset[int], ...]
+    checked: int  # legality checks made (the enumeration's work)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def containing(self) -> list[list[int]]:
+        """For each node id, the indices of the candidates that contain it."""
+        n = 1 + max((max(g) for g in self.groups), default=-1)
+        out: list[list[int]] = [[] for _ in range(n)]
+        for i, g in enumerate(self.groups):
+            for v in g:
+                out[v].append(i)
+        return out
+
+
+def neighbours(graph: Graph) -> list[tuple[int, ...]]:
+    return [tuple(sorted(set(graph.predecessors(i)) | set(graph.successors(i)))) for i in range(len(graph))]
+
+
+def convex_hull(graph: Graph, nodes: Iterable[int]) -> frozenset[int]:
+    members = desc = anc = 0
+    for i in nodes:
+        members |= 1 << i
+        desc |= graph.descendants(i)
+        anc |= graph.ancestors(i)
+    hull = members | (desc & anc)
+    return frozenset(_bits(hull))
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def enumerate_candidates(legality: Legality, *, budget_per_seed: int = DEFAULT_BUDGET_PER_SEED,
+                         extra: Iterable[frozenset[int]] = ()) -> CandidateSet:
+    graph = legality.graph
+    nbrs = neighbours(graph)
+    found: set[frozenset[int]] = set()
+    checked = 0
+    for seed in range(len(graph)):
+        found.add(frozenset({seed}))
+        if graph.nodes[seed].kind != OpKind.OPAQUE:
+            checked += _grow(legality, graph, nbrs, seed, budget_per_seed, found)
+    for group in extra:
+        group = frozenset(group)
+        if group not in found and legality.check(group).decision:
+            found.add(group)
+    ordered = sorted(found, key=lambda g: (min(g), len(g), sorted(g)))
+    return CandidateSet(tuple(ordered), checked)
+
+
+def _grow(legality: Legality, graph: Graph, nbrs: list[tuple[int, ...]], seed: int, budget: int,
+          found: set[frozenset[int]]) -> int:
+    frontier = deque([frozenset({seed})])
+    seen = {frontier[0]}
+    checks = 0
+    while frontier and checks < budget:
+        group = frontier.popleft()
+        for nb in sorted({j for i in group for j in nbrs[i]} - group):
+            if nb < seed or graph.nodes[nb].kind == OpKind.OPAQUE:
+                continue
+            grown = convex_hull(graph, group | {nb})
+            if grown in seen or len(grown) > legality.max_group_size:
+                continue
+            seen.add(grown)
+            checks += 1
+            if legality.check(grown).decision:
+                found.add(grown)
+                frontier.append(grown)
+            if checks >= budget:
+                break
+    return checks

@@ -1,0 +1,234 @@
+"""Plans: validation, ordering, totals, and plan.json (schema `fusesearch.plan/1`).
+
+Problem: a plan is only worth anything if it is provably a valid schedule of the graph — every
+node in exactly one group, each group one connected convex kernel, and the groups runnable in
+some order (acyclic quotient graph) — and if the same input always writes the same file.
+Approach: `validate_plan` checks the three properties and names the first group that breaks one;
+`order_groups` gives the quotient graph's topological order (Kahn's algorithm, ties by smallest
+node id), which numbers the groups g0, g1, ...; `Plan` holds each group's kernel and cost and
+writes plan.json with fixed key order and rounded floats.
+Invariants: every Plan has passed `validate_plan`; plan.json holds no wall-clock figure (run
+times go to the CLI summary and `--json` output), so it is byte-identical across runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodels import KernelCost
+
+from fusesearch.candidates.rules import FusionDecision, Legality
+from fusesearch.errors import FusesearchError
+from fusesearch.ir.graph import Graph
+from fusesearch.lowering import Kernel
+
+SCHEMA = "fusesearch.plan/1"
+SIG_DIGITS = 6
+
+
+class InvalidPlan(FusesearchError):
+    """A partition that is not a valid schedule (internal: a solver bug, or a bad plan file)."""
+
+
+def validate_plan(graph: Graph, groups: Sequence[Iterable[int]]) -> FusionDecision:
+    groups = [frozenset(g) for g in groups]
+    owner: dict[int, int] = {}
+    for gi, group in enumerate(groups):
+        for v in group:
+            if not 0 <= v < len(graph):
+                return FusionDecision.refuse(f"group {gi}: node id {v} is not in the graph")
+            if v in owner:
+                return FusionDecision.refuse(f"node {graph.nodes[v].name} is in groups {owner[v]} and {gi}")
+            owner[v] = gi
+    missing = [graph.nodes[v].name for v in range(len(graph)) if v not in owner]
+    if missing:
+        return FusionDecision.refuse(f"node {missing[0]} is in no group ({len(missing)} missing)")
+    for gi, group in enumerate(groups):
+        decision = _connected_convex(graph, group, gi)
+        if not decision:
+            return decision
+    try:
+        order_groups(graph, groups)
+    except InvalidPlan as exc:
+        return FusionDecision.refuse(str(exc))
+    return FusionDecision.accept()
+
+
+def _connected_convex(graph: Graph, group: frozenset[int], gi: int) -> FusionDecision:
+    if len(group) > 1:
+        seen, stack = set(), [min(group)]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            stack.extend(u for u in (*graph.predecessors(v), *graph.successors(v)) if u in group)
+        if seen != group:
+            return FusionDecision.refuse(f"group {gi} is not connected")
+    if not graph.is_convex(group):
+        return FusionDecision.refuse(f"group {gi} is not convex: a path leaves it and comes back")
+    return FusionDecision.accept()
+
+
+def order_groups(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int]:
+    """Topological order of the quotient graph (indices into `groups`); InvalidPlan on a cycle."""
+    owner = {v: gi for gi, g in enumerate(groups) for v in g}
+    succ: list[set[int]] = [set() for _ in groups]
+    indegree = [0] * len(groups)
+    for gi, group in enumerate(groups):
+        for v in group:
+            for w in graph.successors(v):
+                gj = owner[w]
+                if gj != gi and gj not in succ[gi]:
+                    succ[gi].add(gj)
+                    indegree[gj] += 1
+    ready = [(min(g), gi) for gi, g in enumerate(groups) if indegree[gi] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, gi = heapq.heappop(ready)
+        order.append(gi)
+        for gj in succ[gi]:
+            indegree[gj] -= 1
+            if indegree[gj] == 0:
+                heapq.heappush(ready, (min(groups[gj]), gj))
+    if len(order) < len(groups):
+        stuck = next(gi for gi in range(len(groups)) if indegree[gi] > 0)
+        names = sorted(graph.nodes[v].name for v in groups[stuck])
+        raise InvalidPlan(f"groups form a cycle through the group of {', '.join(names[:3])}")
+    return order
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    id: int
+    nodes: tuple[int, ...]
+    kernel: Kernel
+    cost: KernelCost
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    status: str
+    objective_s: float
+    bound_s: float | None
+    wall_s: float = 0.0
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    sha256: str
+    nodes: int
+    canonical_nodes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    graph: Graph
+    groups: tuple[PlannedGroup, ...]
+    strategy: str
+    device: str
+    profile: str | None
+    solver: SolverInfo
+    model: ModelInfo
+    unfused_time_s: float
+    lower_bound_s: float
+
+    @classmethod
+    def build(cls, legality: Legality, partition: Sequence[frozenset[int]], *, strategy: str,
+              device: str, profile: str | None, solver: SolverInfo, model: ModelInfo,
+              unfused_time_s: float, lower_bound_s: float) -> Plan:
+        decision = validate_plan(legality.graph, partition)
+        if not decision:
+            raise InvalidPlan(f"strategy {strategy} produced an invalid plan: {decision.reason}")
+        order = order_groups(legality.graph, partition)
+        groups = []
+        for new_id, gi in enumerate(order):
+            verdict = legality.check(partition[gi])
+            if not verdict.decision:
+                raise InvalidPlan(f"strategy {strategy} chose an illegal group: {verdict.decision.reason}")
+            groups.append(PlannedGroup(new_id, tuple(sorted(partition[gi])), verdict.kernel, verdict.cost))
+        return cls(legality.graph, tuple(groups), strategy, device, profile, solver, model,
+                   unfused_time_s, lower_bound_s)
+
+    # -- figures --------------------------------------------------------------------------------
+
+    @property
+    def time_s(self) -> float:
+        return sum(g.cost.time_s for g in self.groups)
+
+    @property
+    def kernels(self) -> int:
+        return sum(not g.kernel.alias for g in self.groups)
+
+    @property
+    def dram_bytes(self) -> float:
+        return sum(g.cost.dram_bytes for g in self.groups)
+
+    @property
+    def flops(self) -> float:
+        return sum(g.cost.flops for g in self.groups)
+
+    @property
+    def speedup(self) -> float:
+        return self.unfused_time_s / self.time_s if self.time_s else float("inf")
+
+    def partition(self) -> list[frozenset[int]]:
+        return [frozenset(g.nodes) for g in self.groups]
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def group_dict(self, g: PlannedGroup) -> dict[str, Any]:
+        nodes = [self.graph.nodes[i] for i in g.nodes]
+        return {
+            "id": g.id, "nodes": [n.name for n in nodes], "ops": [n.op_type for n in nodes],
+            "template": "alias" if g.kernel.alias else g.kernel.template,
+            "time_s": _r(g.cost.time_s), "flops": _r(g.cost.flops), "dram_bytes": _r(g.cost.dram_bytes),
+            "smem_bytes": int(g.cost.smem_bytes), "regs_per_thread": int(g.cost.regs_per_thread),
+            "occupancy": _r(g.cost.occupancy), "bound": g.cost.bound,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "model": {"name": self.model.name, "sha256": self.model.sha256, "nodes": self.model.nodes,
+                      "canonical_nodes": self.model.canonical_nodes},
+            "device": {"name": self.device, "profile": self.profile},
+            "strategy": self.strategy,
+            "solver": {"status": self.solver.status, "objective_s": _r(self.solver.objective_s),
+                       "bound_s": _r(self.solver.bound_s) if self.solver.bound_s is not None else None},
+            "groups": [self.group_dict(g) for g in self.groups],
+            "totals": {"kernels": self.kernels, "time_s": _r(self.time_s),
+                       "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),
+                       "dram_bytes": _r(self.dram_bytes), "flops": _r(self.flops)},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def to_pandas(self):
+        import pandas as pd
+
+        rows = []
+        for g in self.groups:
+            row = self.group_dict(g)
+            row["nodes"] = "+".join(row["nodes"])
+            row["ops"] = "+".join(row["ops"])
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("id")
+
+
+def _r(value: float | None) -> float | None:
+    """Round to SIG_DIGITS significant digits: stable text, no float noise."""
+    if value is None:
+        return None
+    value = float(value)
+    if value == 0 or value != value or value in (float("inf"), float("-inf")):
+        return value
+    return float(f"{value:.{SIG_DIGITS}g}")

@@ -1,0 +1,57 @@
+"""Fusion search: the strategies behind one Solver protocol, and `search()`, the pipeline.
+
+    Graph ─► SearchProblem(legality on a device) ─► Solver.solve ─► validate_plan ─► Plan
+
+`SOLVERS` maps each strategy name to its class: `none` (every node alone), `rules` (the classic
+OpenPPL / ONNX Runtime patterns), `greedy` (priority merging, as XLA), `cpsat` (exact, OR-Tools;
+imported only when asked for, so the rest works without ortools).
+"""
+
+from __future__ import annotations
+
+from costmodels import DeviceSpec, RooflineModel
+
+from fusesearch.costing import graph_figures
+from fusesearch.errors import BadInput
+from fusesearch.ir.graph import Graph
+from fusesearch.plans import ModelInfo, Plan, SolverInfo
+from fusesearch.search.greedy import GreedySolver
+from fusesearch.search.none import NoFusion
+from fusesearch.search.problem import SearchConfig, SearchProblem, SolveResult, Solver
+from fusesearch.search.rules import RulesSolver
+
+STRATEGIES = ("none", "rules", "greedy", "cpsat")
+
+
+def _cpsat() -> Solver:
+    from fusesearch.search.cpsat import CpSatSolver
+
+    return CpSatSolver()
+
+
+SOLVERS = {"none": NoFusion, "rules": RulesSolver, "greedy": GreedySolver, "cpsat": _cpsat}
+
+
+def get_solver(strategy: str) -> Solver:
+    if strategy not in SOLVERS:
+        raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
+    return SOLVERS[strategy]()
+
+
+def search(graph: Graph, device: DeviceSpec, model: RooflineModel, strategy: str, *,
+           config: SearchConfig | None = None, device_label: str | None = None,
+           profile: str | None = None, model_info: ModelInfo | None = None,
+           problem: SearchProblem | None = None) -> Plan:
+    solver = get_solver(strategy)
+    problem = problem or SearchProblem.build(graph, device, model, config)
+    result = solver.solve(problem, time_limit_s=problem.config.time_limit_s, seed=problem.config.seed)
+    figures = graph_figures(graph, device, model)
+    info = SolverInfo(result.status, result.objective_s, result.bound_s, result.wall_s, dict(result.stats))
+    model_info = model_info or ModelInfo(graph.name, "", len(graph), len(graph))
+    return Plan.build(problem.legality, list(result.groups), strategy=strategy,
+                      device=device_label or device.name, profile=profile, solver=info, model=model_info,
+                      unfused_time_s=figures.unfused_time_s, lower_bound_s=figures.lower_bound_s)
+
+
+__all__ = ["SOLVERS", "STRATEGIES", "SearchConfig", "SearchProblem", "SolveResult", "Solver", "get_solver",
+           "search"]

@@ -1,0 +1,82 @@
+"""The search problem, the Solver protocol and what a solver returns.
+
+Problem: four strategies (none, rules, greedy, cpsat) must be interchangeable behind one call and
+compared on the same costs.
+Approach: a `SearchProblem` bundles the graph, the legality rules bound to a device and cost model
+(with their memo of verdicts), and the configuration (time limit, seed, workers, max group
+size, enumeration budget). A solver returns a `SolveResult`: a partition of the nodes into groups,
+its predicted time, a status and, for exact solvers, a bound.
+Invariants: a SolveResult's groups partition the graph's nodes (checked by `validate_plan`
+before any plan leaves `search()`); times are seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from costmodels import DeviceSpec, RooflineModel
+
+from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
+from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality
+from fusesearch.ir.graph import Graph
+
+
+def default_workers() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    time_limit_s: float = 60.0
+    seed: int = 0
+    workers: int = field(default_factory=default_workers)
+    max_group_size: int = DEFAULT_MAX_GROUP_SIZE
+    budget_per_seed: int = DEFAULT_BUDGET_PER_SEED
+
+
+@dataclass
+class SearchProblem:
+    graph: Graph
+    legality: Legality
+    config: SearchConfig
+
+    @classmethod
+    def build(cls, graph: Graph, device: DeviceSpec, model: RooflineModel,
+              config: SearchConfig | None = None) -> SearchProblem:
+        config = config or SearchConfig()
+        return cls(graph, Legality(graph, device, model, config.max_group_size), config)
+
+    def time_s(self, nodes: Iterable[int]) -> float:
+        return self.legality.time_s(nodes)
+
+    def partition_time_s(self, groups: Iterable[Iterable[int]]) -> float:
+        return sum(self.time_s(g) for g in groups)
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    groups: tuple[frozenset[int], ...]
+    status: str  # OPTIMAL | FEASIBLE (cpsat), HEURISTIC (greedy, rules), BASELINE (none)
+    objective_s: float
+    bound_s: float | None = None
+    wall_s: float = 0.0
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float | None:
+        if self.bound_s is None or self.objective_s <= 0:
+            return None
+        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+class Solver(Protocol):
+    name: str
+
+    def solve(self, problem: SearchProblem, *, time_limit_s: float, seed: int) -> SolveResult: ...
+
+
+def singletons(graph: Graph) -> tuple[frozenset[int], ...]:
+    return tuple(frozenset({i}) for i in range(len(graph)))
