@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/fusesearch inspect $(DEMO_MODEL) --device $(DEMO_DEVICE)
+	$(BIN)/fusesearch plan $(DEMO_MODEL) --device $(DEMO_DEVICE)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

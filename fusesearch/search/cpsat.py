@@ -4,7 +4,7 @@ Problem: choose, among the enumerated candidate groups, a partition of the nodes
 predicted time whose quotient graph is acyclic — two convex groups can still form a cycle
 (p→q, r→s, p→s, r→q with groups {p, s} and {r, q}).
 Model (as the OR-Tools samples: data, model, variables, constraints, objective, solve, output):
-  data         candidates g with cost c_g in integer nanoseconds (the only place ints are used)
+  data         candidates g with cost c_g in integer picoseconds (the only place ints are used)
   variables    x_g ∈ {0,1} per candidate; rank r_v ∈ [0, n-1] per node
   constraints  Σ_{g ∋ v} x_g = 1 for every node v                          (exact partition)
                for every edge u→v, with y_uv = Σ_{g ∋ u,v} x_g (1 iff u, v share the chosen group):
@@ -15,8 +15,11 @@ Model (as the OR-Tools samples: data, model, variables, constraints, objective, 
   objective    minimize Σ c_g x_g
   search       hinted with the greedy plan (and its quotient's topological ranks); time limit,
                seed and workers from the config; with few workers the `max_lp` and `core`
-               subsolvers are added, which is what proves optimality on 2 cores; search is
-               interleaved (deterministic for a given seed and worker count).
+               subsolvers are added, which is what proves optimality on 2 cores.
+  determinism  parallel workers may prove the optimum with different, equally fast plans; a
+               second solve with one (deterministic) worker adds Σ c_g x_g ≤ optimum and minimizes
+               a hash of the chosen groups, so the plan returned is the same on every run (a
+               time-limited FEASIBLE result may still differ between runs).
 The candidate set always holds the rules and greedy groups, so the optimum is never worse than
 either. On a time-out the best plan found is returned with its gap to the bound; if CP-SAT
 found nothing the greedy plan is returned, never nothing.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 from ortools.sat.python import cp_model
 
@@ -37,7 +41,11 @@ from fusesearch.search.rules import rules_partition
 
 log = logging.getLogger(__name__)
 
-NS_PER_S = 1e9
+PS_PER_S = 1e12
+TIEBREAK_RANGE = 1 << 20
+CANONICAL_DETERMINISTIC_TIME = 20.0  # CP-SAT's deterministic time units (~seconds), one worker
+MIN_SOLVE_S = 1.0  # CP-SAT always gets this long, even past the deadline (the hint is a plan)
+SAFETY_S = 0.5  # reading the solution back
 FEW_WORKERS = 4
 
 
@@ -51,20 +59,23 @@ class CpSatSolver:
         candidates = enumerate_candidates(problem.legality, budget_per_seed=problem.config.budget_per_seed,
                                           extra=[*greedy, *rules])
         enumerated_s = time.perf_counter() - start
-        remaining = max(1.0, time_limit_s - enumerated_s)
-        result = _solve_model(problem, candidates, greedy, remaining, seed)
+        result = _solve_model(problem, candidates, greedy, start + time_limit_s, seed)
         stats = {**result.stats, "candidates": len(candidates), "enumeration_checks": candidates.checked,
                  "enumeration_s": round(enumerated_s, 3)}
         return SolveResult(result.groups, result.status, result.objective_s, result.bound_s,
                            time.perf_counter() - start, stats)
 
 
-def _cost_ns(problem: SearchProblem, group: frozenset[int]) -> int:
-    return max(0, round(problem.time_s(group) * NS_PER_S))
+def _costs_ps(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> list[int]:
+    return [round(problem.time_s(g) * PS_PER_S) for g in groups]
+
+
+def _tiebreak(group: frozenset[int]) -> int:
+    return zlib.crc32(",".join(map(str, sorted(group))).encode()) % TIEBREAK_RANGE
 
 
 def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[frozenset[int]],
-                 time_limit_s: float, seed: int) -> SolveResult:
+                 deadline: float, seed: int) -> SolveResult:
     graph = problem.graph
     n = len(graph)
     model = cp_model.CpModel()
@@ -80,13 +91,46 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
             model.add(rank[v] - rank[u] + together >= 1)
             if shared_with.get(v):
                 model.add(rank[v] - rank[u] + n * together <= n)
-    costs = [_cost_ns(problem, g) for g in candidates.groups]
-    model.minimize(sum(c * xi for c, xi in zip(costs, x, strict=True)))
+    costs = _costs_ps(problem, candidates.groups)
+    objective = sum(c * xi for c, xi in zip(costs, x, strict=True))
+    model.minimize(objective)
     _add_hint(model, candidates, x, rank, hint, graph)
     solver = cp_model.CpSolver()
-    _configure(solver.parameters, problem.config.workers, time_limit_s, seed)
+    remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S)
+    _configure(solver.parameters, problem.config.workers, remaining, seed)
     status = solver.solve(model)
+    if status == cp_model.OPTIMAL:
+        solver = _canonical_optimum(model, objective, x, candidates, int(solver.objective_value), solver)
     return _result(problem, candidates, solver, status, x, hint)
+
+
+def _canonical_optimum(model, objective, x, candidates, optimum_ps: int, first):
+    """Among the optimal plans, the one of least tie-break hash, found by one deterministic worker
+    (parallel workers may prove the optimum with different, equally fast plans)."""
+    model.add(objective <= optimum_ps)
+    model.minimize(sum(_tiebreak(g) * xi for g, xi in zip(candidates.groups, x, strict=True)))
+    model.clear_hints()
+    second = cp_model.CpSolver()
+    second.parameters.num_workers = 1
+    second.parameters.max_deterministic_time = CANONICAL_DETERMINISTIC_TIME
+    status = second.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        log.warning("cpsat: no canonical optimum (%s); keeping the first optimal plan", second.status_name(status))
+        return first
+    return _Combined(first, second)
+
+
+class _Combined:
+    """The first solve's status, bound and statistics with the canonical solve's values."""
+
+    def __init__(self, first, second) -> None:
+        self._first, self._second = first, second
+
+    def __getattr__(self, name):
+        return getattr(self._first, name)
+
+    def value(self, var):
+        return self._second.value(var)
 
 
 def _pairs(candidates: CandidateSet, indices: list[int]) -> dict[int, list[int]]:
@@ -118,22 +162,24 @@ def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
     params.max_time_in_seconds = float(time_limit_s)
     params.num_workers = int(workers)
     params.random_seed = int(seed)
-    params.interleave_search = True
     if workers <= FEW_WORKERS:
         params.extra_subsolvers.extend(["max_lp", "core"])
 
 
 def _result(problem, candidates, solver, status, x, hint) -> SolveResult:
     name = solver.status_name(status)
-    bound_s = solver.best_objective_bound / NS_PER_S if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
-    stats = {"solver_status": name, "objective_ns": None, "conflicts": solver.num_conflicts,
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    bound_s = solver.best_objective_bound / PS_PER_S if found else None
+    stats = {"solver_status": name, "objective_ps": None, "conflicts": solver.num_conflicts,
              "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3)}
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if found:
         groups = tuple(g for g, var in zip(candidates.groups, x, strict=True) if solver.value(var))
-        stats["objective_ns"] = int(solver.objective_value)
+        stats["objective_ps"] = int(solver.objective_value)
     else:
         log.warning("cpsat found no solution in time (%s); returning the greedy plan", name)
         groups, name = tuple(hint), "FEASIBLE"
         stats["fallback"] = "greedy"
     groups = tuple(sorted(groups, key=min))
-    return SolveResult(groups, name, problem.partition_time_s(groups), bound_s, 0.0, stats)
+    objective_s = problem.partition_time_s(groups)
+    bound_s = min(bound_s, objective_s) if bound_s is not None else None  # ps rounding
+    return SolveResult(groups, name, objective_s, bound_s, 0.0, stats)
