@@ -1,0 +1,86 @@
+"""`fusesearch plan` and `compare`: summaries, plan.json, --explain lines, bad flags."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+
+import jsonschema
+
+SCHEMA = json.loads(resources.files("fusesearch").joinpath("schemas/plan.schema.json").read_text())
+
+
+def test_plan_summary_and_output_file(run_cli, tmp_path):
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli("plan", "zoo:resnet50", "--device", "h100-sxm", "--strategy", "rules", "-o", out)
+    assert code == 0, err
+    assert "kernels 56" in stdout and "speedup" in stdout and "lower bound" in stdout
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["strategy"] == "rules" and doc["model"]["nodes"] == 175 and doc["model"]["canonical_nodes"] == 122
+    code, _, err = run_cli("plan", "zoo:resnet50", "--device", "h100-sxm", "-o", out)
+    assert code == 2 and "exists" in err
+
+
+def test_plan_json_stdout_has_plan_and_run(run_cli):
+    code, stdout, err = run_cli("plan", "zoo:bert-small", "--device", "t4", "--strategy", "cpsat", "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    run = doc.pop("run")
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["solver"]["status"] == "OPTIMAL" and run["wall_s"] >= 0 and run["stats"]["candidates"] > 0
+
+
+def test_explain_lines_are_greppable(run_cli):
+    code, _, err = run_cli("plan", "zoo:resnet50", "--device", "t4", "--strategy", "greedy", "--explain")
+    assert code == 0
+    lines = err.strip().splitlines()
+    fuse = [line for line in lines if line.startswith("[fuse]")]
+    assert fuse and all(re.match(r"\[fuse\] \S+\(\w+\)(\+\S+\(\w+\))+ -> g\d+: [-+]\d+\.\d us$", line) for line in fuse)
+    others = [line for line in lines if not line.startswith("[fuse]")]
+    assert others and all(re.match(r"\[(refuse|skip)\] g\d+\+g\d+: .+", line) for line in others)
+    assert any("two anchors" in line for line in others)
+
+
+def test_explain_names_the_smem_limit(run_cli, tmp_path):
+    """A MatMul whose 4096-wide Softmax row cannot be one tile on a T4: refused with the numbers."""
+    import numpy as np
+    from onnx import helper
+
+    from tests.conftest import make_model, save
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Softmax", ["m"], ["y"], axis=-1, name="sm")]
+    model = make_model(nodes, [("x", [256, 64])], [("y", None)], [("w", np.ones((64, 4096), np.float32))])
+    path = save(model, tmp_path / "mm_softmax.onnx")
+    code, _, err = run_cli("plan", path, "--device", "t4", "--strategy", "greedy", "--explain")
+    assert code == 0, err
+    assert re.search(r"\[refuse\] g0\+g1: smem \d+\.\d KiB > 64\.0 KiB per block on t4", err), err
+
+
+def test_compare_devices_and_strategies(run_cli):
+    code, stdout, err = run_cli("compare", "zoo:bert-small", "--device", "h100-sxm,t4", "--strategies",
+                                "rules,greedy", "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert {(r["device"], r["strategy"]) for r in doc["results"]} == {
+        (d, s) for d in ("h100-sxm", "t4") for s in ("rules", "greedy")}
+    assert {d["strategy"] for d in doc["differences"]} == {"rules", "greedy"}
+    code, stdout, err = run_cli("compare", "zoo:resnet18", "--device", "a100-80gb,t4", "--strategies", "none,greedy")
+    assert code == 0, err
+    assert "greedy" in stdout and "t4" in stdout
+
+
+def test_bad_plan_flags_exit_2(run_cli):
+    for args, needle in [
+        (("--strategy", "magic"), "--strategy magic"),
+        (("--device", "gtx-9999"), "--device gtx-9999"),
+        (("--time-limit", "0"), "--time-limit"),
+        (("--max-group-size", "0"), "--max-group-size"),
+    ]:
+        argv = ["plan", "zoo:resnet18", "--device", "t4", *args]
+        code, _, err = run_cli(*argv)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
+    code, _, err = run_cli("compare", "zoo:resnet18", "--device", "t4", "--strategies", "none,magic")
+    assert code == 2 and "magic" in err
