@@ -203,6 +203,10 @@ def plan(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.json here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Log every fusion accepted or refused.")] = False,
+    emit: Annotated[Path | None, typer.Option("--emit", help="Write the fused ONNX model here.")] = None,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking --emit in ONNX Runtime.")] = False,
+    svg: Annotated[Path | None, typer.Option("--svg", help="Draw the plan as SVG here.")] = None,
+    html_out: Annotated[Path | None, typer.Option("--html", help="Write an offline HTML page of the plan.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -211,9 +215,14 @@ def plan(
     if strategy not in STRATEGIES:
         raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
     _check_search_args(time_limit, max_group_size)
-    _check_output(output, force, "-o")
+    for path, flag in ((output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")):
+        _check_output(path, force, flag)
     config = _config(time_limit, max_group_size, seed, workers)
-    result, legality = _run_plan(model, _bindings(input_shape, dim), device, strategy, config)
+    result, legality, prep = _run_plan(model, _bindings(input_shape, dim), device, strategy, config)
+    verified = None
+    if emit is not None:
+        verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, not no_verify, seed)
+    _draw(result, svg, html_out)
     if explain:
         from fusesearch.explain import explain_lines
 
@@ -224,10 +233,133 @@ def plan(
     if json_out:
         doc = result.to_dict()
         doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
-                      "output": str(output) if output else None}
+                      "output": str(output) if output else None, "emit": str(emit) if emit else None,
+                      "verified": verified}
         _emit_json(doc)
         return
     _print_plan(result, output)
+    for path, what in ((emit, "fused model"), (svg, "picture"), (html_out, "page")):
+        if path is not None:
+            out.print(f"{what} written to {path}")
+    if verified is not None:
+        out.print(_verified_line(verified))
+
+
+def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int) -> dict | None:
+    from fusesearch.export import fused_model, save_model
+    from fusesearch.ir.canonicalize import to_proto
+
+    canonical = to_proto(prep.canonical)
+    fused = fused_model(canonical, prep.graph, groups)
+    save_model(fused, path, overwrite=force)
+    if not verify:
+        return None
+    report = _verify(prep.loaded.source, str(path), canonical, seed, 1e-4, 0.0)
+    if not report["ok"]:
+        raise FusesearchError(f"--emit {path}: the fused model differs from the original: "
+                              f"{_verified_line(report)}; please report this plan")
+    return report
+
+
+def _draw(plan_, svg: Path | None, html_out: Path | None) -> None:
+    from fusesearch.pictures import plan_html, plan_svg
+
+    if svg is not None:
+        svg.write_text(plan_svg(plan_))
+    if html_out is not None:
+        html_out.write_text(plan_html(plan_))
+
+
+def _verify(original: str, fused: str, static_model, seed: int, rtol: float, atol: float) -> dict:
+    """Run ORIGINAL (a path or zoo:NAME) and FUSED in ONNX Runtime on the same valid inputs."""
+    from fusesearch.verify import compare, random_feeds, run
+
+    feeds = random_feeds(static_model, seed)
+    reference = run(_runnable(original), feeds)
+    try:
+        candidate = run(_runnable(fused), feeds)
+    except Exception as exc:  # ORT's own errors: the file is not a runnable model
+        raise BadInput(f"{fused}: ONNX Runtime cannot run it ({str(exc).splitlines()[0][:200]}); "
+                       "give a model written by `fusesearch plan --emit` or `export`") from None
+    diffs = compare(reference, candidate, rtol=rtol, atol=atol)
+    return {"ok": all(d.ok for d in diffs) and bool(diffs), "seed": seed, "rtol": rtol, "atol": atol,
+            "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel, "ok": d.ok} for d in diffs]}
+
+
+def _runnable(model: str):
+    if model.startswith("zoo:"):
+        from fusesearch import zoo
+
+        return zoo.build_model(model[4:])
+    return model
+
+
+def _verified_line(report: dict) -> str:
+    outs = report["outputs"]
+    worst_abs = max((o["max_abs"] for o in outs), default=0.0)
+    worst_rel = max((o["max_rel"] for o in outs), default=0.0)
+    verdict = "equal" if report["ok"] else "DIFFERENT"
+    bad = [o["name"] for o in outs if not o["ok"]]
+    return (f"verified in ONNX Runtime: {len(outs)} outputs {verdict} (max abs err {worst_abs:.3g}, "
+            f"max rel err {worst_rel:.3g}, seed {report['seed']})" + (f"; differing: {', '.join(bad)}" if bad else ""))
+
+
+# -- verify / export --------------------------------------------------------------------------
+
+@app.command()
+def verify(
+    original: Annotated[str, typer.Argument(help="the original model: path or zoo:NAME")],
+    fused: Annotated[Path, typer.Argument(help="the fused model (from plan --emit or export)")],
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+    rtol: Annotated[float, typer.Option("--rtol", help="Tolerance relative to max(1, max|original|).")] = 1e-4,
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
+    json_out: JsonFlag = False,
+) -> None:
+    """Prove FUSED equal to ORIGINAL in ONNX Runtime on seeded, valid random inputs (exit 1 if not)."""
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.load import load_model
+
+    if rtol < 0 or atol < 0:
+        raise BadInput("--rtol/--atol: tolerances must be >= 0")
+    if not fused.is_file():
+        raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
+    loaded = load_model(original, _bindings(input_shape, dim))
+    report = _verify(original, str(fused), to_proto(loaded.model), seed, rtol, atol)
+    if json_out:
+        _emit_json(report)
+    else:
+        for o in report["outputs"]:
+            out.print(f"{o['name']}: max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g} "
+                      f"{'ok' if o['ok'] else 'MISMATCH'}")
+        out.print(_verified_line(report))
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    plan_json: Annotated[Path, typer.Argument(help="plan.json written by `fusesearch plan -o`")],
+    model: Annotated[str, typer.Argument(help="the model it plans: path or zoo:NAME")],
+    emit: Annotated[Path, typer.Option("--emit", help="Write the fused ONNX model here.")],
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --emit file.")] = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking it in ONNX Runtime.")] = False,
+) -> None:
+    """Rebuild the fused model from a saved plan (refusing a plan that does not fit the model)."""
+    from fusesearch.export import plan_groups_from_json
+    from fusesearch.pipeline import prepare
+
+    _check_output(emit, force, "--emit")
+    prep = prepare(model, _bindings(input_shape, dim))
+    groups = plan_groups_from_json(plan_json, prep.graph)
+    report = _emit_fused(prep, groups, emit, force, not no_verify, 0)
+    out.print(f"fused model written to {emit} ({len(groups)} nodes, "
+              f"{sum(len(g) > 1 for g in groups)} functions)")
+    if report is not None:
+        out.print(_verified_line(report))
 
 
 def _check_output(path: Path | None, force: bool, flag: str) -> None:
@@ -251,7 +383,7 @@ def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=Non
     problem = SearchProblem.build(prep.graph, spec, RooflineModel(params), config)
     result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
                     profile=profile, model_info=model_info(prep), problem=problem)
-    return result, problem.legality
+    return result, problem.legality, prep
 
 
 def _print_plan(p, output: Path | None) -> None:

@@ -58,14 +58,23 @@ def graph_figures(graph: Graph, device: DeviceSpec, model: RooflineModel) -> Gra
     compute_s = tc / tensor_peak_flops_per_s(device, dtype) + scalar / scalar_peak_flops_per_s(device, dtype)
     memory_s = min_bytes / device.dram_bytes_per_s
     bound = device.launch_overhead_s + max(compute_s, memory_s)
-    return GraphFigures(unfused, sum(not k.alias for k in kernels), bound, min_bytes, tc, scalar)
+    return GraphFigures(unfused, len(kernels), bound, min_bytes, tc, scalar)
 
 
 def _compulsory_bytes(graph: Graph) -> int:
+    """Graph inputs and weights read once (an embedding table: the rows gathered), outputs written once."""
     used = {t for n in graph.nodes for t in n.inputs if t}
-    read = sum(info.nbytes for name, info in graph.tensors.items()
+    read = sum(_input_bytes(graph, name) for name, info in graph.tensors.items()
                if name in used and (info.constant or name in graph.inputs))
     return read + sum(graph.tensors[t].nbytes for t in set(graph.outputs))
+
+
+def _input_bytes(graph: Graph, tensor: str) -> int:
+    users = [graph.nodes[i] for i in graph.consumers(tensor)]
+    full = graph.tensors[tensor].nbytes
+    if users and all(n.op_type == "Gather" and n.inputs[0] == tensor for n in users):
+        return min(full, sum(graph.tensors[n.outputs[0]].nbytes for n in users))
+    return full
 
 
 def _dominant_dtype(kernels: list[Kernel]) -> str:

@@ -15,7 +15,8 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
 used outside the group (or a graph output) written once. A gemm/conv whose output has fewer than
 TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for skinny problems) and pays
-the fp32 partial sums' round trip. FLOPs come from the OpKind table:
+the fp32 partial sums' round trip. A table read only through Gather (an embedding) costs the rows
+gathered, not the whole table. FLOPs come from the OpKind table:
 the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
 Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
 treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
@@ -404,12 +405,22 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
             tc += flops
         else:
             scalar += flops
-    read = 0 if alias else sum(graph.tensors[t].nbytes for t in inputs)
+    read = 0 if alias else sum(_read_bytes(graph, nodes, t) for t in inputs)
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
     return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
                   tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
                   THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias)
+
+
+def _read_bytes(graph: Graph, nodes: list[Node], tensor: str) -> int:
+    """Bytes read of an external input: all of it, except a table only indexed by Gathers (an
+    embedding lookup reads the gathered rows, not the table)."""
+    full = graph.tensors[tensor].nbytes
+    users = [n for n in nodes if tensor in n.inputs]
+    if users and all(n.op_type == "Gather" and n.inputs[0] == tensor and tensor not in n.inputs[1:] for n in users):
+        return min(full, sum(graph.tensors[n.outputs[0]].nbytes for n in users))
+    return full
 
 
 def _group_dtype(graph: Graph, nodes: list[Node], anchor: int | None) -> str:

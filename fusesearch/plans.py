@@ -165,7 +165,8 @@ class Plan:
 
     @property
     def kernels(self) -> int:
-        return sum(not g.kernel.alias for g in self.groups)
+        """One per group: each is one node of the fused model (a lone view op is a zero-cost one)."""
+        return len(self.groups)
 
     @property
     def dram_bytes(self) -> float:
@@ -232,3 +233,10 @@ def _r(value: float | None) -> float | None:
     if value == 0 or value != value or value in (float("inf"), float("-inf")):
         return value
     return float(f"{value:.{SIG_DIGITS}g}")
+
+
+def plan_schema() -> dict:
+    """The JSON Schema of plan.json shipped in the package."""
+    from importlib import resources
+
+    return json.loads(resources.files("fusesearch").joinpath("schemas/plan.schema.json").read_text())

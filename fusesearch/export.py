@@ -1,0 +1,171 @@
+"""Fused ONNX export: each multi-node group becomes one node calling a model-local function.
+
+Problem: a plan is only a claim until it runs. The fused model must be valid ONNX that ONNX
+Runtime executes (so `verify` can prove it equal to the original) and that Netron shows with one
+box per kernel.
+Approach: start from the canonical model (the graph the plan's node names refer to). Walk the plan's
+groups in its order (a topological order of the quotient graph): a single-node group is copied
+as is; a multi-node group becomes a FunctionProto `g<id>` in domain `fusesearch` whose body is the
+group's nodes, whose inputs are the tensors the group reads from outside (weights included —
+functions cannot see the graph's initializers) and whose outputs are the tensors used outside
+it (multi-output kernels), called by one node named `g<id>`. value_info keeps every shape.
+`plan_from_json` maps a saved plan.json back onto a model, refusing a plan that does not fit it.
+Invariants: the main graph has exactly one node per group, in a valid topological order; graph
+inputs, outputs and initializers keep their names; If/Loop bodies are copied untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from fusesearch.errors import BadInput
+from fusesearch.ir.graph import Graph
+from fusesearch.plans import order_groups, validate_plan
+
+DOMAIN = "fusesearch"
+FUNCTION_OPSET = 1
+
+
+def fused_model(canonical: onnx.ModelProto, graph: Graph, groups: Sequence[Sequence[int]],
+                name_prefix: str = "g") -> onnx.ModelProto:
+    """`groups` in plan order (topological); node ids are `graph`'s (= the canonical node order)."""
+    main = canonical.graph
+    if len(main.node) != len(graph):
+        raise ValueError(f"canonical model has {len(main.node)} nodes, the Graph {len(graph)}")
+    opset = next(o.version for o in canonical.opset_import if o.domain in ("", "ai.onnx"))
+    nodes, functions = [], []
+    for gid, group in enumerate(groups):
+        members = sorted(group)
+        if len(members) == 1:
+            nodes.append(main.node[members[0]])
+            continue
+        inputs, outputs = _boundary(graph, members)
+        fname = f"{name_prefix}{gid}"
+        functions.append(helper.make_function(
+            DOMAIN, fname, inputs, outputs, [main.node[i] for i in members],
+            opset_imports=[helper.make_opsetid("", opset)],
+            doc_string=" + ".join(f"{graph.nodes[i].name}({graph.nodes[i].op_type})" for i in members)))
+        nodes.append(helper.make_node(fname, inputs, outputs, name=fname, domain=DOMAIN))
+    model = onnx.ModelProto()
+    model.CopyFrom(canonical)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.functions.extend(functions)
+    if functions and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, FUNCTION_OPSET))
+    _keep_value_info(model, graph)
+    return model
+
+
+def _boundary(graph: Graph, members: list[int]) -> tuple[list[str], list[str]]:
+    ids = set(members)
+    produced = {t for i in members for t in graph.nodes[i].outputs if t}
+    inputs: dict[str, None] = {}
+    outputs: dict[str, None] = {}
+    for i in members:
+        for t in graph.nodes[i].inputs:
+            if t and t not in produced:
+                inputs.setdefault(t)
+        for t in graph.nodes[i].outputs:
+            if t and (graph.is_output(t) or any(c not in ids for c in graph.consumers(t))):
+                outputs.setdefault(t)
+    return list(inputs), list(outputs)
+
+
+def _keep_value_info(model: onnx.ModelProto, graph: Graph) -> None:
+    """value_info for every tensor the main graph passes between nodes (shapes stay visible)."""
+    known = {vi.name for vi in model.graph.value_info} | {vi.name for vi in model.graph.input} | {
+        vi.name for vi in model.graph.output}
+    main_tensors = {t for n in model.graph.node for t in (*n.input, *n.output) if t}
+    for name in sorted(main_tensors - known):
+        info = graph.tensors.get(name)
+        if info is None or info.constant or info.shape is None or info.dtype == "unknown":
+            continue
+        elem = helper.np_dtype_to_tensor_dtype(_np_dtype(info.dtype))
+        model.graph.value_info.append(helper.make_tensor_value_info(name, elem, list(info.shape)))
+
+
+def _np_dtype(name: str):
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str = "--emit") -> Path:
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise BadInput(f"{flag} {path}: file exists; remove it or pass --force to overwrite")
+    if not path.parent.exists():
+        raise BadInput(f"{flag} {path}: folder {path.parent} does not exist; create it first")
+    if model.ByteSize() > (1 << 31) - (1 << 24):
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        path.write_bytes(model.SerializeToString())
+    return path
+
+
+# -- plans from elsewhere ---------------------------------------------------------------------
+
+def plan_groups_from_json(path: Path, graph: Graph) -> list[list[int]]:
+    """Node-id groups of a plan.json, in its order; BadInput naming the group and the problem."""
+    doc = _read_plan(path)
+    ids = {n.name: n.id for n in graph.nodes}
+    owner: dict[int, int] = {}
+    groups = []
+    for g in doc["groups"]:
+        members = []
+        for name in g["nodes"]:
+            if name not in ids:
+                raise BadInput(f"{path}: group g{g['id']} names node '{name}', which the model does not have; "
+                               "plan and export the same model with the same --dim/--input-shape")
+            if ids[name] in owner:
+                raise BadInput(f"{path}: node '{name}' is in groups g{owner[ids[name]]} and g{g['id']}; "
+                               "each node must be in exactly one group")
+            owner[ids[name]] = g["id"]
+            members.append(ids[name])
+        groups.append(members)
+    missing = [n.name for n in graph.nodes if n.id not in owner]
+    if missing:
+        raise BadInput(f"{path}: node '{missing[0]}' is in no group ({len(missing)} missing); a plan must "
+                       "cover every node of the canonical model")
+    _check_groups(path, graph, doc, groups)
+    return [groups[i] for i in order_groups(graph, [frozenset(g) for g in groups])]
+
+
+def _check_groups(path: Path, graph: Graph, doc: dict, groups: list[list[int]]) -> None:
+    decision = validate_plan(graph, groups)
+    if decision:
+        return
+    reason = decision.reason
+    for index, g in enumerate(doc["groups"]):  # validate_plan counts groups by position
+        reason = reason.replace(f"group {index} ", f"group g{g['id']} ")
+    raise BadInput(f"{path}: {reason}; the plan does not fit this model")
+
+
+def _read_plan(path: Path) -> dict:
+    import jsonschema
+
+    from fusesearch.plans import plan_schema
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file; give a plan.json written by `fusesearch plan -o`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: not JSON ({exc}); give a plan.json written by `fusesearch plan -o`") from None
+    try:
+        jsonschema.validate(doc, plan_schema())
+    except jsonschema.ValidationError as exc:
+        where = "/".join(map(str, exc.absolute_path)) or "top level"
+        raise BadInput(f"{path}: not a fusesearch.plan/1 document at {where}: {exc.message}") from None
+    return doc
