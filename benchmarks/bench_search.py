@@ -44,7 +44,8 @@ def zoo_table(models, device, repeats, time_limit):
         prep = prepare(f"zoo:{name}")
         for strategy in ("none", "rules", "greedy", "cpsat"):
             config = SearchConfig(time_limit_s=time_limit)
-            plan, med, _ = median_run(lambda s=strategy: search(prep.graph, spec, model, s, config=config), repeats)
+            plan, med, _ = median_run(
+                lambda s=strategy, g=prep.graph, c=config: search(g, spec, model, s, config=c), repeats)
             gap = ("" if plan.solver.bound_s is None else
                    f"{max(0.0, 1 - plan.solver.bound_s / plan.solver.objective_s):.2%}")
             print(f"{name:12} {strategy:8} {plan.kernels:>7} {plan.time_s * 1e6:>9.1f} us {plan.speedup:>7.2f}x "

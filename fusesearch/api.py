@@ -39,7 +39,6 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None) -> Plan:
     from costmodels import RooflineModel
-
     from fusesearch.pipeline import prepare
     from fusesearch.search import search
 

@@ -155,7 +155,6 @@ def _devices(arg: str):
 
 def _figures(graph, label, spec, params) -> dict:
     from costmodels import RooflineModel
-
     from fusesearch.costing import graph_figures
 
     f = graph_figures(graph, spec, RooflineModel(params))
@@ -373,7 +372,6 @@ def _check_output(path: Path | None, force: bool, flag: str) -> None:
 
 def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
     from costmodels import RooflineModel
-
     from fusesearch.api import model_info, resolve_device
     from fusesearch.pipeline import prepare
     from fusesearch.search import SearchProblem, search
@@ -555,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("FUSESEARCH_LOG", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        app(args=argv, prog_name="fusesearch", standalone_mode=False)
+        code = app(args=argv, prog_name="fusesearch", standalone_mode=False)
+        if isinstance(code, int):  # click returns Exit's code instead of raising it here
+            return code
     except FusesearchError as exc:
         print(f"fusesearch: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -31,7 +31,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from costmodels import KernelSpec
-
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError

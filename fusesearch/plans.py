@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodels import KernelCost
-
 from fusesearch.candidates.rules import FusionDecision, Legality
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
-
 from fusesearch.ir.graph import Graph
 
 DEFAULT_MAX_GROUP_SIZE = 16

@@ -10,14 +10,13 @@ imported only when asked for, so the rest works without ortools).
 from __future__ import annotations
 
 from costmodels import DeviceSpec, RooflineModel
-
 from fusesearch.costing import graph_figures
 from fusesearch.errors import BadInput
 from fusesearch.ir.graph import Graph
 from fusesearch.plans import ModelInfo, Plan, SolverInfo
 from fusesearch.search.greedy import GreedySolver
 from fusesearch.search.none import NoFusion
-from fusesearch.search.problem import SearchConfig, SearchProblem, SolveResult, Solver
+from fusesearch.search.problem import SearchConfig, SearchProblem, Solver, SolveResult
 from fusesearch.search.rules import RulesSolver
 
 STRATEGIES = ("none", "rules", "greedy", "cpsat")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from costmodels import DeviceSpec, RooflineModel
-
 from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
 from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality
 from fusesearch.ir.graph import Graph
