@@ -17,9 +17,9 @@ Model (as the OR-Tools samples: data, model, variables, constraints, objective, 
                seed and workers from the config; with few workers the `max_lp` and `core`
                subsolvers are added, which is what proves optimality on 2 cores.
   determinism  parallel workers may prove the optimum with different, equally fast plans; a
-               second solve with one (deterministic) worker adds Σ c_g x_g ≤ optimum and minimizes
-               a hash of the chosen groups, so the plan returned is the same on every run (a
-               time-limited FEASIBLE result may still differ between runs).
+               second solve with one (deterministic) worker, Σ c_g x_g ≤ optimum added and the same
+               greedy hint, returns the same plan on every run (a time-limited FEASIBLE result
+               may still differ between runs).
 The candidate set always holds the rules and greedy groups, so the optimum is never worse than
 either. On a time-out the best plan found is returned with its gap to the bound; if CP-SAT
 found nothing the greedy plan is returned, never nothing.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 
 from ortools.sat.python import cp_model
 
@@ -42,8 +41,7 @@ from fusesearch.search.rules import rules_partition
 log = logging.getLogger(__name__)
 
 PS_PER_S = 1e12
-TIEBREAK_RANGE = 1 << 20
-CANONICAL_DETERMINISTIC_TIME = 20.0  # CP-SAT's deterministic time units (~seconds), one worker
+CANONICAL_DETERMINISTIC_TIME = 60.0  # CP-SAT's deterministic time units (~seconds), one worker
 MIN_SOLVE_S = 1.0  # CP-SAT always gets this long, even past the deadline (the hint is a plan)
 SAFETY_S = 0.5  # reading the solution back
 FEW_WORKERS = 4
@@ -68,10 +66,6 @@ class CpSatSolver:
 
 def _costs_ps(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> list[int]:
     return [round(problem.time_s(g) * PS_PER_S) for g in groups]
-
-
-def _tiebreak(group: frozenset[int]) -> int:
-    return zlib.crc32(",".join(map(str, sorted(group))).encode()) % TIEBREAK_RANGE
 
 
 def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[frozenset[int]],
@@ -100,22 +94,23 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
     _configure(solver.parameters, problem.config.workers, remaining, seed)
     status = solver.solve(model)
     if status == cp_model.OPTIMAL:
-        solver = _canonical_optimum(model, objective, x, candidates, int(solver.objective_value), solver)
+        model.add(objective <= int(solver.objective_value))
+        solver = _deterministic_optimum(model, solver, deadline)
     return _result(problem, candidates, solver, status, x, hint)
 
 
-def _canonical_optimum(model, objective, x, candidates, optimum_ps: int, first):
-    """Among the optimal plans, the one of least tie-break hash, found by one deterministic worker
-    (parallel workers may prove the optimum with different, equally fast plans)."""
-    model.add(objective <= optimum_ps)
-    model.minimize(sum(_tiebreak(g) * xi for g, xi in zip(candidates.groups, x, strict=True)))
-    model.clear_hints()
+def _deterministic_optimum(model, first, deadline: float):
+    """Parallel workers may prove the optimum with different, equally fast plans. One worker is
+    deterministic: re-solve with the optimum as a constraint (so it only has to find a plan, not
+    prove one) and the greedy hint already in the model, and return that plan."""
     second = cp_model.CpSolver()
     second.parameters.num_workers = 1
     second.parameters.max_deterministic_time = CANONICAL_DETERMINISTIC_TIME
+    second.parameters.max_time_in_seconds = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S)
     status = second.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        log.warning("cpsat: no canonical optimum (%s); keeping the first optimal plan", second.status_name(status))
+        log.warning("cpsat: the deterministic re-solve found no plan in time (%s); keeping the first "
+                    "optimal plan, which may differ between runs", second.status_name(status))
         return first
     return _Combined(first, second)
 

@@ -1,0 +1,1 @@
+"""Kernel backends: code generation, compilation, running and timing."""

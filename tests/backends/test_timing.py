@@ -1,0 +1,291 @@
+"""Timing: measure() loop structure and statistics, the on-disk cache, and the CuPy door."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fusesearch.backends.timing import (
+    PerfCounterClock,
+    Timing,
+    TimingCache,
+    default_cache_dir,
+    measure,
+)
+from fusesearch.errors import FusesearchError
+
+SLEEP_S = 0.002
+
+
+def sleeper(seconds: float):
+    def run() -> None:
+        time.sleep(seconds)
+    return run
+
+
+def nothing() -> None:
+    pass
+
+
+# --- measure -----------------------------------------------------------------------------------
+
+
+def test_sleeping_kernel_median_is_its_sleep_and_budget_bounds_the_count():
+    began = time.perf_counter()
+    t = measure(sleeper(SLEEP_S), budget_s=0.04, warmup_s=0.0, min_samples=3)
+    wall_s = time.perf_counter() - began
+    assert t.clock == "perf_counter"
+    assert len(t.samples_s) == t.n
+    assert 3 <= t.n <= 0.04 / SLEEP_S + 1
+    assert SLEEP_S * 0.95 <= t.median_s <= SLEEP_S * 10
+    assert wall_s < 0.25  # the budget, one warm-up run and one last sample, with slack
+
+
+def test_min_samples_wins_over_an_exhausted_budget():
+    t = measure(sleeper(SLEEP_S), budget_s=0.0, warmup_s=0.0, min_samples=4)
+    assert t.n == 4
+    assert all(s >= SLEEP_S * 0.95 for s in t.samples_s)
+
+
+def test_zero_cost_kernel_stops_at_max_samples():
+    t = measure(nothing, budget_s=10.0, warmup_s=0.0, min_samples=5, max_samples=50)
+    assert t.n == 50
+
+
+def test_every_sample_is_kept_one_per_timed_run():
+    calls: list[str] = []
+    t = measure(lambda: calls.append("run"), budget_s=0.0, warmup_s=0.0, min_samples=7,
+                before_each=lambda: calls.append("before"))
+    assert t.warmup_runs == 1
+    assert t.n == 7 and len(t.samples_s) == 7
+    assert calls == ["run"] + ["before", "run"] * 7
+
+
+def test_warm_up_runs_at_least_once_and_is_sized_by_time():
+    calls = []
+    t = measure(lambda: (calls.append(1), time.sleep(SLEEP_S)), budget_s=0.0, warmup_s=0.012,
+                min_samples=2)
+    assert t.warmup_runs >= 2  # 12 ms of 2 ms runs, however slow the sleeps are: at least 2
+    assert t.warmup_runs <= 0.012 / SLEEP_S + 1
+    assert len(calls) == t.warmup_runs + t.n
+    assert measure(nothing, warmup_s=0.0, budget_s=0.0, min_samples=1).warmup_runs == 1
+
+
+def test_before_each_is_not_timed():
+    t = measure(nothing, budget_s=0.0, warmup_s=0.0, min_samples=5,
+                before_each=sleeper(0.005))
+    assert t.n == 5
+    assert t.median_s < 0.001
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="min_samples"):
+        measure(nothing, min_samples=10, max_samples=5)
+    with pytest.raises(ValueError, match="min_samples"):
+        measure(nothing, min_samples=0)
+    with pytest.raises(ValueError, match="budget_s"):
+        measure(nothing, budget_s=-1.0)
+
+
+def test_a_custom_clock_is_used_and_named():
+    class TickClock:
+        name = "ticks"
+
+        def start(self):
+            return None
+
+        def stop(self, token):
+            return 0.5
+
+    t = measure(nothing, clock=TickClock(), budget_s=0.0, warmup_s=0.0, min_samples=3)
+    assert t.samples_s == (0.5, 0.5, 0.5) and t.clock == "ticks"
+
+
+def test_perf_counter_clock_measures_seconds():
+    clock = PerfCounterClock()
+    token = clock.start()
+    time.sleep(SLEEP_S)
+    assert SLEEP_S * 0.95 <= clock.stop(token) < 1.0
+
+
+# --- Timing ------------------------------------------------------------------------------------
+
+
+def test_percentiles_are_ordered_and_linear():
+    t = Timing(samples_s=(5.0, 1.0, 3.0, 2.0, 4.0), warmup_runs=2, clock="perf_counter")
+    assert t.p20_s <= t.median_s <= t.p80_s
+    assert (t.p20_s, t.median_s, t.p80_s) == pytest.approx((1.8, 3.0, 4.2))
+    measured = measure(sleeper(0.0005), budget_s=0.0, warmup_s=0.0, min_samples=9)
+    assert measured.p20_s <= measured.median_s <= measured.p80_s
+
+
+def test_to_row_keys_and_values():
+    t = Timing(samples_s=(1.0, 2.0, 3.0), warmup_runs=4, clock="cuda_event")
+    row = t.to_row()
+    assert set(row) == {"median_s", "p20_s", "p80_s", "n", "warmup_runs", "clock"}
+    assert row["median_s"] == 2.0 and row["n"] == 3 and row["warmup_runs"] == 4
+    assert row["clock"] == "cuda_event"
+    json.dumps(row)
+
+
+def test_timing_refuses_empty_or_negative_samples():
+    with pytest.raises(ValueError):
+        Timing(samples_s=(), warmup_runs=0, clock="perf_counter")
+    with pytest.raises(ValueError):
+        Timing(samples_s=(-1.0,), warmup_runs=0, clock="perf_counter")
+
+
+# --- TimingCache -------------------------------------------------------------------------------
+
+
+TIMING = Timing(samples_s=(1e-5, 2e-5, 3e-5), warmup_runs=3, clock="perf_counter")
+
+
+def test_cache_round_trips(tmp_path):
+    cache = TimingCache(tmp_path / "timings")
+    key = cache.key("abc", [(1, 3, 224, 224)], "h100-sxm")
+    assert cache.get(key) is None
+    cache.put(key, TIMING)
+    assert cache.get(key) == TIMING
+    assert TimingCache(tmp_path / "timings").get(key) == TIMING
+
+
+def test_keys_differ_by_hash_shapes_device_and_extra():
+    base = TimingCache.key("abc", {"x": (1, 8)}, "h100-sxm")
+    assert len(base) == 64 and int(base, 16) >= 0
+    others = {TimingCache.key("abd", {"x": (1, 8)}, "h100-sxm"),
+              TimingCache.key("abc", {"x": (1, 9)}, "h100-sxm"),
+              TimingCache.key("abc", {"x": (1, 8)}, "a100-80"),
+              TimingCache.key("abc", {"x": (1, 8)}, "h100-sxm", extra="-O3")}
+    assert base not in others and len(others) == 4
+
+
+def test_keys_are_canonical():
+    import numpy as np
+
+    a = TimingCache.key("abc", {"x": (1, 8), "y": [2]}, "t4")
+    b = TimingCache.key("abc", {"y": (np.int64(2),), "x": [1, 8]}, "t4")
+    assert a == b
+
+
+def test_corrupt_or_foreign_files_read_as_missing(tmp_path):
+    cache = TimingCache(tmp_path)
+    key = cache.key("abc", [], "cpu")
+    for text in ("{not json", "[]", '{"schema": "fusesearch.timing/1"}',
+                 json.dumps({"schema": "fusesearch.timing/1", "key": key,
+                             "timing": {"samples_s": [], "warmup_runs": 0, "clock": "x"}})):
+        cache.path(key).write_text(text)
+        assert cache.get(key) is None
+    other = cache.key("abd", [], "cpu")
+    cache.put(other, TIMING)
+    cache.path(key).write_bytes(cache.path(other).read_bytes())  # a file under the wrong name
+    assert cache.get(key) is None
+    cache.put(key, TIMING)  # a corrupt file is overwritten by the next put
+    assert cache.get(key) == TIMING
+
+
+def test_writes_are_atomic(tmp_path, monkeypatch):
+    cache = TimingCache(tmp_path)
+    key = cache.key("abc", [], "cpu")
+    cache.put(key, TIMING)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{key}.json"]
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    newer = Timing(samples_s=(9.0,), warmup_runs=1, clock="perf_counter")
+    with pytest.raises(OSError, match="disk full"):
+        cache.put(key, newer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{key}.json"]
+    assert cache.get(key) == TIMING
+
+
+def test_bad_keys_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        TimingCache(tmp_path).get("../../etc/passwd")
+
+
+def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSESEARCH_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    assert TimingCache().root == tmp_path
+    monkeypatch.delenv("FUSESEARCH_CACHE")
+    assert default_cache_dir().parts[-3:] == (".cache", "fusesearch", "timings")
+
+
+# --- the CuPy door -----------------------------------------------------------------------------
+
+
+def test_cupy_module_imports_without_cupy():
+    code = ("import sys; sys.modules['cupy'] = None; import fusesearch.backends.cupy as m; "
+            "assert m.CudaEventClock.name == 'cuda_event'; "
+            "assert not m.available().ok and m.gpu_count() == 0; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_importing_the_cupy_backend_does_not_import_cupy():
+    code = ("import sys, fusesearch.backends.cupy; print('cupy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_no_cupy_means_a_refusal_with_a_reason(monkeypatch):
+    from fusesearch.backends import cupy as cupy_backend
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    decision = cupy_backend.available()
+    assert not decision.ok and "pip install 'fusesearch[gpu]'" in decision.reason
+    assert cupy_backend.gpu_count() == 0
+    with pytest.raises(FusesearchError, match="fusesearch\\[gpu\\]"):
+        cupy_backend.compile_module("__global__ void k() {}")
+
+
+def test_this_machine_refuses_or_accepts_consistently():
+    from fusesearch.backends import cupy as cupy_backend
+
+    decision = cupy_backend.available()
+    assert bool(decision) == (cupy_backend.gpu_count() > 0)
+    if not decision.ok:
+        assert decision.reason.startswith(("cupy is not installed", "no CUDA device",
+                                           "cupy failed to import"))
+
+
+ADD_ONE = r"""
+extern "C" __global__ void add_one(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_event_clock_times_a_tiny_kernel():
+    import cupy as cp
+
+    from fusesearch.backends.cupy import CudaEventClock, compile_module, l2_flusher
+
+    n = 1 << 20
+    x = cp.zeros(n, dtype=cp.float32)
+    kernel = compile_module(ADD_ONE).get_function("add_one")
+    l2_bytes = int(cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"])
+
+    def run() -> None:
+        kernel(((n + 255) // 256,), (256,), (x, cp.int32(n)))
+
+    t = measure(run, clock=CudaEventClock(), budget_s=0.05, warmup_s=0.01, min_samples=5,
+                before_each=l2_flusher(l2_bytes))
+    assert t.clock == "cuda_event" and t.n >= 5
+    assert 0 < t.median_s < 0.01
+    assert t.p20_s <= t.median_s <= t.p80_s
+    assert float(x[0]) == t.warmup_runs + t.n
