@@ -271,8 +271,24 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     if len({r for r, _ in shapes}) > 1:
         return FusionDecision.refuse(f"reductions over different row counts {sorted(shapes)}")
     rows, row_len = max(shapes, key=lambda s: s[1])
+    decision = _row_outputs_fit(graph, nodes, rows, row_len)
+    if not decision:
+        return decision
     live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS_PER_BLOCK))
     return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, (), 0, live)
+
+
+def _row_outputs_fit(graph: Graph, nodes: list[Node], rows: int, row_len: int) -> FusionDecision:
+    """Every output that depends on a reduction is one value per row or per row element."""
+    reduce_ids = [n.id for n in nodes if n.kind == OpKind.REDUCE]
+    for t in _external_outputs(graph, nodes):
+        size = graph.tensors[t].size
+        producer = graph.producer(t)
+        after = any(r == producer or graph.reaches(r, producer) for r in reduce_ids)
+        if after and size not in (rows, rows * row_len):
+            return FusionDecision.refuse(f"output '{t}' ({size} values) is neither one per row ({rows}) "
+                                         f"nor one per element ({rows * row_len}) of the rows")
+    return FusionDecision.accept()
 
 
 def _gemm_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:

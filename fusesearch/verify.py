@@ -108,3 +108,22 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
         ok = same_nan and bool(np.all(finite <= atol + rtol * scale))
         diffs.append(OutputDiff(name, max_abs, max_rel, scale, ok))
     return diffs
+
+
+def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every tensor of the main graph on these inputs: ONNX Runtime's outputs for all values
+    (listed in value_info) plus the initializers — the reference for each kernel's inputs and
+    outputs."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    known = {o.name for o in probe.graph.output}
+    produced = {t for n in probe.graph.node for t in n.output if t}
+    for vi in model.graph.value_info:
+        if vi.name in produced and vi.name not in known:
+            probe.graph.output.append(vi)
+            known.add(vi.name)
+    values = run(probe, feeds)
+    for t in model.graph.initializer:
+        values[t.name] = onnx.numpy_helper.to_array(t)
+    values.update(feeds)
+    return values

@@ -1,0 +1,647 @@
+"""Code generation: one C-like kernel body per Kernel, wrapped by a C/OpenMP or a CUDA skeleton.
+
+Problem: every chosen group must become one real kernel that runs on real data, on a GPU (CUDA)
+and, so that everything but the launch skeleton is exercised without one, on the CPU (C).
+Approach (as TVM's compute inlining): the value of a tensor at a multi-index is an expression
+built from its producer inside the group — `value(t, idx)` recurses through elementwise and
+broadcast ops (same / broadcast index), injective ops (index remapping: Reshape via the flat
+index, Transpose, Slice, Gather, Concat, Split, Expand, Resize-nearest) down to loads of the
+kernel's inputs. Temporaries are memoized per (tensor, index) inside a scope, so a diamond
+computes its shared value once. The emitted statements are the same text in both languages;
+only the skeleton around them differs:
+
+    pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
+               C: `#pragma omp parallel for` · CUDA: a grid-stride loop
+    rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
+               j in [0, L)), then the outputs (row-sized ones once, full ones over j)
+               C: parallel over rows, plain j loops · CUDA: a block per row, j strided by
+               threads, block reductions (warp shuffles + shared memory)
+
+Templates gemm, conv and opaque are not generated yet (`generate` refuses them with a reason).
+Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache;
+arguments are the kernel's external inputs then outputs, in the Kernel's order; compute is
+float32 (float tensors), int64 (indices) or uint8 (bool).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusesearch.candidates.rules import FusionDecision
+from fusesearch.ir.graph import Graph, Node, TensorInfo
+from fusesearch.lowering import Kernel
+
+CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
+SUPPORTED_TEMPLATES = ("pointwise", "rowwise")
+
+
+class CodegenRefused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.decision = FusionDecision.refuse(reason)
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str  # C identifier: in0, in1, ..., out0, ...
+    tensor: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ctype(self) -> str:
+        return CTYPES[self.dtype]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class GeneratedKernel:
+    name: str
+    template: str
+    inputs: tuple[Arg, ...]
+    outputs: tuple[Arg, ...]
+    c_source: str
+    cuda_source: str
+    rows: int = 0  # rowwise: rows and row length
+    row_length: int = 0
+    source_hash: str = field(default="")
+
+
+# -- the expression emitter -------------------------------------------------------------------
+
+def _lit(value: float) -> str:
+    if value != value:
+        return "NAN"
+    if value in (float("inf"), float("-inf")):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    return f"{float(value)!r}f".replace("e+", "e")
+
+
+class _Emitter:
+    def __init__(self, graph: Graph, kernel: Kernel, args: dict[str, Arg]) -> None:
+        self.graph = graph
+        self.members = set(kernel.nodes)
+        self.args = args
+        self.lines: list[str] = []
+        self.scopes: list[dict[tuple[str, tuple[str, ...]], str]] = [{}]
+        self.count = 0
+        self.row_scalars: dict[str, str] = {}  # rowwise: reduced tensor → per-row variable
+        self.row_ops: dict[str, object] = {}  # rowwise: Softmax/LayerNorm output → f(idx) -> expr
+
+    # scopes and temporaries
+    def tmp(self, ctype: str, expr: str) -> str:
+        self.count += 1
+        name = f"v{self.count}"
+        self.lines.append(f"{ctype} {name} = {expr};")
+        return name
+
+    def push(self) -> None:
+        self.scopes.append({})
+
+    def pop(self) -> None:
+        self.scopes.pop()
+
+    def _memo(self, key):
+        for scope in reversed(self.scopes):
+            if key in scope:
+                return scope[key]
+        return None
+
+    def info(self, tensor: str) -> TensorInfo:
+        return self.graph.tensors[tensor]
+
+    def ctype(self, tensor: str) -> str:
+        dtype = self.info(tensor).dtype
+        if dtype not in CTYPES:
+            raise CodegenRefused(f"dtype {dtype} of '{tensor}' has no C type here")
+        return CTYPES[dtype]
+
+    # values
+    def value(self, tensor: str, idx: tuple[str, ...]) -> str:
+        if tensor in self.row_scalars:
+            return self.row_scalars[tensor]
+        key = (tensor, idx)
+        found = self._memo(key)
+        if found is not None:
+            return found
+        producer = self.graph.producer(tensor)
+        if tensor in self.row_ops:
+            expr = self.row_ops[tensor](idx)
+        elif producer is None or producer not in self.members:
+            expr = self.load(tensor, idx)
+        else:
+            expr = _op(self, self.graph.nodes[producer], tensor, idx)
+        name = self.tmp(self.ctype(tensor), expr)
+        self.scopes[-1][key] = name
+        return name
+
+    def load(self, tensor: str, idx: tuple[str, ...]) -> str:
+        shape = self.info(tensor).shape
+        return f"{self.args[tensor].name}[{self.flat(idx, shape)}]"
+
+    def flat(self, idx: Sequence[str], shape: Sequence[int]) -> str:
+        if not shape:
+            return "0"
+        terms, stride = [], 1
+        for i, d in zip(reversed(idx), reversed(shape), strict=True):
+            if d != 1:
+                terms.append(i if stride == 1 else f"({i})*{stride}LL")
+            stride *= d
+        return " + ".join(reversed(terms)) or "0"
+
+    def unflatten(self, flat: str, shape: Sequence[int]) -> tuple[str, ...]:
+        out, stride = [], math.prod(shape)
+        for d in shape:
+            stride //= d
+            if d == 1:
+                out.append("0")
+            else:
+                out.append(self.tmp("long long", f"({flat}) / {stride}LL % {d}LL" if stride > 1 else f"({flat}) % {d}LL"))
+        return tuple(out)
+
+    def broadcast(self, idx: tuple[str, ...], shape: Sequence[int]) -> tuple[str, ...]:
+        """Index into an input of `shape` broadcast to the output's index (numpy rules)."""
+        tail = idx[len(idx) - len(shape):] if shape else ()
+        return tuple("0" if d == 1 else i for i, d in zip(tail, shape, strict=True))
+
+    def input_at(self, node: Node, k: int, idx: tuple[str, ...]) -> str:
+        t = node.inputs[k]
+        return self.value(t, self.broadcast(idx, self.info(t).shape))
+
+    def const(self, tensor: str) -> np.ndarray:
+        value = self.graph.constant_value(tensor) if tensor else None
+        if value is None:
+            raise CodegenRefused(f"'{tensor}' must be a small constant to generate code")
+        return value
+
+
+# -- ops --------------------------------------------------------------------------------------
+
+_UNARY = {
+    "Relu": "fmaxf({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})",
+    "Sqrt": "sqrtf({0})", "Erf": "erff({0})", "Tanh": "tanhf({0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))",
+    "Reciprocal": "(1.0f / {0})", "Floor": "floorf({0})", "Ceil": "ceilf({0})", "Sin": "sinf({0})",
+    "Cos": "cosf({0})", "Softplus": "log1pf(expf({0}))", "Softsign": "({0} / (1.0f + fabsf({0})))",
+    "HardSwish": "({0} * fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f)", "Not": "(!{0})",
+    "Sign": "(float)(({0} > 0) - ({0} < 0))", "Round": "nearbyintf({0})",
+}
+_BINARY = {"Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})",
+           "Pow": "powf({0}, {1})", "Max": "fmaxf({0}, {1})", "Min": "fminf({0}, {1})",
+           "Equal": "({0} == {1})", "Less": "({0} < {1})", "Greater": "({0} > {1})",
+           "LessOrEqual": "({0} <= {1})", "GreaterOrEqual": "({0} >= {1})", "And": "({0} && {1})",
+           "Or": "({0} || {1})", "Xor": "(!{0} != !{1})"}
+_VARIADIC = {"Sum": "+", "Max": "fmaxf", "Min": "fminf", "Mean": "+"}
+
+
+def _op(e: _Emitter, node: Node, tensor: str, idx: tuple[str, ...]) -> str:
+    op = node.op_type
+    if op in _UNARY:
+        return _UNARY[op].format(e.input_at(node, 0, idx))
+    if op in ("Sum", "Mean") or (op in ("Max", "Min") and len(node.inputs) != 2):
+        return _variadic(e, node, idx)
+    if op in _BINARY:
+        return _BINARY[op].format(e.input_at(node, 0, idx), e.input_at(node, 1, idx))
+    handler = _HANDLERS.get(op)
+    if handler is None:
+        raise CodegenRefused(f"{node.name}({op}) has no code generator yet")
+    return handler(e, node, tensor, idx)
+
+
+def _variadic(e: _Emitter, node: Node, idx) -> str:
+    vals = [e.input_at(node, k, idx) for k in range(len(node.inputs)) if node.inputs[k]]
+    if node.op_type in ("Sum", "Mean"):
+        expr = "(" + " + ".join(vals) + ")"
+        return f"({expr} / {len(vals)}.0f)" if node.op_type == "Mean" else expr
+    fn = _VARIADIC[node.op_type]
+    expr = vals[0]
+    for v in vals[1:]:
+        expr = f"{fn}({expr}, {v})"
+    return expr
+
+
+def _leaky(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    return f"({x} >= 0.0f ? {x} : {_lit(n.attrs.get('alpha', 0.01))} * {x})"
+
+
+def _elu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    return f"({x} >= 0.0f ? {x} : {_lit(n.attrs.get('alpha', 1.0))} * (expf({x}) - 1.0f))"
+
+
+def _gelu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    if n.attrs.get("approximate", "none") == "tanh":
+        return f"(0.5f * {x} * (1.0f + tanhf(0.7978845608f * ({x} + 0.044715f * {x} * {x} * {x}))))"
+    return f"(0.5f * {x} * (1.0f + erff({x} * 0.7071067811865476f)))"
+
+
+def _clip(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    lo = n.attrs.get("min") if "min" in n.attrs else None
+    hi = n.attrs.get("max") if "max" in n.attrs else None
+    if len(n.inputs) > 1 and n.inputs[1]:
+        lo = float(e.const(n.inputs[1]).reshape(-1)[0])
+    if len(n.inputs) > 2 and n.inputs[2]:
+        hi = float(e.const(n.inputs[2]).reshape(-1)[0])
+    expr = x
+    if lo is not None:
+        expr = f"fmaxf({expr}, {_lit(lo)})"
+    if hi is not None:
+        expr = f"fminf({expr}, {_lit(hi)})"
+    return expr
+
+
+def _cast(e, n, t, idx):
+    return f"({e.ctype(t)})({e.input_at(n, 0, idx)})"
+
+
+def _where(e, n, t, idx):
+    return f"({e.input_at(n, 0, idx)} ? {e.input_at(n, 1, idx)} : {e.input_at(n, 2, idx)})"
+
+
+def _reshape(e, n, t, idx):
+    src = n.inputs[0]
+    flat = e.flat(idx, e.info(t).shape)
+    return e.value(src, e.unflatten(flat, e.info(src).shape))
+
+
+def _transpose(e, n, t, idx):
+    rank = len(idx)
+    perm = n.attrs.get("perm") or tuple(reversed(range(rank)))
+    src_idx = ["0"] * rank
+    for out_axis, in_axis in enumerate(perm):
+        src_idx[in_axis] = idx[out_axis]
+    return e.value(n.inputs[0], tuple(src_idx))
+
+
+def _slice(e, n, t, idx):
+    src = n.inputs[0]
+    shape = e.info(src).shape
+    starts, ends = e.const(n.inputs[1]).reshape(-1), e.const(n.inputs[2]).reshape(-1)
+    axes = e.const(n.inputs[3]).reshape(-1) if len(n.inputs) > 3 and n.inputs[3] else range(len(starts))
+    steps = e.const(n.inputs[4]).reshape(-1) if len(n.inputs) > 4 and n.inputs[4] else [1] * len(starts)
+    src_idx = list(idx)
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        axis = int(axis) % len(shape)
+        begin = slice(int(start), int(end), int(step)).indices(shape[axis])[0]
+        src_idx[axis] = f"({begin}LL + ({idx[axis]}) * {int(step)}LL)"
+    return e.value(src, tuple(src_idx))
+
+
+def _gather(e, n, t, idx):
+    data, indices = n.inputs[0], n.inputs[1]
+    axis = int(n.attrs.get("axis", 0)) % len(e.info(data).shape)
+    q = len(e.info(indices).shape)
+    raw = e.value(indices, tuple(idx[axis:axis + q]))
+    dim = e.info(data).shape[axis]
+    pos = e.tmp("long long", f"({raw} < 0 ? {raw} + {dim}LL : (long long)({raw}))")
+    return e.value(data, tuple(idx[:axis]) + (pos,) + tuple(idx[axis + q:]))
+
+
+def _concat(e, n, t, idx):
+    rank = len(idx)
+    axis = int(n.attrs.get("axis", 0)) % rank
+    parts = [x for x in n.inputs if x]
+    offsets, offset = [], 0
+    for x in parts:
+        offsets.append(offset)
+        offset += e.info(x).shape[axis]
+    result = e.tmp(e.ctype(t), "0")
+    for k, (x, off) in enumerate(zip(parts, offsets, strict=True)):
+        hi = off + e.info(x).shape[axis]
+        cond = f"{idx[axis]} < {hi}LL"
+        e.lines.append(("if" if k == 0 else "else if") + f" ({cond}) {{" if k < len(parts) - 1 else "else {")
+        e.push()
+        local = idx[:axis] + (f"({idx[axis]} - {off}LL)",) + idx[axis + 1:]
+        e.lines.append(f"{result} = {e.value(x, local)};")
+        e.pop()
+        e.lines.append("}")
+    return result
+
+
+def _split(e, n, t, idx):
+    axis = int(n.attrs.get("axis", 0)) % len(idx)
+    k = n.outputs.index(t)
+    offset = sum(e.info(o).shape[axis] for o in n.outputs[:k])
+    src_idx = idx[:axis] + (f"({idx[axis]} + {offset}LL)",) + idx[axis + 1:]
+    return e.value(n.inputs[0], src_idx)
+
+
+def _expand(e, n, t, idx):
+    return e.input_at(n, 0, idx)
+
+
+def _resize(e, n, t, idx):
+    if n.attrs.get("mode", "nearest") != "nearest":
+        raise CodegenRefused(f"{n.name}(Resize) mode {n.attrs.get('mode')} has no code generator yet")
+    src = n.inputs[0]
+    in_shape, out_shape = e.info(src).shape, e.info(t).shape
+    ctm = n.attrs.get("coordinate_transformation_mode", "half_pixel")
+    rounding = n.attrs.get("nearest_mode", "round_prefer_floor")
+    src_idx = []
+    for i, din, dout in zip(idx, in_shape, out_shape, strict=True):
+        if din == dout:
+            src_idx.append(i)
+            continue
+        scale = dout / din
+        if ctm == "asymmetric":
+            x = f"((float)({i}) / {_lit(scale)})"
+        elif ctm in ("half_pixel", "pytorch_half_pixel"):
+            x = f"(((float)({i}) + 0.5f) / {_lit(scale)} - 0.5f)"
+        else:
+            raise CodegenRefused(f"{n.name}(Resize) coordinate mode {ctm} has no code generator yet")
+        r = {"floor": f"floorf({x})", "ceil": f"ceilf({x})", "round_prefer_floor": f"ceilf({x} - 0.5f)",
+             "round_prefer_ceil": f"floorf({x} + 0.5f)"}[rounding]
+        src_idx.append(e.tmp("long long", f"(long long)fminf(fmaxf({r}, 0.0f), {din - 1}.0f)"))
+    return e.value(src, tuple(src_idx))
+
+
+_HANDLERS = {"LeakyRelu": _leaky, "Elu": _elu, "Gelu": _gelu, "Clip": _clip, "Cast": _cast, "Where": _where,
+             "Reshape": _reshape, "Flatten": _reshape, "Squeeze": _reshape, "Unsqueeze": _reshape,
+             "Transpose": _transpose, "Slice": _slice, "Gather": _gather, "Concat": _concat, "Split": _split,
+             "Expand": _expand, "Resize": _resize}
+
+
+# -- kernels ----------------------------------------------------------------------------------
+
+def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
+    def arg(prefix, k, t):
+        info = graph.tensors[t]
+        if info.dtype not in CTYPES:
+            raise CodegenRefused(f"dtype {info.dtype} of '{t}' is not generated yet")
+        return Arg(f"{prefix}{k}", t, tuple(info.shape), info.dtype)
+
+    return (tuple(arg("in", k, t) for k, t in enumerate(kernel.inputs)),
+            tuple(arg("out", k, t) for k, t in enumerate(kernel.outputs)))
+
+
+def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
+    """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated."""
+    if kernel.template not in SUPPORTED_TEMPLATES:
+        raise CodegenRefused(f"template {kernel.template} is not generated yet (runs as a library call)")
+    ins, outs = _args(graph, kernel)
+    name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
+    args = {a.tensor: a for a in ins}
+    if kernel.template == "pointwise":
+        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args)
+    else:
+        c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
+    digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
+    return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows, length, digest)
+
+
+def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel | FusionDecision:
+    try:
+        return generate(graph, kernel, name)
+    except CodegenRefused as exc:
+        return exc.decision
+
+
+def _signature(ins, outs, restrict: str) -> str:
+    params = [f"const {a.ctype}* {restrict} {a.name}" for a in ins]
+    params += [f"{a.ctype}* {restrict} {a.name}" for a in outs]
+    return ", ".join(params)
+
+
+_C_PRELUDE = "#include <math.h>\n#include <stdint.h>\n"
+_CU_PRELUDE = ("#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
+               "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n")
+
+
+def _indent(lines: list[str], depth: int) -> str:
+    return "\n".join("    " * depth + line for line in lines)
+
+
+def _pointwise(graph, kernel, name, ins, outs, args):
+    c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
+    c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "\n".join(c_loops) + "\n}\n")
+    cu_src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+              + "\n".join(cu_loops) + "\n}\n")
+    return c_src, cu_src, 0, 0
+
+
+def _pointwise_loops(graph, kernel, args, outs) -> tuple[list[str], list[str]]:
+    """One loop per output: O[i] = value(O, unflatten(i)); C (OpenMP) and CUDA (grid-stride)."""
+    blocks = []
+    for out in outs:
+        e = _Emitter(graph, kernel, args)
+        idx = e.unflatten("i", out.shape)
+        v = e.value(out.tensor, idx)
+        e.lines.append(f"{out.name}[i] = {v};")
+        blocks.append((out, e.lines))
+    c_loops, cu_loops = [], []
+    for out, lines in blocks:
+        c_loops.append(f"    #pragma omp parallel for schedule(static)\n    for (long long i = 0; i < {out.size}LL; ++i) {{\n"
+                       f"{_indent(lines, 2)}\n    }}")
+        cu_loops.append(f"    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {out.size}LL;"
+                        f" i += (long long)blockDim.x * gridDim.x) {{\n{_indent(lines, 2)}\n    }}")
+    return c_loops, cu_loops
+
+
+# -- rowwise ----------------------------------------------------------------------------------
+
+_CU_BLOCK_REDUCE = """
+__device__ __forceinline__ float warp_reduce(float v, int is_max) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    return v;
+}
+__device__ float block_reduce(float v, int is_max) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_reduce(v, is_max);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = threadIdx.x < warps ? partial[threadIdx.x] : (is_max ? -INFINITY : 0.0f);
+    if (warp == 0) v = warp_reduce(v, is_max);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    v = partial[0];
+    __syncthreads();
+    return v;
+}
+"""
+
+
+@dataclass
+class _RowPlan:
+    rows: int
+    length: int
+    c: list[str] = field(default_factory=list)
+    cu: list[str] = field(default_factory=list)
+
+
+def _rowwise(graph, kernel, name, ins, outs, args):
+    nodes = [graph.nodes[i] for i in kernel.nodes]
+    length = kernel.reduction_length
+    rows = _row_count(graph, nodes, length)
+    e = _Emitter(graph, kernel, args)
+    plan = _RowPlan(rows, length)
+    side = _side_outputs(graph, kernel, outs, plan)
+    for node in nodes:
+        if node.kind.name == "REDUCE":
+            _reduction(e, node, plan)
+    for out in outs:
+        if out not in side:
+            _row_output(e, out, plan)
+    c_side, cu_side = _pointwise_loops(graph, kernel, args, side)
+    c_body = _indent(plan.c, 2)
+    cu_body = _indent(plan.cu, 2)
+    c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "".join(x + "\n" for x in c_side)
+             + f"    #pragma omp parallel for schedule(static)\n    for (long long r = 0; r < {rows}LL; ++r) {{\n"
+             f"{c_body}\n    }}\n}}\n")
+    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+              + "".join(x + "\n" for x in cu_side)
+              + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
+    return c_src, cu_src, rows, length
+
+
+def _row_count(graph: Graph, nodes: list[Node], length: int) -> int:
+    for n in nodes:
+        if n.kind.name == "REDUCE":
+            size = graph.tensors[n.inputs[0]].size
+            return size // length
+    raise CodegenRefused("rowwise kernel without a reduction")
+
+
+def _full_index(e: _Emitter, tensor: str, plan: _RowPlan, j: str) -> tuple[str, ...]:
+    """Index of `tensor` (rows x L elements, row-major) at row r, column j."""
+    shape = e.info(tensor).shape
+    if math.prod(shape) != plan.rows * plan.length:
+        raise CodegenRefused(f"'{tensor}' is neither a row nor a full tensor of the rowwise kernel")
+    return e.unflatten(f"r * {plan.length}LL + {j}", shape)
+
+
+def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str) -> None:
+    """acc over j of body(j): emits into plan.c and plan.cu (same statements, two skeletons)."""
+    e.lines = []
+    e.push()
+    value = body("j")
+    e.pop()
+    inner = e.lines + [f"{acc} = {combine.format(acc, value)};"]
+    plan.c += [f"float {acc} = {init};", f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+               *["    " + x for x in inner], "}"]
+    plan.cu += [f"float {acc} = {init};", f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
+                *["    " + x for x in inner], "}",
+                f"{acc} = block_reduce({acc}, {1 if 'fmax' in combine else 0});"]
+    e.lines = []
+
+
+def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
+    e.count += 1
+    name = f"s{e.count}"
+    plan.c.append(f"float {name} = {expr};")
+    plan.cu.append(f"float {name} = {expr};")
+    return name
+
+
+def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
+    x = node.inputs[0]
+    op = node.op_type
+    at = lambda j: e.value(x, _full_index(e, x, plan, j))  # noqa: E731
+    if op in ("ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool"):
+        e.count += 1
+        acc = f"s{e.count}"
+        if op == "ReduceMax":
+            _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc)
+        else:
+            _row_loop(e, plan, at, "{0} + {1}", "0.0f", acc)
+        mean = op in ("ReduceMean", "GlobalAveragePool")
+        e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} / {plan.length}.0f") if mean else acc
+        return
+    if op in ("Softmax", "LogSoftmax"):
+        _softmax(e, node, plan, at)
+        return
+    if op == "LayerNormalization":
+        _layernorm(e, node, plan, at)
+        return
+    raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")
+
+
+def _softmax(e, node, plan, at) -> None:
+    e.count += 1
+    mx = f"s{e.count}"
+    _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", mx)
+    e.count += 1
+    total = f"s{e.count}"
+    _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total)
+    x = node.inputs[0]
+    if node.op_type == "Softmax":
+        e.row_ops[node.outputs[0]] = lambda idx: f"(expf({e.value(x, idx)} - {mx}) / {total})"
+    else:
+        e.row_ops[node.outputs[0]] = lambda idx: f"({e.value(x, idx)} - {mx} - logf({total}))"
+
+
+def _layernorm(e, node, plan, at) -> None:
+    e.count += 1
+    total = f"s{e.count}"
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total)
+    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
+    e.count += 1
+    sq = f"s{e.count}"
+    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq)
+    eps = _lit(node.attrs.get("epsilon", 1e-5))
+    inv = _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {eps})")
+    x = node.inputs[0]
+
+    def normalized(idx):
+        expr = f"(({e.value(x, idx)} - {mean}) * {inv})"
+        if len(node.inputs) > 1 and node.inputs[1]:
+            expr = f"({expr} * {e.input_at(node, 1, idx)})"
+        if len(node.inputs) > 2 and node.inputs[2]:
+            expr = f"({expr} + {e.input_at(node, 2, idx)})"
+        return expr
+
+    e.row_ops[node.outputs[0]] = normalized
+    if any(o and (e.graph.is_output(o) or set(e.graph.consumers(o)) - e.members) for o in node.outputs[1:]):
+        raise CodegenRefused(f"{node.name}(LayerNormalization) mean/inv-std outputs are not generated yet")
+
+
+def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
+    if out.size == plan.rows:
+        e.lines = []
+        e.push()
+        v = e.row_scalars.get(out.tensor) or e.value(out.tensor, e.unflatten("r", out.shape))
+        e.pop()
+        lines, e.lines = e.lines, []
+        plan.c += [*lines, f"{out.name}[r] = {v};"]
+        plan.cu += [*lines, f"if (threadIdx.x == 0) {out.name}[r] = {v};"]
+        return
+    e.lines = []
+    e.push()
+    v = e.value(out.tensor, _full_index(e, out.tensor, plan, "j"))
+    e.pop()
+    inner = e.lines + [f"{out.name}[r * {plan.length}LL + j] = {v};"]
+    e.lines = []
+    plan.c += [f"for (long long j = 0; j < {plan.length}LL; ++j) {{", *["    " + x for x in inner], "}"]
+    plan.cu += [f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
+                *["    " + x for x in inner], "}"]
+
+
+def _side_outputs(graph: Graph, kernel: Kernel, outs, plan: _RowPlan) -> list[Arg]:
+    """Outputs of a rowwise kernel of neither row nor full size: elementwise work that does not
+    depend on a reduction (e.g. a mask computed beside a LayerNorm). Written by their own
+    pointwise loop; anything else is refused."""
+    reduce_ids = {i for i in kernel.nodes if graph.nodes[i].kind.name == "REDUCE"}
+    side = []
+    for out in outs:
+        if out.size in (plan.rows, plan.rows * plan.length):
+            continue
+        producer = graph.producer(out.tensor)
+        if any(graph.reaches(r, producer) or r == producer for r in reduce_ids):
+            raise CodegenRefused(f"'{out.tensor}' is neither a row nor a full tensor of the rowwise kernel")
+        side.append(out)
+    return side

@@ -1,0 +1,141 @@
+"""Generated kernels on the CPU backend equal ONNX Runtime: tiny graphs per op family, and every
+pointwise / rowwise group of zoo plans; their CUDA versions compile for sm_80 and sm_90."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from fusesearch.api import plan as make_plan
+from fusesearch.backends import cpu
+from fusesearch.backends.codegen import CodegenRefused, generate, try_generate
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.candidates.rules import FusionDecision
+from fusesearch.ir.canonicalize import to_proto
+from fusesearch.lowering import lower
+from fusesearch.pipeline import prepare
+from fusesearch.verify import all_values, random_feeds
+from tests.conftest import make_model, save
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+
+
+def check_group(prep, values, node_ids) -> None:
+    kernel = lower(prep.graph, FusionGroup(frozenset(node_ids)))
+    gk = generate(prep.graph, kernel)
+    out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+    for a in gk.outputs:
+        ref = values[a.tensor]
+        scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
+        np.testing.assert_allclose(out[a.tensor].astype(np.float64), ref.astype(np.float64), rtol=0,
+                                   atol=1e-4 * scale, err_msg=f"{gk.name}: {a.tensor}")
+
+
+def whole_graph_as_one_group(tmp_path, nodes, inputs, outputs, inits=(), opset=17):
+    path = save(make_model(nodes, inputs, outputs, inits, opset=opset), tmp_path / "m.onnx")
+    prep = prepare(path)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    check_group(prep, values, range(len(prep.graph)))
+    return prep
+
+
+def test_pointwise_broadcast_chain(tmp_path):
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Mul", ["a", "s"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["g"]), helper.make_node("Mul", ["m", "g"], ["silu"]),
+             helper.make_node("Clip", ["silu", "lo", "hi"], ["y"])]
+    inits = [("b", np.arange(8, dtype=np.float32)), ("s", np.float32([[0.5]])), ("lo", np.float32(-1.0)),
+             ("hi", np.float32(2.0))]
+    whole_graph_as_one_group(tmp_path, nodes, [("x", [3, 4, 8])], [("y", None)], inits)
+
+
+def test_injective_ops(tmp_path):
+    """Transpose, Reshape, Slice, Concat, Split, Gather and Expand as index remapping."""
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("Reshape", ["t", "shape"], ["r"]),
+             helper.make_node("Slice", ["r", "starts", "ends", "axes", "steps"], ["s"]),
+             helper.make_node("Split", ["s", "split"], ["s0", "s1"], axis=1),
+             helper.make_node("Concat", ["s1", "s0"], ["c"], axis=1),
+             helper.make_node("Gather", ["c", "idx"], ["g"], axis=1),
+             helper.make_node("Expand", ["g", "eshape"], ["y"])]
+    inits = [("shape", np.int64([4, 12])), ("starts", np.int64([1])), ("ends", np.int64([11])),
+             ("axes", np.int64([1])), ("steps", np.int64([2])), ("split", np.int64([2, 3])),
+             ("idx", np.int64([[4, 0], [-1, 2]])), ("eshape", np.int64([3, 4, 2, 2]))]
+    whole_graph_as_one_group(tmp_path, nodes, [("x", [4, 3, 4])], [("y", None)], inits)
+
+
+def test_where_cast_and_resize_nearest(tmp_path):
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["m"]),
+             helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT),
+             helper.make_node("Where", ["m", "x", "mf"], ["w"]),
+             helper.make_node("Resize", ["w", "", "scales"], ["y"], mode="nearest",
+                              coordinate_transformation_mode="asymmetric", nearest_mode="floor")]
+    inits = [("zero", np.float32(0.0)), ("scales", np.float32([1, 1, 2, 2]))]
+    whole_graph_as_one_group(tmp_path, nodes, [("x", [1, 2, 3, 5])], [("y", None)], inits, opset=13)
+
+
+def test_rowwise_softmax_layernorm_and_reductions(tmp_path):
+    nodes = [helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+             helper.make_node("Add", ["p", "x"], ["a"]),
+             helper.make_node("LayerNormalization", ["a", "gamma", "beta"], ["n"], axis=-1, epsilon=1e-5),
+             helper.make_node("ReduceMean", ["n", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Sub", ["n", "mean"], ["y"])]
+    inits = [("gamma", np.linspace(0.5, 1.5, 16, dtype=np.float32)), ("beta", np.float32(np.arange(16) / 10)),
+             ("axes", np.int64([-1]))]
+    whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 16])], [("y", None), ("mean", None)], inits, opset=18)
+
+
+def test_global_average_pool(tmp_path):
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["y"])]
+    whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 5, 5])], [("y", None)])
+
+
+def test_templates_not_generated_are_refused_with_a_reason():
+    prep = prepare("zoo:resnet18")
+    conv = next(n for n in prep.graph.nodes if n.op_type == "Conv")
+    decision = try_generate(prep.graph, lower(prep.graph, FusionGroup.single(conv.id)))
+    assert isinstance(decision, FusionDecision) and "conv" in decision.reason
+    with pytest.raises(CodegenRefused):
+        generate(prep.graph, lower(prep.graph, FusionGroup.single(conv.id)))
+
+
+@functools.lru_cache(maxsize=1)
+def _zoo(name: str):
+    prep = prepare(f"zoo:{name}")
+    canonical = to_proto(prep.canonical)
+    return prep, all_values(canonical, random_feeds(canonical, 0))
+
+
+@pytest.mark.parametrize("name", ["bert-small", "yolo-neck", "vit-small"])
+def test_every_pointwise_and_rowwise_group_of_zoo_plans_matches_ort(name):
+    prep, values = _zoo(name)
+    generated = 0
+    for strategy in ("none", "greedy", "cpsat"):
+        p = make_plan(f"zoo:{name}", device="t4", strategy=strategy, prepared=prep)
+        for g in p.groups:
+            if g.kernel.template in ("pointwise", "rowwise"):
+                check_group(prep, values, g.nodes)
+                generated += 1
+    assert generated > 20
+
+
+def test_cuda_sources_compile_for_sm80_and_sm90():
+    nvrtc = pytest.importorskip("fusesearch.backends.nvrtc")
+    if not nvrtc.toolchain_available():
+        pytest.skip("no CUDA compiler")
+    prep, _ = _zoo("bert-small")
+    p = make_plan("zoo:bert-small", device="h100-sxm", strategy="cpsat", prepared=prep)
+    sources = {}
+    for g in p.groups:
+        if g.kernel.template in ("pointwise", "rowwise"):
+            gk = generate(prep.graph, g.kernel, name=f"g{g.id}")
+            sources.setdefault(g.kernel.template, gk)
+    assert set(sources) == {"pointwise", "rowwise"}
+    for gk in sources.values():
+        for arch in nvrtc.ARCHES:
+            result = nvrtc.compile_cuda(gk.cuda_source, arch=arch)
+            res = result.resource(gk.name)
+            assert res.registers > 0 and res.spill_store_bytes == 0
