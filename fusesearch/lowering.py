@@ -218,7 +218,7 @@ def _lower_pointwise(graph: Graph, nodes: list[Node]) -> Kernel:
                   _live_values(graph, nodes), alias=alias)
 
 
-def _reduced_rows(graph: Graph, n: Node) -> tuple[int, int] | FusionDecision:
+def reduced_rows(graph: Graph, n: Node) -> tuple[int, int] | FusionDecision:
     """(rows, row length) of a REDUCE node, refused when it reduces a non-inner axis."""
     shape = graph.tensors[n.inputs[0]].shape
     rank = len(shape)
@@ -264,7 +264,7 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     for n in nodes:
         if n.kind != OpKind.REDUCE:
             continue
-        rows = _reduced_rows(graph, n)
+        rows = reduced_rows(graph, n)
         if isinstance(rows, FusionDecision):
             return rows
         shapes.add(rows)
@@ -374,7 +374,7 @@ def _row_epilogue(graph: Graph, n: Node, anchor: Node) -> int | FusionDecision:
         return FusionDecision.refuse(f"{_label(n)} cannot join the epilogue of {_label(anchor)}")
     if not graph.reaches(anchor.id, n.id):
         return FusionDecision.refuse(f"{_label(n)} is not after {_label(anchor)}")
-    rows = _reduced_rows(graph, n)
+    rows = reduced_rows(graph, n)
     if isinstance(rows, FusionDecision):
         return rows
     _, row_len = rows

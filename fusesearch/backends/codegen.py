@@ -37,7 +37,7 @@ from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
-SUPPORTED_TEMPLATES = ("pointwise", "rowwise")
+SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
 
 
 class CodegenRefused(Exception):
@@ -365,7 +365,142 @@ def _resize(e, n, t, idx):
     return e.value(src, tuple(src_idx))
 
 
-_HANDLERS = {"LeakyRelu": _leaky, "Elu": _elu, "Gelu": _gelu, "Clip": _clip, "Cast": _cast, "Where": _where,
+def _dot(e: _Emitter, k_extent: int, term, init: str = "0.0f") -> str:
+    """acc = init + Σ_k term(k): a loop emitted into the current statements."""
+    acc = e.tmp("float", init)
+    e.count += 1
+    k = f"k{e.count}"
+    outer = e.lines
+    e.lines = []
+    e.push()
+    value = term(k)
+    e.pop()
+    body = e.lines
+    e.lines = outer
+    e.lines += [f"for (long long {k} = 0; {k} < {k_extent}LL; ++{k}) {{", *["    " + x for x in body],
+                f"    {acc} += {value};", "}"]
+    return acc
+
+
+def _guarded(e: _Emitter, tensor: str, idx: tuple[str, ...], cond: str) -> str:
+    """value(tensor, idx) where cond holds, else 0 (padding): never evaluated out of bounds."""
+    result = e.tmp(e.ctype(tensor), "0")
+    outer = e.lines
+    e.lines = []
+    e.push()
+    v = e.value(tensor, idx)
+    e.pop()
+    body = e.lines
+    e.lines = outer
+    e.lines += [f"if ({cond}) {{", *["    " + x for x in body], f"    {result} = {v};", "}"]
+    return result
+
+
+def _matmul(e, n, t, idx):
+    a, b = n.inputs[0], n.inputs[1]
+    sa, sb, so = e.info(a).shape, e.info(b).shape, e.info(t).shape
+    k_extent = sa[-1]
+    batch = idx[:-2] if len(sb) > 1 and len(sa) > 1 else idx[:-1]
+
+    def term(k):
+        if len(sa) == 1:
+            ia = (k,)
+        else:
+            m = idx[-2] if len(sb) > 1 else idx[-1]
+            ia = e.broadcast(batch, sa[:-2]) + (m, k)
+        ib = (k,) if len(sb) == 1 else e.broadcast(batch, sb[:-2]) + (k, idx[-1])
+        return f"{e.value(a, ia)} * {e.value(b, ib)}"
+
+    del so
+    return _dot(e, k_extent, term)
+
+
+def _gemm(e, n, t, idx):
+    a, b = n.inputs[0], n.inputs[1]
+    ta, tb = int(n.attrs.get("transA", 0)), int(n.attrs.get("transB", 0))
+    alpha, beta = float(n.attrs.get("alpha", 1.0)), float(n.attrs.get("beta", 1.0))
+    m, col = idx
+    k_extent = e.info(a).shape[0 if ta else 1]
+    acc = _dot(e, k_extent, lambda k: f"{e.value(a, (k, m) if ta else (m, k))} * {e.value(b, (col, k) if tb else (k, col))}")
+    expr = acc if alpha == 1.0 else f"({_lit(alpha)} * {acc})"
+    if len(n.inputs) > 2 and n.inputs[2]:
+        c = e.input_at(n, 2, idx)
+        expr = f"({expr} + {c})" if beta == 1.0 else f"({expr} + {_lit(beta)} * {c})"
+    return expr
+
+
+def _conv_geometry(e: _Emitter, n: Node, x_shape, w_shape, y_shape, transpose: bool):
+    spatial = len(x_shape) - 2
+    kernel = tuple(n.attrs.get("kernel_shape") or w_shape[2:])
+    strides = tuple(n.attrs.get("strides") or (1,) * spatial)
+    dilations = tuple(n.attrs.get("dilations") or (1,) * spatial)
+    pads = tuple(n.attrs.get("pads") or (0,) * (2 * spatial))
+    auto = n.attrs.get("auto_pad", "NOTSET")
+    if isinstance(auto, bytes):
+        auto = auto.decode()
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        if transpose:
+            raise CodegenRefused(f"{n.name}(ConvTranspose) auto_pad {auto} is not generated yet")
+        begin = []
+        for i in range(spatial):
+            total = max(0, (y_shape[2 + i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - x_shape[2 + i])
+            begin.append(total // 2 if auto == "SAME_UPPER" else total - total // 2)
+        pads = tuple(begin) + (0,) * spatial
+    elif auto == "VALID":
+        pads = (0,) * (2 * spatial)
+    return spatial, kernel, strides, dilations, pads[:spatial]
+
+
+def _conv(e, n, t, idx):
+    x, w = n.inputs[0], n.inputs[1]
+    xs, ws, ys = e.info(x).shape, e.info(w).shape, e.info(t).shape
+    spatial, kernel, strides, dilations, pads = _conv_geometry(e, n, xs, ws, ys, False)
+    group = int(n.attrs.get("group", 1))
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    taps = [cin_g, *kernel]
+    batch, co = idx[0], idx[1]
+    g = f"(({co}) / {cout_g}LL)"
+
+    def term(k):
+        parts = e.unflatten(k, taps)
+        ci, ks = parts[0], parts[1:]
+        pos = [e.tmp("long long", f"({idx[2 + i]}) * {strides[i]}LL - {pads[i]}LL + ({ks[i]}) * {dilations[i]}LL")
+               for i in range(spatial)]
+        inside = " && ".join(f"{p} >= 0 && {p} < {xs[2 + i]}LL" for i, p in enumerate(pos))
+        xv = _guarded(e, x, (batch, f"({g} * {cin_g}LL + {ci})", *pos), inside)
+        return f"{xv} * {e.value(w, (co, ci, *ks))}"
+
+    init = e.value(n.inputs[2], (co,)) if len(n.inputs) > 2 and n.inputs[2] else "0.0f"
+    return _dot(e, math.prod(taps), term, init)
+
+
+def _conv_transpose(e, n, t, idx):
+    x, w = n.inputs[0], n.inputs[1]
+    xs, ws, ys = e.info(x).shape, e.info(w).shape, e.info(t).shape
+    spatial, kernel, strides, dilations, pads = _conv_geometry(e, n, xs, ws, ys, True)
+    group = int(n.attrs.get("group", 1))
+    cin_g, cout_g = xs[1] // group, ws[1]
+    taps = [cin_g, *kernel]
+    batch, co = idx[0], idx[1]
+    g = f"(({co}) / {cout_g}LL)"
+
+    def term(k):
+        parts = e.unflatten(k, taps)
+        ci, ks = parts[0], parts[1:]
+        num = [e.tmp("long long", f"({idx[2 + i]}) + {pads[i]}LL - ({ks[i]}) * {dilations[i]}LL") for i in range(spatial)]
+        pos = [e.tmp("long long", f"{num[i]} / {strides[i]}LL") for i in range(spatial)]
+        inside = " && ".join(f"{num[i]} >= 0 && {num[i]} % {strides[i]}LL == 0 && {pos[i]} < {xs[2 + i]}LL"
+                             for i in range(spatial))
+        cin = f"({g} * {cin_g}LL + {ci})"
+        xv = _guarded(e, x, (batch, cin, *pos), inside)
+        return f"{xv} * {e.value(w, (cin, f'(({co}) % {cout_g}LL)', *ks))}"
+
+    init = e.value(n.inputs[2], (co,)) if len(n.inputs) > 2 and n.inputs[2] else "0.0f"
+    return _dot(e, math.prod(taps), term, init)
+
+
+_HANDLERS = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _conv_transpose,
+             "LeakyRelu": _leaky, "Elu": _elu, "Gelu": _gelu, "Clip": _clip, "Cast": _cast, "Where": _where,
              "Reshape": _reshape, "Flatten": _reshape, "Squeeze": _reshape, "Unsqueeze": _reshape,
              "Transpose": _transpose, "Slice": _slice, "Gather": _gather, "Concat": _concat, "Split": _split,
              "Expand": _expand, "Resize": _resize}
@@ -391,10 +526,11 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     ins, outs = _args(graph, kernel)
     name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
     args = {a.tensor: a for a in ins}
-    if kernel.template == "pointwise":
-        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args)
-    else:
+    has_rows = any(graph.nodes[i].kind.name == "REDUCE" for i in kernel.nodes)
+    if has_rows:
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
+    else:
+        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args)
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows, length, digest)
 
@@ -486,8 +622,7 @@ class _RowPlan:
 
 def _rowwise(graph, kernel, name, ins, outs, args):
     nodes = [graph.nodes[i] for i in kernel.nodes]
-    length = kernel.reduction_length
-    rows = _row_count(graph, nodes, length)
+    rows, length = _row_shape(graph, nodes)
     e = _Emitter(graph, kernel, args)
     plan = _RowPlan(rows, length)
     side = _side_outputs(graph, kernel, outs, plan)
@@ -509,12 +644,15 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     return c_src, cu_src, rows, length
 
 
-def _row_count(graph: Graph, nodes: list[Node], length: int) -> int:
-    for n in nodes:
-        if n.kind.name == "REDUCE":
-            size = graph.tensors[n.inputs[0]].size
-            return size // length
-    raise CodegenRefused("rowwise kernel without a reduction")
+def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
+    """(rows, row length) shared by the kernel's reductions (lowering checked they agree)."""
+    from fusesearch.lowering import reduced_rows
+
+    shapes = [reduced_rows(graph, n) for n in nodes if n.kind.name == "REDUCE"]
+    shapes = [s for s in shapes if isinstance(s, tuple)]
+    if not shapes:
+        raise CodegenRefused("rowwise kernel without a row reduction")
+    return max(shapes, key=lambda s: s[1])
 
 
 def _full_index(e: _Emitter, tensor: str, plan: _RowPlan, j: str) -> tuple[str, ...]:
