@@ -487,6 +487,88 @@ def _print_compare(doc: dict) -> None:
             out.print(f"  only on {b}: {g}")
 
 
+# -- measure ----------------------------------------------------------------------------------
+
+@app.command()
+def measure(
+    model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
+    backend: Annotated[str, typer.Option("--backend", help="cpu (generated C) or cupy (generated CUDA)")] = "cpu",
+    plan_json: Annotated[Path | None, typer.Option("--plan", help="Measure this plan.json (default: plan now).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Cost model device (default: host on cpu, "
+                                               "h200 on cupy) or profile.json.")] = None,
+    strategy: Strategy = "cpsat",
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    time_limit: TimeLimit = 60.0,
+    budget: Annotated[float, typer.Option("--budget", help="Timing budget per kernel, seconds.")] = 0.2,
+    seed: Seed = 0,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted."""
+    from rich.progress import Progress
+
+    from fusesearch.measure import BACKENDS, measure_plan
+
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    if budget <= 0:
+        raise BadInput(f"--budget {budget}: give a positive number of seconds")
+    _check_output(output, force, "-o")
+    device = device or ("host" if backend == "cpu" else "h200")
+    config = _config(time_limit, 16, seed, None)
+    plan_, unfused, prep = _measure_plans(model, _bindings(input_shape, dim), device, strategy, config, plan_json)
+    total = len(plan_.groups) + len(unfused.groups)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"measuring on {backend}", total=total)
+        report = measure_plan(prep, plan_, unfused, backend, budget_s=budget, seed=seed,
+                              progress=lambda _: bar.advance(task))
+    if output is not None:
+        report.to_pandas().to_parquet(output, index=False)
+    if json_out:
+        _emit_json(report.to_dict())
+        return
+    _print_measure(report, output)
+
+
+def _measure_plans(model, bindings, device, strategy, config, plan_json):
+    from fusesearch.api import model_info, resolve_device
+    from fusesearch.pipeline import prepare
+    from fusesearch.plans import Plan, SolverInfo
+
+    plan_, legality, prep = _run_plan(model, bindings, device, strategy if plan_json is None else "none", config)
+    none, _, _ = _run_plan(model, None, device, "none", config, prep)
+    if plan_json is not None:
+        from fusesearch.export import plan_groups_from_json
+
+        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph)]
+        label = resolve_device(device)[0]
+        plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
+                           solver=SolverInfo("FILE", legality.graph and sum(legality.time_s(g) for g in groups), None),
+                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s)
+    del prepare
+    return plan_, none, prep
+
+
+def _print_measure(report, output) -> None:
+    t = report.totals()
+    table = Table(title=f"measured on {report.backend} ({report.device})", title_justify="left")
+    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err"):
+        table.add_column(col, justify="left" if col in ("group", "template", "how") else "right")
+    for m in report.plan:
+        spread = f"{_fmt_time(m.timing.p20_s)}-{_fmt_time(m.timing.p80_s)}" if m.timing else "-"
+        table.add_row(f"g{m.group}", m.template, m.how, _fmt_time(m.predicted_s),
+                      _fmt_time(m.measured_s) if m.timing else "-", spread, f"{m.max_rel_err:.2g}")
+    out.print(table)
+    out.print(f"plan: predicted {_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])}   "
+              f"unfused: predicted {_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])}"
+              f"   measured speedup {t['speedup']:.2f}x" + (f"   ({t['not_measured']} kernels not measured)"
+                                                           if t["not_measured"] else ""))
+    if output is not None:
+        out.print(f"measurements written to {output}")
+
+
 # -- devices ----------------------------------------------------------------------------------
 
 @app.command()

@@ -16,7 +16,8 @@ Traffic is compulsory traffic: each external input (weights included) read once,
 used outside the group (or a graph output) written once. A gemm/conv whose output has fewer than
 TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for skinny problems) and pays
 the fp32 partial sums' round trip. A table read only through Gather (an embedding) costs the rows
-gathered, not the whole table. FLOPs come from the OpKind table:
+gathered, not the whole table. A prologue op is charged once per reload of its operand in a
+tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free. FLOPs come from the OpKind table:
 the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
 Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
 treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
@@ -412,20 +413,45 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
            reduction: int, tile: tuple[int, ...], smem: int, live: int, *, alias: bool = False) -> Kernel:
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
+    reloads = _prologue_reloads(graph, nodes, anchor, tile)
     tc = scalar = trans = 0
     for n in nodes:
+        times = reloads.get(n.id, 1)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
-        trans += node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
+        trans += times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
         if n.id == anchor:
             tc += flops
         else:
-            scalar += flops
+            scalar += times * flops
     read = 0 if alias else sum(_read_bytes(graph, nodes, t) for t in inputs)
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
     return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
                   tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
                   THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias)
+
+
+def _prologue_reloads(graph: Graph, nodes: list[Node], anchor: int | None,
+                      tile: tuple[int, ...]) -> dict[int, int]:
+    """How many times a tiled kernel recomputes each prologue op: an element of the activation
+    operand is loaded once per output tile along N (and, for a convolution, once per filter tap
+    that reads it); of the weight operand, once per tile along M."""
+    if anchor is None or len(tile) < 2:
+        return {}
+    a = graph.nodes[anchor]
+    m, n_dim, _ = _gemm_dims(graph, a)
+    tm, tn = tile[0], tile[1]
+    taps = math.prod(graph.tensors[a.inputs[1]].shape[2:]) if a.op_type in ("Conv", "ConvTranspose") else 1
+    per_operand = [math.ceil(n_dim / tn) * taps, math.ceil(m / tm)]
+    reloads = {}
+    for n in nodes:
+        if n.id == anchor or not graph.reaches(n.id, anchor):
+            continue
+        for k, operand in enumerate(a.inputs[:2]):
+            p = graph.producer(operand)
+            if p is not None and (p == n.id or graph.reaches(n.id, p)):
+                reloads[n.id] = max(reloads.get(n.id, 1), per_operand[k])
+    return reloads
 
 
 def _read_bytes(graph: Graph, nodes: list[Node], tensor: str) -> int:

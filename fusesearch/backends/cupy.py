@@ -104,3 +104,50 @@ def compile_module(source: str, *, options: tuple[str, ...] = (),
     names = tuple(name_expressions)
     return cupy.RawModule(code=source, options=tuple(options), backend="nvrtc",
                           name_expressions=names or None)
+
+
+THREADS_PER_BLOCK = 256
+MAX_BLOCKS = 65535
+
+
+def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """(launch, fetch) for a GeneratedKernel on the GPU: inputs copied once to device buffers;
+    `launch` runs the kernel (asynchronously), `fetch` copies the outputs back as numpy arrays.
+    Grid: a block per row for row kernels, else enough blocks for the largest output (grid-stride
+    loops cover the rest)."""
+    import numpy as np
+
+    cupy = _import_cupy()
+    module = compile_module(generated.cuda_source, options=("--std=c++17",))
+    fn = module.get_function(generated.name)
+    dtypes = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
+    args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape))
+            for a in generated.inputs]
+    outs = [cupy.empty(a.shape, dtype=dtypes[a.dtype]) for a in generated.outputs]
+    if generated.rows:
+        blocks = min(generated.rows, MAX_BLOCKS)
+    else:
+        largest = max((a.size for a in generated.outputs), default=1)
+        blocks = max(1, min(-(-largest // THREADS_PER_BLOCK), MAX_BLOCKS * 8))
+    params = tuple(args + outs)
+
+    def launch() -> None:
+        fn((blocks,), (THREADS_PER_BLOCK,), params)
+
+    def fetch() -> dict:
+        cupy.cuda.get_current_stream().synchronize()
+        return {a.tensor: cupy.asnumpy(o) for a, o in zip(generated.outputs, outs, strict=True)}
+
+    return launch, fetch
+
+
+def device_name() -> str:
+    cupy = _import_cupy()
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def l2_bytes() -> int:
+    cupy = _import_cupy()
+    return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id).get("l2CacheSize", 0))
