@@ -534,7 +534,6 @@ def measure(
 
 def _measure_plans(model, bindings, device, strategy, config, plan_json):
     from fusesearch.api import model_info, resolve_device
-    from fusesearch.pipeline import prepare
     from fusesearch.plans import Plan, SolverInfo
 
     plan_, legality, prep = _run_plan(model, bindings, device, strategy if plan_json is None else "none", config)
@@ -545,9 +544,8 @@ def _measure_plans(model, bindings, device, strategy, config, plan_json):
         groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph)]
         label = resolve_device(device)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
-                           solver=SolverInfo("FILE", legality.graph and sum(legality.time_s(g) for g in groups), None),
+                           solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
                            model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s)
-    del prepare
     return plan_, none, prep
 
 

@@ -95,6 +95,8 @@ class _Emitter:
         self.count = 0
         self.row_scalars: dict[str, str] = {}  # rowwise: reduced tensor → per-row variable
         self.row_ops: dict[str, object] = {}  # rowwise: Softmax/LayerNorm output → f(idx) -> expr
+        self.hoisted = ""  # C only: a buffer holding the anchor's activation operand for this row
+        self.hoisted_acc = ""  # C only: MatMul/Gemm accumulators of this row, indexed by column
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:
@@ -158,6 +160,8 @@ class _Emitter:
         return " + ".join(reversed(terms)) or "0"
 
     def unflatten(self, flat: str, shape: Sequence[int]) -> tuple[str, ...]:
+        if 0 in shape:  # an empty tensor: its loop never runs
+            return ("0",) * len(shape)
         out, stride = [], math.prod(shape)
         for d in shape:
             stride //= d
@@ -397,6 +401,8 @@ def _guarded(e: _Emitter, tensor: str, idx: tuple[str, ...], cond: str) -> str:
 
 
 def _matmul(e, n, t, idx):
+    if e.hoisted_acc:
+        return f"{e.hoisted_acc}[{idx[-1]}]"
     a, b = n.inputs[0], n.inputs[1]
     sa, sb, so = e.info(a).shape, e.info(b).shape, e.info(t).shape
     k_extent = sa[-1]
@@ -409,7 +415,8 @@ def _matmul(e, n, t, idx):
             m = idx[-2] if len(sb) > 1 else idx[-1]
             ia = e.broadcast(batch, sa[:-2]) + (m, k)
         ib = (k,) if len(sb) == 1 else e.broadcast(batch, sb[:-2]) + (k, idx[-1])
-        return f"{e.value(a, ia)} * {e.value(b, ib)}"
+        av = f"{e.hoisted}[{k}]" if e.hoisted else e.value(a, ia)
+        return f"{av} * {e.value(b, ib)}"
 
     del so
     return _dot(e, k_extent, term)
@@ -421,7 +428,11 @@ def _gemm(e, n, t, idx):
     alpha, beta = float(n.attrs.get("alpha", 1.0)), float(n.attrs.get("beta", 1.0))
     m, col = idx
     k_extent = e.info(a).shape[0 if ta else 1]
-    acc = _dot(e, k_extent, lambda k: f"{e.value(a, (k, m) if ta else (m, k))} * {e.value(b, (col, k) if tb else (k, col))}")
+    def term(k):
+        av = f"{e.hoisted}[{k}]" if e.hoisted else e.value(a, (k, m) if ta else (m, k))
+        return f"{av} * {e.value(b, (col, k) if tb else (k, col))}"
+
+    acc = f"{e.hoisted_acc}[{col}]" if e.hoisted_acc else _dot(e, k_extent, term)
     expr = acc if alpha == 1.0 else f"({_lit(alpha)} * {acc})"
     if len(n.inputs) > 2 and n.inputs[2]:
         c = e.input_at(n, 2, idx)
@@ -464,14 +475,24 @@ def _conv(e, n, t, idx):
     def term(k):
         parts = e.unflatten(k, taps)
         ci, ks = parts[0], parts[1:]
-        pos = [e.tmp("long long", f"({idx[2 + i]}) * {strides[i]}LL - {pads[i]}LL + ({ks[i]}) * {dilations[i]}LL")
-               for i in range(spatial)]
-        inside = " && ".join(f"{p} >= 0 && {p} < {xs[2 + i]}LL" for i, p in enumerate(pos))
-        xv = _guarded(e, x, (batch, f"({g} * {cin_g}LL + {ci})", *pos), inside)
+        if e.hoisted:
+            return f"{e.hoisted}[{k}] * {e.value(w, (co, ci, *ks))}"
+        xv = _conv_input(e, n, x, xs, idx, k, taps, (spatial, strides, pads, dilations), g, cin_g)
         return f"{xv} * {e.value(w, (co, ci, *ks))}"
 
     init = e.value(n.inputs[2], (co,)) if len(n.inputs) > 2 and n.inputs[2] else "0.0f"
     return _dot(e, math.prod(taps), term, init)
+
+
+def _conv_input(e, n, x, xs, idx, k, taps, geometry, g, cin_g) -> str:
+    """The (prologue-applied, zero-padded) input value under filter tap k of output idx."""
+    spatial, strides, pads, dilations = geometry
+    parts = e.unflatten(k, taps)
+    ci, ks = parts[0], parts[1:]
+    pos = [e.tmp("long long", f"({idx[2 + i]}) * {strides[i]}LL - {pads[i]}LL + ({ks[i]}) * {dilations[i]}LL")
+           for i in range(spatial)]
+    inside = " && ".join(f"{p} >= 0 && {p} < {xs[2 + i]}LL" for i, p in enumerate(pos))
+    return _guarded(e, x, (idx[0], f"({g} * {cin_g}LL + {ci})", *pos), inside)
 
 
 def _conv_transpose(e, n, t, idx):
@@ -559,10 +580,140 @@ def _indent(lines: list[str], depth: int) -> str:
 
 def _pointwise(graph, kernel, name, ins, outs, args):
     c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
+    hoisted = _anchor_row_loops(graph, kernel, args, outs)
+    if hoisted is not None:
+        c_loops = hoisted
     c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "\n".join(c_loops) + "\n}\n")
     cu_src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0
+
+
+MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
+
+
+def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:
+    """C skeleton for gemm/conv with a prologue on the activation operand: per output row (all
+    output dims but the one the weights span), the operand's row (MatMul/Gemm: A[m, :]; Conv: the
+    input patch of one output pixel and group) is computed once into a buffer, then reused for
+    every output column — the CPU analogue of a tile load. None when there is nothing to hoist."""
+    if kernel.anchor is None:
+        return None
+    anchor = graph.nodes[kernel.anchor]
+    if anchor.op_type in ("MatMul", "Gemm"):
+        return _matmul_row_loops(graph, kernel, args, outs, anchor)
+    producer = graph.producer(anchor.inputs[0])
+    if anchor.op_type != "Conv" or producer is None or producer not in kernel.nodes:
+        return None
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+    main = [o for o in outs if o.shape == yshape]
+    side = [o for o in outs if o.shape != yshape]
+    fill = _HOIST_FILL.get(anchor.op_type)
+    plan = fill(graph, anchor) if fill else None
+    if plan is None or not main:
+        return None
+    inner_axis, extent, fill_fn = plan
+    if extent > MAX_HOIST:
+        return None
+    e = _Emitter(graph, kernel, args)
+    outer_shape = tuple(d for i, d in enumerate(yshape) if i != inner_axis)
+    row_idx = e.unflatten("row", outer_shape)
+    col = "col"
+    idx = row_idx[:inner_axis] + (col,) + row_idx[inner_axis:]
+    pre = e.lines
+    e.lines = []
+    fill_fn(e, anchor, idx, "hbuf")
+    fill_lines, e.lines = e.lines, []
+    e.push()
+    e.hoisted = "hbuf"
+    writes = []  # conv: the patch buffer is refilled at each group's first output channel
+    for o in main:
+        v = e.value(o.tensor, idx)
+        writes.append(f"{o.name}[{e.flat(idx, o.shape)}] = {v};")
+    body = e.lines + writes
+    e.pop()
+    rows = math.prod(outer_shape)
+    loop = [f"for (long long row = 0; row < {rows}LL; ++row) {{", *["    " + x for x in pre],
+            f"    float hbuf[{extent}];"]
+    loop += [f"    for (long long {col} = 0; {col} < {yshape[inner_axis]}LL; ++{col}) {{"]
+    loop += ["        " + x for x in fill_lines + body] + ["    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+
+
+def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
+    into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
+    epilogue per column reading acc[n]."""
+    a, b = anchor.inputs[0], anchor.inputs[1]
+    sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+    if len(sa) < 2 or len(sb) < 2 or sa[-1] > MAX_HOIST or yshape[-1] > MAX_HOIST:
+        return None
+    trans_a = anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))
+    trans_b = anchor.op_type == "Gemm" and int(anchor.attrs.get("transB", 0))
+    k_extent, n_extent = (sa[0] if trans_a else sa[-1]), yshape[-1]
+    main = [o for o in outs if o.shape == yshape]
+    if not main:
+        return None
+    e = _Emitter(graph, kernel, args)
+    row_idx = e.unflatten("row", yshape[:-1])
+    batch, m = row_idx[:-1], row_idx[-1]
+    pre = e.lines
+    e.lines = []
+    e.push()
+    av = e.value(a, (("kk", m) if trans_a else e.broadcast(batch, sa[:-2]) + (m, "kk")))
+    e.pop()
+    fill = [f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{", *["    " + x for x in e.lines], f"    hbuf[kk] = {av};", "}"]
+    e.lines = []
+    e.push()
+    bv = e.value(b, (("nn", "kk") if trans_b else e.broadcast(batch, sb[:-2]) + ("kk", "nn")))
+    e.pop()
+    mac = [f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{", "    float ak = hbuf[kk];",
+           f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) {{", *["        " + x for x in e.lines],
+           f"        acc[nn] += ak * {bv};", "    }", "}"]
+    e.lines = []
+    e.push()
+    e.hoisted_acc = "acc"
+    idx = row_idx + ("col",)
+    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    body = e.lines + writes
+    e.pop()
+    loop = [f"for (long long row = 0; row < {math.prod(yshape[:-1])}LL; ++row) {{", *["    " + x for x in pre],
+            f"    float hbuf[{k_extent}];", f"    float acc[{n_extent}];",
+            f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) acc[nn] = 0.0f;",
+            *["    " + x for x in fill + mac],
+            f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, [o for o in outs if o.shape != yshape])
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+
+
+def _fill_conv(graph: Graph, anchor: Node):
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = graph.tensors[x].shape, graph.tensors[w].shape, graph.tensors[anchor.outputs[0]].shape
+    group = int(anchor.attrs.get("group", 1))
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    kernel = tuple(anchor.attrs.get("kernel_shape") or ws[2:])
+    taps = [cin_g, *kernel]
+
+    def fill(e, node, idx, buf) -> None:
+        geometry = _conv_geometry(e, node, xs, ws, ys, False)
+        spatial, _, strides, dilations, pads = geometry
+        co = idx[1]
+        g = f"(({co}) / {cout_g}LL)"
+        kk = "kh"
+        e.lines.append(f"if (({co}) % {cout_g}LL == 0) for (long long {kk} = 0; {kk} < {math.prod(taps)}LL; ++{kk}) {{")
+        e.push()
+        v = _conv_input(e, node, x, xs, idx, kk, taps, (spatial, strides, pads, dilations), g, cin_g)
+        e.pop()
+        e.lines.append(f"    {buf}[{kk}] = {v};")
+        e.lines.append("}")
+    return 1, math.prod(taps), fill
+
+
+_HOIST_FILL = {"Conv": _fill_conv}
 
 
 def _pointwise_loops(graph, kernel, args, outs) -> tuple[list[str], list[str]]:
@@ -744,8 +895,9 @@ def _layernorm(e, node, plan, at) -> None:
         return expr
 
     e.row_ops[node.outputs[0]] = normalized
-    if any(o and (e.graph.is_output(o) or set(e.graph.consumers(o)) - e.members) for o in node.outputs[1:]):
-        raise CodegenRefused(f"{node.name}(LayerNormalization) mean/inv-std outputs are not generated yet")
+    for out, scalar in zip(node.outputs[1:3], (mean, inv), strict=False):  # optional Mean, InvStdDev
+        if out:
+            e.row_scalars[out] = scalar
 
 
 def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
