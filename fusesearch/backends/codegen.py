@@ -469,7 +469,7 @@ def _conv(e, n, t, idx):
     group = int(n.attrs.get("group", 1))
     cin_g, cout_g = xs[1] // group, ys[1] // group
     taps = [cin_g, *kernel]
-    batch, co = idx[0], idx[1]
+    co = idx[1]
     g = f"(({co}) / {cout_g}LL)"
 
     def term(k):
