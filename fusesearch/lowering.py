@@ -256,7 +256,10 @@ def _reduce_op_axes(graph: Graph, n: Node, rank: int) -> list[int] | None:
         return [int(x) for x in n.attrs["axes"]]
     if len(n.inputs) > 1 and n.inputs[1]:
         axes = graph.constant_value(n.inputs[1])
-        return None if axes is None else [int(x) for x in axes.reshape(-1)]
+        if axes is None:
+            return None
+        if axes.size:
+            return [int(x) for x in axes.reshape(-1)]
     return [] if n.attrs.get("noop_with_empty_axes", 0) else list(range(rank))
 
 
