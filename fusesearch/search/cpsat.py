@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 PS_PER_S = 1e12
 CANONICAL_DETERMINISTIC_TIME = 60.0  # CP-SAT's deterministic time units (~seconds), one worker
 MIN_SOLVE_S = 1.0  # CP-SAT always gets this long, even past the deadline (the hint is a plan)
-SAFETY_S = 0.5  # reading the solution back
+SAFETY_S = 0.5  # reading the solution back ...
+SAFETY_PER_NODE_S = 2e-4  # ... and building the validated plan (costs, unfused figures) after it
 FEW_WORKERS = 4
 
 
@@ -90,12 +91,12 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
     model.minimize(objective)
     _add_hint(model, candidates, x, rank, hint, graph)
     solver = cp_model.CpSolver()
-    remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S)
+    remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S - SAFETY_PER_NODE_S * n)
     _configure(solver.parameters, problem.config.workers, remaining, seed)
     status = solver.solve(model)
     if status == cp_model.OPTIMAL:
         model.add(objective <= int(solver.objective_value))
-        solver = _deterministic_optimum(model, solver, deadline)
+        solver = _deterministic_optimum(model, solver, deadline - SAFETY_PER_NODE_S * n)
     return _result(problem, candidates, solver, status, x, hint)
 
 
