@@ -386,7 +386,7 @@ def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=Non
 
 def _print_plan(p, output: Path | None) -> None:
     s = p.solver
-    status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {_gap(p):.2%}" if s.bound_s is not None else "")
+    status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {s.gap:.2%}" if s.bound_s is not None else "")
     out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold], strategy {p.strategy} "
               f"({status}; {s.wall_s:.2f} s)")
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
@@ -403,12 +403,6 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(table)
     if output is not None:
         out.print(f"plan written to {output}")
-
-
-def _gap(p) -> float:
-    if not p.solver.bound_s or not p.solver.objective_s:
-        return 0.0
-    return max(0.0, (p.solver.objective_s - p.solver.bound_s) / p.solver.objective_s)
 
 
 @app.command()

@@ -118,6 +118,13 @@ class SolverInfo:
     wall_s: float = 0.0
     stats: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def gap(self) -> float:
+        """(objective - bound) / objective; 0 without a bound."""
+        if not self.bound_s or not self.objective_s:
+            return 0.0
+        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
 
 @dataclass(frozen=True)
 class ModelInfo:

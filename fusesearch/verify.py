@@ -71,14 +71,12 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]
     return feeds
 
 
-def session(model: onnx.ModelProto | str, threads: int = 0):
+def session(model: onnx.ModelProto | str):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
-    if threads:
-        opts.intra_op_num_threads = threads
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 

@@ -66,16 +66,18 @@ class Verdict:
 
 
 class FusionRule(Protocol):
+    """A rule sees the node set and what the earlier rules produced (the lowered kernel, if any)."""
+
     name: str
 
-    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision | Verdict: ...
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision | Verdict: ...
 
 
 @dataclass(frozen=True)
 class MaxGroupSize:
     name: str = "max-group-size"
 
-    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision:
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision:
         if len(nodes) > legality.max_group_size:
             return FusionDecision.refuse(f"{len(nodes)} ops > max group size {legality.max_group_size}")
         return FusionDecision.accept()
@@ -85,7 +87,7 @@ class MaxGroupSize:
 class Lowerable:
     name: str = "lowerable"
 
-    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision | Verdict:
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision | Verdict:
         from fusesearch.candidates.group import FusionGroup
         from fusesearch.lowering import try_lower
 
@@ -97,10 +99,24 @@ class Lowerable:
 
 @dataclass(frozen=True)
 class FitsDevice:
+    """The cost model accepts the kernel on the device (shared memory, registers, threads). A lone
+    op that does not fit runs as a library call instead: every single node stays a candidate."""
+
     name: str = "fits-device"
 
-    def check(self, legality: Legality, nodes: frozenset[int]) -> FusionDecision | Verdict:
-        return FusionDecision.accept()  # applied in Legality.check once the kernel exists
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision | Verdict:
+        from fusesearch.costing import kernel_cost
+
+        cost = kernel_cost(kernel, legality.device, legality.model)
+        if not cost.feasible and len(nodes) == 1:
+            from fusesearch.candidates.group import FusionGroup
+            from fusesearch.lowering import lower_as_library
+
+            kernel = lower_as_library(legality.graph, FusionGroup(nodes))
+            cost = kernel_cost(kernel, legality.device, legality.model)
+        if not cost.feasible:
+            return Verdict(FusionDecision.refuse(cost.reason), kernel, cost)
+        return Verdict(FusionDecision.accept(), kernel, cost)
 
 
 DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), FitsDevice())
@@ -125,25 +141,17 @@ class Legality:
         return verdict
 
     def _check(self, nodes: frozenset[int]) -> Verdict:
-        from fusesearch.costing import kernel_cost
-
-        kernel = None
+        verdict = Verdict(FusionDecision.accept())
         for rule in self.rules:
-            result = rule.check(self, nodes)
-            if isinstance(result, Verdict):
-                kernel = result.kernel
-            elif not result:
-                return Verdict(result)
-        cost = kernel_cost(kernel, self.device, self.model)
-        if not cost.feasible and len(nodes) == 1:  # a lone op always runs: as a library call
-            from fusesearch.candidates.group import FusionGroup
-            from fusesearch.lowering import lower_as_library
-
-            kernel = lower_as_library(self.graph, FusionGroup(nodes))
-            cost = kernel_cost(kernel, self.device, self.model)
-        if not cost.feasible:
-            return Verdict(FusionDecision.refuse(cost.reason), kernel, cost)
-        return Verdict(FusionDecision.accept(), kernel, cost)
+            result = rule.check(self, nodes, verdict.kernel)
+            if isinstance(result, FusionDecision):
+                if not result:
+                    return Verdict(result, verdict.kernel, verdict.cost)
+                continue
+            if not result.decision:
+                return result
+            verdict = Verdict(result.decision, result.kernel, result.cost if result.cost else verdict.cost)
+        return verdict
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.check(nodes).time_s

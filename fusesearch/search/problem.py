@@ -64,12 +64,6 @@ class SolveResult:
     wall_s: float = 0.0
     stats: Mapping[str, Any] = field(default_factory=dict)
 
-    @property
-    def gap(self) -> float | None:
-        if self.bound_s is None or self.objective_s <= 0:
-            return None
-        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
-
 
 class Solver(Protocol):
     name: str
