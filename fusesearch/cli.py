@@ -498,11 +498,16 @@ def measure(
     seed: Seed = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Re-time kernels even if cached.")] = False,
+    ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
+                                               "of each CUDA kernel (default: on for cupy).")] = None,
+    flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict L2 before every GPU sample.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted."""
     from rich.progress import Progress
 
+    from fusesearch.backends.timing import TimingCache
     from fusesearch.measure import BACKENDS, measure_plan
 
     if backend not in BACKENDS:
@@ -517,13 +522,23 @@ def measure(
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task(f"measuring on {backend}", total=total)
         report = measure_plan(prep, plan_, unfused, backend, budget_s=budget, seed=seed,
-                              progress=lambda _: bar.advance(task))
+                              progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
+                              ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else backend == "cupy")
+                              else None, flush_l2=flush_l2)
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
     if json_out:
         _emit_json(report.to_dict())
         return
     _print_measure(report, output)
+
+
+def _ptxas_arch(device: str) -> str:
+    """The cost-model device's arch when it is a GPU (sm_80 / sm_90 compile here), else sm_90."""
+    from fusesearch.api import resolve_device
+
+    arch = resolve_device(device)[1].arch
+    return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
 def _measure_plans(model, bindings, device, strategy, config, plan_json):

@@ -81,10 +81,16 @@ class MeasureReport:
 
 
 def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: float = 0.2, seed: int = 0,
-                 progress: Callable[[str], None] | None = None, cache: TimingCache | None = None) -> MeasureReport:
+                 progress: Callable[[str], None] | None = None, cache: TimingCache | None = None,
+                 ptxas_arch: str | None = None, flush_l2: bool = False) -> MeasureReport:
+    """`cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
+    compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
+    shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     runner = _Runner(prep, backend, budget_s, seed, cache)
+    runner.ptxas_arch = ptxas_arch
+    runner.before_each = _l2_flush() if flush_l2 and backend == "cupy" else None
     done = []
     for label, p in (("plan", plan), ("unfused", unfused)):
         items = []
@@ -103,6 +109,8 @@ class _Runner:
         self.values = all_values(self.canonical, random_feeds(self.canonical, seed))
         self.device = _device_label(backend)
         self.clock = PerfCounterClock() if backend == "cpu" else _gpu_clock()
+        self.ptxas_arch: str | None = None
+        self.before_each = None
 
     def measure(self, label: str, g) -> KernelMeasurement:
         kernel, graph = g.kernel, self.prep.graph
@@ -122,7 +130,7 @@ class _Runner:
         err = _max_rel_err(fetch(), self.values)
         timing = self.cache.get(key) if self.cache and key else None
         if timing is None:
-            timing = measure(run, clock=self.clock, budget_s=self.budget_s)
+            timing = measure(run, clock=self.clock, budget_s=self.budget_s, before_each=self.before_each)
             if self.cache and key:
                 self.cache.put(key, timing)
         return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, timing, err,
@@ -136,12 +144,12 @@ class _Runner:
 
             go = cpu.runner(generated, inputs)
             fetch = lambda: {a.tensor: b for a, b in zip(generated.outputs, go.buffers[len(generated.inputs):], strict=True)}  # noqa: E731
-            return go, fetch, "generated", TimingCache.key(generated.source_hash, shapes, self.device)
+            return go, fetch, "generated", self._key(generated, shapes)
         if generated is not None:
             from fusesearch.backends import cupy as gpu
 
             launch, fetch = gpu.kernel_runner(generated, inputs)
-            return launch, fetch, "generated", TimingCache.key(generated.source_hash, shapes, self.device)
+            return launch, fetch, "generated", self._key(generated, shapes)
         if self.backend == "cpu":
             from fusesearch.backends.library import library_runner
 
@@ -154,14 +162,33 @@ class _Runner:
             return run, lambda: state["out"], "library", None
         return None, None, "not measured", None
 
+    def _key(self, generated, shapes) -> str:
+        extra = f"budget={self.budget_s};flush={self.before_each is not None}"
+        return TimingCache.key(generated.source_hash, shapes, self.device, extra)
+
+    def _ptxas(self, generated) -> dict:
+        """ptxas's view of the generated CUDA kernel (where a CUDA compiler is present)."""
+        if generated is None or not self.ptxas_arch:
+            return {}
+        from fusesearch.backends import nvrtc
+
+        try:
+            res = nvrtc.compile_cuda(generated.cuda_source, arch=self.ptxas_arch).resource(generated.name)
+        except Exception as exc:  # recorded, not fatal: the row says why
+            return {"ptxas_error": str(exc)[:200]}
+        return {"ptxas_arch": res.arch, "ptxas_registers": res.registers, "ptxas_smem_bytes": res.smem_bytes,
+                "ptxas_spill_bytes": res.spill_store_bytes + res.spill_load_bytes, "ptxas_stack_bytes": res.stack_bytes}
+
     def _row(self, label, g, how, timing: Timing | None, err: float, generated) -> dict:
         row = {"plan": label, "group": g.id, "how": how, "nodes": "+".join(self.prep.graph.nodes[i].name for i in g.nodes),
                **g.kernel.spec().to_row(), "predicted_s": g.cost.time_s, "predicted_bound": g.cost.bound,
-               "predicted_occupancy": g.cost.occupancy, "max_rel_err": err, "backend": self.backend,
+               "predicted_occupancy": g.cost.occupancy, "predicted_regs_per_thread": g.cost.regs_per_thread,
+               "predicted_spill_bytes": g.cost.spill_bytes, "max_rel_err": err, "backend": self.backend,
                "device": self.device, "source_hash": generated.source_hash if generated else None}
         row["tile"] = "x".join(map(str, row["tile"]))
         row["op_types"] = "+".join(row["op_types"])
         row.update(timing.to_row() if timing else {"median_s": math.nan, "p20_s": math.nan, "p80_s": math.nan, "n": 0})
+        row.update(self._ptxas(generated))
         return row
 
 
@@ -191,6 +218,12 @@ def _device_label(backend: str) -> str:
     if not decision:
         raise BadInput(f"--backend cupy: {decision.reason}; use --backend cpu on this machine")
     return gpu.device_name()
+
+
+def _l2_flush():
+    from fusesearch.backends import cupy as gpu
+
+    return gpu.l2_flusher(gpu.l2_bytes())
 
 
 def _gpu_clock():

@@ -51,6 +51,26 @@ def test_measure_json_and_parquet(run_cli, tmp_path, small_model):
     assert (table["max_rel_err"] < 1e-4).all()
 
 
+def test_ptxas_resources_beside_the_estimate_and_cached_timings(run_cli, tmp_path, small_model, monkeypatch):
+    from fusesearch.backends import nvrtc
+
+    if not nvrtc.toolchain_available():
+        pytest.skip("no CUDA compiler")
+    monkeypatch.setenv("FUSESEARCH_CACHE", str(tmp_path / "cache"))
+    tables = []
+    for k in range(2):
+        out = tmp_path / f"m{k}.parquet"
+        code, _, err = run_cli("measure", small_model, "--device", "h100-sxm", "--strategy", "greedy", "--ptxas",
+                               "--budget", "0.01", "-o", out)
+        assert code == 0, err
+        tables.append(pd.read_parquet(out))
+    generated = tables[0][tables[0]["how"] == "generated"]
+    assert (generated["ptxas_registers"] > 0).all() and (generated["ptxas_arch"] == "sm_90").all()
+    assert {"predicted_regs_per_thread", "ptxas_spill_bytes", "ptxas_smem_bytes"} <= set(generated.columns)
+    second = tables[1][tables[1]["how"] == "generated"]
+    assert list(second["median_s"]) == list(generated["median_s"])  # the second run read the cache
+
+
 def test_measure_text_summary_and_plan_file(run_cli, tmp_path, small_model):
     plan_path = tmp_path / "plan.json"
     assert run_cli("plan", small_model, "--device", "host", "--strategy", "greedy", "-o", plan_path)[0] == 0
