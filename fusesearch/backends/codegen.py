@@ -94,7 +94,8 @@ class _Emitter:
         self.scopes: list[dict[tuple[str, tuple[str, ...]], str]] = [{}]
         self.count = 0
         self.row_scalars: dict[str, str] = {}  # rowwise: reduced tensor → per-row variable
-        self.row_ops: dict[str, object] = {}  # rowwise: Softmax/LayerNorm output → f(idx) -> expr
+        self.row_ops: dict[str, object] = {}  # rowwise: Softmax/LayerNorm output → f(idx[, x value]) -> expr
+        self.row_sources: dict[str, str] = {}  # rowwise: Softmax/LayerNorm output → its input
         self.hoisted = ""  # C only: a buffer holding the anchor's activation operand for this row
         self.hoisted_acc = ""  # C only: MatMul/Gemm accumulators of this row, indexed by column
 
@@ -769,6 +770,8 @@ class _RowPlan:
     length: int
     c: list[str] = field(default_factory=list)
     cu: list[str] = field(default_factory=list)
+    cached: dict[str, str] = field(default_factory=dict)  # C only: tensor → its row, in a buffer
+    c_target: bool = False  # emitting the C body (which may read cached rows) or the CUDA one
 
 
 def _rowwise(graph, kernel, name, ins, outs, args):
@@ -814,19 +817,36 @@ def _full_index(e: _Emitter, tensor: str, plan: _RowPlan, j: str) -> tuple[str, 
     return e.unflatten(f"r * {plan.length}LL + {j}", shape)
 
 
-def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str) -> None:
-    """acc over j of body(j): emits into plan.c and plan.cu (same statements, two skeletons)."""
+def _row_body(e: _Emitter, plan: _RowPlan, body, c_target: bool) -> tuple[list[str], str]:
     e.lines = []
     e.push()
+    plan.c_target = c_target
     value = body("j")
+    plan.c_target = False
     e.pop()
-    inner = e.lines + [f"{acc} = {combine.format(acc, value)};"]
-    plan.c += [f"float {acc} = {init};", f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
-               *["    " + x for x in inner], "}"]
+    lines, e.lines = e.lines, []
+    return lines, value
+
+
+def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str, cache: str = "") -> None:
+    """acc over j of body(j), into plan.c and plan.cu: the same statements in two skeletons, except
+    that the C body reads rows cached by earlier loops, and caches `cache`'s row on its first pass
+    (a row of a computed tensor — a GEMM's output under a Softmax — is then computed once, not
+    once per pass; CUDA recomputes, its threads hold no row)."""
+    cu_lines, cu_value = _row_body(e, plan, body, False)
+    c_lines, c_value = _row_body(e, plan, body, True)
+    buffer = ""
+    if cache and cache not in plan.cached and plan.length <= MAX_HOIST:
+        buffer = f"rb{len(plan.cached)}"
+        c_lines.append(f"{buffer}[j] = {c_value};")
+    head = [f"float {buffer}[{plan.length}];"] if buffer else []
+    plan.c += [*head, f"float {acc} = {init};", f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+               *["    " + x for x in c_lines + [f"{acc} = {combine.format(acc, c_value)};"]], "}"]
     plan.cu += [f"float {acc} = {init};", f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
-                *["    " + x for x in inner], "}",
+                *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
                 f"{acc} = block_reduce({acc}, {1 if 'fmax' in combine else 0});"]
-    e.lines = []
+    if buffer:
+        plan.cached[cache] = buffer
 
 
 def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
@@ -840,54 +860,61 @@ def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
 def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     x = node.inputs[0]
     op = node.op_type
-    at = lambda j: e.value(x, _full_index(e, x, plan, j))  # noqa: E731
+
+    def at(j: str) -> str:
+        if plan.c_target and x in plan.cached:
+            return f"{plan.cached[x]}[{j}]"
+        return e.value(x, _full_index(e, x, plan, j))
+
+    computed = e.graph.producer(x) in e.members
     if op in ("ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool"):
         e.count += 1
         acc = f"s{e.count}"
         if op == "ReduceMax":
-            _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc)
+            _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, x if computed else "")
         else:
-            _row_loop(e, plan, at, "{0} + {1}", "0.0f", acc)
+            _row_loop(e, plan, at, "{0} + {1}", "0.0f", acc, x if computed else "")
         mean = op in ("ReduceMean", "GlobalAveragePool")
         e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} / {plan.length}.0f") if mean else acc
         return
     if op in ("Softmax", "LogSoftmax"):
-        _softmax(e, node, plan, at)
+        _softmax(e, node, plan, at, x if computed else "")
         return
     if op == "LayerNormalization":
-        _layernorm(e, node, plan, at)
+        _layernorm(e, node, plan, at, x if computed else "")
         return
     raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")
 
 
-def _softmax(e, node, plan, at) -> None:
+def _softmax(e, node, plan, at, cache: str) -> None:
     e.count += 1
     mx = f"s{e.count}"
-    _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", mx)
+    _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", mx, cache)
     e.count += 1
     total = f"s{e.count}"
     _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total)
     x = node.inputs[0]
+    e.row_sources[node.outputs[0]] = x
     if node.op_type == "Softmax":
-        e.row_ops[node.outputs[0]] = lambda idx: f"(expf({e.value(x, idx)} - {mx}) / {total})"
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(expf({xv or e.value(x, idx)} - {mx}) / {total})"
     else:
-        e.row_ops[node.outputs[0]] = lambda idx: f"({e.value(x, idx)} - {mx} - logf({total}))"
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"({xv or e.value(x, idx)} - {mx} - logf({total}))"
 
 
-def _layernorm(e, node, plan, at) -> None:
+def _layernorm(e, node, plan, at, cache: str) -> None:
     e.count += 1
     total = f"s{e.count}"
-    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total)
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
     mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
     e.count += 1
     sq = f"s{e.count}"
-    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq)
+    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
     eps = _lit(node.attrs.get("epsilon", 1e-5))
     inv = _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {eps})")
     x = node.inputs[0]
 
-    def normalized(idx):
-        expr = f"(({e.value(x, idx)} - {mean}) * {inv})"
+    def normalized(idx, xv=None):
+        expr = f"(({xv or e.value(x, idx)} - {mean}) * {inv})"
         if len(node.inputs) > 1 and node.inputs[1]:
             expr = f"({expr} * {e.input_at(node, 1, idx)})"
         if len(node.inputs) > 2 and node.inputs[2]:
@@ -895,6 +922,7 @@ def _layernorm(e, node, plan, at) -> None:
         return expr
 
     e.row_ops[node.outputs[0]] = normalized
+    e.row_sources[node.outputs[0]] = x
     for out, scalar in zip(node.outputs[1:3], (mean, inv), strict=False):  # optional Mean, InvStdDev
         if out:
             e.row_scalars[out] = scalar
@@ -910,15 +938,19 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
         plan.c += [*lines, f"{out.name}[r] = {v};"]
         plan.cu += [*lines, f"if (threadIdx.x == 0) {out.name}[r] = {v};"]
         return
-    e.lines = []
-    e.push()
-    v = e.value(out.tensor, _full_index(e, out.tensor, plan, "j"))
-    e.pop()
-    inner = e.lines + [f"{out.name}[r * {plan.length}LL + j] = {v};"]
-    e.lines = []
-    plan.c += [f"for (long long j = 0; j < {plan.length}LL; ++j) {{", *["    " + x for x in inner], "}"]
+    def body(j: str) -> str:
+        source = e.row_sources.get(out.tensor)
+        if plan.c_target and source in plan.cached and e.info(source).shape == out.shape:
+            return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{plan.cached[source]}[{j}]")
+        return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
+
+    store = f"{out.name}[r * {plan.length}LL + j] = "
+    cu_lines, cu_value = _row_body(e, plan, body, False)
+    c_lines, c_value = _row_body(e, plan, body, True)
+    plan.c += [f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+               *["    " + x for x in c_lines + [store + c_value + ";"]], "}"]
     plan.cu += [f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
-                *["    " + x for x in inner], "}"]
+                *["    " + x for x in cu_lines + [store + cu_value + ";"]], "}"]
 
 
 def _side_outputs(graph: Graph, kernel: Kernel, outs, plan: _RowPlan) -> list[Arg]:
