@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fusesearch.errors import BadInput, FusesearchError
+from fusesearch.errors import BadInput, FusesearchError, check_output_path
 
 try:  # typer >= 0.20 vendors click
     from typer._click import exceptions as click_errors
@@ -362,12 +362,8 @@ def export(
 
 
 def _check_output(path: Path | None, force: bool, flag: str) -> None:
-    if path is None:
-        return
-    if path.exists() and not force:
-        raise BadInput(f"{flag} {path}: file exists; remove it or pass --force to overwrite")
-    if not path.parent.exists():
-        raise BadInput(f"{flag} {path}: folder {path.parent} does not exist; create it first")
+    if path is not None:
+        check_output_path(path, force, flag)
 
 
 def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
@@ -627,10 +623,7 @@ def zoo_export(
     """Write a zoo model (dynamic dims kept) to an .onnx file."""
     from fusesearch import zoo
 
-    if output.exists() and not force:
-        raise BadInput(f"-o {output}: file exists; remove it or pass --force to overwrite")
-    if not output.parent.exists():
-        raise BadInput(f"-o {output}: folder {output.parent} does not exist; create it first")
+    check_output_path(output, force, "-o")
     proto = zoo.build_model(name.removeprefix("zoo:"))
     output.write_bytes(proto.SerializeToString())
     err.print(f"wrote {output} ({len(proto.graph.node)} nodes, {_fmt_bytes(output.stat().st_size)})")

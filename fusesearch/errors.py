@@ -25,6 +25,17 @@ class BadInput(FusesearchError):
     exit_code = 2
 
 
+def check_output_path(path, overwrite: bool, flag: str) -> None:
+    """Refuse to overwrite a file unless asked, or to write into a missing folder."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise BadInput(f"{flag} {path}: file exists; remove it or pass --force to overwrite")
+    if not path.parent.exists():
+        raise BadInput(f"{flag} {path}: folder {path.parent} does not exist; create it first")
+
+
 class ModelLoadError(BadInput):
     """The model file cannot be read or is not a valid ONNX graph."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from fusesearch.errors import BadInput
+from fusesearch.errors import BadInput, check_output_path
 from fusesearch.ir.graph import Graph
 from fusesearch.plans import order_groups, validate_plan
 
@@ -102,10 +102,7 @@ def _np_dtype(name: str):
 
 def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str = "--emit") -> Path:
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise BadInput(f"{flag} {path}: file exists; remove it or pass --force to overwrite")
-    if not path.parent.exists():
-        raise BadInput(f"{flag} {path}: folder {path.parent} does not exist; create it first")
+    check_output_path(path, overwrite, flag)
     if model.ByteSize() > (1 << 31) - (1 << 24):
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)

@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from costmodels import KernelSpec
+from costmodels import DTYPE_BYTES, KernelSpec
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
@@ -80,17 +80,13 @@ class Kernel:
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
-            template=self.template, dtype=self.dtype if self.dtype in _SPEC_DTYPES else "float32",
+            template=self.template, dtype=self.dtype if self.dtype in DTYPE_BYTES else "float32",
             tc_flops=float(self.tc_flops), scalar_flops=float(self.scalar_flops),
             transcendentals=float(self.transcendentals), dram_read_bytes=float(self.read_bytes),
             dram_write_bytes=float(self.write_bytes), iteration_size=self.iteration_size,
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops)
-
-
-_SPEC_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16",
-                          "uint16", "int32", "uint32", "int64", "uint64", "bool"})
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:

@@ -143,8 +143,8 @@ class _Runner:
             from fusesearch.backends import cpu
 
             go = cpu.runner(generated, inputs)
-            fetch = lambda: {a.tensor: b for a, b in zip(generated.outputs, go.buffers[len(generated.inputs):], strict=True)}  # noqa: E731
-            return go, fetch, "generated", self._key(generated, shapes)
+            outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
+            return go, lambda: outputs, "generated", self._key(generated, shapes)
         if generated is not None:
             from fusesearch.backends import cupy as gpu
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from fusesearch.ir.canonicalize import canonicalize, to_proto
+from fusesearch.ir.canonicalize import canonicalize, lowest_ir_version, to_proto
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.load import LoadedModel, load_model
 from fusesearch.ir.op_kind import node_flops
@@ -87,18 +87,13 @@ def activation_bytes(g: Graph) -> int:
 
 def write_canonical(prep: Prepared, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write the canonical model (weights external above 1 GiB) and return the path."""
-    from fusesearch.errors import BadInput
+    from fusesearch.errors import check_output_path
 
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise BadInput(f"--canonical {path}: file exists; remove it or pass --force to overwrite")
-    if not path.parent.exists():
-        raise BadInput(f"--canonical {path}: folder {path.parent} does not exist; create it first")
-    if weight_bytes(prep.graph) > LARGE_MODEL_BYTES:
-        data = path.with_suffix(path.suffix + ".data").name
-        proto_model = prep.canonical
-        proto_model.ir_version = to_proto(prep.canonical).ir_version
-        ir.save(proto_model, path, external_data=data)
+    check_output_path(path, overwrite, "--canonical")
+    if weight_bytes(prep.graph) > LARGE_MODEL_BYTES:  # weights stream from the IR, never one proto
+        prep.canonical.ir_version = lowest_ir_version(prep.canonical)
+        ir.save(prep.canonical, path, external_data=path.with_suffix(path.suffix + ".data").name)
     else:
         path.write_bytes(to_proto(prep.canonical).SerializeToString())
     return path

@@ -37,6 +37,7 @@ from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
+NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
 SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
 
 

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fusesearch.backends.codegen import GeneratedKernel
+from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
 
-NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 
 
@@ -75,23 +74,14 @@ def _build(source: str, target: Path) -> None:
 
 def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run on host arrays keyed by tensor name; returns the outputs keyed by tensor name."""
-    fn = getattr(compile_kernel(kernel), kernel.name)
-    args, keep = [], []
-    for a in kernel.inputs:
-        array = np.ascontiguousarray(inputs[a.tensor], dtype=NP_DTYPES[a.dtype]).reshape(a.shape)
-        keep.append(array)
-        args.append(array.ctypes.data_as(ctypes.c_void_p))
-    outputs = {a.tensor: np.empty(a.shape, dtype=NP_DTYPES[a.dtype]) for a in kernel.outputs}
-    for a in kernel.outputs:
-        args.append(outputs[a.tensor].ctypes.data_as(ctypes.c_void_p))
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * len(args)
-    fn(*args)
-    return outputs
+    go = runner(kernel, inputs)
+    go()
+    return dict(zip((a.tensor for a in kernel.outputs), go.buffers[len(kernel.inputs):], strict=True))
 
 
 def runner(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]):
-    """A zero-argument callable that runs the kernel on fixed buffers (for timing)."""
+    """A zero-argument callable that runs the kernel on fixed buffers (for timing); `.buffers`
+    holds the inputs then the outputs."""
     fn = getattr(compile_kernel(kernel), kernel.name)
     arrays = [np.ascontiguousarray(inputs[a.tensor], dtype=NP_DTYPES[a.dtype]).reshape(a.shape) for a in kernel.inputs]
     arrays += [np.empty(a.shape, dtype=NP_DTYPES[a.dtype]) for a in kernel.outputs]

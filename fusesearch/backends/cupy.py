@@ -117,10 +117,11 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
     loops cover the rest)."""
     import numpy as np
 
+    from fusesearch.backends.codegen import NP_DTYPES as dtypes
+
     cupy = _import_cupy()
     module = compile_module(generated.cuda_source, options=("--std=c++17",))
     fn = module.get_function(generated.name)
-    dtypes = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
     args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape))
             for a in generated.inputs]
     outs = [cupy.empty(a.shape, dtype=dtypes[a.dtype]) for a in generated.outputs]

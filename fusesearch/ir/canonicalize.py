@@ -474,9 +474,13 @@ def _complete_one(node: ir.Node, opset: int) -> int:
     return 1
 
 
+def lowest_ir_version(model: ir.Model) -> int:
+    """The lowest IR version the model's opsets allow (runtimes lag onnx's newest)."""
+    opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
+    return max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 7)
+
+
 def to_proto(model: ir.Model) -> onnx.ModelProto:
-    """Serialize with the lowest IR version the opsets allow (runtimes lag onnx's newest)."""
     proto = ir.serde.serialize_model(model)
-    opsets = [onnx.helper.make_opsetid(o.domain, o.version) for o in proto.opset_import]
-    proto.ir_version = max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 7)
+    proto.ir_version = lowest_ir_version(model)
     return proto
