@@ -39,6 +39,10 @@ from fusesearch.lowering import Kernel
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
 SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
+THREADS = 256  # CUDA threads per block, every skeleton
+MAX_GRID_X = 65535  # block-per-row: rows beyond it are strided
+MAX_STRIDE_BLOCKS = 65535 * 8
+MAX_GRID_YZ = 65535
 
 
 class CodegenRefused(Exception):
@@ -74,6 +78,9 @@ class GeneratedKernel:
     rows: int = 0  # rowwise: rows and row length
     row_length: int = 0
     source_hash: str = field(default="")
+    grid: tuple[int, int, int] = (1, 1, 1)  # the CUDA launch (CuPy and the emulator use it as is)
+    block: tuple[int, int, int] = (256, 1, 1)
+    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | direct
 
 
 # -- the expression emitter -------------------------------------------------------------------
@@ -99,6 +106,8 @@ class _Emitter:
         self.row_sources: dict[str, str] = {}  # rowwise: Softmax/LayerNorm output → its input
         self.hoisted = ""  # C only: a buffer holding the anchor's activation operand for this row
         self.hoisted_acc = ""  # C only: MatMul/Gemm accumulators of this row, indexed by column
+        self.acc_value = ""  # CUDA tiled: the anchor's value at the epilogue's element (a register)
+        self.vec_loads: dict[str, str] = {}  # CUDA vectorized: tensor → this lane of its float4
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:
@@ -148,6 +157,8 @@ class _Emitter:
         return name
 
     def load(self, tensor: str, idx: tuple[str, ...]) -> str:
+        if tensor in self.vec_loads:
+            return self.vec_loads[tensor]
         shape = self.info(tensor).shape
         return f"{self.args[tensor].name}[{self.flat(idx, shape)}]"
 
@@ -403,6 +414,8 @@ def _guarded(e: _Emitter, tensor: str, idx: tuple[str, ...], cond: str) -> str:
 
 
 def _matmul(e, n, t, idx):
+    if e.acc_value:
+        return e.acc_value
     if e.hoisted_acc:
         return f"{e.hoisted_acc}[{idx[-1]}]"
     a, b = n.inputs[0], n.inputs[1]
@@ -434,7 +447,7 @@ def _gemm(e, n, t, idx):
         av = f"{e.hoisted}[{k}]" if e.hoisted else e.value(a, (k, m) if ta else (m, k))
         return f"{av} * {e.value(b, (col, k) if tb else (k, col))}"
 
-    acc = f"{e.hoisted_acc}[{col}]" if e.hoisted_acc else _dot(e, k_extent, term)
+    acc = e.acc_value or (f"{e.hoisted_acc}[{col}]" if e.hoisted_acc else _dot(e, k_extent, term))
     expr = acc if alpha == 1.0 else f"({_lit(alpha)} * {acc})"
     if len(n.inputs) > 2 and n.inputs[2]:
         c = e.input_at(n, 2, idx)
@@ -483,6 +496,8 @@ def _conv(e, n, t, idx):
         return f"{xv} * {e.value(w, (co, ci, *ks))}"
 
     init = e.value(n.inputs[2], (co,)) if len(n.inputs) > 2 and n.inputs[2] else "0.0f"
+    if e.acc_value:
+        return f"({e.acc_value} + {init})"
     return _dot(e, math.prod(taps), term, init)
 
 
@@ -550,12 +565,31 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
     args = {a.tensor: a for a in ins}
     has_rows = any(graph.nodes[i].kind.name == "REDUCE" for i in kernel.nodes)
+    largest = max((a.size for a in outs), default=1)
     if has_rows:
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
+        grid, skeleton = (max(1, min(rows, MAX_GRID_X)), 1, 1), "block-per-row"
     else:
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args)
+        grid, skeleton = (_stride_blocks(largest), 1, 1), "grid-stride"
+    block = (THREADS, 1, 1)
+    special = None
+    if kernel.anchor is not None and not has_rows:
+        special = _tiled(graph, kernel, name, ins, outs, args)
+    elif not has_rows:
+        special = _vectorized(graph, kernel, name, ins, outs, args)
+    if special is not None:
+        cu_src, grid, block, skeleton = special
+    elif kernel.anchor is not None:
+        skeleton = "direct"  # one thread per output element, its dot product in a loop
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
-    return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows, length, digest)
+    return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
+                           source_hash=digest, grid=grid, block=block, skeleton=skeleton)
+
+
+def _stride_blocks(elements: int) -> int:
+    """Blocks of a grid-stride loop: one element per thread, capped (the loop covers the rest)."""
+    return max(1, min(-(-elements // THREADS), MAX_STRIDE_BLOCKS))
 
 
 def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel | FusionDecision:
@@ -968,3 +1002,272 @@ def _side_outputs(graph: Graph, kernel: Kernel, outs, plan: _RowPlan) -> list[Ar
             raise CodegenRefused(f"'{out.tensor}' is neither a row nor a full tensor of the rowwise kernel")
         side.append(out)
     return side
+
+
+# -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
+
+@dataclass(frozen=True)
+class _Contraction:
+    """An anchor seen as z independent GEMMs Y_z[m, n] = Σ_k A_z[m, k]·B_z[k, n] (z: batch of a
+    MatMul, group of a Conv). Each callable emits into the emitter and returns an expression."""
+
+    z: int
+    m: int
+    n: int
+    k: int
+    setup: object  # (e, z) -> None: per-block index variables
+    a: object  # (e, m, k) -> value of A (prologue applied; 0 outside the padding)
+    b: object  # (e, k, n) -> value of B
+    y_index: object  # (e, m, n) -> index tuple of the anchor output
+
+
+def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
+    """The anchor as a batched GEMM, or None (1-D MatMul operands, ConvTranspose: direct kernel)."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    sa, sb = graph.tensors[x].shape, graph.tensors[w].shape
+    y = anchor.outputs[0]
+    ys = graph.tensors[y].shape
+    state: dict = {}
+    if anchor.op_type == "MatMul":
+        if len(sa) < 2 or len(sb) < 2:
+            return None
+
+        def setup(e, z):
+            state["zb"] = e.unflatten(z, ys[:-2]) if len(ys) > 2 else ()
+
+        return _Contraction(
+            math.prod(ys[:-2]), ys[-2], ys[-1], sa[-1], setup,
+            lambda e, m, k: e.value(x, e.broadcast(state["zb"], sa[:-2]) + (m, k)),
+            lambda e, k, n: e.value(w, e.broadcast(state["zb"], sb[:-2]) + (k, n)),
+            lambda e, m, n: state["zb"] + (m, n))
+    if anchor.op_type == "Gemm":
+        ta, tb = int(anchor.attrs.get("transA", 0)), int(anchor.attrs.get("transB", 0))
+        return _Contraction(
+            1, ys[0], ys[1], sa[0] if ta else sa[1], lambda e, z: None,
+            lambda e, m, k: e.value(x, (k, m) if ta else (m, k)),
+            lambda e, k, n: e.value(w, (n, k) if tb else (k, n)),
+            lambda e, m, n: (m, n))
+    if anchor.op_type != "Conv":
+        return None
+    group = int(anchor.attrs.get("group", 1))
+    cin_g, cout_g = sa[1] // group, ys[1] // group
+    kernel = tuple(anchor.attrs.get("kernel_shape") or sb[2:])
+    taps = [cin_g, *kernel]
+    pixels = (ys[0], *ys[2:])
+
+    def conv_a(e, m, k):
+        spatial, _, strides, dilations, pads = _conv_geometry(e, anchor, sa, sb, ys, False)
+        p = e.unflatten(m, pixels)
+        idx = (p[0], "0", *p[1:])
+        return _conv_input(e, anchor, x, sa, idx, k, taps, (spatial, strides, pads, dilations), "gz", cin_g)
+
+    def conv_b(e, k, n):
+        parts = e.unflatten(k, taps)
+        return e.value(w, (f"(gz * {cout_g}LL + {n})", *parts))
+
+    def conv_y(e, m, n):
+        p = e.unflatten(m, pixels)
+        return (p[0], e.tmp("long long", f"gz * {cout_g}LL + {n}"), *p[1:])
+
+    return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
+                        conv_a, conv_b, conv_y)
+
+
+def _anchor_derived(graph: Graph, kernel: Kernel, anchor: Node) -> set[str] | None:
+    """Tensors of the group computed from the anchor's output at the same flat position (through
+    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
+    positions (a Transpose, a Softmax...): the tiled skeleton then does not apply."""
+    y = anchor.outputs[0]
+    size = graph.tensors[y].size
+    derived = {y}
+    for i in kernel.nodes:
+        n = graph.nodes[i]
+        if i == anchor.id or not any(t in derived for t in n.inputs):
+            continue
+        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
+            graph.tensors[t].size == size for t in n.inputs if t in derived)
+        if not same or not (n.kind.name in ("ELEMWISE", "BROADCAST") or n.op_type in _VIEW_OPS):
+            return None
+        derived.update(t for t in n.outputs if t)
+    return derived
+
+
+_VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+
+
+def _threads(tm: int, tn: int) -> tuple[int, int]:
+    """(RX, RY): threads along N and M; RX·RY = min(THREADS, tm·tn), both divide their tile."""
+    total = min(THREADS, tm * tn)
+    for rx in (16, 32, 64, 128, 256, 8, 4, 2, 1):
+        if rx <= tn and total % rx == 0 and total // rx <= tm and tm % (total // rx) == 0 and tn % rx == 0:
+            return rx, total // rx
+    raise CodegenRefused(f"no thread layout for a {tm}x{tn} tile")
+
+
+def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
+    """CUDA for gemm/conv: a block computes a BM×BN tile of one z (batch or group); per K step the
+    block stages A (BK×BM, prologue applied) and B (BK×BN) in shared memory, each thread then
+    accumulates a TM×TN register micro-tile (rows ty+i·RY, columns tx+j·RX: coalesced stores,
+    conflict-free shared reads), and the epilogue runs on the registers before the one store.
+    Split-K is not generated (the tile count decides the grid). None when not applicable."""
+    anchor = graph.nodes[kernel.anchor]
+    c = _contraction(graph, anchor)
+    derived = _anchor_derived(graph, kernel, anchor)
+    if c is None or derived is None or c.z > MAX_GRID_YZ:
+        return None
+    tm, tn, tk = (kernel.tile + (32, 32, 32))[:3]
+    rx, ry = _threads(tm, tn)
+    if -(-c.m // tm) > MAX_GRID_YZ:
+        return None
+    ti, tj = tm // ry, tn // rx
+    nthreads = rx * ry
+    e = _Emitter(graph, kernel, args)
+    c.setup(e, "gz")
+    setup = e.lines
+
+    def section(fn) -> tuple[list[str], str]:
+        e.lines = []
+        e.push()
+        v = fn()
+        e.pop()
+        lines, e.lines = e.lines, []
+        return lines, v
+
+    a_lines, a_val = section(lambda: c.a(e, "gm", "gk"))
+    b_lines, b_val = section(lambda: c.b(e, "gk", "gn"))
+    main = [o for o in outs if o.tensor in derived]
+    side = [o for o in outs if o.tensor not in derived]
+    y_shape = graph.tensors[anchor.outputs[0]].shape
+
+    def epilogue():
+        y_idx = c.y_index(e, "gm", "gn")
+        flat = e.tmp("long long", e.flat(y_idx, y_shape))
+        for o in main:
+            idx = y_idx if o.shape == y_shape else e.unflatten(flat, o.shape)
+            e.lines.append(f"{o.name}[{flat}] = {e.value(o.tensor, idx)};")
+
+    e.acc_value = "acc[i][j]"
+    epi_lines, _ = section(epilogue)
+    e.acc_value = ""
+    side_lines = _side_loops(graph, kernel, args, side)
+    body = [
+        f"__shared__ float As[{tk}][{tm}];",
+        f"__shared__ float Bs[{tk}][{tn}];",
+        f"const int tid = threadIdx.x, tx = tid % {rx}, ty = tid / {rx};",
+        f"const long long m0 = (long long)blockIdx.y * {tm}, n0 = (long long)blockIdx.x * {tn}, gz = blockIdx.z;",
+        *setup,
+        f"float acc[{ti}][{tj}];",
+        "#pragma unroll",
+        f"for (int i = 0; i < {ti}; ++i)",
+        "    #pragma unroll",
+        f"    for (int j = 0; j < {tj}; ++j) acc[i][j] = 0.0f;",
+        f"for (long long k0 = 0; k0 < {c.k}LL; k0 += {tk}) {{",
+        f"    for (int l = tid; l < {tm * tk}; l += {nthreads}) {{",
+        f"        const int mm = l / {tk}, kk = l % {tk};",
+        "        const long long gm = m0 + mm, gk = k0 + kk;",
+        "        float v = 0.0f;",
+        f"        if (gm < {c.m}LL && gk < {c.k}LL) {{",
+        *["            " + x for x in a_lines],
+        f"            v = {a_val};",
+        "        }",
+        "        As[kk][mm] = v;",
+        "    }",
+        f"    for (int l = tid; l < {tk * tn}; l += {nthreads}) {{",
+        f"        const int kk = l / {tn}, nn = l % {tn};",
+        "        const long long gk = k0 + kk, gn = n0 + nn;",
+        "        float v = 0.0f;",
+        f"        if (gk < {c.k}LL && gn < {c.n}LL) {{",
+        *["            " + x for x in b_lines],
+        f"            v = {b_val};",
+        "        }",
+        "        Bs[kk][nn] = v;",
+        "    }",
+        "    __syncthreads();",
+        "    #pragma unroll 4",
+        f"    for (int kk = 0; kk < {tk}; ++kk) {{",
+        f"        float a[{ti}], b[{tj}];",
+        "        #pragma unroll",
+        f"        for (int i = 0; i < {ti}; ++i) a[i] = As[kk][ty + i * {ry}];",
+        "        #pragma unroll",
+        f"        for (int j = 0; j < {tj}; ++j) b[j] = Bs[kk][tx + j * {rx}];",
+        "        #pragma unroll",
+        f"        for (int i = 0; i < {ti}; ++i)",
+        "            #pragma unroll",
+        f"            for (int j = 0; j < {tj}; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);",
+        "    }",
+        "    __syncthreads();",
+        "}",
+        "#pragma unroll",
+        f"for (int i = 0; i < {ti}; ++i) {{",
+        "    #pragma unroll",
+        f"    for (int j = 0; j < {tj}; ++j) {{",
+        f"        const long long gm = m0 + ty + i * {ry}, gn = n0 + tx + j * {rx};",
+        f"        if (gm < {c.m}LL && gn < {c.n}LL) {{",
+        *["            " + x for x in epi_lines],
+        "        }",
+        "    }",
+        "}",
+        *side_lines,
+    ]
+    src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({nthreads}) "
+           f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
+    grid = (-(-c.n // tn), -(-c.m // tm), c.z)
+    return src, grid, (nthreads, 1, 1), "tiled"
+
+
+def _side_loops(graph: Graph, kernel: Kernel, args, side) -> list[str]:
+    """Outputs that do not depend on the anchor (a prologue value also used outside): a
+    grid-stride loop over all blocks of the launch, after the tile's work."""
+    lines = []
+    for out in side:
+        e = _Emitter(graph, kernel, args)
+        idx = e.unflatten("i", out.shape)
+        v = e.value(out.tensor, idx)
+        lines += ["{",
+                  "    const long long bid = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);",
+                  "    const long long blocks = (long long)gridDim.x * gridDim.y * gridDim.z;",
+                  f"    for (long long i = bid * blockDim.x + threadIdx.x; i < {out.size}LL; i += blocks * blockDim.x) {{",
+                  *["        " + x for x in e.lines + [f"{out.name}[i] = {v};"]], "    }", "}"]
+    return lines
+
+
+VECTOR = 4  # float4: one 16-byte load or store per tensor and thread
+
+
+def _vectorized(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
+    """CUDA for a pointwise kernel of elementwise/broadcast ops whose outputs are float32 of one
+    shape S with |S| % 4 == 0: each thread handles 4 consecutive elements, loading every float32
+    input of shape S as one float4 (inputs of other shapes are broadcast, loaded one by one) and
+    storing each output as one float4. None when not applicable (the grid-stride loop stays)."""
+    shape = outs[0].shape if outs else ()
+    size = math.prod(shape)
+    nodes = [graph.nodes[i] for i in kernel.nodes]
+    if (not outs or size % VECTOR or size == 0 or any(o.shape != shape or o.dtype != "float32" for o in outs)
+            or any(n.kind.name not in ("ELEMWISE", "BROADCAST") for n in nodes)):
+        return None
+    full = [a for a in ins if a.shape == shape and a.dtype == "float32"]
+    if not full:
+        return None
+    quads = size // VECTOR
+    lines = [f"const float4 q{a.name} = reinterpret_cast<const float4*>({a.name})[q];" for a in full]
+    results: dict[str, list[str]] = {o.name: [] for o in outs}
+    count = 0
+    for lane, comp in enumerate("xyzw"):  # four lanes, one emitter each (temporaries numbered on)
+        e = _Emitter(graph, kernel, args)
+        e.count = count
+        e.vec_loads = {a.tensor: f"q{a.name}.{comp}" for a in full}
+        idx = e.unflatten(f"(q * {VECTOR}LL + {lane})", shape)
+        for o in outs:
+            results[o.name].append(e.value(o.tensor, idx))
+        lines += e.lines
+        count = e.count
+    body = [f"for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < {quads}LL;"
+            " q += (long long)blockDim.x * gridDim.x) {"]
+    body += ["    " + x for x in lines]
+    for o in outs:
+        vals = results[o.name]
+        body.append(f"    reinterpret_cast<float4*>({o.name})[q] = make_float4({', '.join(vals)});")
+    body.append("}")
+    src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+           f"{_indent(body, 1)}\n}}\n")
+    return src, (_stride_blocks(quads), 1, 1), (THREADS, 1, 1), "vectorized"
