@@ -11,13 +11,26 @@ computes its shared value once. The emitted statements are the same text in both
 only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
-               C: `#pragma omp parallel for` · CUDA: a grid-stride loop
+               C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
+               elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four
+               elements per thread with float4 loads and stores (`vectorized`)
     rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
                j in [0, L)), then the outputs (row-sized ones once, full ones over j)
                C: parallel over rows, plain j loops · CUDA: a block per row, j strided by
-               threads, block reductions (warp shuffles + shared memory)
+               threads, block reductions (warp shuffles + shared memory); a computed row read by
+               several passes (a GEMM's output under a Softmax) is cached on its first pass (C: a
+               local buffer, CUDA: shared memory), so its dot products run once
+    gemm/conv  C: per output row, the activation operand's row (prologue applied) into a buffer,
+               then i-k-j accumulation and the epilogue per column · CUDA (`tiled`): the anchor as
+               z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
+               BM×BN output tile, A and B staged per K step in shared memory with the prologue
+               applied in the tile loads, a register micro-tile per thread, the epilogue applied
+               to the registers before the one store. Epilogues that move elements (a Transpose
+               after the product), ConvTranspose and 1-D operands use the `direct` skeleton: a
+               thread per output element with its dot product inline. (A Softmax epilogue makes
+               the group a row kernel, above.)
 
-Templates gemm, conv and opaque are not generated yet (`generate` refuses them with a reason).
+The opaque template is not generated (`generate` refuses it with a reason: a library call).
 Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache;
 arguments are the kernel's external inputs then outputs, in the Kernel's order; compute is
 float32 (float tensors), int64 (indices) or uint8 (bool).
@@ -626,6 +639,7 @@ def _pointwise(graph, kernel, name, ins, outs, args):
 
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
+MAX_ROW_SMEM = 32768  # bytes of shared memory for rows a CUDA row kernel caches
 
 
 def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:
@@ -805,8 +819,12 @@ class _RowPlan:
     length: int
     c: list[str] = field(default_factory=list)
     cu: list[str] = field(default_factory=list)
-    cached: dict[str, str] = field(default_factory=dict)  # C only: tensor → its row, in a buffer
-    c_target: bool = False  # emitting the C body (which may read cached rows) or the CUDA one
+    cached: dict[str, str] = field(default_factory=dict)  # C: tensor → its row, in a local buffer
+    cu_cached: dict[str, str] = field(default_factory=dict)  # CUDA: tensor → its row, in shared memory
+    c_target: bool = False  # emitting the C body or the CUDA one (each reads its own cached rows)
+
+    def rows_cached(self) -> dict[str, str]:
+        return self.cached if self.c_target else self.cu_cached
 
 
 def _rowwise(graph, kernel, name, ins, outs, args):
@@ -864,24 +882,32 @@ def _row_body(e: _Emitter, plan: _RowPlan, body, c_target: bool) -> tuple[list[s
 
 
 def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str, cache: str = "") -> None:
-    """acc over j of body(j), into plan.c and plan.cu: the same statements in two skeletons, except
-    that the C body reads rows cached by earlier loops, and caches `cache`'s row on its first pass
-    (a row of a computed tensor — a GEMM's output under a Softmax — is then computed once, not
-    once per pass; CUDA recomputes, its threads hold no row)."""
+    """acc over j of body(j), into plan.c and plan.cu: the same statements in two skeletons. Each
+    reads rows cached by earlier loops and caches `cache`'s row on its first pass — C in a local
+    buffer, CUDA in shared memory (each thread writes and later reads its own j's) — so a row of
+    a computed tensor (a GEMM's output under a Softmax) is computed once, not once per pass."""
     cu_lines, cu_value = _row_body(e, plan, body, False)
     c_lines, c_value = _row_body(e, plan, body, True)
-    buffer = ""
+    buffer = cu_buffer = ""
     if cache and cache not in plan.cached and plan.length <= MAX_HOIST:
         buffer = f"rb{len(plan.cached)}"
         c_lines.append(f"{buffer}[j] = {c_value};")
+    smem = 4 * plan.length * (len(plan.cu_cached) + 1)
+    if cache and cache not in plan.cu_cached and smem <= MAX_ROW_SMEM:
+        cu_buffer = f"rs{len(plan.cu_cached)}"
+        cu_lines.append(f"{cu_buffer}[j] = {cu_value};")
     head = [f"float {buffer}[{plan.length}];"] if buffer else []
+    cu_head = [f"__shared__ float {cu_buffer}[{plan.length}];"] if cu_buffer else []
     plan.c += [*head, f"float {acc} = {init};", f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
                *["    " + x for x in c_lines + [f"{acc} = {combine.format(acc, c_value)};"]], "}"]
-    plan.cu += [f"float {acc} = {init};", f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
+    plan.cu += [*cu_head, f"float {acc} = {init};",
+                f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
                 *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
                 f"{acc} = block_reduce({acc}, {1 if 'fmax' in combine else 0});"]
     if buffer:
         plan.cached[cache] = buffer
+    if cu_buffer:
+        plan.cu_cached[cache] = cu_buffer
 
 
 def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
@@ -897,8 +923,8 @@ def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     op = node.op_type
 
     def at(j: str) -> str:
-        if plan.c_target and x in plan.cached:
-            return f"{plan.cached[x]}[{j}]"
+        if x in plan.rows_cached():
+            return f"{plan.rows_cached()[x]}[{j}]"
         return e.value(x, _full_index(e, x, plan, j))
 
     computed = e.graph.producer(x) in e.members
@@ -975,8 +1001,9 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
         return
     def body(j: str) -> str:
         source = e.row_sources.get(out.tensor)
-        if plan.c_target and source in plan.cached and e.info(source).shape == out.shape:
-            return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{plan.cached[source]}[{j}]")
+        cached = plan.rows_cached()
+        if source in cached and e.info(source).shape == out.shape:
+            return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
         return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
 
     store = f"{out.name}[r * {plan.length}LL + j] = "
@@ -1209,7 +1236,7 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
         "}",
         *side_lines,
     ]
-    src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({nthreads}) "
+    src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void "
            f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
     grid = (-(-c.n // tn), -(-c.m // tm), c.z)
     return src, grid, (nthreads, 1, 1), "tiled"
