@@ -511,6 +511,13 @@ def _conv(e, n, t, idx):
     init = e.value(n.inputs[2], (co,)) if len(n.inputs) > 2 and n.inputs[2] else "0.0f"
     if e.acc_value:
         return f"({e.acc_value} + {init})"
+    if e.hoisted and w in e.args:  # C: the patch is in a buffer, the filter row is contiguous
+        taps_n = math.prod(taps)
+        acc = e.tmp("float", init)
+        e.lines += ["#pragma omp simd reduction(+:" + acc + ")",
+                    f"for (long long kq = 0; kq < {taps_n}LL; ++kq) "
+                    f"{acc} += {e.hoisted}[kq] * {e.args[w].name}[({co}) * {taps_n}LL + kq];"]
+        return acc
     return _dot(e, math.prod(taps), term, init)
 
 
@@ -650,10 +657,11 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | N
     if kernel.anchor is None:
         return None
     anchor = graph.nodes[kernel.anchor]
+    if _anchor_derived(graph, kernel, anchor) is None:
+        return None  # the epilogue reads the anchor at other positions than the one computed
     if anchor.op_type in ("MatMul", "Gemm"):
         return _matmul_row_loops(graph, kernel, args, outs, anchor)
-    producer = graph.producer(anchor.inputs[0])
-    if anchor.op_type != "Conv" or producer is None or producer not in kernel.nodes:
+    if anchor.op_type != "Conv":
         return None
     y = anchor.outputs[0]
     yshape = graph.tensors[y].shape
