@@ -1054,6 +1054,7 @@ class _Contraction:
     a: object  # (e, m, k) -> value of A (prologue applied; 0 outside the padding)
     b: object  # (e, k, n) -> value of B
     y_index: object  # (e, m, n) -> index tuple of the anchor output
+    a_m_contiguous: bool = False  # A's neighbours in memory are along M (Conv pixels, Gemm transA)
 
 
 def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
@@ -1081,7 +1082,7 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
             1, ys[0], ys[1], sa[0] if ta else sa[1], lambda e, z: None,
             lambda e, m, k: e.value(x, (k, m) if ta else (m, k)),
             lambda e, k, n: e.value(w, (n, k) if tb else (k, n)),
-            lambda e, m, n: (m, n))
+            lambda e, m, n: (m, n), bool(ta))
     if anchor.op_type != "Conv":
         return None
     group = int(anchor.attrs.get("group", 1))
@@ -1105,7 +1106,7 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
         return (p[0], e.tmp("long long", f"gz * {cout_g}LL + {n}"), *p[1:])
 
     return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
-                        conv_a, conv_b, conv_y)
+                        conv_a, conv_b, conv_y, True)
 
 
 def _anchor_derived(graph: Graph, kernel: Kernel, anchor: Node) -> set[str] | None:
@@ -1141,7 +1142,8 @@ def _threads(tm: int, tn: int) -> tuple[int, int]:
 
 def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     """CUDA for gemm/conv: a block computes a BM×BN tile of one z (batch or group); per K step the
-    block stages A (BK×BM, prologue applied) and B (BK×BN) in shared memory, each thread then
+    block stages A (BK×BM, prologue applied; threads read A along whichever of M or K is contiguous
+    in memory) and B (BK×BN) in shared memory, each thread then
     accumulates a TM×TN register micro-tile (rows ty+i·RY, columns tx+j·RX: coalesced stores,
     conflict-free shared reads), and the epilogue runs on the registers before the one store.
     Split-K is not generated (the tile count decides the grid). None when not applicable."""
@@ -1198,7 +1200,8 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
         f"    for (int j = 0; j < {tj}; ++j) acc[i][j] = 0.0f;",
         f"for (long long k0 = 0; k0 < {c.k}LL; k0 += {tk}) {{",
         f"    for (int l = tid; l < {tm * tk}; l += {nthreads}) {{",
-        f"        const int mm = l / {tk}, kk = l % {tk};",
+        (f"        const int kk = l / {tm}, mm = l % {tm};" if c.a_m_contiguous else
+         f"        const int mm = l / {tk}, kk = l % {tk};"),
         "        const long long gm = m0 + mm, gk = k0 + kk;",
         "        float v = 0.0f;",
         f"        if (gm < {c.m}LL && gk < {c.k}LL) {{",
