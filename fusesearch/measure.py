@@ -1,22 +1,38 @@
 """Measure a plan: run every kernel of the plan and of the unfused graph on real data.
 
 Problem: the cost model's predictions are only claims until each chosen kernel runs; a plan's
-worth is its measured speedup over running every node alone.
+worth is its measured speedup over running every node alone — and the unfused baseline a user
+of ONNX Runtime or XLA knows runs its anchors (MatMul, Gemm, Conv) through vendor libraries, so
+a fused generated kernel must also be compared with "library anchor + separate epilogue".
 Approach: real data first — ONNX Runtime runs the canonical model on seeded valid inputs and keeps
 every tensor (`verify.all_values`), so each kernel reads the inputs it would see in the model and
-its outputs are checked against ONNX Runtime's (max relative error). Each group runs as its
-generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or, for opaque ops, as a library call
-(ONNX Runtime on CPU); it is timed by `backends.timing.measure` (perf_counter on CPU, CUDA events
-on GPU), cached by (source hash, shapes, device). The same is done for the unfused plan (every
-node its own kernel). One row per kernel goes to a table (KernelSpec fields, prediction,
-measurement, ptxas resources where known) for Parquet and calibration.
-Invariants: nothing is written unless asked; a kernel that cannot run on the backend (an opaque
-op on the GPU) is reported as not measured, never silently timed as zero.
+its outputs are checked against ONNX Runtime's (max relative error). Each group runs either as
+its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library call:
+
+    alias (a lone view) .......................... no kernel, 0 s
+    lone anchor, baseline "library" (default) .... library: ONNX Runtime (CPU) / arraylib with
+                                                   cupy: cuBLAS matmul, im2col conv (GPU)
+    codegen refused (opaque: MaxPool, Loop, If) .. library, same; on the GPU only ops that
+                                                   `arraylib` implements, the rest "not measured"
+    anything else ................................ the generated kernel
+
+The rule is the same for the plan and the unfused graph, so a lone anchor costs the same in
+both. Each run is timed by `backends.timing.measure` (perf_counter on CPU, CUDA events on GPU);
+generated kernels' timings are cached by (source hash, shapes, device). The unfused plan has
+every node its own kernel. `MeasureReport.library_comparison` then sets, for every plan group
+that fuses an anchor with other ops, its measured time beside the library baseline: the
+anchor's library time plus the unfused times of the group's other nodes, and flags the groups
+where the fused kernel loses. One row per kernel goes to a table (KernelSpec fields, prediction,
+measurement, ptxas resources where known, the library baseline) for Parquet and calibration.
+Invariants: nothing is written unless asked; a kernel that cannot run on the backend is reported
+as not measured with its reason, never silently timed as zero; a comparison with a missing
+measurement is NaN / None, never a guess.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +46,7 @@ from fusesearch.plans import Plan
 from fusesearch.verify import all_values, random_feeds
 
 BACKENDS = ("cpu", "cupy")
+BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,9 @@ class KernelMeasurement:
     timing: Timing | None
     max_rel_err: float
     row: dict = field(default_factory=dict)
+    nodes: tuple[int, ...] = ()
+    anchor: int | None = None
+    reason: str = ""  # why not measured
 
     @property
     def measured_s(self) -> float:
@@ -54,6 +74,7 @@ class MeasureReport:
     device: str
     plan: tuple[KernelMeasurement, ...]
     unfused: tuple[KernelMeasurement, ...]
+    baseline: str = "library"
 
     @staticmethod
     def _total(items, attr) -> float:
@@ -67,28 +88,68 @@ class MeasureReport:
                 "speedup": unfused / measured if measured else math.nan,
                 "not_measured": sum(m.timing is None for m in (*self.plan, *self.unfused))}
 
+    def library_comparison(self) -> dict[int, dict]:
+        """Plan group id → the fused kernel against its library baseline, for every group that
+        fuses an anchor with other ops: `anchor_library_s` (the anchor alone through the library,
+        from the unfused run), `rest_separate_s` (the group's other nodes, each its own kernel, from
+        the unfused run), their sum `library_baseline_s`, `measured_s`, and `fused_loses`
+        (measured > baseline; None when a part was not measured, or the unfused anchor did not run
+        through the library, as under baseline "generated")."""
+        alone = {m.nodes[0]: m for m in self.unfused if len(m.nodes) == 1}
+        out = {}
+        for m in self.plan:
+            if m.anchor is None or len(m.nodes) < 2:
+                continue
+            lib = alone.get(m.anchor)
+            anchor_s = lib.measured_s if lib is not None and lib.how == "library" else math.nan
+            rest_s = math.fsum(alone[i].measured_s if i in alone else math.nan for i in m.nodes if i != m.anchor)
+            baseline_s = anchor_s + rest_s
+            known = not (math.isnan(baseline_s) or math.isnan(m.measured_s))
+            out[m.group] = {"anchor_library_s": anchor_s, "rest_separate_s": rest_s, "library_baseline_s": baseline_s,
+                            "measured_s": m.measured_s, "fused_loses": bool(m.measured_s > baseline_s) if known else None}
+        return out
+
     def to_dict(self) -> dict:
+        versus = self.library_comparison()
         groups = [{"id": m.group, "template": m.template, "how": m.how, "predicted_s": m.predicted_s,
                    "measured_s": m.measured_s, "p20_s": m.timing.p20_s if m.timing else math.nan,
-                   "p80_s": m.timing.p80_s if m.timing else math.nan, "max_rel_err": m.max_rel_err}
+                   "p80_s": m.timing.p80_s if m.timing else math.nan, "max_rel_err": m.max_rel_err,
+                   "library_baseline_s": _none_if_nan(versus.get(m.group, {}).get("library_baseline_s")),
+                   "fused_loses": versus.get(m.group, {}).get("fused_loses"),
+                   **({"reason": m.reason} if m.reason else {})}
                   for m in self.plan]
-        return {"backend": self.backend, "device": self.device, "groups": groups, "totals": self.totals()}
+        compared = [v for v in versus.values() if v["fused_loses"] is not None]
+        totals = {**self.totals(), "anchor_groups": len(versus), "anchor_groups_compared": len(compared),
+                  "fused_loses": sum(v["fused_loses"] for v in compared)}
+        return {"backend": self.backend, "device": self.device, "baseline": self.baseline, "groups": groups,
+                "totals": totals}
 
     def to_pandas(self):
         import pandas as pd
 
-        return pd.DataFrame([m.row for m in (*self.plan, *self.unfused)])
+        versus = self.library_comparison()
+        rows = []
+        for m in (*self.plan, *self.unfused):
+            v = versus.get(m.group, {}) if m.plan == "plan" else {}
+            rows.append({**m.row, "library_baseline_s": v.get("library_baseline_s", math.nan),
+                         "fused_loses": v.get("fused_loses"), "baseline": self.baseline})
+        return pd.DataFrame(rows)
 
 
 def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: float = 0.2, seed: int = 0,
                  progress: Callable[[str], None] | None = None, cache: TimingCache | None = None,
-                 ptxas_arch: str | None = None, flush_l2: bool = False) -> MeasureReport:
+                 ptxas_arch: str | None = None, flush_l2: bool = False,
+                 baseline: str = "library") -> MeasureReport:
     """`cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
     compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
-    shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample."""
+    shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample;
+    `baseline`: "library" runs lone anchors through the library, "generated" as generated kernels."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    if baseline not in BASELINES:
+        raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     runner = _Runner(prep, backend, budget_s, seed, cache)
+    runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
     runner.before_each = _l2_flush() if flush_l2 and backend == "cupy" else None
     done = []
@@ -99,7 +160,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
             if progress:
                 progress(label)
         done.append(tuple(items))
-    return MeasureReport(backend, runner.device, done[0], done[1])
+    return MeasureReport(backend, runner.device, done[0], done[1], baseline)
 
 
 class _Runner:
@@ -111,21 +172,26 @@ class _Runner:
         self.clock = PerfCounterClock() if backend == "cpu" else _gpu_clock()
         self.ptxas_arch: str | None = None
         self.before_each = None
+        self.baseline = "library"
 
     def measure(self, label: str, g) -> KernelMeasurement:
         kernel, graph = g.kernel, self.prep.graph
+        ids = dict(nodes=tuple(g.nodes), anchor=kernel.anchor)
         if kernel.alias:  # a view: no kernel runs (as the prediction says)
             timing = Timing((0.0,), 0, "alias")
             return KernelMeasurement(label, g.id, "alias", "alias", 0.0, timing, 0.0,
-                                     self._row(label, g, "alias", timing, 0.0, None))
-        try:
-            generated = generate(graph, kernel, name=f"fs_{label}_{g.id}")
-        except CodegenRefused:
-            generated = None
-        run, fetch, how, key = self._prepare(kernel, generated)
+                                     self._row(label, g, "alias", timing, 0.0, None), **ids)
+        generated, why = None, "a lone anchor runs through the library (baseline library)"
+        if not (self.baseline == "library" and len(kernel.nodes) == 1 and kernel.anchor is not None):
+            try:
+                generated = generate(graph, kernel, name=f"fs_{label}_{g.id}")
+            except CodegenRefused as exc:
+                why = str(exc)
+        run, fetch, how, key, reason = self._prepare(kernel, generated)
         if run is None:
-            return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, None, math.nan,
-                                     self._row(label, g, how, None, math.nan, generated))
+            row = {**self._row(label, g, how, None, math.nan, generated), "reason": f"{reason} ({why})"}
+            return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, None, math.nan, row,
+                                     reason=row["reason"], **ids)
         run()
         err = _max_rel_err(fetch(), self.values)
         timing = self.cache.get(key) if self.cache and key else None
@@ -134,9 +200,10 @@ class _Runner:
             if self.cache and key:
                 self.cache.put(key, timing)
         return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, timing, err,
-                                 self._row(label, g, how, timing, err, generated))
+                                 self._row(label, g, how, timing, err, generated), **ids)
 
     def _prepare(self, kernel, generated):
+        """(run, fetch, how, cache key, why not measured) for the group's kernel."""
         inputs = {t: self.values[t] for t in kernel.inputs}
         shapes = [list(self.values[t].shape) for t in kernel.inputs]
         if generated is not None and self.backend == "cpu":
@@ -144,12 +211,12 @@ class _Runner:
 
             go = cpu.runner(generated, inputs)
             outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
-            return go, lambda: outputs, "generated", self._key(generated, shapes)
+            return go, lambda: outputs, "generated", self._key(generated, shapes), ""
         if generated is not None:
             from fusesearch.backends import cupy as gpu
 
             launch, fetch = gpu.kernel_runner(generated, inputs)
-            return launch, fetch, "generated", self._key(generated, shapes)
+            return launch, fetch, "generated", self._key(generated, shapes), ""
         if self.backend == "cpu":
             from fusesearch.backends.library import library_runner
 
@@ -159,11 +226,30 @@ class _Runner:
             def run() -> None:
                 state["out"] = go()
 
-            return run, lambda: state["out"], "library", None
-        return None, None, "not measured", None
+            return run, lambda: state["out"], "library", None, ""
+        return self._gpu_library(kernel)
+
+    def _gpu_library(self, kernel):
+        """One node through `arraylib` with cupy, or not measured with the reason."""
+        from fusesearch.backends import arraylib
+
+        node = self.prep.graph.nodes[kernel.nodes[0]]
+        outputs = [t for t in node.outputs if t]
+        decision = arraylib.supports(node.op_type, node.attrs, len(outputs))
+        if len(kernel.nodes) != 1:
+            return None, None, "not measured", None, "a library call runs one node"
+        if not decision:
+            return None, None, "not measured", None, f"no GPU library kernel: {decision.reason}"
+        from fusesearch.backends import cupy as gpu
+
+        launch, fetch = gpu.library_runner(node.op_type, node.attrs, [self.values[t] if t else None
+                                                                      for t in node.inputs], outputs)
+        return launch, fetch, "library", None, ""
 
     def _key(self, generated, shapes) -> str:
         extra = f"budget={self.budget_s};flush={self.before_each is not None}"
+        if self.backend == "cpu":  # OpenMP's thread count changes a CPU kernel's time
+            extra += f";omp_threads={os.environ.get('OMP_NUM_THREADS', '')}"
         return TimingCache.key(generated.source_hash, shapes, self.device, extra)
 
     def _ptxas(self, generated) -> dict:
@@ -184,12 +270,18 @@ class _Runner:
                **g.kernel.spec().to_row(), "predicted_s": g.cost.time_s, "predicted_bound": g.cost.bound,
                "predicted_occupancy": g.cost.occupancy, "predicted_regs_per_thread": g.cost.regs_per_thread,
                "predicted_spill_bytes": g.cost.spill_bytes, "max_rel_err": err, "backend": self.backend,
-               "device": self.device, "source_hash": generated.source_hash if generated else None}
+               "device": self.device, "source_hash": generated.source_hash if generated else None,
+               "cuda_skeleton": generated.skeleton if generated else None,
+               "cuda_grid": "x".join(map(str, generated.grid)) if generated else None}
         row["tile"] = "x".join(map(str, row["tile"]))
         row["op_types"] = "+".join(row["op_types"])
         row.update(timing.to_row() if timing else {"median_s": math.nan, "p20_s": math.nan, "p80_s": math.nan, "n": 0})
         row.update(self._ptxas(generated))
         return row
+
+
+def _none_if_nan(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x
 
 
 def _template(g) -> str:

@@ -39,7 +39,8 @@ try:
     t = json.load(open(sys.argv[1]))["totals"]
     print(f"  plan measured {t['measured_s'] * 1e6:.1f} us (predicted {t['predicted_s'] * 1e6:.1f} us), "
           f"unfused measured {t['unfused_measured_s'] * 1e6:.1f} us, speedup {t['speedup']:.2f}x, "
-          f"not measured {t['not_measured']}")
+          f"not measured {t['not_measured']}, fused loses to library+rest in {t.get('fused_loses')} of "
+          f"{t.get('anchor_groups_compared')} anchor groups")
 except Exception as exc:  # the .err file says why
     print("  no result:", exc)
 PY

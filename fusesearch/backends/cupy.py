@@ -8,7 +8,9 @@ Approach: this is the only module that imports cupy, and only lazily inside func
 ...") and never raises; `gpu_count()` is 0 whenever CuPy or the CUDA runtime fails.
 `CudaEventClock` times device work with a pair of CUDA events on the current stream;
 `l2_flusher` overwrites a 2×L2 device buffer between samples; `compile_module` builds an NVRTC
-`cupy.RawModule`.
+`cupy.RawModule`; `kernel_runner` launches a generated kernel; `library_runner` runs one node
+through `backends.arraylib` with `xp = cupy` (cuBLAS via `cupy.matmul`: the GPU vendor path for
+lone anchors and pooling).
 Invariants: importing this module never imports cupy; every function that needs cupy raises a
 `FusesearchError` naming the fix when it is missing.
 """
@@ -106,15 +108,10 @@ def compile_module(source: str, *, options: tuple[str, ...] = (),
                           name_expressions=names or None)
 
 
-THREADS_PER_BLOCK = 256
-MAX_BLOCKS = 65535
-
-
 def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable[[], dict]]:
     """(launch, fetch) for a GeneratedKernel on the GPU: inputs copied once to device buffers;
     `launch` runs the kernel (asynchronously), `fetch` copies the outputs back as numpy arrays.
-    Grid: a block per row for row kernels, else enough blocks for the largest output (grid-stride
-    loops cover the rest)."""
+    The launch geometry is the generated kernel's own (`grid`, `block`), as the emulator uses it."""
     import numpy as np
 
     from fusesearch.backends.codegen import NP_DTYPES as dtypes
@@ -125,19 +122,36 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
     args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape))
             for a in generated.inputs]
     outs = [cupy.empty(a.shape, dtype=dtypes[a.dtype]) for a in generated.outputs]
-    if generated.rows:
-        blocks = min(generated.rows, MAX_BLOCKS)
-    else:
-        largest = max((a.size for a in generated.outputs), default=1)
-        blocks = max(1, min(-(-largest // THREADS_PER_BLOCK), MAX_BLOCKS * 8))
     params = tuple(args + outs)
 
     def launch() -> None:
-        fn((blocks,), (THREADS_PER_BLOCK,), params)
+        fn(generated.grid, generated.block, params)
 
     def fetch() -> dict:
         cupy.cuda.get_current_stream().synchronize()
         return {a.tensor: cupy.asnumpy(o) for a, o in zip(generated.outputs, outs, strict=True)}
+
+    return launch, fetch
+
+
+def library_runner(op_type: str, attrs, inputs: list, outputs: list[str]) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """(launch, fetch) for one node run through the array library with cupy (cuBLAS for MatMul,
+    Gemm and Conv's im2col product; CuPy element/reduction kernels for pooling): inputs (None
+    for an omitted optional input) copied once to the device; `launch` enqueues the library
+    calls, `fetch` copies the outputs back as numpy arrays. Callers check
+    `arraylib.supports` first."""
+    from fusesearch.backends import arraylib
+
+    cupy = _import_cupy()
+    args = [cupy.asarray(x) if x is not None else None for x in inputs]
+    state: dict = {}
+
+    def launch() -> None:
+        state["out"] = arraylib.run(cupy, op_type, attrs, args, len(outputs))
+
+    def fetch() -> dict:
+        cupy.cuda.get_current_stream().synchronize()
+        return {name: cupy.asnumpy(y) for name, y in zip(outputs, state["out"], strict=True)}
 
     return launch, fetch
 

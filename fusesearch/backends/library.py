@@ -1,8 +1,9 @@
 """Library calls: run one node through ONNX Runtime (the CPU "vendor path").
 
-Problem: OPAQUE ops (MaxPool, If, Loop, TopK, ...) have no generated kernel, and the unfused
-baseline of a single anchor should be able to run through a library too, so that a report can
-say when a fused generated kernel loses to a library kernel plus a separate epilogue.
+Problem: OPAQUE ops (MaxPool, If, Loop, TopK, ...) have no generated kernel, and a lone anchor
+(MatMul, Gemm, Conv) runs through a library in `measure`'s default baseline, so that the report
+can say when a fused generated kernel loses to a library kernel plus a separate epilogue. (The
+GPU's library path is `arraylib` with cupy; this module is the CPU's.)
 Approach: cut the node out of the canonical model into a one-node model — its explicit inputs and
 the outer-scope values its subgraphs capture become graph inputs (weights included), its outputs
 the graph outputs, value types from the Graph — and run it in ONNX Runtime on one thread with

@@ -1,5 +1,7 @@
 """`fusesearch measure` on the CPU backend: every kernel runs on real data and matches ONNX
-Runtime; JSON and Parquet outputs; a GPU run is refused with a reason on a machine without one."""
+Runtime; JSON and Parquet outputs; lone anchors through the library (--baseline) and each fused
+anchor group against library anchor + separate kernels; a GPU run is refused with a reason on a
+machine without one (and, marked gpu, runs the CuPy library path on one)."""
 
 from __future__ import annotations
 
@@ -86,3 +88,97 @@ def test_measure_on_gpu_without_one_is_bad_input(run_cli, small_model):
         pytest.skip("a GPU is present")
     code, _, err = run_cli("measure", small_model, "--backend", "cupy", "--budget", "0.01")
     assert code == 2 and "--backend cupy" in err and len(err.strip().splitlines()) == 1
+
+
+def _parquet_and_json(run_cli, tmp_path, model, *extra):
+    out = tmp_path / "m.parquet"
+    code, stdout, err = run_cli("measure", model, "--strategy", "greedy", "--budget", "0.01", "-o", out, "--force",
+                                "--json", *extra)
+    assert code == 0, err
+    return json.loads(stdout), pd.read_parquet(out)
+
+
+def test_library_baseline_runs_lone_anchors_through_the_library_and_compares_fused_groups(run_cli, tmp_path,
+                                                                                          small_model):
+    """Default --baseline library: the unfused MatMul is a library call (ONNX Runtime), and the fused
+    MatMul+Relu+Softmax group is set beside library MatMul + Relu + Softmax as separate kernels."""
+    doc, table = _parquet_and_json(run_cli, tmp_path, small_model)
+    assert doc["baseline"] == "library"
+    unfused = table[table["plan"] == "unfused"].set_index("nodes")
+    assert unfused.loc["mm", "how"] == "library" and unfused.loc["mm", "max_rel_err"] < 1e-4
+    assert unfused.loc["relu", "how"] == "generated"
+    plan = table[table["plan"] == "plan"]
+    fused = plan[plan["library_baseline_s"].notna()]
+    assert len(fused) == 1 and fused.iloc[0]["nodes"] == "mm+relu+sm"
+    row = fused.iloc[0]
+    expected = sum(unfused.loc[n, "median_s"] for n in row["nodes"].split("+"))
+    assert row["library_baseline_s"] == pytest.approx(expected, rel=1e-12)
+    assert bool(row["fused_loses"]) == (row["median_s"] > row["library_baseline_s"])
+    (group,) = [g for g in doc["groups"] if g["library_baseline_s"] is not None]
+    assert group["library_baseline_s"] == pytest.approx(expected, rel=1e-12)
+    assert group["fused_loses"] == bool(row["fused_loses"])
+    assert doc["totals"]["anchor_groups"] == doc["totals"]["anchor_groups_compared"] == 1
+    assert doc["totals"]["fused_loses"] == int(group["fused_loses"])
+    assert plan[plan["library_baseline_s"].isna()]["fused_loses"].isna().all()  # only anchor groups compare
+
+
+def test_generated_baseline_runs_lone_anchors_as_generated_kernels(run_cli, tmp_path, small_model):
+    doc, table = _parquet_and_json(run_cli, tmp_path, small_model, "--baseline", "generated")
+    assert doc["baseline"] == "generated"
+    unfused = table[table["plan"] == "unfused"].set_index("nodes")
+    assert unfused.loc["mm", "how"] == "generated" and unfused.loc["pool", "how"] == "library"
+    assert all(g["library_baseline_s"] is None and g["fused_loses"] is None for g in doc["groups"])
+    assert doc["totals"]["anchor_groups"] == 1 and doc["totals"]["anchor_groups_compared"] == 0
+    code, stdout, err = run_cli("measure", small_model, "--strategy", "greedy", "--budget", "0.01",
+                                "--baseline", "generated")
+    assert code == 0, err
+    assert "none compared with the library" in stdout
+
+
+def test_measure_text_flags_the_fused_groups_that_lose(run_cli, small_model):
+    code, stdout, err = run_cli("measure", small_model, "--strategy", "greedy", "--budget", "0.01")
+    assert code == 0, err
+    assert "library+rest" in stdout and "lone anchors: library" in stdout
+    assert "fused anchor groups vs library anchor + the rest as separate kernels: the fused kernel loses in" in stdout
+
+
+def test_bad_baseline_is_bad_input(run_cli, small_model):
+    code, _, err = run_cli("measure", small_model, "--baseline", "cublas", "--budget", "0.01")
+    assert code == 2 and "--baseline cublas" in err and len(err.strip().splitlines()) == 1
+
+
+def test_library_comparison_flags_losers_and_leaves_unknowns_open():
+    """The comparison's arithmetic on real Timing values: fused 3 us vs anchor 1 us + rest 1.5 us
+    loses; a missing part (not measured) gives None, never a guess."""
+    from fusesearch.backends.timing import Timing
+    from fusesearch.measure import KernelMeasurement, MeasureReport
+
+    def km(plan, group, nodes, anchor, how, seconds):
+        timing = Timing((seconds,), 0, "perf_counter") if seconds is not None else None
+        return KernelMeasurement(plan, group, "gemm", how, 0.0, timing, 0.0, {}, tuple(nodes), anchor)
+
+    unfused = (km("unfused", 0, [0], 0, "library", 1e-6), km("unfused", 1, [1], None, "generated", 0.5e-6),
+               km("unfused", 2, [2], None, "generated", 1e-6), km("unfused", 3, [3], 3, "library", 2e-6),
+               km("unfused", 4, [4], None, "not measured", None))
+    plan = (km("plan", 0, [0, 1, 2], 0, "generated", 3e-6), km("plan", 1, [3, 4], 3, "generated", 1e-6))
+    versus = MeasureReport("cpu", "host", plan, unfused).library_comparison()
+    assert versus[0]["library_baseline_s"] == pytest.approx(2.5e-6) and versus[0]["fused_loses"] is True
+    assert versus[1]["fused_loses"] is None and np.isnan(versus[1]["library_baseline_s"])
+    faster = (km("plan", 0, [0, 1, 2], 0, "generated", 2e-6),)
+    assert MeasureReport("cpu", "host", faster, unfused).library_comparison()[0]["fused_loses"] is False
+
+
+@pytest.mark.gpu
+def test_gpu_library_baseline_runs_anchors_and_pools_through_cupy(run_cli, tmp_path):
+    """On a GPU: resnet18's lone convs, Gemm and MaxPools run through arraylib with cupy (cuBLAS)
+    and match ONNX Runtime; fused conv groups are compared with them."""
+    out = tmp_path / "m.parquet"
+    code, stdout, err = run_cli("measure", "zoo:resnet18", "--backend", "cupy", "--device", "h200", "--no-ptxas",
+                                "--budget", "0.02", "-o", out, "--json")
+    assert code == 0, err
+    doc, table = json.loads(stdout), pd.read_parquet(out)
+    library = table[table["how"] == "library"]
+    assert {"Conv", "Gemm", "MaxPool"} <= set(library["op_types"])
+    assert (library["max_rel_err"] < 1e-4).all() and (library["median_s"] > 0).all()
+    assert doc["totals"]["not_measured"] == 0
+    assert doc["totals"]["anchor_groups_compared"] == doc["totals"]["anchor_groups"] > 0

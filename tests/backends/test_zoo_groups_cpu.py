@@ -1,0 +1,133 @@
+"""Every group of every zoo plan, on the CPU backend, equals ONNX Runtime on that group's subgraph.
+
+For each of the 11 zoo models and each strategy (none, rules, greedy, cpsat; device h100-sxm),
+every group of the plan runs on the CPU backend the way `fusesearch measure` runs it:
+
+- a generated C/OpenMP kernel (compiled by cc, cached on disk by source hash);
+- where codegen refuses (the opaque template: MaxPool, Loop, If), the library path — the one
+  node cut out of the model and run by ONNX Runtime (`backends.library`) — and, where
+  `backends.arraylib` implements the op, that array code with numpy (the math the GPU library
+  path runs with cupy);
+- every lone anchor (MatMul, Gemm, Conv, ConvTranspose: the unfused plan's library baseline) also
+  through `arraylib` with numpy;
+- an alias (a lone view) runs nothing and is only counted.
+
+The reference is ONNX Runtime's value of each output tensor when it runs the canonical model on
+seeded valid inputs (`verify.all_values`, optimizations off): the group's inputs are ORT's values
+too, so this is ORT run on the group's subgraph. Tolerance as `verify.compare` (|a - b| <= 1e-4 ·
+max(1, max|a|), NaNs where ORT has them).
+Dedupe: kernels are generated under one fixed name, so repeated layers (and a group chosen by
+several strategies) give the same source; each (source hash, input shapes) runs once, each
+library node once per (op, attributes, input shapes).
+Dims: the text models run at batch 1, seq 32 (zoo default 128) so the plain C loop nests of the
+large GEMMs (gpt2's tied 50257-wide LM head) stay within the CI budget; the image models run at
+their fixed 224×224 (batch 1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from fusesearch import zoo
+from fusesearch.api import plan as make_plan
+from fusesearch.backends import arraylib, cpu
+from fusesearch.backends.codegen import CodegenRefused, generate
+from fusesearch.backends.library import library_runner
+from fusesearch.ir.canonicalize import to_proto
+from fusesearch.ir.shapes import ShapeBindings
+from fusesearch.pipeline import prepare
+from fusesearch.search import STRATEGIES
+from fusesearch.verify import all_values, compare, random_feeds
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+
+DEVICE = "h100-sxm"
+TEXT_SEQ = 32
+ANCHORS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+
+
+@functools.lru_cache(maxsize=1)
+def _model(name: str):
+    dims = {"seq": TEXT_SEQ} if "seq" in zoo.ZOO[name].default_dims else {}
+    prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=[f"{k}={v}" for k, v in dims.items()]))
+    canonical = to_proto(prep.canonical)
+    return prep, canonical, all_values(canonical, random_feeds(canonical, 0))
+
+
+def _assert_matches(values, outputs: dict, what: str) -> None:
+    reference = {t: values[t] for t in outputs}
+    got = {t: np.asarray(y).reshape(np.shape(values[t])) for t, y in outputs.items()}
+    bad = [d for d in compare(reference, got) if not d.ok]
+    assert not bad, f"{what}: {bad}"
+
+
+def _arraylib_key(node, values):
+    shapes = tuple(tuple(values[t].shape) if t else None for t in node.inputs)
+    return node.op_type, repr(sorted(node.attrs.items())), shapes
+
+
+def _check_arraylib(node, values, seen: set) -> bool:
+    """The node through arraylib with numpy (once per op, attributes and shapes); False when
+    arraylib does not implement it."""
+    outputs = [t for t in node.outputs if t]
+    if not arraylib.supports(node.op_type, node.attrs, len(outputs)):
+        return False
+    key = _arraylib_key(node, values)
+    if key not in seen:
+        seen.add(key)
+        got = arraylib.run(np, node.op_type, node.attrs, [values[t] if t else None for t in node.inputs], len(outputs))
+        _assert_matches(values, dict(zip(outputs, got, strict=True)), f"arraylib {node.op_type} {node.name}")
+    return True
+
+
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_every_group_of_every_zoo_plan_matches_ort_on_the_cpu_backend(name, record_property):
+    prep, canonical, values = _model(name)
+    graph = prep.graph
+    kernels: set = set()
+    library_nodes: set = set()
+    count = dict.fromkeys(("groups", "alias", "generated", "generated_run", "refused", "refused_checked",
+                           "arraylib_checked", "lone_anchors"), 0)
+    refused_ops: set[str] = set()
+    for strategy in STRATEGIES:
+        for g in make_plan(f"zoo:{name}", device=DEVICE, strategy=strategy, prepared=prep).groups:
+            count["groups"] += 1
+            if g.kernel.alias:
+                count["alias"] += 1
+                continue
+            nodes = [graph.nodes[i] for i in g.nodes]
+            if len(nodes) == 1 and nodes[0].op_type in ANCHORS:
+                count["lone_anchors"] += 1
+                assert _check_arraylib(nodes[0], values, library_nodes), nodes[0].op_type
+            try:
+                gk = generate(graph, g.kernel, name="fs_zoo_check")
+            except CodegenRefused:
+                count["refused"] += 1
+                refused_ops.update(n.op_type for n in nodes)
+                run, _ = library_runner(canonical, graph, g.kernel, {t: values[t] for t in g.kernel.inputs})
+                _assert_matches(values, run(), f"{name} {strategy} g{g.id} library {nodes[0].op_type}")
+                _check_arraylib(nodes[0], values, library_nodes)
+                count["refused_checked"] += 1
+                continue
+            count["generated"] += 1
+            key = (gk.source_hash, tuple(a.shape for a in gk.inputs))
+            if key in kernels:
+                continue
+            kernels.add(key)
+            out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+            _assert_matches(values, out, f"{name} {strategy} g{g.id} {'+'.join(g.kernel.ops)}")
+            count["generated_run"] += 1
+    count["arraylib_checked"] = len(library_nodes)
+    summary = (f"{name}: {count['groups']} groups over {len(STRATEGIES)} strategies: {count['alias']} alias, "
+               f"{count['generated']} generated ({count['generated_run']} distinct kernels run), "
+               f"{count['refused']} refused by codegen ({', '.join(sorted(refused_ops)) or '-'}; "
+               f"{count['refused_checked']} checked through the library), {count['arraylib_checked']} distinct "
+               f"nodes through arraylib (numpy)")
+    print(summary)
+    record_property("summary", summary)
+    assert count["groups"] == count["alias"] + count["generated"] + count["refused"]
+    assert count["refused_checked"] == count["refused"]
+    assert count["generated_run"] > 0
