@@ -358,6 +358,8 @@ BANDWIDTH_PROBE_MIN_BYTES = 32 * MIB
 BANDWIDTH_PROBE_BYTES = 128 * MIB
 BANDWIDTH_PROBE_BUDGET_S = 0.4
 _SYS_CPU = Path("/sys/devices/system/cpu")
+# The CPU backend's kernels are OpenMP loops: the host is described as the CPUs they use.
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def _read(path: Path | str) -> str:
@@ -385,6 +387,15 @@ def _usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def _openmp_threads(cpus: int) -> int:
+    """Threads the generated OpenMP kernels run with: OMP_NUM_THREADS (its first level) when set
+    and smaller, else every usable CPU (libgomp's default)."""
+    text = os.environ.get(OMP_THREADS_ENV, "").split(",")[0].strip()
+    if text.isdigit() and int(text) > 0:
+        return min(cpus, int(text))
+    return cpus
 
 
 def _threads_per_core() -> int:
@@ -492,12 +503,13 @@ def host_cpu() -> DeviceSpec:
     tile must fit to stay on-core); `l2_bytes` is the last-level cache; there are no tensor cores
     (tensor-core rates 0, so the model uses the FP32 rate); registers and thread limits keep GPU
     nominal values (64 K regs, 255 per thread, 2048 threads, 32 blocks) so the shared register
-    model only flags gross pressure. FP32 peak = physical cores x clock x lanes x 2 (FMA)
+    model only flags gross pressure. "Usable CPUs" are those the OpenMP kernels use: the affinity
+    mask, capped by OMP_NUM_THREADS when set (read at the first call). FP32 peak = physical cores x clock x lanes x 2 (FMA)
     x CPU_FMA_PORTS: an upper-bound estimate, not a measurement.
     """
     info = _cpuinfo()
     flags = set(info.get("flags", info.get("Features", "")).split())
-    cpus = _usable_cpus()
+    cpus = _openmp_threads(_usable_cpus())
     cores = max(1, cpus // _threads_per_core())
     lanes = _simd_fp32_lanes(flags)
     fma = 2 if ("fma" in flags or "asimd" in flags or platform.machine() == "arm64") else 1
@@ -518,7 +530,7 @@ def host_cpu() -> DeviceSpec:
         fp16_flops_per_s=0.0,
         bf16_flops_per_s=0.0,
         fp16_simt_flops_per_s=0.0,
-        dram_bytes_per_s=measure_copy_bandwidth(probe_bytes),
+        dram_bytes_per_s=measure_copy_bandwidth(probe_bytes, cpus),
         l2_bytes=llc_bytes,
         smem_per_sm_bytes=core_cache_bytes,
         smem_per_block_max_bytes=core_cache_bytes,
@@ -532,6 +544,7 @@ def host_cpu() -> DeviceSpec:
         sources=(
             f"/proc/cpuinfo: {info.get('model name', 'unknown model')}; {cpus} usable CPUs, "
             f"{cores} physical cores, {lanes} fp32 lanes",
+            f"{cpus} OpenMP threads (usable CPUs, capped by {OMP_THREADS_ENV} when set)",
             "/sys/devices/system/cpu/cpu0/cache (L2 per core, last-level cache)",
             f"dram_bytes_per_s: measured, best multi-threaded numpy copy of {probe_bytes // MIB} MiB "
             "(read + write bytes)",

@@ -34,7 +34,7 @@ DEFAULT_THREADS_PER_BLOCK = 256
 _FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "dram_read_bytes",
                  "dram_write_bytes")
 _INT_FIELDS = ("iteration_size", "reduction_length", "smem_bytes", "live_values_per_thread",
-               "threads_per_block", "num_ops")
+               "threads_per_block", "num_ops", "index_divisions")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class KernelSpec:
       none. `tile`: (M, N, K) block tile for gemm / conv, () otherwise.
     - `smem_bytes`: shared memory requested per block. `live_values_per_thread`: values a thread
       keeps live at the peak (accumulators + operands), the register-pressure proxy.
+    - `index_divisions`: integer divisions / modulos by a non-power-of-two constant that turn
+      a thread's flat index into a multi-index, per element (a power of two is a shift, free) —
+      the index arithmetic the model charges per element (`RooflineParams.index_division_flops`).
     - `num_ops` / `op_types`: the fused operators, for reports only.
     """
 
@@ -74,6 +77,7 @@ class KernelSpec:
     threads_per_block: int = DEFAULT_THREADS_PER_BLOCK
     num_ops: int = 1
     op_types: tuple[str, ...] = ()
+    index_divisions: int = 0
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:

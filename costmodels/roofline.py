@@ -5,12 +5,15 @@ thousands of candidate groups, with every knob exposed for calibration.
 Approach (after XLA's gpu_performance_model, which knows nothing of the pass that calls it):
 
     compute_s = tc_flops / (tensor peak(dtype) x tc_eff[t] x occ)
-              + (scalar_flops + transcendentals x w) / (scalar peak(dtype) x scalar_eff[t] x occ)
+              + (scalar_flops + transcendentals x w + iteration_size x index_divisions x e)
+                / (scalar peak(dtype) x scalar_eff[t] x occ)
     memory_s  = (read + write + spill traffic) / (DRAM bytes/s x mem_eff[t] x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
 
-where t is the template, occ = min(1, achieved occupancy / knee[t]) on GPUs (1 on CPUs, which
-hide latency with out-of-order cores and prefetchers, not resident warps), and launch_s is the
+where t is the template, e the cost of one index division in flops (`index_division_flops`: 0 by
+default, as a GPU hides it under memory traffic; a CPU's scalar loop nest pays it for every
+element; `KernelSpec.index_divisions` counts them), occ = min(1, achieved occupancy / knee[t]) on
+GPUs (1 on CPUs, which hide latency with out-of-order cores and prefetchers, not resident warps), and launch_s is the
 device's launch overhead x a scale. Tensor peak: float16 / bfloat16 use the FP16 / BF16 tensor
 cores; float32 uses TF32 tensor cores where the device has them and
 `RooflineParams.float32_uses_tf32` (the default of cuBLAS-backed inference: ONNX Runtime's CUDA EP
@@ -79,6 +82,10 @@ DEFAULT_TRANSCENDENTAL_FLOPS = 16.0
 # (2 accesses), and local memory is cached, so about 1 access in 8 reaches DRAM (XLA's
 # gpu_performance_model takes L1 as kL1CacheSpeedup = 8x faster than DRAM): 2 / 8 = 0.25.
 DEFAULT_SPILL_TRAFFIC_FACTOR = 0.25
+# Index arithmetic: one integer division / modulo by a non-power-of-two constant, in flop
+# equivalents on the scalar units. 0: the datasheet model ignores it; calibration fits it (it
+# dominates small generated loops on a CPU, where time follows elements, not bytes).
+DEFAULT_INDEX_DIVISION_FLOPS = 0.0
 
 _TABLE_FIELDS = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")
 
@@ -95,6 +102,7 @@ class RooflineParams:
     launch_overhead_scale: float = 1.0
     transcendental_flops: float = DEFAULT_TRANSCENDENTAL_FLOPS
     spill_traffic_factor: float = DEFAULT_SPILL_TRAFFIC_FACTOR
+    index_division_flops: float = DEFAULT_INDEX_DIVISION_FLOPS
     regs_base: float = resources.DEFAULT_REGS_BASE
     regs_per_live_value: float = resources.DEFAULT_REGS_PER_LIVE_VALUE
     float32_uses_tf32: bool = True
@@ -112,7 +120,8 @@ class RooflineParams:
                 if not (low_ok and high_ok):
                     raise InvalidSpec(f"RooflineParams.{name}[{template}] = {value}, out of range")
         for name in ("overlap", "launch_overhead_scale", "transcendental_flops",
-                     "spill_traffic_factor", "regs_base", "regs_per_live_value"):
+                     "spill_traffic_factor", "index_division_flops", "regs_base",
+                     "regs_per_live_value"):
             value = _number(name, getattr(self, name))
             object.__setattr__(self, name, value)
             if not (math.isfinite(value) and value >= 0):
@@ -276,7 +285,8 @@ class RooflineModel:
                    * p.get("tc_efficiency", spec.template))
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
                        * p.get("scalar_efficiency", spec.template))
-        scalar_flops = spec.scalar_flops + spec.transcendentals * p.transcendental_flops
+        scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops
+                        + spec.iteration_size * spec.index_divisions * p.index_division_flops)
         return spec.tc_flops / tc_rate + scalar_flops / scalar_rate
 
     def _occupancy_scale(self, spec: KernelSpec, device: DeviceSpec, achieved: float) -> float:

@@ -498,19 +498,26 @@ def measure(
     ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
                                                "of each CUDA kernel (default: on for cupy).")] = None,
     flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict L2 before every GPU sample.")] = False,
+    baseline: Annotated[str, typer.Option("--baseline", help="How lone anchors (MatMul, Gemm, Conv) run, in the "
+                                          "plan and the unfused graph: library (ONNX Runtime on cpu, "
+                                          "cuBLAS/CuPy on cupy) or generated.")] = "library",
     json_out: JsonFlag = False,
 ) -> None:
-    """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted."""
+    """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
+    and each fused anchor group vs its library anchor plus separate kernels."""
     from rich.progress import Progress
 
     from fusesearch.backends.timing import TimingCache
-    from fusesearch.measure import BACKENDS, measure_plan
+    from fusesearch.measure import BACKENDS, BASELINES, measure_plan
 
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    if baseline not in BASELINES:
+        raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     if budget <= 0:
         raise BadInput(f"--budget {budget}: give a positive number of seconds")
     _check_output(output, force, "-o")
+    _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
     plan_, unfused, prep = _measure_plans(model, _bindings(input_shape, dim), device, strategy, config, plan_json)
@@ -520,7 +527,7 @@ def measure(
         report = measure_plan(prep, plan_, unfused, backend, budget_s=budget, seed=seed,
                               progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
                               ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else backend == "cupy")
-                              else None, flush_l2=flush_l2)
+                              else None, flush_l2=flush_l2, baseline=baseline)
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
     if json_out:
@@ -556,20 +563,191 @@ def _measure_plans(model, bindings, device, strategy, config, plan_json):
 
 def _print_measure(report, output) -> None:
     t = report.totals()
-    table = Table(title=f"measured on {report.backend} ({report.device})", title_justify="left")
-    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err"):
+    versus = report.library_comparison()
+    table = Table(title=f"measured on {report.backend} ({report.device}), lone anchors: {report.baseline}",
+                  title_justify="left")
+    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err", "library+rest"):
         table.add_column(col, justify="left" if col in ("group", "template", "how") else "right")
     for m in report.plan:
         spread = f"{_fmt_time(m.timing.p20_s)}-{_fmt_time(m.timing.p80_s)}" if m.timing else "-"
         table.add_row(f"g{m.group}", m.template, m.how, _fmt_time(m.predicted_s),
-                      _fmt_time(m.measured_s) if m.timing else "-", spread, f"{m.max_rel_err:.2g}")
+                      _fmt_time(m.measured_s) if m.timing else "-", spread, f"{m.max_rel_err:.2g}",
+                      _fmt_versus(versus.get(m.group)))
     out.print(table)
     out.print(f"plan: predicted {_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])}   "
               f"unfused: predicted {_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])}"
               f"   measured speedup {t['speedup']:.2f}x" + (f"   ({t['not_measured']} kernels not measured)"
                                                            if t["not_measured"] else ""))
+    for m in [*report.plan, *report.unfused]:
+        if m.reason:
+            out.print(f"not measured: {m.plan} g{m.group} ({m.row.get('op_types', m.template)}): {m.reason}")
+    _print_versus(versus)
     if output is not None:
         out.print(f"measurements written to {output}")
+
+
+def _fmt_versus(v: dict | None) -> str:
+    """A fused anchor group's library baseline (anchor via the library + the rest separately)."""
+    if v is None:
+        return ""
+    if v["fused_loses"] is None:
+        return "-"
+    return _fmt_time(v["library_baseline_s"]) + (" LOSES" if v["fused_loses"] else "")
+
+
+def _print_versus(versus: dict) -> None:
+    compared = {g: v for g, v in versus.items() if v["fused_loses"] is not None}
+    if not versus:
+        return
+    if not compared:
+        out.print(f"{len(versus)} fused anchor groups, none compared with the library "
+                  "(use --baseline library to time the lone anchors through the library)")
+        return
+    losers = sorted(g for g, v in compared.items() if v["fused_loses"])
+    fused = sum(v["measured_s"] for v in compared.values())
+    library = sum(v["library_baseline_s"] for v in compared.values())
+    out.print(f"fused anchor groups vs library anchor + the rest as separate kernels: the fused kernel loses in "
+              f"{len(losers)} of {len(compared)} (fused {_fmt_time(fused)} vs library+rest {_fmt_time(library)})"
+              + (f": {', '.join(f'g{g}' for g in losers[:12])}{' ...' if len(losers) > 12 else ''}" if losers else ""))
+
+
+# -- sweep / report ---------------------------------------------------------------------------
+
+@app.command()
+def sweep(
+    config: Annotated[Path, typer.Argument(help="the sweep's TOML config (see experiments/*.toml)")],
+    workers: Annotated[int | None, typer.Option("--workers", help="Local Dask worker processes "
+                                                "(default: one per core).")] = None,
+    scheduler: Annotated[str | None, typer.Option("--scheduler", help="Address of a running Dask "
+                                                  "scheduler, e.g. tcp://HOST:8786.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Results folder (default: beside CONFIG, "
+                                                 "named after it).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Discard the results of a different sweep in --out.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run a TOML grid of models × devices × strategies × parameters on Dask; resumable."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fusesearch.sweep import load_config, run_sweep
+
+    cfg = load_config(config)
+    out_dir = out_dir or config.parent / config.stem
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[last]}"))
+    bar = Progress(*columns, console=err, transient=False)
+    task = bar.add_task(f"sweep {cfg.name}", total=None, last="")
+
+    def progress(done: int, total: int, row: dict | None) -> None:  # the bar starts once --out is checked
+        if row is None:
+            bar.start()
+        last = "" if row is None else f"{row['model']} {row['device']} {row['strategy']}: {row['status']}"
+        bar.update(task, completed=done, total=total, last=last)
+
+    try:
+        summary = run_sweep(cfg, out_dir, workers=workers, scheduler=scheduler, force=force, progress=progress)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+    doc = {"sweep": cfg.name, "out": str(summary.out), "cells": summary.cells, "skipped": summary.skipped,
+           "ran": summary.ran, "failed": summary.failed, "wall_s": round(summary.wall_s, 1),
+           "results": str(summary.results)}
+    if json_out:
+        _emit_json(doc)
+        return
+    out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
+              f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
+    if summary.failed:
+        out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")
+
+
+@app.command()
+def report(
+    results_dir: Annotated[Path, typer.Argument(help="the --out folder of a `fusesearch sweep` run")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Markdown report (default: "
+                                                "DIR/report.md); PNG plots go beside it.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing report and its plots.")] = False,
+) -> None:
+    """Markdown tables and PNG plots of a sweep's results."""
+    from fusesearch.report import write_report
+
+    output = output or results_dir / "report.md"
+    written = write_report(results_dir, output, overwrite=force)
+    out.print(f"report written to {written[0]}" + (f" with {len(written) - 1} plots" if len(written) > 1 else ""))
+
+
+# -- calibrate --------------------------------------------------------------------------------
+
+@app.command()
+def calibrate(
+    backend: Annotated[str, typer.Option("--backend", help="cpu (this machine, generated C) or cupy "
+                                         "(the visible GPU, generated CUDA)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Write profile.json here (and "
+                                         "measurements.parquet, calibration.png beside it).")],
+    device: Annotated[str | None, typer.Option("--device", help="The measured device's name (host on "
+                                               "cpu) or a profile of it to start from.")] = None,
+    models: Annotated[str | None, typer.Option("--models", help="Comma-separated models (zoo names or "
+                                               ".onnx paths with static shapes).")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Groups to sample and measure.")] = 240,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of sampling, inputs and the split.")] = 0,
+    budget: Annotated[float | None, typer.Option("--budget", help="Timing budget per kernel and "
+                                                 "round, seconds.")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", help="Timing rounds per kernel (the "
+                                               "quietest round's median counts).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Measure sampled candidate kernels, fit the cost model, report held-out accuracy."""
+    from rich.progress import Progress
+
+    from fusesearch import calibrate as cal
+
+    if backend not in cal.BACKENDS:
+        raise BadInput(f"--backend {backend}: choose one of {', '.join(cal.BACKENDS)}")
+    if samples < 4:
+        raise BadInput(f"--samples {samples}: give at least 4 (a few hundred for a useful fit)")
+    if budget is not None and budget <= 0:
+        raise BadInput(f"--budget {budget}: give a positive number of seconds")
+    if rounds is not None and rounds < 1:
+        raise BadInput(f"--rounds {rounds}: give a positive number")
+    for path, flag in ((output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
+                       (output.parent / "calibration.png", "-o (beside it)")):
+        _check_output(path, force, flag)
+    names = [m.strip().removeprefix("zoo:") for m in (models or "").split(",") if m.strip()] or None
+    bar = Progress(console=err, transient=True)
+    tasks: list = []
+
+    def progress(stage: str, done: int, total: int) -> None:  # the bar starts once sampling is done
+        if not tasks:
+            bar.start()
+            tasks.append(bar.add_task(f"{stage} on {backend}", total=total))
+        bar.update(tasks[0], completed=done, total=total, description=f"{stage} on {backend}")
+
+    try:
+        result = cal.calibrate(backend, device=device, models=names, samples=samples, seed=seed,
+                               budget_s=budget, rounds=rounds, progress=progress)
+    finally:
+        if tasks:
+            bar.stop()
+    paths = cal.write_outputs(result, output)
+    if json_out:
+        _emit_json({"profile": str(paths["profile"]), "measurements": str(paths["measurements"]),
+                    "plot": str(paths["plot"]), "fit": result.profile.to_dict()["fit"],
+                    "params": result.profile.params.to_dict()})
+        return
+    r = result.report
+    out.print(f"calibrated {r['device']} ({backend}): {r['measured']} kernels measured of {r['sampled']} "
+              f"sampled from {', '.join(r['models'])}; skipped {r['skipped'] or 'none'}")
+    for line in cal.report_lines(r):
+        out.print(line)
+    out.print(f"profile written to {paths['profile']}; measurements to {paths['measurements']}; "
+              f"plot to {paths['plot']}")
+
+
+def _check_profile_backend(device: str | None, backend: str) -> None:
+    """A profile given to `measure` must be of the device the backend measures (exit 2 if not)."""
+    from fusesearch.calibrate import check_profile_for_backend
+
+    check_profile_for_backend(device, backend)
 
 
 # -- devices ----------------------------------------------------------------------------------

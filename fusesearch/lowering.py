@@ -77,6 +77,7 @@ class Kernel:
     write_bytes: int
     alias: bool = False
     split_k: int = 1  # gemm/conv: K split across blocks when the output has too few tiles
+    index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -86,7 +87,7 @@ class Kernel:
             dram_write_bytes=float(self.write_bytes), iteration_size=self.iteration_size,
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
-            num_ops=len(self.ops), op_types=self.ops)
+            num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -427,7 +428,29 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     dtype = _group_dtype(graph, nodes, anchor)
     return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
                   tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
-                  THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias)
+                  THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias,
+                  index_divisions=_index_divisions(graph, outputs + _reduced_inputs(nodes)))
+
+
+def _reduced_inputs(nodes: list[Node]) -> list[str]:
+    """The tensors a row-wise kernel walks element by element: its reductions' inputs."""
+    return [n.inputs[0] for n in nodes if n.kind == OpKind.REDUCE and n.inputs and n.inputs[0]]
+
+
+def _index_divisions(graph: Graph, tensors: list[str]) -> int:
+    """Per element, the divisions and modulos by a non-power-of-two constant that unflatten a flat
+    index into the multi-index of the largest tensor the kernel walks (its outputs; a row-wise
+    kernel's reduced inputs): `i / stride % extent` per non-unit dim, where a power of two
+    compiles to a shift or a mask."""
+    shapes = [graph.tensors[t].shape for t in tensors if graph.tensors[t].shape is not None]
+    if not shapes:
+        return 0
+    extents = [d for d in max(shapes, key=math.prod) if d > 1]
+    count, stride = 0, 1
+    for extent in reversed(extents):
+        count += (stride > 1 and stride & (stride - 1) != 0) + (extent & (extent - 1) != 0)
+        stride *= extent
+    return count
 
 
 def _prologue_reloads(graph: Graph, nodes: list[Node], anchor: int | None,

@@ -1,0 +1,787 @@
+"""Calibration: fit the roofline model to measured kernels and report its held-out accuracy.
+
+Problem: a cost model is only as good as its error on kernels it has not seen. Default
+efficiencies are guesses; the device's real behaviour (an OpenMP fork/join on a CPU, index
+arithmetic in a scalar loop, a naive loop nest's fraction of peak) must be measured, fitted, and
+the fit judged on kernels left out of it.
+Approach:
+
+    models ─► prepare ─► enumerate candidates (Legality verdicts: kernel + cost)
+        │                 strata = (template, size bin: quantiles of log(FLOPs + bytes))
+        ▼                 seeded round-robin over strata; duplicate kernels (same KernelSpec) and
+    sample               the ones codegen refuses are skipped and counted
+        ▼
+    measure              real data (ORT's tensors for seeded valid inputs, `verify.all_values`),
+        │                the generated kernel on the backend (C/OpenMP with the device's thread
+        │                count, or CUDA with an L2 flush per sample); R rounds over all kernels,
+        │                measured = the least of the rounds' medians (load only adds time)
+        ▼
+    split by group       seeded per (seed, template): a fixed fraction of every template held out
+        ▼
+    fit (train)          least squares on log(predicted) - log(measured) over the RooflineParams
+        │                that move a prediction, in log / logit coordinates (bounds hold), with a
+        │                weak pull to the start: a coordinate search over each range (the
+        │                roofline's max() hides the non-binding side from gradients), then
+        │                Levenberg-Marquardt, from three starts. Two stages: shared terms
+        │                (launch, overlap, index arithmetic, transcendental weight) with the
+        │                anchor-free templates, then gemm / conv's own efficiencies
+        ▼
+    report (held-out)    MAPE, median APE, Spearman, Kendall — before / after, overall and
+                         per template; register model vs ptxas (NVRTC, no GPU needed) fitted by
+                         weighted least squares and reported the same way
+
+The fitting and the metrics are pure and live in `costmodels.calibration`; this module samples,
+measures, splits, writes and checks profiles.
+
+Invariants: sampling, split and fit are deterministic for the same inputs and seed; the model
+evaluated is always `RooflineModel.cost` itself (never a re-implementation), so a profile
+predicts exactly what its report says; a profile is only used for the device it was fitted on
+(`check_profile_for_backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import platform
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from costmodels import (
+    DEVICES,
+    DeviceSpec,
+    KernelSpec,
+    Profile,
+    RooflineModel,
+    RooflineParams,
+    estimate_registers,
+)
+from costmodels.calibration import (
+    REGISTER_ARCH,
+    FitResult,
+    accuracy,
+    fit,
+    fit_registers,
+    fit_staged,
+    free_parameters,
+    kendall,
+    predict,
+    spearman,
+)
+from costmodels.profile import default_versions
+from fusesearch.errors import BadInput
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("cpu", "cupy")
+DEFAULT_MODELS = {"cpu": ("bert-small", "resnet18", "mobilenetv2", "vit-small"),
+                  "cupy": ("bert-base", "resnet50", "mobilenetv2", "vit-base", "gpt2", "yolo-neck",
+                           "unet")}
+TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")  # what codegen generates
+SIZE_BINS = 4
+HELDOUT_FRACTION = 0.3
+MAX_KERNEL_S = {"cpu": 0.25, "cupy": 0.05}  # a first run slower than this is skipped (counted)
+BUDGET_S = {"cpu": 0.015, "cupy": 0.02}  # per kernel and round
+ROUNDS = {"cpu": 5, "cupy": 2}
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    """One sampled group: where it comes from, its kernel, and its stratum."""
+
+    model: str
+    key: str  # model:node+node+... (the split unit)
+    nodes: frozenset[int]
+    kernel: object  # fusesearch.lowering.Kernel
+    template: str
+    size_bin: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    candidates: tuple[Candidate, ...]
+    counts: Mapping[str, int]  # enumerated / per-stratum availability / refused / duplicates
+
+
+def _work(kernel) -> float:
+    spec = kernel.spec()
+    return math.log10(1.0 + spec.flops + spec.dram_bytes)
+
+
+def _size_bins(values: Sequence[float], bins: int) -> list[int]:
+    """Quantile bin (0..bins-1) of each value."""
+    if not values:
+        return []
+    edges = np.quantile(np.asarray(values), np.linspace(0, 1, bins + 1)[1:-1])
+    return [int(np.searchsorted(edges, v, side="right")) for v in values]
+
+
+def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: RooflineParams,
+                   templates: Iterable[str] = TEMPLATES) -> list[tuple[str, frozenset[int], object]]:
+    """Every legal, non-alias candidate of each model whose template is generated: (model, nodes,
+    kernel), in a deterministic order."""
+    from fusesearch.candidates.enumerate import enumerate_candidates
+    from fusesearch.candidates.rules import Legality
+
+    wanted = set(templates)
+    pool = []
+    for name, prep in preps.items():
+        legality = Legality(prep.graph, device, RooflineModel(params))
+        for nodes in enumerate_candidates(legality).groups:
+            verdict = legality.check(nodes)
+            kernel = verdict.kernel
+            if not verdict.decision or kernel is None or kernel.alias or kernel.template not in wanted:
+                continue
+            pool.append((name, nodes, kernel))
+    return pool
+
+
+def sample_candidates(preps: Mapping[str, object], device: DeviceSpec, params: RooflineParams,
+                      samples: int, seed: int, *, bins: int = SIZE_BINS,
+                      templates: Iterable[str] = TEMPLATES) -> Sample:
+    """`samples` candidates stratified by (template, size bin), seeded; kernels that codegen
+    refuses and exact duplicates (same KernelSpec) are skipped and counted."""
+    from fusesearch.backends.codegen import CodegenRefused, generate
+
+    pool = enumerate_pool(preps, device, params, templates)
+    by_template: dict[str, list] = defaultdict(list)
+    for item in pool:
+        by_template[item[2].template].append(item)
+    strata: dict[tuple[str, int], list] = {}
+    for template in sorted(by_template):
+        items = by_template[template]
+        for item, b in zip(items, _size_bins([_work(k) for _, _, k in items], bins), strict=True):
+            strata.setdefault((template, b), []).append(item)
+    rng = np.random.default_rng(seed)
+    queues = {key: [items[i] for i in rng.permutation(len(items))] for key, items in sorted(strata.items())}
+    counts = {"enumerated": len(pool), "codegen_refused": 0, "duplicates": 0}
+    seen: set[str] = set()
+    chosen: list[Candidate] = []
+    # round-robin: templates in turn, and within a template its size bins in turn
+    order = [(t, b) for b in range(bins) for t in sorted(by_template)]
+    while len(chosen) < samples and any(queues.values()):
+        for key in order:
+            if len(chosen) >= samples:
+                break
+            queue = queues.get(key)
+            while queue:
+                name, nodes, kernel = queue.pop()
+                signature = json.dumps(kernel.spec().to_row(), sort_keys=True)
+                if signature in seen:
+                    counts["duplicates"] += 1
+                    continue
+                graph = preps[name].graph
+                try:
+                    generate(graph, kernel)
+                except CodegenRefused:
+                    counts["codegen_refused"] += 1
+                    continue
+                seen.add(signature)
+                label = "+".join(graph.nodes[i].name for i in sorted(nodes))
+                chosen.append(Candidate(name, f"{name}:{label}", nodes, kernel, kernel.template, key[1]))
+                break
+    for (template, b), items in sorted(strata.items()):
+        counts[f"pool.{template}.bin{b}"] = len(items)
+    return Sample(tuple(chosen), counts)
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+@dataclass
+class _ModelData:
+    prep: object
+    values: dict
+
+
+def _model_values(prep, seed: int) -> dict:
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.verify import all_values, random_feeds
+
+    canonical = to_proto(prep.canonical)
+    return all_values(canonical, random_feeds(canonical, seed))
+
+
+def backend_device_name(backend: str) -> str:
+    """The cost-model device a backend measures: 'host' on cpu; on cupy the table entry that
+    matches the visible GPU (BadInput when there is no GPU, or when it matches no entry)."""
+    if backend == "cpu":
+        return "host"
+    from fusesearch.backends import cupy as gpu
+
+    decision = gpu.available()
+    if not decision:
+        raise BadInput(f"--backend cupy: {decision.reason}; no GPU here, use --backend cpu")
+    cuda_name = gpu.device_name()
+    name = table_name_for_gpu(cuda_name)
+    if name is None:
+        raise BadInput(f"--backend cupy: the GPU '{cuda_name}' matches no built-in device; "
+                       "pass --device NAME for the closest entry of `fusesearch devices`")
+    return name
+
+
+def table_name_for_gpu(cuda_name: str) -> str | None:
+    """The DEVICES entry for a CUDA device name ('NVIDIA H200' -> 'h200'), None if unknown."""
+    text = cuda_name.lower().replace("geforce", "").replace("nvidia", "").replace("tesla", "")
+    tokens = text.replace("-", " ").split()
+    joined = "".join(tokens)
+    if "h200" in joined:
+        return "h200"
+    if "h100" in joined:
+        return "h100-pcie" if "pcie" in joined else "h100-sxm"
+    if "a100" in joined:
+        big = "80gb" in joined
+        pcie = "pcie" in joined
+        return ("a100-80gb" if big else "a100-40gb") + ("-pcie" if pcie else "")
+    for name in ("l40s", "l4", "a10", "t4", "v100"):
+        if name in tokens or joined.startswith(name):
+            return "v100-sxm2" if name == "v100" else name
+    for name in ("rtx3090", "rtx4090"):
+        if name in joined:
+            return name[:3] + "-" + name[3:]
+    return None
+
+
+def check_profile_for_backend(device_arg: str | None, backend: str, *, measured: str | None = None) -> None:
+    """A profile (a .json --device) may only be used where its device is the one measured:
+    its `backend` must be this backend and its device name the backend's device ('host' on cpu,
+    the visible GPU's table entry on cupy, or `measured` when given). BadInput otherwise."""
+    if not device_arg:
+        return
+    from costmodels import CostModelError, load_profile
+    from costmodels.profile import load_device
+
+    text = str(device_arg)
+    looks_like_path = text.lower().endswith(".json") or "/" in text
+    is_name = text.strip().lower() in (*DEVICES, "host", "cpu")
+    if not (looks_like_path or (not is_name and Path(text).is_file())):
+        return  # a table name (load_device's rule)
+    try:
+        load_device(text)
+        profile = load_profile(text)
+    except CostModelError as exc:
+        raise BadInput(f"--device {text}: {exc}") from None
+    if profile.backend and profile.backend != backend:
+        raise BadInput(f"--device {text}: this profile was calibrated with --backend {profile.backend} "
+                       f"on '{profile.device.name}', not for --backend {backend}; use a profile from "
+                       f"`fusesearch calibrate --backend {backend}`")
+    expected = measured or backend_device_name(backend)
+    if profile.device.name != expected:
+        raise BadInput(f"--device {text}: this profile is for device '{profile.device.name}', but "
+                       f"--backend {backend} measures '{expected}'; calibrate a profile for "
+                       f"'{expected}' or drop --device")
+    if backend == "cpu":
+        _check_same_host(text, profile.device)
+
+
+def _check_same_host(text: str, device: DeviceSpec) -> None:
+    """A host profile fits only the same CPU model run with the same number of OpenMP threads."""
+    from costmodels import host_cpu
+
+    here = host_cpu()
+    cpu_of = lambda spec: (spec.sources[0].split(";")[0] if spec.sources else "")  # noqa: E731
+    if cpu_of(device) and cpu_of(device) != cpu_of(here):
+        raise BadInput(f"--device {text}: this profile is for another CPU ({cpu_of(device)}), this "
+                       f"machine is {cpu_of(here)}; calibrate a profile here")
+    if device.sm_count != here.sm_count:
+        raise BadInput(f"--device {text}: this profile was calibrated with {device.sm_count} OpenMP "
+                       f"thread(s), this run uses {here.sm_count}; set OMP_NUM_THREADS="
+                       f"{device.sm_count} (or calibrate again with this setting)")
+
+
+def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, object], backend: str,
+                       device: DeviceSpec, params: RooflineParams, *, seed: int = 0,
+                       budget_s: float | None = None, max_kernel_s: float | None = None,
+                       progress: Callable[[Candidate], None] | None = None,
+                       registers: bool = True, rounds: int | None = None) -> tuple[list[dict], dict[str, int]]:
+    """Run each candidate's generated kernel on real data on the backend, in `rounds` rounds over
+    all candidates (so a kernel's rounds are far apart in time); one row per measured kernel
+    (KernelSpec fields, model prediction, measured time, ptxas registers). `progress` is called
+    once per candidate and round. Returns (rows, counts of skipped kernels by reason)."""
+    rounds = ROUNDS[backend] if rounds is None else rounds
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    budget_s = BUDGET_S[backend] if budget_s is None else budget_s
+    max_kernel_s = MAX_KERNEL_S[backend] if max_kernel_s is None else max_kernel_s
+    runner = _cpu_run if backend == "cpu" else _gpu_runner()
+    reg_ok = registers and _register_toolchain()
+    with _openmp_threads(device.sm_count if backend == "cpu" else 0):
+        return _measure_all(candidates, preps, runner, RooflineModel(params), device, seed, budget_s,
+                            max_kernel_s, progress, reg_ok, rounds)
+
+
+@contextlib.contextmanager
+def _openmp_threads(threads: int):
+    """Run the OpenMP kernels with `threads` threads (the device's CPUs) while inside, whatever
+    libgomp read from the environment when it was first loaded; restored afterwards."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1") if threads > 0 else None
+    except OSError:  # another OpenMP runtime: it reads OMP_NUM_THREADS, as host_cpu() does
+        gomp = None
+    if gomp is None:
+        yield
+        return
+    before = gomp.omp_get_max_threads()
+    gomp.omp_set_num_threads(threads)
+    try:
+        yield
+    finally:
+        gomp.omp_set_num_threads(before)
+
+
+def _measure_all(candidates, preps, runner, model, device, seed, budget_s, max_kernel_s, progress,
+                 reg_ok, rounds) -> tuple[list[dict], dict[str, int]]:
+    data: dict[str, _ModelData] = {}
+    skipped: dict[str, int] = defaultdict(int)
+    kept: list[tuple[Candidate, dict]] = []
+    for cand in candidates:  # round 1: build, probe, check against ORT, time
+        if cand.model not in data:
+            data[cand.model] = _ModelData(preps[cand.model], _model_values(preps[cand.model], seed))
+        row = _first_round(cand, data[cand.model], runner, budget_s, max_kernel_s, skipped)
+        if row is not None:
+            kept.append((cand, row))
+        if progress:
+            progress(cand)
+    for _ in range(rounds - 1):  # later rounds, minutes apart for the same kernel
+        for cand, row in kept:
+            row["timings"].append(_time_round(cand, data[cand.model], runner, budget_s))
+            if progress:
+                progress(cand)
+    rows = []
+    for cand, row in kept:
+        rows.append(_finish_row(row, rows_model=model, cand=cand, device=device))
+        if reg_ok:
+            rows[-1].update(_ptxas_row(cand, data[cand.model].prep.graph, register_arch(device)))
+    return rows, dict(skipped)
+
+
+def _first_round(cand: Candidate, md: _ModelData, runner, budget_s: float, max_kernel_s: float,
+                 skipped: dict) -> dict | None:
+    import time
+
+    from fusesearch.backends.codegen import generate
+
+    generated = generate(md.prep.graph, cand.kernel)
+    inputs = {t: md.values[t] for t in cand.kernel.inputs}
+    try:
+        run, fetch, clock, before_each = runner(generated, inputs)
+    except Exception as exc:  # a compiler rejection is counted, not fatal
+        log.warning("skipping %s: %s", cand.key, exc)
+        skipped["compile_failed"] += 1
+        return None
+    t0 = time.perf_counter()
+    run()
+    outputs = fetch()
+    if time.perf_counter() - t0 > max_kernel_s:
+        skipped["too_slow"] += 1
+        return None
+    err = _max_rel_err(outputs, md.values)
+    timing = _timed(run, clock, before_each, budget_s)
+    return {"model": cand.model, "group": cand.key, "size_bin": cand.size_bin,
+            "source_hash": generated.source_hash, "max_rel_err": err, "timings": [timing]}
+
+
+def _time_round(cand: Candidate, md: _ModelData, runner, budget_s: float):
+    from fusesearch.backends.codegen import generate
+
+    generated = generate(md.prep.graph, cand.kernel)
+    run, _, clock, before_each = runner(generated, {t: md.values[t] for t in cand.kernel.inputs})
+    return _timed(run, clock, before_each, budget_s)
+
+
+def _timed(run, clock, before_each, budget_s: float):
+    from fusesearch.backends.timing import measure
+
+    return measure(run, clock=clock, budget_s=budget_s, warmup_s=min(0.01, budget_s),
+                   min_samples=5, max_samples=2000, before_each=before_each)
+
+
+def _finish_row(row: dict, *, rows_model: RooflineModel, cand: Candidate, device: DeviceSpec) -> dict:
+    """measured_s = the least of the rounds' medians (contention only ever adds time, so the
+    quietest round is the best estimate of the kernel's own median); all samples summarized too."""
+    from fusesearch.backends.timing import Timing
+
+    timings = row.pop("timings")
+    medians = [t.median_s for t in timings]
+    pooled = Timing(tuple(s for t in timings for s in t.samples_s), timings[0].warmup_runs,
+                    timings[0].clock)
+    row.update(pooled.to_row())
+    row.update({"rounds": len(timings), "round_medians_s": ",".join(f"{m:.4e}" for m in medians),
+                "measured_s": min(medians)})
+    row.update(_prediction_row(cand, rows_model, device))
+    return row
+
+
+def _cpu_run(generated, inputs):
+    from fusesearch.backends import cpu
+    from fusesearch.backends.timing import PerfCounterClock
+
+    go = cpu.runner(generated, inputs)
+    outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
+    return go, lambda: outputs, PerfCounterClock(), None
+
+
+def _gpu_runner():
+    """(generated, inputs) -> (launch, fetch, CUDA-event clock, L2 flush) on the visible GPU."""
+    from fusesearch.backends import cupy as gpu
+
+    clock = gpu.CudaEventClock()
+    flush = gpu.l2_flusher(max(1, gpu.l2_bytes()))
+
+    def runner(generated, inputs):
+        launch, fetch = gpu.kernel_runner(generated, inputs)
+        return launch, fetch, clock, flush
+
+    return runner
+
+
+def _max_rel_err(outputs: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> float:
+    worst = 0.0
+    for name, got in outputs.items():
+        ref = np.asarray(values[name], dtype=np.float64)
+        got = np.asarray(got, dtype=np.float64).reshape(ref.shape)
+        if ref.size:
+            scale = max(1.0, float(np.max(np.abs(ref))))
+            worst = max(worst, float(np.nanmax(np.abs(got - ref))) / scale)
+    return worst
+
+
+def _prediction_row(cand: Candidate, model: RooflineModel, device: DeviceSpec) -> dict:
+    spec = cand.kernel.spec()
+    cost = model.cost(spec, device)
+    row = spec.to_row()
+    row.update({"predicted_before_s": cost.time_s, "predicted_bound": cost.bound,
+                "predicted_regs_per_thread": cost.regs_per_thread})
+    return row
+
+
+def _register_toolchain() -> bool:
+    from fusesearch.backends.nvrtc import toolchain_available
+
+    decision = toolchain_available()
+    if not decision:
+        log.warning("register model check skipped: %s", decision.reason)
+    return bool(decision)
+
+
+def register_arch(device: DeviceSpec) -> str:
+    from fusesearch.backends.nvrtc import ARCHES
+
+    return device.arch if device.arch in ARCHES else REGISTER_ARCH
+
+
+def _ptxas_row(cand: Candidate, graph, arch: str) -> dict:
+    from fusesearch.backends.codegen import generate
+    from fusesearch.backends.nvrtc import compile_cuda
+
+    generated = generate(graph, cand.kernel)
+    try:
+        res = compile_cuda(generated.cuda_source, arch=arch).resource(generated.name)
+    except Exception as exc:  # recorded, not fatal
+        return {"ptxas_error": str(exc)[:200]}
+    return {"ptxas_arch": res.arch, "ptxas_registers": res.registers,
+            "ptxas_spill_bytes": res.spill_store_bytes + res.spill_load_bytes}
+
+
+# -- split ------------------------------------------------------------------------------------
+
+def split_groups(groups: Sequence[str], templates: Sequence[str], seed: int,
+                 heldout_fraction: float = HELDOUT_FRACTION) -> np.ndarray:
+    """Boolean mask, True = held out: within each template, a shuffle of its distinct groups
+    seeded by (seed, template) — so one template's split does not depend on which others are
+    present — and the first round(fraction x n) held out (at least one where a template has two)."""
+    heldout: set[str] = set()
+    by_template: dict[str, list[str]] = defaultdict(list)
+    for g, t in zip(groups, templates, strict=True):
+        if g not in by_template[t]:
+            by_template[t].append(g)
+    for t in sorted(by_template):
+        keys = sorted(by_template[t])
+        rng = np.random.default_rng([seed, zlib.crc32(t.encode())])
+        order = rng.permutation(len(keys))
+        n = int(round(heldout_fraction * len(keys)))
+        n = max(n, 1) if len(keys) >= 2 else 0
+        heldout.update(keys[i] for i in order[:n])
+    return np.array([g in heldout for g in groups], dtype=bool)
+
+
+# -- the whole calibration --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calibration:
+    profile: Profile
+    frame: object  # pandas.DataFrame, one row per measured kernel
+    report: dict
+
+
+def analyse(rows: Sequence[dict], device: DeviceSpec, start: RooflineParams, backend: str, seed: int,
+            *, extra: Mapping | None = None) -> Calibration:
+    """Split, fit and report on measured rows (as `measure_candidates` returns them)."""
+    import pandas as pd
+
+    frame = pd.DataFrame(list(rows))
+    if len(frame) < 4:
+        raise BadInput(f"only {len(frame)} kernels were measured; calibration needs at least 4 "
+                       "(raise --samples or add --models)")
+    frame = frame[frame["measured_s"] > 0].reset_index(drop=True)
+    specs = [KernelSpec.from_row(r) for r in frame.to_dict("records")]
+    held = split_groups(list(frame["group"]), list(frame["template"]), seed)
+    frame["split"] = np.where(held, "heldout", "train")
+    train_specs = [s for s, h in zip(specs, held, strict=True) if not h]
+    result = fit_staged(train_specs, frame.loc[~held, "measured_s"].to_numpy(), device, start)
+    params = result.params
+    registers = None
+    if "ptxas_registers" in frame and frame["ptxas_registers"].notna().any():
+        ok = frame["ptxas_registers"].notna().to_numpy()
+        sub = frame[ok]
+        registers = fit_registers([s.live_values_per_thread for s, o in zip(specs, ok, strict=True) if o],
+                                  [s.dtype_bytes for s, o in zip(specs, ok, strict=True) if o],
+                                  sub["ptxas_registers"].astype(int).tolist(), held[ok].tolist(), start,
+                                  arch=register_arch(device))
+        regs = registers["params_after"]
+        if device.kind == "gpu":  # on a CPU the register estimate moves no prediction
+            params = params.with_updates(**regs)
+        registers["applied_to_profile"] = device.kind == "gpu"
+    frame["predicted_before_s"] = predict(specs, device, start)
+    frame["predicted_after_s"] = predict(specs, device, params)
+    if registers is not None:
+        frame["regs_estimate_after"] = [
+            estimate_registers(s.live_values_per_thread, s.dtype_bytes, device.regs_per_thread_max,
+                               base=registers["params_after"]["regs_base"],
+                               per_value=registers["params_after"]["regs_per_live_value"]).regs_per_thread
+            for s in specs]
+    report = {
+        "n_train": int((~held).sum()), "n_heldout": int(held.sum()),
+        "heldout": _report_block(frame[held]),
+        "train": _report_block(frame[~held]),
+        "fit": {"method": "least squares on log time: coordinate search then Levenberg-Marquardt, "
+                          "shared terms on anchor-free kernels first", "free": list(result.fitted),
+                "train_loss_before": result.train_loss_before, "train_loss_after": result.train_loss_after,
+                "iterations": result.iterations, "seed": seed},
+        "registers": registers,
+        **dict(extra or {}),
+    }
+    profile = Profile(device, params, backend=backend, fit=report, versions=versions(backend))
+    return Calibration(profile, frame, report)
+
+
+def _report_block(frame) -> dict:
+    block = {"before": accuracy(frame["predicted_before_s"], frame["measured_s"]),
+             "after": accuracy(frame["predicted_after_s"], frame["measured_s"]), "per_template": {}}
+    for t in TEMPLATES:
+        sub = frame[frame["template"] == t]
+        if len(sub):
+            block["per_template"][t] = {
+                "before": accuracy(sub["predicted_before_s"], sub["measured_s"]),
+                "after": accuracy(sub["predicted_after_s"], sub["measured_s"])}
+    return block
+
+
+def versions(backend: str) -> dict[str, str]:
+    out = dict(default_versions())
+    for pkg in ("onnx", "onnxruntime", "pandas", "pyarrow"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    out["platform"] = platform.platform()
+    if backend == "cpu":
+        out["cc"] = _cc_version()
+    else:
+        try:
+            out["cupy"] = metadata.version("cupy-cuda13x")
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _cc_version() -> str:
+    import subprocess
+
+    from fusesearch.backends import cpu
+
+    cc = cpu.compiler()
+    if cc is None:
+        return "none"
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10)
+    except OSError:
+        return cc
+    return (done.stdout.splitlines() or [cc])[0]
+
+
+def resolve_calibration_device(backend: str, device_arg: str | None) -> tuple[DeviceSpec, RooflineParams]:
+    """The device the backend measures, with starting parameters. `--device` may name it (it must
+    be the measured one: 'host' on cpu, the visible GPU on cupy) or give a profile of it (its
+    parameters are the starting point). BadInput for any mismatch."""
+    from costmodels import CostModelError, load_device
+
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    measured = backend_device_name(backend)
+    if device_arg is None:
+        spec, params = load_device(measured)
+        return spec, params
+    text = str(device_arg)
+    try:
+        spec, params = load_device(text)
+    except CostModelError as exc:
+        raise BadInput(f"--device {text}: {exc}") from None
+    check_profile_for_backend(text, backend, measured=measured)
+    if spec.name != measured:
+        raise BadInput(f"--device {text}: --backend {backend} measures '{measured}', not "
+                       f"'{spec.name}'; calibrate on a machine with that device, or drop --device")
+    if backend == "cpu" and spec.name == "host":
+        from costmodels import host_cpu
+
+        spec = host_cpu()  # this machine's figures, even when the profile came from another run
+    return spec, params
+
+
+def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] | None = None,
+              samples: int = 240, seed: int = 0, budget_s: float | None = None,
+              rounds: int | None = None,
+              progress: Callable[[str, int, int], None] | None = None) -> Calibration:
+    """Sample, measure, split, fit and report (see the module note)."""
+    from fusesearch.pipeline import prepare
+
+    if samples < 4:
+        raise BadInput(f"--samples {samples}: give at least 4 (a few hundred for a useful fit)")
+    spec, start = resolve_calibration_device(backend, device)
+    names = list(models or DEFAULT_MODELS[backend])
+    preps = {}
+    for name in names:
+        source = name if (name.startswith("zoo:") or name.endswith(".onnx")) else f"zoo:{name}"
+        preps[name] = prepare(source)
+    sample = sample_candidates(preps, spec, start, samples, seed)
+    total = len(sample.candidates) * (ROUNDS[backend] if rounds is None else rounds)
+    if progress:
+        progress("sampled", 0, total)
+    done = [0]
+
+    def step(_: Candidate) -> None:
+        done[0] += 1
+        if progress:
+            progress("measuring", done[0], total)
+
+    rows, skipped = measure_candidates(sample.candidates, preps, backend, spec, start, seed=seed,
+                                       budget_s=budget_s, progress=step, rounds=rounds)
+    extra = {"backend": backend, "device": spec.name, "models": names, "samples_requested": samples,
+             "sampled": len(sample.candidates), "measured": len(rows), "skipped": skipped,
+             "sampling": dict(sample.counts),
+             "budget_s": BUDGET_S[backend] if budget_s is None else budget_s,
+             "rounds": ROUNDS[backend] if rounds is None else rounds,
+             "statistic": "least of the rounds' medians", "threads": spec.sm_count if backend == "cpu" else None}
+    return analyse(rows, spec, start, backend, seed, extra=extra)
+
+
+# -- outputs ----------------------------------------------------------------------------------
+
+def plot(frame, path: str | Path) -> Path:
+    """Predicted vs measured, log-log, before and after fitting (held-out filled, train hollow)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"pointwise": "tab:blue", "rowwise": "tab:orange", "gemm": "tab:green", "conv": "tab:red"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
+    lo = float(min(frame["measured_s"].min(), frame["predicted_before_s"].min(),
+                   frame["predicted_after_s"].min())) * 1e6 / 2
+    hi = float(max(frame["measured_s"].max(), frame["predicted_before_s"].max(),
+                   frame["predicted_after_s"].max())) * 1e6 * 2
+    for ax, col, title in ((axes[0], "predicted_before_s", "before fitting"),
+                           (axes[1], "predicted_after_s", "after fitting")):
+        for t, color in colors.items():
+            for split, face in (("train", "none"), ("heldout", color)):
+                sub = frame[(frame["template"] == t) & (frame["split"] == split)]
+                if len(sub):
+                    ax.scatter(sub["measured_s"] * 1e6, sub[col] * 1e6, s=16, edgecolors=color,
+                               facecolors=face, label=f"{t} ({split})")
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("measured (us)")
+        ax.set_title(title)
+    axes[0].set_ylabel("predicted (us)")
+    axes[1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(cal: Calibration, profile_path: str | Path) -> dict[str, Path]:
+    """profile.json, and measurements.parquet and calibration.png next to it."""
+    from costmodels import save_profile
+
+    profile_path = Path(profile_path)
+    folder = profile_path.parent
+    paths = {"profile": save_profile(cal.profile, profile_path),
+             "measurements": folder / "measurements.parquet", "plot": folder / "calibration.png"}
+    cal.frame.to_parquet(paths["measurements"], index=False)
+    plot(cal.frame, paths["plot"])
+    return paths
+
+
+def known_device_names() -> list[str]:
+    return [*DEVICES, "host"]
+
+
+def report_lines(report: Mapping) -> list[str]:
+    """The held-out report as plain lines (what the CLI prints and the README quotes)."""
+    lines = []
+    for label, key in (("held-out", "heldout"), ("train", "train")):
+        block = report[key]
+        n = report["n_heldout"] if key == "heldout" else report["n_train"]
+        lines.append(f"{label} ({n} kernels)")
+        lines.append(f"  {'template':<10} {'n':>4}  {'MAPE':>15}  {'median APE':>15}  "
+                     f"{'Spearman':>13}  {'Kendall':>13}")
+        rows = [("overall", block["before"], block["after"])]
+        rows += [(t, v["before"], v["after"]) for t, v in block["per_template"].items()]
+        for name, b, a in rows:
+            lines.append(f"  {name:<10} {a['n']:>4}  {_pct(b['mape'])} → {_pct(a['mape'])}  "
+                         f"{_pct(b['median_ape'])} → {_pct(a['median_ape'])}  "
+                         f"{_num(b['spearman'])} → {_num(a['spearman'])}  "
+                         f"{_num(b['kendall'])} → {_num(a['kendall'])}")
+        if key == "heldout":
+            continue
+    regs = report.get("registers")
+    if regs:
+        b, a = regs["heldout"]["before"], regs["heldout"]["after"]
+        pa = regs["params_after"]
+        lines.append(f"registers vs ptxas ({regs['arch']}, {b['n']} held-out kernels): MAE "
+                     f"{_num(b['mae'], 1)} → {_num(a['mae'], 1)}, MAPE {_pct(b['mape'])} → "
+                     f"{_pct(a['mape'])}   (regs_base {pa['regs_base']:.2f}, "
+                     f"regs_per_live_value {pa['regs_per_live_value']:.3f})")
+    return lines
+
+
+def _pct(x: float) -> str:
+    return f"{'-':>6}" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:5.1f}%"
+
+
+def _num(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return f"{'-':>5}"
+    return f"{x:5.{digits}f}"
+
+
+__all__ = ["BACKENDS", "Calibration", "Candidate", "FitResult", "accuracy", "analyse", "calibrate",
+           "check_profile_for_backend", "fit", "fit_registers", "fit_staged", "free_parameters",
+           "kendall", "measure_candidates", "plot", "predict", "report_lines",
+           "resolve_calibration_device", "sample_candidates", "spearman", "split_groups",
+           "table_name_for_gpu", "write_outputs"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Calibrate the cost model on an H200 (issue "Calibration"): at least 300 sampled candidate groups
+# of the default GPU models, generated CUDA kernels timed with CUDA events (L2 flushed before each
+# sample), fitted and reported on held-out groups; ptxas registers compared with the model's.
+# Outputs in $OUT (default ./gpu_out): h200.json (the profile, with its fit report),
+# measurements.parquet, calibration.png, calibrate.log. Commit the profile afterwards with
+#   cp gpu_out/h200.json costmodels/profiles/h200.json
+# Packages missing on the GPU machine travel as wheels in .whl/ (see scripts/gpu_check.sh).
+# Usage: bash scripts/gpu_calibrate.sh   (about 5 minutes on an H200)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+SAMPLES=${SAMPLES:-320}
+mkdir -p "$OUT"
+if [ ! -x .gpuvenv/bin/python ]; then
+  python3 -m venv --system-site-packages .gpuvenv
+fi
+PY=.gpuvenv/bin/python
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install --quiet --no-index --no-deps .whl/*.whl
+fi
+$PY -m pip install --quiet --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2 || true
+$PY -m fusesearch calibrate --backend cupy --device h200 --samples "$SAMPLES" --seed 0 \
+  -o "$OUT/h200.json" --force 2>&1 | tee "$OUT/calibrate.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,275 @@
+"""Calibration: sampling, split, metrics, the fit, the register model, profiles and their checks.
+
+The end-to-end test runs `fusesearch calibrate --backend cpu` in a subprocess (OMP_NUM_THREADS=1,
+so that the shared machine's load does not time the scheduler) on a small sample of bert-small
+and checks that fitting lowers the held-out MAPE, and that the profile it wrote predicts exactly
+what its report says.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from costmodels import (
+    DEVICES,
+    KernelSpec,
+    Profile,
+    RooflineModel,
+    RooflineParams,
+    host_cpu,
+    load_device,
+    load_profile,
+    save_profile,
+)
+from fusesearch import calibrate as cal
+from fusesearch.pipeline import prepare
+from tests.conftest import gpu_available
+
+# -- metrics, split, sampling -------------------------------------------------------------------
+
+def test_rank_correlations_match_their_definitions():
+    """Metrics: Spearman / Kendall are 1 for the same order, -1 reversed; ties handled (tau-b)."""
+    a = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert cal.spearman(a, [10, 20, 30, 40, 50]) == pytest.approx(1.0)
+    assert cal.kendall(a, [5, 4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one discordant pair of 10: tau = (9 - 1) / 10
+    assert cal.kendall(a, [1, 2, 3, 5, 4]) == pytest.approx(0.8)
+    # Spearman of ranks 1,2,3,5,4: 1 - 6 * 2 / (5 * 24)
+    assert cal.spearman(a, [1, 2, 3, 5, 4]) == pytest.approx(0.9)
+    assert cal.kendall([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / math.sqrt(2 * 3))
+    acc = cal.accuracy([1.5, 2.0, 2.0], [1.0, 2.0, 4.0])
+    assert acc["mape"] == pytest.approx((0.5 + 0 + 0.5) / 3) and acc["median_ape"] == 0.5
+
+
+def test_split_is_by_group_seeded_and_covers_every_template():
+    """Split: a group is never on both sides; the same seed gives the same split; each template
+    with at least two groups has held-out rows."""
+    groups = [f"g{i}" for i in range(20)] + ["g0", "g1"]
+    templates = ["pointwise"] * 10 + ["rowwise"] * 10 + ["pointwise", "pointwise"]
+    held = cal.split_groups(groups, templates, seed=3)
+    for g in set(groups):
+        assert len({bool(h) for gg, h in zip(groups, held, strict=True) if gg == g}) == 1
+    assert np.array_equal(held, cal.split_groups(groups, templates, seed=3))
+    assert not np.array_equal(held, cal.split_groups(groups, templates, seed=4))
+    for t in ("pointwise", "rowwise"):
+        assert any(h for h, tt in zip(held, templates, strict=True) if tt == t)
+
+
+def test_sampling_is_stratified_deterministic_and_distinct():
+    """Sampling: every generated template of the model appears, across size bins; the same seed
+    gives the same groups; no two sampled kernels have the same KernelSpec."""
+    preps = {"bert-small": prepare("zoo:bert-small")}
+    device = DEVICES["h100-sxm"]
+    a = cal.sample_candidates(preps, device, RooflineParams(), 24, seed=1)
+    b = cal.sample_candidates(preps, device, RooflineParams(), 24, seed=1)
+    assert [c.key for c in a.candidates] == [c.key for c in b.candidates]
+    assert len(a.candidates) == 24
+    assert {c.template for c in a.candidates} == {"pointwise", "rowwise", "gemm"}
+    assert len({c.size_bin for c in a.candidates if c.template == "gemm"}) == cal.SIZE_BINS
+    specs = [json.dumps(c.kernel.spec().to_row(), sort_keys=True) for c in a.candidates]
+    assert len(set(specs)) == len(specs)
+    assert a.counts["enumerated"] > 100
+
+
+# -- the fit ------------------------------------------------------------------------------------
+
+def _synthetic(n: int, seed: int) -> list[KernelSpec]:
+    rng = np.random.default_rng(seed)
+    specs = []
+    for i in range(n):
+        template = ("pointwise", "rowwise", "gemm")[i % 3]
+        size = float(10 ** rng.uniform(3, 7))
+        specs.append(KernelSpec(template=template, scalar_flops=size * rng.uniform(1, 8),
+                                tc_flops=size * 200 if template == "gemm" else 0.0,
+                                transcendentals=size * rng.uniform(0, 1) if template == "rowwise" else 0,
+                                dram_read_bytes=4 * size, dram_write_bytes=4 * size,
+                                iteration_size=int(size), index_divisions=int(rng.integers(0, 5))))
+    return specs
+
+
+def test_fit_recovers_known_parameters_on_held_out_kernels():
+    """Fit: times made by known parameters (x 5% noise) are fitted from the defaults; held-out
+    error falls from tens of percent to about the noise."""
+    device = host_cpu()
+    truth = RooflineParams().with_updates(
+        memory_efficiency={"pointwise": 0.3, "rowwise": 0.2, "gemm": 0.5},
+        scalar_efficiency={"pointwise": 0.05, "rowwise": 0.03, "gemm": 0.1},
+        tc_efficiency={"gemm": 0.08}, launch_overhead_scale=3.0, transcendental_flops=40.0,
+        index_division_flops=2.0)
+    rng = np.random.default_rng(0)
+    train, held = _synthetic(60, 1), _synthetic(30, 2)
+    noisy = lambda specs: cal.predict(specs, device, truth) * rng.lognormal(0, 0.05, len(specs))  # noqa: E731
+    result = cal.fit(train, noisy(train), device)
+    measured = noisy(held)
+    before = cal.accuracy(cal.predict(held, device, RooflineParams()), measured)
+    after = cal.accuracy(cal.predict(held, device, result.params), measured)
+    assert before["mape"] > 0.5
+    assert after["mape"] < 0.1 and after["spearman"] > 0.98
+    assert result.train_loss_after < result.train_loss_before
+    assert "occupancy_knee.gemm" not in result.fitted  # moves nothing on a CPU
+    assert set(result.fitted) >= {"memory_efficiency.pointwise", "overlap", "launch_overhead_scale",
+                                  "index_division_flops", "transcendental_flops"}
+
+
+def test_register_fit_lowers_the_error_against_ptxas_figures():
+    """Register model: regs = 30 + 0.5 x live values (ptxas-like, rounded) is recovered from
+    defaults (16 + 1 x live) and the held-out error falls."""
+    live = list(range(4, 64, 2))
+    ptxas = [round(30 + 0.5 * v) for v in live]
+    held = [i % 4 == 0 for i in range(len(live))]
+    report = cal.fit_registers(live, [4] * len(live), ptxas, held, RooflineParams())
+    assert report["params_after"]["regs_base"] == pytest.approx(30, abs=1)
+    assert report["params_after"]["regs_per_live_value"] == pytest.approx(0.5, abs=0.05)
+    assert report["heldout"]["after"]["mae"] < 1 < report["heldout"]["before"]["mae"]
+
+
+# -- end to end on the CPU ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory):
+    """`fusesearch calibrate --backend cpu` on 28 groups of bert-small (about 30-60 s)."""
+    folder = tmp_path_factory.mktemp("calibration")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "fusesearch", "calibrate", "--backend", "cpu", "--models", "bert-small",
+            "--samples", "28", "--seed", "0", "--rounds", "2", "--budget", "0.01",
+            "-o", str(folder / "profile.json")]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folder, done.stdout
+
+
+def test_calibration_improves_held_out_mape_on_the_cpu(cpu_profile):
+    """Calibration: on kernels left out of the fit, fitted parameters beat the defaults (MAPE),
+    and the written profile predicts exactly what its report says."""
+    folder, stdout = cpu_profile
+    assert "held-out" in stdout and "profile written to" in stdout
+    profile = load_profile(folder / "profile.json")
+    held = profile.fit["heldout"]
+    assert profile.fit["n_heldout"] >= 6 and profile.fit["n_train"] >= 14
+    assert held["after"]["mape"] < held["before"]["mape"]
+    assert held["after"]["mape"] < 0.6  # the defaults are off by ~90% on this CPU
+    frame = pd.read_parquet(folder / "measurements.parquet")
+    rows = frame[frame["split"] == "heldout"]
+    specs = [KernelSpec.from_row(r) for r in rows.to_dict("records")]
+    model = RooflineModel(profile.params)
+    predicted = [model.cost(s, profile.device).time_s for s in specs]
+    assert cal.accuracy(predicted, rows["measured_s"])["mape"] == pytest.approx(held["after"]["mape"])
+    assert (folder / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert profile.backend == "cpu" and profile.device.name == "host" and profile.device.sm_count == 1
+    assert {"fusesearch", "numpy", "onnxruntime", "cc"} <= set(profile.versions)
+
+
+def test_profile_round_trips_through_json(cpu_profile, tmp_path):
+    """Serialization: the calibrated profile saves and loads to the same device, params and fit."""
+    folder, _ = cpu_profile
+    profile = load_profile(folder / "profile.json")
+    again = load_profile(save_profile(profile, tmp_path / "again.json"))
+    assert again.device == profile.device and again.params == profile.params
+    assert again.fit == profile.fit and again.backend == "cpu"
+    assert (tmp_path / "again.json").read_text() == (folder / "profile.json").read_text()
+    assert load_device(str(folder / "profile.json")) == (profile.device, profile.params)
+
+
+def test_plan_and_compare_accept_a_profile_and_record_it(cpu_profile, run_cli, tmp_path):
+    """Using a profile: plan writes which profile it used into plan.json; compare accepts it."""
+    folder, _ = cpu_profile
+    path = str(folder / "profile.json")
+    code, _, err = run_cli("plan", "zoo:bert-small", "--device", path, "--strategy", "greedy",
+                           "-o", tmp_path / "plan.json")
+    assert code == 0, err
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["device"] == {"name": "host", "profile": path}
+    code, out, err = run_cli("compare", "zoo:bert-small", "--device", f"h100-sxm,{path}",
+                             "--strategies", "none,greedy", "--json")
+    assert code == 0, err
+    assert {r["device"] for r in json.loads(out)["results"]} == {"h100-sxm", path}
+
+
+# -- a profile cannot silently be used as another device ----------------------------------------
+
+def _host_profile(tmp_path, **changes) -> str:
+    device = replace(host_cpu(), **changes)
+    return str(save_profile(Profile(device, RooflineParams(), backend="cpu"), tmp_path / "host.json"))
+
+
+def test_measure_refuses_a_profile_of_another_device(run_cli, tmp_path):
+    """Name check: a GPU profile on the cpu backend, and a cpu profile on the cupy backend, exit 2
+    with one line naming both devices."""
+    gpu = str(save_profile(Profile(DEVICES["h200"], RooflineParams(), backend="cupy"), tmp_path / "h200.json"))
+    code, _, err = run_cli("measure", "zoo:bert-small", "--backend", "cpu", "--device", gpu)
+    assert code == 2 and "calibrated with --backend cupy on 'h200'" in err and err.count("\n") == 1
+    code, _, err = run_cli("measure", "zoo:bert-small", "--backend", "cupy", "--device", _host_profile(tmp_path))
+    assert code == 2 and "--backend cpu on 'host'" in err and "Traceback" not in err
+    renamed = str(save_profile(Profile(DEVICES["h200"], RooflineParams(), backend="cpu"), tmp_path / "x.json"))
+    code, _, err = run_cli("measure", "zoo:bert-small", "--backend", "cpu", "--device", renamed)
+    assert code == 2 and "is for device 'h200'" in err and "measures 'host'" in err
+
+
+def test_measure_uses_a_profile_of_this_host(run_cli, tmp_path):
+    """Using a profile: `measure --device profile.json` on the device it describes runs, and its
+    predictions are the profile's (a scaled launch overhead shows in every predicted time)."""
+    from onnx import helper
+
+    from tests.conftest import make_model, save
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Softmax", ["r"], ["y"], axis=-1, name="sm")]
+    model = save(make_model(nodes, [("x", [8, 64])], [("y", None)]), tmp_path / "m.onnx")
+    slow = RooflineParams().with_updates(launch_overhead_scale=1000.0)
+    path = str(save_profile(Profile(host_cpu(), slow, backend="cpu"), tmp_path / "host.json"))
+    code, out, err = run_cli("measure", model, "--backend", "cpu", "--device", path, "--strategy", "none",
+                             "--budget", "0.005", "--no-cache", "--json")
+    assert code == 0, err
+    launch = host_cpu().launch_overhead_s * 1000.0
+    assert all(g["predicted_s"] >= launch for g in json.loads(out)["groups"])
+
+
+def test_a_host_profile_needs_the_same_thread_count(run_cli, tmp_path):
+    """Name check, host: a profile calibrated with another OpenMP thread count is refused."""
+    path = _host_profile(tmp_path, sm_count=host_cpu().sm_count + 3)
+    code, _, err = run_cli("measure", "zoo:bert-small", "--backend", "cpu", "--device", path)
+    assert code == 2 and "OMP_NUM_THREADS" in err and "thread(s)" in err
+
+
+def test_calibrate_refuses_bad_input_with_one_line(run_cli, tmp_path):
+    """Bad input: a GPU name on the cpu backend, an unknown backend, too few samples, an existing
+    output file: exit 2, one line, no traceback."""
+    out = tmp_path / "p.json"
+    cases = [(("--backend", "cpu", "--device", "h100-sxm"), "measures 'host', not 'h100-sxm'"),
+             (("--backend", "tpu"), "choose one of cpu, cupy"),
+             (("--backend", "cpu", "--samples", "2"), "--samples 2"),
+             (("--backend", "cpu", "--models", "no-such-model", "--samples", "8"), "no-such-model")]
+    for args, message in cases:
+        code, _, err = run_cli("calibrate", *args, "-o", out)
+        assert code == 2 and message in err and err.count("\n") == 1, (args, err)
+    out.write_text("{}")
+    code, _, err = run_cli("calibrate", "--backend", "cpu", "-o", out)
+    assert code == 2 and "--force" in err
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is present: the cupy path runs")
+def test_calibrate_on_cupy_without_a_gpu_exits_2(run_cli, tmp_path):
+    """No GPU: `calibrate --backend cupy` says why in one line and exits 2."""
+    code, _, err = run_cli("calibrate", "--backend", "cupy", "-o", tmp_path / "p.json")
+    assert code == 2 and "--backend cupy" in err and "use --backend cpu" in err
+
+
+def test_gpu_names_map_to_the_device_table():
+    """Device names: CUDA's names map to table entries (the profile's device)."""
+    assert cal.table_name_for_gpu("NVIDIA H200") == "h200"
+    assert cal.table_name_for_gpu("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert cal.table_name_for_gpu("NVIDIA H100 PCIe") == "h100-pcie"
+    assert cal.table_name_for_gpu("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert cal.table_name_for_gpu("Tesla T4") == "t4"
+    assert cal.table_name_for_gpu("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    assert cal.table_name_for_gpu("NVIDIA L4") == "l4" and cal.table_name_for_gpu("NVIDIA L40S") == "l40s"
+    assert cal.table_name_for_gpu("Some Future GPU") is None
