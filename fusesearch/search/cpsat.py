@@ -177,5 +177,6 @@ def _result(problem, candidates, solver, status, x, hint) -> SolveResult:
         stats["fallback"] = "greedy"
     groups = tuple(sorted(groups, key=min))
     objective_s = problem.partition_time_s(groups)
-    bound_s = min(bound_s, objective_s) if bound_s is not None else None  # ps rounding
+    if bound_s is not None:  # ps rounding above; and every cost is >= 0, whatever LP bound came back
+        bound_s = max(0.0, min(bound_s, objective_s))
     return SolveResult(groups, name, objective_s, bound_s, 0.0, stats)

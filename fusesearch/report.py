@@ -1,0 +1,463 @@
+"""Reports of a sweep: Markdown tables and PNG plots from a results folder.
+
+Problem: a sweep leaves one row per cell; a researcher wants the comparison — how each strategy
+does on each model and GPU, how the solver scales, how plans move between GPUs, and whether
+measurements agree with predictions — as tables to paste and pictures to look at.
+Approach: `load_results` (the cell files, else results.parquet) → a pandas frame, ordered as the
+grid was (models, devices in config order; strategies none, rules, greedy, cpsat) → one Markdown
+section per question, and one matplotlib figure (Agg backend, no display) per question that the
+data can answer (no device plot for a one-device sweep, no measured plot without measurements).
+Invariants: the report reads only the results folder and writes only `report.md` and its PNGs (all
+checked before any is written; nothing is overwritten unless asked); every figure in it is a
+number from the rows — cost-model predictions unless a column says measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+from fusesearch.errors import BadInput, check_output_path
+
+STRATEGY_ORDER = ("none", "rules", "greedy", "cpsat")
+PLOTS = ("speedup", "solver_time", "devices", "measured")
+
+
+# -- figures from rows --------------------------------------------------------------------------
+
+def fmt_time(seconds) -> str:
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = [v for v in values if v and v > 0 and not math.isnan(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
+
+
+def _ordered(frame, column: str) -> list:
+    """Values of `column` in the order they first appear in the grid."""
+    return list(dict.fromkeys(frame.sort_values("cell_index")[column]))
+
+
+def _strategies(frame) -> list[str]:
+    present = set(frame["strategy"])
+    return [s for s in STRATEGY_ORDER if s in present] + sorted(present - set(STRATEGY_ORDER))
+
+
+def _ok(frame):
+    return frame[frame["status"] == "ok"] if "status" in frame else frame
+
+
+def _best_strategy(frame) -> str:
+    strategies = _strategies(frame)
+    return "cpsat" if "cpsat" in strategies else strategies[-1]
+
+
+def _groups(row) -> set[str]:
+    return set(json.loads(row["fused_groups"])) if isinstance(row.get("fused_groups"), str) else set()
+
+
+def plan_distance(a: set[str], b: set[str]) -> float:
+    """Share of fused groups that are in one plan but not the other (Jaccard distance)."""
+    union = a | b
+    return len(a ^ b) / len(union) if union else 0.0
+
+
+def _table(headers: list[str], rows: list[list], right: Iterable[int] = ()) -> list[str]:
+    right = set(right)
+    align = ["---:" if i in right else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return lines
+
+
+# -- markdown sections --------------------------------------------------------------------------
+
+def summary_section(frame) -> list[str]:
+    ok = _ok(frame)
+    lines = ["## Summary by strategy", "",
+             "Geometric means over every model × device cell (predicted by the roofline cost model). "
+             "Speedup = unfused time / plan time; x bound = plan time / physical lower bound.", ""]
+    rows = []
+    for s in _strategies(ok):
+        sub = ok[ok["strategy"] == s]
+        gaps = sub[sub["bound_s"] > 0]["gap"].dropna() if "gap" in sub else []
+        optimal = int((sub["solver_status"] == "OPTIMAL").sum())
+        rows.append([s, len(sub), f"{sub['kernels'].sum() / max(1, sub['canonical_nodes'].sum()):.2f}",
+                     f"{geomean(sub['speedup']):.2f}x", f"{geomean(sub['x_lower_bound']):.2f}x",
+                     f"{sub['wall_s'].median():.2f} s", f"{sub['wall_s'].max():.2f} s",
+                     f"{optimal}/{len(sub)}" if s == "cpsat" else "-",
+                     f"{100 * max(gaps):.2f}%" if len(gaps) and s == "cpsat" else "-"])
+    lines += _table(["strategy", "cells", "kernels / node", "speedup", "x bound", "median wall",
+                     "max wall", "optimal", "max gap"], rows, right=range(1, 9))
+    strategies = _strategies(ok)
+    if "cpsat" in strategies and len(strategies) > 1:
+        lines += ["", _cpsat_vs(ok)]
+    return lines + [""]
+
+
+def _cpsat_vs(ok) -> str:
+    key = ["model", "device", "max_group_size"]
+    exact = ok[ok["strategy"] == "cpsat"].groupby(key)["time_s"].min()
+    parts = []
+    for s in ("greedy", "rules"):
+        other = ok[ok["strategy"] == s].set_index(key)["time_s"]
+        joined = other.to_frame("h").join(exact.to_frame("x"), how="inner")
+        if joined.empty:
+            continue
+        better = joined[joined["x"] < joined["h"] * (1 - 1e-3)]
+        gain = (1 - (better["x"] / better["h"])).max() if len(better) else 0.0
+        parts.append(f"cpsat is faster than {s} (by more than 0.1%) in {len(better)} of {len(joined)} "
+                     f"model × device pairs (at most {gain:.1%} faster)")
+    return "; ".join(parts) + "." if parts else ""
+
+
+def model_section(frame) -> list[str]:
+    ok = _ok(frame)
+    if ok["device"].nunique() < 2:
+        return []
+    strategies = _strategies(ok)
+    lines = ["## Per model (over devices)", "",
+             "Each strategy cell: kernels (median over devices) · geometric-mean predicted speedup over "
+             "unfused · geometric-mean x lower bound.", ""]
+    rows = []
+    for model in _ordered(ok, "model"):
+        sub = ok[ok["model"] == model]
+        row = [model, int(sub["canonical_nodes"].iloc[0]), sub["device"].nunique()]
+        for s in strategies:
+            part = sub[sub["strategy"] == s]
+            row.append("-" if part.empty else f"{part['kernels'].median():g} · {geomean(part['speedup']):.2f}x · "
+                       f"{geomean(part['x_lower_bound']):.1f}x")
+        rows.append(row)
+    lines += _table(["model", "nodes", "devices", *strategies], rows, right=(1, 2))
+    return lines + [""]
+
+
+def model_device_section(frame) -> list[str]:
+    ok = _ok(frame)
+    strategies = _strategies(ok)
+    lines = ["## Per model and device", "",
+             "Each strategy cell: kernels · predicted time · speedup over unfused · x lower bound.", ""]
+    rows = []
+    for model in _ordered(ok, "model"):
+        for device in _ordered(ok[ok["model"] == model], "device"):
+            sub = ok[(ok["model"] == model) & (ok["device"] == device)]
+            first = sub.iloc[0]
+            row = [model, device, f"{int(first['canonical_nodes'])}", fmt_time(first["unfused_time_s"]),
+                   fmt_time(first["lower_bound_s"])]
+            for s in strategies:
+                cell = sub[sub["strategy"] == s].sort_values("time_s").head(1)
+                if cell.empty:
+                    row.append("-")
+                    continue
+                c = cell.iloc[0]
+                row.append(f"{int(c['kernels'])} · {fmt_time(c['time_s'])} · {c['speedup']:.2f}x · "
+                           f"{c['x_lower_bound']:.1f}x")
+            rows.append(row)
+    lines += _table(["model", "device", "nodes", "unfused", "lower bound", *strategies], rows, right=(2, 3, 4))
+    return lines + [""]
+
+
+def solver_section(frame) -> list[str]:
+    ok = _ok(frame)
+    exact = ok[ok["strategy"] == "cpsat"]
+    if exact.empty:
+        return []
+    greedy = ok[ok["strategy"] == "greedy"].set_index(["model", "device", "max_group_size"])
+    lines = ["## The exact solver (cpsat)", "",
+             "Candidates = enumerated legal groups; enumeration and CP-SAT times in seconds; gap = "
+             "(plan − bound) / plan at the end of the solve; vs greedy = cpsat time / greedy time.", ""]
+    rows = []
+    for _, c in exact.iterrows():
+        key = (c["model"], c["device"], c["max_group_size"])
+        vs = f"{c['time_s'] / greedy.loc[key, 'time_s']:.4f}" if key in greedy.index else "-"
+        rows.append([c["model"], c["device"], int(c["canonical_nodes"]), _int(c.get("candidates")),
+                     _num(c.get("enumeration_s")), _num(c.get("solve_s")), f"{c['wall_s']:.2f}",
+                     f"{c['time_limit_s']:g}", c["solver_status"], _gap(c), vs])
+    lines += _table(["model", "device", "nodes", "candidates", "enumeration s", "cp-sat s", "wall s",
+                     "limit s", "status", "gap", "vs greedy"], rows, right=(2, 3, 4, 5, 6, 7, 9, 10))
+    return lines + [""]
+
+
+def _gap(c) -> str:
+    """The gap, or 'no bound' when the solver stopped before it had a lower bound above zero."""
+    bound = c.get("bound_s")
+    if bound is not None and not (isinstance(bound, float) and math.isnan(bound)) and bound <= 0:
+        return "no bound"
+    return _pct(c.get("gap"))
+
+
+def _int(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else str(int(v))
+
+
+def _num(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.2f}%"
+
+
+def device_rows(frame) -> list[dict]:
+    """Per model and device (best strategy): figures and the distance to the first device's plan."""
+    ok = _ok(frame)
+    best = _best_strategy(ok)
+    sub = ok[ok["strategy"] == best]
+    devices = _ordered(sub, "device")
+    out = []
+    for model in _ordered(sub, "model"):
+        cells = sub[sub["model"] == model].sort_values("time_s").drop_duplicates("device").set_index("device")
+        ref = _groups(cells.loc[devices[0]]) if devices[0] in cells.index else None
+        for device in devices:
+            if device not in cells.index:
+                continue
+            c = cells.loc[device]
+            bound_time = json.loads(c["bound_time_s"]) if isinstance(c.get("bound_time_s"), str) else {}
+            total = sum(bound_time.values()) or 1.0
+            groups = _groups(c)
+            out.append({"model": model, "device": device, "strategy": best, "kernels": int(c["kernels"]),
+                        "time_s": c["time_s"], "speedup": c["speedup"], "x_lower_bound": c["x_lower_bound"],
+                        "memory_share": bound_time.get("memory", 0.0) / total,
+                        "compute_share": bound_time.get("compute", 0.0) / total,
+                        "launch_share": bound_time.get("launch", 0.0) / total,
+                        "distance": plan_distance(groups, ref) if ref is not None else math.nan,
+                        "only_here": len(groups - ref) if ref is not None else 0,
+                        "only_ref": len(ref - groups) if ref is not None else 0})
+    return out
+
+
+def devices_section(frame) -> list[str]:
+    ok = _ok(frame)
+    devices = _ordered(ok, "device")
+    if len(devices) < 2:
+        return []
+    rows = device_rows(frame)
+    best = _best_strategy(ok)
+    lines = ["## How the plan changes across devices", "",
+             f"Strategy {best}. Time split: share of the plan's predicted time in memory- / compute- / "
+             f"launch-bound kernels. Differs from {devices[0]}: fused groups only in this plan / only in "
+             f"the {devices[0]} plan, and their share of all fused groups of the two plans.", ""]
+    table = [[r["model"], r["device"], r["kernels"], fmt_time(r["time_s"]), f"{r['speedup']:.2f}x",
+              f"{r['x_lower_bound']:.1f}x",
+              f"{r['memory_share']:.0%} / {r['compute_share']:.0%} / {r['launch_share']:.0%}",
+              f"+{r['only_here']} / -{r['only_ref']} ({r['distance']:.0%})"] for r in rows]
+    lines += _table(["model", "device", "kernels", "predicted", "speedup", "x bound",
+                     "mem / compute / launch", f"differs from {devices[0]}"], table, right=(2, 3, 4, 5))
+    lines += ["", f"Plans identical to {devices[0]}'s: " + ", ".join(
+        f"{m} {sum(1 for r in rows if r['model'] == m and r['distance'] == 0)}/{len(devices)}"
+        for m in _ordered(ok, "model")), ""]
+    return lines
+
+
+def measured_section(frame) -> list[str]:
+    ok = _ok(frame)
+    if "measured_s" not in ok or ok["measured_s"].dropna().empty:
+        return []
+    sub = ok.dropna(subset=["measured_s"])
+    lines = ["## Predicted against measured", "",
+             "Measured on the sweep's backend (generated kernels, real data); predicted for the cell's "
+             "device by the roofline model, so the two differ by the gap between that device and the "
+             "measuring machine.", ""]
+    rows = [[c["model"], c["device"], c["strategy"], c.get("measured_on", "-"), fmt_time(c["time_s"]),
+             fmt_time(c["measured_s"]), fmt_time(c["unfused_measured_s"]), f"{c['speedup']:.2f}x",
+             f"{c['measured_speedup']:.2f}x"] for _, c in sub.iterrows()]
+    lines += _table(["model", "device", "strategy", "measured on", "predicted", "measured", "unfused measured",
+                     "predicted speedup", "measured speedup"], rows, right=range(4, 9))
+    return lines + [""]
+
+
+def failed_section(frame) -> list[str]:
+    if "status" not in frame:
+        return []
+    bad = frame[frame["status"] != "ok"]
+    if bad.empty:
+        return []
+    lines = ["## Failed cells", "", "Run the same `fusesearch sweep` command again to retry them.", ""]
+    rows = [[c["model"], c["device"], c["strategy"], str(c.get("error", "")).replace("|", "\\|")]
+            for _, c in bad.iterrows()]
+    return lines + _table(["model", "device", "strategy", "error"], rows) + [""]
+
+
+def header(frame, name: str) -> list[str]:
+    ok = _ok(frame)
+    revs = sorted({r for r in frame.get("git_rev", []) if isinstance(r, str)})
+    stamps = sorted(t for t in frame.get("timestamp", []) if isinstance(t, str))
+    versions = json.loads(frame["versions"].iloc[0]) if "versions" in frame and len(frame) else {}
+    lines = [f"# Sweep `{name}`", "",
+             f"{len(frame)} cells: {len(ok)} ok, {len(frame) - len(ok)} failed; "
+             f"{frame['model'].nunique()} models × {frame['device'].nunique()} devices × "
+             f"{frame['strategy'].nunique()} strategies. All times are roofline predictions unless "
+             "marked measured."]
+    if stamps:
+        lines.append(f"Run {stamps[0]} to {stamps[-1]}; summed cell wall time "
+                     f"{frame['cell_wall_s'].sum():.0f} s." if "cell_wall_s" in frame else
+                     f"Run {stamps[0]} to {stamps[-1]}.")
+    if revs:
+        lines.append("git " + ", ".join(r[:12] for r in revs) + "; " +
+                     ", ".join(f"{k} {v}" for k, v in versions.items() if v))
+    return lines + [""]
+
+
+# -- plots --------------------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedup(frame, path: Path) -> bool:
+    ok = _ok(frame)
+    if ok.empty:
+        return False
+    plt = _pyplot()
+    models, strategies = _ordered(ok, "model"), _strategies(ok)
+    width = 0.8 / len(strategies)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(models) * max(1, len(strategies)) / 2), 4.2))
+    for i, s in enumerate(strategies):
+        values = [geomean(ok[(ok["model"] == m) & (ok["strategy"] == s)]["speedup"]) for m in models]
+        ax.bar([x + (i - (len(strategies) - 1) / 2) * width for x in range(len(models))], values, width, label=s)
+    ax.set_xticks(range(len(models)), models, rotation=35, ha="right", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_ylabel("predicted speedup over unfused\n(geomean over devices)")
+    ax.set_title("Speedup per strategy")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def plot_solver_time(frame, path: Path) -> bool:
+    ok = _ok(frame)
+    if ok.empty:
+        return False
+    plt = _pyplot()
+    exact = ok[ok["strategy"] == "cpsat"]
+    fig, axes = plt.subplots(1, 2 if not exact.empty else 1, figsize=(11 if not exact.empty else 6, 4.2),
+                             squeeze=False)
+    ax = axes[0][0]
+    for s in _strategies(ok):
+        sub = ok[ok["strategy"] == s]
+        ax.scatter(sub["canonical_nodes"], sub["wall_s"].clip(lower=1e-4), label=s, s=14, alpha=0.75)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("canonical nodes")
+    ax.set_ylabel("solver wall time (s)")
+    ax.set_title("Solver time against graph size")
+    ax.legend(fontsize=8)
+    if not exact.empty:
+        ax = axes[0][1]
+        sub = exact.sort_values("canonical_nodes")
+        ax.plot(sub["canonical_nodes"], sub["candidates"], "o", label="candidates", markersize=4)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("canonical nodes")
+        ax.set_ylabel("enumerated candidates")
+        twin = ax.twinx()
+        bounded = sub[sub["bound_s"] > 0]  # a stop before any bound has no meaningful gap
+        twin.plot(bounded["canonical_nodes"], 100 * bounded["gap"].fillna(0), "s", color="tab:red",
+                  markersize=4, label="gap %")
+        twin.set_ylabel("cpsat gap at the end (%)", color="tab:red")
+        twin.set_ylim(0, max(1.0, 110 * bounded["gap"].fillna(0).max()))
+        ax.set_title("cpsat: candidates and gap")
+    return _save(plt, fig, path)
+
+
+def plot_devices(frame, path: Path) -> bool:
+    ok = _ok(frame)
+    devices = _ordered(ok, "device")
+    if len(devices) < 2:
+        return False
+    rows = device_rows(frame)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 1.1 * len(devices) + 4), 0.45 * len(models) + 2.2))
+    for ax, key, title, fmt in ((axes[0], "speedup", "predicted speedup", "{:.2f}"),
+                                (axes[1], "distance", f"fused groups differing from {devices[0]}", "{:.0%}")):
+        grid = [[next((r[key] for r in rows if r["model"] == m and r["device"] == d), math.nan)
+                 for d in devices] for m in models]
+        image = ax.imshow(grid, aspect="auto", cmap="viridis")
+        ax.set_xticks(range(len(devices)), devices, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(len(models)), models, fontsize=8)
+        values = [v for line in grid for v in line if not math.isnan(v)]
+        middle = (min(values) + max(values)) / 2 if values else 0.0
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                if not math.isnan(v):
+                    ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=6,
+                            color="black" if v > middle else "white")
+        ax.set_title(title)
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    return _save(plt, fig, path)
+
+
+def plot_measured(frame, path: Path) -> bool:
+    ok = _ok(frame)
+    if "measured_s" not in ok or ok["measured_s"].dropna().empty:
+        return False
+    sub = ok.dropna(subset=["measured_s"])
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for s in _strategies(sub):
+        part = sub[sub["strategy"] == s]
+        ax.scatter(part["time_s"], part["measured_s"], label=s, s=18)
+    lo = min(sub["time_s"].min(), sub["measured_s"].min())
+    hi = max(sub["time_s"].max(), sub["measured_s"].max())
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.6, label="measured = predicted")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted plan time (s)")
+    ax.set_ylabel("measured plan time (s)")
+    ax.set_title("Predicted against measured")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+PLOTTERS = {"speedup": plot_speedup, "solver_time": plot_solver_time, "devices": plot_devices,
+            "measured": plot_measured}
+
+
+# -- the report -------------------------------------------------------------------------------
+
+def render(frame, name: str, plots: Iterable[str] = ()) -> str:
+    lines = header(frame, name)
+    lines += [f"![{p}]({p}.png)" for p in plots] + ([""] if plots else [])
+    for section in (summary_section, model_section, model_device_section, solver_section, devices_section,
+                    measured_section, failed_section):
+        lines += section(frame)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(results_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> list[Path]:
+    """Write report.md and its PNGs (beside it); returns [report, *plots]."""
+    from fusesearch.sweep import MANIFEST, load_results
+
+    results_dir, output = Path(results_dir), Path(output)
+    frame = load_results(results_dir)
+    if frame.empty or "model" not in frame:
+        raise BadInput(f"{results_dir}: the sweep has no finished cells yet; run it first")
+    targets = [output] + [output.parent / f"{p}.png" for p in PLOTS]
+    for path in targets:
+        check_output_path(path, overwrite, "-o" if path == output else "-o (plot)")
+    manifest = results_dir / MANIFEST
+    name = json.loads(manifest.read_text())["name"] if manifest.is_file() else results_dir.name
+    made = [p for p in PLOTS if PLOTTERS[p](frame, output.parent / f"{p}.png")]
+    output.write_text(render(frame, name, made))
+    return [output] + [output.parent / f"{p}.png" for p in made]

@@ -1,0 +1,764 @@
+"""Experiment sweeps: a TOML grid of models × devices × strategies × parameters, run on Dask.
+
+Problem: researchers compare strategies over many models, GPUs and settings; a sweep takes hours,
+runs on several processes or a cluster, and must survive a killed worker or an interrupted run
+without losing or duplicating a result.
+Approach:
+
+    CONFIG.toml ─► SweepConfig (checked; every error names the file, the key and the fix)
+        │ expand: models × devices × strategies × max_group_size × time_limit_s × seed
+        ▼
+    Cells, each with a stable id (sha256 of its parameters) ─► skip cells with an ok OUT/cells/<id>.json
+        │ dask.distributed: LocalCluster of N worker processes, or Client(ADDRESS); one task a cell
+        ▼ worker: prepared model cached per (model, shapes) per process → search → (measure) → row
+    client, as each cell finishes: OUT/cells/<id>.json written to a temp name, then os.replace
+        ▼
+    OUT/results.parquet rebuilt from the cell files (also atomically)
+
+When OUT holds results.parquet but no cells/ (results committed without their cell files), the
+cells are restored from it first. Time limit and seed only matter to cpsat: for the other strategies they are dropped from the cell,
+so those cells run once. A cell that raises — or whose worker keeps dying — is recorded with
+`status = "error"` and its error text; the next run of the same sweep retries it. The results of
+a different config in OUT are never overwritten unless `force` is given.
+Invariants: a cell file is complete or absent; cell ids are unique, so the results hold one row
+per cell of the grid; rows are deterministic apart from wall times, timestamps and the worker
+(and cpsat cells stopped by their time limit, whose plan depends on how far the solver got).
+`import fusesearch.sweep` does not import dask; only `run_sweep` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import tempfile
+import time
+import tomllib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fusesearch.errors import BadInput, FusesearchError
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "fusesearch.sweep/1"
+CELLS_DIR = "cells"
+RESULTS = "results.parquet"
+MANIFEST = "sweep.json"
+STRATEGIES = ("none", "rules", "greedy", "cpsat")
+BACKENDS = ("cpu", "cupy")
+PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0}
+CPSAT_ONLY = ("time_limit_s", "seed")
+TOP_KEYS = {"name", "models", "devices", "strategies", "params", "backend", "measure_budget_s",
+            "solver_workers"}
+MODEL_KEYS = {"model", "label", "input_shapes", "dims", "zoo"}
+PREPARED_CACHE = 2  # prepared models kept per worker process (a 48-layer BERT is ~1.5 GB)
+
+
+# -- 1. the config ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the grid: a zoo name or a path, its shapes, and zoo builder parameters."""
+
+    model: str  # as written: zoo:NAME or a path relative to the config file
+    label: str
+    path: str | None  # resolved path of a file model
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    dims: tuple[tuple[str, int], ...] = ()
+    zoo: tuple[tuple[str, int], ...] = ()
+
+    def key(self) -> dict:
+        return {"model": self.model, "input_shapes": {k: list(v) for k, v in self.input_shapes},
+                "dims": dict(self.dims), "zoo": dict(self.zoo)}
+
+    def shapes_text(self) -> str:
+        parts = [f"{k}={'x'.join(map(str, v))}" for k, v in self.input_shapes]
+        return " ".join(parts + [f"{k}={v}" for k, v in self.dims])
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    name: str
+    source: str
+    models: tuple[ModelSpec, ...]
+    devices: tuple[str, ...]  # names, or resolved profile paths
+    device_labels: tuple[str, ...]  # as written
+    strategies: tuple[str, ...]
+    params: Mapping[str, tuple]  # max_group_size, time_limit_s, seed → values
+    solver_workers: int = 1
+    backend: str | None = None
+    measure_budget_s: float = 0.05
+
+    def normalized(self) -> dict:
+        """What defines the sweep's results (its identity in OUT/sweep.json)."""
+        return {"name": self.name, "models": [m.key() for m in self.models],
+                "devices": list(self.device_labels), "strategies": list(self.strategies),
+                "params": {k: list(v) for k, v in sorted(self.params.items())},
+                "solver_workers": self.solver_workers, "backend": self.backend,
+                "measure_budget_s": self.measure_budget_s if self.backend else None}
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.normalized(), sort_keys=True).encode()).hexdigest()
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"{path}: no such sweep config; give a .toml file (see experiments/*.toml)")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: not valid TOML ({exc}); fix the syntax") from None
+    return parse_config(doc, path)
+
+
+def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
+    where = str(path)
+    unknown = sorted(set(doc) - TOP_KEYS)
+    if unknown:
+        raise BadInput(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(TOP_KEYS))}")
+    base = path.resolve().parent
+    models = _models(doc.get("models"), where, base)
+    devices, labels = _devices(doc.get("devices"), where, base)
+    strategies = _strings(doc.get("strategies", list(STRATEGIES)), where, "strategies", STRATEGIES)
+    params = _params(doc.get("params", {}), where)
+    backend = doc.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise BadInput(f"{where}: backend = {backend!r}; choose one of {', '.join(BACKENDS)} or leave it out")
+    budget = _positive(doc.get("measure_budget_s", 0.05), where, "measure_budget_s", float)
+    workers = _positive(doc.get("solver_workers", 1), where, "solver_workers", int)
+    name = doc.get("name", path.stem)
+    if not isinstance(name, str) or not name:
+        raise BadInput(f"{where}: name must be a non-empty string")
+    return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget)
+
+
+def _models(raw, where: str, base: Path) -> tuple[ModelSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise BadInput(f"{where}: 'models' is missing or empty; add models = [\"zoo:resnet50\", ...] "
+                       "or [[models]] tables with model = \"zoo:NAME\" or a path")
+    specs: list[ModelSpec] = []
+    for i, entry in enumerate(raw):
+        key = f"models[{i}]"
+        if isinstance(entry, str):
+            entry = {"model": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise BadInput(f"{where}: {key} must be a string or a table with model = \"zoo:NAME\" or a path")
+        unknown = sorted(set(entry) - MODEL_KEYS)
+        if unknown:
+            raise BadInput(f"{where}: {key}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(MODEL_KEYS))}")
+        specs.extend(_model_specs(entry, f"{where}: {key}", base))
+    labels = [s.label for s in specs]
+    dup = next((x for x in labels if labels.count(x) > 1), None)
+    if dup:
+        raise BadInput(f"{where}: two models are labelled '{dup}'; give each a distinct label = \"...\"")
+    return tuple(specs)
+
+
+def _model_specs(entry: dict, where: str, base: Path) -> list[ModelSpec]:
+    from fusesearch import zoo
+
+    model = entry["model"]
+    shapes = _shape_table(entry.get("input_shapes", {}), where)
+    dims = _int_table(entry.get("dims", {}), where, "dims")
+    grid = entry.get("zoo", {})
+    if not isinstance(grid, dict):
+        raise BadInput(f"{where}: zoo must be a table of builder parameters, e.g. zoo = {{ layers = [1, 2] }}")
+    path = None
+    if model.startswith("zoo:"):
+        name = model[4:]
+        if name not in zoo.ZOO:
+            raise BadInput(f"{where}: unknown zoo model '{name}'; available: {', '.join(zoo.ZOO)}")
+        accepted = zoo.ZOO[name].params()
+        bad = sorted(set(grid) - set(accepted))
+        if bad:
+            raise BadInput(f"{where}: zoo model '{name}' has no parameter '{bad[0]}'; accepted: "
+                           f"{', '.join(accepted) or 'none'}")
+    else:
+        if grid:
+            raise BadInput(f"{where}: zoo = {{...}} only applies to zoo:NAME models, not {model}")
+        resolved = (base / model) if not Path(model).is_absolute() else Path(model)
+        if not resolved.is_file():
+            raise BadInput(f"{where}: model {model}: no such file (relative paths are read from {base}); "
+                           "give an .onnx path or zoo:NAME")
+        path = str(resolved)
+    names = sorted(grid)
+    values = [_int_list(grid[k], where, f"zoo.{k}") for k in names]
+    out = []
+    for combo in itertools.product(*values):
+        params = tuple(zip(names, combo, strict=True))
+        default = model[4:] if model.startswith("zoo:") else Path(model).stem
+        label = entry.get("label", default)
+        if not isinstance(label, str) or not label:
+            raise BadInput(f"{where}: label must be a non-empty string")
+        if params:
+            label += "/" + ",".join(f"{k}={v}" for k, v in params)
+        out.append(ModelSpec(model, label, path, shapes, dims, params))
+    return out
+
+
+def _shape_table(raw, where: str) -> tuple:
+    if not isinstance(raw, dict):
+        raise BadInput(f"{where}: input_shapes must be a table, e.g. input_shapes = {{ input = [1, 3, 224, 224] }}")
+    return tuple(sorted((k, tuple(_int_list(v, where, f"input_shapes.{k}"))) for k, v in raw.items()))
+
+
+def _int_table(raw, where: str, key: str) -> tuple:
+    if not isinstance(raw, dict):
+        raise BadInput(f"{where}: {key} must be a table, e.g. {key} = {{ batch = 1 }}")
+    out = []
+    for k, v in sorted(raw.items()):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise BadInput(f"{where}: {key}.{k} = {v!r}; give a positive integer")
+        out.append((k, v))
+    return tuple(out)
+
+
+def _int_list(raw, where: str, key: str) -> list[int]:
+    values = raw if isinstance(raw, list) else [raw]
+    if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+        raise BadInput(f"{where}: {key} = {raw!r}; give a positive integer or a list of them")
+    return values
+
+
+def _devices(raw, where: str, base: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from costmodels import CostModelError, load_device
+
+    if not isinstance(raw, list) or not raw or not all(isinstance(d, str) and d for d in raw):
+        raise BadInput(f"{where}: 'devices' is missing or not a list of names; add devices = [\"t4\", "
+                       "\"h100-sxm\"] (see `fusesearch devices`) or profile.json paths")
+    resolved = []
+    for d in raw:
+        target = str(base / d) if d.endswith(".json") and not Path(d).is_absolute() else d
+        try:
+            load_device(target)
+        except CostModelError as exc:
+            raise BadInput(f"{where}: devices: {d}: {exc}") from None
+        resolved.append(target)
+    if len(set(raw)) != len(raw):
+        raise BadInput(f"{where}: devices lists a device twice; list each once")
+    return tuple(resolved), tuple(raw)
+
+
+def _strings(raw, where: str, key: str, allowed: Iterable[str]) -> tuple[str, ...]:
+    allowed = tuple(allowed)
+    if not isinstance(raw, list) or not raw or any(s not in allowed for s in raw):
+        raise BadInput(f"{where}: {key} = {raw!r}; give a list drawn from {', '.join(allowed)}")
+    if len(set(raw)) != len(raw):
+        raise BadInput(f"{where}: {key} lists a value twice; list each once")
+    return tuple(raw)
+
+
+def _params(raw, where: str) -> dict[str, tuple]:
+    if not isinstance(raw, dict):
+        raise BadInput(f"{where}: [params] must be a table of max_group_size, time_limit_s, seed")
+    unknown = sorted(set(raw) - set(PARAM_DEFAULTS))
+    if unknown:
+        raise BadInput(f"{where}: params.{unknown[0]}: unknown; allowed: {', '.join(PARAM_DEFAULTS)}")
+    out = {}
+    for key, default in PARAM_DEFAULTS.items():
+        values = raw.get(key, default)
+        values = values if isinstance(values, list) else [values]
+        kind = float if key == "time_limit_s" else int
+        checked = []
+        for v in values:
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+            if not ok or v < (0 if key == "seed" else 1e-9):
+                raise BadInput(f"{where}: params.{key} = {raw.get(key)!r}; give "
+                               f"{'a non-negative' if key == 'seed' else 'a positive'} "
+                               f"{'number' if kind is float else 'integer'} or a list of them")
+            checked.append(kind(v))
+        if not checked or len(set(checked)) != len(checked):
+            raise BadInput(f"{where}: params.{key}: give at least one value, each once")
+        out[key] = tuple(checked)
+    return out
+
+
+def _positive(value, where: str, key: str, kind):
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
+            kind is int and not isinstance(value, int)):
+        raise BadInput(f"{where}: {key} = {value!r}; give a positive {'integer' if kind is int else 'number'}")
+    return kind(value)
+
+
+# -- 2. the grid ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cell:
+    index: int
+    cell_id: str
+    sweep: str
+    model: ModelSpec
+    device: str  # as loaded (name or resolved profile path)
+    device_label: str
+    strategy: str
+    max_group_size: int
+    time_limit_s: float | None
+    seed: int | None
+    solver_workers: int
+    backend: str | None
+    measure_budget_s: float | None
+
+    def params(self) -> dict:
+        return {"model": self.model.key(), "device": self.device_label, "strategy": self.strategy,
+                "max_group_size": self.max_group_size, "time_limit_s": self.time_limit_s,
+                "seed": self.seed, "solver_workers": self.solver_workers if self.strategy == "cpsat" else None,
+                "backend": self.backend, "measure_budget_s": self.measure_budget_s}
+
+
+def cell_id(params: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def expand(config: SweepConfig) -> list[Cell]:
+    """Every distinct cell, in grid order (model, device, strategy, group size, time limit, seed)."""
+    cells: list[Cell] = []
+    seen: set[str] = set()
+    p = config.params
+    for model, (device, label), strategy, size, limit, seed in itertools.product(
+            config.models, zip(config.devices, config.device_labels, strict=True), config.strategies,
+            p["max_group_size"], p["time_limit_s"], p["seed"]):
+        exact = strategy == "cpsat"
+        cell = Cell(0, "", config.name, model, device, label, strategy, size, limit if exact else None,
+                    seed if exact else None, config.solver_workers, config.backend,
+                    config.measure_budget_s if config.backend else None)
+        cid = cell_id(cell.params())
+        if cid in seen:
+            continue
+        seen.add(cid)
+        cells.append(dataclasses.replace(cell, index=len(cells), cell_id=cid))
+    return cells
+
+
+# -- 3. one cell (runs on a worker) -------------------------------------------------------------
+
+_PREPARED: OrderedDict[str, Any] = OrderedDict()
+
+
+def prepared_model(spec: ModelSpec):
+    """load → canonicalize → Graph, cached per (model, shapes, zoo parameters) in this process."""
+    key = json.dumps(spec.key(), sort_keys=True)
+    if key in _PREPARED:
+        _PREPARED.move_to_end(key)
+        return _PREPARED[key], 0.0
+    start = time.perf_counter()
+    prep = _prepare(spec)
+    _PREPARED[key] = prep
+    while len(_PREPARED) > PREPARED_CACHE:
+        _PREPARED.popitem(last=False)
+    return prep, time.perf_counter() - start
+
+
+def _prepare(spec: ModelSpec):
+    from fusesearch import zoo
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.pipeline import prepare
+
+    bindings = ShapeBindings.parse([f"{k}={'x'.join(map(str, v))}" for k, v in spec.input_shapes],
+                                   [f"{k}={v}" for k, v in spec.dims])
+    if not spec.zoo:
+        return prepare(spec.path or spec.model, bindings)
+    name = spec.model[4:]
+    proto = zoo.build_model(name, **dict(spec.zoo))
+    with tempfile.TemporaryDirectory(prefix="fusesearch-sweep-") as tmp:
+        path = Path(tmp) / f"{name}.onnx"
+        path.write_bytes(proto.SerializeToString())
+        del proto
+        return prepare(str(path), bindings.with_defaults(zoo.ZOO[name].default_dims))
+
+
+def run_cell(cell: Cell) -> dict:
+    """The row of one cell; an exception becomes status 'error' with its text (never raised)."""
+    start = time.perf_counter()
+    row = base_row(cell)
+    try:
+        row.update(_plan_row(cell))
+        row["status"] = "ok"
+    except Exception as exc:  # a failed cell is a result, not a crash of the sweep
+        log.warning("cell %s (%s) failed: %s", cell.cell_id, cell.model.label, exc)
+        row.update(status="error", error=error_text(exc))
+    row["cell_wall_s"] = round(time.perf_counter() - start, 3)
+    row["worker"] = f"{socket.gethostname()}:{os.getpid()}"
+    return row
+
+
+def error_text(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+def base_row(cell: Cell) -> dict:
+    m = cell.model
+    return {"cell_id": cell.cell_id, "cell_index": cell.index, "sweep": cell.sweep, "model": m.label,
+            "model_source": m.model, "shapes": m.shapes_text(), "zoo_params": json.dumps(dict(m.zoo)),
+            "device": cell.device_label, "strategy": cell.strategy, "max_group_size": cell.max_group_size,
+            "time_limit_s": cell.time_limit_s, "seed": cell.seed,
+            "solver_workers": cell.solver_workers if cell.strategy == "cpsat" else None,
+            "backend": cell.backend, "status": None, "error": None,
+            "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "git_rev": git_revision(), "versions": json.dumps(package_versions(), sort_keys=True)}
+
+
+def _plan_row(cell: Cell) -> dict:
+    from fusesearch.api import plan as api_plan
+
+    prep, prepare_s = prepared_model(cell.model)
+    kwargs = {"max_group_size": cell.max_group_size, "seed": cell.seed or 0, "prepared": prep,
+              "workers": cell.solver_workers}
+    if cell.time_limit_s is not None:
+        kwargs["time_limit_s"] = cell.time_limit_s
+    p = api_plan(cell.model.model, cell.device, cell.strategy, **kwargs)
+    s = p.solver
+    stats = dict(s.stats)
+    row = {"nodes": p.model.nodes, "canonical_nodes": p.model.canonical_nodes, "kernels": p.kernels,
+           "fused_kernels": sum(len(g.nodes) > 1 for g in p.groups),
+           "time_s": p.time_s, "unfused_time_s": p.unfused_time_s, "lower_bound_s": p.lower_bound_s,
+           "speedup": p.speedup, "x_lower_bound": p.time_s / p.lower_bound_s if p.lower_bound_s else math.nan,
+           "dram_bytes": p.dram_bytes, "flops": p.flops,
+           "solver_status": s.status, "objective_s": s.objective_s, "bound_s": s.bound_s,
+           "gap": s.gap if s.bound_s is not None else None,
+           "candidates": stats.get("candidates"), "enumeration_s": stats.get("enumeration_s"),
+           "solve_s": stats.get("solver_wall_s"), "wall_s": round(s.wall_s, 3),
+           "prepare_s": round(prepare_s, 3), "fallback": stats.get("fallback"),
+           "templates": json.dumps(_count(g.kernel.template if not g.kernel.alias else "alias" for g in p.groups)),
+           "bounds": json.dumps(_count(g.cost.bound for g in p.groups if not g.kernel.alias)),
+           "bound_time_s": json.dumps(_sum_by(p.groups, lambda g: g.cost.bound)),
+           "template_time_s": json.dumps(_sum_by(p.groups, lambda g: "alias" if g.kernel.alias else g.kernel.template)),
+           "plan_sha": _plan_sha(p), "fused_groups": json.dumps(_fused_groups(p))}
+    if cell.backend:
+        row.update(_measure(cell, prep, p))
+    return row
+
+
+def _count(items: Iterable[str]) -> dict:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _sum_by(groups, key) -> dict:
+    out: dict[str, float] = {}
+    for g in groups:
+        out[key(g)] = out.get(key(g), 0.0) + g.cost.time_s
+    return {k: float(f"{v:.6g}") for k, v in sorted(out.items())}
+
+
+def _fused_groups(p) -> list[str]:
+    return sorted("+".join(p.graph.nodes[v].name for v in g.nodes) for g in p.groups if len(g.nodes) > 1)
+
+
+def _plan_sha(p) -> str:
+    groups = sorted(sorted(p.graph.nodes[v].name for v in g.nodes) for g in p.groups)
+    return hashlib.sha256(json.dumps(groups).encode()).hexdigest()[:16]
+
+
+def _measure(cell: Cell, prep, p) -> dict:
+    from fusesearch.api import plan as api_plan
+    from fusesearch.backends.timing import TimingCache
+    from fusesearch.measure import measure_plan
+
+    unfused = api_plan(cell.model.model, cell.device, "none", prepared=prep)
+    report = measure_plan(prep, p, unfused, cell.backend, budget_s=cell.measure_budget_s or 0.05,
+                          seed=cell.seed or 0, cache=TimingCache())
+    t = report.totals()
+    return {"measured_s": t["measured_s"], "unfused_measured_s": t["unfused_measured_s"],
+            "measured_speedup": t["speedup"], "not_measured": t["not_measured"],
+            "measured_on": report.device}
+
+
+_VERSIONS: dict | None = None
+
+
+def package_versions() -> dict:
+    global _VERSIONS
+    if _VERSIONS is None:
+        import platform
+        from importlib import metadata
+
+        found = {"python": platform.python_version()}
+        for dist in ("fusesearch", "onnx", "onnx-ir", "onnxruntime", "ortools", "numpy", "dask", "distributed"):
+            try:
+                found[dist] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                found[dist] = None
+        _VERSIONS = found
+    return _VERSIONS
+
+
+def git_revision() -> str | None:
+    """HEAD's commit of the checkout this package runs from (read from .git, no git process)."""
+    here = Path(__file__).resolve().parent
+    for root in (here, *here.parents):
+        git = root / ".git"
+        if git.is_file():  # a worktree: "gitdir: PATH"
+            text = git.read_text().strip()
+            git = (root / text.removeprefix("gitdir:").strip()).resolve()
+        if git.is_dir():
+            return _read_head(git)
+    return None
+
+
+def _read_head(git: Path) -> str | None:
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head
+        ref = head[4:].strip()
+        common = git / "commondir"
+        bases = [git] + ([(git / common.read_text().strip()).resolve()] if common.is_file() else [])
+        for base in bases:
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip()
+            packed = base / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text().splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split()[0]
+    except OSError:
+        return None
+    return None
+
+
+# -- 4. the results folder --------------------------------------------------------------------
+
+@dataclass
+class SweepStore:
+    """OUT/: sweep.json (the config's identity), config.toml, cells/<id>.json, results.parquet."""
+
+    out: Path
+    finished: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def cells_dir(self) -> Path:
+        return self.out / CELLS_DIR
+
+    def open(self, config: SweepConfig, *, force: bool = False) -> None:
+        manifest = self.out / MANIFEST
+        if self.out.exists() and not self.out.is_dir():
+            raise BadInput(f"--out {self.out}: is a file; give a folder for the sweep's results")
+        if manifest.is_file():
+            old = json.loads(manifest.read_text())
+            if old.get("config_sha256") != config.sha256():
+                if not force:
+                    raise BadInput(f"--out {self.out}: holds the results of a different sweep "
+                                   f"('{old.get('name')}' from {old.get('source')}); give another --out, "
+                                   "or pass --force to discard those results")
+                self.discard()
+        elif self.cells_dir.is_dir() and any(self.cells_dir.glob("*.json")) and not force:
+            raise BadInput(f"--out {self.out}: holds cell results without a {MANIFEST}; give another --out, "
+                           "or pass --force to discard them")
+        elif force:
+            self.discard()
+        self.cells_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.cells_dir.glob(".*.tmp"):  # a write cut short by a crash: the cell reruns
+            stale.unlink(missing_ok=True)
+        _atomic_write(manifest, json.dumps({"schema": SCHEMA, "name": config.name, "source": config.source,
+                                            "config_sha256": config.sha256(), "config": config.normalized()},
+                                           indent=1) + "\n")
+        if Path(config.source).is_file():
+            _atomic_write(self.out / "config.toml", Path(config.source).read_text())
+        self.finished = {row["cell_id"]: row for row in read_cells(self.out)}
+        if not self.finished and (self.out / RESULTS).is_file():  # a committed results.parquet, no cells
+            for row in _parquet_rows(self.out / RESULTS):
+                self.write(row)
+
+    def discard(self) -> None:
+        for name in (MANIFEST, RESULTS, "config.toml"):
+            (self.out / name).unlink(missing_ok=True)
+        if self.cells_dir.is_dir():
+            shutil.rmtree(self.cells_dir)
+
+    def done(self, cid: str) -> bool:
+        row = self.finished.get(cid)
+        return row is not None and row.get("status") == "ok"
+
+    def write(self, row: dict) -> None:
+        _atomic_write(self.cells_dir / f"{row['cell_id']}.json", json.dumps(row, sort_keys=True) + "\n")
+        self.finished[row["cell_id"]] = row
+
+    def rebuild(self, cells: list[Cell]) -> Path:
+        """results.parquet: one row per cell of this grid that has a file, in grid order."""
+        import pandas as pd
+
+        ids = {c.cell_id for c in cells}
+        rows = [r for r in read_cells(self.out) if r["cell_id"] in ids]
+        frame = _frame(rows) if rows else pd.DataFrame({"cell_id": pd.Series(dtype=str)})
+        target = self.out / RESULTS
+        tmp = target.with_name(f".{RESULTS}.{os.getpid()}.tmp")
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, target)
+        return target
+
+
+def _frame(rows: list[dict]):
+    import pandas as pd
+
+    frame = pd.DataFrame(rows).sort_values("cell_index", kind="stable").reset_index(drop=True)
+    first = [c for c in ("cell_id", "cell_index", "sweep", "model", "device", "strategy", "max_group_size",
+                         "time_limit_s", "seed", "status", "kernels", "time_s", "unfused_time_s",
+                         "lower_bound_s", "solver_status", "wall_s", "gap", "measured_s", "error")
+             if c in frame.columns]
+    return frame[first + [c for c in frame.columns if c not in first]]
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    """Rows of results.parquet as cell dicts (NaN → None), to restore cells/ from it."""
+    import pandas as pd
+
+    frame = pd.read_parquet(path)
+    if "cell_id" not in frame:
+        return []
+    frame = frame.astype(object).where(frame.notna(), None)
+    return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
+            for row in frame.to_dict("records")]
+
+
+def read_cells(out: Path) -> list[dict]:
+    rows = []
+    for path in sorted((Path(out) / CELLS_DIR).glob("*.json")):
+        try:
+            rows.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):  # cannot happen with atomic writes; skip, rerun it
+            log.warning("%s: unreadable cell file; the cell will run again", path)
+    return rows
+
+
+def load_results(out: str | Path):
+    """The sweep's rows as a DataFrame: from the cell files (the truth), else results.parquet."""
+    import pandas as pd
+
+    out = Path(out)
+    if not out.is_dir():
+        raise BadInput(f"{out}: no such folder; give the --out folder of a `fusesearch sweep` run")
+    rows = read_cells(out)
+    if rows:
+        return _frame(rows)
+    if (out / RESULTS).is_file():
+        return pd.read_parquet(out / RESULTS)
+    raise BadInput(f"{out}: holds no sweep results ({CELLS_DIR}/*.json or {RESULTS}); "
+                   "run `fusesearch sweep CONFIG.toml --out DIR` first")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# -- 5. running on dask -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SweepSummary:
+    out: Path
+    cells: int
+    skipped: int
+    ran: int
+    failed: int
+    wall_s: float
+    results: Path
+
+
+def run_sweep(config: SweepConfig, out: str | Path, *, workers: int | None = None,
+              scheduler: str | None = None, force: bool = False,
+              progress: Callable[[int, int, dict | None], None] | None = None,
+              on_client: Callable[[Any], None] | None = None) -> SweepSummary:
+    """Run every unfinished cell of `config` on Dask; `progress(done, total, row)` after each.
+
+    `on_client(client)` is called once the cluster is up (tests use it to find worker pids).
+    From a script, call it under `if __name__ == "__main__":` (local workers are spawned)."""
+    if workers is not None and scheduler is not None:
+        raise BadInput("--workers and --scheduler: give one (N local processes, or a scheduler address)")
+    if workers is not None and workers < 1:
+        raise BadInput(f"--workers {workers}: give a positive number of worker processes")
+    start = time.perf_counter()
+    store = SweepStore(Path(out))
+    store.open(config, force=force)
+    cells = expand(config)
+    todo = [c for c in cells if not store.done(c.cell_id)]
+    skipped = len(cells) - len(todo)
+    failed = 0
+    if progress:
+        progress(skipped, len(cells), None)
+    try:
+        if todo:
+            failed = _run_on_dask(todo, store, workers, scheduler, skipped, len(cells), progress, on_client)
+    finally:
+        results = store.rebuild(cells)
+    return SweepSummary(store.out, len(cells), skipped, len(todo), failed, time.perf_counter() - start, results)
+
+
+def _run_on_dask(todo: list[Cell], store: SweepStore, workers, scheduler, skipped, total, progress,
+                 on_client) -> int:
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise BadInput("fusesearch sweep needs dask.distributed; install the extra: "
+                       "pip install 'fusesearch[dist]'") from None
+    cluster = None
+    try:
+        if scheduler:
+            client = _connect(Client, scheduler)
+        else:
+            n = workers or default_workers()
+            logging.getLogger("distributed").setLevel(max(logging.WARNING, log.getEffectiveLevel()))
+            cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                   dashboard_address=":0", silence_logs=logging.WARNING)
+            client = Client(cluster)
+    except OSError as exc:
+        raise FusesearchError(f"could not start the Dask cluster: {exc}") from None
+    failed, done = 0, total - len(todo)
+    try:
+        if on_client:
+            on_client(client)
+        futures = {client.submit(run_cell, c, key=f"cell-{c.cell_id}", pure=False,
+                                 priority=-c.index): c for c in todo}
+        for future in as_completed(futures):
+            cell = futures[future]
+            row = _collect(future, cell)
+            store.write(row)
+            failed += row["status"] != "ok"
+            done += 1
+            if progress:
+                progress(done, total, row)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    return failed
+
+
+def _connect(client_cls, address: str):
+    try:
+        return client_cls(address, timeout="20s")
+    except (OSError, TimeoutError) as exc:
+        raise BadInput(f"--scheduler {address}: cannot reach a Dask scheduler there ({exc}); "
+                       "check the address (tcp://HOST:8786) and that the scheduler runs") from None
+
+
+def _collect(future, cell: Cell) -> dict:
+    """The worker's row, or an error row when the task itself failed (e.g. its worker kept dying)."""
+    try:
+        return future.result()
+    except Exception as exc:
+        row = base_row(cell)
+        row.update(status="error", error=error_text(exc))
+        return row
+
+
+def default_workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)

@@ -1,0 +1,113 @@
+"""`fusesearch report`: tables and plots from real sweep rows (cells run in-process, no cluster)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from onnx import helper
+
+from fusesearch.errors import BadInput
+from fusesearch.report import plan_distance, write_report
+from fusesearch.sweep import SweepStore, expand, load_config, run_cell
+from tests.conftest import make_model, save
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _sweep(tmp_path, text: str):
+    """Run every cell of `text` in this process and store the rows as `fusesearch sweep` would."""
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    cfg = load_config(path)
+    store = SweepStore(tmp_path / "out")
+    store.open(cfg)
+    cells = expand(cfg)
+    for cell in cells:
+        store.write(run_cell(cell))
+    store.rebuild(cells)
+    return tmp_path / "out", cells
+
+
+GRID = """
+name = "mini"
+models = ["zoo:rnn-control", "zoo:unet"]
+devices = ["t4", "h200"]
+strategies = ["none", "rules", "greedy", "cpsat"]
+[params]
+time_limit_s = 5
+"""
+
+
+def test_report_tables_and_plots_from_a_sweep(tmp_path, run_cli):
+    out, cells = _sweep(tmp_path, GRID)
+    code, stdout, err = run_cli("report", out)
+    assert code == 0, err
+    text = (out / "report.md").read_text()
+    assert text.startswith("# Sweep `mini`") and "16 cells: 16 ok, 0 failed" in text
+    rows = pd.read_parquet(out / "results.parquet")
+    # the per model x device table: one line per pair, one column per strategy, in strategy order
+    table = [line for line in text.splitlines() if line.startswith("| unet | h200 |")]
+    assert len(table) == 3  # the per-model, solver and devices tables
+    head = next(line for line in text.splitlines() if line.startswith("| model | device | nodes | unfused"))
+    assert head.endswith("| none | rules | greedy | cpsat |")
+    cp = rows[(rows.model == "unet") & (rows.device == "h200") & (rows.strategy == "cpsat")].iloc[0]
+    assert f"{int(cp['kernels'])} · " in table[0] and f"{cp['speedup']:.2f}x" in table[0]
+    assert "## The exact solver (cpsat)" in text and "## How the plan changes across devices" in text
+    assert "## Predicted against measured" not in text  # nothing was measured
+    for name in ("speedup", "solver_time", "devices"):
+        assert (out / f"{name}.png").read_bytes().startswith(PNG)
+        assert f"![{name}]({name}.png)" in text
+    assert not (out / "measured.png").exists()
+    code, _, err = run_cli("report", out)  # refuses to overwrite
+    assert code == 2 and "--force" in err and err.count("\n") == 1
+    code, _, err = run_cli("report", out, "--force", "-o", tmp_path / "again.md")
+    assert code == 0, err
+    assert (tmp_path / "again.md").is_file() and (tmp_path / "devices.png").read_bytes().startswith(PNG)
+
+
+def test_devices_section_counts_groups_that_moved(tmp_path):
+    out, _ = _sweep(tmp_path, GRID.replace('["none", "rules", "greedy", "cpsat"]', '["cpsat"]'))
+    rows = pd.read_parquet(out / "results.parquet").set_index(["model", "device"])
+    a = set(json.loads(rows.loc[("unet", "t4"), "fused_groups"]))
+    b = set(json.loads(rows.loc[("unet", "h200"), "fused_groups"]))
+    write_report(out, out / "r.md")
+    text = (out / "r.md").read_text()
+    devices = text[text.index("## How the plan changes across devices"):]
+    line = next(x for x in devices.splitlines() if x.startswith("| unet | h200 |"))
+    assert f"+{len(b - a)} / -{len(a - b)} ({plan_distance(a, b):.0%})" in line
+    assert "## Summary by strategy" in text and "| cpsat | 4 |" in text
+
+
+def test_plan_distance():
+    assert plan_distance(set(), set()) == 0.0
+    assert plan_distance({"a+b"}, {"a+b"}) == 0.0
+    assert plan_distance({"a+b", "c+d"}, {"a+b", "c+e"}) == pytest.approx(2 / 3)
+
+
+def test_failed_cells_and_measured_cells_are_reported(tmp_path):
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["z"], name="relu")],
+                       [("x", [4, 16])], [("z", [4, 8])], [("w", rng.standard_normal((16, 8)).astype("float32"))])
+    save(model, tmp_path / "mm.onnx")
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    out, _ = _sweep(tmp_path, 'models = ["mm.onnx", "broken.onnx"]\ndevices = ["host"]\n'
+                              'strategies = ["none", "greedy"]\nbackend = "cpu"\nmeasure_budget_s = 0.01\n')
+    rows = pd.read_parquet(out / "results.parquet")
+    ok = rows[rows.status == "ok"]
+    assert len(ok) == 2 and (ok["measured_s"] > 0).all() and (ok["unfused_measured_s"] > 0).all()
+    written = write_report(out, out / "report.md")
+    text = (out / "report.md").read_text()
+    assert "## Predicted against measured" in text and "## Failed cells" in text
+    assert text.count("| broken |") == 2 and "broken.onnx" in text
+    assert out / "measured.png" in written and (out / "measured.png").read_bytes().startswith(PNG)
+
+
+def test_report_of_an_empty_folder_is_bad_input(tmp_path, run_cli):
+    with pytest.raises(BadInput, match="holds no sweep results"):
+        write_report(tmp_path, tmp_path / "r.md")
+    code, _, err = run_cli("report", tmp_path / "missing")
+    assert code == 2 and "no such folder" in err

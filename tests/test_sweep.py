@@ -1,0 +1,246 @@
+"""Sweeps: config errors (exit 2, one line), grid expansion, a 2-worker LocalCluster run, resume,
+failed cells, and crash safety (a killed worker, a killed sweep) — no row lost, none duplicated."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fusesearch.errors import BadInput
+from fusesearch.sweep import SweepStore, expand, load_config, read_cells, run_sweep
+
+pytest.importorskip("distributed")
+
+TINY = """
+name = "tiny"
+models = ["zoo:rnn-control", "zoo:unet"]
+devices = ["t4", "h200"]
+strategies = ["none", "greedy", "cpsat"]
+[params]
+time_limit_s = [5, 10]
+"""
+
+# big enough that a kill lands mid-run (each cpsat cell of bert-small takes ~0.3-1 s here)
+KILL = """
+name = "kill"
+devices = ["t4", "a10", "h200"]
+strategies = ["greedy", "cpsat"]
+models = ["zoo:rnn-control", "zoo:unet", {model = "zoo:bert-small", zoo = {layers = [1, 2]}}]
+[params]
+time_limit_s = 5
+"""
+
+
+def _config(tmp_path: Path, text: str, name: str = "sweep.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _rows(out: Path) -> pd.DataFrame:
+    return pd.read_parquet(out / "results.parquet")
+
+
+# -- config -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, needle", [
+    ("models = []\ndevices = ['t4']", "'models' is missing or empty"),
+    ("models = ['zoo:nope']\ndevices = ['t4']", "unknown zoo model 'nope'"),
+    ("models = ['zoo:unet']\ndevices = ['t5']", "devices: t5"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nstrategies = ['fast']", "strategies = ['fast']"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nmodle = 1", "unknown key 'modle'"),
+    ("models = [{model = 'zoo:unet', zoo = {layers = [1]}}]\ndevices = ['t4']", "has no parameter 'layers'"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\n[params]\ntime_limit_s = -1", "params.time_limit_s"),
+    ("models = ['missing.onnx']\ndevices = ['t4']", "missing.onnx: no such file"),
+    ("models = ['zoo:unet'\n", "not valid TOML"),
+])
+def test_bad_configs_name_the_file_and_key(tmp_path, text, needle):
+    path = _config(tmp_path, text)
+    with pytest.raises(BadInput) as err:
+        load_config(path)
+    assert needle in str(err.value) and str(path) in str(err.value)
+
+
+def test_bad_config_on_the_command_line_is_exit_2_one_line(tmp_path, run_cli):
+    path = _config(tmp_path, "models = ['zoo:unet']\ndevices = ['t5']")
+    code, out, err = run_cli("sweep", path, "--workers", "2")
+    assert code == 2 and err.count("\n") == 1 and "t5" in err and "Traceback" not in err
+    code, _, err = run_cli("sweep", tmp_path / "none.toml")
+    assert code == 2 and "no such sweep config" in err
+
+
+def test_expand_is_stable_and_runs_time_limits_only_for_cpsat(tmp_path):
+    cfg = load_config(_config(tmp_path, TINY))
+    cells = expand(cfg)
+    # 2 models x 2 devices x (none + greedy + cpsat at 2 time limits)
+    assert len(cells) == 2 * 2 * 4
+    assert len({c.cell_id for c in cells}) == len(cells)
+    assert [c.cell_id for c in cells] == [c.cell_id for c in expand(load_config(tmp_path / "sweep.toml"))]
+    assert {c.time_limit_s for c in cells if c.strategy != "cpsat"} == {None}
+    assert [c.index for c in cells] == list(range(len(cells)))
+
+
+def test_zoo_parameters_expand_into_models(tmp_path):
+    cfg = load_config(_config(tmp_path, KILL))
+    labels = [m.label for m in cfg.models]
+    assert labels[-2:] == ["bert-small/layers=1", "bert-small/layers=2"]
+    assert len(expand(cfg)) == 4 * 3 * 2
+
+
+# -- running --------------------------------------------------------------------------------------
+
+def test_small_sweep_on_two_workers_then_resume_skips_everything(tmp_path, run_cli):
+    path = _config(tmp_path, TINY)
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("sweep", path, "--workers", "2", "--out", out, "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["cells"] == 16 and doc["ran"] == 16 and doc["failed"] == 0
+    rows = _rows(out)
+    assert len(rows) == 16 and rows["cell_id"].is_unique and (rows["status"] == "ok").all()
+    assert list(rows["cell_index"]) == list(range(16))
+    none = rows[rows["strategy"] == "none"]
+    assert (none["kernels"] == none["canonical_nodes"]).all()
+    fused = rows[rows["strategy"] == "cpsat"]
+    assert (fused["kernels"] < fused["canonical_nodes"]).all() and (fused["candidates"] > 0).all()
+    assert (rows["time_s"] <= rows["unfused_time_s"] * (1 + 1e-9)).all()
+    for col in ("git_rev", "versions", "timestamp", "wall_s", "lower_bound_s", "gap", "solver_status"):
+        assert col in rows
+    before = {p.name: p.read_text() for p in (out / "cells").iterdir()}
+    code, stdout, err = run_cli("sweep", path, "--workers", "2", "--out", out, "--json")
+    assert code == 0, err
+    again = json.loads(stdout)
+    assert again["skipped"] == 16 and again["ran"] == 0
+    assert {p.name: p.read_text() for p in (out / "cells").iterdir()} == before
+    assert len(_rows(out)) == 16
+    # results committed without their cell files: the cells come back from results.parquet
+    for p in (out / "cells").iterdir():
+        p.unlink()
+    restored = run_sweep(load_config(path), out, workers=2)
+    assert restored.skipped == 16 and restored.ran == 0 and len(_rows(out)) == 16
+
+
+def test_cells_are_deterministic_apart_from_times(tmp_path):
+    from fusesearch.sweep import run_cell
+
+    cell = next(c for c in expand(load_config(_config(tmp_path, TINY))) if c.strategy == "cpsat")
+    volatile = {"timestamp", "wall_s", "cell_wall_s", "prepare_s", "enumeration_s", "solve_s", "worker"}
+    a, b = run_cell(cell), run_cell(cell)
+    assert a["status"] == "ok"
+    assert {k: v for k, v in a.items() if k not in volatile} == {k: v for k, v in b.items() if k not in volatile}
+
+
+def test_a_different_config_in_out_is_refused_unless_forced(tmp_path, run_cli):
+    out = tmp_path / "out"
+    small = 'models = ["zoo:rnn-control"]\ndevices = [DEVICES]\nstrategies = ["none", "greedy"]\n'
+    first = _config(tmp_path, small.replace("DEVICES", '"t4", "h200"'))
+    code, _, err = run_cli("sweep", first, "--workers", "1", "--out", out)
+    assert code == 0, err
+    other = _config(tmp_path, small.replace("DEVICES", '"t4"'), "other.toml")
+    code, _, err = run_cli("sweep", other, "--workers", "1", "--out", out)
+    assert code == 2 and "different sweep" in err and "--force" in err and err.count("\n") == 1
+    assert len(read_cells(out)) == 4  # untouched
+    code, _, err = run_cli("sweep", other, "--workers", "1", "--out", out, "--force")
+    assert code == 0, err
+    assert len(_rows(out)) == 2 and set(_rows(out)["device"]) == {"t4"}
+
+
+def test_a_failing_cell_is_recorded_and_retried_the_rest_go_on(tmp_path):
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"this is not an onnx model")
+    path = _config(tmp_path, 'models = ["zoo:rnn-control", "broken.onnx"]\ndevices = ["t4"]\n'
+                             'strategies = ["none", "greedy"]\n')
+    out = tmp_path / "out"
+    summary = run_sweep(load_config(path), out, workers=1)
+    assert summary.cells == 4 and summary.failed == 2
+    rows = _rows(out)
+    bad = rows[rows["model"] == "broken"]
+    assert (bad["status"] == "error").all() and bad["error"].str.contains("broken.onnx").all()
+    assert (rows[rows["model"] == "rnn-control"]["status"] == "ok").all()
+    again = run_sweep(load_config(path), out, workers=1)
+    assert again.skipped == 2 and again.ran == 2 and again.failed == 2  # failed cells are retried
+    assert len(_rows(out)) == 4
+
+
+def test_killing_a_worker_mid_run_loses_and_duplicates_nothing(tmp_path):
+    cfg = load_config(_config(tmp_path, KILL))
+    out = tmp_path / "out"
+    state: dict = {}
+
+    def on_client(client):
+        state["pids"] = client.run(os.getpid)  # worker address -> pid
+
+    def progress(done, total, row):
+        if row is None or "killed" in state:
+            return
+        mine = int(row["worker"].rsplit(":", 1)[1])
+        victim = next((p for p in state["pids"].values() if p != mine), mine)
+        os.kill(victim, signal.SIGKILL)
+        state["killed"] = victim
+
+    summary = run_sweep(cfg, out, workers=2, progress=progress, on_client=on_client)
+    assert "killed" in state
+    with pytest.raises(ProcessLookupError):
+        os.kill(state["killed"], 0)
+    rows = _rows(out)
+    cells = expand(cfg)
+    assert len(rows) == len(cells) == summary.cells and rows["cell_id"].is_unique
+    assert set(rows["cell_id"]) == {c.cell_id for c in cells}
+    assert (rows["status"] == "ok").all(), rows[rows["status"] != "ok"]["error"].tolist()
+    resumed = run_sweep(cfg, out, workers=2)
+    assert resumed.ran == 0 and len(_rows(out)) == len(cells)
+
+
+def test_killing_the_whole_sweep_then_resuming_keeps_every_finished_row(tmp_path):
+    path = _config(tmp_path, KILL)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "fusesearch", "sweep", str(path), "--workers", "2",
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list((out / "cells").glob("*.json"))) < 3:
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # client, scheduler and workers: the whole session
+        proc.wait()
+    finished = {p.stem: p.read_text() for p in (out / "cells").glob("*.json")}
+    total = len(expand(load_config(path)))
+    assert 3 <= len(finished) < total, "the sweep was not cut short; make the grid bigger"
+    summary = run_sweep(load_config(path), out, workers=2)
+    assert summary.skipped == len(finished) and summary.ran == total - len(finished)
+    rows = _rows(out)
+    assert len(rows) == total and rows["cell_id"].is_unique and (rows["status"] == "ok").all()
+    for stem, text in finished.items():  # rows written before the kill are kept as they were
+        assert (out / "cells" / f"{stem}.json").read_text() == text
+    assert not list((out / "cells").glob(".*.tmp"))
+
+
+def test_store_writes_cells_atomically(tmp_path):
+    cfg = load_config(_config(tmp_path, TINY))
+    store = SweepStore(tmp_path / "out")
+    store.open(cfg)
+    store.write({"cell_id": "abc", "status": "ok"})
+    assert json.loads((tmp_path / "out" / "cells" / "abc.json").read_text())["status"] == "ok"
+    assert [p.name for p in (tmp_path / "out" / "cells").iterdir()] == ["abc.json"]
+
+
+def test_an_existing_scheduler_runs_the_cells(tmp_path, run_cli):
+    from distributed import LocalCluster
+
+    path = _config(tmp_path, 'models = ["zoo:rnn-control"]\ndevices = ["t4", "h200"]\nstrategies = ["greedy"]\n')
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        code, stdout, err = run_cli("sweep", path, "--scheduler", cluster.scheduler_address,
+                                    "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["ran"] == 2 and len(_rows(tmp_path / "out")) == 2
+    code, _, err = run_cli("sweep", path, "--scheduler", "tcp://x:1", "--workers", "2")
+    assert code == 2 and "give one" in err
