@@ -273,8 +273,6 @@ class _Runner:
                "device": self.device, "source_hash": generated.source_hash if generated else None,
                "cuda_skeleton": generated.skeleton if generated else None,
                "cuda_grid": "x".join(map(str, generated.grid)) if generated else None}
-        row["tile"] = "x".join(map(str, row["tile"]))
-        row["op_types"] = "+".join(row["op_types"])
         row.update(timing.to_row() if timing else {"median_s": math.nan, "p20_s": math.nan, "p80_s": math.nan, "n": 0})
         row.update(self._ptxas(generated))
         return row

@@ -121,6 +121,7 @@ class _Emitter:
         self.hoisted_acc = ""  # C only: MatMul/Gemm accumulators of this row, indexed by column
         self.acc_value = ""  # CUDA tiled: the anchor's value at the epilogue's element (a register)
         self.vec_loads: dict[str, str] = {}  # CUDA vectorized: tensor → this lane of its float4
+        self.materialized: frozenset[str] = frozenset()  # C: computed tensors read from a buffer
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:
@@ -161,7 +162,7 @@ class _Emitter:
         producer = self.graph.producer(tensor)
         if tensor in self.row_ops:
             expr = self.row_ops[tensor](idx)
-        elif producer is None or producer not in self.members:
+        elif producer is None or producer not in self.members or tensor in self.materialized:
             expr = self.load(tensor, idx)
         else:
             expr = _op(self, self.graph.nodes[producer], tensor, idx)
@@ -600,7 +601,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
         special = _vectorized(graph, kernel, name, ins, outs, args)
     if special is not None:
         cu_src, grid, block, skeleton = special
-    elif kernel.anchor is not None:
+    elif kernel.anchor is not None and not has_rows:
         skeleton = "direct"  # one thread per output element, its dot product in a loop
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
@@ -625,7 +626,7 @@ def _signature(ins, outs, restrict: str) -> str:
     return ", ".join(params)
 
 
-_C_PRELUDE = "#include <math.h>\n#include <stdint.h>\n"
+_C_PRELUDE = "#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n"
 _CU_PRELUDE = ("#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
                "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n")
 
@@ -657,8 +658,8 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | N
     if kernel.anchor is None:
         return None
     anchor = graph.nodes[kernel.anchor]
-    if _anchor_derived(graph, kernel, anchor) is None:
-        return None  # the epilogue reads the anchor at other positions than the one computed
+    if _anchor_derived(graph, kernel, anchor) is None:  # the epilogue moves elements
+        return _materialized_loops(graph, kernel, args, outs, anchor)
     if anchor.op_type in ("MatMul", "Gemm"):
         return _matmul_row_loops(graph, kernel, args, outs, anchor)
     if anchor.op_type != "Conv":
@@ -774,11 +775,30 @@ def _fill_conv(graph: Graph, anchor: Node):
 _HOIST_FILL = {"Conv": _fill_conv}
 
 
-def _pointwise_loops(graph, kernel, args, outs) -> tuple[list[str], list[str]]:
+def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C skeleton for a MatMul/Gemm whose epilogue reads the product at other positions than the
+    one computed (a Transpose after it): the product (prologue applied) into a heap buffer by the
+    i-k-j row loops, then every output by pointwise loops that read the buffer. None for other
+    anchors, 1-D operands, or a product that is not float32."""
+    y = anchor.outputs[0]
+    info = graph.tensors[y]
+    if anchor.op_type not in ("MatMul", "Gemm") or info.dtype != "float32":
+        return None
+    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    product = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
+    if product is None:
+        return None
+    c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))
+    return [f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);", *product, *c_loops,
+            "    free(ybuf);"]
+
+
+def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tuple[list[str], list[str]]:
     """One loop per output: O[i] = value(O, unflatten(i)); C (OpenMP) and CUDA (grid-stride)."""
     blocks = []
     for out in outs:
         e = _Emitter(graph, kernel, args)
+        e.materialized = materialized
         idx = e.unflatten("i", out.shape)
         v = e.value(out.tensor, idx)
         e.lines.append(f"{out.name}[i] = {v};")

@@ -138,3 +138,17 @@ def _zoo(name: str):
 
 # Every group of every zoo plan (all 11 models, all strategies) against ONNX Runtime:
 # tests/backends/test_zoo_groups_cpu.py; their CUDA versions compile: tests/backends/test_cuda_compile.py.
+
+
+def test_matmul_whose_epilogue_moves_elements(tmp_path):
+    """MatMul + bias, then the head split (Reshape + Transpose) as in attention: the C kernel
+    computes the product into a buffer with its row loops, then the moved outputs from it."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["yb"]),
+             helper.make_node("Reshape", ["yb", "shape"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["out"], perm=[0, 2, 1, 3])]
+    inits = [("w", rng.standard_normal((24, 32)).astype(np.float32)), ("b", rng.standard_normal(32).astype(np.float32)),
+             ("shape", np.array([2, 5, 4, 8], dtype=np.int64))]
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 5, 24])], [("out", None)], inits)
+    kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
+    assert "ybuf" in generate(prep.graph, kernel).c_source

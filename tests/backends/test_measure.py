@@ -51,6 +51,14 @@ def test_measure_json_and_parquet(run_cli, tmp_path, small_model):
     assert set(table["plan"]) == {"plan", "unfused"}
     assert {"template", "tc_flops", "dram_read_bytes", "predicted_s", "median_s", "p20_s", "p80_s"} <= set(table.columns)
     assert (table["max_rel_err"] < 1e-4).all()
+    from costmodels import KernelSpec
+
+    for _, row in table.iterrows():  # every row holds a KernelSpec that reads back
+        spec = KernelSpec.from_row(row.to_dict())
+        assert ",".join(spec.op_types) == row["op_types"] and all(op.isidentifier() for op in spec.op_types)
+        assert row["tile"] == "x".join(map(str, spec.tile))
+    generated = table[table["how"] == "generated"]
+    assert set(generated["cuda_skeleton"]) <= {"grid-stride", "vectorized", "block-per-row", "tiled", "direct"}
 
 
 def test_ptxas_resources_beside_the_estimate_and_cached_timings(run_cli, tmp_path, small_model, monkeypatch):
