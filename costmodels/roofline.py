@@ -7,10 +7,12 @@ Approach (after XLA's gpu_performance_model, which knows nothing of the pass tha
     compute_s = tc_flops / (tensor peak(dtype) x tc_eff[t] x occ)
               + (scalar_flops + transcendentals x w + iteration_size x index_divisions x e)
                 / (scalar peak(dtype) x scalar_eff[t] x occ)
-    memory_s  = (read + write + spill traffic) / (DRAM bytes/s x mem_eff[t] x occ)
+    memory_s  = (read x r + write + spill traffic) / (DRAM bytes/s x mem_eff[t] x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
 
-where t is the template, e the cost of one index division in flops (`index_division_flops`: 0 by
+where t is the template, r the share of reads that reach DRAM (`read_traffic_factor`: 1 by
+default; a CPU timing loop re-reads inputs from its last-level cache), e the cost of one index
+division in flops (`index_division_flops`: 0 by
 default, as a GPU hides it under memory traffic; a CPU's scalar loop nest pays it for every
 element; `KernelSpec.index_divisions` counts them), occ = min(1, achieved occupancy / knee[t]) on
 GPUs (1 on CPUs, which hide latency with out-of-order cores and prefetchers, not resident warps), and launch_s is the
@@ -86,6 +88,10 @@ DEFAULT_SPILL_TRAFFIC_FACTOR = 0.25
 # equivalents on the scalar units. 0: the datasheet model ignores it; calibration fits it (it
 # dominates small generated loops on a CPU, where time follows elements, not bytes).
 DEFAULT_INDEX_DIVISION_FLOPS = 0.0
+# The share of compulsory read bytes that reach DRAM: 1 for the datasheet model (and for GPU
+# timings with an L2 flush); a CPU timing loop whose inputs stay in its last-level cache between
+# runs reads most of them from cache, which calibration fits.
+DEFAULT_READ_TRAFFIC_FACTOR = 1.0
 
 _TABLE_FIELDS = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")
 
@@ -103,6 +109,7 @@ class RooflineParams:
     transcendental_flops: float = DEFAULT_TRANSCENDENTAL_FLOPS
     spill_traffic_factor: float = DEFAULT_SPILL_TRAFFIC_FACTOR
     index_division_flops: float = DEFAULT_INDEX_DIVISION_FLOPS
+    read_traffic_factor: float = DEFAULT_READ_TRAFFIC_FACTOR
     regs_base: float = resources.DEFAULT_REGS_BASE
     regs_per_live_value: float = resources.DEFAULT_REGS_PER_LIVE_VALUE
     float32_uses_tf32: bool = True
@@ -120,7 +127,7 @@ class RooflineParams:
                 if not (low_ok and high_ok):
                     raise InvalidSpec(f"RooflineParams.{name}[{template}] = {value}, out of range")
         for name in ("overlap", "launch_overhead_scale", "transcendental_flops",
-                     "spill_traffic_factor", "index_division_flops", "regs_base",
+                     "spill_traffic_factor", "index_division_flops", "read_traffic_factor", "regs_base",
                      "regs_per_live_value"):
             value = _number(name, getattr(self, name))
             object.__setattr__(self, name, value)
@@ -255,7 +262,8 @@ class RooflineModel:
         compute_s = self._compute_s(spec, device) / scale
         spill_traffic = (regs.spill_bytes_per_thread * grid * spec.threads_per_block
                          * p.spill_traffic_factor)
-        dram_bytes = spec.dram_bytes + spill_traffic
+        dram_bytes = (spec.dram_read_bytes * p.read_traffic_factor + spec.dram_write_bytes
+                      + spill_traffic)
         memory_s = dram_bytes / (device.dram_bytes_per_s
                                  * p.get("memory_efficiency", spec.template) * scale)
         launch_s = device.launch_overhead_s * p.launch_overhead_scale
