@@ -79,6 +79,7 @@ from costmodels.calibration import (
 )
 from costmodels.profile import default_versions
 from fusesearch.errors import BadInput
+from fusesearch.measure import max_rel_err
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ def _first_round(cand: Candidate, md: _ModelData, runner, budget_s: float, max_k
     if time.perf_counter() - t0 > max_kernel_s:
         skipped["too_slow"] += 1
         return None
-    err = _max_rel_err(outputs, md.values)
+    err = max_rel_err(outputs, md.values)
     timing = _timed(run, clock, before_each, budget_s)
     return {"model": cand.model, "group": cand.key, "size_bin": cand.size_bin,
             "source_hash": generated.source_hash, "max_rel_err": err, "timings": [timing]}
@@ -443,17 +444,6 @@ def _gpu_runner():
         return launch, fetch, clock, flush
 
     return runner
-
-
-def _max_rel_err(outputs: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> float:
-    worst = 0.0
-    for name, got in outputs.items():
-        ref = np.asarray(values[name], dtype=np.float64)
-        got = np.asarray(got, dtype=np.float64).reshape(ref.shape)
-        if ref.size:
-            scale = max(1.0, float(np.max(np.abs(ref))))
-            worst = max(worst, float(np.nanmax(np.abs(got - ref))) / scale)
-    return worst
 
 
 def _prediction_row(cand: Candidate, model: RooflineModel, device: DeviceSpec) -> dict:

@@ -193,7 +193,7 @@ class _Runner:
             return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, None, math.nan, row,
                                      reason=row["reason"], **ids)
         run()
-        err = _max_rel_err(fetch(), self.values)
+        err = max_rel_err(fetch(), self.values)
         timing = self.cache.get(key) if self.cache and key else None
         if timing is None:
             timing = measure(run, clock=self.clock, budget_s=self.budget_s, before_each=self.before_each)
@@ -286,7 +286,8 @@ def _template(g) -> str:
     return "alias" if g.kernel.alias else g.kernel.template
 
 
-def _max_rel_err(outputs: dict, values: dict) -> float:
+def max_rel_err(outputs: dict, values: dict) -> float:
+    """Largest |got - ref| / max(1, max|ref|) over the outputs (ref: ONNX Runtime's values)."""
     worst = 0.0
     for name, got in outputs.items():
         ref = np.asarray(values[name], dtype=np.float64)
