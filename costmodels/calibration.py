@@ -34,7 +34,7 @@ REGISTER_ARCH = "sm_90"
 # Parameter coordinates: log for positive values, logit for those in (0, 1).
 _UNIT_INTERVAL = ("overlap", "occupancy_knee")
 _BOUNDS = {"efficiency": (1e-4, 1e3), "launch_overhead_scale": (1e-3, 1e3),
-           "index_division_flops": (1e-3, 1e3), "read_traffic_factor": (1e-2, 2.0),
+           "index_division_flops": (1e-3, 1e3), "read_traffic_factor": (1e-2, 2.0), "division_flops": (1e-2, 1e3),
            "transcendental_flops": (0.1, 1e4), "overlap": (1e-3, 1 - 1e-3),
            "occupancy_knee": (1e-3, 1.0)}
 
@@ -125,6 +125,8 @@ def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str
         if device.kind == "gpu":
             names.append(f"occupancy_knee.{t}")
     names += ["overlap", "launch_overhead_scale", "index_division_flops", "read_traffic_factor"]
+    if any(s.divisions > 0 for s in specs):
+        names.append("division_flops")
     if any(s.transcendentals > 0 for s in specs):
         names.append("transcendental_flops")
     return names
@@ -198,7 +200,8 @@ def fit(specs: Sequence[KernelSpec], measured_s: Sequence[float], device: Device
     return FitResult(params_at(z), tuple(names), float(before), float(current), iterations)
 
 
-SHARED = ("overlap", "launch_overhead_scale", "index_division_flops", "read_traffic_factor", "transcendental_flops")
+SHARED = ("overlap", "launch_overhead_scale", "index_division_flops", "read_traffic_factor", "division_flops",
+          "transcendental_flops")
 ANCHOR_FREE = ("pointwise", "rowwise")
 
 

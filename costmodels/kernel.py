@@ -31,7 +31,7 @@ DTYPE_BYTES: Mapping[str, int] = {
 
 DEFAULT_THREADS_PER_BLOCK = 256
 
-_FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "dram_read_bytes",
+_FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "divisions", "dram_read_bytes",
                  "dram_write_bytes")
 _INT_FIELDS = ("iteration_size", "reduction_length", "smem_bytes", "live_values_per_thread",
                "threads_per_block", "num_ops", "index_divisions")
@@ -59,6 +59,9 @@ class KernelSpec:
     - `index_divisions`: integer divisions / modulos by a non-power-of-two constant that turn
       a thread's flat index into a multi-index, per element (a power of two is a shift, free) —
       the index arithmetic the model charges per element (`RooflineParams.index_division_flops`).
+    - `divisions`: of the scalar FLOPs, the floating-point divisions and square roots (Div, Sqrt,
+      Reciprocal elements), which take several times a multiply's throughput; charged extra by
+      `RooflineParams.division_flops`.
     - `num_ops` / `op_types`: the fused operators, for reports only.
     """
 
@@ -78,6 +81,7 @@ class KernelSpec:
     num_ops: int = 1
     op_types: tuple[str, ...] = ()
     index_divisions: int = 0
+    divisions: float = 0.0
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:

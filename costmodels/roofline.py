@@ -5,12 +5,14 @@ thousands of candidate groups, with every knob exposed for calibration.
 Approach (after XLA's gpu_performance_model, which knows nothing of the pass that calls it):
 
     compute_s = tc_flops / (tensor peak(dtype) x tc_eff[t] x occ)
-              + (scalar_flops + transcendentals x w + iteration_size x index_divisions x e)
+              + (scalar_flops + transcendentals x w + divisions x d
+                 + iteration_size x index_divisions x e)
                 / (scalar peak(dtype) x scalar_eff[t] x occ)
     memory_s  = (read x r + write + spill traffic) / (DRAM bytes/s x mem_eff[t] x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
 
-where t is the template, r the share of reads that reach DRAM (`read_traffic_factor`: 1 by
+where t is the template, d the extra cost of a floating-point division or square root
+(`division_flops`: 0 by default, as OpKind counts one flop), r the share of reads that reach DRAM (`read_traffic_factor`: 1 by
 default; a CPU timing loop re-reads inputs from its last-level cache), e the cost of one index
 division in flops (`index_division_flops`: 0 by
 default, as a GPU hides it under memory traffic; a CPU's scalar loop nest pays it for every
@@ -92,6 +94,9 @@ DEFAULT_INDEX_DIVISION_FLOPS = 0.0
 # timings with an L2 flush); a CPU timing loop whose inputs stay in its last-level cache between
 # runs reads most of them from cache, which calibration fits.
 DEFAULT_READ_TRAFFIC_FACTOR = 1.0
+# Extra cost of a floating-point division or square root over a multiply, in flop equivalents:
+# 0 for the datasheet model (OpKind counts them as one flop); calibration fits it.
+DEFAULT_DIVISION_FLOPS = 0.0
 
 _TABLE_FIELDS = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")
 
@@ -110,6 +115,7 @@ class RooflineParams:
     spill_traffic_factor: float = DEFAULT_SPILL_TRAFFIC_FACTOR
     index_division_flops: float = DEFAULT_INDEX_DIVISION_FLOPS
     read_traffic_factor: float = DEFAULT_READ_TRAFFIC_FACTOR
+    division_flops: float = DEFAULT_DIVISION_FLOPS
     regs_base: float = resources.DEFAULT_REGS_BASE
     regs_per_live_value: float = resources.DEFAULT_REGS_PER_LIVE_VALUE
     float32_uses_tf32: bool = True
@@ -127,7 +133,8 @@ class RooflineParams:
                 if not (low_ok and high_ok):
                     raise InvalidSpec(f"RooflineParams.{name}[{template}] = {value}, out of range")
         for name in ("overlap", "launch_overhead_scale", "transcendental_flops",
-                     "spill_traffic_factor", "index_division_flops", "read_traffic_factor", "regs_base",
+                     "spill_traffic_factor", "index_division_flops", "read_traffic_factor", "division_flops",
+                     "regs_base",
                      "regs_per_live_value"):
             value = _number(name, getattr(self, name))
             object.__setattr__(self, name, value)
@@ -294,6 +301,7 @@ class RooflineModel:
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
                        * p.get("scalar_efficiency", spec.template))
         scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops
+                        + spec.divisions * p.division_flops
                         + spec.iteration_size * spec.index_divisions * p.index_division_flops)
         return spec.tc_flops / tc_rate + scalar_flops / scalar_rate
 

@@ -78,6 +78,7 @@ class Kernel:
     alias: bool = False
     split_k: int = 1  # gemm/conv: K split across blocks when the output has too few tiles
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
+    divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -87,7 +88,8 @@ class Kernel:
             dram_write_bytes=float(self.write_bytes), iteration_size=self.iteration_size,
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
-            num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions)
+            num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
+            divisions=float(self.divisions))
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -414,7 +416,7 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
     reloads = _prologue_reloads(graph, nodes, anchor, tile)
-    tc = scalar = trans = 0
+    tc = scalar = trans = divisions = 0
     for n in nodes:
         times = reloads.get(n.id, 1)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
@@ -423,13 +425,19 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
             tc += flops
         else:
             scalar += times * flops
+            if n.op_type in DIVIDE_OPS:
+                divisions += times * graph.tensors[n.outputs[0]].size
     read = 0 if alias else sum(_read_bytes(graph, nodes, t) for t in inputs)
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
     return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
                   tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
                   THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias,
-                  index_divisions=_index_divisions(graph, outputs + _reduced_inputs(nodes)))
+                  index_divisions=_index_divisions(graph, outputs + _reduced_inputs(nodes)),
+                  divisions=divisions)
+
+
+DIVIDE_OPS = frozenset({"Div", "Sqrt", "Reciprocal"})
 
 
 def _reduced_inputs(nodes: list[Node]) -> list[str]:
