@@ -16,7 +16,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -30,6 +30,17 @@ from costmodels.roofline import RooflineParams
 
 SCHEMA = "fusesearch.profile/1"
 _FIX = "expected a profile.json written by `fusesearch calibrate`"
+
+
+def installed_versions(distributions: Iterable[str]) -> dict[str, str | None]:
+    """The installed version of each distribution; None for one that is not installed."""
+    found: dict[str, str | None] = {}
+    for dist in distributions:
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
 
 
 def default_versions() -> dict[str, str]:

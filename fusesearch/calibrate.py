@@ -51,7 +51,6 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +76,7 @@ from costmodels.calibration import (
     predict,
     spearman,
 )
-from costmodels.profile import default_versions
+from costmodels.profile import default_versions, installed_versions
 from fusesearch.errors import BadInput
 from fusesearch.measure import max_rel_err
 
@@ -579,19 +578,11 @@ def _report_block(frame) -> dict:
 
 def versions(backend: str) -> dict[str, str]:
     out = dict(default_versions())
-    for pkg in ("onnx", "onnxruntime", "pandas", "pyarrow"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
+    extra = ("onnx", "onnxruntime", "pandas", "pyarrow") + (() if backend == "cpu" else ("cupy-cuda13x",))
+    out.update({("cupy" if k == "cupy-cuda13x" else k): v for k, v in installed_versions(extra).items() if v})
     out["platform"] = platform.platform()
     if backend == "cpu":
         out["cc"] = _cc_version()
-    else:
-        try:
-            out["cupy"] = metadata.version("cupy-cuda13x")
-        except metadata.PackageNotFoundError:
-            pass
     return out
 
 

@@ -485,15 +485,11 @@ def package_versions() -> dict:
     global _VERSIONS
     if _VERSIONS is None:
         import platform
-        from importlib import metadata
 
-        found = {"python": platform.python_version()}
-        for dist in ("fusesearch", "onnx", "onnx-ir", "onnxruntime", "ortools", "numpy", "dask", "distributed"):
-            try:
-                found[dist] = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                found[dist] = None
-        _VERSIONS = found
+        from costmodels.profile import installed_versions
+
+        _VERSIONS = {"python": platform.python_version(), **installed_versions(
+            ("fusesearch", "onnx", "onnx-ir", "onnxruntime", "ortools", "numpy", "dask", "distributed"))}
     return _VERSIONS
 
 
