@@ -109,6 +109,13 @@ def torch_relu_batchnorm():
     return make_model(nodes, [("x", [1, 3, 10, 10])], [("y", None)], inits)
 
 
+def paddle_relu_gather_nd():
+    """paddle2onnx: relu then gather_nd (GatherND with int64 indices as an initializer)."""
+    nodes = [helper.make_node("Relu", ["x"], ["relu_0.tmp_0"], name="p2o.Relu.0"),
+             helper.make_node("GatherND", ["relu_0.tmp_0", "gather_nd_0.index"], ["y"], name="p2o.GatherND.0")]
+    return make_model(nodes, [("x", [4, 8])], [("y", None)], [("gather_nd_0.index", np.int64([[0], [2]]))], opset=11)
+
+
 # model, the fused group's ops, what the refusal names, the largest relative error allowed
 REFUSED_GROUPS = [
     pytest.param(torch_half_conv_relu, "Conv,Relu", "float16", 1e-3, id="float16"),
@@ -118,6 +125,7 @@ REFUSED_GROUPS = [
     pytest.param(paddle_pad_conv, "Pad,Conv", "Pad", 1e-4, id="pad-conv"),
     pytest.param(paddle_conv_bilinear_resize, "Conv,Resize", "linear", 1e-4, id="resize-linear"),
     pytest.param(torch_relu_batchnorm, "BatchNormalization", "BatchNormalization", 1e-4, id="batchnorm"),
+    pytest.param(paddle_relu_gather_nd, "Relu,GatherND", "GatherND", 1e-4, id="gather-nd"),
 ]
 
 
