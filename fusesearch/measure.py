@@ -160,8 +160,8 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    for p in (plan, unfused):
-        _check_reference_dtypes(prep.graph, p)
+    for label, p in (("plan", plan), ("unfused", unfused)):
+        _check_reference_dtypes(prep.graph, label, p)
     runner = _Runner(prep, backend, budget_s, seed, cache)
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
@@ -177,7 +177,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     return MeasureReport(backend, runner.device, done[0], done[1], baseline)
 
 
-def _check_reference_dtypes(graph, plan: Plan) -> None:
+def _check_reference_dtypes(graph, label: str, plan: Plan) -> None:
     """BadInput naming the group, node, op and dtype when a tensor has a dtype ONNX Runtime cannot
     hand back to numpy: no reference value, so nothing to run a kernel on or check it against."""
     for g in plan.groups:
@@ -185,7 +185,7 @@ def _check_reference_dtypes(graph, plan: Plan) -> None:
             for t in (*node.inputs, *node.outputs):
                 info = graph.tensors.get(t) if t else None
                 if info is not None and info.dtype not in REFERENCE_DTYPES:
-                    raise BadInput(f"plan group g{g.id}: node '{node.name}' ({node.op_type}) "
+                    raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
                                    f"{'reads' if t in node.inputs else 'makes'} '{t}' of dtype {info.dtype}, "
                                    f"which ONNX Runtime cannot hand back to numpy; measure cannot time a model "
                                    f"with {info.dtype} tensors")
@@ -289,7 +289,7 @@ class _Runner:
         except Exception as exc:  # ONNX Runtime's refusal (or a dtype numpy lacks): the user's model
             graph = self.prep.graph
             node = graph.nodes[part.nodes[0]]
-            dtypes = [",".join(dict.fromkeys(graph.tensors[t].dtype for t in ts if t)) or "-"
+            dtypes = [",".join(dict.fromkeys(graph.tensors[t].dtype for t in ts if t in graph.tensors)) or "-"
                       for ts in (node.inputs, node.outputs)]
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise BadInput(f"{where}: node '{node.name}' ({node.op_type}, {dtypes[0]} -> {dtypes[1]}) has no "
