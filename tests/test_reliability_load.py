@@ -199,11 +199,12 @@ BROKEN = [
 
 @pytest.mark.parametrize(("build", "needles"), [row[1:] for row in BROKEN], ids=[row[0] for row in BROKEN])
 @pytest.mark.parametrize("command", [["inspect"], ["plan", "--device", DEVICE]], ids=["inspect", "plan"])
-def test_broken_model_is_refused_with_one_line(run_cli, tmp_path, command, build, needles):
+def test_broken_model_is_refused_with_one_line(run_cli, tmp_path, caplog, command, build, needles):
     path = save(build(), tmp_path / "broken.onnx")
     code, out, err = run_cli(command[0], path, *command[1:])
     one_line_error(code, err, "broken.onnx", *needles)
     assert out == ""
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")], caplog.text  # one line only
 
 
 def test_opset_message_names_one_range_and_readme_agrees():
@@ -335,3 +336,15 @@ def test_agreeing_shape_flags_load(run_cli, tmp_path):
     code, out, err = run_cli("inspect", path, "--input-shape", "a=2x4", "--dim", "batch=2", "--json")
     assert code == 0, err
     assert [i["shape"] for i in strict_json(out)["inputs"]] == [[2, 4], [2, 4]]
+
+
+def test_external_data_length_not_matching_dims_is_refused(run_cli, tmp_path):
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", "8")):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [("x", [4])], [("y", [4])])
+    model.graph.initializer.append(weight)
+    (tmp_path / "w.bin").write_bytes(b"\0" * 16)
+    code, _, err = run_cli("inspect", save(model, tmp_path / "ext.onnx"))
+    one_line_error(code, err, "ext.onnx", "initializer 'w'", "8 bytes of external data", "[4]", "16")

@@ -178,7 +178,11 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: str | None, label: st
         target = os.path.join(base_dir, location)
         if not os.path.isfile(target):
             raise ModelLoadError(f"{where}: file not found next to the model; copy it into {base_dir}")
-        needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        try:
+            needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        except ValueError:
+            raise ModelLoadError(f"{where}: offset '{info.get('offset')}' or length '{info.get('length')}' "
+                                 "is not an integer; re-save the model") from None
         if os.path.getsize(target) < needed:
             raise ModelLoadError(f"{where}: file is {os.path.getsize(target)} bytes, the tensor needs "
                                  f"{needed}; the data file is truncated: copy it again")
@@ -351,8 +355,8 @@ def _check_tensor_sizes(graph: onnx.GraphProto, label: str) -> None:
                 if "length" not in info:
                     continue
                 have, need, unit = int(info["length"]), need_bytes, "bytes of external data"
-            elif tensor.raw_data:
-                have, need, unit = len(tensor.raw_data), need_bytes, "bytes"
+            elif raw_bytes := len(tensor.raw_data):  # read once: the field is copied on access
+                have, need, unit = raw_bytes, need_bytes, "bytes"
             elif bits < 8:  # packed, one byte per int32_data entry
                 have, need, unit = len(tensor.int32_data), need_bytes, "packed values"
             else:
