@@ -303,7 +303,13 @@ def _verify(prep, candidate, seed: int, rtol: float, atol: float, values: dict, 
     """Run the original (`prep.original`, held in memory) and CANDIDATE in ONNX Runtime on the
     same valid inputs. `ours`: the candidate is a fused model made now (its failure is a bug:
     exit 1), else a file the user gave (exit 2)."""
-    from fusesearch.verify import CandidateFailed, candidate_outputs, compare, random_feeds, reference_outputs
+    from fusesearch.verify import (
+        CandidateFailed,
+        candidate_outputs,
+        compare,
+        random_feeds,
+        reference_outputs,
+    )
 
     feeds = random_feeds(prep.original, seed, values)
     skip = f"use {NO_VERIFY}" if ours else None

@@ -4,6 +4,7 @@ Problem: the CLI must turn every user mistake into exit code 2 and one clear lin
 internal failure into exit code 1, without tracebacks leaking to users.
 Approach: every raised error derives from `FusesearchError`; `BadInput` (and subclasses) means the
 user can fix it, and its message says what was expected, what came, and the fix.
+`check_outputs` is the one check of a command's output paths (each via `check_output_path`).
 Invariant: messages are one line (no newlines), name the file / node / option involved.
 """
 
