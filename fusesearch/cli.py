@@ -370,7 +370,7 @@ def verify(
         raise BadInput("--rtol/--atol: tolerances must be >= 0")
     if not fused.is_file():
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
-    if _reads((original, "ORIGINAL")) and os.path.samefile(original, fused):
+    if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
         raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
     prep = prepare(original, _bindings(input_shape, dim), keep_original=True)
     values = _input_values(input_value, prep)

@@ -266,9 +266,10 @@ def available_memory() -> int | None:
         return None
 
 
-def check_memory(graph: Graph, skip: str) -> None:
+def check_memory(graph: Graph, hint: str) -> None:
     """Refuse (exit 2) a verification whose tensors cannot fit in the available memory, before
-    ONNX Runtime allocates them: every activation of the graph plus its weights."""
+    ONNX Runtime allocates them: every activation of the graph plus its weights; `hint` says what
+    to do instead."""
     from fusesearch.pipeline import activation_bytes, weight_bytes
 
     need = activation_bytes(graph) + weight_bytes(graph)
@@ -276,7 +277,7 @@ def check_memory(graph: Graph, skip: str) -> None:
     if have is not None and need > have:
         raise BadInput(f"cannot verify: running the model in ONNX Runtime needs {need / (1 << 30):.1f} GiB "
                        f"(activations and weights), this machine has {have / (1 << 30):.1f} GiB available; "
-                       f"{skip}")
+                       f"{hint}")
 
 
 def _no_kernel(model: onnx.ModelProto) -> str | None:
