@@ -180,8 +180,9 @@ def ort_errors() -> tuple[type[BaseException], ...]:
 def runnable_ir_version(model: onnx.ModelProto) -> int:
     """The lowest IR version the model's opsets allow (never above its own): ONNX Runtime lags
     onnx's newest IR version, and a model loaded in memory does not need it."""
-    opsets = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
-    lowest = max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 8 if model.functions else 7)
+    from fusesearch.ir.canonicalize import ir_version_for
+
+    lowest = ir_version_for({o.domain: o.version for o in model.opset_import}, bool(model.functions))
     return min(model.ir_version, lowest) if model.ir_version else lowest
 
 
