@@ -303,8 +303,15 @@ def reference_outputs(reference: onnx.ModelProto, feeds: Mapping[str, np.ndarray
         sess = session(reference)
     except ort_errors() as exc:
         missing = _no_kernel(reference)
-        why = (f"ONNX Runtime has no kernel for {missing}" if missing
-               else f"ONNX Runtime cannot load the original model ({_first_line(exc)})")
+        typed = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(exc))
+        if missing:
+            why = f"ONNX Runtime has no kernel for {missing}"
+        elif typed:
+            op, version, name = typed.groups()
+            why = (f"ONNX Runtime has no CPU kernel for op {op} (opset {version}) at node {name or '(unnamed)'} "
+                   "for its input types")
+        else:
+            why = f"ONNX Runtime cannot load the original model ({_first_line(exc)})"
         raise BadInput(f"cannot verify: {why}" + (f"; {skip}" if skip else "")) from None
     return _run_original(sess, feeds, given, skip, "cannot verify: the original model itself")
 

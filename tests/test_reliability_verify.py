@@ -81,6 +81,15 @@ def _case(tmp_path, kind):
     if kind == "custom domain":
         m = save(_with_op("MyOp", "com.acme"), tmp_path / "c.onnx")
         return ("plan", m, *PLAN, "--emit", out), ["op MyOp (domain com.acme)", "node odd", "--no-verify"], out
+    if kind == "no CPU kernel for the dtype":
+        nodes = [helper.make_node("Neg", ["x"], ["a"], name="neg"), helper.make_node("Erf", ["a"], ["y"], name="erf")]
+        m = save(make_model(nodes, [("x", [2, 3], TensorProto.DOUBLE)], [("y", [2, 3], TensorProto.DOUBLE)]),
+                 tmp_path / "d.onnx")
+        return ("plan", m, *PLAN, "--emit", out), ["no CPU kernel for op Erf", "node erf", "--no-verify"], out
+    if kind == "emit over the model through a link":
+        link = tmp_path / "link.onnx"
+        link.symlink_to(tmp_path / "m.onnx")
+        return ("plan", m, *PLAN, "--emit", link, "--force"), ["--emit", "link.onnx", "is the model"], None
     if kind == "original fails on generated inputs":
         m = save(_branch_on_rate(), tmp_path / "b.onnx")
         return (("plan", m, *PLAN, "--emit", out),
@@ -171,7 +180,8 @@ def _plan_json(tmp_path, model: str):
     return path
 
 
-BAD = ["unknown op", "custom domain", "original fails on generated inputs", "original fails on the given value",
+BAD = ["unknown op", "custom domain", "no CPU kernel for the dtype", "emit over the model through a link",
+       "original fails on generated inputs", "original fails on the given value",
        "verify: original fails", "measure: model fails", "emit over the model",
        "emit over the model, another spelling", "canonical over the model", "export over its plan",
        "measure -o over the model", "-o and --emit on one path", "--svg and --html on one path",
