@@ -238,7 +238,7 @@ def plan(
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying)
     values = _input_values(input_value, prep)
     if verifying:
-        _check_verify_memory(prep, NO_VERIFY)
+        _check_verify_memory(prep, True)
     result, legality, prep = _run_plan(model, None, device, strategy, config, prep)
     verified = None
     if emit is not None:
@@ -292,10 +292,13 @@ def _draw(plan_, svg: Path | None, html_out: Path | None) -> None:
         html_out.write_text(plan_html(plan_))
 
 
-def _check_verify_memory(prep, skip: str | None) -> None:
+def _check_verify_memory(prep, can_skip: bool) -> None:
+    """Before any work: refuse a verification that cannot fit in memory (`can_skip`: the command
+    has --no-verify)."""
     from fusesearch.verify import check_memory
 
-    check_memory(prep.graph, f"use {skip} or a smaller --dim" if skip else "give a smaller --dim or --input-shape")
+    check_memory(prep.graph, f"use {NO_VERIFY} or a smaller --dim" if can_skip else
+                 "give a smaller --dim or --input-shape")
 
 
 def _verify(prep, candidate, seed: int, rtol: float, atol: float, values: dict, *, label: str,
@@ -374,7 +377,7 @@ def verify(
         raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
     prep = prepare(original, _bindings(input_shape, dim), keep_original=True)
     values = _input_values(input_value, prep)
-    _check_verify_memory(prep, None)
+    _check_verify_memory(prep, False)
     report = _verify(prep, _read_fused(fused), seed, rtol, atol, values, label=str(fused), ours=False)
     if json_out:
         _emit_json(report)
@@ -407,7 +410,7 @@ def export(
     values = _input_values(input_value, prep)
     groups = plan_groups_from_json(plan_json, prep.graph)
     if not no_verify:
-        _check_verify_memory(prep, NO_VERIFY)
+        _check_verify_memory(prep, True)
     report = _emit_fused(prep, groups, emit, force, not no_verify, 0, values)
     out.print(f"fused model written to {emit} ({len(groups)} nodes, "
               f"{sum(len(g) > 1 for g in groups)} functions)")
@@ -562,6 +565,7 @@ def measure(
     from fusesearch.backends.timing import TimingCache
     from fusesearch.measure import BACKENDS, BASELINES, measure_plan
     from fusesearch.pipeline import prepare
+    from fusesearch.verify import check_memory
 
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
@@ -575,6 +579,7 @@ def measure(
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim))
     values = _input_values(input_value, prep)
+    check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True) as bar:

@@ -267,16 +267,16 @@ def available_memory() -> int | None:
         return None
 
 
-def check_memory(graph: Graph, hint: str) -> None:
-    """Refuse (exit 2) a verification whose tensors cannot fit in the available memory, before
-    ONNX Runtime allocates them: every activation of the graph plus its weights; `hint` says what
-    to do instead."""
+def check_memory(graph: Graph, hint: str, task: str = "verify") -> None:
+    """Refuse (exit 2) to run the model in ONNX Runtime (to verify or measure it) when its tensors
+    cannot fit in the available memory, before anything is allocated: every activation of the
+    graph plus its weights; `hint` says what to do instead."""
     from fusesearch.pipeline import activation_bytes, weight_bytes
 
     need = activation_bytes(graph) + weight_bytes(graph)
     have = available_memory()
     if have is not None and need > have:
-        raise BadInput(f"cannot verify: running the model in ONNX Runtime needs {need / (1 << 30):.1f} GiB "
+        raise BadInput(f"cannot {task}: running the model in ONNX Runtime needs {need / (1 << 30):.1f} GiB "
                        f"(activations and weights), this machine has {have / (1 << 30):.1f} GiB available; "
                        f"{hint}")
 

@@ -142,6 +142,11 @@ def _case(tmp_path, kind):
                               [("y", ["batch", 1024])]), tmp_path / "d.onnx")
         return (("verify", big, _copy(big), "--dim", "batch=1000000000000"),
                 ["needs", "GiB available", "smaller --dim"], None)
+    if kind == "measure: huge dim":
+        big = save(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [("x", ["batch", 1024])],
+                              [("y", ["batch", 1024])]), tmp_path / "d.onnx")
+        return (("measure", big, "--strategy", "none", "--dim", "batch=1000000000000"),
+                ["cannot measure", "needs", "GiB available", "smaller --dim"], None)
     flag_cases = {  # --input-value rows: (flag, needles)
         "value without =": ("x", ["--input-value x:", "NAME=VALUE"]),
         "value of no input": ("sr=16000", ["--input-value sr=16000", "no input 'sr'", "inputs are x"]),
@@ -186,7 +191,7 @@ BAD = ["unknown op", "custom domain", "no CPU kernel for the dtype", "emit over 
        "emit over the model, another spelling", "canonical over the model", "export over its plan",
        "measure -o over the model", "-o and --emit on one path", "--svg and --html on one path",
        "calibrate -o beside itself", "-o is a folder", "--emit is a folder", "verify: the same file twice",
-       "huge dim", "verify: huge dim", "value without =", "value of no input", "value not a number",
+       "huge dim", "verify: huge dim", "measure: huge dim", "value without =", "value of no input", "value not a number",
        "value of the wrong size", "value: a fraction for an int", "value: out of range",
        "value: a list for a scalar", "value given twice"]
 
