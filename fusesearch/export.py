@@ -106,9 +106,11 @@ def _np_dtype(name: str):
 def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str = "--emit") -> Path:
     """Write `model` (weights beside it above 2 GiB) all at once: staged in a hidden folder next
     to `path` and moved into place, so a failed or interrupted write leaves nothing behind."""
+    from fusesearch.verify import PROTO_LIMIT
+
     path = Path(path)
     check_output_path(path, overwrite, flag)
-    big = model.ByteSize() > (1 << 31) - (1 << 24)
+    big = model.ByteSize() > PROTO_LIMIT
     data = path.with_name(path.name + ".data")
     if big:
         check_output_path(data, overwrite, f"{flag} (its weights)")

@@ -315,3 +315,19 @@ def test_models_above_protobufs_limit_pass_weights_beside_the_proto(monkeypatch)
     monkeypatch.setattr(verify, "ASIDE_MIN_BYTES", 16)
     assert np.array_equal(verify.run(model, feeds)["y"], small["y"])
     assert numpy_helper.to_array(model.graph.initializer[0]).shape == (32, 32)  # the caller's model untouched
+
+
+def test_a_model_above_the_limit_is_written_with_its_weights_beside_it_and_verifies(run_cli, tmp_path, monkeypatch):
+    """The > 2 GiB path, with the limit lowered: weights go beside the proto both for ONNX Runtime
+    and on disk (staged and moved into place like the model)."""
+    w = np.arange(1024, dtype=np.float32).reshape(32, 32) / 1024
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"), helper.make_node("Relu", ["a"], ["y"], name="relu")]
+    path = save(make_model(nodes, [("x", [2, 32])], [("y", [2, 32])], [("w", w)]), tmp_path / "m.onnx")
+    monkeypatch.setattr(verify, "PROTO_LIMIT", 0)
+    monkeypatch.setattr(verify, "ASIDE_MIN_BYTES", 16)
+    fused = tmp_path / "f.onnx"
+    code, out, err = run_cli("plan", path, *PLAN, "--emit", fused)
+    assert code == 0 and "1 outputs equal" in out, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.onnx", "f.onnx.data", "m.onnx"]
+    code, out, err = run_cli("verify", path, fused)
+    assert code == 0 and "1 outputs equal" in out, err
