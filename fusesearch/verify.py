@@ -8,9 +8,10 @@ index a Gather get ids below that table's row count, inputs named like a mask ge
 are standard normal, strings short words — and the user's `--input-value NAME=V` values
 (`parse_input_values`, checked against the input's dtype and shape) replace drawn ones; `run`
 executes a model held in memory (never a file that may have been overwritten) with every graph
-optimization off (so ORT's own fusions cannot hide a difference); `verify_models` first checks
-that the run fits in memory, runs the reference (a failure there is the user's: exit 2 saying how
-to give values or skip verification), then the candidate, and `compare` reports, per output, the
+optimization off (so ORT's own fusions cannot hide a difference). A verification first checks
+that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
+there is the user's, exit 2 naming the op or the failing node and how to give values or skip
+verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
 largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|).
 Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
 (`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
