@@ -9,6 +9,7 @@ as is; a multi-node group becomes a FunctionProto `g<id>` in domain `fusesearch`
 group's nodes, whose inputs are the tensors the group reads from outside (weights included —
 functions cannot see the graph's initializers) and whose outputs are the tensors used outside
 it (multi-output kernels), called by one node named `g<id>`. value_info keeps every shape.
+`save_model` stages the file beside its destination and moves it into place in one step.
 `plan_from_json` maps a saved plan.json back onto a model, refusing a plan that does not fit it.
 Invariants: the main graph has exactly one node per group, in a valid topological order; graph
 inputs, outputs and initializers keep their names; If/Loop bodies are copied untouched.
@@ -17,6 +18,8 @@ inputs, outputs and initializers keep their names; If/Loop bodies are copied unt
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,13 +104,25 @@ def _np_dtype(name: str):
 
 
 def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str = "--emit") -> Path:
+    """Write `model` (weights beside it above 2 GiB) all at once: staged in a hidden folder next
+    to `path` and moved into place, so a failed or interrupted write leaves nothing behind."""
+    from fusesearch.verify import PROTO_LIMIT
+
     path = Path(path)
     check_output_path(path, overwrite, flag)
-    if model.ByteSize() > (1 << 31) - (1 << 24):
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        path.write_bytes(model.SerializeToString())
+    big = model.ByteSize() > PROTO_LIMIT
+    data = path.with_name(path.name + ".data")
+    if big:
+        check_output_path(data, overwrite, f"{flag} (its weights)")
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        if big:
+            onnx.save_model(model, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data.name, size_threshold=1024)
+            os.replace(staged.with_name(data.name), data)
+        else:
+            staged.write_bytes(model.SerializeToString())
+        os.replace(staged, path)
     return path
 
 
