@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -187,6 +188,13 @@ def runnable_ir_version(model: onnx.ModelProto) -> int:
     return min(model.ir_version, lowest) if model.ir_version else lowest
 
 
+def omp_threads() -> int:
+    """OMP_NUM_THREADS when set (the thread count of the generated CPU kernels), else 0: ONNX
+    Runtime's default, one thread per physical core."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() else 0
+
+
 def session(model: onnx.ModelProto | str):
     """A CPU session of `model` (a path is read into memory first) with graph optimizations off."""
     ort = _ort()
@@ -195,6 +203,7 @@ def session(model: onnx.ModelProto | str):
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = ORT_LOG_SEVERITY
+    opts.intra_op_num_threads = omp_threads()  # library calls get the generated kernels' thread count
     aside: list[np.ndarray] = []
     if model.ByteSize() > PROTO_LIMIT:
         model = _weights_aside(model, opts, aside)
