@@ -334,6 +334,17 @@ def _make_static(proto: onnx.ModelProto, bindings: ShapeBindings, label: str) ->
             out.type.tensor_type.ClearField("shape")
 
 
+def check_bindings(model: str, bindings: ShapeBindings, *, proto: onnx.ModelProto | None = None) -> None:
+    """Raise the error `load_model(model, bindings)` would raise on reading the model or binding its
+    inputs, cheaply: only the graph inputs are bound (no weights copied, no opset upgrade, no shape
+    inference). `proto`: the model already built (a zoo model with other parameters)."""
+    if proto is None:
+        proto, _, _, bindings = _read(model, bindings)
+    skeleton = onnx.GraphProto(input=proto.graph.input,
+                               initializer=[onnx.TensorProto(name=t.name) for t in proto.graph.initializer])
+    _make_static(onnx.ModelProto(graph=skeleton), bindings, model)
+
+
 def _infer_shapes(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
