@@ -93,7 +93,8 @@ class ModelSpec:
         at = f"models[{self.entry}]"
         spelling = Spelling(shape_key=f"{at}.input_shapes.{{name}}",
                             shape_fix=f"input_shapes = {{{{ {{name}} = [D1, D2, ...] }}}} in {at}",
-                            dim_key=f"{at}.dims.{{name}}", dim_fix=f"dims = {{{{ {{name}} = V }}}} in {at}")
+                            dim_key=f"{at}.dims.{{name}}", dim_fix=f"dims = {{{{ {{name}} = V }}}} in {at}",
+                            both=f"input_shapes and dims of {at}")
         return ShapeBindings(MappingProxyType(dict(self.input_shapes)), MappingProxyType(dict(self.dims)),
                              spelling=spelling)
 

@@ -90,7 +90,7 @@ def test_good_bindings_load_and_the_cells_run_static(tmp_path):
 
 def test_a_sweep_whose_every_cell_fails_exits_1_and_says_so(tmp_path, run_cli):
     """Every cell failed: exit 1 (not 0), the summary still printed and the results written, one
-    error line with the count and the first cell's error."""
+    error line with the count and the first cell's error, whose hint names the config's keys."""
     _unloadable(tmp_path)
     config = tmp_path / "sweep.toml"
     config.write_text('models = ["mismatch.onnx"]\ndevices = ["t4", "h200"]\nstrategies = ["greedy"]\n')
@@ -101,6 +101,7 @@ def test_a_sweep_whose_every_cell_fails_exits_1_and_says_so(tmp_path, run_cli):
     line = err.strip().splitlines()[-1]
     assert line.startswith("fusesearch: error: sweep sweep: every cell failed (2)") and "mismatch.onnx" in line
     assert "results.parquet" in line and "internal error" not in err
+    assert "input_shapes and dims of models[0]" in line and "--dim" not in line  # the config's keys
     assert (out / "results.parquet").is_file()
 
 

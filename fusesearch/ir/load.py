@@ -66,7 +66,7 @@ def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel
     stash = _strip_weights(proto)
     proto = _upgrade(proto, opset, label)
     _make_static(proto, bindings, label)
-    proto = _infer_shapes(proto, label)
+    proto = _infer_shapes(proto, label, bindings.spelling.both)
     _restore_weights(proto, stash, label)
     ir_model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
@@ -345,13 +345,13 @@ def check_bindings(model: str, bindings: ShapeBindings, *, proto: onnx.ModelProt
     _make_static(onnx.ModelProto(graph=skeleton), bindings, model)
 
 
-def _infer_shapes(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
+def _infer_shapes(proto: onnx.ModelProto, label: str, bindings: str) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as exc:
         first = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the --input-shape/--dim "
-                             "values against the model's inputs, or fix the export") from None
+        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the {bindings} "
+                             "against the model's inputs, or fix the export") from None
     except (ValueError, RuntimeError) as exc:  # e.g. a model >2 GB serialized inline
         log.warning("%s: onnx shape inference skipped: %s", label, str(exc).splitlines()[0])
         return proto

@@ -31,6 +31,7 @@ class Spelling:
     shape_fix: str = "--input-shape {name}=D1xD2x..."
     dim_key: str = "--dim {name}"  # the binding of one named dim
     dim_fix: str = "--dim {name}=V"
+    both: str = "--input-shape/--dim values"  # all of them, in a hint
 
 
 FLAGS = Spelling()
