@@ -229,7 +229,7 @@ def _check_bindings(models: tuple[ModelSpec, ...], where: str) -> None:
     """Bind each models entry's input_shapes and dims to its model's graph inputs now (the model read
     once, its weights not loaded; a zoo model built at its smallest parameters, as its graph inputs do
     not depend on them), so that a config which cannot make a model static fails here, naming the key,
-    instead of in every cell."""
+    instead of in every cell. A zoo model given neither is skipped: its default dims bind its inputs."""
     from fusesearch import zoo
     from fusesearch.errors import ShapeBindingError
     from fusesearch.ir.load import check_bindings
@@ -239,6 +239,8 @@ def _check_bindings(models: tuple[ModelSpec, ...], where: str) -> None:
         entries.setdefault(spec.entry, []).append(spec)
     for index, specs in entries.items():
         spec = specs[0]
+        if spec.model.startswith("zoo:") and not (spec.input_shapes or spec.dims):
+            continue
         bindings, proto = spec.bindings(), None
         if spec.zoo:
             name = spec.model[4:]
