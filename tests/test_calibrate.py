@@ -64,6 +64,18 @@ def test_split_is_by_group_seeded_and_covers_every_template():
         assert any(h for h, tt in zip(held, templates, strict=True) if tt == t)
 
 
+def test_cross_validation_folds_are_by_group_and_seeded():
+    """Folds: a group's rows share a fold, every fold is used, the same seed gives the same folds."""
+    from costmodels.calibration import group_folds
+
+    groups = [f"g{i % 7}" for i in range(20)]
+    folds = group_folds(groups, 3, seed=0)
+    assert all(len({f for g, f in zip(groups, folds, strict=True) if g == key}) == 1 for key in set(groups))
+    assert set(folds) == {0, 1, 2}
+    assert np.array_equal(folds, group_folds(groups, 3, seed=0))
+    assert any(not np.array_equal(folds, group_folds(groups, 3, seed=s)) for s in (1, 2, 3))
+
+
 def test_sampling_is_stratified_deterministic_and_distinct():
     """Sampling: every generated template of the model appears, across size bins; the same seed
     gives the same groups; no two sampled kernels have the same KernelSpec."""
