@@ -728,11 +728,14 @@ def sweep(
            "results": str(summary.results)}
     if json_out:
         _emit_json(doc)
-        return
-    out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
-              f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
-    if summary.failed:
-        out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")
+    else:
+        out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
+                  f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
+        if summary.failed and not summary.all_failed:
+            out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")
+    if summary.all_failed:
+        raise FusesearchError(f"sweep {cfg.name}: every cell failed ({summary.cells}); the first: "
+                              f"{summary.first_error}; see the error column of {summary.results}")
 
 
 @app.command()

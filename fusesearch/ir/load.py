@@ -75,7 +75,7 @@ def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel
     stash = _strip_weights(proto)
     proto = _upgrade(proto, opset, label)
     _make_static(proto, bindings, label)
-    proto = _infer_shapes(proto, label)
+    proto = _infer_shapes(proto, label, bindings.spelling.both)
     _check_conv_channels(proto.graph, label)
     _restore_weights(proto, stash, label)
     ir_model = ir.serde.deserialize_model(proto)
@@ -507,13 +507,24 @@ def _make_static(proto: onnx.ModelProto, bindings: ShapeBindings, label: str) ->
             out.type.tensor_type.ClearField("shape")
 
 
-def _infer_shapes(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
+def check_bindings(model: str, bindings: ShapeBindings, *, proto: onnx.ModelProto | None = None) -> None:
+    """Raise the error `load_model(model, bindings)` would raise on reading the model or binding its
+    inputs, cheaply: only the graph inputs are bound (no weights copied, no opset upgrade, no shape
+    inference). `proto`: the model already built (a zoo model with other parameters)."""
+    if proto is None:
+        proto, _, _, bindings = _read(model, bindings)
+    skeleton = onnx.GraphProto(input=proto.graph.input,
+                               initializer=[onnx.TensorProto(name=t.name) for t in proto.graph.initializer])
+    _make_static(onnx.ModelProto(graph=skeleton), bindings, model)
+
+
+def _infer_shapes(proto: onnx.ModelProto, label: str, bindings: str) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as exc:
         first = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the --input-shape/--dim "
-                             "values against the model's inputs, or fix the export") from None
+        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the {bindings} "
+                             "against the model's inputs, or fix the export") from None
     except (ValueError, RuntimeError) as exc:  # e.g. a model >2 GB serialized inline
         log.warning("%s: onnx shape inference skipped: %s", label, str(exc).splitlines()[0])
         return proto
