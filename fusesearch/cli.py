@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,27 @@ err = Console(stderr=True, highlight=False)
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
 Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim (repeatable)")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+
+
+# -- option checks: one validator per kind of value, attached to the option in every command -----
+
+def _checked(test, expected: str):
+    """A typer callback that refuses (exit 2, naming the option) a value failing `test`; None
+    (an option left unset) passes. Runs while the command line is parsed, before any work."""
+    def callback(ctx, param, value):
+        if value is not None and not test(value):
+            shown = f"{value:g}" if isinstance(value, float) else value  # as typed: 0, nan, inf
+            raise BadInput(f"{max(param.opts, key=len)} {shown}: give {expected}")
+        return value
+    return callback
+
+
+SECONDS = _checked(lambda v: math.isfinite(v) and v > 0, "a positive, finite number of seconds")
+TOLERANCE = _checked(lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+COUNT = _checked(lambda v: v >= 1, "a positive whole number")
+SEED = _checked(lambda v: 0 <= v < 2**31, "a whole number from 0 to 2147483647")
+MIN_SAMPLES = 4
+SAMPLES = _checked(lambda v: v >= MIN_SAMPLES, f"at least {MIN_SAMPLES} (a few hundred for a useful fit)")
 
 
 def _bindings(input_shape: list[str] | None, dim: list[str] | None):
@@ -166,24 +188,17 @@ def _figures(graph, label, spec, params) -> dict:
 # -- plan / compare ---------------------------------------------------------------------------
 
 Strategy = Annotated[str, typer.Option("--strategy", help="none | rules | greedy | cpsat")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds (cpsat).")]
-MaxGroup = Annotated[int, typer.Option("--max-group-size", help="Most ops in one kernel.")]
-Seed = Annotated[int, typer.Option("--seed", help="Solver seed.")]
-Workers = Annotated[int | None, typer.Option("--workers", help="CP-SAT workers (default: cores, at most 8).")]
-
-
-def _check_search_args(time_limit: float, max_group_size: int) -> None:
-    if time_limit <= 0:
-        raise BadInput(f"--time-limit {time_limit}: give a positive number of seconds")
-    if max_group_size < 1:
-        raise BadInput(f"--max-group-size {max_group_size}: give a positive number of ops")
+TimeLimit = Annotated[float, typer.Option("--time-limit", callback=SECONDS,
+                                           help="Solver time limit in seconds (cpsat).")]
+MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help="Most ops in one kernel.")]
+Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
+Workers = Annotated[int | None, typer.Option("--workers", callback=COUNT,
+                                             help="CP-SAT workers (default: cores, at most 8).")]
 
 
 def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None):
     from fusesearch.search.problem import SearchConfig
 
-    if workers is not None and workers < 1:
-        raise BadInput(f"--workers {workers}: give a positive number")
     return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
                         **({"workers": workers} if workers else {}))
 
@@ -213,7 +228,6 @@ def plan(
 
     if strategy not in STRATEGIES:
         raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
-    _check_search_args(time_limit, max_group_size)
     for path, flag in ((output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")):
         _check_output(path, force, flag)
     config = _config(time_limit, max_group_size, seed, workers)
@@ -311,17 +325,16 @@ def verify(
     fused: Annotated[Path, typer.Argument(help="the fused model (from plan --emit or export)")],
     input_shape: InputShape = None,
     dim: Dim = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Tolerance relative to max(1, max|original|).")] = 1e-4,
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the random inputs.")] = 0,
+    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE,
+                                        help="Tolerance relative to max(1, max|original|).")] = 1e-4,
+    atol: Annotated[float, typer.Option("--atol", callback=TOLERANCE, help="Absolute tolerance.")] = 0.0,
     json_out: JsonFlag = False,
 ) -> None:
     """Prove FUSED equal to ORIGINAL in ONNX Runtime on seeded, valid random inputs (exit 1 if not)."""
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.ir.load import load_model
 
-    if rtol < 0 or atol < 0:
-        raise BadInput("--rtol/--atol: tolerances must be >= 0")
     if not fused.is_file():
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
     loaded = load_model(original, _bindings(input_shape, dim))
@@ -423,7 +436,6 @@ def compare(
     if bad or not names:
         raise BadInput(f"--strategies {strategies}: unknown {', '.join(bad) or 'empty'}; choose from "
                        f"{', '.join(STRATEGIES)}")
-    _check_search_args(time_limit, max_group_size)
     devices = [d.strip() for d in device.split(",") if d.strip()]
     if not devices:
         raise BadInput("--device: give at least one device name (see `fusesearch devices`)")
@@ -490,7 +502,8 @@ def measure(
     input_shape: InputShape = None,
     dim: Dim = None,
     time_limit: TimeLimit = 60.0,
-    budget: Annotated[float, typer.Option("--budget", help="Timing budget per kernel, seconds.")] = 0.2,
+    budget: Annotated[float, typer.Option("--budget", callback=SECONDS,
+                                          help="Timing budget per kernel, seconds.")] = 0.2,
     seed: Seed = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
@@ -514,8 +527,6 @@ def measure(
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    if budget <= 0:
-        raise BadInput(f"--budget {budget}: give a positive number of seconds")
     _check_output(output, force, "-o")
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
@@ -551,9 +562,12 @@ def _measure_plans(model, bindings, device, strategy, config, plan_json):
     plan_, legality, prep = _run_plan(model, bindings, device, strategy if plan_json is None else "none", config)
     none, _, _ = _run_plan(model, None, device, "none", config, prep)
     if plan_json is not None:
+        from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 
-        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph)]
+        # the file's groups are checked on this device; their size is the file's (no search limit)
+        legality = Legality(prep.graph, legality.device, legality.model, max_group_size=len(prep.graph))
+        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
         label = resolve_device(device)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
                            solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
@@ -616,7 +630,7 @@ def _print_versus(versus: dict) -> None:
 @app.command()
 def sweep(
     config: Annotated[Path, typer.Argument(help="the sweep's TOML config (see experiments/*.toml)")],
-    workers: Annotated[int | None, typer.Option("--workers", help="Local Dask worker processes "
+    workers: Annotated[int | None, typer.Option("--workers", callback=COUNT, help="Local Dask worker processes "
                                                 "(default: one per core).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Address of a running Dask "
                                                   "scheduler, e.g. tcp://HOST:8786.")] = None,
@@ -687,11 +701,11 @@ def calibrate(
                                                "cpu) or a profile of it to start from.")] = None,
     models: Annotated[str | None, typer.Option("--models", help="Comma-separated models (zoo names or "
                                                ".onnx paths with static shapes).")] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Groups to sample and measure.")] = 240,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of sampling, inputs and the split.")] = 0,
-    budget: Annotated[float | None, typer.Option("--budget", help="Timing budget per kernel and "
-                                                 "round, seconds.")] = None,
-    rounds: Annotated[int | None, typer.Option("--rounds", help="Timing rounds per kernel (the "
+    samples: Annotated[int, typer.Option("--samples", callback=SAMPLES, help="Groups to sample and measure.")] = 240,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of sampling, inputs and the split.")] = 0,
+    budget: Annotated[float | None, typer.Option("--budget", callback=SECONDS, help="Timing budget per kernel "
+                                                 "and round, seconds.")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", callback=COUNT, help="Timing rounds per kernel (the "
                                                "quietest round's median counts).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
     json_out: JsonFlag = False,
@@ -703,12 +717,6 @@ def calibrate(
 
     if backend not in cal.BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(cal.BACKENDS)}")
-    if samples < 4:
-        raise BadInput(f"--samples {samples}: give at least 4 (a few hundred for a useful fit)")
-    if budget is not None and budget <= 0:
-        raise BadInput(f"--budget {budget}: give a positive number of seconds")
-    if rounds is not None and rounds < 1:
-        raise BadInput(f"--rounds {rounds}: give a positive number")
     for path, flag in ((output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
                        (output.parent / "calibration.png", "-o (beside it)")):
         _check_output(path, force, flag)
