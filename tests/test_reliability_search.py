@@ -35,7 +35,7 @@ SAMPLES = ("at least 4 (a few hundred for a useful fit)", ["3", "0"])
 COMMANDS = {
     "plan": (["plan", "{m}", "--device", "h100-sxm"],
              {"--time-limit": SECONDS, "--max-group-size": COUNT, "--workers": COUNT, "--seed": SEED}),
-    "compare": (["compare", "{m}", "--device", "h100-sxm,a100-sxm"],
+    "compare": (["compare", "{m}", "--device", "h100-sxm,t4"],
                 {"--time-limit": SECONDS, "--max-group-size": COUNT, "--workers": COUNT, "--seed": SEED}),
     "measure": (["measure", "{m}"], {"--time-limit": SECONDS, "--budget": SECONDS, "--seed": SEED}),
     "verify": (["verify", "{m}", "{m}"], {"--rtol": TOLERANCE, "--atol": TOLERANCE, "--seed": SEED}),
