@@ -5,6 +5,8 @@ people need readable tables, and nobody wants a traceback for a typo.
 Approach: typer commands that call the library and render with rich; `main()` runs the app in
 non-standalone mode and maps every failure to one line on stderr:
   exit 0 ok · exit 1 internal error · exit 2 bad usage or bad input (with the fix).
+Numeric options are checked while the command line is parsed, by one validator per kind of value
+(seconds, tolerance, count, seed) attached to the option in every command that has it.
 Invariants: with `--json`, stdout carries exactly one JSON document; logs go to stderr. No file the
 user has is overwritten unless they pass `--force`.
 """
