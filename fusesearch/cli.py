@@ -5,6 +5,8 @@ people need readable tables, and nobody wants a traceback for a typo.
 Approach: typer commands that call the library and render with rich; `main()` runs the app in
 non-standalone mode and maps every failure to one line on stderr:
   exit 0 ok · exit 1 internal error · exit 2 bad usage or bad input (with the fix).
+Numeric options are checked while the command line is parsed, by one validator per kind of value
+(seconds, tolerance, count, seed) attached to the option in every command that has it.
 Invariants: with `--json`, stdout carries exactly one JSON document; logs go to stderr. No file the
 user has is overwritten unless they pass `--force`.
 """
@@ -44,6 +46,27 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
 NO_VERIFY = "--no-verify"
+
+
+# -- option checks: one validator per kind of value, attached to the option in every command -----
+
+def _checked(test, expected: str):
+    """A typer callback that refuses (exit 2, naming the option) a value failing `test`; None
+    (an option left unset) passes. Runs while the command line is parsed, before any work."""
+    def callback(ctx, param, value):
+        if value is not None and not test(value):
+            shown = f"{value:g}" if isinstance(value, float) else value  # as typed: 0, nan, inf
+            raise BadInput(f"{max(param.opts, key=len)} {shown}: give {expected}")
+        return value
+    return callback
+
+
+SECONDS = _checked(lambda v: math.isfinite(v) and v > 0, "a positive, finite number of seconds")
+TOLERANCE = _checked(lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+COUNT = _checked(lambda v: v >= 1, "a positive whole number")
+SEED = _checked(lambda v: 0 <= v < 2**31, "a whole number from 0 to 2147483647")
+MIN_SAMPLES = 4
+SAMPLES = _checked(lambda v: v >= MIN_SAMPLES, f"at least {MIN_SAMPLES} (a few hundred for a useful fit)")
 
 
 def _bindings(input_shape: list[str] | None, dim: list[str] | None):
@@ -193,24 +216,17 @@ def _figures(graph, label, spec, params) -> dict:
 # -- plan / compare ---------------------------------------------------------------------------
 
 Strategy = Annotated[str, typer.Option("--strategy", help="none | rules | greedy | cpsat")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds (cpsat).")]
-MaxGroup = Annotated[int, typer.Option("--max-group-size", help="Most ops in one kernel.")]
-Seed = Annotated[int, typer.Option("--seed", help="Solver seed.")]
-Workers = Annotated[int | None, typer.Option("--workers", help="CP-SAT workers (default: cores, at most 8).")]
-
-
-def _check_search_args(time_limit: float, max_group_size: int) -> None:
-    if time_limit <= 0:
-        raise BadInput(f"--time-limit {time_limit}: give a positive number of seconds")
-    if max_group_size < 1:
-        raise BadInput(f"--max-group-size {max_group_size}: give a positive number of ops")
+TimeLimit = Annotated[float, typer.Option("--time-limit", callback=SECONDS,
+                                           help="Solver time limit in seconds (cpsat).")]
+MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help="Most ops in one kernel.")]
+Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
+Workers = Annotated[int | None, typer.Option("--workers", callback=COUNT,
+                                             help="CP-SAT workers (default: cores, at most 8).")]
 
 
 def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None):
     from fusesearch.search.problem import SearchConfig
 
-    if workers is not None and workers < 1:
-        raise BadInput(f"--workers {workers}: give a positive number")
     return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
                         **({"workers": workers} if workers else {}))
 
@@ -242,7 +258,6 @@ def plan(
 
     if strategy not in STRATEGIES:
         raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
-    _check_search_args(time_limit, max_group_size)
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model")))
     config = _config(time_limit, max_group_size, seed, workers)
@@ -372,17 +387,16 @@ def verify(
     fused: Annotated[Path, typer.Argument(help="the fused model (from plan --emit or export)")],
     input_shape: InputShape = None,
     dim: Dim = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Tolerance relative to max(1, max|original|).")] = 1e-4,
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the random inputs.")] = 0,
+    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE,
+                                        help="Tolerance relative to max(1, max|original|).")] = 1e-4,
+    atol: Annotated[float, typer.Option("--atol", callback=TOLERANCE, help="Absolute tolerance.")] = 0.0,
     input_value: InputValue = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Prove FUSED equal to ORIGINAL in ONNX Runtime on seeded, valid random inputs (exit 1 if not)."""
     from fusesearch.pipeline import prepare
 
-    if rtol < 0 or atol < 0:
-        raise BadInput("--rtol/--atol: tolerances must be >= 0")
     if not fused.is_file():
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
     if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
@@ -487,7 +501,6 @@ def compare(
     if bad or not names:
         raise BadInput(f"--strategies {strategies}: unknown {', '.join(bad) or 'empty'}; choose from "
                        f"{', '.join(STRATEGIES)}")
-    _check_search_args(time_limit, max_group_size)
     devices = [d.strip() for d in device.split(",") if d.strip()]
     if not devices:
         raise BadInput("--device: give at least one device name (see `fusesearch devices`)")
@@ -554,7 +567,8 @@ def measure(
     input_shape: InputShape = None,
     dim: Dim = None,
     time_limit: TimeLimit = 60.0,
-    budget: Annotated[float, typer.Option("--budget", help="Timing budget per kernel, seconds.")] = 0.2,
+    budget: Annotated[float, typer.Option("--budget", callback=SECONDS,
+                                          help="Timing budget per kernel, seconds.")] = 0.2,
     seed: Seed = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
@@ -583,8 +597,6 @@ def measure(
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    if budget <= 0:
-        raise BadInput(f"--budget {budget}: give a positive number of seconds")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
@@ -624,9 +636,12 @@ def _measure_plans(prep, device, strategy, config, plan_json):
     plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep)
     none, _, _ = _run_plan(model, None, device, "none", config, prep)
     if plan_json is not None:
+        from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 
-        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph)]
+        # the file's groups are checked on this device; their size is the file's (no search limit)
+        legality = Legality(prep.graph, legality.device, legality.model, max_group_size=len(prep.graph))
+        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
         label = resolve_device(device)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
                            solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
@@ -691,7 +706,7 @@ def _print_versus(versus: dict, baseline: str) -> None:
 @app.command()
 def sweep(
     config: Annotated[Path, typer.Argument(help="the sweep's TOML config (see experiments/*.toml)")],
-    workers: Annotated[int | None, typer.Option("--workers", help="Local Dask worker processes "
+    workers: Annotated[int | None, typer.Option("--workers", callback=COUNT, help="Local Dask worker processes "
                                                 "(default: one per core).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Address of a running Dask "
                                                   "scheduler, e.g. tcp://HOST:8786.")] = None,
@@ -769,11 +784,11 @@ def calibrate(
                                                    "--models model (repeatable)")] = None,
     dim: Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim of every --models "
                                            "model (repeatable)")] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Groups to sample and measure.")] = 240,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of sampling, inputs and the split.")] = 0,
-    budget: Annotated[float | None, typer.Option("--budget", help="Timing budget per kernel and "
-                                                 "round, seconds.")] = None,
-    rounds: Annotated[int | None, typer.Option("--rounds", help="Timing rounds per kernel (the "
+    samples: Annotated[int, typer.Option("--samples", callback=SAMPLES, help="Groups to sample and measure.")] = 240,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of sampling, inputs and the split.")] = 0,
+    budget: Annotated[float | None, typer.Option("--budget", callback=SECONDS, help="Timing budget per kernel "
+                                                 "and round, seconds.")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", callback=COUNT, help="Timing rounds per kernel (the "
                                                "quietest round's median counts).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
     json_out: JsonFlag = False,
@@ -785,12 +800,6 @@ def calibrate(
 
     if backend not in cal.BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(cal.BACKENDS)}")
-    if samples < 4:
-        raise BadInput(f"--samples {samples}: give at least 4 (a few hundred for a useful fit)")
-    if budget is not None and budget <= 0:
-        raise BadInput(f"--budget {budget}: give a positive number of seconds")
-    if rounds is not None and rounds < 1:
-        raise BadInput(f"--rounds {rounds}: give a positive number")
     check_outputs([(output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
                    (output.parent / "calibration.png", "-o (beside it)")], force)
     names = [m.strip().removeprefix("zoo:") for m in (models or "").split(",") if m.strip()] or None
