@@ -1209,10 +1209,12 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
     if cache and cache not in plan.cached and plan.length <= MAX_HOIST:
         buffer = f"rb{len(plan.cached)}"
         c_lines.append(f"{buffer}[j] = {c_value};")
+        c_value = f"{buffer}[j]"  # evaluated once: the reduction reads it back
     smem = 4 * plan.length * (len(plan.cu_cached) + 1)
     if cache and cache not in plan.cu_cached and smem <= MAX_ROW_SMEM:
         cu_buffer = f"rs{len(plan.cu_cached)}"
         cu_lines.append(f"{cu_buffer}[j] = {cu_value};")
+        cu_value = f"{cu_buffer}[j]"
     head = [f"float {buffer}[{plan.length}];"] if buffer else []
     cu_head = [f"__shared__ float {cu_buffer}[{plan.length}];"] if cu_buffer else []
     is_max = "fmax" in combine  # C: a compare-select max vectorizes (fmaxf does not); acc is never NaN
@@ -1279,13 +1281,22 @@ def _softmax(e, node, plan, at, cache: str) -> None:
     _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", mx, cache)
     e.count += 1
     total = f"s{e.count}"
-    _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total)
+    softmax = node.op_type == "Softmax"
+    # Softmax caches each exp on the sum's pass; a written output then costs one multiply per element
+    _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total,
+              _exp_row(node.outputs[0]) if softmax else "")
     x = node.inputs[0]
     e.row_sources[node.outputs[0]] = x
-    if node.op_type == "Softmax":
+    if softmax:
+        e.row_scalars[_exp_row(node.outputs[0])] = _scalar(e, plan, f"1.0f / {total}")
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(expf({xv or e.value(x, idx)} - {mx}) / {total})"
     else:
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"({xv or e.value(x, idx)} - {mx} - logf({total}))"
+
+
+def _exp_row(softmax_output: str) -> str:
+    """The key of a Softmax's cached row of exponentials (and of its 1/sum in row_scalars)."""
+    return softmax_output + "#exp"
 
 
 def _layernorm(e, node, plan, at, cache: str) -> None:
@@ -1328,6 +1339,8 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
     def body(j: str) -> str:
         source = e.row_sources.get(out.tensor)
         cached = plan.rows_cached()
+        if _exp_row(out.tensor) in cached:
+            return f"({cached[_exp_row(out.tensor)]}[{j}] * {e.row_scalars[_exp_row(out.tensor)]})"
         if source in cached and e.info(source).shape == out.shape:
             return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
         return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
