@@ -10,7 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
