@@ -1138,10 +1138,12 @@ class _RowPlan:
         return self.cached if self.c_target else self.cu_cached
 
 
-def _rowwise(graph, kernel, name, ins, outs, args):
+def _row_plan(graph, kernel, args, outs, materialized=frozenset()):
+    """The row kernel's statements: (plan with its C and CUDA row bodies, side-output loops)."""
     nodes = [graph.nodes[i] for i in kernel.nodes]
     rows, length = _row_shape(graph, nodes)
     e = _Emitter(graph, kernel, args)
+    e.materialized = materialized
     plan = _RowPlan(rows, length)
     side = _side_outputs(graph, kernel, outs, plan)
     for node in nodes:
@@ -1150,16 +1152,48 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     for out in outs:
         if out not in side:
             _row_output(e, out, plan)
-    c_side, cu_side = _pointwise_loops(graph, kernel, args, side)
-    c_body = _indent(plan.c, 2)
+    return plan, _pointwise_loops(graph, kernel, args, side, materialized)
+
+
+def _c_rows(plan: _RowPlan, c_side: list[str]) -> str:
+    return ("".join(x + "\n" for x in c_side) + f"    #pragma omp parallel for schedule(static)\n"
+            f"    for (long long r = 0; r < {plan.rows}LL; ++r) {{\n{_indent(plan.c, 2)}\n    }}\n")
+
+
+def _rowwise(graph, kernel, name, ins, outs, args):
+    plan, (c_side, cu_side) = _row_plan(graph, kernel, args, outs)
+    rows, length = plan.rows, plan.length
     cu_body = _indent(plan.cu, 2)
-    c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "".join(x + "\n" for x in c_side)
-             + f"    #pragma omp parallel for schedule(static)\n    for (long long r = 0; r < {rows}LL; ++r) {{\n"
-             f"{c_body}\n    }}\n}}\n")
+    c_body = _c_rows(plan, c_side)
+    product = _row_product(graph, kernel, args, outs)
+    if product is not None:  # C with a BLAS: the product first (packed, blocked), then the rows read it
+        c_body = f"#ifdef FS_BLAS_SGEMM\n{product}#else\n{c_body}#endif\n"
+    c_src = f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n{c_body}}}\n"
     cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length
+
+
+def _row_product(graph, kernel, args, outs) -> str | None:
+    """C for a row kernel over a MatMul/Gemm (attention's scores under a Softmax): the product,
+    prologue applied, into a heap buffer through the BLAS blocks, then the row loops reading it
+    (each row's dot products are one BLAS tile instead of a dot per element). None without an
+    anchor, or where the product is not float32 or not generated through the BLAS blocks."""
+    if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
+        return None
+    anchor = graph.nodes[kernel.anchor]
+    y = anchor.outputs[0]
+    info = graph.tensors[y]
+    if info.dtype != "float32" or not info.shape:
+        return None
+    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
+    if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
+        return None
+    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}))
+    return (f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);\n"
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side) + "    free(ybuf);\n")
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:

@@ -167,3 +167,14 @@ def test_vector_math_is_linked_and_accurate(tmp_path):
     refs = [np.exp(x64), np.tanh(x64), np.vectorize(erf)(x64), np.log(np.abs(x64) + np.float64(np.float32(1e-3)))]
     for got, ref in zip(outs, refs, strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_attention_scores_under_a_softmax(tmp_path, blas):
+    """Q x K^T (the keys transposed in the group), scaled, masked, under a Softmax: a row kernel
+    whose product goes through the BLAS blocks first."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["d"]),
+             helper.make_node("Add", ["d", "mask"], ["a"]), helper.make_node("Softmax", ["a"], ["out"], axis=-1)]
+    gk = one_kernel(tmp_path, nodes, [("q", [1, 2, 67, 16]), ("k", [1, 2, 67, 16]), ("mask", [1, 1, 1, 67])],
+                    [("out", None)], [("c", np.float32(4.0))], expect="ybuf")
+    assert gk.rows == 2 * 67
