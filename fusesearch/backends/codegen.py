@@ -22,7 +22,7 @@ only the skeleton around them differs:
                local buffer, CUDA: shared memory), so its dot products run once
     gemm/conv  C, with a BLAS (`FS_BLAS_SGEMM`, scipy-openblas32; measured faster than our own
                loops and within noise of ONNX Runtime's MLAS, benchmarks/bench_cpu.py): MatMul/Gemm
-               per block of BLAS_ROWS output rows of one batch — the A rows with the prologue
+               per block of output rows of one batch (a block per thread) — the A rows with the prologue
                applied packed into a panel (B too when the group computes it, e.g. the transposed
                keys of attention), one sgemm into a block tile, the epilogue over the tile while it
                is in cache, before the one store; Conv as implicit GEMM per block of whole output
@@ -682,7 +682,8 @@ _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifd
               + "".join(f"#pragma omp declare simd notinbranch\nfloat {f}(float);\n" for f in _VECTOR_MATH)
               + "#endif\n#ifdef FS_BLAS_SGEMM\nvoid FS_BLAS_SGEMM(int, int, int, int, int, int, float, const float*, int, "
               "const float*, int, float, float*, int);\n#endif\n#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
-              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
+              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_max_threads(); }\n"
+              "#else\nstatic inline long long fs_threads(void) { return 1; }\n#endif\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
 _CU_PRELUDE = ("#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
                "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n#define FS_SIMD_SUM(a)\n"
                "#define FS_FMAX(a, b) fmaxf(a, b)\n#define FS_FMIN(a, b) fminf(a, b)\n")
@@ -736,7 +737,7 @@ CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole out
 
 def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
     """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
-    and group: the block's input patches (prologue applied, zero padding) are packed into an
+    and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS): the block's input patches (prologue applied, zero padding) are packed into an
     im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its input in place), one sgemm
     multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
     epilogue runs over the block's product while it is in cache, before the one store. None for
@@ -759,8 +760,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     kt = math.prod(taps)
     ho, wo = ys[2], ys[3]
     pixels = ho * wo
-    rows_per_block = max(1, min(-(-ho // 2), CONV_PATCH_FLOATS // max(1, kt * wo)))
-    blocks = -(-ho // rows_per_block)
+    cap = max(1, CONV_PATCH_FLOATS // max(1, kt * wo))  # output rows per block: its panel within the cap
     direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
               and not any(pads) and graph.tensors[x].dtype == "float32")
     idx = ("nb", "co", "oh", "ow")
@@ -783,10 +783,10 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
-    block = [f"for (long long blk = 0; blk < {xs[0] * group * blocks}LL; ++blk) {{",
-             f"    long long nb = blk / {group * blocks}LL, gq = blk / {blocks}LL % {group}LL;",
-             f"    long long oh0 = blk % {blocks}LL * {rows_per_block}LL;",
-             f"    long long oh1 = oh0 + {rows_per_block}LL < {ho}LL ? oh0 + {rows_per_block}LL : {ho}LL;",
+    block = [f"for (long long blk = 0; blk < {xs[0] * group}LL * blocks; ++blk) {{",
+             f"    long long nb = blk / ({group}LL * blocks), gq = blk / blocks % {group}LL;",
+             "    long long oh0 = blk % blocks * rb;",
+             f"    long long oh1 = oh0 + rb < {ho}LL ? oh0 + rb : {ho}LL;",
              f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
              *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
              f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
@@ -800,7 +800,11 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              "            }", "        }", "    }",
              *(["    free(patch);"] if not direct else []), "    free(cbuf);", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
-    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+    split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
+             f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
+             f"long long blocks = ({ho}LL + rb - 1) / rb;")
+    return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
+                     + _indent(block, 1), "    }"]
 
 
 def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
@@ -955,11 +959,13 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     return c_side + ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *rows_loop, "#endif"]
 
 
-BLAS_ROWS = 64  # C gemm: rows of A packed (prologue applied) per BLAS call; the product tile stays in cache
+BLAS_TILE_FLOATS = 1 << 18  # C gemm: at most this product tile (1 MiB) per BLAS call, so it stays in cache
 
 
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body) -> list[str] | None:
-    """C gemm through a BLAS sgemm per block of BLAS_ROWS output rows (one batch each): the rows of A
+    """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
+    OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
+    tile, so B is packed as few times as the threads allow: the rows of A
     with the prologue applied are packed into a buffer, one sgemm multiplies them by B (a kernel
     input, read in place), and the epilogue runs over the block's product while it is in cache,
     before the one store. None where B is computed inside the group or not a float32 input."""
@@ -971,7 +977,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     sb = graph.tensors[b].shape
     m_extent = yshape[-2] if len(yshape) > 1 else 1
     batches = math.prod(yshape[:-2])
-    blocks = -(-m_extent // BLAS_ROWS)
+    cap = max(8, BLAS_TILE_FLOATS // max(1, n_extent))
     e.lines = []
     z_idx = e.unflatten("z", yshape[:-2])
     z_lines = e.lines
@@ -993,12 +999,12 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, abuf, "
              f"{k_extent}, {b_ptr}, {ldb}, 0.0f, cbuf, {n_extent});")
-    block = [f"for (long long blk = 0; blk < {batches * blocks}LL; ++blk) {{",
-             f"    long long z = blk / {blocks}LL, m0 = (blk % {blocks}LL) * {BLAS_ROWS}LL;",
-             f"    long long mc = {m_extent}LL - m0 < {BLAS_ROWS}LL ? {m_extent}LL - m0 : {BLAS_ROWS}LL;",
+    block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
+             "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
+             f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
              *["    " + x for x in z_lines],
-             f"    float* abuf = (float*)malloc(sizeof(float) * {BLAS_ROWS * k_extent}LL);",
-             f"    float* cbuf = (float*)malloc(sizeof(float) * {BLAS_ROWS * n_extent}LL);",
+             f"    float* abuf = (float*)malloc(sizeof(float) * mc * {k_extent}LL);",
+             f"    float* cbuf = (float*)malloc(sizeof(float) * mc * {n_extent}LL);",
              "    for (long long i = 0; i < mc; ++i) {",
              *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
              *["        " + x for x in fill], "    }",
@@ -1008,7 +1014,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              *(["        #pragma omp simd"] if _flat_loop(body) else []),
              f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
              "    }", "    free(abuf);", "    free(cbuf);", *(["    free(bbuf);"] if packed_b else []), "}"]
-    return ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+    split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
+             f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
+             f"long long blocks = ({m_extent}LL + mb - 1) / mb;")
+    return ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n" + _indent(block, 1), "    }"]
 
 
 def _fill_conv(graph: Graph, anchor: Node):
