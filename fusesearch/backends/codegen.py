@@ -742,17 +742,12 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
     epilogue runs over the block's product while it is in cache, before the one store. None for
     depthwise-like groups (under 8 output channels per group), non-2-D convs and computed filters."""
-    x, w = anchor.inputs[0], anchor.inputs[1]
-    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    group = int(anchor.attrs.get("group", 1))
-    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
         return None
+    x, w, xs, ws, ys, group, main, side = found
     cin_g, cout_g = xs[1] // group, ys[1] // group
     if cout_g < 8:
-        return None
-    main = [o for o in outs if o.shape == ys]
-    side = [o for o in outs if o.shape != ys]
-    if not main:
         return None
     e = _Emitter(graph, kernel, args)
     spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
@@ -807,20 +802,30 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
                      + _indent(block, 1), "    }"]
 
 
+def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
+    """(x, w, shapes of x, w, y, group, outputs of y's shape, other outputs) of a 2-D conv whose
+    filter is a float32 kernel input, or None."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+        return None
+    main = [o for o in outs if o.shape == ys]
+    if not main:
+        return None
+    return x, w, xs, ws, ys, int(anchor.attrs.get("group", 1)), main, [o for o in outs if o.shape != ys]
+
+
 def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
     """C depthwise conv (one input channel per group): per image and channel, per output row, the
     output pixels of the row in a vectorized loop with the taps unrolled and the filter's taps in
     registers; output rows whose taps all fall inside the image run without bounds checks in the
     columns whose taps do too; the border pixels take the general padded path. None unless the
     conv is 2-D with one input channel per group and a constant filter."""
-    x, w = anchor.inputs[0], anchor.inputs[1]
-    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    group = int(anchor.attrs.get("group", 1))
-    if len(xs) != 4 or group == 1 or xs[1] != group or w not in args or graph.producer(w) in kernel.nodes:
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
         return None
-    main = [o for o in outs if o.shape == ys]
-    side = [o for o in outs if o.shape != ys]
-    if not main:
+    x, w, xs, ws, ys, group, main, side = found
+    if group == 1 or xs[1] != group:
         return None
     e = _Emitter(graph, kernel, args)
     _, (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
