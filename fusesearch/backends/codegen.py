@@ -761,6 +761,9 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     idx = ("nb", "co", "oh", "ow")
     if direct:
         fill, panel, ldb = [], f"{args[x].name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
+    elif x in args and graph.producer(x) not in kernel.nodes and graph.tensors[x].dtype == "float32":
+        fill = _im2col_rows(args[x].name, xs, cin_g, kern, strides, pads, dilations, wo)
+        panel, ldb = "patch", "(int)pn"
     else:
         e.lines = []
         e.push()
@@ -800,6 +803,28 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              f"long long blocks = ({ho}LL + rb - 1) / rb;")
     return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
                      + _indent(block, 1), "    }"]
+
+
+def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 read from the input as it is (no prologue): per tap
+    and output row, the zero rows and columns outside the image, a strided copy in between."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = kern, strides, pads, dilations
+    h, w = xs[2], xs[3]
+    return [f"for (long long kq = 0; kq < {cin_g * kh_n * kw_n}LL; ++kq) {{",
+            f"    long long ci = kq / {kh_n * kw_n}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
+            f"    long long off = kw * {dw}LL - {pw}LL;",
+            f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
+            f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
+            f"    if (hi > {wo}LL) hi = {wo}LL;", "    if (lo > hi) lo = hi;",
+            "    for (long long oh = oh0; oh < oh1; ++oh) {",
+            f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
+            f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
+            f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
+            f"        const float* src = {x} + ((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + off;",
+            "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
+            "        #pragma omp simd",
+            f"        for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];",
+            f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", "}"]
 
 
 def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
