@@ -19,9 +19,14 @@ from fusesearch.search.problem import SearchConfig
 
 
 def resolve_device(name_or_path: str):
-    """(label, DeviceSpec, RooflineParams, profile path or None); BadInput for an unknown name."""
+    """(label, DeviceSpec, RooflineParams, profile path or None); BadInput for an unknown name or a
+    list of several (one command, one device: `compare` takes lists)."""
     from costmodels import CostModelError, load_device
 
+    text = str(name_or_path)
+    if "," in text and not Path(text).is_file():
+        raise BadInput(f"--device {text}: give one device here (a name or a profile.json); to set several "
+                       f"devices side by side run `fusesearch compare MODEL --device {text}`")
     try:
         spec, params = load_device(name_or_path)
     except CostModelError as exc:

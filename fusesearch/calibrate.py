@@ -631,9 +631,10 @@ def resolve_calibration_device(backend: str, device_arg: str | None) -> tuple[De
 
 def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] | None = None,
               samples: int = 240, seed: int = 0, budget_s: float | None = None,
-              rounds: int | None = None,
+              rounds: int | None = None, bindings=None,
               progress: Callable[[str, int, int], None] | None = None) -> Calibration:
-    """Sample, measure, split, fit and report (see the module note)."""
+    """Sample, measure, split, fit and report (see the module note). `bindings` (a ShapeBindings
+    from --input-shape/--dim) binds the dynamic dims of every model."""
     from fusesearch.pipeline import prepare
 
     if samples < 4:
@@ -643,7 +644,7 @@ def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] 
     preps = {}
     for name in names:
         source = name if (name.startswith("zoo:") or name.endswith(".onnx")) else f"zoo:{name}"
-        preps[name] = prepare(source)
+        preps[name] = prepare(source, bindings)
     sample = sample_candidates(preps, spec, start, samples, seed)
     total = len(sample.candidates) * (ROUNDS[backend] if rounds is None else rounds)
     if progress:

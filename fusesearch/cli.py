@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,7 +50,18 @@ def _bindings(input_shape: list[str] | None, dim: list[str] | None):
 
 
 def _emit_json(doc: dict) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    sys.stdout.write(json.dumps(_finite(doc), indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def _finite(value):
+    """JSON has no Infinity or NaN: a non-finite number is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fmt_bytes(n: float) -> str:
@@ -522,7 +534,7 @@ def measure(
     config = _config(time_limit, 16, seed, None)
     plan_, unfused, prep = _measure_plans(model, _bindings(input_shape, dim), device, strategy, config, plan_json)
     total = len(plan_.groups) + len(unfused.groups)
-    with Progress(console=err, transient=True) as bar:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
         report = measure_plan(prep, plan_, unfused, backend, budget_s=budget, seed=seed,
                               progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
@@ -580,8 +592,9 @@ def _print_measure(report, output) -> None:
                                                            if t["not_measured"] else ""))
     for m in [*report.plan, *report.unfused]:
         if m.reason:
-            out.print(f"not measured: {m.plan} g{m.group} ({m.row.get('op_types', m.template)}): {m.reason}")
-    _print_versus(versus)
+            how = "not measured" if m.timing is None else m.how
+            out.print(f"{how}: {m.plan} g{m.group} ({m.row.get('op_types', m.template)}): {m.reason}")
+    _print_versus(versus, report.baseline)
     if output is not None:
         out.print(f"measurements written to {output}")
 
@@ -595,13 +608,14 @@ def _fmt_versus(v: dict | None) -> str:
     return _fmt_time(v["library_baseline_s"]) + (" LOSES" if v["fused_loses"] else "")
 
 
-def _print_versus(versus: dict) -> None:
+def _print_versus(versus: dict, baseline: str) -> None:
     compared = {g: v for g, v in versus.items() if v["fused_loses"] is not None}
     if not versus:
         return
     if not compared:
-        out.print(f"{len(versus)} fused anchor groups, none compared with the library "
-                  "(use --baseline library to time the lone anchors through the library)")
+        why = ("use --baseline library to time the lone anchors through the library" if baseline != "library"
+               else "none ran as one generated kernel, or a part was not measured")
+        out.print(f"{len(versus)} fused anchor groups, none compared with the library ({why})")
         return
     losers = sorted(g for g, v in compared.items() if v["fused_loses"])
     fused = sum(v["measured_s"] for v in compared.values())
@@ -686,7 +700,11 @@ def calibrate(
     device: Annotated[str | None, typer.Option("--device", help="The measured device's name (host on "
                                                "cpu) or a profile of it to start from.")] = None,
     models: Annotated[str | None, typer.Option("--models", help="Comma-separated models (zoo names or "
-                                               ".onnx paths with static shapes).")] = None,
+                                               ".onnx paths; bind dynamic dims with --input-shape/--dim).")] = None,
+    input_shape: Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224, for every "
+                                                   "--models model (repeatable)")] = None,
+    dim: Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim of every --models "
+                                           "model (repeatable)")] = None,
     samples: Annotated[int, typer.Option("--samples", help="Groups to sample and measure.")] = 240,
     seed: Annotated[int, typer.Option("--seed", help="Seed of sampling, inputs and the split.")] = 0,
     budget: Annotated[float | None, typer.Option("--budget", help="Timing budget per kernel and "
@@ -713,7 +731,8 @@ def calibrate(
                        (output.parent / "calibration.png", "-o (beside it)")):
         _check_output(path, force, flag)
     names = [m.strip().removeprefix("zoo:") for m in (models or "").split(",") if m.strip()] or None
-    bar = Progress(console=err, transient=True)
+    bindings = _bindings(input_shape, dim)
+    bar = Progress(console=err, transient=True, disable=not err.is_terminal)  # no bar, no blank line
     tasks: list = []
 
     def progress(stage: str, done: int, total: int) -> None:  # the bar starts once sampling is done
@@ -724,7 +743,7 @@ def calibrate(
 
     try:
         result = cal.calibrate(backend, device=device, models=names, samples=samples, seed=seed,
-                               budget_s=budget, rounds=rounds, progress=progress)
+                               budget_s=budget, rounds=rounds, bindings=bindings, progress=progress)
     finally:
         if tasks:
             bar.stop()

@@ -14,6 +14,11 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
                                                    cupy: cuBLAS matmul, im2col conv (GPU)
     codegen refused (opaque: MaxPool, Loop, If) .. library, same; on the GPU only ops that
                                                    `arraylib` implements, the rest "not measured"
+    codegen refused a fused group (a float16,      "library per node": each node alone through the
+    int8 or QDQ group, an op without a generator)  library, one after another, on its reference
+                                                   inputs; the sample is the sum, the row keeps
+                                                   the refusal as its reason (GPU: every node must
+                                                   be an `arraylib` op, else "not measured")
     anything else ................................ the generated kernel
 
 The rule is the same for the plan and the unfused graph, so a lone anchor costs the same in
@@ -25,8 +30,10 @@ anchor's library time plus the unfused times of the group's other nodes, and fla
 where the fused kernel loses. One row per kernel goes to a table (KernelSpec fields, prediction,
 measurement, ptxas resources where known, the library baseline) for Parquet and calibration.
 Invariants: nothing is written unless asked; a kernel that cannot run on the backend is reported
-as not measured with its reason, never silently timed as zero; a comparison with a missing
-measurement is NaN / None, never a guess.
+as not measured with its reason, never silently timed as zero (on the CPU, where ONNX Runtime runs
+every node the model has, a node that cannot run alone is bad input naming group, op and dtype);
+a comparison with a missing measurement, or of a group that did not run as one generated kernel,
+is NaN / None, never a guess.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ from fusesearch.verify import all_values, random_feeds
 
 BACKENDS = ("cpu", "cupy")
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
+PER_NODE = "library per node"  # how a group the generator refuses runs: each node alone, summed
+# what ONNX Runtime's Python API hands back as numpy arrays (not bfloat16, float8, int4, strings)
+REFERENCE_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                              "uint16", "uint32", "uint64", "bool"})
 
 
 @dataclass(frozen=True)
@@ -54,14 +65,14 @@ class KernelMeasurement:
     plan: str  # "plan" | "unfused"
     group: int
     template: str
-    how: str  # "generated" | "library" | "not measured"
+    how: str  # "generated" | "library" | "library per node" | "not measured" | "alias"
     predicted_s: float
     timing: Timing | None
     max_rel_err: float
     row: dict = field(default_factory=dict)
     nodes: tuple[int, ...] = ()
     anchor: int | None = None
-    reason: str = ""  # why not measured
+    reason: str = ""  # why not measured, or why it ran node by node (the generator's refusal)
 
     @property
     def measured_s(self) -> float:
@@ -93,8 +104,9 @@ class MeasureReport:
         fuses an anchor with other ops: `anchor_library_s` (the anchor alone through the library,
         from the unfused run), `rest_separate_s` (the group's other nodes, each its own kernel, from
         the unfused run), their sum `library_baseline_s`, `measured_s`, and `fused_loses`
-        (measured > baseline; None when a part was not measured, or the unfused anchor did not run
-        through the library, as under baseline "generated")."""
+        (measured > baseline; None when a part was not measured, when the unfused anchor did not run
+        through the library, as under baseline "generated", or when the group did not run as one
+        generated kernel but node by node)."""
         alone = {m.nodes[0]: m for m in self.unfused if len(m.nodes) == 1}
         out = {}
         for m in self.plan:
@@ -104,7 +116,7 @@ class MeasureReport:
             anchor_s = lib.measured_s if lib is not None and lib.how == "library" else math.nan
             rest_s = math.fsum(alone[i].measured_s if i in alone else math.nan for i in m.nodes if i != m.anchor)
             baseline_s = anchor_s + rest_s
-            known = not (math.isnan(baseline_s) or math.isnan(m.measured_s))
+            known = m.how == "generated" and not (math.isnan(baseline_s) or math.isnan(m.measured_s))
             out[m.group] = {"anchor_library_s": anchor_s, "rest_separate_s": rest_s, "library_baseline_s": baseline_s,
                             "measured_s": m.measured_s, "fused_loses": bool(m.measured_s > baseline_s) if known else None}
         return out
@@ -148,6 +160,8 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
+    for label, p in (("plan", plan), ("unfused", unfused)):
+        _check_reference_dtypes(prep.graph, label, p)
     runner = _Runner(prep, backend, budget_s, seed, cache)
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
@@ -161,6 +175,20 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
                 progress(label)
         done.append(tuple(items))
     return MeasureReport(backend, runner.device, done[0], done[1], baseline)
+
+
+def _check_reference_dtypes(graph, label: str, plan: Plan) -> None:
+    """BadInput naming the group, node, op and dtype when a tensor has a dtype ONNX Runtime cannot
+    hand back to numpy: no reference value, so nothing to run a kernel on or check it against."""
+    for g in plan.groups:
+        for node in (graph.nodes[i] for i in g.nodes):
+            for t in (*node.inputs, *node.outputs):
+                info = graph.tensors.get(t) if t else None
+                if info is not None and info.dtype not in REFERENCE_DTYPES:
+                    raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
+                                   f"{'reads' if t in node.inputs else 'makes'} '{t}' of dtype {info.dtype}, "
+                                   f"which ONNX Runtime cannot hand back to numpy; measure cannot time a model "
+                                   f"with {info.dtype} tensors")
 
 
 class _Runner:
@@ -187,7 +215,7 @@ class _Runner:
                 generated = generate(graph, kernel, name=f"fs_{label}_{g.id}")
             except CodegenRefused as exc:
                 why = str(exc)
-        run, fetch, how, key, reason = self._prepare(kernel, generated)
+        run, fetch, how, key, reason = self._prepare(kernel, generated, f"{label} group g{g.id}")
         if run is None:
             row = {**self._row(label, g, how, None, math.nan, generated), "reason": f"{reason} ({why})"}
             return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, None, math.nan, row,
@@ -199,11 +227,16 @@ class _Runner:
             timing = measure(run, clock=self.clock, budget_s=self.budget_s, before_each=self.before_each)
             if self.cache and key:
                 self.cache.put(key, timing)
-        return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, timing, err,
-                                 self._row(label, g, how, timing, err, generated), **ids)
+        row = self._row(label, g, how, timing, err, generated)
+        reason = why if how == PER_NODE else ""
+        if reason:
+            row["reason"] = reason
+        return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, timing, err, row,
+                                 reason=reason, **ids)
 
-    def _prepare(self, kernel, generated):
-        """(run, fetch, how, cache key, why not measured) for the group's kernel."""
+    def _prepare(self, kernel, generated, where: str):
+        """(run, fetch, how, cache key, why not measured) for the group's kernel; `where` names the
+        group in errors."""
         inputs = {t: self.values[t] for t in kernel.inputs}
         shapes = [list(self.values[t].shape) for t in kernel.inputs]
         if generated is not None and self.backend == "cpu":
@@ -217,34 +250,73 @@ class _Runner:
 
             launch, fetch = gpu.kernel_runner(generated, inputs)
             return launch, fetch, "generated", self._key(generated, shapes), ""
+        how = "library" if len(kernel.nodes) == 1 else PER_NODE
         if self.backend == "cpu":
-            from fusesearch.backends.library import library_runner
+            calls = [self._cpu_library(part, where) for part in self._parts(kernel)]
+        else:
+            calls, why = self._gpu_library(kernel)
+            if calls is None:
+                return None, None, "not measured", None, why
 
-            go, _ = library_runner(self.canonical, self.prep.graph, kernel, inputs)
-            state: dict = {}
+        def run() -> None:  # each node on its reference inputs, one after another
+            for launch, _ in calls:
+                launch()
 
-            def run() -> None:
-                state["out"] = go()
+        def fetch() -> dict:
+            outputs = {t: y for _, got in calls for t, y in got().items()}
+            return {t: outputs[t] for t in kernel.outputs}
 
-            return run, lambda: state["out"], "library", None, ""
-        return self._gpu_library(kernel)
+        return run, fetch, how, None, ""
+
+    def _parts(self, kernel) -> list:
+        """The kernel itself when it is one node, else one library Kernel per node."""
+        if len(kernel.nodes) == 1:
+            return [kernel]
+        from fusesearch.candidates.group import FusionGroup
+        from fusesearch.lowering import lower_as_library
+
+        return [lower_as_library(self.prep.graph, FusionGroup.single(i)) for i in kernel.nodes]
+
+    def _cpu_library(self, part, where: str):
+        """(run, fetch) of one node through ONNX Runtime, tried once; BadInput naming the group,
+        the op and the dtypes when ONNX Runtime cannot run it alone."""
+        from fusesearch.backends.library import library_runner
+
+        state: dict = {}
+        try:
+            go, _ = library_runner(self.canonical, self.prep.graph, part, {t: self.values[t] for t in part.inputs})
+            state.update(go())
+        except Exception as exc:  # ONNX Runtime's refusal (or a dtype numpy lacks): the user's model
+            graph = self.prep.graph
+            node = graph.nodes[part.nodes[0]]
+            dtypes = [",".join(dict.fromkeys(graph.tensors[t].dtype for t in ts if t in graph.tensors)) or "-"
+                      for ts in (node.inputs, node.outputs)]
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise BadInput(f"{where}: node '{node.name}' ({node.op_type}, {dtypes[0]} -> {dtypes[1]}) has no "
+                           f"generated kernel and cannot run alone through ONNX Runtime ({first}); measure "
+                           "cannot time this model on --backend cpu") from None
+
+        def run() -> None:
+            state.update(go())
+
+        return run, lambda: state
 
     def _gpu_library(self, kernel):
-        """One node through `arraylib` with cupy, or not measured with the reason."""
+        """((launch, fetch) per node through `arraylib` with cupy, "") or (None, why not measured)."""
         from fusesearch.backends import arraylib
 
-        node = self.prep.graph.nodes[kernel.nodes[0]]
-        outputs = [t for t in node.outputs if t]
-        decision = arraylib.supports(node.op_type, node.attrs, len(outputs))
-        if len(kernel.nodes) != 1:
-            return None, None, "not measured", None, "a library call runs one node"
-        if not decision:
-            return None, None, "not measured", None, f"no GPU library kernel: {decision.reason}"
+        calls = []
+        for part in self._parts(kernel):
+            node = self.prep.graph.nodes[part.nodes[0]]
+            outputs = [t for t in node.outputs if t]
+            decision = arraylib.supports(node.op_type, node.attrs, len(outputs))
+            if not decision:
+                return None, f"no GPU library kernel for {node.name}({node.op_type}): {decision.reason}"
+            calls.append((node, outputs))
         from fusesearch.backends import cupy as gpu
 
-        launch, fetch = gpu.library_runner(node.op_type, node.attrs, [self.values[t] if t else None
-                                                                      for t in node.inputs], outputs)
-        return launch, fetch, "library", None, ""
+        return [gpu.library_runner(node.op_type, node.attrs, [self.values[t] if t else None for t in node.inputs],
+                                   outputs) for node, outputs in calls], ""
 
     def _key(self, generated, shapes) -> str:
         extra = f"budget={self.budget_s};flush={self.before_each is not None}"

@@ -4,7 +4,7 @@ Problem: every command (inspect, plan, compare, measure, ...) starts the same wa
 the same figures.
 Approach: `prepare()` runs load → canonicalize → Graph once and keeps each stage's result;
 `summarize()` turns a `Prepared` into the JSON document `fusesearch inspect --json` prints.
-Invariants: `prepare` never writes files; the summary is deterministic (sorted keys, stable order).
+Invariants: `prepare` never writes files and refuses a graph with no node left to fuse; the summary is deterministic (sorted keys, stable order).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from fusesearch.errors import UnsupportedModel
 from fusesearch.ir.canonicalize import canonicalize, lowest_ir_version, to_proto
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.load import LoadedModel, load_model
@@ -39,6 +40,9 @@ def prepare(model: str, bindings: ShapeBindings | None = None) -> Prepared:
     loaded = load_model(model, bindings)
     canonical, passes = canonicalize(loaded.model)
     graph = Graph.from_ir(canonical)
+    if not graph.nodes:
+        raise UnsupportedModel(f"{model}: the graph has no nodes (every output is an input or a constant); "
+                               "there is nothing to fuse: give a model that computes something")
     return Prepared(loaded, canonical, passes, graph)
 
 

@@ -447,9 +447,12 @@ def render(frame, name: str, plots: Iterable[str] = ()) -> str:
 
 def write_report(results_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> list[Path]:
     """Write report.md and its PNGs (beside it); returns [report, *plots]."""
-    from fusesearch.sweep import MANIFEST, load_results
+    from fusesearch.sweep import MANIFEST, RESULTS, load_results
 
     results_dir, output = Path(results_dir), Path(output)
+    if results_dir.is_file():  # e.g. its results.parquet: the report reads the whole folder
+        raise BadInput(f"{results_dir}: is a file, not a folder; give the --out folder of a `fusesearch sweep` "
+                       f"run{f' ({results_dir.parent})' if results_dir.name == RESULTS else ''}")
     frame = load_results(results_dir)
     if frame.empty or "model" not in frame:
         raise BadInput(f"{results_dir}: the sweep has no finished cells yet; run it first")

@@ -2,8 +2,9 @@
 
 Problem: OPAQUE ops (MaxPool, If, Loop, TopK, ...) have no generated kernel, and a lone anchor
 (MatMul, Gemm, Conv) runs through a library in `measure`'s default baseline, so that the report
-can say when a fused generated kernel loses to a library kernel plus a separate epilogue. (The
-GPU's library path is `arraylib` with cupy; this module is the CPU's.)
+can say when a fused generated kernel loses to a library kernel plus a separate epilogue; a fused
+group the generator refuses (float16, int8, an op without a generator) runs one node at a time
+here. (The GPU's library path is `arraylib` with cupy; this module is the CPU's.)
 Approach: cut the node out of the canonical model into a one-node model — its explicit inputs and
 the outer-scope values its subgraphs capture become graph inputs (weights included), its outputs
 the graph outputs, value types from the Graph — and run it in ONNX Runtime on one thread with

@@ -6,7 +6,8 @@ Approach: parse the flags into a frozen `ShapeBindings`; `bind_inputs` rewrites 
 shapes of a ModelProto in place before shape inference. `--input-shape` sets a whole input;
 `--dim` sets every occurrence of a named dim.
 Invariants: after binding, every graph input dim is a positive int, or a `ShapeBindingError` names
-the input, the dim and the flag that fixes it. Flags that name nothing in the model are errors too.
+the input, the dim and the flag that fixes it. Flags that name nothing in the model are errors too,
+and so are two flags that give one named dim two values.
 """
 
 from __future__ import annotations
@@ -102,15 +103,26 @@ def bind_inputs(graph: onnx.GraphProto, bindings: ShapeBindings, inputs: list[on
 
 
 def _with_implied_dims(bindings: ShapeBindings, inputs: list[onnx.ValueInfoProto]) -> ShapeBindings:
-    """`--input-shape ids=1x64` on dims (batch, seq) also binds batch=1, seq=64 for other inputs."""
+    """`--input-shape ids=1x64` on dims (batch, seq) also binds batch=1, seq=64 for other inputs;
+    a flag that gives a named dim another value than `--dim` or another `--input-shape` is an error."""
     implied: dict[str, int] = {}
+    source: dict[str, str] = {k: f"--dim {k}={v}" for k, v in bindings.dims.items()}
     for vi in inputs:
         shape = bindings.input_shapes.get(vi.name)
         if shape is None or not vi.type.tensor_type.HasField("shape"):
             continue
-        for dim, value in zip(vi.type.tensor_type.shape.dim, shape, strict=False):
-            if dim.dim_param and dim.dim_param not in bindings.dims:
-                implied.setdefault(dim.dim_param, value)
+        flag = f"--input-shape {vi.name}={'x'.join(map(str, shape))}"
+        for i, (dim, value) in enumerate(zip(vi.type.tensor_type.shape.dim, shape, strict=False)):
+            if not dim.dim_param:
+                continue
+            bound = bindings.dims.get(dim.dim_param, implied.get(dim.dim_param))
+            if bound is not None and bound != value:
+                raise ShapeBindingError(
+                    f"{flag} gives dim {i} '{dim.dim_param}' of input '{vi.name}' the value {value}, "
+                    f"{source[dim.dim_param]} gives {bound}; make the two flags agree")
+            if dim.dim_param not in bindings.dims:
+                implied[dim.dim_param] = value
+                source.setdefault(dim.dim_param, flag)
     return ShapeBindings(bindings.input_shapes, bindings.dims,
                          MappingProxyType({**bindings.defaults, **implied}))
 
