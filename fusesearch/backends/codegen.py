@@ -5,10 +5,13 @@ and, so that everything but the launch skeleton is exercised without one, on the
 Approach (as TVM's compute inlining): the value of a tensor at a multi-index is an expression
 built from its producer inside the group — `value(t, idx)` recurses through elementwise and
 broadcast ops (same / broadcast index), injective ops (index remapping: Reshape via the flat
-index, Transpose, Slice, Gather, Concat, Split, Expand, Resize-nearest) down to loads of the
-kernel's inputs. Temporaries are memoized per (tensor, index) inside a scope, so a diamond
-computes its shared value once. The emitted statements are the same text in both languages;
-only the skeleton around them differs:
+index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
+DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
+wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
+its 2^axes neighbours) down to loads of the kernel's inputs. Temporaries are memoized per
+(tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
+every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
+emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
                C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
