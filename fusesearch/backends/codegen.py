@@ -1613,7 +1613,7 @@ def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     if op == "LayerNormalization":
         _layernorm(e, node, plan, at, x if computed else "")
         return
-    if op in _ROW_REDUCTIONS:
+    if op in _ROW_REDUCTIONS or op == "ReduceLogSumExp":
         _row_reduction(e, node, plan, at, x if computed else "")
         return
     raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")

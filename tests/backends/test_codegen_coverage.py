@@ -1,7 +1,8 @@
 """The code generator covers every op OpKind calls fusible, and its code for the ops exported
 models fuse most (Pad, HardSigmoid, GatherND, Resize linear, an unfolded BatchNormalization, the
 remaining activations and math) equals ONNX Runtime: one node alone, and fused with the
-neighbours exporters put around it, on the CPU backend and through the CUDA emulator."""
+neighbours exporters put around it, on the CPU backend and through the CUDA emulator; and every
+such kernel's CUDA source compiles (NVRTC or nvcc) for sm_80 and sm_90."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, load_device
 from fusesearch.backends import cpu, emulate
-from fusesearch.backends.codegen import GENERATED_OPS
+from fusesearch.backends.codegen import GENERATED_OPS, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.candidates.rules import Legality
 from fusesearch.ir.canonicalize import to_proto
@@ -188,6 +189,13 @@ SINGLE = {
                                            coordinate_transformation_mode="align_corners",
                                            nearest_mode="round_prefer_ceil")],
                                      [("x", [1, 2, 4, 5])], [("sizes", np.int64([1, 2, 7, 9]))], 18),
+    "Row-reductions": ([node("Mul", ["x", "k"], ["a"]), node("Abs", ["a"], ["b"]),
+                        *[node(op, [src, "axes"], [f"r{i}"]) for i, (op, src) in enumerate(
+                            [("ReduceMin", "a"), ("ReduceL1", "a"), ("ReduceL2", "a"), ("ReduceSumSquare", "a"),
+                             ("ReduceLogSumExp", "a"), ("ReduceLogSum", "b")])],
+                        node("Sum", [f"r{i}" for i in range(6)])],
+                       [("x", [3, 4, 10])], [("k", np.float32(1.5)), ("axes", np.int64([-1]))], 18),
+    "GlobalMaxPool": ([node("Relu", ["x"], ["r"]), node("GlobalMaxPool", ["r"])], [("x", [2, 3, 4, 5])], [], 17),
     "CastLike": ([node("Mul", ["x", "k"], ["xk"]), node("CastLike", ["xk", "like"], ["c"]),
                   node("Cast", ["c"], ["y"], to=TensorProto.FLOAT)], X,
                  [("k", np.float32(9.0)), ("like", np.int64([1]))], 17),
@@ -260,6 +268,7 @@ EMULATED = {
     "GatherND": (SINGLE, "grid-stride"), "Resize-linear-half_pixel": (SINGLE, "grid-stride"),
     "BatchNormalization": (SINGLE, "vectorized"), "Conv-HardSigmoid-Mul": (FUSED, "tiled"),
     "Pad-constant-Conv": (FUSED, "tiled"), "Conv-Resize-linear": (FUSED, "direct"),
+    "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
 }
 
 
@@ -280,3 +289,25 @@ def test_legality_accepts_the_fused_group(tmp_path, case):
     verdict = Legality(prep.graph, device, RooflineModel(params)).check(range(len(prep.graph)))
     assert verdict.decision, verdict.decision.reason
     assert lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))).template != "opaque"
+
+
+def test_every_new_kernel_compiles_for_the_gpu(tmp_path):
+    """The CUDA source of every kernel above compiles with NVRTC (or nvcc) for sm_80 and sm_90."""
+    nvrtc = pytest.importorskip("fusesearch.backends.nvrtc")
+    if not nvrtc.toolchain_available():
+        pytest.skip("no CUDA compiler (NVRTC or nvcc)")
+    kernels = []
+    for table in (SINGLE, FUSED):
+        for nodes, inputs, inits, opset in table.values():
+            folder = tmp_path / f"{len(kernels)}"
+            folder.mkdir()
+            path = save(make_model(nodes, inputs, [(o, None) for o in nodes[-1].output], inits, opset=opset),
+                        folder / "m.onnx")
+            prep = prepare(path)
+            kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
+            kernels.append(generate(prep.graph, kernel, name=f"k{len(kernels)}"))
+    source = "\n".join(f"namespace n{k.name} {{\n{k.cuda_source}\n}}" for k in kernels)
+    for arch in nvrtc.ARCHES:
+        result = nvrtc.compile_cuda(source, arch=arch)
+        for gk in kernels:
+            assert result.resource(gk.name).registers > 0, (gk.name, arch)
