@@ -1613,7 +1613,7 @@ def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     if op == "LayerNormalization":
         _layernorm(e, node, plan, at, x if computed else "")
         return
-    if op in _ROW_REDUCTIONS or op == "ReduceLogSumExp":
+    if op in _MORE_ROW_OPS:
         _row_reduction(e, node, plan, at, x if computed else "")
         return
     raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")
@@ -1628,9 +1628,20 @@ _ROW_REDUCTIONS = {
 
 
 def _row_reduction(e, node, plan, at, cache: str) -> None:
-    """A reduction of the table above, or ReduceLogSumExp (a max pass, then Σ exp(x - max))."""
+    """A reduction of the table above; ReduceLogSumExp (a max pass, then Σ exp(x - max));
+    GlobalLpPool ((Σ |x|^p)^(1/p)); InstanceNormalization and LpNormalization (row ops)."""
+    if node.op_type in ("InstanceNormalization", "LpNormalization"):
+        _row_normalization(e, node, plan, at, cache)
+        return
     e.count += 1
     acc = f"s{e.count}"
+    if node.op_type == "GlobalLpPool":
+        p = float(node.attrs.get("p", 2))
+        term = {1.0: "fabsf({0})", 2.0: "({0} * {0})"}.get(p, f"powf(fabsf({{0}}), {_lit(p)})")
+        result = {1.0: "{0}", 2.0: "sqrtf({0})"}.get(p, f"powf({{0}}, {_lit(1.0 / p)})")
+        _row_loop(e, plan, lambda j: term.format(at(j)), "{0} + {1}", "0.0f", acc)
+        e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+        return
     if node.op_type == "ReduceLogSumExp":
         _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, cache)
         e.count += 1
@@ -1648,8 +1659,49 @@ def _row_reduction(e, node, plan, at, cache: str) -> None:
     e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
 
 
+def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
+    """The row's mean and 1/sqrt(variance + epsilon): a sum pass, then a pass of squared deviations."""
+    e.count += 1
+    total = f"s{e.count}"
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
+    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
+    e.count += 1
+    sq = f"s{e.count}"
+    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
+    return mean, _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {_lit(epsilon)})")
+
+
+def _row_normalization(e, node, plan, at, cache: str) -> None:
+    """InstanceNormalization: a row per (N, C) over the spatial positions, normalized, then the
+    channel's scale and bias. LpNormalization (p = 1 or 2): the row divided by its p-norm."""
+    x, out = node.inputs[0], node.outputs[0]
+    if node.op_type == "InstanceNormalization":
+        mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
+
+        def normalized(idx, xv=None):
+            c = (idx[1],)
+            scale, bias = e.value(node.inputs[1], c), e.value(node.inputs[2], c)
+            return f"((({xv or e.value(x, idx)} - {mean}) * {inv}) * {scale} + {bias})"
+    else:
+        p = int(node.attrs.get("p", 2))
+        if p not in (1, 2):
+            raise CodegenRefused(f"{node.name}(LpNormalization) p={p} is not a norm (p is 1 or 2)")
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, (lambda j: f"fabsf({at(j)})") if p == 1 else (lambda j: f"({at(j)} * {at(j)})"),
+                  "{0} + {1}", "0.0f", acc)
+        norm = acc if p == 1 else _scalar(e, plan, f"sqrtf({acc})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} / {norm})"
+    e.row_ops[out] = normalized
+    e.row_sources[out] = x
+
+
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "InstanceNormalization", "LpNormalization",
+                           *_ROW_REDUCTIONS})
 ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
-                     "LayerNormalization", "ReduceLogSumExp", *_ROW_REDUCTIONS})
+                     "LayerNormalization", *_MORE_ROW_OPS})
 """The REDUCE ops `_reduction` generates (row by row)."""
 GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
 """Every op the generator has code for (its tables and handlers, and the row reductions)."""
@@ -1671,15 +1723,7 @@ def _softmax(e, node, plan, at, cache: str) -> None:
 
 
 def _layernorm(e, node, plan, at, cache: str) -> None:
-    e.count += 1
-    total = f"s{e.count}"
-    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
-    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
-    e.count += 1
-    sq = f"s{e.count}"
-    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
-    eps = _lit(node.attrs.get("epsilon", 1e-5))
-    inv = _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {eps})")
+    mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
     x = node.inputs[0]
 
     def normalized(idx, xv=None):

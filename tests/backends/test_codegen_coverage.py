@@ -45,11 +45,8 @@ NOT_GENERATED = {
     "ArgMin": "an index reduction: the row reductions keep a value, not its position",
     "Hardmax": "an index reduction (the row's argmax) followed by a one-hot",
     "ReduceProd": "a product: the block reductions combine by sum or max",
-    "GlobalLpPool": "not generated yet (a p-norm over the spatial positions)",
-    "LpNormalization": "not generated yet (a row p-norm, then a division)",
     "MeanVarianceNormalization": "not generated yet (reduces outer axes by default)",
     "RMSNormalization": "not generated yet (opset 23; a row mean of squares, then a scale)",
-    "InstanceNormalization": "not generated yet (a LayerNorm over the spatial axes with per-channel scale)",
     "GroupNormalization": "not generated yet (a LayerNorm over channel groups)",
 }
 
@@ -196,6 +193,15 @@ SINGLE = {
                         node("Sum", [f"r{i}" for i in range(6)])],
                        [("x", [3, 4, 10])], [("k", np.float32(1.5)), ("axes", np.int64([-1]))], 18),
     "GlobalMaxPool": ([node("Relu", ["x"], ["r"]), node("GlobalMaxPool", ["r"])], [("x", [2, 3, 4, 5])], [], 17),
+    "GlobalLpPool": ([node("Relu", ["x"], ["r"]), node("GlobalLpPool", ["r"], ["a"]),
+                      node("GlobalLpPool", ["x"], ["b"], p=3), node("GlobalLpPool", ["x"], ["c"], p=1),
+                      node("Sum", ["a", "b", "c"])], [("x", [2, 3, 4, 5])], [], 17),
+    "InstanceNormalization": ([node("Add", ["x", "one"], ["a"]),
+                               node("InstanceNormalization", ["a", "s", "b"], epsilon=1e-3)],
+                              [("x", [2, 3, 4, 5])], [ONE, ("s", rand(3, seed=1)), ("b", rand(3, seed=2))], 17),
+    "LpNormalization": ([node("LpNormalization", ["x"], ["a"], axis=-1),
+                         node("LpNormalization", ["x"], ["b"], axis=-1, p=1), node("Add", ["a", "b"])],
+                        [("x", [3, 4, 6])], [], 17),
     "CastLike": ([node("Mul", ["x", "k"], ["xk"]), node("CastLike", ["xk", "like"], ["c"]),
                   node("Cast", ["c"], ["y"], to=TensorProto.FLOAT)], X,
                  [("k", np.float32(9.0)), ("like", np.int64([1]))], 17),
@@ -269,6 +275,7 @@ EMULATED = {
     "BatchNormalization": (SINGLE, "vectorized"), "Conv-HardSigmoid-Mul": (FUSED, "tiled"),
     "Pad-constant-Conv": (FUSED, "tiled"), "Conv-Resize-linear": (FUSED, "direct"),
     "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
+    "InstanceNormalization": (SINGLE, "block-per-row"), "LpNormalization": (SINGLE, "block-per-row"),
 }
 
 

@@ -46,6 +46,8 @@ from fusesearch.verify import all_values
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
 COVERED_OPS = GENERATED_OPS
+# generated ops onnx ships no node case for (checked against ONNX Runtime in test_codegen_coverage.py)
+WITHOUT_NODE_CASES = frozenset({"GlobalLpPool"})
 DATA_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "node"
 
 # inputs read as parameters (constants in exported models): made initializers before `prepare`
@@ -199,7 +201,7 @@ _LISTED = (
     (NOT_TENSOR, """
         test_identity_opt test_identity_sequence"""),
     (OUTER_AXES, """
-        test_logsoftmax_axis_0 test_logsoftmax_axis_1 test_reduce_log_sum_asc_axes
+        test_l2normalization_axis_0 test_logsoftmax_axis_0 test_logsoftmax_axis_1 test_reduce_log_sum_asc_axes
         test_reduce_log_sum_negative_axes test_reduce_max_do_not_keepdims_example
         test_reduce_max_do_not_keepdims_random test_reduce_max_keepdims_example
         test_reduce_max_keepdims_random test_reduce_max_negative_axes_keepdims_example
@@ -482,4 +484,5 @@ def test_summary():
                 listed = " (known unsupported)" if c.name in KNOWN_UNSUPPORTED else ""
                 print(f"  {c.name}{listed}: {results[c.name].detail}")
     assert ops, "no ONNX node test case for any op the generator lowers"
-    assert set(ops) == set(COVERED_OPS), f"ops without a node test case: {sorted(COVERED_OPS - set(ops))}"
+    expected = COVERED_OPS - WITHOUT_NODE_CASES
+    assert set(ops) == expected, f"ops without a node test case: {sorted(expected - set(ops))}"
