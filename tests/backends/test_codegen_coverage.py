@@ -318,3 +318,23 @@ def test_every_new_kernel_compiles_for_the_gpu(tmp_path):
         result = nvrtc.compile_cuda(source, arch=arch)
         for gk in kernels:
             assert result.resource(gk.name).registers > 0, (gk.name, arch)
+
+
+@needs_cc
+@pytest.mark.parametrize(("opset", "op", "mode", "scales"), [
+    (9, "Upsample", "linear", [1, 1, 2, 2]), (9, "Upsample", "nearest", [1, 1, 1.5, 2.5]),
+    (10, "Resize", "linear", [1, 1, 0.5, 0.75]), (10, "Resize", "linear", [1, 1, 2, 3])])
+def test_resize_of_old_opsets_equals_onnx_runtime_on_the_original_model(tmp_path, opset, op, mode, scales):
+    """Upsample and Resize-10 interpolate at asymmetric coordinates; the upgraded model must too."""
+    import onnxruntime as ort
+
+    model = make_model([node(op, ["x", "s"], mode=mode)], [("x", [1, 2, 6, 8])], [("y", None)],
+                       [("s", np.float32(scales))], opset=opset)
+    path = save(model, tmp_path / "m.onnx")
+    x = rand(1, 2, 6, 8)
+    (ref,) = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    prep = prepare(path)
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset({0}))))
+    feeds = {a.tensor: x if a.tensor == "x" else prep.graph.constant_value(a.tensor) for a in gk.inputs}
+    got = cpu.run(gk, feeds)[gk.outputs[0].tensor]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
