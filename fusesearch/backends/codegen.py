@@ -740,7 +740,7 @@ def _ints(e: _Emitter, node: Node, k: int) -> list[int] | None:
 def _pad(e, n, t, idx):
     """Constant / edge / reflect / wrap padding; negative pads crop (index shifts only)."""
     src = n.inputs[0]
-    shape, out_shape = e.info(src).shape, e.info(t).shape
+    shape = e.info(src).shape
     rank = len(shape)
     mode = n.attrs.get("mode", "constant")
     pads = _ints(e, n, 1)
@@ -757,7 +757,7 @@ def _pad(e, n, t, idx):
     elif mode not in ("edge", "reflect", "wrap"):
         raise CodegenRefused(f"{n.name}(Pad) mode {mode} has no code generator yet")
     src_idx, checks = [], []
-    for i, d, dout, b, f in zip(idx, shape, out_shape, begin, end, strict=True):
+    for i, d, b, f in zip(idx, shape, begin, end, strict=True):
         if b == 0 and f == 0:
             src_idx.append(i)
             continue
@@ -774,7 +774,6 @@ def _pad(e, n, t, idx):
         else:
             p = e.tmp("long long", f"(({p}) % {d}LL + {d}LL) % {d}LL")
         src_idx.append(p)
-        del dout
     if mode == "constant":
         return _guarded_or(e, src, tuple(src_idx), " && ".join(checks), default)
     return e.value(src, tuple(src_idx))
