@@ -1628,8 +1628,8 @@ _ROW_REDUCTIONS = {
 
 def _row_reduction(e, node, plan, at, cache: str) -> None:
     """A reduction of the table above; ReduceLogSumExp (a max pass, then Σ exp(x - max));
-    GlobalLpPool ((Σ |x|^p)^(1/p)); InstanceNormalization and LpNormalization (row ops)."""
-    if node.op_type in ("InstanceNormalization", "LpNormalization"):
+    GlobalLpPool ((Σ |x|^p)^(1/p)); the normalizations of `_row_normalization` (row ops)."""
+    if node.op_type in _ROW_NORMALIZATIONS:
         _row_normalization(e, node, plan, at, cache)
         return
     e.count += 1
@@ -1672,9 +1672,25 @@ def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
 
 def _row_normalization(e, node, plan, at, cache: str) -> None:
     """InstanceNormalization: a row per (N, C) over the spatial positions, normalized, then the
-    channel's scale and bias. LpNormalization (p = 1 or 2): the row divided by its p-norm."""
+    channel's scale and bias. MeanVarianceNormalization: normalized only (over inner axes).
+    RMSNormalization: x / sqrt(mean(x²) + epsilon) · scale. LpNormalization (p = 1 or 2): the row
+    divided by its p-norm."""
     x, out = node.inputs[0], node.outputs[0]
-    if node.op_type == "InstanceNormalization":
+    if node.op_type == "MeanVarianceNormalization":  # ONNX: (x - mean) / (sqrt(var) + 1e-9)
+        mean, inv = _moments(e, plan, at, cache, 1e-9)
+
+        def normalized(idx, xv=None):
+            return f"(({xv or e.value(x, idx)} - {mean}) * {inv})"
+    elif node.op_type == "RMSNormalization":
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"({at(j)} * {at(j)})", "{0} + {1}", "0.0f", acc)
+        eps = _lit(node.attrs.get("epsilon", 1e-5))
+        inv = _scalar(e, plan, f"1.0f / sqrtf({acc} / {plan.length}.0f + {eps})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} * {inv} * {e.input_at(node, 1, idx)})"
+    elif node.op_type == "InstanceNormalization":
         mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
 
         def normalized(idx, xv=None):
@@ -1697,8 +1713,9 @@ def _row_normalization(e, node, plan, at, cache: str) -> None:
     e.row_sources[out] = x
 
 
-_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "InstanceNormalization", "LpNormalization",
-                           *_ROW_REDUCTIONS})
+_ROW_NORMALIZATIONS = frozenset({"InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
+                                 "RMSNormalization"})
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", *_ROW_NORMALIZATIONS, *_ROW_REDUCTIONS})
 ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
                      "LayerNormalization", *_MORE_ROW_OPS})
 """The REDUCE ops `_reduction` generates (row by row)."""

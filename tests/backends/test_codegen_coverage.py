@@ -45,8 +45,6 @@ NOT_GENERATED = {
     "ArgMin": "an index reduction: the row reductions keep a value, not its position",
     "Hardmax": "an index reduction (the row's argmax) followed by a one-hot",
     "ReduceProd": "a product: the block reductions combine by sum or max",
-    "MeanVarianceNormalization": "not generated yet (reduces outer axes by default)",
-    "RMSNormalization": "not generated yet (opset 23; a row mean of squares, then a scale)",
     "GroupNormalization": "not generated yet (a LayerNorm over channel groups)",
 }
 
@@ -199,6 +197,10 @@ SINGLE = {
     "InstanceNormalization": ([node("Add", ["x", "one"], ["a"]),
                                node("InstanceNormalization", ["a", "s", "b"], epsilon=1e-3)],
                               [("x", [2, 3, 4, 5])], [ONE, ("s", rand(3, seed=1)), ("b", rand(3, seed=2))], 17),
+    "MeanVarianceNormalization": ([node("Relu", ["x"], ["r"]), node("MeanVarianceNormalization", ["r"], axes=[2, 3])],
+                                  [("x", [2, 3, 4, 5])], [], 13),
+    "RMSNormalization": ([node("Mul", ["x", "k"], ["a"]), node("RMSNormalization", ["a", "s"], axis=-2, epsilon=1e-3)],
+                         [("x", [2, 3, 4, 5])], [("k", np.float32(2.0)), ("s", rand(4, 5, seed=3))], 23),
     "LpNormalization": ([node("LpNormalization", ["x"], ["a"], axis=-1),
                          node("LpNormalization", ["x"], ["b"], axis=-1, p=1), node("Add", ["a", "b"])],
                         [("x", [3, 4, 6])], [], 17),
@@ -276,6 +278,7 @@ EMULATED = {
     "Pad-constant-Conv": (FUSED, "tiled"), "Conv-Resize-linear": (FUSED, "direct"),
     "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
     "InstanceNormalization": (SINGLE, "block-per-row"), "LpNormalization": (SINGLE, "block-per-row"),
+    "RMSNormalization": (SINGLE, "block-per-row"), "MeanVarianceNormalization": (SINGLE, "block-per-row"),
 }
 
 
