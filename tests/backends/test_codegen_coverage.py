@@ -40,12 +40,14 @@ NOT_GENERATED = {
                        "shape is not static and it never joins a group",
     "Range": "its shape is a tensor's value: folded by canonicalize when constant, else its shape is not "
              "static and it never joins a group",
-    "Upsample": "deprecated since opset 10: the loader upgrades models to Resize",
+    "Upsample": "deprecated since opset 10: the loader upgrades models to Resize (a model the converter "
+                "cannot upgrade keeps it, and measure runs its group node by node)",
     "ArgMax": "an index reduction: the row reductions keep a value, not its position",
     "ArgMin": "an index reduction: the row reductions keep a value, not its position",
     "Hardmax": "an index reduction (the row's argmax) followed by a one-hot",
     "ReduceProd": "a product: the block reductions combine by sum or max",
-    "GroupNormalization": "not generated yet (a LayerNorm over channel groups)",
+    "GroupNormalization": "onnx's shape inference gives its output no shape, so it never joins a group "
+                          "(lowering needs static shapes)",
 }
 
 
