@@ -1,7 +1,7 @@
 """`measure` on models the code generator cannot take whole, and the messages around it.
 
 Exported models in their exporters' idioms (torch `.half()`, an ONNX Runtime QDQ quantization, a
-torch `x.float() @ w` on int8 input, an argmax): the plan fuses a group the generator refuses, and
+torch `x.float() @ w` on int8 input, a product reduction): the plan fuses a group the generator refuses, and
 measure times it node by node through ONNX Runtime ("library per node", the refusal kept as the
 reason) — exit 0, valid JSON, every group timed or with its reason, every timed output equal to
 ONNX Runtime's. The idioms it takes whole (torch hardswish at opset 13, paddle2onnx's explicit Pad
@@ -117,11 +117,11 @@ def paddle_relu_gather_nd():
     return make_model(nodes, [("x", [4, 8])], [("y", None)], [("gather_nd_0.index", np.int64([[0], [2]]))], opset=11)
 
 
-def torch_relu_argmax():
-    """torch: `logits.relu().argmax(-1)` — an index reduction, which the generator has no code for."""
-    nodes = [helper.make_node("Relu", ["logits"], ["/Relu_output_0"], name="/Relu"),
-             helper.make_node("ArgMax", ["/Relu_output_0"], ["y"], name="/ArgMax", axis=-1, keepdims=0)]
-    return make_model(nodes, [("logits", [64, 100])], [("y", None, TensorProto.INT64)])
+def torch_relu_prod():
+    """torch: `x.relu().prod(-1)` at opset 18 — a product reduction, which the generator has no code for."""
+    nodes = [helper.make_node("Relu", ["x"], ["/Relu_output_0"], name="/Relu"),
+             helper.make_node("ReduceProd", ["/Relu_output_0", "axes"], ["y"], name="/ReduceProd", keepdims=0)]
+    return make_model(nodes, [("x", [64, 16])], [("y", None)], [("axes", np.int64([-1]))], opset=18)
 
 
 # model, the fused group's ops, what the refusal names, the largest relative error allowed
@@ -129,7 +129,7 @@ REFUSED_GROUPS = [
     pytest.param(torch_half_conv_relu, "Conv,Relu", "float16", 1e-3, id="float16"),
     pytest.param(ort_qdq_conv, "QuantizeLinear,DequantizeLinear", "uint8", 1e-4, id="qdq"),
     pytest.param(torch_int8_matmul, "Cast,Gemm", "int8", 1e-4, id="int8-input"),
-    pytest.param(torch_relu_argmax, "Relu,ArgMax", "ArgMax", 0.0, id="argmax"),
+    pytest.param(torch_relu_prod, "Relu,ReduceProd", "ReduceProd", 1e-4, id="reduce-prod"),
 ]
 
 # exported idioms the generator takes whole: model, the fused group's ops

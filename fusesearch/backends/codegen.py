@@ -1498,7 +1498,8 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "".join(x + "\n" for x in c_side)
              + f"    #pragma omp parallel for schedule(static)\n    for (long long r = 0; r < {rows}LL; ++r) {{\n"
              f"{c_body}\n    }}\n}}\n")
-    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+    arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
+    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length
@@ -1632,6 +1633,9 @@ def _row_reduction(e, node, plan, at, cache: str) -> None:
     if node.op_type in _ROW_NORMALIZATIONS:
         _row_normalization(e, node, plan, at, cache)
         return
+    if node.op_type in ("ArgMax", "ArgMin"):
+        _arg_reduction(e, node, plan, at)
+        return
     e.count += 1
     acc = f"s{e.count}"
     if node.op_type == "GlobalLpPool":
@@ -1656,6 +1660,51 @@ def _row_reduction(e, node, plan, at, cache: str) -> None:
     else:
         _row_loop(e, plan, body, "{0} + {1}", "0.0f", acc, cached)
     e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+
+
+_CU_BLOCK_ARGBEST = f"""
+__device__ void block_argbest(float* v, long long* i, int is_min, int last) {{
+    __shared__ float bv[{THREADS}];
+    __shared__ long long bi[{THREADS}];
+    __syncthreads();
+    bv[threadIdx.x] = *v;
+    bi[threadIdx.x] = *i;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {{
+        if (threadIdx.x < s) {{
+            float v1 = bv[threadIdx.x], v2 = bv[threadIdx.x + s];
+            long long i1 = bi[threadIdx.x], i2 = bi[threadIdx.x + s];
+            if (i2 >= 0 && (i1 < 0 || (is_min ? v2 < v1 : v2 > v1) || (v2 == v1 && (last ? i2 > i1 : i2 < i1)))) {{
+                bv[threadIdx.x] = v2;
+                bi[threadIdx.x] = i2;
+            }}
+        }}
+        __syncthreads();
+    }}
+    *v = bv[0];
+    *i = bi[0];
+    __syncthreads();
+}}
+"""
+
+
+def _arg_reduction(e, node, plan, at) -> None:
+    """ArgMax / ArgMin over the row: each thread (C: the one loop) keeps its best value and the
+    index of its first (select_last_index: last) occurrence; CUDA then combines the threads'
+    pairs in shared memory (`block_argbest`, a tree over THREADS slots; index -1 = no element)."""
+    e.count += 1
+    v, i = f"s{e.count}", f"a{e.count}"
+    is_min = node.op_type == "ArgMin"
+    last = int(node.attrs.get("select_last_index", 0))
+    cmp = ("<" if is_min else ">") + ("=" if last else "")
+    head = [f"float {v} = 0.0f;", f"long long {i} = -1;"]
+    for c_target, loop, target in ((True, "for (long long j = 0; j < {n}LL; ++j) {{", plan.c),
+                                   (False, "for (long long j = threadIdx.x; j < {n}LL; j += blockDim.x) {{", plan.cu)):
+        lines, value = _row_body(e, plan, at, c_target)
+        target += [*head, loop.format(n=plan.length), *["    " + x for x in lines],
+                   f"    if ({i} < 0 || {value} {cmp} {v}) {{ {v} = {value}; {i} = j; }}", "}"]
+    plan.cu.append(f"block_argbest(&{v}, &{i}, {int(is_min)}, {last});")
+    e.row_scalars[node.outputs[0]] = i
 
 
 def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
@@ -1715,7 +1764,8 @@ def _row_normalization(e, node, plan, at, cache: str) -> None:
 
 _ROW_NORMALIZATIONS = frozenset({"InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
                                  "RMSNormalization"})
-_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", *_ROW_NORMALIZATIONS, *_ROW_REDUCTIONS})
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "ArgMax", "ArgMin", *_ROW_NORMALIZATIONS,
+                           *_ROW_REDUCTIONS})
 ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
                      "LayerNormalization", *_MORE_ROW_OPS})
 """The REDUCE ops `_reduction` generates (row by row)."""

@@ -42,8 +42,6 @@ NOT_GENERATED = {
              "static and it never joins a group",
     "Upsample": "deprecated since opset 10: the loader upgrades models to Resize (a model the converter "
                 "cannot upgrade keeps it, and measure runs its group node by node)",
-    "ArgMax": "an index reduction: the row reductions keep a value, not its position",
-    "ArgMin": "an index reduction: the row reductions keep a value, not its position",
     "Hardmax": "an index reduction (the row's argmax) followed by a one-hot",
     "ReduceProd": "a product: the block reductions combine by sum or max",
     "GroupNormalization": "onnx's shape inference gives its output no shape, so it never joins a group "
@@ -193,6 +191,16 @@ SINGLE = {
                         node("Sum", [f"r{i}" for i in range(6)])],
                        [("x", [3, 4, 10])], [("k", np.float32(1.5)), ("axes", np.int64([-1]))], 18),
     "GlobalMaxPool": ([node("Relu", ["x"], ["r"]), node("GlobalMaxPool", ["r"])], [("x", [2, 3, 4, 5])], [], 17),
+    # index pairs a + 512·b as float (exact): ties at the zeros of the Relu pick the first / last index
+    "ArgMax-ArgMin": ([node("Relu", ["x"], ["r"]), node("ArgMax", ["r"], ["a"], axis=-1),
+                       node("ArgMin", ["r"], ["b"], axis=-1, select_last_index=1), node("Mul", ["b", "k"], ["bk"]),
+                       node("Add", ["a", "bk"], ["s"]), node("Cast", ["s"], ["y"], to=TensorProto.FLOAT)],
+                      [("x", [3, 4, 300])], [("k", np.int64(512))], 17),
+    "ArgMin-ArgMax-last": ([node("Relu", ["x"], ["r"]), node("ArgMin", ["r"], ["a"], axis=-1, keepdims=0),
+                            node("ArgMax", ["x"], ["b"], axis=2, keepdims=0, select_last_index=1),
+                            node("Mul", ["b", "k"], ["bk"]), node("Add", ["a", "bk"], ["s"]),
+                            node("Cast", ["s"], ["y"], to=TensorProto.FLOAT)],
+                           [("x", [3, 4, 300])], [("k", np.int64(512))], 17),
     "GlobalLpPool": ([node("Relu", ["x"], ["r"]), node("GlobalLpPool", ["r"], ["a"]),
                       node("GlobalLpPool", ["x"], ["b"], p=3), node("GlobalLpPool", ["x"], ["c"], p=1),
                       node("Sum", ["a", "b", "c"])], [("x", [2, 3, 4, 5])], [], 17),
@@ -279,6 +287,7 @@ EMULATED = {
     "BatchNormalization": (SINGLE, "vectorized"), "Conv-HardSigmoid-Mul": (FUSED, "tiled"),
     "Pad-constant-Conv": (FUSED, "tiled"), "Conv-Resize-linear": (FUSED, "direct"),
     "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
+    "ArgMax-ArgMin": (SINGLE, "block-per-row"), "ArgMin-ArgMax-last": (SINGLE, "block-per-row"),
     "InstanceNormalization": (SINGLE, "block-per-row"), "LpNormalization": (SINGLE, "block-per-row"),
     "RMSNormalization": (SINGLE, "block-per-row"), "MeanVarianceNormalization": (SINGLE, "block-per-row"),
 }
