@@ -1634,7 +1634,12 @@ def _row_reduction(e, node, plan, at, cache: str) -> None:
         _row_normalization(e, node, plan, at, cache)
         return
     if node.op_type in ("ArgMax", "ArgMin"):
-        _arg_reduction(e, node, plan, at)
+        e.row_scalars[node.outputs[0]] = _arg_reduction(e, node, plan, at)
+        return
+    if node.op_type == "Hardmax":  # one at the row's first maximum (the row is the last axis)
+        best = _arg_reduction(e, node, plan, at)
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(({idx[-1]}) == {best} ? 1.0f : 0.0f)"
+        e.row_sources[node.outputs[0]] = node.inputs[0]
         return
     e.count += 1
     acc = f"s{e.count}"
@@ -1688,10 +1693,11 @@ __device__ void block_argbest(float* v, long long* i, int is_min, int last) {{
 """
 
 
-def _arg_reduction(e, node, plan, at) -> None:
-    """ArgMax / ArgMin over the row: each thread (C: the one loop) keeps its best value and the
-    index of its first (select_last_index: last) occurrence; CUDA then combines the threads'
-    pairs in shared memory (`block_argbest`, a tree over THREADS slots; index -1 = no element)."""
+def _arg_reduction(e, node, plan, at) -> str:
+    """The row's ArgMax / ArgMin (Hardmax: ArgMax), a per-row variable: each thread (C: the one
+    loop) keeps its best value and the index of its first (select_last_index: last) occurrence;
+    CUDA then combines the threads' pairs in shared memory (`block_argbest`, a tree over THREADS
+    slots; index -1 = no element)."""
     e.count += 1
     v, i = f"s{e.count}", f"a{e.count}"
     is_min = node.op_type == "ArgMin"
@@ -1704,7 +1710,7 @@ def _arg_reduction(e, node, plan, at) -> None:
         target += [*head, loop.format(n=plan.length), *["    " + x for x in lines],
                    f"    if ({i} < 0 || {value} {cmp} {v}) {{ {v} = {value}; {i} = j; }}", "}"]
     plan.cu.append(f"block_argbest(&{v}, &{i}, {int(is_min)}, {last});")
-    e.row_scalars[node.outputs[0]] = i
+    return i
 
 
 def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
@@ -1764,7 +1770,7 @@ def _row_normalization(e, node, plan, at, cache: str) -> None:
 
 _ROW_NORMALIZATIONS = frozenset({"InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
                                  "RMSNormalization"})
-_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "ArgMax", "ArgMin", *_ROW_NORMALIZATIONS,
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "ArgMax", "ArgMin", "Hardmax", *_ROW_NORMALIZATIONS,
                            *_ROW_REDUCTIONS})
 ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
                      "LayerNormalization", *_MORE_ROW_OPS})

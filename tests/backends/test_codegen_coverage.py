@@ -42,7 +42,6 @@ NOT_GENERATED = {
              "static and it never joins a group",
     "Upsample": "deprecated since opset 10: the loader upgrades models to Resize (a model the converter "
                 "cannot upgrade keeps it, and measure runs its group node by node)",
-    "Hardmax": "an index reduction (the row's argmax) followed by a one-hot",
     "ReduceProd": "a product: the block reductions combine by sum or max",
     "GroupNormalization": "onnx's shape inference gives its output no shape, so it never joins a group "
                           "(lowering needs static shapes)",
@@ -196,6 +195,8 @@ SINGLE = {
                        node("ArgMin", ["r"], ["b"], axis=-1, select_last_index=1), node("Mul", ["b", "k"], ["bk"]),
                        node("Add", ["a", "bk"], ["s"]), node("Cast", ["s"], ["y"], to=TensorProto.FLOAT)],
                       [("x", [3, 4, 300])], [("k", np.int64(512))], 17),
+    "Hardmax": ([node("Relu", ["x"], ["r"]), node("Hardmax", ["r"], ["h"], axis=-1), node("Add", ["h", "r"])],
+                [("x", [3, 4, 300])], [], 17),
     "ArgMin-ArgMax-last": ([node("Relu", ["x"], ["r"]), node("ArgMin", ["r"], ["a"], axis=-1, keepdims=0),
                             node("ArgMax", ["x"], ["b"], axis=2, keepdims=0, select_last_index=1),
                             node("Mul", ["b", "k"], ["bk"]), node("Add", ["a", "bk"], ["s"]),
@@ -288,6 +289,7 @@ EMULATED = {
     "Pad-constant-Conv": (FUSED, "tiled"), "Conv-Resize-linear": (FUSED, "direct"),
     "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
     "ArgMax-ArgMin": (SINGLE, "block-per-row"), "ArgMin-ArgMax-last": (SINGLE, "block-per-row"),
+    "Hardmax": (SINGLE, "block-per-row"),
     "InstanceNormalization": (SINGLE, "block-per-row"), "LpNormalization": (SINGLE, "block-per-row"),
     "RMSNormalization": (SINGLE, "block-per-row"), "MeanVarianceNormalization": (SINGLE, "block-per-row"),
 }

@@ -215,9 +215,9 @@ _LISTED = (
         test_argmin_default_axis_example test_argmin_default_axis_example_select_last_index
         test_argmin_default_axis_random test_argmin_default_axis_random_select_last_index
         test_argmin_keepdims_random test_argmin_keepdims_random_select_last_index
-        test_argmin_no_keepdims_random test_argmin_no_keepdims_random_select_last_index
-        test_l2normalization_axis_0 test_logsoftmax_axis_0 test_logsoftmax_axis_1 test_reduce_log_sum_asc_axes
-        test_reduce_log_sum_negative_axes test_reduce_max_do_not_keepdims_example
+        test_argmin_no_keepdims_random test_argmin_no_keepdims_random_select_last_index test_hardmax_axis_0
+        test_hardmax_axis_1 test_l2normalization_axis_0 test_logsoftmax_axis_0 test_logsoftmax_axis_1
+        test_reduce_log_sum_asc_axes test_reduce_log_sum_negative_axes test_reduce_max_do_not_keepdims_example
         test_reduce_max_do_not_keepdims_random test_reduce_max_keepdims_example
         test_reduce_max_keepdims_random test_reduce_max_negative_axes_keepdims_example
         test_reduce_max_negative_axes_keepdims_random test_reduce_mean_do_not_keepdims_example
