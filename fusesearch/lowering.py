@@ -238,9 +238,11 @@ def _reduce_axes(graph: Graph, n: Node, rank: int) -> list[int] | None:
         return [int(a.get("axis", -1))]
     if n.op_type in ("ArgMax", "ArgMin"):
         return [int(a.get("axis", 0))]
-    if n.op_type == "LayerNormalization":
+    if n.op_type in ("LayerNormalization", "RMSNormalization"):
         axis = int(a.get("axis", -1)) % max(rank, 1)
         return list(range(axis, rank))
+    if n.op_type == "MeanVarianceNormalization":
+        return [int(x) for x in a.get("axes", (0, 2, 3))]
     if n.op_type in ("GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "InstanceNormalization"):
         return list(range(2, rank))
     if n.op_type == "LpNormalization":

@@ -5,10 +5,13 @@ and, so that everything but the launch skeleton is exercised without one, on the
 Approach (as TVM's compute inlining): the value of a tensor at a multi-index is an expression
 built from its producer inside the group — `value(t, idx)` recurses through elementwise and
 broadcast ops (same / broadcast index), injective ops (index remapping: Reshape via the flat
-index, Transpose, Slice, Gather, Concat, Split, Expand, Resize-nearest) down to loads of the
-kernel's inputs. Temporaries are memoized per (tensor, index) inside a scope, so a diamond
-computes its shared value once. The emitted statements are the same text in both languages;
-only the skeleton around them differs:
+index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
+DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
+wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
+its 2^axes neighbours) down to loads of the kernel's inputs. Temporaries are memoized per
+(tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
+every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
+emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
                C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
@@ -56,6 +59,7 @@ float32 (float tensors), int64 (indices) or uint8 (bool).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -250,7 +254,7 @@ _UNARY = {
     "Relu": "FS_FMAX({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})",
     "Sqrt": "sqrtf({0})", "Erf": "erff({0})", "Tanh": "tanhf({0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))",
     "Reciprocal": "(1.0f / {0})", "Floor": "floorf({0})", "Ceil": "ceilf({0})", "Sin": "sinf({0})",
-    "Cos": "cosf({0})", "Softplus": "log1pf(expf({0}))", "Softsign": "({0} / (1.0f + fabsf({0})))",
+    "Cos": "cosf({0})", "Softsign": "({0} / (1.0f + fabsf({0})))",
     "HardSwish": "({0} * FS_FMIN(FS_FMAX({0} + 3.0f, 0.0f), 6.0f) / 6.0f)", "Not": "(!{0})",
     "Sign": "(float)(({0} > 0) - ({0} < 0))", "Round": "nearbyintf({0})",
 }
@@ -419,27 +423,23 @@ def _expand(e, n, t, idx):
 
 
 def _resize(e, n, t, idx):
-    if n.attrs.get("mode", "nearest") != "nearest":
-        raise CodegenRefused(f"{n.name}(Resize) mode {n.attrs.get('mode')} has no code generator yet")
+    mode = n.attrs.get("mode", "nearest")
+    if mode == "linear":
+        return _resize_linear(e, n, t, idx)
+    if mode != "nearest":
+        raise CodegenRefused(f"{n.name}(Resize) mode {mode} has no code generator yet")
     src = n.inputs[0]
     in_shape, out_shape = e.info(src).shape, e.info(t).shape
-    ctm = n.attrs.get("coordinate_transformation_mode", "half_pixel")
     rounding = n.attrs.get("nearest_mode", "round_prefer_floor")
     src_idx = []
-    for i, din, dout in zip(idx, in_shape, out_shape, strict=True):
-        if din == dout:
+    for i, din, dout, scale in zip(idx, in_shape, out_shape, _resize_scales(e, n, in_shape, out_shape), strict=True):
+        if din == dout and scale == 1.0:
             src_idx.append(i)
             continue
-        scale = dout / din
-        if ctm == "asymmetric":
-            x = f"((float)({i}) / {_lit(scale)})"
-        elif ctm in ("half_pixel", "pytorch_half_pixel"):
-            x = f"(((float)({i}) + 0.5f) / {_lit(scale)} - 0.5f)"
-        else:
-            raise CodegenRefused(f"{n.name}(Resize) coordinate mode {ctm} has no code generator yet")
+        x = _resize_coordinate(n, i, din, dout, scale)
         r = {"floor": f"floorf({x})", "ceil": f"ceilf({x})", "round_prefer_floor": f"ceilf({x} - 0.5f)",
              "round_prefer_ceil": f"floorf({x} + 0.5f)"}[rounding]
-        src_idx.append(e.tmp("long long", f"(long long)fminf(fmaxf({r}, 0.0f), {din - 1}.0f)"))
+        src_idx.append(e.tmp("long long", f"(long long)FS_FMIN(FS_FMAX({r}, 0.0f), {din - 1}.0f)"))
     return e.value(src, tuple(src_idx))
 
 
@@ -610,6 +610,348 @@ _HANDLERS = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _
              "Reshape": _reshape, "Flatten": _reshape, "Squeeze": _reshape, "Unsqueeze": _reshape,
              "Transpose": _transpose, "Slice": _slice, "Gather": _gather, "Concat": _concat, "Split": _split,
              "Expand": _expand, "Resize": _resize}
+
+
+# -- more ops: the remaining activations, math, bitwise and integer ops, BatchNormalization
+#    (inference), Pad, GatherND / GatherElements, Tile, DepthToSpace / SpaceToDepth, Trilu,
+#    OneHot, ReverseSequence, CenterCropPad, Resize linear ------------------------------------
+
+_UNARY.update({
+    "Acos": "acosf({0})", "Acosh": "acoshf({0})", "Asin": "asinf({0})", "Asinh": "asinhf({0})",
+    "Atan": "atanf({0})", "Atanh": "atanhf({0})", "Cosh": "coshf({0})", "Sinh": "sinhf({0})",
+    "Tan": "tanf({0})", "IsNaN": "({0} != {0})", "BitwiseNot": "(~{0})", "Identity": "{0}",
+    # softplus as max(x, 0) + log1p(exp(-|x|)): log1p(exp(x)) overflows to inf past x = 88
+    "Softplus": "(FS_FMAX({0}, 0.0f) + log1pf(expf(-fabsf({0}))))",
+    "Mish": "({0} * tanhf(FS_FMAX({0}, 0.0f) + log1pf(expf(-fabsf({0})))))",  # x·tanh(softplus(x))
+})
+_BINARY.update({"BitwiseAnd": "({0} & {1})", "BitwiseOr": "({0} | {1})", "BitwiseXor": "({0} ^ {1})"})
+
+
+def _typed_lit(e: _Emitter, tensor: str, value: float) -> str:
+    """A constant in the C type of `tensor`: a float literal, or an integer / bool one."""
+    dtype = e.info(tensor).dtype
+    if dtype == "float32":
+        return _lit(float(value))
+    if dtype == "bool":
+        return "1" if value else "0"
+    return f"{int(value)}LL"
+
+
+def _hard_sigmoid(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    a, b = _lit(n.attrs.get("alpha", 0.2)), _lit(n.attrs.get("beta", 0.5))
+    return f"FS_FMAX(0.0f, FS_FMIN(1.0f, {a} * {x} + {b}))"
+
+
+def _selu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    alpha = float(n.attrs.get("alpha", 1.67326319217681884765625))
+    gamma = float(n.attrs.get("gamma", 1.05070102214813232421875))
+    return f"({x} > 0.0f ? {_lit(gamma)} * {x} : {_lit(gamma * alpha)} * (expf({x}) - 1.0f))"
+
+
+def _celu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    a = _lit(n.attrs.get("alpha", 1.0))
+    return f"(FS_FMAX({x}, 0.0f) + FS_FMIN(0.0f, {a} * (expf({x} / {a}) - 1.0f)))"
+
+
+def _thresholded_relu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    return f"({x} > {_lit(n.attrs.get('alpha', 1.0))} ? {x} : 0.0f)"
+
+
+def _shrink(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    lam, bias = float(n.attrs.get("lambd", 0.5)), float(n.attrs.get("bias", 0.0))
+    lo, hi = _typed_lit(e, t, -lam), _typed_lit(e, t, lam)
+    b, zero = _typed_lit(e, t, bias), _typed_lit(e, t, 0)
+    return f"({x} < {lo} ? {x} + {b} : ({x} > {hi} ? {x} - {b} : {zero}))"
+
+
+def _swish(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    return f"({x} / (1.0f + expf({_lit(-float(n.attrs.get('alpha', 1.0)))} * {x})))"
+
+
+def _is_inf(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    terms = ([f"{x} == INFINITY"] if int(n.attrs.get("detect_positive", 1)) else []) + (
+        [f"{x} == -INFINITY"] if int(n.attrs.get("detect_negative", 1)) else [])
+    return f"({' || '.join(terms)})" if terms else "0"
+
+
+def _prelu(e, n, t, idx):
+    x, slope = e.input_at(n, 0, idx), e.input_at(n, 1, idx)
+    return f"({x} < 0 ? {slope} * {x} : {x})"
+
+
+def _mod(e, n, t, idx):
+    a, b = e.input_at(n, 0, idx), e.input_at(n, 1, idx)
+    rem = f"fmodf({a}, {b})" if e.info(t).dtype == "float32" else f"{a} % {b}"
+    if int(n.attrs.get("fmod", 0)):
+        return f"({rem})"  # C's remainder truncates: the sign of the dividend, as fmod
+    r = e.tmp(e.ctype(t), rem)  # the sign of the divisor, as Python's %
+    return f"(({r} != 0 && (({r} < 0) != ({b} < 0))) ? {r} + {b} : {r})"
+
+
+def _identity_like(e, n, t, idx):
+    """Dropout in inference (its output is its input, the optional mask all true)."""
+    training = n.inputs[2] if len(n.inputs) > 2 else ""
+    flag = e.graph.constant_value(training) if training else np.zeros(1, bool)
+    if flag is None or bool(flag.reshape(-1)[0]):
+        raise CodegenRefused(f"{n.name}({n.op_type}) in training mode is not generated (random)")
+    return e.input_at(n, 0, idx) if t == n.outputs[0] else "1"
+
+
+def _batch_norm(e, n, t, idx):
+    """Inference: (x - mean) · scale / sqrt(var + eps) + bias per channel (axis 1)."""
+    if int(n.attrs.get("training_mode", 0)) or t != n.outputs[0] or len(idx) < 2:
+        raise CodegenRefused(f"{n.name}(BatchNormalization) in training mode is not generated")
+    x = e.input_at(n, 0, idx)
+    scale, bias, mean, var = (e.value(n.inputs[k], (idx[1],)) for k in (1, 2, 3, 4))
+    eps = _lit(n.attrs.get("epsilon", 1e-5))
+    return f"(({x} - {mean}) * ({scale} / sqrtf({var} + {eps})) + {bias})"
+
+
+def _guarded_or(e: _Emitter, tensor: str, idx: tuple[str, ...], cond: str, default: str) -> str:
+    """value(tensor, idx) where cond holds, else `default`: never evaluated out of bounds."""
+    if not cond:
+        return e.value(tensor, idx)
+    result = e.tmp(e.ctype(tensor), default)
+    outer = e.lines
+    e.lines = []
+    e.push()
+    v = e.value(tensor, idx)
+    e.pop()
+    body = e.lines
+    e.lines = outer
+    e.lines += [f"if ({cond}) {{", *["    " + x for x in body], f"    {result} = {v};", "}"]
+    return result
+
+
+def _ints(e: _Emitter, node: Node, k: int) -> list[int] | None:
+    """A constant integer input as a list; None when the input is omitted."""
+    if len(node.inputs) <= k or not node.inputs[k]:
+        return None
+    return [int(v) for v in e.const(node.inputs[k]).reshape(-1)]
+
+
+def _pad(e, n, t, idx):
+    """Constant / edge / reflect / wrap padding; negative pads crop (index shifts only)."""
+    src = n.inputs[0]
+    shape = e.info(src).shape
+    rank = len(shape)
+    mode = n.attrs.get("mode", "constant")
+    pads = _ints(e, n, 1)
+    pads = pads if pads is not None else [int(p) for p in n.attrs.get("pads", ())]
+    axes = [a % rank for a in (_ints(e, n, 3) or range(rank))]
+    begin, end = [0] * rank, [0] * rank
+    for k, a in enumerate(axes):
+        begin[a], end[a] = pads[k], pads[k + len(axes)]
+    if mode == "constant":
+        fill = n.attrs.get("value", 0.0)
+        if len(n.inputs) > 2 and n.inputs[2]:
+            fill = e.const(n.inputs[2]).reshape(-1)[0]
+        default = _typed_lit(e, t, fill)
+    elif mode not in ("edge", "reflect", "wrap"):
+        raise CodegenRefused(f"{n.name}(Pad) mode {mode} has no code generator yet")
+    src_idx, checks = [], []
+    for i, d, b, f in zip(idx, shape, begin, end, strict=True):
+        if b == 0 and f == 0:
+            src_idx.append(i)
+            continue
+        p = e.tmp("long long", f"({i}) - {b}LL") if b else i
+        if mode == "constant":
+            if b > 0 or f > 0:
+                checks.append(f"{p} >= 0 && {p} < {d}LL")
+        elif mode == "edge":
+            p = e.tmp("long long", f"{p} < 0 ? 0 : ({p} >= {d}LL ? {d - 1}LL : {p})")
+        elif mode == "reflect":
+            if max(b, f) > d - 1:
+                raise CodegenRefused(f"{n.name}(Pad) reflect pads {max(b, f)} >= dim {d}")
+            p = e.tmp("long long", f"{p} < 0 ? -{p} : ({p} >= {d}LL ? {2 * (d - 1)}LL - {p} : {p})")
+        else:
+            p = e.tmp("long long", f"(({p}) % {d}LL + {d}LL) % {d}LL")
+        src_idx.append(p)
+    if mode == "constant":
+        return _guarded_or(e, src, tuple(src_idx), " && ".join(checks), default)
+    return e.value(src, tuple(src_idx))
+
+
+def _center_crop_pad(e, n, t, idx):
+    src = n.inputs[0]
+    shape, out_shape = e.info(src).shape, e.info(t).shape
+    src_idx, checks = [], []
+    for i, d, dout in zip(idx, shape, out_shape, strict=True):
+        if d >= dout:  # crop: start at (d - dout) / 2
+            src_idx.append(f"({i} + {(d - dout) // 2}LL)" if d > dout else i)
+            continue
+        p = e.tmp("long long", f"({i}) - {(dout - d) // 2}LL")
+        checks.append(f"{p} >= 0 && {p} < {d}LL")
+        src_idx.append(p)
+    return _guarded_or(e, src, tuple(src_idx), " && ".join(checks), _typed_lit(e, t, 0))
+
+
+def _wrapped(e: _Emitter, raw: str, dim: int) -> str:
+    """An index read from a tensor, negative values counted from the end."""
+    return e.tmp("long long", f"({raw} < 0 ? (long long)({raw}) + {dim}LL : (long long)({raw}))")
+
+
+def _gather_nd(e, n, t, idx):
+    data, indices = n.inputs[0], n.inputs[1]
+    ds, qs = e.info(data).shape, e.info(indices).shape
+    b = int(n.attrs.get("batch_dims", 0))
+    lead = tuple(idx[:len(qs) - 1])
+    picked = [_wrapped(e, e.value(indices, lead + (str(m),)), ds[b + m]) for m in range(qs[-1])]
+    return e.value(data, tuple(idx[:b]) + tuple(picked) + tuple(idx[len(qs) - 1:]))
+
+
+def _gather_elements(e, n, t, idx):
+    data, indices = n.inputs[0], n.inputs[1]
+    ds = e.info(data).shape
+    axis = int(n.attrs.get("axis", 0)) % len(ds)
+    pos = _wrapped(e, e.value(indices, idx), ds[axis])
+    return e.value(data, idx[:axis] + (pos,) + idx[axis + 1:])
+
+
+def _tile(e, n, t, idx):
+    shape, out_shape = e.info(n.inputs[0]).shape, e.info(t).shape
+    return e.value(n.inputs[0], tuple(
+        i if d == dout else ("0" if d == 1 else e.tmp("long long", f"({i}) % {d}LL"))
+        for i, d, dout in zip(idx, shape, out_shape, strict=True)))
+
+
+def _depth_to_space(e, n, t, idx):
+    b = int(n.attrs["blocksize"])
+    nb, c, y, x = idx
+    channels = e.info(t).shape[1]
+    h, w = e.tmp("long long", f"({y}) / {b}LL"), e.tmp("long long", f"({x}) / {b}LL")
+    i, j = f"(({y}) % {b}LL)", f"(({x}) % {b}LL)"
+    if n.attrs.get("mode", "DCR") == "CRD":
+        ci = f"({c}) * {b * b}LL + {i} * {b}LL + {j}"
+    else:
+        ci = f"{i} * {b * channels}LL + {j} * {channels}LL + ({c})"
+    return e.value(n.inputs[0], (nb, e.tmp("long long", ci), h, w))
+
+
+def _space_to_depth(e, n, t, idx):
+    b = int(n.attrs["blocksize"])
+    nb, oc, y, x = idx
+    channels = e.info(n.inputs[0]).shape[1]
+    if n.attrs.get("mode", "DCR") == "CRD":  # oc = (c·b + i)·b + j
+        c = e.tmp("long long", f"({oc}) / {b * b}LL")
+        i = e.tmp("long long", f"({oc}) / {b}LL % {b}LL")
+        j = e.tmp("long long", f"({oc}) % {b}LL")
+    else:  # oc = (i·b + j)·C + c
+        i = e.tmp("long long", f"({oc}) / {b * channels}LL")
+        j = e.tmp("long long", f"({oc}) / {channels}LL % {b}LL")
+        c = e.tmp("long long", f"({oc}) % {channels}LL")
+    return e.value(n.inputs[0], (nb, c, f"({y}) * {b}LL + {i}", f"({x}) * {b}LL + {j}"))
+
+
+def _trilu(e, n, t, idx):
+    k = (_ints(e, n, 1) or [0])[0]
+    keep = f"({idx[-1]}) - ({idx[-2]}) {'>=' if int(n.attrs.get('upper', 1)) else '<='} {k}LL"
+    return _guarded_or(e, n.inputs[0], idx, keep, _typed_lit(e, t, 0))
+
+
+def _eye_like(e, n, t, idx):
+    k = int(n.attrs.get("k", 0))
+    return f"(({idx[1]}) - ({idx[0]}) == {k}LL)"
+
+
+def _one_hot(e, n, t, idx):
+    indices, values = n.inputs[0], n.inputs[2]
+    depth = int(e.const(n.inputs[1]).reshape(-1)[0])
+    axis = int(n.attrs.get("axis", -1)) % len(idx)
+    raw = e.value(indices, idx[:axis] + idx[axis + 1:])
+    at = _wrapped(e, raw, depth)
+    return f"({at} == ({idx[axis]}) ? {e.value(values, ('1',))} : {e.value(values, ('0',))})"
+
+
+def _reverse_sequence(e, n, t, idx):
+    batch, time = int(n.attrs.get("batch_axis", 1)), int(n.attrs.get("time_axis", 0))
+    length = e.value(n.inputs[1], (idx[batch],))
+    src_idx = list(idx)
+    src_idx[time] = e.tmp("long long", f"{idx[time]} < {length} ? {length} - 1 - {idx[time]} : {idx[time]}")
+    return e.value(n.inputs[0], tuple(src_idx))
+
+
+def _resize_scales(e: _Emitter, n: Node, in_shape, out_shape) -> list[float]:
+    """Per axis, the scale the coordinate transform divides by: the `scales` input where given
+    (not out/in: a 0.6 scale of 4 gives 2 pixels), else out/in (one common ratio under a
+    keep_aspect_ratio_policy other than stretch)."""
+    rank = len(in_shape)
+    axes = [int(a) % rank for a in n.attrs.get("axes", ())] or list(range(rank))
+    scales = [dout / din for din, dout in zip(in_shape, out_shape, strict=True)]
+    given = e.graph.constant_value(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
+    if given is not None and given.size:
+        for a, s in zip(axes, given.reshape(-1), strict=True):
+            scales[a] = float(s)
+    elif n.attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        sizes = _ints(e, n, 3) or [out_shape[a] for a in axes]
+        ratios = [size / in_shape[a] for a, size in zip(axes, sizes, strict=True)]
+        common = min(ratios) if n.attrs["keep_aspect_ratio_policy"] == "not_larger" else max(ratios)
+        for a in axes:
+            scales[a] = common
+    return scales
+
+
+def _resize_coordinate(n: Node, i: str, din: int, dout: int, scale: float) -> str:
+    """The input coordinate (float) of output index i along one axis."""
+    ctm = n.attrs.get("coordinate_transformation_mode", "half_pixel")
+    centre = f"(((float)({i}) + 0.5f) / {_lit(scale)} - 0.5f)"
+    if ctm == "asymmetric":
+        return f"((float)({i}) / {_lit(scale)})"
+    if ctm == "half_pixel":
+        return centre
+    if ctm == "pytorch_half_pixel":
+        return centre if dout > 1 else "0.0f"
+    if ctm == "align_corners":  # the output extent as scale · in, as ONNX's reference
+        return "0.0f" if dout == 1 else f"((float)({i}) * {_lit((din - 1) / (scale * din - 1))})"
+    if ctm == "half_pixel_symmetric":
+        offset = din / 2 * (1 - dout / (scale * din))
+        return f"({_lit(offset)} + {centre})"
+    raise CodegenRefused(f"{n.name}({n.op_type}) coordinate mode {ctm} has no code generator yet")
+
+
+def _resize_linear(e, n, t, idx):
+    """(Bi/tri)linear: per resized axis the two neighbours of the input coordinate (clamped to the
+    edge) and their weights; the value is the weighted sum over the 2^axes corners."""
+    src = n.inputs[0]
+    in_shape, out_shape = e.info(src).shape, e.info(t).shape
+    scales = _resize_scales(e, n, in_shape, out_shape)
+    if int(n.attrs.get("antialias", 0)) and min(scales) < 1.0:
+        raise CodegenRefused(f"{n.name}(Resize) mode linear with antialias has no code generator yet")
+    taps: list[list[tuple[str, str | None]]] = []
+    for i, din, dout, scale in zip(idx, in_shape, out_shape, scales, strict=True):
+        if din == dout and scale == 1.0:
+            taps.append([(i, None)])
+            continue
+        x = e.tmp("float", _resize_coordinate(n, i, din, dout, scale))
+        lo = e.tmp("float", f"floorf({x})")
+        w1 = e.tmp("float", f"{x} - {lo}")
+        k = e.tmp("long long", f"(long long){lo}")
+        i0 = e.tmp("long long", f"{k} < 0 ? 0 : ({k} > {din - 1}LL ? {din - 1}LL : {k})")
+        i1 = e.tmp("long long", f"{k} + 1 < 0 ? 0 : ({k} + 1 > {din - 1}LL ? {din - 1}LL : {k} + 1)")
+        taps.append([(i0, f"(1.0f - {w1})"), (i1, w1)])
+    terms = []
+    for corner in itertools.product(*taps):
+        weights = [w for _, w in corner if w is not None]
+        v = e.value(src, tuple(i for i, _ in corner))
+        terms.append(" * ".join([*weights, v]))
+    return "(" + " + ".join(terms) + ")"
+
+
+_HANDLERS.update({
+    "HardSigmoid": _hard_sigmoid, "Selu": _selu, "Celu": _celu, "ThresholdedRelu": _thresholded_relu,
+    "Shrink": _shrink, "Swish": _swish, "IsInf": _is_inf, "PRelu": _prelu, "Mod": _mod, "CastLike": _cast,
+    "Dropout": _identity_like, "BatchNormalization": _batch_norm, "Pad": _pad, "CenterCropPad": _center_crop_pad,
+    "GatherND": _gather_nd, "GatherElements": _gather_elements, "Tile": _tile, "DepthToSpace": _depth_to_space,
+    "SpaceToDepth": _space_to_depth, "Trilu": _trilu, "EyeLike": _eye_like, "OneHot": _one_hot,
+    "ReverseSequence": _reverse_sequence,
+})
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -1208,7 +1550,8 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     if product is not None:  # C with a BLAS: the product first (packed, blocked), then the rows read it
         c_body = f"#ifdef FS_BLAS_SGEMM\n{product}#else\n{c_body}#endif\n"
     c_src = f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n{c_body}}}\n"
-    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+    arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
+    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length
@@ -1345,7 +1688,170 @@ def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     if op == "LayerNormalization":
         _layernorm(e, node, plan, at, x if computed else "")
         return
+    if op in _MORE_ROW_OPS:
+        _row_reduction(e, node, plan, at, x if computed else "")
+        return
     raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")
+
+
+# more row reductions: (the term summed or maximized, "sum" | "max", the result from the total)
+_ROW_REDUCTIONS = {
+    "GlobalMaxPool": ("{0}", "max", "{0}"), "ReduceMin": ("(-{0})", "max", "(-{0})"),
+    "ReduceL1": ("fabsf({0})", "sum", "{0}"), "ReduceL2": ("({0} * {0})", "sum", "sqrtf({0})"),
+    "ReduceSumSquare": ("({0} * {0})", "sum", "{0}"), "ReduceLogSum": ("{0}", "sum", "logf({0})"),
+}
+
+
+def _row_reduction(e, node, plan, at, cache: str) -> None:
+    """A reduction of the table above; ReduceLogSumExp (a max pass, then Σ exp(x - max));
+    GlobalLpPool ((Σ |x|^p)^(1/p)); the normalizations of `_row_normalization` (row ops)."""
+    if node.op_type in _ROW_NORMALIZATIONS:
+        _row_normalization(e, node, plan, at, cache)
+        return
+    if node.op_type in ("ArgMax", "ArgMin"):
+        e.row_scalars[node.outputs[0]] = _arg_reduction(e, node, plan, at)
+        return
+    if node.op_type == "Hardmax":  # one at the row's first maximum (the row is the last axis)
+        best = _arg_reduction(e, node, plan, at)
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(({idx[-1]}) == {best} ? 1.0f : 0.0f)"
+        e.row_sources[node.outputs[0]] = node.inputs[0]
+        return
+    e.count += 1
+    acc = f"s{e.count}"
+    if node.op_type == "GlobalLpPool":
+        p = float(node.attrs.get("p", 2))
+        term = {1.0: "fabsf({0})", 2.0: "({0} * {0})"}.get(p, f"powf(fabsf({{0}}), {_lit(p)})")
+        result = {1.0: "{0}", 2.0: "sqrtf({0})"}.get(p, f"powf({{0}}, {_lit(1.0 / p)})")
+        _row_loop(e, plan, lambda j: term.format(at(j)), "{0} + {1}", "0.0f", acc)
+        e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+        return
+    if node.op_type == "ReduceLogSumExp":
+        _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, cache)
+        e.count += 1
+        total = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"expf({at(j)} - {acc})", "{0} + {1}", "0.0f", total)
+        e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} + logf({total})")
+        return
+    term, kind, result = _ROW_REDUCTIONS[node.op_type]
+    body = at if term == "{0}" else (lambda j: term.format(at(j)))
+    cached = cache if term == "{0}" else ""  # a row cache holds the input itself, not a term of it
+    if kind == "max":
+        _row_loop(e, plan, body, "fmaxf({0}, {1})", "-INFINITY", acc, cached)
+    else:
+        _row_loop(e, plan, body, "{0} + {1}", "0.0f", acc, cached)
+    e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+
+
+_CU_BLOCK_ARGBEST = f"""
+__device__ void block_argbest(float* v, long long* i, int is_min, int last) {{
+    __shared__ float bv[{THREADS}];
+    __shared__ long long bi[{THREADS}];
+    __syncthreads();
+    bv[threadIdx.x] = *v;
+    bi[threadIdx.x] = *i;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {{
+        if (threadIdx.x < s) {{
+            float v1 = bv[threadIdx.x], v2 = bv[threadIdx.x + s];
+            long long i1 = bi[threadIdx.x], i2 = bi[threadIdx.x + s];
+            if (i2 >= 0 && (i1 < 0 || (is_min ? v2 < v1 : v2 > v1) || (v2 == v1 && (last ? i2 > i1 : i2 < i1)))) {{
+                bv[threadIdx.x] = v2;
+                bi[threadIdx.x] = i2;
+            }}
+        }}
+        __syncthreads();
+    }}
+    *v = bv[0];
+    *i = bi[0];
+    __syncthreads();
+}}
+"""
+
+
+def _arg_reduction(e, node, plan, at) -> str:
+    """The row's ArgMax / ArgMin (Hardmax: ArgMax), a per-row variable: each thread (C: the one
+    loop) keeps its best value and the index of its first (select_last_index: last) occurrence;
+    CUDA then combines the threads' pairs in shared memory (`block_argbest`, a tree over THREADS
+    slots; index -1 = no element)."""
+    e.count += 1
+    v, i = f"s{e.count}", f"a{e.count}"
+    is_min = node.op_type == "ArgMin"
+    last = int(node.attrs.get("select_last_index", 0))
+    cmp = ("<" if is_min else ">") + ("=" if last else "")
+    head = [f"float {v} = 0.0f;", f"long long {i} = -1;"]
+    for c_target, loop, target in ((True, "for (long long j = 0; j < {n}LL; ++j) {{", plan.c),
+                                   (False, "for (long long j = threadIdx.x; j < {n}LL; j += blockDim.x) {{", plan.cu)):
+        lines, value = _row_body(e, plan, at, c_target)
+        target += [*head, loop.format(n=plan.length), *["    " + x for x in lines],
+                   f"    if ({i} < 0 || {value} {cmp} {v}) {{ {v} = {value}; {i} = j; }}", "}"]
+    plan.cu.append(f"block_argbest(&{v}, &{i}, {int(is_min)}, {last});")
+    return i
+
+
+def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
+    """The row's mean and 1/sqrt(variance + epsilon): a sum pass, then a pass of squared deviations."""
+    e.count += 1
+    total = f"s{e.count}"
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
+    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
+    e.count += 1
+    sq = f"s{e.count}"
+    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
+    return mean, _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {_lit(epsilon)})")
+
+
+def _row_normalization(e, node, plan, at, cache: str) -> None:
+    """InstanceNormalization: a row per (N, C) over the spatial positions, normalized, then the
+    channel's scale and bias. MeanVarianceNormalization: normalized only (over inner axes).
+    RMSNormalization: x / sqrt(mean(x²) + epsilon) · scale. LpNormalization (p = 1 or 2): the row
+    divided by its p-norm."""
+    x, out = node.inputs[0], node.outputs[0]
+    if node.op_type == "MeanVarianceNormalization":  # ONNX: (x - mean) / (sqrt(var) + 1e-9)
+        mean, inv = _moments(e, plan, at, cache, 1e-9)
+
+        def normalized(idx, xv=None):
+            return f"(({xv or e.value(x, idx)} - {mean}) * {inv})"
+    elif node.op_type == "RMSNormalization":
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"({at(j)} * {at(j)})", "{0} + {1}", "0.0f", acc)
+        eps = _lit(node.attrs.get("epsilon", 1e-5))
+        inv = _scalar(e, plan, f"1.0f / sqrtf({acc} / {plan.length}.0f + {eps})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} * {inv} * {e.input_at(node, 1, idx)})"
+    elif node.op_type == "InstanceNormalization":
+        mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
+
+        def normalized(idx, xv=None):
+            c = (idx[1],)
+            scale, bias = e.value(node.inputs[1], c), e.value(node.inputs[2], c)
+            return f"((({xv or e.value(x, idx)} - {mean}) * {inv}) * {scale} + {bias})"
+    else:
+        p = int(node.attrs.get("p", 2))
+        if p not in (1, 2):
+            raise CodegenRefused(f"{node.name}(LpNormalization) p={p} is not a norm (p is 1 or 2)")
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, (lambda j: f"fabsf({at(j)})") if p == 1 else (lambda j: f"({at(j)} * {at(j)})"),
+                  "{0} + {1}", "0.0f", acc)
+        norm = acc if p == 1 else _scalar(e, plan, f"sqrtf({acc})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} / {norm})"
+    e.row_ops[out] = normalized
+    e.row_sources[out] = x
+
+
+_ROW_NORMALIZATIONS = frozenset({"InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
+                                 "RMSNormalization"})
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "ArgMax", "ArgMin", "Hardmax", *_ROW_NORMALIZATIONS,
+                           *_ROW_REDUCTIONS})
+ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
+                     "LayerNormalization", *_MORE_ROW_OPS})
+"""The REDUCE ops `_reduction` generates (row by row)."""
+GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
+"""Every op the generator has code for (its tables and handlers, and the row reductions)."""
 
 
 def _softmax(e, node, plan, at, cache: str) -> None:
@@ -1373,15 +1879,7 @@ def _exp_row(softmax_output: str) -> str:
 
 
 def _layernorm(e, node, plan, at, cache: str) -> None:
-    e.count += 1
-    total = f"s{e.count}"
-    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
-    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
-    e.count += 1
-    sq = f"s{e.count}"
-    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
-    eps = _lit(node.attrs.get("epsilon", 1e-5))
-    inv = _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {eps})")
+    mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
     x = node.inputs[0]
 
     def normalized(idx, xv=None):
