@@ -80,6 +80,13 @@ class Kernel:
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
 
+    @property
+    def impl(self) -> str:
+        """"library" for a lone anchor or an opaque op (they run as a vendor library call, in
+        `measure` and in what a user would otherwise run), "generated" for everything else."""
+        lone_anchor = len(self.nodes) == 1 and self.anchor is not None
+        return "library" if lone_anchor or self.template == "opaque" else "generated"
+
     def spec(self) -> KernelSpec:
         return KernelSpec(
             template=self.template, dtype=self.dtype if self.dtype in DTYPE_BYTES else "float32",
@@ -89,7 +96,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions))
+            divisions=float(self.divisions), impl=self.impl)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:

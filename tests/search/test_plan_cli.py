@@ -38,7 +38,12 @@ def test_explain_lines_are_greppable(run_cli):
     lines = err.strip().splitlines()
     fuse = [line for line in lines if line.startswith("[fuse]")]
     assert fuse and all(re.match(r"\[fuse\] \S+\(\w+\)(\+\S+\(\w+\))+ -> g\d+: [-+]\d+\.\d us$", line) for line in fuse)
-    others = [line for line in lines if not line.startswith("[fuse]")]
+    impl = [line for line in lines if line.startswith("[impl]")]  # every fused anchor group's decision
+    assert len(impl) == sum(" -> g" in line and "(Conv)" in line for line in fuse)
+    assert all(re.match(r"\[impl\] g\d+: generated \(fp32-cuda-core\) \d+\.\d us vs library \S+\(Conv\) "
+                        r"\((fp32-cuda-core|tf32-tensor-core)\) \d+\.\d us \+ the rest apart \d+\.\d us = "
+                        r"\d+\.\d us$", line) for line in impl)
+    others = [line for line in lines if not line.startswith(("[fuse]", "[impl]"))]
     assert others and all(re.match(r"\[(refuse|skip)\] g\d+\+g\d+: .+", line) for line in others)
     assert any("two anchors" in line for line in others)
 
