@@ -68,7 +68,7 @@ import numpy as np
 
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.ir.graph import Graph, Node, TensorInfo
-from fusesearch.lowering import Kernel
+from fusesearch.lowering import MAX_ROW_SMEM, Kernel
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
@@ -1047,7 +1047,6 @@ def _pointwise(graph, kernel, name, ins, outs, args):
 
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
-MAX_ROW_SMEM = 32768  # bytes of shared memory for rows a CUDA row kernel caches
 
 
 def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:

@@ -49,10 +49,16 @@ def test_explain_lines_are_greppable(run_cli):
 
 
 def test_explain_names_the_smem_limit(run_cli, tmp_path):
-    """A MatMul whose 4096-wide Softmax row cannot be one tile on a T4: refused with the numbers."""
+    """A MatMul under a 4096-wide Softmax is generated as a row kernel caching 32 KiB of rows: it
+    fuses on a T4 (64 KiB per block) and is refused, with the numbers, on a device profile whose
+    blocks have 16 KiB."""
+    import dataclasses
+
     import numpy as np
     from onnx import helper
 
+    from costmodels import DEVICES
+    from costmodels.profile import Profile, save_profile
     from tests.conftest import make_model, save
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
@@ -61,7 +67,12 @@ def test_explain_names_the_smem_limit(run_cli, tmp_path):
     path = save(model, tmp_path / "mm_softmax.onnx")
     code, _, err = run_cli("plan", path, "--device", "t4", "--strategy", "greedy", "--explain")
     assert code == 0, err
-    assert re.search(r"\[refuse\] g0\+g1: smem \d+\.\d KiB > 64\.0 KiB per block on t4", err), err
+    assert "[fuse] mm(MatMul)+sm(Softmax) -> g0" in err
+    small = dataclasses.replace(DEVICES["t4"], name="t4-16k", smem_per_block_max_bytes=16 * 1024)
+    profile = save_profile(Profile(small), tmp_path / "small.json")
+    code, _, err = run_cli("plan", path, "--device", profile, "--strategy", "greedy", "--explain")
+    assert code == 0, err
+    assert re.search(r"\[refuse\] g0\+g1: smem 32\.1 KiB > 16\.0 KiB per block on t4-16k", err), err
 
 
 def test_compare_devices_and_strategies(run_cli):
