@@ -1023,7 +1023,10 @@ _VECTOR_MATH = ("expf", "logf", "tanhf", "erff", "log1pf", "sinf", "cosf")
 _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifdef FS_VECTOR_MATH\n"
               + "".join(f"#pragma omp declare simd notinbranch\nfloat {f}(float);\n" for f in _VECTOR_MATH)
               + "#endif\n#ifdef FS_BLAS_SGEMM\nvoid FS_BLAS_SGEMM(int, int, int, int, int, int, float, const float*, int, "
-              "const float*, int, float, float*, int);\n#endif\n#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
+              "const float*, int, float, float*, int);\n#endif\n#ifdef FS_BLAS_SGEMV\n"
+              "void FS_BLAS_SGEMV(int, int, int, int, float, const float*, int, const float*, int, float, float*, int);\n"
+              "#define FS_GEMV_OR(call) if (mc == 1) { call } else\n#else\n#define FS_GEMV_OR(call)\n#endif\n"
+              "#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
               "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_max_threads(); }\n"
               "#else\nstatic inline long long fs_threads(void) { return 1; }\n#endif\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
 _CU_PRELUDE = ("#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
@@ -1336,10 +1339,11 @@ BLAS_TILE_FLOATS = 1 << 18  # C gemm: at most this product tile (1 MiB) per BLAS
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body) -> list[str] | None:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
-    tile, so B is packed as few times as the threads allow: the rows of A
-    with the prologue applied are packed into a buffer, one sgemm multiplies them by B (a kernel
-    input, read in place), and the epilogue runs over the block's product while it is in cache,
-    before the one store. None where B is computed inside the group or not a float32 input."""
+    tile, so B is packed as few times as the threads allow: the rows of A with the prologue
+    applied are packed into a buffer, one sgemm multiplies them by B (a kernel input read in place,
+    or, when the group computes it, packed per block) — an sgemv when the product has one row, which
+    needs no packing — and the epilogue runs over the block's product while it is in cache, before
+    the one store. None where B is not float32."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
     if graph.tensors[b].dtype != "float32":
@@ -1368,8 +1372,12 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         b_ptr = f"{e.args[b].name} + ({e.flat(e.broadcast(z_idx, sb[:-2]) + ('0', '0'), sb)})"
         ldb, b_trans = (k_extent if trans_b else n_extent), (112 if trans_b else 111)
     row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
+    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, abuf, 1, 0.0f, cbuf, 1);"
+            if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
+            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, abuf, 1, 0.0f, cbuf, 1);")
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, abuf, "
              f"{k_extent}, {b_ptr}, {ldb}, 0.0f, cbuf, {n_extent});")
+    sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
     block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
              "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",

@@ -58,7 +58,7 @@ def blas_flags() -> tuple[str, ...]:
         handle.scipy_openblas_set_num_threads(1)
     except (OSError, AttributeError):
         return ()
-    return ("-DFS_BLAS_SGEMM=scipy_cblas_sgemm", f"-L{lib}", f"-l{blas.get_library()}", f"-Wl,-rpath,{lib}")
+    return ("-DFS_BLAS_SGEMM=scipy_cblas_sgemm", "-DFS_BLAS_SGEMV=scipy_cblas_sgemv", f"-L{lib}", f"-l{blas.get_library()}", f"-Wl,-rpath,{lib}")
 
 
 def link_flags() -> tuple[str, ...]:

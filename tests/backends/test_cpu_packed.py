@@ -86,6 +86,16 @@ def test_gemm_transposed_operands(tmp_path, blas, trans_a, trans_b):
     one_kernel(tmp_path, nodes, [("a", a_shape)], [("out", None)], [("b", _w(b_shape)), ("c", _w([11], 2))])
 
 
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_one_row_products_are_matrix_vector_calls(tmp_path, blas, trans_b):
+    """A classifier head (Flatten + Gemm with one row) runs as an sgemv, B as stored."""
+    nodes = [helper.make_node("Flatten", ["x"], ["f"]),
+             helper.make_node("Gemm", ["f", "w", "b"], ["out"], transB=trans_b)]
+    gk = one_kernel(tmp_path, nodes, [("x", [1, 24, 1, 1])], [("out", None)],
+                    [("w", _w([37, 24] if trans_b else [24, 37])), ("b", _w([37], 4))])
+    assert "FS_BLAS_SGEMV(101" in gk.c_source
+
+
 def test_prologue_output_also_a_kernel_output(tmp_path, blas):
     """The activation's prologue value is also used outside the group: written by the same kernel."""
     nodes = [helper.make_node("Sigmoid", ["x"], ["xs"]), helper.make_node("MatMul", ["xs", "w"], ["y"]),
