@@ -369,6 +369,7 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
     split = _split_k(m, n_dim, k, tm, tn, tk) if len(nodes) == 1 else 1
     kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
                     (tm, tn, tk), smem, live)
+    kernel = replace(kernel, threads_per_block=min(THREADS_PER_BLOCK, tm * tn))  # a thread per output at most
     if split == 1:
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction

@@ -1,5 +1,7 @@
 """Every generated CUDA kernel of every zoo plan (all strategies) compiles for sm_80 and sm_90 with
 NVRTC (or nvcc), without a GPU, and ptxas's report is parsed: registers, shared memory, no spills.
+The price is the kernel: for every generated tiled or anchored row kernel, ptxas's shared memory
+equals the bytes the lowering priced and the block written is the block priced.
 Distinct kernels (by source hash) are compiled once, several to an NVRTC program."""
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
                 continue
             distinct.setdefault(gk.source_hash, g)
     kernels = [generate(prep.graph, g.kernel, name=f"k{i}") for i, g in enumerate(distinct.values())]
+    by_name = {f"k{i}": g.kernel for i, g in enumerate(distinct.values())}
+    for gk in kernels:  # the block the cost model priced is the block written
+        kernel = by_name[gk.name]
+        if kernel.impl == "generated" and gk.skeleton in ("tiled", "block-per-row"):
+            assert gk.block[0] == kernel.threads_per_block, (name, gk.name, gk.skeleton)
     skeletons: dict[str, int] = {}
     for start in range(0, len(kernels), BUNDLE):
         chunk = kernels[start:start + BUNDLE]
@@ -48,6 +55,11 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
                 assert res.spill_store_bytes == 0, (name, gk.name, gk.skeleton, arch, res)
                 if gk.skeleton == "tiled":
                     assert res.smem_bytes > 0, (name, gk.name, arch, res)
+                kernel = by_name[gk.name]
+                # priced = written (the `direct` fallback, for epilogues that move elements, is
+                # still priced as a tile: that choice is not yet the lowering's)
+                if kernel.impl == "generated" and gk.skeleton in ("tiled", "block-per-row") and kernel.anchor is not None:
+                    assert res.smem_bytes == kernel.smem_bytes, (name, gk.name, gk.skeleton, arch, res, kernel.tile)
         for gk in chunk:
             skeletons[gk.skeleton] = skeletons.get(gk.skeleton, 0) + 1
     assert kernels, name
