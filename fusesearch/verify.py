@@ -127,3 +127,17 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str
         values[t.name] = onnx.numpy_helper.to_array(t)
     values.update(feeds)
     return values
+
+
+def timing_session(model: onnx.ModelProto, *, threads: int, optimize: bool):
+    """A CPU session for timing: `threads` intra-op threads (one inter-op), graph optimizations
+    at ORT_ENABLE_ALL (`optimize`) or ORT_DISABLE_ALL."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    level = ort.GraphOptimizationLevel
+    opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
