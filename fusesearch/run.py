@@ -42,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -405,7 +405,6 @@ class RunReport:
     unfused_segments: dict[str, int]
     kernels: int
     library_steps: int
-    notes: list[str] = field(default_factory=list)
 
     def ratio(self, a: str, b: str) -> float:
         if a not in self.timings or b not in self.timings or not self.timings[b].median_s:
@@ -419,12 +418,11 @@ class RunReport:
                 "repeat": self.repeat, "warmup": self.warmup, "arena_peak_bytes": self.arena_peak_bytes,
                 "unfused_arena_peak_bytes": self.unfused_arena_peak_bytes, "activation_bytes": self.activation_bytes,
                 "max_rel_err": self.max_rel_err, "unfused_max_rel_err": self.unfused_max_rel_err, "rtol": self.rtol,
-                "equal": True, "segments": self.segments, "unfused_segments": self.unfused_segments,
+                "segments": self.segments, "unfused_segments": self.unfused_segments,
                 "kernels": self.kernels, "library_steps": self.library_steps,
                 "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
                            "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
-                           "plan_vs_unfused": self.ratio("plan", "unfused")},
-                "notes": self.notes}
+                           "plan_vs_unfused": self.ratio("plan", "unfused")}}
 
     def to_pandas(self):
         import pandas as pd

@@ -1,0 +1,183 @@
+"""`fusesearch run`: a plan executed end to end as one program, checked against ONNX Runtime.
+
+Tiny models built in code: an MLP chain (one generated segment), a chain with a data-dependent
+If (a library segment between generated ones), a lone If (library only), a float16 conv the
+generator refuses (library per node); the arena's greedy placement; the JSON contract; exit 1
+naming the first differing kernel when the tolerance is 0 (our dot products sum in another order
+than ONNX Runtime's); bad flags exit 2 with one line naming the option."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from onnx import TensorProto, helper
+
+from fusesearch.backends import cpu
+from fusesearch.run import ALIGN, plan_arena
+from tests.conftest import make_model, save
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+RNG = np.random.default_rng(0)
+FAST = ("--strategy", "greedy", "--repeat", "2", "--warmup", "0")
+KEYS = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
+
+
+def _w(*shape, dtype=np.float32):
+    return (RNG.standard_normal(shape) * 0.3).astype(dtype)
+
+
+def mlp():
+    """x -> MatMul+Add -> Relu -> MatMul -> Tanh -> Reshape -> Softmax: a chain of kernels and a view."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu1"),
+             helper.make_node("MatMul", ["r", "w2"], ["z"], name="mm2"),
+             helper.make_node("Tanh", ["z"], ["t"], name="tanh"),
+             helper.make_node("Reshape", ["t", "shape"], ["t2"], name="reshape"),
+             helper.make_node("Softmax", ["t2"], ["y"], name="softmax", axis=-1)]
+    inits = [("w1", _w(64, 128)), ("b1", _w(128)), ("w2", _w(128, 64)), ("shape", np.array([16, 128], np.int64))]
+    return make_model(nodes, [("x", [32, 64])], [("y", [16, 128])], inits)
+
+
+def with_if():
+    """Relu, then an If on the sign of its sum (then: *2, else: negate, both capturing r), then Tanh."""
+    then = helper.make_graph([helper.make_node("Mul", ["r", "two"], ["a"], name="then_mul")], "then", [],
+                             [helper.make_tensor_value_info("a", TensorProto.FLOAT, [8, 16])])
+    other = helper.make_graph([helper.make_node("Neg", ["r"], ["b"], name="else_neg")], "else", [],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [8, 16])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("ReduceSum", ["r"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="positive"),
+             helper.make_node("If", ["c"], ["branch"], name="choose", then_branch=then, else_branch=other),
+             helper.make_node("Add", ["branch", "x"], ["u"], name="add"),
+             helper.make_node("Tanh", ["u"], ["y"], name="tanh")]
+    inits = [("two", np.float32(2.0)), ("zero", np.float32(0.0))]
+    return make_model(nodes, [("x", [8, 16])], [("y", [8, 16])], inits, opset=13)
+
+
+def lone_if():
+    """Only an If: a plan with no generated kernel at all."""
+    then = helper.make_graph([helper.make_node("Relu", ["x"], ["a"], name="then_relu")], "then", [],
+                             [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 4])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["b"], name="else_neg")], "else", [],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 4])])
+    nodes = [helper.make_node("If", ["c"], ["y"], name="choose", then_branch=then, else_branch=other)]
+    return make_model(nodes, [("c", [], TensorProto.BOOL), ("x", [4, 4])], [("y", [4, 4])], opset=13)
+
+
+def half_conv():
+    """torch `.half()` export: a float16 Conv+Relu the generator refuses, run node by node."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="/conv/Conv", kernel_shape=[3, 3],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["y"], name="/relu/Relu")]
+    inits = [("w", _w(8, 3, 3, 3, dtype=np.float16)), ("b", _w(8, dtype=np.float16))]
+    return make_model(nodes, [("x", [1, 3, 8, 8], TensorProto.FLOAT16)], [("y", None, TensorProto.FLOAT16)], inits)
+
+
+def _run_json(run_cli, path, *extra):
+    code, stdout, stderr = run_cli("run", path, *FAST, "--json", *extra)
+    assert code == 0, stderr
+    return json.loads(stdout)
+
+
+def test_chain_equals_ort_with_valid_json(run_cli, tmp_path):
+    doc = _run_json(run_cli, save(mlp(), tmp_path / "mlp.onnx"))
+    for key in KEYS:
+        t = doc[key]
+        assert 0 < t["p20_s"] <= t["median_s"] <= t["p80_s"], (key, t)
+    assert doc["threads"] == 1
+    assert doc["max_rel_err"] <= 1e-4 and doc["unfused_max_rel_err"] <= 1e-4
+    assert doc["segments"] == {"generated": 1, "library": 0}  # one ctypes call runs every kernel
+    assert 0 < doc["arena_peak_bytes"] < doc["activation_bytes"]
+    assert doc["unfused_arena_peak_bytes"] < doc["activation_bytes"]
+    assert doc["ratios"]["plan_vs_unfused"] == pytest.approx(doc["plan"]["median_s"] / doc["unfused"]["median_s"])
+
+
+def test_if_splits_the_program_and_still_equals_ort(run_cli, tmp_path):
+    doc = _run_json(run_cli, save(with_if(), tmp_path / "if.onnx"), "--check-each")
+    assert doc["segments"]["library"] == 1 and doc["segments"]["generated"] == 2, doc["segments"]
+    assert doc["max_rel_err"] <= 1e-4 and doc["library_steps"] == 1
+
+
+@pytest.mark.parametrize("build, library", [(lone_if, 1), (half_conv, 2)])
+def test_plan_of_only_library_nodes_runs(run_cli, tmp_path, build, library):
+    doc = _run_json(run_cli, save(build(), tmp_path / "m.onnx"))
+    assert doc["segments"] == {"generated": 0, "library": 1}
+    assert doc["library_steps"] == library and doc["max_rel_err"] <= 1e-3
+
+
+def test_zero_tolerance_names_the_first_differing_kernel(run_cli, tmp_path):
+    """Our Gemm sums its 64 products in another order than ONNX Runtime's: at rtol 0 the first
+    group (the MatMul with its Add and Relu) differs, and the message says so."""
+    code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *FAST, "--rtol", "0")
+    assert code == 1 and stdout == ""
+    line, = stderr.strip().splitlines()
+    assert "plan program differs from ONNX Runtime" in line and "group g0" in line and "'mm1'" in line, line
+
+
+def test_check_each_writes_parquet_and_a_table(run_cli, tmp_path):
+    out = tmp_path / "rows.parquet"
+    code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *FAST, "--check-each", "-o", out)
+    assert code == 0, stderr
+    assert "ONNX Runtime ENABLE_ALL" in stdout and "equal to ONNX Runtime" in stdout
+    rows = pd.read_parquet(out)
+    assert list(rows["program"]) == list(KEYS) and (rows["median_s"] > 0).all()
+
+
+def test_plan_file_round_trip(run_cli, tmp_path):
+    model = save(mlp(), tmp_path / "mlp.onnx")
+    code, _, stderr = run_cli("plan", model, "--device", "host", "--strategy", "greedy", "-o", tmp_path / "p.json")
+    assert code == 0, stderr
+    doc = _run_json(run_cli, model, "--plan", tmp_path / "p.json")
+    assert doc["strategy"] == "file" and doc["max_rel_err"] <= 1e-4
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--plan", "missing.json"), "--plan missing.json: no such file"),
+    (("--repeat", "0"), "--repeat 0"),
+    (("--threads", "0"), "--threads 0"),
+    (("--warmup", "-1"), "--warmup -1"),
+    (("--rtol", "-1"), "--rtol -1"),
+    (("--backend", "cupy"), "--backend cupy"),
+])
+def test_bad_flags_exit_2_with_one_line(run_cli, tmp_path, flags, named):
+    code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *flags)
+    assert code == 2 and stdout == ""
+    line, = stderr.strip().splitlines()
+    assert line.startswith("fusesearch: error: ") and named in line, line
+
+
+def test_existing_output_is_kept(run_cli, tmp_path):
+    out = tmp_path / "rows.parquet"
+    out.write_text("mine")
+    code, _, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *FAST, "-o", out)
+    assert code == 2 and "--force" in stderr and out.read_text() == "mine"
+
+
+def test_arena_reuses_memory_on_a_chain():
+    """A chain of ten 1 KiB tensors, each read only by the next step: two slots suffice."""
+    sizes = {f"t{i}": 1024 for i in range(10)}
+    lifetimes = {f"t{i}": (i, i + 1) for i in range(10)}
+    offsets, peak = plan_arena(sizes, lifetimes)
+    assert peak == 2048 < sum(sizes.values())
+    _, flat = plan_arena(sizes, lifetimes, reuse=False)
+    assert flat == 10 * 1024
+
+
+def test_arena_never_overlaps_live_tensors():
+    rng = np.random.default_rng(1)
+    sizes = {f"t{i}": int(rng.integers(1, 5000)) for i in range(60)}
+    lifetimes = {}
+    for t in sizes:
+        first = int(rng.integers(0, 40))
+        lifetimes[t] = (first, first + int(rng.integers(0, 10)))
+    offsets, peak = plan_arena(sizes, lifetimes)
+    for a in sizes:
+        assert offsets[a] % ALIGN == 0 and offsets[a] + sizes[a] <= peak
+        for b in sizes:
+            live = lifetimes[a][0] <= lifetimes[b][1] and lifetimes[b][0] <= lifetimes[a][1]
+            if a < b and live:
+                assert offsets[a] + sizes[a] <= offsets[b] or offsets[b] + sizes[b] <= offsets[a], (a, b)
