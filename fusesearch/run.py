@@ -208,33 +208,29 @@ def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDL
 
 # -- the program ------------------------------------------------------------------------------
 
-class Program:
-    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
+class Layout:
+    """Where each tensor of a program lives: an alias shares its source's storage; weights and
+    the model's inputs are external (`ext_index`: their slot in the pointer table); every other
+    tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime)."""
 
-    def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
-                 threads: int, *, reuse: bool = True) -> None:
-        self.graph, self.steps, self.threads = graph, list(steps), threads
+    def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
+        self.graph, self.steps = graph, list(steps)
         self.source: dict[str, str] = {}  # alias output → the tensor whose storage it shares
         for s in self.steps:
             if s.how == "alias":
                 self.source[s.outputs[0]] = self.root(s.inputs[0])
         used = [t for s in self.steps for t in (*s.inputs, *s.outputs)] + list(graph.outputs)
         roots = list(dict.fromkeys(self.root(t) for t in used))
-        external = [t for t in roots if t in weights or t in graph.inputs]
-        self.ext_index = {t: i for i, t in enumerate(external)}
-        self.ext_arrays: dict[str, np.ndarray] = {t: weights[t] for t in external if t in weights}
-        self.ext = (ctypes.c_void_p * max(1, len(external)))()
-        for t, a in self.ext_arrays.items():
-            self.ext[self.ext_index[t]] = a.ctypes.data
+        self.ext_index = {t: i for i, t in enumerate(t for t in roots if t in weights or t in graph.inputs)}
         produced = [t for t in roots if t not in self.ext_index]
-        lifetimes = self._lifetimes(produced)
+        for t in produced:
+            if graph.tensors[t].shape is None:
+                writer = next((s for s in self.steps if t in s.outputs), None)
+                node = graph.nodes[writer.nodes[0]].name if writer else "?"
+                raise BadInput(f"tensor '{t}' (written by node '{node}') has no static shape; run needs every "
+                               "shape known: bind the model's dynamic dims with --dim NAME=V or --input-shape")
         self.sizes = {t: graph.tensors[t].nbytes for t in produced}
-        self.offsets, self.peak_bytes = plan_arena(self.sizes, lifetimes, reuse=reuse)
-        self._arena = np.zeros(self.peak_bytes + ALIGN, dtype=np.uint8)
-        start = (-self._arena.ctypes.data) % ALIGN
-        self.arena = self._arena[start:start + self.peak_bytes]
-        self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
-        self.calls = self._calls(canonical)
+        self.offsets, self.peak_bytes = plan_arena(self.sizes, self._lifetimes(produced), reuse=reuse)
 
     def root(self, t: str) -> str:
         return self.source.get(t, t)
@@ -251,6 +247,24 @@ class Program:
         for t in self.graph.outputs:
             last[self.root(t)] = end
         return {t: (first.get(t, 0), last.get(t, end)) for t in produced}
+
+
+class Program(Layout):
+    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
+
+    def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
+                 threads: int, *, reuse: bool = True) -> None:
+        super().__init__(graph, steps, weights, reuse=reuse)
+        self.threads = threads
+        self.ext_arrays: dict[str, np.ndarray] = {t: weights[t] for t in self.ext_index if t in weights}
+        self.ext = (ctypes.c_void_p * max(1, len(self.ext_index)))()
+        for t, a in self.ext_arrays.items():
+            self.ext[self.ext_index[t]] = a.ctypes.data
+        self._arena = np.zeros(self.peak_bytes + ALIGN, dtype=np.uint8)
+        start = (-self._arena.ctypes.data) % ALIGN
+        self.arena = self._arena[start:start + self.peak_bytes]
+        self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
+        self.calls = self._calls(canonical)
 
     def view(self, t: str) -> np.ndarray:
         """The tensor as a numpy array over the program's memory (no copy)."""
