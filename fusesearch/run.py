@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from fusesearch.backends.codegen import NP_DTYPES, CodegenRefused, GeneratedKernel, generate
+from fusesearch.backends.codegen import CodegenRefused, GeneratedKernel, generate
 from fusesearch.backends.timing import Timing
 from fusesearch.errors import BadInput, FusesearchError
 
@@ -139,7 +139,7 @@ def plan_arena(sizes: Mapping[str, int], lifetimes: Mapping[str, tuple[int, int]
         first, last = lifetimes[t]
         need = aligned(max(sizes[t], 1))
         at = 0
-        for off, end, f, la in sorted(p for p in placed if p[2] <= last and first <= p[3]):
+        for off, end, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
             if off - at >= need:
                 break
             at = max(at, end)
@@ -211,7 +211,9 @@ def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDL
 class Layout:
     """Where each tensor of a program lives: an alias shares its source's storage; weights and
     the model's inputs are external (`ext_index`: their slot in the pointer table); every other
-    tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime)."""
+    tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime).
+    Subclasses allocate the memory (`_allocate`) and `run` the steps; `__call__(feeds)` sets the
+    inputs, runs, and returns copies of the model's outputs."""
 
     def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
         self.graph, self.steps = graph, list(steps)
@@ -248,23 +250,12 @@ class Layout:
             last[self.root(t)] = end
         return {t: (first.get(t, 0), last.get(t, end)) for t in produced}
 
-
-class Program(Layout):
-    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
-
-    def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
-                 threads: int, *, reuse: bool = True) -> None:
-        super().__init__(graph, steps, weights, reuse=reuse)
-        self.threads = threads
+    def _allocate(self, weights: Mapping[str, np.ndarray]) -> None:
+        """The arena (aligned host memory) and the external arrays known so far (the weights)."""
         self.ext_arrays: dict[str, np.ndarray] = {t: weights[t] for t in self.ext_index if t in weights}
-        self.ext = (ctypes.c_void_p * max(1, len(self.ext_index)))()
-        for t, a in self.ext_arrays.items():
-            self.ext[self.ext_index[t]] = a.ctypes.data
         self._arena = np.zeros(self.peak_bytes + ALIGN, dtype=np.uint8)
         start = (-self._arena.ctypes.data) % ALIGN
         self.arena = self._arena[start:start + self.peak_bytes]
-        self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
-        self.calls = self._calls(canonical)
 
     def view(self, t: str) -> np.ndarray:
         """The tensor as a numpy array over the program's memory (no copy)."""
@@ -275,6 +266,46 @@ class Program(Layout):
         dtype = np.dtype(info.dtype)
         off = self.offsets[r]
         return self.arena[off:off + info.nbytes].view(dtype).reshape(info.shape)
+
+    def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for t, a in feeds.items():
+            if t in self.ext_index and t in self.graph.inputs:
+                a = np.ascontiguousarray(a, dtype=np.dtype(self.graph.tensors[t].dtype))
+                self.ext_arrays[t] = a
+                self._set_pointer(t, a)
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {t: self.view(t).copy() for t in self.graph.outputs}
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.set_inputs(feeds)
+        self.run()
+        return self.outputs()
+
+    def produced(self) -> dict[str, np.ndarray]:
+        """Every tensor a step writes (meaningful after a run of a program without reuse)."""
+        return {t: self.view(t).copy() for s in self.steps if s.how != "alias" for t in s.outputs}
+
+    def _set_pointer(self, t: str, a: np.ndarray) -> None:
+        """A program with a pointer table updates it here."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class Program(Layout):
+    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
+
+    def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
+                 threads: int, *, reuse: bool = True) -> None:
+        super().__init__(graph, steps, weights, reuse=reuse)
+        self.threads = threads
+        self._allocate(weights)
+        self.ext = (ctypes.c_void_p * max(1, len(self.ext_index)))()
+        for t, a in self.ext_arrays.items():
+            self.ext[self.ext_index[t]] = a.ctypes.data
+        self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
+        self.calls = self._calls(canonical)
 
     def _pointer(self, t: str, const: bool, ctype: str) -> str:
         r = self.root(t)
@@ -349,28 +380,12 @@ class Program(Layout):
 
         return go
 
-    def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
-        for t, a in feeds.items():
-            if t in self.ext_index and t in self.graph.inputs:
-                a = np.ascontiguousarray(a, dtype=np.dtype(self.graph.tensors[t].dtype))
-                self.ext_arrays[t] = a
-                self.ext[self.ext_index[t]] = a.ctypes.data
+    def _set_pointer(self, t: str, a: np.ndarray) -> None:
+        self.ext[self.ext_index[t]] = a.ctypes.data
 
     def run(self) -> None:
         for call in self.calls:
             call()
-
-    def outputs(self) -> dict[str, np.ndarray]:
-        return {t: self.view(t).copy() for t in self.graph.outputs}
-
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.set_inputs(feeds)
-        self.run()
-        return self.outputs()
-
-    def produced(self) -> dict[str, np.ndarray]:
-        """Every tensor a step writes (meaningful after a run of a program without reuse)."""
-        return {t: self.view(t).copy() for s in self.steps if s.how != "alias" for t in s.outputs}
 
 
 # -- checking ---------------------------------------------------------------------------------
@@ -397,6 +412,86 @@ def first_difference(graph, label: str, steps: Sequence[Step], produced: Mapping
                         f"nodes {names}) writes '{d.name}' with max abs err {d.max_abs:.3g} "
                         f"(scale {d.scale:.3g}, rtol {rtol:g})")
     return None
+
+
+def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: float, check_each: bool):
+    """(the program with arena reuse, its max relative error) once its outputs equal ONNX
+    Runtime's (`make(reuse)` builds it); Mismatch naming the first step that differs, found on a
+    program without reuse (also the one checked throughout with `check_each`)."""
+    from fusesearch.verify import compare
+
+    program = make(not check_each)
+    got = program(feeds)
+    wanted = {t: reference[t] for t in program.graph.outputs}
+    diffs = compare(wanted, got, rtol=rtol)
+    if check_each or not all(d.ok for d in diffs):
+        full = program if check_each else make(False)
+        full(feeds)
+        where = first_difference(program.graph, label, program.steps, full.produced(), reference, rtol)
+        if where is not None:
+            raise Mismatch(f"the {label} program differs from ONNX Runtime: {where}")
+        if not all(d.ok for d in diffs):
+            bad = next(d for d in diffs if not d.ok)
+            raise Mismatch(f"the {label} program differs from ONNX Runtime at output '{bad.name}' "
+                           f"(max abs err {bad.max_abs:.3g}) though every step agrees alone")
+        if check_each:  # the program that runs (and is timed) reuses its arena
+            program = make(True)
+            program(feeds)
+    return program, max_rel_err(wanted, got)
+
+
+# -- the CUDA program, emulated ---------------------------------------------------------------
+
+class EmulatedCudaProgram(Layout):
+    """The plan as the CUDA program would launch it, run through the CUDA emulator on host memory
+    (correctness only, never timing): every generated kernel's own CUDA source with its own grid
+    and block, in plan order, over one arena laid out as on the CPU; groups the generator does not
+    write run through `arraylib` (the GPU's library path, here on numpy), written into the arena."""
+
+    def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool = True) -> None:
+        from fusesearch.backends import arraylib
+
+        super().__init__(graph, steps, weights, reuse=reuse)
+        for s in self.steps:
+            if s.how == "library":
+                node = graph.nodes[s.nodes[0]]
+                decision = arraylib.supports(node.op_type, node.attrs, len([t for t in node.outputs if t]))
+                if not decision:
+                    raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel "
+                                   f"and no GPU library kernel ({decision.reason}); the CUDA program cannot run it")
+        self._allocate(weights)
+        self.segment_counts = {kind: sum(k == kind for k, _ in segments(self.steps)) for kind in ("generated", "library")}
+
+    def run(self) -> None:
+        from fusesearch.backends import arraylib, emulate
+
+        for s in self.steps:
+            if s.how == "generated":
+                emulate.launch(s.kernel, [self.view(a.tensor).ctypes.data for a in (*s.kernel.inputs, *s.kernel.outputs)])
+            elif s.how == "library":
+                node = self.graph.nodes[s.nodes[0]]
+                args = [self.view(t) if t else None for t in node.inputs]
+                outs = arraylib.run(np, node.op_type, node.attrs, args, len([t for t in node.outputs if t]))
+                for t, y in zip([t for t in node.outputs if t], outs, strict=True):
+                    if t in s.outputs:
+                        self.view(t)[...] = y
+
+
+def run_emulated(prep, plan, *, seed: int = 0, rtol: float = 1e-4, check_each: bool = False) -> dict:
+    """Check the plan's CUDA program (through the emulator) against ONNX Runtime: {"max_rel_err",
+    "segments", "arena_peak_bytes"}; Mismatch naming the first step that differs."""
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.verify import all_values, random_feeds
+
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    feeds = random_feeds(canonical, seed)
+    reference = all_values(canonical, feeds)
+    steps = plan_steps(prep.graph, plan)
+    program, err = checked("plan (CUDA, emulated)",
+                           lambda reuse: EmulatedCudaProgram(prep.graph, steps, weights, reuse=reuse),
+                           feeds, reference, rtol, check_each)
+    return {"max_rel_err": err, "segments": program.segment_counts, "arena_peak_bytes": program.peak_bytes}
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -479,7 +574,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing step."""
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import all_values, compare, random_feeds, timing_session
+    from fusesearch.verify import all_values, random_feeds, timing_session
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
@@ -494,25 +589,9 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     for label, p in (("plan", plan), ("unfused", unfused)):
         say(f"compiling {label}")
         steps = plan_steps(graph, p)
-        program = Program(graph, canonical, steps, weights, threads, reuse=not check_each)
-        got = program(feeds)
-        wanted = {t: reference[t] for t in graph.outputs}
-        diffs = compare(wanted, got, rtol=rtol)
-        if check_each or not all(d.ok for d in diffs):
-            full = program if check_each else Program(graph, canonical, steps, weights, threads, reuse=False)
-            full(feeds)
-            where = first_difference(graph, label, steps, full.produced(), reference, rtol)
-            if where is not None:
-                raise Mismatch(f"the {label} program differs from ONNX Runtime: {where}")
-            if not all(d.ok for d in diffs):
-                bad = next(d for d in diffs if not d.ok)
-                raise Mismatch(f"the {label} program differs from ONNX Runtime at output '{bad.name}' "
-                               f"(max abs err {bad.max_abs:.3g}) though every step agrees alone")
-            if check_each:  # time the program with reuse, as it runs
-                program = Program(graph, canonical, steps, weights, threads)
-                program(feeds)
-        errors[label] = max_rel_err(wanted, got)
-        programs[label] = program
+        programs[label], errors[label] = checked(
+            label, lambda reuse, steps=steps: Program(graph, canonical, steps, weights, threads, reuse=reuse),
+            feeds, reference, rtol, check_each)
     timings: dict[str, Timing] = {}
     if time_it:
         for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
@@ -520,7 +599,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
             names = [o.name for o in sess.get_outputs()]
             ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
             say(f"timing {key}")
-            timings[key] = _timed(lambda: sess.run(names, ort_feeds), warmup, repeat)
+            timings[key] = _timed(lambda s=sess, n=names, f=ort_feeds: s.run(n, f), warmup, repeat)
         for label, program in programs.items():
             say(f"timing {label}")
             program.library and program.library.fs_set_threads(threads)

@@ -181,3 +181,45 @@ def test_arena_never_overlaps_live_tensors():
             live = lifetimes[a][0] <= lifetimes[b][1] and lifetimes[b][0] <= lifetimes[a][1]
             if a < b and live:
                 assert offsets[a] + sizes[a] <= offsets[b] or offsets[b] + sizes[b] <= offsets[a], (a, b)
+
+
+def conv_pool():
+    """Conv+Relu (generated) then MaxPool (no generator: the GPU library path) then Add."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+             helper.make_node("Sigmoid", ["f"], ["y"], name="sigmoid")]
+    inits = [("w", _w(4, 3, 3, 3)), ("b", _w(4))]
+    return make_model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 64])], inits, opset=13)
+
+
+@pytest.mark.parametrize("build", [mlp, conv_pool])
+def test_cuda_program_through_the_emulator_equals_ort(tmp_path, build):
+    """The CUDA sources, launched in plan order with their own grids over one arena (the emulator
+    runs them on host threads), give ONNX Runtime's outputs; MaxPool goes through arraylib."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.backends import emulate
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import run_emulated
+
+    if not emulate.available():
+        pytest.skip("no C++ compiler")
+    path = save(build(), tmp_path / "m.onnx")
+    prep = prepare(path)
+    result = run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep), check_each=True)
+    assert result["max_rel_err"] <= 1e-4
+    assert result["segments"]["generated"] >= 1
+    assert result["segments"]["library"] == (build is conv_pool)
+
+
+def test_cuda_program_refuses_a_node_without_a_gpu_library_kernel(tmp_path):
+    from fusesearch.api import plan as make_plan
+    from fusesearch.errors import BadInput
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import run_emulated
+
+    path = save(with_if(), tmp_path / "if.onnx")
+    prep = prepare(path)
+    with pytest.raises(BadInput, match=r"node 'choose' \(If\) has no generated kernel and no GPU library kernel"):
+        run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep))
