@@ -9,10 +9,13 @@ non-binding side from gradients, so a coarse coordinate search over each paramet
 first, then Levenberg-Marquardt with a forward-difference Jacobian of `RooflineModel.cost` itself
 (never a re-implementation), from three starts (efficiencies x 1, 0.1, 0.01). `fit_staged` fits
 the shared terms on the anchor-free kernels first, then each anchor template's own parameters.
+`cross_validate` refits on k folds of the training kernels (by group, seeded) and says, per
+template, whether its fitted parameters predict the left-out folds worse (MAPE) than its starting
+ones; the caller keeps the starting parameters of such a template (`keep_start`).
 `fit_registers` fits the register estimate to ptxas's counts. `accuracy` gives MAPE, median APE,
 Spearman and Kendall (tau-b).
 Invariants: pure and deterministic (numpy only; no graphs, no files); a FitResult's parameters
-pass RooflineParams validation.
+pass RooflineParams validation, and the efficiencies it fits stay within (0, 1] of their peak.
 """
 
 from __future__ import annotations
@@ -31,9 +34,15 @@ from costmodels.roofline import RooflineModel, RooflineParams
 PRIOR_WEIGHT = 1e-3  # pull (per parameter, in log / logit units) to the starting value
 REGISTER_ARCH = "sm_90"
 
-# Parameter coordinates: log for positive values, logit for those in (0, 1).
+CV_FOLDS = 3
+
+# Parameter coordinates: log for positive values, logit for those in (0, 1). An efficiency is a
+# fraction of its peak (tensor-core or scalar FLOP/s, DRAM bytes/s): never above 1.
 _UNIT_INTERVAL = ("overlap", "occupancy_knee")
-_BOUNDS = {"efficiency": (1e-4, 1e3), "launch_overhead_scale": (1e-3, 1e3),
+_EFFICIENCY = (1e-4, 1.0)
+_OWN = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")  # per template
+_BOUNDS = {"tc_efficiency": _EFFICIENCY, "scalar_efficiency": _EFFICIENCY, "memory_efficiency": _EFFICIENCY,
+           "launch_overhead_scale": (1e-3, 1e3),
            "index_division_flops": (1e-3, 1e3), "read_traffic_factor": (1e-2, 2.0), "division_flops": (1e-2, 1e3),
            "transcendental_flops": (0.1, 1e4), "overlap": (1e-3, 1 - 1e-3),
            "occupancy_knee": (1e-3, 1.0)}
@@ -138,7 +147,7 @@ def _coord(name: str) -> tuple[str, float, float]:
     if base in _UNIT_INTERVAL:
         low, high = _BOUNDS[base]
         return "logit", low, high
-    low, high = _BOUNDS.get(base, _BOUNDS["efficiency"])
+    low, high = _BOUNDS[base]
     return "log", low, high
 
 
@@ -191,9 +200,9 @@ def fit(specs: Sequence[KernelSpec], measured_s: Sequence[float], device: Device
     efficiency = np.array([n.split(".")[0].endswith("efficiency") for n in names])
     best = None
     for factor in (1.0, 0.1, 0.01):
-        start_z = np.where(efficiency, z0 + math.log(factor), z0)
+        start_z = np.clip(np.where(efficiency, z0 + math.log(factor), z0), *np.array(ranges).T)
         z = _coordinate_search(total, start_z, ranges)
-        z, current, iterations = _levenberg_marquardt(residual, loss, z, z0, prior_weight, max_iter)
+        z, current, iterations = _levenberg_marquardt(residual, loss, z, z0, prior_weight, max_iter, ranges)
         if best is None or current < best[1]:
             best = (z, current, iterations)
     z, current, iterations = best
@@ -227,8 +236,49 @@ def fit_staged(specs: Sequence[KernelSpec], measured_s: Sequence[float], device:
                      total(second.params), first.iterations + second.iterations)
 
 
+def keep_start(params: RooflineParams, start: RooflineParams, template: str) -> RooflineParams:
+    """`params` with `template`'s own parameters (its efficiencies and occupancy knee) set back to
+    their values in `start`; the shared terms stay as fitted."""
+    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in _OWN})
+
+
+def group_folds(groups: Sequence[str], k: int, seed: int) -> np.ndarray:
+    """Fold index (0..k-1) of each row: the distinct groups shuffled (seeded) and dealt round-robin,
+    so a group's rows share a fold."""
+    keys = sorted(set(groups))
+    order = np.random.default_rng([seed, k]).permutation(len(keys))
+    fold_of = {keys[j]: i % k for i, j in enumerate(order)}
+    return np.array([fold_of[g] for g in groups], dtype=np.int64)
+
+
+def cross_validate(specs: Sequence[KernelSpec], measured_s: Sequence[float], groups: Sequence[str],
+                   device: DeviceSpec, start: RooflineParams, seed: int, *, k: int = CV_FOLDS) -> dict[str, dict]:
+    """Per template: the MAPE on left-out folds of its fitted parameters ("fitted_mape") and of its
+    starting ones with the fold's shared terms ("kept_mape"), each fold predicted by `fit_staged`
+    run on the other k-1. Empty when there are fewer than k groups."""
+    measured = np.asarray(measured_s, dtype=np.float64)
+    if len(set(groups)) < k:
+        return {}
+    folds = group_folds(groups, k, seed)
+    templates = sorted({s.template for s in specs})
+    ape: dict[str, dict[str, list[float]]] = {t: {"fitted": [], "kept": []} for t in templates}
+    for f in range(k):
+        inside = folds != f
+        fitted = fit_staged([s for s, i in zip(specs, inside, strict=True) if i], measured[inside], device,
+                        start).params
+        out = [s for s, i in zip(specs, inside, strict=True) if not i]
+        for t in sorted({s.template for s in out}):
+            rows = [s for s in out if s.template == t]
+            m = measured[~inside][[s.template == t for s in out]]
+            for key, p in (("fitted", fitted), ("kept", keep_start(fitted, start, t))):
+                ape[t][key].extend(np.abs(predict(rows, device, p) - m) / m)
+    return {t: {"n": len(v["fitted"]), "fitted_mape": float(np.mean(v["fitted"])),
+                "kept_mape": float(np.mean(v["kept"]))} for t, v in ape.items() if v["fitted"]}
+
+
 def _levenberg_marquardt(residual, loss, z: np.ndarray, z0: np.ndarray, prior_weight: float,
-                         max_iter: int) -> tuple[np.ndarray, float, int]:
+                         max_iter: int, ranges: Sequence[tuple[float, float]]) -> tuple[np.ndarray, float, int]:
+    low, high = np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
     r = residual(z)
     current = loss(r, z)
     lam, iterations = 1e-2, 0
@@ -241,7 +291,7 @@ def _levenberg_marquardt(residual, loss, z: np.ndarray, z0: np.ndarray, prior_we
         improved = False
         while lam < 1e8:
             step = np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-12), -g)
-            z_new = np.clip(z + step, -30, 30)
+            z_new = np.clip(z + step, low, high)  # a step past a bound stops at it
             r_new = residual(z_new)
             new = loss(r_new, z_new)
             if new < current:

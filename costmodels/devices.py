@@ -8,7 +8,9 @@ clock, peak FLOP/s, DRAM bandwidth, L2) come from NVIDIA whitepapers and datashe
 each entry. Tensor-core figures are DENSE (datasheets print the 2:4-sparse figure, twice as large,
 with an asterisk); 0 means the device has no tensor-core path for that type.
 `host_cpu()` describes the machine it runs on with the same fields: counts and caches read from
-/proc and /sys, the copy bandwidth measured, the FP32 peak estimated.
+/proc and /sys, the copy bandwidth measured, the FP32 peak estimated. The bandwidth is measured
+once per machine (CPU model, OpenMP threads, probe size) and kept in a small JSON file in the user
+cache folder, so `host` means the same figures, and plans for it the same plan.json, on every run.
 Invariants: specs are frozen; every rate and size is positive (tensor-core rates may be 0);
 names are lowercase-hyphen; the table never changes at run time.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
+import math
 import os
 import platform
 import re
@@ -360,6 +364,10 @@ BANDWIDTH_PROBE_BUDGET_S = 0.4
 _SYS_CPU = Path("/sys/devices/system/cpu")
 # The CPU backend's kernels are OpenMP loops: the host is described as the CPUs they use.
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
+# The measured bandwidth is kept per machine in $FUSESEARCH_CACHE (else ~/.cache/fusesearch), the
+# folder of the CPU backend's compiled kernels: delete the file to measure again.
+CACHE_ENV = "FUSESEARCH_CACHE"
+HOST_CACHE_FILE = Path("host") / "bandwidth.json"
 
 
 def _read(path: Path | str) -> str:
@@ -518,6 +526,7 @@ def host_cpu() -> DeviceSpec:
     llc_bytes = caches[max(caches)] if caches else 8 * MIB
     core_cache_bytes = caches.get(2, caches.get(1, 256 * KIB))
     probe_bytes = min(BANDWIDTH_PROBE_BYTES, max(BANDWIDTH_PROBE_MIN_BYTES, 2 * llc_bytes))
+    bandwidth_key = f"{info.get('model name', 'unknown model')}; {cpus} threads; {probe_bytes // MIB} MiB"
     return DeviceSpec(
         name="host",
         vendor=(info.get("vendor_id") or platform.processor() or "unknown").lower(),
@@ -530,7 +539,7 @@ def host_cpu() -> DeviceSpec:
         fp16_flops_per_s=0.0,
         bf16_flops_per_s=0.0,
         fp16_simt_flops_per_s=0.0,
-        dram_bytes_per_s=measure_copy_bandwidth(probe_bytes, cpus),
+        dram_bytes_per_s=host_bandwidth(bandwidth_key, probe_bytes, cpus),
         l2_bytes=llc_bytes,
         smem_per_sm_bytes=core_cache_bytes,
         smem_per_block_max_bytes=core_cache_bytes,
@@ -546,9 +555,40 @@ def host_cpu() -> DeviceSpec:
             f"{cores} physical cores, {lanes} fp32 lanes",
             f"{cpus} OpenMP threads (usable CPUs, capped by {OMP_THREADS_ENV} when set)",
             "/sys/devices/system/cpu/cpu0/cache (L2 per core, last-level cache)",
-            f"dram_bytes_per_s: measured, best multi-threaded numpy copy of {probe_bytes // MIB} MiB "
-            "(read + write bytes)",
+            f"dram_bytes_per_s: measured once on this machine, best multi-threaded numpy copy of "
+            f"{probe_bytes // MIB} MiB (read + write bytes), kept in the cache folder's {HOST_CACHE_FILE}",
             "fp32_flops_per_s: estimate = cores x clock x lanes x 2 (FMA) x 2 (ports)",
             "launch_overhead_s: estimate for an OpenMP parallel region + ctypes call",
         ),
     )
+
+
+def host_cache_path() -> Path:
+    """The JSON file of measured host bandwidths: {key: bytes/s}."""
+    root = os.environ.get(CACHE_ENV)
+    return (Path(root) if root else Path.home() / ".cache" / "fusesearch") / HOST_CACHE_FILE
+
+
+def host_bandwidth(key: str, probe_bytes: int, workers: int) -> float:
+    """This machine's copy bandwidth for `key` (CPU model, threads, probe size): read from the
+    cache file, else measured and written there (atomically). An unreadable or foreign cache
+    entry is measured again; a cache that cannot be written only costs a measurement per run."""
+    path = host_cache_path()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    value = known.get(key)
+    if isinstance(value, int | float) and math.isfinite(value) and value > 0:
+        return float(value)
+    measured = measure_copy_bandwidth(probe_bytes, workers)
+    known[key] = measured
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return measured

@@ -5,6 +5,8 @@ people need readable tables, and nobody wants a traceback for a typo.
 Approach: typer commands that call the library and render with rich; `main()` runs the app in
 non-standalone mode and maps every failure to one line on stderr:
   exit 0 ok · exit 1 internal error · exit 2 bad usage or bad input (with the fix).
+Numeric options are checked while the command line is parsed, by one validator per kind of value
+(seconds, tolerance, count, seed) attached to the option in every command that has it.
 Invariants: with `--json`, stdout carries exactly one JSON document; logs go to stderr. No file the
 user has is overwritten unless they pass `--force`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -22,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fusesearch.errors import BadInput, FusesearchError, check_output_path
+from fusesearch.errors import BadInput, FusesearchError, check_output_path, check_outputs
 
 try:  # typer >= 0.20 vendors click
     from typer._click import exceptions as click_errors
@@ -40,6 +43,30 @@ err = Console(stderr=True, highlight=False)
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
 Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim (repeatable)")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
+                                               "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
+NO_VERIFY = "--no-verify"
+
+
+# -- option checks: one validator per kind of value, attached to the option in every command -----
+
+def _checked(test, expected: str):
+    """A typer callback that refuses (exit 2, naming the option) a value failing `test`; None
+    (an option left unset) passes. Runs while the command line is parsed, before any work."""
+    def callback(ctx, param, value):
+        if value is not None and not test(value):
+            shown = f"{value:g}" if isinstance(value, float) else value  # as typed: 0, nan, inf
+            raise BadInput(f"{max(param.opts, key=len)} {shown}: give {expected}")
+        return value
+    return callback
+
+
+SECONDS = _checked(lambda v: math.isfinite(v) and v > 0, "a positive, finite number of seconds")
+TOLERANCE = _checked(lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+COUNT = _checked(lambda v: v >= 1, "a positive whole number")
+SEED = _checked(lambda v: 0 <= v < 2**31, "a whole number from 0 to 2147483647")
+MIN_SAMPLES = 4
+SAMPLES = _checked(lambda v: v >= MIN_SAMPLES, f"at least {MIN_SAMPLES} (a few hundred for a useful fit)")
 
 
 def _bindings(input_shape: list[str] | None, dim: list[str] | None):
@@ -48,8 +75,30 @@ def _bindings(input_shape: list[str] | None, dim: list[str] | None):
     return ShapeBindings.parse(input_shape or [], dim or [])
 
 
+def _reads(*paths) -> list[tuple[str, str]]:
+    """(path, what) of the files a command reads, for `check_outputs` (zoo models are no file)."""
+    return [(str(p), what) for p, what in paths if p is not None and not str(p).startswith("zoo:")]
+
+
+def _input_values(flags: list[str] | None, prep) -> dict:
+    from fusesearch.verify import parse_input_values
+
+    return parse_input_values(flags or [], prep.graph)
+
+
 def _emit_json(doc: dict) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    sys.stdout.write(json.dumps(_finite(doc), indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def _finite(value):
+    """JSON has no Infinity or NaN: a non-finite number is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fmt_bytes(n: float) -> str:
@@ -84,6 +133,7 @@ def inspect(
     from fusesearch.pipeline import prepare, summarize, write_canonical
 
     devices = _devices(device) if device else []
+    check_outputs([(canonical, "--canonical")], force, _reads((model, "model")))
     prep = prepare(model, _bindings(input_shape, dim))
     summary = summarize(prep)
     if devices:
@@ -166,24 +216,17 @@ def _figures(graph, label, spec, params) -> dict:
 # -- plan / compare ---------------------------------------------------------------------------
 
 Strategy = Annotated[str, typer.Option("--strategy", help="none | rules | greedy | cpsat")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", help="Solver time limit in seconds (cpsat).")]
-MaxGroup = Annotated[int, typer.Option("--max-group-size", help="Most ops in one kernel.")]
-Seed = Annotated[int, typer.Option("--seed", help="Solver seed.")]
-Workers = Annotated[int | None, typer.Option("--workers", help="CP-SAT workers (default: cores, at most 8).")]
-
-
-def _check_search_args(time_limit: float, max_group_size: int) -> None:
-    if time_limit <= 0:
-        raise BadInput(f"--time-limit {time_limit}: give a positive number of seconds")
-    if max_group_size < 1:
-        raise BadInput(f"--max-group-size {max_group_size}: give a positive number of ops")
+TimeLimit = Annotated[float, typer.Option("--time-limit", callback=SECONDS,
+                                           help="Solver time limit in seconds (cpsat).")]
+MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help="Most ops in one kernel.")]
+Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
+Workers = Annotated[int | None, typer.Option("--workers", callback=COUNT,
+                                             help="CP-SAT workers (default: cores, at most 8).")]
 
 
 def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None):
     from fusesearch.search.problem import SearchConfig
 
-    if workers is not None and workers < 1:
-        raise BadInput(f"--workers {workers}: give a positive number")
     return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
                         **({"workers": workers} if workers else {}))
 
@@ -206,21 +249,27 @@ def plan(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking --emit in ONNX Runtime.")] = False,
     svg: Annotated[Path | None, typer.Option("--svg", help="Draw the plan as SVG here.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an offline HTML page of the plan.")] = None,
+    input_value: InputValue = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
+    from fusesearch.pipeline import prepare
     from fusesearch.search import STRATEGIES
 
     if strategy not in STRATEGIES:
         raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
-    _check_search_args(time_limit, max_group_size)
-    for path, flag in ((output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")):
-        _check_output(path, force, flag)
+    check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
+                  _reads((model, "model")))
     config = _config(time_limit, max_group_size, seed, workers)
-    result, legality, prep = _run_plan(model, _bindings(input_shape, dim), device, strategy, config)
+    verifying = emit is not None and not no_verify
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying)
+    values = _input_values(input_value, prep)
+    if verifying:
+        _check_verify_memory(prep, True)
+    result, legality, prep = _run_plan(model, None, device, strategy, config, prep)
     verified = None
     if emit is not None:
-        verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, not no_verify, seed)
+        verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
     _draw(result, svg, html_out)
     if explain:
         from fusesearch.explain import explain_lines
@@ -244,19 +293,20 @@ def plan(
         out.print(_verified_line(verified))
 
 
-def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int) -> dict | None:
+def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
+    """Build the fused model, verify it in memory against the original (`prep.original`), and
+    only then write it: a model that failed verification never reaches the disk."""
     from fusesearch.export import fused_model, save_model
     from fusesearch.ir.canonicalize import to_proto
 
-    canonical = to_proto(prep.canonical)
-    fused = fused_model(canonical, prep.graph, groups)
+    fused = fused_model(to_proto(prep.canonical), prep.graph, groups)
+    report = None
+    if verify:
+        report = _verify(prep, fused, seed, 1e-4, 0.0, values, label=f"--emit {path}")
+        if not report["ok"]:
+            raise FusesearchError(f"--emit {path}: the fused model differs from the original, so it was not "
+                                  f"written: {_verified_line(report)}; please report this plan")
     save_model(fused, path, overwrite=force)
-    if not verify:
-        return None
-    report = _verify(prep.loaded.source, str(path), canonical, seed, 1e-4, 0.0)
-    if not report["ok"]:
-        raise FusesearchError(f"--emit {path}: the fused model differs from the original: "
-                              f"{_verified_line(report)}; please report this plan")
     return report
 
 
@@ -269,28 +319,54 @@ def _draw(plan_, svg: Path | None, html_out: Path | None) -> None:
         html_out.write_text(plan_html(plan_))
 
 
-def _verify(original: str, fused: str, static_model, seed: int, rtol: float, atol: float) -> dict:
-    """Run ORIGINAL (a path or zoo:NAME) and FUSED in ONNX Runtime on the same valid inputs."""
-    from fusesearch.verify import compare, random_feeds, run
+def _check_verify_memory(prep, can_skip: bool) -> None:
+    """Before any work: refuse a verification that cannot fit in memory (`can_skip`: the command
+    has --no-verify)."""
+    from fusesearch.verify import check_memory
 
-    feeds = random_feeds(static_model, seed)
-    reference = run(_runnable(original), feeds)
+    check_memory(prep.graph, f"use {NO_VERIFY} or a smaller --dim" if can_skip else
+                 "give a smaller --dim or --input-shape")
+
+
+def _verify(prep, candidate, seed: int, rtol: float, atol: float, values: dict, *, label: str,
+            ours: bool = True) -> dict:
+    """Run the original (`prep.original`, held in memory) and CANDIDATE in ONNX Runtime on the
+    same valid inputs. `ours`: the candidate is a fused model made now (its failure is a bug:
+    exit 1), else a file the user gave (exit 2)."""
+    from fusesearch.verify import (
+        CandidateFailed,
+        candidate_outputs,
+        compare,
+        random_feeds,
+        reference_outputs,
+    )
+
+    feeds = random_feeds(prep.original, seed, values)
+    skip = f"use {NO_VERIFY}" if ours else None
+    reference = reference_outputs(prep.original, feeds, given=list(values), skip=skip)
     try:
-        candidate = run(_runnable(fused), feeds)
-    except Exception as exc:  # ORT's own errors: the file is not a runnable model
-        raise BadInput(f"{fused}: ONNX Runtime cannot run it ({str(exc).splitlines()[0][:200]}); "
-                       "give a model written by `fusesearch plan --emit` or `export`") from None
-    diffs = compare(reference, candidate, rtol=rtol, atol=atol)
+        candidate_out = candidate_outputs(candidate, feeds)
+    except CandidateFailed as exc:
+        if ours:
+            raise FusesearchError(f"{label}: ONNX Runtime cannot run the fused model ({exc}); please report "
+                                  "this plan") from None
+        raise BadInput(f"{label}: ONNX Runtime cannot run it ({exc}); give a model written by "
+                       "`fusesearch plan --emit` or `export`, with the same --dim/--input-shape") from None
+    diffs = compare(reference, candidate_out, rtol=rtol, atol=atol)
     return {"ok": all(d.ok for d in diffs) and bool(diffs), "seed": seed, "rtol": rtol, "atol": atol,
             "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel, "ok": d.ok} for d in diffs]}
 
 
-def _runnable(model: str):
-    if model.startswith("zoo:"):
-        from fusesearch import zoo
+def _read_fused(path: Path):
+    import onnx
+    from google.protobuf.message import DecodeError
 
-        return zoo.build_model(model[4:])
-    return model
+    try:
+        return onnx.load(str(path))
+    except (DecodeError, OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise BadInput(f"{path}: not a readable ONNX model ({first}); give the fused .onnx written by "
+                       "`fusesearch plan --emit`") from None
 
 
 def _verified_line(report: dict) -> str:
@@ -311,21 +387,24 @@ def verify(
     fused: Annotated[Path, typer.Argument(help="the fused model (from plan --emit or export)")],
     input_shape: InputShape = None,
     dim: Dim = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Tolerance relative to max(1, max|original|).")] = 1e-4,
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the random inputs.")] = 0,
+    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE,
+                                        help="Tolerance relative to max(1, max|original|).")] = 1e-4,
+    atol: Annotated[float, typer.Option("--atol", callback=TOLERANCE, help="Absolute tolerance.")] = 0.0,
+    input_value: InputValue = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Prove FUSED equal to ORIGINAL in ONNX Runtime on seeded, valid random inputs (exit 1 if not)."""
-    from fusesearch.ir.canonicalize import to_proto
-    from fusesearch.ir.load import load_model
+    from fusesearch.pipeline import prepare
 
-    if rtol < 0 or atol < 0:
-        raise BadInput("--rtol/--atol: tolerances must be >= 0")
     if not fused.is_file():
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
-    loaded = load_model(original, _bindings(input_shape, dim))
-    report = _verify(original, str(fused), to_proto(loaded.model), seed, rtol, atol)
+    if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
+        raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
+    prep = prepare(original, _bindings(input_shape, dim), keep_original=True)
+    values = _input_values(input_value, prep)
+    _check_verify_memory(prep, False)
+    report = _verify(prep, _read_fused(fused), seed, rtol, atol, values, label=str(fused), ours=False)
     if json_out:
         _emit_json(report)
     else:
@@ -346,24 +425,23 @@ def export(
     dim: Dim = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --emit file.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking it in ONNX Runtime.")] = False,
+    input_value: InputValue = None,
 ) -> None:
     """Rebuild the fused model from a saved plan (refusing a plan that does not fit the model)."""
     from fusesearch.export import plan_groups_from_json
     from fusesearch.pipeline import prepare
 
-    _check_output(emit, force, "--emit")
-    prep = prepare(model, _bindings(input_shape, dim))
+    check_outputs([(emit, "--emit")], force, _reads((model, "model"), (plan_json, "plan")))
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=not no_verify)
+    values = _input_values(input_value, prep)
     groups = plan_groups_from_json(plan_json, prep.graph)
-    report = _emit_fused(prep, groups, emit, force, not no_verify, 0)
+    if not no_verify:
+        _check_verify_memory(prep, True)
+    report = _emit_fused(prep, groups, emit, force, not no_verify, 0, values)
     out.print(f"fused model written to {emit} ({len(groups)} nodes, "
               f"{sum(len(g) > 1 for g in groups)} functions)")
     if report is not None:
         out.print(_verified_line(report))
-
-
-def _check_output(path: Path | None, force: bool, flag: str) -> None:
-    if path is not None:
-        check_output_path(path, force, flag)
 
 
 def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
@@ -423,7 +501,6 @@ def compare(
     if bad or not names:
         raise BadInput(f"--strategies {strategies}: unknown {', '.join(bad) or 'empty'}; choose from "
                        f"{', '.join(STRATEGIES)}")
-    _check_search_args(time_limit, max_group_size)
     devices = [d.strip() for d in device.split(",") if d.strip()]
     if not devices:
         raise BadInput("--device: give at least one device name (see `fusesearch devices`)")
@@ -490,7 +567,8 @@ def measure(
     input_shape: InputShape = None,
     dim: Dim = None,
     time_limit: TimeLimit = 60.0,
-    budget: Annotated[float, typer.Option("--budget", help="Timing budget per kernel, seconds.")] = 0.2,
+    budget: Annotated[float, typer.Option("--budget", callback=SECONDS,
+                                          help="Timing budget per kernel, seconds.")] = 0.2,
     seed: Seed = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
@@ -501,6 +579,9 @@ def measure(
     baseline: Annotated[str, typer.Option("--baseline", help="How lone anchors (MatMul, Gemm, Conv) run, in the "
                                           "plan and the unfused graph: library (ONNX Runtime on cpu, "
                                           "cuBLAS/CuPy on cupy) or generated.")] = "library",
+    input_value: Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input in "
+                                                   "the data measured on, e.g. sr=16000 or x=[1,2,3] "
+                                                   "(repeatable)")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -509,25 +590,28 @@ def measure(
 
     from fusesearch.backends.timing import TimingCache
     from fusesearch.measure import BACKENDS, BASELINES, measure_plan
+    from fusesearch.pipeline import prepare
+    from fusesearch.verify import check_memory
 
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    if budget <= 0:
-        raise BadInput(f"--budget {budget}: give a positive number of seconds")
-    _check_output(output, force, "-o")
+    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
-    plan_, unfused, prep = _measure_plans(model, _bindings(input_shape, dim), device, strategy, config, plan_json)
+    prep = prepare(model, _bindings(input_shape, dim))
+    values = _input_values(input_value, prep)
+    check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
         report = measure_plan(prep, plan_, unfused, backend, budget_s=budget, seed=seed,
                               progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
                               ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else backend == "cupy")
-                              else None, flush_l2=flush_l2, baseline=baseline)
+                              else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
     if json_out:
@@ -544,16 +628,20 @@ def _ptxas_arch(device: str) -> str:
     return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
-def _measure_plans(model, bindings, device, strategy, config, plan_json):
+def _measure_plans(prep, device, strategy, config, plan_json):
     from fusesearch.api import model_info, resolve_device
     from fusesearch.plans import Plan, SolverInfo
 
-    plan_, legality, prep = _run_plan(model, bindings, device, strategy if plan_json is None else "none", config)
+    model = prep.loaded.source
+    plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep)
     none, _, _ = _run_plan(model, None, device, "none", config, prep)
     if plan_json is not None:
+        from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 
-        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph)]
+        # the file's groups are checked on this device; their size is the file's (no search limit)
+        legality = Legality(prep.graph, legality.device, legality.model, max_group_size=len(prep.graph))
+        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
         label = resolve_device(device)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
                            solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
@@ -625,35 +713,44 @@ def run(
     backend: Annotated[str, typer.Option("--backend", help="cpu (generated C in one shared library)")] = "cpu",
     input_shape: InputShape = None,
     dim: Dim = None,
-    repeat: Annotated[int, typer.Option("--repeat", help="Timed runs of each program.")] = 20,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before them.")] = 3,
-    threads: Annotated[int, typer.Option("--threads", help="OpenMP threads of the kernels and ONNX Runtime's "
-                                         "intra-op threads.")] = 1,
+    repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: v >= 0, "0 or more runs"),
+                                        help="Untimed runs before them.")] = 3,
+    threads: Annotated[int, typer.Option("--threads", callback=COUNT, help="OpenMP threads of the kernels and "
+                                         "ONNX Runtime's intra-op threads.")] = 1,
     time_limit: TimeLimit = 60.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the solver and of the random inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Tolerance relative to max(1, max|ONNX Runtime|).")] = 1e-4,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
+                                      "inputs.")] = 0,
+    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
+                                        "max(1, max|ONNX Runtime|).")] = 1e-4,
     check_each: Annotated[bool, typer.Option("--check-each", help="Compare every intermediate tensor with "
                                              "ONNX Runtime's, not only the outputs.")] = False,
+    input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
-    from fusesearch.run import check_args, run_plan
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import run_plan
+    from fusesearch.verify import check_memory
 
     if backend != "cpu":
         raise BadInput(f"--backend {backend}: run executes on cpu only so far; use --backend cpu")
-    check_args(repeat, warmup, threads, rtol)
     if plan_json is not None and not plan_json.is_file():
         raise BadInput(f"--plan {plan_json}: no such file; give a plan.json written by `fusesearch plan -o`")
-    _check_output(output, force, "-o")
+    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     _check_profile_backend(device, backend)
     config = _config(time_limit, 16, seed, None)
-    plan_, unfused, prep = _measure_plans(model, _bindings(input_shape, dim), device, strategy, config, plan_json)
+    prep = prepare(model, _bindings(input_shape, dim))
+    values = _input_values(input_value, prep)
+    check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
     with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
         report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
-                          check_each=check_each, progress=status.update if status else None)
+                          check_each=check_each, input_values=values,
+                          progress=status.update if status else None)
     report.model = prep.loaded.name
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
@@ -697,7 +794,7 @@ def _print_run(report, output: Path | None) -> None:
 @app.command()
 def sweep(
     config: Annotated[Path, typer.Argument(help="the sweep's TOML config (see experiments/*.toml)")],
-    workers: Annotated[int | None, typer.Option("--workers", help="Local Dask worker processes "
+    workers: Annotated[int | None, typer.Option("--workers", callback=COUNT, help="Local Dask worker processes "
                                                 "(default: one per core).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Address of a running Dask "
                                                   "scheduler, e.g. tcp://HOST:8786.")] = None,
@@ -734,11 +831,14 @@ def sweep(
            "results": str(summary.results)}
     if json_out:
         _emit_json(doc)
-        return
-    out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
-              f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
-    if summary.failed:
-        out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")
+    else:
+        out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
+                  f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
+        if summary.failed and not summary.all_failed:
+            out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")
+    if summary.all_failed:
+        raise FusesearchError(f"sweep {cfg.name}: every cell failed ({summary.cells}); the first: "
+                              f"{summary.first_error}; see the error column of {summary.results}")
 
 
 @app.command()
@@ -772,11 +872,11 @@ def calibrate(
                                                    "--models model (repeatable)")] = None,
     dim: Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim of every --models "
                                            "model (repeatable)")] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Groups to sample and measure.")] = 240,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of sampling, inputs and the split.")] = 0,
-    budget: Annotated[float | None, typer.Option("--budget", help="Timing budget per kernel and "
-                                                 "round, seconds.")] = None,
-    rounds: Annotated[int | None, typer.Option("--rounds", help="Timing rounds per kernel (the "
+    samples: Annotated[int, typer.Option("--samples", callback=SAMPLES, help="Groups to sample and measure.")] = 240,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of sampling, inputs and the split.")] = 0,
+    budget: Annotated[float | None, typer.Option("--budget", callback=SECONDS, help="Timing budget per kernel "
+                                                 "and round, seconds.")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", callback=COUNT, help="Timing rounds per kernel (the "
                                                "quietest round's median counts).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
     json_out: JsonFlag = False,
@@ -788,15 +888,8 @@ def calibrate(
 
     if backend not in cal.BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(cal.BACKENDS)}")
-    if samples < 4:
-        raise BadInput(f"--samples {samples}: give at least 4 (a few hundred for a useful fit)")
-    if budget is not None and budget <= 0:
-        raise BadInput(f"--budget {budget}: give a positive number of seconds")
-    if rounds is not None and rounds < 1:
-        raise BadInput(f"--rounds {rounds}: give a positive number")
-    for path, flag in ((output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
-                       (output.parent / "calibration.png", "-o (beside it)")):
-        _check_output(path, force, flag)
+    check_outputs([(output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
+                   (output.parent / "calibration.png", "-o (beside it)")], force)
     names = [m.strip().removeprefix("zoo:") for m in (models or "").split(",") if m.strip()] or None
     bindings = _bindings(input_shape, dim)
     bar = Progress(console=err, transient=True, disable=not err.is_terminal)  # no bar, no blank line

@@ -9,7 +9,11 @@ as is; a multi-node group becomes a FunctionProto `g<id>` in domain `fusesearch`
 group's nodes, whose inputs are the tensors the group reads from outside (weights included —
 functions cannot see the graph's initializers) and whose outputs are the tensors used outside
 it (multi-output kernels), called by one node named `g<id>`. value_info keeps every shape.
-`plan_from_json` maps a saved plan.json back onto a model, refusing a plan that does not fit it.
+`save_model` stages the file beside its destination and moves it into place in one step.
+`plan_groups_from_json` maps a saved plan.json back onto a model, refusing a plan that does not
+fit it: a node it does not name, a group that is not connected, convex and in order, or a group that
+cannot be one kernel (the legality rules; without a device, those that need none: lowering's, such
+as one anchor per kernel). `export` and `measure --plan` both read plans through it.
 Invariants: the main graph has exactly one node per group, in a valid topological order; graph
 inputs, outputs and initializers keep their names; If/Loop bodies are copied untouched.
 """
@@ -17,12 +21,15 @@ inputs, outputs and initializers keep their names; If/Loop bodies are copied unt
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
 from onnx import helper
 
+from fusesearch.candidates.rules import Legality, Lowerable
 from fusesearch.errors import BadInput, check_output_path
 from fusesearch.ir.graph import Graph
 from fusesearch.plans import order_groups, validate_plan
@@ -101,20 +108,33 @@ def _np_dtype(name: str):
 
 
 def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str = "--emit") -> Path:
+    """Write `model` (weights beside it above 2 GiB) all at once: staged in a hidden folder next
+    to `path` and moved into place, so a failed or interrupted write leaves nothing behind."""
+    from fusesearch.verify import PROTO_LIMIT
+
     path = Path(path)
     check_output_path(path, overwrite, flag)
-    if model.ByteSize() > (1 << 31) - (1 << 24):
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        path.write_bytes(model.SerializeToString())
+    big = model.ByteSize() > PROTO_LIMIT
+    data = path.with_name(path.name + ".data")
+    if big:
+        check_output_path(data, overwrite, f"{flag} (its weights)")
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        if big:
+            onnx.save_model(model, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data.name, size_threshold=1024)
+            os.replace(staged.with_name(data.name), data)
+        else:
+            staged.write_bytes(model.SerializeToString())
+        os.replace(staged, path)
     return path
 
 
 # -- plans from elsewhere ---------------------------------------------------------------------
 
-def plan_groups_from_json(path: Path, graph: Graph) -> list[list[int]]:
-    """Node-id groups of a plan.json, in its order; BadInput naming the group and the problem."""
+def plan_groups_from_json(path: Path, graph: Graph, legality: Legality | None = None) -> list[list[int]]:
+    """Node-id groups of a plan.json, in its order; BadInput naming the group and the problem.
+    Each group must be legal under `legality` (a device's rules), or, without one, lowerable."""
     doc = _read_plan(path)
     ids = {n.name: n.id for n in graph.nodes}
     owner: dict[int, int] = {}
@@ -136,6 +156,7 @@ def plan_groups_from_json(path: Path, graph: Graph) -> list[list[int]]:
         raise BadInput(f"{path}: node '{missing[0]}' is in no group ({len(missing)} missing); a plan must "
                        "cover every node of the canonical model")
     _check_groups(path, graph, doc, groups)
+    _check_kernels(path, graph, doc, groups, legality)
     return [groups[i] for i in order_groups(graph, [frozenset(g) for g in groups])]
 
 
@@ -147,6 +168,18 @@ def _check_groups(path: Path, graph: Graph, doc: dict, groups: list[list[int]]) 
     for index, g in enumerate(doc["groups"]):  # validate_plan counts groups by position
         reason = reason.replace(f"group {index} ", f"group g{g['id']} ")
     raise BadInput(f"{path}: {reason}; the plan does not fit this model")
+
+
+def _check_kernels(path: Path, graph: Graph, doc: dict, groups: list[list[int]],
+                   legality: Legality | None) -> None:
+    if legality is None:  # no device: only the rules that need none (the device fields go unread)
+        legality = Legality(graph, device=None, model=None, max_group_size=len(graph), rules=(Lowerable(),))
+    for g, members in zip(doc["groups"], groups, strict=True):
+        decision = legality.check(members).decision
+        if not decision:
+            names = ", ".join(graph.nodes[i].name for i in sorted(members))
+            raise BadInput(f"{path}: group g{g['id']} ({names}) cannot be one kernel: {decision.reason}; "
+                           "split it, or write the plan again with `fusesearch plan -o`")
 
 
 def _read_plan(path: Path) -> dict:

@@ -151,18 +151,19 @@ class MeasureReport:
 def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: float = 0.2, seed: int = 0,
                  progress: Callable[[str], None] | None = None, cache: TimingCache | None = None,
                  ptxas_arch: str | None = None, flush_l2: bool = False,
-                 baseline: str = "library") -> MeasureReport:
+                 baseline: str = "library", input_values: dict[str, np.ndarray] | None = None) -> MeasureReport:
     """`cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
     compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
     shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample;
-    `baseline`: "library" runs lone anchors through the library, "generated" as generated kernels."""
+    `baseline`: "library" runs lone anchors through the library, "generated" as generated kernels;
+    `input_values`: inputs given by the user (`verify.parse_input_values`), the rest drawn."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     for label, p in (("plan", plan), ("unfused", unfused)):
         _check_reference_dtypes(prep.graph, label, p)
-    runner = _Runner(prep, backend, budget_s, seed, cache)
+    runner = _Runner(prep, backend, budget_s, seed, cache, input_values)
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
     runner.before_each = _l2_flush() if flush_l2 and backend == "cupy" else None
@@ -192,10 +193,12 @@ def _check_reference_dtypes(graph, label: str, plan: Plan) -> None:
 
 
 class _Runner:
-    def __init__(self, prep, backend: str, budget_s: float, seed: int, cache: TimingCache | None) -> None:
+    def __init__(self, prep, backend: str, budget_s: float, seed: int, cache: TimingCache | None,
+                 input_values: dict[str, np.ndarray] | None = None) -> None:
         self.prep, self.backend, self.budget_s, self.cache = prep, backend, budget_s, cache
         self.canonical = to_proto(prep.canonical)
-        self.values = all_values(self.canonical, random_feeds(self.canonical, seed))
+        self.values = all_values(self.canonical, random_feeds(self.canonical, seed, input_values),
+                                 list(input_values or ()))
         self.device = _device_label(backend)
         self.clock = PerfCounterClock() if backend == "cpu" else _gpu_clock()
         self.ptxas_arch: str | None = None

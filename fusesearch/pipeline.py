@@ -2,9 +2,10 @@
 
 Problem: every command (inspect, plan, compare, measure, ...) starts the same way and must report
 the same figures.
-Approach: `prepare()` runs load → canonicalize → Graph once and keeps each stage's result;
+Approach: `prepare()` runs load → canonicalize → Graph once and keeps each stage's result (and,
+for verification, the loaded model serialized before canonicalization rewrites it in place);
 `summarize()` turns a `Prepared` into the JSON document `fusesearch inspect --json` prints.
-Invariants: `prepare` never writes files; the summary is deterministic (sorted keys, stable order).
+Invariants: `prepare` never writes files and refuses a graph with no node left to fuse; the summary is deterministic (sorted keys, stable order).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
 
+from fusesearch.errors import UnsupportedModel
 from fusesearch.ir.canonicalize import canonicalize, lowest_ir_version, to_proto
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.load import LoadedModel, load_model
@@ -33,13 +36,21 @@ class Prepared:
     canonical: ir.Model
     passes: dict[str, int]
     graph: Graph
+    original: onnx.ModelProto | None = None  # the loaded model before canonicalization (keep_original)
 
 
-def prepare(model: str, bindings: ShapeBindings | None = None) -> Prepared:
+def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original: bool = False) -> Prepared:
+    """`keep_original`: also keep the loaded model as a proto, the reference `verify` runs (the
+    file on disk may be gone or overwritten by then, and may carry an IR version ONNX Runtime
+    does not read)."""
     loaded = load_model(model, bindings)
+    original = to_proto(loaded.model) if keep_original else None
     canonical, passes = canonicalize(loaded.model)
     graph = Graph.from_ir(canonical)
-    return Prepared(loaded, canonical, passes, graph)
+    if not graph.nodes:
+        raise UnsupportedModel(f"{model}: the graph has no nodes (every output is an input or a constant); "
+                               "there is nothing to fuse: give a model that computes something")
+    return Prepared(loaded, canonical, passes, graph, original)
 
 
 def summarize(prep: Prepared) -> dict:

@@ -184,7 +184,8 @@ class Plan:
 
     @property
     def speedup(self) -> float:
-        return self.unfused_time_s / self.time_s if self.time_s else float("inf")
+        """Unfused over fused time; 1.0 when the plan costs nothing (only view ops: nothing to gain)."""
+        return self.unfused_time_s / self.time_s if self.time_s else 1.0
 
     def partition(self) -> list[frozenset[int]]:
         return [frozenset(g.nodes) for g in self.groups]

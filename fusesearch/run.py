@@ -151,11 +151,11 @@ def plan_arena(sizes: Mapping[str, int], lifetimes: Mapping[str, tuple[int, int]
 # -- compiling --------------------------------------------------------------------------------
 
 def _flags() -> tuple[list[str], list[str]]:
-    """(compile flags, link flags) from the CPU backend: its CFLAGS and, where it has them, its
-    extra flags (a BLAS, vector math), split into defines and libraries."""
+    """(compile flags, link flags) from the CPU backend: its CFLAGS and its extra flags (a BLAS,
+    vector math), split into defines and libraries."""
     from fusesearch.backends import cpu
 
-    extra = tuple(getattr(cpu, "link_flags", tuple)())
+    extra = cpu.link_flags()
     base = [f for f in cpu.CFLAGS if f != "-shared" and not f.startswith("-l")]
     defines = [f for f in extra if f.startswith(("-D", "-I"))]
     libraries = [f for f in extra if not f.startswith(("-D", "-I"))] + [f for f in cpu.CFLAGS if f.startswith("-l")]
@@ -359,11 +359,11 @@ class Program(Layout):
 
     def _library_call(self, canonical: onnx.ModelProto, s: Step) -> Callable[[], None]:
         from fusesearch.backends.library import node_model
-        from fusesearch.verify import timing_session
+        from fusesearch.verify import session
 
         node = self.graph.nodes[s.nodes[0]]
         try:
-            sess = timing_session(node_model(canonical, self.graph, s.part), threads=self.threads, optimize=False)
+            sess = session(node_model(canonical, self.graph, s.part), threads=self.threads)
         except Exception as exc:  # ONNX Runtime's refusal: the model has a node it cannot run alone
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel and "
@@ -569,21 +569,24 @@ def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
 
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
              rtol: float = 1e-4, check_each: bool = False, time_it: bool = True,
+             input_values: Mapping[str, np.ndarray] | None = None,
              progress: Callable[[str], None] | None = None) -> RunReport:
-    """Check the plan's and the unfused graph's programs against ONNX Runtime, then time them and
-    ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing step."""
+    """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
+    inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
+    them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
+    step."""
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import all_values, random_feeds, timing_session
+    from fusesearch.verify import all_values, random_feeds, session
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
     graph = prep.graph
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed)
+    feeds = random_feeds(canonical, seed, input_values)
     say("reference")
-    reference = all_values(canonical, feeds)
+    reference = all_values(canonical, feeds, list(input_values or ()))
     programs: dict[str, Program] = {}
     errors: dict[str, float] = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
@@ -595,7 +598,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     timings: dict[str, Timing] = {}
     if time_it:
         for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
-            sess = timing_session(canonical, threads=threads, optimize=level)
+            sess = session(canonical, threads=threads, optimize=level)
             names = [o.name for o in sess.get_outputs()]
             ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
             say(f"timing {key}")

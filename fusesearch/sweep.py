@@ -5,7 +5,8 @@ runs on several processes or a cluster, and must survive a killed worker or an i
 without losing or duplicating a result.
 Approach:
 
-    CONFIG.toml ─► SweepConfig (checked; every error names the file, the key and the fix)
+    CONFIG.toml ─► SweepConfig (checked; every error names the file, the key and the fix; each
+        │              model's input_shapes / dims bound to its graph inputs, before any cell runs)
         │ expand: models × devices × strategies × max_group_size × time_limit_s × seed
         ▼
     Cells, each with a stable id (sha256 of its parameters) ─► skip cells with an ok OUT/cells/<id>.json
@@ -18,8 +19,9 @@ Approach:
 When OUT holds results.parquet but no cells/ (results committed without their cell files), the
 cells are restored from it first. Time limit and seed only matter to cpsat: for the other strategies they are dropped from the cell,
 so those cells run once. A cell that raises — or whose worker keeps dying — is recorded with
-`status = "error"` and its error text; the next run of the same sweep retries it. The results of
-a different config in OUT are never overwritten unless `force` is given.
+`status = "error"` and its error text; the next run of the same sweep retries it (`fusesearch
+sweep` exits 1 when every cell failed). The results of a different config in OUT are never
+overwritten unless `force` is given; an unreadable results.parquet is a BadInput naming it.
 Invariants: a cell file is complete or absent; cell ids are unique, so the results hold one row
 per cell of the grid; rows are deterministic apart from wall times, timestamps and the worker
 (and cpsat cells stopped by their time limit, whose plan depends on how far the solver got).
@@ -45,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from fusesearch.errors import BadInput, FusesearchError
@@ -77,10 +80,23 @@ class ModelSpec:
     input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     dims: tuple[tuple[str, int], ...] = ()
     zoo: tuple[tuple[str, int], ...] = ()
+    entry: int = 0  # its index in the config's models list (for messages)
 
     def key(self) -> dict:
         return {"model": self.model, "input_shapes": {k: list(v) for k, v in self.input_shapes},
                 "dims": dict(self.dims), "zoo": dict(self.zoo)}
+
+    def bindings(self):
+        """Its shapes as ShapeBindings whose messages name this config's keys, not CLI flags."""
+        from fusesearch.ir.shapes import ShapeBindings, Spelling
+
+        at = f"models[{self.entry}]"
+        spelling = Spelling(shape_key=f"{at}.input_shapes.{{name}}",
+                            shape_fix=f"input_shapes = {{{{ {{name}} = [D1, D2, ...] }}}} in {at}",
+                            dim_key=f"{at}.dims.{{name}}", dim_fix=f"dims = {{{{ {{name}} = V }}}} in {at}",
+                            both=f"input_shapes and dims of {at}")
+        return ShapeBindings(MappingProxyType(dict(self.input_shapes)), MappingProxyType(dict(self.dims)),
+                             spelling=spelling)
 
     def shapes_text(self) -> str:
         parts = [f"{k}={'x'.join(map(str, v))}" for k, v in self.input_shapes]
@@ -141,6 +157,7 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
     name = doc.get("name", path.stem)
     if not isinstance(name, str) or not name:
         raise BadInput(f"{where}: name must be a non-empty string")
+    _check_bindings(models, where)
     return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget)
 
 
@@ -158,7 +175,7 @@ def _models(raw, where: str, base: Path) -> tuple[ModelSpec, ...]:
         unknown = sorted(set(entry) - MODEL_KEYS)
         if unknown:
             raise BadInput(f"{where}: {key}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(MODEL_KEYS))}")
-        specs.extend(_model_specs(entry, f"{where}: {key}", base))
+        specs.extend(_model_specs(entry, f"{where}: {key}", base, i))
     labels = [s.label for s in specs]
     dup = next((x for x in labels if labels.count(x) > 1), None)
     if dup:
@@ -166,7 +183,7 @@ def _models(raw, where: str, base: Path) -> tuple[ModelSpec, ...]:
     return tuple(specs)
 
 
-def _model_specs(entry: dict, where: str, base: Path) -> list[ModelSpec]:
+def _model_specs(entry: dict, where: str, base: Path, index: int) -> list[ModelSpec]:
     from fusesearch import zoo
 
     model = entry["model"]
@@ -204,8 +221,38 @@ def _model_specs(entry: dict, where: str, base: Path) -> list[ModelSpec]:
             raise BadInput(f"{where}: label must be a non-empty string")
         if params:
             label += "/" + ",".join(f"{k}={v}" for k, v in params)
-        out.append(ModelSpec(model, label, path, shapes, dims, params))
+        out.append(ModelSpec(model, label, path, shapes, dims, params, index))
     return out
+
+
+def _check_bindings(models: tuple[ModelSpec, ...], where: str) -> None:
+    """Bind each models entry's input_shapes and dims to its model's graph inputs now (the model read
+    once, its weights not loaded; a zoo model built at its smallest parameters, as its graph inputs do
+    not depend on them), so that a config which cannot make a model static fails here, naming the key,
+    instead of in every cell. A zoo model given neither is skipped: its default dims bind its inputs."""
+    from fusesearch import zoo
+    from fusesearch.errors import ShapeBindingError
+    from fusesearch.ir.load import check_bindings
+
+    entries: dict[int, list[ModelSpec]] = {}
+    for spec in models:
+        entries.setdefault(spec.entry, []).append(spec)
+    for index, specs in entries.items():
+        spec = specs[0]
+        if spec.model.startswith("zoo:") and not (spec.input_shapes or spec.dims):
+            continue
+        bindings, proto = spec.bindings(), None
+        if spec.zoo:
+            name = spec.model[4:]
+            smallest = {k: min(dict(s.zoo)[k] for s in specs) for k, _ in spec.zoo}
+            proto = zoo.build_model(name, **smallest)
+            bindings = bindings.with_defaults(zoo.ZOO[name].default_dims)
+        try:
+            check_bindings(spec.path or spec.model, bindings, proto=proto)
+        except ShapeBindingError as exc:
+            raise BadInput(f"{where}: {exc}") from None
+        except BadInput as exc:
+            raise BadInput(f"{where}: models[{index}]: {exc}") from None
 
 
 def _shape_table(raw, where: str) -> tuple:
@@ -362,11 +409,9 @@ def prepared_model(spec: ModelSpec):
 
 def _prepare(spec: ModelSpec):
     from fusesearch import zoo
-    from fusesearch.ir.shapes import ShapeBindings
     from fusesearch.pipeline import prepare
 
-    bindings = ShapeBindings.parse([f"{k}={'x'.join(map(str, v))}" for k, v in spec.input_shapes],
-                                   [f"{k}={v}" for k, v in spec.dims])
+    bindings = spec.bindings()
     if not spec.zoo:
         return prepare(spec.path or spec.model, bindings)
     name = spec.model[4:]
@@ -611,14 +656,26 @@ def _frame(rows: list[dict]):
 
 def _parquet_rows(path: Path) -> list[dict]:
     """Rows of results.parquet as cell dicts (NaN → None), to restore cells/ from it."""
-    import pandas as pd
 
-    frame = pd.read_parquet(path)
+    frame = _read_parquet(path)
     if "cell_id" not in frame:
         return []
     frame = frame.astype(object).where(frame.notna(), None)
     return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
             for row in frame.to_dict("records")]
+
+
+def _read_parquet(path: Path):
+    """results.parquet as a DataFrame, or a BadInput naming it when it cannot be read."""
+    import pandas as pd
+
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow's ArrowInvalid, OSError, ...: a damaged or foreign file
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInput(f"{path}: not a readable results file ({reason}); remove it: `fusesearch sweep` "
+                       f"rebuilds it from the cell files in {path.parent / CELLS_DIR} (and runs again the "
+                       "cells that have none)") from None
 
 
 def read_cells(out: Path) -> list[dict]:
@@ -633,7 +690,6 @@ def read_cells(out: Path) -> list[dict]:
 
 def load_results(out: str | Path):
     """The sweep's rows as a DataFrame: from the cell files (the truth), else results.parquet."""
-    import pandas as pd
 
     out = Path(out)
     if not out.is_dir():
@@ -642,7 +698,7 @@ def load_results(out: str | Path):
     if rows:
         return _frame(rows)
     if (out / RESULTS).is_file():
-        return pd.read_parquet(out / RESULTS)
+        return _read_parquet(out / RESULTS)
     raise BadInput(f"{out}: holds no sweep results ({CELLS_DIR}/*.json or {RESULTS}); "
                    "run `fusesearch sweep CONFIG.toml --out DIR` first")
 
@@ -667,6 +723,11 @@ class SweepSummary:
     failed: int
     wall_s: float
     results: Path
+    first_error: str | None = None  # of the first failed cell in grid order
+
+    @property
+    def all_failed(self) -> bool:
+        return self.cells > 0 and self.failed == self.cells
 
 
 def run_sweep(config: SweepConfig, out: str | Path, *, workers: int | None = None,
@@ -695,7 +756,10 @@ def run_sweep(config: SweepConfig, out: str | Path, *, workers: int | None = Non
             failed = _run_on_dask(todo, store, workers, scheduler, skipped, len(cells), progress, on_client)
     finally:
         results = store.rebuild(cells)
-    return SweepSummary(store.out, len(cells), skipped, len(todo), failed, time.perf_counter() - start, results)
+    first_error = next((store.finished[c.cell_id].get("error") for c in cells
+                        if c.cell_id in store.finished and not store.done(c.cell_id)), None)
+    return SweepSummary(store.out, len(cells), skipped, len(todo), failed, time.perf_counter() - start, results,
+                        first_error)
 
 
 def _run_on_dask(todo: list[Cell], store: SweepStore, workers, scheduler, skipped, total, progress,

@@ -1,23 +1,42 @@
-"""ONNX Runtime as the numerical oracle: valid random inputs, runs, and output comparison.
+"""ONNX Runtime as the numerical oracle: valid inputs, runs, and output comparison.
 
 Problem: a rewrite (canonicalization, a fused model) is only trusted once ONNX Runtime gives the
-same outputs before and after, on inputs the model accepts.
+same outputs before and after, on inputs the model accepts — and a verifier must never compare a
+model with itself, crash on a model that loads, or fill the terminal with ONNX Runtime's logs.
 Approach: `random_feeds` draws seeded inputs that are valid for the model — integer inputs that
 index a Gather get ids below that table's row count, inputs named like a mask get ones, floats
-are standard normal; `run` executes with every graph optimization off (so ORT's own fusions
-cannot hide a difference); `compare` reports, per output, the largest absolute and relative
-error and whether |a - b| <= atol + rtol * max(1, max|a|).
-Invariants: the same model and seed give the same feeds; onnxruntime is imported here only.
+are standard normal, strings short words — and the user's `--input-value NAME=V` values
+(`parse_input_values`, checked against the input's dtype and shape) replace drawn ones; `run`
+executes a model held in memory (never a file that may have been overwritten) with every graph
+optimization off (so ORT's own fusions cannot hide a difference). A verification first checks
+that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
+there is the user's, exit 2 naming the op or the failing node and how to give values or skip
+verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
+largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|).
+Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
+(`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
+models above protobuf's 2 GiB pass their large weights to ONNX Runtime beside the proto.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
+from fusesearch.errors import BadInput
+from fusesearch.ir.graph import Graph
+
 MASK_WORDS = ("mask",)
+ORT_LOG_SEVERITY = 4  # fatal only: ONNX Runtime's errors come back as exceptions, never as log lines
+PROTO_LIMIT = (1 << 31) - (1 << 24)  # larger models pass their big weights beside the serialized proto
+ASIDE_MIN_BYTES = 1 << 10  # weights at least this large go beside the proto then
 
 
 @dataclass(frozen=True)
@@ -28,6 +47,12 @@ class OutputDiff:
     scale: float  # max(1, max|reference|)
     ok: bool
 
+
+class CandidateFailed(Exception):
+    """ONNX Runtime cannot load or run the model under test; the caller says whose fault it is."""
+
+
+# -- inputs -----------------------------------------------------------------------------------
 
 def _shape(vi: onnx.ValueInfoProto) -> tuple[int, ...]:
     dims = vi.type.tensor_type.shape.dim
@@ -50,7 +75,10 @@ def _gather_rows(model: onnx.ModelProto) -> dict[str, int]:
     return rows
 
 
-def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+def random_feeds(model: onnx.ModelProto, seed: int = 0,
+                 values: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Seeded valid inputs for every graph input; `values` (from `parse_input_values`) replace
+    the drawn ones."""
     rng = np.random.default_rng(seed)
     weights = {t.name for t in model.graph.initializer}
     rows = _gather_rows(model)
@@ -66,26 +94,262 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]
             feeds[vi.name] = rng.integers(0, rows.get(vi.name, 2), size=shape).astype(dtype)
         elif dtype == np.bool_:
             feeds[vi.name] = rng.integers(0, 2, size=shape).astype(bool)
+        elif dtype == np.object_:  # strings
+            feeds[vi.name] = np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
         else:
             feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+    if values:
+        feeds.update({k: v for k, v in values.items() if k in feeds})
     return feeds
 
 
-def session(model: onnx.ModelProto | str):
+def parse_input_values(flags: Sequence[str], graph: Graph) -> dict[str, np.ndarray]:
+    """`--input-value NAME=V` flags → arrays of each input's dtype and shape (a scalar like
+    `sr=16000`, or a JSON list like `x=[1,2,3]` with as many values as the input holds).
+    BadInput naming the flag for a malformed value, an unknown input, a wrong dtype or size."""
+    values: dict[str, np.ndarray] = {}
+    for flag in flags:
+        name, sep, text = flag.partition("=")
+        name, text = name.strip(), text.strip()
+        where = f"--input-value {flag}"
+        if not sep or not name or not text:
+            raise BadInput(f"{where}: give NAME=VALUE, e.g. --input-value sr=16000 or --input-value x=[1,2,3]")
+        if name not in graph.inputs:
+            raise BadInput(f"{where}: the model has no input '{name}'; its inputs are "
+                           f"{', '.join(graph.inputs) or 'none'}")
+        if name in values:
+            raise BadInput(f"{where}: input '{name}' is given twice; give each input once")
+        info = graph.tensors[name]
+        array = _parse_value(where, name, text, info.dtype)
+        shape = tuple(info.shape or ())
+        want = int(np.prod(shape, dtype=np.int64))
+        if array.size != want:
+            holds = "is a scalar (1 value)" if not shape else f"has shape {'x'.join(map(str, shape))} ({want} values)"
+            raise BadInput(f"{where}: {array.size} value{'s' if array.size != 1 else ''}, but input '{name}' {holds}")
+        values[name] = array.reshape(shape)
+    return values
+
+
+def _parse_value(where: str, name: str, text: str, dtype: str) -> np.ndarray:
+    if dtype in ("string", "object"):  # a string input
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError:
+            raw = text
+        return np.array(raw, dtype=object)
+    try:
+        array = np.array(json.loads(text))
+    except (json.JSONDecodeError, ValueError):
+        array = np.array([], dtype=object)
+    if array.dtype.kind not in "biuf":
+        raise BadInput(f"{where}: not a number or a [list] of numbers (e.g. 16000, 0.5, [1,2,3])")
+    try:
+        target = np.dtype(dtype)
+    except TypeError:
+        raise BadInput(f"{where}: input '{name}' is {dtype}, which --input-value cannot give; "
+                       "give values of numeric, bool or string inputs only") from None
+    if target.kind in "iub" and array.dtype.kind == "f" and not np.all(np.equal(np.mod(array, 1), 0)):
+        raise BadInput(f"{where}: input '{name}' is {dtype}; give whole numbers")
+    if target.kind in "iu":
+        info = np.iinfo(target)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise BadInput(f"{where}: out of range for input '{name}' ({dtype}: {info.min}..{info.max})")
+    if target.kind == "b" and not np.all(np.isin(array, (0, 1))):
+        raise BadInput(f"{where}: input '{name}' is bool; give 0/1 or false/true")
+    return array.astype(target)
+
+
+# -- running ----------------------------------------------------------------------------------
+
+@functools.cache
+def _ort():
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(ORT_LOG_SEVERITY)
+    return ort
+
+
+@functools.cache
+def ort_errors() -> tuple[type[BaseException], ...]:
+    """What ONNX Runtime raises for a model it cannot load or a feed it cannot run."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    _ort()
+    found = [v for v in vars(state).values() if isinstance(v, type) and issubclass(v, Exception)]
+    return (*found, RuntimeError, ValueError, TypeError)
+
+
+def runnable_ir_version(model: onnx.ModelProto) -> int:
+    """The lowest IR version the model's opsets allow (never above its own): ONNX Runtime lags
+    onnx's newest IR version, and a model loaded in memory does not need it."""
+    from fusesearch.ir.canonicalize import ir_version_for
+
+    lowest = ir_version_for({o.domain: o.version for o in model.opset_import}, bool(model.functions))
+    return min(model.ir_version, lowest) if model.ir_version else lowest
+
+
+def omp_threads() -> int:
+    """OMP_NUM_THREADS when set (the thread count of the generated CPU kernels), else 0: ONNX
+    Runtime's default, one thread per physical core."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() else 0
+
+
+def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool = False):
+    """A CPU session of `model` (a path is read into memory first) with graph optimizations off
+    (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
+    intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`)."""
+    ort = _ort()
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model))
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    opts.log_severity_level = 3
-    source = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    level = ort.GraphOptimizationLevel
+    opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
+    opts.log_severity_level = ORT_LOG_SEVERITY
+    opts.intra_op_num_threads = omp_threads() if threads is None else threads
+    aside: list[np.ndarray] = []
+    if model.ByteSize() > PROTO_LIMIT:
+        model = _weights_aside(model, opts, aside)
+    saved = model.ir_version
+    model.ir_version = runnable_ir_version(model)
+    try:
+        data = model.SerializeToString()
+    finally:
+        model.ir_version = saved
+    sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+    sess.fusesearch_weights = aside  # ONNX Runtime reads them in place: they live as long as the session
+    return sess
 
 
-def run(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sess = session(model)
+def _weights_aside(model: onnx.ModelProto, opts, arrays: list[np.ndarray]) -> onnx.ModelProto:
+    """A copy of `model` whose large main-graph weights ONNX Runtime takes from `opts` instead
+    of the proto (which protobuf cannot serialize above 2 GiB); `arrays` keeps their memory."""
+    ort = _ort()
+    slim = onnx.ModelProto()
+    slim.CopyFrom(model)
+    names, values = [], []
+    for t in slim.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= ASIDE_MIN_BYTES:
+            names.append(t.name)
+            arrays.append(np.ascontiguousarray(onnx.numpy_helper.to_array(t)))
+            values.append(ort.OrtValue.ortvalue_from_numpy(arrays[-1]))
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            t.external_data.add(key="location", value="in-memory")
+    opts.add_external_initializers(names, values)
+    return slim
+
+
+def _run_session(sess, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
     wanted = {i.name for i in sess.get_inputs()}
     return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted}), strict=True))
+
+
+def run(model: onnx.ModelProto | str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return _run_session(session(model), feeds)
+
+
+def _first_line(exc: BaseException) -> str:
+    """ONNX Runtime's error in one short line: the innermost node and its status message."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    nodes = re.findall(r"running (\w+) node\. Name:'([^']*)' Status Message: ", text)
+    if nodes:
+        op, name = nodes[-1]
+        text = f"{op} node '{name}': {text.rsplit('Status Message: ', 1)[-1]}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# -- verification -----------------------------------------------------------------------------
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (None when unknown)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(graph: Graph, hint: str, task: str = "verify") -> None:
+    """Refuse (exit 2) to run the model in ONNX Runtime (to verify or measure it) when its tensors
+    cannot fit in the available memory, before anything is allocated: every activation of the
+    graph plus its weights; `hint` says what to do instead."""
+    from fusesearch.pipeline import activation_bytes, weight_bytes
+
+    need = activation_bytes(graph) + weight_bytes(graph)
+    have = available_memory()
+    if have is not None and need > have:
+        raise BadInput(f"cannot {task}: running the model in ONNX Runtime needs {need / (1 << 30):.1f} GiB "
+                       f"(activations and weights), this machine has {have / (1 << 30):.1f} GiB available; "
+                       f"{hint}")
+
+
+def _no_kernel(model: onnx.ModelProto) -> str | None:
+    """'op X (domain D) at node N' for the first main-graph node ONNX Runtime has no schema for."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    known = {(s.domain, s.name) for s in state.get_all_operator_schema()}
+    known |= {(f.domain, f.name) for f in model.functions}
+    for node in model.graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (domain, node.op_type) not in known:
+            return f"op {node.op_type} (domain {domain or 'ai.onnx'}) at node {node.name or '(unnamed)'}"
+    return None
+
+
+def reference_outputs(reference: onnx.ModelProto, feeds: Mapping[str, np.ndarray], *, given: Sequence[str],
+                      skip: str | None) -> dict[str, np.ndarray]:
+    """The original model's outputs; BadInput (one line, ending in the hint `skip` when given)
+    when ONNX Runtime cannot load it or it fails on these inputs (`given`: the inputs the user
+    set)."""
+    try:
+        sess = session(reference)
+    except ort_errors() as exc:
+        missing = _no_kernel(reference)
+        typed = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(exc))
+        if missing:
+            why = f"ONNX Runtime has no kernel for {missing}"
+        elif typed:
+            op, version, name = typed.groups()
+            why = (f"ONNX Runtime has no CPU kernel for op {op} (opset {version}) at node {name or '(unnamed)'} "
+                   "for its input types")
+        else:
+            why = f"ONNX Runtime cannot load the original model ({_first_line(exc)})"
+        raise BadInput(f"cannot verify: {why}" + (f"; {skip}" if skip else "")) from None
+    return _run_original(sess, feeds, given, skip, "cannot verify: the original model itself")
+
+
+def _run_original(sess, feeds: Mapping[str, np.ndarray], given: Sequence[str], skip: str | None,
+                  subject: str) -> dict:
+    try:
+        return _run_session(sess, feeds)
+    except ort_errors() as exc:
+        inputs = "the --input-value values and generated ones" if given else "generated inputs"
+        raise BadInput(f"{subject} fails in ONNX Runtime on {inputs} ({_first_line(exc)}); give inputs it "
+                       f"accepts with --input-value NAME=V (e.g. --input-value {_example(feeds)})"
+                       + (f", or {skip}" if skip else "")) from None
+
+
+def _example(feeds: Mapping[str, np.ndarray]) -> str:
+    """An --input-value example naming the smallest input (a flag, a sample rate, a length)."""
+    return f"{min(feeds, key=lambda k: (feeds[k].size, k))}=V" if feeds else "NAME=V"
+
+
+def candidate_outputs(candidate: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    try:
+        return run(candidate, feeds)
+    except ort_errors() as exc:
+        raise CandidateFailed(_first_line(exc)) from None
 
 
 def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
@@ -95,10 +359,15 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
         if name not in candidate:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
             continue
-        a, b = np.asarray(ref, dtype=np.float64), np.asarray(candidate[name], dtype=np.float64)
-        if a.shape != b.shape:
+        ref, got = np.asarray(ref), np.asarray(candidate[name])
+        if ref.shape != got.shape:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
             continue
+        if ref.dtype.kind not in "biufc" or got.dtype.kind not in "biufc":  # strings: equal or not
+            same = bool(np.array_equal(ref, got))
+            diffs.append(OutputDiff(name, 0.0 if same else float("inf"), 0.0 if same else float("inf"), 1.0, same))
+            continue
+        a, b = ref.astype(np.float64), got.astype(np.float64)
         scale = max(1.0, float(np.max(np.abs(a)))) if a.size else 1.0
         err = np.abs(a - b)
         max_abs = float(np.max(err)) if a.size else 0.0
@@ -110,10 +379,11 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
     return diffs
 
 
-def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+               given: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """Every tensor of the main graph on these inputs: ONNX Runtime's outputs for all values
     (listed in value_info) plus the initializers — the reference for each kernel's inputs and
-    outputs."""
+    outputs. BadInput when the model fails on them (`given`: the inputs the user set)."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     known = {o.name for o in probe.graph.output}
@@ -122,22 +392,9 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str
         if vi.name in produced and vi.name not in known:
             probe.graph.output.append(vi)
             known.add(vi.name)
-    values = run(probe, feeds)
+    values = _run_original(session(probe), feeds, given, None, "the model")
     for t in model.graph.initializer:
         values[t.name] = onnx.numpy_helper.to_array(t)
     values.update(feeds)
     return values
 
-
-def timing_session(model: onnx.ModelProto, *, threads: int, optimize: bool):
-    """A CPU session for timing: `threads` intra-op threads (one inter-op), graph optimizations
-    at ORT_ENABLE_ALL (`optimize`) or ORT_DISABLE_ALL."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    level = ort.GraphOptimizationLevel
-    opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -9,9 +9,20 @@
 #     'ortools==9.15.*' 'protobuf>=6.33.1,<6.34' onnx-ir onnxscript typer rich jsonschema \
 #     jsonschema-specifications referencing rpds-py attrs absl-py immutabledict ml-dtypes \
 #     shellingham click typing-extensions pyarrow hypothesis sortedcontainers
+# It fails (exit 1, one line on stderr) when no GPU is visible — checked first, before anything
+# is installed — and when the gpu tests did not really run on the GPU: none selected, or any of
+# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); and when a measure run fails.
 # Usage: bash scripts/gpu_check.sh   (about 5 minutes on an H200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi > /dev/null 2>&1; then
+  echo "gpu_check: no GPU visible: nvidia-smi not found (no NVIDIA driver here); run this on a GPU machine" >&2
+  exit 1
+fi
+if ! gpus=$(nvidia-smi -L 2>&1) || ! grep -q '^GPU ' <<< "$gpus"; then
+  echo "gpu_check: no GPU visible: nvidia-smi -L lists none (${gpus%%$'\n'*}); run this on a GPU machine" >&2
+  exit 1
+fi
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 python3 -m venv --system-site-packages .gpuvenv
@@ -21,18 +32,35 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 $PY -m pip install --quiet --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2 || true
 $PY - <<'PY' | tee "$OUT/gpu_env.txt"
+import sys
+
 from fusesearch.backends import cupy as gpu
-print("cupy available:", gpu.available(), "gpus:", gpu.gpu_count())
-if gpu.gpu_count():
-    print("device:", gpu.device_name(), "L2 bytes:", gpu.l2_bytes())
+
+decision = gpu.available()
+if not decision:  # nvidia-smi sees a GPU but CuPy does not: a broken install or driver
+    print(f"gpu_check: nvidia-smi lists a GPU but CuPy cannot use it: {decision.reason}", file=sys.stderr)
+    sys.exit(1)
+print("cupy available:", decision, "gpus:", gpu.gpu_count())
+print("device:", gpu.device_name(), "L2 bytes:", gpu.l2_bytes())
 PY
 set +e
-$PY -m pytest -q -m gpu -rs tests 2>&1 | tee "$OUT/gpu_tests.log"
+$PY -m pytest -q -m gpu -rs --junitxml="$OUT/gpu_tests.xml" tests 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
+ran=$($PY scripts/gpu_tests_ran.py "$OUT/gpu_tests.xml" 2>&1)
+ran_status=$?
+echo "$ran" | tee -a "$OUT/gpu_tests.log"
+if [ "$ran_status" -ne 0 ] && [ "$status" -eq 0 ]; then
+  status=1
+fi
 for model in bert-small resnet18; do
   $PY -m fusesearch measure "zoo:$model" --backend cupy --device h200 --strategy cpsat --budget 0.1 \
     -o "$OUT/measure_$model.parquet" --force --json > "$OUT/measure_$model.json" 2> "$OUT/measure_$model.err"
-  echo "measure $model: exit $?"
+  measured=$?
+  echo "measure $model: exit $measured"
+  if [ "$measured" -ne 0 ]; then
+    echo "gpu_check: measure zoo:$model --backend cupy failed (exit $measured): $(head -1 "$OUT/measure_$model.err")" >&2
+    status=1
+  fi
   $PY - "$OUT/measure_$model.json" <<'PY'
 import json, sys
 try:
@@ -45,4 +73,7 @@ except Exception as exc:  # the .err file says why
     print("  no result:", exc)
 PY
 done
+if [ "$ran_status" -ne 0 ]; then
+  echo "gpu_check: $ran" >&2
+fi
 exit $status

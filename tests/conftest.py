@@ -1,6 +1,16 @@
-"""Shared test helpers: tiny ONNX models built in code, the CLI runner, and the GPU marker."""
+"""Shared test helpers: tiny ONNX models built in code, the CLI runner, and the GPU marker.
+
+Tests marked `gpu` skip only where no GPU can be: CuPy is not installed, or the CUDA runtime sees
+no device (none present, or hidden by CUDA_VISIBLE_DEVICES). Any other failure — CuPy installed
+but failing to import (a missing CUDA library), a driver too old for the runtime, a device that
+errors — makes every gpu test an error that names it: a broken GPU setup must never read as
+"no GPU here".
+"""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -39,17 +49,51 @@ def run_cli(capsys):
     return run
 
 
-def gpu_available() -> bool:
+CUDA_NO_DEVICE = 100  # cudaErrorNoDevice
+CUDA_INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver: also what the runtime says with no driver at all
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # present wherever the NVIDIA kernel driver is loaded
+
+
+@functools.cache
+def gpu_state() -> tuple[str, str]:
+    """("ready" | "absent" | "broken", why): absent only when CuPy is not installed or no GPU is visible."""
     try:
-        from fusesearch.backends.cupy import gpu_count  # noqa: F401
-    except Exception:
-        return False
-    return gpu_count() > 0
+        import cupy
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            return "absent", "CuPy is not installed (pip install 'fusesearch[gpu]')"
+        return "broken", f"CuPy is installed but does not import: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # a CUDA library missing or mismatched: anything can come out of the import
+        return "broken", f"CuPy is installed but does not import: {type(exc).__name__}: {exc}"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        status = getattr(exc, "status", None)
+        if status == CUDA_NO_DEVICE or (status == CUDA_INSUFFICIENT_DRIVER and not NVIDIA_DRIVER.exists()):
+            return "absent", f"no GPU visible ({type(exc).__name__}: {exc})"
+        return "broken", f"the CUDA runtime fails: {type(exc).__name__}: {exc}"
+    if count == 0:
+        return "absent", "no GPU visible (the CUDA runtime sees 0 devices)"
+    return "ready", f"{count} CUDA device(s)"
+
+
+def gpu_available() -> bool:
+    return gpu_state()[0] == "ready"
 
 
 def pytest_collection_modifyitems(config, items):
-    if any("gpu" in item.keywords for item in items) and not gpu_available():
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    state, why = gpu_state()
+    if state == "absent":
+        skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU with CuPy: {why}")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords:
+        state, why = gpu_state()
+        if state == "broken":
+            pytest.fail(f"GPU test cannot run: {why}", pytrace=False)

@@ -64,6 +64,18 @@ def test_split_is_by_group_seeded_and_covers_every_template():
         assert any(h for h, tt in zip(held, templates, strict=True) if tt == t)
 
 
+def test_cross_validation_folds_are_by_group_and_seeded():
+    """Folds: a group's rows share a fold, every fold is used, the same seed gives the same folds."""
+    from costmodels.calibration import group_folds
+
+    groups = [f"g{i % 7}" for i in range(20)]
+    folds = group_folds(groups, 3, seed=0)
+    assert all(len({f for g, f in zip(groups, folds, strict=True) if g == key}) == 1 for key in set(groups))
+    assert set(folds) == {0, 1, 2}
+    assert np.array_equal(folds, group_folds(groups, 3, seed=0))
+    assert any(not np.array_equal(folds, group_folds(groups, 3, seed=s)) for s in (1, 2, 3))
+
+
 def test_sampling_is_stratified_deterministic_and_distinct():
     """Sampling: every generated template of the model appears, across size bins; the same seed
     gives the same groups; no two sampled kernels have the same KernelSpec."""
@@ -130,6 +142,86 @@ def test_register_fit_lowers_the_error_against_ptxas_figures():
     assert report["params_after"]["regs_base"] == pytest.approx(30, abs=1)
     assert report["params_after"]["regs_per_live_value"] == pytest.approx(0.5, abs=0.05)
     assert report["heldout"]["after"]["mae"] < 1 < report["heldout"]["before"]["mae"]
+
+
+# a fixed CPU (no bandwidth probe), so the synthetic fits below do not depend on the machine
+_CPU = replace(DEVICES["t4"], name="host", kind="cpu", sm_count=1, dram_bytes_per_s=20e9,
+               fp32_flops_per_s=80e9, tf32_flops_per_s=0.0, fp16_flops_per_s=0.0, bf16_flops_per_s=0.0,
+               launch_overhead_s=3e-6)
+_EFFICIENCIES = ("tc_efficiency", "scalar_efficiency", "memory_efficiency")
+
+
+def test_fitted_efficiencies_never_exceed_their_peak():
+    """Bounds: kernels measured 3x faster than the peak allows (compute-bound and memory-bound)
+    fit an efficiency of at most 1, not the 3 that would match them."""
+    compute = [KernelSpec(template="pointwise", scalar_flops=1e7 * (i + 1), dram_read_bytes=64,
+                          dram_write_bytes=64, iteration_size=1000) for i in range(8)]
+    memory = [KernelSpec(template="rowwise", scalar_flops=10, dram_read_bytes=1e7 * (i + 1),
+                         dram_write_bytes=1e6, iteration_size=1000) for i in range(8)]
+    peak = RooflineParams().with_updates(scalar_efficiency={"pointwise": 1.0}, memory_efficiency={"rowwise": 1.0},
+                                         launch_overhead_scale=1e-3)
+    specs = compute + memory
+    measured = cal.predict(specs, _CPU, peak) / 3
+    names = ["scalar_efficiency.pointwise", "memory_efficiency.rowwise"]
+    result = cal.fit(specs, measured, _CPU, names=names)
+    assert result.params.get("scalar_efficiency", "pointwise") == pytest.approx(1.0, rel=1e-3)
+    assert result.params.get("memory_efficiency", "rowwise") == pytest.approx(1.0, rel=1e-3)
+    assert max(v for table in _EFFICIENCIES for _, v in getattr(result.params, table)) <= 1.0
+
+
+def _rows(noise: str, seed: int = 0) -> list[dict]:
+    """Measured rows (as `measure_candidates` returns them) of pointwise and gemm kernels: the
+    pointwise times follow known parameters (x 5% noise); the gemm times are noise unrelated to the
+    model (1-100 ms whatever the size) in every row ("all") or only in the held-out ones
+    ("heldout": the training gemm kernels follow the model)."""
+    rng = np.random.default_rng(seed)
+    truth = RooflineParams().with_updates(memory_efficiency={"pointwise": 0.3, "gemm": 0.5},
+                                          scalar_efficiency={"pointwise": 0.05, "gemm": 0.02},
+                                          launch_overhead_scale=3.0)
+    specs, groups = [], []
+    for i in range(26):
+        size = float(10 ** rng.uniform(3, 7))
+        template = "pointwise" if i % 2 else "gemm"
+        specs.append(KernelSpec(template=template, scalar_flops=size * (2 if template == "pointwise" else 200),
+                                dram_read_bytes=8 * size, dram_write_bytes=4 * size, iteration_size=int(size)))
+        groups.append(f"m:{template}{i}")
+    templates = [s.template for s in specs]
+    held = cal.split_groups(groups, templates, seed=0)  # the split `analyse` makes with seed 0
+    measured = cal.predict(specs, _CPU, truth) * rng.lognormal(0, 0.05, len(specs))
+    for i, (t, h) in enumerate(zip(templates, held, strict=True)):
+        if t == "gemm" and (noise == "all" or h):
+            measured[i] = 10 ** rng.uniform(-3, -1)
+    return [{**s.to_row(), "model": "m", "group": g, "measured_s": float(m)}
+            for s, g, m in zip(specs, groups, measured, strict=True)]
+
+
+@pytest.mark.parametrize("noise, by, what", [
+    ("all", "cross-validation", "cross-validated (training folds) MAPE would rise"),
+    ("heldout", "held-out", "held-out MAPE would rise"),
+])
+def test_a_template_the_fit_would_make_worse_keeps_its_defaults(noise, by, what):
+    """Keep defaults: gemm times that are noise unrelated to the model — on every kernel (cross-
+    validation on the training kernels sees it) or only on the held-out ones (the held-out check
+    sees it) — leave gemm's parameters at their defaults, the report says so with both MAPEs, and
+    held-out gemm is not worse than the defaults; pointwise is fitted; no efficiency exceeds 1."""
+    start = RooflineParams()
+    result = cal.analyse(_rows(noise), _CPU, start, "cpu", 0)
+    kept = result.report["kept_defaults"]
+    assert set(kept) == {"gemm"} and kept["gemm"]["by"] == by
+    assert kept["gemm"]["fitted_mape"] > kept["gemm"]["kept_mape"]
+    params = result.profile.params
+    for table in ("tc_efficiency", "scalar_efficiency", "memory_efficiency"):
+        assert params.get(table, "gemm") == start.get(table, "gemm")
+    assert params.get("memory_efficiency", "pointwise") != start.get("memory_efficiency", "pointwise")
+    assert max(v for table in _EFFICIENCIES for _, v in getattr(params, table)) <= 1.0
+    gemm = result.report["heldout"]["per_template"]["gemm"]  # defaults kept: about the defaults' figure
+    assert gemm["after"]["mape"] == pytest.approx(gemm["before"]["mape"], rel=0.02)
+    pointwise = result.report["heldout"]["per_template"]["pointwise"]
+    assert pointwise["after"]["mape"] < 0.2 < pointwise["before"]["mape"]
+    line = next(x for x in cal.report_lines(result.report) if "kept defaults" in x)
+    assert line.split()[0] == "gemm" and what in line
+    assert f"{100 * kept['gemm']['kept_mape']:.1f}%" in line and f"{100 * kept['gemm']['fitted_mape']:.1f}%" in line
+    assert json.loads(json.dumps(result.profile.to_dict()))["fit"]["kept_defaults"]["gemm"]["by"] == by
 
 
 # -- end to end on the CPU ----------------------------------------------------------------------

@@ -25,10 +25,38 @@ def test_inspect_json_keys_and_resnet50_counts(run_cli):
     assert 7.5e9 < doc["flops"] < 8.5e9  # ResNet-50 is ~4.1 GMACs at 224x224
 
 
-def test_inspect_text_output(run_cli):
-    code, out, err = run_cli("inspect", "zoo:resnet18")
+def _table_rows(text: str, title: str) -> list[list[str]]:
+    """The body rows of the rich table printed under `title` (cells stripped)."""
+    lines = text.splitlines()
+    rows = []
+    for line in lines[lines.index(title) + 1:]:
+        if line.startswith("└"):
+            break
+        if line.startswith("│"):
+            rows.append([cell.strip() for cell in line.strip("│").split("│")])
+    return rows
+
+
+def test_inspect_text_output_states_what_the_json_holds(run_cli):
+    code, out, err = run_cli("inspect", "zoo:resnet18", "--json")
     assert code == 0, err
-    assert "after canonicalization" in out and "Conv" in out and "batchnorm_folding" in out
+    doc = json.loads(out)
+    code, text, err = run_cli("inspect", "zoo:resnet18")
+    assert code == 0, err
+    lines = text.splitlines()
+    assert lines[0] == f"resnet18  (zoo:resnet18, opset {doc['opset']} → {doc['canonical_opset']})"
+    assert lines[1].startswith("nodes 69 → 49 after canonicalization   FLOPs 3.64 G   weights 44.6 MiB   "
+                               "activations 21.9 MiB")
+    assert (doc["nodes"], doc["canonical_nodes"], doc["flops"]) == (69, 49, 3635523560)
+    assert _table_rows(text, "inputs / outputs") == [["input", "input", "1x3x224x224", "float32"],
+                                                     ["output", "logits", "1x1000", "float32"]]
+    ops = {op: int(count) for op, count in _table_rows(text, "ops (canonical)")}
+    assert ops == doc["ops"] == {"Conv": 20, "Relu": 17, "Sum": 8, "Flatten": 1, "Gemm": 1, "GlobalAveragePool": 1,
+                                 "MaxPool": 1}
+    assert sum(ops.values()) == doc["canonical_nodes"]
+    assert "kinds: " + ", ".join(f"{k} {v}" for k, v in doc["kinds"].items()) in lines
+    assert "passes: " + ", ".join(f"{k} {v}" for k, v in doc["passes"].items()) in lines
+    assert doc["passes"]["batchnorm_folding"] == 20  # one BatchNormalization after each Conv, folded into it
 
 
 def test_inspect_canonical_runs_in_ort_and_refuses_overwrite(run_cli, tmp_path):
@@ -53,6 +81,10 @@ def test_zoo_list_and_export_round_trip(run_cli, tmp_path):
     path = tmp_path / "bert.onnx"
     code, _, err = run_cli("zoo", "export", "bert-small", "-o", path)
     assert code == 0, err
+    model = onnx.load(str(path))
+    assert " ".join(err.split()).startswith(f"wrote {path} ({len(model.graph.node)} nodes, ")  # rich wraps stderr
+    dims = [d.dim_param or d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq"]
     code, _, err = run_cli("inspect", path)
     assert code == 2 and "--dim" in err  # exported models keep their dynamic dims
     code, out, err = run_cli("inspect", path, "--dim", "batch=2", "--dim", "seq=16", "--json")

@@ -209,7 +209,7 @@ def test_calibrate_takes_the_shape_flags_its_hint_names(run_cli, tmp_path, dynam
     assert code == 2 and "bind it with --dim batch=V" in err
     code, _, err = run_cli("calibrate", "--backend", "cpu", "--models", dynamic_model, "-o", out, "--samples", "4",
                            "--dim", "batch=2", "--dim", "seqq=3")
-    assert code == 2 and f"{dynamic_model}: --dim names unknown dim 'seqq'" in err  # applied to the model
+    assert code == 2 and f"{dynamic_model}: --dim seqq: unknown dim 'seqq'" in err  # applied to the model
     code, _, err = run_cli("calibrate", "--backend", "cpu", "--models", dynamic_model, "-o", out, "--samples", "4",
                            "--input-shape", "input=2x3x8")
     assert code == 2 and "--input-shape input: the model's input has rank 2" in err

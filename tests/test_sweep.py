@@ -60,6 +60,7 @@ def _rows(out: Path) -> pd.DataFrame:
     ("models = [{model = 'zoo:unet', zoo = {layers = [1]}}]\ndevices = ['t4']", "has no parameter 'layers'"),
     ("models = ['zoo:unet']\ndevices = ['t4']\n[params]\ntime_limit_s = -1", "params.time_limit_s"),
     ("models = ['missing.onnx']\ndevices = ['t4']", "missing.onnx: no such file"),
+    ("models = [{model = 'zoo:bert-small', dims = {seqq = 8}}]\ndevices = ['t4']", "models[0].dims.seqq"),
     ("models = ['zoo:unet'\n", "not valid TOML"),
 ])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, needle):
@@ -154,8 +155,14 @@ def test_a_different_config_in_out_is_refused_unless_forced(tmp_path, run_cli):
 
 
 def test_a_failing_cell_is_recorded_and_retried_the_rest_go_on(tmp_path):
-    broken = tmp_path / "broken.onnx"
-    broken.write_bytes(b"this is not an onnx model")
+    from onnx import TensorProto, helper
+
+    from tests.conftest import make_model, save
+
+    # its input binds (so the config is accepted), but its MatMul of [2, 3] by [4, 5] fails to load
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 3])], [("y", None)])
+    model.graph.initializer.append(helper.make_tensor("w", TensorProto.FLOAT, [4, 5], [0.0] * 20))
+    save(model, tmp_path / "broken.onnx")
     path = _config(tmp_path, 'models = ["zoo:rnn-control", "broken.onnx"]\ndevices = ["t4"]\n'
                              'strategies = ["none", "greedy"]\n')
     out = tmp_path / "out"

@@ -20,8 +20,19 @@ only the skeleton around them differs:
                threads, block reductions (warp shuffles + shared memory); a computed row read by
                several passes (a GEMM's output under a Softmax) is cached on its first pass (C: a
                local buffer, CUDA: shared memory), so its dot products run once
-    gemm/conv  C: per output row, the activation operand's row (prologue applied) into a buffer,
-               then i-k-j accumulation and the epilogue per column · CUDA (`tiled`): the anchor as
+    gemm/conv  C, with a BLAS (`FS_BLAS_SGEMM`, scipy-openblas32; measured faster than our own
+               loops and within noise of ONNX Runtime's MLAS, benchmarks/bench_cpu.py): MatMul/Gemm
+               per block of BLAS_ROWS output rows of one batch — the A rows with the prologue
+               applied packed into a panel (B too when the group computes it, e.g. the transposed
+               keys of attention), one sgemm into a block tile, the epilogue over the tile while it
+               is in cache, before the one store; Conv as implicit GEMM per block of whole output
+               rows of one image and group — the im2col panel (prologue and zero padding applied;
+               a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
+               epilogue; depthwise convs in their own loop (a vectorized row of output pixels, taps
+               unrolled, bounds checks only at the borders). Without a BLAS (`#else`): per output
+               row, the activation operand's row (prologue applied) into a buffer, then i-k-j
+               accumulation and the epilogue per column. Blocks run in parallel (OpenMP), the BLAS
+               single-threaded inside each · CUDA (`tiled`): the anchor as
                z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
                BM×BN output tile, A and B staged per K step in shared memory with the prologue
                applied in the tile loads, a register micro-tile per thread, the epilogue applied
@@ -31,7 +42,13 @@ only the skeleton around them differs:
                the group a row kernel, above.)
 
 The opaque template is not generated (`generate` refuses it with a reason: a library call).
-Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache;
+C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
+the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call exp/log/tanh/erf's vector
+variants; one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
+square root; division by a constant a multiplication by its reciprocal); the index of a row
+element is the row's (hoisted by the compiler) and the column's, with no per-element division.
+Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the
+backend's flags select between its `#ifdef` paths and key its binary cache);
 arguments are the kernel's external inputs then outputs, in the Kernel's order; compute is
 float32 (float tensors), int64 (indices) or uint8 (bool).
 """
@@ -160,6 +177,9 @@ class _Emitter:
         if found is not None:
             return found
         producer = self.graph.producer(tensor)
+        literal = self.scalar_literal(tensor)
+        if literal is not None:
+            return literal
         if tensor in self.row_ops:
             expr = self.row_ops[tensor](idx)
         elif producer is None or producer not in self.members or tensor in self.materialized:
@@ -169,6 +189,14 @@ class _Emitter:
         name = self.tmp(self.ctype(tensor), expr)
         self.scopes[-1][key] = name
         return name
+
+    def scalar_literal(self, tensor: str) -> str | None:
+        """A one-element float32/int64 constant as a literal in the source (folded by the compiler)."""
+        value = self.graph.constant_value(tensor)
+        if value is None or value.size != 1 or self.info(tensor).dtype not in ("float32", "int64"):
+            return None
+        x = value.reshape(-1)[0]
+        return _lit(float(x)) if self.info(tensor).dtype == "float32" else f"{int(x)}LL"
 
     def load(self, tensor: str, idx: tuple[str, ...]) -> str:
         if tensor in self.vec_loads:
@@ -189,13 +217,15 @@ class _Emitter:
     def unflatten(self, flat: str, shape: Sequence[int]) -> tuple[str, ...]:
         if 0 in shape:  # an empty tensor: its loop never runs
             return ("0",) * len(shape)
-        out, stride = [], math.prod(shape)
+        out, stride, outer = [], math.prod(shape), True  # flat < |shape|: the outermost index needs no modulo
         for d in shape:
             stride //= d
             if d == 1:
                 out.append("0")
-            else:
-                out.append(self.tmp("long long", f"({flat}) / {stride}LL % {d}LL" if stride > 1 else f"({flat}) % {d}LL"))
+                continue
+            div = f"({flat}) / {stride}LL" if stride > 1 else f"({flat})"
+            out.append(flat if outer and stride == 1 else self.tmp("long long", div if outer else f"{div} % {d}LL"))
+            outer = False
         return tuple(out)
 
     def broadcast(self, idx: tuple[str, ...], shape: Sequence[int]) -> tuple[str, ...]:
@@ -217,19 +247,19 @@ class _Emitter:
 # -- ops --------------------------------------------------------------------------------------
 
 _UNARY = {
-    "Relu": "fmaxf({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})",
+    "Relu": "FS_FMAX({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})",
     "Sqrt": "sqrtf({0})", "Erf": "erff({0})", "Tanh": "tanhf({0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))",
     "Reciprocal": "(1.0f / {0})", "Floor": "floorf({0})", "Ceil": "ceilf({0})", "Sin": "sinf({0})",
     "Cos": "cosf({0})", "Softplus": "log1pf(expf({0}))", "Softsign": "({0} / (1.0f + fabsf({0})))",
-    "HardSwish": "({0} * fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f)", "Not": "(!{0})",
+    "HardSwish": "({0} * FS_FMIN(FS_FMAX({0} + 3.0f, 0.0f), 6.0f) / 6.0f)", "Not": "(!{0})",
     "Sign": "(float)(({0} > 0) - ({0} < 0))", "Round": "nearbyintf({0})",
 }
 _BINARY = {"Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})",
-           "Pow": "powf({0}, {1})", "Max": "fmaxf({0}, {1})", "Min": "fminf({0}, {1})",
+           "Pow": "powf({0}, {1})", "Max": "FS_FMAX({0}, {1})", "Min": "FS_FMIN({0}, {1})",
            "Equal": "({0} == {1})", "Less": "({0} < {1})", "Greater": "({0} > {1})",
            "LessOrEqual": "({0} <= {1})", "GreaterOrEqual": "({0} >= {1})", "And": "({0} && {1})",
            "Or": "({0} || {1})", "Xor": "(!{0} != !{1})"}
-_VARIADIC = {"Sum": "+", "Max": "fmaxf", "Min": "fminf", "Mean": "+"}
+_VARIADIC = {"Sum": "+", "Max": "FS_FMAX", "Min": "FS_FMIN", "Mean": "+"}
 
 
 def _op(e: _Emitter, node: Node, tensor: str, idx: tuple[str, ...]) -> str:
@@ -238,12 +268,29 @@ def _op(e: _Emitter, node: Node, tensor: str, idx: tuple[str, ...]) -> str:
         return _UNARY[op].format(e.input_at(node, 0, idx))
     if op in ("Sum", "Mean") or (op in ("Max", "Min") and len(node.inputs) != 2):
         return _variadic(e, node, idx)
+    if op in ("Pow", "Div") and e.info(tensor).dtype == "float32":
+        special = _by_constant(e, node, idx)
+        if special is not None:
+            return special
     if op in _BINARY:
         return _BINARY[op].format(e.input_at(node, 0, idx), e.input_at(node, 1, idx))
     handler = _HANDLERS.get(op)
     if handler is None:
         raise CodegenRefused(f"{node.name}({op}) has no code generator yet")
     return handler(e, node, tensor, idx)
+
+
+def _by_constant(e: _Emitter, node: Node, idx) -> str | None:
+    """Pow by a constant 1, 2, 3, 0.5 or -1 as multiplications / sqrtf; division by a constant as
+    multiplication by its reciprocal (at most one rounding more: far inside verify's tolerance)."""
+    c = e.graph.constant_value(node.inputs[1])
+    if c is None or c.size != 1:
+        return None
+    c = float(c.reshape(-1)[0])
+    if node.op_type == "Div":
+        return f"({e.input_at(node, 0, idx)} * {_lit(1.0 / c)})" if c != 0 and math.isfinite(1.0 / c) else None
+    forms = {1.0: "{0}", 2.0: "({0} * {0})", 3.0: "({0} * {0} * {0})", 0.5: "sqrtf({0})", -1.0: "(1.0f / {0})"}
+    return forms[c].format(e.input_at(node, 0, idx)) if c in forms else None
 
 
 def _variadic(e: _Emitter, node: Node, idx) -> str:
@@ -285,9 +332,9 @@ def _clip(e, n, t, idx):
         hi = float(e.const(n.inputs[2]).reshape(-1)[0])
     expr = x
     if lo is not None:
-        expr = f"fmaxf({expr}, {_lit(lo)})"
+        expr = f"FS_FMAX({expr}, {_lit(lo)})"
     if hi is not None:
-        expr = f"fminf({expr}, {_lit(hi)})"
+        expr = f"FS_FMIN({expr}, {_lit(hi)})"
     return expr
 
 
@@ -408,7 +455,7 @@ def _dot(e: _Emitter, k_extent: int, term, init: str = "0.0f") -> str:
     e.pop()
     body = e.lines
     e.lines = outer
-    e.lines += [f"for (long long {k} = 0; {k} < {k_extent}LL; ++{k}) {{", *["    " + x for x in body],
+    e.lines += [f"FS_SIMD_SUM({acc})", f"for (long long {k} = 0; {k} < {k_extent}LL; ++{k}) {{", *["    " + x for x in body],
                 f"    {acc} += {value};", "}"]
     return acc
 
@@ -626,9 +673,19 @@ def _signature(ins, outs, restrict: str) -> str:
     return ", ".join(params)
 
 
-_C_PRELUDE = "#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n"
+# C: glibc's vector math (libmvec) under `omp simd` when the backend links it (FS_VECTOR_MATH), so
+# loops with exp/log/tanh/erf vectorize; FS_SIMD_SUM marks a sum loop the compiler may reassociate;
+# FS_FMAX/FS_FMIN are compare-selects in C (fmaxf does not vectorize; same result unless the second
+# operand is NaN) and fmaxf/fminf in CUDA.
+_VECTOR_MATH = ("expf", "logf", "tanhf", "erff", "log1pf", "sinf", "cosf")
+_C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifdef FS_VECTOR_MATH\n"
+              + "".join(f"#pragma omp declare simd notinbranch\nfloat {f}(float);\n" for f in _VECTOR_MATH)
+              + "#endif\n#ifdef FS_BLAS_SGEMM\nvoid FS_BLAS_SGEMM(int, int, int, int, int, int, float, const float*, int, "
+              "const float*, int, float, float*, int);\n#endif\n#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
+              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
 _CU_PRELUDE = ("#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
-               "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n")
+               "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n#define FS_SIMD_SUM(a)\n"
+               "#define FS_FMAX(a, b) fmaxf(a, b)\n#define FS_FMIN(a, b) fminf(a, b)\n")
 
 
 def _indent(lines: list[str], depth: int) -> str:
@@ -664,6 +721,151 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | N
         return _matmul_row_loops(graph, kernel, args, outs, anchor)
     if anchor.op_type != "Conv":
         return None
+    depthwise = _depthwise_loops(graph, kernel, args, outs, anchor)
+    if depthwise is not None:
+        return depthwise
+    hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)
+    blas = _conv_blas_blocks(graph, kernel, args, outs, anchor)
+    if blas is None or hoisted is None:
+        return hoisted
+    return ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *hoisted, "#endif"]
+
+
+CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+
+
+def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
+    and group: the block's input patches (prologue applied, zero padding) are packed into an
+    im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its input in place), one sgemm
+    multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
+    epilogue runs over the block's product while it is in cache, before the one store. None for
+    depthwise-like groups (under 8 output channels per group), non-2-D convs and computed filters."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    group = int(anchor.attrs.get("group", 1))
+    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+        return None
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    if cout_g < 8:
+        return None
+    main = [o for o in outs if o.shape == ys]
+    side = [o for o in outs if o.shape != ys]
+    if not main:
+        return None
+    e = _Emitter(graph, kernel, args)
+    spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
+    taps = [cin_g, *kern]
+    kt = math.prod(taps)
+    ho, wo = ys[2], ys[3]
+    pixels = ho * wo
+    rows_per_block = max(1, min(-(-ho // 2), CONV_PATCH_FLOATS // max(1, kt * wo)))
+    blocks = -(-ho // rows_per_block)
+    direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
+              and not any(pads) and graph.tensors[x].dtype == "float32")
+    idx = ("nb", "co", "oh", "ow")
+    if direct:
+        fill, panel, ldb = [], f"{args[x].name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
+    else:
+        e.lines = []
+        e.push()
+        v = _conv_input(e, anchor, x, xs, idx, "kq", taps, (spatial, strides, pads, dilations), "gq", cin_g)
+        e.pop()
+        fill = [f"for (long long kq = 0; kq < {kt}LL; ++kq) {{", "    for (long long oh = oh0; oh < oh1; ++oh) {",
+                *(["        #pragma omp simd"] if _flat_loop(e.lines) else []),
+                f"        for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["            " + x_ for x_ in e.lines],
+                f"            patch[kq * pn + (oh - oh0) * {wo}LL + ow] = {v};", "        }", "    }", "}"]
+        panel, ldb = "patch", "(int)pn"
+    e.lines = []
+    e.push()
+    e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
+    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    body = e.lines + writes
+    e.pop()
+    e.acc_value = ""
+    block = [f"for (long long blk = 0; blk < {xs[0] * group * blocks}LL; ++blk) {{",
+             f"    long long nb = blk / {group * blocks}LL, gq = blk / {blocks}LL % {group}LL;",
+             f"    long long oh0 = blk % {blocks}LL * {rows_per_block}LL;",
+             f"    long long oh1 = oh0 + {rows_per_block}LL < {ho}LL ? oh0 + {rows_per_block}LL : {ho}LL;",
+             f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
+             *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
+             f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
+             *["    " + x_ for x_ in fill],
+             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {args[w].name} + gq * {cout_g * kt}LL, "
+             f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
+             f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
+             "        for (long long oh = oh0; oh < oh1; ++oh) {",
+             *(["            #pragma omp simd"] if _flat_loop(body) else []),
+             f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
+             "            }", "        }", "    }",
+             *(["    free(patch);"] if not direct else []), "    free(cbuf);", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+
+
+def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C depthwise conv (one input channel per group): per image and channel, per output row, the
+    output pixels of the row in a vectorized loop with the taps unrolled and the filter's taps in
+    registers; output rows whose taps all fall inside the image run without bounds checks in the
+    columns whose taps do too; the border pixels take the general padded path. None unless the
+    conv is 2-D with one input channel per group and a constant filter."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    group = int(anchor.attrs.get("group", 1))
+    if len(xs) != 4 or group == 1 or xs[1] != group or w not in args or graph.producer(w) in kernel.nodes:
+        return None
+    main = [o for o in outs if o.shape == ys]
+    side = [o for o in outs if o.shape != ys]
+    if not main:
+        return None
+    e = _Emitter(graph, kernel, args)
+    _, (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
+    cout_g = ys[1] // group
+    idx = ("nb", "co", "oh", "ow")
+
+    def body(fast: bool) -> list[str]:
+        e.lines = []
+        e.push()
+        if fast:
+            terms = []
+            for kh in range(kh_n):
+                for kw in range(kw_n):
+                    iw = f"ow * {sw}LL + {kw * dw - pw}LL"
+                    terms.append(f"w{kh}_{kw} * {e.value(x, ('nb', 'ci', f'ih{kh}', iw))}")
+            e.acc_value = e.tmp("float", " + ".join(terms))  # _conv adds the bias
+        writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+        e.acc_value = ""
+        e.pop()
+        lines, e.lines = e.lines + writes, []
+        return lines
+
+    fast, slow = body(True), body(False)
+    lo = min(ys[3], -(-pw // sw))  # first column whose taps are all inside the row
+    hi = max(lo, min(ys[3], (xs[3] - 1 + pw - (kw_n - 1) * dw) // sw + 1))
+    rows_ok = " && ".join(f"ih{kh} >= 0 && ih{kh} < {xs[2]}LL" for kh in (0, kh_n - 1))
+
+    def loop(start: str, stop: str, lines: list[str], simd: bool) -> list[str]:
+        return [*(["#pragma omp simd"] if simd and _flat_loop(lines) else []),
+                f"for (long long ow = {start}; ow < {stop}; ++ow) {{", *["    " + x_ for x_ in lines], "}"]
+
+    taps = [f"const float w{kh}_{kw} = {args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL];"
+            for kh in range(kh_n) for kw in range(kw_n)]
+    rows = [f"long long ih{kh} = oh * {sh}LL + {kh * dh - ph}LL;" for kh in range(kh_n)]
+    block = [f"for (long long nc = 0; nc < {xs[0] * ys[1]}LL; ++nc) {{",
+             f"    long long nb = nc / {ys[1]}LL, co = nc % {ys[1]}LL, ci = co / {cout_g}LL;", *["    " + t for t in taps],
+             f"    for (long long oh = 0; oh < {ys[2]}LL; ++oh) {{", *["        " + r for r in rows],
+             f"        if ({rows_ok}) {{",
+             *["            " + x_ for x_ in loop("0", f"{lo}LL", slow, False) + loop(f"{lo}LL", f"{hi}LL", fast, True)
+               + loop(f"{hi}LL", f"{ys[3]}LL", slow, False)],
+             "        } else {", *["            " + x_ for x_ in loop("0", f"{ys[3]}LL", slow, False)], "        }",
+             "    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+
+
+def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv without a BLAS: per output pixel, the input patch (prologue applied) once into a
+    buffer, dotted with each output channel's contiguous filter row."""
     y = anchor.outputs[0]
     yshape = graph.tensors[y].shape
     main = [o for o in outs if o.shape == yshape]
@@ -746,7 +948,67 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
             *["    " + x for x in fill + mac],
             f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, [o for o in outs if o.shape != yshape])
-    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    rows_loop = ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body)
+    if blas is None:
+        return c_side + rows_loop
+    return c_side + ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *rows_loop, "#endif"]
+
+
+BLAS_ROWS = 64  # C gemm: rows of A packed (prologue applied) per BLAS call; the product tile stays in cache
+
+
+def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body) -> list[str] | None:
+    """C gemm through a BLAS sgemm per block of BLAS_ROWS output rows (one batch each): the rows of A
+    with the prologue applied are packed into a buffer, one sgemm multiplies them by B (a kernel
+    input, read in place), and the epilogue runs over the block's product while it is in cache,
+    before the one store. None where B is computed inside the group or not a float32 input."""
+    k_extent, n_extent, trans_b = dims
+    b = anchor.inputs[1]
+    if graph.tensors[b].dtype != "float32":
+        return None
+    packed_b = b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
+    sb = graph.tensors[b].shape
+    m_extent = yshape[-2] if len(yshape) > 1 else 1
+    batches = math.prod(yshape[:-2])
+    blocks = -(-m_extent // BLAS_ROWS)
+    e.lines = []
+    z_idx = e.unflatten("z", yshape[:-2])
+    z_lines = e.lines
+    e.lines = []
+    if packed_b:  # B with its prologue (a Transpose of the keys, ...) as a K x N row-major panel
+        e.push()
+        bv = e.value(b, ("nn", "kk") if trans_b else e.broadcast(z_idx, sb[:-2]) + ("kk", "nn"))
+        e.pop()
+        z_lines += [f"float* bbuf = (float*)malloc(sizeof(float) * {k_extent * n_extent}LL);",
+                    f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{",
+                    *([] if e.lines else ["    #pragma omp simd"]),
+                    f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) {{", *["        " + x for x in e.lines],
+                    f"        bbuf[kk * {n_extent}LL + nn] = {bv};", "    }", "}"]
+        e.lines = []
+        b_ptr, ldb, b_trans = "bbuf", n_extent, 111
+    else:
+        b_ptr = f"{e.args[b].name} + ({e.flat(e.broadcast(z_idx, sb[:-2]) + ('0', '0'), sb)})"
+        ldb, b_trans = (k_extent if trans_b else n_extent), (112 if trans_b else 111)
+    row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
+    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, abuf, "
+             f"{k_extent}, {b_ptr}, {ldb}, 0.0f, cbuf, {n_extent});")
+    block = [f"for (long long blk = 0; blk < {batches * blocks}LL; ++blk) {{",
+             f"    long long z = blk / {blocks}LL, m0 = (blk % {blocks}LL) * {BLAS_ROWS}LL;",
+             f"    long long mc = {m_extent}LL - m0 < {BLAS_ROWS}LL ? {m_extent}LL - m0 : {BLAS_ROWS}LL;",
+             *["    " + x for x in z_lines],
+             f"    float* abuf = (float*)malloc(sizeof(float) * {BLAS_ROWS * k_extent}LL);",
+             f"    float* cbuf = (float*)malloc(sizeof(float) * {BLAS_ROWS * n_extent}LL);",
+             "    for (long long i = 0; i < mc; ++i) {",
+             *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
+             *["        " + x for x in fill], "    }",
+             "    " + sgemm,
+             "    for (long long i = 0; i < mc; ++i) {",
+             *["        " + x for x in row], f"        const float* acc = cbuf + i * {n_extent}LL;",
+             *(["        #pragma omp simd"] if _flat_loop(body) else []),
+             f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
+             "    }", "    free(abuf);", "    free(cbuf);", *(["    free(bbuf);"] if packed_b else []), "}"]
+    return ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
 
 
 def _fill_conv(graph: Graph, anchor: Node):
@@ -794,8 +1056,10 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) 
 
 
 def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tuple[list[str], list[str]]:
-    """One loop per output: O[i] = value(O, unflatten(i)); C (OpenMP) and CUDA (grid-stride)."""
-    blocks = []
+    """One loop per output: O[i] = value(O, unflatten(i)) — CUDA: a grid-stride loop over i; C: a
+    loop nest, parallel over the output's leading dims (their index computed once per row) and
+    vectorized over its last dim (`omp simd`, no per-element division)."""
+    blocks, c_loops = [], []
     for out in outs:
         e = _Emitter(graph, kernel, args)
         e.materialized = materialized
@@ -803,13 +1067,32 @@ def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tup
         v = e.value(out.tensor, idx)
         e.lines.append(f"{out.name}[i] = {v};")
         blocks.append((out, e.lines))
-    c_loops, cu_loops = [], []
+        c_loops.append(_c_nest(graph, kernel, args, out, materialized))
+    cu_loops = []
     for out, lines in blocks:
-        c_loops.append(f"    #pragma omp parallel for schedule(static)\n    for (long long i = 0; i < {out.size}LL; ++i) {{\n"
-                       f"{_indent(lines, 2)}\n    }}")
         cu_loops.append(f"    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {out.size}LL;"
                         f" i += (long long)blockDim.x * gridDim.x) {{\n{_indent(lines, 2)}\n    }}")
     return c_loops, cu_loops
+
+
+def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
+    """C loops for one output: rows (all dims but the last) in parallel, the last dim innermost."""
+    inner = out.shape[-1] if out.shape else 1
+    rows = out.size // inner if inner else 0
+    e = _Emitter(graph, kernel, args)
+    e.materialized = materialized
+    row_idx = e.unflatten("o", out.shape[:-1]) if out.shape else ()
+    head, e.lines = e.lines, []
+    e.push()
+    idx = (*row_idx, "j") if out.shape else ()
+    v = e.value(out.tensor, idx)
+    body = [*e.lines, f"{out.name}[o * {inner}LL + j] = {v};"]
+    e.pop()
+    simd = ["#pragma omp simd"] if _flat_loop(body) else []
+    loop = [f"for (long long o = 0; o < {rows}LL; ++o) {{", *["    " + x for x in head],
+            *["    " + x for x in simd], f"    for (long long j = 0; j < {inner}LL; ++j) {{",
+            *["        " + x for x in body], "    }", "}"]
+    return "    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)
 
 
 # -- rowwise ----------------------------------------------------------------------------------
@@ -895,6 +1178,12 @@ def _full_index(e: _Emitter, tensor: str, plan: _RowPlan, j: str) -> tuple[str, 
     shape = e.info(tensor).shape
     if math.prod(shape) != plan.rows * plan.length:
         raise CodegenRefused(f"'{tensor}' is neither a row nor a full tensor of the rowwise kernel")
+    inner, split = 1, len(shape)
+    while split > 0 and inner < plan.length:
+        split -= 1
+        inner *= shape[split]
+    if inner == plan.length:  # rows over the leading dims, the row over the trailing ones: the
+        return e.unflatten("r", shape[:split]) + e.unflatten(j, shape[split:])  # row's index is j's alone
     return e.unflatten(f"r * {plan.length}LL + {j}", shape)
 
 
@@ -920,14 +1209,20 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
     if cache and cache not in plan.cached and plan.length <= MAX_HOIST:
         buffer = f"rb{len(plan.cached)}"
         c_lines.append(f"{buffer}[j] = {c_value};")
+        c_value = f"{buffer}[j]"  # evaluated once: the reduction reads it back
     smem = 4 * plan.length * (len(plan.cu_cached) + 1)
     if cache and cache not in plan.cu_cached and smem <= MAX_ROW_SMEM:
         cu_buffer = f"rs{len(plan.cu_cached)}"
         cu_lines.append(f"{cu_buffer}[j] = {cu_value};")
+        cu_value = f"{cu_buffer}[j]"
     head = [f"float {buffer}[{plan.length}];"] if buffer else []
     cu_head = [f"__shared__ float {cu_buffer}[{plan.length}];"] if cu_buffer else []
-    plan.c += [*head, f"float {acc} = {init};", f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
-               *["    " + x for x in c_lines + [f"{acc} = {combine.format(acc, c_value)};"]], "}"]
+    is_max = "fmax" in combine  # C: a compare-select max vectorizes (fmaxf does not); acc is never NaN
+    c_combine = f"({c_value} > {acc} ? {c_value} : {acc})" if is_max else combine.format(acc, c_value)
+    simd = [f"#pragma omp simd reduction({'max' if is_max else '+'}:{acc})"] if _flat_loop(c_lines) else []
+    plan.c += [*head, f"float {acc} = {init};", *simd,
+               f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+               *["    " + x for x in c_lines + [f"{acc} = {c_combine};"]], "}"]
     plan.cu += [*cu_head, f"float {acc} = {init};",
                 f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
                 *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
@@ -936,6 +1231,11 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
         plan.cached[cache] = buffer
     if cu_buffer:
         plan.cu_cached[cache] = cu_buffer
+
+
+def _flat_loop(body: list[str]) -> bool:
+    """A loop body with no loop or OpenMP construct of its own (simd constructs do not nest)."""
+    return not any(x.lstrip().startswith(("for ", "#pragma", "FS_SIMD")) for x in body)
 
 
 def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
@@ -981,13 +1281,22 @@ def _softmax(e, node, plan, at, cache: str) -> None:
     _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", mx, cache)
     e.count += 1
     total = f"s{e.count}"
-    _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total)
+    softmax = node.op_type == "Softmax"
+    # Softmax caches each exp on the sum's pass; a written output then costs one multiply per element
+    _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total,
+              _exp_row(node.outputs[0]) if softmax else "")
     x = node.inputs[0]
     e.row_sources[node.outputs[0]] = x
-    if node.op_type == "Softmax":
+    if softmax:
+        e.row_scalars[_exp_row(node.outputs[0])] = _scalar(e, plan, f"1.0f / {total}")
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(expf({xv or e.value(x, idx)} - {mx}) / {total})"
     else:
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"({xv or e.value(x, idx)} - {mx} - logf({total}))"
+
+
+def _exp_row(softmax_output: str) -> str:
+    """The key of a Softmax's cached row of exponentials (and of its 1/sum in row_scalars)."""
+    return softmax_output + "#exp"
 
 
 def _layernorm(e, node, plan, at, cache: str) -> None:
@@ -1030,6 +1339,8 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
     def body(j: str) -> str:
         source = e.row_sources.get(out.tensor)
         cached = plan.rows_cached()
+        if _exp_row(out.tensor) in cached:
+            return f"({cached[_exp_row(out.tensor)]}[{j}] * {e.row_scalars[_exp_row(out.tensor)]})"
         if source in cached and e.info(source).shape == out.shape:
             return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
         return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
@@ -1037,7 +1348,7 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
     store = f"{out.name}[r * {plan.length}LL + j] = "
     cu_lines, cu_value = _row_body(e, plan, body, False)
     c_lines, c_value = _row_body(e, plan, body, True)
-    plan.c += [f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+    plan.c += [*(["#pragma omp simd"] if _flat_loop(c_lines) else []), f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
                *["    " + x for x in c_lines + [store + c_value + ";"]], "}"]
     plan.cu += [f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
                 *["    " + x for x in cu_lines + [store + cu_value + ";"]], "}"]

@@ -2,8 +2,9 @@
 
 Problem: generated kernels must run and be checked on machines without a GPU — the same kernel
 bodies as the CUDA version, inside a C/OpenMP loop nest.
-Approach: `cc -O3 -march=native -fopenmp -shared -fPIC` into a cache folder keyed by the source's
-hash (compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every
+Approach: `cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC` (plus glibc's vector math
+library where it links, so `omp simd` loops with expf/tanhf/erff vectorize) into a cache folder keyed
+by the source's hash and the flags (compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every
 array as a contiguous pointer of its C type, and returns the outputs as numpy arrays.
 Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
 """
@@ -11,6 +12,7 @@ Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are ne
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -24,7 +26,8 @@ from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
 
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
+          "-std=c11", "-lm")
 
 
 def compiler() -> str | None:
@@ -35,6 +38,48 @@ def available() -> FusionDecision:
     if compiler() is None:
         return FusionDecision.refuse("no C compiler found (install gcc or set CC)")
     return FusionDecision.accept(compiler())
+
+
+@lru_cache(maxsize=1)
+def blas_flags() -> tuple[str, ...]:
+    """Compile and link flags for the BLAS that gemm kernels call per row block (scipy-openblas32,
+    an OpenBLAS built for linking), or () without it: kernels then use their own row loops. The
+    library runs single-threaded inside each call; kernels parallelize over blocks with OpenMP.
+    FUSESEARCH_NO_BLAS=1 turns it off (the row loops are then compiled instead)."""
+    if os.environ.get("FUSESEARCH_NO_BLAS"):
+        return ()
+    try:
+        import scipy_openblas32 as blas
+    except ImportError:
+        return ()
+    lib = Path(blas.get_lib_dir())
+    try:
+        handle = ctypes.CDLL(str(lib / blas.get_library(fullname=True)))
+        handle.scipy_openblas_set_num_threads(1)
+    except (OSError, AttributeError):
+        return ()
+    return ("-DFS_BLAS_SGEMM=scipy_cblas_sgemm", f"-L{lib}", f"-l{blas.get_library()}", f"-Wl,-rpath,{lib}")
+
+
+def link_flags() -> tuple[str, ...]:
+    return (*vector_math_flags(), *blas_flags())
+
+
+@lru_cache(maxsize=1)
+def vector_math_flags() -> tuple[str, ...]:
+    """(-DFS_VECTOR_MATH, -lmvec) where the compiler links glibc's vector math library, else ():
+    kernels then call the scalar libm functions (same results within a few ulp, slower)."""
+    cc = compiler()
+    if cc is None:
+        return ()
+    probe = ("#pragma omp declare simd notinbranch\nfloat expf(float);\n"
+             "void f(float* x) {\n#pragma omp simd\nfor (int i = 0; i < 64; ++i) x[i] = expf(x[i]);\n}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text(probe)
+        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(Path(tmp) / "probe.so"), "-lmvec", "-lm"],
+                              capture_output=True, text=True, timeout=120)
+    return ("-DFS_VECTOR_MATH", "-lmvec") if done.returncode == 0 else ()
 
 
 def cache_dir() -> Path:
@@ -50,7 +95,8 @@ def compile_kernel(kernel: GeneratedKernel) -> ctypes.CDLL:
 
 @lru_cache(maxsize=512)
 def _load(source: str, digest: str) -> ctypes.CDLL:
-    target = cache_dir() / f"{digest[:24]}.so"
+    flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags())).encode()).hexdigest()[:8]
+    target = cache_dir() / f"{digest[:24]}-{flags}.so"
     if not target.exists():
         _build(source, target)
     return ctypes.CDLL(str(target))
@@ -64,7 +110,7 @@ def _build(source: str, target: Path) -> None:
         src = Path(tmp) / "kernel.c"
         src.write_text(source)
         out = Path(tmp) / "kernel.so"
-        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), CFLAGS[-1]],
+        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), *link_flags(), CFLAGS[-1]],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[:200])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -476,8 +476,14 @@ def _complete_one(node: ir.Node, opset: int) -> int:
 
 def lowest_ir_version(model: ir.Model) -> int:
     """The lowest IR version the model's opsets allow (runtimes lag onnx's newest)."""
-    opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
-    return max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 7)
+    return ir_version_for(model.opset_imports, bool(model.functions))
+
+
+def ir_version_for(opset_imports: Mapping[str, int], functions: bool = False) -> int:
+    """The lowest IR version for these opsets: at least 7 (initializers need not be graph
+    inputs), 8 with model-local functions."""
+    opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in opset_imports.items()]
+    return max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 8 if functions else 7)
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:

@@ -5,12 +5,17 @@ external data, even cycles or dangling inputs. Downstream passes need one well-f
 Approach, in order (each step raises a one-line `BadInput` naming the file/node/option and the fix):
   1. read the protobuf without external data (`onnx.load(load_external_data=False)`);
   2. check external data locations: relative, inside the model's folder, present, long enough;
-  3. check the main graph: every node input is produced, no cycle; sort it topologically;
-     give unnamed or duplicate-named nodes unique names (`<op>_<index>`);
-  4. upgrade the opset to `TARGET_OPSET` with onnx's version converter (kept as is, with a
-     warning, where the converter has no adapter);
-  5. drop initializers listed as graph inputs (they are weights), bind dynamic dims, and run onnx
-     shape inference with data propagation;
+  3. check the main graph: every node has an op type, every tensor one producer, every node input
+     and graph output is produced, no cycle; sort it topologically; give unnamed or
+     duplicate-named nodes unique names (`<op>_<index>`); every stored tensor holds the data its
+     dims need (counted, not decoded);
+  4. drop initializers listed as graph inputs (they are weights, as in ONNX Runtime; an input the
+     user binds with --input-shape stays an input instead) and raise IR < 4 to 4, where shape
+     inference sees initializers that are not inputs; every remaining input has a type;
+  5. upgrade the opset to `TARGET_OPSET` with onnx's version converter (kept as is, with a
+     one-line warning, where the converter has no adapter or an op is not an ONNX operator);
+     bind dynamic dims, run onnx shape inference with data propagation, and check that each
+     Conv/ConvTranspose reads the channels its weight expects (onnx's inference does not);
   6. hand back an `onnx_ir.Model` whose external tensors are memory-mapped from the model's folder
      (so models above 2 GB load without copying their weights).
 Invariants: the user's file is only read; the result has static graph-input shapes, unique node
@@ -22,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,10 +69,14 @@ def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel
     nodes = len(proto.graph.node)
     _check_and_sort(proto.graph, label)
     _name_nodes(proto.graph)
+    _check_tensor_sizes(proto.graph, label)
+    _weights_out_of_inputs(proto, bindings)
+    _check_input_types(proto.graph, label)
     stash = _strip_weights(proto)
     proto = _upgrade(proto, opset, label)
     _make_static(proto, bindings, label)
-    proto = _infer_shapes(proto, label)
+    proto = _infer_shapes(proto, label, bindings.spelling.both)
+    _check_conv_channels(proto.graph, label)
     _restore_weights(proto, stash, label)
     ir_model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
@@ -92,8 +102,11 @@ def _read(model: str, bindings: ShapeBindings) -> tuple[onnx.ModelProto, str, st
     if not path.exists():
         raise ModelLoadError(f"{model}: no such file; give a path to an .onnx file or zoo:NAME "
                              "(see `fusesearch zoo list`)")
-    if not path.is_file():
+    if path.is_dir():
         raise ModelLoadError(f"{model}: is a directory, not an .onnx file; give the model file inside it")
+    if not path.is_file():
+        raise ModelLoadError(f"{model}: is not a regular file (a device, pipe or socket); give the path "
+                             "of an .onnx file")
     return _parse_file(path, model), _sha256_file(path), str(path.resolve().parent), bindings
 
 
@@ -120,15 +133,21 @@ def _sha256_file(path: Path) -> str:
 
 def _default_opset(proto: onnx.ModelProto, label: str) -> int:
     versions = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    span = f"{MIN_OPSET}..{max_opset()}"
     if not versions:
         raise UnsupportedModel(f"{label}: no default-domain (ai.onnx) opset import; "
-                               "export the model with a standard ONNX opset (7-21)")
+                               f"export the model with a standard ONNX opset ({span})")
     version = versions[0]
-    latest = onnx.defs.onnx_opset_version()
-    if not MIN_OPSET <= version <= latest:
-        raise UnsupportedModel(f"{label}: opset {version} is outside {MIN_OPSET}..{latest}; "
-                               f"re-export with an opset between {MIN_OPSET} and {TARGET_OPSET}")
+    if not MIN_OPSET <= version <= max_opset():
+        raise UnsupportedModel(f"{label}: opset {version} is not supported; re-export the model with an "
+                               f"opset in {span}")
     return version
+
+
+def max_opset() -> int:
+    """The newest default-domain opset the installed onnx package defines (models above
+    TARGET_OPSET are kept at their own opset)."""
+    return onnx.defs.onnx_opset_version()
 
 
 # -- 2. external data -------------------------------------------------------------------------
@@ -159,7 +178,11 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: str | None, label: st
         target = os.path.join(base_dir, location)
         if not os.path.isfile(target):
             raise ModelLoadError(f"{where}: file not found next to the model; copy it into {base_dir}")
-        needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        try:
+            needed = int(info.get("offset", 0)) + int(info.get("length", 0))
+        except ValueError:
+            raise ModelLoadError(f"{where}: offset '{info.get('offset')}' or length '{info.get('length')}' "
+                                 "is not an integer; re-save the model") from None
         if os.path.getsize(target) < needed:
             raise ModelLoadError(f"{where}: file is {os.path.getsize(target)} bytes, the tensor needs "
                                  f"{needed}; the data file is truncated: copy it again")
@@ -179,14 +202,33 @@ def _check_location(location: str, base_dir: str, where: str) -> None:
 
 # -- 3. structure -----------------------------------------------------------------------------
 
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return f"'{node.name or (node.op_type or 'node') + '#' + str(index)}' ({node.op_type or 'no op type'})"
+
+
 def _check_and_sort(graph: onnx.GraphProto, label: str) -> None:
-    """Every input produced, no cycle; reorder the nodes topologically (stable)."""
+    """Every node has an op type, every tensor one producer, every input and output is produced,
+    no cycle; reorder the nodes topologically (stable)."""
     available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer} | {""}
     producer: dict[str, int] = {}
     for i, node in enumerate(graph.node):
+        if not node.op_type:
+            raise ModelLoadError(f"{label}: node {_node_label(node, i)} has an empty op_type; every node "
+                                 "needs an operator: fix the export")
         for out in node.output:
+            if out in producer:
+                first = _node_label(graph.node[producer[out]], producer[out])
+                raise ModelLoadError(f"{label}: tensor '{out}' is produced by two nodes, {first} and "
+                                     f"{_node_label(node, i)}; a tensor has one producer: fix the export")
+            if out in available - {""}:
+                raise ModelLoadError(f"{label}: node {_node_label(node, i)} writes '{out}', which is also a "
+                                     "graph input or initializer; a tensor has one producer: fix the export")
             if out:
                 producer[out] = i
+    for vi in graph.output:
+        if vi.name not in producer and vi.name not in available:
+            raise ModelLoadError(f"{label}: graph output '{vi.name}' is produced by no node, input or "
+                                 "initializer; remove it from the outputs or fix the export")
     deps: list[set[int]] = []
     for i, node in enumerate(graph.node):
         needed = set()
@@ -195,7 +237,7 @@ def _check_and_sort(graph: onnx.GraphProto, label: str) -> None:
                 needed.add(producer[name])
             elif name not in available:
                 raise ModelLoadError(
-                    f"{label}: node '{node.name or node.op_type + '#' + str(i)}' ({node.op_type}) reads "
+                    f"{label}: node {_node_label(node, i)} reads "
                     f"'{name}', which no node, input or initializer produces; fix the export")
         deps.append(needed)
     order = _stable_toposort(deps, graph, label)
@@ -265,6 +307,122 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
         seen.add(name)
 
 
+# -- 3. tensors and types, 5. conv channels ---------------------------------------------------
+
+_SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}
+for _name, _bits in (("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)):  # newer onnx only
+    if hasattr(onnx.TensorProto, _name):
+        _SUB_BYTE_BITS[getattr(onnx.TensorProto, _name)] = _bits
+
+
+def _owned_tensors(graph: onnx.GraphProto) -> Iterator[tuple[onnx.TensorProto, str]]:
+    """Every tensor stored in the graph (subgraphs included), with words naming where it is."""
+    for tensor in graph.initializer:
+        yield tensor, f"initializer '{tensor.name}'"
+    for node in graph.node:
+        for attr in node.attribute:
+            where = f"attribute '{attr.name}' of node '{node.name}' ({node.op_type})"
+            if attr.HasField("t"):
+                yield attr.t, where
+            for tensor in attr.tensors:
+                yield tensor, where
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _owned_tensors(sub)
+
+
+def _check_tensor_sizes(graph: onnx.GraphProto, label: str) -> None:
+    """The data each stored tensor holds matches its dims (counted, never decoded)."""
+    for tensor, where in _owned_tensors(graph):
+        elements = 1
+        for d in tensor.dims:
+            elements *= d
+        if tensor.data_type == onnx.TensorProto.UNDEFINED or any(d < 0 for d in tensor.dims):
+            raise ModelLoadError(f"{label}: {where} has no data type or a negative dim "
+                                 f"({list(tensor.dims)}); fix the export")
+        if tensor.data_type == onnx.TensorProto.STRING:
+            have, need, unit = len(tensor.string_data), elements, "strings"
+        else:
+            bits = _SUB_BYTE_BITS.get(tensor.data_type)
+            if bits is None:
+                try:
+                    bits = 8 * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+                except (KeyError, TypeError, ValueError):
+                    raise ModelLoadError(f"{label}: {where} has unknown data type {tensor.data_type}; "
+                                         "fix the export") from None
+            need_bytes = (elements * bits + 7) // 8
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in tensor.external_data}
+                if "length" not in info:
+                    continue
+                have, need, unit = int(info["length"]), need_bytes, "bytes of external data"
+            elif raw_bytes := len(tensor.raw_data):  # read once: the field is copied on access
+                have, need, unit = raw_bytes, need_bytes, "bytes"
+            elif bits < 8:  # packed, one byte per int32_data entry
+                have, need, unit = len(tensor.int32_data), need_bytes, "packed values"
+            else:
+                field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+                per = 2 if tensor.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128) else 1
+                have, need, unit = len(getattr(tensor, field)), per * elements, "values"
+        if have != need:
+            raise ModelLoadError(f"{label}: {where} holds {have} {unit} but its dims {list(tensor.dims)} "
+                                 f"need {need}; the tensor is corrupt: re-export the model")
+
+
+def _check_input_types(graph: onnx.GraphProto, label: str) -> None:
+    for vi in graph.input:
+        kind = vi.type.WhichOneof("value")
+        if kind is None or (kind == "tensor_type" and vi.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED):
+            raise ModelLoadError(f"{label}: graph input '{vi.name}' has no type; give it a tensor type "
+                                 "(element type and shape) in the export")
+
+
+def _check_conv_channels(graph: onnx.GraphProto, label: str) -> None:
+    """Conv and ConvTranspose read as many channels as their weight expects (onnx's shape
+    inference does not check it; ONNX Runtime refuses the model)."""
+    shapes: dict[str, list[int]] = {t.name: list(t.dims) for t in graph.initializer}
+    for vi in list(graph.input) + list(graph.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else 0 for d in vi.type.tensor_type.shape.dim]
+    for i, node in enumerate(graph.node):
+        if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+        if not x or not w or len(x) < 2 or len(w) < 2 or x[1] <= 0 or min(w[:2]) <= 0:
+            continue
+        group = next((a.i for a in node.attribute if a.name == "group"), 1) or 1
+        expected = w[1] * group if node.op_type == "Conv" else w[0]
+        if x[1] != expected:
+            how = f"{w[1]} x group {group}" if node.op_type == "Conv" else "its dim 0"
+            raise ModelLoadError(
+                f"{label}: node {_node_label(node, i)} reads {x[1]} channels from '{node.input[0]}' but its "
+                f"weight '{node.input[1]}' {w} expects {expected} ({how}); fix the export or the input shape")
+
+
+# -- 4. weights listed as inputs ---------------------------------------------------------------
+
+WEIGHTS_APART_IR = 4  # from IR 4 on an initializer need not be a graph input
+
+
+def _weights_out_of_inputs(proto: onnx.ModelProto, bindings: ShapeBindings) -> None:
+    """IR < 4 exporters list every initializer as a graph input too. Like ONNX Runtime, take such
+    an input as the weight (drop it from the inputs) unless `--input-shape` binds it (then drop the
+    initializer: the user feeds it). Raise the IR version to 4, where shape inference reads the
+    types of initializers that are not inputs."""
+    graph = proto.graph
+    inputs = {vi.name for vi in graph.input}
+    fed = {t.name for t in graph.initializer if t.name in inputs and t.name in bindings.input_shapes}
+    if fed:
+        kept = [t for t in graph.initializer if t.name not in fed]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    weights = {t.name for t in graph.initializer}
+    real_inputs = [vi for vi in graph.input if vi.name not in weights]
+    if len(real_inputs) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(real_inputs)
+    proto.ir_version = max(proto.ir_version, WEIGHTS_APART_IR)
+
+
 # -- weights aside ----------------------------------------------------------------------------
 
 STRIP_BYTES = 4096  # initializers above this leave the proto while onnx's C++ passes run
@@ -300,30 +458,45 @@ def _restore_weights(proto: onnx.ModelProto, stash: dict[str, onnx.TensorProto],
                              "opset; re-export the model at opset 21 and load that")
 
 
-# -- 4. opset ---------------------------------------------------------------------------------
+# -- 5. opset ---------------------------------------------------------------------------------
 
 def _upgrade(proto: onnx.ModelProto, opset: int, label: str) -> onnx.ModelProto:
-    if opset >= TARGET_OPSET:
+    unknown = _warn_unknown_ops(proto.graph, opset, label)
+    if opset >= TARGET_OPSET or unknown:  # the converter cannot convert an op it does not know
         return proto
     try:
         upgraded = onnx.version_converter.convert_version(proto, TARGET_OPSET)
     except Exception as exc:  # the converter raises bare RuntimeError/ConvertError
-        log.warning("%s: kept opset %d, the version converter failed: %s", label,
-                    opset, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        log.warning("%s: kept opset %d, the version converter failed: %s", label, opset, _reason(exc))
         return proto
     _name_nodes(upgraded.graph)
     return upgraded
+
+
+def _warn_unknown_ops(graph: onnx.GraphProto, opset: int, label: str) -> bool:
+    """One warning line per default-domain op type ONNX does not define; True if any."""
+    unknown: dict[str, list[str]] = {}
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type):
+            unknown.setdefault(node.op_type, []).append(node.name)
+    kept = f"; the model keeps opset {opset}" if opset < TARGET_OPSET else ""
+    for op, names in unknown.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        log.warning("%s: node '%s'%s: op '%s' (domain ai.onnx) is not an ONNX operator; it will stay "
+                    "alone (opaque) in every plan%s", label, names[0], more, op, kept)
+    return bool(unknown)
+
+
+def _reason(exc: Exception) -> str:
+    """The first line of an onnx C++ error, without its source location and assertion text."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\S+\.cc:\d+: \w+: (Assertion `.*?` failed: )?", "", first)
 
 
 # -- 5. static shapes -------------------------------------------------------------------------
 
 def _make_static(proto: onnx.ModelProto, bindings: ShapeBindings, label: str) -> None:
     graph = proto.graph
-    weights = {t.name for t in graph.initializer}
-    real_inputs = [vi for vi in graph.input if vi.name not in weights]
-    if len(real_inputs) != len(graph.input):
-        del graph.input[:]
-        graph.input.extend(real_inputs)
     try:
         bind_inputs(graph, bindings, list(graph.input))
     except ShapeBindingError as exc:
@@ -334,13 +507,24 @@ def _make_static(proto: onnx.ModelProto, bindings: ShapeBindings, label: str) ->
             out.type.tensor_type.ClearField("shape")
 
 
-def _infer_shapes(proto: onnx.ModelProto, label: str) -> onnx.ModelProto:
+def check_bindings(model: str, bindings: ShapeBindings, *, proto: onnx.ModelProto | None = None) -> None:
+    """Raise the error `load_model(model, bindings)` would raise on reading the model or binding its
+    inputs, cheaply: only the graph inputs are bound (no weights copied, no opset upgrade, no shape
+    inference). `proto`: the model already built (a zoo model with other parameters)."""
+    if proto is None:
+        proto, _, _, bindings = _read(model, bindings)
+    skeleton = onnx.GraphProto(input=proto.graph.input,
+                               initializer=[onnx.TensorProto(name=t.name) for t in proto.graph.initializer])
+    _make_static(onnx.ModelProto(graph=skeleton), bindings, model)
+
+
+def _infer_shapes(proto: onnx.ModelProto, label: str, bindings: str) -> onnx.ModelProto:
     try:
         return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as exc:
         first = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the --input-shape/--dim "
-                             "values against the model's inputs, or fix the export") from None
+        raise ModelLoadError(f"{label}: shape inference failed ({first}); check the {bindings} "
+                             "against the model's inputs, or fix the export") from None
     except (ValueError, RuntimeError) as exc:  # e.g. a model >2 GB serialized inline
         log.warning("%s: onnx shape inference skipped: %s", label, str(exc).splitlines()[0])
         return proto

@@ -19,7 +19,9 @@ Model (as the OR-Tools samples: data, model, variables, constraints, objective, 
   determinism  parallel workers may prove the optimum with different, equally fast plans; a
                second solve with one (deterministic) worker, Σ c_g x_g ≤ optimum added and the same
                greedy hint, returns the same plan on every run (a time-limited FEASIBLE result
-               may still differ between runs).
+               may still differ between runs). The optimum is summed in integers from the chosen
+               x_g, never read from CP-SAT's float objective (which can fall just below it), so
+               the re-solve is always feasible; its status is the `resolve_status` statistic.
 The candidate set always holds the rules and greedy groups, so the optimum is never worse than
 either. On a time-out the best plan found is returned with its gap to the bound; if CP-SAT
 found nothing the greedy plan is returned, never nothing.
@@ -94,26 +96,35 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
     remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S - SAFETY_PER_NODE_S * n)
     _configure(solver.parameters, problem.config.workers, remaining, seed)
     status = solver.solve(model)
+    resolve = None
     if status == cp_model.OPTIMAL:
-        model.add(objective <= int(solver.objective_value))
-        solver = _deterministic_optimum(model, solver, deadline - SAFETY_PER_NODE_S * n)
-    return _result(problem, candidates, solver, status, x, hint)
+        model.add(objective <= _objective_ps(solver, costs, x))
+        solver, resolve = _deterministic_optimum(model, solver, deadline - SAFETY_PER_NODE_S * n)
+    return _result(problem, candidates, solver, status, x, costs, hint, resolve)
+
+
+def _objective_ps(solver, costs: list[int], x) -> int:
+    """The chosen plan's cost in exact integer picoseconds. CP-SAT reports `objective_value` as a
+    float that may fall just short of the integer (2179528.9999999995 for 2179529): truncated,
+    it would bound the re-solve below the optimum and make it infeasible."""
+    return sum(c for c, var in zip(costs, x, strict=True) if solver.value(var))
 
 
 def _deterministic_optimum(model, first, deadline: float):
     """Parallel workers may prove the optimum with different, equally fast plans. One worker is
     deterministic: re-solve with the optimum as a constraint (so it only has to find a plan, not
-    prove one) and the greedy hint already in the model, and return that plan."""
+    prove one) and the greedy hint already in the model, and return that plan, with the re-solve's
+    status name (reported as the `resolve_status` statistic)."""
     second = cp_model.CpSolver()
     second.parameters.num_workers = 1
     second.parameters.max_deterministic_time = CANONICAL_DETERMINISTIC_TIME
     second.parameters.max_time_in_seconds = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S)
     status = second.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # only a time-out: the optimum is feasible
         log.warning("cpsat: the deterministic re-solve found no plan in time (%s); keeping the first "
                     "optimal plan, which may differ between runs", second.status_name(status))
-        return first
-    return _Combined(first, second)
+        return first, second.status_name(status)
+    return _Combined(first, second), second.status_name(status)
 
 
 class _Combined:
@@ -162,15 +173,16 @@ def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
         params.extra_subsolvers.extend(["max_lp", "core"])
 
 
-def _result(problem, candidates, solver, status, x, hint) -> SolveResult:
+def _result(problem, candidates, solver, status, x, costs, hint, resolve: str | None) -> SolveResult:
     name = solver.status_name(status)
     found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
     bound_s = solver.best_objective_bound / PS_PER_S if found else None
     stats = {"solver_status": name, "objective_ps": None, "conflicts": solver.num_conflicts,
-             "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3)}
+             "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3),
+             "resolve_status": resolve}
     if found:
         groups = tuple(g for g, var in zip(candidates.groups, x, strict=True) if solver.value(var))
-        stats["objective_ps"] = int(solver.objective_value)
+        stats["objective_ps"] = _objective_ps(solver, costs, x)
     else:
         log.warning("cpsat found no solution in time (%s); returning the greedy plan", name)
         groups, name = tuple(hint), "FEASIBLE"

@@ -1,0 +1,281 @@
+"""CPU kernels beside ONNX Runtime, timed in the same run (figures printed, never asserted).
+
+1. Lone GEMM and conv at zoo shapes: our generated kernel vs ONNX Runtime's MatMul / Conv (MLAS),
+   both on one thread. Target: >= 0.8x ONNX Runtime's throughput (geometric mean), none < 0.5x.
+2. Pointwise and rowwise groups over >= 1 MiB (here beyond the last-level cache, so DRAM-bound):
+   achieved bandwidth (bytes in + out / time) as a share of the memory bandwidth of a 128 MiB copy
+   timed in the same run. Target: >= 60%.
+3. Fused anchor groups of zoo plans (cpsat on host): fused kernel vs library anchor + the rest as
+   separate kernels (measure's `fused_loses`). Target: fused wins in >= 90% of groups.
+4. Whole plans (cpsat on host): measured plan vs unfused (targets 1.3x bert-small, 1.1x
+   resnet18) and the sum of kernel times beside ONNX Runtime's whole-model time (ENABLE_ALL, one
+   thread; target within 1.5x).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,2,3,4] [--repeats 5]
+        [--budget 0.2] [--models bert-small,resnet18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from fusesearch.backends import cpu
+from fusesearch.backends.codegen import generate
+from fusesearch.backends.timing import measure
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.lowering import lower
+from fusesearch.pipeline import prepare
+
+RNG = np.random.default_rng(0)
+
+# (label, M, K, N, batch, transposed B): bert-base projections, FFN, attention score and context
+GEMMS = [("bert-base qkv/out 128x768x768", 128, 768, 768, 1, False),
+         ("bert-base ffn-up 128x768x3072", 128, 768, 3072, 1, False),
+         ("bert-base ffn-down 128x3072x768", 128, 3072, 768, 1, False),
+         ("attention score 12x128x64x128 (B^T)", 128, 64, 128, 12, True),
+         ("attention context 12x128x128x64", 128, 128, 64, 12, False)]
+# (label, C_in, H, C_out, kernel, stride, group): resnet50 stages, a mobilenetv2 depthwise conv
+CONVS = [("resnet50 1x1 64->256 @56", 64, 56, 256, 1, 1, 1),
+         ("resnet50 3x3 64->64 @56", 64, 56, 64, 3, 1, 1),
+         ("resnet50 1x1 128->512 @28", 128, 28, 512, 1, 1, 1),
+         ("resnet50 3x3 128->128 @28", 128, 28, 128, 3, 1, 1),
+         ("resnet50 1x1 256->1024 @14", 256, 14, 1024, 1, 1, 1),
+         ("resnet50 3x3 256->256 @14", 256, 14, 256, 3, 1, 1),
+         ("resnet50 1x1 512->2048 @7", 512, 7, 2048, 1, 1, 1),
+         ("resnet50 3x3 512->512 @7", 512, 7, 512, 3, 1, 1),
+         ("mobilenetv2 depthwise 3x3 144 @56", 144, 56, 144, 3, 1, 144)]
+
+
+def ort_session(model: onnx.ModelProto, level: str = "all"):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if level == "all"
+                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _model(nodes, inputs, outputs, inits) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "bench", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _vi(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+
+def _ours_vs_ort(model: onnx.ModelProto, feeds: dict, budget: float, repeats: int) -> tuple[float, float, float]:
+    """(our median s, ORT median s, max abs err): the whole one-node model as one generated kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        onnx.save(model, str(path))
+        prep = prepare(str(path))
+    g = prep.graph
+    kernel = generate(g, lower(g, FusionGroup.single(0)))
+    values = {**feeds, **{t.name: numpy_helper.to_array(t) for t in model.graph.initializer}}
+    ours = cpu.runner(kernel, {a.tensor: values[a.tensor] for a in kernel.inputs})
+    sess = ort_session(model)
+    ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
+    ours()
+    err = float(np.max(np.abs(ours.buffers[-1] - sess.run(None, ort_feeds)[0])))
+    mine, theirs = [], []
+    for _ in range(repeats):
+        mine.append(measure(ours, budget_s=budget).median_s)
+        theirs.append(measure(lambda: sess.run(None, ort_feeds), budget_s=budget).median_s)
+    return statistics.median(mine), statistics.median(theirs), err
+
+
+def section_anchors(budget: float, repeats: int) -> None:
+    print("1. lone GEMM / conv, generated kernel vs ONNX Runtime (MLAS), one thread, medians of", repeats)
+    ratios = []
+    for label, m, k, n, batch, trans in GEMMS:
+        a_shape = (batch, m, k) if batch > 1 else (m, k)
+        b_shape = ((batch, n, k) if trans else (batch, k, n)) if batch > 1 else (k, n)
+        nodes, inits = [], []
+        if trans:  # the score product: B arrives as (batch, n, k) and is transposed by the MatMul's input
+            nodes.append(helper.make_node("Transpose", ["bt"], ["b"], perm=[0, 2, 1]))
+        nodes.append(helper.make_node("MatMul", ["a", "b"], ["y"]))
+        y_shape = (batch, m, n) if batch > 1 else (m, n)
+        inputs = [_vi("a", a_shape)] + ([_vi("bt", b_shape)] if trans else [])
+        feeds = {"a": RNG.standard_normal(a_shape).astype(np.float32)}
+        if trans:
+            feeds["bt"] = RNG.standard_normal(b_shape).astype(np.float32)
+        else:
+            inits.append(numpy_helper.from_array(RNG.standard_normal(b_shape).astype(np.float32), "b"))
+        model = _model(nodes[-1:] if not trans else nodes, inputs, [_vi("y", y_shape)], inits)
+        if trans:
+            ratios.append(_report_group(label, model, feeds, 2.0 * batch * m * n * k, budget, repeats))
+            continue
+        ours, ort, err = _ours_vs_ort(model, feeds, budget, repeats)
+        ratios.append(_line(label, 2.0 * batch * m * n * k, ours, ort, err))
+    for label, cin, h, cout, kk, stride, group in CONVS:
+        w = RNG.standard_normal((cout, cin // group, kk, kk)).astype(np.float32) * 0.1
+        pad = kk // 2
+        ho = (h + 2 * pad - kk) // stride + 1
+        node = helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kk, kk], strides=[stride, stride],
+                                pads=[pad] * 4, group=group)
+        model = _model([node], [_vi("x", (1, cin, h, h))], [_vi("y", (1, cout, ho, ho))],
+                       [numpy_helper.from_array(w, "w")])
+        feeds = {"x": RNG.standard_normal((1, cin, h, h)).astype(np.float32)}
+        ours, ort, err = _ours_vs_ort(model, feeds, budget, repeats)
+        ratios.append(_line(label, 2.0 * cout * ho * ho * (cin // group) * kk * kk, ours, ort, err))
+    geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    print(f"   geometric mean {geo:.2f}x of ONNX Runtime's throughput (target >= 0.8x), lowest {min(ratios):.2f}x "
+          f"(target >= 0.5x)")
+
+
+def _report_group(label, model, feeds, flops, budget, repeats) -> float:
+    """A two-node group (Transpose + MatMul) generated as one kernel vs ONNX Runtime's whole model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        onnx.save(model, str(path))
+        prep = prepare(str(path))
+    g = prep.graph
+    anchor = next(i for i, n in enumerate(g.nodes) if n.op_type == "MatMul")
+    kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))), anchor=anchor)))
+    ours = cpu.runner(kernel, {a.tensor: feeds[a.tensor] for a in kernel.inputs})
+    sess = ort_session(model)
+    ours()
+    err = float(np.max(np.abs(ours.buffers[-1] - sess.run(None, feeds)[0])))
+    mine, theirs = [], []
+    for _ in range(repeats):
+        mine.append(measure(ours, budget_s=budget).median_s)
+        theirs.append(measure(lambda: sess.run(None, feeds), budget_s=budget).median_s)
+    return _line(label, flops, statistics.median(mine), statistics.median(theirs), err)
+
+
+def _line(label, flops, ours, ort, err) -> float:
+    ratio = ort / ours
+    print(f"   {label:38s} ours {ours * 1e3:8.3f} ms {flops / ours / 1e9:6.1f} GFLOP/s   ONNX Runtime {ort * 1e3:8.3f} ms "
+          f"{flops / ort / 1e9:6.1f} GFLOP/s   {ratio:5.2f}x   max abs err {err:.1e}")
+    return ratio
+
+
+def _group(nodes, inputs, outputs, inits=()) -> tuple[object, dict]:
+    """(generated kernel of the whole graph as one group, its input values)."""
+    model = _model(nodes, [_vi(n, sh) for n, sh in inputs], [_vi(n, sh) for n, sh in outputs],
+                   [numpy_helper.from_array(np.asarray(v, np.float32), n) for n, v in inits])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        onnx.save(model, str(path))
+        prep = prepare(str(path))
+    g = prep.graph
+    kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
+    values = {n: RNG.standard_normal(sh).astype(np.float32) for n, sh in inputs}
+    values.update({n: np.asarray(v, np.float32) for n, v in inits})
+    return kernel, {a.tensor: values[a.tensor] for a in kernel.inputs}, model
+
+
+def section_bandwidth(budget: float, repeats: int) -> None:
+    from costmodels import host_cpu
+
+    src = np.ones(1 << 25, np.float32)  # 128 MiB, far beyond the last-level cache
+    dst = np.empty_like(src)
+    copy_s = statistics.median(measure(lambda: np.copyto(dst, src), budget_s=budget).median_s for _ in range(repeats))
+    bw = 2 * src.nbytes / copy_s / 1e9
+    print(f"2. pointwise / rowwise groups beyond the last-level cache: bytes read + written / time vs the memory "
+          f"bandwidth of a 128 MiB copy in this run, {bw:.1f} GB/s (the cost model's host figure: "
+          f"{host_cpu().dram_bytes_per_s / 1e9:.1f} GB/s); ONNX Runtime ENABLE_ALL on the same graph beside it")
+    half = np.float32(0.5)
+    cases = {
+        "residual Add+Relu 8x256x56x56": ([helper.make_node("Add", ["x", "r"], ["a"]), helper.make_node("Relu", ["a"], ["y"])],
+                                        [("x", (8, 256, 56, 56)), ("r", (8, 256, 56, 56))], [("y", (8, 256, 56, 56))], []),
+        "GELU (erf) 4096x3072": ([helper.make_node("Mul", ["x", "rs2"], ["a"]), helper.make_node("Erf", ["a"], ["e"]),
+                                 helper.make_node("Add", ["e", "one"], ["b"]), helper.make_node("Mul", ["x", "b"], ["c"]),
+                                 helper.make_node("Mul", ["c", "half"], ["y"])],
+                                [("x", (4096, 3072))], [("y", (4096, 3072))],
+                                [("rs2", np.float32(0.70710678)), ("one", np.float32(1.0)), ("half", half)]),
+        "Add+LayerNorm 8192x768": ([helper.make_node("Add", ["x", "r"], ["a"]),
+                                   helper.make_node("LayerNormalization", ["a", "g", "b"], ["y"], axis=-1, epsilon=1e-12)],
+                                  [("x", (8192, 768)), ("r", (8192, 768))], [("y", (8192, 768))],
+                                  [("g", RNG.standard_normal(768)), ("b", RNG.standard_normal(768))]),
+        "scale+mask+Softmax 32x12x128x128": ([helper.make_node("Mul", ["x", "s"], ["a"]), helper.make_node("Add", ["a", "m"], ["b"]),
+                                           helper.make_node("Softmax", ["b"], ["y"], axis=-1)],
+                                          [("x", (32, 12, 128, 128)), ("m", (32, 1, 1, 128))], [("y", (32, 12, 128, 128))],
+                                          [("s", np.float32(0.125))]),
+    }
+    for label, (nodes, inputs, outputs, inits) in cases.items():
+        kernel, feeds, model = _group(nodes, inputs, outputs, inits)
+        run = cpu.runner(kernel, feeds)
+        nbytes = sum(v.nbytes for v in feeds.values()) + sum(a.size * 4 for a in kernel.outputs)
+        sess = ort_session(model)
+        ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
+        run()
+        err = float(np.max(np.abs(run.buffers[-1] - sess.run(None, ort_feeds)[0])))
+        mine = statistics.median(measure(run, budget_s=budget).median_s for _ in range(repeats))
+        theirs = statistics.median(measure(lambda: sess.run(None, ort_feeds), budget_s=budget).median_s  # noqa: B023
+                                   for _ in range(repeats))
+        print(f"   {label:32s} {nbytes / 2**20:6.1f} MiB  ours {mine * 1e3:7.3f} ms {nbytes / mine / 1e9:6.1f} GB/s "
+              f"({nbytes / mine / 1e9 / bw:4.0%} of the host)   ONNX Runtime {theirs * 1e3:7.3f} ms "
+              f"({theirs / mine:4.2f}x ours)   max abs err {err:.1e}")
+
+
+def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
+    """Sections 3 and 4 from one `measure` run per model (cpsat on host, lone anchors through the
+    library), with ONNX Runtime's whole-model time in the same run."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.measure import measure_plan
+    from fusesearch.verify import random_feeds
+
+    wins = total = 0
+    for name in models:
+        prep = prepare(f"zoo:{name}")
+        p = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep)
+        none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep)
+        report = measure_plan(prep, p, none, "cpu", budget_s=budget)
+        t = report.totals()
+        versus = {g: v for g, v in report.library_comparison().items() if v["fused_loses"] is not None}
+        lost = sorted(g for g, v in versus.items() if v["fused_loses"])
+        wins += len(versus) - len(lost)
+        total += len(versus)
+        canonical = to_proto(prep.canonical)
+        feeds = random_feeds(canonical, 0)
+        sess = ort_session(canonical)
+        ort_s = measure(lambda: sess.run(None, feeds), budget_s=max(budget * 5, 1.0)).median_s  # noqa: B023
+        if "3" in sections:
+            print(f"3. {name}: fused anchor groups beating library anchor + the rest: {len(versus) - len(lost)} of "
+                  f"{len(versus)}" + (f" (losing: {', '.join(f'g{g}' for g in lost)})" if lost else ""))
+        if "4" in sections:
+            print(f"4. {name}: plan {p.kernels} kernels {t['measured_s'] * 1e3:.2f} ms, unfused {none.kernels} kernels "
+                  f"{t['unfused_measured_s'] * 1e3:.2f} ms -> {t['speedup']:.2f}x (predicted {none.time_s / p.time_s:.2f}x); "
+                  f"ONNX Runtime ENABLE_ALL whole model {ort_s * 1e3:.2f} ms: sum of our kernels "
+                  f"{t['measured_s'] / ort_s:.2f}x of it (target <= 1.5x)")
+    if "3" in sections and total:
+        print(f"3. all models: the fused kernel wins in {wins} of {total} fused anchor groups ({wins / total:.0%}; "
+              "target >= 90%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="1,2,3,4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--models", default="bert-small,resnet18")
+    args = parser.parse_args()
+    if not cpu.available():
+        raise SystemExit(f"no C compiler: {cpu.available().reason}")
+    print(f"OpenMP threads {os.environ.get('OMP_NUM_THREADS', 'default')}; BLAS: {' '.join(cpu.blas_flags()[:1]) or 'none'}")
+    sections = {s.strip() for s in args.sections.split(",")}
+    if "1" in sections:
+        section_anchors(args.budget, args.repeats)
+    if "2" in sections:
+        section_bandwidth(args.budget, args.repeats)
+    if sections & {"3", "4"}:
+        section_plans([m for m in args.models.split(",") if m], args.budget, sections)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The CPU's packed GEMM and conv skeletons equal ONNX Runtime at their edges: a BLAS sgemm per
+block of rows (MatMul/Gemm) or of output rows (conv as implicit GEMM over an im2col panel), the
+depthwise loop, and the same kernels without a BLAS (the row loops they fall back to), plus the
+vector math the C kernels call under `omp simd`."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from fusesearch.backends import cpu
+from fusesearch.backends.codegen import generate
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.ir.canonicalize import to_proto
+from fusesearch.lowering import lower
+from fusesearch.pipeline import prepare
+from fusesearch.verify import all_values, random_feeds
+from tests.conftest import make_model, save
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+
+
+@pytest.fixture(params=["blas", "no-blas"])
+def blas(request, monkeypatch):
+    """Run each case with the BLAS path and with the row loops the kernel falls back to."""
+    if request.param == "no-blas":
+        monkeypatch.setenv("FUSESEARCH_NO_BLAS", "1")
+    elif not cpu.blas_flags.__wrapped__():
+        pytest.fail("scipy-openblas32 is a dependency: the BLAS path must be available")
+    cpu.blas_flags.cache_clear()
+    cpu._load.cache_clear()
+    yield request.param
+    cpu.blas_flags.cache_clear()
+    cpu._load.cache_clear()
+
+
+def one_kernel(tmp_path, nodes, inputs, outputs, inits=(), expect=None):
+    """The whole graph as one group, generated, run on the CPU and compared with ONNX Runtime."""
+    prep = prepare(save(make_model(nodes, inputs, outputs, inits), tmp_path / "m.onnx"))
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    if expect is not None:
+        assert expect in gk.c_source, f"the {expect} skeleton was not chosen"
+    out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+    for a in gk.outputs:
+        ref = values[a.tensor].astype(np.float64)
+        scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
+        np.testing.assert_allclose(out[a.tensor], ref, rtol=0, atol=1e-4 * scale, err_msg=a.tensor)
+    return gk
+
+
+def _w(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.3
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 1, 7), (70, 33, 1), (130, 17, 65), (64, 64, 64)])
+def test_matmul_bias_act_edges(tmp_path, blas, m, k, n):
+    """M, N, K off the block size; K = 1; N = 1; prologue (Relu) and epilogue (bias, Tanh)."""
+    nodes = [helper.make_node("Relu", ["x"], ["xr"]), helper.make_node("MatMul", ["xr", "w"], ["y"]),
+             helper.make_node("Add", ["y", "b"], ["z"]), helper.make_node("Tanh", ["z"], ["out"])]
+    one_kernel(tmp_path, nodes, [("x", [2, m, k])], [("out", None)], [("w", _w([k, n])), ("b", _w([n], 1))],
+               expect="FS_BLAS_SGEMM(101")
+
+
+def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas):
+    """Batched activations against a broadcast batch of B computed in the group (a Transpose of
+    the keys, as attention's score product), then a division by a constant."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("q", [2, 3, 70, 16]), ("k", [1, 3, 70, 16])], [("out", None)],
+                    [("c", np.float32(4.0))], expect="bbuf")
+    assert "0.25f" in gk.c_source  # division by the constant 4 became a multiplication
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_gemm_transposed_operands(tmp_path, blas, trans_a, trans_b):
+    a_shape = [9, 13] if trans_a else [13, 9]
+    b_shape = [11, 9] if trans_b else [9, 11]
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transA=trans_a, transB=trans_b, alpha=0.5, beta=2.0),
+             helper.make_node("Relu", ["y"], ["out"])]
+    one_kernel(tmp_path, nodes, [("a", a_shape)], [("out", None)], [("b", _w(b_shape)), ("c", _w([11], 2))])
+
+
+def test_prologue_output_also_a_kernel_output(tmp_path, blas):
+    """The activation's prologue value is also used outside the group: written by the same kernel."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["xs"]), helper.make_node("MatMul", ["xs", "w"], ["y"]),
+             helper.make_node("Relu", ["y"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", [37, 24])], [("out", None), ("xs", None)], [("w", _w([24, 19]))])
+    assert len(gk.outputs) == 2
+
+
+CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
+    "3x3 padded": ([1, 8, 9, 7], 16, 3, 1, 1, 1, 1),
+    "1x1 in place": ([2, 16, 10, 10], 32, 1, 1, 0, 1, 1),
+    "strided 5x5": ([1, 3, 17, 17], 8, 5, 2, 2, 1, 1),
+    "strided 3x3 odd": ([1, 16, 11, 13], 24, 3, 2, 1, 1, 1),
+    "dilated grouped": ([1, 32, 9, 9], 32, 3, 1, 2, 2, 2),
+    "depthwise": ([2, 8, 9, 11], 8, 3, 1, 1, 8, 1),
+    "depthwise strided x2 multiplier": ([1, 8, 12, 12], 16, 3, 2, 1, 8, 1),
+    "depthwise 5x5 dilated": ([1, 8, 12, 12], 8, 5, 1, 4, 8, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_conv_prologue_bias_residual(tmp_path, blas, name):
+    xs, cout, k, stride, pad, group, dil = CONVS[name]
+    ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
+    wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
+    nodes = [helper.make_node("Relu", ["x"], ["xr"]),
+             helper.make_node("Conv", ["xr", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
+                              pads=[pad] * 4, group=group, dilations=[dil] * 2),
+             helper.make_node("Add", ["y", "r"], ["ya"]), helper.make_node("Relu", ["ya"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", xs), ("r", [xs[0], cout, ho, wo])], [("out", None)],
+                    [("w", _w([cout, xs[1] // group, k, k])), ("b", _w([cout], 3))])
+    if group == xs[1]:
+        assert "nc = 0; nc <" in gk.c_source  # the depthwise loop
+    else:
+        assert "FS_BLAS_SGEMM(101" in gk.c_source  # implicit GEMM through the BLAS
+
+
+def test_conv_1x1_reads_its_input_in_place(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])]
+    gk = one_kernel(tmp_path, nodes, [("x", [1, 16, 6, 6])], [("y", None)], [("w", _w([32, 16, 1, 1]))])
+    assert "patch" not in gk.c_source
+
+
+def test_pow_and_scalar_constants_fold_into_the_source(tmp_path):
+    nodes = [helper.make_node("Pow", ["x", "two"], ["p"]), helper.make_node("Pow", ["p", "half"], ["q"]),
+             helper.make_node("Mul", ["q", "s"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", [4, 33])], [("out", None)],
+                    [("two", np.float32(2.0)), ("half", np.float32(0.5)), ("s", np.float32(3.0))])
+    assert "powf" not in gk.c_source and "3.0f" in gk.c_source
+
+
+def test_vector_math_is_linked_and_accurate(tmp_path):
+    """glibc's vector exp/log/tanh/erf under `omp simd`, within 1e-6 relative (or 1e-7 absolute)
+    of float64 math over a wide range."""
+    flags = cpu.vector_math_flags()
+    if not flags:
+        pytest.skip("this C library has no vector math (libmvec); kernels use scalar libm")
+    src = tmp_path / "vm.c"
+    src.write_text("#include <math.h>\n#pragma omp declare simd notinbranch\nfloat expf(float);\n"
+                   "#pragma omp declare simd notinbranch\nfloat tanhf(float);\n"
+                   "#pragma omp declare simd notinbranch\nfloat erff(float);\n"
+                   "#pragma omp declare simd notinbranch\nfloat logf(float);\n"
+                   "void f(const float* x, float* e, float* t, float* r, float* l, long long n) {\n"
+                   "#pragma omp simd\nfor (long long i = 0; i < n; ++i) { e[i] = expf(x[i]); t[i] = tanhf(x[i]);"
+                   " r[i] = erff(x[i]); l[i] = logf(fabsf(x[i]) + 1e-3f); }\n}\n")
+    lib = tmp_path / "vm.so"
+    cmd = [cpu.compiler(), *cpu.CFLAGS[:-1], str(src), "-o", str(lib), *flags, cpu.CFLAGS[-1]]
+    subprocess.run(cmd, check=True, capture_output=True)
+    asm = subprocess.run([cpu.compiler(), *cpu.CFLAGS[:2], "-fopenmp", "-fno-math-errno", "-S", str(src), "-o", "-"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "_ZGV" in asm, "the loop did not call the vector variants"
+    x = np.linspace(-20, 20, 100_003, dtype=np.float32)
+    outs = [np.empty_like(x) for _ in range(4)]
+    fn = ctypes.CDLL(str(lib)).f
+    fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in (x, *outs)], ctypes.c_longlong(x.size))
+    from math import erf
+
+    x64 = x.astype(np.float64)
+    refs = [np.exp(x64), np.tanh(x64), np.vectorize(erf)(x64), np.log(np.abs(x64) + np.float64(np.float32(1e-3)))]
+    for got, ref in zip(outs, refs, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,350 @@
+"""Loading real exports and refusing broken models: exit 0 where ONNX Runtime runs the model, exit 2
+and one line naming the tensor, node, file or flag where it cannot; every --json is valid JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.conftest import make_model, save
+
+DEVICE = "h100-sxm"
+
+
+def one_line_error(code, err, *needles):
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fusesearch: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def strict_json(text: str):
+    """json.loads that refuses Infinity/NaN, which are not JSON."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def ort_run(model: onnx.ModelProto | str, feeds: dict) -> list[np.ndarray]:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    source = model if isinstance(model, str) else model.SerializeToString()
+    sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+# -- classic model-zoo CNNs: opset 9, IR 3, weights also listed as inputs --------------------------
+
+def zoo_cnn_opset9() -> onnx.ModelProto:
+    """Conv -> Mul(Unsqueeze(scale)) -> Add(Unsqueeze(bias)) -> Relu, as DenseNet-121 and
+    Inception-v2 ship: every initializer is a graph input too, Unsqueeze takes `axes` as attribute."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "W"),
+               numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "scale"),
+               numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "bias")]
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Unsqueeze", ["scale"], ["scale_u"], axes=[1, 2], name="unsq_scale"),
+             helper.make_node("Mul", ["c", "scale_u"], ["m"], name="mul"),
+             helper.make_node("Unsqueeze", ["bias"], ["bias_u"], axes=[1, 2], name="unsq_bias"),
+             helper.make_node("Add", ["m", "bias_u"], ["a"], name="add"),
+             helper.make_node("Relu", ["a"], ["y"], name="relu")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])]
+    inputs += [helper.make_tensor_value_info(w.name, TensorProto.FLOAT, list(w.dims)) for w in weights]
+    graph = helper.make_graph(nodes, "zoo_cnn", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=3)
+
+
+def test_opset9_weights_listed_as_inputs_inspect_and_plan(run_cli, tmp_path):
+    path = save(zoo_cnn_opset9(), tmp_path / "zoo_cnn.onnx")
+    code, out, err = run_cli("inspect", path, "--json")
+    assert code == 0, err
+    doc = strict_json(out)
+    assert [i["name"] for i in doc["inputs"]] == ["x"]  # the weights are weights, not inputs
+    assert doc["opset"] == 9
+    code, out, err = run_cli("plan", path, "--device", DEVICE, "--json")
+    assert code == 0, err
+    groups = strict_json(out)["groups"]
+    assert any({"Conv", "Relu"} <= set(g["ops"]) for g in groups), groups
+
+
+def test_opset9_canonical_model_runs_equal_to_the_original(run_cli, tmp_path):
+    model = zoo_cnn_opset9()
+    path = save(model, tmp_path / "zoo_cnn.onnx")
+    canon = tmp_path / "canon.onnx"
+    code, _, err = run_cli("inspect", path, "--canonical", canon)
+    assert code == 0, err
+    x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    (expected,) = ort_run(path, {"x": x})
+    (got,) = ort_run(str(canon), {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert [i.name for i in onnx.load(str(canon)).graph.input] == ["x"]
+
+
+def test_a_weight_listed_as_input_that_the_user_binds_is_an_input(run_cli, tmp_path):
+    """As in ONNX Runtime, an initializer listed as an input is a default the user may feed."""
+    path = save(zoo_cnn_opset9(), tmp_path / "zoo_cnn.onnx")
+    code, out, err = run_cli("inspect", path, "--input-shape", "scale=8", "--json")
+    assert code == 0, err
+    assert [i["name"] for i in strict_json(out)["inputs"]] == ["x", "scale"]
+
+
+# -- broken models: exit 2 naming the tensor or node ---------------------------------------------
+
+def _relu(**kw):
+    return make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [("x", [4])], [("y", [4])], **kw)
+
+
+def _initializer_size_mismatch():
+    w = numpy_helper.from_array(np.ones(3, np.float32), "w")
+    w.dims[:] = [1, 8]
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [("x", [1, 8])], [("y", [1, 8])])
+    model.graph.initializer.append(w)
+    return model
+
+
+def _typed_data_size_mismatch():
+    w = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[1, 8], float_data=[1.0, 2.0, 3.0])
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [("x", [1, 8])], [("y", [1, 8])])
+    model.graph.initializer.append(w)
+    return model
+
+
+def _constant_size_mismatch():
+    value = numpy_helper.from_array(np.ones(3, np.float32))
+    value.dims[:] = [4]
+    nodes = [helper.make_node("Constant", [], ["c"], value=value, name="const"),
+             helper.make_node("Add", ["x", "c"], ["y"], name="add")]
+    return make_model(nodes, [("x", [4])], [("y", [4])])
+
+
+def _two_producers():
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="first"), helper.make_node("Neg", ["x"], ["y"], name="second")]
+    return make_model(nodes, [("x", [4])], [("y", [4])])
+
+
+def _node_writes_an_input():
+    nodes = [helper.make_node("Relu", ["x"], ["b"], name="clobber"), helper.make_node("Add", ["x", "b"], ["y"], name="a")]
+    return make_model(nodes, [("x", [4]), ("b", [4])], [("y", [4])])
+
+
+def _input_without_type():
+    bare = onnx.ValueInfoProto(name="x")
+    return make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [bare], [("y", [4])])
+
+
+def _input_without_element_type():
+    vi = helper.make_tensor_value_info("x", TensorProto.UNDEFINED, [4])
+    return make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [vi], [("y", [4])])
+
+
+def _conv_channel_mismatch():
+    w = np.ones((4, 5, 3, 3), np.float32)
+    return make_model([helper.make_node("Conv", ["x", "W"], ["y"], name="conv")], [("x", [1, 3, 8, 8])],
+                      [("y", None)], [("W", w)])
+
+
+def _conv_transpose_channel_mismatch():
+    w = np.ones((5, 4, 2, 2), np.float32)
+    return make_model([helper.make_node("ConvTranspose", ["x", "W"], ["y"], name="up")], [("x", [1, 3, 8, 8])],
+                      [("y", None)], [("W", w)])
+
+
+def _output_nothing_produces():
+    return make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [("x", [4])], [("y", [4]), ("ghost", [4])])
+
+
+def _empty_op_type():
+    return make_model([helper.make_node("", ["x"], ["y"], name="blank")], [("x", [4])], [("y", [4])])
+
+
+def _no_nodes():
+    return make_model([], [("x", [4])], [("x", [4])])
+
+
+def _opset(version):
+    def build():
+        model = _relu()
+        model.opset_import[0].version = version
+        return model
+    return build
+
+
+BROKEN = [
+    ("initializer-size", _initializer_size_mismatch, ["initializer 'w'", "12 bytes", "[1, 8]", "32"]),
+    ("initializer-typed-size", _typed_data_size_mismatch, ["initializer 'w'", "3 values", "[1, 8]", "8"]),
+    ("constant-size", _constant_size_mismatch, ["node 'const'", "value", "[4]"]),
+    ("two-producers", _two_producers, ["tensor 'y'", "two nodes", "'first'", "'second'"]),
+    ("writes-an-input", _node_writes_an_input, ["'clobber'", "'b'", "graph input"]),
+    ("input-no-type", _input_without_type, ["graph input 'x'", "no type"]),
+    ("input-no-element-type", _input_without_element_type, ["graph input 'x'", "no type"]),
+    ("conv-channels", _conv_channel_mismatch, ["'conv' (Conv)", "3 channels", "'x'", "'W'", "expects 5"]),
+    ("conv-transpose-channels", _conv_transpose_channel_mismatch, ["'up' (ConvTranspose)", "3 channels", "5"]),
+    ("output-not-produced", _output_nothing_produces, ["graph output 'ghost'", "produced by no node"]),
+    ("empty-op-type", _empty_op_type, ["node 'blank'", "empty op_type"]),
+    ("no-nodes", _no_nodes, ["no nodes", "nothing to fuse"]),
+    ("opset-too-new", _opset(99), ["opset 99", "7..", "not supported"]),
+    ("opset-too-old", _opset(6), ["opset 6", "7..", "not supported"]),
+]
+
+
+@pytest.mark.parametrize(("build", "needles"), [row[1:] for row in BROKEN], ids=[row[0] for row in BROKEN])
+@pytest.mark.parametrize("command", [["inspect"], ["plan", "--device", DEVICE]], ids=["inspect", "plan"])
+def test_broken_model_is_refused_with_one_line(run_cli, tmp_path, caplog, command, build, needles):
+    path = save(build(), tmp_path / "broken.onnx")
+    code, out, err = run_cli(command[0], path, *command[1:])
+    one_line_error(code, err, "broken.onnx", *needles)
+    assert out == ""
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")], caplog.text  # one line only
+
+
+def test_opset_message_names_one_range_and_readme_agrees():
+    from pathlib import Path
+
+    from fusesearch.ir.load import MIN_OPSET, max_opset
+
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    assert f"opset {MIN_OPSET} up to the newest the installed onnx defines" in readme
+    assert max_opset() == onnx.defs.onnx_opset_version()
+
+
+STORAGES = [(dtype, raw) for dtype in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE", "INT4", "UINT8", "INT64", "BOOL",
+                                      "FLOAT8E4M3FN", "COMPLEX64") for raw in (False, True)] + [("STRING", False)]
+
+
+@pytest.mark.parametrize(("dtype", "raw"), STORAGES, ids=[f"{d}-{'raw' if r else 'typed'}" for d, r in STORAGES])
+def test_well_formed_tensors_of_every_storage_pass_the_size_check(dtype, raw):
+    from fusesearch.ir.load import _check_tensor_sizes
+
+    data_type = getattr(TensorProto, dtype)
+    values = {"STRING": [b"a", b"b", b"c", b"d", b"e", b"f"], "COMPLEX64": [1 + 2j] * 6}.get(dtype, [1, 0, 1, 1, 0, 1])
+    if raw:
+        array = np.array(values).astype(helper.tensor_dtype_to_np_dtype(data_type)).reshape(2, 3)
+        tensor = numpy_helper.from_array(array, "t")
+    else:
+        tensor = helper.make_tensor("t", data_type, [2, 3], values)
+    empty = helper.make_tensor("e", data_type, [0, 3], [])
+    _check_tensor_sizes(helper.make_graph([], "g", [], [], [tensor, empty]), "m.onnx")  # no error
+
+
+def test_grouped_conv_with_matching_channels_loads(run_cli, tmp_path):
+    model = make_model([helper.make_node("Conv", ["x", "W"], ["y"], group=4, name="dw")], [("x", [1, 4, 8, 8])],
+                       [("y", None)], [("W", np.ones((4, 1, 3, 3), np.float32))])
+    code, _, err = run_cli("inspect", save(model, tmp_path / "dw.onnx"))
+    assert code == 0, err
+
+
+# -- every --json is valid JSON ------------------------------------------------------------------
+
+def test_json_of_a_plan_that_costs_nothing_is_valid(run_cli, tmp_path):
+    """A graph of view ops only (fused and unfused both cost 0): speedup 1, never Infinity."""
+    model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"], name="view")], [("x", [4])], [("y", [2, 2])],
+                       [("s", np.array([2, 2], np.int64))])
+    path = save(model, tmp_path / "view.onnx")
+    code, out, err = run_cli("compare", path, "--device", DEVICE, "--strategies", "none,greedy", "--json")
+    assert code == 0, err
+    rows = strict_json(out)["results"]
+    assert [r["speedup"] for r in rows] == [1.0, 1.0]
+    code, out, err = run_cli("plan", path, "--device", DEVICE)
+    assert code == 0, err
+    assert "speedup 1.00x" in out and "inf" not in out
+
+
+def test_emit_json_writes_non_finite_numbers_as_null(capsys):
+    from fusesearch.cli import _emit_json
+
+    _emit_json({"a": float("inf"), "b": [float("nan"), 1.5], "c": {"d": float("-inf")}, "e": (2.0,)})
+    assert strict_json(capsys.readouterr().out) == {"a": None, "b": [None, 1.5], "c": {"d": None}, "e": [2.0]}
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device_file", ["/dev/null", "/dev/zero"])
+def test_a_device_file_as_model_is_not_called_a_directory(run_cli, device_file):
+    code, _, err = run_cli("inspect", device_file)
+    one_line_error(code, err, device_file, "not a regular file")
+    assert "directory" not in err
+
+
+def test_a_directory_as_model_is_called_a_directory(run_cli, tmp_path):
+    code, _, err = run_cli("inspect", tmp_path)
+    one_line_error(code, err, str(tmp_path), "directory")
+
+
+def _unknown_op_model(opset):
+    nodes = [helper.make_node("FancyGelu", ["x"], ["t"], name="mystery"), helper.make_node("Relu", ["t"], ["y"], name="r")]
+    return make_model(nodes, [("x", [4])], [("y", [4])], opset=opset)
+
+
+def test_unknown_op_warning_is_one_clean_line(tmp_path):
+    """In a real process: what the terminal shows on stderr, onnx's C++ messages included. Opset 9
+    takes the opset upgrade, whose converter asserts on an op it does not know."""
+    path = save(_unknown_op_model(9), tmp_path / "unknown.onnx")
+    proc = subprocess.run([sys.executable, "-m", "fusesearch", "plan", path, "--device", DEVICE],
+                          capture_output=True, text=True, timeout=120)
+    err = proc.stderr
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    for needle in ("'FancyGelu'", "ai.onnx", "'mystery'", "alone (opaque)"):
+        assert needle in lines[0], lines[0]
+    assert ".cc:" not in err and "Assertion" not in err and "%s" not in err
+
+
+def test_unknown_op_is_warned_at_a_current_opset_too(run_cli, tmp_path, caplog):
+    code, _, err = run_cli("inspect", save(_unknown_op_model(21), tmp_path / "unknown.onnx"))
+    assert code == 0, err
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "'FancyGelu'" in warnings[0] and "'mystery'" in warnings[0], warnings
+    assert "keeps opset" not in warnings[0]
+
+
+def test_converter_failure_reason_drops_cpp_location():
+    from fusesearch.ir.load import _reason
+
+    exc = RuntimeError("/project/onnx/version_converter/convert.cc:101: convert_graph: Assertion `x != y` "
+                       "failed: Op has no adapter\nmore")
+    assert _reason(exc) == "Op has no adapter"
+
+
+def _two_inputs_sharing_batch():
+    nodes = [helper.make_node("Add", ["a", "b"], ["y"], name="add")]
+    return make_model(nodes, [("a", ["batch", 4]), ("b", ["batch", 4])], [("y", None)])
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--input-shape", "a=2x4", "--dim", "batch=3"], ["--input-shape a=2x4", "--dim batch=3", "'batch'", "'a'"]),
+    (["--input-shape", "a=2x4", "--input-shape", "b=3x4"], ["--input-shape a=2x4", "--input-shape b=3x4", "'batch'"]),
+], ids=["input-shape-vs-dim", "input-shape-vs-input-shape"])
+def test_conflicting_shape_flags_name_both(run_cli, tmp_path, flags, needles):
+    code, _, err = run_cli("inspect", save(_two_inputs_sharing_batch(), tmp_path / "two.onnx"), *flags)
+    one_line_error(code, err, *needles)
+    assert "shape inference" not in err
+
+
+def test_agreeing_shape_flags_load(run_cli, tmp_path):
+    path = save(_two_inputs_sharing_batch(), tmp_path / "two.onnx")
+    code, out, err = run_cli("inspect", path, "--input-shape", "a=2x4", "--dim", "batch=2", "--json")
+    assert code == 0, err
+    assert [i["shape"] for i in strict_json(out)["inputs"]] == [[2, 4], [2, 4]]
+
+
+def test_external_data_length_not_matching_dims_is_refused(run_cli, tmp_path):
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", "8")):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [("x", [4])], [("y", [4])])
+    model.graph.initializer.append(weight)
+    (tmp_path / "w.bin").write_bytes(b"\0" * 16)
+    code, _, err = run_cli("inspect", save(model, tmp_path / "ext.onnx"))
+    one_line_error(code, err, "ext.onnx", "initializer 'w'", "8 bytes of external data", "[4]", "16")
