@@ -582,6 +582,8 @@ def measure(
     input_value: Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input in "
                                                    "the data measured on, e.g. sr=16000 or x=[1,2,3] "
                                                    "(repeatable)")] = None,
+    end_to_end: Annotated[bool, typer.Option("--end-to-end", help="Also run the plan and the unfused graph "
+                                             "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -597,6 +599,8 @@ def measure(
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
+    if end_to_end and backend != "cpu":
+        raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
@@ -612,12 +616,15 @@ def measure(
                               progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
                               ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else backend == "cupy")
                               else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
+    whole = _end_to_end(prep, plan_, unfused, seed, values) if end_to_end else None
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
     if json_out:
-        _emit_json(report.to_dict())
+        _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
         return
     _print_measure(report, output)
+    if whole is not None:
+        _print_run(whole, None)
 
 
 def _ptxas_arch(device: str) -> str:
@@ -758,6 +765,18 @@ def run(
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
+
+
+def _end_to_end(prep, plan_, unfused, seed: int, values):
+    """`run`'s figures for measure --end-to-end, on the kernels' thread count (OMP_NUM_THREADS,
+    else one per core)."""
+    from fusesearch.run import run_plan
+    from fusesearch.verify import omp_threads
+
+    report = run_plan(prep, plan_, unfused, threads=omp_threads() or os.cpu_count() or 1, seed=seed,
+                      input_values=values)
+    report.model = prep.loaded.name
+    return report
 
 
 def _nothing():

@@ -228,3 +228,15 @@ def test_cuda_program_refuses_a_node_without_a_gpu_library_kernel(tmp_path):
     prep = prepare(path)
     with pytest.raises(BadInput, match=r"node 'choose' \(If\) has no generated kernel and no GPU library kernel"):
         run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep))
+
+
+def test_measure_end_to_end_adds_the_run(run_cli, tmp_path):
+    code, stdout, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--strategy", "greedy",
+                                   "--budget", "0.01", "--end-to-end", "--json")
+    assert code == 0, stderr
+    doc = json.loads(stdout)
+    assert doc["totals"]["measured_s"] > 0  # measure's own figures stay
+    whole = doc["end_to_end"]
+    assert all(whole[k]["median_s"] > 0 for k in KEYS) and whole["max_rel_err"] <= 1e-4
+    code, _, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--backend", "cupy", "--end-to-end")
+    assert code == 2 and "--end-to-end" in stderr
