@@ -24,7 +24,8 @@ size at the lowest offset that overlaps no placed tensor alive at the same time.
 against ONNX Runtime on seeded valid inputs (`verify.random_feeds`, `verify.compare`), naming
 the first step whose output differs on a mismatch, then times both and ONNX Runtime at
 ORT_ENABLE_ALL and ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's for
-the kernels, intra_op_num_threads for ONNX Runtime, library steps included).
+the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each in
+turn per round, so that the machine's load changes fall on all four alike.
 Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
 written by a step that reads a tensor at the same address; inputs and weights are never written;
 every kernel name in one library is unique; `--check-each` and the search for a differing step
@@ -545,15 +546,19 @@ class RunReport:
         return pd.DataFrame(rows)
 
 
-def _timed(fn: Callable[[], object], warmup: int, repeat: int) -> Timing:
-    for _ in range(warmup):
-        fn()
-    samples = []
+def _timed(runs: Mapping[str, Callable[[], object]], warmup: int, repeat: int) -> dict[str, Timing]:
+    """Each run's samples, taken in turn (one run of each per round), so that a change in the
+    machine's load while timing falls on every program alike."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return Timing(tuple(samples), warmup, "perf_counter")
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: Timing(tuple(v), warmup, "perf_counter") for k, v in samples.items()}
 
 
 def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
@@ -597,17 +602,19 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
             feeds, reference, rtol, check_each)
     timings: dict[str, Timing] = {}
     if time_it:
+        runs: dict[str, Callable[[], object]] = {}
+        for label in ("plan", "unfused"):
+            runs[label] = lambda program=programs[label]: program(feeds)
         for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
             sess = session(canonical, threads=threads, optimize=level)
             names = [o.name for o in sess.get_outputs()]
             ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
-            say(f"timing {key}")
-            timings[key] = _timed(lambda s=sess, n=names, f=ort_feeds: s.run(n, f), warmup, repeat)
-        for label, program in programs.items():
-            say(f"timing {label}")
-            program.library and program.library.fs_set_threads(threads)
-            timings[label] = _timed(lambda program=program: program(feeds), warmup, repeat)
-        timings = {k: timings[k] for k in TIMED}
+            runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
+        say("timing")
+        for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
+            if program.library is not None:
+                program.library.fs_set_threads(threads)
+        timings = _timed(runs, warmup, repeat)
     steps = programs["plan"].steps
     return RunReport(
         model=getattr(plan.model, "name", ""), strategy=plan.strategy, threads=threads, repeat=repeat, warmup=warmup,
