@@ -106,16 +106,19 @@ def plan_steps(graph, plan) -> list[Step]:
 
 
 def segments(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
-    """Maximal runs of steps: ("generated", steps) for kernels (aliases inside cost nothing),
-    ("library", steps) for ONNX Runtime nodes; a run of aliases alone is no segment."""
+    """Maximal runs of steps: ("generated", steps) for kernels, ("library", steps) for ONNX
+    Runtime nodes. An alias has no code: it joins the run before it (one at the start is in
+    none), so aliases never split a segment."""
     runs: list[tuple[str, list[Step]]] = []
     for s in steps:
-        kind = "library" if s.how == "library" else "generated"
-        if runs and runs[-1][0] == kind:
+        if s.how == "alias":
+            if runs:
+                runs[-1][1].append(s)
+        elif runs and runs[-1][0] == s.how:
             runs[-1][1].append(s)
         else:
-            runs.append((kind, [s]))
-    return [(kind, run) for kind, run in runs if any(s.how != "alias" for s in run)]
+            runs.append((s.how, [s]))
+    return runs
 
 
 # -- the arena --------------------------------------------------------------------------------

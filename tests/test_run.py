@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusesearch.backends import cpu
-from fusesearch.run import ALIGN, plan_arena
+from fusesearch.run import ALIGN, Step, plan_arena, segments
 from tests.conftest import make_model, save
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
@@ -240,3 +240,13 @@ def test_measure_end_to_end_adds_the_run(run_cli, tmp_path):
     assert all(whole[k]["median_s"] > 0 for k in KEYS) and whole["max_rel_err"] <= 1e-4
     code, _, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--backend", "cupy", "--end-to-end")
     assert code == 2 and "--end-to-end" in stderr
+
+
+def test_aliases_never_split_a_segment():
+    def step(i, how):
+        return Step(i, how, (i,), (), ())
+
+    hows = ["alias", "generated", "alias", "generated", "library", "alias", "library", "generated"]
+    runs = segments([step(i, how) for i, how in enumerate(hows)])
+    assert [(kind, [s.group for s in run]) for kind, run in runs] == [
+        ("generated", [1, 2, 3]), ("library", [4, 5, 6]), ("generated", [7])]
