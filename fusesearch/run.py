@@ -55,6 +55,7 @@ from fusesearch.errors import BadInput, FusesearchError
 
 ALIGN = 64  # bytes: every arena tensor starts on a cache line
 TIMED = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
+_THREADS: dict = {}  # "before": (a loaded program library, OpenMP's thread count before any program set it)
 
 
 class Mismatch(FusesearchError):
@@ -320,7 +321,8 @@ class Program(Layout):
 
     def driver(self, runs: list[list[Step]]) -> str:
         lines = ["#include <omp.h>", "#include <stddef.h>",
-                 "void fs_set_threads(int n) { omp_set_num_threads(n); }"]
+                 "void fs_set_threads(int n) { omp_set_num_threads(n); }",
+                 "int fs_get_threads(void) { return omp_get_max_threads(); }"]
         for s in self.steps:
             if s.kernel is not None:
                 k = s.kernel
@@ -347,6 +349,8 @@ class Program(Layout):
         lib = build_library(kernels, self.driver(runs)) if kernels else None
         if lib is not None:
             lib.fs_set_threads.argtypes = [ctypes.c_int]
+            lib.fs_get_threads.restype = ctypes.c_int
+            _THREADS.setdefault("before", (lib, lib.fs_get_threads()))
             lib.fs_set_threads(self.threads)
         n = 0
         for kind, run in parts:
@@ -583,6 +587,17 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
     step."""
+    try:
+        return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
+                         input_values, progress)
+    finally:  # the caller's OpenMP thread count again
+        if "before" in _THREADS:
+            lib, before = _THREADS.pop("before")
+            lib.fs_set_threads(before)
+
+
+def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
+              progress) -> RunReport:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
     from fusesearch.verify import all_values, random_feeds, session

@@ -96,9 +96,15 @@ def test_chain_equals_ort_with_valid_json(run_cli, tmp_path):
     assert doc["ratios"]["plan_vs_unfused"] == pytest.approx(doc["plan"]["median_s"] / doc["unfused"]["median_s"])
 
 
-def test_threads_reach_the_json(run_cli, tmp_path):
-    doc = _run_json(run_cli, save(with_if(), tmp_path / "if.onnx"), "--threads", "2")
-    assert doc["threads"] == 2 and doc["max_rel_err"] <= 1e-4
+def test_threads_reach_the_json_and_are_restored(run_cli, tmp_path):
+    """OpenMP's thread count is the caller's again after the run (the kernels' libgomp is this one)."""
+    import ctypes
+
+    gomp = ctypes.CDLL("libgomp.so.1")
+    before = gomp.omp_get_max_threads()
+    doc = _run_json(run_cli, save(with_if(), tmp_path / "if.onnx"), "--threads", str(before + 1))
+    assert doc["threads"] == before + 1 and doc["max_rel_err"] <= 1e-4
+    assert gomp.omp_get_max_threads() == before
 
 
 def test_if_splits_the_program_and_still_equals_ort(run_cli, tmp_path):
