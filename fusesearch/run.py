@@ -29,7 +29,8 @@ turn per round, so that the machine's load changes fall on all four alike.
 Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
 written by a step that reads a tensor at the same address; inputs and weights are never written;
 every kernel name in one library is unique; `--check-each` and the search for a differing step
-run a program without reuse (each tensor its own bytes), so every intermediate can be read back.
+run a program without reuse (each tensor its own bytes), so every intermediate can be read back;
+after `run_plan`, OpenMP's thread count is the caller's again.
 """
 
 from __future__ import annotations

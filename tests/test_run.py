@@ -256,3 +256,9 @@ def test_aliases_never_split_a_segment():
     runs = segments([step(i, how) for i, how in enumerate(hows)])
     assert [(kind, [s.group for s in run]) for kind, run in runs] == [
         ("generated", [1, 2, 3]), ("library", [4, 5, 6]), ("generated", [7])]
+
+
+def test_zoo_bert_small_equals_ort_step_by_step(run_cli):
+    doc = _run_json(run_cli, "zoo:bert-small", "--dim", "seq=16", "--check-each")
+    assert doc["max_rel_err"] <= 1e-4 and doc["segments"]["generated"] >= 1
+    assert doc["arena_peak_bytes"] <= 0.6 * doc["activation_bytes"]
