@@ -10,8 +10,9 @@
 4. Whole plans (cpsat on host): measured plan vs unfused (targets 1.3x bert-small, 1.1x
    resnet18) and the sum of kernel times beside ONNX Runtime's whole-model time (ENABLE_ALL, one
    thread; target within 1.5x).
+5. Threads: a conv, a GEMM and a row kernel with 1 and 2 OpenMP threads (faster with 2, equal).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,2,3,4] [--repeats 5]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,2,3,4,5] [--repeats 5]
         [--budget 0.2] [--models bert-small,resnet18]
 """
 
@@ -258,9 +259,38 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
               "target >= 90%)")
 
 
+def section_threads(budget: float, repeats: int) -> None:
+    """The same generated kernels with 1 and 2 OpenMP threads (set through libgomp at run time)."""
+    import ctypes
+
+    gomp = ctypes.CDLL("libgomp.so.1")
+    print("5. OpenMP threads: the same kernels with 1 and 2 threads (medians), outputs equal")
+    conv = ([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["y"], ["z"])], [("x", (1, 64, 56, 56))], [("z", (1, 64, 56, 56))],
+            [("w", RNG.standard_normal((64, 64, 3, 3)) * 0.1)])
+    gemm = ([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+            [("x", (128, 768))], [("z", (128, 3072))], [("w", RNG.standard_normal((768, 3072)) * 0.1)])
+    ln = ([helper.make_node("LayerNormalization", ["x", "g"], ["y"], axis=-1)], [("x", (4096, 768))],
+          [("y", (4096, 768))], [("g", np.ones(768))])
+    for label, case in (("conv 3x3 64->64 @56 + Relu", conv), ("MatMul 128x768x3072 + Relu", gemm),
+                        ("LayerNorm 4096x768", ln)):
+        kernel, feeds, _ = _group(*case)
+        run = cpu.runner(kernel, feeds)
+        times, outs = [], []
+        for threads in (1, 2):
+            gomp.omp_set_num_threads(threads)
+            run()
+            outs.append(run.buffers[-1].copy())
+            times.append(statistics.median(measure(run, budget_s=budget).median_s for _ in range(repeats)))
+        gomp.omp_set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        same = np.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        print(f"   {label:30s} 1 thread {times[0] * 1e3:7.3f} ms   2 threads {times[1] * 1e3:7.3f} ms   "
+              f"{times[0] / times[1]:4.2f}x   outputs equal: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="1,2,3,4")
+    parser.add_argument("--sections", default="1,2,3,4,5")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--models", default="bert-small,resnet18")
@@ -273,6 +303,8 @@ def main() -> None:
         section_anchors(args.budget, args.repeats)
     if "2" in sections:
         section_bandwidth(args.budget, args.repeats)
+    if "5" in sections:
+        section_threads(args.budget, args.repeats)
     if sections & {"3", "4"}:
         section_plans([m for m in args.models.split(",") if m], args.budget, sections)
 

@@ -16,7 +16,7 @@ from costmodels.devices import (
     measure_copy_bandwidth,
 )
 from costmodels.errors import CostModelError, InvalidSpec, ProfileError, UnknownDevice
-from costmodels.kernel import DTYPE_BYTES, TEMPLATES, KernelSpec
+from costmodels.kernel import DTYPE_BYTES, IMPLS, TEMPLATES, KernelSpec
 from costmodels.profile import SCHEMA, Profile, load_device, load_profile, save_profile
 from costmodels.resources import (
     Occupancy,
@@ -30,13 +30,16 @@ from costmodels.roofline import (
     KernelCost,
     RooflineModel,
     RooflineParams,
+    compute_unit,
     scalar_peak_flops_per_s,
     tensor_peak_flops_per_s,
 )
 
 __all__ = [
     "DEVICES",
+    "compute_unit",
     "DTYPE_BYTES",
+    "IMPLS",
     "SCHEMA",
     "TEMPLATES",
     "CostModelError",

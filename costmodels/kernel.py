@@ -21,6 +21,7 @@ from typing import Any
 from costmodels.errors import InvalidSpec
 
 TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "opaque")
+IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
 
 DTYPE_BYTES: Mapping[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -63,6 +64,10 @@ class KernelSpec:
       Reciprocal elements), which take several times a multiply's throughput; charged extra by
       `RooflineParams.division_flops`.
     - `num_ops` / `op_types`: the fused operators, for reports only.
+    - `impl`: "generated" (a kernel the code generator writes; on a GPU its GEMM main loop runs
+      `fmaf` on CUDA cores) or "library" (a lone anchor or opaque op through the vendor library,
+      which uses tensor cores where the dtype allows: TF32 for float32, as cuBLAS under ONNX
+      Runtime's CUDA provider). The cost model prices each on the unit it really uses.
     """
 
     template: str
@@ -82,10 +87,13 @@ class KernelSpec:
     op_types: tuple[str, ...] = ()
     index_divisions: int = 0
     divisions: float = 0.0
+    impl: str = "generated"
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
             raise InvalidSpec(f"KernelSpec.template {self.template!r}, expected one of {TEMPLATES}")
+        if self.impl not in IMPLS:
+            raise InvalidSpec(f"KernelSpec.impl {self.impl!r}, expected one of {IMPLS}")
         if self.dtype not in DTYPE_BYTES:
             raise InvalidSpec(
                 f"KernelSpec.dtype {self.dtype!r}, expected one of {', '.join(DTYPE_BYTES)}"

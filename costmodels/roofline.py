@@ -4,7 +4,7 @@ Problem: rank fusion choices by predicted kernel time, from counts alone, fast e
 thousands of candidate groups, with every knob exposed for calibration.
 Approach (after XLA's gpu_performance_model, which knows nothing of the pass that calls it):
 
-    compute_s = tc_flops / (tensor peak(dtype) x tc_eff[t] x occ)
+    compute_s = tc_flops / (peak of the kernel's compute unit x eff[t, impl] x occ)
               + (scalar_flops + transcendentals x w + divisions x d
                  + iteration_size x index_divisions x e)
                 / (scalar peak(dtype) x scalar_eff[t] x occ)
@@ -22,7 +22,11 @@ device's launch overhead x a scale. Tensor peak: float16 / bfloat16 use the FP16
 cores; float32 uses TF32 tensor cores where the device has them and
 `RooflineParams.float32_uses_tf32` (the default of cuBLAS-backed inference: ONNX Runtime's CUDA EP
 `use_tf32=1`), else the FP32 CUDA-core peak; any dtype without a tensor-core rate on the device
-falls back to the FP32 CUDA-core peak (so float64 is optimistic on GeForce parts). Scalar peak:
+falls back to the FP32 CUDA-core peak (so float64 is optimistic on GeForce parts). Tensor cores
+price only library calls (impl "library": a lone anchor through cuBLAS / cuDNN); a generated
+kernel's main loop (impl "generated") runs on the FP32 CUDA cores, as the `tiled` skeleton's fmaf
+does, whatever the dtype: one kernel, one price (`compute_unit` names the unit and plan.json
+records it; eff[t, impl] is `library_efficiency` or `tc_efficiency`). Scalar peak:
 half2 for float16 where the device lists one, else FP32.
 Invariants: pure and deterministic; a kernel that cannot launch (shared memory over the per-block
 maximum, too many threads, one block does not fit an SM) is infeasible with time_s = inf and a
@@ -65,6 +69,10 @@ def _number(name: str, value: object) -> float:
 # less (im2col gathers); the rest rarely use tensor cores.
 DEFAULT_TC_EFFICIENCY = per_template(
     {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
+# A library call's main loop (cuBLAS / cuDNN / MLAS) against the peak of the unit it runs on;
+# the generated kernels' is `tc_efficiency` against theirs. Fitted apart by calibration.
+DEFAULT_LIBRARY_EFFICIENCY = per_template(
+    {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
 # Scalar efficiency: peaks count an FMA as 2 flops, while most elementwise ops issue one
 # 1-flop instruction per slot, so ~0.5 of peak is the practical ceiling.
 DEFAULT_SCALAR_EFFICIENCY = per_template(
@@ -98,7 +106,8 @@ DEFAULT_READ_TRAFFIC_FACTOR = 1.0
 # 0 for the datasheet model (OpKind counts them as one flop); calibration fits it.
 DEFAULT_DIVISION_FLOPS = 0.0
 
-_TABLE_FIELDS = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")
+_TABLE_FIELDS = ("tc_efficiency", "library_efficiency", "scalar_efficiency", "memory_efficiency",
+                 "occupancy_knee")
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class RooflineParams:
     """Every tunable number of the model (per-template tables are tuples of (template, value))."""
 
     tc_efficiency: PerTemplate = DEFAULT_TC_EFFICIENCY
+    library_efficiency: PerTemplate = DEFAULT_LIBRARY_EFFICIENCY
     scalar_efficiency: PerTemplate = DEFAULT_SCALAR_EFFICIENCY
     memory_efficiency: PerTemplate = DEFAULT_MEMORY_EFFICIENCY
     occupancy_knee: PerTemplate = DEFAULT_OCCUPANCY_KNEE
@@ -225,9 +235,30 @@ class KernelCost:
     flops: float
     dram_bytes: float
     limiter: str = ""
+    compute_unit: str = ""  # where the main loop runs: see `compute_unit`
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def compute_unit(spec: KernelSpec, device: DeviceSpec, float32_uses_tf32: bool = True) -> str:
+    """The unit a kernel's main loop runs on: `cpu-simd` on a CPU; on a GPU, a library call's
+    GEMM/conv on the tensor cores of its dtype (`tf32-tensor-core` for float32 where the device has
+    TF32 and it is allowed, `fp16-` / `bf16-tensor-core`), and everything generated on CUDA cores
+    (`fp32-cuda-core`: the `tiled` skeleton accumulates with fmaf)."""
+    if device.kind != "gpu":
+        return "cpu-simd"
+    if spec.impl != "library" or spec.tc_flops == 0:
+        return "fp32-cuda-core"
+    if spec.dtype == "float16" and device.fp16_flops_per_s > 0:
+        return "fp16-tensor-core"
+    if spec.dtype == "bfloat16" and device.bf16_flops_per_s > 0:
+        return "bf16-tensor-core"
+    if spec.dtype == "float32" and float32_uses_tf32 and device.tf32_flops_per_s > 0:
+        return "tf32-tensor-core"
+    if spec.dtype.startswith(("int8", "uint8", "float8")) and device.fp16_flops_per_s > 0:
+        return "fp16-tensor-core"  # int8 / fp8 rates are not tabulated: the FP16 rate
+    return "fp32-cuda-core"
 
 
 def tensor_peak_flops_per_s(device: DeviceSpec, dtype: str, float32_uses_tf32: bool = True) -> float:
@@ -291,13 +322,16 @@ class RooflineModel:
             flops=spec.flops,
             dram_bytes=dram_bytes,
             limiter=occ.limiter,
+            compute_unit=compute_unit(spec, device, p.float32_uses_tf32),
         )
 
     def _compute_s(self, spec: KernelSpec, device: DeviceSpec) -> float:
         """Compute time at full occupancy: tensor-core part + scalar part (they share issue)."""
         p = self.params
-        tc_rate = (tensor_peak_flops_per_s(device, spec.dtype, p.float32_uses_tf32)
-                   * p.get("tc_efficiency", spec.template))
+        unit = compute_unit(spec, device, p.float32_uses_tf32)
+        peak = (tensor_peak_flops_per_s(device, spec.dtype, p.float32_uses_tf32) if unit.endswith("tensor-core")
+                else scalar_peak_flops_per_s(device, "float32"))
+        tc_rate = peak * p.get("library_efficiency" if spec.impl == "library" else "tc_efficiency", spec.template)
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
                        * p.get("scalar_efficiency", spec.template))
         scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops

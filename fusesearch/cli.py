@@ -468,11 +468,12 @@ def _print_plan(p, output: Path | None) -> None:
               f"   speedup {p.speedup:.2f}x   lower bound {_fmt_time(p.lower_bound_s)}"
               f" ({p.time_s / p.lower_bound_s:.1f}x above it)")
     table = Table(title="slowest kernels", title_justify="left")
-    for col in ("group", "template", "ops", "time", "bound", "occupancy"):
+    for col in ("group", "template", "ops", "runs as", "time", "bound", "occupancy"):
         table.add_column(col, justify="right" if col in ("time", "occupancy") else "left")
     for g in sorted(p.groups, key=lambda g: -g.cost.time_s)[:10]:
         ops = "+".join(p.graph.nodes[i].op_type for i in g.nodes)
-        table.add_row(f"g{g.id}", "alias" if g.kernel.alias else g.kernel.template, ops,
+        runs = "alias" if g.kernel.alias else f"{g.kernel.impl} ({g.cost.compute_unit})"
+        table.add_row(f"g{g.id}", "alias" if g.kernel.alias else g.kernel.template, ops, runs,
                       _fmt_time(g.cost.time_s), g.cost.bound, f"{g.cost.occupancy:.2f}")
     out.print(table)
     if output is not None:

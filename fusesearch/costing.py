@@ -25,7 +25,7 @@ def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> Ker
     if kernel.alias:
         return KernelCost(time_s=0.0, compute_s=0.0, memory_s=0.0, launch_s=0.0, occupancy=0.0,
                           regs_per_thread=0, smem_bytes=0, spill_bytes=0, bound="launch", feasible=True,
-                          reason="alias: a view, no kernel", flops=0.0, dram_bytes=0.0)
+                          reason="alias: a view, no kernel", flops=0.0, dram_bytes=0.0, compute_unit="none")
     return model.cost(kernel.spec(), device)
 
 
@@ -54,7 +54,9 @@ def graph_figures(graph: Graph, device: DeviceSpec, model: RooflineModel) -> Gra
     scalar = sum(k.scalar_flops for k in kernels)
     dtype = _dominant_dtype(kernels)
     min_bytes = _compulsory_bytes(graph)
-    compute_s = tc / tensor_peak_flops_per_s(device, dtype) + scalar / scalar_peak_flops_per_s(device, dtype)
+    # the bound takes the fastest unit any implementation could use (tensor cores, where allowed)
+    tc_peak = tensor_peak_flops_per_s(device, dtype, model.params.float32_uses_tf32)
+    compute_s = tc / tc_peak + scalar / scalar_peak_flops_per_s(device, dtype)
     memory_s = min_bytes / device.dram_bytes_per_s
     bound = device.launch_overhead_s + max(compute_s, memory_s)
     return GraphFigures(unfused, len(kernels), bound, min_bytes, tc, scalar)

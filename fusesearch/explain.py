@@ -8,8 +8,14 @@ for each pair of adjacent groups (an edge of the quotient graph), what merging t
 (with the predicted delta). Formats:
 
     [fuse] conv_23(Conv)+relu_24(Relu) -> g12: -4.1 us
+    [impl] g12: generated (fp32-cuda-core) 41.0 us vs library conv_23 (tf32-tensor-core) 30.2 us
+           + the rest apart 14.9 us = 45.1 us
     [refuse] g7+g8: smem 72.0 KiB > 64.0 KiB per block on t4
     [skip] g3+g4: +0.8 us (no gain)
+
+Every group that fuses an anchor gets an `[impl]` line: the library-vs-generated decision the
+solver priced (the fused generated kernel against the anchor alone through the library plus the
+group's other ops as separate kernels), each with the compute unit it runs on.
 
 Invariants: lines are deterministic and in group order; deltas are predicted microseconds.
 """
@@ -35,8 +41,21 @@ def explain_lines(plan: Plan, legality: Legality) -> list[str]:
         if len(g.nodes) > 1:
             apart = sum(legality.time_s([v]) for v in g.nodes)
             lines.append(f"[fuse] {_label(plan, g.nodes)} -> g{g.id}: {_us(g.cost.time_s - apart)}")
+            if g.kernel.anchor is not None:
+                lines.append(_impl_line(plan, legality, g))
     lines.extend(_pair_lines(plan, legality))
     return lines
+
+
+def _impl_line(plan: Plan, legality: Legality, g) -> str:
+    anchor = g.kernel.anchor
+    library = legality.check(frozenset({anchor}))
+    rest = sum(legality.time_s([v]) for v in g.nodes if v != anchor)
+    unit = library.cost.compute_unit if library.cost is not None else "?"
+    node = plan.graph.nodes[anchor]
+    return (f"[impl] g{g.id}: generated ({g.cost.compute_unit}) {g.cost.time_s * 1e6:.1f} us vs library "
+            f"{node.name}({node.op_type}) ({unit}) {library.time_s * 1e6:.1f} us + the rest apart "
+            f"{rest * 1e6:.1f} us = {(library.time_s + rest) * 1e6:.1f} us")
 
 
 def _pair_lines(plan: Plan, legality: Legality) -> list[str]:

@@ -13,9 +13,12 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
     the rest ................. `pointwise`: one thread per output element
 
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
-used outside the group (or a graph output) written once. A gemm/conv whose output has fewer than
-TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for skinny problems) and pays
-the fp32 partial sums' round trip. A table read only through Gather (an embedding) costs the rows
+used outside the group (or a graph output) written once. The tile, threads and shared memory are
+those the generator writes: a BM×BN tile with A and B staged once per K step as float (the `tiled`
+skeleton), or, under a Softmax epilogue, a block per row with the product's row (and the
+exponentials) cached in shared memory (`block-per-row`). A lone gemm/conv (a library call) whose
+output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
+skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
 tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free. FLOPs come from the OpKind table:
 the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
@@ -35,11 +38,12 @@ from costmodels import DTYPE_BYTES, KernelSpec
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
-from fusesearch.ir.graph import Graph, Node, TensorInfo
+from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 
 THREADS_PER_BLOCK = 256
-PIPELINE_STAGES = 2  # double-buffered operand tiles in shared memory
+MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
+ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
 TILE_K = 32
 TARGET_BLOCKS = 256  # enough blocks for two waves on the largest GPUs (132 SMs)
 MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
@@ -80,6 +84,13 @@ class Kernel:
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
 
+    @property
+    def impl(self) -> str:
+        """"library" for a lone anchor or an opaque op (they run as a vendor library call, in
+        `measure` and in what a user would otherwise run), "generated" for everything else."""
+        lone_anchor = len(self.nodes) == 1 and self.anchor is not None
+        return "library" if lone_anchor or self.template == "opaque" else "generated"
+
     def spec(self) -> KernelSpec:
         return KernelSpec(
             template=self.template, dtype=self.dtype if self.dtype in DTYPE_BYTES else "float32",
@@ -89,7 +100,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions))
+            divisions=float(self.divisions), impl=self.impl)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -238,9 +249,11 @@ def _reduce_axes(graph: Graph, n: Node, rank: int) -> list[int] | None:
         return [int(a.get("axis", -1))]
     if n.op_type in ("ArgMax", "ArgMin"):
         return [int(a.get("axis", 0))]
-    if n.op_type == "LayerNormalization":
+    if n.op_type in ("LayerNormalization", "RMSNormalization"):
         axis = int(a.get("axis", -1)) % max(rank, 1)
         return list(range(axis, rank))
+    if n.op_type == "MeanVarianceNormalization":
+        return [int(x) for x in a.get("axes", (0, 2, 3))]
     if n.op_type in ("GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "InstanceNormalization"):
         return list(range(2, rank))
     if n.op_type == "LpNormalization":
@@ -319,13 +332,10 @@ def _gemm_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))
 
 
-def _tile(m: int, n: int, row_tile: int = 0) -> tuple[int, int, int]:
+def _tile(m: int, n: int) -> tuple[int, int, int]:
     """Block tile (M, N, K): the largest that still gives TARGET_BLOCKS output tiles (as a
     library's heuristic picks), else the smallest; skinny M (GEMV-like) gets M rounded up to a
-    power of two. A Softmax epilogue needs the whole row (N) in one tile."""
-    if row_tile:
-        tn = max(32, 1 << (row_tile - 1).bit_length())
-        return (32 if tn > 256 else 64), tn, TILE_K
+    power of two."""
     if m < 32:
         tm = 1 << max(0, (m - 1).bit_length())
         return tm, 128 if n >= 128 else max(32, 1 << max(0, (n - 1).bit_length())), TILE_K
@@ -344,15 +354,19 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
                 return decision
             row_tile = max(row_tile, decision)
     m, n_dim, k = _gemm_dims(graph, anchor)
-    tm, tn, tk = _tile(m, n_dim, row_tile)
-    dtype = graph.tensors[anchor.outputs[0]].dtype
-    itemsize = max(1, TensorInfo("", (1,), dtype).nbytes)
-    smem = (tm * tk + tk * tn) * itemsize * PIPELINE_STAGES + (tm * tn * 4 if row_tile else 0)
-    live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
-    if row_tile:  # the row lives in shared memory; a thread keeps its slice of it
-        live = min(live, 64 + 2 * (len(nodes) - 1))
     out_size = graph.tensors[anchor.outputs[0]].size
-    split = 1 if row_tile else _split_k(m, n_dim, k, tm, tn, tk)
+    if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
+        softmax = any(n.op_type == "Softmax" for n in nodes)  # memory (and a Softmax's exponentials)
+        cached = (4 * row_tile <= MAX_ROW_SMEM) + (softmax and 8 * row_tile <= MAX_ROW_SMEM)
+        smem = 4 * row_tile * cached + ROW_REDUCE_SMEM
+        live = 24 + 2 * (len(nodes) - 1)  # a thread's slice of the row and its dot product
+        return _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (1, row_tile, k),
+                      smem, live)
+    tm, tn, tk = _tile(m, n_dim)
+    smem = (tm * tk + tk * tn) * 4  # the generated tile: A and B staged once per K step, as float
+    live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
+    # split-K is the library's (cuBLAS splits skinny GEMMs); the generated tiled kernel never splits
+    split = _split_k(m, n_dim, k, tm, tn, tk) if len(nodes) == 1 else 1
     kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
                     (tm, tn, tk), smem, live)
     if split == 1:

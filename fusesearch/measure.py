@@ -344,7 +344,8 @@ class _Runner:
         row = {"plan": label, "group": g.id, "how": how, "nodes": "+".join(self.prep.graph.nodes[i].name for i in g.nodes),
                **g.kernel.spec().to_row(), "predicted_s": g.cost.time_s, "predicted_bound": g.cost.bound,
                "predicted_occupancy": g.cost.occupancy, "predicted_regs_per_thread": g.cost.regs_per_thread,
-               "predicted_spill_bytes": g.cost.spill_bytes, "max_rel_err": err, "backend": self.backend,
+               "predicted_spill_bytes": g.cost.spill_bytes, "compute_unit": g.cost.compute_unit,
+               "max_rel_err": err, "backend": self.backend,
                "device": self.device, "source_hash": generated.source_hash if generated else None,
                "cuda_skeleton": generated.skeleton if generated else None,
                "cuda_grid": "x".join(map(str, generated.grid)) if generated else None}

@@ -200,6 +200,7 @@ class Plan:
             "time_s": _r(g.cost.time_s), "flops": _r(g.cost.flops), "dram_bytes": _r(g.cost.dram_bytes),
             "smem_bytes": int(g.cost.smem_bytes), "regs_per_thread": int(g.cost.regs_per_thread),
             "occupancy": _r(g.cost.occupancy), "bound": g.cost.bound,
+            "impl": "alias" if g.kernel.alias else g.kernel.impl, "compute_unit": g.cost.compute_unit,
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Approach:
         │              model's input_shapes / dims bound to its graph inputs, before any cell runs)
         │ expand: models × devices × strategies × max_group_size × time_limit_s × seed
         ▼
-    Cells, each with a stable id (sha256 of its parameters) ─► skip cells with an ok OUT/cells/<id>.json
+    Cells, each with a stable id (sha256 of its parameters, RESULTS_VERSION and a profile's content)
+        ─► skip cells with an ok OUT/cells/<id>.json
         │ dask.distributed: LocalCluster of N worker processes, or Client(ADDRESS); one task a cell
         ▼ worker: prepared model cached per (model, shapes) per process → search → (measure) → row
     client, as each cell finishes: OUT/cells/<id>.json written to a temp name, then os.replace
@@ -364,8 +365,25 @@ class Cell:
                 "backend": self.backend, "measure_budget_s": self.measure_budget_s}
 
 
-def cell_id(params: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+# Bumped whenever a change makes the same cell give other figures (the cost model's prices, the
+# generated kernels), so a rerun after it recomputes every cell instead of keeping stale rows.
+# 2: lone anchors priced as library calls on tensor cores, generated kernels on the units they use.
+RESULTS_VERSION = 2
+
+
+def cell_id(params: Mapping[str, Any], device: str = "") -> str:
+    """A hash of what decides the cell's result: its parameters, RESULTS_VERSION, and a device
+    profile's content (not its path: a profile recalibrated in place gives new cells)."""
+    keyed = {**params, "results_version": RESULTS_VERSION, "device_content": _content_digest(device)}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _content_digest(device: str) -> str:
+    """sha256 of a profile file's bytes; a built-in device name stands for itself."""
+    path = Path(device)
+    if device.endswith(".json") and path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return device
 
 
 def expand(config: SweepConfig) -> list[Cell]:
@@ -380,7 +398,7 @@ def expand(config: SweepConfig) -> list[Cell]:
         cell = Cell(0, "", config.name, model, device, label, strategy, size, limit if exact else None,
                     seed if exact else None, config.solver_workers, config.backend,
                     config.measure_budget_s if config.backend else None)
-        cid = cell_id(cell.params())
+        cid = cell_id(cell.params(), device)
         if cid in seen:
             continue
         seen.add(cid)

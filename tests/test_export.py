@@ -102,10 +102,11 @@ def test_plan_emit_verify_and_export_round_trip(run_cli, tmp_path, saved_plan):
     rows = _table_rows(out, "slowest kernels")
     by_id = {f"g{g['id']}": g for g in doc["groups"]}
     assert len(rows) == 10
-    for group, template, ops, time, bound, occupancy in rows:
+    for group, template, ops, runs, time, bound, occupancy in rows:
         g = by_id[group]
         assert (template, ops, time, bound, occupancy) == (g["template"], "+".join(g["ops"]), _fmt_time(g["time_s"]),
                                                           g["bound"], f"{g['occupancy']:.2f}")
+        assert runs == ("alias" if g["impl"] == "alias" else f"{g['impl']} ({g['compute_unit']})")
     listed = [by_id[r[0]]["time_s"] for r in rows]
     assert listed == sorted(listed, reverse=True)
     assert all(g["time_s"] <= listed[-1] for k, g in by_id.items() if k not in {r[0] for r in rows})

@@ -1,11 +1,12 @@
 """`measure` on models the code generator cannot take whole, and the messages around it.
 
-Exported models in their exporters' idioms (torch `.half()` and hardswish at opset 13, an ONNX
-Runtime QDQ quantization, a torch `x.float() @ w` on int8 input, paddle2onnx's explicit Pad before
-a Conv, bilinear upsampling, a BatchNormalization that cannot fold): the plan fuses a group the
-generator refuses, and measure times it node by node through ONNX Runtime ("library per node",
-the refusal kept as the reason) — exit 0, valid JSON, every group timed or with its reason, every
-timed output equal to ONNX Runtime's. A dtype ONNX Runtime cannot hand back, or a node that
+Exported models in their exporters' idioms (torch `.half()`, an ONNX Runtime QDQ quantization, a
+torch `x.float() @ w` on int8 input, a product reduction): the plan fuses a group the generator refuses, and
+measure times it node by node through ONNX Runtime ("library per node", the refusal kept as the
+reason) — exit 0, valid JSON, every group timed or with its reason, every timed output equal to
+ONNX Runtime's. The idioms it takes whole (torch hardswish at opset 13, paddle2onnx's explicit Pad
+before a Conv, bilinear upsampling, a BatchNormalization that cannot fold, a gather_nd) run as one
+generated kernel. A dtype ONNX Runtime cannot hand back, or a node that
 cannot run alone, is exit 2 naming the group, the node, the op and the dtype. Then the messages:
 calibrate's shape flags, one device for plan / measure, `report FILE`, no stray blank line."""
 
@@ -116,16 +117,28 @@ def paddle_relu_gather_nd():
     return make_model(nodes, [("x", [4, 8])], [("y", None)], [("gather_nd_0.index", np.int64([[0], [2]]))], opset=11)
 
 
+def torch_relu_prod():
+    """torch: `x.relu().prod(-1)` at opset 18 — a product reduction, which the generator has no code for."""
+    nodes = [helper.make_node("Relu", ["x"], ["/Relu_output_0"], name="/Relu"),
+             helper.make_node("ReduceProd", ["/Relu_output_0", "axes"], ["y"], name="/ReduceProd", keepdims=0)]
+    return make_model(nodes, [("x", [64, 16])], [("y", None)], [("axes", np.int64([-1]))], opset=18)
+
+
 # model, the fused group's ops, what the refusal names, the largest relative error allowed
 REFUSED_GROUPS = [
     pytest.param(torch_half_conv_relu, "Conv,Relu", "float16", 1e-3, id="float16"),
     pytest.param(ort_qdq_conv, "QuantizeLinear,DequantizeLinear", "uint8", 1e-4, id="qdq"),
     pytest.param(torch_int8_matmul, "Cast,Gemm", "int8", 1e-4, id="int8-input"),
-    pytest.param(torch_hardswish, "Conv,HardSigmoid,Mul", "HardSigmoid", 1e-4, id="hardswish"),
-    pytest.param(paddle_pad_conv, "Pad,Conv", "Pad", 1e-4, id="pad-conv"),
-    pytest.param(paddle_conv_bilinear_resize, "Conv,Resize", "linear", 1e-4, id="resize-linear"),
-    pytest.param(torch_relu_batchnorm, "BatchNormalization", "BatchNormalization", 1e-4, id="batchnorm"),
-    pytest.param(paddle_relu_gather_nd, "Relu,GatherND", "GatherND", 1e-4, id="gather-nd"),
+    pytest.param(torch_relu_prod, "Relu,ReduceProd", "ReduceProd", 1e-4, id="reduce-prod"),
+]
+
+# exported idioms the generator takes whole: model, the fused group's ops
+GENERATED_GROUPS = [
+    pytest.param(torch_hardswish, "Conv,HardSigmoid,Mul", id="hardswish"),
+    pytest.param(paddle_pad_conv, "Pad,Conv", id="pad-conv"),
+    pytest.param(paddle_conv_bilinear_resize, "Conv,Resize", id="resize-linear"),
+    pytest.param(torch_relu_batchnorm, "BatchNormalization", id="batchnorm"),
+    pytest.param(paddle_relu_gather_nd, "Relu,GatherND", id="gather-nd"),
 ]
 
 
@@ -156,14 +169,30 @@ def test_a_group_the_generator_refuses_is_measured_node_by_node(run_cli, tmp_pat
 
 
 @needs_cc
+@pytest.mark.parametrize(("build", "ops"), GENERATED_GROUPS)
+def test_exported_idioms_run_as_one_generated_kernel(run_cli, tmp_path, build, ops):
+    model = save(build(), tmp_path / "m.onnx")
+    out = tmp_path / "m.parquet"
+    code, stdout, err = run_cli("measure", model, "--backend", "cpu", "--strategy", "greedy", "--budget", "0.01",
+                                "--no-cache", "-o", out, "--json")
+    assert code == 0, err
+    assert err == ""
+    doc = json.loads(stdout)
+    assert not [g for g in doc["groups"] if g["how"] == "library per node"], doc["groups"]
+    table = pd.read_parquet(out)
+    (row,) = [r for _, r in table[table["plan"] == "plan"].iterrows() if ops in r["op_types"]]
+    assert row["how"] == "generated" and row["median_s"] > 0 and row["max_rel_err"] <= 1e-4, row.to_dict()
+    assert doc["totals"]["not_measured"] == 0
+
+
+@needs_cc
 def test_node_by_node_text_says_how_and_why_and_prints_no_blank_line(run_cli, tmp_path):
-    model = save(torch_hardswish(), tmp_path / "m.onnx")
+    model = save(torch_half_conv_relu(), tmp_path / "m.onnx")
     code, stdout, err = run_cli("measure", model, "--strategy", "greedy", "--budget", "0.01", "--no-cache")
     assert code == 0, err
     assert err == ""  # the progress bar only on a terminal: no blank line first
     assert stdout.startswith("measured on cpu")
-    assert ("library per node: plan g0 (Conv,HardSigmoid,Mul): /features/features.2/HardSigmoid(HardSigmoid) has "
-            "no code generator yet") in stdout
+    assert "library per node: plan g0 (Conv,Relu): dtype float16 of 'x' is not generated yet" in stdout
     assert "not measured:" not in stdout and "kernels not measured" not in stdout
     assert "none ran as one generated kernel" in stdout and "--baseline library" not in stdout
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from fusesearch.errors import BadInput
 from fusesearch.report import plan_distance, write_report
@@ -93,7 +93,10 @@ def test_failed_cells_and_measured_cells_are_reported(tmp_path):
                         helper.make_node("Relu", ["y"], ["z"], name="relu")],
                        [("x", [4, 16])], [("z", [4, 8])], [("w", rng.standard_normal((16, 8)).astype("float32"))])
     save(model, tmp_path / "mm.onnx")
-    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    # its input binds (so the config is accepted), but its MatMul of [2, 3] by [4, 5] fails to load
+    broken = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [2, 3])], [("y", None)])
+    broken.graph.initializer.append(helper.make_tensor("w", TensorProto.FLOAT, [4, 5], [0.0] * 20))
+    save(broken, tmp_path / "broken.onnx")
     out, _ = _sweep(tmp_path, 'models = ["mm.onnx", "broken.onnx"]\ndevices = ["host"]\n'
                               'strategies = ["none", "greedy"]\nbackend = "cpu"\nmeasure_budget_s = 0.01\n')
     rows = pd.read_parquet(out / "results.parquet")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from costmodels import RooflineParams
 from fusesearch.errors import BadInput
 from fusesearch.sweep import SweepStore, expand, load_config, read_cells, run_sweep
 
@@ -87,6 +88,25 @@ def test_expand_is_stable_and_runs_time_limits_only_for_cpsat(tmp_path):
     assert [c.cell_id for c in cells] == [c.cell_id for c in expand(load_config(tmp_path / "sweep.toml"))]
     assert {c.time_limit_s for c in cells if c.strategy != "cpsat"} == {None}
     assert [c.index for c in cells] == list(range(len(cells)))
+
+
+def test_cell_ids_follow_a_profiles_content_and_the_results_version(tmp_path, monkeypatch):
+    """A profile recalibrated in place, or a change that alters results (RESULTS_VERSION), gives
+    new cell ids, so a rerun recomputes instead of keeping stale rows; the path alone does not."""
+    import fusesearch.sweep as sweep_module
+    from costmodels import DEVICES
+    from costmodels.profile import Profile, save_profile
+
+    profile = tmp_path / "p.json"
+    save_profile(Profile(DEVICES["t4"]), profile)
+    path = _config(tmp_path, 'models = ["zoo:rnn-control"]\ndevices = ["p.json"]\nstrategies = ["none"]\n')
+    first = [c.cell_id for c in expand(load_config(path))]
+    assert first == [c.cell_id for c in expand(load_config(path))]
+    save_profile(Profile(DEVICES["t4"], RooflineParams().with_updates(overlap=0.5)), profile)
+    second = [c.cell_id for c in expand(load_config(path))]
+    assert second != first
+    monkeypatch.setattr(sweep_module, "RESULTS_VERSION", sweep_module.RESULTS_VERSION + 1)
+    assert [c.cell_id for c in expand(load_config(path))] != second
 
 
 def test_zoo_parameters_expand_into_models(tmp_path):

@@ -5,10 +5,13 @@ and, so that everything but the launch skeleton is exercised without one, on the
 Approach (as TVM's compute inlining): the value of a tensor at a multi-index is an expression
 built from its producer inside the group — `value(t, idx)` recurses through elementwise and
 broadcast ops (same / broadcast index), injective ops (index remapping: Reshape via the flat
-index, Transpose, Slice, Gather, Concat, Split, Expand, Resize-nearest) down to loads of the
-kernel's inputs. Temporaries are memoized per (tensor, index) inside a scope, so a diamond
-computes its shared value once. The emitted statements are the same text in both languages;
-only the skeleton around them differs:
+index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
+DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
+wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
+its 2^axes neighbours) down to loads of the kernel's inputs. Temporaries are memoized per
+(tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
+every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
+emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
                C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
@@ -22,7 +25,7 @@ only the skeleton around them differs:
                local buffer, CUDA: shared memory), so its dot products run once
     gemm/conv  C, with a BLAS (`FS_BLAS_SGEMM`, scipy-openblas32; measured faster than our own
                loops and within noise of ONNX Runtime's MLAS, benchmarks/bench_cpu.py): MatMul/Gemm
-               per block of BLAS_ROWS output rows of one batch — the A rows with the prologue
+               per block of output rows of one batch (a block per thread) — the A rows with the prologue
                applied packed into a panel (B too when the group computes it, e.g. the transposed
                keys of attention), one sgemm into a block tile, the epilogue over the tile while it
                is in cache, before the one store; Conv as implicit GEMM per block of whole output
@@ -56,6 +59,7 @@ float32 (float tensors), int64 (indices) or uint8 (bool).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,7 +68,7 @@ import numpy as np
 
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.ir.graph import Graph, Node, TensorInfo
-from fusesearch.lowering import Kernel
+from fusesearch.lowering import MAX_ROW_SMEM, Kernel
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
@@ -250,7 +254,7 @@ _UNARY = {
     "Relu": "FS_FMAX({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})",
     "Sqrt": "sqrtf({0})", "Erf": "erff({0})", "Tanh": "tanhf({0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))",
     "Reciprocal": "(1.0f / {0})", "Floor": "floorf({0})", "Ceil": "ceilf({0})", "Sin": "sinf({0})",
-    "Cos": "cosf({0})", "Softplus": "log1pf(expf({0}))", "Softsign": "({0} / (1.0f + fabsf({0})))",
+    "Cos": "cosf({0})", "Softsign": "({0} / (1.0f + fabsf({0})))",
     "HardSwish": "({0} * FS_FMIN(FS_FMAX({0} + 3.0f, 0.0f), 6.0f) / 6.0f)", "Not": "(!{0})",
     "Sign": "(float)(({0} > 0) - ({0} < 0))", "Round": "nearbyintf({0})",
 }
@@ -419,27 +423,23 @@ def _expand(e, n, t, idx):
 
 
 def _resize(e, n, t, idx):
-    if n.attrs.get("mode", "nearest") != "nearest":
-        raise CodegenRefused(f"{n.name}(Resize) mode {n.attrs.get('mode')} has no code generator yet")
+    mode = n.attrs.get("mode", "nearest")
+    if mode == "linear":
+        return _resize_linear(e, n, t, idx)
+    if mode != "nearest":
+        raise CodegenRefused(f"{n.name}(Resize) mode {mode} has no code generator yet")
     src = n.inputs[0]
     in_shape, out_shape = e.info(src).shape, e.info(t).shape
-    ctm = n.attrs.get("coordinate_transformation_mode", "half_pixel")
     rounding = n.attrs.get("nearest_mode", "round_prefer_floor")
     src_idx = []
-    for i, din, dout in zip(idx, in_shape, out_shape, strict=True):
-        if din == dout:
+    for i, din, dout, scale in zip(idx, in_shape, out_shape, _resize_scales(e, n, in_shape, out_shape), strict=True):
+        if din == dout and scale == 1.0:
             src_idx.append(i)
             continue
-        scale = dout / din
-        if ctm == "asymmetric":
-            x = f"((float)({i}) / {_lit(scale)})"
-        elif ctm in ("half_pixel", "pytorch_half_pixel"):
-            x = f"(((float)({i}) + 0.5f) / {_lit(scale)} - 0.5f)"
-        else:
-            raise CodegenRefused(f"{n.name}(Resize) coordinate mode {ctm} has no code generator yet")
+        x = _resize_coordinate(n, i, din, dout, scale)
         r = {"floor": f"floorf({x})", "ceil": f"ceilf({x})", "round_prefer_floor": f"ceilf({x} - 0.5f)",
              "round_prefer_ceil": f"floorf({x} + 0.5f)"}[rounding]
-        src_idx.append(e.tmp("long long", f"(long long)fminf(fmaxf({r}, 0.0f), {din - 1}.0f)"))
+        src_idx.append(e.tmp("long long", f"(long long)FS_FMIN(FS_FMAX({r}, 0.0f), {din - 1}.0f)"))
     return e.value(src, tuple(src_idx))
 
 
@@ -612,6 +612,348 @@ _HANDLERS = {"MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "ConvTranspose": _
              "Expand": _expand, "Resize": _resize}
 
 
+# -- more ops: the remaining activations, math, bitwise and integer ops, BatchNormalization
+#    (inference), Pad, GatherND / GatherElements, Tile, DepthToSpace / SpaceToDepth, Trilu,
+#    OneHot, ReverseSequence, CenterCropPad, Resize linear ------------------------------------
+
+_UNARY.update({
+    "Acos": "acosf({0})", "Acosh": "acoshf({0})", "Asin": "asinf({0})", "Asinh": "asinhf({0})",
+    "Atan": "atanf({0})", "Atanh": "atanhf({0})", "Cosh": "coshf({0})", "Sinh": "sinhf({0})",
+    "Tan": "tanf({0})", "IsNaN": "({0} != {0})", "BitwiseNot": "(~{0})", "Identity": "{0}",
+    # softplus as max(x, 0) + log1p(exp(-|x|)): log1p(exp(x)) overflows to inf past x = 88
+    "Softplus": "(FS_FMAX({0}, 0.0f) + log1pf(expf(-fabsf({0}))))",
+    "Mish": "({0} * tanhf(FS_FMAX({0}, 0.0f) + log1pf(expf(-fabsf({0})))))",  # x·tanh(softplus(x))
+})
+_BINARY.update({"BitwiseAnd": "({0} & {1})", "BitwiseOr": "({0} | {1})", "BitwiseXor": "({0} ^ {1})"})
+
+
+def _typed_lit(e: _Emitter, tensor: str, value: float) -> str:
+    """A constant in the C type of `tensor`: a float literal, or an integer / bool one."""
+    dtype = e.info(tensor).dtype
+    if dtype == "float32":
+        return _lit(float(value))
+    if dtype == "bool":
+        return "1" if value else "0"
+    return f"{int(value)}LL"
+
+
+def _hard_sigmoid(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    a, b = _lit(n.attrs.get("alpha", 0.2)), _lit(n.attrs.get("beta", 0.5))
+    return f"FS_FMAX(0.0f, FS_FMIN(1.0f, {a} * {x} + {b}))"
+
+
+def _selu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    alpha = float(n.attrs.get("alpha", 1.67326319217681884765625))
+    gamma = float(n.attrs.get("gamma", 1.05070102214813232421875))
+    return f"({x} > 0.0f ? {_lit(gamma)} * {x} : {_lit(gamma * alpha)} * (expf({x}) - 1.0f))"
+
+
+def _celu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    a = _lit(n.attrs.get("alpha", 1.0))
+    return f"(FS_FMAX({x}, 0.0f) + FS_FMIN(0.0f, {a} * (expf({x} / {a}) - 1.0f)))"
+
+
+def _thresholded_relu(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    return f"({x} > {_lit(n.attrs.get('alpha', 1.0))} ? {x} : 0.0f)"
+
+
+def _shrink(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    lam, bias = float(n.attrs.get("lambd", 0.5)), float(n.attrs.get("bias", 0.0))
+    lo, hi = _typed_lit(e, t, -lam), _typed_lit(e, t, lam)
+    b, zero = _typed_lit(e, t, bias), _typed_lit(e, t, 0)
+    return f"({x} < {lo} ? {x} + {b} : ({x} > {hi} ? {x} - {b} : {zero}))"
+
+
+def _swish(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    return f"({x} / (1.0f + expf({_lit(-float(n.attrs.get('alpha', 1.0)))} * {x})))"
+
+
+def _is_inf(e, n, t, idx):
+    x = e.input_at(n, 0, idx)
+    terms = ([f"{x} == INFINITY"] if int(n.attrs.get("detect_positive", 1)) else []) + (
+        [f"{x} == -INFINITY"] if int(n.attrs.get("detect_negative", 1)) else [])
+    return f"({' || '.join(terms)})" if terms else "0"
+
+
+def _prelu(e, n, t, idx):
+    x, slope = e.input_at(n, 0, idx), e.input_at(n, 1, idx)
+    return f"({x} < 0 ? {slope} * {x} : {x})"
+
+
+def _mod(e, n, t, idx):
+    a, b = e.input_at(n, 0, idx), e.input_at(n, 1, idx)
+    rem = f"fmodf({a}, {b})" if e.info(t).dtype == "float32" else f"{a} % {b}"
+    if int(n.attrs.get("fmod", 0)):
+        return f"({rem})"  # C's remainder truncates: the sign of the dividend, as fmod
+    r = e.tmp(e.ctype(t), rem)  # the sign of the divisor, as Python's %
+    return f"(({r} != 0 && (({r} < 0) != ({b} < 0))) ? {r} + {b} : {r})"
+
+
+def _identity_like(e, n, t, idx):
+    """Dropout in inference (its output is its input, the optional mask all true)."""
+    training = n.inputs[2] if len(n.inputs) > 2 else ""
+    flag = e.graph.constant_value(training) if training else np.zeros(1, bool)
+    if flag is None or bool(flag.reshape(-1)[0]):
+        raise CodegenRefused(f"{n.name}({n.op_type}) in training mode is not generated (random)")
+    return e.input_at(n, 0, idx) if t == n.outputs[0] else "1"
+
+
+def _batch_norm(e, n, t, idx):
+    """Inference: (x - mean) · scale / sqrt(var + eps) + bias per channel (axis 1)."""
+    if int(n.attrs.get("training_mode", 0)) or t != n.outputs[0] or len(idx) < 2:
+        raise CodegenRefused(f"{n.name}(BatchNormalization) in training mode is not generated")
+    x = e.input_at(n, 0, idx)
+    scale, bias, mean, var = (e.value(n.inputs[k], (idx[1],)) for k in (1, 2, 3, 4))
+    eps = _lit(n.attrs.get("epsilon", 1e-5))
+    return f"(({x} - {mean}) * ({scale} / sqrtf({var} + {eps})) + {bias})"
+
+
+def _guarded_or(e: _Emitter, tensor: str, idx: tuple[str, ...], cond: str, default: str) -> str:
+    """value(tensor, idx) where cond holds, else `default`: never evaluated out of bounds."""
+    if not cond:
+        return e.value(tensor, idx)
+    result = e.tmp(e.ctype(tensor), default)
+    outer = e.lines
+    e.lines = []
+    e.push()
+    v = e.value(tensor, idx)
+    e.pop()
+    body = e.lines
+    e.lines = outer
+    e.lines += [f"if ({cond}) {{", *["    " + x for x in body], f"    {result} = {v};", "}"]
+    return result
+
+
+def _ints(e: _Emitter, node: Node, k: int) -> list[int] | None:
+    """A constant integer input as a list; None when the input is omitted."""
+    if len(node.inputs) <= k or not node.inputs[k]:
+        return None
+    return [int(v) for v in e.const(node.inputs[k]).reshape(-1)]
+
+
+def _pad(e, n, t, idx):
+    """Constant / edge / reflect / wrap padding; negative pads crop (index shifts only)."""
+    src = n.inputs[0]
+    shape = e.info(src).shape
+    rank = len(shape)
+    mode = n.attrs.get("mode", "constant")
+    pads = _ints(e, n, 1)
+    pads = pads if pads is not None else [int(p) for p in n.attrs.get("pads", ())]
+    axes = [a % rank for a in (_ints(e, n, 3) or range(rank))]
+    begin, end = [0] * rank, [0] * rank
+    for k, a in enumerate(axes):
+        begin[a], end[a] = pads[k], pads[k + len(axes)]
+    if mode == "constant":
+        fill = n.attrs.get("value", 0.0)
+        if len(n.inputs) > 2 and n.inputs[2]:
+            fill = e.const(n.inputs[2]).reshape(-1)[0]
+        default = _typed_lit(e, t, fill)
+    elif mode not in ("edge", "reflect", "wrap"):
+        raise CodegenRefused(f"{n.name}(Pad) mode {mode} has no code generator yet")
+    src_idx, checks = [], []
+    for i, d, b, f in zip(idx, shape, begin, end, strict=True):
+        if b == 0 and f == 0:
+            src_idx.append(i)
+            continue
+        p = e.tmp("long long", f"({i}) - {b}LL") if b else i
+        if mode == "constant":
+            if b > 0 or f > 0:
+                checks.append(f"{p} >= 0 && {p} < {d}LL")
+        elif mode == "edge":
+            p = e.tmp("long long", f"{p} < 0 ? 0 : ({p} >= {d}LL ? {d - 1}LL : {p})")
+        elif mode == "reflect":
+            if max(b, f) > d - 1:
+                raise CodegenRefused(f"{n.name}(Pad) reflect pads {max(b, f)} >= dim {d}")
+            p = e.tmp("long long", f"{p} < 0 ? -{p} : ({p} >= {d}LL ? {2 * (d - 1)}LL - {p} : {p})")
+        else:
+            p = e.tmp("long long", f"(({p}) % {d}LL + {d}LL) % {d}LL")
+        src_idx.append(p)
+    if mode == "constant":
+        return _guarded_or(e, src, tuple(src_idx), " && ".join(checks), default)
+    return e.value(src, tuple(src_idx))
+
+
+def _center_crop_pad(e, n, t, idx):
+    src = n.inputs[0]
+    shape, out_shape = e.info(src).shape, e.info(t).shape
+    src_idx, checks = [], []
+    for i, d, dout in zip(idx, shape, out_shape, strict=True):
+        if d >= dout:  # crop: start at (d - dout) / 2
+            src_idx.append(f"({i} + {(d - dout) // 2}LL)" if d > dout else i)
+            continue
+        p = e.tmp("long long", f"({i}) - {(dout - d) // 2}LL")
+        checks.append(f"{p} >= 0 && {p} < {d}LL")
+        src_idx.append(p)
+    return _guarded_or(e, src, tuple(src_idx), " && ".join(checks), _typed_lit(e, t, 0))
+
+
+def _wrapped(e: _Emitter, raw: str, dim: int) -> str:
+    """An index read from a tensor, negative values counted from the end."""
+    return e.tmp("long long", f"({raw} < 0 ? (long long)({raw}) + {dim}LL : (long long)({raw}))")
+
+
+def _gather_nd(e, n, t, idx):
+    data, indices = n.inputs[0], n.inputs[1]
+    ds, qs = e.info(data).shape, e.info(indices).shape
+    b = int(n.attrs.get("batch_dims", 0))
+    lead = tuple(idx[:len(qs) - 1])
+    picked = [_wrapped(e, e.value(indices, lead + (str(m),)), ds[b + m]) for m in range(qs[-1])]
+    return e.value(data, tuple(idx[:b]) + tuple(picked) + tuple(idx[len(qs) - 1:]))
+
+
+def _gather_elements(e, n, t, idx):
+    data, indices = n.inputs[0], n.inputs[1]
+    ds = e.info(data).shape
+    axis = int(n.attrs.get("axis", 0)) % len(ds)
+    pos = _wrapped(e, e.value(indices, idx), ds[axis])
+    return e.value(data, idx[:axis] + (pos,) + idx[axis + 1:])
+
+
+def _tile(e, n, t, idx):
+    shape, out_shape = e.info(n.inputs[0]).shape, e.info(t).shape
+    return e.value(n.inputs[0], tuple(
+        i if d == dout else ("0" if d == 1 else e.tmp("long long", f"({i}) % {d}LL"))
+        for i, d, dout in zip(idx, shape, out_shape, strict=True)))
+
+
+def _depth_to_space(e, n, t, idx):
+    b = int(n.attrs["blocksize"])
+    nb, c, y, x = idx
+    channels = e.info(t).shape[1]
+    h, w = e.tmp("long long", f"({y}) / {b}LL"), e.tmp("long long", f"({x}) / {b}LL")
+    i, j = f"(({y}) % {b}LL)", f"(({x}) % {b}LL)"
+    if n.attrs.get("mode", "DCR") == "CRD":
+        ci = f"({c}) * {b * b}LL + {i} * {b}LL + {j}"
+    else:
+        ci = f"{i} * {b * channels}LL + {j} * {channels}LL + ({c})"
+    return e.value(n.inputs[0], (nb, e.tmp("long long", ci), h, w))
+
+
+def _space_to_depth(e, n, t, idx):
+    b = int(n.attrs["blocksize"])
+    nb, oc, y, x = idx
+    channels = e.info(n.inputs[0]).shape[1]
+    if n.attrs.get("mode", "DCR") == "CRD":  # oc = (c·b + i)·b + j
+        c = e.tmp("long long", f"({oc}) / {b * b}LL")
+        i = e.tmp("long long", f"({oc}) / {b}LL % {b}LL")
+        j = e.tmp("long long", f"({oc}) % {b}LL")
+    else:  # oc = (i·b + j)·C + c
+        i = e.tmp("long long", f"({oc}) / {b * channels}LL")
+        j = e.tmp("long long", f"({oc}) / {channels}LL % {b}LL")
+        c = e.tmp("long long", f"({oc}) % {channels}LL")
+    return e.value(n.inputs[0], (nb, c, f"({y}) * {b}LL + {i}", f"({x}) * {b}LL + {j}"))
+
+
+def _trilu(e, n, t, idx):
+    k = (_ints(e, n, 1) or [0])[0]
+    keep = f"({idx[-1]}) - ({idx[-2]}) {'>=' if int(n.attrs.get('upper', 1)) else '<='} {k}LL"
+    return _guarded_or(e, n.inputs[0], idx, keep, _typed_lit(e, t, 0))
+
+
+def _eye_like(e, n, t, idx):
+    k = int(n.attrs.get("k", 0))
+    return f"(({idx[1]}) - ({idx[0]}) == {k}LL)"
+
+
+def _one_hot(e, n, t, idx):
+    indices, values = n.inputs[0], n.inputs[2]
+    depth = int(e.const(n.inputs[1]).reshape(-1)[0])
+    axis = int(n.attrs.get("axis", -1)) % len(idx)
+    raw = e.value(indices, idx[:axis] + idx[axis + 1:])
+    at = _wrapped(e, raw, depth)
+    return f"({at} == ({idx[axis]}) ? {e.value(values, ('1',))} : {e.value(values, ('0',))})"
+
+
+def _reverse_sequence(e, n, t, idx):
+    batch, time = int(n.attrs.get("batch_axis", 1)), int(n.attrs.get("time_axis", 0))
+    length = e.value(n.inputs[1], (idx[batch],))
+    src_idx = list(idx)
+    src_idx[time] = e.tmp("long long", f"{idx[time]} < {length} ? {length} - 1 - {idx[time]} : {idx[time]}")
+    return e.value(n.inputs[0], tuple(src_idx))
+
+
+def _resize_scales(e: _Emitter, n: Node, in_shape, out_shape) -> list[float]:
+    """Per axis, the scale the coordinate transform divides by: the `scales` input where given
+    (not out/in: a 0.6 scale of 4 gives 2 pixels), else out/in (one common ratio under a
+    keep_aspect_ratio_policy other than stretch)."""
+    rank = len(in_shape)
+    axes = [int(a) % rank for a in n.attrs.get("axes", ())] or list(range(rank))
+    scales = [dout / din for din, dout in zip(in_shape, out_shape, strict=True)]
+    given = e.graph.constant_value(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
+    if given is not None and given.size:
+        for a, s in zip(axes, given.reshape(-1), strict=True):
+            scales[a] = float(s)
+    elif n.attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        sizes = _ints(e, n, 3) or [out_shape[a] for a in axes]
+        ratios = [size / in_shape[a] for a, size in zip(axes, sizes, strict=True)]
+        common = min(ratios) if n.attrs["keep_aspect_ratio_policy"] == "not_larger" else max(ratios)
+        for a in axes:
+            scales[a] = common
+    return scales
+
+
+def _resize_coordinate(n: Node, i: str, din: int, dout: int, scale: float) -> str:
+    """The input coordinate (float) of output index i along one axis."""
+    ctm = n.attrs.get("coordinate_transformation_mode", "half_pixel")
+    centre = f"(((float)({i}) + 0.5f) / {_lit(scale)} - 0.5f)"
+    if ctm == "asymmetric":
+        return f"((float)({i}) / {_lit(scale)})"
+    if ctm == "half_pixel":
+        return centre
+    if ctm == "pytorch_half_pixel":
+        return centre if dout > 1 else "0.0f"
+    if ctm == "align_corners":  # the output extent as scale · in, as ONNX's reference
+        return "0.0f" if dout == 1 else f"((float)({i}) * {_lit((din - 1) / (scale * din - 1))})"
+    if ctm == "half_pixel_symmetric":
+        offset = din / 2 * (1 - dout / (scale * din))
+        return f"({_lit(offset)} + {centre})"
+    raise CodegenRefused(f"{n.name}({n.op_type}) coordinate mode {ctm} has no code generator yet")
+
+
+def _resize_linear(e, n, t, idx):
+    """(Bi/tri)linear: per resized axis the two neighbours of the input coordinate (clamped to the
+    edge) and their weights; the value is the weighted sum over the 2^axes corners."""
+    src = n.inputs[0]
+    in_shape, out_shape = e.info(src).shape, e.info(t).shape
+    scales = _resize_scales(e, n, in_shape, out_shape)
+    if int(n.attrs.get("antialias", 0)) and min(scales) < 1.0:
+        raise CodegenRefused(f"{n.name}(Resize) mode linear with antialias has no code generator yet")
+    taps: list[list[tuple[str, str | None]]] = []
+    for i, din, dout, scale in zip(idx, in_shape, out_shape, scales, strict=True):
+        if din == dout and scale == 1.0:
+            taps.append([(i, None)])
+            continue
+        x = e.tmp("float", _resize_coordinate(n, i, din, dout, scale))
+        lo = e.tmp("float", f"floorf({x})")
+        w1 = e.tmp("float", f"{x} - {lo}")
+        k = e.tmp("long long", f"(long long){lo}")
+        i0 = e.tmp("long long", f"{k} < 0 ? 0 : ({k} > {din - 1}LL ? {din - 1}LL : {k})")
+        i1 = e.tmp("long long", f"{k} + 1 < 0 ? 0 : ({k} + 1 > {din - 1}LL ? {din - 1}LL : {k} + 1)")
+        taps.append([(i0, f"(1.0f - {w1})"), (i1, w1)])
+    terms = []
+    for corner in itertools.product(*taps):
+        weights = [w for _, w in corner if w is not None]
+        v = e.value(src, tuple(i for i, _ in corner))
+        terms.append(" * ".join([*weights, v]))
+    return "(" + " + ".join(terms) + ")"
+
+
+_HANDLERS.update({
+    "HardSigmoid": _hard_sigmoid, "Selu": _selu, "Celu": _celu, "ThresholdedRelu": _thresholded_relu,
+    "Shrink": _shrink, "Swish": _swish, "IsInf": _is_inf, "PRelu": _prelu, "Mod": _mod, "CastLike": _cast,
+    "Dropout": _identity_like, "BatchNormalization": _batch_norm, "Pad": _pad, "CenterCropPad": _center_crop_pad,
+    "GatherND": _gather_nd, "GatherElements": _gather_elements, "Tile": _tile, "DepthToSpace": _depth_to_space,
+    "SpaceToDepth": _space_to_depth, "Trilu": _trilu, "EyeLike": _eye_like, "OneHot": _one_hot,
+    "ReverseSequence": _reverse_sequence,
+})
+
+
 # -- kernels ----------------------------------------------------------------------------------
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
@@ -682,7 +1024,8 @@ _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifd
               + "".join(f"#pragma omp declare simd notinbranch\nfloat {f}(float);\n" for f in _VECTOR_MATH)
               + "#endif\n#ifdef FS_BLAS_SGEMM\nvoid FS_BLAS_SGEMM(int, int, int, int, int, int, float, const float*, int, "
               "const float*, int, float, float*, int);\n#endif\n#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
-              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
+              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_max_threads(); }\n"
+              "#else\nstatic inline long long fs_threads(void) { return 1; }\n#endif\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
 _CU_PRELUDE = ("#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
                "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n#define FS_SIMD_SUM(a)\n"
                "#define FS_FMAX(a, b) fmaxf(a, b)\n#define FS_FMIN(a, b) fminf(a, b)\n")
@@ -704,7 +1047,6 @@ def _pointwise(graph, kernel, name, ins, outs, args):
 
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
-MAX_ROW_SMEM = 32768  # bytes of shared memory for rows a CUDA row kernel caches
 
 
 def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:
@@ -736,22 +1078,17 @@ CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole out
 
 def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
     """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
-    and group: the block's input patches (prologue applied, zero padding) are packed into an
+    and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS): the block's input patches (prologue applied, zero padding) are packed into an
     im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its input in place), one sgemm
     multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
     epilogue runs over the block's product while it is in cache, before the one store. None for
     depthwise-like groups (under 8 output channels per group), non-2-D convs and computed filters."""
-    x, w = anchor.inputs[0], anchor.inputs[1]
-    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    group = int(anchor.attrs.get("group", 1))
-    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
         return None
+    x, w, xs, ws, ys, group, main, side = found
     cin_g, cout_g = xs[1] // group, ys[1] // group
     if cout_g < 8:
-        return None
-    main = [o for o in outs if o.shape == ys]
-    side = [o for o in outs if o.shape != ys]
-    if not main:
         return None
     e = _Emitter(graph, kernel, args)
     spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
@@ -759,13 +1096,15 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     kt = math.prod(taps)
     ho, wo = ys[2], ys[3]
     pixels = ho * wo
-    rows_per_block = max(1, min(-(-ho // 2), CONV_PATCH_FLOATS // max(1, kt * wo)))
-    blocks = -(-ho // rows_per_block)
+    cap = max(1, CONV_PATCH_FLOATS // max(1, kt * wo))  # output rows per block: its panel within the cap
     direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
               and not any(pads) and graph.tensors[x].dtype == "float32")
     idx = ("nb", "co", "oh", "ow")
     if direct:
         fill, panel, ldb = [], f"{args[x].name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
+    elif x in args and graph.producer(x) not in kernel.nodes and graph.tensors[x].dtype == "float32":
+        fill = _im2col_rows(args[x].name, xs, cin_g, kern, strides, pads, dilations, wo)
+        panel, ldb = "patch", "(int)pn"
     else:
         e.lines = []
         e.push()
@@ -783,10 +1122,10 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
-    block = [f"for (long long blk = 0; blk < {xs[0] * group * blocks}LL; ++blk) {{",
-             f"    long long nb = blk / {group * blocks}LL, gq = blk / {blocks}LL % {group}LL;",
-             f"    long long oh0 = blk % {blocks}LL * {rows_per_block}LL;",
-             f"    long long oh1 = oh0 + {rows_per_block}LL < {ho}LL ? oh0 + {rows_per_block}LL : {ho}LL;",
+    block = [f"for (long long blk = 0; blk < {xs[0] * group}LL * blocks; ++blk) {{",
+             f"    long long nb = blk / ({group}LL * blocks), gq = blk / blocks % {group}LL;",
+             "    long long oh0 = blk % blocks * rb;",
+             f"    long long oh1 = oh0 + rb < {ho}LL ? oh0 + rb : {ho}LL;",
              f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
              *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
              f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
@@ -800,7 +1139,46 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              "            }", "        }", "    }",
              *(["    free(patch);"] if not direct else []), "    free(cbuf);", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
-    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+    split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
+             f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
+             f"long long blocks = ({ho}LL + rb - 1) / rb;")
+    return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
+                     + _indent(block, 1), "    }"]
+
+
+def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 read from the input as it is (no prologue): per tap
+    and output row, the zero rows and columns outside the image, a strided copy in between."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = kern, strides, pads, dilations
+    h, w = xs[2], xs[3]
+    return [f"for (long long kq = 0; kq < {cin_g * kh_n * kw_n}LL; ++kq) {{",
+            f"    long long ci = kq / {kh_n * kw_n}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
+            f"    long long off = kw * {dw}LL - {pw}LL;",
+            f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
+            f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
+            f"    if (hi > {wo}LL) hi = {wo}LL;", "    if (lo > hi) lo = hi;",
+            "    for (long long oh = oh0; oh < oh1; ++oh) {",
+            f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
+            f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
+            f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
+            f"        const float* src = {x} + ((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + off;",
+            "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
+            "        #pragma omp simd",
+            f"        for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];",
+            f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", "}"]
+
+
+def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
+    """(x, w, shapes of x, w, y, group, outputs of y's shape, other outputs) of a 2-D conv whose
+    filter is a float32 kernel input, or None."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+        return None
+    main = [o for o in outs if o.shape == ys]
+    if not main:
+        return None
+    return x, w, xs, ws, ys, int(anchor.attrs.get("group", 1)), main, [o for o in outs if o.shape != ys]
 
 
 def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
@@ -809,14 +1187,11 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
     registers; output rows whose taps all fall inside the image run without bounds checks in the
     columns whose taps do too; the border pixels take the general padded path. None unless the
     conv is 2-D with one input channel per group and a constant filter."""
-    x, w = anchor.inputs[0], anchor.inputs[1]
-    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    group = int(anchor.attrs.get("group", 1))
-    if len(xs) != 4 or group == 1 or xs[1] != group or w not in args or graph.producer(w) in kernel.nodes:
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
         return None
-    main = [o for o in outs if o.shape == ys]
-    side = [o for o in outs if o.shape != ys]
-    if not main:
+    x, w, xs, ws, ys, group, main, side = found
+    if group == 1 or xs[1] != group:
         return None
     e = _Emitter(graph, kernel, args)
     _, (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
@@ -955,11 +1330,13 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     return c_side + ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *rows_loop, "#endif"]
 
 
-BLAS_ROWS = 64  # C gemm: rows of A packed (prologue applied) per BLAS call; the product tile stays in cache
+BLAS_TILE_FLOATS = 1 << 18  # C gemm: at most this product tile (1 MiB) per BLAS call, so it stays in cache
 
 
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body) -> list[str] | None:
-    """C gemm through a BLAS sgemm per block of BLAS_ROWS output rows (one batch each): the rows of A
+    """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
+    OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
+    tile, so B is packed as few times as the threads allow: the rows of A
     with the prologue applied are packed into a buffer, one sgemm multiplies them by B (a kernel
     input, read in place), and the epilogue runs over the block's product while it is in cache,
     before the one store. None where B is computed inside the group or not a float32 input."""
@@ -971,7 +1348,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     sb = graph.tensors[b].shape
     m_extent = yshape[-2] if len(yshape) > 1 else 1
     batches = math.prod(yshape[:-2])
-    blocks = -(-m_extent // BLAS_ROWS)
+    cap = max(8, BLAS_TILE_FLOATS // max(1, n_extent))
     e.lines = []
     z_idx = e.unflatten("z", yshape[:-2])
     z_lines = e.lines
@@ -993,12 +1370,12 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, abuf, "
              f"{k_extent}, {b_ptr}, {ldb}, 0.0f, cbuf, {n_extent});")
-    block = [f"for (long long blk = 0; blk < {batches * blocks}LL; ++blk) {{",
-             f"    long long z = blk / {blocks}LL, m0 = (blk % {blocks}LL) * {BLAS_ROWS}LL;",
-             f"    long long mc = {m_extent}LL - m0 < {BLAS_ROWS}LL ? {m_extent}LL - m0 : {BLAS_ROWS}LL;",
+    block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
+             "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
+             f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
              *["    " + x for x in z_lines],
-             f"    float* abuf = (float*)malloc(sizeof(float) * {BLAS_ROWS * k_extent}LL);",
-             f"    float* cbuf = (float*)malloc(sizeof(float) * {BLAS_ROWS * n_extent}LL);",
+             f"    float* abuf = (float*)malloc(sizeof(float) * mc * {k_extent}LL);",
+             f"    float* cbuf = (float*)malloc(sizeof(float) * mc * {n_extent}LL);",
              "    for (long long i = 0; i < mc; ++i) {",
              *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
              *["        " + x for x in fill], "    }",
@@ -1008,7 +1385,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              *(["        #pragma omp simd"] if _flat_loop(body) else []),
              f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
              "    }", "    free(abuf);", "    free(cbuf);", *(["    free(bbuf);"] if packed_b else []), "}"]
-    return ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+    split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
+             f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
+             f"long long blocks = ({m_extent}LL + mb - 1) / mb;")
+    return ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n" + _indent(block, 1), "    }"]
 
 
 def _fill_conv(graph: Graph, anchor: Node):
@@ -1138,10 +1518,12 @@ class _RowPlan:
         return self.cached if self.c_target else self.cu_cached
 
 
-def _rowwise(graph, kernel, name, ins, outs, args):
+def _row_plan(graph, kernel, args, outs, materialized=frozenset()):
+    """The row kernel's statements: (plan with its C and CUDA row bodies, side-output loops)."""
     nodes = [graph.nodes[i] for i in kernel.nodes]
     rows, length = _row_shape(graph, nodes)
     e = _Emitter(graph, kernel, args)
+    e.materialized = materialized
     plan = _RowPlan(rows, length)
     side = _side_outputs(graph, kernel, outs, plan)
     for node in nodes:
@@ -1150,16 +1532,49 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     for out in outs:
         if out not in side:
             _row_output(e, out, plan)
-    c_side, cu_side = _pointwise_loops(graph, kernel, args, side)
-    c_body = _indent(plan.c, 2)
+    return plan, _pointwise_loops(graph, kernel, args, side, materialized)
+
+
+def _c_rows(plan: _RowPlan, c_side: list[str]) -> str:
+    return ("".join(x + "\n" for x in c_side) + f"    #pragma omp parallel for schedule(static)\n"
+            f"    for (long long r = 0; r < {plan.rows}LL; ++r) {{\n{_indent(plan.c, 2)}\n    }}\n")
+
+
+def _rowwise(graph, kernel, name, ins, outs, args):
+    plan, (c_side, cu_side) = _row_plan(graph, kernel, args, outs)
+    rows, length = plan.rows, plan.length
     cu_body = _indent(plan.cu, 2)
-    c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "".join(x + "\n" for x in c_side)
-             + f"    #pragma omp parallel for schedule(static)\n    for (long long r = 0; r < {rows}LL; ++r) {{\n"
-             f"{c_body}\n    }}\n}}\n")
-    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+    c_body = _c_rows(plan, c_side)
+    product = _row_product(graph, kernel, args, outs)
+    if product is not None:  # C with a BLAS: the product first (packed, blocked), then the rows read it
+        c_body = f"#ifdef FS_BLAS_SGEMM\n{product}#else\n{c_body}#endif\n"
+    c_src = f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n{c_body}}}\n"
+    arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
+    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length
+
+
+def _row_product(graph, kernel, args, outs) -> str | None:
+    """C for a row kernel over a MatMul/Gemm (attention's scores under a Softmax): the product,
+    prologue applied, into a heap buffer through the BLAS blocks, then the row loops reading it
+    (each row's dot products are one BLAS tile instead of a dot per element). None without an
+    anchor, or where the product is not float32 or not generated through the BLAS blocks."""
+    if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
+        return None
+    anchor = graph.nodes[kernel.anchor]
+    y = anchor.outputs[0]
+    info = graph.tensors[y]
+    if info.dtype != "float32" or not info.shape:
+        return None
+    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
+    if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
+        return None
+    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}))
+    return (f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);\n"
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side) + "    free(ybuf);\n")
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
@@ -1272,7 +1687,170 @@ def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     if op == "LayerNormalization":
         _layernorm(e, node, plan, at, x if computed else "")
         return
+    if op in _MORE_ROW_OPS:
+        _row_reduction(e, node, plan, at, x if computed else "")
+        return
     raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")
+
+
+# more row reductions: (the term summed or maximized, "sum" | "max", the result from the total)
+_ROW_REDUCTIONS = {
+    "GlobalMaxPool": ("{0}", "max", "{0}"), "ReduceMin": ("(-{0})", "max", "(-{0})"),
+    "ReduceL1": ("fabsf({0})", "sum", "{0}"), "ReduceL2": ("({0} * {0})", "sum", "sqrtf({0})"),
+    "ReduceSumSquare": ("({0} * {0})", "sum", "{0}"), "ReduceLogSum": ("{0}", "sum", "logf({0})"),
+}
+
+
+def _row_reduction(e, node, plan, at, cache: str) -> None:
+    """A reduction of the table above; ReduceLogSumExp (a max pass, then Σ exp(x - max));
+    GlobalLpPool ((Σ |x|^p)^(1/p)); the normalizations of `_row_normalization` (row ops)."""
+    if node.op_type in _ROW_NORMALIZATIONS:
+        _row_normalization(e, node, plan, at, cache)
+        return
+    if node.op_type in ("ArgMax", "ArgMin"):
+        e.row_scalars[node.outputs[0]] = _arg_reduction(e, node, plan, at)
+        return
+    if node.op_type == "Hardmax":  # one at the row's first maximum (the row is the last axis)
+        best = _arg_reduction(e, node, plan, at)
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(({idx[-1]}) == {best} ? 1.0f : 0.0f)"
+        e.row_sources[node.outputs[0]] = node.inputs[0]
+        return
+    e.count += 1
+    acc = f"s{e.count}"
+    if node.op_type == "GlobalLpPool":
+        p = float(node.attrs.get("p", 2))
+        term = {1.0: "fabsf({0})", 2.0: "({0} * {0})"}.get(p, f"powf(fabsf({{0}}), {_lit(p)})")
+        result = {1.0: "{0}", 2.0: "sqrtf({0})"}.get(p, f"powf({{0}}, {_lit(1.0 / p)})")
+        _row_loop(e, plan, lambda j: term.format(at(j)), "{0} + {1}", "0.0f", acc)
+        e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+        return
+    if node.op_type == "ReduceLogSumExp":
+        _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, cache)
+        e.count += 1
+        total = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"expf({at(j)} - {acc})", "{0} + {1}", "0.0f", total)
+        e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} + logf({total})")
+        return
+    term, kind, result = _ROW_REDUCTIONS[node.op_type]
+    body = at if term == "{0}" else (lambda j: term.format(at(j)))
+    cached = cache if term == "{0}" else ""  # a row cache holds the input itself, not a term of it
+    if kind == "max":
+        _row_loop(e, plan, body, "fmaxf({0}, {1})", "-INFINITY", acc, cached)
+    else:
+        _row_loop(e, plan, body, "{0} + {1}", "0.0f", acc, cached)
+    e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+
+
+_CU_BLOCK_ARGBEST = f"""
+__device__ void block_argbest(float* v, long long* i, int is_min, int last) {{
+    __shared__ float bv[{THREADS}];
+    __shared__ long long bi[{THREADS}];
+    __syncthreads();
+    bv[threadIdx.x] = *v;
+    bi[threadIdx.x] = *i;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {{
+        if (threadIdx.x < s) {{
+            float v1 = bv[threadIdx.x], v2 = bv[threadIdx.x + s];
+            long long i1 = bi[threadIdx.x], i2 = bi[threadIdx.x + s];
+            if (i2 >= 0 && (i1 < 0 || (is_min ? v2 < v1 : v2 > v1) || (v2 == v1 && (last ? i2 > i1 : i2 < i1)))) {{
+                bv[threadIdx.x] = v2;
+                bi[threadIdx.x] = i2;
+            }}
+        }}
+        __syncthreads();
+    }}
+    *v = bv[0];
+    *i = bi[0];
+    __syncthreads();
+}}
+"""
+
+
+def _arg_reduction(e, node, plan, at) -> str:
+    """The row's ArgMax / ArgMin (Hardmax: ArgMax), a per-row variable: each thread (C: the one
+    loop) keeps its best value and the index of its first (select_last_index: last) occurrence;
+    CUDA then combines the threads' pairs in shared memory (`block_argbest`, a tree over THREADS
+    slots; index -1 = no element)."""
+    e.count += 1
+    v, i = f"s{e.count}", f"a{e.count}"
+    is_min = node.op_type == "ArgMin"
+    last = int(node.attrs.get("select_last_index", 0))
+    cmp = ("<" if is_min else ">") + ("=" if last else "")
+    head = [f"float {v} = 0.0f;", f"long long {i} = -1;"]
+    for c_target, loop, target in ((True, "for (long long j = 0; j < {n}LL; ++j) {{", plan.c),
+                                   (False, "for (long long j = threadIdx.x; j < {n}LL; j += blockDim.x) {{", plan.cu)):
+        lines, value = _row_body(e, plan, at, c_target)
+        target += [*head, loop.format(n=plan.length), *["    " + x for x in lines],
+                   f"    if ({i} < 0 || {value} {cmp} {v}) {{ {v} = {value}; {i} = j; }}", "}"]
+    plan.cu.append(f"block_argbest(&{v}, &{i}, {int(is_min)}, {last});")
+    return i
+
+
+def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
+    """The row's mean and 1/sqrt(variance + epsilon): a sum pass, then a pass of squared deviations."""
+    e.count += 1
+    total = f"s{e.count}"
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
+    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
+    e.count += 1
+    sq = f"s{e.count}"
+    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
+    return mean, _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {_lit(epsilon)})")
+
+
+def _row_normalization(e, node, plan, at, cache: str) -> None:
+    """InstanceNormalization: a row per (N, C) over the spatial positions, normalized, then the
+    channel's scale and bias. MeanVarianceNormalization: normalized only (over inner axes).
+    RMSNormalization: x / sqrt(mean(x²) + epsilon) · scale. LpNormalization (p = 1 or 2): the row
+    divided by its p-norm."""
+    x, out = node.inputs[0], node.outputs[0]
+    if node.op_type == "MeanVarianceNormalization":  # ONNX: (x - mean) / (sqrt(var) + 1e-9)
+        mean, inv = _moments(e, plan, at, cache, 1e-9)
+
+        def normalized(idx, xv=None):
+            return f"(({xv or e.value(x, idx)} - {mean}) * {inv})"
+    elif node.op_type == "RMSNormalization":
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"({at(j)} * {at(j)})", "{0} + {1}", "0.0f", acc)
+        eps = _lit(node.attrs.get("epsilon", 1e-5))
+        inv = _scalar(e, plan, f"1.0f / sqrtf({acc} / {plan.length}.0f + {eps})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} * {inv} * {e.input_at(node, 1, idx)})"
+    elif node.op_type == "InstanceNormalization":
+        mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
+
+        def normalized(idx, xv=None):
+            c = (idx[1],)
+            scale, bias = e.value(node.inputs[1], c), e.value(node.inputs[2], c)
+            return f"((({xv or e.value(x, idx)} - {mean}) * {inv}) * {scale} + {bias})"
+    else:
+        p = int(node.attrs.get("p", 2))
+        if p not in (1, 2):
+            raise CodegenRefused(f"{node.name}(LpNormalization) p={p} is not a norm (p is 1 or 2)")
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, (lambda j: f"fabsf({at(j)})") if p == 1 else (lambda j: f"({at(j)} * {at(j)})"),
+                  "{0} + {1}", "0.0f", acc)
+        norm = acc if p == 1 else _scalar(e, plan, f"sqrtf({acc})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} / {norm})"
+    e.row_ops[out] = normalized
+    e.row_sources[out] = x
+
+
+_ROW_NORMALIZATIONS = frozenset({"InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
+                                 "RMSNormalization"})
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "ArgMax", "ArgMin", "Hardmax", *_ROW_NORMALIZATIONS,
+                           *_ROW_REDUCTIONS})
+ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
+                     "LayerNormalization", *_MORE_ROW_OPS})
+"""The REDUCE ops `_reduction` generates (row by row)."""
+GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
+"""Every op the generator has code for (its tables and handlers, and the row reductions)."""
 
 
 def _softmax(e, node, plan, at, cache: str) -> None:
@@ -1300,15 +1878,7 @@ def _exp_row(softmax_output: str) -> str:
 
 
 def _layernorm(e, node, plan, at, cache: str) -> None:
-    e.count += 1
-    total = f"s{e.count}"
-    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
-    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
-    e.count += 1
-    sq = f"s{e.count}"
-    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
-    eps = _lit(node.attrs.get("epsilon", 1e-5))
-    inv = _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {eps})")
+    mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
     x = node.inputs[0]
 
     def normalized(idx, xv=None):

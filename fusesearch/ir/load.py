@@ -13,7 +13,8 @@ Approach, in order (each step raises a one-line `BadInput` naming the file/node/
      user binds with --input-shape stays an input instead) and raise IR < 4 to 4, where shape
      inference sees initializers that are not inputs; every remaining input has a type;
   5. upgrade the opset to `TARGET_OPSET` with onnx's version converter (kept as is, with a
-     one-line warning, where the converter has no adapter or an op is not an ONNX operator);
+     one-line warning, where the converter has no adapter or an op is not an ONNX operator; a
+     linear Upsample / Resize-10 keeps its asymmetric coordinates, which the converter drops);
      bind dynamic dims, run onnx shape inference with data propagation, and check that each
      Conv/ConvTranspose reads the channels its weight expects (onnx's inference does not);
   6. hand back an `onnx_ir.Model` whose external tensors are memory-mapped from the model's folder
@@ -470,7 +471,24 @@ def _upgrade(proto: onnx.ModelProto, opset: int, label: str) -> onnx.ModelProto:
         log.warning("%s: kept opset %d, the version converter failed: %s", label, opset, _reason(exc))
         return proto
     _name_nodes(upgraded.graph)
+    if opset < RESIZE_COORDINATES_OPSET:
+        _keep_asymmetric_linear(upgraded.graph)
     return upgraded
+
+
+RESIZE_COORDINATES_OPSET = 11  # Resize's coordinate_transformation_mode (default half_pixel) is new in 11
+
+
+def _keep_asymmetric_linear(graph: onnx.GraphProto) -> None:
+    """Upsample (opsets 7-9) and Resize-10 interpolate linearly at asymmetric coordinates (x / scale);
+    the version converter writes a Resize-11 without the attribute, which then means half_pixel.
+    Nearest keeps the converter's form (half_pixel rounded half down picks floor(x / scale) too
+    when upsampling)."""
+    for node in graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        mode = onnx.helper.get_attribute_value(attrs["mode"]) if "mode" in attrs else b"nearest"
+        if node.op_type == "Resize" and mode == b"linear" and "coordinate_transformation_mode" not in attrs:
+            node.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
 
 
 def _warn_unknown_ops(graph: onnx.GraphProto, opset: int, label: str) -> bool:

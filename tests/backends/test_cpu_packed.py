@@ -106,12 +106,15 @@ CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
 }
 
 
+@pytest.mark.parametrize("prologue", [True, False], ids=["prologue", "input-as-is"])
 @pytest.mark.parametrize("name", sorted(CONVS))
-def test_conv_prologue_bias_residual(tmp_path, blas, name):
+def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
+    """With a prologue the im2col panel is filled through the expression emitter; without one, by
+    strided row copies between the zero borders."""
     xs, cout, k, stride, pad, group, dil = CONVS[name]
     ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
     wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
-    nodes = [helper.make_node("Relu", ["x"], ["xr"]),
+    nodes = [helper.make_node("Relu" if prologue else "Identity", ["x"], ["xr"]),
              helper.make_node("Conv", ["xr", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
                               pads=[pad] * 4, group=group, dilations=[dil] * 2),
              helper.make_node("Add", ["y", "r"], ["ya"]), helper.make_node("Relu", ["ya"], ["out"])]
@@ -167,3 +170,14 @@ def test_vector_math_is_linked_and_accurate(tmp_path):
     refs = [np.exp(x64), np.tanh(x64), np.vectorize(erf)(x64), np.log(np.abs(x64) + np.float64(np.float32(1e-3)))]
     for got, ref in zip(outs, refs, strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_attention_scores_under_a_softmax(tmp_path, blas):
+    """Q x K^T (the keys transposed in the group), scaled, masked, under a Softmax: a row kernel
+    whose product goes through the BLAS blocks first."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["d"]),
+             helper.make_node("Add", ["d", "mask"], ["a"]), helper.make_node("Softmax", ["a"], ["out"], axis=-1)]
+    gk = one_kernel(tmp_path, nodes, [("q", [1, 2, 67, 16]), ("k", [1, 2, 67, 16]), ("mask", [1, 1, 1, 67])],
+                    [("out", None)], [("c", np.float32(4.0))], expect="ybuf")
+    assert gk.rows == 2 * 67

@@ -12,7 +12,7 @@ The inputs an op reads as parameters (Slice starts, Reshape shape, Clip bounds, 
 become initializers first: fusesearch needs static shapes and constant parameters, as exported
 models have them; the data inputs stay graph inputs.
 Invariants: a case passes, or is refused (a dtype without a C type, a reduction over outer axes,
-an empty input, a generator refusal, a library-call lowering) AND is on `KNOWN_UNSUPPORTED`, the
+an empty input, a loader, generator or library-call refusal) AND is on `KNOWN_UNSUPPORTED`, the
 explicit list of known unsupported cases with their reasons — then it skips with that reason. A
 refusal not on the list fails; a listed case that now runs fails too ("remove it from the list"),
 so the list only shrinks; a listed case refused for another reason than its entry says, or one
@@ -35,16 +35,9 @@ import pytest
 from onnx import numpy_helper
 
 from fusesearch.backends import cpu
-from fusesearch.backends.codegen import (
-    _BINARY,
-    _HANDLERS,
-    _UNARY,
-    _VARIADIC,
-    CTYPES,
-    CodegenRefused,
-    generate,
-)
+from fusesearch.backends.codegen import CTYPES, GENERATED_OPS, CodegenRefused, generate
 from fusesearch.candidates.group import FusionGroup
+from fusesearch.errors import ModelLoadError
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.load import MIN_OPSET, TARGET_OPSET
 from fusesearch.lowering import _lower_checked, lower, reduced_rows
@@ -53,15 +46,17 @@ from fusesearch.verify import all_values
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
-ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
-                     "LayerNormalization"})
-COVERED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
+COVERED_OPS = GENERATED_OPS
+# generated ops onnx ships no node case for (checked against ONNX Runtime in test_codegen_coverage.py)
+WITHOUT_NODE_CASES = frozenset({"GlobalLpPool"})
 DATA_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "node"
 
 # inputs read as parameters (constants in exported models): made initializers before `prepare`
 PARAMETER_INPUTS = {"Clip": (1, 2), "Slice": (1, 2, 3, 4), "Reshape": (1,), "Expand": (1,), "Split": (1,),
                     "Squeeze": (1,), "Unsqueeze": (1,), "Resize": (1, 2, 3), "ReduceMean": (1,),
-                    "ReduceSum": (1,), "ReduceMax": (1,)}
+                    "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceL1": (1,), "ReduceL2": (1,),
+                    "ReduceSumSquare": (1,), "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "Pad": (1, 2, 3),
+                    "Tile": (1,), "Trilu": (1,), "OneHot": (1,), "CenterCropPad": (1,), "Dropout": (1, 2)}
 
 
 @dataclass(frozen=True)
@@ -77,10 +72,18 @@ EMPTY_INPUT = Unsupported("a zero-size input: the loader reads a 0 dim as an unb
                           "have no empty tensors)", r"^zero-size input ")
 OUTER_AXES = Unsupported("a reduction over outer axes: the rowwise template reduces the innermost axes only",
                          r"^not supported yet: .*reduces axes \[[-\d, ]+\], not the innermost ones")
-RESIZE_MODE = Unsupported("Resize linear/cubic interpolation or align_corners/tf_crop_and_resize coordinates: "
-                          "the generator emits nearest with the other coordinate modes",
-                          r"^generator refuses: .*\(Resize\) (mode (linear|cubic)|coordinate mode \w+) has no code "
-                          r"generator yet")
+RESIZE_MODE = Unsupported("Resize cubic interpolation, antialiased linear downsampling or tf_crop_and_resize "
+                          "coordinates: the generator emits nearest and linear with the other coordinate modes",
+                          r"^generator refuses: .*\(Resize\) (mode (cubic|linear with antialias)|coordinate mode \w+) "
+                          r"has no code generator yet")
+TRAINING = Unsupported("training mode (BatchNormalization's batch statistics, Dropout's random mask): the "
+                       "generator writes inference kernels", r"^generator refuses: .*in training mode is not generated")
+MVN_DEFAULT_AXES = Unsupported("MeanVarianceNormalization without an axes attribute: onnx's shape inference "
+                               "fails on its function body at opset 21 (and its default axes 0, 2, 3 are not inner)",
+                               r"^the loader refuses the model: .*MeanVarianceNormalization.*One and only one of the "
+                               r"attributes")
+NOT_TENSOR = Unsupported("an optional or sequence input, not a tensor",
+                         r"^input '\S+' is dynamic \(not a tensor of static shape\)")
 CONVT_SAME = Unsupported("ConvTranspose with auto_pad SAME_*: explicit pads only",
                          r"^generator refuses: .*\(ConvTranspose\) auto_pad SAME_(UPPER|LOWER) is not generated yet")
 
@@ -88,102 +91,162 @@ CONVT_SAME = Unsupported("ConvTranspose with auto_pad SAME_*: explicit pads only
 # not listed here fails; a listed case that runs fails ("remove it"): the list only shrinks.
 _LISTED = (
     (EMPTY_INPUT, """
-        test_castlike_BFLOAT16_to_FLOAT_expanded test_castlike_DOUBLE_to_FLOAT16_expanded
-        test_castlike_DOUBLE_to_FLOAT_expanded test_castlike_FLOAT16_to_DOUBLE_expanded
-        test_castlike_FLOAT16_to_FLOAT4E2M1_expanded test_castlike_FLOAT16_to_FLOAT8E4M3FNUZ_expanded
-        test_castlike_FLOAT16_to_FLOAT8E4M3FN_expanded test_castlike_FLOAT16_to_FLOAT8E5M2FNUZ_expanded
-        test_castlike_FLOAT16_to_FLOAT8E5M2_expanded test_castlike_FLOAT16_to_FLOAT_expanded
-        test_castlike_FLOAT16_to_INT2_expanded test_castlike_FLOAT16_to_INT4_expanded
-        test_castlike_FLOAT16_to_UINT2_expanded test_castlike_FLOAT16_to_UINT4_expanded
-        test_castlike_FLOAT4E2M1_to_FLOAT16_expanded test_castlike_FLOAT4E2M1_to_FLOAT_expanded
-        test_castlike_FLOAT8E4M3FNUZ_to_FLOAT16_expanded test_castlike_FLOAT8E4M3FNUZ_to_FLOAT_expanded
-        test_castlike_FLOAT8E4M3FN_to_FLOAT16_expanded test_castlike_FLOAT8E4M3FN_to_FLOAT_expanded
-        test_castlike_FLOAT8E5M2FNUZ_to_FLOAT16_expanded test_castlike_FLOAT8E5M2FNUZ_to_FLOAT_expanded
-        test_castlike_FLOAT8E5M2_to_FLOAT16_expanded test_castlike_FLOAT8E5M2_to_FLOAT_expanded
-        test_castlike_FLOAT_to_BFLOAT16_expanded test_castlike_FLOAT_to_DOUBLE_expanded
-        test_castlike_FLOAT_to_FLOAT16_expanded test_castlike_FLOAT_to_FLOAT4E2M1_expanded
-        test_castlike_FLOAT_to_FLOAT8E4M3FNUZ_expanded test_castlike_FLOAT_to_FLOAT8E4M3FN_expanded
-        test_castlike_FLOAT_to_FLOAT8E5M2FNUZ_expanded test_castlike_FLOAT_to_FLOAT8E5M2_expanded
-        test_castlike_FLOAT_to_INT2_expanded test_castlike_FLOAT_to_INT4_expanded
-        test_castlike_FLOAT_to_UINT2_expanded test_castlike_FLOAT_to_UINT4_expanded
-        test_castlike_INT2_to_FLOAT16_expanded test_castlike_INT2_to_FLOAT_expanded
-        test_castlike_INT2_to_INT8_expanded test_castlike_INT4_to_FLOAT16_expanded
-        test_castlike_INT4_to_FLOAT_expanded test_castlike_INT4_to_INT8_expanded
+        test_castlike_BFLOAT16_to_FLOAT test_castlike_BFLOAT16_to_FLOAT_expanded test_castlike_DOUBLE_to_FLOAT
+        test_castlike_DOUBLE_to_FLOAT16 test_castlike_DOUBLE_to_FLOAT16_expanded
+        test_castlike_DOUBLE_to_FLOAT_expanded test_castlike_FLOAT16_to_DOUBLE
+        test_castlike_FLOAT16_to_DOUBLE_expanded test_castlike_FLOAT16_to_FLOAT
+        test_castlike_FLOAT16_to_FLOAT4E2M1 test_castlike_FLOAT16_to_FLOAT4E2M1_expanded
+        test_castlike_FLOAT16_to_FLOAT8E4M3FN test_castlike_FLOAT16_to_FLOAT8E4M3FNUZ
+        test_castlike_FLOAT16_to_FLOAT8E4M3FNUZ_expanded test_castlike_FLOAT16_to_FLOAT8E4M3FN_expanded
+        test_castlike_FLOAT16_to_FLOAT8E5M2 test_castlike_FLOAT16_to_FLOAT8E5M2FNUZ
+        test_castlike_FLOAT16_to_FLOAT8E5M2FNUZ_expanded test_castlike_FLOAT16_to_FLOAT8E5M2_expanded
+        test_castlike_FLOAT16_to_FLOAT_expanded test_castlike_FLOAT16_to_INT2
+        test_castlike_FLOAT16_to_INT2_expanded test_castlike_FLOAT16_to_INT4
+        test_castlike_FLOAT16_to_INT4_expanded test_castlike_FLOAT16_to_UINT2
+        test_castlike_FLOAT16_to_UINT2_expanded test_castlike_FLOAT16_to_UINT4
+        test_castlike_FLOAT16_to_UINT4_expanded test_castlike_FLOAT4E2M1_to_FLOAT
+        test_castlike_FLOAT4E2M1_to_FLOAT16 test_castlike_FLOAT4E2M1_to_FLOAT16_expanded
+        test_castlike_FLOAT4E2M1_to_FLOAT_expanded test_castlike_FLOAT8E4M3FNUZ_to_FLOAT
+        test_castlike_FLOAT8E4M3FNUZ_to_FLOAT16 test_castlike_FLOAT8E4M3FNUZ_to_FLOAT16_expanded
+        test_castlike_FLOAT8E4M3FNUZ_to_FLOAT_expanded test_castlike_FLOAT8E4M3FN_to_FLOAT
+        test_castlike_FLOAT8E4M3FN_to_FLOAT16 test_castlike_FLOAT8E4M3FN_to_FLOAT16_expanded
+        test_castlike_FLOAT8E4M3FN_to_FLOAT_expanded test_castlike_FLOAT8E5M2FNUZ_to_FLOAT
+        test_castlike_FLOAT8E5M2FNUZ_to_FLOAT16 test_castlike_FLOAT8E5M2FNUZ_to_FLOAT16_expanded
+        test_castlike_FLOAT8E5M2FNUZ_to_FLOAT_expanded test_castlike_FLOAT8E5M2_to_FLOAT
+        test_castlike_FLOAT8E5M2_to_FLOAT16 test_castlike_FLOAT8E5M2_to_FLOAT16_expanded
+        test_castlike_FLOAT8E5M2_to_FLOAT_expanded test_castlike_FLOAT_to_BFLOAT16
+        test_castlike_FLOAT_to_BFLOAT16_expanded test_castlike_FLOAT_to_DOUBLE
+        test_castlike_FLOAT_to_DOUBLE_expanded test_castlike_FLOAT_to_FLOAT16
+        test_castlike_FLOAT_to_FLOAT16_expanded test_castlike_FLOAT_to_FLOAT4E2M1
+        test_castlike_FLOAT_to_FLOAT4E2M1_expanded test_castlike_FLOAT_to_FLOAT8E4M3FN
+        test_castlike_FLOAT_to_FLOAT8E4M3FNUZ test_castlike_FLOAT_to_FLOAT8E4M3FNUZ_expanded
+        test_castlike_FLOAT_to_FLOAT8E4M3FN_expanded test_castlike_FLOAT_to_FLOAT8E5M2
+        test_castlike_FLOAT_to_FLOAT8E5M2FNUZ test_castlike_FLOAT_to_FLOAT8E5M2FNUZ_expanded
+        test_castlike_FLOAT_to_FLOAT8E5M2_expanded test_castlike_FLOAT_to_INT2
+        test_castlike_FLOAT_to_INT2_expanded test_castlike_FLOAT_to_INT4 test_castlike_FLOAT_to_INT4_expanded
+        test_castlike_FLOAT_to_UINT2 test_castlike_FLOAT_to_UINT2_expanded test_castlike_FLOAT_to_UINT4
+        test_castlike_FLOAT_to_UINT4_expanded test_castlike_INT2_to_FLOAT test_castlike_INT2_to_FLOAT16
+        test_castlike_INT2_to_FLOAT16_expanded test_castlike_INT2_to_FLOAT_expanded test_castlike_INT2_to_INT8
+        test_castlike_INT2_to_INT8_expanded test_castlike_INT4_to_FLOAT test_castlike_INT4_to_FLOAT16
+        test_castlike_INT4_to_FLOAT16_expanded test_castlike_INT4_to_FLOAT_expanded test_castlike_INT4_to_INT8
+        test_castlike_INT4_to_INT8_expanded test_castlike_UINT2_to_FLOAT test_castlike_UINT2_to_FLOAT16
         test_castlike_UINT2_to_FLOAT16_expanded test_castlike_UINT2_to_FLOAT_expanded
-        test_castlike_UINT2_to_UINT8_expanded test_castlike_UINT4_to_FLOAT16_expanded
-        test_castlike_UINT4_to_FLOAT_expanded test_castlike_UINT4_to_UINT8_expanded
+        test_castlike_UINT2_to_UINT8 test_castlike_UINT2_to_UINT8_expanded test_castlike_UINT4_to_FLOAT
+        test_castlike_UINT4_to_FLOAT16 test_castlike_UINT4_to_FLOAT16_expanded
+        test_castlike_UINT4_to_FLOAT_expanded test_castlike_UINT4_to_UINT8
+        test_castlike_UINT4_to_UINT8_expanded test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FN
+        test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FNUZ
         test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FNUZ_expanded
         test_castlike_no_saturate_FLOAT16_to_FLOAT8E4M3FN_expanded
+        test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2 test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2FNUZ
         test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2FNUZ_expanded
         test_castlike_no_saturate_FLOAT16_to_FLOAT8E5M2_expanded
+        test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FN test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FNUZ
         test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FNUZ_expanded
-        test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FN_expanded
+        test_castlike_no_saturate_FLOAT_to_FLOAT8E4M3FN_expanded test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2
+        test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2FNUZ
         test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2FNUZ_expanded
-        test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2_expanded test_reduce_max_empty_set
-        test_reduce_max_empty_set_bool test_reduce_sum_empty_set test_reduce_sum_empty_set_non_reduced_axis_zero
-        test_reshape_allowzero_reordered test_split_zero_size_splits_opset13 test_split_zero_size_splits_opset18"""),
+        test_castlike_no_saturate_FLOAT_to_FLOAT8E5M2_expanded test_reduce_l1_empty_set
+        test_reduce_l2_empty_set test_reduce_log_sum_empty_set test_reduce_log_sum_exp_empty_set
+        test_reduce_max_empty_set test_reduce_max_empty_set_bool test_reduce_min_empty_set
+        test_reduce_sum_empty_set test_reduce_sum_empty_set_non_reduced_axis_zero
+        test_reduce_sum_square_empty_set test_reshape_allowzero_reordered test_split_zero_size_splits_opset13
+        test_split_zero_size_splits_opset18 test_tril_zero test_triu_zero"""),
     (DTYPE, """
         test_add_int16 test_add_int8 test_add_uint16 test_add_uint32 test_add_uint64 test_add_uint8
-        test_cast_BFLOAT16_to_FLOAT test_cast_DOUBLE_to_FLOAT test_cast_DOUBLE_to_FLOAT16
-        test_cast_FLOAT16_to_DOUBLE test_cast_FLOAT16_to_FLOAT test_cast_FLOAT16_to_FLOAT4E2M1
-        test_cast_FLOAT16_to_FLOAT8E4M3FN test_cast_FLOAT16_to_FLOAT8E4M3FNUZ test_cast_FLOAT16_to_FLOAT8E5M2
-        test_cast_FLOAT16_to_FLOAT8E5M2FNUZ test_cast_FLOAT16_to_INT2 test_cast_FLOAT16_to_INT4
-        test_cast_FLOAT16_to_UINT2 test_cast_FLOAT16_to_UINT4 test_cast_FLOAT4E2M1_to_FLOAT
-        test_cast_FLOAT4E2M1_to_FLOAT16 test_cast_FLOAT8E4M3FNUZ_to_FLOAT test_cast_FLOAT8E4M3FNUZ_to_FLOAT16
-        test_cast_FLOAT8E4M3FN_to_FLOAT test_cast_FLOAT8E4M3FN_to_FLOAT16 test_cast_FLOAT8E5M2FNUZ_to_FLOAT
-        test_cast_FLOAT8E5M2FNUZ_to_FLOAT16 test_cast_FLOAT8E5M2_to_FLOAT test_cast_FLOAT8E5M2_to_FLOAT16
-        test_cast_FLOAT_to_BFLOAT16 test_cast_FLOAT_to_DOUBLE test_cast_FLOAT_to_FLOAT16
-        test_cast_FLOAT_to_FLOAT4E2M1 test_cast_FLOAT_to_FLOAT8E4M3FN test_cast_FLOAT_to_FLOAT8E4M3FNUZ
-        test_cast_FLOAT_to_FLOAT8E5M2 test_cast_FLOAT_to_FLOAT8E5M2FNUZ test_cast_FLOAT_to_INT2
-        test_cast_FLOAT_to_INT4 test_cast_FLOAT_to_UINT2 test_cast_FLOAT_to_UINT4 test_cast_INT2_to_FLOAT
-        test_cast_INT2_to_FLOAT16 test_cast_INT2_to_INT8 test_cast_INT4_to_FLOAT test_cast_INT4_to_FLOAT16
-        test_cast_INT4_to_INT8 test_cast_UINT2_to_FLOAT test_cast_UINT2_to_FLOAT16 test_cast_UINT2_to_UINT8
-        test_cast_UINT4_to_FLOAT test_cast_UINT4_to_FLOAT16 test_cast_UINT4_to_UINT8
+        test_bitwise_and_i16_3d test_bitwise_and_ui64_bcast_3v1d test_bitwise_and_ui8_bcast_4v3d
+        test_bitwise_not_3d test_bitwise_not_4d test_bitwise_or_i16_4d test_bitwise_or_ui64_bcast_3v1d
+        test_bitwise_or_ui8_bcast_4v3d test_bitwise_xor_i16_3d test_bitwise_xor_ui64_bcast_3v1d
+        test_bitwise_xor_ui8_bcast_4v3d test_cast_BFLOAT16_to_FLOAT test_cast_DOUBLE_to_FLOAT
+        test_cast_DOUBLE_to_FLOAT16 test_cast_FLOAT16_to_DOUBLE test_cast_FLOAT16_to_FLOAT
+        test_cast_FLOAT16_to_FLOAT4E2M1 test_cast_FLOAT16_to_FLOAT8E4M3FN test_cast_FLOAT16_to_FLOAT8E4M3FNUZ
+        test_cast_FLOAT16_to_FLOAT8E5M2 test_cast_FLOAT16_to_FLOAT8E5M2FNUZ test_cast_FLOAT16_to_INT2
+        test_cast_FLOAT16_to_INT4 test_cast_FLOAT16_to_UINT2 test_cast_FLOAT16_to_UINT4
+        test_cast_FLOAT4E2M1_to_FLOAT test_cast_FLOAT4E2M1_to_FLOAT16 test_cast_FLOAT8E4M3FNUZ_to_FLOAT
+        test_cast_FLOAT8E4M3FNUZ_to_FLOAT16 test_cast_FLOAT8E4M3FN_to_FLOAT test_cast_FLOAT8E4M3FN_to_FLOAT16
+        test_cast_FLOAT8E5M2FNUZ_to_FLOAT test_cast_FLOAT8E5M2FNUZ_to_FLOAT16 test_cast_FLOAT8E5M2_to_FLOAT
+        test_cast_FLOAT8E5M2_to_FLOAT16 test_cast_FLOAT_to_BFLOAT16 test_cast_FLOAT_to_DOUBLE
+        test_cast_FLOAT_to_FLOAT16 test_cast_FLOAT_to_FLOAT4E2M1 test_cast_FLOAT_to_FLOAT8E4M3FN
+        test_cast_FLOAT_to_FLOAT8E4M3FNUZ test_cast_FLOAT_to_FLOAT8E5M2 test_cast_FLOAT_to_FLOAT8E5M2FNUZ
+        test_cast_FLOAT_to_INT2 test_cast_FLOAT_to_INT4 test_cast_FLOAT_to_UINT2 test_cast_FLOAT_to_UINT4
+        test_cast_INT2_to_FLOAT test_cast_INT2_to_FLOAT16 test_cast_INT2_to_INT8 test_cast_INT4_to_FLOAT
+        test_cast_INT4_to_FLOAT16 test_cast_INT4_to_INT8 test_cast_UINT2_to_FLOAT test_cast_UINT2_to_FLOAT16
+        test_cast_UINT2_to_UINT8 test_cast_UINT4_to_FLOAT test_cast_UINT4_to_FLOAT16 test_cast_UINT4_to_UINT8
         test_cast_e8m0_FLOAT16_to_FLOAT8E8M0 test_cast_e8m0_FLOAT8E8M0_to_FLOAT
         test_cast_e8m0_FLOAT8E8M0_to_FLOAT16 test_cast_e8m0_FLOAT_to_FLOAT8E8M0
         test_cast_no_saturate_FLOAT16_to_FLOAT8E4M3FN test_cast_no_saturate_FLOAT16_to_FLOAT8E4M3FNUZ
         test_cast_no_saturate_FLOAT16_to_FLOAT8E5M2 test_cast_no_saturate_FLOAT16_to_FLOAT8E5M2FNUZ
         test_cast_no_saturate_FLOAT_to_FLOAT8E4M3FN test_cast_no_saturate_FLOAT_to_FLOAT8E4M3FNUZ
         test_cast_no_saturate_FLOAT_to_FLOAT8E5M2 test_cast_no_saturate_FLOAT_to_FLOAT8E5M2FNUZ
-        test_clip_default_int8_inbounds test_clip_default_int8_max test_clip_default_int8_min test_div_int16
-        test_div_int8 test_div_uint16 test_div_uint32 test_div_uint64 test_div_uint8 test_equal_int16
-        test_equal_int8 test_equal_string test_equal_string_broadcast test_equal_uint16 test_equal_uint32
-        test_equal_uint64 test_equal_uint8 test_greater_equal_int16 test_greater_equal_int8
-        test_greater_equal_uint16 test_greater_equal_uint32 test_greater_equal_uint64 test_greater_equal_uint8
-        test_greater_int16 test_greater_int8 test_greater_uint16 test_greater_uint32 test_greater_uint64
-        test_greater_uint8 test_less_equal_int16 test_less_equal_int8 test_less_equal_uint16
-        test_less_equal_uint32 test_less_equal_uint64 test_less_equal_uint8 test_less_int16 test_less_int8
-        test_less_uint16 test_less_uint32 test_less_uint64 test_less_uint8 test_max_float16 test_max_float64
-        test_max_int16 test_max_int8 test_max_uint16 test_max_uint32 test_max_uint64 test_max_uint8
-        test_min_float16 test_min_float64 test_min_int16 test_min_int8 test_min_uint16 test_min_uint32
-        test_min_uint64 test_min_uint8 test_mul_int16 test_mul_int8 test_mul_uint16 test_mul_uint32
-        test_mul_uint64 test_mul_uint8 test_pow_types_float32_uint32 test_pow_types_float32_uint64
-        test_sub_int16 test_sub_int8 test_sub_uint16 test_sub_uint32 test_sub_uint64 test_sub_uint8"""),
+        test_celu_bfloat16 test_celu_float16 test_clip_default_int8_inbounds
+        test_clip_default_int8_inbounds_expanded test_clip_default_int8_max test_clip_default_int8_min
+        test_div_int16 test_div_int8 test_div_uint16 test_div_uint32 test_div_uint64 test_div_uint8
+        test_equal_int16 test_equal_int8 test_equal_string test_equal_string_broadcast test_equal_uint16
+        test_equal_uint32 test_equal_uint64 test_equal_uint8 test_eyelike_with_dtype test_greater_equal_int16
+        test_greater_equal_int8 test_greater_equal_uint16 test_greater_equal_uint32 test_greater_equal_uint64
+        test_greater_equal_uint8 test_greater_int16 test_greater_int8 test_greater_uint16 test_greater_uint32
+        test_greater_uint64 test_greater_uint8 test_isinf_float16 test_isnan_float16 test_less_equal_int16
+        test_less_equal_int8 test_less_equal_uint16 test_less_equal_uint32 test_less_equal_uint64
+        test_less_equal_uint8 test_less_int16 test_less_int8 test_less_uint16 test_less_uint32
+        test_less_uint64 test_less_uint8 test_max_float16 test_max_float64 test_max_int16 test_max_int8
+        test_max_uint16 test_max_uint32 test_max_uint64 test_max_uint8 test_min_float16 test_min_float64
+        test_min_int16 test_min_int8 test_min_uint16 test_min_uint32 test_min_uint64 test_min_uint8
+        test_mod_float16_mixed_sign_fmod_0 test_mod_float64_mixed_sign_fmod_0
+        test_mod_float_edge_cases_fmod_0_float16 test_mod_float_edge_cases_fmod_0_float64
+        test_mod_mixed_sign_float16 test_mod_mixed_sign_float64 test_mod_mixed_sign_int16
+        test_mod_mixed_sign_int8 test_mod_uint16 test_mod_uint32 test_mod_uint64 test_mod_uint8 test_mul_int16
+        test_mul_int8 test_mul_uint16 test_mul_uint32 test_mul_uint64 test_mul_uint8
+        test_onehot_with_bfloat16_values test_pow_types_float32_uint32 test_pow_types_float32_uint64
+        test_reduce_log_sum_exp_default_axes_keepdims_example
+        test_reduce_log_sum_exp_default_axes_keepdims_random test_reduce_log_sum_exp_do_not_keepdims_example
+        test_reduce_log_sum_exp_do_not_keepdims_random test_reduce_log_sum_exp_keepdims_example
+        test_reduce_log_sum_exp_keepdims_random test_reduce_log_sum_exp_negative_axes_keepdims_example
+        test_reduce_log_sum_exp_negative_axes_keepdims_random test_reversesequence_bfloat16 test_sub_int16
+        test_sub_int8 test_sub_uint16 test_sub_uint32 test_sub_uint64 test_sub_uint8"""),
+    (MVN_DEFAULT_AXES, """
+        test_mvn"""),
+    (NOT_TENSOR, """
+        test_identity_opt test_identity_sequence"""),
     (OUTER_AXES, """
-        test_logsoftmax_axis_0 test_logsoftmax_axis_1 test_reduce_max_do_not_keepdims_example
-        test_reduce_max_do_not_keepdims_random test_reduce_max_keepdims_example test_reduce_max_keepdims_random
-        test_reduce_max_negative_axes_keepdims_example test_reduce_max_negative_axes_keepdims_random
-        test_reduce_mean_do_not_keepdims_example test_reduce_mean_do_not_keepdims_random
-        test_reduce_mean_keepdims_example test_reduce_mean_keepdims_random
-        test_reduce_mean_negative_axes_keepdims_example test_reduce_mean_negative_axes_keepdims_random
-        test_reduce_sum_do_not_keepdims_example test_reduce_sum_do_not_keepdims_random
-        test_reduce_sum_keepdims_example test_reduce_sum_keepdims_random
-        test_reduce_sum_negative_axes_keepdims_example test_reduce_sum_negative_axes_keepdims_random
-        test_softmax_axis_0 test_softmax_axis_1"""),
+        test_argmax_default_axis_example test_argmax_default_axis_example_select_last_index
+        test_argmax_default_axis_random test_argmax_default_axis_random_select_last_index
+        test_argmax_keepdims_random test_argmax_keepdims_random_select_last_index
+        test_argmax_no_keepdims_random test_argmax_no_keepdims_random_select_last_index
+        test_argmin_default_axis_example test_argmin_default_axis_example_select_last_index
+        test_argmin_default_axis_random test_argmin_default_axis_random_select_last_index
+        test_argmin_keepdims_random test_argmin_keepdims_random_select_last_index
+        test_argmin_no_keepdims_random test_argmin_no_keepdims_random_select_last_index test_hardmax_axis_0
+        test_hardmax_axis_1 test_l2normalization_axis_0 test_logsoftmax_axis_0 test_logsoftmax_axis_1
+        test_reduce_log_sum_asc_axes test_reduce_log_sum_negative_axes test_reduce_max_do_not_keepdims_example
+        test_reduce_max_do_not_keepdims_random test_reduce_max_keepdims_example
+        test_reduce_max_keepdims_random test_reduce_max_negative_axes_keepdims_example
+        test_reduce_max_negative_axes_keepdims_random test_reduce_mean_do_not_keepdims_example
+        test_reduce_mean_do_not_keepdims_random test_reduce_mean_keepdims_example
+        test_reduce_mean_keepdims_random test_reduce_mean_negative_axes_keepdims_example
+        test_reduce_mean_negative_axes_keepdims_random test_reduce_min_do_not_keepdims_example
+        test_reduce_min_do_not_keepdims_random test_reduce_min_keepdims_example
+        test_reduce_min_keepdims_random test_reduce_min_negative_axes_keepdims_example
+        test_reduce_min_negative_axes_keepdims_random test_reduce_sum_do_not_keepdims_example
+        test_reduce_sum_do_not_keepdims_random test_reduce_sum_keepdims_example
+        test_reduce_sum_keepdims_random test_reduce_sum_negative_axes_keepdims_example
+        test_reduce_sum_negative_axes_keepdims_random test_reduce_sum_square_do_not_keepdims_example
+        test_reduce_sum_square_do_not_keepdims_random test_reduce_sum_square_keepdims_example
+        test_reduce_sum_square_keepdims_random test_reduce_sum_square_negative_axes_keepdims_example
+        test_reduce_sum_square_negative_axes_keepdims_random test_softmax_axis_0 test_softmax_axis_1"""),
+    (TRAINING, """
+        test_batchnorm_epsilon_training_mode test_batchnorm_example_training_mode test_training_dropout
+        test_training_dropout_default test_training_dropout_default_mask test_training_dropout_mask
+        test_training_dropout_zero_ratio test_training_dropout_zero_ratio_mask"""),
     (RESIZE_MODE, """
         test_resize_downsample_scales_cubic test_resize_downsample_scales_cubic_A_n0p5_exclude_outside
         test_resize_downsample_scales_cubic_align_corners test_resize_downsample_scales_cubic_antialias
-        test_resize_downsample_scales_linear test_resize_downsample_scales_linear_align_corners
-        test_resize_downsample_scales_linear_antialias test_resize_downsample_scales_linear_half_pixel_symmetric
-        test_resize_downsample_sizes_cubic test_resize_downsample_sizes_cubic_antialias
-        test_resize_downsample_sizes_linear_antialias test_resize_downsample_sizes_linear_pytorch_half_pixel
+        test_resize_downsample_scales_linear_antialias test_resize_downsample_sizes_cubic
+        test_resize_downsample_sizes_cubic_antialias test_resize_downsample_sizes_linear_antialias
         test_resize_tf_crop_and_resize test_resize_tf_crop_and_resize_axes_2_3
         test_resize_tf_crop_and_resize_axes_3_2 test_resize_tf_crop_and_resize_extrapolation_value
         test_resize_upsample_scales_cubic test_resize_upsample_scales_cubic_A_n0p5_exclude_outside
         test_resize_upsample_scales_cubic_align_corners test_resize_upsample_scales_cubic_asymmetric
-        test_resize_upsample_scales_linear test_resize_upsample_scales_linear_align_corners
-        test_resize_upsample_scales_linear_half_pixel_symmetric test_resize_upsample_sizes_cubic
-        test_resize_upsample_sizes_nearest_floor_align_corners"""),
+        test_resize_upsample_sizes_cubic"""),
     (CONVT_SAME, """
         test_convtranspose_autopad_same"""),
 )
@@ -351,7 +414,10 @@ def _run_data_set(case: NodeCase, inputs, outputs, folder: Path) -> None:
     model, feeds = _with_parameters_constant(case, inputs)
     path = folder / f"{case.name}.onnx"
     path.write_bytes(model.SerializeToString())
-    prep = prepare(str(path))
+    try:
+        prep = prepare(str(path))
+    except ModelLoadError as exc:  # the loader's one-line refusal of the model (bad input)
+        raise Refused(f"the loader refuses the model: {exc}") from None
     _check_graph(prep)
     kernel = lower(prep.graph, FusionGroup(frozenset({prep.graph.nodes[0].id})))
     if kernel.template == "opaque":
@@ -361,11 +427,21 @@ def _run_data_set(case: NodeCase, inputs, outputs, folder: Path) -> None:
         gk = generate(prep.graph, kernel)
     except CodegenRefused as exc:
         raise Refused(f"generator refuses: {exc.decision.reason}") from None
-    values = all_values(to_proto(prep.canonical), feeds)
-    got = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+    got = cpu.run(gk, _kernel_inputs(prep, gk, feeds))
     names = [vi.name for vi in case.model.graph.output]
     for name, ref in zip(names, outputs, strict=True):
         _compare(name, got[name], ref)
+
+
+def _kernel_inputs(prep, gk, feeds: dict) -> dict:
+    """The kernel's inputs: the case's feeds and the graph's constants; ONNX Runtime only when some
+    input is computed (it does not load the newest IR versions some cases are written in)."""
+    got = {a.tensor: feeds[a.tensor] if a.tensor in feeds else prep.graph.constant_value(a.tensor)
+           for a in gk.inputs}
+    if any(v is None for v in got.values()):
+        values = all_values(to_proto(prep.canonical), feeds)
+        got = {a.tensor: values[a.tensor] for a in gk.inputs}
+    return got
 
 
 @cache
@@ -426,4 +502,5 @@ def test_summary():
                 listed = " (known unsupported)" if c.name in KNOWN_UNSUPPORTED else ""
                 print(f"  {c.name}{listed}: {results[c.name].detail}")
     assert ops, "no ONNX node test case for any op the generator lowers"
-    assert set(ops) == set(COVERED_OPS), f"ops without a node test case: {sorted(COVERED_OPS - set(ops))}"
+    expected = COVERED_OPS - WITHOUT_NODE_CASES
+    assert set(ops) == expected, f"ops without a node test case: {sorted(expected - set(ops))}"

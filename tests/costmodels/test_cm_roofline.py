@@ -47,14 +47,36 @@ def test_large_fp32_elementwise_chain_is_memory_bound_on_h100():
 
 
 def test_large_fp16_gemm_is_tensor_core_bound_on_a100():
-    """Compute-bound regime (a100-80gb): 8192^3 fp16 GEMM takes 2n^3 / (312 TFLOP/s x eff)."""
+    """Compute-bound regime (a100-80gb): an 8192^3 fp16 GEMM through the library (cuBLAS) takes
+    2n^3 / (312 TFLOP/s x library efficiency)."""
     n = 8192
-    cost = MODEL.cost(square_gemm(n), DEVICES["a100-80gb"])
-    expected_s = 2 * n**3 / (312e12 * PARAMS.get("tc_efficiency", "gemm"))
+    cost = MODEL.cost(dataclasses.replace(square_gemm(n), impl="library"), DEVICES["a100-80gb"])
+    expected_s = 2 * n**3 / (312e12 * PARAMS.get("library_efficiency", "gemm"))
+    assert cost.compute_unit == "fp16-tensor-core"
     assert cost.bound == "compute" and cost.feasible
     assert cost.occupancy >= PARAMS.get("occupancy_knee", "gemm")
     assert cost.compute_s == pytest.approx(expected_s, rel=1e-12)
     assert cost.time_s == pytest.approx(expected_s, rel=0.02)
+
+
+def test_generated_gemm_is_priced_on_cuda_cores():
+    """Compute-bound regime (h100-sxm), one kernel one price: the generated `tiled` skeleton
+    accumulates with fmaf, so a generated float32 GEMM takes 2n^3 / (FP32 CUDA-core peak x eff),
+    7x the library's TF32 tensor-core time; on the CPU both are `cpu-simd`."""
+    n = 4096
+    h100 = DEVICES["h100-sxm"]
+    generated = MODEL.cost(square_gemm(n, "float32"), h100)
+    library = MODEL.cost(dataclasses.replace(square_gemm(n, "float32"), impl="library"), h100)
+    assert (generated.compute_unit, library.compute_unit) == ("fp32-cuda-core", "tf32-tensor-core")
+    assert generated.compute_s == pytest.approx(
+        2 * n**3 / (h100.fp32_flops_per_s * PARAMS.get("tc_efficiency", "gemm")), rel=1e-12)
+    assert library.compute_s == pytest.approx(
+        2 * n**3 / (h100.tf32_flops_per_s * PARAMS.get("library_efficiency", "gemm")), rel=1e-12)
+    assert generated.time_s / library.time_s > 7
+    assert MODEL.cost(square_gemm(n, "float16"), h100).compute_unit == "fp32-cuda-core"
+    t4 = DEVICES["t4"]  # no TF32: cuBLAS runs float32 on the CUDA cores too
+    assert MODEL.cost(dataclasses.replace(square_gemm(256, "float32"), impl="library",
+                                          smem_bytes=0), t4).compute_unit == "fp32-cuda-core"
 
 
 def test_tiny_kernel_is_launch_bound():

@@ -38,16 +38,27 @@ def test_explain_lines_are_greppable(run_cli):
     lines = err.strip().splitlines()
     fuse = [line for line in lines if line.startswith("[fuse]")]
     assert fuse and all(re.match(r"\[fuse\] \S+\(\w+\)(\+\S+\(\w+\))+ -> g\d+: [-+]\d+\.\d us$", line) for line in fuse)
-    others = [line for line in lines if not line.startswith("[fuse]")]
+    impl = [line for line in lines if line.startswith("[impl]")]  # every fused anchor group's decision
+    assert len(impl) == sum(" -> g" in line and "(Conv)" in line for line in fuse)
+    assert all(re.match(r"\[impl\] g\d+: generated \(fp32-cuda-core\) \d+\.\d us vs library \S+\(Conv\) "
+                        r"\((fp32-cuda-core|tf32-tensor-core)\) \d+\.\d us \+ the rest apart \d+\.\d us = "
+                        r"\d+\.\d us$", line) for line in impl)
+    others = [line for line in lines if not line.startswith(("[fuse]", "[impl]"))]
     assert others and all(re.match(r"\[(refuse|skip)\] g\d+\+g\d+: .+", line) for line in others)
     assert any("two anchors" in line for line in others)
 
 
 def test_explain_names_the_smem_limit(run_cli, tmp_path):
-    """A MatMul whose 4096-wide Softmax row cannot be one tile on a T4: refused with the numbers."""
+    """A MatMul under a 4096-wide Softmax is generated as a row kernel caching 32 KiB of rows: it
+    fuses on a T4 (64 KiB per block) and is refused, with the numbers, on a device profile whose
+    blocks have 16 KiB."""
+    import dataclasses
+
     import numpy as np
     from onnx import helper
 
+    from costmodels import DEVICES
+    from costmodels.profile import Profile, save_profile
     from tests.conftest import make_model, save
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
@@ -56,7 +67,12 @@ def test_explain_names_the_smem_limit(run_cli, tmp_path):
     path = save(model, tmp_path / "mm_softmax.onnx")
     code, _, err = run_cli("plan", path, "--device", "t4", "--strategy", "greedy", "--explain")
     assert code == 0, err
-    assert re.search(r"\[refuse\] g0\+g1: smem \d+\.\d KiB > 64\.0 KiB per block on t4", err), err
+    assert "[fuse] mm(MatMul)+sm(Softmax) -> g0" in err
+    small = dataclasses.replace(DEVICES["t4"], name="t4-16k", smem_per_block_max_bytes=16 * 1024)
+    profile = save_profile(Profile(small), tmp_path / "small.json")
+    code, _, err = run_cli("plan", path, "--device", profile, "--strategy", "greedy", "--explain")
+    assert code == 0, err
+    assert re.search(r"\[refuse\] g0\+g1: smem 32\.1 KiB > 16\.0 KiB per block on t4-16k", err), err
 
 
 def test_compare_devices_and_strategies(run_cli):
