@@ -583,6 +583,8 @@ def measure(
     input_value: Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input in "
                                                    "the data measured on, e.g. sr=16000 or x=[1,2,3] "
                                                    "(repeatable)")] = None,
+    end_to_end: Annotated[bool, typer.Option("--end-to-end", help="Also run the plan and the unfused graph "
+                                             "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -598,6 +600,8 @@ def measure(
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
+    if end_to_end and backend != "cpu":
+        raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
@@ -613,12 +617,15 @@ def measure(
                               progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
                               ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else backend == "cupy")
                               else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
+    whole = _end_to_end(prep, plan_, unfused, seed, values) if end_to_end else None
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
     if json_out:
-        _emit_json(report.to_dict())
+        _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
         return
     _print_measure(report, output)
+    if whole is not None:
+        _print_run(whole, None)
 
 
 def _ptxas_arch(device: str) -> str:
@@ -700,6 +707,106 @@ def _print_versus(versus: dict, baseline: str) -> None:
     out.print(f"fused anchor groups vs library anchor + the rest as separate kernels: the fused kernel loses in "
               f"{len(losers)} of {len(compared)} (fused {_fmt_time(fused)} vs library+rest {_fmt_time(library)})"
               + (f": {', '.join(f'g{g}' for g in losers[:12])}{' ...' if len(losers) > 12 else ''}" if losers else ""))
+
+
+# -- run --------------------------------------------------------------------------------------
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
+    plan_json: Annotated[Path | None, typer.Option("--plan", help="Run this plan.json (default: plan now).")] = None,
+    strategy: Strategy = "cpsat",
+    device: Annotated[str, typer.Option("--device", help="Cost model device the plan is made for, "
+                                        "or profile.json.")] = "host",
+    backend: Annotated[str, typer.Option("--backend", help="cpu (generated C in one shared library)")] = "cpu",
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: v >= 0, "0 or more runs"),
+                                        help="Untimed runs before them.")] = 3,
+    threads: Annotated[int, typer.Option("--threads", callback=COUNT, help="OpenMP threads of the kernels and "
+                                         "ONNX Runtime's intra-op threads.")] = 1,
+    time_limit: TimeLimit = 60.0,
+    seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
+                                      "inputs.")] = 0,
+    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
+                                        "max(1, max|ONNX Runtime|).")] = 1e-4,
+    check_each: Annotated[bool, typer.Option("--check-each", help="Compare every intermediate tensor with "
+                                             "ONNX Runtime's, not only the outputs.")] = False,
+    input_value: InputValue = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run a plan end to end as one program (and the unfused graph the same way), check it equals
+    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import run_plan
+    from fusesearch.verify import check_memory
+
+    if backend != "cpu":
+        raise BadInput(f"--backend {backend}: run executes on cpu only so far; use --backend cpu")
+    if plan_json is not None and not plan_json.is_file():
+        raise BadInput(f"--plan {plan_json}: no such file; give a plan.json written by `fusesearch plan -o`")
+    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
+    _check_profile_backend(device, backend)
+    config = _config(time_limit, 16, seed, None)
+    prep = prepare(model, _bindings(input_shape, dim))
+    values = _input_values(input_value, prep)
+    check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
+    with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
+        report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
+                          check_each=check_each, input_values=values,
+                          progress=status.update if status else None)
+    report.model = prep.loaded.name
+    if output is not None:
+        report.to_pandas().to_parquet(output, index=False)
+    if json_out:
+        _emit_json(report.to_dict())
+        return
+    _print_run(report, output)
+
+
+def _end_to_end(prep, plan_, unfused, seed: int, values):
+    """`run`'s figures for measure --end-to-end, on the kernels' thread count (OMP_NUM_THREADS,
+    else one per core)."""
+    from fusesearch.run import run_plan
+    from fusesearch.verify import omp_threads
+
+    report = run_plan(prep, plan_, unfused, threads=omp_threads() or os.cpu_count() or 1, seed=seed,
+                      input_values=values)
+    report.model = prep.loaded.name
+    return report
+
+
+def _nothing():
+    from contextlib import nullcontext
+
+    return nullcontext()
+
+
+def _print_run(report, output: Path | None) -> None:
+    table = Table(title=f"{report.model}: end to end on cpu, {report.threads} thread"
+                        f"{'s' if report.threads != 1 else ''}, {report.repeat} runs", title_justify="left")
+    for col in ("program", "median", "p20-p80", "vs ORT ENABLE_ALL", "vs ORT DISABLE_ALL"):
+        table.add_column(col, justify="left" if col == "program" else "right")
+    names = {"plan": f"plan ({report.strategy})", "unfused": "unfused (none)",
+             "ort_enable_all": "ONNX Runtime ENABLE_ALL", "ort_disable_all": "ONNX Runtime DISABLE_ALL"}
+    for key, t in report.timings.items():
+        table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
+                      f"{report.ratio(key, 'ort_enable_all'):.2f}x", f"{report.ratio(key, 'ort_disable_all'):.2f}x")
+    out.print(table)
+    seg = report.segments
+    out.print(f"plan: {report.kernels} generated kernels in {seg['generated']} segments, {report.library_steps} "
+              f"ONNX Runtime nodes in {seg['library']} segments; arena {_fmt_bytes(report.arena_peak_bytes)} of "
+              f"{_fmt_bytes(report.activation_bytes)} activations "
+              f"({report.arena_peak_bytes / max(1, report.activation_bytes):.0%}); plan vs unfused "
+              f"{report.ratio('plan', 'unfused'):.2f}x")
+    out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
+              f"rtol {report.rtol:g}")
+    if output is not None:
+        out.print(f"timings written to {output}")
 
 
 # -- sweep / report ---------------------------------------------------------------------------

@@ -195,15 +195,18 @@ def omp_threads() -> int:
     return int(value) if value.isdigit() else 0
 
 
-def session(model: onnx.ModelProto | str):
-    """A CPU session of `model` (a path is read into memory first) with graph optimizations off."""
+def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool = False):
+    """A CPU session of `model` (a path is read into memory first) with graph optimizations off
+    (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
+    intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`)."""
     ort = _ort()
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    level = ort.GraphOptimizationLevel
+    opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
     opts.log_severity_level = ORT_LOG_SEVERITY
-    opts.intra_op_num_threads = omp_threads()  # library calls get the generated kernels' thread count
+    opts.intra_op_num_threads = omp_threads() if threads is None else threads
     aside: list[np.ndarray] = []
     if model.ByteSize() > PROTO_LIMIT:
         model = _weights_aside(model, opts, aside)
@@ -394,3 +397,4 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
         values[t.name] = onnx.numpy_helper.to_array(t)
     values.update(feeds)
     return values
+

@@ -193,13 +193,18 @@ def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.
               for a in kernel.inputs]
     outs = [np.full(a.shape, np.nan if a.dtype == "float32" else 0, dtype=NP_DTYPES[a.dtype])
             for a in kernel.outputs]
-    pointers = (ctypes.c_void_p * max(1, len(arrays) + len(outs)))(*[x.ctypes.data for x in arrays + outs])
+    launch(kernel, [x.ctypes.data for x in arrays + outs])
+    return {a.tensor: o for a, o in zip(kernel.outputs, outs, strict=True)}
+
+
+def launch(kernel: GeneratedKernel, pointers: list[int]) -> None:
+    """One launch on host memory: `pointers` are the kernel's arguments (inputs, then outputs)."""
+    table = (ctypes.c_void_p * max(1, len(pointers)))(*pointers)
     grid = tuple(kernel.grid) + (1,) * (3 - len(kernel.grid))
     block = tuple(kernel.block) + (1,) * (3 - len(kernel.block))
-    rc = _load(source(kernel)).fs_launch(pointers, *grid, *block)
+    rc = _load(source(kernel)).fs_launch(table, *grid, *block)
     if rc == -1:
         raise FusesearchError(f"{kernel.name}: block {block} is not a whole number of warps (<= 1024 threads)")
     if rc != 0:
         raise FusesearchError(f"{kernel.name}: a barrier waited over {TIMEOUT_S} s "
                               "(a thread missed __syncthreads: divergent barrier)")
-    return {a.tensor: o for a, o in zip(kernel.outputs, outs, strict=True)}

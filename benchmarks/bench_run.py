@@ -1,0 +1,89 @@
+"""End-to-end benchmark: every zoo model's plan run as one program beside ONNX Runtime (figures
+printed, targets reported, not asserted).
+
+For each zoo model at its default dims (seq 128 where it has one): the plan (strategy, default
+cpsat on the `host` device) and the unfused graph run as programs (`fusesearch.run`), checked
+against ONNX Runtime, then timed with ONNX Runtime at ORT_ENABLE_ALL and ORT_DISABLE_ALL, all on
+one thread. Targets: plan <= 1.0x ENABLE_ALL on the transformers, <= 1.2x on the CNNs; plan <=
+0.8x unfused on the transformers; arena peak <= 60% of all activations; equal to ONNX Runtime.
+
+    .venv/bin/python benchmarks/bench_run.py [--models bert-small,resnet18] [--strategy cpsat]
+                                             [--repeat 10] [--threads 1] [--time-limit 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from fusesearch import zoo
+from fusesearch.api import plan as make_plan
+from fusesearch.errors import FusesearchError
+from fusesearch.pipeline import prepare
+from fusesearch.run import run_plan
+
+TRANSFORMERS = {"bert-small", "bert-base", "gpt2", "vit-small"}
+CNNS = {"resnet18", "resnet50", "mobilenetv2"}
+ARENA_TARGET = 0.60
+
+
+def target(name: str) -> tuple[float | None, float | None]:
+    """(plan / ORT ENABLE_ALL, plan / unfused) targets of this model, None where it has none."""
+    if name in TRANSFORMERS:
+        return 1.0, 0.8
+    if name in CNNS:
+        return 1.2, None
+    return None, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(e.name for e in zoo.list_models()))
+    parser.add_argument("--strategy", default="cpsat")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    args = parser.parse_args()
+    head = (f"{'model':<12} {'plan':>9} {'unfused':>9} {'ORT all':>9} {'ORT none':>9} {'plan/ORT':>9} "
+            f"{'plan/none':>9} {'plan/unf':>9} {'arena':>9} {'acts':>9} {'arena%':>7} {'segs g/l':>8} "
+            f"{'equal':>6} {'wall':>6}")
+    print(f"end to end, {args.threads} thread(s), strategy {args.strategy}, median of {args.repeat} runs "
+          f"(ORT all = ORT_ENABLE_ALL, ORT none = ORT_DISABLE_ALL)")
+    print(head)
+    missed = []
+    for name in args.models.split(","):
+        start = time.perf_counter()
+        try:
+            prep = prepare(f"zoo:{name}")
+            p = make_plan(f"zoo:{name}", device="host", strategy=args.strategy, prepared=prep,
+                          time_limit_s=args.time_limit)
+            none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep)
+            r = run_plan(prep, p, none, threads=args.threads, repeat=args.repeat, warmup=args.warmup)
+        except FusesearchError as exc:
+            print(f"{name:<12} FAILED: {exc}")
+            missed.append(f"{name}: does not run or differs from ONNX Runtime")
+            continue
+        t = {k: v.median_s * 1e3 for k, v in r.timings.items()}
+        vs_ort, vs_unfused = r.ratio("plan", "ort_enable_all"), r.ratio("plan", "unfused")
+        arena = r.arena_peak_bytes / r.activation_bytes if r.activation_bytes else math.nan
+        print(f"{name:<12} {t['plan']:>7.2f}ms {t['unfused']:>7.2f}ms {t['ort_enable_all']:>7.2f}ms "
+              f"{t['ort_disable_all']:>7.2f}ms {vs_ort:>8.2f}x {r.ratio('plan', 'ort_disable_all'):>8.2f}x "
+              f"{vs_unfused:>8.2f}x {r.arena_peak_bytes / 2**20:>7.2f}MB {r.activation_bytes / 2**20:>7.2f}MB "
+              f"{arena:>6.0%} {r.segments['generated']:>4}/{r.segments['library']:<3} {'yes':>6} "
+              f"{time.perf_counter() - start:>5.0f}s", flush=True)
+        ort_target, unfused_target = target(name)
+        if ort_target is not None and vs_ort > ort_target:
+            missed.append(f"{name}: plan {vs_ort:.2f}x ORT ENABLE_ALL (target <= {ort_target}x)")
+        if unfused_target is not None and vs_unfused > unfused_target:
+            missed.append(f"{name}: plan {vs_unfused:.2f}x unfused (target <= {unfused_target}x)")
+        if arena > ARENA_TARGET:
+            missed.append(f"{name}: arena {arena:.0%} of activations (target <= {ARENA_TARGET:.0%})")
+    print("targets not met:" if missed else "every target met")
+    for line in missed:
+        print(f"  {line}")
+
+
+if __name__ == "__main__":
+    main()

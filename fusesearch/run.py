@@ -1,0 +1,644 @@
+"""Run a whole plan as one program and time it beside ONNX Runtime.
+
+Problem: a plan's per-kernel times, each taken alone with warm caches, are not what a user runs;
+what they compare with is ONNX Runtime's whole-model latency. A plan is only shown fast once it
+runs end to end, with every intermediate tensor in memory it must share, and gives ONNX Runtime's
+outputs.
+Approach: the plan's groups, in plan order, become steps:
+
+    alias (a lone view) ............ no code: its output is its input's storage
+    generated (the C generator) .... one call of the kernel's C function
+    library (opaque, refused) ...... each node alone in ONNX Runtime (its one-node model,
+                                     `backends.library.node_model`), reading and writing the
+                                     program's buffers through IO binding
+
+Maximal runs of generated steps are segments: every kernel's C source is compiled on its own
+(its object cached by source hash and flags) and linked with a generated driver into one shared
+library that has one entry function per segment, calling its kernels in order with pointers into
+one arena and a table of external pointers (weights, loaded once; the model's inputs) — one
+ctypes call per segment, no Python between consecutive kernels. Library steps between them run
+from Python. Every produced tensor has a lifetime [producing step, last reading step] (model
+outputs live to the end; an alias extends its source's); `plan_arena` places them greedily by
+size at the lowest offset that overlaps no placed tensor alive at the same time.
+`run_plan` checks both programs (the plan and the unfused graph, every node its own kernel)
+against ONNX Runtime on seeded valid inputs (`verify.random_feeds`, `verify.compare`), naming
+the first step whose output differs on a mismatch, then times both and ONNX Runtime at
+ORT_ENABLE_ALL and ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's for
+the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each in
+turn per round, so that the machine's load changes fall on all four alike.
+Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
+written by a step that reads a tensor at the same address; inputs and weights are never written;
+every kernel name in one library is unique; `--check-each` and the search for a differing step
+run a program without reuse (each tensor its own bytes), so every intermediate can be read back;
+after `run_plan`, OpenMP's thread count is the caller's again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from fusesearch.backends.codegen import CodegenRefused, GeneratedKernel, generate
+from fusesearch.backends.timing import Timing
+from fusesearch.errors import BadInput, FusesearchError
+
+ALIGN = 64  # bytes: every arena tensor starts on a cache line
+TIMED = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
+_THREADS: dict = {}  # "before": (a loaded program library, OpenMP's thread count before any program set it)
+
+
+class Mismatch(FusesearchError):
+    """A program's outputs differ from ONNX Runtime's (exit code 1); names the first step that differs."""
+
+
+# -- steps ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    group: int  # the plan group it belongs to
+    how: str  # "generated" | "library" | "alias"
+    nodes: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    kernel: GeneratedKernel | None = None  # generated
+    part: object = None  # library: the node's lowered Kernel
+    reason: str = ""  # library: why the group is not generated
+
+
+def plan_steps(graph, plan) -> list[Step]:
+    """The plan's groups, in order, as steps (a group the generator refuses: a step per node)."""
+    from fusesearch.candidates.group import FusionGroup
+    from fusesearch.lowering import lower_as_library
+
+    steps: list[Step] = []
+    for g in plan.groups:
+        kernel = g.kernel
+        if kernel.alias:
+            steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
+            continue
+        try:
+            generated = generate(graph, kernel)
+        except CodegenRefused as exc:
+            parts = [kernel] if len(kernel.nodes) == 1 else [lower_as_library(graph, FusionGroup.single(i))
+                                                             for i in kernel.nodes]
+            steps += [Step(g.id, "library", tuple(p.nodes), tuple(p.inputs), tuple(p.outputs), part=p,
+                           reason=str(exc)) for p in parts]
+            continue
+        steps.append(Step(g.id, "generated", tuple(g.nodes), tuple(a.tensor for a in generated.inputs),
+                          tuple(a.tensor for a in generated.outputs), kernel=generated))
+    names = [s.kernel.name for s in steps if s.kernel is not None]
+    if len(set(names)) != len(names):  # the generator's default names collide: name them by group
+        steps = [s if s.kernel is None else Step(s.group, s.how, s.nodes, s.inputs, s.outputs,
+                                                 kernel=generate(graph, plan.groups[s.group].kernel,
+                                                                 name=f"fs_g{s.group}_{s.kernel.name}"))
+                 for s in steps]
+    return steps
+
+
+def segments(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
+    """Maximal runs of steps: ("generated", steps) for kernels, ("library", steps) for ONNX
+    Runtime nodes. An alias has no code: it joins the run before it (one at the start is in
+    none), so aliases never split a segment."""
+    runs: list[tuple[str, list[Step]]] = []
+    for s in steps:
+        if s.how == "alias":
+            if runs:
+                runs[-1][1].append(s)
+        elif runs and runs[-1][0] == s.how:
+            runs[-1][1].append(s)
+        else:
+            runs.append((s.how, [s]))
+    return runs
+
+
+# -- the arena --------------------------------------------------------------------------------
+
+def plan_arena(sizes: Mapping[str, int], lifetimes: Mapping[str, tuple[int, int]], *,
+               reuse: bool = True) -> tuple[dict[str, int], int]:
+    """Offsets of each tensor (greedy by size: largest first, each at the lowest aligned offset
+    that overlaps no placed tensor whose lifetime [first, last] intersects its own) and the peak
+    bytes. Without reuse, tensors are laid end to end."""
+    def aligned(n: int) -> int:
+        return -(-n // ALIGN) * ALIGN
+
+    offsets: dict[str, int] = {}
+    if not reuse:
+        at = 0
+        for t in sizes:
+            offsets[t] = at
+            at += aligned(max(sizes[t], 1))
+        return offsets, at
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    for t in sorted(sizes, key=lambda t: (-sizes[t], lifetimes[t][0], t)):
+        first, last = lifetimes[t]
+        need = aligned(max(sizes[t], 1))
+        at = 0
+        for off, end, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
+            if off - at >= need:
+                break
+            at = max(at, end)
+        offsets[t] = at
+        placed.append((at, at + need, first, last))
+    return offsets, max((p[1] for p in placed), default=0)
+
+
+# -- compiling --------------------------------------------------------------------------------
+
+def _flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) from the CPU backend: its CFLAGS and its extra flags (a BLAS,
+    vector math), split into defines and libraries."""
+    from fusesearch.backends import cpu
+
+    extra = cpu.link_flags()
+    base = [f for f in cpu.CFLAGS if f != "-shared" and not f.startswith("-l")]
+    defines = [f for f in extra if f.startswith(("-D", "-I"))]
+    libraries = [f for f in extra if not f.startswith(("-D", "-I"))] + [f for f in cpu.CFLAGS if f.startswith("-l")]
+    return base + defines, libraries
+
+
+def _cc(args: list[str], what: str) -> None:
+    from fusesearch.backends import cpu
+
+    cc = cpu.compiler()
+    if cc is None:
+        raise BadInput("--backend cpu: no C compiler found; install gcc or set CC")
+    done = subprocess.run([cc, *args], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[:200])
+        raise FusesearchError(f"the C compiler rejected {what}: {first}")
+
+
+def _object(source: str, name: str, flags: list[str], folder: Path) -> Path:
+    digest = hashlib.sha256("\0".join([source, *flags]).encode()).hexdigest()[:24]
+    target = folder / f"{digest}.o"
+    if not target.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
+            out = Path(tmp) / "k.o"
+            _cc([*flags, "-c", str(src), "-o", str(out)], f"kernel {name}")
+            os.replace(out, target)
+    return target
+
+
+def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDLL:
+    """Compile every kernel (objects cached) and the driver, link them into one shared library."""
+    from fusesearch.backends import cpu
+
+    compile_flags, link_flags = _flags()
+    folder = cpu.cache_dir()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
+    objects.append(_object(driver, "driver", compile_flags, folder))
+    digest = hashlib.sha256("\0".join([*map(str, objects), *link_flags]).encode()).hexdigest()[:24]
+    target = folder / f"program-{digest}.so"
+    if not target.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "program.so"
+            _cc([*compile_flags, "-shared", *map(str, objects), "-o", str(out), *link_flags], "the program")
+            os.replace(out, target)
+    return ctypes.CDLL(str(target))
+
+
+# -- the program ------------------------------------------------------------------------------
+
+class Layout:
+    """Where each tensor of a program lives: an alias shares its source's storage; weights and
+    the model's inputs are external (`ext_index`: their slot in the pointer table); every other
+    tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime).
+    Subclasses allocate the memory (`_allocate`) and `run` the steps; `__call__(feeds)` sets the
+    inputs, runs, and returns copies of the model's outputs."""
+
+    def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
+        self.graph, self.steps = graph, list(steps)
+        self.source: dict[str, str] = {}  # alias output → the tensor whose storage it shares
+        for s in self.steps:
+            if s.how == "alias":
+                self.source[s.outputs[0]] = self.root(s.inputs[0])
+        used = [t for s in self.steps for t in (*s.inputs, *s.outputs)] + list(graph.outputs)
+        roots = list(dict.fromkeys(self.root(t) for t in used))
+        self.ext_index = {t: i for i, t in enumerate(t for t in roots if t in weights or t in graph.inputs)}
+        produced = [t for t in roots if t not in self.ext_index]
+        for t in produced:
+            if graph.tensors[t].shape is None:
+                writer = next((s for s in self.steps if t in s.outputs), None)
+                node = graph.nodes[writer.nodes[0]].name if writer else "?"
+                raise BadInput(f"tensor '{t}' (written by node '{node}') has no static shape; run needs every "
+                               "shape known: bind the model's dynamic dims with --dim NAME=V or --input-shape")
+        self.sizes = {t: graph.tensors[t].nbytes for t in produced}
+        self.offsets, self.peak_bytes = plan_arena(self.sizes, self._lifetimes(produced), reuse=reuse)
+
+    def root(self, t: str) -> str:
+        return self.source.get(t, t)
+
+    def _lifetimes(self, produced: list[str]) -> dict[str, tuple[int, int]]:
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, s in enumerate(self.steps):
+            for t in s.outputs:
+                first.setdefault(self.root(t), i)
+            for t in (*s.inputs, *s.outputs):
+                last[self.root(t)] = i
+        end = len(self.steps)
+        for t in self.graph.outputs:
+            last[self.root(t)] = end
+        return {t: (first.get(t, 0), last.get(t, end)) for t in produced}
+
+    def _allocate(self, weights: Mapping[str, np.ndarray]) -> None:
+        """The arena (aligned host memory) and the external arrays known so far (the weights)."""
+        self.ext_arrays: dict[str, np.ndarray] = {t: weights[t] for t in self.ext_index if t in weights}
+        self._arena = np.zeros(self.peak_bytes + ALIGN, dtype=np.uint8)
+        start = (-self._arena.ctypes.data) % ALIGN
+        self.arena = self._arena[start:start + self.peak_bytes]
+
+    def view(self, t: str) -> np.ndarray:
+        """The tensor as a numpy array over the program's memory (no copy)."""
+        r = self.root(t)
+        info = self.graph.tensors[t]
+        if r in self.ext_index:
+            return self.ext_arrays[r].reshape(info.shape)
+        dtype = np.dtype(info.dtype)
+        off = self.offsets[r]
+        return self.arena[off:off + info.nbytes].view(dtype).reshape(info.shape)
+
+    def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for t, a in feeds.items():
+            if t in self.ext_index and t in self.graph.inputs:
+                a = np.ascontiguousarray(a, dtype=np.dtype(self.graph.tensors[t].dtype))
+                self.ext_arrays[t] = a
+                self._set_pointer(t, a)
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {t: self.view(t).copy() for t in self.graph.outputs}
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.set_inputs(feeds)
+        self.run()
+        return self.outputs()
+
+    def produced(self) -> dict[str, np.ndarray]:
+        """Every tensor a step writes (meaningful after a run of a program without reuse)."""
+        return {t: self.view(t).copy() for s in self.steps if s.how != "alias" for t in s.outputs}
+
+    def _set_pointer(self, t: str, a: np.ndarray) -> None:
+        """A program with a pointer table updates it here."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class Program(Layout):
+    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
+
+    def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
+                 threads: int, *, reuse: bool = True) -> None:
+        super().__init__(graph, steps, weights, reuse=reuse)
+        self.threads = threads
+        self._allocate(weights)
+        self.ext = (ctypes.c_void_p * max(1, len(self.ext_index)))()
+        for t, a in self.ext_arrays.items():
+            self.ext[self.ext_index[t]] = a.ctypes.data
+        self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
+        self.calls = self._calls(canonical)
+
+    def _pointer(self, t: str, const: bool, ctype: str) -> str:
+        r = self.root(t)
+        q = "const " if const else ""
+        if r in self.ext_index:
+            return f"({q}{ctype}*)x[{self.ext_index[r]}]"
+        return f"({q}{ctype}*)(a + {self.offsets[r]}ULL)"
+
+    def driver(self, runs: list[list[Step]]) -> str:
+        lines = ["#include <omp.h>", "#include <stddef.h>",
+                 "void fs_set_threads(int n) { omp_set_num_threads(n); }",
+                 "int fs_get_threads(void) { return omp_get_max_threads(); }"]
+        for s in self.steps:
+            if s.kernel is not None:
+                k = s.kernel
+                params = [f"const {a.ctype}*" for a in k.inputs] + [f"{a.ctype}*" for a in k.outputs]
+                lines.append(f"void {k.name}({', '.join(params)});")
+        for n, run in enumerate(runs):
+            lines.append(f"void fs_segment_{n}(char* a, void** x) {{")
+            for s in run:
+                if s.kernel is None:
+                    continue
+                k = s.kernel
+                args = ([self._pointer(a.tensor, True, a.ctype) for a in k.inputs]
+                        + [self._pointer(a.tensor, False, a.ctype) for a in k.outputs])
+                lines.append(f"    {k.name}({', '.join(args)});")
+            lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def _calls(self, canonical: onnx.ModelProto) -> list[Callable[[], None]]:
+        parts = segments(self.steps)
+        runs = [run for kind, run in parts if kind == "generated"]
+        self.segment_counts = {"generated": len(runs), "library": sum(kind == "library" for kind, _ in parts)}
+        kernels = [s.kernel for run in runs for s in run if s.kernel is not None]
+        calls: list[Callable[[], None]] = []
+        lib = build_library(kernels, self.driver(runs)) if kernels else None
+        if lib is not None:
+            lib.fs_set_threads.argtypes = [ctypes.c_int]
+            lib.fs_get_threads.restype = ctypes.c_int
+            _THREADS.setdefault("before", (lib, lib.fs_get_threads()))
+            lib.fs_set_threads(self.threads)
+        n = 0
+        for kind, run in parts:
+            if kind == "generated":
+                fn = getattr(lib, f"fs_segment_{n}")
+                fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], None
+                calls.append(lambda fn=fn: fn(self.arena_ptr, self.ext))
+                n += 1
+            else:
+                steps = [self._library_call(canonical, s) for s in run if s.how == "library"]
+                calls.append(lambda steps=steps: [go() for go in steps] and None)
+        self.library = lib  # keep it loaded
+        return calls
+
+    def _library_call(self, canonical: onnx.ModelProto, s: Step) -> Callable[[], None]:
+        from fusesearch.backends.library import node_model
+        from fusesearch.verify import session
+
+        node = self.graph.nodes[s.nodes[0]]
+        try:
+            sess = session(node_model(canonical, self.graph, s.part), threads=self.threads)
+        except Exception as exc:  # ONNX Runtime's refusal: the model has a node it cannot run alone
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel and "
+                           f"ONNX Runtime cannot run it alone ({first}); run cannot execute this model") from None
+        binding = sess.io_binding()
+        for t in s.outputs:
+            view = self.view(t)
+            binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+
+        def go() -> None:
+            for t in s.inputs:
+                binding.bind_cpu_input(t, self.view(t))
+            sess.run_with_iobinding(binding)
+
+        return go
+
+    def _set_pointer(self, t: str, a: np.ndarray) -> None:
+        self.ext[self.ext_index[t]] = a.ctypes.data
+
+    def run(self) -> None:
+        for call in self.calls:
+            call()
+
+
+# -- checking ---------------------------------------------------------------------------------
+
+def max_rel_err(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> float:
+    from fusesearch.measure import max_rel_err as worst
+
+    return worst(dict(got), dict(reference))
+
+
+def first_difference(graph, label: str, steps: Sequence[Step], produced: Mapping[str, np.ndarray],
+                     reference: Mapping[str, np.ndarray], rtol: float) -> str | None:
+    """'plan group g3 (...)' naming the first step whose output differs from ONNX Runtime's."""
+    from fusesearch.verify import compare
+
+    for s in steps:
+        wanted = {t: reference[t] for t in s.outputs if t in produced and t in reference}
+        for d in compare(wanted, {t: produced[t] for t in wanted}, rtol=rtol):
+            if not d.ok:
+                nodes = [graph.nodes[i] for i in s.nodes]
+                ops = "+".join(n.op_type for n in nodes)
+                names = ", ".join(f"'{n.name}'" for n in nodes[:4]) + (" ..." if len(nodes) > 4 else "")
+                return (f"{label} group g{s.group} ({s.how} {s.kernel.name if s.kernel else ops}: {ops}, "
+                        f"nodes {names}) writes '{d.name}' with max abs err {d.max_abs:.3g} "
+                        f"(scale {d.scale:.3g}, rtol {rtol:g})")
+    return None
+
+
+def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: float, check_each: bool):
+    """(the program with arena reuse, its max relative error) once its outputs equal ONNX
+    Runtime's (`make(reuse)` builds it); Mismatch naming the first step that differs, found on a
+    program without reuse (also the one checked throughout with `check_each`)."""
+    from fusesearch.verify import compare
+
+    program = make(not check_each)
+    got = program(feeds)
+    wanted = {t: reference[t] for t in program.graph.outputs}
+    diffs = compare(wanted, got, rtol=rtol)
+    if check_each or not all(d.ok for d in diffs):
+        full = program if check_each else make(False)
+        full(feeds)
+        where = first_difference(program.graph, label, program.steps, full.produced(), reference, rtol)
+        if where is not None:
+            raise Mismatch(f"the {label} program differs from ONNX Runtime: {where}")
+        if not all(d.ok for d in diffs):
+            bad = next(d for d in diffs if not d.ok)
+            raise Mismatch(f"the {label} program differs from ONNX Runtime at output '{bad.name}' "
+                           f"(max abs err {bad.max_abs:.3g}) though every step agrees alone")
+        if check_each:  # the program that runs (and is timed) reuses its arena
+            program = make(True)
+            program(feeds)
+    return program, max_rel_err(wanted, got)
+
+
+# -- the CUDA program, emulated ---------------------------------------------------------------
+
+class EmulatedCudaProgram(Layout):
+    """The plan as the CUDA program would launch it, run through the CUDA emulator on host memory
+    (correctness only, never timing): every generated kernel's own CUDA source with its own grid
+    and block, in plan order, over one arena laid out as on the CPU; groups the generator does not
+    write run through `arraylib` (the GPU's library path, here on numpy), written into the arena."""
+
+    def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool = True) -> None:
+        from fusesearch.backends import arraylib
+
+        super().__init__(graph, steps, weights, reuse=reuse)
+        for s in self.steps:
+            if s.how == "library":
+                node = graph.nodes[s.nodes[0]]
+                decision = arraylib.supports(node.op_type, node.attrs, len([t for t in node.outputs if t]))
+                if not decision:
+                    raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel "
+                                   f"and no GPU library kernel ({decision.reason}); the CUDA program cannot run it")
+        self._allocate(weights)
+        self.segment_counts = {kind: sum(k == kind for k, _ in segments(self.steps)) for kind in ("generated", "library")}
+
+    def run(self) -> None:
+        from fusesearch.backends import arraylib, emulate
+
+        for s in self.steps:
+            if s.how == "generated":
+                emulate.launch(s.kernel, [self.view(a.tensor).ctypes.data for a in (*s.kernel.inputs, *s.kernel.outputs)])
+            elif s.how == "library":
+                node = self.graph.nodes[s.nodes[0]]
+                args = [self.view(t) if t else None for t in node.inputs]
+                outs = arraylib.run(np, node.op_type, node.attrs, args, len([t for t in node.outputs if t]))
+                for t, y in zip([t for t in node.outputs if t], outs, strict=True):
+                    if t in s.outputs:
+                        self.view(t)[...] = y
+
+
+def run_emulated(prep, plan, *, seed: int = 0, rtol: float = 1e-4, check_each: bool = False) -> dict:
+    """Check the plan's CUDA program (through the emulator) against ONNX Runtime: {"max_rel_err",
+    "segments", "arena_peak_bytes"}; Mismatch naming the first step that differs."""
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.verify import all_values, random_feeds
+
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    feeds = random_feeds(canonical, seed)
+    reference = all_values(canonical, feeds)
+    steps = plan_steps(prep.graph, plan)
+    program, err = checked("plan (CUDA, emulated)",
+                           lambda reuse: EmulatedCudaProgram(prep.graph, steps, weights, reuse=reuse),
+                           feeds, reference, rtol, check_each)
+    return {"max_rel_err": err, "segments": program.segment_counts, "arena_peak_bytes": program.peak_bytes}
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+@dataclass
+class RunReport:
+    model: str
+    strategy: str
+    threads: int
+    repeat: int
+    warmup: int
+    rtol: float
+    timings: dict[str, Timing]
+    arena_peak_bytes: int
+    unfused_arena_peak_bytes: int
+    activation_bytes: int
+    max_rel_err: float
+    unfused_max_rel_err: float
+    segments: dict[str, int]
+    unfused_segments: dict[str, int]
+    kernels: int
+    library_steps: int
+
+    def ratio(self, a: str, b: str) -> float:
+        if a not in self.timings or b not in self.timings or not self.timings[b].median_s:
+            return math.nan
+        return self.timings[a].median_s / self.timings[b].median_s
+
+    def to_dict(self) -> dict:
+        stats = {k: {"median_s": t.median_s, "p20_s": t.p20_s, "p80_s": t.p80_s, "n": t.n}
+                 for k, t in self.timings.items()}
+        return {"model": self.model, "strategy": self.strategy, **stats, "threads": self.threads,
+                "repeat": self.repeat, "warmup": self.warmup, "arena_peak_bytes": self.arena_peak_bytes,
+                "unfused_arena_peak_bytes": self.unfused_arena_peak_bytes, "activation_bytes": self.activation_bytes,
+                "max_rel_err": self.max_rel_err, "unfused_max_rel_err": self.unfused_max_rel_err, "rtol": self.rtol,
+                "segments": self.segments, "unfused_segments": self.unfused_segments,
+                "kernels": self.kernels, "library_steps": self.library_steps,
+                "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
+                           "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
+                           "plan_vs_unfused": self.ratio("plan", "unfused")}}
+
+    def to_pandas(self):
+        import pandas as pd
+
+        rows = [{"model": self.model, "strategy": self.strategy, "program": k, "threads": self.threads,
+                 "median_s": t.median_s, "p20_s": t.p20_s, "p80_s": t.p80_s, "n": t.n,
+                 "arena_peak_bytes": {"plan": self.arena_peak_bytes, "unfused": self.unfused_arena_peak_bytes}.get(k),
+                 "activation_bytes": self.activation_bytes,
+                 "max_rel_err": {"plan": self.max_rel_err, "unfused": self.unfused_max_rel_err}.get(k, 0.0)}
+                for k, t in self.timings.items()]
+        return pd.DataFrame(rows)
+
+
+def _timed(runs: Mapping[str, Callable[[], object]], warmup: int, repeat: int) -> dict[str, Timing]:
+    """Each run's samples, taken in turn (one run of each per round), so that a change in the
+    machine's load while timing falls on every program alike."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeat):
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: Timing(tuple(v), warmup, "perf_counter") for k, v in samples.items()}
+
+
+def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
+    if repeat < 1:
+        raise BadInput(f"--repeat {repeat}: give at least 1 timed run")
+    if warmup < 0:
+        raise BadInput(f"--warmup {warmup}: give 0 or more warm-up runs")
+    if threads < 1:
+        raise BadInput(f"--threads {threads}: give at least 1 thread")
+    if not rtol >= 0:
+        raise BadInput(f"--rtol {rtol}: give a tolerance >= 0")
+
+
+def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
+             rtol: float = 1e-4, check_each: bool = False, time_it: bool = True,
+             input_values: Mapping[str, np.ndarray] | None = None,
+             progress: Callable[[str], None] | None = None) -> RunReport:
+    """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
+    inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
+    them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
+    step."""
+    try:
+        return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
+                         input_values, progress)
+    finally:  # the caller's OpenMP thread count again
+        if "before" in _THREADS:
+            lib, before = _THREADS.pop("before")
+            lib.fs_set_threads(before)
+
+
+def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
+              progress) -> RunReport:
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.pipeline import activation_bytes
+    from fusesearch.verify import all_values, random_feeds, session
+
+    check_args(repeat, warmup, threads, rtol)
+    say = progress or (lambda _: None)
+    graph = prep.graph
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    feeds = random_feeds(canonical, seed, input_values)
+    say("reference")
+    reference = all_values(canonical, feeds, list(input_values or ()))
+    programs: dict[str, Program] = {}
+    errors: dict[str, float] = {}
+    for label, p in (("plan", plan), ("unfused", unfused)):
+        say(f"compiling {label}")
+        steps = plan_steps(graph, p)
+        programs[label], errors[label] = checked(
+            label, lambda reuse, steps=steps: Program(graph, canonical, steps, weights, threads, reuse=reuse),
+            feeds, reference, rtol, check_each)
+    timings: dict[str, Timing] = {}
+    if time_it:
+        runs: dict[str, Callable[[], object]] = {}
+        for label in ("plan", "unfused"):
+            runs[label] = lambda program=programs[label]: program(feeds)
+        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+            sess = session(canonical, threads=threads, optimize=level)
+            names = [o.name for o in sess.get_outputs()]
+            ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
+            runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
+        say("timing")
+        for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
+            if program.library is not None:
+                program.library.fs_set_threads(threads)
+        timings = _timed(runs, warmup, repeat)
+    steps = programs["plan"].steps
+    return RunReport(
+        model=getattr(plan.model, "name", ""), strategy=plan.strategy, threads=threads, repeat=repeat, warmup=warmup,
+        rtol=rtol, timings=timings, arena_peak_bytes=programs["plan"].peak_bytes,
+        unfused_arena_peak_bytes=programs["unfused"].peak_bytes, activation_bytes=activation_bytes(graph),
+        max_rel_err=errors["plan"], unfused_max_rel_err=errors["unfused"], segments=programs["plan"].segment_counts,
+        unfused_segments=programs["unfused"].segment_counts, kernels=sum(s.how == "generated" for s in steps),
+        library_steps=sum(s.how == "library" for s in steps))

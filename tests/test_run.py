@@ -1,0 +1,264 @@
+"""`fusesearch run`: a plan executed end to end as one program, checked against ONNX Runtime.
+
+Tiny models built in code: an MLP chain (one generated segment), a chain with a data-dependent
+If (a library segment between generated ones), a lone If (library only), a float16 conv the
+generator refuses (library per node); the arena's greedy placement; the JSON contract; exit 1
+naming the first differing kernel when the tolerance is 0 (our dot products sum in another order
+than ONNX Runtime's); bad flags exit 2 with one line naming the option."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from onnx import TensorProto, helper
+
+from fusesearch.backends import cpu
+from fusesearch.run import ALIGN, Step, plan_arena, segments
+from tests.conftest import make_model, save
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+RNG = np.random.default_rng(0)
+FAST = ("--strategy", "greedy", "--repeat", "2", "--warmup", "0")
+KEYS = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
+
+
+def _w(*shape, dtype=np.float32):
+    return (RNG.standard_normal(shape) * 0.3).astype(dtype)
+
+
+def mlp():
+    """x -> MatMul+Add -> Relu -> MatMul -> Tanh -> Reshape -> Softmax: a chain of kernels and a view."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu1"),
+             helper.make_node("MatMul", ["r", "w2"], ["z"], name="mm2"),
+             helper.make_node("Tanh", ["z"], ["t"], name="tanh"),
+             helper.make_node("Reshape", ["t", "shape"], ["t2"], name="reshape"),
+             helper.make_node("Softmax", ["t2"], ["y"], name="softmax", axis=-1)]
+    inits = [("w1", _w(64, 128)), ("b1", _w(128)), ("w2", _w(128, 64)), ("shape", np.array([16, 128], np.int64))]
+    return make_model(nodes, [("x", [32, 64])], [("y", [16, 128])], inits)
+
+
+def with_if():
+    """Relu, then an If on the sign of its sum (then: *2, else: negate, both capturing r), then Tanh."""
+    then = helper.make_graph([helper.make_node("Mul", ["r", "two"], ["a"], name="then_mul")], "then", [],
+                             [helper.make_tensor_value_info("a", TensorProto.FLOAT, [8, 16])])
+    other = helper.make_graph([helper.make_node("Neg", ["r"], ["b"], name="else_neg")], "else", [],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [8, 16])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("ReduceSum", ["r"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="positive"),
+             helper.make_node("If", ["c"], ["branch"], name="choose", then_branch=then, else_branch=other),
+             helper.make_node("Add", ["branch", "x"], ["u"], name="add"),
+             helper.make_node("Tanh", ["u"], ["y"], name="tanh")]
+    inits = [("two", np.float32(2.0)), ("zero", np.float32(0.0))]
+    return make_model(nodes, [("x", [8, 16])], [("y", [8, 16])], inits, opset=13)
+
+
+def lone_if():
+    """Only an If: a plan with no generated kernel at all."""
+    then = helper.make_graph([helper.make_node("Relu", ["x"], ["a"], name="then_relu")], "then", [],
+                             [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 4])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["b"], name="else_neg")], "else", [],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 4])])
+    nodes = [helper.make_node("If", ["c"], ["y"], name="choose", then_branch=then, else_branch=other)]
+    return make_model(nodes, [("c", [], TensorProto.BOOL), ("x", [4, 4])], [("y", [4, 4])], opset=13)
+
+
+def half_conv():
+    """torch `.half()` export: a float16 Conv+Relu the generator refuses, run node by node."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="/conv/Conv", kernel_shape=[3, 3],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["y"], name="/relu/Relu")]
+    inits = [("w", _w(8, 3, 3, 3, dtype=np.float16)), ("b", _w(8, dtype=np.float16))]
+    return make_model(nodes, [("x", [1, 3, 8, 8], TensorProto.FLOAT16)], [("y", None, TensorProto.FLOAT16)], inits)
+
+
+def _run_json(run_cli, path, *extra):
+    code, stdout, stderr = run_cli("run", path, *FAST, "--json", *extra)
+    assert code == 0, stderr
+    return json.loads(stdout)
+
+
+def test_chain_equals_ort_with_valid_json(run_cli, tmp_path):
+    doc = _run_json(run_cli, save(mlp(), tmp_path / "mlp.onnx"))
+    for key in KEYS:
+        t = doc[key]
+        assert 0 < t["p20_s"] <= t["median_s"] <= t["p80_s"], (key, t)
+    assert doc["threads"] == 1
+    assert doc["max_rel_err"] <= 1e-4 and doc["unfused_max_rel_err"] <= 1e-4
+    assert doc["segments"] == {"generated": 1, "library": 0}  # one ctypes call runs every kernel
+    assert 0 < doc["arena_peak_bytes"] < doc["activation_bytes"]
+    assert doc["unfused_arena_peak_bytes"] < doc["activation_bytes"]
+    assert doc["ratios"]["plan_vs_unfused"] == pytest.approx(doc["plan"]["median_s"] / doc["unfused"]["median_s"])
+
+
+def test_threads_reach_the_json_and_are_restored(run_cli, tmp_path):
+    """OpenMP's thread count is the caller's again after the run (the kernels' libgomp is this one)."""
+    import ctypes
+
+    gomp = ctypes.CDLL("libgomp.so.1")
+    before = gomp.omp_get_max_threads()
+    doc = _run_json(run_cli, save(with_if(), tmp_path / "if.onnx"), "--threads", str(before + 1))
+    assert doc["threads"] == before + 1 and doc["max_rel_err"] <= 1e-4
+    assert gomp.omp_get_max_threads() == before
+
+
+def test_if_splits_the_program_and_still_equals_ort(run_cli, tmp_path):
+    doc = _run_json(run_cli, save(with_if(), tmp_path / "if.onnx"), "--check-each")
+    assert doc["segments"]["library"] == 1 and doc["segments"]["generated"] == 2, doc["segments"]
+    assert doc["max_rel_err"] <= 1e-4 and doc["library_steps"] == 1
+
+
+@pytest.mark.parametrize("build, library", [(lone_if, 1), (half_conv, 2)])
+def test_plan_of_only_library_nodes_runs(run_cli, tmp_path, build, library):
+    doc = _run_json(run_cli, save(build(), tmp_path / "m.onnx"))
+    assert doc["segments"] == {"generated": 0, "library": 1}
+    assert doc["library_steps"] == library and doc["max_rel_err"] <= 1e-3
+
+
+def test_zero_tolerance_names_the_first_differing_kernel(run_cli, tmp_path):
+    """Our Gemm sums its 64 products in another order than ONNX Runtime's: at rtol 0 the first
+    group (the MatMul with its Add and Relu) differs, and the message says so."""
+    code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *FAST, "--rtol", "0")
+    assert code == 1 and stdout == ""
+    line, = stderr.strip().splitlines()
+    assert "plan program differs from ONNX Runtime" in line and "group g0" in line and "'mm1'" in line, line
+
+
+def test_check_each_writes_parquet_and_a_table(run_cli, tmp_path):
+    out = tmp_path / "rows.parquet"
+    code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *FAST, "--check-each", "-o", out)
+    assert code == 0, stderr
+    assert "ONNX Runtime ENABLE_ALL" in stdout and "equal to ONNX Runtime" in stdout
+    rows = pd.read_parquet(out)
+    assert list(rows["program"]) == list(KEYS) and (rows["median_s"] > 0).all()
+
+
+def test_plan_file_round_trip(run_cli, tmp_path):
+    model = save(mlp(), tmp_path / "mlp.onnx")
+    code, _, stderr = run_cli("plan", model, "--device", "host", "--strategy", "greedy", "-o", tmp_path / "p.json")
+    assert code == 0, stderr
+    doc = _run_json(run_cli, model, "--plan", tmp_path / "p.json")
+    assert doc["strategy"] == "file" and doc["max_rel_err"] <= 1e-4
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--plan", "missing.json"), "--plan missing.json: no such file"),
+    (("--repeat", "0"), "--repeat 0"),
+    (("--threads", "0"), "--threads 0"),
+    (("--warmup", "-1"), "--warmup -1"),
+    (("--rtol", "-1"), "--rtol -1"),
+    (("--backend", "cupy"), "--backend cupy"),
+])
+def test_bad_flags_exit_2_with_one_line(run_cli, tmp_path, flags, named):
+    code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *flags)
+    assert code == 2 and stdout == ""
+    line, = stderr.strip().splitlines()
+    assert line.startswith("fusesearch: error: ") and named in line, line
+
+
+def test_existing_output_is_kept(run_cli, tmp_path):
+    out = tmp_path / "rows.parquet"
+    out.write_text("mine")
+    code, _, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *FAST, "-o", out)
+    assert code == 2 and "--force" in stderr and out.read_text() == "mine"
+
+
+def test_arena_reuses_memory_on_a_chain():
+    """A chain of ten 1 KiB tensors, each read only by the next step: two slots suffice."""
+    sizes = {f"t{i}": 1024 for i in range(10)}
+    lifetimes = {f"t{i}": (i, i + 1) for i in range(10)}
+    offsets, peak = plan_arena(sizes, lifetimes)
+    assert peak == 2048 < sum(sizes.values())
+    _, flat = plan_arena(sizes, lifetimes, reuse=False)
+    assert flat == 10 * 1024
+
+
+def test_arena_never_overlaps_live_tensors():
+    rng = np.random.default_rng(1)
+    sizes = {f"t{i}": int(rng.integers(1, 5000)) for i in range(60)}
+    lifetimes = {}
+    for t in sizes:
+        first = int(rng.integers(0, 40))
+        lifetimes[t] = (first, first + int(rng.integers(0, 10)))
+    offsets, peak = plan_arena(sizes, lifetimes)
+    for a in sizes:
+        assert offsets[a] % ALIGN == 0 and offsets[a] + sizes[a] <= peak
+        for b in sizes:
+            live = lifetimes[a][0] <= lifetimes[b][1] and lifetimes[b][0] <= lifetimes[a][1]
+            if a < b and live:
+                assert offsets[a] + sizes[a] <= offsets[b] or offsets[b] + sizes[b] <= offsets[a], (a, b)
+
+
+def conv_pool():
+    """Conv+Relu (generated) then MaxPool (no generator: the GPU library path) then Add."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+             helper.make_node("Sigmoid", ["f"], ["y"], name="sigmoid")]
+    inits = [("w", _w(4, 3, 3, 3)), ("b", _w(4))]
+    return make_model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 64])], inits, opset=13)
+
+
+@pytest.mark.parametrize("build", [mlp, conv_pool])
+def test_cuda_program_through_the_emulator_equals_ort(tmp_path, build):
+    """The CUDA sources, launched in plan order with their own grids over one arena (the emulator
+    runs them on host threads), give ONNX Runtime's outputs; MaxPool goes through arraylib."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.backends import emulate
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import run_emulated
+
+    if not emulate.available():
+        pytest.skip("no C++ compiler")
+    path = save(build(), tmp_path / "m.onnx")
+    prep = prepare(path)
+    result = run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep), check_each=True)
+    assert result["max_rel_err"] <= 1e-4
+    assert result["segments"]["generated"] >= 1
+    assert result["segments"]["library"] == (build is conv_pool)
+
+
+def test_cuda_program_refuses_a_node_without_a_gpu_library_kernel(tmp_path):
+    from fusesearch.api import plan as make_plan
+    from fusesearch.errors import BadInput
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import run_emulated
+
+    path = save(with_if(), tmp_path / "if.onnx")
+    prep = prepare(path)
+    with pytest.raises(BadInput, match=r"node 'choose' \(If\) has no generated kernel and no GPU library kernel"):
+        run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep))
+
+
+def test_measure_end_to_end_adds_the_run(run_cli, tmp_path):
+    code, stdout, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--strategy", "greedy",
+                                   "--budget", "0.01", "--end-to-end", "--json")
+    assert code == 0, stderr
+    doc = json.loads(stdout)
+    assert doc["totals"]["measured_s"] > 0  # measure's own figures stay
+    whole = doc["end_to_end"]
+    assert all(whole[k]["median_s"] > 0 for k in KEYS) and whole["max_rel_err"] <= 1e-4
+    code, _, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--backend", "cupy", "--end-to-end")
+    assert code == 2 and "--end-to-end" in stderr
+
+
+def test_aliases_never_split_a_segment():
+    def step(i, how):
+        return Step(i, how, (i,), (), ())
+
+    hows = ["alias", "generated", "alias", "generated", "library", "alias", "library", "generated"]
+    runs = segments([step(i, how) for i, how in enumerate(hows)])
+    assert [(kind, [s.group for s in run]) for kind, run in runs] == [
+        ("generated", [1, 2, 3]), ("library", [4, 5, 6]), ("generated", [7])]
+
+
+def test_zoo_bert_small_equals_ort_step_by_step(run_cli):
+    doc = _run_json(run_cli, "zoo:bert-small", "--dim", "seq=16", "--check-each")
+    assert doc["max_rel_err"] <= 1e-4 and doc["segments"]["generated"] >= 1
+    assert doc["arena_peak_bytes"] <= 0.6 * doc["activation_bytes"]
