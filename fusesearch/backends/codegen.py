@@ -1066,6 +1066,11 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | N
         return _matmul_row_loops(graph, kernel, args, outs, anchor)
     if anchor.op_type != "Conv":
         return None
+    return _conv_loops(graph, kernel, args, outs, anchor)
+
+
+def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv: the depthwise loop, or the BLAS blocks with the per-pixel row loops as fallback."""
     depthwise = _depthwise_loops(graph, kernel, args, outs, anchor)
     if depthwise is not None:
         return depthwise
@@ -1289,7 +1294,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
     y = anchor.outputs[0]
     yshape = graph.tensors[y].shape
-    if len(sa) < 2 or len(sb) < 2 or sa[-1] > MAX_HOIST or yshape[-1] > MAX_HOIST:
+    if len(sa) < 2 or len(sb) < 2:
         return None
     trans_a = anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))
     trans_b = anchor.op_type == "Gemm" and int(anchor.attrs.get("transB", 0))
@@ -1326,11 +1331,13 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
             *["    " + x for x in fill + mac],
             f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, [o for o in outs if o.shape != yshape])
-    rows_loop = ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    rows_loop = c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
+        rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body)
     if blas is None:
-        return c_side + rows_loop
-    return c_side + ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *rows_loop, "#endif"]
+        return rows_loop if max(k_extent, n_extent) <= MAX_HOIST else None
+    return ["#ifdef FS_BLAS_SGEMM", *c_side, *blas, "#else", *rows_loop, "#endif"]
 
 
 BLAS_TILE_FLOATS = 1 << 18  # C gemm: at most this product tile (1 MiB) per BLAS call, so it stays in cache
@@ -1426,16 +1433,18 @@ _HOIST_FILL = {"Conv": _fill_conv}
 
 
 def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
-    """C skeleton for a MatMul/Gemm whose epilogue reads the product at other positions than the
-    one computed (a Transpose after it): the product (prologue applied) into a heap buffer by the
-    i-k-j row loops, then every output by pointwise loops that read the buffer. None for other
-    anchors, 1-D operands, or a product that is not float32."""
+    """C skeleton for a MatMul/Gemm/Conv whose epilogue reads the product at other positions than
+    the one computed (a Transpose after a MatMul, a Reshape+Transpose or a Concat after a Conv):
+    the product (prologue applied) into a heap buffer by the anchor's own loops (the BLAS blocks),
+    then every output by pointwise loops that read the buffer. None for other anchors, 1-D
+    operands, or a product that is not float32."""
     y = anchor.outputs[0]
     info = graph.tensors[y]
-    if anchor.op_type not in ("MatMul", "Gemm") or info.dtype != "float32":
+    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or info.dtype != "float32":
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
-    product = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
+    loops = _conv_loops if anchor.op_type == "Conv" else _matmul_row_loops
+    product = loops(graph, kernel, args, [buffer], anchor)
     if product is None:
         return None
     c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))

@@ -191,3 +191,29 @@ def test_attention_scores_under_a_softmax(tmp_path, blas):
     gk = one_kernel(tmp_path, nodes, [("q", [1, 2, 67, 16]), ("k", [1, 2, 67, 16]), ("mask", [1, 1, 1, 67])],
                     [("out", None)], [("c", np.float32(4.0))], expect="ybuf")
     assert gk.rows == 2 * 67
+
+
+def test_a_wide_product_goes_through_the_blas(tmp_path, blas):
+    """An LM head's N (here 20000) is past what the row loops keep on the stack: the BLAS blocks
+    with it, the generic loops without."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["out"])]
+    one_kernel(tmp_path, nodes, [("x", [1, 3, 8])], [("out", None)], [("w", _w([8, 20000])), ("b", _w([20000], 5))],
+               expect="FS_BLAS_SGEMM(101")
+
+
+@pytest.mark.parametrize("epilogue", ["patch-embedding", "concat"])
+def test_conv_whose_epilogue_moves_elements(tmp_path, blas, epilogue):
+    """A ViT patch embedding (Conv, Reshape, Transpose) and a YOLO block (Conv, SiLU, Concat): the
+    conv's output into a buffer through the conv loops first, then the outputs read it."""
+    if epilogue == "patch-embedding":
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[4, 4], strides=[4, 4]),
+                 helper.make_node("Reshape", ["y", "shape"], ["r"]),
+                 helper.make_node("Transpose", ["r"], ["out"], perm=[0, 2, 1])]
+        inputs, inits = [("x", [1, 3, 16, 16])], [("w", _w([24, 3, 4, 4])), ("shape", np.array([1, 24, 16]))]
+    else:
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
+                 helper.make_node("Sigmoid", ["y"], ["s"]), helper.make_node("Mul", ["y", "s"], ["m"]),
+                 helper.make_node("Concat", ["m", "skip"], ["out"], axis=1)]
+        inputs, inits = [("x", [1, 8, 10, 10]), ("skip", [1, 5, 10, 10])], [("w", _w([16, 8, 3, 3]))]
+    gk = one_kernel(tmp_path, nodes, inputs, [("out", None)], inits, expect="ybuf")
+    assert "FS_BLAS_SGEMM(101" in gk.c_source
