@@ -40,8 +40,10 @@ CV_FOLDS = 3
 # fraction of its peak (tensor-core or scalar FLOP/s, DRAM bytes/s): never above 1.
 _UNIT_INTERVAL = ("overlap", "occupancy_knee")
 _EFFICIENCY = (1e-4, 1.0)
-_OWN = ("tc_efficiency", "scalar_efficiency", "memory_efficiency", "occupancy_knee")  # per template
-_BOUNDS = {"tc_efficiency": _EFFICIENCY, "scalar_efficiency": _EFFICIENCY, "memory_efficiency": _EFFICIENCY,
+_OWN = ("tc_efficiency", "library_efficiency", "scalar_efficiency", "memory_efficiency",
+        "occupancy_knee")  # per template
+_BOUNDS = {"tc_efficiency": _EFFICIENCY, "library_efficiency": _EFFICIENCY, "scalar_efficiency": _EFFICIENCY,
+           "memory_efficiency": _EFFICIENCY,
            "launch_overhead_scale": (1e-3, 1e3),
            "index_division_flops": (1e-3, 1e3), "read_traffic_factor": (1e-2, 2.0), "division_flops": (1e-2, 1e3),
            "transcendental_flops": (0.1, 1e4), "overlap": (1e-3, 1 - 1e-3),
@@ -119,15 +121,18 @@ def predict(specs: Sequence[KernelSpec], device: DeviceSpec, params: RooflinePar
 
 def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str]:
     """The dotted names of the parameters the fit moves: the efficiencies of the templates
-    present (tensor-core only where tensor-core FLOPs exist, scalar where scalar or
+    present (the main loop's where its FLOPs exist, the generated kernels' and the library
+    calls' apart, scalar where scalar or
     transcendental FLOPs exist), overlap, launch overhead, the transcendental weight when
     transcendentals occur, and the occupancy knees on a GPU."""
     present = sorted({s.template for s in specs})
     names = []
     for t in present:
         rows = [s for s in specs if s.template == t]
-        if any(s.tc_flops > 0 for s in rows):
+        if any(s.tc_flops > 0 and s.impl == "generated" for s in rows):
             names.append(f"tc_efficiency.{t}")
+        if any(s.tc_flops > 0 and s.impl == "library" for s in rows):  # fitted apart: another kernel
+            names.append(f"library_efficiency.{t}")
         if any(s.scalar_flops + s.transcendentals > 0 for s in rows):
             names.append(f"scalar_efficiency.{t}")
         names.append(f"memory_efficiency.{t}")
