@@ -35,7 +35,7 @@ DEFAULT_THREADS_PER_BLOCK = 256
 _FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "divisions", "dram_read_bytes",
                  "dram_write_bytes")
 _INT_FIELDS = ("iteration_size", "reduction_length", "smem_bytes", "live_values_per_thread",
-               "threads_per_block", "num_ops", "index_divisions")
+               "threads_per_block", "num_ops", "index_divisions", "blocks")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class KernelSpec:
       `fmaf` on CUDA cores) or "library" (a lone anchor or opaque op through the vendor library,
       which uses tensor cores where the dtype allows: TF32 for float32, as cuBLAS under ONNX
       Runtime's CUDA provider). The cost model prices each on the unit it really uses.
+    - `blocks`: the launch grid's blocks when the kernel's writer knows them exactly (a generated
+      tile per batch or group, a block per row); 0 derives them from the iteration space.
     """
 
     template: str
@@ -88,6 +90,7 @@ class KernelSpec:
     index_divisions: int = 0
     divisions: float = 0.0
     impl: str = "generated"
+    blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:

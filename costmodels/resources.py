@@ -115,7 +115,10 @@ def occupancy(
 
 def grid_blocks(spec: KernelSpec) -> int:
     """Blocks in the launch grid: output tiles for gemm / conv with an (M, N, ...) tile, else one
-    thread per element of the iteration space. At least 1."""
+    thread per element of the iteration space (`spec.blocks` where the lowering set the grid it
+    generates). At least 1."""
+    if spec.blocks:
+        return spec.blocks
     per_block = spec.tile[0] * spec.tile[1] if len(spec.tile) >= 2 else spec.threads_per_block
     return max(1, math.ceil(spec.iteration_size / per_block))
 

@@ -42,6 +42,7 @@ from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 
 THREADS_PER_BLOCK = 256
+MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
 MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
 ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
 TILE_K = 32
@@ -83,6 +84,7 @@ class Kernel:
     split_k: int = 1  # gemm/conv: K split across blocks when the output has too few tiles
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
+    blocks: int = 0  # the grid the generator launches, when known here (0: from the iteration space)
 
     @property
     def impl(self) -> str:
@@ -100,7 +102,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl)
+            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -329,6 +331,17 @@ def _gemm_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:
     return math.prod(out) // max(n, 1), n, k
 
 
+def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
+    """(z, M per z) of the generated tiled kernel: MatMul batches or Conv groups on grid z."""
+    out = graph.tensors[anchor.outputs[0]].shape
+    if anchor.op_type == "MatMul" and len(out) >= 2:
+        return math.prod(out[:-2]), out[-2]
+    if anchor.op_type == "Conv":
+        return int(anchor.attrs.get("group", 1)), math.prod(out) // out[1]
+    m, _, _ = _gemm_dims(graph, anchor)
+    return 1, m
+
+
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))
 
 
@@ -360,8 +373,9 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
         cached = (4 * row_tile <= MAX_ROW_SMEM) + (softmax and 8 * row_tile <= MAX_ROW_SMEM)
         smem = 4 * row_tile * cached + ROW_REDUCE_SMEM
         live = 24 + 2 * (len(nodes) - 1)  # a thread's slice of the row and its dot product
-        return _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (1, row_tile, k),
-                      smem, live)
+        kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (1, row_tile, k),
+                        smem, live)
+        return replace(kernel, blocks=min(out_size // row_tile, MAX_GRID_X))
     tm, tn, tk = _tile(m, n_dim)
     smem = (tm * tk + tk * tn) * 4  # the generated tile: A and B staged once per K step, as float
     live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
@@ -369,7 +383,9 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
     split = _split_k(m, n_dim, k, tm, tn, tk) if len(nodes) == 1 else 1
     kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
                     (tm, tn, tk), smem, live)
-    kernel = replace(kernel, threads_per_block=min(THREADS_PER_BLOCK, tm * tn))  # a thread per output at most
+    z, m_z = _tile_batches(graph, anchor)  # the generated grid: tiles of each batch (MatMul) or group (Conv)
+    kernel = replace(kernel, threads_per_block=min(THREADS_PER_BLOCK, tm * tn),  # a thread per output at most
+                     blocks=z * math.ceil(m_z / tm) * math.ceil(n_dim / tn) if len(nodes) > 1 else 0)
     if split == 1:
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction

@@ -68,13 +68,12 @@ import numpy as np
 
 from fusesearch.candidates.rules import FusionDecision
 from fusesearch.ir.graph import Graph, Node, TensorInfo
-from fusesearch.lowering import MAX_ROW_SMEM, Kernel
+from fusesearch.lowering import MAX_GRID_X, MAX_ROW_SMEM, Kernel
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
 SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
 THREADS = 256  # CUDA threads per block, every skeleton
-MAX_GRID_X = 65535  # block-per-row: rows beyond it are strided
 MAX_STRIDE_BLOCKS = 65535 * 8
 MAX_GRID_YZ = 65535
 

@@ -6,8 +6,11 @@ Distinct kernels (by source hash) are compiled once, several to an NVRTC program
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from costmodels.resources import grid_blocks
 from fusesearch.api import plan as make_plan
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.pipeline import prepare
@@ -39,10 +42,12 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
             distinct.setdefault(gk.source_hash, g)
     kernels = [generate(prep.graph, g.kernel, name=f"k{i}") for i, g in enumerate(distinct.values())]
     by_name = {f"k{i}": g.kernel for i, g in enumerate(distinct.values())}
-    for gk in kernels:  # the block the cost model priced is the block written
+    for gk in kernels:  # the launch the cost model priced is the launch written
         kernel = by_name[gk.name]
         if kernel.impl == "generated" and gk.skeleton in ("tiled", "block-per-row"):
             assert gk.block[0] == kernel.threads_per_block, (name, gk.name, gk.skeleton)
+            if kernel.anchor is not None:
+                assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
     skeletons: dict[str, int] = {}
     for start in range(0, len(kernels), BUNDLE):
         chunk = kernels[start:start + BUNDLE]
