@@ -78,13 +78,13 @@ def _vi(name, shape):
 
 
 def _ours_vs_ort(model: onnx.ModelProto, feeds: dict, budget: float, repeats: int) -> tuple[float, float, float]:
-    """(our median s, ORT median s, max abs err): the whole one-node model as one generated kernel."""
+    """(our median s, ORT median s, max abs err): the whole model as one generated kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.onnx"
         onnx.save(model, str(path))
         prep = prepare(str(path))
     g = prep.graph
-    kernel = generate(g, lower(g, FusionGroup.single(0)))
+    kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))  # the whole graph, one kernel
     values = {**feeds, **{t.name: numpy_helper.to_array(t) for t in model.graph.initializer}}
     ours = cpu.runner(kernel, {a.tensor: values[a.tensor] for a in kernel.inputs})
     sess = ort_session(model)
@@ -116,9 +116,6 @@ def section_anchors(budget: float, repeats: int) -> None:
         else:
             inits.append(numpy_helper.from_array(RNG.standard_normal(b_shape).astype(np.float32), "b"))
         model = _model(nodes[-1:] if not trans else nodes, inputs, [_vi("y", y_shape)], inits)
-        if trans:
-            ratios.append(_report_group(label, model, feeds, 2.0 * batch * m * n * k, budget, repeats))
-            continue
         ours, ort, err = _ours_vs_ort(model, feeds, budget, repeats)
         ratios.append(_line(label, 2.0 * batch * m * n * k, ours, ort, err))
     for label, cin, h, cout, kk, stride, group in CONVS:
@@ -135,26 +132,6 @@ def section_anchors(budget: float, repeats: int) -> None:
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean {geo:.2f}x of ONNX Runtime's throughput (target >= 0.8x), lowest {min(ratios):.2f}x "
           f"(target >= 0.5x)")
-
-
-def _report_group(label, model, feeds, flops, budget, repeats) -> float:
-    """A two-node group (Transpose + MatMul) generated as one kernel vs ONNX Runtime's whole model."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "m.onnx"
-        onnx.save(model, str(path))
-        prep = prepare(str(path))
-    g = prep.graph
-    anchor = next(i for i, n in enumerate(g.nodes) if n.op_type == "MatMul")
-    kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))), anchor=anchor)))
-    ours = cpu.runner(kernel, {a.tensor: feeds[a.tensor] for a in kernel.inputs})
-    sess = ort_session(model)
-    ours()
-    err = float(np.max(np.abs(ours.buffers[-1] - sess.run(None, feeds)[0])))
-    mine, theirs = [], []
-    for _ in range(repeats):
-        mine.append(measure(ours, budget_s=budget).median_s)
-        theirs.append(measure(lambda: sess.run(None, feeds), budget_s=budget).median_s)
-    return _line(label, flops, statistics.median(mine), statistics.median(theirs), err)
 
 
 def _line(label, flops, ours, ort, err) -> float:
