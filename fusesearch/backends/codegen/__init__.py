@@ -1,0 +1,137 @@
+"""Code generation: one C-like kernel body per Kernel, wrapped by a C/OpenMP or a CUDA skeleton.
+
+Problem: every chosen group must become one real kernel that runs on real data, on a GPU (CUDA)
+and, so that everything but the launch skeleton is exercised without one, on the CPU (C).
+Approach (as TVM's compute inlining): the value of a tensor at a multi-index is an expression
+built from its producer inside the group — `value(t, idx)` recurses through elementwise and
+broadcast ops (same / broadcast index), injective ops (index remapping: Reshape via the flat
+index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
+DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
+wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
+its 2^axes neighbours) down to loads of the kernel's inputs. Temporaries are memoized per
+(tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
+every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
+emitted statements are the same text in both languages; only the skeleton around them differs:
+
+    pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
+               C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
+               elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four
+               elements per thread with float4 loads and stores (`vectorized`)
+    rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
+               j in [0, L)), then the outputs (row-sized ones once, full ones over j)
+               C: parallel over rows, plain j loops · CUDA: a block per row, j strided by
+               threads, block reductions (warp shuffles + shared memory); a computed row read by
+               several passes (a GEMM's output under a Softmax) is cached on its first pass (C: a
+               local buffer, CUDA: shared memory), so its dot products run once
+    gemm/conv  C, with a BLAS (`FS_BLAS_SGEMM`, scipy-openblas32; measured faster than our own
+               loops and within noise of ONNX Runtime's MLAS, benchmarks/bench_cpu.py): MatMul/Gemm
+               per block of output rows of one batch (a block per thread) — the A rows with the prologue
+               applied packed into a panel (B too when the group computes it, e.g. the transposed
+               keys of attention), one sgemm into a block tile, the epilogue over the tile while it
+               is in cache, before the one store; Conv as implicit GEMM per block of whole output
+               rows of one image and group — the im2col panel (prologue and zero padding applied;
+               a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
+               epilogue; depthwise convs in their own loop (a vectorized row of output pixels, taps
+               unrolled, bounds checks only at the borders). Without a BLAS (`#else`): per output
+               row, the activation operand's row (prologue applied) into a buffer, then i-k-j
+               accumulation and the epilogue per column. Blocks run in parallel (OpenMP), the BLAS
+               single-threaded inside each · CUDA (`tiled`): the anchor as
+               z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
+               BM×BN output tile, A and B staged per K step in shared memory with the prologue
+               applied in the tile loads, a register micro-tile per thread, the epilogue applied
+               to the registers before the one store. Epilogues that move elements (a Transpose
+               after the product), ConvTranspose and 1-D operands use the `direct` skeleton: a
+               thread per output element with its dot product inline. (A Softmax epilogue makes
+               the group a row kernel, above.)
+
+The opaque template is not generated (`generate` refuses it with a reason: a library call).
+C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
+the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call exp/log/tanh/erf's vector
+variants; one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
+square root; division by a constant a multiplication by its reciprocal); the index of a row
+element is the row's (hoisted by the compiler) and the column's, with no per-element division.
+Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the
+backend's flags select between its `#ifdef` paths and key its binary cache);
+arguments are the kernel's external inputs then outputs, in the Kernel's order; compute is
+float32 (float tensors), int64 (indices) or uint8 (bool).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from fusesearch.backends.codegen.base import (
+    CTYPES,
+    NP_DTYPES,
+    SUPPORTED_TEMPLATES,
+    THREADS,
+    Arg,
+    CodegenRefused,
+    GeneratedKernel,
+    _stride_blocks,
+)
+from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
+from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC
+from fusesearch.backends.codegen.pointwise import _pointwise
+from fusesearch.backends.codegen.rowwise import ROW_OPS, _rowwise
+from fusesearch.backends.codegen.tiled import _tiled
+from fusesearch.backends.codegen.vectorized import _vectorized
+from fusesearch.candidates.rules import FusionDecision
+from fusesearch.ir.graph import Graph
+from fusesearch.lowering import MAX_GRID_X, Kernel
+
+__all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "generate",
+           "try_generate"]
+
+
+def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
+    def arg(prefix, k, t):
+        info = graph.tensors[t]
+        if info.dtype not in CTYPES:
+            raise CodegenRefused(f"dtype {info.dtype} of '{t}' is not generated yet")
+        return Arg(f"{prefix}{k}", t, tuple(info.shape), info.dtype)
+
+    return (tuple(arg("in", k, t) for k, t in enumerate(kernel.inputs)),
+            tuple(arg("out", k, t) for k, t in enumerate(kernel.outputs)))
+
+
+def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
+    """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated."""
+    if kernel.template not in SUPPORTED_TEMPLATES:
+        raise CodegenRefused(f"template {kernel.template} is not generated yet (runs as a library call)")
+    ins, outs = _args(graph, kernel)
+    name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
+    args = {a.tensor: a for a in ins}
+    has_rows = any(graph.nodes[i].kind.name == "REDUCE" for i in kernel.nodes)
+    largest = max((a.size for a in outs), default=1)
+    if has_rows:
+        c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
+        grid, skeleton = (max(1, min(rows, MAX_GRID_X)), 1, 1), "block-per-row"
+    else:
+        c_body = _anchor_row_loops(graph, kernel, args, outs)
+        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body)
+        grid, skeleton = (_stride_blocks(largest), 1, 1), "grid-stride"
+    block = (THREADS, 1, 1)
+    special = None
+    if kernel.anchor is not None and not has_rows:
+        special = _tiled(graph, kernel, name, ins, outs, args)
+    elif not has_rows:
+        special = _vectorized(graph, kernel, name, ins, outs, args)
+    if special is not None:
+        cu_src, grid, block, skeleton = special
+    elif kernel.anchor is not None and not has_rows:
+        skeleton = "direct"  # one thread per output element, its dot product in a loop
+    digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
+    return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
+                           source_hash=digest, grid=grid, block=block, skeleton=skeleton)
+
+
+def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel | FusionDecision:
+    try:
+        return generate(graph, kernel, name)
+    except CodegenRefused as exc:
+        return exc.decision
+
+
+GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
+"""Every op the generator has code for (its tables and handlers, and the row reductions)."""

@@ -1,0 +1,107 @@
+"""The GEMM view of an anchor: MatMul, Gemm and Conv as z independent GEMMs
+Y_z[m, n] = Σ_k A_z[m, k]·B_z[k, n], with the prologue applied where A and B are read, and the set
+of epilogue tensors computed at the product's own position (which the tiled skeletons need).
+
+Invariants: `contraction` is None exactly where no tiled skeleton applies (1-D MatMul operands,
+ConvTranspose); `anchor_derived` is None when an epilogue op moves elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.lowering import Kernel
+
+# -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
+
+@dataclass(frozen=True)
+class _Contraction:
+    """An anchor seen as z independent GEMMs Y_z[m, n] = Σ_k A_z[m, k]·B_z[k, n] (z: batch of a
+    MatMul, group of a Conv). Each callable emits into the emitter and returns an expression."""
+
+    z: int
+    m: int
+    n: int
+    k: int
+    setup: object  # (e, z) -> None: per-block index variables
+    a: object  # (e, m, k) -> value of A (prologue applied; 0 outside the padding)
+    b: object  # (e, k, n) -> value of B
+    y_index: object  # (e, m, n) -> index tuple of the anchor output
+    a_m_contiguous: bool = False  # A's neighbours in memory are along M (Conv pixels, Gemm transA)
+
+
+def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
+    """The anchor as a batched GEMM, or None (1-D MatMul operands, ConvTranspose: direct kernel)."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    sa, sb = graph.tensors[x].shape, graph.tensors[w].shape
+    y = anchor.outputs[0]
+    ys = graph.tensors[y].shape
+    state: dict = {}
+    if anchor.op_type == "MatMul":
+        if len(sa) < 2 or len(sb) < 2:
+            return None
+
+        def setup(e, z):
+            state["zb"] = e.unflatten(z, ys[:-2]) if len(ys) > 2 else ()
+
+        return _Contraction(
+            math.prod(ys[:-2]), ys[-2], ys[-1], sa[-1], setup,
+            lambda e, m, k: e.value(x, e.broadcast(state["zb"], sa[:-2]) + (m, k)),
+            lambda e, k, n: e.value(w, e.broadcast(state["zb"], sb[:-2]) + (k, n)),
+            lambda e, m, n: state["zb"] + (m, n))
+    if anchor.op_type == "Gemm":
+        ta, tb = int(anchor.attrs.get("transA", 0)), int(anchor.attrs.get("transB", 0))
+        return _Contraction(
+            1, ys[0], ys[1], sa[0] if ta else sa[1], lambda e, z: None,
+            lambda e, m, k: e.value(x, (k, m) if ta else (m, k)),
+            lambda e, k, n: e.value(w, (n, k) if tb else (k, n)),
+            lambda e, m, n: (m, n), bool(ta))
+    if anchor.op_type != "Conv":
+        return None
+    group = int(anchor.attrs.get("group", 1))
+    cin_g, cout_g = sa[1] // group, ys[1] // group
+    kernel = tuple(anchor.attrs.get("kernel_shape") or sb[2:])
+    taps = [cin_g, *kernel]
+    pixels = (ys[0], *ys[2:])
+
+    def conv_a(e, m, k):
+        spatial, _, strides, dilations, pads = _conv_geometry(e, anchor, sa, sb, ys, False)
+        p = e.unflatten(m, pixels)
+        idx = (p[0], "0", *p[1:])
+        return _conv_input(e, anchor, x, sa, idx, k, taps, (spatial, strides, pads, dilations), "gz", cin_g)
+
+    def conv_b(e, k, n):
+        parts = e.unflatten(k, taps)
+        return e.value(w, (f"(gz * {cout_g}LL + {n})", *parts))
+
+    def conv_y(e, m, n):
+        p = e.unflatten(m, pixels)
+        return (p[0], e.tmp("long long", f"gz * {cout_g}LL + {n}"), *p[1:])
+
+    return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
+                        conv_a, conv_b, conv_y, True)
+
+
+def _anchor_derived(graph: Graph, kernel: Kernel, anchor: Node) -> set[str] | None:
+    """Tensors of the group computed from the anchor's output at the same flat position (through
+    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
+    positions (a Transpose, a Softmax...): the tiled skeleton then does not apply."""
+    y = anchor.outputs[0]
+    size = graph.tensors[y].size
+    derived = {y}
+    for i in kernel.nodes:
+        n = graph.nodes[i]
+        if i == anchor.id or not any(t in derived for t in n.inputs):
+            continue
+        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
+            graph.tensors[t].size == size for t in n.inputs if t in derived)
+        if not same or not (n.kind.name in ("ELEMWISE", "BROADCAST") or n.op_type in _VIEW_OPS):
+            return None
+        derived.update(t for t in n.outputs if t)
+    return derived
+
+
+_VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})

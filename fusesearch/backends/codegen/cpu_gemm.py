@@ -1,0 +1,421 @@
+"""The packed CPU skeleton for gemm/conv (C only): BLAS blocks with the prologue packed into the
+activation panel and the epilogue on the tile in cache, implicit-GEMM conv through im2col panels,
+the depthwise loop, and the per-row fallback without a BLAS (`#else`).
+
+Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
+source compiles with and without a BLAS; blocks run in parallel (OpenMP), each BLAS call alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent
+from fusesearch.backends.codegen.contraction import _anchor_derived
+from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
+from fusesearch.backends.codegen.pointwise import _pointwise_loops
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.lowering import Kernel
+
+MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
+
+
+def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:
+    """C skeleton for gemm/conv with a prologue on the activation operand: per output row (all
+    output dims but the one the weights span), the operand's row (MatMul/Gemm: A[m, :]; Conv: the
+    input patch of one output pixel and group) is computed once into a buffer, then reused for
+    every output column — the CPU analogue of a tile load. None when there is nothing to hoist."""
+    if kernel.anchor is None:
+        return None
+    anchor = graph.nodes[kernel.anchor]
+    if _anchor_derived(graph, kernel, anchor) is None:  # the epilogue moves elements
+        return _materialized_loops(graph, kernel, args, outs, anchor)
+    if anchor.op_type in ("MatMul", "Gemm"):
+        return _matmul_row_loops(graph, kernel, args, outs, anchor)
+    if anchor.op_type != "Conv":
+        return None
+    return _conv_loops(graph, kernel, args, outs, anchor)
+
+
+def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv: the depthwise loop, or the BLAS blocks with the per-pixel row loops as fallback."""
+    depthwise = _depthwise_loops(graph, kernel, args, outs, anchor)
+    if depthwise is not None:
+        return depthwise
+    hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)
+    blas = _conv_blas_blocks(graph, kernel, args, outs, anchor)
+    if blas is None or hoisted is None:
+        return hoisted
+    return ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *hoisted, "#endif"]
+
+
+CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+
+
+def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
+    and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS): the block's input patches (prologue applied, zero padding) are packed into an
+    im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its input in place), one sgemm
+    multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
+    epilogue runs over the block's product while it is in cache, before the one store. None for
+    depthwise-like groups (under 8 output channels per group), non-2-D convs and computed filters."""
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
+        return None
+    x, w, xs, ws, ys, group, main, side = found
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    if cout_g < 8:
+        return None
+    e = _Emitter(graph, kernel, args)
+    spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
+    taps = [cin_g, *kern]
+    kt = math.prod(taps)
+    ho, wo = ys[2], ys[3]
+    pixels = ho * wo
+    cap = max(1, CONV_PATCH_FLOATS // max(1, kt * wo))  # output rows per block: its panel within the cap
+    direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
+              and not any(pads) and graph.tensors[x].dtype == "float32")
+    idx = ("nb", "co", "oh", "ow")
+    if direct:
+        fill, panel, ldb = [], f"{args[x].name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
+    elif x in args and graph.producer(x) not in kernel.nodes and graph.tensors[x].dtype == "float32":
+        fill = _im2col_rows(args[x].name, xs, cin_g, kern, strides, pads, dilations, wo)
+        panel, ldb = "patch", "(int)pn"
+    else:
+        e.lines = []
+        e.push()
+        v = _conv_input(e, anchor, x, xs, idx, "kq", taps, (spatial, strides, pads, dilations), "gq", cin_g)
+        e.pop()
+        fill = [f"for (long long kq = 0; kq < {kt}LL; ++kq) {{", "    for (long long oh = oh0; oh < oh1; ++oh) {",
+                *(["        #pragma omp simd"] if _flat_loop(e.lines) else []),
+                f"        for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["            " + x_ for x_ in e.lines],
+                f"            patch[kq * pn + (oh - oh0) * {wo}LL + ow] = {v};", "        }", "    }", "}"]
+        panel, ldb = "patch", "(int)pn"
+    e.lines = []
+    e.push()
+    e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
+    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    body = e.lines + writes
+    e.pop()
+    e.acc_value = ""
+    block = [f"for (long long blk = 0; blk < {xs[0] * group}LL * blocks; ++blk) {{",
+             f"    long long nb = blk / ({group}LL * blocks), gq = blk / blocks % {group}LL;",
+             "    long long oh0 = blk % blocks * rb;",
+             f"    long long oh1 = oh0 + rb < {ho}LL ? oh0 + rb : {ho}LL;",
+             f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
+             *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
+             f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
+             *["    " + x_ for x_ in fill],
+             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {args[w].name} + gq * {cout_g * kt}LL, "
+             f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
+             f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
+             "        for (long long oh = oh0; oh < oh1; ++oh) {",
+             *(["            #pragma omp simd"] if _flat_loop(body) else []),
+             f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
+             "            }", "        }", "    }",
+             *(["    free(patch);"] if not direct else []), "    free(cbuf);", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
+             f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
+             f"long long blocks = ({ho}LL + rb - 1) / rb;")
+    return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
+                     + _indent(block, 1), "    }"]
+
+
+def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 read from the input as it is (no prologue): per tap
+    and output row, the zero rows and columns outside the image, a strided copy in between."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = kern, strides, pads, dilations
+    h, w = xs[2], xs[3]
+    return [f"for (long long kq = 0; kq < {cin_g * kh_n * kw_n}LL; ++kq) {{",
+            f"    long long ci = kq / {kh_n * kw_n}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
+            f"    long long off = kw * {dw}LL - {pw}LL;",
+            f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
+            f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
+            f"    if (hi > {wo}LL) hi = {wo}LL;", "    if (lo > hi) lo = hi;",
+            "    for (long long oh = oh0; oh < oh1; ++oh) {",
+            f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
+            f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
+            f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
+            f"        const float* src = {x} + ((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + off;",
+            "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
+            "        #pragma omp simd",
+            f"        for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];",
+            f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", "}"]
+
+
+def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
+    """(x, w, shapes of x, w, y, group, outputs of y's shape, other outputs) of a 2-D conv whose
+    filter is a float32 kernel input, or None."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+        return None
+    main = [o for o in outs if o.shape == ys]
+    if not main:
+        return None
+    return x, w, xs, ws, ys, int(anchor.attrs.get("group", 1)), main, [o for o in outs if o.shape != ys]
+
+
+def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C depthwise conv (one input channel per group): per image and channel, per output row, the
+    output pixels of the row in a vectorized loop with the taps unrolled and the filter's taps in
+    registers; output rows whose taps all fall inside the image run without bounds checks in the
+    columns whose taps do too; the border pixels take the general padded path. None unless the
+    conv is 2-D with one input channel per group and a constant filter."""
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
+        return None
+    x, w, xs, ws, ys, group, main, side = found
+    if group == 1 or xs[1] != group:
+        return None
+    e = _Emitter(graph, kernel, args)
+    _, (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
+    cout_g = ys[1] // group
+    idx = ("nb", "co", "oh", "ow")
+
+    def body(fast: bool) -> list[str]:
+        e.lines = []
+        e.push()
+        if fast:
+            terms = []
+            for kh in range(kh_n):
+                for kw in range(kw_n):
+                    iw = f"ow * {sw}LL + {kw * dw - pw}LL"
+                    terms.append(f"w{kh}_{kw} * {e.value(x, ('nb', 'ci', f'ih{kh}', iw))}")
+            e.acc_value = e.tmp("float", " + ".join(terms))  # _conv adds the bias
+        writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+        e.acc_value = ""
+        e.pop()
+        lines, e.lines = e.lines + writes, []
+        return lines
+
+    fast, slow = body(True), body(False)
+    lo = min(ys[3], -(-pw // sw))  # first column whose taps are all inside the row
+    hi = max(lo, min(ys[3], (xs[3] - 1 + pw - (kw_n - 1) * dw) // sw + 1))
+    rows_ok = " && ".join(f"ih{kh} >= 0 && ih{kh} < {xs[2]}LL" for kh in (0, kh_n - 1))
+
+    def loop(start: str, stop: str, lines: list[str], simd: bool) -> list[str]:
+        return [*(["#pragma omp simd"] if simd and _flat_loop(lines) else []),
+                f"for (long long ow = {start}; ow < {stop}; ++ow) {{", *["    " + x_ for x_ in lines], "}"]
+
+    taps = [f"const float w{kh}_{kw} = {args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL];"
+            for kh in range(kh_n) for kw in range(kw_n)]
+    rows = [f"long long ih{kh} = oh * {sh}LL + {kh * dh - ph}LL;" for kh in range(kh_n)]
+    block = [f"for (long long nc = 0; nc < {xs[0] * ys[1]}LL; ++nc) {{",
+             f"    long long nb = nc / {ys[1]}LL, co = nc % {ys[1]}LL, ci = co / {cout_g}LL;", *["    " + t for t in taps],
+             f"    for (long long oh = 0; oh < {ys[2]}LL; ++oh) {{", *["        " + r for r in rows],
+             f"        if ({rows_ok}) {{",
+             *["            " + x_ for x_ in loop("0", f"{lo}LL", slow, False) + loop(f"{lo}LL", f"{hi}LL", fast, True)
+               + loop(f"{hi}LL", f"{ys[3]}LL", slow, False)],
+             "        } else {", *["            " + x_ for x_ in loop("0", f"{ys[3]}LL", slow, False)], "        }",
+             "    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+
+
+def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv without a BLAS: per output pixel, the input patch (prologue applied) once into a
+    buffer, dotted with each output channel's contiguous filter row."""
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+    main = [o for o in outs if o.shape == yshape]
+    side = [o for o in outs if o.shape != yshape]
+    fill = _HOIST_FILL.get(anchor.op_type)
+    plan = fill(graph, anchor) if fill else None
+    if plan is None or not main:
+        return None
+    inner_axis, extent, fill_fn = plan
+    if extent > MAX_HOIST:
+        return None
+    e = _Emitter(graph, kernel, args)
+    outer_shape = tuple(d for i, d in enumerate(yshape) if i != inner_axis)
+    row_idx = e.unflatten("row", outer_shape)
+    col = "col"
+    idx = row_idx[:inner_axis] + (col,) + row_idx[inner_axis:]
+    pre = e.lines
+    e.lines = []
+    fill_fn(e, anchor, idx, "hbuf")
+    fill_lines, e.lines = e.lines, []
+    e.push()
+    e.hoisted = "hbuf"
+    writes = []  # conv: the patch buffer is refilled at each group's first output channel
+    for o in main:
+        v = e.value(o.tensor, idx)
+        writes.append(f"{o.name}[{e.flat(idx, o.shape)}] = {v};")
+    body = e.lines + writes
+    e.pop()
+    rows = math.prod(outer_shape)
+    loop = [f"for (long long row = 0; row < {rows}LL; ++row) {{", *["    " + x for x in pre],
+            f"    float hbuf[{extent}];"]
+    loop += [f"    for (long long {col} = 0; {col} < {yshape[inner_axis]}LL; ++{col}) {{"]
+    loop += ["        " + x for x in fill_lines + body] + ["    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+
+
+def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
+    into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
+    epilogue per column reading acc[n]."""
+    a, b = anchor.inputs[0], anchor.inputs[1]
+    sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+    if len(sa) < 2 or len(sb) < 2:
+        return None
+    trans_a = anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))
+    trans_b = anchor.op_type == "Gemm" and int(anchor.attrs.get("transB", 0))
+    k_extent, n_extent = (sa[0] if trans_a else sa[-1]), yshape[-1]
+    main = [o for o in outs if o.shape == yshape]
+    if not main:
+        return None
+    e = _Emitter(graph, kernel, args)
+    row_idx = e.unflatten("row", yshape[:-1])
+    batch, m = row_idx[:-1], row_idx[-1]
+    pre = e.lines
+    e.lines = []
+    e.push()
+    av = e.value(a, (("kk", m) if trans_a else e.broadcast(batch, sa[:-2]) + (m, "kk")))
+    e.pop()
+    fill = [f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{", *["    " + x for x in e.lines], f"    hbuf[kk] = {av};", "}"]
+    e.lines = []
+    e.push()
+    bv = e.value(b, (("nn", "kk") if trans_b else e.broadcast(batch, sb[:-2]) + ("kk", "nn")))
+    e.pop()
+    mac = [f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{", "    float ak = hbuf[kk];",
+           f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) {{", *["        " + x for x in e.lines],
+           f"        acc[nn] += ak * {bv};", "    }", "}"]
+    e.lines = []
+    e.push()
+    e.hoisted_acc = "acc"
+    idx = row_idx + ("col",)
+    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    body = e.lines + writes
+    e.pop()
+    loop = [f"for (long long row = 0; row < {math.prod(yshape[:-1])}LL; ++row) {{", *["    " + x for x in pre],
+            f"    float hbuf[{k_extent}];", f"    float acc[{n_extent}];",
+            f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) acc[nn] = 0.0f;",
+            *["    " + x for x in fill + mac],
+            f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, [o for o in outs if o.shape != yshape])
+    rows_loop = c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
+        rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
+    blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body)
+    if blas is None:
+        return rows_loop if max(k_extent, n_extent) <= MAX_HOIST else None
+    return ["#ifdef FS_BLAS_SGEMM", *c_side, *blas, "#else", *rows_loop, "#endif"]
+
+
+BLAS_TILE_FLOATS = 1 << 18  # C gemm: at most this product tile (1 MiB) per BLAS call, so it stays in cache
+
+
+def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body) -> list[str] | None:
+    """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
+    OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
+    tile, so B is packed as few times as the threads allow: the rows of A with the prologue
+    applied are packed into a buffer, one sgemm multiplies them by B (a kernel input read in place,
+    or, when the group computes it, packed per block) — an sgemv when the product has one row, which
+    needs no packing — and the epilogue runs over the block's product while it is in cache, before
+    the one store. None where B is not float32."""
+    k_extent, n_extent, trans_b = dims
+    b = anchor.inputs[1]
+    if graph.tensors[b].dtype != "float32":
+        return None
+    packed_b = b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
+    sb = graph.tensors[b].shape
+    m_extent = yshape[-2] if len(yshape) > 1 else 1
+    batches = math.prod(yshape[:-2])
+    cap = max(8, BLAS_TILE_FLOATS // max(1, n_extent))
+    e.lines = []
+    z_idx = e.unflatten("z", yshape[:-2])
+    z_lines = e.lines
+    e.lines = []
+    if packed_b:  # B with its prologue (a Transpose of the keys, ...) as a K x N row-major panel
+        e.push()
+        bv = e.value(b, ("nn", "kk") if trans_b else e.broadcast(z_idx, sb[:-2]) + ("kk", "nn"))
+        e.pop()
+        z_lines += [f"float* bbuf = (float*)malloc(sizeof(float) * {k_extent * n_extent}LL);",
+                    f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{",
+                    *([] if e.lines else ["    #pragma omp simd"]),
+                    f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) {{", *["        " + x for x in e.lines],
+                    f"        bbuf[kk * {n_extent}LL + nn] = {bv};", "    }", "}"]
+        e.lines = []
+        b_ptr, ldb, b_trans = "bbuf", n_extent, 111
+    else:
+        b_ptr = f"{e.args[b].name} + ({e.flat(e.broadcast(z_idx, sb[:-2]) + ('0', '0'), sb)})"
+        ldb, b_trans = (k_extent if trans_b else n_extent), (112 if trans_b else 111)
+    row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
+    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, abuf, 1, 0.0f, cbuf, 1);"
+            if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
+            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, abuf, 1, 0.0f, cbuf, 1);")
+    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, abuf, "
+             f"{k_extent}, {b_ptr}, {ldb}, 0.0f, cbuf, {n_extent});")
+    sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
+    block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
+             "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
+             f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
+             *["    " + x for x in z_lines],
+             f"    float* abuf = (float*)malloc(sizeof(float) * mc * {k_extent}LL);",
+             f"    float* cbuf = (float*)malloc(sizeof(float) * mc * {n_extent}LL);",
+             "    for (long long i = 0; i < mc; ++i) {",
+             *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
+             *["        " + x for x in fill], "    }",
+             "    " + sgemm,
+             "    for (long long i = 0; i < mc; ++i) {",
+             *["        " + x for x in row], f"        const float* acc = cbuf + i * {n_extent}LL;",
+             *(["        #pragma omp simd"] if _flat_loop(body) else []),
+             f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
+             "    }", "    free(abuf);", "    free(cbuf);", *(["    free(bbuf);"] if packed_b else []), "}"]
+    split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
+             f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
+             f"long long blocks = ({m_extent}LL + mb - 1) / mb;")
+    return ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n" + _indent(block, 1), "    }"]
+
+
+def _fill_conv(graph: Graph, anchor: Node):
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = graph.tensors[x].shape, graph.tensors[w].shape, graph.tensors[anchor.outputs[0]].shape
+    group = int(anchor.attrs.get("group", 1))
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    kernel = tuple(anchor.attrs.get("kernel_shape") or ws[2:])
+    taps = [cin_g, *kernel]
+
+    def fill(e, node, idx, buf) -> None:
+        geometry = _conv_geometry(e, node, xs, ws, ys, False)
+        spatial, _, strides, dilations, pads = geometry
+        co = idx[1]
+        g = f"(({co}) / {cout_g}LL)"
+        kk = "kh"
+        e.lines.append(f"if (({co}) % {cout_g}LL == 0) for (long long {kk} = 0; {kk} < {math.prod(taps)}LL; ++{kk}) {{")
+        e.push()
+        v = _conv_input(e, node, x, xs, idx, kk, taps, (spatial, strides, pads, dilations), g, cin_g)
+        e.pop()
+        e.lines.append(f"    {buf}[{kk}] = {v};")
+        e.lines.append("}")
+    return 1, math.prod(taps), fill
+
+
+_HOIST_FILL = {"Conv": _fill_conv}
+
+
+def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C skeleton for a MatMul/Gemm/Conv whose epilogue reads the product at other positions than
+    the one computed (a Transpose after a MatMul, a Reshape+Transpose or a Concat after a Conv):
+    the product (prologue applied) into a heap buffer by the anchor's own loops (the BLAS blocks),
+    then every output by pointwise loops that read the buffer. None for other anchors, 1-D
+    operands, or a product that is not float32."""
+    y = anchor.outputs[0]
+    info = graph.tensors[y]
+    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or info.dtype != "float32":
+        return None
+    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    loops = _conv_loops if anchor.op_type == "Conv" else _matmul_row_loops
+    product = loops(graph, kernel, args, [buffer], anchor)
+    if product is None:
+        return None
+    c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))
+    return [f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);", *product, *c_loops,
+            "    free(ybuf);"]

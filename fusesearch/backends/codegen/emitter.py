@@ -1,0 +1,140 @@
+"""The value-at-index expression emitter: `value(t, idx)` is the C expression of tensor `t` at a
+multi-index, built from its producer inside the group through the op tables (`ops._op`), down to
+loads of the kernel's inputs.
+
+Invariants: temporaries are memoized per (tensor, index) in the innermost scope that holds them,
+so a diamond computes its shared value once; a one-element float32/int64 constant is a literal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from fusesearch.backends.codegen.base import CTYPES, Arg, CodegenRefused, _lit
+from fusesearch.backends.codegen.ops import _op
+from fusesearch.ir.graph import Graph, Node, TensorInfo
+from fusesearch.lowering import Kernel
+
+
+class _Emitter:
+    def __init__(self, graph: Graph, kernel: Kernel, args: dict[str, Arg]) -> None:
+        self.graph = graph
+        self.members = set(kernel.nodes)
+        self.args = args
+        self.lines: list[str] = []
+        self.scopes: list[dict[tuple[str, tuple[str, ...]], str]] = [{}]
+        self.count = 0
+        self.row_scalars: dict[str, str] = {}  # rowwise: reduced tensor → per-row variable
+        self.row_ops: dict[str, object] = {}  # rowwise: Softmax/LayerNorm output → f(idx[, x value]) -> expr
+        self.row_sources: dict[str, str] = {}  # rowwise: Softmax/LayerNorm output → its input
+        self.hoisted = ""  # C only: a buffer holding the anchor's activation operand for this row
+        self.hoisted_acc = ""  # C only: MatMul/Gemm accumulators of this row, indexed by column
+        self.acc_value = ""  # CUDA tiled: the anchor's value at the epilogue's element (a register)
+        self.vec_loads: dict[str, str] = {}  # CUDA vectorized: tensor → this lane of its float4
+        self.materialized: frozenset[str] = frozenset()  # C: computed tensors read from a buffer
+
+    # scopes and temporaries
+    def tmp(self, ctype: str, expr: str) -> str:
+        self.count += 1
+        name = f"v{self.count}"
+        self.lines.append(f"{ctype} {name} = {expr};")
+        return name
+
+    def push(self) -> None:
+        self.scopes.append({})
+
+    def pop(self) -> None:
+        self.scopes.pop()
+
+    def _memo(self, key):
+        for scope in reversed(self.scopes):
+            if key in scope:
+                return scope[key]
+        return None
+
+    def info(self, tensor: str) -> TensorInfo:
+        return self.graph.tensors[tensor]
+
+    def ctype(self, tensor: str) -> str:
+        dtype = self.info(tensor).dtype
+        if dtype not in CTYPES:
+            raise CodegenRefused(f"dtype {dtype} of '{tensor}' has no C type here")
+        return CTYPES[dtype]
+
+    # values
+    def value(self, tensor: str, idx: tuple[str, ...]) -> str:
+        if tensor in self.row_scalars:
+            return self.row_scalars[tensor]
+        key = (tensor, idx)
+        found = self._memo(key)
+        if found is not None:
+            return found
+        producer = self.graph.producer(tensor)
+        literal = self.scalar_literal(tensor)
+        if literal is not None:
+            return literal
+        if tensor in self.row_ops:
+            expr = self.row_ops[tensor](idx)
+        elif producer is None or producer not in self.members or tensor in self.materialized:
+            expr = self.load(tensor, idx)
+        else:
+            expr = _op(self, self.graph.nodes[producer], tensor, idx)
+        name = self.tmp(self.ctype(tensor), expr)
+        self.scopes[-1][key] = name
+        return name
+
+    def scalar_literal(self, tensor: str) -> str | None:
+        """A one-element float32/int64 constant as a literal in the source (folded by the compiler)."""
+        value = self.graph.constant_value(tensor)
+        if value is None or value.size != 1 or self.info(tensor).dtype not in ("float32", "int64"):
+            return None
+        x = value.reshape(-1)[0]
+        return _lit(float(x)) if self.info(tensor).dtype == "float32" else f"{int(x)}LL"
+
+    def load(self, tensor: str, idx: tuple[str, ...]) -> str:
+        if tensor in self.vec_loads:
+            return self.vec_loads[tensor]
+        shape = self.info(tensor).shape
+        return f"{self.args[tensor].name}[{self.flat(idx, shape)}]"
+
+    def flat(self, idx: Sequence[str], shape: Sequence[int]) -> str:
+        if not shape:
+            return "0"
+        terms, stride = [], 1
+        for i, d in zip(reversed(idx), reversed(shape), strict=True):
+            if d != 1:
+                terms.append(i if stride == 1 else f"({i})*{stride}LL")
+            stride *= d
+        return " + ".join(reversed(terms)) or "0"
+
+    def unflatten(self, flat: str, shape: Sequence[int]) -> tuple[str, ...]:
+        if 0 in shape:  # an empty tensor: its loop never runs
+            return ("0",) * len(shape)
+        out, stride, outer = [], math.prod(shape), True  # flat < |shape|: the outermost index needs no modulo
+        for d in shape:
+            stride //= d
+            if d == 1:
+                out.append("0")
+                continue
+            div = f"({flat}) / {stride}LL" if stride > 1 else f"({flat})"
+            out.append(flat if outer and stride == 1 else self.tmp("long long", div if outer else f"{div} % {d}LL"))
+            outer = False
+        return tuple(out)
+
+    def broadcast(self, idx: tuple[str, ...], shape: Sequence[int]) -> tuple[str, ...]:
+        """Index into an input of `shape` broadcast to the output's index (numpy rules)."""
+        tail = idx[len(idx) - len(shape):] if shape else ()
+        return tuple("0" if d == 1 else i for i, d in zip(tail, shape, strict=True))
+
+    def input_at(self, node: Node, k: int, idx: tuple[str, ...]) -> str:
+        t = node.inputs[k]
+        return self.value(t, self.broadcast(idx, self.info(t).shape))
+
+    def const(self, tensor: str) -> np.ndarray:
+        value = self.graph.constant_value(tensor) if tensor else None
+        if value is None:
+            raise CodegenRefused(f"'{tensor}' must be a small constant to generate code")
+        return value

@@ -1,0 +1,68 @@
+"""The pointwise skeleton: one loop per output, O[i] = value(O, unflatten(i)). C: a loop nest
+parallel over the leading dims and vectorized over the last (`omp simd`, the row index hoisted);
+CUDA: a grid-stride loop.
+"""
+
+from __future__ import annotations
+
+from fusesearch.backends.codegen.base import (
+    _C_PRELUDE,
+    _CU_PRELUDE,
+    Arg,
+    _flat_loop,
+    _indent,
+    _signature,
+)
+from fusesearch.backends.codegen.emitter import _Emitter
+
+
+def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None):
+    """C and CUDA sources of the pointwise skeleton; `c_body` replaces the C loops (the packed CPU
+    skeleton of an anchor group)."""
+    c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
+    if c_body is not None:
+        c_loops = c_body
+    c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "\n".join(c_loops) + "\n}\n")
+    cu_src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+              + "\n".join(cu_loops) + "\n}\n")
+    return c_src, cu_src, 0, 0
+
+
+def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tuple[list[str], list[str]]:
+    """One loop per output: O[i] = value(O, unflatten(i)) — CUDA: a grid-stride loop over i; C: a
+    loop nest, parallel over the output's leading dims (their index computed once per row) and
+    vectorized over its last dim (`omp simd`, no per-element division)."""
+    blocks, c_loops = [], []
+    for out in outs:
+        e = _Emitter(graph, kernel, args)
+        e.materialized = materialized
+        idx = e.unflatten("i", out.shape)
+        v = e.value(out.tensor, idx)
+        e.lines.append(f"{out.name}[i] = {v};")
+        blocks.append((out, e.lines))
+        c_loops.append(_c_nest(graph, kernel, args, out, materialized))
+    cu_loops = []
+    for out, lines in blocks:
+        cu_loops.append(f"    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {out.size}LL;"
+                        f" i += (long long)blockDim.x * gridDim.x) {{\n{_indent(lines, 2)}\n    }}")
+    return c_loops, cu_loops
+
+
+def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
+    """C loops for one output: rows (all dims but the last) in parallel, the last dim innermost."""
+    inner = out.shape[-1] if out.shape else 1
+    rows = out.size // inner if inner else 0
+    e = _Emitter(graph, kernel, args)
+    e.materialized = materialized
+    row_idx = e.unflatten("o", out.shape[:-1]) if out.shape else ()
+    head, e.lines = e.lines, []
+    e.push()
+    idx = (*row_idx, "j") if out.shape else ()
+    v = e.value(out.tensor, idx)
+    body = [*e.lines, f"{out.name}[o * {inner}LL + j] = {v};"]
+    e.pop()
+    simd = ["#pragma omp simd"] if _flat_loop(body) else []
+    loop = [f"for (long long o = 0; o < {rows}LL; ++o) {{", *["    " + x for x in head],
+            *["    " + x for x in simd], f"    for (long long j = 0; j < {inner}LL; ++j) {{",
+            *["        " + x for x in body], "    }", "}"]
+    return "    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)

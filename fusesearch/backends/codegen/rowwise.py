@@ -1,0 +1,482 @@
+"""The rowwise skeleton: per row, the reductions (sums, maxima, moments) as scalars, then the
+outputs. C: parallel over rows; CUDA: a block per row with block reductions; a computed row read by
+several passes is cached on its first pass (C: a local buffer, CUDA: shared memory up to
+`MAX_ROW_SMEM`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fusesearch.backends.codegen.base import (
+    _C_PRELUDE,
+    _CU_PRELUDE,
+    THREADS,
+    Arg,
+    CodegenRefused,
+    _flat_loop,
+    _indent,
+    _lit,
+    _signature,
+)
+from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _matmul_row_loops
+from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.pointwise import _pointwise_loops
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.lowering import MAX_ROW_SMEM, Kernel, reduced_rows
+
+# -- rowwise ----------------------------------------------------------------------------------
+
+_CU_BLOCK_REDUCE = """
+__device__ __forceinline__ float warp_reduce(float v, int is_max) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    return v;
+}
+__device__ float block_reduce(float v, int is_max) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_reduce(v, is_max);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = threadIdx.x < warps ? partial[threadIdx.x] : (is_max ? -INFINITY : 0.0f);
+    if (warp == 0) v = warp_reduce(v, is_max);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    v = partial[0];
+    __syncthreads();
+    return v;
+}
+"""
+
+
+@dataclass
+class _RowPlan:
+    rows: int
+    length: int
+    c: list[str] = field(default_factory=list)
+    cu: list[str] = field(default_factory=list)
+    cached: dict[str, str] = field(default_factory=dict)  # C: tensor → its row, in a local buffer
+    cu_cached: dict[str, str] = field(default_factory=dict)  # CUDA: tensor → its row, in shared memory
+    c_target: bool = False  # emitting the C body or the CUDA one (each reads its own cached rows)
+
+    def rows_cached(self) -> dict[str, str]:
+        return self.cached if self.c_target else self.cu_cached
+
+
+def _row_plan(graph, kernel, args, outs, materialized=frozenset()):
+    """The row kernel's statements: (plan with its C and CUDA row bodies, side-output loops)."""
+    nodes = [graph.nodes[i] for i in kernel.nodes]
+    rows, length = _row_shape(graph, nodes)
+    e = _Emitter(graph, kernel, args)
+    e.materialized = materialized
+    plan = _RowPlan(rows, length)
+    side = _side_outputs(graph, kernel, outs, plan)
+    for node in nodes:
+        if node.kind.name == "REDUCE":
+            _reduction(e, node, plan)
+    for out in outs:
+        if out not in side:
+            _row_output(e, out, plan)
+    return plan, _pointwise_loops(graph, kernel, args, side, materialized)
+
+
+def _c_rows(plan: _RowPlan, c_side: list[str]) -> str:
+    return ("".join(x + "\n" for x in c_side) + f"    #pragma omp parallel for schedule(static)\n"
+            f"    for (long long r = 0; r < {plan.rows}LL; ++r) {{\n{_indent(plan.c, 2)}\n    }}\n")
+
+
+def _rowwise(graph, kernel, name, ins, outs, args):
+    plan, (c_side, cu_side) = _row_plan(graph, kernel, args, outs)
+    rows, length = plan.rows, plan.length
+    cu_body = _indent(plan.cu, 2)
+    c_body = _c_rows(plan, c_side)
+    product = _row_product(graph, kernel, args, outs)
+    if product is not None:  # C with a BLAS: the product first (packed, blocked), then the rows read it
+        c_body = f"#ifdef FS_BLAS_SGEMM\n{product}#else\n{c_body}#endif\n"
+    c_src = f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n{c_body}}}\n"
+    arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
+    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+              + "".join(x + "\n" for x in cu_side)
+              + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
+    return c_src, cu_src, rows, length
+
+
+def _row_product(graph, kernel, args, outs) -> str | None:
+    """C for a row kernel over a MatMul/Gemm (attention's scores under a Softmax): the product,
+    prologue applied, into a heap buffer through the BLAS blocks, then the row loops reading it
+    (each row's dot products are one BLAS tile instead of a dot per element). None without an
+    anchor, or where the product is not float32 or not generated through the BLAS blocks."""
+    if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
+        return None
+    anchor = graph.nodes[kernel.anchor]
+    y = anchor.outputs[0]
+    info = graph.tensors[y]
+    if info.dtype != "float32" or not info.shape:
+        return None
+    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
+    if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
+        return None
+    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}))
+    return (f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);\n"
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side) + "    free(ybuf);\n")
+
+
+def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
+    """(rows, row length) shared by the kernel's reductions (lowering checked they agree)."""
+    shapes = [reduced_rows(graph, n) for n in nodes if n.kind.name == "REDUCE"]
+    shapes = [s for s in shapes if isinstance(s, tuple)]
+    if not shapes:
+        raise CodegenRefused("rowwise kernel without a row reduction")
+    return max(shapes, key=lambda s: s[1])
+
+
+def _full_index(e: _Emitter, tensor: str, plan: _RowPlan, j: str) -> tuple[str, ...]:
+    """Index of `tensor` (rows x L elements, row-major) at row r, column j."""
+    shape = e.info(tensor).shape
+    if math.prod(shape) != plan.rows * plan.length:
+        raise CodegenRefused(f"'{tensor}' is neither a row nor a full tensor of the rowwise kernel")
+    inner, split = 1, len(shape)
+    while split > 0 and inner < plan.length:
+        split -= 1
+        inner *= shape[split]
+    if inner == plan.length:  # rows over the leading dims, the row over the trailing ones: the
+        return e.unflatten("r", shape[:split]) + e.unflatten(j, shape[split:])  # row's index is j's alone
+    return e.unflatten(f"r * {plan.length}LL + {j}", shape)
+
+
+def _row_body(e: _Emitter, plan: _RowPlan, body, c_target: bool) -> tuple[list[str], str]:
+    e.lines = []
+    e.push()
+    plan.c_target = c_target
+    value = body("j")
+    plan.c_target = False
+    e.pop()
+    lines, e.lines = e.lines, []
+    return lines, value
+
+
+def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str, cache: str = "") -> None:
+    """acc over j of body(j), into plan.c and plan.cu: the same statements in two skeletons. Each
+    reads rows cached by earlier loops and caches `cache`'s row on its first pass — C in a local
+    buffer, CUDA in shared memory (each thread writes and later reads its own j's) — so a row of
+    a computed tensor (a GEMM's output under a Softmax) is computed once, not once per pass."""
+    cu_lines, cu_value = _row_body(e, plan, body, False)
+    c_lines, c_value = _row_body(e, plan, body, True)
+    buffer = cu_buffer = ""
+    if cache and cache not in plan.cached and plan.length <= MAX_HOIST:
+        buffer = f"rb{len(plan.cached)}"
+        c_lines.append(f"{buffer}[j] = {c_value};")
+        c_value = f"{buffer}[j]"  # evaluated once: the reduction reads it back
+    smem = 4 * plan.length * (len(plan.cu_cached) + 1)
+    if cache and cache not in plan.cu_cached and smem <= MAX_ROW_SMEM:
+        cu_buffer = f"rs{len(plan.cu_cached)}"
+        cu_lines.append(f"{cu_buffer}[j] = {cu_value};")
+        cu_value = f"{cu_buffer}[j]"
+    head = [f"float {buffer}[{plan.length}];"] if buffer else []
+    cu_head = [f"__shared__ float {cu_buffer}[{plan.length}];"] if cu_buffer else []
+    is_max = "fmax" in combine  # C: a compare-select max vectorizes (fmaxf does not); acc is never NaN
+    c_combine = f"({c_value} > {acc} ? {c_value} : {acc})" if is_max else combine.format(acc, c_value)
+    simd = [f"#pragma omp simd reduction({'max' if is_max else '+'}:{acc})"] if _flat_loop(c_lines) else []
+    plan.c += [*head, f"float {acc} = {init};", *simd,
+               f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+               *["    " + x for x in c_lines + [f"{acc} = {c_combine};"]], "}"]
+    plan.cu += [*cu_head, f"float {acc} = {init};",
+                f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
+                *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
+                f"{acc} = block_reduce({acc}, {1 if 'fmax' in combine else 0});"]
+    if buffer:
+        plan.cached[cache] = buffer
+    if cu_buffer:
+        plan.cu_cached[cache] = cu_buffer
+
+
+def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
+    e.count += 1
+    name = f"s{e.count}"
+    plan.c.append(f"float {name} = {expr};")
+    plan.cu.append(f"float {name} = {expr};")
+    return name
+
+
+def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
+    x = node.inputs[0]
+    op = node.op_type
+
+    def at(j: str) -> str:
+        if x in plan.rows_cached():
+            return f"{plan.rows_cached()[x]}[{j}]"
+        return e.value(x, _full_index(e, x, plan, j))
+
+    computed = e.graph.producer(x) in e.members
+    if op in ("ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool"):
+        e.count += 1
+        acc = f"s{e.count}"
+        if op == "ReduceMax":
+            _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, x if computed else "")
+        else:
+            _row_loop(e, plan, at, "{0} + {1}", "0.0f", acc, x if computed else "")
+        mean = op in ("ReduceMean", "GlobalAveragePool")
+        e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} / {plan.length}.0f") if mean else acc
+        return
+    if op in ("Softmax", "LogSoftmax"):
+        _softmax(e, node, plan, at, x if computed else "")
+        return
+    if op == "LayerNormalization":
+        _layernorm(e, node, plan, at, x if computed else "")
+        return
+    if op in _MORE_ROW_OPS:
+        _row_reduction(e, node, plan, at, x if computed else "")
+        return
+    raise CodegenRefused(f"{node.name}({op}) has no row-wise code generator yet")
+
+
+# more row reductions: (the term summed or maximized, "sum" | "max", the result from the total)
+_ROW_REDUCTIONS = {
+    "GlobalMaxPool": ("{0}", "max", "{0}"), "ReduceMin": ("(-{0})", "max", "(-{0})"),
+    "ReduceL1": ("fabsf({0})", "sum", "{0}"), "ReduceL2": ("({0} * {0})", "sum", "sqrtf({0})"),
+    "ReduceSumSquare": ("({0} * {0})", "sum", "{0}"), "ReduceLogSum": ("{0}", "sum", "logf({0})"),
+}
+
+
+def _row_reduction(e, node, plan, at, cache: str) -> None:
+    """A reduction of the table above; ReduceLogSumExp (a max pass, then Σ exp(x - max));
+    GlobalLpPool ((Σ |x|^p)^(1/p)); the normalizations of `_row_normalization` (row ops)."""
+    if node.op_type in _ROW_NORMALIZATIONS:
+        _row_normalization(e, node, plan, at, cache)
+        return
+    if node.op_type in ("ArgMax", "ArgMin"):
+        e.row_scalars[node.outputs[0]] = _arg_reduction(e, node, plan, at)
+        return
+    if node.op_type == "Hardmax":  # one at the row's first maximum (the row is the last axis)
+        best = _arg_reduction(e, node, plan, at)
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(({idx[-1]}) == {best} ? 1.0f : 0.0f)"
+        e.row_sources[node.outputs[0]] = node.inputs[0]
+        return
+    e.count += 1
+    acc = f"s{e.count}"
+    if node.op_type == "GlobalLpPool":
+        p = float(node.attrs.get("p", 2))
+        term = {1.0: "fabsf({0})", 2.0: "({0} * {0})"}.get(p, f"powf(fabsf({{0}}), {_lit(p)})")
+        result = {1.0: "{0}", 2.0: "sqrtf({0})"}.get(p, f"powf({{0}}, {_lit(1.0 / p)})")
+        _row_loop(e, plan, lambda j: term.format(at(j)), "{0} + {1}", "0.0f", acc)
+        e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+        return
+    if node.op_type == "ReduceLogSumExp":
+        _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, cache)
+        e.count += 1
+        total = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"expf({at(j)} - {acc})", "{0} + {1}", "0.0f", total)
+        e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} + logf({total})")
+        return
+    term, kind, result = _ROW_REDUCTIONS[node.op_type]
+    body = at if term == "{0}" else (lambda j: term.format(at(j)))
+    cached = cache if term == "{0}" else ""  # a row cache holds the input itself, not a term of it
+    if kind == "max":
+        _row_loop(e, plan, body, "fmaxf({0}, {1})", "-INFINITY", acc, cached)
+    else:
+        _row_loop(e, plan, body, "{0} + {1}", "0.0f", acc, cached)
+    e.row_scalars[node.outputs[0]] = acc if result == "{0}" else _scalar(e, plan, result.format(acc))
+
+
+_CU_BLOCK_ARGBEST = f"""
+__device__ void block_argbest(float* v, long long* i, int is_min, int last) {{
+    __shared__ float bv[{THREADS}];
+    __shared__ long long bi[{THREADS}];
+    __syncthreads();
+    bv[threadIdx.x] = *v;
+    bi[threadIdx.x] = *i;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {{
+        if (threadIdx.x < s) {{
+            float v1 = bv[threadIdx.x], v2 = bv[threadIdx.x + s];
+            long long i1 = bi[threadIdx.x], i2 = bi[threadIdx.x + s];
+            if (i2 >= 0 && (i1 < 0 || (is_min ? v2 < v1 : v2 > v1) || (v2 == v1 && (last ? i2 > i1 : i2 < i1)))) {{
+                bv[threadIdx.x] = v2;
+                bi[threadIdx.x] = i2;
+            }}
+        }}
+        __syncthreads();
+    }}
+    *v = bv[0];
+    *i = bi[0];
+    __syncthreads();
+}}
+"""
+
+
+def _arg_reduction(e, node, plan, at) -> str:
+    """The row's ArgMax / ArgMin (Hardmax: ArgMax), a per-row variable: each thread (C: the one
+    loop) keeps its best value and the index of its first (select_last_index: last) occurrence;
+    CUDA then combines the threads' pairs in shared memory (`block_argbest`, a tree over THREADS
+    slots; index -1 = no element)."""
+    e.count += 1
+    v, i = f"s{e.count}", f"a{e.count}"
+    is_min = node.op_type == "ArgMin"
+    last = int(node.attrs.get("select_last_index", 0))
+    cmp = ("<" if is_min else ">") + ("=" if last else "")
+    head = [f"float {v} = 0.0f;", f"long long {i} = -1;"]
+    for c_target, loop, target in ((True, "for (long long j = 0; j < {n}LL; ++j) {{", plan.c),
+                                   (False, "for (long long j = threadIdx.x; j < {n}LL; j += blockDim.x) {{", plan.cu)):
+        lines, value = _row_body(e, plan, at, c_target)
+        target += [*head, loop.format(n=plan.length), *["    " + x for x in lines],
+                   f"    if ({i} < 0 || {value} {cmp} {v}) {{ {v} = {value}; {i} = j; }}", "}"]
+    plan.cu.append(f"block_argbest(&{v}, &{i}, {int(is_min)}, {last});")
+    return i
+
+
+def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
+    """The row's mean and 1/sqrt(variance + epsilon): a sum pass, then a pass of squared deviations."""
+    e.count += 1
+    total = f"s{e.count}"
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
+    mean = _scalar(e, plan, f"{total} / {plan.length}.0f")
+    e.count += 1
+    sq = f"s{e.count}"
+    _row_loop(e, plan, lambda j: f"(({at(j)} - {mean}) * ({at(j)} - {mean}))", "{0} + {1}", "0.0f", sq, cache)
+    return mean, _scalar(e, plan, f"1.0f / sqrtf({sq} / {plan.length}.0f + {_lit(epsilon)})")
+
+
+def _row_normalization(e, node, plan, at, cache: str) -> None:
+    """InstanceNormalization: a row per (N, C) over the spatial positions, normalized, then the
+    channel's scale and bias. MeanVarianceNormalization: normalized only (over inner axes).
+    RMSNormalization: x / sqrt(mean(x²) + epsilon) · scale. LpNormalization (p = 1 or 2): the row
+    divided by its p-norm."""
+    x, out = node.inputs[0], node.outputs[0]
+    if node.op_type == "MeanVarianceNormalization":  # ONNX: (x - mean) / (sqrt(var) + 1e-9)
+        mean, inv = _moments(e, plan, at, cache, 1e-9)
+
+        def normalized(idx, xv=None):
+            return f"(({xv or e.value(x, idx)} - {mean}) * {inv})"
+    elif node.op_type == "RMSNormalization":
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, lambda j: f"({at(j)} * {at(j)})", "{0} + {1}", "0.0f", acc)
+        eps = _lit(node.attrs.get("epsilon", 1e-5))
+        inv = _scalar(e, plan, f"1.0f / sqrtf({acc} / {plan.length}.0f + {eps})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} * {inv} * {e.input_at(node, 1, idx)})"
+    elif node.op_type == "InstanceNormalization":
+        mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
+
+        def normalized(idx, xv=None):
+            c = (idx[1],)
+            scale, bias = e.value(node.inputs[1], c), e.value(node.inputs[2], c)
+            return f"((({xv or e.value(x, idx)} - {mean}) * {inv}) * {scale} + {bias})"
+    else:
+        p = int(node.attrs.get("p", 2))
+        if p not in (1, 2):
+            raise CodegenRefused(f"{node.name}(LpNormalization) p={p} is not a norm (p is 1 or 2)")
+        e.count += 1
+        acc = f"s{e.count}"
+        _row_loop(e, plan, (lambda j: f"fabsf({at(j)})") if p == 1 else (lambda j: f"({at(j)} * {at(j)})"),
+                  "{0} + {1}", "0.0f", acc)
+        norm = acc if p == 1 else _scalar(e, plan, f"sqrtf({acc})")
+
+        def normalized(idx, xv=None):
+            return f"({xv or e.value(x, idx)} / {norm})"
+    e.row_ops[out] = normalized
+    e.row_sources[out] = x
+
+
+_ROW_NORMALIZATIONS = frozenset({"InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
+                                 "RMSNormalization"})
+_MORE_ROW_OPS = frozenset({"ReduceLogSumExp", "GlobalLpPool", "ArgMax", "ArgMin", "Hardmax", *_ROW_NORMALIZATIONS,
+                           *_ROW_REDUCTIONS})
+ROW_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
+                     "LayerNormalization", *_MORE_ROW_OPS})
+"""The REDUCE ops `_reduction` generates (row by row)."""
+
+
+def _softmax(e, node, plan, at, cache: str) -> None:
+    e.count += 1
+    mx = f"s{e.count}"
+    _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", mx, cache)
+    e.count += 1
+    total = f"s{e.count}"
+    softmax = node.op_type == "Softmax"
+    # Softmax caches each exp on the sum's pass; a written output then costs one multiply per element
+    _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total,
+              _exp_row(node.outputs[0]) if softmax else "")
+    x = node.inputs[0]
+    e.row_sources[node.outputs[0]] = x
+    if softmax:
+        e.row_scalars[_exp_row(node.outputs[0])] = _scalar(e, plan, f"1.0f / {total}")
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(expf({xv or e.value(x, idx)} - {mx}) / {total})"
+    else:
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"({xv or e.value(x, idx)} - {mx} - logf({total}))"
+
+
+def _exp_row(softmax_output: str) -> str:
+    """The key of a Softmax's cached row of exponentials (and of its 1/sum in row_scalars)."""
+    return softmax_output + "#exp"
+
+
+def _layernorm(e, node, plan, at, cache: str) -> None:
+    mean, inv = _moments(e, plan, at, cache, float(node.attrs.get("epsilon", 1e-5)))
+    x = node.inputs[0]
+
+    def normalized(idx, xv=None):
+        expr = f"(({xv or e.value(x, idx)} - {mean}) * {inv})"
+        if len(node.inputs) > 1 and node.inputs[1]:
+            expr = f"({expr} * {e.input_at(node, 1, idx)})"
+        if len(node.inputs) > 2 and node.inputs[2]:
+            expr = f"({expr} + {e.input_at(node, 2, idx)})"
+        return expr
+
+    e.row_ops[node.outputs[0]] = normalized
+    e.row_sources[node.outputs[0]] = x
+    for out, scalar in zip(node.outputs[1:3], (mean, inv), strict=False):  # optional Mean, InvStdDev
+        if out:
+            e.row_scalars[out] = scalar
+
+
+def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
+    if out.size == plan.rows:
+        e.lines = []
+        e.push()
+        v = e.row_scalars.get(out.tensor) or e.value(out.tensor, e.unflatten("r", out.shape))
+        e.pop()
+        lines, e.lines = e.lines, []
+        plan.c += [*lines, f"{out.name}[r] = {v};"]
+        plan.cu += [*lines, f"if (threadIdx.x == 0) {out.name}[r] = {v};"]
+        return
+    def body(j: str) -> str:
+        source = e.row_sources.get(out.tensor)
+        cached = plan.rows_cached()
+        if _exp_row(out.tensor) in cached:
+            return f"({cached[_exp_row(out.tensor)]}[{j}] * {e.row_scalars[_exp_row(out.tensor)]})"
+        if source in cached and e.info(source).shape == out.shape:
+            return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
+        return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
+
+    store = f"{out.name}[r * {plan.length}LL + j] = "
+    cu_lines, cu_value = _row_body(e, plan, body, False)
+    c_lines, c_value = _row_body(e, plan, body, True)
+    plan.c += [*(["#pragma omp simd"] if _flat_loop(c_lines) else []), f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+               *["    " + x for x in c_lines + [store + c_value + ";"]], "}"]
+    plan.cu += [f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
+                *["    " + x for x in cu_lines + [store + cu_value + ";"]], "}"]
+
+
+def _side_outputs(graph: Graph, kernel: Kernel, outs, plan: _RowPlan) -> list[Arg]:
+    """Outputs of a rowwise kernel of neither row nor full size: elementwise work that does not
+    depend on a reduction (e.g. a mask computed beside a LayerNorm). Written by their own
+    pointwise loop; anything else is refused."""
+    reduce_ids = {i for i in kernel.nodes if graph.nodes[i].kind.name == "REDUCE"}
+    side = []
+    for out in outs:
+        if out.size in (plan.rows, plan.rows * plan.length):
+            continue
+        producer = graph.producer(out.tensor)
+        if any(graph.reaches(r, producer) or r == producer for r in reduce_ids):
+            raise CodegenRefused(f"'{out.tensor}' is neither a row nor a full tensor of the rowwise kernel")
+        side.append(out)
+    return side
