@@ -242,13 +242,16 @@ class KernelCost:
 
 
 def compute_unit(spec: KernelSpec, device: DeviceSpec, float32_uses_tf32: bool = True) -> str:
-    """The unit a kernel's main loop runs on: `cpu-simd` on a CPU; on a GPU, a library call's
-    GEMM/conv on the tensor cores of its dtype (`tf32-tensor-core` for float32 where the device has
-    TF32 and it is allowed, `fp16-` / `bf16-tensor-core`), and everything generated on CUDA cores
-    (`fp32-cuda-core`: the `tiled` skeleton accumulates with fmaf)."""
+    """The unit a kernel's main loop runs on, named for the device: `none` for an alias,
+    `cpu-simd` on a CPU; on a GPU, a tensor-core schedule (a library call's GEMM/conv) on the
+    tensor cores of its dtype (`tf32-tensor-core` for float32 where the device has TF32 and it is
+    allowed, `fp16-` / `bf16-tensor-core`), a CUDA-core one (everything generated: the `tiled`
+    skeleton accumulates with fmaf) on `fp32-cuda-core`."""
+    if spec.main_unit == "none":
+        return "none"
     if device.kind != "gpu":
         return "cpu-simd"
-    if spec.impl != "library" or spec.tc_flops == 0:
+    if spec.main_unit != "tensor-core" or spec.tc_flops == 0:
         return "fp32-cuda-core"
     if spec.dtype == "float16" and device.fp16_flops_per_s > 0:
         return "fp16-tensor-core"

@@ -40,16 +40,27 @@ from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
+from fusesearch.schedule import (
+    ALIAS,
+    LIBRARY,
+    MAX_GRID_YZ,
+    THREADS,
+    VIEW_OPS,
+    Schedule,
+    anchor_derived,
+    block_per_row,
+    grid_stride,
+    has_gemm_view,
+    stride_blocks,
+    thread_layout,
+    vectorizable,
+)
 
-THREADS_PER_BLOCK = 256
-MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
-MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
-ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
+THREADS_PER_BLOCK = THREADS
 TILE_K = 32
 TARGET_BLOCKS = 256  # enough blocks for two waves on the largest GPUs (132 SMs)
 MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
 ROW_EPILOGUE_OPS = frozenset({"Softmax", "LogSoftmax"})
-VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 GEMM_TEMPLATE = {"Conv": "conv", "ConvTranspose": "conv", "MatMul": "gemm", "Gemm": "gemm"}
 
@@ -71,27 +82,47 @@ class Kernel:
     outputs: tuple[str, ...]
     iteration_size: int
     reduction_length: int
-    tile: tuple[int, ...]
-    smem_bytes: int
     live_values: int
-    threads_per_block: int
     tc_flops: int
     scalar_flops: int
     transcendentals: int
     read_bytes: int
     write_bytes: int
-    alias: bool = False
-    split_k: int = 1  # gemm/conv: K split across blocks when the output has too few tiles
+    schedule: Schedule
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
-    blocks: int = 0  # the grid the generator launches, when known here (0: from the iteration space)
 
+    # how it runs: the schedule's, decided once (see fusesearch.schedule)
     @property
     def impl(self) -> str:
         """"library" for a lone anchor or an opaque op (they run as a vendor library call, in
-        `measure` and in what a user would otherwise run), "generated" for everything else."""
-        lone_anchor = len(self.nodes) == 1 and self.anchor is not None
-        return "library" if lone_anchor or self.template == "opaque" else "generated"
+        `measure` and in what a user would otherwise run), "generated" for everything else (a
+        lone view, an alias, is "generated" here: `alias` says it needs no kernel)."""
+        return "library" if self.schedule.impl == "library" else "generated"
+
+    @property
+    def alias(self) -> bool:
+        return self.schedule.impl == "alias"
+
+    @property
+    def tile(self) -> tuple[int, ...]:
+        return self.schedule.tile
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.schedule.smem_bytes
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.schedule.threads
+
+    @property
+    def split_k(self) -> int:
+        return self.schedule.split_k
+
+    @property
+    def blocks(self) -> int:
+        return self.schedule.blocks
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -102,7 +133,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks)
+            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -146,8 +177,8 @@ def lower_as_library(graph: Graph, group: FusionGroup) -> Kernel:
 
 
 def _lower_opaque(graph: Graph, nodes: list[Node]) -> Kernel:
-    return _build(graph, nodes, "opaque", None, _largest_output(graph, nodes), 0, (), 0,
-                  _live_values(graph, nodes))
+    return _build(graph, nodes, "opaque", None, _largest_output(graph, nodes), 0, _live_values(graph, nodes),
+                  LIBRARY)
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -226,9 +257,16 @@ def _live_values(graph: Graph, nodes: list[Node]) -> int:
 
 
 def _lower_pointwise(graph: Graph, nodes: list[Node]) -> Kernel:
-    alias = len(nodes) == 1 and nodes[0].op_type in VIEW_OPS
-    return _build(graph, nodes, "pointwise", None, _largest_output(graph, nodes), 0, (), 0,
-                  _live_values(graph, nodes), alias=alias)
+    ids, outputs = [n.id for n in nodes], _external_outputs(graph, nodes)
+    written = max((graph.tensors[t].size for t in outputs), default=1)  # the loop covers every output
+    if len(nodes) == 1 and nodes[0].op_type in VIEW_OPS:
+        schedule = ALIAS
+    elif vectorizable(graph, ids, _external_inputs(graph, nodes), outputs):
+        schedule = Schedule("generated", "vectorized", "cuda-core", grid=(stride_blocks(written // 4), 1, 1))
+    else:
+        schedule = grid_stride(written)
+    return _build(graph, nodes, "pointwise", None, _largest_output(graph, nodes), 0, _live_values(graph, nodes),
+                  schedule)
 
 
 def reduced_rows(graph: Graph, n: Node) -> tuple[int, int] | FusionDecision:
@@ -293,7 +331,8 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     if not decision:
         return decision
     live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS_PER_BLOCK))
-    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, (), 0, live)
+    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, live,
+                  block_per_row(graph, [n.id for n in nodes], rows, row_len))
 
 
 def _row_outputs_fit(graph: Graph, nodes: list[Node], rows: int, row_len: int) -> FusionDecision:
@@ -368,29 +407,39 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
             row_tile = max(row_tile, decision)
     m, n_dim, k = _gemm_dims(graph, anchor)
     out_size = graph.tensors[anchor.outputs[0]].size
+    template = GEMM_TEMPLATE[anchor.op_type]
+    ids = [n.id for n in nodes]
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
-        softmax = any(n.op_type == "Softmax" for n in nodes)  # memory (and a Softmax's exponentials)
-        cached = (4 * row_tile <= MAX_ROW_SMEM) + (softmax and 8 * row_tile <= MAX_ROW_SMEM)
-        smem = 4 * row_tile * cached + ROW_REDUCE_SMEM
-        live = 24 + 2 * (len(nodes) - 1)  # a thread's slice of the row and its dot product
-        kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (1, row_tile, k),
-                        smem, live)
-        return replace(kernel, blocks=min(out_size // row_tile, MAX_GRID_X))
+        live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
+        schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
+        return _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
     tm, tn, tk = _tile(m, n_dim)
-    smem = (tm * tk + tk * tn) * 4  # the generated tile: A and B staged once per K step, as float
     live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
-    # split-K is the library's (cuBLAS splits skinny GEMMs); the generated tiled kernel never splits
-    split = _split_k(m, n_dim, k, tm, tn, tk) if len(nodes) == 1 else 1
-    kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
-                    (tm, tn, tk), smem, live)
-    z, m_z = _tile_batches(graph, anchor)  # the generated grid: tiles of each batch (MatMul) or group (Conv)
-    kernel = replace(kernel, threads_per_block=min(THREADS_PER_BLOCK, tm * tn),  # a thread per output at most
-                     blocks=z * math.ceil(m_z / tm) * math.ceil(n_dim / tn) if len(nodes) > 1 else 0)
+    smem = (tm * tk + tk * tn) * 4  # the tile: A and B staged once per K step, as float
+    threads = min(THREADS_PER_BLOCK, tm * tn)  # a thread per output at most
+    z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
+    grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+    if (has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None
+            and max(grid[1:]) <= MAX_GRID_YZ and thread_layout(tm, tn) is not None):
+        own = Schedule("generated", "tiled", "cuda-core", (tm, tn, tk), threads=threads, grid=grid, smem_bytes=smem)
+    else:  # `direct`: a thread per output element with its dot product inline (an epilogue that
+        # moves elements, ConvTranspose, 1-D operands): no tile, each operand element re-read (and
+        # its prologue recomputed) once per output that uses it
+        own = replace(grid_stride(max(graph.tensors[t].size for t in _external_outputs(graph, nodes))),
+                      skeleton="direct")
+        live = 4 + 2 * len(nodes)
+    if len(nodes) > 1:
+        return _build(graph, nodes, template, anchor.id, out_size, k, live, own,
+                      reload_tile=(1, 1, k) if own.skeleton == "direct" else None)
+    # a lone anchor is a library call; split-K is the library's (cuBLAS splits skinny GEMMs)
+    split = _split_k(m, n_dim, k, tm, tn, tk)
+    schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=threads,
+                        smem_bytes=smem, fallback=own)
+    kernel = _build(graph, nodes, template, anchor.id, out_size * split, k, live, schedule)
     if split == 1:
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
-    return replace(kernel, split_k=split, read_bytes=kernel.read_bytes + partials // 2,
-                   write_bytes=kernel.write_bytes + partials // 2)
+    return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
 
 
 def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:
@@ -443,10 +492,11 @@ def _external_outputs(graph: Graph, nodes: list[Node]) -> list[str]:
 
 
 def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, iteration: int,
-           reduction: int, tile: tuple[int, ...], smem: int, live: int, *, alias: bool = False) -> Kernel:
+           reduction: int, live: int, schedule: Schedule, *, reload_tile: tuple[int, ...] | None = None) -> Kernel:
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
-    reloads = _prologue_reloads(graph, nodes, anchor, tile)
+    alias = schedule.impl == "alias"
+    reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile)
     tc = scalar = trans = divisions = 0
     for n in nodes:
         times = reloads.get(n.id, 1)
@@ -462,8 +512,8 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
     return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
-                  tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
-                  THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias,
+                  tuple(inputs), tuple(outputs), max(iteration, 1), reduction, max(live, 1),
+                  tc, scalar, trans, read, write, schedule,
                   index_divisions=_index_divisions(graph, outputs + _reduced_inputs(nodes)),
                   divisions=divisions)
 

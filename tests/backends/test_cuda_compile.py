@@ -1,7 +1,8 @@
 """Every generated CUDA kernel of every zoo plan (all strategies) compiles for sm_80 and sm_90 with
 NVRTC (or nvcc), without a GPU, and ptxas's report is parsed: registers, shared memory, no spills.
-The price is the kernel: for every generated tiled or anchored row kernel, ptxas's shared memory
-equals the bytes the lowering priced and the block written is the block priced.
+The price is the kernel: for every distinct kernel, the skeleton, block and grid written are the
+schedule's (lowering's), split-K is 1 and the main loop is on CUDA cores, the grid the cost model
+counts is the grid launched, and ptxas's shared memory equals the schedule's bytes.
 Distinct kernels (by source hash) are compiled once, several to an NVRTC program."""
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
     by_name = {f"k{i}": g.kernel for i, g in enumerate(distinct.values())}
     for gk in kernels:  # the launch the cost model priced is the launch written
         kernel = by_name[gk.name]
-        if kernel.impl == "generated" and gk.skeleton in ("tiled", "block-per-row"):
-            assert gk.block[0] == kernel.threads_per_block, (name, gk.name, gk.skeleton)
-            if kernel.anchor is not None:
-                assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
+        schedule = kernel.schedule.generated  # a library call's own form where it is generated
+        assert gk.skeleton == schedule.skeleton, (name, gk.name)
+        assert gk.block == (schedule.threads, 1, 1) and gk.grid == schedule.grid, (name, gk.name, gk.skeleton)
+        assert schedule.split_k == 1 and schedule.unit == "cuda-core", (name, gk.name, schedule)
+        if kernel.impl == "generated":
+            assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
     skeletons: dict[str, int] = {}
     for start in range(0, len(kernels), BUNDLE):
         chunk = kernels[start:start + BUNDLE]
@@ -60,11 +63,8 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
                 assert res.spill_store_bytes == 0, (name, gk.name, gk.skeleton, arch, res)
                 if gk.skeleton == "tiled":
                     assert res.smem_bytes > 0, (name, gk.name, arch, res)
-                kernel = by_name[gk.name]
-                # priced = written (the `direct` fallback, for epilogues that move elements, is
-                # still priced as a tile: that choice is not yet the lowering's)
-                if kernel.impl == "generated" and gk.skeleton in ("tiled", "block-per-row") and kernel.anchor is not None:
-                    assert res.smem_bytes == kernel.smem_bytes, (name, gk.name, gk.skeleton, arch, res, kernel.tile)
+                schedule = by_name[gk.name].schedule.generated
+                assert res.smem_bytes == schedule.smem_bytes, (name, gk.name, gk.skeleton, arch, res, schedule)
         for gk in chunk:
             skeletons[gk.skeleton] = skeletons.get(gk.skeleton, 0) + 1
     assert kernels, name

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.ir.graph import Graph, Node
-from fusesearch.lowering import Kernel
 
 # -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
 
@@ -83,25 +82,3 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
 
     return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
                         conv_a, conv_b, conv_y, True)
-
-
-def _anchor_derived(graph: Graph, kernel: Kernel, anchor: Node) -> set[str] | None:
-    """Tensors of the group computed from the anchor's output at the same flat position (through
-    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
-    positions (a Transpose, a Softmax...): the tiled skeleton then does not apply."""
-    y = anchor.outputs[0]
-    size = graph.tensors[y].size
-    derived = {y}
-    for i in kernel.nodes:
-        n = graph.nodes[i]
-        if i == anchor.id or not any(t in derived for t in n.inputs):
-            continue
-        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
-            graph.tensors[t].size == size for t in n.inputs if t in derived)
-        if not same or not (n.kind.name in ("ELEMWISE", "BROADCAST") or n.op_type in _VIEW_OPS):
-            return None
-        derived.update(t for t in n.outputs if t)
-    return derived
-
-
-_VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
