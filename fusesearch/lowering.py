@@ -13,10 +13,12 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
     the rest ................. `pointwise`: one thread per output element
 
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
-used outside the group (or a graph output) written once. The tile, threads and shared memory are
-those the generator writes: a BM×BN tile with A and B staged once per K step as float (the `tiled`
-skeleton), or, under a Softmax epilogue, a block per row with the product's row (and the
-exponentials) cached in shared memory (`block-per-row`). A lone gemm/conv (a library call) whose
+used outside the group (or a graph output) written once. How the kernel runs is decided here,
+once, as its `Schedule` (fusesearch/schedule.py), which the generator writes as given: a BM×BN tile
+with A and B staged once per K step as float (`tiled`, where the anchor is a GEMM view and the
+epilogue keeps positions), else a thread per output with its dot product inline (`direct`); under
+a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
+memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
