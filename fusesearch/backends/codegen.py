@@ -61,6 +61,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -2226,3 +2227,27 @@ def _vectorized(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
            f"{_indent(body, 1)}\n}}\n")
     return src, (_stride_blocks(quads), 1, 1), (THREADS, 1, 1), "vectorized"
+
+
+# -- one CUDA module for many kernels ---------------------------------------------------------
+
+def module_namespace(kernel: GeneratedKernel) -> str:
+    """The C++ namespace a kernel's source sits in inside a module (`cuda_module`)."""
+    return f"fs_ns_{kernel.name}"
+
+
+def cuda_module(kernels) -> str:
+    """One CUDA translation unit holding every kernel (names must be unique): each kernel's
+    `cuda_source` unchanged inside its own namespace (its device helpers — `block_reduce`,
+    `warp_reduce` — are defined once per kernel and would collide otherwise), each macro it
+    defines undefined first (two kernels may define one differently). The kernels are
+    `extern "C"`, so NVRTC and the emulator find them by their plain names."""
+    names = [k.name for k in kernels]
+    if len(set(names)) != len(names):
+        raise ValueError(f"kernel names repeat in one module: {sorted({n for n in names if names.count(n) > 1})}")
+    parts = []
+    for k in kernels:
+        macros = dict.fromkeys(re.findall(r"^\s*#\s*define\s+(\w+)", k.cuda_source, flags=re.M))
+        parts.append("".join(f"#undef {m}\n" for m in macros)
+                     + f"namespace {module_namespace(k)} {{\n{k.cuda_source}\n}}  // namespace {module_namespace(k)}\n")
+    return "\n".join(parts)
