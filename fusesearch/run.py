@@ -41,7 +41,6 @@ import math
 import os
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -637,6 +636,10 @@ class RunReport:
     unfused_segments: dict[str, int]
     kernels: int
     library_steps: int
+    backend: str = "cpu"
+    cuda_graph: bool | None = None  # cupy: whether each program ran as one captured CUDA graph
+    unfused_cuda_graph: bool | None = None
+    ort_provider: str = "CPUExecutionProvider"  # the provider of the timed ONNX Runtime sessions
 
     def ratio(self, a: str, b: str) -> float:
         if a not in self.timings or b not in self.timings or not self.timings[b].median_s:
@@ -654,7 +657,10 @@ class RunReport:
                 "kernels": self.kernels, "library_steps": self.library_steps,
                 "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
                            "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
-                           "plan_vs_unfused": self.ratio("plan", "unfused")}}
+                           "plan_vs_unfused": self.ratio("plan", "unfused")},
+                "backend": self.backend, "ort_provider": self.ort_provider,
+                **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
+                   if self.backend == "cupy" else {})}
 
     def to_pandas(self):
         import pandas as pd
@@ -668,19 +674,24 @@ class RunReport:
         return pd.DataFrame(rows)
 
 
-def _timed(runs: Mapping[str, Callable[[], object]], warmup: int, repeat: int) -> dict[str, Timing]:
+def _timed(runs: Mapping[str, Callable[[], object]], warmup: int, repeat: int,
+           clocks: Mapping[str, object] | None = None) -> dict[str, Timing]:
     """Each run's samples, taken in turn (one run of each per round), so that a change in the
-    machine's load while timing falls on every program alike."""
+    machine's load while timing falls on every program alike; each run's clock from `clocks`
+    (CUDA events on the GPU), else the host's perf_counter."""
+    from fusesearch.backends.timing import PerfCounterClock
+
+    clock = {k: (clocks or {}).get(k) or PerfCounterClock() for k in runs}
     for fn in runs.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeat):
         for k, fn in runs.items():
-            t0 = time.perf_counter()
+            token = clock[k].start()
             fn()
-            samples[k].append(time.perf_counter() - t0)
-    return {k: Timing(tuple(v), warmup, "perf_counter") for k, v in samples.items()}
+            samples[k].append(clock[k].stop(token))
+    return {k: Timing(tuple(v), warmup, clock[k].name) for k, v in samples.items()}
 
 
 def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
@@ -694,17 +705,35 @@ def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
         raise BadInput(f"--rtol {rtol}: give a tolerance >= 0")
 
 
+BACKENDS = ("cpu", "cupy")
+
+
+def require_backend(backend: str) -> None:
+    """BadInput (one line, with what to do instead) unless `run_plan` can run on `backend`."""
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend {backend}: run executes on cpu or cupy (or checks the CUDA program with "
+                       "emulate); use one of them")
+    if backend == "cupy":
+        from fusesearch.backends import cupy as gpu
+
+        decision = gpu.available()
+        if not decision:
+            raise BadInput(f"--backend cupy: no GPU/CuPy available ({decision.reason}); use --backend cpu to run "
+                           "here, or --backend emulate to check the CUDA program without a GPU")
+
+
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
              rtol: float = 1e-4, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
-             progress: Callable[[str], None] | None = None) -> RunReport:
+             progress: Callable[[str], None] | None = None, backend: str = "cpu") -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
-    step."""
+    step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events."""
+    require_backend(backend)
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
-                         input_values, progress)
+                         input_values, progress, backend)
     finally:  # the caller's OpenMP thread count again
         if "before" in _THREADS:
             lib, before = _THREADS.pop("before")
@@ -712,7 +741,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
 
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
-              progress) -> RunReport:
+              progress, backend) -> RunReport:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
     from fusesearch.verify import all_values, random_feeds, session
@@ -725,16 +754,33 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     feeds = random_feeds(canonical, seed, input_values)
     say("reference")
     reference = all_values(canonical, feeds, list(input_values or ()))
-    programs: dict[str, Program] = {}
+    device = None
+    if backend == "cupy":
+        from fusesearch.backends import cupy as gpu
+
+        device = gpu.Device(threads)
+    programs: dict[str, Layout] = {}
     errors: dict[str, float] = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         say(f"compiling {label}")
         steps = plan_steps(graph, p)
         programs[label], errors[label] = checked(
-            label, lambda reuse, steps=steps: Program(graph, canonical, steps, weights, threads, reuse=reuse),
+            label, lambda reuse, steps=steps: (
+                Program(graph, canonical, steps, weights, threads, reuse=reuse) if device is None
+                else CudaProgram(graph, canonical, steps, weights, device, threads, reuse=reuse)),
             feeds, reference, rtol, check_each)
     timings: dict[str, Timing] = {}
-    if time_it:
+    ort_provider = "CPUExecutionProvider"
+    if time_it and device is not None:  # the programs on their inputs, resident since the check
+        runs = {label: programs[label].run for label in ("plan", "unfused")}
+        clocks = {label: device.clock() for label in runs}
+        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+            runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
+            if ort_provider == gpu.CUDA_EP:
+                clocks[key] = device.clock()
+        say("timing")
+        timings = _timed(runs, warmup, repeat, clocks)
+    elif time_it:
         runs: dict[str, Callable[[], object]] = {}
         for label in ("plan", "unfused"):
             runs[label] = lambda program=programs[label]: program(feeds)
@@ -745,7 +791,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
             runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
         say("timing")
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
-            if program.library is not None:
+            if isinstance(program, Program) and program.library is not None:
                 program.library.fs_set_threads(threads)
         timings = _timed(runs, warmup, repeat)
     steps = programs["plan"].steps
@@ -755,4 +801,6 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         unfused_arena_peak_bytes=programs["unfused"].peak_bytes, activation_bytes=activation_bytes(graph),
         max_rel_err=errors["plan"], unfused_max_rel_err=errors["unfused"], segments=programs["plan"].segment_counts,
         unfused_segments=programs["unfused"].segment_counts, kernels=sum(s.how == "generated" for s in steps),
-        library_steps=sum(s.how == "library" for s in steps))
+        library_steps=sum(s.how == "library" for s in steps), backend=backend,
+        cuda_graph=getattr(programs["plan"], "cuda_graph", None),
+        unfused_cuda_graph=getattr(programs["unfused"], "cuda_graph", None), ort_provider=ort_provider)

@@ -222,8 +222,8 @@ def module(kernels: Sequence[GeneratedKernel]) -> dict[str, Callable[[Sequence[i
                  .replace("fs_launch", f"fs_launch_{n}")
                  .format(nargs=max(1, len(params)), call=f"{module_namespace(k)}::{k.name}({casts});"))
     lib = _load(text, entries=len(kernels))
-    return {k.name: (lambda pointers, k=k, fn=getattr(lib, f"fs_launch_{n}"): _launch(k, fn, pointers))
-            for n, k in enumerate(kernels)}
+    entries = [getattr(lib, f"fs_launch_{n}") for n in range(len(kernels))]
+    return {k.name: (lambda pointers, k=k, fn=fn: _launch(k, fn, pointers)) for k, fn in zip(kernels, entries, strict=True)}
 
 
 def _launch(kernel: GeneratedKernel, fn, pointers: Sequence[int]) -> None:
