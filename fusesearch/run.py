@@ -26,9 +26,19 @@ the first step whose output differs on a mismatch, then times both and ONNX Runt
 ORT_ENABLE_ALL and ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's for
 the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each in
 turn per round, so that the machine's load changes fall on all four alike.
+On a GPU (`backend="cupy"`) the same steps and arena become a `CudaProgram`: one device
+allocation at the same offsets, every kernel's CUDA source in one module, launched in plan order
+on one non-default stream, library steps through ONNX Runtime on the device's buffers, the whole
+program captured once as a CUDA graph and replayed when every segment is generated; the
+programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
+CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
+report). `CudaProgram` only orchestrates; its device (`backends.cupy.Device`, or `HostDevice`:
+the CUDA emulator on host memory, `run_emulated`, correctness only) allocates, copies, launches
+and captures, so the emulator's tests run the GPU's orchestration.
 Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
 written by a step that reads a tensor at the same address; inputs and weights are never written;
-every kernel name in one library is unique; `--check-each` and the search for a differing step
+every kernel name in one library or module is unique; a CUDA graph is captured only
+when no library step runs between kernels; `--check-each` and the search for a differing step
 run a program without reuse (each tensor its own bytes), so every intermediate can be read back;
 after `run_plan`, OpenMP's thread count is the caller's again.
 """
