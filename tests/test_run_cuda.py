@@ -129,6 +129,11 @@ def test_one_module_holds_kernels_whose_helpers_share_names(tmp_path):
     assert set(emulate.module(kernels)) == {k.name for k in kernels}
     with pytest.raises(ValueError, match="repeat"):
         cuda_module([kernels[0], kernels[0]])
+    from fusesearch.backends import nvrtc
+
+    if nvrtc.toolchain_available("nvrtc"):  # the text NVRTC gets on the GPU: each kernel an entry by its name
+        result = nvrtc.compile_cuda(text, arch="sm_90", options=("--std=c++17",), compiler="nvrtc")
+        assert sorted(r.kernel for r in result.resources) == sorted(k.name for k in kernels)
 
 
 @pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --backend cupy runs")
