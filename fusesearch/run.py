@@ -227,8 +227,9 @@ class Layout:
     """Where each tensor of a program lives: an alias shares its source's storage; weights and
     the model's inputs are external (`ext_index`: their slot in the pointer table); every other
     tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime).
-    Subclasses allocate the memory (`_allocate`) and `run` the steps; `__call__(feeds)` sets the
-    inputs, runs, and returns copies of the model's outputs."""
+    Subclasses allocate the memory (`_allocate` on the host; `CudaProgram` on its device) and
+    `run` the steps; `__call__(feeds)` sets the inputs, runs, and returns copies of the model's
+    outputs."""
 
     def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
         self.graph, self.steps = graph, list(steps)
@@ -675,7 +676,8 @@ class RunReport:
     def to_pandas(self):
         import pandas as pd
 
-        rows = [{"model": self.model, "strategy": self.strategy, "program": k, "threads": self.threads,
+        rows = [{"model": self.model, "strategy": self.strategy, "program": k, "backend": self.backend,
+                 "threads": self.threads,
                  "median_s": t.median_s, "p20_s": t.p20_s, "p80_s": t.p80_s, "n": t.n,
                  "arena_peak_bytes": {"plan": self.arena_peak_bytes, "unfused": self.unfused_arena_peak_bytes}.get(k),
                  "activation_bytes": self.activation_bytes,
