@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check for a machine with an NVIDIA GPU and CuPy 14 (CUDA 13): the gpu-marked tests and
-# `fusesearch measure --backend cupy` on two zoo models. Figures and logs go to $OUT (default
+# GPU check for a machine with an NVIDIA GPU and CuPy 14 (CUDA 13): the gpu-marked tests,
+# `fusesearch measure --backend cupy` on two zoo models and `fusesearch run --backend cupy` (the
+# whole plan as one CUDA program beside ONNX Runtime) on bert-small. Figures and logs go to $OUT (default
 # ./gpu_out). It installs nothing from the network: packages missing on the GPU machine travel
 # as wheels in .whl/ — fetch them here first (Python 3.12, x86_64), for example:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -11,7 +12,8 @@
 #     shellingham click typing-extensions pyarrow hypothesis sortedcontainers
 # It fails (exit 1, one line on stderr) when no GPU is visible — checked first, before anything
 # is installed — and when the gpu tests did not really run on the GPU: none selected, or any of
-# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); and when a measure run fails.
+# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); and when a measure or the
+# run fails.
 # Usage: bash scripts/gpu_check.sh   (about 5 minutes on an H200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +75,19 @@ except Exception as exc:  # the .err file says why
     print("  no result:", exc)
 PY
 done
+$PY -m fusesearch run zoo:bert-small --backend cupy --device h200 --json \
+  > "$OUT/run_bert-small.json" 2> "$OUT/run_bert-small.err" \
+  || { echo "gpu_check: run zoo:bert-small --backend cupy failed: $(head -1 "$OUT/run_bert-small.err")" >&2; status=1; }
+$PY - "$OUT/run_bert-small.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    print(f"run bert-small --backend cupy: plan {d['plan']['median_s'] * 1e6:.1f} us (cuda graph {d['cuda_graph']}), "
+          f"unfused {d['unfused']['median_s'] * 1e6:.1f} us, ONNX Runtime ENABLE_ALL "
+          f"{d['ort_enable_all']['median_s'] * 1e6:.1f} us on {d['ort_provider']}, max rel err {d['max_rel_err']:.2g}")
+except Exception as exc:  # the .err file says why
+    print("run bert-small --backend cupy: no result:", exc)
+PY
 if [ "$ran_status" -ne 0 ]; then
   echo "gpu_check: $ran" >&2
 fi

@@ -69,6 +69,7 @@ from fusesearch.backends.codegen.base import (
     GeneratedKernel,
 )
 from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
+from fusesearch.backends.codegen.module import cuda_module, module_namespace
 from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC
 from fusesearch.backends.codegen.pointwise import _pointwise
 from fusesearch.backends.codegen.rowwise import ROW_OPS, _rowwise
@@ -79,8 +80,8 @@ from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import grid_stride
 
-__all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "generate",
-           "try_generate"]
+__all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "cuda_module",
+           "generate", "module_namespace", "try_generate"]
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
