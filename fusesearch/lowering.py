@@ -37,8 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from costmodels import DTYPE_BYTES, KernelSpec
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals

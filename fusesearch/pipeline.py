@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from fusesearch.errors import UnsupportedModel
+from fusesearch.ir._from_ir import graph_from_ir
 from fusesearch.ir.canonicalize import canonicalize, lowest_ir_version, to_proto
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.load import LoadedModel, load_model
@@ -46,7 +47,7 @@ def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original:
     loaded = load_model(model, bindings)
     original = to_proto(loaded.model) if keep_original else None
     canonical, passes = canonicalize(loaded.model)
-    graph = Graph.from_ir(canonical)
+    graph = graph_from_ir(canonical)
     if not graph.nodes:
         raise UnsupportedModel(f"{model}: the graph has no nodes (every output is an input or a constant); "
                                "there is nothing to fuse: give a model that computes something")

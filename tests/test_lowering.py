@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.ir._from_ir import graph_from_ir
 from fusesearch.ir.canonicalize import canonicalize
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import CannotLower, lower, try_lower
@@ -19,7 +20,7 @@ rng = np.random.default_rng(3)
 
 def graph_of(nodes, inputs, outputs, inits=(), opset=17) -> Graph:
     model = make_model(nodes, inputs, outputs, inits, opset=opset)
-    return Graph.from_ir(canonicalize(load_model_proto(model).model)[0])
+    return graph_from_ir(canonicalize(load_model_proto(model).model)[0])
 
 
 def group(g: Graph, *names) -> FusionGroup:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
 INSTALL_HINT = "cupy is not installed: pip install 'fusesearch[gpu]'"

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel, cuda_module, module_namespace
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
 TIMEOUT_S = 20

@@ -75,7 +75,7 @@ from fusesearch.backends.codegen.pointwise import _pointwise
 from fusesearch.backends.codegen.rowwise import ROW_OPS, _rowwise
 from fusesearch.backends.codegen.tiled import _tiled
 from fusesearch.backends.codegen.vectorized import _vectorized
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import grid_stride
