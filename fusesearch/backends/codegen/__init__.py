@@ -81,7 +81,7 @@ from fusesearch.lowering import Kernel
 from fusesearch.schedule import grid_stride
 
 __all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "cuda_module",
-           "generate", "module_namespace", "try_generate"]
+           "generatable", "generate", "module_namespace", "try_generate"]
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
@@ -127,6 +127,20 @@ def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKerne
         return generate(graph, kernel, name)
     except CodegenRefused as exc:
         return exc.decision
+
+
+def generatable(graph: Graph, kernel: Kernel) -> FusionDecision:
+    """Whether the generator can write the kernel at all, decided from its ops and dtypes alone
+    (cheap enough for every candidate): each op has code here and each tensor a C type. A group
+    that passes may still be refused by an op's attributes (`generate` says which)."""
+    for i in kernel.nodes:
+        n = graph.nodes[i]
+        if n.op_type not in GENERATED_OPS:
+            return FusionDecision.refuse(f"{n.name}({n.op_type}) has no code generator: it runs alone")
+    for t in (*kernel.inputs, *kernel.outputs):
+        if graph.tensors[t].dtype not in CTYPES:
+            return FusionDecision.refuse(f"dtype {graph.tensors[t].dtype} of '{t}' is not generated: its ops run alone")
+    return FusionDecision.accept()
 
 
 GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
