@@ -40,6 +40,7 @@ from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
+from fusesearch.ir.pool import POOL_OPS, pool_window
 
 THREADS_PER_BLOCK = 256
 MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
@@ -122,7 +123,8 @@ def try_lower(graph: Graph, group: FusionGroup) -> Kernel | FusionDecision:
 
 
 def _lower_checked(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
-    for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype):
+    for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
+                  _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
@@ -210,6 +212,21 @@ def _check_dtype(graph: Graph, nodes: list[Node]) -> FusionDecision:
               if t and graph.tensors[t].dtype in FLOAT_DTYPES}
     if len(dtypes) > 1:
         return FusionDecision.refuse(f"mixed dtypes {'/'.join(sorted(dtypes))} in one group")
+    return FusionDecision.accept()
+
+
+def _pool_window(graph: Graph, n: Node):
+    return pool_window(n.op_type, n.attrs, graph.tensors[n.inputs[0]].shape, graph.tensors[n.outputs[0]].shape,
+                       graph.tensors[n.inputs[0]].dtype, sum(1 for t in n.outputs if t))
+
+
+def _check_windows(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    """A pool is generated only as `ir.pool` describes it (alone, the others run as library calls)."""
+    for n in nodes:
+        if n.op_type in POOL_OPS:
+            window = _pool_window(graph, n)
+            if isinstance(window, str):
+                return FusionDecision.refuse(f"{_label(n)}: {window}")
     return FusionDecision.accept()
 
 
@@ -447,17 +464,18 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
     reloads = _prologue_reloads(graph, nodes, anchor, tile)
+    taps = _window_recompute(graph, nodes)
     tc = scalar = trans = divisions = 0
     for n in nodes:
-        times = reloads.get(n.id, 1)
+        times = reloads.get(n.id, 1) * taps.get(n.id, 1.0)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
-        trans += times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
-        if n.id == anchor:
+        trans += round(times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)))
+        if n.id == anchor and n.id not in taps:
             tc += flops
-        else:
-            scalar += times * flops
+        else:  # an anchor under a pool is recomputed per tap by a thread per output: no tensor cores
+            scalar += round(times * flops)
             if n.op_type in DIVIDE_OPS:
-                divisions += times * graph.tensors[n.outputs[0]].size
+                divisions += round(times * graph.tensors[n.outputs[0]].size)
     read = 0 if alias else sum(_read_bytes(graph, nodes, t) for t in inputs)
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
@@ -468,7 +486,7 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
                   divisions=divisions)
 
 
-DIVIDE_OPS = frozenset({"Div", "Sqrt", "Reciprocal"})
+DIVIDE_OPS = frozenset({"Div", "Sqrt", "Reciprocal", "AveragePool"})
 
 
 def _reduced_inputs(nodes: list[Node]) -> list[str]:
@@ -513,6 +531,34 @@ def _prologue_reloads(graph: Graph, nodes: list[Node], anchor: int | None,
             if p is not None and (p == n.id or graph.reaches(n.id, p)):
                 reloads[n.id] = max(reloads.get(n.id, 1), per_operand[k])
     return reloads
+
+
+def _window_recompute(graph: Graph, nodes: list[Node]) -> dict[int, float]:
+    """How many times each op upstream of a pool in the group is evaluated per element: a pool
+    reads its input inline at every window tap, so a producer in the group (an anchor included:
+    Conv+Relu → MaxPool) is recomputed once per in-bounds tap that covers its element — the
+    pool's exact reads over its input's size (9/4 for resnet's 3×3 stride-2 stem pool); through
+    a chain, the factors multiply (the largest over a node's consumers in the group)."""
+    ids = {n.id for n in nodes}
+    if not any(n.op_type in POOL_OPS for n in nodes):
+        return {}
+    factor: dict[int, float] = {}
+    for n in reversed(nodes):  # topological order: every consumer before its producers
+        f = 1.0
+        for t in n.outputs:
+            for c in graph.consumers(t) if t else ():
+                if c not in ids:
+                    continue
+                user = graph.nodes[c]
+                ratio = 1.0
+                if user.op_type in POOL_OPS:
+                    window = _pool_window(graph, user)
+                    size = graph.tensors[user.inputs[0]].size
+                    ratio = window.reads / size if not isinstance(window, str) and size else 1.0
+                f = max(f, factor.get(c, 1.0) * ratio)
+        if f != 1.0:
+            factor[n.id] = f
+    return factor
 
 
 def _read_bytes(graph: Graph, nodes: list[Node], tensor: str) -> int:

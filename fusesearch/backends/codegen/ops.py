@@ -16,6 +16,7 @@ import numpy as np
 
 from fusesearch.backends.codegen.base import CodegenRefused, _lit
 from fusesearch.ir.graph import Node
+from fusesearch.ir.pool import pool_window
 
 if TYPE_CHECKING:
     from fusesearch.backends.codegen.emitter import _Emitter
@@ -725,3 +726,61 @@ _HANDLERS.update({
     "SpaceToDepth": _space_to_depth, "Trilu": _trilu, "EyeLike": _eye_like, "OneHot": _one_hot,
     "ReverseSequence": _reverse_sequence,
 })
+
+
+# -- windowed pools: MaxPool / AveragePool (2-D, NCHW) -----------------------------------------
+
+def _pool(e, n, t, idx):
+    """A pool output element as an unrolled reduction over its window (geometry: `ir.pool`): an
+    FS_FMAX chain from -INFINITY over the in-bounds taps, or their sum divided by the window's
+    count (constant when every window is whole). Each tap reads `value(x, tap)`, so a producer in
+    the group is inlined and recomputed per tap; a tap is bounds-checked only on the sides some
+    window crosses."""
+    x = n.inputs[0]
+    window = pool_window(n.op_type, n.attrs, e.info(x).shape, e.info(t).shape, e.info(x).dtype,
+                         len([o for o in n.outputs if o]))
+    if isinstance(window, str):
+        raise CodegenRefused(f"{n.name}({n.op_type}): {window}")
+    nb, c, oh, ow = idx
+    positions = []  # per axis: (tap k, position expression, bounds check or "")
+    for axis, o in zip(window.axes, (oh, ow), strict=True):
+        start = e.tmp("long long", f"({o}) * {axis.stride}LL - {axis.pad}LL") if axis.pad or axis.stride > 1 else o
+        taps = []
+        for k in range(axis.kernel):
+            pos = f"({start} + {k * axis.dilation}LL)" if k * axis.dilation else start
+            checks = ([f"{pos} >= 0"] if axis.needs_low_check(k) else []) + (
+                [f"{pos} < {axis.extent}LL"] if axis.needs_high_check(k) else [])
+            taps.append((k, pos, " && ".join(checks)))
+        positions.append(taps)
+    maximum = n.op_type == "MaxPool"
+    acc = "(-INFINITY)" if maximum else "0.0f"
+    for (_, ph, ch), (_, pw, cw) in itertools.product(*positions):
+        cond = " && ".join(c_ for c_ in (ch, cw) if c_)
+        v = _guarded_or(e, x, (nb, c, ph, pw), cond, "(-INFINITY)" if maximum else "0.0f")
+        acc = e.tmp("float", f"FS_FMAX({acc}, {v})" if maximum else f"{acc} + {v}" if acc != "0.0f" else v)
+    if maximum:
+        return acc
+    count = _pool_count(e, window, (oh, ow))
+    return f"({acc} * {_lit(1.0 / count)})" if isinstance(count, int) else f"({acc} / (float)({count}))"
+
+
+def _pool_count(e, window, outs) -> int | str:
+    """AveragePool's divisor: the window's taps inside the input (count_include_pad=0) or inside
+    the padded input (=1; a ceil_mode window past the tail pad is clipped), as an int when every
+    window has the same count, else a per-element expression."""
+    factors, constant = [], 1
+    for axis, o in zip(window.axes, outs, strict=True):
+        lo, hi = (-axis.pad, axis.limit) if window.include_pad else (0, axis.extent)
+        counts = {min(axis.start(i) + axis.kernel, hi) - max(axis.start(i), lo) for i in range(axis.out)}
+        if len(counts) == 1:
+            constant *= counts.pop()
+            continue
+        s = e.tmp("long long", f"({o}) * {axis.stride}LL - {axis.pad}LL")
+        end = e.tmp("long long", f"{s} + {axis.kernel}LL < {hi}LL ? {s} + {axis.kernel}LL : {hi}LL")
+        factors.append(e.tmp("long long", f"{end} - ({s} > {lo}LL ? {s} : {lo}LL)"))
+    if not factors:
+        return constant
+    return " * ".join(([str(constant)] if constant != 1 else []) + factors)
+
+
+_HANDLERS.update({"MaxPool": _pool, "AveragePool": _pool})

@@ -1,0 +1,202 @@
+"""MaxPool and AveragePool generated as unrolled window reductions equal ONNX Runtime: alone over a
+table of window attributes, and fused with their producer (Conv+Relu → MaxPool, resnet's stem)
+or consumer, on the CPU backend and through the CUDA emulator; the pools codegen does not take
+(MaxPool's Indices, 1-D, a large window) run alone as library calls, with the reason; lowering
+prices the producer's recompute per window tap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from costmodels import RooflineModel, load_device
+from fusesearch.backends import cpu, emulate
+from fusesearch.backends.codegen import GENERATED_OPS, generate, try_generate
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.candidates.rules import FusionDecision, Legality
+from fusesearch.ir.op_kind import OpKind, kind_of, node_flops
+from fusesearch.ir.pool import pool_window
+from fusesearch.lowering import lower, try_lower
+from fusesearch.pipeline import prepare
+from tests.backends.test_codegen_cpu import whole_graph_as_one_group
+from tests.backends.test_cuda_emulated import one_group
+from tests.conftest import make_model, save
+
+needs_cc = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+needs_cxx = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler")
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# id -> (op, attributes, input shape); every row runs alone and behind a Relu (the producer inlined)
+POOLS = {
+    "max-resnet-3x3-s2-p1": ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, [1, 3, 12, 11]),
+    "max-2x2-s2": ("MaxPool", {"kernel_shape": [2, 2], "strides": [2, 2]}, [2, 2, 8, 6]),
+    "max-1x1-s2": ("MaxPool", {"kernel_shape": [1, 1], "strides": [2, 2]}, [1, 2, 7, 8]),
+    "max-ceil-pads": ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1},
+                      [1, 2, 7, 8]),
+    "max-asymmetric-pads": ("MaxPool", {"kernel_shape": [3, 2], "strides": [1, 2], "pads": [2, 0, 0, 1]}, [1, 2, 6, 7]),
+    "max-dilated-ceil": ("MaxPool", {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1, "dilations": [1, 2]},
+                         [1, 2, 8, 9]),
+    "max-dilated-pads": ("MaxPool", {"kernel_shape": [3, 3], "strides": [1, 2], "dilations": [2, 2],
+                                     "pads": [2, 1, 1, 2]}, [1, 2, 8, 9]),
+    "max-same-upper": ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}, [1, 2, 7, 8]),
+    "max-same-lower": ("MaxPool", {"kernel_shape": [2, 3], "strides": [1, 1], "auto_pad": "SAME_LOWER"}, [1, 2, 7, 8]),
+    "max-valid": ("MaxPool", {"kernel_shape": [2, 2], "strides": [2, 2], "auto_pad": "VALID"}, [1, 2, 7, 9]),
+    "avg-resnet-3x3-s2-p1": ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+                             [1, 3, 12, 11]),
+    "avg-include-pad": ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                        "count_include_pad": 1}, [1, 2, 7, 8]),
+    "avg-ceil": ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1},
+                 [1, 2, 7, 8]),
+    "avg-ceil-include-pad-clipped": ("AveragePool", {"kernel_shape": [3, 2], "strides": [3, 2], "ceil_mode": 1,
+                                                     "count_include_pad": 1}, [1, 2, 8, 7]),
+    "avg-ceil-include-asymmetric": ("AveragePool", {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1],
+                                                    "ceil_mode": 1, "count_include_pad": 1}, [1, 2, 8, 7]),
+    "avg-same-upper-include-pad": ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER",
+                                                   "count_include_pad": 1}, [1, 2, 7, 8]),
+    "avg-same-lower": ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_LOWER"},
+                       [1, 2, 7, 8]),
+    "avg-2x2-s2-whole-windows": ("AveragePool", {"kernel_shape": [2, 2], "strides": [2, 2]}, [2, 3, 6, 8]),
+    "avg-1x1": ("AveragePool", {"kernel_shape": [1, 1]}, [1, 2, 3, 5]),
+}
+
+
+def _pool_nodes(case, relu: bool):
+    op, attrs, shape = POOLS[case]
+    nodes = [helper.make_node("Relu", ["x"], ["r"])] if relu else []
+    nodes.append(helper.make_node(op, ["r" if relu else "x"], ["y"], **attrs))
+    return nodes, [("x", shape)]
+
+
+@needs_cc
+@pytest.mark.parametrize("relu", [False, True], ids=["alone", "after-relu"])
+@pytest.mark.parametrize("case", list(POOLS))
+def test_pool_on_the_cpu_backend_equals_onnx_runtime(tmp_path, case, relu):
+    nodes, inputs = _pool_nodes(case, relu)
+    whole_graph_as_one_group(tmp_path, nodes, inputs, [("y", None)], opset=19)
+
+
+def _stem(pool_op="MaxPool", **pool):
+    """resnet's stem in miniature: Conv 7x7/2 + bias, Relu, 3x3/2 pool with padding."""
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], **pool}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[7, 7], strides=[2, 2], pads=[3, 3, 3, 3]),
+             helper.make_node("Relu", ["c"], ["r"]), helper.make_node(pool_op, ["r"], ["y"], **attrs)]
+    inits = [("w", rand(16, 3, 7, 7, seed=1)), ("b", rand(16, seed=2))]
+    return nodes, [("x", [1, 3, 30, 26])], inits
+
+
+FUSED = {
+    "conv-relu-maxpool": _stem(),
+    "conv-relu-avgpool-ceil": _stem("AveragePool", ceil_mode=1, count_include_pad=1),
+    # a pool as the prologue of a conv (resnet's layer1 reads the stem pool) with a residual epilogue
+    "maxpool-conv-add": ([helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], strides=[2, 2],
+                                           pads=[1, 1, 1, 1]),
+                          helper.make_node("Conv", ["p", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+                          helper.make_node("Add", ["c", "p"], ["y"])],
+                         [("x", [1, 8, 9, 10])], [("w", rand(8, 8, 3, 3, seed=3))]),
+    # pool then a pointwise epilogue, and a pool under a row reduction
+    "avgpool-mul-globalavg": ([helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+                               helper.make_node("Mul", ["p", "s"], ["m"]),
+                               helper.make_node("GlobalAveragePool", ["m"], ["y"])],
+                              [("x", [2, 3, 8, 6])], [("s", np.float32(1.5))]),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("case", list(FUSED))
+def test_fused_pool_on_the_cpu_backend_equals_onnx_runtime(tmp_path, case):
+    nodes, inputs, inits = FUSED[case]
+    prep = whole_graph_as_one_group(tmp_path, nodes, inputs, [("y", None)], inits, opset=19)
+    assert len(prep.graph) == len(nodes)  # nothing folded away: the fused group is what ran
+
+
+@needs_cxx
+@pytest.mark.parametrize(("case", "skeleton"), [
+    ("max-resnet-3x3-s2-p1", "grid-stride"), ("max-dilated-ceil", "grid-stride"),
+    ("avg-ceil-include-asymmetric", "grid-stride"), ("avg-same-lower", "grid-stride")])
+def test_pool_cuda_kernel_emulated_equals_onnx_runtime(tmp_path, case, skeleton):
+    nodes, inputs = _pool_nodes(case, relu=True)
+    one_group(tmp_path, nodes, inputs, [("y", None)], skeleton=skeleton)
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", ["conv-relu-maxpool", "conv-relu-avgpool-ceil"])
+def test_fused_stem_cuda_kernel_emulated_equals_onnx_runtime(tmp_path, case):
+    """The pool reads the product at other positions than its own: one thread per pool output,
+    the conv's dot product inline at every tap (the `direct` skeleton)."""
+    nodes, inputs, inits = FUSED[case]
+    one_group(tmp_path, nodes, inputs, [("y", None)], inits, skeleton="direct")
+
+
+def _prepared(tmp_path, nodes, inputs, inits=(), outputs=(("y", None),)):
+    return prepare(save(make_model(nodes, inputs, list(outputs), inits, opset=19), tmp_path / "m.onnx"))
+
+
+def test_pools_are_generated_injective_ops():
+    assert {"MaxPool", "AveragePool"} <= GENERATED_OPS
+    assert kind_of("MaxPool") == kind_of("AveragePool") == OpKind.INJECTIVE
+    assert kind_of("LpPool") == OpKind.OPAQUE
+
+
+# pools codegen does not take, behind a Relu: (nodes, input shape, what the reason names)
+NOT_GENERATED = {
+    "indices": ([helper.make_node("MaxPool", ["r"], ["y", "i"], kernel_shape=[2, 2])], [1, 2, 4, 4], "Indices"),
+    "1-d": ([helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2])], [1, 2, 8], "2-D"),
+    "large-window": ([helper.make_node("AveragePool", ["r"], ["y"], kernel_shape=[9, 9])], [1, 2, 12, 12], "81 taps"),
+    "dilated-average": ([helper.make_node("AveragePool", ["r"], ["y"], kernel_shape=[2, 2], dilations=[2, 2])],
+                        [1, 2, 8, 8], "dilations"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_GENERATED))
+def test_a_pool_codegen_does_not_take_runs_alone_as_a_library_call(tmp_path, case):
+    nodes, shape, reason = NOT_GENERATED[case]
+    outputs = [(t, None, TensorProto.INT64 if t == "i" else TensorProto.FLOAT) for t in nodes[0].output]
+    prep = _prepared(tmp_path, [helper.make_node("Relu", ["x"], ["r"]), *nodes], [("x", shape)], outputs=outputs)
+    graph = prep.graph
+    pool = next(n for n in graph.nodes if n.op_type in ("MaxPool", "AveragePool"))
+    assert lower(graph, FusionGroup.single(pool.id)).template == "opaque"
+    decision = try_lower(graph, FusionGroup(frozenset(range(len(graph)))))
+    assert isinstance(decision, FusionDecision) and not decision and reason in decision.reason, decision
+    assert pool.name in decision.reason
+
+
+def test_the_stem_group_is_legal_and_prices_the_conv_recomputed_per_tap(tmp_path):
+    """Conv+Relu → MaxPool 3x3/2 pad 1: every pool output recomputes the product at its in-bounds
+    taps (about 9/4 per product element), on CUDA cores (a thread per output, no tensor cores)."""
+    nodes, inputs, inits = FUSED["conv-relu-maxpool"]
+    prep = _prepared(tmp_path, nodes, inputs, inits)
+    graph = prep.graph
+    device, params = load_device("h100-sxm")
+    verdict = Legality(graph, device, RooflineModel(params)).check(range(len(graph)))
+    assert verdict.decision, verdict.decision.reason
+    kernel = verdict.kernel
+    conv, relu, pool = graph.nodes
+    window = pool_window("MaxPool", pool.attrs, graph.tensors[pool.inputs[0]].shape,
+                         graph.tensors[pool.outputs[0]].shape)
+    ratio = window.reads / graph.tensors[pool.inputs[0]].size
+    assert 2.0 < ratio < 2.25  # 9/4 less the taps that fall in the padding
+    flops = [node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)) for n in (conv, relu, pool)]
+    assert kernel.tc_flops == 0
+    assert kernel.scalar_flops == round(ratio * flops[0]) + round(ratio * flops[1]) + flops[2]
+    alone = lower(graph, FusionGroup.single(pool.id))
+    assert alone.template == "pointwise" and alone.impl == "generated" and alone.scalar_flops == flops[2]
+
+
+def test_generated_pool_loop_is_vectorized_over_output_columns(tmp_path):
+    """The C loop nest runs the output's last dim innermost under `omp simd`, taps unrolled, and
+    bounds checks only where some window crosses the border."""
+    op, attrs, shape = POOLS["max-resnet-3x3-s2-p1"]
+    prep = _prepared(tmp_path, [helper.make_node(op, ["x"], ["y"], **attrs)], [("x", shape)])
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup.single(0)))
+    assert "#pragma omp simd" in gk.c_source and "FS_FMAX" in gk.c_source
+    assert gk.c_source.count("FS_FMAX(") >= 9
+    prep = _prepared(tmp_path, [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])],
+                     [("x", [1, 2, 8, 8])])
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup.single(0)))
+    assert " >= 0" not in gk.c_source  # whole windows: no bounds check at all
+    assert not isinstance(try_generate(prep.graph, lower(prep.graph, FusionGroup.single(0))), FusionDecision)
