@@ -53,6 +53,13 @@ class PoolAxis:
         """Some window's tap k lies past the input."""
         return self.start(self.out - 1) + k * self.dilation >= self.extent
 
+    def interior(self) -> tuple[int, int]:
+        """[lo, hi): the outputs whose every tap lies inside the input (no bounds check needed)."""
+        lo = -(-self.pad // self.stride)
+        last = self.extent - 1 - (self.kernel - 1) * self.dilation + self.pad  # start + span <= extent - 1
+        hi = min(self.out, last // self.stride + 1) if last >= 0 else 0
+        return lo, max(lo, hi)
+
     def valid_pairs(self) -> int:
         """(window, tap) pairs whose tap lies inside the input."""
         return sum(self.inside(o, k) for o in range(self.out) for k in range(self.kernel))
