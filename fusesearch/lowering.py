@@ -20,7 +20,11 @@ exponentials) cached in shared memory (`block-per-row`). A lone gemm/conv (a lib
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
-tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free. FLOPs come from the OpKind table:
+tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free; an op
+upstream of a MaxPool/AveragePool in the group is charged once per window tap that reads its
+element (see `_window_recompute`), an anchor there on the CUDA cores (the `direct` skeleton
+recomputes its dot product per tap); a pool the generator does not take is refused (it runs alone,
+opaque). FLOPs come from the OpKind table:
 the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
 Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
 treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
