@@ -124,12 +124,15 @@ def test_pool_cuda_kernel_emulated_equals_onnx_runtime(tmp_path, case, skeleton)
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", ["conv-relu-maxpool", "conv-relu-avgpool-ceil"])
-def test_fused_stem_cuda_kernel_emulated_equals_onnx_runtime(tmp_path, case):
-    """The pool reads the product at other positions than its own: one thread per pool output,
-    the conv's dot product inline at every tap (the `direct` skeleton)."""
+@pytest.mark.parametrize(("case", "skeleton"), [
+    ("conv-relu-maxpool", "direct"), ("conv-relu-avgpool-ceil", "direct"),
+    ("maxpool-conv-add", "tiled"), ("avgpool-mul-globalavg", "block-per-row")])
+def test_fused_pool_cuda_kernel_emulated_equals_onnx_runtime(tmp_path, case, skeleton):
+    """After an anchor the pool reads the product at other positions than its own: one thread per
+    pool output, the conv's dot product inline at every tap (`direct`); before one, the pool is
+    computed in the tile loads (`tiled`); under a row reduction, in the row's passes."""
     nodes, inputs, inits = FUSED[case]
-    one_group(tmp_path, nodes, inputs, [("y", None)], inits, skeleton="direct")
+    one_group(tmp_path, nodes, inputs, [("y", None)], inits, skeleton=skeleton)
 
 
 def _prepared(tmp_path, nodes, inputs, inits=(), outputs=(("y", None),)):
