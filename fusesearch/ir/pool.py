@@ -60,6 +60,12 @@ class PoolAxis:
         hi = min(self.out, last // self.stride + 1) if last >= 0 else 0
         return lo, max(lo, hi)
 
+    def counts(self, include_pad: bool) -> list[int]:
+        """AveragePool's divisor along this axis per output (undilated): the taps inside the input,
+        or, counting padding, inside [-pad, limit) (a ceil_mode window past the tail is clipped)."""
+        lo, hi = (-self.pad, self.limit) if include_pad else (0, self.extent)
+        return [min(self.start(o) + self.kernel, hi) - max(self.start(o), lo) for o in range(self.out)]
+
     def valid_pairs(self) -> int:
         """(window, tap) pairs whose tap lies inside the input."""
         return sum(self.inside(o, k) for o in range(self.out) for k in range(self.kernel))

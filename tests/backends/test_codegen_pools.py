@@ -98,6 +98,16 @@ FUSED = {
                           helper.make_node("Conv", ["p", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
                           helper.make_node("Add", ["c", "p"], ["y"])],
                          [("x", [1, 8, 9, 10])], [("w", rand(8, 8, 3, 3, seed=3))]),
+    # pools under a pointwise epilogue (a residual Add, a Relu): the C column loop split at the border
+    "maxpool-add-relu": ([helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], strides=[2, 2],
+                                           pads=[1, 1, 1, 1]),
+                          helper.make_node("Add", ["p", "z"], ["a"]), helper.make_node("Relu", ["a"], ["y"])],
+                         [("x", [1, 3, 12, 11]), ("z", [1, 3, 6, 6])], []),
+    "avgpool-ceil-dilated-max-add": ([helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[3, 2], strides=[2, 2],
+                                                       pads=[1, 0, 0, 1], ceil_mode=1, count_include_pad=1),
+                                      helper.make_node("MaxPool", ["x"], ["q"], kernel_shape=[3, 2], strides=[2, 2],
+                                                       pads=[1, 0, 0, 1], ceil_mode=1),
+                                      helper.make_node("Add", ["p", "q"], ["y"])], [("x", [1, 2, 8, 7])], []),
     # pool then a pointwise epilogue, and a pool under a row reduction
     "avgpool-mul-globalavg": ([helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
                                helper.make_node("Mul", ["p", "s"], ["m"]),
@@ -190,20 +200,32 @@ def test_the_stem_group_is_legal_and_prices_the_conv_recomputed_per_tap(tmp_path
     assert alone.template == "pointwise" and alone.impl == "generated" and alone.scalar_flops == flops[2]
 
 
-def test_generated_pool_loop_is_vectorized_over_output_columns(tmp_path):
-    """The C loop nest runs the output's last dim innermost under `omp simd`, taps unrolled: the
-    border columns read clamped positions bounded by -INFINITY, the interior columns plain strided
-    loads with no check; whole windows have no check at all."""
-    op, attrs, shape = POOLS["max-resnet-3x3-s2-p1"]  # 11 columns in, 6 out: 0 and 5 cross an edge
+def test_generated_pool_rows_are_separable_and_vectorized(tmp_path):
+    """C: a pool's output is computed per output row in two `omp simd` passes — the window's rows
+    reduced over contiguous input columns into a padded row buffer (a row outside the input
+    bounded once per row), then each output column's taps from the buffer."""
+    op, attrs, shape = POOLS["max-resnet-3x3-s2-p1"]  # 12x11 in, 6x6 out
     prep = _prepared(tmp_path, [helper.make_node(op, ["x"], ["y"], **attrs)], [("x", shape)])
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup.single(0)))
-    c = gk.c_source[gk.c_source.index("void k_"):]
-    assert c.count("#pragma omp simd") == 3 and c.count("FS_FMAX(") == 3 * 8
+    c = generate(prep.graph, lower(prep.graph, FusionGroup.single(0))).c_source
+    c = c[c.index("void k_"):]
+    assert c.count("#pragma omp simd") == 2 and "float rb[13];" in c
+    assert "for (long long c = 0; c < 11LL; ++c)" in c and "rb[j * 2LL + 2LL]" in c
+    assert c.count("FS_FMIN(") == 1 and c.count("FS_FMAX(") == 4  # the top row bounded; 2 + 2 maxima
+    prep = _prepared(tmp_path, [helper.make_node("AveragePool", ["x"], ["y"], **attrs)], [("x", shape)])
+    c = generate(prep.graph, lower(prep.graph, FusionGroup.single(0))).c_source
+    assert "static const float fs_rh[6]" in c and "static const float fs_cw[6]" in c  # 1/count tables
+
+
+def test_pool_under_an_epilogue_splits_the_column_loop_at_the_border(tmp_path):
+    """C: a pool read by a pointwise epilogue runs unrolled in the epilogue's loop nest, its
+    column loop split into the border columns (clamped taps bounded by -INFINITY) and the
+    interior (plain strided loads, no check)."""
+    nodes, inputs, _ = FUSED["maxpool-add-relu"]  # 11 columns in, 6 out: 0 and 5 cross an edge
+    prep = _prepared(tmp_path, nodes, inputs)
+    c = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))).c_source
+    c = c[c.index("void k_"):]
+    assert c.count("#pragma omp simd") == 3 and c.count("FS_FMAX(") == 3 * 8 + 3  # taps, and the Relus
     assert all(f"for (long long j = {a}; j < {b}LL; ++j)" in c for a, b in (("0", 1), ("1LL", 5), ("5LL", 6)))
     interior = c[c.index("for (long long j = 1LL"):c.index("for (long long j = 5LL")]
     assert "INFINITY" in interior  # the top row of the first output row is padding ...
     assert "(j) * 2LL - 1LL" in interior and " < 11LL" not in interior  # ... no column is checked
-    prep = _prepared(tmp_path, [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])],
-                     [("x", [1, 2, 8, 8])])
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup.single(0)))
-    assert "INFINITY" not in gk.c_source[gk.c_source.index("void k_"):] and gk.c_source.count("#pragma omp simd") == 1

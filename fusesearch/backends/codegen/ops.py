@@ -785,11 +785,11 @@ def _pool(e, n, t, idx):
 def _pool_count(e, window, outs) -> int | str:
     """AveragePool's divisor: the window's taps inside the input (count_include_pad=0) or inside
     the padded input (=1; a ceil_mode window past the tail pad is clipped), as an int when every
-    window has the same count, else a per-element expression."""
+    window has the same count, else a per-element expression (`PoolAxis.counts` at run time)."""
     factors, constant = [], 1
     for axis, o in zip(window.axes, outs, strict=True):
         lo, hi = (-axis.pad, axis.limit) if window.include_pad else (0, axis.extent)
-        counts = {min(axis.start(i) + axis.kernel, hi) - max(axis.start(i), lo) for i in range(axis.out)}
+        counts = set(axis.counts(window.include_pad))
         if len(counts) == 1:
             constant *= counts.pop()
             continue

@@ -1,6 +1,7 @@
 """The pointwise skeleton: one loop per output, O[i] = value(O, unflatten(i)). C: a loop nest
 parallel over the leading dims and vectorized over the last (`omp simd`, the row index hoisted;
-under a pool, the last dim split into border and interior columns); CUDA: a grid-stride loop.
+a pool's output in separable row passes, under another pool the last dim split into border and
+interior columns); CUDA: a grid-stride loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fusesearch.backends.codegen.base import (
     _signature,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.pool_rows import _pool_rows
 from fusesearch.ir.pool import POOL_OPS, pool_window
 
 
@@ -51,9 +53,13 @@ def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tup
 
 def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
     """C loops for one output: rows (all dims but the last) in parallel, the last dim innermost.
-    With pools of the output's width in the group, the column loop is split into the border
-    columns (taps clamped and selected) and the interior, where no window crosses the input's
-    edge and the taps are plain strided loads."""
+    A pool's own output is computed in separable row passes (`pool_rows`); under other pools of
+    the output's width in the group, the column loop is split into the border columns (taps
+    clamped and bounded) and the interior, where no window crosses the input's edge and the taps
+    are plain strided loads."""
+    pool_rows = _pool_rows(graph, kernel, args, out, materialized)
+    if pool_rows is not None:
+        return pool_rows
     inner = out.shape[-1] if out.shape else 1
     rows = out.size // inner if inner else 0
     e = _Emitter(graph, kernel, args)
