@@ -15,8 +15,9 @@ every op with code (a test holds it to every op OpKind calls fusible, less a lis
 emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
-               C: `#pragma omp parallel for` (under a pool, the columns split into the
-               border, with clamped taps, and the branch-free interior) · CUDA: a grid-stride loop, or, when every op is
+               C: `#pragma omp parallel for` (a pool's output in separable row passes,
+               `pool_rows`; under another pool, the columns split into the border, with
+               clamped taps, and the branch-free interior) · CUDA: a grid-stride loop, or, when every op is
                elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four
                elements per thread with float4 loads and stores (`vectorized`)
     rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
