@@ -468,13 +468,13 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
     reloads = _prologue_reloads(graph, nodes, anchor, tile)
-    taps = _window_recompute(graph, nodes)
+    per_tap = _window_recompute(graph, nodes)
     tc = scalar = trans = divisions = 0
     for n in nodes:
-        times = reloads.get(n.id, 1) * taps.get(n.id, 1.0)
+        times = reloads.get(n.id, 1) * per_tap.get(n.id, 1.0)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
         trans += round(times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)))
-        if n.id == anchor and n.id not in taps:
+        if n.id == anchor and n.id not in per_tap:
             tc += flops
         else:  # an anchor under a pool is recomputed per tap by a thread per output: no tensor cores
             scalar += round(times * flops)
@@ -490,7 +490,7 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
                   divisions=divisions)
 
 
-DIVIDE_OPS = frozenset({"Div", "Sqrt", "Reciprocal", "AveragePool"})
+DIVIDE_OPS = frozenset({"Div", "Sqrt", "Reciprocal"})
 
 
 def _reduced_inputs(nodes: list[Node]) -> list[str]:
