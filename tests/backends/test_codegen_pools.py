@@ -229,3 +229,24 @@ def test_pool_under_an_epilogue_splits_the_column_loop_at_the_border(tmp_path):
     interior = c[c.index("for (long long j = 1LL"):c.index("for (long long j = 5LL")]
     assert "INFINITY" in interior  # the top row of the first output row is padding ...
     assert "(j) * 2LL - 1LL" in interior and " < 11LL" not in interior  # ... no column is checked
+
+
+def test_every_pool_kernel_compiles_for_the_gpu(tmp_path):
+    """The CUDA source of every pool kernel above (alone, and fused) compiles with NVRTC (or nvcc)
+    for sm_80 and sm_90."""
+    nvrtc = pytest.importorskip("fusesearch.backends.nvrtc")
+    if not nvrtc.toolchain_available():
+        pytest.skip("no CUDA compiler (NVRTC or nvcc)")
+    models = [(*_pool_nodes(case, relu=False), ()) for case in POOLS] + list(FUSED.values())
+    kernels = []
+    for nodes, inputs, inits in models:
+        folder = tmp_path / f"{len(kernels)}"
+        folder.mkdir()
+        prep = _prepared(folder, nodes, inputs, inits)
+        kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
+        kernels.append(generate(prep.graph, kernel, name=f"k{len(kernels)}"))
+    source = "\n".join(f"namespace n{k.name} {{\n{k.cuda_source}\n}}" for k in kernels)
+    for arch in nvrtc.ARCHES:
+        result = nvrtc.compile_cuda(source, arch=arch)
+        for gk in kernels:
+            assert result.resource(gk.name).registers > 0, (gk.name, arch)
