@@ -108,6 +108,10 @@ FUSED = {
                                       helper.make_node("MaxPool", ["x"], ["q"], kernel_shape=[3, 2], strides=[2, 2],
                                                        pads=[1, 0, 0, 1], ceil_mode=1),
                                       helper.make_node("Add", ["p", "q"], ["y"])], [("x", [1, 2, 8, 7])], []),
+    # stacked pools: the first unrolled inside the second's row passes
+    "maxpool-avgpool": ([helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+                         helper.make_node("AveragePool", ["p"], ["y"], kernel_shape=[2, 3], strides=[2, 2],
+                                          pads=[0, 1, 1, 1], ceil_mode=1)], [("x", [1, 2, 9, 8])], []),
     # pool then a pointwise epilogue, and a pool under a row reduction
     "avgpool-mul-globalavg": ([helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
                                helper.make_node("Mul", ["p", "s"], ["m"]),

@@ -42,6 +42,7 @@ def _pool_rows(graph, kernel, args, out: Arg, materialized) -> str | None:
     fill = "(-INFINITY)" if maximum else "0.0f"
     e = _Emitter(graph, kernel, args)
     e.materialized = materialized
+    e.window_clamp = True  # a pool feeding this one is unrolled branch-free
     nb, ch, oh = e.unflatten("o", out.shape[:-1])
     start = e.tmp("long long", f"({oh}) * {ah.stride}LL - {ah.pad}LL") if ah.pad or ah.stride > 1 else oh
     rows = []  # per window row: (position to read, bound / scale or "")
