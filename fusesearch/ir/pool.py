@@ -14,8 +14,8 @@ input is not read (MaxPool ignores it; AveragePool counts it only under count_in
 then only up to input + tail pad: a ceil_mode window past that is clipped). The output extents are
 the graph's (shape inference), never recomputed here.
 Invariants: a pool that is not generated gets a reason (str) instead of a window: not 2-D NCHW
-float32, MaxPool's Indices output, a dilated AveragePool, more than MAX_TAPS taps, or shapes
-that are unknown. `reads` is exact: the number of in-bounds input reads of all windows.
+float32, MaxPool's Indices output, a dilated AveragePool, more than MAX_TAPS taps, a window
+wholly in the padding (no input to reduce), or shapes that are unknown. `reads` is exact: the number of in-bounds input reads of all windows.
 """
 
 from __future__ import annotations
@@ -131,5 +131,8 @@ def pool_window(op_type: str, attrs: Mapping[str, Any], in_shape: Sequence[int] 
         elif auto == "VALID":
             head = tail = 0
         axes.append(PoolAxis(kernel[i], strides[i], dilations[i], head, extent, out, extent + tail))
+    for axis in axes:
+        if any(not any(axis.inside(o, k) for k in range(axis.kernel)) for o in range(axis.out)):
+            return f"{label} has a window wholly in the padding (pads of {axis.pad} or more)"
     include = op_type == "AveragePool" and bool(int(attrs.get("count_include_pad", 0)))
     return PoolWindow(op_type, tuple(axes), int(in_shape[0]) * int(in_shape[1]), include)

@@ -164,6 +164,8 @@ NOT_GENERATED = {
     "indices": ([helper.make_node("MaxPool", ["r"], ["y", "i"], kernel_shape=[2, 2])], [1, 2, 4, 4], "Indices"),
     "1-d": ([helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2])], [1, 2, 8], "2-D"),
     "large-window": ([helper.make_node("AveragePool", ["r"], ["y"], kernel_shape=[9, 9])], [1, 2, 12, 12], "81 taps"),
+    "window-in-padding": ([helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], pads=[2, 2, 2, 2])],
+                          [1, 2, 4, 4], "wholly in the padding"),
     "dilated-average": ([helper.make_node("AveragePool", ["r"], ["y"], kernel_shape=[2, 2], dilations=[2, 2])],
                         [1, 2, 8, 8], "dilations"),
 }
