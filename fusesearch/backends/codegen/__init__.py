@@ -8,13 +8,16 @@ broadcast ops (same / broadcast index), injective ops (index remapping: Reshape 
 index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
 DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
 wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
-its 2^axes neighbours) down to loads of the kernel's inputs. Temporaries are memoized per
+its 2^axes neighbours; MaxPool / AveragePool as an unrolled reduction over their window's taps)
+down to loads of the kernel's inputs. Temporaries are memoized per
 (tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
 every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
 emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
-               C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
+               C: `#pragma omp parallel for` (a pool's output in separable row passes,
+               `pool_rows`; under another pool, the columns split into the border, with
+               clamped taps, and the branch-free interior) · CUDA: a grid-stride loop, or, when every op is
                elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four
                elements per thread with float4 loads and stores (`vectorized`)
     rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
