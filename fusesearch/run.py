@@ -486,10 +486,14 @@ class EmulatedCudaProgram(Layout):
                         self.view(t)[...] = y
 
 
-def run_emulated(prep, plan, *, seed: int = 0, rtol: float = 1e-4, check_each: bool = False) -> dict:
+def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_each: bool = False) -> dict:
     """Check the plan's CUDA program (through the emulator) against ONNX Runtime: {"max_rel_err",
-    "segments", "arena_peak_bytes"}; Mismatch naming the first step that differs."""
+    "segments", "arena_peak_bytes"}; Mismatch naming the first step that differs. `rtol`: default
+    the tolerance of the model's dtype (`ir.precision.tolerance`)."""
     from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import tolerance
+
+    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
     from fusesearch.verify import all_values, random_feeds
 
     canonical = to_proto(prep.canonical)
@@ -581,13 +585,16 @@ def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
 
 
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
-             rtol: float = 1e-4, check_each: bool = False, time_it: bool = True,
+             rtol: float | None = None, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
              progress: Callable[[str], None] | None = None) -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
-    step."""
+    step. `rtol`: default the tolerance of the model's dtype (`ir.precision.tolerance`)."""
+    from fusesearch.ir.precision import tolerance
+
+    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
                          input_values, progress)
@@ -601,7 +608,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
               progress) -> RunReport:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import all_values, random_feeds, session
+    from fusesearch.verify import all_values, random_feeds, session, session_feeds
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
@@ -627,7 +634,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
             sess = session(canonical, threads=threads, optimize=level)
             names = [o.name for o in sess.get_outputs()]
-            ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
+            ort_feeds = session_feeds(sess, feeds)
             runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
         say("timing")
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries

@@ -199,9 +199,14 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
     """A CPU session of `model` (a path is read into memory first) with graph optimizations off
     (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
     intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`)."""
+    from fusesearch.ir.precision import model_dtype, widened
+
     ort = _ort()
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
+    back: dict[str, np.dtype] = {}
+    if model_dtype(model) == "bfloat16":  # ONNX Runtime's CPU provider has almost no bfloat16 kernels
+        model, back = widened(model)
     opts = ort.SessionOptions()
     level = ort.GraphOptimizationLevel
     opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
@@ -218,6 +223,7 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
         model.ir_version = saved
     sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
     sess.fusesearch_weights = aside  # ONNX Runtime reads them in place: they live as long as the session
+    sess.fusesearch_dtypes = back  # outputs handed back in the model's own dtype (bfloat16)
     return sess
 
 
@@ -241,10 +247,18 @@ def _weights_aside(model: onnx.ModelProto, opts, arrays: list[np.ndarray]) -> on
     return slim
 
 
+def session_feeds(sess, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feeds a session reads, bfloat16 ones widened to float32 for a widened model."""
+    wanted = {i.name: i.type for i in sess.get_inputs()}
+    return {k: (v.astype(np.float32) if wanted[k] == "tensor(float)" and v.dtype != np.float32 else v)
+            for k, v in feeds.items() if k in wanted}
+
+
 def _run_session(sess, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
-    wanted = {i.name for i in sess.get_inputs()}
-    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted}), strict=True))
+    back = getattr(sess, "fusesearch_dtypes", {})
+    got = sess.run(names, session_feeds(sess, feeds))
+    return {n: (v.astype(back[n]) if n in back else v) for n, v in zip(names, got, strict=True)}
 
 
 def run(model: onnx.ModelProto | str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -352,6 +366,11 @@ def candidate_outputs(candidate: onnx.ModelProto, feeds: Mapping[str, np.ndarray
         raise CandidateFailed(_first_line(exc)) from None
 
 
+def _numeric(a: np.ndarray) -> np.ndarray:
+    """bfloat16 (ml_dtypes: numpy kind 'V') as float32, so it compares as a number."""
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+
+
 def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
             rtol: float = 1e-4, atol: float = 0.0) -> list[OutputDiff]:
     diffs = []
@@ -359,7 +378,7 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
         if name not in candidate:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
             continue
-        ref, got = np.asarray(ref), np.asarray(candidate[name])
+        ref, got = _numeric(np.asarray(ref)), _numeric(np.asarray(candidate[name]))
         if ref.shape != got.shape:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
             continue
