@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent
+from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent, compute_dtype, store
 from fusesearch.backends.codegen.contraction import _anchor_derived
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
@@ -95,7 +95,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     e.lines = []
     e.push()
     e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
-    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
@@ -185,7 +185,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
                     iw = f"ow * {sw}LL + {kw * dw - pw}LL"
                     terms.append(f"w{kh}_{kw} * {e.value(x, ('nb', 'ci', f'ih{kh}', iw))}")
             e.acc_value = e.tmp("float", " + ".join(terms))  # _conv adds the bias
-        writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+        writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
         e.acc_value = ""
         e.pop()
         lines, e.lines = e.lines + writes, []
@@ -243,7 +243,7 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
     writes = []  # conv: the patch buffer is refilled at each group's first output channel
     for o in main:
         v = e.value(o.tensor, idx)
-        writes.append(f"{o.name}[{e.flat(idx, o.shape)}] = {v};")
+        writes.append(store(o, e.flat(idx, o.shape), v))
     body = e.lines + writes
     e.pop()
     rows = math.prod(outer_shape)
@@ -291,7 +291,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     e.push()
     e.hoisted_acc = "acc"
     idx = row_idx + ("col",)
-    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
     body = e.lines + writes
     e.pop()
     loop = [f"for (long long row = 0; row < {math.prod(yshape[:-1])}LL; ++row) {{", *["    " + x for x in pre],
@@ -319,12 +319,13 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     applied are packed into a buffer, one sgemm multiplies them by B (a kernel input read in place,
     or, when the group computes it, packed per block) — an sgemv when the product has one row, which
     needs no packing — and the epilogue runs over the block's product while it is in cache, before
-    the one store. None where B is not float32."""
+    the one store. None where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
-    if graph.tensors[b].dtype != "float32":
+    if compute_dtype(graph.tensors[b].dtype) != "float32":
         return None
-    packed_b = b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
+    packed_b = (b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
+                or graph.tensors[b].dtype != "float32")  # half: widened into the panel
     sb = graph.tensors[b].shape
     m_extent = yshape[-2] if len(yshape) > 1 else 1
     batches = math.prod(yshape[:-2])
@@ -409,9 +410,9 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) 
     operands, or a product that is not float32."""
     y = anchor.outputs[0]
     info = graph.tensors[y]
-    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or info.dtype != "float32":
+    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or compute_dtype(info.dtype) != "float32":
         return None
-    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     loops = _conv_loops if anchor.op_type == "Conv" else _matmul_row_loops
     product = loops(graph, kernel, args, [buffer], anchor)
     if product is None:

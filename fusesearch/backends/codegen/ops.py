@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusesearch.backends.codegen.base import CodegenRefused, _lit
+from fusesearch.backends.codegen.base import CodegenRefused, _lit, load_expr, round_expr
 from fusesearch.ir.graph import Node
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _clip(e, n, t, idx):
 
 
 def _cast(e, n, t, idx):
-    return f"({e.ctype(t)})({e.input_at(n, 0, idx)})"
+    return round_expr(e.info(t).dtype, f"({e.ctype(t)})({e.input_at(n, 0, idx)})")
 
 
 def _where(e, n, t, idx):
@@ -337,7 +337,7 @@ def _conv(e, n, t, idx):
         acc = e.tmp("float", init)
         e.lines += ["#pragma omp simd reduction(+:" + acc + ")",
                     f"for (long long kq = 0; kq < {taps_n}LL; ++kq) "
-                    f"{acc} += {e.hoisted}[kq] * {e.args[w].name}[({co}) * {taps_n}LL + kq];"]
+                    f"{acc} += {e.hoisted}[kq] * {load_expr(e.args[w].dtype, f'{e.args[w].name}[({co}) * {taps_n}LL + kq]')};"]
         return acc
     return _dot(e, math.prod(taps), term, init)
 
