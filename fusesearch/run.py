@@ -321,7 +321,11 @@ class Program(Layout):
         return f"({q}{ctype}*)(a + {self.offsets[r]}ULL)"
 
     def driver(self, runs: list[list[Step]]) -> str:
-        lines = ["#include <omp.h>", "#include <stddef.h>",
+        from fusesearch.backends.codegen.base import half_prelude
+
+        dtypes = {a.dtype for s in self.steps if s.kernel is not None for a in (*s.kernel.inputs, *s.kernel.outputs)}
+        lines = ["#include <omp.h>", "#include <stddef.h>", "#include <stdint.h>",
+                 half_prelude(dtypes, cuda=False).rstrip("\n"),  # the half storage types of the prototypes
                  "void fs_set_threads(int n) { omp_set_num_threads(n); }",
                  "int fs_get_threads(void) { return omp_get_max_threads(); }"]
         for s in self.steps:

@@ -250,7 +250,7 @@ def _weights_aside(model: onnx.ModelProto, opts, arrays: list[np.ndarray]) -> on
 def session_feeds(sess, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The feeds a session reads, bfloat16 ones widened to float32 for a widened model."""
     wanted = {i.name: i.type for i in sess.get_inputs()}
-    return {k: (v.astype(np.float32) if wanted[k] == "tensor(float)" and v.dtype != np.float32 else v)
+    return {k: (v.astype(np.float32) if wanted[k] == "tensor(float)" and v.dtype.name == "bfloat16" else v)
             for k, v in feeds.items() if k in wanted}
 
 
