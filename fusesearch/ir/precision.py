@@ -146,7 +146,7 @@ def _to_half_tensor(tensor: onnx.TensorProto, half: int, name: str | None = None
     value (a -1e9 attention mask stays finite), as mixed-precision converters do."""
     array = numpy_helper.to_array(tensor).astype(np.float32, copy=False)
     limit = 65504.0 if half == TensorProto.FLOAT16 else 3.3895313892515355e38
-    if array.size and float(np.max(np.abs(array), initial=0.0, where=np.isfinite(array))) > limit:
+    if array.size and max(-float(array.min()), float(array.max())) > limit:  # (inf and nan pass through)
         array = np.where(np.isfinite(array), np.clip(array, -limit, limit), array)
     return numpy_helper.from_array(array.astype(helper.tensor_dtype_to_np_dtype(half)),
                                    name if name is not None else tensor.name)
