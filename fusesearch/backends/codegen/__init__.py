@@ -126,7 +126,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
         cu_src, grid, block, skeleton = special
     elif kernel.anchor is not None and not has_rows:
         skeleton = "direct"  # one thread per output element, its dot product in a loop
-    halves = {a.dtype for a in (*ins, *outs)} & set(HALF_DTYPES)
+    members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
+    halves = {graph.tensors[t].dtype for n in members for t in (*n.inputs, *n.outputs) if t} & set(HALF_DTYPES)
     if halves:  # the half types and conversions, right after the prelude (float32 sources unchanged)
         c_src, cu_src = _with_half(c_src, halves, False), _with_half(cu_src, halves, True)
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
