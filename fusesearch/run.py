@@ -11,6 +11,7 @@ Approach: the plan's groups, in plan order, become steps:
     library (opaque, refused) ...... each node alone in ONNX Runtime (its one-node model,
                                      `backends.library.node_model`), reading and writing the
                                      program's buffers through IO binding
+                                     (a bfloat16 node: through float32 copies)
 
 Maximal runs of generated steps are segments: every kernel's C source is compiled on its own
 (its object cached by source hash and flags) and linked with a generated driver into one shared

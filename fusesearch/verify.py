@@ -7,12 +7,15 @@ Approach: `random_feeds` draws seeded inputs that are valid for the model — in
 index a Gather get ids below that table's row count, inputs named like a mask get ones, floats
 are standard normal, strings short words — and the user's `--input-value NAME=V` values
 (`parse_input_values`, checked against the input's dtype and shape) replace drawn ones; `run`
-executes a model held in memory (never a file that may have been overwritten) with every graph
+executes a model held in memory (a bfloat16 one through `ir.precision.widened`, ONNX Runtime's CPU
+provider having almost no bfloat16 kernels: feeds and outputs cross as float32, outputs come back
+as bfloat16) (never a file that may have been overwritten) with every graph
 optimization off (so ORT's own fusions cannot hide a difference). A verification first checks
 that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
 there is the user's, exit 2 naming the op or the failing node and how to give values or skip
 verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
-largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|).
+largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|) (rtol
+per dtype: `ir.precision.tolerance`).
 Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
 (`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
 models above protobuf's 2 GiB pass their large weights to ONNX Runtime beside the proto.

@@ -7,7 +7,8 @@ Approach: compile the unchanged `cuda_source` as C++ with a small header that gi
 names a host meaning — `threadIdx`/`blockIdx` are thread-local, `__shared__` variables are
 statics (one copy per block, as blocks run one after another), `__syncthreads()` is a barrier of
 the block's threads, `__shfl_xor_sync` exchanges values through a per-warp slot array between two
-warp barriers — and launch it with exactly the grid and block the GPU launch uses
+warp barriers, half storage converts on the host (`FS_HOST_HALF`: float16 through
+`_Float16`; bfloat16's bit manipulation is the kernel's own) — and launch it with exactly the grid and block the GPU launch uses
 (`GeneratedKernel.grid`/`.block`): blockDim host threads loop over the blocks in order, with a
 block barrier between blocks. This is an executable model of the CUDA programming model, good
 for correctness (every thread, barrier and shuffle happens), useless for timing.
