@@ -338,3 +338,16 @@ def test_every_zoo_model_plans_in_float16(name):
         outs = {g.tensors[t].dtype for t in grp.kernel.outputs}
         if "float16" in outs:
             assert grp.kernel.dtype == "float16", grp.kernel.ops
+
+
+@pytest.mark.parametrize("name, dtype, dims", [("bert-small", "float16", ["--dim", "seq=16"]),
+                                               ("mobilenetv2", "bfloat16", [])])
+def test_small_zoo_models_plan_and_verify_in_half(run_cli, tmp_path, name, dtype, dims):
+    """Numerics on two zoo models: the fused half model equals the converted one in ONNX Runtime."""
+    import json
+
+    code, out, err = run_cli("plan", f"zoo:{name}", "--device", "h100-sxm", "--strategy", "greedy", "--dtype", dtype,
+                             *dims, "--emit", tmp_path / "fused.onnx", "--json")
+    assert code == 0, err
+    verified = json.loads(out)["run"]["verified"]
+    assert verified["ok"] and verified["rtol"] == tolerance(dtype)
