@@ -21,7 +21,7 @@ from fusesearch.backends import cpu, emulate
 from fusesearch.backends.codegen import generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.ir.precision import KEEP_FLOAT32, SUFFIX32, tolerance, to_half, widened
+from fusesearch.ir.precision import KEEP_FLOAT32, SUFFIX32, to_half, tolerance, widened
 from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare

@@ -14,7 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusesearch.backends.codegen.base import CTYPES, HALF_DTYPES, Arg, CodegenRefused, _lit, compute_ctype, load_expr
+from fusesearch.backends.codegen.base import (
+    CTYPES,
+    HALF_DTYPES,
+    Arg,
+    CodegenRefused,
+    _lit,
+    compute_ctype,
+    load_expr,
+)
 from fusesearch.backends.codegen.ops import _op
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel

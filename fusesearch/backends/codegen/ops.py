@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusesearch.backends.codegen.base import CodegenRefused, _lit, compute_dtype, load_expr, round_expr
+from fusesearch.backends.codegen.base import (
+    CodegenRefused,
+    _lit,
+    compute_dtype,
+    load_expr,
+    round_expr,
+)
 from fusesearch.ir.graph import Node
 
 if TYPE_CHECKING:
