@@ -223,7 +223,8 @@ GROUPS = {  # (model, node names in the group, CUDA skeleton)
     "pointwise": ("bert", ("div", "erf", "plus1", "gelu"), "grid-stride"),
     "rowwise": ("bert", ("residual", "ln"), "block-per-row"),  # LayerNorm in float32 between Casts
     "gemm": ("bert", ("ffn", "bias"), "tiled"),
-    "conv": ("conv", ("conv", "relu"), "tiled"),
+    "conv": ("conv", ("conv", "relu"), "tiled"),  # C: the BLAS blocks over widened filters
+    "depthwise": ("conv", ("dw", "residual"), None),  # C: the depthwise loop, taps widened
 }
 
 

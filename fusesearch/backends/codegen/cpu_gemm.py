@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import math
 
-from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent, compute_dtype, store
+from fusesearch.backends.codegen.base import (
+    Arg,
+    _flat_loop,
+    _indent,
+    compute_dtype,
+    load_expr,
+    store,
+)
 from fusesearch.backends.codegen.contraction import _anchor_derived
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
@@ -92,6 +99,12 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
                 f"        for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["            " + x_ for x_ in e.lines],
                 f"            patch[kq * pn + (oh - oh0) * {wo}LL + ow] = {v};", "        }", "    }", "}"]
         panel, ldb = "patch", "(int)pn"
+    filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
+    if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
+        filters = "wbuf"
+        widen = [f"float* wbuf = (float*)malloc(sizeof(float) * {cout_g * kt}LL);",
+                 f"for (long long q = 0; q < {cout_g * kt}LL; ++q) "
+                 f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
     e.lines = []
     e.push()
     e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
@@ -106,15 +119,16 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
              *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
              f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
-             *["    " + x_ for x_ in fill],
-             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {args[w].name} + gq * {cout_g * kt}LL, "
+             *["    " + x_ for x_ in fill + widen],
+             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
              "        for (long long oh = oh0; oh < oh1; ++oh) {",
              *(["            #pragma omp simd"] if _flat_loop(body) else []),
              f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
              "            }", "        }", "    }",
-             *(["    free(patch);"] if not direct else []), "    free(cbuf);", "}"]
+             *(["    free(patch);"] if not direct else []), "    free(cbuf);",
+             *(["    free(wbuf);"] if widen else []), "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
     split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
              f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
@@ -147,10 +161,11 @@ def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int
 
 def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
     """(x, w, shapes of x, w, y, group, outputs of y's shape, other outputs) of a 2-D conv whose
-    filter is a float32 kernel input, or None."""
+    filter is a float32 (or half) kernel input, or None."""
     x, w = anchor.inputs[0], anchor.inputs[1]
     xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+    if (len(xs) != 4 or w not in args or compute_dtype(graph.tensors[w].dtype) != "float32"
+            or graph.producer(w) in kernel.nodes):
         return None
     main = [o for o in outs if o.shape == ys]
     if not main:
@@ -200,7 +215,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
         return [*(["#pragma omp simd"] if simd and _flat_loop(lines) else []),
                 f"for (long long ow = {start}; ow < {stop}; ++ow) {{", *["    " + x_ for x_ in lines], "}"]
 
-    taps = [f"const float w{kh}_{kw} = {args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL];"
+    taps = [f"const float w{kh}_{kw} = {load_expr(args[w].dtype, f'{args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL]')};"
             for kh in range(kh_n) for kw in range(kw_n)]
     rows = [f"long long ih{kh} = oh * {sh}LL + {kh * dh - ph}LL;" for kh in range(kh_n)]
     block = [f"for (long long nc = 0; nc < {xs[0] * ys[1]}LL; ++nc) {{",
