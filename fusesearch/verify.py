@@ -332,18 +332,21 @@ def reference_outputs(reference: onnx.ModelProto, feeds: Mapping[str, np.ndarray
     try:
         sess = session(reference)
     except ort_errors() as exc:
-        missing = _no_kernel(reference)
-        typed = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(exc))
-        if missing:
-            why = f"ONNX Runtime has no kernel for {missing}"
-        elif typed:
-            op, version, name = typed.groups()
-            why = (f"ONNX Runtime has no CPU kernel for op {op} (opset {version}) at node {name or '(unnamed)'} "
-                   "for its input types")
-        else:
-            why = f"ONNX Runtime cannot load the original model ({_first_line(exc)})"
-        raise BadInput(f"cannot verify: {why}" + (f"; {skip}" if skip else "")) from None
+        raise BadInput(f"cannot verify: {_cannot_load(reference, exc)}" + (f"; {skip}" if skip else "")) from None
     return _run_original(sess, feeds, given, skip, "cannot verify: the original model itself")
+
+
+def _cannot_load(model: onnx.ModelProto, exc: BaseException) -> str:
+    """Why ONNX Runtime refuses the model, naming the op (and node) it has no kernel for."""
+    missing = _no_kernel(model)
+    typed = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(exc))
+    if missing:
+        return f"ONNX Runtime has no kernel for {missing}"
+    if typed:
+        op, version, name = typed.groups()
+        return (f"ONNX Runtime has no CPU kernel for op {op} (opset {version}) at node {name or '(unnamed)'} "
+                "for its input types")
+    return f"ONNX Runtime cannot load the original model ({_first_line(exc)})"
 
 
 def _run_original(sess, feeds: Mapping[str, np.ndarray], given: Sequence[str], skip: str | None,
@@ -414,7 +417,11 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
         if vi.name in produced and vi.name not in known:
             probe.graph.output.append(vi)
             known.add(vi.name)
-    values = _run_original(session(probe), feeds, given, None, "the model")
+    try:
+        sess = session(probe)
+    except ort_errors() as exc:  # e.g. a --dtype model with an op ONNX Runtime has no kernel for
+        raise BadInput(f"cannot compute the reference values: {_cannot_load(model, exc)}") from None
+    values = _run_original(sess, feeds, given, None, "the model")
     for t in model.graph.initializer:
         values[t.name] = onnx.numpy_helper.to_array(t)
     values.update(feeds)

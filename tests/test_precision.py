@@ -352,3 +352,25 @@ def test_small_zoo_models_plan_and_verify_in_half(run_cli, tmp_path, name, dtype
     assert code == 0, err
     verified = json.loads(out)["run"]["verified"]
     assert verified["ok"] and verified["rtol"] == tolerance(dtype)
+
+
+def custom_op_model():
+    """A node ONNX Runtime has no kernel for (a custom domain): kept float32 by the conversion."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("FancyOp", ["r"], ["y"], domain="com.example", name="fancy")]
+    model = make_model(nodes, [("x", [4, 8])], [("y", [4, 8])])
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    return model
+
+
+@pytest.mark.parametrize("command, says", [
+    (["run", "MODEL", "--dtype", "float16"], "cannot compute the reference values: "),
+    (["plan", "MODEL", "--device", "h100-sxm", "--dtype", "bfloat16", "--emit", "OUT"], "cannot verify: "),
+])
+def test_a_converted_model_onnx_runtime_cannot_run_exits_2_naming_the_op(run_cli, tmp_path, command, says):
+    path = save(custom_op_model(), tmp_path / "custom.onnx")
+    args = [path if a == "MODEL" else tmp_path / "out.onnx" if a == "OUT" else a for a in command]
+    code, _, err = run_cli(*args)
+    assert code == 2 and err.count("\n") == 1, err
+    assert says + "ONNX Runtime has no kernel for op FancyOp (domain com.example) at node fancy" in err
+    assert not (tmp_path / "out.onnx").exists()
