@@ -48,6 +48,17 @@ InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: th
 NO_VERIFY = "--no-verify"
 
 
+def _dtype_option(_ctx, _param, value):
+    from fusesearch.ir.precision import check_dtype
+
+    return check_dtype(value)
+
+
+DType = Annotated[str, typer.Option("--dtype", callback=_dtype_option, help="float32 (as loaded) | float16 | "
+                                    "bfloat16: convert the model's weights and activations first (LayerNorm, "
+                                    "Softmax and reductions stay float32).")]
+
+
 # -- option checks: one validator per kind of value, attached to the option in every command -----
 
 def _checked(test, expected: str):
@@ -250,6 +261,7 @@ def plan(
     svg: Annotated[Path | None, typer.Option("--svg", help="Draw the plan as SVG here.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an offline HTML page of the plan.")] = None,
     input_value: InputValue = None,
+    dtype: DType = "float32",
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -262,7 +274,7 @@ def plan(
                   _reads((model, "model")))
     config = _config(time_limit, max_group_size, seed, workers)
     verifying = emit is not None and not no_verify
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying)
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype)
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
@@ -298,11 +310,12 @@ def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, 
     only then write it: a model that failed verification never reaches the disk."""
     from fusesearch.export import fused_model, save_model
     from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import tolerance
 
     fused = fused_model(to_proto(prep.canonical), prep.graph, groups)
     report = None
     if verify:
-        report = _verify(prep, fused, seed, 1e-4, 0.0, values, label=f"--emit {path}")
+        report = _verify(prep, fused, seed, tolerance(prep.dtype), 0.0, values, label=f"--emit {path}")
         if not report["ok"]:
             raise FusesearchError(f"--emit {path}: the fused model differs from the original, so it was not "
                                   f"written: {_verified_line(report)}; please report this plan")
@@ -388,10 +401,13 @@ def verify(
     input_shape: InputShape = None,
     dim: Dim = None,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the random inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE,
-                                        help="Tolerance relative to max(1, max|original|).")] = 1e-4,
+    rtol: Annotated[float | None, typer.Option("--rtol", callback=TOLERANCE,
+                                               help="Tolerance relative to max(1, max|original|) (default: "
+                                               "1e-4, float16 1e-2, bfloat16 5e-2).")] = None,
     atol: Annotated[float, typer.Option("--atol", callback=TOLERANCE, help="Absolute tolerance.")] = 0.0,
     input_value: InputValue = None,
+    dtype: Annotated[str, typer.Option("--dtype", callback=_dtype_option, help="The precision FUSED was planned "
+                                       "in (`plan --dtype`): ORIGINAL is converted the same way.")] = "float32",
     json_out: JsonFlag = False,
 ) -> None:
     """Prove FUSED equal to ORIGINAL in ONNX Runtime on seeded, valid random inputs (exit 1 if not)."""
@@ -401,9 +417,12 @@ def verify(
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
     if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
         raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
-    prep = prepare(original, _bindings(input_shape, dim), keep_original=True)
+    from fusesearch.ir.precision import tolerance
+
+    prep = prepare(original, _bindings(input_shape, dim), keep_original=True, dtype=dtype)
     values = _input_values(input_value, prep)
     _check_verify_memory(prep, False)
+    rtol = tolerance(dtype) if rtol is None else rtol
     report = _verify(prep, _read_fused(fused), seed, rtol, atol, values, label=str(fused), ours=False)
     if json_out:
         _emit_json(report)
@@ -426,13 +445,14 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --emit file.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking it in ONNX Runtime.")] = False,
     input_value: InputValue = None,
+    dtype: DType = "float32",
 ) -> None:
     """Rebuild the fused model from a saved plan (refusing a plan that does not fit the model)."""
     from fusesearch.export import plan_groups_from_json
     from fusesearch.pipeline import prepare
 
     check_outputs([(emit, "--emit")], force, _reads((model, "model"), (plan_json, "plan")))
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=not no_verify)
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=not no_verify, dtype=dtype)
     values = _input_values(input_value, prep)
     groups = plan_groups_from_json(plan_json, prep.graph)
     if not no_verify:
@@ -585,6 +605,7 @@ def measure(
                                                    "(repeatable)")] = None,
     end_to_end: Annotated[bool, typer.Option("--end-to-end", help="Also run the plan and the unfused graph "
                                              "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
+    dtype: DType = "float32",
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -606,7 +627,7 @@ def measure(
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim))
+    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
@@ -733,13 +754,15 @@ def run(
     time_limit: TimeLimit = 60.0,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
                                       "inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
-                                        "max(1, max|ONNX Runtime|).")] = 1e-4,
+    rtol: Annotated[float | None, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
+                                               "max(1, max|ONNX Runtime|) (default: 1e-4, float16 1e-2, "
+                                               "bfloat16 5e-2).")] = None,
     check_each: Annotated[bool, typer.Option("--check-each", help="Compare every intermediate tensor with "
                                              "ONNX Runtime's, not only the outputs.")] = False,
     input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    dtype: DType = "float32",
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
@@ -758,8 +781,11 @@ def run(
         raise BadInput("-o: --backend emulate checks correctness only and has no timings to write; drop -o")
     if not emulated:
         _check_profile_backend(device, backend)
+    from fusesearch.ir.precision import tolerance
+
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim))
+    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype)
+    rtol = tolerance(dtype) if rtol is None else rtol
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
