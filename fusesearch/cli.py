@@ -873,11 +873,15 @@ def report(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing report and its plots.")] = False,
 ) -> None:
     """Markdown tables and PNG plots of a sweep's results."""
-    from fusesearch.report import write_report
+    from fusesearch.report import rank_correlations, rank_sentence, write_report
+    from fusesearch.sweep import load_results
 
     output = output or results_dir / "report.md"
     written = write_report(results_dir, output, overwrite=force)
     out.print(f"report written to {written[0]}" + (f" with {len(written) - 1} plots" if len(written) > 1 else ""))
+    ranks = rank_correlations(load_results(results_dir))
+    if ranks:  # a sweep run end to end: does the cost model rank plans as the machine does?
+        out.print(rank_sentence(ranks))
 
 
 # -- calibrate --------------------------------------------------------------------------------

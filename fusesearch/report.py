@@ -7,6 +7,10 @@ Approach: `load_results` (the cell files, else results.parquet) → a pandas fra
 grid was (models, devices in config order; strategies none, rules, greedy, cpsat) → one Markdown
 section per question, and one matplotlib figure (Agg backend, no display) per question that the
 data can answer (no device plot for a one-device sweep, no measured plot without measurements).
+Cells run end to end (end_to_end_* columns) get their own section: per cell and per strategy the
+predicted and measured speedup over strategy none (the unfused program timed in the same run),
+the plan's latency over ONNX Runtime's, and Spearman's rank correlation (ties averaged) between
+predicted and measured plan times — across cells, of speedups, and within each model.
 Invariants: the report reads only the results folder and writes only `report.md` and its PNGs (all
 checked before any is written; nothing is overwritten unless asked); every figure in it is a
 number from the rows — cost-model predictions unless a column says measured.
@@ -330,11 +334,7 @@ def end_to_end_section(frame) -> list[str]:
                      f"{part[f'{E2E}max_rel_err'].max():.1g}"])
     lines += _table(["strategy", "cells", "predicted speedup", "measured speedup", "plan / ORT",
                      "plan / ORT DISABLE_ALL", "max rel err"], rows, right=range(1, 7))
-    r = rank_correlations(frame)
-    lines += ["", f"Spearman rank correlation, predicted against measured: plan times across the {r['cells']} "
-              f"cells {_rho(r['times'])}; speedups over strategy none across cells {_rho(r['speedups'])}; "
-              f"the strategies' plan times within a model {_rho(r['within_models'])} (mean over "
-              f"{r['models']} models).", ""]
+    lines += ["", rank_sentence(rank_correlations(frame)), ""]
     rows = []
     for model in _ordered(sub, "model"):
         for s in _strategies(sub[sub["model"] == model]):
@@ -346,6 +346,14 @@ def end_to_end_section(frame) -> list[str]:
     lines += _table(["model", "strategy", "kernels", "predicted", "measured", "p20–p80", "ORT ENABLE_ALL",
                      "predicted speedup", "measured speedup", "plan / ORT"], rows, right=range(2, 10))
     return lines + [""]
+
+
+def rank_sentence(r: dict) -> str:
+    """`rank_correlations` in words (the report's line, and what `fusesearch report` prints)."""
+    return (f"Spearman rank correlation, predicted against measured end to end: plan times across the "
+            f"{r['cells']} cells {_rho(r['times'])}; speedups over strategy none across cells "
+            f"{_rho(r['speedups'])}; the strategies' plan times within a model {_rho(r['within_models'])} "
+            f"(mean over {r['models']} models).")
 
 
 def _rho(value: float) -> str:

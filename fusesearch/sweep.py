@@ -13,6 +13,11 @@ Approach:
         ─► skip cells with an ok OUT/cells/<id>.json
         │ dask.distributed: LocalCluster of N worker processes, or Client(ADDRESS); one task a cell
         ▼ worker: prepared model cached per (model, shapes) per process → search → (measure) → row
+
+With a `backend`, each cell also measures its plan against the unfused graph (strategy none), as
+`measure` lists: "kernels" (each kernel alone, summed: measured_s) and, on the cpu only,
+"end_to_end" (the plan as one program beside ONNX Runtime, `run.run_plan` at `threads` and
+`repeat`: end_to_end_* columns); by default the cpu does both, cupy "kernels".
     client, as each cell finishes: OUT/cells/<id>.json written to a temp name, then os.replace
         ▼
     OUT/results.parquet rebuilt from the cell files (also atomically)
