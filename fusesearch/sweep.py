@@ -13,14 +13,14 @@ Approach:
         ─► skip cells with an ok OUT/cells/<id>.json
         │ dask.distributed: LocalCluster of N worker processes, or Client(ADDRESS); one task a cell
         ▼ worker: prepared model cached per (model, shapes) per process → search → (measure) → row
+    client, as each cell finishes: OUT/cells/<id>.json written to a temp name, then os.replace
+        ▼
+    OUT/results.parquet rebuilt from the cell files (also atomically)
 
 With a `backend`, each cell also measures its plan against the unfused graph (strategy none), as
 `measure` lists: "kernels" (each kernel alone, summed: measured_s) and, on the cpu only,
 "end_to_end" (the plan as one program beside ONNX Runtime, `run.run_plan` at `threads` and
 `repeat`: end_to_end_* columns); by default the cpu does both, cupy "kernels".
-    client, as each cell finishes: OUT/cells/<id>.json written to a temp name, then os.replace
-        ▼
-    OUT/results.parquet rebuilt from the cell files (also atomically)
 
 When OUT holds results.parquet but no cells/ (results committed without their cell files), the
 cells are restored from it first. Time limit and seed only matter to cpsat: for the other strategies they are dropped from the cell,
