@@ -1,5 +1,5 @@
 """Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal, and
-the C/CUDA preludes every skeleton starts with.
+the C/CUDA preludes every skeleton starts with (the C one with its own vectorizable exp and erf).
 
 Invariants: this module imports nothing else of the generator; a dtype has a C type here or is
 refused (`CodegenRefused`, carrying a `FusionDecision`).
