@@ -100,7 +100,7 @@ _VECTOR_MATH = ("logf", "tanhf", "log1pf", "sinf", "cosf")
 #   selected afterwards, never clamped before (GCC threads a clamp pair into many selects).
 #   fs_erff: x P(x^2) / Q(x^2), P and Q of degree 5 (a relative minimax fit of erf on [0, 4]), x
 #   clamped first to +-3.6174.
-_C_MATH = """#ifdef __FMA__
+_C_MATH = """#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define FS_FMA(a, b, c) fmaf(a, b, c)
 #else
 #define FS_FMA(a, b, c) ((a) * (b) + (c))
