@@ -406,7 +406,8 @@ class Cell:
 # Bumped whenever a change makes the same cell give other figures (the cost model's prices, the
 # generated kernels), so a rerun after it recomputes every cell instead of keeping stale rows.
 # 2: lone anchors priced as library calls on tensor cores, generated kernels on the units they use.
-# 3: a cpu sweep runs each plan end to end beside ONNX Runtime (the end_to_end_* columns).
+# 3: the direct skeleton priced as a thread per output; row kernels' grids and cached-row shared
+#    memory; a cpu sweep runs each plan end to end beside ONNX Runtime (the end_to_end_* columns).
 RESULTS_VERSION = 3
 
 
