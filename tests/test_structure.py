@@ -1,0 +1,94 @@
+"""The package's import graph runs one way: no module of fusesearch or costmodels imports, at
+module level, a module that imports it back (directly or through others), and costmodels never
+imports fusesearch. Read from the sources (ast), so the check costs no imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in ("fusesearch", "costmodels"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module-level imports only (those inside functions and `if TYPE_CHECKING:` are deferred)."""
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    edges[name].add(target if target in modules else node.module)
+            elif isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names)
+        edges[name] &= modules.keys()
+        edges[name].discard(name)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_level_import_cycles():
+    assert _cycles(_edges(_modules())) == []
+
+
+def test_the_cost_model_never_imports_the_graph_side():
+    edges = _edges(_modules())
+    wrong = {m: sorted(t for t in targets if t.startswith("fusesearch"))
+             for m, targets in edges.items() if m.startswith("costmodels")}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_leaf_types_import_nothing_of_fusesearch_that_imports_them():
+    """The shared types sit in leaves: the decision, the tensor, the schedule."""
+    edges = _edges(_modules())
+    assert edges["fusesearch.candidates.decision"] == set()
+    assert edges["fusesearch.ir.tensor"] <= {"costmodels", "costmodels.kernel"}
+    assert edges["fusesearch.schedule"] <= {"fusesearch.ir.graph", "fusesearch.ir.op_kind"}
