@@ -90,7 +90,7 @@ class MeasureReport:
 
     @staticmethod
     def _total(items, attr) -> float:
-        return float(sum(getattr(m, attr) for m in items if m.timing is not None))
+        return math.fsum(getattr(m, attr) for m in items if m.timing is not None)
 
     def totals(self) -> dict:
         measured = self._total(self.plan, "measured_s")

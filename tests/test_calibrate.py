@@ -254,11 +254,14 @@ def test_calibration_improves_held_out_mape_on_the_cpu(cpu_profile):
     model = RooflineModel(profile.params)
     predicted = np.array([model.cost(s, profile.device).time_s for s in specs])
     assert cal.accuracy(predicted, rows["measured_s"])["mape"] == pytest.approx(held["after"]["mape"])
-    # the defaults are off by ~90% on this CPU; the anchor-free kernels, which the roofline
-    # describes well, come within 60% (the CPU gemm's few held-out kernels swing the overall figure)
+    # the anchor-free kernels, which the roofline describes well, are predicted better after the
+    # fit than by the starting parameters (the CPU gemm's few held-out kernels swing the overall
+    # figure); an absolute bound would hold the test to the machine's load, not to the fit
     free = rows["template"].isin(["pointwise", "rowwise"]).to_numpy()
     assert free.sum() >= 4
-    assert cal.accuracy(predicted[free], rows["measured_s"].to_numpy()[free])["mape"] < 0.6
+    measured = rows["measured_s"].to_numpy()[free]
+    after = cal.accuracy(predicted[free], measured)["mape"]
+    assert after < cal.accuracy(rows["predicted_before_s"].to_numpy()[free], measured)["mape"]
     assert (folder / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert profile.backend == "cpu" and profile.device.name == "host" and profile.device.sm_count == 1
     assert {"fusesearch", "numpy", "onnxruntime", "cc"} <= set(profile.versions)
