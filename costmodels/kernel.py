@@ -68,6 +68,9 @@ class KernelSpec:
       `fmaf` on CUDA cores) or "library" (a lone anchor or opaque op through the vendor library,
       which uses tensor cores where the dtype allows: TF32 for float32, as cuBLAS under ONNX
       Runtime's CUDA provider). The cost model prices each on the unit it really uses.
+    - `tensor_cores`: a generated kernel whose GEMM main loop runs on the tensor cores of its
+      dtype (the `mma-*` CUDA skeletons: TF32 for float32, FP16 / BF16), priced at those rates
+      with `RooflineParams.mma_efficiency`; False: `fmaf` on CUDA cores. Library calls ignore it.
     - `blocks`: the launch grid's blocks when the kernel's writer knows them exactly (a generated
       tile per batch or group, a block per row); 0 derives them from the iteration space.
     """
@@ -91,6 +94,7 @@ class KernelSpec:
     divisions: float = 0.0
     impl: str = "generated"
     blocks: int = 0
+    tensor_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -111,6 +115,8 @@ class KernelSpec:
         if 0 in self.tile:
             raise InvalidSpec(f"KernelSpec.tile = {self.tile!r}, expected positive ints")
         object.__setattr__(self, "op_types", tuple(str(t) for t in self.op_types))
+        flag = self.tensor_cores  # a table read back may hold 0/1, numpy bools or "True"/"False"
+        object.__setattr__(self, "tensor_cores", flag.strip().lower() == "true" if isinstance(flag, str) else bool(flag))
 
     @property
     def flops(self) -> float:

@@ -13,9 +13,14 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
     the rest ................. `pointwise`: one thread per output element
 
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
-used outside the group (or a graph output) written once. The tile, threads and shared memory are
-those the generator writes: a BM×BN tile with A and B staged once per K step as float (the `tiled`
-skeleton), or, under a Softmax epilogue, a block per row with the product's row (and the
+used outside the group (or a graph output) written once. The CUDA skeleton of a gemm/conv group is
+decided here, once (`gemm_skeleton`): a tensor-core `mma-tf32` / `mma-f16` / `mma-bf16` where the
+operands' dtype has tensor cores (float32 only while `Graph.allow_tf32`, ONNX Runtime's default)
+and the epilogue keeps the product's positions, else the CUDA-core `tiled`. The tile, threads and
+shared memory are those the generator writes: for `tiled`, a BM×BN tile with A and B staged once
+per K step as float; for `mma-*`, a tile from MMA_TILES, 4 warps, A and B staged in
+`stages` buffers (2, double-buffered, when an operand is a plain copy of a kernel input) and the
+accumulators staged through the same memory for the epilogue (`mma_smem_bytes`); or, under a Softmax epilogue, a block per row with the product's row (and the
 exponentials) cached in shared memory (`block-per-row`). A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
@@ -52,6 +57,13 @@ ROW_EPILOGUE_OPS = frozenset({"Softmax", "LogSoftmax"})
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 GEMM_TEMPLATE = {"Conv": "conv", "ConvTranspose": "conv", "MatMul": "gemm", "Gemm": "gemm"}
+MAX_GRID_YZ = 65535
+# tensor cores: the skeleton per operand dtype, its shared-memory element size, the block's warps
+MMA_SKELETONS = {"float32": "mma-tf32", "float16": "mma-f16", "bfloat16": "mma-bf16"}
+MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2}
+MMA_THREADS = 128  # 4 warps, 2x2 over the block tile, each a (BM/2)x(BN/2) grid of 16x16 fragments
+MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
+MMA_PAD_BYTES = 16  # each staged row padded (wmma's ldm: a multiple of 16 bytes; fewer bank conflicts)
 
 
 class CannotLower(FusesearchError):
@@ -85,6 +97,8 @@ class Kernel:
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
     blocks: int = 0  # the grid the generator launches, when known here (0: from the iteration space)
+    skeleton: str = ""  # gemm/conv: the CUDA skeleton ("tiled", "mma-tf32", ...; "" elsewhere)
+    stages: int = 1  # gemm/conv mma: shared-memory buffers per operand (2: double-buffered)
 
     @property
     def impl(self) -> str:
@@ -102,7 +116,8 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks)
+            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks,
+            tensor_cores=self.skeleton.startswith("mma"))
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -376,21 +391,94 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
         kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (1, row_tile, k),
                         smem, live)
         return replace(kernel, blocks=min(out_size // row_tile, MAX_GRID_X))
-    tm, tn, tk = _tile(m, n_dim)
-    smem = (tm * tk + tk * tn) * 4  # the generated tile: A and B staged once per K step, as float
-    live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
+    skeleton = gemm_skeleton(graph, nodes, anchor)
+    stages = 1
+    if skeleton == "tiled":
+        tm, tn, tk = _tile(m, n_dim)
+        smem = (tm * tk + tk * tn) * 4  # the generated tile: A and B staged once per K step, as float
+        threads = min(THREADS_PER_BLOCK, tm * tn)  # a thread per output at most
+        live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
+    else:
+        tm, tn, tk = mma_tile(m, n_dim)
+        external = set(_external_inputs(graph, nodes))
+        stages = 2 if any(t in external for t in anchor.inputs[:2]) else 1
+        smem = mma_smem_bytes((tm, tn, tk), stages, MMA_ELEMENT_BYTES[skeleton])
+        threads = MMA_THREADS
+        live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator + operand fragments
     # split-K is the library's (cuBLAS splits skinny GEMMs); the generated tiled kernel never splits
     split = _split_k(m, n_dim, k, tm, tn, tk) if len(nodes) == 1 else 1
     kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
                     (tm, tn, tk), smem, live)
     z, m_z = _tile_batches(graph, anchor)  # the generated grid: tiles of each batch (MatMul) or group (Conv)
-    kernel = replace(kernel, threads_per_block=min(THREADS_PER_BLOCK, tm * tn),  # a thread per output at most
+    kernel = replace(kernel, threads_per_block=threads, skeleton=skeleton, stages=stages,
                      blocks=z * math.ceil(m_z / tm) * math.ceil(n_dim / tn) if len(nodes) > 1 else 0)
     if split == 1:
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
     return replace(kernel, split_k=split, read_bytes=kernel.read_bytes + partials // 2,
                    write_bytes=kernel.write_bytes + partials // 2)
+
+
+def gemm_skeleton(graph: Graph, nodes: list[Node], anchor: Node) -> str:
+    """The CUDA skeleton of a tiled gemm/conv group: `mma-tf32` / `mma-f16` / `mma-bf16` (tensor
+    cores) when the anchor is a GEMM of 2-D+ operands or a Conv, both operands have a tensor-core
+    dtype (float32 only while the graph allows TF32), the epilogue keeps the product's positions
+    and the grid fits; else `tiled` (fmaf on CUDA cores; the generator may still fall back to a
+    thread per output where no tile applies)."""
+    dtypes = {graph.tensors[t].dtype for t in anchor.inputs[:2]}
+    skeleton = MMA_SKELETONS.get(dtypes.pop()) if len(dtypes) == 1 else None
+    if skeleton is None or (skeleton == "mma-tf32" and not graph.allow_tf32):
+        return "tiled"
+    shapes = [graph.tensors[t].shape for t in anchor.inputs[:2]]
+    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or min(len(s) for s in shapes) < 2:
+        return "tiled"
+    z, m_z = _tile_batches(graph, anchor)
+    if z > MAX_GRID_YZ or math.ceil(m_z / MMA_TILES[-1][0]) > MAX_GRID_YZ:
+        return "tiled"
+    return skeleton if anchor_derived(graph, [n.id for n in nodes], anchor) is not None else "tiled"
+
+
+def mma_tile(m: int, n: int) -> tuple[int, int, int]:
+    """Block tile (M, N, K) of the tensor-core skeleton: the largest of MMA_TILES that still gives
+    TARGET_BLOCKS output tiles, else the smallest; K steps of TILE_K."""
+    for tm, tn in MMA_TILES:
+        if math.ceil(m / tm) * math.ceil(n / tn) >= TARGET_BLOCKS:
+            return tm, tn, TILE_K
+    return MMA_TILES[-1] + (TILE_K,)
+
+
+def mma_pad(element_bytes: int) -> int:
+    """Elements of padding after each staged row (MMA_PAD_BYTES)."""
+    return MMA_PAD_BYTES // element_bytes
+
+
+def mma_smem_bytes(tile: tuple[int, ...], stages: int, element_bytes: int) -> int:
+    """Shared memory of the tensor-core skeleton, exactly what it declares: per stage an A and a B
+    buffer of (rows + pad) x (columns + pad) elements (either operand layout fits), and the float
+    accumulator tile (BM x (BN + 4)) the epilogue reads, in the same bytes after the main loop."""
+    tm, tn, tk = tile
+    pad = mma_pad(element_bytes)
+    staged = stages * ((tm + pad) * (tk + pad) + (tk + pad) * (tn + pad)) * element_bytes
+    return max(staged, tm * (tn + mma_pad(4)) * 4)
+
+
+def anchor_derived(graph: Graph, node_ids, anchor: Node) -> set[str] | None:
+    """Tensors of the group computed from the anchor's output at the same flat position (through
+    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
+    positions (a Transpose, a Softmax...): no tiled skeleton applies then."""
+    y = anchor.outputs[0]
+    size = graph.tensors[y].size
+    derived = {y}
+    for i in node_ids:
+        n = graph.nodes[i]
+        if i == anchor.id or not any(t in derived for t in n.inputs):
+            continue
+        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
+            graph.tensors[t].size == size for t in n.inputs if t in derived)
+        if not same or not (n.kind.name in ("ELEMWISE", "BROADCAST") or n.op_type in VIEW_OPS):
+            return None
+        derived.update(t for t in n.outputs if t)
+    return derived
 
 
 def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:

@@ -313,9 +313,19 @@ def _nvrtc_cubin(nv: _Nvrtc, prog: ctypes.c_void_p) -> bytes:
     return buffer.raw[: size.value]  # .raw: a cubin holds NUL bytes
 
 
+@functools.cache
+def _nvrtc_include_flags(path: str) -> tuple[str, ...]:
+    """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc (the wheel's
+    include/) or in a CUDA home: NVRTC searches no directory of its own."""
+    for home in (Path(path).parent.parent, *_cuda_homes()):
+        if (home / "include" / "mma.h").is_file():
+            return (f"--include-path={home / 'include'}",)
+    return ()
+
+
 def _nvrtc_compile_program(nv: _Nvrtc, prog: ctypes.c_void_p, arch: str,
                            options: tuple[str, ...]) -> tuple[bytes, str]:
-    flags = (f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options)
+    flags = (f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *_nvrtc_include_flags(nv.path), *options)
     argv = (ctypes.c_char_p * len(flags))(*(f.encode() for f in flags))
     status = nv.lib.nvrtcCompileProgram(prog, len(flags), argv)
     log = _nvrtc_log(nv, prog)

@@ -39,7 +39,11 @@ emitted statements are the same text in both languages; only the skeleton around
                z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
                BM×BN output tile, A and B staged per K step in shared memory with the prologue
                applied in the tile loads, a register micro-tile per thread, the epilogue applied
-               to the registers before the one store. Epilogues that move elements (a Transpose
+               to the registers before the one store; on tensor cores (`mma-tf32` for float32
+               while TF32 is allowed, `mma-f16`, `mma-bf16`: lowering's choice) the same tiles
+               staged as the fragments' type (cp.async double buffering for plain copies), wmma
+               fragments multiplied per warp, the accumulators through shared memory to the
+               epilogue and the one store. Epilogues that move elements (a Transpose
                after the product), ConvTranspose and 1-D operands use the `direct` skeleton: a
                thread per output element with its dot product inline. (A Softmax epilogue makes
                the group a row kernel, above.)
@@ -71,6 +75,7 @@ from fusesearch.backends.codegen.base import (
     _stride_blocks,
 )
 from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
+from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC
 from fusesearch.backends.codegen.pointwise import _pointwise
 from fusesearch.backends.codegen.rowwise import ROW_OPS, _rowwise
@@ -113,8 +118,9 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
         grid, skeleton = (_stride_blocks(largest), 1, 1), "grid-stride"
     block = (THREADS, 1, 1)
     special = None
-    if kernel.anchor is not None and not has_rows:
-        special = _tiled(graph, kernel, name, ins, outs, args)
+    if kernel.anchor is not None and not has_rows:  # the skeleton is lowering's (`gemm_skeleton`)
+        tile = _mma if kernel.skeleton.startswith("mma") else _tiled
+        special = tile(graph, kernel, name, ins, outs, args)
     elif not has_rows:
         special = _vectorized(graph, kernel, name, ins, outs, args)
     if special is not None:

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusesearch.candidates.rules import FusionDecision
+from fusesearch.lowering import MAX_GRID_YZ  # noqa: F401  (re-exported to the skeletons)
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
 SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
 THREADS = 256  # CUDA threads per block, every skeleton
 MAX_STRIDE_BLOCKS = 65535 * 8
-MAX_GRID_YZ = 65535
 
 
 class CodegenRefused(Exception):
@@ -57,7 +57,7 @@ class GeneratedKernel:
     source_hash: str = field(default="")
     grid: tuple[int, int, int] = (1, 1, 1)  # the CUDA launch (CuPy and the emulator use it as is)
     block: tuple[int, int, int] = (256, 1, 1)
-    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | direct
+    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct
 
 
 # -- the expression emitter -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.ir.graph import Graph, Node
-from fusesearch.lowering import Kernel
+from fusesearch.lowering import Kernel, anchor_derived
 
 # -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
 
@@ -31,6 +31,7 @@ class _Contraction:
     b: object  # (e, k, n) -> value of B
     y_index: object  # (e, m, n) -> index tuple of the anchor output
     a_m_contiguous: bool = False  # A's neighbours in memory are along M (Conv pixels, Gemm transA)
+    b_k_contiguous: bool = False  # B's neighbours in memory are along K (Conv filters, Gemm transB)
 
 
 def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
@@ -58,7 +59,7 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
             1, ys[0], ys[1], sa[0] if ta else sa[1], lambda e, z: None,
             lambda e, m, k: e.value(x, (k, m) if ta else (m, k)),
             lambda e, k, n: e.value(w, (n, k) if tb else (k, n)),
-            lambda e, m, n: (m, n), bool(ta))
+            lambda e, m, n: (m, n), bool(ta), bool(tb))
     if anchor.op_type != "Conv":
         return None
     group = int(anchor.attrs.get("group", 1))
@@ -82,26 +83,10 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
         return (p[0], e.tmp("long long", f"gz * {cout_g}LL + {n}"), *p[1:])
 
     return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
-                        conv_a, conv_b, conv_y, True)
+                        conv_a, conv_b, conv_y, True, True)
 
 
 def _anchor_derived(graph: Graph, kernel: Kernel, anchor: Node) -> set[str] | None:
-    """Tensors of the group computed from the anchor's output at the same flat position (through
-    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
-    positions (a Transpose, a Softmax...): the tiled skeleton then does not apply."""
-    y = anchor.outputs[0]
-    size = graph.tensors[y].size
-    derived = {y}
-    for i in kernel.nodes:
-        n = graph.nodes[i]
-        if i == anchor.id or not any(t in derived for t in n.inputs):
-            continue
-        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
-            graph.tensors[t].size == size for t in n.inputs if t in derived)
-        if not same or not (n.kind.name in ("ELEMWISE", "BROADCAST") or n.op_type in _VIEW_OPS):
-            return None
-        derived.update(t for t in n.outputs if t)
-    return derived
-
-
-_VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+    """Tensors computed from the anchor's output at its own position, or None (lowering's
+    `anchor_derived`: the tiled skeletons' condition, decided there)."""
+    return anchor_derived(graph, kernel.nodes, anchor)
