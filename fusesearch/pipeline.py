@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -39,14 +39,18 @@ class Prepared:
     original: onnx.ModelProto | None = None  # the loaded model before canonicalization (keep_original)
 
 
-def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original: bool = False) -> Prepared:
+def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original: bool = False,
+            tf32: bool = True) -> Prepared:
     """`keep_original`: also keep the loaded model as a proto, the reference `verify` runs (the
     file on disk may be gone or overwritten by then, and may carry an IR version ONNX Runtime
-    does not read)."""
+    does not read). `tf32`: float32 GEMMs and convs may use TF32 tensor cores (`Graph.allow_tf32`;
+    False is `--no-tf32`)."""
     loaded = load_model(model, bindings)
     original = to_proto(loaded.model) if keep_original else None
     canonical, passes = canonicalize(loaded.model)
     graph = Graph.from_ir(canonical)
+    if not tf32:
+        graph = replace(graph, allow_tf32=False)
     if not graph.nodes:
         raise UnsupportedModel(f"{model}: the graph has no nodes (every output is an input or a constant); "
                                "there is nothing to fuse: give a model that computes something")
