@@ -46,6 +46,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
 NO_VERIFY = "--no-verify"
+NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
+                                      "generated kernels accumulate with fmaf on CUDA cores and library calls "
+                                      "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
 
 
 # -- option checks: one validator per kind of value, attached to the option in every command -----
@@ -250,6 +253,7 @@ def plan(
     svg: Annotated[Path | None, typer.Option("--svg", help="Draw the plan as SVG here.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an offline HTML page of the plan.")] = None,
     input_value: InputValue = None,
+    no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -262,7 +266,7 @@ def plan(
                   _reads((model, "model")))
     config = _config(time_limit, max_group_size, seed, workers)
     verifying = emit is not None and not no_verify
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying)
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
@@ -446,12 +450,12 @@ def export(
 
 def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
     from costmodels import RooflineModel
-    from fusesearch.api import model_info, resolve_device
+    from fusesearch.api import for_device, model_info, resolve_device
     from fusesearch.pipeline import prepare
     from fusesearch.search import SearchProblem, search
 
     label, spec, params, profile = resolve_device(device)
-    prep = prep or prepare(model, bindings)
+    prep, params = for_device(prep or prepare(model, bindings), spec, params)
     problem = SearchProblem.build(prep.graph, spec, RooflineModel(params), config)
     result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
                     profile=profile, model_info=model_info(prep), problem=problem)
@@ -585,6 +589,7 @@ def measure(
                                                    "(repeatable)")] = None,
     end_to_end: Annotated[bool, typer.Option("--end-to-end", help="Also run the plan and the unfused graph "
                                              "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
+    no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -606,7 +611,7 @@ def measure(
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim))
+    prep = prepare(model, _bindings(input_shape, dim), tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
@@ -736,6 +741,7 @@ def run(
     input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
@@ -751,7 +757,7 @@ def run(
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     _check_profile_backend(device, backend)
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim))
+    prep = prepare(model, _bindings(input_shape, dim), tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)

@@ -246,7 +246,7 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
         *side_lines,
     ]
     includes = "".join(f"#include <{h}>\n" for h in _HEADERS[skeleton])
-    src = (f"{includes}{_CU_PRELUDE}{_CP_ASYNC}\nextern \"C\" __global__ void __launch_bounds__({MMA_THREADS}) "
+    src = (f"{includes}{_CU_PRELUDE}{_CP_ASYNC}\nextern \"C\" __global__ void "
            f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
     grid = (-(-c.n // tn), -(-c.m // tm), c.z)
     return src, grid, (MMA_THREADS, 1, 1), skeleton
