@@ -116,8 +116,10 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
 
     from fusesearch.backends.codegen import NP_DTYPES as dtypes
 
+    from fusesearch.backends.nvrtc import include_flags
+
     cupy = _import_cupy()
-    module = compile_module(generated.cuda_source, options=("--std=c++17",))
+    module = compile_module(generated.cuda_source, options=("--std=c++17", *include_flags()))
     fn = module.get_function(generated.name)
     args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape))
             for a in generated.inputs]

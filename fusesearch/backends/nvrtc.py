@@ -315,12 +315,24 @@ def _nvrtc_cubin(nv: _Nvrtc, prog: ctypes.c_void_p) -> bytes:
 
 @functools.cache
 def _nvrtc_include_flags(path: str) -> tuple[str, ...]:
-    """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc (the wheel's
-    include/) or in a CUDA home: NVRTC searches no directory of its own."""
-    for home in (Path(path).parent.parent, *_cuda_homes()):
+    """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc (the include/
+    that the nvidia-cuda-runtime and nvidia-cuda-crt wheels fill), in another nvidia wheel folder,
+    or in a CUDA home: NVRTC searches no directory of its own."""
+    wheels = [p.parent.parent for p in _pip_nvrtc_paths()]
+    for home in dict.fromkeys((Path(path).parent.parent, *wheels, *_cuda_homes())):
         if (home / "include" / "mma.h").is_file():
             return (f"--include-path={home / 'include'}",)
     return ()
+
+
+def include_flags() -> tuple[str, ...]:
+    """NVRTC options that find the CUDA headers (mma.h, cuda_fp16.h) the tensor-core kernels
+    include, for any NVRTC front end (CuPy's too); () when none is found."""
+    found = _find_nvrtc()
+    if not isinstance(found, str):
+        return _nvrtc_include_flags(found.path)
+    homes = [h for h in _cuda_homes() if (h / "include" / "mma.h").is_file()]
+    return (f"--include-path={homes[0] / 'include'}",) if homes else ()
 
 
 def _nvrtc_compile_program(nv: _Nvrtc, prog: ctypes.c_void_p, arch: str,

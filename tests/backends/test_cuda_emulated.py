@@ -20,6 +20,7 @@ from onnx import helper
 
 from fusesearch.backends import emulate
 from fusesearch.backends.codegen import generate
+from fusesearch.backends.codegen.mma import TOLERANCE  # else 1e-4 (see above)
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower
@@ -30,7 +31,6 @@ from tests.conftest import make_model, save
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler")
 
 
-TOLERANCE = {"mma-tf32": 2e-3, "mma-f16": 2e-3, "mma-bf16": 1.6e-2}  # else 1e-4 (see above)
 
 
 def check(prep, values, node_ids, skeleton: str | None = None, schedule: dict | None = None):
