@@ -368,7 +368,8 @@ class Cell:
 # Bumped whenever a change makes the same cell give other figures (the cost model's prices, the
 # generated kernels), so a rerun after it recomputes every cell instead of keeping stale rows.
 # 2: lone anchors priced as library calls on tensor cores, generated kernels on the units they use.
-RESULTS_VERSION = 2
+# 3: fused gemm/conv groups generated for TF32/FP16/BF16 tensor cores and priced there (mma_efficiency).
+RESULTS_VERSION = 3
 
 
 def cell_id(params: Mapping[str, Any], device: str = "") -> str:
