@@ -40,7 +40,7 @@ def groups_on_tensor_cores(model: str, per_model: int):
     for g in sorted(plan.groups, key=lambda g: -g.kernel.tc_flops):
         k = g.kernel
         key = (k.ops, _gemm_dims(prep.graph, prep.graph.nodes[k.anchor])) if k.anchor is not None else None
-        if not k.skeleton.startswith("mma") or key in seen:
+        if not k.schedule.skeleton.startswith("mma") or key in seen:
             continue
         if any(prep.graph.tensors[t].dtype != "float32" for t in k.inputs):
             continue  # random float inputs only

@@ -130,9 +130,9 @@ def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str
     names = []
     for t in present:
         rows = [s for s in specs if s.template == t]
-        if any(s.tc_flops > 0 and s.impl == "generated" and not s.tensor_cores for s in rows):
+        if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit != "tensor-core" for s in rows):
             names.append(f"tc_efficiency.{t}")
-        if any(s.tc_flops > 0 and s.impl == "generated" and s.tensor_cores for s in rows):
+        if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit == "tensor-core" for s in rows):
             names.append(f"mma_efficiency.{t}")
         if any(s.tc_flops > 0 and s.impl == "library" for s in rows):  # fitted apart: another kernel
             names.append(f"library_efficiency.{t}")

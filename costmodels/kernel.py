@@ -22,6 +22,7 @@ from costmodels.errors import InvalidSpec
 
 TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "opaque")
 IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
+UNITS = ("tensor-core", "cuda-core", "none")  # the main loop's instruction class on a GPU
 
 DTYPE_BYTES: Mapping[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -68,9 +69,10 @@ class KernelSpec:
       `fmaf` on CUDA cores) or "library" (a lone anchor or opaque op through the vendor library,
       which uses tensor cores where the dtype allows: TF32 for float32, as cuBLAS under ONNX
       Runtime's CUDA provider). The cost model prices each on the unit it really uses.
-    - `tensor_cores`: a generated kernel whose GEMM main loop runs on the tensor cores of its
-      dtype (the `mma-*` CUDA skeletons: TF32 for float32, FP16 / BF16), priced at those rates
-      with `RooflineParams.mma_efficiency`; False: `fmaf` on CUDA cores. Library calls ignore it.
+    - `unit`: the instruction class of the main loop on a GPU, as the kernel's schedule decided it:
+      "tensor-core" (a library GEMM/conv, a generated `mma-*` kernel), "cuda-core" (other generated
+      kernels: `fmaf`; opaque library ops) or "none" (an alias). `roofline.compute_unit` names it for a device and dtype. Left
+      empty, it follows `impl`: a library call with tensor-core FLOPs uses tensor cores.
     - `blocks`: the launch grid's blocks when the kernel's writer knows them exactly (a generated
       tile per batch or group, a block per row); 0 derives them from the iteration space.
     """
@@ -94,13 +96,15 @@ class KernelSpec:
     divisions: float = 0.0
     impl: str = "generated"
     blocks: int = 0
-    tensor_cores: bool = False
+    unit: str = ""
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
             raise InvalidSpec(f"KernelSpec.template {self.template!r}, expected one of {TEMPLATES}")
         if self.impl not in IMPLS:
             raise InvalidSpec(f"KernelSpec.impl {self.impl!r}, expected one of {IMPLS}")
+        if self.unit and self.unit not in UNITS:
+            raise InvalidSpec(f"KernelSpec.unit {self.unit!r}, expected one of {UNITS} or empty")
         if self.dtype not in DTYPE_BYTES:
             raise InvalidSpec(
                 f"KernelSpec.dtype {self.dtype!r}, expected one of {', '.join(DTYPE_BYTES)}"
@@ -115,8 +119,12 @@ class KernelSpec:
         if 0 in self.tile:
             raise InvalidSpec(f"KernelSpec.tile = {self.tile!r}, expected positive ints")
         object.__setattr__(self, "op_types", tuple(str(t) for t in self.op_types))
-        flag = self.tensor_cores  # a table read back may hold 0/1, numpy bools or "True"/"False"
-        object.__setattr__(self, "tensor_cores", flag.strip().lower() == "true" if isinstance(flag, str) else bool(flag))
+
+    @property
+    def main_unit(self) -> str:
+        """`unit`, or when it is empty the one `impl` implies: a library call with tensor-core
+        FLOPs on tensor cores, anything else on CUDA cores."""
+        return self.unit or ("tensor-core" if self.impl == "library" and self.tc_flops > 0 else "cuda-core")
 
     @property
     def flops(self) -> float:

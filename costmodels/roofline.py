@@ -24,7 +24,7 @@ cores; float32 uses TF32 tensor cores where the device has them and
 `use_tf32=1`), else the FP32 CUDA-core peak; any dtype without a tensor-core rate on the device
 falls back to the FP32 CUDA-core peak (so float64 is optimistic on GeForce parts). Tensor cores
 price library calls (impl "library": a lone anchor through cuBLAS / cuDNN) and generated kernels
-whose spec says `tensor_cores` (the `mma-*` skeletons, wmma fragments); any other generated
+whose schedule's unit is "tensor-core" (the `mma-*` skeletons, wmma fragments); any other generated
 kernel's main loop runs on the FP32 CUDA cores, as the `tiled` skeleton's fmaf does, whatever the
 dtype: one kernel, one price (`compute_unit` names the unit and plan.json records it; eff[t, impl]
 is `library_efficiency`, `mma_efficiency` (generated, tensor cores) or `tc_efficiency`
@@ -249,14 +249,17 @@ class KernelCost:
 
 
 def compute_unit(spec: KernelSpec, device: DeviceSpec, float32_uses_tf32: bool = True) -> str:
-    """The unit a kernel's main loop runs on: `cpu-simd` on a CPU; on a GPU, a library call's
-    GEMM/conv and a generated tensor-core kernel's (`spec.tensor_cores`) on the tensor cores of its
-    dtype (`tf32-tensor-core` for float32 where the device has TF32 and it is allowed, `fp16-` /
-    `bf16-tensor-core`), and every other generated kernel on CUDA cores (`fp32-cuda-core`: the
-    `tiled` skeleton accumulates with fmaf)."""
+    """The unit a kernel's main loop runs on, named for the device: `none` for an alias,
+    `cpu-simd` on a CPU; on a GPU, a tensor-core schedule (a library call's GEMM/conv) on the
+    tensor cores of its dtype (`tf32-tensor-core` for float32 where the device has TF32 and it is
+    allowed, `fp16-` / `bf16-tensor-core`) — a library call's GEMM/conv or a generated `mma-*`
+    kernel —, a CUDA-core one (every other generated kernel: the `tiled` skeleton accumulates with
+    fmaf) on `fp32-cuda-core`."""
+    if spec.main_unit == "none":
+        return "none"
     if device.kind != "gpu":
         return "cpu-simd"
-    if spec.tc_flops == 0 or (spec.impl != "library" and not spec.tensor_cores):
+    if spec.main_unit != "tensor-core" or spec.tc_flops == 0:
         return "fp32-cuda-core"
     if spec.dtype == "float16" and device.fp16_flops_per_s > 0:
         return "fp16-tensor-core"

@@ -723,7 +723,11 @@ def run(
     strategy: Strategy = "cpsat",
     device: Annotated[str, typer.Option("--device", help="Cost model device the plan is made for, "
                                         "or profile.json.")] = "host",
-    backend: Annotated[str, typer.Option("--backend", help="cpu (generated C in one shared library)")] = "cpu",
+    backend: Annotated[str, typer.Option("--backend", help="cpu (generated C in one shared library), cupy "
+                                         "(one CUDA module on one stream, a CUDA graph when no ONNX Runtime "
+                                         "step splits it; timed with CUDA events), or emulate (the CUDA program "
+                                         "through the CUDA emulator on the CPU: correctness only, the plan "
+                                         "checked against ONNX Runtime, no timing).")] = "cpu",
     input_shape: InputShape = None,
     dim: Dim = None,
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
@@ -747,24 +751,31 @@ def run(
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
     from fusesearch.pipeline import prepare
-    from fusesearch.run import run_plan
+    from fusesearch.run import require_backend, run_plan
     from fusesearch.verify import check_memory
 
-    if backend != "cpu":
-        raise BadInput(f"--backend {backend}: run executes on cpu only so far; use --backend cpu")
+    emulated = backend == "emulate"
+    if not emulated:
+        require_backend(backend)
     if plan_json is not None and not plan_json.is_file():
         raise BadInput(f"--plan {plan_json}: no such file; give a plan.json written by `fusesearch plan -o`")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
-    _check_profile_backend(device, backend)
+    if emulated and output is not None:
+        raise BadInput("-o: --backend emulate checks correctness only and has no timings to write; drop -o")
+    if not emulated:
+        _check_profile_backend(device, backend)
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim), tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
+    if emulated:
+        _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
+        return
     with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
         report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
                           check_each=check_each, input_values=values,
-                          progress=status.update if status else None)
+                          progress=status.update if status else None, backend=backend)
     report.model = prep.loaded.name
     if output is not None:
         report.to_pandas().to_parquet(output, index=False)
@@ -772,6 +783,26 @@ def run(
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
+
+
+def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:
+    """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
+    from fusesearch.pipeline import activation_bytes
+    from fusesearch.run import run_emulated
+
+    result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=values)
+    doc = {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": "emulate", **result, "rtol": rtol,
+           "activation_bytes": activation_bytes(prep.graph)}
+    if json_out:
+        _emit_json(doc)
+        return
+    seg = doc["segments"]
+    out.print(f"{doc['model']}: the CUDA program of plan ({doc['strategy']}) through the CUDA emulator "
+              f"(correctness only, not timed): {doc['kernels']} generated kernels in {seg['generated']} segments, "
+              f"{doc['library_steps']} ONNX Runtime nodes in {seg['library']} segments, "
+              f"{'one CUDA graph' if doc['cuda_graph'] else 'launched one by one (no CUDA graph)'}; arena "
+              f"{_fmt_bytes(doc['arena_peak_bytes'])} of {_fmt_bytes(doc['activation_bytes'])} activations")
+    out.print(f"equal to ONNX Runtime: max rel err {doc['max_rel_err']:.2g}, rtol {rtol:g}")
 
 
 def _end_to_end(prep, plan_, unfused, seed: int, values):
@@ -793,7 +824,10 @@ def _nothing():
 
 
 def _print_run(report, output: Path | None) -> None:
-    table = Table(title=f"{report.model}: end to end on cpu, {report.threads} thread"
+    where = "cpu" if report.backend == "cpu" else (
+        f"cupy ({'one CUDA graph' if report.cuda_graph else 'kernels launched one by one'}, CUDA events; "
+        f"ONNX Runtime on {report.ort_provider})")
+    table = Table(title=f"{report.model}: end to end on {where}, {report.threads} thread"
                         f"{'s' if report.threads != 1 else ''}, {report.repeat} runs", title_justify="left")
     for col in ("program", "median", "p20-p80", "vs ORT ENABLE_ALL", "vs ORT DISABLE_ALL"):
         table.add_column(col, justify="left" if col == "program" else "right")

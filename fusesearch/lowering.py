@@ -13,15 +13,14 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
     the rest ................. `pointwise`: one thread per output element
 
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
-used outside the group (or a graph output) written once. The CUDA skeleton of a gemm/conv group is
-decided here, once (`gemm_skeleton`): a tensor-core `mma-tf32` / `mma-f16` / `mma-bf16` where the
-operands' dtype has tensor cores (float32 only while `Graph.allow_tf32`, ONNX Runtime's default)
-and the epilogue keeps the product's positions, else the CUDA-core `tiled`. The tile, threads and
-shared memory are those the generator writes: for `tiled`, a BM×BN tile with A and B staged once
-per K step as float; for `mma-*`, a tile from MMA_TILES, 4 warps, A and B staged in
-`stages` buffers (2, double-buffered, when an operand is a plain copy of a kernel input) and the
-accumulators staged through the same memory for the epilogue (`mma_smem_bytes`); or, under a Softmax epilogue, a block per row with the product's row (and the
-exponentials) cached in shared memory (`block-per-row`). A lone gemm/conv (a library call) whose
+used outside the group (or a graph output) written once. How the kernel runs is decided here,
+once, as its `Schedule` (fusesearch/schedule.py), which the generator writes as given: a BM×BN tile
+with A and B staged once per K step as float (`tiled`, where the anchor is a GEMM view and the
+epilogue keeps positions; for a fused group whose operands have tensor cores — float32 as TF32
+while `Graph.allow_tf32`, float16, bfloat16 — `mma-*` instead: 4 warps, a tile of MMA_TILES,
+1 or 2 stages, `mma_smem_bytes`), else a thread per output with its dot product inline (`direct`); under
+a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
+memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
@@ -40,30 +39,38 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from costmodels import DTYPE_BYTES, KernelSpec
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.candidates.rules import FusionDecision
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
+from fusesearch.schedule import (
+    ALIAS,
+    LIBRARY,
+    MAX_GRID_YZ,
+    MMA_THREADS,
+    MMA_TILES,
+    THREADS,
+    VIEW_OPS,
+    Schedule,
+    anchor_derived,
+    block_per_row,
+    grid_stride,
+    has_gemm_view,
+    mma,
+    stride_blocks,
+    tensor_core_skeleton,
+    thread_layout,
+    vectorizable,
+)
 
-THREADS_PER_BLOCK = 256
-MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
-MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
-ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
+THREADS_PER_BLOCK = THREADS
 TILE_K = 32
 TARGET_BLOCKS = 256  # enough blocks for two waves on the largest GPUs (132 SMs)
 MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
 ROW_EPILOGUE_OPS = frozenset({"Softmax", "LogSoftmax"})
-VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 GEMM_TEMPLATE = {"Conv": "conv", "ConvTranspose": "conv", "MatMul": "gemm", "Gemm": "gemm"}
-MAX_GRID_YZ = 65535
-# tensor cores: the skeleton per operand dtype, its shared-memory element size, the block's warps
-MMA_SKELETONS = {"float32": "mma-tf32", "float16": "mma-f16", "bfloat16": "mma-bf16"}
-MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2}
-MMA_THREADS = 128  # 4 warps, 2x2 over the block tile, each a (BM/2)x(BN/2) grid of 16x16 fragments
-MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
-MMA_PAD_BYTES = 16  # each staged row padded (wmma's ldm: a multiple of 16 bytes; fewer bank conflicts)
 
 
 class CannotLower(FusesearchError):
@@ -83,29 +90,47 @@ class Kernel:
     outputs: tuple[str, ...]
     iteration_size: int
     reduction_length: int
-    tile: tuple[int, ...]
-    smem_bytes: int
     live_values: int
-    threads_per_block: int
     tc_flops: int
     scalar_flops: int
     transcendentals: int
     read_bytes: int
     write_bytes: int
-    alias: bool = False
-    split_k: int = 1  # gemm/conv: K split across blocks when the output has too few tiles
+    schedule: Schedule
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
-    blocks: int = 0  # the grid the generator launches, when known here (0: from the iteration space)
-    skeleton: str = ""  # gemm/conv: the CUDA skeleton ("tiled", "mma-tf32", ...; "" elsewhere)
-    stages: int = 1  # gemm/conv mma: shared-memory buffers per operand (2: double-buffered)
 
+    # how it runs: the schedule's, decided once (see fusesearch.schedule)
     @property
     def impl(self) -> str:
         """"library" for a lone anchor or an opaque op (they run as a vendor library call, in
-        `measure` and in what a user would otherwise run), "generated" for everything else."""
-        lone_anchor = len(self.nodes) == 1 and self.anchor is not None
-        return "library" if lone_anchor or self.template == "opaque" else "generated"
+        `measure` and in what a user would otherwise run), "generated" for everything else (a
+        lone view, an alias, is "generated" here: `alias` says it needs no kernel)."""
+        return "library" if self.schedule.impl == "library" else "generated"
+
+    @property
+    def alias(self) -> bool:
+        return self.schedule.impl == "alias"
+
+    @property
+    def tile(self) -> tuple[int, ...]:
+        return self.schedule.tile
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.schedule.smem_bytes
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.schedule.threads
+
+    @property
+    def split_k(self) -> int:
+        return self.schedule.split_k
+
+    @property
+    def blocks(self) -> int:
+        return self.schedule.blocks
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -116,8 +141,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks,
-            tensor_cores=self.skeleton.startswith("mma"))
+            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -161,8 +185,8 @@ def lower_as_library(graph: Graph, group: FusionGroup) -> Kernel:
 
 
 def _lower_opaque(graph: Graph, nodes: list[Node]) -> Kernel:
-    return _build(graph, nodes, "opaque", None, _largest_output(graph, nodes), 0, (), 0,
-                  _live_values(graph, nodes))
+    return _build(graph, nodes, "opaque", None, _largest_output(graph, nodes), 0, _live_values(graph, nodes),
+                  LIBRARY)
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -241,9 +265,16 @@ def _live_values(graph: Graph, nodes: list[Node]) -> int:
 
 
 def _lower_pointwise(graph: Graph, nodes: list[Node]) -> Kernel:
-    alias = len(nodes) == 1 and nodes[0].op_type in VIEW_OPS
-    return _build(graph, nodes, "pointwise", None, _largest_output(graph, nodes), 0, (), 0,
-                  _live_values(graph, nodes), alias=alias)
+    ids, outputs = [n.id for n in nodes], _external_outputs(graph, nodes)
+    written = max((graph.tensors[t].size for t in outputs), default=1)  # the loop covers every output
+    if len(nodes) == 1 and nodes[0].op_type in VIEW_OPS:
+        schedule = ALIAS
+    elif vectorizable(graph, ids, _external_inputs(graph, nodes), outputs):
+        schedule = Schedule("generated", "vectorized", "cuda-core", grid=(stride_blocks(written // 4), 1, 1))
+    else:
+        schedule = grid_stride(written)
+    return _build(graph, nodes, "pointwise", None, _largest_output(graph, nodes), 0, _live_values(graph, nodes),
+                  schedule)
 
 
 def reduced_rows(graph: Graph, n: Node) -> tuple[int, int] | FusionDecision:
@@ -308,7 +339,8 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     if not decision:
         return decision
     live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS_PER_BLOCK))
-    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, (), 0, live)
+    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, live,
+                  block_per_row(graph, [n.id for n in nodes], rows, row_len))
 
 
 def _row_outputs_fit(graph: Graph, nodes: list[Node], rows: int, row_len: int) -> FusionDecision:
@@ -383,61 +415,47 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
             row_tile = max(row_tile, decision)
     m, n_dim, k = _gemm_dims(graph, anchor)
     out_size = graph.tensors[anchor.outputs[0]].size
+    template = GEMM_TEMPLATE[anchor.op_type]
+    ids = [n.id for n in nodes]
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
-        softmax = any(n.op_type == "Softmax" for n in nodes)  # memory (and a Softmax's exponentials)
-        cached = (4 * row_tile <= MAX_ROW_SMEM) + (softmax and 8 * row_tile <= MAX_ROW_SMEM)
-        smem = 4 * row_tile * cached + ROW_REDUCE_SMEM
-        live = 24 + 2 * (len(nodes) - 1)  # a thread's slice of the row and its dot product
-        kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size, k, (1, row_tile, k),
-                        smem, live)
-        return replace(kernel, blocks=min(out_size // row_tile, MAX_GRID_X))
-    # a lone anchor is a library call, priced with the library's tile; its generated form (measure
-    # --baseline generated) keeps the CUDA-core skeleton that tile describes
-    skeleton = gemm_skeleton(graph, nodes, anchor) if len(nodes) > 1 else "tiled"
-    stages = 1
-    if skeleton == "tiled":
-        tm, tn, tk = _tile(m, n_dim)
-        smem = (tm * tk + tk * tn) * 4  # the generated tile: A and B staged once per K step, as float
-        threads = min(THREADS_PER_BLOCK, tm * tn)  # a thread per output at most
-        live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
-    else:
+        live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
+        schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
+        return _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
+    z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
+    skeleton = tensor_core_skeleton(graph, anchor) if len(nodes) > 1 else None  # a lone anchor: the library
+    if skeleton and has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None:
         tm, tn, tk = mma_tile(m, n_dim)
-        external = set(_external_inputs(graph, nodes))
-        stages = 2 if any(t in external for t in anchor.inputs[:2]) else 1
-        smem = mma_smem_bytes((tm, tn, tk), stages, MMA_ELEMENT_BYTES[skeleton])
-        threads = MMA_THREADS
-        live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator + operand fragments
-    # split-K is the library's (cuBLAS splits skinny GEMMs); the generated tiled kernel never splits
-    split = _split_k(m, n_dim, k, tm, tn, tk) if len(nodes) == 1 else 1
-    kernel = _build(graph, nodes, GEMM_TEMPLATE[anchor.op_type], anchor.id, out_size * split, k,
-                    (tm, tn, tk), smem, live)
-    z, m_z = _tile_batches(graph, anchor)  # the generated grid: tiles of each batch (MatMul) or group (Conv)
-    kernel = replace(kernel, threads_per_block=threads, skeleton=skeleton, stages=stages,
-                     blocks=z * math.ceil(m_z / tm) * math.ceil(n_dim / tn) if len(nodes) > 1 else 0)
+        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+        if max(grid[1:]) <= MAX_GRID_YZ:  # double-buffered when an operand is a plain copy of an input
+            stages = 2 if set(anchor.inputs[:2]) & set(_external_inputs(graph, nodes)) else 1
+            live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
+            return _build(graph, nodes, template, anchor.id, out_size, k, live, mma(skeleton, (tm, tn, tk), stages, grid))
+    tm, tn, tk = _tile(m, n_dim)
+    live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
+    smem = (tm * tk + tk * tn) * 4  # the tile: A and B staged once per K step, as float
+    threads = min(THREADS_PER_BLOCK, tm * tn)  # a thread per output at most
+    grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+    if (has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None
+            and max(grid[1:]) <= MAX_GRID_YZ and thread_layout(tm, tn) is not None):
+        own = Schedule("generated", "tiled", "cuda-core", (tm, tn, tk), threads=threads, grid=grid, smem_bytes=smem)
+    else:  # `direct`: a thread per output element with its dot product inline (an epilogue that
+        # moves elements, ConvTranspose, 1-D operands): no tile, each operand element re-read (and
+        # its prologue recomputed) once per output that uses it
+        own = replace(grid_stride(max(graph.tensors[t].size for t in _external_outputs(graph, nodes))),
+                      skeleton="direct")
+        live = 4 + 2 * len(nodes)
+    if len(nodes) > 1:
+        return _build(graph, nodes, template, anchor.id, out_size, k, live, own,
+                      reload_tile=(1, 1, k) if own.skeleton == "direct" else None)
+    # a lone anchor is a library call; split-K is the library's (cuBLAS splits skinny GEMMs)
+    split = _split_k(m, n_dim, k, tm, tn, tk)
+    schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=threads,
+                        smem_bytes=smem, fallback=own)
+    kernel = _build(graph, nodes, template, anchor.id, out_size * split, k, live, schedule)
     if split == 1:
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
-    return replace(kernel, split_k=split, read_bytes=kernel.read_bytes + partials // 2,
-                   write_bytes=kernel.write_bytes + partials // 2)
-
-
-def gemm_skeleton(graph: Graph, nodes: list[Node], anchor: Node) -> str:
-    """The CUDA skeleton of a fused (generated) gemm/conv group: `mma-tf32` / `mma-f16` / `mma-bf16`
-    (tensor cores) when the anchor is a GEMM of 2-D+ operands or a Conv, both operands have a tensor-core
-    dtype (float32 only while the graph allows TF32), the epilogue keeps the product's positions
-    and the grid fits; else `tiled` (fmaf on CUDA cores; the generator may still fall back to a
-    thread per output where no tile applies)."""
-    dtypes = {graph.tensors[t].dtype for t in anchor.inputs[:2]}
-    skeleton = MMA_SKELETONS.get(dtypes.pop()) if len(dtypes) == 1 else None
-    if skeleton is None or (skeleton == "mma-tf32" and not graph.allow_tf32):
-        return "tiled"
-    shapes = [graph.tensors[t].shape for t in anchor.inputs[:2]]
-    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or min(len(s) for s in shapes) < 2:
-        return "tiled"
-    z, m_z = _tile_batches(graph, anchor)
-    if z > MAX_GRID_YZ or math.ceil(m_z / MMA_TILES[-1][0]) > MAX_GRID_YZ:
-        return "tiled"
-    return skeleton if anchor_derived(graph, [n.id for n in nodes], anchor) is not None else "tiled"
+    return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
 
 
 def mma_tile(m: int, n: int) -> tuple[int, int, int]:
@@ -447,40 +465,6 @@ def mma_tile(m: int, n: int) -> tuple[int, int, int]:
         if math.ceil(m / tm) * math.ceil(n / tn) >= TARGET_BLOCKS:
             return tm, tn, TILE_K
     return MMA_TILES[-1] + (TILE_K,)
-
-
-def mma_pad(element_bytes: int) -> int:
-    """Elements of padding after each staged row (MMA_PAD_BYTES)."""
-    return MMA_PAD_BYTES // element_bytes
-
-
-def mma_smem_bytes(tile: tuple[int, ...], stages: int, element_bytes: int) -> int:
-    """Shared memory of the tensor-core skeleton, exactly what it declares: per stage an A and a B
-    buffer of (rows + pad) x (columns + pad) elements (either operand layout fits), and the float
-    accumulator tile (BM x (BN + 4)) the epilogue reads, in the same bytes after the main loop."""
-    tm, tn, tk = tile
-    pad = mma_pad(element_bytes)
-    staged = stages * ((tm + pad) * (tk + pad) + (tk + pad) * (tn + pad)) * element_bytes
-    return max(staged, tm * (tn + mma_pad(4)) * 4)
-
-
-def anchor_derived(graph: Graph, node_ids, anchor: Node) -> set[str] | None:
-    """Tensors of the group computed from the anchor's output at the same flat position (through
-    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
-    positions (a Transpose, a Softmax...): no tiled skeleton applies then."""
-    y = anchor.outputs[0]
-    size = graph.tensors[y].size
-    derived = {y}
-    for i in node_ids:
-        n = graph.nodes[i]
-        if i == anchor.id or not any(t in derived for t in n.inputs):
-            continue
-        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
-            graph.tensors[t].size == size for t in n.inputs if t in derived)
-        if not same or not (n.kind.name in ("ELEMWISE", "BROADCAST") or n.op_type in VIEW_OPS):
-            return None
-        derived.update(t for t in n.outputs if t)
-    return derived
 
 
 def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:
@@ -533,10 +517,11 @@ def _external_outputs(graph: Graph, nodes: list[Node]) -> list[str]:
 
 
 def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, iteration: int,
-           reduction: int, tile: tuple[int, ...], smem: int, live: int, *, alias: bool = False) -> Kernel:
+           reduction: int, live: int, schedule: Schedule, *, reload_tile: tuple[int, ...] | None = None) -> Kernel:
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
-    reloads = _prologue_reloads(graph, nodes, anchor, tile)
+    alias = schedule.impl == "alias"
+    reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile)
     tc = scalar = trans = divisions = 0
     for n in nodes:
         times = reloads.get(n.id, 1)
@@ -552,8 +537,8 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
     return Kernel(template, tuple(n.id for n in nodes), tuple(n.op_type for n in nodes), anchor, dtype,
-                  tuple(inputs), tuple(outputs), max(iteration, 1), reduction, tile, smem, max(live, 1),
-                  THREADS_PER_BLOCK, tc, scalar, trans, read, write, alias,
+                  tuple(inputs), tuple(outputs), max(iteration, 1), reduction, max(live, 1),
+                  tc, scalar, trans, read, write, schedule,
                   index_divisions=_index_divisions(graph, outputs + _reduced_inputs(nodes)),
                   divisions=divisions)
 

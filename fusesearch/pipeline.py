@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from fusesearch.errors import UnsupportedModel
+from fusesearch.ir._from_ir import graph_from_ir
 from fusesearch.ir.canonicalize import canonicalize, lowest_ir_version, to_proto
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.load import LoadedModel, load_model
@@ -48,7 +49,7 @@ def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original:
     loaded = load_model(model, bindings)
     original = to_proto(loaded.model) if keep_original else None
     canonical, passes = canonicalize(loaded.model)
-    graph = Graph.from_ir(canonical)
+    graph = graph_from_ir(canonical)
     if not tf32:
         graph = replace(graph, allow_tf32=False)
     if not graph.nodes:

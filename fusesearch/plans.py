@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodels import KernelCost
-from fusesearch.candidates.rules import FusionDecision, Legality
+from fusesearch.candidates.decision import FusionDecision
+from fusesearch.candidates.rules import Legality
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel

@@ -26,9 +26,19 @@ the first step whose output differs on a mismatch, then times both and ONNX Runt
 ORT_ENABLE_ALL and ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's for
 the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each in
 turn per round, so that the machine's load changes fall on all four alike.
+On a GPU (`backend="cupy"`) the same steps and arena become a `CudaProgram`: one device
+allocation at the same offsets, every kernel's CUDA source in one module, launched in plan order
+on one non-default stream, library steps through ONNX Runtime on the device's buffers, the whole
+program captured once as a CUDA graph and replayed when every segment is generated; the
+programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
+CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
+report). `CudaProgram` only orchestrates; its device (`backends.cupy.Device`, or `HostDevice`:
+the CUDA emulator on host memory, `run_emulated`, correctness only) allocates, copies, launches
+and captures, so the emulator's tests run the GPU's orchestration.
 Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
 written by a step that reads a tensor at the same address; inputs and weights are never written;
-every kernel name in one library is unique; `--check-each` and the search for a differing step
+every kernel name in one library or module is unique; a CUDA graph is captured only
+when no library step runs between kernels; `--check-each` and the search for a differing step
 run a program without reuse (each tensor its own bytes), so every intermediate can be read back;
 after `run_plan`, OpenMP's thread count is the caller's again.
 """
@@ -41,7 +51,6 @@ import math
 import os
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -218,8 +227,9 @@ class Layout:
     """Where each tensor of a program lives: an alias shares its source's storage; weights and
     the model's inputs are external (`ext_index`: their slot in the pointer table); every other
     tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime).
-    Subclasses allocate the memory (`_allocate`) and `run` the steps; `__call__(feeds)` sets the
-    inputs, runs, and returns copies of the model's outputs."""
+    Subclasses allocate the memory (`_allocate` on the host; `CudaProgram` on its device) and
+    `run` the steps; `__call__(feeds)` sets the inputs, runs, and returns copies of the model's
+    outputs."""
 
     def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
         self.graph, self.steps = graph, list(steps)
@@ -367,27 +377,9 @@ class Program(Layout):
         return calls
 
     def _library_call(self, canonical: onnx.ModelProto, s: Step) -> Callable[[], None]:
-        from fusesearch.backends.library import node_model
-        from fusesearch.verify import session
-
-        node = self.graph.nodes[s.nodes[0]]
-        try:
-            sess = session(node_model(canonical, self.graph, s.part), threads=self.threads)
-        except Exception as exc:  # ONNX Runtime's refusal: the model has a node it cannot run alone
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel and "
-                           f"ONNX Runtime cannot run it alone ({first}); run cannot execute this model") from None
-        binding = sess.io_binding()
-        for t in s.outputs:
-            view = self.view(t)
-            binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
-
-        def go() -> None:
-            for t in s.inputs:
-                binding.bind_cpu_input(t, self.view(t))
-            sess.run_with_iobinding(binding)
-
-        return go
+        return host_binding(library_session(canonical, self.graph, s, self.threads),
+                            [(t, lambda t=t: self.view(t)) for t in s.inputs],  # inputs are set per call
+                            [(t, self.view(t)) for t in s.outputs])
 
     def _set_pointer(self, t: str, a: np.ndarray) -> None:
         self.ext[self.ext_index[t]] = a.ctypes.data
@@ -395,6 +387,37 @@ class Program(Layout):
     def run(self) -> None:
         for call in self.calls:
             call()
+
+
+def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, providers=None):
+    """An ONNX Runtime session of a library step's one-node model (`providers`: ONNX Runtime's
+    list, default the CPU); BadInput naming the node when ONNX Runtime refuses it."""
+    from fusesearch.backends.library import node_model
+    from fusesearch.verify import session
+
+    node = graph.nodes[s.nodes[0]]
+    try:
+        return session(node_model(canonical, graph, s.part), threads=threads, providers=providers)
+    except Exception as exc:  # ONNX Runtime's refusal: the model has a node it cannot run alone
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel and "
+                       f"ONNX Runtime cannot run it alone ({first}); run cannot execute this model") from None
+
+
+def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
+                 outputs: Sequence[tuple[str, np.ndarray]]) -> Callable[[], None]:
+    """A run of `sess` reading `inputs` (each array as its function gives it at the call) and
+    writing `outputs` in place (host arrays, IO binding)."""
+    binding = sess.io_binding()
+    for t, view in outputs:
+        binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+
+    def go() -> None:
+        for t, get in inputs:
+            binding.bind_cpu_input(t, get())
+        sess.run_with_iobinding(binding)
+
+    return go
 
 
 # -- checking ---------------------------------------------------------------------------------
@@ -449,58 +472,159 @@ def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: 
     return program, max_rel_err(wanted, got)
 
 
-# -- the CUDA program, emulated ---------------------------------------------------------------
+# -- the CUDA program --------------------------------------------------------------------------
 
-class EmulatedCudaProgram(Layout):
-    """The plan as the CUDA program would launch it, run through the CUDA emulator on host memory
-    (correctness only, never timing): every generated kernel's own CUDA source with its own grid
-    and block, in plan order, over one arena laid out as on the CPU; groups the generator does not
-    write run through `arraylib` (the GPU's library path, here on numpy), written into the arena."""
+class CudaProgram(Layout):
+    """The plan as one CUDA program on a `device` — `backends.cupy.Device` (a GPU) or
+    `HostDevice` (the CUDA emulator on host memory): one device allocation for the arena at
+    `plan_arena`'s offsets, weights uploaded once, an input buffer per model input (so every
+    pointer is fixed), every generated kernel in one module (`codegen.cuda_module`) launched in
+    plan order with its own grid and block, library steps through ONNX Runtime on the device's
+    buffers (`device.library`). When every segment is generated (`cuda_graph`), the launches are
+    captured once into a CUDA graph and every run replays it; otherwise they are launched one by
+    one. The orchestration is this class alone; the device only allocates, copies, launches and
+    captures."""
 
-    def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool = True) -> None:
-        from fusesearch.backends import arraylib
-
+    def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
+                 device, threads: int, *, reuse: bool = True) -> None:
         super().__init__(graph, steps, weights, reuse=reuse)
-        for s in self.steps:
-            if s.how == "library":
-                node = graph.nodes[s.nodes[0]]
-                decision = arraylib.supports(node.op_type, node.attrs, len([t for t in node.outputs if t]))
-                if not decision:
-                    raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel "
-                                   f"and no GPU library kernel ({decision.reason}); the CUDA program cannot run it")
-        self._allocate(weights)
-        self.segment_counts = {kind: sum(k == kind for k, _ in segments(self.steps)) for kind in ("generated", "library")}
-
-    def run(self) -> None:
-        from fusesearch.backends import arraylib, emulate
-
+        self.device, self.threads = device, threads
+        parts = segments(self.steps)
+        self.segment_counts = {kind: sum(k == kind for k, _ in parts) for kind in ("generated", "library")}
+        kernels = [s.kernel for s in self.steps if s.how == "generated"]
+        functions = device.module(kernels) if kernels else {}
+        self.arena = device.alloc(self.peak_bytes)
+        self.ext_arrays = {t: device.upload(weights[t]) if t in weights
+                           else device.alloc(graph.tensors[t].nbytes) for t in self.ext_index}
+        self.launches: list[Callable[[], None]] = []
         for s in self.steps:
             if s.how == "generated":
-                emulate.launch(s.kernel, [self.view(a.tensor).ctypes.data for a in (*s.kernel.inputs, *s.kernel.outputs)])
+                args = [self.buffer(a.tensor) for a in (*s.kernel.inputs, *s.kernel.outputs)]
+                self.launches.append(device.launcher(functions[s.kernel.name], s.kernel, args))
             elif s.how == "library":
-                node = self.graph.nodes[s.nodes[0]]
-                args = [self.view(t) if t else None for t in node.inputs]
-                outs = arraylib.run(np, node.op_type, node.attrs, args, len([t for t in node.outputs if t]))
-                for t, y in zip([t for t in node.outputs if t], outs, strict=True):
-                    if t in s.outputs:
-                        self.view(t)[...] = y
+                self.launches.append(device.library(
+                    lambda providers, s=s: library_session(canonical, graph, s, threads, providers),
+                    [(t, self.buffer(t)) for t in s.inputs], [(t, self.buffer(t)) for t in s.outputs]))
+        self.cuda_graph = bool(kernels) and self.segment_counts["library"] == 0
+        self.graph_exec = device.capture(self._launch_all) if self.cuda_graph else None
+
+    def buffer(self, t: str):
+        """The tensor as a device array over the program's memory (no copy)."""
+        info = self.graph.tensors[t]
+        r = self.root(t)
+        base, offset = (self.ext_arrays[r], 0) if r in self.ext_index else (self.arena, self.offsets[r])
+        return self.device.view(base, offset, tuple(info.shape), np.dtype(info.dtype))
+
+    def view(self, t: str) -> np.ndarray:
+        return self.device.copy_out(self.buffer(t))
+
+    def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for t, a in feeds.items():
+            if t in self.ext_index and t in self.graph.inputs:
+                self.device.copy_in(self.buffer(t), np.ascontiguousarray(a, dtype=np.dtype(self.graph.tensors[t].dtype)))
+
+    def _launch_all(self) -> None:
+        for launch in self.launches:
+            launch()
+
+    def run(self) -> None:
+        if self.graph_exec is not None:
+            self.device.replay(self.graph_exec)
+        else:
+            self._launch_all()
 
 
-def run_emulated(prep, plan, *, seed: int = 0, rtol: float = 1e-4, check_each: bool = False) -> dict:
-    """Check the plan's CUDA program (through the emulator) against ONNX Runtime: {"max_rel_err",
-    "segments", "arena_peak_bytes"}; Mismatch naming the first step that differs."""
+class HostDevice:
+    """The CUDA program's device, emulated on the host (correctness only, never timing): memory
+    is numpy, the module is `emulate.module` (the same concatenated CUDA source, compiled as
+    C++), a launch runs every CUDA thread of the kernel's grid on host threads, a library step
+    runs in ONNX Runtime on the CPU bound to the host buffers, and a capture records the launches
+    in order for `replay` (as a CUDA graph replays its kernels)."""
+
+    name = "emulate"
+
+    def __init__(self) -> None:
+        self._recording: list[Callable[[], None]] | None = None
+
+    def module(self, kernels):
+        from fusesearch.backends import emulate
+
+        return emulate.module(kernels)
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        return raw[start:start + nbytes]
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.array(array, copy=True, order="C")
+
+    @staticmethod
+    def view(base: np.ndarray, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return base.reshape(-1).view(np.uint8)[offset:offset + nbytes].view(dtype).reshape(shape)
+
+    @staticmethod
+    def copy_in(buffer: np.ndarray, array: np.ndarray) -> None:
+        buffer[...] = array.reshape(buffer.shape)
+
+    @staticmethod
+    def copy_out(buffer: np.ndarray) -> np.ndarray:
+        return buffer.copy()
+
+    def launcher(self, fn, kernel, args) -> Callable[[], None]:
+        pointers = [a.ctypes.data for a in args]
+        return self._recorded(lambda: fn(pointers))
+
+    def library(self, make_session, inputs, outputs) -> Callable[[], None]:
+        return self._recorded(host_binding(make_session(None), [(t, lambda b=b: b) for t, b in inputs], outputs))
+
+    def _recorded(self, go: Callable[[], None]) -> Callable[[], None]:
+        def launch() -> None:
+            if self._recording is not None:
+                self._recording.append(go)
+            else:
+                go()
+        return launch
+
+    def capture(self, launch_all: Callable[[], None]) -> list[Callable[[], None]]:
+        self._recording = []
+        try:
+            launch_all()
+            return self._recording
+        finally:
+            self._recording = None
+
+    @staticmethod
+    def replay(graph: list[Callable[[], None]]) -> None:
+        for go in graph:
+            go()
+
+
+def run_emulated(prep, plan, *, seed: int = 0, rtol: float = 1e-4, check_each: bool = False,
+                 input_values: Mapping[str, np.ndarray] | None = None) -> dict:
+    """Check the plan's CUDA program, run through the emulator (`HostDevice`), against ONNX
+    Runtime: {"max_rel_err", "segments", "arena_peak_bytes", "cuda_graph", "kernels",
+    "library_steps"}; Mismatch naming the first step that differs."""
+    from fusesearch.backends import emulate
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.verify import all_values, random_feeds
 
+    decision = emulate.available()
+    if not decision:
+        raise BadInput(f"--backend emulate: {decision.reason}")
+    check_args(1, 0, 1, rtol)
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed)
-    reference = all_values(canonical, feeds)
+    feeds = random_feeds(canonical, seed, input_values)
+    reference = all_values(canonical, feeds, list(input_values or ()))
     steps = plan_steps(prep.graph, plan)
     program, err = checked("plan (CUDA, emulated)",
-                           lambda reuse: EmulatedCudaProgram(prep.graph, steps, weights, reuse=reuse),
+                           lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, HostDevice(), 1, reuse=reuse),
                            feeds, reference, rtol, check_each)
-    return {"max_rel_err": err, "segments": program.segment_counts, "arena_peak_bytes": program.peak_bytes}
+    return {"max_rel_err": err, "segments": program.segment_counts, "arena_peak_bytes": program.peak_bytes,
+            "cuda_graph": program.cuda_graph, "kernels": sum(s.how == "generated" for s in steps),
+            "library_steps": sum(s.how == "library" for s in steps)}
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -523,6 +647,10 @@ class RunReport:
     unfused_segments: dict[str, int]
     kernels: int
     library_steps: int
+    backend: str = "cpu"
+    cuda_graph: bool | None = None  # cupy: whether each program ran as one captured CUDA graph
+    unfused_cuda_graph: bool | None = None
+    ort_provider: str = "CPUExecutionProvider"  # the provider of the timed ONNX Runtime sessions
 
     def ratio(self, a: str, b: str) -> float:
         if a not in self.timings or b not in self.timings or not self.timings[b].median_s:
@@ -540,12 +668,16 @@ class RunReport:
                 "kernels": self.kernels, "library_steps": self.library_steps,
                 "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
                            "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
-                           "plan_vs_unfused": self.ratio("plan", "unfused")}}
+                           "plan_vs_unfused": self.ratio("plan", "unfused")},
+                "backend": self.backend, "ort_provider": self.ort_provider,
+                **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
+                   if self.backend == "cupy" else {})}
 
     def to_pandas(self):
         import pandas as pd
 
-        rows = [{"model": self.model, "strategy": self.strategy, "program": k, "threads": self.threads,
+        rows = [{"model": self.model, "strategy": self.strategy, "program": k, "backend": self.backend,
+                 "threads": self.threads,
                  "median_s": t.median_s, "p20_s": t.p20_s, "p80_s": t.p80_s, "n": t.n,
                  "arena_peak_bytes": {"plan": self.arena_peak_bytes, "unfused": self.unfused_arena_peak_bytes}.get(k),
                  "activation_bytes": self.activation_bytes,
@@ -554,19 +686,24 @@ class RunReport:
         return pd.DataFrame(rows)
 
 
-def _timed(runs: Mapping[str, Callable[[], object]], warmup: int, repeat: int) -> dict[str, Timing]:
+def _timed(runs: Mapping[str, Callable[[], object]], warmup: int, repeat: int,
+           clocks: Mapping[str, object] | None = None) -> dict[str, Timing]:
     """Each run's samples, taken in turn (one run of each per round), so that a change in the
-    machine's load while timing falls on every program alike."""
+    machine's load while timing falls on every program alike; each run's clock from `clocks`
+    (CUDA events on the GPU), else the host's perf_counter."""
+    from fusesearch.backends.timing import PerfCounterClock
+
+    clock = {k: (clocks or {}).get(k) or PerfCounterClock() for k in runs}
     for fn in runs.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeat):
         for k, fn in runs.items():
-            t0 = time.perf_counter()
+            token = clock[k].start()
             fn()
-            samples[k].append(time.perf_counter() - t0)
-    return {k: Timing(tuple(v), warmup, "perf_counter") for k, v in samples.items()}
+            samples[k].append(clock[k].stop(token))
+    return {k: Timing(tuple(v), warmup, clock[k].name) for k, v in samples.items()}
 
 
 def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
@@ -580,17 +717,35 @@ def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
         raise BadInput(f"--rtol {rtol}: give a tolerance >= 0")
 
 
+BACKENDS = ("cpu", "cupy")
+
+
+def require_backend(backend: str) -> None:
+    """BadInput (one line, with what to do instead) unless `run_plan` can run on `backend`."""
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend {backend}: run executes on cpu or cupy (or checks the CUDA program with "
+                       "emulate); use one of them")
+    if backend == "cupy":
+        from fusesearch.backends import cupy as gpu
+
+        decision = gpu.available()
+        if not decision:
+            raise BadInput(f"--backend cupy: no GPU/CuPy available ({decision.reason}); use --backend cpu to run "
+                           "here, or --backend emulate to check the CUDA program without a GPU")
+
+
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
              rtol: float = 1e-4, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
-             progress: Callable[[str], None] | None = None) -> RunReport:
+             progress: Callable[[str], None] | None = None, backend: str = "cpu") -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
-    step."""
+    step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events."""
+    require_backend(backend)
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
-                         input_values, progress)
+                         input_values, progress, backend)
     finally:  # the caller's OpenMP thread count again
         if "before" in _THREADS:
             lib, before = _THREADS.pop("before")
@@ -598,7 +753,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
 
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
-              progress) -> RunReport:
+              progress, backend) -> RunReport:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
     from fusesearch.verify import all_values, random_feeds, session
@@ -611,16 +766,33 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     feeds = random_feeds(canonical, seed, input_values)
     say("reference")
     reference = all_values(canonical, feeds, list(input_values or ()))
-    programs: dict[str, Program] = {}
+    device = None
+    if backend == "cupy":
+        from fusesearch.backends import cupy as gpu
+
+        device = gpu.Device(threads)
+    programs: dict[str, Layout] = {}
     errors: dict[str, float] = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         say(f"compiling {label}")
         steps = plan_steps(graph, p)
         programs[label], errors[label] = checked(
-            label, lambda reuse, steps=steps: Program(graph, canonical, steps, weights, threads, reuse=reuse),
+            label, lambda reuse, steps=steps: (
+                Program(graph, canonical, steps, weights, threads, reuse=reuse) if device is None
+                else CudaProgram(graph, canonical, steps, weights, device, threads, reuse=reuse)),
             feeds, reference, rtol, check_each)
     timings: dict[str, Timing] = {}
-    if time_it:
+    ort_provider = "CPUExecutionProvider"
+    if time_it and device is not None:  # the programs on their inputs, resident since the check
+        runs = {label: programs[label].run for label in ("plan", "unfused")}
+        clocks = {label: device.clock() for label in runs}
+        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+            runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
+            if ort_provider == gpu.CUDA_EP:
+                clocks[key] = device.clock()
+        say("timing")
+        timings = _timed(runs, warmup, repeat, clocks)
+    elif time_it:
         runs: dict[str, Callable[[], object]] = {}
         for label in ("plan", "unfused"):
             runs[label] = lambda program=programs[label]: program(feeds)
@@ -631,7 +803,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
             runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
         say("timing")
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
-            if program.library is not None:
+            if isinstance(program, Program) and program.library is not None:
                 program.library.fs_set_threads(threads)
         timings = _timed(runs, warmup, repeat)
     steps = programs["plan"].steps
@@ -641,4 +813,6 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         unfused_arena_peak_bytes=programs["unfused"].peak_bytes, activation_bytes=activation_bytes(graph),
         max_rel_err=errors["plan"], unfused_max_rel_err=errors["unfused"], segments=programs["plan"].segment_counts,
         unfused_segments=programs["unfused"].segment_counts, kernels=sum(s.how == "generated" for s in steps),
-        library_steps=sum(s.how == "library" for s in steps))
+        library_steps=sum(s.how == "library" for s in steps), backend=backend,
+        cuda_graph=getattr(programs["plan"], "cuda_graph", None),
+        unfused_cuda_graph=getattr(programs["unfused"], "cuda_graph", None), ort_provider=ort_provider)

@@ -195,10 +195,12 @@ def omp_threads() -> int:
     return int(value) if value.isdigit() else 0
 
 
-def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool = False):
+def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool = False,
+            providers: list | None = None):
     """A CPU session of `model` (a path is read into memory first) with graph optimizations off
     (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
-    intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`)."""
+    intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`);
+    `providers`: ONNX Runtime's execution providers instead (the CUDA program's)."""
     ort = _ort()
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
@@ -216,7 +218,7 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
         data = model.SerializeToString()
     finally:
         model.ir_version = saved
-    sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(data, opts, providers=providers or ["CPUExecutionProvider"])
     sess.fusesearch_weights = aside  # ONNX Runtime reads them in place: they live as long as the session
     return sess
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for a machine with an NVIDIA GPU and CuPy 14 (CUDA 13): the gpu-marked tests,
-# `fusesearch measure --backend cupy` on two zoo models, and the tensor-core kernels of a few zoo
-# shapes timed beside the CUDA-core skeleton and `cupy.matmul` with TF32 allowed
+# `fusesearch measure --backend cupy` on two zoo models, `fusesearch run --backend cupy` (the
+# whole plan as one CUDA program beside ONNX Runtime) on bert-small, and the tensor-core kernels of
+# a few zoo shapes timed beside the CUDA-core skeleton and `cupy.matmul` with TF32 allowed
 # (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
 # Runtime's CUDA provider does and as the cost model prices them). Figures and logs go to $OUT
 # (default ./gpu_out). It installs nothing from the network: packages missing on the GPU machine travel
@@ -14,8 +15,8 @@
 #     shellingham click typing-extensions pyarrow hypothesis sortedcontainers
 # It fails (exit 1, one line on stderr) when no GPU is visible — checked first, before anything
 # is installed — and when the gpu tests did not really run on the GPU: none selected, or any of
-# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); when a measure run fails;
-# and when a tensor-core kernel differs from the CUDA-core one beyond the TF32 tolerance.
+# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); when a measure or the
+# run fails; and when a tensor-core kernel differs from the CUDA-core one beyond the TF32 tolerance.
 # Usage: bash scripts/gpu_check.sh   (about 5 minutes on an H200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,19 @@ except Exception as exc:  # the .err file says why
     print("  no result:", exc)
 PY
 done
+$PY -m fusesearch run zoo:bert-small --backend cupy --device h200 --json \
+  > "$OUT/run_bert-small.json" 2> "$OUT/run_bert-small.err" \
+  || { echo "gpu_check: run zoo:bert-small --backend cupy failed: $(head -1 "$OUT/run_bert-small.err")" >&2; status=1; }
+$PY - "$OUT/run_bert-small.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    print(f"run bert-small --backend cupy: plan {d['plan']['median_s'] * 1e6:.1f} us (cuda graph {d['cuda_graph']}), "
+          f"unfused {d['unfused']['median_s'] * 1e6:.1f} us, ONNX Runtime ENABLE_ALL "
+          f"{d['ort_enable_all']['median_s'] * 1e6:.1f} us on {d['ort_provider']}, max rel err {d['max_rel_err']:.2g}")
+except Exception as exc:  # the .err file says why
+    print("run bert-small --backend cupy: no result:", exc)
+PY
 $PY benchmarks/bench_gpu_mma.py --out "$OUT/bench_gpu_mma.json" 2>&1 | tee "$OUT/bench_gpu_mma.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
   echo "gpu_check: benchmarks/bench_gpu_mma.py failed: $(grep -m1 -E 'NOT EQUAL|Error|error' "$OUT/bench_gpu_mma.log")" >&2

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.ir._from_ir import graph_from_ir
 from fusesearch.ir.canonicalize import canonicalize
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import CannotLower, lower, try_lower
@@ -19,7 +20,7 @@ rng = np.random.default_rng(3)
 
 def graph_of(nodes, inputs, outputs, inits=(), opset=17) -> Graph:
     model = make_model(nodes, inputs, outputs, inits, opset=opset)
-    return Graph.from_ir(canonicalize(load_model_proto(model).model)[0])
+    return graph_from_ir(canonicalize(load_model_proto(model).model)[0])
 
 
 def group(g: Graph, *names) -> FusionGroup:
@@ -163,27 +164,28 @@ def test_gemm_skeleton_tensor_cores_when_tf32_is_allowed():
     from dataclasses import replace
 
     from costmodels import DEVICES, RooflineModel, RooflineParams
-    from fusesearch.lowering import MMA_THREADS, MMA_TILES, mma_smem_bytes
+    from fusesearch.schedule import MMA_THREADS, MMA_TILES, mma_smem_bytes
 
     g = conv_relu_graph(c=64, hw=64)
     k = lower(g, group(g, "conv", "relu"))
-    assert (k.skeleton, k.threads_per_block, k.stages) == ("mma-tf32", MMA_THREADS, 2)
+    assert (k.schedule.skeleton, k.schedule.unit, k.threads_per_block, k.schedule.stages) == (
+        "mma-tf32", "tensor-core", MMA_THREADS, 2)
     assert k.tile[:2] in MMA_TILES and k.smem_bytes == mma_smem_bytes(k.tile, 2, 4) <= 48 * 1024
     h100, params = DEVICES["h100-sxm"], RooflineParams()
     cost = RooflineModel(params).cost(k.spec(), h100)
-    assert k.spec().tensor_cores and cost.compute_unit == "tf32-tensor-core"
+    assert k.spec().unit == "tensor-core" and cost.compute_unit == "tf32-tensor-core"
     tc_s = k.tc_flops / (h100.tf32_flops_per_s * params.get("mma_efficiency", "conv"))
     assert cost.compute_s >= tc_s and cost.compute_s == pytest.approx(tc_s, rel=0.05)
 
     off = replace(g, allow_tf32=False)
     k_off = lower(off, group(off, "conv", "relu"))
-    assert (k_off.skeleton, k_off.threads_per_block, k_off.stages) == ("tiled", 256, 1)
-    assert not k_off.spec().tensor_cores
+    assert (k_off.schedule.skeleton, k_off.threads_per_block, k_off.schedule.stages) == ("tiled", 256, 1)
+    assert k_off.spec().unit == "cuda-core"
     no_tf32 = RooflineModel(params.with_updates(float32_uses_tf32=False))
     assert no_tf32.cost(k_off.spec(), h100).compute_unit == "fp32-cuda-core"
     assert no_tf32.cost(k.spec(), h100).compute_unit == "fp32-cuda-core"  # no TF32 rate without TF32
     lone = lower(g, group(g, "conv"))
-    assert lone.skeleton == "tiled" and lone.impl == "library"
+    assert lone.impl == "library" and lone.schedule.generated.skeleton == "tiled"
 
 
 def test_gemm_skeleton_keeps_cuda_cores_where_no_tile_applies():
@@ -191,4 +193,4 @@ def test_gemm_skeleton_keeps_cuda_cores_where_no_tile_applies():
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
              helper.make_node("Transpose", ["y"], ["out"], perm=[1, 0], name="t")]
     g = graph_of(nodes, [("x", [40, 24])], [("out", None)], [("w", rng.standard_normal((24, 64)).astype(np.float32))])
-    assert lower(g, group(g, "mm", "t")).skeleton == "tiled"
+    assert lower(g, group(g, "mm", "t")).schedule.skeleton == "direct"

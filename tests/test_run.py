@@ -2,7 +2,8 @@
 
 Tiny models built in code: an MLP chain (one generated segment), a chain with a data-dependent
 If (a library segment between generated ones), a lone If (library only), a float16 conv the
-generator refuses (library per node); the arena's greedy placement; the JSON contract; exit 1
+generator refuses (library per node); the CUDA program through the emulator (`--backend emulate`
+and `--backend cupy` have their own file, test_run_cuda.py); the arena's greedy placement; the JSON contract; exit 1
 naming the first differing kernel when the tolerance is 0 (our dot products sum in another order
 than ONNX Runtime's); bad flags exit 2 with one line naming the option."""
 
@@ -152,7 +153,7 @@ def test_plan_file_round_trip(run_cli, tmp_path):
     (("--threads", "0"), "--threads 0"),
     (("--warmup", "-1"), "--warmup -1"),
     (("--rtol", "-1"), "--rtol -1"),
-    (("--backend", "cupy"), "--backend cupy"),
+    (("--backend", "tpu"), "--backend tpu"),
 ])
 def test_bad_flags_exit_2_with_one_line(run_cli, tmp_path, flags, named):
     code, stdout, stderr = run_cli("run", save(mlp(), tmp_path / "mlp.onnx"), *flags)
@@ -224,16 +225,21 @@ def test_cuda_program_through_the_emulator_equals_ort(tmp_path, build):
     assert result["segments"]["library"] == (build is conv_pool)
 
 
-def test_cuda_program_refuses_a_node_without_a_gpu_library_kernel(tmp_path):
+def test_cuda_program_runs_an_if_through_onnx_runtime(tmp_path):
+    """A node with no generated kernel (If) runs through ONNX Runtime between the kernels: the
+    program is launched one by one, not captured as a CUDA graph."""
     from fusesearch.api import plan as make_plan
-    from fusesearch.errors import BadInput
+    from fusesearch.backends import emulate
     from fusesearch.pipeline import prepare
     from fusesearch.run import run_emulated
 
+    if not emulate.available():
+        pytest.skip("no C++ compiler")
     path = save(with_if(), tmp_path / "if.onnx")
     prep = prepare(path)
-    with pytest.raises(BadInput, match=r"node 'choose' \(If\) has no generated kernel and no GPU library kernel"):
-        run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep))
+    result = run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep))
+    assert result["segments"] == {"generated": 2, "library": 1} and result["cuda_graph"] is False
+    assert result["max_rel_err"] <= 1e-4
 
 
 def test_measure_end_to_end_adds_the_run(run_cli, tmp_path):

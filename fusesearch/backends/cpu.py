@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",

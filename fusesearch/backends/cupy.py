@@ -10,7 +10,12 @@ Approach: this is the only module that imports cupy, and only lazily inside func
 `l2_flusher` overwrites a 2×L2 device buffer between samples; `compile_module` builds an NVRTC
 `cupy.RawModule`; `kernel_runner` launches a generated kernel; `library_runner` runs one node
 through `backends.arraylib` with `xp = cupy` (cuBLAS via `cupy.matmul`: the GPU vendor path for
-lone anchors and pooling).
+lone anchors and pooling). `Device` is the device of `run.CudaProgram` (`fusesearch run
+--backend cupy`): memory, one RawModule for all kernels, launches and graph capture on one
+non-default stream, library steps and whole-model timing through ONNX Runtime — its
+CUDAExecutionProvider on the program's stream (`user_compute_stream`) with IO binding on device
+memory when onnxruntime-gpu provides it, else ONNX Runtime on the CPU, the step's tensors copied
+to the host and back.
 Invariants: importing this module never imports cupy; every function that needs cupy raises a
 `FusesearchError` naming the fix when it is missing.
 """
@@ -20,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
 INSTALL_HINT = "cupy is not installed: pip install 'fusesearch[gpu]'"
@@ -65,20 +70,24 @@ def gpu_count() -> int:
 
 
 class CudaEventClock:
-    """Device time between two CUDA events recorded on the current stream (Clock protocol)."""
+    """Device time between two CUDA events recorded on `stream` (default: the current stream)
+    (Clock protocol)."""
 
     name = "cuda_event"
+
+    def __init__(self, stream: object = None) -> None:
+        self.stream = stream
 
     def start(self) -> object:
         cupy = _import_cupy()
         begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-        begin.record()
+        begin.record(self.stream)
         return begin, end
 
     def stop(self, token: object) -> float:
         cupy = _import_cupy()
         begin, end = token  # type: ignore[misc]
-        end.record()
+        end.record(self.stream)
         end.synchronize()
         return float(cupy.cuda.get_elapsed_time(begin, end)) / MS_PER_S
 
@@ -101,10 +110,13 @@ def l2_flusher(l2_bytes: int) -> Callable[[], None]:
 
 def compile_module(source: str, *, options: tuple[str, ...] = (),
                    name_expressions: Iterable[str] = ()) -> object:
-    """A `cupy.RawModule` compiled by NVRTC (lazily, at the first `get_function`)."""
+    """A `cupy.RawModule` compiled by NVRTC (lazily, at the first `get_function`), with the CUDA
+    headers the tensor-core kernels include on its path (`nvrtc.include_flags`)."""
+    from fusesearch.backends.nvrtc import include_flags
+
     cupy = _import_cupy()
     names = tuple(name_expressions)
-    return cupy.RawModule(code=source, options=tuple(options), backend="nvrtc",
+    return cupy.RawModule(code=source, options=(*options, *include_flags()), backend="nvrtc",
                           name_expressions=names or None)
 
 
@@ -116,10 +128,8 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
 
     from fusesearch.backends.codegen import NP_DTYPES as dtypes
 
-    from fusesearch.backends.nvrtc import include_flags
-
     cupy = _import_cupy()
-    module = compile_module(generated.cuda_source, options=("--std=c++17", *include_flags()))
+    module = compile_module(generated.cuda_source, options=("--std=c++17",))
     fn = module.get_function(generated.name)
     args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape))
             for a in generated.inputs]
@@ -168,3 +178,147 @@ def device_name() -> str:
 def l2_bytes() -> int:
     cupy = _import_cupy()
     return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id).get("l2CacheSize", 0))
+
+
+CUDA_EP = "CUDAExecutionProvider"
+
+
+def ort_has_cuda() -> bool:
+    """Whether the installed ONNX Runtime offers its CUDA execution provider (onnxruntime-gpu)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return False
+    return CUDA_EP in onnxruntime.get_available_providers()
+
+
+class Device:
+    """The CUDA program's device on the GPU (`run.CudaProgram` calls only these methods; the
+    emulator's `run.HostDevice` has the same ones). Every copy, launch, capture and ONNX Runtime
+    call is ordered on one non-default stream, so a program needs no synchronization but the
+    copy of its outputs back to the host."""
+
+    name = "cupy"
+
+    def __init__(self, threads: int = 1) -> None:
+        cupy = _import_cupy()
+        self.cupy, self.threads = cupy, threads
+        self.device_id = int(cupy.cuda.Device().id)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.ort_cuda = ort_has_cuda()
+
+    def _providers(self) -> list | None:
+        """ONNX Runtime's providers for this device: CUDA on the program's stream, else the CPU."""
+        if not self.ort_cuda:
+            return None
+        return [(CUDA_EP, {"device_id": str(self.device_id), "user_compute_stream": str(self.stream.ptr)}),
+                "CPUExecutionProvider"]
+
+    def module(self, kernels) -> dict:
+        """Every kernel in one RawModule (`codegen.cuda_module`), compiled by NVRTC once; the
+        functions by kernel name, loaded now (never during a graph capture)."""
+        from fusesearch.backends.codegen import cuda_module
+
+        module = compile_module(cuda_module(kernels), options=("--std=c++17",))
+        return {k.name: module.get_function(k.name) for k in kernels}
+
+    def alloc(self, nbytes: int):
+        with self.stream:
+            return self.cupy.empty(max(int(nbytes), 1), dtype=self.cupy.uint8)
+
+    def upload(self, array):
+        with self.stream:
+            return self.cupy.asarray(array)
+
+    def view(self, base, offset: int, shape: tuple[int, ...], dtype):
+        return self.cupy.ndarray(shape, dtype=dtype, memptr=base.data + int(offset))
+
+    def copy_in(self, buffer, array) -> None:
+        buffer.set(array.reshape(buffer.shape), stream=self.stream)
+
+    def copy_out(self, buffer):
+        return buffer.get(stream=self.stream)  # blocking: the stream's work before it is done
+
+    def launcher(self, fn, kernel, args) -> Callable[[], None]:
+        grid, block, params = tuple(kernel.grid), tuple(kernel.block), tuple(args)
+        stream = self.stream
+
+        def launch() -> None:
+            with stream:  # RawKernel launches on the current stream
+                fn(grid, block, params)
+
+        return launch
+
+    def library(self, make_session, inputs, outputs) -> Callable[[], None]:
+        """A library step: ONNX Runtime's CUDA provider on the program's stream reading and
+        writing the device buffers in place; else (no onnxruntime-gpu, or the session fell back
+        to the CPU) a CPU session on host copies of the inputs, its outputs copied back."""
+        import numpy as np
+
+        providers = self._providers()
+        sess = make_session(providers)
+        binding = sess.io_binding()
+        if providers is not None and CUDA_EP in sess.get_providers():
+            for t, b in inputs:
+                binding.bind_input(t, "cuda", self.device_id, b.dtype, list(b.shape), b.data.ptr)
+            for t, b in outputs:
+                binding.bind_output(t, "cuda", self.device_id, b.dtype, list(b.shape), b.data.ptr)
+            return lambda: sess.run_with_iobinding(binding)
+        host_in = {t: np.empty(b.shape, b.dtype) for t, b in inputs}
+        host_out = {t: np.empty(b.shape, b.dtype) for t, b in outputs}
+        for t, h in host_out.items():
+            binding.bind_output(t, "cpu", 0, h.dtype, list(h.shape), h.ctypes.data)
+
+        def go() -> None:
+            for t, b in inputs:
+                b.get(stream=self.stream, out=host_in[t])  # blocking: the producing kernels are done
+                binding.bind_cpu_input(t, host_in[t])
+            sess.run_with_iobinding(binding)
+            for t, b in outputs:
+                b.set(host_out[t], stream=self.stream)
+
+        return go
+
+    def capture(self, launch_all: Callable[[], None]):
+        """The launches of `launch_all` captured on the stream as one CUDA graph."""
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                launch_all()
+            finally:
+                graph = self.stream.end_capture()
+        return graph
+
+    def replay(self, graph) -> None:
+        graph.launch(stream=self.stream)
+
+    def clock(self) -> CudaEventClock:
+        return CudaEventClock(self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def ort_runner(self, model, feeds: dict, *, optimize: bool) -> tuple[Callable[[], object], str]:
+        """(one run of the whole model in ONNX Runtime, the provider that runs it): on the GPU
+        with the inputs in device memory and the outputs left there (IO binding) when the CUDA
+        provider is there, else on the CPU with host inputs."""
+        from fusesearch.verify import session
+
+        providers = self._providers()
+        sess = session(model, threads=self.threads, optimize=optimize, providers=providers)
+        names = [o.name for o in sess.get_outputs()]
+        host = {i.name: feeds[i.name] for i in sess.get_inputs()}
+        if providers is None or CUDA_EP not in sess.get_providers():
+            return (lambda: sess.run(names, host)), "CPUExecutionProvider"
+        binding = sess.io_binding()
+        resident = {t: self.upload(a) for t, a in host.items()}
+        for t, b in resident.items():
+            binding.bind_input(t, "cuda", self.device_id, b.dtype, list(b.shape), b.data.ptr)
+        for t in names:
+            binding.bind_output(t, "cuda", self.device_id)
+        self.synchronize()
+
+        def go(resident=resident) -> None:  # the bound device inputs live as long as the runner
+            sess.run_with_iobinding(binding)
+
+        return go, CUDA_EP

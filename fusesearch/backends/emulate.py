@@ -14,8 +14,10 @@ rounded as a tensor core reads them (TF32: 10 mantissa bits), cp.async is a sync
 (`GeneratedKernel.grid`/`.block`): blockDim host threads loop over the blocks in order, with a
 block barrier between blocks. This is an executable model of the CUDA programming model, good
 for correctness (every thread, barrier and shuffle happens), useless for timing.
-Invariants: the source is compiled byte for byte as `kernels_runner` would send it to NVRTC
-(only the header is prepended); a barrier that waits more than TIMEOUT_S (a thread missed a
+`module` does the same for many kernels at once: the CUDA program's one module
+(`codegen.cuda_module`), one launcher per kernel.
+Invariants: the source is compiled byte for byte as `kernel_runner` (or the CUDA program's
+module) would send it to NVRTC (only the header is prepended, the launchers appended); a barrier that waits more than TIMEOUT_S (a thread missed a
 `__syncthreads`, as a divergent barrier would on a GPU) fails the launch instead of hanging;
 inputs are never written.
 """
@@ -28,13 +30,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel, cuda_module, module_namespace
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
 TIMEOUT_S = 20
@@ -270,7 +273,9 @@ def _stub_headers(tmp: Path) -> Path:
 
 
 @lru_cache(maxsize=256)
-def _load(text: str) -> ctypes.CDLL:
+def _load(text: str, entries: int = 0) -> ctypes.CDLL:
+    """The compiled text (cached by hash); its launchers: `fs_launch`, or `fs_launch_0` ..
+    `fs_launch_{entries - 1}` for a module."""
     from fusesearch.backends.cpu import cache_dir
 
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -290,8 +295,10 @@ def _load(text: str) -> ctypes.CDLL:
                 raise FusesearchError(f"the emulated CUDA kernel does not compile as C++: {first}")
             os.replace(out, target)
     lib = ctypes.CDLL(str(target))
-    lib.fs_launch.restype = ctypes.c_int
-    lib.fs_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 6
+    for name in [f"fs_launch_{n}" for n in range(entries)] or ["fs_launch"]:
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 6
     return lib
 
 
@@ -307,10 +314,31 @@ def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.
 
 def launch(kernel: GeneratedKernel, pointers: list[int]) -> None:
     """One launch on host memory: `pointers` are the kernel's arguments (inputs, then outputs)."""
+    _launch(kernel, _load(source(kernel)).fs_launch, pointers)
+
+
+def module(kernels: Sequence[GeneratedKernel]) -> dict[str, Callable[[Sequence[int]], None]]:
+    """The kernels as one module, as the CUDA program loads them: `codegen.cuda_module`'s text
+    (the one NVRTC compiles) compiled once with one launcher per kernel; a launch function per
+    kernel name, taking the kernel's argument pointers."""
+    text = f"#define FS_TIMEOUT_S {TIMEOUT_S}\n" + _HEADER + "\n" + cuda_module(kernels) + "\n"
+    for n, k in enumerate(kernels):
+        params = [*k.inputs, *k.outputs]
+        casts = ", ".join(f"({'const ' if i < len(k.inputs) else ''}{a.ctype}*)fs_args_{n}[{i}]"
+                          for i, a in enumerate(params))
+        text += (_LAUNCHER.replace("fs_args", f"fs_args_{n}").replace("fs_thread", f"fs_thread_{n}")
+                 .replace("fs_launch", f"fs_launch_{n}")
+                 .format(nargs=max(1, len(params)), call=f"{module_namespace(k)}::{k.name}({casts});"))
+    lib = _load(text, entries=len(kernels))
+    entries = [getattr(lib, f"fs_launch_{n}") for n in range(len(kernels))]
+    return {k.name: (lambda pointers, k=k, fn=fn: _launch(k, fn, pointers)) for k, fn in zip(kernels, entries, strict=True)}
+
+
+def _launch(kernel: GeneratedKernel, fn, pointers: Sequence[int]) -> None:
     table = (ctypes.c_void_p * max(1, len(pointers)))(*pointers)
     grid = tuple(kernel.grid) + (1,) * (3 - len(kernel.grid))
     block = tuple(kernel.block) + (1,) * (3 - len(kernel.block))
-    rc = _load(source(kernel)).fs_launch(table, *grid, *block)
+    rc = fn(table, *grid, *block)
     if rc == -1:
         raise FusesearchError(f"{kernel.name}: block {block} is not a whole number of warps (<= 1024 threads)")
     if rc != 0:

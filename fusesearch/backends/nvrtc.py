@@ -49,7 +49,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import BadInput, FusesearchError
 
 logger = logging.getLogger(__name__)

@@ -26,30 +26,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
+from fusesearch.candidates.decision import FusionDecision
+from fusesearch.candidates.group import FusionGroup
+from fusesearch.costing import kernel_cost
 from fusesearch.ir.graph import Graph
+from fusesearch.lowering import Kernel, lower_as_library, try_lower
 
 DEFAULT_MAX_GROUP_SIZE = 16
-
-
-@dataclass(frozen=True)
-class FusionDecision:
-    ok: bool
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.ok and not self.reason:
-            raise ValueError("a refused FusionDecision needs a reason")
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    @classmethod
-    def accept(cls, reason: str = "") -> FusionDecision:
-        return cls(True, reason)
-
-    @classmethod
-    def refuse(cls, reason: str) -> FusionDecision:
-        return cls(False, reason)
 
 
 @dataclass(frozen=True)
@@ -57,7 +40,7 @@ class Verdict:
     """What a group is: legal or not (and why), its kernel and predicted cost when legal."""
 
     decision: FusionDecision
-    kernel: object | None = None  # fusesearch.lowering.Kernel
+    kernel: Kernel | None = None
     cost: KernelCost | None = None
 
     @property
@@ -70,14 +53,14 @@ class FusionRule(Protocol):
 
     name: str
 
-    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision | Verdict: ...
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict: ...
 
 
 @dataclass(frozen=True)
 class MaxGroupSize:
     name: str = "max-group-size"
 
-    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision:
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision:
         if len(nodes) > legality.max_group_size:
             return FusionDecision.refuse(f"{len(nodes)} ops > max group size {legality.max_group_size}")
         return FusionDecision.accept()
@@ -87,9 +70,7 @@ class MaxGroupSize:
 class Lowerable:
     name: str = "lowerable"
 
-    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision | Verdict:
-        from fusesearch.candidates.group import FusionGroup
-        from fusesearch.lowering import try_lower
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
 
         result = try_lower(legality.graph, FusionGroup(nodes))
         if isinstance(result, FusionDecision):
@@ -104,13 +85,10 @@ class FitsDevice:
 
     name: str = "fits-device"
 
-    def check(self, legality: Legality, nodes: frozenset[int], kernel: object | None) -> FusionDecision | Verdict:
-        from fusesearch.costing import kernel_cost
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
 
         cost = kernel_cost(kernel, legality.device, legality.model)
         if not cost.feasible and len(nodes) == 1:
-            from fusesearch.candidates.group import FusionGroup
-            from fusesearch.lowering import lower_as_library
 
             kernel = lower_as_library(legality.graph, FusionGroup(nodes))
             cost = kernel_cost(kernel, legality.device, legality.model)

@@ -14,8 +14,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusesearch.ir.graph import SMALL_CONSTANT, Node, TensorInfo
+from fusesearch.ir.graph import SMALL_CONSTANT, Graph, Node
 from fusesearch.ir.op_kind import kind_of
+from fusesearch.ir.tensor import TensorInfo
 
 
 def dtype_name(dtype: ir.DataType | None) -> str:
@@ -75,7 +76,7 @@ def _collect_captured(sub: ir.Graph, found: dict[int, ir.Value]) -> None:
                 found.setdefault(id(v), v)
 
 
-def graph_from_ir(model: ir.Model, graph_cls):
+def graph_from_ir(model: ir.Model) -> Graph:
     g = model.graph
     tensors: dict[str, TensorInfo] = {}
     small: dict = {}
@@ -101,4 +102,4 @@ def graph_from_ir(model: ir.Model, graph_cls):
         nodes.append(Node(i, n.name or f"{n.op_type.lower()}_{i}", n.op_type, n.domain or "",
                           kind_of(n.op_type, n.domain or ""), inputs, outputs, attrs))
     outputs = tuple(note(v) for v in g.outputs)
-    return graph_cls.build(g.name or "graph", nodes, tensors, [v.name for v in g.inputs], outputs, small)
+    return Graph.build(g.name or "graph", nodes, tensors, [v.name for v in g.inputs], outputs, small)

@@ -3,7 +3,7 @@
 Problem: enumeration, legality checks, costs and plan validation ask the same questions millions
 of times (who produces this tensor, who reads it, does node a reach node b) and must not mutate
 the model while asking.
-Approach: `Graph.from_ir` copies the main graph of an `onnx_ir.Model` into frozen dataclasses:
+Approach: `ir._from_ir.graph_from_ir` copies the main graph of an `onnx_ir.Model` into frozen dataclasses:
 nodes in topological order with integer ids 0..n-1, a `TensorInfo` per value, and per node the
 bitsets (Python ints) of all nodes reachable from it and of all nodes that reach it, built in
 one sweep each way:
@@ -27,34 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from fusesearch.ir.op_kind import OpKind
+from fusesearch.ir.tensor import TensorInfo
+
 SMALL_CONSTANT = 4096  # constants up to this many elements keep their values in the view
-
-_DTYPE_BYTES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
-    "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1,
-    "float8e4m3fn": 1, "float8e5m2": 1, "float8e4m3fnuz": 1, "float8e5m2fnuz": 1, "int4": 1,
-    "uint4": 1, "complex64": 8, "complex128": 16, "string": 8,
-}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A value of the graph: static shape (None if unknown), dtype name ('float32', ...)."""
-
-    name: str
-    shape: tuple[int, ...] | None
-    dtype: str
-    constant: bool = False
-
-    @property
-    def size(self) -> int:
-        """Element count (0 when the shape is unknown)."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape is not None else 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * _DTYPE_BYTES.get(self.dtype, 4)
-
 
 @dataclass(frozen=True, eq=False)
 class Node:
@@ -64,7 +40,7 @@ class Node:
     name: str
     op_type: str
     domain: str
-    kind: Any  # OpKind
+    kind: OpKind
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attrs: Mapping[str, Any]
@@ -110,12 +86,6 @@ class Graph:
         return cls(name, nodes, MappingProxyType(dict(tensors)), tuple(inputs), tuple(outputs),
                    MappingProxyType(producer), MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
                    desc, anc, MappingProxyType(dict(small_constants or {})))
-
-    @classmethod
-    def from_ir(cls, model) -> Graph:
-        from fusesearch.ir._from_ir import graph_from_ir
-
-        return graph_from_ir(model, cls)
 
     # -- queries --------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from fusesearch.ir.graph import TensorInfo
+from fusesearch.ir.tensor import TensorInfo
 
 log = logging.getLogger(__name__)
 

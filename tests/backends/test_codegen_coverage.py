@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, load_device
 from fusesearch.backends import cpu, emulate
-from fusesearch.backends.codegen import GENERATED_OPS, generate
+from fusesearch.backends.codegen import GENERATED_OPS, cuda_module, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.candidates.rules import Legality
 from fusesearch.ir.canonicalize import to_proto
@@ -329,9 +329,7 @@ def test_every_new_kernel_compiles_for_the_gpu(tmp_path):
             prep = prepare(path)
             kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
             kernels.append(generate(prep.graph, kernel, name=f"k{len(kernels)}"))
-    from tests.backends.test_cuda_compile import bundle
-
-    source = bundle(kernels)  # each in its namespace, the #include lines first
+    source = cuda_module(kernels)  # each in its namespace, the #include lines first
     for arch in nvrtc.ARCHES:
         result = nvrtc.compile_cuda(source, arch=arch)
         for gk in kernels:

@@ -11,8 +11,8 @@ from onnx import TensorProto, helper
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CodegenRefused, generate, try_generate
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.candidates.rules import FusionDecision
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare

@@ -33,11 +33,11 @@ pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler
 
 
 
-def check(prep, values, node_ids, skeleton: str | None = None, schedule: dict | None = None):
-    """Lower, generate (`schedule`: Kernel fields replaced first, e.g. another tile), emulate, and
+def check(prep, values, node_ids, skeleton: str | None = None, schedule=None):
+    """Lower, generate (with `schedule` instead of lowering's, e.g. another tile), emulate, and
     compare every output with ONNX Runtime's."""
     kernel = lower(prep.graph, FusionGroup(frozenset(node_ids)))
-    gk = generate(prep.graph, replace(kernel, **(schedule or {})))
+    gk = generate(prep.graph, replace(kernel, schedule=schedule) if schedule else kernel)
     if skeleton:
         assert gk.skeleton == skeleton, (gk.skeleton, gk.cuda_source)
     out = emulate.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
@@ -212,7 +212,7 @@ def test_mma_tf32_batched_matmul_rounds_operands_as_a_tensor_core(tmp_path):
     path = save(make_model(nodes, [("x", [2, 3, 37, 45])], [("y", None)], [("w", w)]), tmp_path / "m.onnx")
     prep = prepare(path)
     kernel = lower(prep.graph, FusionGroup(frozenset({0})))
-    assert (kernel.skeleton, kernel.threads_per_block, kernel.stages) == ("mma-tf32", 128, 2)
+    assert (kernel.schedule.skeleton, kernel.threads_per_block, kernel.schedule.stages) == ("mma-tf32", 128, 2)
     x = rand(2, 3, 37, 45, seed=3)
     gk = generate(prep.graph, kernel)
     assert "fs_cp_async4(" in gk.cuda_source and "__float_to_tf32" in gk.cuda_source
@@ -254,11 +254,10 @@ def test_mma_64x64_tile_several_k_steps(tmp_path, skeleton):
     """A 64x64 block tile (2x2 fragments per warp), K = 100 (four K steps, double-buffered, a
     partial last one), M and N not multiples of the tile, GELU prologue on A; FP16 and BF16 convert
     the float32 operands while staging them."""
-    from fusesearch.lowering import mma_smem_bytes
+    from fusesearch.schedule import mma
 
     nodes = [*gelu("x", "gx"), helper.make_node("MatMul", ["gx", "w"], ["y"]),
              helper.make_node("Add", ["y", "bias"], ["out"])]
     inits = [("w", rand(100, 70)), ("bias", rand(70, seed=6)), *GELU_CONSTANTS]
-    esize = 4 if skeleton == "mma-tf32" else 2
     one_group(tmp_path, nodes, [("x", [67, 100])], [("out", None)], inits, skeleton=skeleton, tf32=True,
-              schedule={"skeleton": skeleton, "tile": (64, 64, 32), "smem_bytes": mma_smem_bytes((64, 64, 32), 2, esize)})
+              schedule=mma(skeleton, (64, 64, 32), 2, (2, 2, 1)))

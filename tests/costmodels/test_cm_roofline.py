@@ -234,7 +234,7 @@ def test_params_updates_and_dict_round_trip():
 
 
 def test_generated_tensor_core_gemm_is_priced_at_tensor_core_rates():
-    """A generated kernel on tensor cores (`tensor_cores`: the mma skeletons) takes 2n^3 / (the
+    """A generated kernel on tensor cores (unit "tensor-core": the mma skeletons) takes 2n^3 / (the
     tensor-core peak of its dtype x mma_efficiency); without TF32, a float32 one falls back to the
     FP32 CUDA cores and `tc_efficiency`."""
     n = 4096
@@ -242,14 +242,11 @@ def test_generated_tensor_core_gemm_is_priced_at_tensor_core_rates():
     for dtype, peak, unit in (("float32", h100.tf32_flops_per_s, "tf32-tensor-core"),
                               ("float16", h100.fp16_flops_per_s, "fp16-tensor-core"),
                               ("bfloat16", h100.bf16_flops_per_s, "bf16-tensor-core")):
-        cost = MODEL.cost(dataclasses.replace(square_gemm(n, dtype), tensor_cores=True), h100)
+        cost = MODEL.cost(dataclasses.replace(square_gemm(n, dtype), unit="tensor-core"), h100)
         assert cost.compute_unit == unit
         assert cost.compute_s == pytest.approx(2 * n**3 / (peak * PARAMS.get("mma_efficiency", "gemm")), rel=1e-12)
     no_tf32 = RooflineModel(PARAMS.with_updates(float32_uses_tf32=False))
-    cost = no_tf32.cost(dataclasses.replace(square_gemm(n, "float32"), tensor_cores=True), h100)
+    cost = no_tf32.cost(dataclasses.replace(square_gemm(n, "float32"), unit="tensor-core"), h100)
     assert cost.compute_unit == "fp32-cuda-core"
     assert cost.compute_s == pytest.approx(2 * n**3 / (h100.fp32_flops_per_s * PARAMS.get("tc_efficiency", "gemm")),
                                            rel=1e-12)
-    row = dataclasses.replace(square_gemm(n, "float32"), tensor_cores=True).to_row()
-    assert KernelSpec.from_row({**row, "tensor_cores": "True"}).tensor_cores
-    assert not KernelSpec.from_row({**row, "tensor_cores": "False"}).tensor_cores

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from fusesearch.ir._from_ir import graph_from_ir
 from fusesearch.ir.canonicalize import canonicalize
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.ir.op_kind import OpKind
@@ -20,7 +21,7 @@ def diamond() -> Graph:
              helper.make_node("Exp", ["a"], ["e"], name="e")]
     model = make_model(nodes, [("x", [2, 3])], [("d", None), ("e", None)])
     canonical, _ = canonicalize(load_model_proto(model).model)
-    return Graph.from_ir(canonical)
+    return graph_from_ir(canonical)
 
 
 def test_nodes_are_topological_with_kinds_and_shapes():
@@ -60,7 +61,7 @@ def test_control_flow_captures_are_edges():
              helper.make_node("Greater", ["s", "z"], ["cond"]),
              helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g, name="if")]
     model = make_model(nodes, [("x", [4])], [("y", [4])], [("z", np.array(0.0, np.float32))], opset=13)
-    g = Graph.from_ir(canonicalize(load_model_proto(model).model)[0])
+    g = graph_from_ir(canonicalize(load_model_proto(model).model)[0])
     assert g.reaches(g.node("h").id, g.node("if").id)
     assert g.node("if").kind == OpKind.OPAQUE
 

@@ -68,25 +68,25 @@ from fusesearch.backends.codegen.base import (
     CTYPES,
     NP_DTYPES,
     SUPPORTED_TEMPLATES,
-    THREADS,
     Arg,
     CodegenRefused,
     GeneratedKernel,
-    _stride_blocks,
 )
 from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
+from fusesearch.backends.codegen.module import cuda_module, module_namespace
 from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC
 from fusesearch.backends.codegen.pointwise import _pointwise
 from fusesearch.backends.codegen.rowwise import ROW_OPS, _rowwise
 from fusesearch.backends.codegen.tiled import _tiled
 from fusesearch.backends.codegen.vectorized import _vectorized
-from fusesearch.candidates.rules import FusionDecision
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import MAX_GRID_X, Kernel
+from fusesearch.lowering import Kernel
+from fusesearch.schedule import grid_stride
 
-__all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "generate",
-           "try_generate"]
+__all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "cuda_module",
+           "generate", "module_namespace", "try_generate"]
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
@@ -101,35 +101,32 @@ def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...
 
 
 def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
-    """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated."""
-    if kernel.template not in SUPPORTED_TEMPLATES:
+    """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated.
+    The skeleton, tile, block, grid and shared memory are the kernel's schedule (for a library
+    call, its own generated form): decided by lowering, written here as given."""
+    schedule = kernel.schedule.generated
+    if kernel.template not in SUPPORTED_TEMPLATES or schedule is None:
         raise CodegenRefused(f"template {kernel.template} is not generated yet (runs as a library call)")
     ins, outs = _args(graph, kernel)
     name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
     args = {a.tensor: a for a in ins}
-    has_rows = any(graph.nodes[i].kind.name == "REDUCE" for i in kernel.nodes)
-    largest = max((a.size for a in outs), default=1)
-    if has_rows:
+    skeleton, grid = schedule.skeleton, schedule.grid
+    if skeleton == "block-per-row":
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
-        grid, skeleton = (max(1, min(rows, MAX_GRID_X)), 1, 1), "block-per-row"
     else:
-        c_body = _anchor_row_loops(graph, kernel, args, outs)
+        c_body = _anchor_row_loops(graph, kernel, args, outs) if kernel.anchor is not None else None
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body)
-        grid, skeleton = (_stride_blocks(largest), 1, 1), "grid-stride"
-    block = (THREADS, 1, 1)
-    special = None
-    if kernel.anchor is not None and not has_rows:  # the skeleton is lowering's (`gemm_skeleton`)
-        tile = _mma if kernel.skeleton.startswith("mma") else _tiled
-        special = tile(graph, kernel, name, ins, outs, args)
-    elif not has_rows:
-        special = _vectorized(graph, kernel, name, ins, outs, args)
-    if special is not None:
-        cu_src, grid, block, skeleton = special
-    elif kernel.anchor is not None and not has_rows:
-        skeleton = "direct"  # one thread per output element, its dot product in a loop
+        if skeleton == "tiled":
+            cu_src = _tiled(graph, kernel, name, ins, outs, args)
+        elif skeleton.startswith("mma"):  # tensor cores
+            cu_src = _mma(graph, kernel, name, ins, outs, args)
+        elif skeleton == "vectorized":
+            cu_src = _vectorized(graph, kernel, name, ins, outs, args)
+        elif skeleton == "alias":  # a lone view run as a kernel (a copy), where one is asked for
+            skeleton, grid = "grid-stride", grid_stride(max(a.size for a in outs)).grid
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
-                           source_hash=digest, grid=grid, block=block, skeleton=skeleton)
+                           source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton)
 
 
 def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel | FusionDecision:

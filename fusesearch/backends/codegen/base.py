@@ -12,14 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fusesearch.candidates.rules import FusionDecision
-from fusesearch.lowering import MAX_GRID_YZ  # noqa: F401  (re-exported to the skeletons)
+from fusesearch.candidates.decision import FusionDecision
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
 SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
-THREADS = 256  # CUDA threads per block, every skeleton
-MAX_STRIDE_BLOCKS = 65535 * 8
 
 
 class CodegenRefused(Exception):
@@ -68,11 +65,6 @@ def _lit(value: float) -> str:
     if value in (float("inf"), float("-inf")):
         return "INFINITY" if value > 0 else "(-INFINITY)"
     return f"{float(value)!r}f".replace("e+", "e")
-
-
-def _stride_blocks(elements: int) -> int:
-    """Blocks of a grid-stride loop: one element per thread, capped (the loop covers the rest)."""
-    return max(1, min(-(-elements // THREADS), MAX_STRIDE_BLOCKS))
 
 
 def _signature(ins, outs, restrict: str) -> str:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.ir.graph import Graph, Node
-from fusesearch.lowering import Kernel, anchor_derived
 
 # -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
 
@@ -84,9 +83,3 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
 
     return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
                         conv_a, conv_b, conv_y, True, True)
-
-
-def _anchor_derived(graph: Graph, kernel: Kernel, anchor: Node) -> set[str] | None:
-    """Tensors computed from the anchor's output at its own position, or None (lowering's
-    `anchor_derived`: the tiled skeletons' condition, decided there)."""
-    return anchor_derived(graph, kernel.nodes, anchor)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 
 from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent
-from fusesearch.backends.codegen.contraction import _anchor_derived
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel
+from fusesearch.schedule import anchor_derived
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
@@ -29,7 +29,7 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | N
     if kernel.anchor is None:
         return None
     anchor = graph.nodes[kernel.anchor]
-    if _anchor_derived(graph, kernel, anchor) is None:  # the epilogue moves elements
+    if anchor_derived(graph, kernel.nodes, anchor) is None:  # the epilogue moves elements
         return _materialized_loops(graph, kernel, args, outs, anchor)
     if anchor.op_type in ("MatMul", "Gemm"):
         return _matmul_row_loops(graph, kernel, args, outs, anchor)

@@ -17,8 +17,8 @@ grid of 16×16 `nvcuda::wmma` accumulator fragments (float).
               thread takes elements of the tile (consecutive along N), applies the epilogue with
               the product read from shared memory and does the one store with its coordinates
 
-Invariants: the tile, stages, threads and shared memory are lowering's (`Kernel.tile`,
-`Kernel.stages`, MMA_THREADS, `mma_smem_bytes`), so the declared shared memory is exactly what the
+Invariants: the tile, stages, threads, grid and shared memory are the schedule's (lowering's:
+`schedule.mma`, MMA_THREADS, `mma_smem_bytes`), so the declared shared memory is exactly what the
 cost model prices; no split-K; the source runs unchanged in the emulator (FS_EMULATED replaces the
 inline-PTX cp.async helpers; its header gives the wmma subset used here a host meaning).
 """
@@ -28,18 +28,12 @@ from __future__ import annotations
 import re
 
 from fusesearch.backends.codegen.base import _CU_PRELUDE, CodegenRefused, _indent, _signature
-from fusesearch.backends.codegen.contraction import _anchor_derived, _contraction
+from fusesearch.backends.codegen.contraction import _contraction
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.tiled import _side_loops
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import (
-    MAX_GRID_YZ,
-    MMA_ELEMENT_BYTES,
-    MMA_THREADS,
-    Kernel,
-    mma_pad,
-    mma_smem_bytes,
-)
+from fusesearch.lowering import Kernel
+from fusesearch.schedule import MMA_ELEMENT_BYTES, MMA_THREADS, anchor_derived, mma_pad, mma_smem_bytes
 
 # skeleton → (shared-memory element type, fragment element type, fragment K, float → element)
 _PRECISION = {
@@ -64,34 +58,32 @@ template <int N> __device__ __forceinline__ void fs_cp_async_wait() { asm volati
 _PLAIN_LOAD = re.compile(r"float (v\d+) = (in\d+\[.*\]);")
 
 
-def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
-    """CUDA for a gemm/conv group whose schedule says `mma-*`; None where no tile applies (1-D
-    operands, an epilogue that moves elements: the generator's `direct` fallback)."""
-    skeleton = kernel.skeleton
-    if skeleton not in _PRECISION:
-        raise CodegenRefused(f"skeleton {skeleton!r} is not a tensor-core skeleton")
+def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
+    """CUDA for a gemm/conv group whose schedule is `mma-*`: its tile, stages, threads and grid as
+    the schedule gives them (lowering checked that a tile applies)."""
+    schedule = kernel.schedule.generated
+    skeleton = schedule.skeleton
     anchor = graph.nodes[kernel.anchor]
     c = _contraction(graph, anchor)
-    derived = _anchor_derived(graph, kernel, anchor)
-    if c is None or derived is None or c.z > MAX_GRID_YZ:
-        return None
-    tm, tn, tk = kernel.tile
-    stages = kernel.stages
-    if -(-c.m // tm) > MAX_GRID_YZ:
-        return None
+    derived = anchor_derived(graph, kernel.nodes, anchor)
+    if skeleton not in _PRECISION or c is None or derived is None:
+        raise CodegenRefused(f"{anchor.name}({anchor.op_type}): the {skeleton} skeleton does not apply here "
+                             "(the schedule and the generator disagree)")
+    tm, tn, tk = schedule.tile
+    stages = schedule.stages
     elem, frag_t, k8, convert = _PRECISION[skeleton]
     esize = MMA_ELEMENT_BYTES[skeleton]
     pad = mma_pad(esize)
     wm, wn = tm // WARPS_M, tn // WARPS_N
     fm, fn = wm // 16, wn // 16
     if wm % 16 or wn % 16 or tk % k8:
-        raise CodegenRefused(f"tile {kernel.tile} is not a whole number of 16x16x{k8} fragments per warp")
+        raise CodegenRefused(f"tile {schedule.tile} is not a whole number of 16x16x{k8} fragments per warp")
     a_col, b_col = c.a_m_contiguous, c.b_k_contiguous
     lda = tm + pad if a_col else tk + pad
     ldb = tk + pad if b_col else tn + pad
     ldc = tn + mma_pad(4)
     a_stage, b_stage = (tm + pad) * (tk + pad), (tk + pad) * (tn + pad)  # as `mma_smem_bytes` counts
-    smem = mma_smem_bytes(kernel.tile, stages, esize)
+    smem = mma_smem_bytes(schedule.tile, stages, esize)
 
     e = _Emitter(graph, kernel, args)
     c.setup(e, "gz")
@@ -252,5 +244,4 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     includes = "".join(f"#include <{h}>\n" for h in _HEADERS[skeleton])
     src = (f"{includes}{_CU_PRELUDE}{_CP_ASYNC}\nextern \"C\" __global__ void "
            f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
-    grid = (-(-c.n // tn), -(-c.m // tm), c.z)
-    return src, grid, (MMA_THREADS, 1, 1), skeleton
+    return src

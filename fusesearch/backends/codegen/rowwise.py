@@ -1,7 +1,7 @@
 """The rowwise skeleton: per row, the reductions (sums, maxima, moments) as scalars, then the
 outputs. C: parallel over rows; CUDA: a block per row with block reductions; a computed row read by
-several passes is cached on its first pass (C: a local buffer, CUDA: shared memory up to
-`MAX_ROW_SMEM`).
+several passes is cached on its first pass (C: a local buffer; CUDA: shared memory, for exactly the
+rows the schedule lists in `row_cache` — lowering decided them and priced their bytes).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from fusesearch.backends.codegen.base import (
     _C_PRELUDE,
     _CU_PRELUDE,
-    THREADS,
     Arg,
     CodegenRefused,
     _flat_loop,
@@ -24,7 +23,8 @@ from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _matmul_row_loops
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
-from fusesearch.lowering import MAX_ROW_SMEM, Kernel, reduced_rows
+from fusesearch.lowering import Kernel, reduced_rows
+from fusesearch.schedule import THREADS, exp_row
 
 # -- rowwise ----------------------------------------------------------------------------------
 
@@ -64,6 +64,7 @@ class _RowPlan:
     cached: dict[str, str] = field(default_factory=dict)  # C: tensor → its row, in a local buffer
     cu_cached: dict[str, str] = field(default_factory=dict)  # CUDA: tensor → its row, in shared memory
     c_target: bool = False  # emitting the C body or the CUDA one (each reads its own cached rows)
+    smem_rows: tuple[str, ...] = ()  # CUDA: the rows the schedule keeps in shared memory
 
     def rows_cached(self) -> dict[str, str]:
         return self.cached if self.c_target else self.cu_cached
@@ -75,7 +76,7 @@ def _row_plan(graph, kernel, args, outs, materialized=frozenset()):
     rows, length = _row_shape(graph, nodes)
     e = _Emitter(graph, kernel, args)
     e.materialized = materialized
-    plan = _RowPlan(rows, length)
+    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.generated.row_cache)
     side = _side_outputs(graph, kernel, outs, plan)
     for node in nodes:
         if node.kind.name == "REDUCE":
@@ -174,8 +175,7 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
         buffer = f"rb{len(plan.cached)}"
         c_lines.append(f"{buffer}[j] = {c_value};")
         c_value = f"{buffer}[j]"  # evaluated once: the reduction reads it back
-    smem = 4 * plan.length * (len(plan.cu_cached) + 1)
-    if cache and cache not in plan.cu_cached and smem <= MAX_ROW_SMEM:
+    if cache and cache not in plan.cu_cached and cache in plan.smem_rows:
         cu_buffer = f"rs{len(plan.cu_cached)}"
         cu_lines.append(f"{cu_buffer}[j] = {cu_value};")
         cu_value = f"{cu_buffer}[j]"
@@ -404,19 +404,14 @@ def _softmax(e, node, plan, at, cache: str) -> None:
     softmax = node.op_type == "Softmax"
     # Softmax caches each exp on the sum's pass; a written output then costs one multiply per element
     _row_loop(e, plan, lambda j: f"expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total,
-              _exp_row(node.outputs[0]) if softmax else "")
+              exp_row(node.outputs[0]) if softmax else "")
     x = node.inputs[0]
     e.row_sources[node.outputs[0]] = x
     if softmax:
-        e.row_scalars[_exp_row(node.outputs[0])] = _scalar(e, plan, f"1.0f / {total}")
+        e.row_scalars[exp_row(node.outputs[0])] = _scalar(e, plan, f"1.0f / {total}")
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(expf({xv or e.value(x, idx)} - {mx}) / {total})"
     else:
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"({xv or e.value(x, idx)} - {mx} - logf({total}))"
-
-
-def _exp_row(softmax_output: str) -> str:
-    """The key of a Softmax's cached row of exponentials (and of its 1/sum in row_scalars)."""
-    return softmax_output + "#exp"
 
 
 def _layernorm(e, node, plan, at, cache: str) -> None:
@@ -451,8 +446,8 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
     def body(j: str) -> str:
         source = e.row_sources.get(out.tensor)
         cached = plan.rows_cached()
-        if _exp_row(out.tensor) in cached:
-            return f"({cached[_exp_row(out.tensor)]}[{j}] * {e.row_scalars[_exp_row(out.tensor)]})"
+        if exp_row(out.tensor) in cached:
+            return f"({cached[exp_row(out.tensor)]}[{j}] * {e.row_scalars[exp_row(out.tensor)]})"
         if source in cached and e.info(source).shape == out.shape:
             return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
         return e.value(out.tensor, _full_index(e, out.tensor, plan, j))

@@ -10,25 +10,15 @@ from __future__ import annotations
 
 from fusesearch.backends.codegen.base import (
     _CU_PRELUDE,
-    MAX_GRID_YZ,
-    THREADS,
     CodegenRefused,
     _indent,
     _signature,
 )
-from fusesearch.backends.codegen.contraction import _anchor_derived, _contraction
+from fusesearch.backends.codegen.contraction import _contraction
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
-
-
-def _threads(tm: int, tn: int) -> tuple[int, int]:
-    """(RX, RY): threads along N and M; RX·RY = min(THREADS, tm·tn), both divide their tile."""
-    total = min(THREADS, tm * tn)
-    for rx in (16, 32, 64, 128, 256, 8, 4, 2, 1):
-        if rx <= tn and total % rx == 0 and total // rx <= tm and tm % (total // rx) == 0 and tn % rx == 0:
-            return rx, total // rx
-    raise CodegenRefused(f"no thread layout for a {tm}x{tn} tile")
+from fusesearch.schedule import anchor_derived, thread_layout
 
 
 def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
@@ -37,16 +27,18 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     in memory) and B (BK×BN) in shared memory, each thread then
     accumulates a TM×TN register micro-tile (rows ty+i·RY, columns tx+j·RX: coalesced stores,
     conflict-free shared reads), and the epilogue runs on the registers before the one store.
-    Split-K is not generated (the tile count decides the grid). None when not applicable."""
+    Tile, threads and grid are the schedule's (lowering checked that the skeleton applies); split-K
+    is never generated."""
+    schedule = kernel.schedule.generated
     anchor = graph.nodes[kernel.anchor]
     c = _contraction(graph, anchor)
-    derived = _anchor_derived(graph, kernel, anchor)
-    if c is None or derived is None or c.z > MAX_GRID_YZ:
-        return None
-    tm, tn, tk = (kernel.tile + (32, 32, 32))[:3]
-    rx, ry = _threads(tm, tn)
-    if -(-c.m // tm) > MAX_GRID_YZ:
-        return None
+    derived = anchor_derived(graph, kernel.nodes, anchor)
+    layout = thread_layout(*schedule.tile[:2])
+    if c is None or derived is None or layout is None:
+        raise CodegenRefused(f"{anchor.name}({anchor.op_type}): the tiled skeleton does not apply here "
+                             "(the schedule and the generator disagree)")
+    tm, tn, tk = schedule.tile
+    rx, ry = layout
     ti, tj = tm // ry, tn // rx
     nthreads = rx * ry
     e = _Emitter(graph, kernel, args)
@@ -140,8 +132,7 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     ]
     src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void "
            f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
-    grid = (-(-c.n // tn), -(-c.m // tm), c.z)
-    return src, grid, (nthreads, 1, 1), "tiled"
+    return src
 
 
 def _side_loops(graph: Graph, kernel: Kernel, args, side) -> list[str]:

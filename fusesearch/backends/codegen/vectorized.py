@@ -8,32 +8,23 @@ import math
 
 from fusesearch.backends.codegen.base import (
     _CU_PRELUDE,
-    THREADS,
     _indent,
     _signature,
-    _stride_blocks,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
-
-VECTOR = 4  # float4: one 16-byte load or store per tensor and thread
+from fusesearch.schedule import VECTOR
 
 
 def _vectorized(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     """CUDA for a pointwise kernel of elementwise/broadcast ops whose outputs are float32 of one
     shape S with |S| % 4 == 0: each thread handles 4 consecutive elements, loading every float32
     input of shape S as one float4 (inputs of other shapes are broadcast, loaded one by one) and
-    storing each output as one float4. None when not applicable (the grid-stride loop stays)."""
-    shape = outs[0].shape if outs else ()
+    storing each output as one float4. The schedule chose it (`schedule.vectorizable`)."""
+    shape = outs[0].shape
     size = math.prod(shape)
-    nodes = [graph.nodes[i] for i in kernel.nodes]
-    if (not outs or size % VECTOR or size == 0 or any(o.shape != shape or o.dtype != "float32" for o in outs)
-            or any(n.kind.name not in ("ELEMWISE", "BROADCAST") for n in nodes)):
-        return None
     full = [a for a in ins if a.shape == shape and a.dtype == "float32"]
-    if not full:
-        return None
     quads = size // VECTOR
     lines = [f"const float4 q{a.name} = reinterpret_cast<const float4*>({a.name})[q];" for a in full]
     results: dict[str, list[str]] = {o.name: [] for o in outs}
@@ -56,4 +47,4 @@ def _vectorized(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     body.append("}")
     src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
            f"{_indent(body, 1)}\n}}\n")
-    return src, (_stride_blocks(quads), 1, 1), (THREADS, 1, 1), "vectorized"
+    return src

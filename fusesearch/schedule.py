@@ -1,0 +1,246 @@
+"""The schedule: everything about how one kernel runs, decided once by lowering.
+
+Problem: a cost model that prices one kernel while the generator writes another ranks plans by
+fiction. Tile, threads, grid, shared memory, split-K, the skeleton and the compute unit must be
+decided in one place, priced from there and generated from there.
+Approach: `lowering` builds a frozen `Schedule` for every Kernel from the predicates below (which
+skeleton applies to a group, which computed rows a row kernel caches in shared memory); the cost
+model prices `Kernel.spec()`, which reads it; the code generator dispatches on `skeleton` and
+writes its tile, block, grid and shared memory as given — it never re-decides them.
+
+    impl        "library" (a lone anchor or an opaque op: a vendor library call), "generated",
+                "alias" (a lone view: no kernel)
+    skeleton    the CUDA skeleton: "library" | "alias" | "grid-stride" | "vectorized" (float4) |
+                "block-per-row" | "tiled" | "direct" (a thread per output, its dot product inline)
+                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+)
+    unit        the instruction class the main loop uses on a GPU: "tensor-core" (the library's
+                GEMM/conv, the `mma-*` skeletons), "cuda-core" (every other generated kernel) or
+                "none" (alias); the cost model turns it into a named unit for a device and dtype
+                (`costmodels.compute_unit`)
+    tile        (BM, BN, BK) of a tiled or library GEMM/conv, (1, row, K) of a row kernel over a
+                product, else ()
+    stages      shared-memory pipeline stages of the tile loop (1: single-buffered)
+    split_k     K split across blocks (a library's skinny GEMM); always 1 when generated
+    threads     threads per block; `grid` the launch grid ((): derived from the iteration space, for
+                library calls); `smem_bytes` the static shared memory the kernel declares
+    row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
+    fallback    a library call's own generated schedule, for where our kernel runs it instead
+                (`measure --baseline generated`, calibration samples); priced as the library
+
+Invariants: this module imports only the graph types; the generated launch (grid, block, shared
+memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
+checks it against ptxas for every zoo kernel).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.ir.op_kind import OpKind
+
+THREADS = 256  # CUDA threads per block of every skeleton but small tiles
+VECTOR = 4  # float4: one 16-byte load or store per tensor and thread
+MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
+MAX_GRID_YZ = 65535
+MAX_STRIDE_BLOCKS = 65535 * 8  # a grid-stride loop's blocks (the loop covers the rest)
+MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
+ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
+ARGBEST_SMEM = THREADS * (4 + 8)  # ArgMax/ArgMin's block combine: a value and an index per thread
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+# tensor cores: the skeleton per operand dtype (float32 as TF32 only while `Graph.allow_tf32`), the
+# element size its tiles are staged in, 4 warps (2x2 over the block tile, each a grid of 16x16
+# accumulator fragments), the tiles lowering picks from, each staged row's padding (wmma's leading
+# dimension must be a multiple of 16 bytes; the padding also spreads shared-memory banks)
+MMA_SKELETONS = {"float32": "mma-tf32", "float16": "mma-f16", "bfloat16": "mma-bf16"}
+MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2}
+MMA_THREADS = 128
+MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
+MMA_PAD_BYTES = 16
+SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct",
+             *MMA_ELEMENT_BYTES)
+UNITS = ("tensor-core", "cuda-core", "none")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    impl: str
+    skeleton: str
+    unit: str
+    tile: tuple[int, ...] = ()
+    stages: int = 1
+    split_k: int = 1
+    threads: int = THREADS
+    grid: tuple[int, ...] = ()
+    smem_bytes: int = 0
+    row_cache: tuple[str, ...] = ()
+    fallback: Schedule | None = None  # a library call's own generated form (see `generated`)
+
+    def __post_init__(self) -> None:
+        if self.skeleton not in SKELETONS or self.unit not in UNITS:
+            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r}")
+
+    @property
+    def generated(self) -> Schedule | None:
+        """The schedule the generator writes: this one, or a library call's own generated form
+        (a lone anchor measured as our kernel: `measure --baseline generated`, calibration)."""
+        return self.fallback if self.impl == "library" else self
+
+    @property
+    def blocks(self) -> int:
+        """Blocks in the launch grid; 0 when the grid is the library's (from the iteration space)."""
+        return math.prod(self.grid) if self.grid else 0
+
+
+LIBRARY = Schedule("library", "library", "cuda-core")  # an opaque op: a library call, not generated
+ALIAS = Schedule("alias", "alias", "none")
+
+
+def stride_blocks(elements: int) -> int:
+    """Blocks of a grid-stride loop: one element per thread, capped (the loop covers the rest)."""
+    return max(1, min(-(-elements // THREADS), MAX_STRIDE_BLOCKS))
+
+
+def grid_stride(elements: int) -> Schedule:
+    return Schedule("generated", "grid-stride", "cuda-core", grid=(stride_blocks(elements), 1, 1))
+
+
+def thread_layout(tm: int, tn: int) -> tuple[int, int] | None:
+    """(RX, RY) threads along N and M of a tiled kernel: RX·RY = min(THREADS, tm·tn), each
+    dividing its side of the tile; None when no layout exists."""
+    total = min(THREADS, tm * tn)
+    for rx in (16, 32, 64, 128, 256, 8, 4, 2, 1):
+        if rx <= tn and total % rx == 0 and total // rx <= tm and tm % (total // rx) == 0 and tn % rx == 0:
+            return rx, total // rx
+    return None
+
+
+# -- which skeleton applies --------------------------------------------------------------------
+
+def has_gemm_view(graph: Graph, anchor: Node) -> bool:
+    """The anchor is z independent GEMMs the tiled skeleton can stage (MatMul with both operands
+    at least 2-D, Gemm, Conv); ConvTranspose and 1-D MatMul operands are not."""
+    if anchor.op_type == "MatMul":
+        return all(len(graph.tensors[t].shape) >= 2 for t in anchor.inputs[:2])
+    return anchor.op_type in ("Gemm", "Conv")
+
+
+def anchor_derived(graph: Graph, nodes: Sequence[int], anchor: Node) -> set[str] | None:
+    """Tensors of the group computed from the anchor's output at the same flat position (through
+    elementwise/broadcast ops and views of equal size), or None when some epilogue op remaps
+    positions (a Transpose, a Softmax...): the tiled skeleton then does not apply."""
+    y = anchor.outputs[0]
+    size = graph.tensors[y].size
+    derived = {y}
+    for i in nodes:
+        n = graph.nodes[i]
+        if i == anchor.id or not any(t in derived for t in n.inputs):
+            continue
+        same = all(graph.tensors[t].size == size for t in n.outputs if t) and all(
+            graph.tensors[t].size == size for t in n.inputs if t in derived)
+        if not same or not (n.kind in (OpKind.ELEMWISE, OpKind.BROADCAST) or n.op_type in VIEW_OPS):
+            return None
+        derived.update(t for t in n.outputs if t)
+    return derived
+
+
+def tensor_core_skeleton(graph: Graph, anchor: Node) -> str | None:
+    """The tensor-core skeleton for the anchor's operands (`mma-tf32` for float32 while the graph
+    allows TF32, `mma-f16`, `mma-bf16`), None when their dtype has none; whether a tile applies at
+    all (`has_gemm_view`, `anchor_derived`) is asked apart."""
+    dtypes = {graph.tensors[t].dtype for t in anchor.inputs[:2]}
+    skeleton = MMA_SKELETONS.get(dtypes.pop()) if len(dtypes) == 1 else None
+    return None if skeleton == "mma-tf32" and not graph.allow_tf32 else skeleton
+
+
+def mma_pad(element_bytes: int) -> int:
+    """Elements of padding after each staged row (MMA_PAD_BYTES)."""
+    return MMA_PAD_BYTES // element_bytes
+
+
+def mma_smem_bytes(tile: tuple[int, ...], stages: int, element_bytes: int) -> int:
+    """Shared memory of the tensor-core skeleton, exactly what it declares: per stage an A and a B
+    buffer of (rows + pad) x (columns + pad) elements (either operand layout fits), and the float
+    accumulator tile (BM x (BN + pad)) the epilogue reads, in the same bytes after the main loop."""
+    tm, tn, tk = tile
+    pad = mma_pad(element_bytes)
+    staged = stages * ((tm + pad) * (tk + pad) + (tk + pad) * (tn + pad)) * element_bytes
+    return max(staged, tm * (tn + mma_pad(4)) * 4)
+
+
+def mma(skeleton: str, tile: tuple[int, int, int], stages: int, grid: tuple[int, ...]) -> Schedule:
+    return Schedule("generated", skeleton, "tensor-core", tile, stages=stages, threads=MMA_THREADS, grid=grid,
+                    smem_bytes=mma_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]))
+
+
+def vectorizable(graph: Graph, nodes: Sequence[int], inputs: Sequence[str], outputs: Sequence[str]) -> bool:
+    """float4 applies: elementwise/broadcast ops only, float32 outputs of one shape S with
+    |S| % 4 == 0, and at least one float32 input of shape S (loaded as float4)."""
+    if not outputs:
+        return False
+    shape = graph.tensors[outputs[0]].shape
+    size = math.prod(shape)
+    if size == 0 or size % VECTOR:
+        return False
+    if any(graph.tensors[t].shape != shape or graph.tensors[t].dtype != "float32" for t in outputs):
+        return False
+    if any(graph.nodes[i].kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) for i in nodes):
+        return False
+    return any(graph.tensors[t].shape == shape and graph.tensors[t].dtype == "float32" for t in inputs)
+
+
+# -- row kernels ------------------------------------------------------------------------------
+
+_CACHES_INPUT = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool", "Softmax", "LogSoftmax",
+                           "LayerNormalization", "MeanVarianceNormalization", "InstanceNormalization",
+                           "ReduceLogSumExp", "GlobalMaxPool", "ReduceLogSum"})
+"""Row ops whose first pass reads the input row itself (not a term of it), so a computed input's
+row can be kept for the later passes."""
+_TWO_PASSES = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "MeanVarianceNormalization",
+                         "InstanceNormalization", "ReduceLogSumExp"})
+_ARG_OPS = frozenset({"ArgMax", "ArgMin", "Hardmax"})
+
+
+def exp_row(softmax_output: str) -> str:
+    """The key of a Softmax's cached row of exponentials."""
+    return softmax_output + "#exp"
+
+
+def row_cache(graph: Graph, nodes: Sequence[int], length: int) -> tuple[str, ...]:
+    """The rows a CUDA row kernel keeps in shared memory, in order, while all of them fit in
+    MAX_ROW_SMEM: a computed reduction input (its producer is in the group) that two or more
+    passes read, cached on the first; a Softmax's exponentials where the Softmax's output is
+    written (its store then reads them back)."""
+    members = set(nodes)
+    reduces = [graph.nodes[i] for i in nodes if graph.nodes[i].kind == OpKind.REDUCE]
+    passes: dict[str, int] = {}
+    for n in reduces:
+        if n.op_type in _CACHES_INPUT and graph.producer(n.inputs[0]) in members:
+            passes[n.inputs[0]] = passes.get(n.inputs[0], 0) + (2 if n.op_type in _TWO_PASSES else 1)
+    cached: list[str] = []
+    for n in reduces:
+        keys = [n.inputs[0]] if passes.get(n.inputs[0], 0) >= 2 else []
+        y = n.outputs[0]
+        if n.op_type == "Softmax" and (graph.is_output(y) or any(c not in members for c in graph.consumers(y))):
+            keys.append(exp_row(y))
+        for key in keys:
+            if key not in cached and 4 * length * (len(cached) + 1) <= MAX_ROW_SMEM:
+                cached.append(key)
+    return tuple(cached)
+
+
+def row_smem(graph: Graph, nodes: Sequence[int], cache: Sequence[str], length: int) -> int:
+    """Shared memory of a row kernel: its cached rows, the block reduction's partials (any pass
+    that sums or maximizes), ArgMax/ArgMin's block combine."""
+    ops = {graph.nodes[i].op_type for i in nodes if graph.nodes[i].kind == OpKind.REDUCE}
+    return (4 * length * len(cache) + (ROW_REDUCE_SMEM if ops - _ARG_OPS else 0)
+            + (ARGBEST_SMEM if ops & _ARG_OPS else 0))
+
+
+def block_per_row(graph: Graph, nodes: Sequence[int], rows: int, length: int,
+                  tile: tuple[int, ...] = ()) -> Schedule:
+    cache = row_cache(graph, nodes, length)
+    return Schedule("generated", "block-per-row", "cuda-core", tile, grid=(max(1, min(rows, MAX_GRID_X)), 1, 1),
+                    smem_bytes=row_smem(graph, nodes, cache, length), row_cache=cache)
