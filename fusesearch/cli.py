@@ -738,8 +738,10 @@ def run(
     time_limit: TimeLimit = 60.0,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
                                       "inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
-                                        "max(1, max|ONNX Runtime|).")] = 1e-4,
+    rtol: Annotated[float | None, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
+                                               "max(1, max|ONNX Runtime|) (default 1e-4; with tensor-core "
+                                               "kernels in the plan, their operands' rounding: 2e-3 for "
+                                               "TF32).")] = None,
     check_each: Annotated[bool, typer.Option("--check-each", help="Compare every intermediate tensor with "
                                              "ONNX Runtime's, not only the outputs.")] = False,
     input_value: InputValue = None,
@@ -769,6 +771,7 @@ def run(
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
+    rtol = _plan_rtol(plan_) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
         return
@@ -783,6 +786,15 @@ def run(
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
+
+
+def _plan_rtol(plan_) -> float:
+    """`run`'s default tolerance: 1e-4 (float32 throughout), or the tensor-core kernels' where the
+    plan has some (their operands keep fewer mantissa bits: `codegen.mma.TOLERANCE`)."""
+    from fusesearch.backends.codegen.mma import TOLERANCE as TENSOR_CORE
+
+    return max([1e-4] + [TENSOR_CORE[g.kernel.schedule.skeleton] for g in plan_.groups
+                         if g.kernel.schedule.skeleton in TENSOR_CORE])
 
 
 def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:
