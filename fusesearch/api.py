@@ -10,7 +10,6 @@ Invariants: no files are written; errors are the package's (`FusesearchError`).
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 

@@ -33,7 +33,13 @@ from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.tiled import _side_loops
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import MMA_ELEMENT_BYTES, MMA_THREADS, anchor_derived, mma_pad, mma_smem_bytes
+from fusesearch.schedule import (
+    MMA_ELEMENT_BYTES,
+    MMA_THREADS,
+    anchor_derived,
+    mma_pad,
+    mma_smem_bytes,
+)
 
 # skeleton → (shared-memory element type, fragment element type, fragment K, float → element)
 _PRECISION = {
@@ -124,8 +130,8 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     side_lines = _side_loops(graph, kernel, args, side)
     zero = convert.format("0.0f")
 
-    a_dst = "a_dst[kk * %d + mm]" % lda if a_col else "a_dst[mm * %d + kk]" % lda
-    b_dst = "b_dst[nn * %d + kk]" % ldb if b_col else "b_dst[kk * %d + nn]" % ldb
+    a_dst = f"a_dst[kk * {lda} + mm]" if a_col else f"a_dst[mm * {lda} + kk]"
+    b_dst = f"b_dst[nn * {ldb} + kk]" if b_col else f"b_dst[kk * {ldb} + nn]"
     stage_fn = [
         "auto stage = [&](long long k0, int s) {",
         f"    {elem}* a_dst = As + s * {a_stage};",
