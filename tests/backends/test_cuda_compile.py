@@ -91,3 +91,32 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32):
           f"{ {arch: (min(r), max(r)) for arch, r in registers.items()} }")
     tiled = [g.id for g in distinct.values() if g.kernel.schedule.skeleton == "tiled"]  # fused, CUDA cores
     assert not (tf32 and tiled), (name, tiled)  # with TF32 every tiled fused group is on tensor cores
+
+
+def test_half_precision_tensor_core_kernels_compile():
+    """The FP16 and BF16 forms of bert-small's and resnet18's fused tensor-core kernels (their
+    float32 operands converted to __half / __nv_bfloat16 while staged) compile for sm_80 and
+    sm_90 without spills, with the shared memory their schedule gives."""
+    from dataclasses import replace
+
+    from fusesearch.schedule import mma
+
+    kernels, schedules = [], {}
+    for model in ("bert-small", "resnet18"):
+        prep = prepare(f"zoo:{model}")
+        p = make_plan(f"zoo:{model}", device="h100-sxm", strategy="greedy", prepared=prep)
+        tf32 = [g.kernel for g in p.groups if g.kernel.schedule.skeleton == "mma-tf32"][:3]
+        assert tf32, model
+        for kernel in tf32:
+            s = kernel.schedule
+            for skeleton in ("mma-f16", "mma-bf16"):
+                half = mma(skeleton, s.tile, s.stages, s.grid)
+                name = f"k{len(kernels)}"
+                kernels.append(generate(prep.graph, replace(kernel, schedule=half), name=name))
+                schedules[name] = half
+    for arch in nvrtc.ARCHES:
+        result = nvrtc.compile_cuda(cuda_module(kernels), arch=arch)
+        for gk in kernels:
+            res = result.resource(gk.name)
+            assert res.registers > 0 and res.spill_store_bytes == 0, (gk.name, gk.skeleton, arch, res)
+            assert res.smem_bytes == schedules[gk.name].smem_bytes <= STATIC_SMEM_LIMIT, (gk.name, arch, res)
