@@ -24,7 +24,11 @@ memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointw
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
-tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free. FLOPs come from the OpKind table:
+tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free; an op
+upstream of a MaxPool/AveragePool in the group is charged once per window tap that reads its
+element (see `_window_recompute`), an anchor there on the CUDA cores (the `direct` skeleton
+recomputes its dot product per tap); a pool the generator does not take is refused (it runs alone,
+opaque). FLOPs come from the OpKind table:
 the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
 Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
 treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
@@ -44,6 +48,7 @@ from fusesearch.candidates.group import FusionGroup
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
+from fusesearch.ir.pool import POOL_OPS, pool_window
 from fusesearch.schedule import (
     ALIAS,
     LIBRARY,
@@ -161,7 +166,8 @@ def try_lower(graph: Graph, group: FusionGroup) -> Kernel | FusionDecision:
 
 
 def _lower_checked(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
-    for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype):
+    for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
+                  _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
@@ -249,6 +255,21 @@ def _check_dtype(graph: Graph, nodes: list[Node]) -> FusionDecision:
               if t and graph.tensors[t].dtype in FLOAT_DTYPES}
     if len(dtypes) > 1:
         return FusionDecision.refuse(f"mixed dtypes {'/'.join(sorted(dtypes))} in one group")
+    return FusionDecision.accept()
+
+
+def _pool_window(graph: Graph, n: Node):
+    return pool_window(n.op_type, n.attrs, graph.tensors[n.inputs[0]].shape, graph.tensors[n.outputs[0]].shape,
+                       graph.tensors[n.inputs[0]].dtype, sum(1 for t in n.outputs if t))
+
+
+def _check_windows(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    """A pool is generated only as `ir.pool` describes it (alone, the others run as library calls)."""
+    for n in nodes:
+        if n.op_type in POOL_OPS:
+            window = _pool_window(graph, n)
+            if isinstance(window, str):
+                return FusionDecision.refuse(f"{_label(n)}: {window}")
     return FusionDecision.accept()
 
 
@@ -522,17 +543,18 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     outputs = _external_outputs(graph, nodes)
     alias = schedule.impl == "alias"
     reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile)
+    per_tap = _window_recompute(graph, nodes)
     tc = scalar = trans = divisions = 0
     for n in nodes:
-        times = reloads.get(n.id, 1)
+        times = reloads.get(n.id, 1) * per_tap.get(n.id, 1.0)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
-        trans += times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
-        if n.id == anchor:
+        trans += round(times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)))
+        if n.id == anchor and n.id not in per_tap:
             tc += flops
-        else:
-            scalar += times * flops
+        else:  # an anchor under a pool is recomputed per tap by a thread per output: no tensor cores
+            scalar += round(times * flops)
             if n.op_type in DIVIDE_OPS:
-                divisions += times * graph.tensors[n.outputs[0]].size
+                divisions += round(times * graph.tensors[n.outputs[0]].size)
     read = 0 if alias else sum(_read_bytes(graph, nodes, t) for t in inputs)
     write = 0 if alias else sum(graph.tensors[t].nbytes for t in outputs)
     dtype = _group_dtype(graph, nodes, anchor)
@@ -588,6 +610,34 @@ def _prologue_reloads(graph: Graph, nodes: list[Node], anchor: int | None,
             if p is not None and (p == n.id or graph.reaches(n.id, p)):
                 reloads[n.id] = max(reloads.get(n.id, 1), per_operand[k])
     return reloads
+
+
+def _window_recompute(graph: Graph, nodes: list[Node]) -> dict[int, float]:
+    """How many times each op upstream of a pool in the group is evaluated per element: a pool
+    reads its input inline at every window tap, so a producer in the group (an anchor included:
+    Conv+Relu → MaxPool) is recomputed once per in-bounds tap that covers its element — the
+    pool's exact reads over its input's size (9/4 for resnet's 3×3 stride-2 stem pool); through
+    a chain, the factors multiply (the largest over a node's consumers in the group)."""
+    ids = {n.id for n in nodes}
+    if not any(n.op_type in POOL_OPS for n in nodes):
+        return {}
+    factor: dict[int, float] = {}
+    for n in reversed(nodes):  # topological order: every consumer before its producers
+        f = 1.0
+        for t in n.outputs:
+            for c in graph.consumers(t) if t else ():
+                if c not in ids:
+                    continue
+                user = graph.nodes[c]
+                ratio = 1.0
+                if user.op_type in POOL_OPS:
+                    window = _pool_window(graph, user)
+                    size = graph.tensors[user.inputs[0]].size
+                    ratio = window.reads / size if not isinstance(window, str) and size else 1.0
+                f = max(f, factor.get(c, 1.0) * ratio)
+        if f != 1.0:
+            factor[n.id] = f
+    return factor
 
 
 def _read_bytes(graph: Graph, nodes: list[Node], tensor: str) -> int:

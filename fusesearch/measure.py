@@ -12,7 +12,7 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
     alias (a lone view) .......................... no kernel, 0 s
     lone anchor, baseline "library" (default) .... library: ONNX Runtime (CPU) / arraylib with
                                                    cupy: cuBLAS matmul, im2col conv (GPU)
-    codegen refused (opaque: MaxPool, Loop, If) .. library, same; on the GPU only ops that
+    codegen refused (opaque: Loop, If, TopK) ..... library, same; on the GPU only ops that
                                                    `arraylib` implements, the rest "not measured"
     codegen refused a fused group (a float16,      "library per node": each node alone through the
     int8 or QDQ group, an op without a generator)  library, one after another, on its reference

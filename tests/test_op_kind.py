@@ -65,14 +65,15 @@ def test_kind_order_reads_as_legality() -> None:
     ("PRelu", OpKind.BROADCAST), ("BatchNormalization", OpKind.BROADCAST),
     ("DequantizeLinear", OpKind.BROADCAST),
     ("Reshape", OpKind.INJECTIVE), ("Transpose", OpKind.INJECTIVE), ("Gather", OpKind.INJECTIVE),
-    ("Resize", OpKind.INJECTIVE), ("Upsample", OpKind.INJECTIVE),
+    ("Resize", OpKind.INJECTIVE), ("Upsample", OpKind.INJECTIVE), ("MaxPool", OpKind.INJECTIVE),
+    ("AveragePool", OpKind.INJECTIVE),
     ("Softmax", OpKind.REDUCE), ("LayerNormalization", OpKind.REDUCE),
     ("ReduceMean", OpKind.REDUCE), ("GlobalAveragePool", OpKind.REDUCE),
     ("RMSNormalization", OpKind.REDUCE),
     ("Conv", OpKind.ANCHOR), ("ConvTranspose", OpKind.ANCHOR), ("MatMul", OpKind.ANCHOR),
     ("Gemm", OpKind.ANCHOR),
     ("If", OpKind.OPAQUE), ("Loop", OpKind.OPAQUE), ("TopK", OpKind.OPAQUE),
-    ("NonMaxSuppression", OpKind.OPAQUE), ("MaxPool", OpKind.OPAQUE), ("LSTM", OpKind.OPAQUE),
+    ("NonMaxSuppression", OpKind.OPAQUE), ("LpPool", OpKind.OPAQUE), ("LSTM", OpKind.OPAQUE),
     ("Einsum", OpKind.OPAQUE), ("QLinearMatMul", OpKind.OPAQUE), ("Shape", OpKind.OPAQUE),
     ("Scatter", OpKind.OPAQUE), ("CumSum", OpKind.OPAQUE),
 ])
@@ -171,10 +172,11 @@ def test_reduce_flops() -> None:
     assert node_flops("LayerNormalization", {"axis": -1}, ln, [t("y", 2, 5, 8)]) == 8 * 80
 
 
-def test_pool_flops() -> None:  # output size * window
+def test_pool_flops() -> None:  # output size * window (compares or adds), + a divide per average
     x, y = t("x", 1, 64, 112, 112), t("y", 1, 64, 56, 56)
     attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
     assert node_flops("MaxPool", attrs, [x], [y]) == 64 * 56 * 56 * 9
+    assert node_flops("AveragePool", attrs, [x], [y]) == 64 * 56 * 56 * 10
     assert node_flops("GlobalAveragePool", {}, [x], [t("g", 1, 64, 1, 1)]) == 64 * 112 * 112
 
 

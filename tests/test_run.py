@@ -196,20 +196,21 @@ def test_arena_never_overlaps_live_tensors():
 
 
 def conv_pool():
-    """Conv+Relu (generated) then MaxPool (no generator: the GPU library path) then Add."""
+    """Conv+Relu (generated) then a MaxPool over an 81-tap window (not unrolled by the generator:
+    the GPU library path) then Flatten and Sigmoid."""
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["r"], name="relu"),
-             helper.make_node("MaxPool", ["r"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("MaxPool", ["r"], ["p"], name="pool", kernel_shape=[9, 9]),
              helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
              helper.make_node("Sigmoid", ["f"], ["y"], name="sigmoid")]
     inits = [("w", _w(4, 3, 3, 3)), ("b", _w(4))]
-    return make_model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 64])], inits, opset=13)
+    return make_model(nodes, [("x", [1, 3, 10, 10])], [("y", [1, 16])], inits, opset=13)
 
 
 @pytest.mark.parametrize("build", [mlp, conv_pool])
 def test_cuda_program_through_the_emulator_equals_ort(tmp_path, build):
     """The CUDA sources, launched in plan order with their own grids over one arena (the emulator
-    runs them on host threads), give ONNX Runtime's outputs; MaxPool goes through arraylib."""
+    runs them on host threads), give ONNX Runtime's outputs; the large MaxPool goes through arraylib."""
     from fusesearch.api import plan as make_plan
     from fusesearch.backends import emulate
     from fusesearch.pipeline import prepare

@@ -1,6 +1,6 @@
 """Library calls: run one node through ONNX Runtime (the CPU "vendor path").
 
-Problem: OPAQUE ops (MaxPool, If, Loop, TopK, ...) have no generated kernel, and a lone anchor
+Problem: OPAQUE ops (If, Loop, TopK, LpPool, ...) have no generated kernel, and a lone anchor
 (MatMul, Gemm, Conv) runs through a library in `measure`'s default baseline, so that the report
 can say when a fused generated kernel loses to a library kernel plus a separate epilogue; a fused
 group the generator refuses (float16, int8, an op without a generator) runs one node at a time

@@ -10,6 +10,8 @@ rule of `DEFAULT_RULES` accepts it, cheapest first:
     Lowerable         lowering's checks: OPAQUE ops alone, one anchor, static shapes, one dtype,
                       connected, convex, reductions over inner axes sharing one row count, a
                       Softmax epilogue over the anchor's last axis (see fusesearch.lowering)
+    Generatable       a fused group: the generator has code for every op and a C type for every
+                      tensor (a kernel we cannot write is not a candidate; a lone op always is)
     FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
                       threads within the device's limits
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
+from fusesearch.backends.codegen import generatable
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.costing import kernel_cost
@@ -71,11 +74,24 @@ class Lowerable:
     name: str = "lowerable"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-
         result = try_lower(legality.graph, FusionGroup(nodes))
         if isinstance(result, FusionDecision):
             return result
         return Verdict(FusionDecision.accept(), result)
+
+
+@dataclass(frozen=True)
+class Generatable:
+    """A fused group is one generated kernel, so the generator must have code for each of its ops
+    and a C type for each of its tensors (`codegen.generatable`); a lone op stays a candidate
+    whatever it is (it runs as a library call where it is not generated)."""
+
+    name: str = "generatable"
+
+    def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision:
+        if len(nodes) == 1:
+            return FusionDecision.accept()
+        return generatable(legality.graph, kernel)
 
 
 @dataclass(frozen=True)
@@ -86,10 +102,8 @@ class FitsDevice:
     name: str = "fits-device"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-
         cost = kernel_cost(kernel, legality.device, legality.model)
         if not cost.feasible and len(nodes) == 1:
-
             kernel = lower_as_library(legality.graph, FusionGroup(nodes))
             cost = kernel_cost(kernel, legality.device, legality.model)
         if not cost.feasible:
@@ -97,7 +111,7 @@ class FitsDevice:
         return Verdict(FusionDecision.accept(), kernel, cost)
 
 
-DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), FitsDevice())
+DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), Generatable(), FitsDevice())
 
 
 @dataclass

@@ -50,7 +50,7 @@ class OpKind(IntEnum):
 
     ELEMWISE = 0  # out[i] = f(in[i]) for every input, all of one shape
     BROADCAST = 1  # out[i] = f(in_k[broadcast_k(i)]): the index maps are fixed broadcasts
-    INJECTIVE = 2  # out[i] = in[g(i)]: each output element reads one place (data movement)
+    INJECTIVE = 2  # out[i] = in[g(i)]: one place (data movement), or a small fixed stencil (pools)
     REDUCE = 3  # rows of the input are reduced along inner axes (Softmax, LayerNorm, Reduce*)
     ANCHOR = 4  # a contraction with its own tiled template (Conv, MatMul, Gemm)
     OPAQUE = 8  # cannot fuse: control flow, data-dependent shapes, library ops, unknown ops
@@ -103,6 +103,12 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType({
     # shape comes from a value (a shape tensor, Range's bounds); legality separately requires
     # static shapes, so one whose shape shape-inference could not fix never joins a group.
     "ConstantOfShape": _I, "EyeLike": _I, "Range": _I,
+    # INJECTIVE - windowed pools: each output element reduces a small fixed window of its input (a
+    # stencil, as Resize linear's neighbours): generated as an unrolled window when 2-D with at
+    # most 64 taps (`fusesearch.ir.pool`; lowering refuses the rest, which then run alone as library
+    # calls). It reads several positions per output element, so it is never a same-position
+    # epilogue of a tiled product (the generator's `direct` / materialized paths take it).
+    "AveragePool": _I, "MaxPool": _I,
     # REDUCE - reductions over axes, each row reduced to one value (keepdims or not).
     "ArgMax": _R, "ArgMin": _R, "ReduceL1": _R, "ReduceL2": _R, "ReduceLogSum": _R,
     "ReduceLogSumExp": _R, "ReduceMax": _R, "ReduceMean": _R, "ReduceMin": _R, "ReduceProd": _R,
@@ -128,11 +134,11 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType({
     "SequenceErase": _O, "SequenceInsert": _O, "SequenceLength": _O, "SplitToSequence": _O,
     # OPAQUE - recurrent layers: a sequential loop of small GEMMs, run by a library.
     "GRU": _O, "LSTM": _O, "RNN": _O,
-    # OPAQUE - windowed and sampling ops, run by a library (cuDNN): overlapping windows do not
-    # fit the injective/reduce templates. Col2Im and MaxUnpool scatter-add; GridSample reads a
-    # data-dependent stencil; AffineGrid only feeds GridSample.
-    "AffineGrid": _O, "AveragePool": _O, "Col2Im": _O, "GridSample": _O, "LpPool": _O,
-    "LRN": _O, "MaxPool": _O, "MaxRoiPool": _O, "MaxUnpool": _O, "RoiAlign": _O,
+    # OPAQUE - other windowed and sampling ops, run by a library (cuDNN): LpPool and LRN are not
+    # generated; Col2Im and MaxUnpool scatter-add; GridSample reads a data-dependent stencil;
+    # AffineGrid only feeds GridSample; the RoI pools read data-dependent boxes.
+    "AffineGrid": _O, "Col2Im": _O, "GridSample": _O, "LpPool": _O,
+    "LRN": _O, "MaxRoiPool": _O, "MaxUnpool": _O, "RoiAlign": _O,
     # OPAQUE - contractions without a float template: integer / quantized (int32 accumulators
     # and requantization), deformable conv, Einsum (arbitrary index algebra: canonicalize may
     # rewrite simple ones to MatMul), Det (LU), and the fused attention / stateful conv ops of
@@ -432,7 +438,7 @@ _FLOPS_FORMULAS: Mapping[str, _FlopsFn] = MappingProxyType({
     "Gemm": lambda a, i, o: _gemm_flops(a, i),
     "Einsum": lambda a, i, o: _einsum_flops(a, i),
     "MaxPool": lambda a, i, o: _window_flops(a, o),
-    "AveragePool": lambda a, i, o: _window_flops(a, o),
+    "AveragePool": lambda a, i, o: _window_flops(a, o) + _size(_at(o, 0)),  # + the divide
     "LpPool": lambda a, i, o: _window_flops(a, o, per_tap=2),  # |x|^p, add
     "LRN": lambda a, i, o: _size(_at(o, 0)) * (2 * int(a.get("size", 1)) + 4),
     "RoiAlign": lambda a, i, o: _roi_align_flops(a, o),

@@ -354,3 +354,16 @@ def test_resize_of_old_opsets_equals_onnx_runtime_on_the_original_model(tmp_path
     feeds = {a.tensor: x if a.tensor == "x" else prep.graph.constant_value(a.tensor) for a in gk.inputs}
     got = cpu.run(gk, feeds)[gk.outputs[0].tensor]
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
+
+
+def test_a_group_the_generator_cannot_write_is_not_a_candidate(tmp_path):
+    """Legality refuses a fused group holding an op without a generator (ReduceProd after a Relu),
+    naming it; each op alone stays a candidate (a library call), so the plan still covers it."""
+    model = make_model([node("Relu", ["x"], ["r"]), node("ReduceProd", ["r"], ["y"], axes=[-1], keepdims=0)],
+                       [("x", [4, 8])], [("y", None)], opset=17)
+    prep = prepare(str(save(model, tmp_path / "prod.onnx")))
+    device, params = load_device("h100-sxm")
+    legality = Legality(prep.graph, device, RooflineModel(params))
+    verdict = legality.check({0, 1})
+    assert not verdict.decision and "ReduceProd" in verdict.decision.reason and "no code generator" in verdict.decision.reason
+    assert legality.check({0}).decision and legality.check({1}).decision

@@ -3,8 +3,6 @@ of every zoo plan: test_zoo_groups_cpu.py; CUDA compile checks: test_cuda_compil
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -92,18 +90,28 @@ def test_global_average_pool(tmp_path):
     whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 5, 5])], [("y", None)])
 
 
-def test_opaque_is_refused_with_a_reason_and_runs_as_a_library_call():
+def test_opaque_is_refused_with_a_reason_and_runs_as_a_library_call(tmp_path):
+    """A MaxPool whose Indices output is used lowers alone to the opaque template (codegen refuses
+    it with the reason) and runs as a library call through ONNX Runtime."""
     from fusesearch.backends.library import library_runner
 
-    prep, values = _zoo("resnet18")
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["y", "i"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])]
+    path = save(make_model(nodes, [("x", [1, 2, 7, 8])], [("y", None), ("i", None, TensorProto.INT64)]),
+                tmp_path / "m.onnx")
+    prep = prepare(path)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
     pool = next(n for n in prep.graph.nodes if n.op_type == "MaxPool")
     kernel = lower(prep.graph, FusionGroup.single(pool.id))
     decision = try_generate(prep.graph, kernel)
+    assert kernel.template == "opaque"
     assert isinstance(decision, FusionDecision) and "opaque" in decision.reason
     with pytest.raises(CodegenRefused):
         generate(prep.graph, kernel)
-    run, names = library_runner(to_proto(prep.canonical), prep.graph, kernel, values)
-    np.testing.assert_array_equal(run()[names[0]], values[names[0]])
+    run, names = library_runner(canonical, prep.graph, kernel, values)
+    for name in names:
+        np.testing.assert_array_equal(run()[name], values[name])
 
 
 def test_conv_with_prologue_padding_and_epilogue(tmp_path):
@@ -127,13 +135,6 @@ def test_conv_transpose_and_gemm_with_softmax_epilogue(tmp_path):
     inits = [("b", rng.standard_normal((16, 8)).astype(np.float32)), ("c", rng.standard_normal(16).astype(np.float32))]
     (tmp_path / "g").mkdir()
     whole_graph_as_one_group(tmp_path / "g", nodes, [("a", [5, 8])], [("y", None)], inits)
-
-
-@functools.lru_cache(maxsize=2)
-def _zoo(name: str):
-    prep = prepare(f"zoo:{name}")
-    canonical = to_proto(prep.canonical)
-    return prep, all_values(canonical, random_feeds(canonical, 0))
 
 
 # Every group of every zoo plan (all 11 models, all strategies) against ONNX Runtime:

@@ -4,7 +4,7 @@ For each of the 11 zoo models and each strategy (none, rules, greedy, cpsat; dev
 every group of the plan runs on the CPU backend the way `fusesearch measure` runs it:
 
 - a generated C/OpenMP kernel (compiled by cc, cached on disk by source hash);
-- where codegen refuses (the opaque template: MaxPool, Loop, If), the library path — the one
+- where codegen refuses (the opaque template: Loop, If), the library path — the one
   node cut out of the model and run by ONNX Runtime (`backends.library`) — and, where
   `backends.arraylib` implements the op, that array code with numpy (the math the GPU library
   path runs with cupy). Only the groups on `KNOWN_REFUSED` ((model, op types) → reason) may be
@@ -51,9 +51,6 @@ TEXT_SEQ = 32
 ANCHORS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 OPAQUE = "lowers to the opaque template: runs as a library call (ONNX Runtime; arraylib on the GPU)"
 KNOWN_REFUSED: dict[tuple[str, tuple[str, ...]], str] = {
-    ("resnet18", ("MaxPool",)): OPAQUE,
-    ("resnet50", ("MaxPool",)): OPAQUE,
-    ("unet", ("MaxPool",)): OPAQUE,
     ("rnn-control", ("Loop",)): OPAQUE,
     ("rnn-control", ("If",)): OPAQUE,
 }

@@ -8,13 +8,16 @@ broadcast ops (same / broadcast index), injective ops (index remapping: Reshape 
 index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
 DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
 wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
-its 2^axes neighbours) down to loads of the kernel's inputs. Temporaries are memoized per
+its 2^axes neighbours; MaxPool / AveragePool as an unrolled reduction over their window's taps)
+down to loads of the kernel's inputs. Temporaries are memoized per
 (tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
 every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
 emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
-               C: `#pragma omp parallel for` · CUDA: a grid-stride loop, or, when every op is
+               C: `#pragma omp parallel for` (a pool's output in separable row passes,
+               `pool_rows`; under another pool, the columns split into the border, with
+               clamped taps, and the branch-free interior) · CUDA: a grid-stride loop, or, when every op is
                elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four
                elements per thread with float4 loads and stores (`vectorized`)
     rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
@@ -86,7 +89,7 @@ from fusesearch.lowering import Kernel
 from fusesearch.schedule import grid_stride
 
 __all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "cuda_module",
-           "generate", "module_namespace", "try_generate"]
+           "generatable", "generate", "module_namespace", "try_generate"]
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
@@ -134,6 +137,20 @@ def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKerne
         return generate(graph, kernel, name)
     except CodegenRefused as exc:
         return exc.decision
+
+
+def generatable(graph: Graph, kernel: Kernel) -> FusionDecision:
+    """Whether the generator can write the kernel at all, decided from its ops and dtypes alone
+    (cheap enough for every candidate): each op has code here and each tensor a C type. A group
+    that passes may still be refused by an op's attributes (`generate` says which)."""
+    for i in kernel.nodes:
+        n = graph.nodes[i]
+        if n.op_type not in GENERATED_OPS:
+            return FusionDecision.refuse(f"{n.name}({n.op_type}) has no code generator: it runs alone")
+    for t in (*kernel.inputs, *kernel.outputs):
+        if graph.tensors[t].dtype not in CTYPES:
+            return FusionDecision.refuse(f"dtype {graph.tensors[t].dtype} of '{t}' is not generated: its ops run alone")
+    return FusionDecision.accept()
 
 
 GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS

@@ -35,6 +35,9 @@ class _Emitter:
         self.acc_value = ""  # CUDA tiled: the anchor's value at the epilogue's element (a register)
         self.vec_loads: dict[str, str] = {}  # CUDA vectorized: tensor → this lane of its float4
         self.materialized: frozenset[str] = frozenset()  # C: computed tensors read from a buffer
+        self.window_clamp = False  # C loop nests: a pool tap reads a clamped position and selects, no branch
+        self.window_cols = ""  # C: the column loop variable ...
+        self.window_interior: frozenset[int] = frozenset()  # ... inside these pools' interior (no column checks)
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:

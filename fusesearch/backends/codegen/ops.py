@@ -16,6 +16,7 @@ import numpy as np
 
 from fusesearch.backends.codegen.base import CodegenRefused, _lit
 from fusesearch.ir.graph import Node
+from fusesearch.ir.pool import pool_window
 
 if TYPE_CHECKING:
     from fusesearch.backends.codegen.emitter import _Emitter
@@ -725,3 +726,79 @@ _HANDLERS.update({
     "SpaceToDepth": _space_to_depth, "Trilu": _trilu, "EyeLike": _eye_like, "OneHot": _one_hot,
     "ReverseSequence": _reverse_sequence,
 })
+
+
+# -- windowed pools: MaxPool / AveragePool (2-D, NCHW) -----------------------------------------
+
+def _pool(e, n, t, idx):
+    """A pool output element as an unrolled reduction over its window (geometry: `ir.pool`): an
+    FS_FMAX chain over the taps (-INFINITY for one outside the input), or their sum divided by the
+    window's count (a multiplication by its reciprocal when every window has the same count). Each
+    tap reads `value(x, tap)`, so a producer in the group is inlined and recomputed per tap. A tap
+    is bounds-checked only on the sides some window crosses: by a guarded read, or, in C loop nests
+    (`window_clamp`), by reading a clamped position and bounding it by -INFINITY (max) or scaling
+    it by 0 (sum) outside the input (no branch: the column loop vectorizes); columns of the nest's
+    interior loop (`window_cols`) are not checked at all."""
+    x = n.inputs[0]
+    window = pool_window(n.op_type, n.attrs, e.info(x).shape, e.info(t).shape, e.info(x).dtype,
+                         len([o for o in n.outputs if o]))
+    if isinstance(window, str):
+        raise CodegenRefused(f"{n.name}({n.op_type}): {window}")
+    nb, c, oh, ow = idx
+    cols_unchecked = n.id in e.window_interior and ow == e.window_cols
+    positions = []  # per axis: (position, clamped position, bounds check or "") per tap
+    for axis, o, unchecked in zip(window.axes, (oh, ow), (False, cols_unchecked), strict=True):
+        start = e.tmp("long long", f"({o}) * {axis.stride}LL - {axis.pad}LL") if axis.pad or axis.stride > 1 else o
+        taps = []
+        for k in range(axis.kernel):
+            pos = f"({start} + {k * axis.dilation}LL)" if k * axis.dilation else start
+            low = axis.needs_low_check(k) and not unchecked
+            high = axis.needs_high_check(k) and not unchecked
+            checks = " && ".join(([f"{pos} >= 0"] if low else []) + ([f"{pos} < {axis.extent}LL"] if high else []))
+            clamped = pos
+            if checks and e.window_clamp:
+                clamped = e.tmp("long long", f"{pos} < 0 ? 0 : {pos}" if low and not high else
+                                f"{pos} >= {axis.extent}LL ? {axis.extent - 1}LL : {pos}" if high and not low else
+                                f"{pos} < 0 ? 0 : ({pos} >= {axis.extent}LL ? {axis.extent - 1}LL : {pos})")
+            taps.append((pos, clamped, checks))
+        positions.append(taps)
+    maximum = n.op_type == "MaxPool"
+    fill = "(-INFINITY)" if maximum else "0.0f"
+    acc = ""
+    for (ph, qh, ch), (pw, qw, cw) in itertools.product(*positions):
+        cond = " && ".join(c_ for c_ in (ch, cw) if c_)
+        if not cond:
+            v = e.value(x, (nb, c, ph, pw))
+        elif e.window_clamp:  # a bound or a 0/1 factor, not a select: GCC masks selected loads and gives up
+            bound = e.tmp("float", f"({cond}) ? INFINITY : (-INFINITY)" if maximum else f"({cond}) ? 1.0f : 0.0f")
+            loaded = e.value(x, (nb, c, qh, qw))
+            v = e.tmp("float", f"FS_FMIN({bound}, {loaded})" if maximum else f"{loaded} * {bound}")
+        else:
+            v = _guarded_or(e, x, (nb, c, ph, pw), cond, fill)
+        acc = e.tmp("float", (f"FS_FMAX({acc}, {v})" if maximum else f"{acc} + {v}") if acc else v)
+    if maximum:
+        return acc
+    count = _pool_count(e, window, (oh, ow))
+    return f"({acc} * {_lit(1.0 / count)})" if isinstance(count, int) else f"({acc} / (float)({count}))"
+
+
+def _pool_count(e, window, outs) -> int | str:
+    """AveragePool's divisor: the window's taps inside the input (count_include_pad=0) or inside
+    the padded input (=1; a ceil_mode window past the tail pad is clipped), as an int when every
+    window has the same count, else a per-element expression (`PoolAxis.counts` at run time)."""
+    factors, constant = [], 1
+    for axis, o in zip(window.axes, outs, strict=True):
+        lo, hi = (-axis.pad, axis.limit) if window.include_pad else (0, axis.extent)
+        counts = set(axis.counts(window.include_pad))
+        if len(counts) == 1:
+            constant *= counts.pop()
+            continue
+        s = e.tmp("long long", f"({o}) * {axis.stride}LL - {axis.pad}LL")
+        end = e.tmp("long long", f"{s} + {axis.kernel}LL < {hi}LL ? {s} + {axis.kernel}LL : {hi}LL")
+        factors.append(e.tmp("long long", f"{end} - ({s} > {lo}LL ? {s} : {lo}LL)"))
+    if not factors:
+        return constant
+    return " * ".join(([str(constant)] if constant != 1 else []) + factors)
+
+
+_HANDLERS.update({"MaxPool": _pool, "AveragePool": _pool})

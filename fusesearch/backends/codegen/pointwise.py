@@ -1,6 +1,7 @@
 """The pointwise skeleton: one loop per output, O[i] = value(O, unflatten(i)). C: a loop nest
-parallel over the leading dims and vectorized over the last (`omp simd`, the row index hoisted);
-CUDA: a grid-stride loop.
+parallel over the leading dims and vectorized over the last (`omp simd`, the row index hoisted;
+a pool's output in separable row passes, under another pool the last dim split into border and
+interior columns); CUDA: a grid-stride loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from fusesearch.backends.codegen.base import (
     _signature,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.pool_rows import _pool_rows
+from fusesearch.ir.pool import POOL_OPS, pool_window
 
 
 def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None):
@@ -49,20 +52,56 @@ def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tup
 
 
 def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
-    """C loops for one output: rows (all dims but the last) in parallel, the last dim innermost."""
+    """C loops for one output: rows (all dims but the last) in parallel, the last dim innermost.
+    A pool's own output is computed in separable row passes (`pool_rows`); under other pools of
+    the output's width in the group, the column loop is split into the border columns (taps
+    clamped and bounded) and the interior, where no window crosses the input's edge and the taps
+    are plain strided loads."""
+    pool_rows = _pool_rows(graph, kernel, args, out, materialized)
+    if pool_rows is not None:
+        return pool_rows
     inner = out.shape[-1] if out.shape else 1
     rows = out.size // inner if inner else 0
     e = _Emitter(graph, kernel, args)
     e.materialized = materialized
+    e.window_clamp = True
     row_idx = e.unflatten("o", out.shape[:-1]) if out.shape else ()
     head, e.lines = e.lines, []
-    e.push()
-    idx = (*row_idx, "j") if out.shape else ()
-    v = e.value(out.tensor, idx)
-    body = [*e.lines, f"{out.name}[o * {inner}LL + j] = {v};"]
-    e.pop()
-    simd = ["#pragma omp simd"] if _flat_loop(body) else []
+    pools, lo, hi = _pool_interior(graph, kernel, inner)
+    ranges = [(0, lo, False), (lo, hi, True), (hi, inner, False)] if pools else [(0, inner, False)]
+    loops = []
+    for begin, end, interior in ranges:
+        if begin >= end:
+            continue
+        e.window_cols, e.window_interior = ("j", pools) if interior else ("", frozenset())
+        e.push()
+        idx = (*row_idx, "j") if out.shape else ()
+        v = e.value(out.tensor, idx)
+        body = [*e.lines, f"{out.name}[o * {inner}LL + j] = {v};"]
+        e.lines = []
+        e.pop()
+        simd = ["#pragma omp simd"] if _flat_loop(body) else []
+        first = f"{begin}LL" if begin else "0"
+        loops += [*simd, f"for (long long j = {first}; j < {end}LL; ++j) {{", *["    " + x for x in body], "}"]
     loop = [f"for (long long o = 0; o < {rows}LL; ++o) {{", *["    " + x for x in head],
-            *["    " + x for x in simd], f"    for (long long j = 0; j < {inner}LL; ++j) {{",
-            *["        " + x for x in body], "    }", "}"]
+            *["    " + x for x in loops], "}"]
     return "    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)
+
+
+def _pool_interior(graph, kernel, width: int) -> tuple[frozenset[int], int, int]:
+    """The group's generated pools whose output is `width` wide, and the output columns [lo, hi)
+    inside all their interiors (every tap inside the input); no pools: (empty, 0, width)."""
+    pools, lo, hi = set(), 0, width
+    for i in kernel.nodes:
+        n = graph.nodes[i]
+        if n.op_type not in POOL_OPS:
+            continue
+        shape = graph.tensors[n.outputs[0]].shape
+        window = pool_window(n.op_type, n.attrs, graph.tensors[n.inputs[0]].shape, shape,
+                             graph.tensors[n.inputs[0]].dtype, len([o for o in n.outputs if o]))
+        if isinstance(window, str) or shape[-1] != width:
+            continue
+        pools.add(i)
+        a, b = window.axes[1].interior()
+        lo, hi = max(lo, a), min(hi, b)
+    return frozenset(pools), lo, max(lo, hi)
