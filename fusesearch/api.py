@@ -2,7 +2,8 @@
 
 Problem: researchers script experiments; they want the CLI's pipeline as one call returning
 values they can inspect (`Plan.to_pandas()`), not files.
-Approach: the same steps as `fusesearch plan`: prepare (load → canonicalize → Graph), resolve
+Approach: the same steps as `fusesearch plan`: prepare (load → canonicalize → [half conversion] →
+Graph), resolve
 the device (name or profile.json), search, return the validated Plan.
 Invariants: no files are written; errors are the package's (`FusesearchError`).
 """
@@ -52,7 +53,9 @@ def model_info(prep) -> ModelInfo:
 def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
-         workers: int | None = None, prepared=None, tf32: bool = True) -> Plan:
+         workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True) -> Plan:
+    """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
+    False plans float32 GEMMs and convs without TF32 (`--no-tf32`)."""
     from costmodels import RooflineModel
     from fusesearch.pipeline import prepare
     from fusesearch.search import search
@@ -61,7 +64,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
         [f"{k}={'x'.join(map(str, v))}" for k, v in (input_shapes or {}).items()],
         [f"{k}={v}" for k, v in (dims or {}).items()])
     label, spec, params, profile = resolve_device(device)
-    prep, params = for_device(prepared or prepare(model, bindings, tf32=tf32), spec, params)
+    prep, params = for_device(prepared or prepare(model, bindings, dtype=dtype, tf32=tf32), spec, params)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           **({"workers": workers} if workers else {}))
     return search(prep.graph, spec, RooflineModel(params), strategy, config=config, device_label=label,

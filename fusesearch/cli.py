@@ -51,6 +51,17 @@ NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs
                                       "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
 
 
+def _dtype_option(_ctx, _param, value):
+    from fusesearch.ir.precision import check_dtype
+
+    return check_dtype(value)
+
+
+DType = Annotated[str, typer.Option("--dtype", callback=_dtype_option, help="float32 (as loaded) | float16 | "
+                                    "bfloat16: convert the model's weights and activations first (LayerNorm, "
+                                    "Softmax and reductions stay float32).")]
+
+
 # -- option checks: one validator per kind of value, attached to the option in every command -----
 
 def _checked(test, expected: str):
@@ -253,6 +264,7 @@ def plan(
     svg: Annotated[Path | None, typer.Option("--svg", help="Draw the plan as SVG here.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an offline HTML page of the plan.")] = None,
     input_value: InputValue = None,
+    dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -266,7 +278,7 @@ def plan(
                   _reads((model, "model")))
     config = _config(time_limit, max_group_size, seed, workers)
     verifying = emit is not None and not no_verify
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, tf32=not no_tf32)
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
@@ -302,11 +314,12 @@ def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, 
     only then write it: a model that failed verification never reaches the disk."""
     from fusesearch.export import fused_model, save_model
     from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import tolerance
 
     fused = fused_model(to_proto(prep.canonical), prep.graph, groups)
     report = None
     if verify:
-        report = _verify(prep, fused, seed, 1e-4, 0.0, values, label=f"--emit {path}")
+        report = _verify(prep, fused, seed, tolerance(prep.dtype), 0.0, values, label=f"--emit {path}")
         if not report["ok"]:
             raise FusesearchError(f"--emit {path}: the fused model differs from the original, so it was not "
                                   f"written: {_verified_line(report)}; please report this plan")
@@ -392,10 +405,13 @@ def verify(
     input_shape: InputShape = None,
     dim: Dim = None,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the random inputs.")] = 0,
-    rtol: Annotated[float, typer.Option("--rtol", callback=TOLERANCE,
-                                        help="Tolerance relative to max(1, max|original|).")] = 1e-4,
+    rtol: Annotated[float | None, typer.Option("--rtol", callback=TOLERANCE,
+                                               help="Tolerance relative to max(1, max|original|) (default: "
+                                               "1e-4, float16 1e-2, bfloat16 5e-2).")] = None,
     atol: Annotated[float, typer.Option("--atol", callback=TOLERANCE, help="Absolute tolerance.")] = 0.0,
     input_value: InputValue = None,
+    dtype: Annotated[str, typer.Option("--dtype", callback=_dtype_option, help="The precision FUSED was planned "
+                                       "in (`plan --dtype`): ORIGINAL is converted the same way.")] = "float32",
     json_out: JsonFlag = False,
 ) -> None:
     """Prove FUSED equal to ORIGINAL in ONNX Runtime on seeded, valid random inputs (exit 1 if not)."""
@@ -405,9 +421,12 @@ def verify(
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
     if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
         raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
-    prep = prepare(original, _bindings(input_shape, dim), keep_original=True)
+    from fusesearch.ir.precision import tolerance
+
+    prep = prepare(original, _bindings(input_shape, dim), keep_original=True, dtype=dtype)
     values = _input_values(input_value, prep)
     _check_verify_memory(prep, False)
+    rtol = tolerance(dtype) if rtol is None else rtol
     report = _verify(prep, _read_fused(fused), seed, rtol, atol, values, label=str(fused), ours=False)
     if json_out:
         _emit_json(report)
@@ -430,13 +449,14 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --emit file.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking it in ONNX Runtime.")] = False,
     input_value: InputValue = None,
+    dtype: DType = "float32",
 ) -> None:
     """Rebuild the fused model from a saved plan (refusing a plan that does not fit the model)."""
     from fusesearch.export import plan_groups_from_json
     from fusesearch.pipeline import prepare
 
     check_outputs([(emit, "--emit")], force, _reads((model, "model"), (plan_json, "plan")))
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=not no_verify)
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=not no_verify, dtype=dtype)
     values = _input_values(input_value, prep)
     groups = plan_groups_from_json(plan_json, prep.graph)
     if not no_verify:
@@ -589,6 +609,7 @@ def measure(
                                                    "(repeatable)")] = None,
     end_to_end: Annotated[bool, typer.Option("--end-to-end", help="Also run the plan and the unfused graph "
                                              "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
+    dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -611,7 +632,7 @@ def measure(
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), tf32=not no_tf32)
+    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
@@ -739,14 +760,14 @@ def run(
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
                                       "inputs.")] = 0,
     rtol: Annotated[float | None, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
-                                               "max(1, max|ONNX Runtime|) (default 1e-4; with tensor-core "
-                                               "kernels in the plan, their operands' rounding: 2e-3 for "
-                                               "TF32).")] = None,
+                                               "max(1, max|ONNX Runtime|) (default: 1e-4, float16 1e-2, "
+                                               "bfloat16 5e-2; 2e-3 at least with TF32 kernels in the plan).")] = None,
     check_each: Annotated[bool, typer.Option("--check-each", help="Compare every intermediate tensor with "
                                              "ONNX Runtime's, not only the outputs.")] = False,
     input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -766,12 +787,14 @@ def run(
         raise BadInput("-o: --backend emulate checks correctness only and has no timings to write; drop -o")
     if not emulated:
         _check_profile_backend(device, backend)
+    from fusesearch.ir.precision import tolerance
+
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), tf32=not no_tf32)
+    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
-    rtol = _plan_rtol(plan_) if rtol is None else rtol
+    rtol = max(tolerance(dtype), _plan_rtol(plan_)) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
         return
@@ -789,12 +812,12 @@ def run(
 
 
 def _plan_rtol(plan_) -> float:
-    """`run`'s default tolerance: 1e-4 (float32 throughout), or the tensor-core kernels' where the
-    plan has some (their operands keep fewer mantissa bits: `codegen.mma.TOLERANCE`)."""
+    """The tolerance the plan's tensor-core kernels need (their operands keep fewer mantissa bits:
+    `codegen.mma.TOLERANCE`), 0 without any; `run` takes the larger of it and the dtype's."""
     from fusesearch.backends.codegen.mma import TOLERANCE as TENSOR_CORE
 
-    return max([1e-4] + [TENSOR_CORE[g.kernel.schedule.skeleton] for g in plan_.groups
-                         if g.kernel.schedule.skeleton in TENSOR_CORE])
+    return max([0.0] + [TENSOR_CORE[g.kernel.schedule.skeleton] for g in plan_.groups
+                        if g.kernel.schedule.skeleton in TENSOR_CORE])
 
 
 def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:

@@ -75,6 +75,7 @@ TARGET_BLOCKS = 256  # enough blocks for two waves on the largest GPUs (132 SMs)
 MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
 ROW_EPILOGUE_OPS = frozenset({"Softmax", "LogSoftmax"})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
 GEMM_TEMPLATE = {"Conv": "conv", "ConvTranspose": "conv", "MatMul": "gemm", "Gemm": "gemm"}
 
 
@@ -251,9 +252,12 @@ def _check_anchor(graph: Graph, nodes: list[Node]) -> FusionDecision:
 
 
 def _check_dtype(graph: Graph, nodes: list[Node]) -> FusionDecision:
+    """One float dtype per group, except that float32 mixes with one half dtype: generated code
+    computes in float32 and half is storage only (a half model keeps LayerNorm and Softmax in
+    float32, between Casts, and they fuse with their half neighbours)."""
     dtypes = {graph.tensors[t].dtype for n in nodes if n.op_type != "Cast" for t in n.outputs
               if t and graph.tensors[t].dtype in FLOAT_DTYPES}
-    if len(dtypes) > 1:
+    if len(dtypes - {"float32"}) > 1 or ("float64" in dtypes and len(dtypes) > 1):
         return FusionDecision.refuse(f"mixed dtypes {'/'.join(sorted(dtypes))} in one group")
     return FusionDecision.accept()
 
@@ -655,6 +659,9 @@ def _group_dtype(graph: Graph, nodes: list[Node], anchor: int | None) -> str:
         return graph.tensors[graph.nodes[anchor].outputs[0]].dtype
     floats = [graph.tensors[t].dtype for n in nodes for t in n.outputs
               if t and graph.tensors[t].dtype in FLOAT_DTYPES]
+    halves = [d for d in floats if d in HALF_DTYPES]
+    if halves:  # a half group with float32 statistics inside is a half kernel
+        return halves[-1]
     if floats:
         return floats[-1]
     outs = [graph.tensors[t].dtype for n in nodes for t in n.outputs if t]

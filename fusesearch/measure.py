@@ -55,9 +55,10 @@ from fusesearch.verify import all_values, random_feeds
 BACKENDS = ("cpu", "cupy")
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
 PER_NODE = "library per node"  # how a group the generator refuses runs: each node alone, summed
-# what ONNX Runtime's Python API hands back as numpy arrays (not bfloat16, float8, int4, strings)
-REFERENCE_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
-                              "uint16", "uint32", "uint64", "bool"})
+# what ONNX Runtime's Python API hands back as numpy arrays (not float8, int4, strings; bfloat16
+# through `verify.session`'s widened copy, as ml_dtypes arrays)
+REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+                              "uint8", "uint16", "uint32", "uint64", "bool"})
 
 
 @dataclass(frozen=True)

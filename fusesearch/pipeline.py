@@ -2,8 +2,10 @@
 
 Problem: every command (inspect, plan, compare, measure, ...) starts the same way and must report
 the same figures.
-Approach: `prepare()` runs load → canonicalize → Graph once and keeps each stage's result (and,
-for verification, the loaded model serialized before canonicalization rewrites it in place);
+Approach: `prepare()` runs load → canonicalize → (with `dtype` float16/bfloat16: the half
+conversion of `ir.precision`, on the canonical model) → Graph once and keeps each stage's result
+(and, for verification, the loaded model serialized before canonicalization rewrites it in place,
+or for a half model the converted one: the reference is the model the plan is for);
 `summarize()` turns a `Prepared` into the JSON document `fusesearch inspect --json` prints.
 Invariants: `prepare` never writes files and refuses a graph with no node left to fuse; the summary is deterministic (sorted keys, stable order).
 """
@@ -38,24 +40,34 @@ class Prepared:
     passes: dict[str, int]
     graph: Graph
     original: onnx.ModelProto | None = None  # the loaded model before canonicalization (keep_original)
+    dtype: str = "float32"  # the precision the model was converted to (--dtype)
 
 
 def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original: bool = False,
-            tf32: bool = True) -> Prepared:
+            dtype: str | None = None, tf32: bool = True) -> Prepared:
     """`keep_original`: also keep the loaded model as a proto, the reference `verify` runs (the
     file on disk may be gone or overwritten by then, and may carry an IR version ONNX Runtime
-    does not read). `tf32`: float32 GEMMs and convs may use TF32 tensor cores (`Graph.allow_tf32`;
-    False is `--no-tf32`)."""
+    does not read). `dtype`: float16 / bfloat16 converts the canonical model (`--dtype`); the
+    reference is then the converted model. `tf32`: float32 GEMMs and convs may use TF32 tensor
+    cores (`Graph.allow_tf32`; False is `--no-tf32`)."""
+    from fusesearch.ir.precision import check_dtype, to_half
+
+    dtype = check_dtype(dtype)
     loaded = load_model(model, bindings)
-    original = to_proto(loaded.model) if keep_original else None
+    original = to_proto(loaded.model) if keep_original and dtype == "float32" else None
     canonical, passes = canonicalize(loaded.model)
+    if dtype != "float32":
+        converted, casts = to_half(to_proto(canonical), dtype)
+        canonical = ir.serde.deserialize_model(converted)
+        passes = {**passes, f"{dtype}_casts": casts}
+        original = converted if keep_original else None
     graph = graph_from_ir(canonical)
     if not tf32:
         graph = replace(graph, allow_tf32=False)
     if not graph.nodes:
         raise UnsupportedModel(f"{model}: the graph has no nodes (every output is an input or a constant); "
                                "there is nothing to fuse: give a model that computes something")
-    return Prepared(loaded, canonical, passes, graph, original)
+    return Prepared(loaded, canonical, passes, graph, original, dtype)
 
 
 def summarize(prep: Prepared) -> dict:

@@ -11,6 +11,7 @@ Approach: the plan's groups, in plan order, become steps:
     library (opaque, refused) ...... each node alone in ONNX Runtime (its one-node model,
                                      `backends.library.node_model`), reading and writing the
                                      program's buffers through IO binding
+                                     (a bfloat16 node: through float32 copies)
 
 Maximal runs of generated steps are segments: every kernel's C source is compiled on its own
 (its object cached by source hash and flags) and linked with a generated driver into one shared
@@ -331,7 +332,11 @@ class Program(Layout):
         return f"({q}{ctype}*)(a + {self.offsets[r]}ULL)"
 
     def driver(self, runs: list[list[Step]]) -> str:
-        lines = ["#include <omp.h>", "#include <stddef.h>",
+        from fusesearch.backends.codegen.base import half_prelude
+
+        dtypes = {a.dtype for s in self.steps if s.kernel is not None for a in (*s.kernel.inputs, *s.kernel.outputs)}
+        lines = ["#include <omp.h>", "#include <stddef.h>", "#include <stdint.h>",
+                 half_prelude(dtypes, cuda=False).rstrip("\n"),  # the half storage types of the prototypes
                  "void fs_set_threads(int n) { omp_set_num_threads(n); }",
                  "int fs_get_threads(void) { return omp_get_max_threads(); }"]
         for s in self.steps:
@@ -407,7 +412,17 @@ def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, pr
 def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
                  outputs: Sequence[tuple[str, np.ndarray]]) -> Callable[[], None]:
     """A run of `sess` reading `inputs` (each array as its function gives it at the call) and
-    writing `outputs` in place (host arrays, IO binding)."""
+    writing `outputs` in place (host arrays, IO binding; a bfloat16 node runs widened, its values
+    crossing as float32 copies)."""
+    if getattr(sess, "fusesearch_dtypes", None):
+        from fusesearch.verify import _run_session
+
+        def widened() -> None:
+            got = _run_session(sess, {t: get() for t, get in inputs})
+            for t, view in outputs:
+                view[...] = got[t]
+
+        return widened
     binding = sess.io_binding()
     for t, view in outputs:
         binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
@@ -601,15 +616,18 @@ class HostDevice:
             go()
 
 
-def run_emulated(prep, plan, *, seed: int = 0, rtol: float = 1e-4, check_each: bool = False,
+def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_each: bool = False,
                  input_values: Mapping[str, np.ndarray] | None = None) -> dict:
     """Check the plan's CUDA program, run through the emulator (`HostDevice`), against ONNX
     Runtime: {"max_rel_err", "segments", "arena_peak_bytes", "cuda_graph", "kernels",
-    "library_steps"}; Mismatch naming the first step that differs."""
+    "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
+    of the model's dtype (`ir.precision.tolerance`)."""
     from fusesearch.backends import emulate
     from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import tolerance
     from fusesearch.verify import all_values, random_feeds
 
+    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
     decision = emulate.available()
     if not decision:
         raise BadInput(f"--backend emulate: {decision.reason}")
@@ -735,14 +753,18 @@ def require_backend(backend: str) -> None:
 
 
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
-             rtol: float = 1e-4, check_each: bool = False, time_it: bool = True,
+             rtol: float | None = None, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
              progress: Callable[[str], None] | None = None, backend: str = "cpu") -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
-    step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events."""
+    step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events.
+    `rtol`: default the tolerance of the model's dtype (`ir.precision.tolerance`)."""
+    from fusesearch.ir.precision import tolerance
+
     require_backend(backend)
+    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
                          input_values, progress, backend)
@@ -756,7 +778,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
               progress, backend) -> RunReport:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import all_values, random_feeds, session
+    from fusesearch.verify import all_values, random_feeds, session, session_feeds
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
@@ -799,7 +821,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
             sess = session(canonical, threads=threads, optimize=level)
             names = [o.name for o in sess.get_outputs()]
-            ort_feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
+            ort_feeds = session_feeds(sess, feeds)
             runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
         say("timing")
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries

@@ -7,12 +7,15 @@ Approach: `random_feeds` draws seeded inputs that are valid for the model — in
 index a Gather get ids below that table's row count, inputs named like a mask get ones, floats
 are standard normal, strings short words — and the user's `--input-value NAME=V` values
 (`parse_input_values`, checked against the input's dtype and shape) replace drawn ones; `run`
-executes a model held in memory (never a file that may have been overwritten) with every graph
+executes a model held in memory (a bfloat16 one through `ir.precision.widened`, ONNX Runtime's CPU
+provider having almost no bfloat16 kernels: feeds and outputs cross as float32, outputs come back
+as bfloat16) (never a file that may have been overwritten) with every graph
 optimization off (so ORT's own fusions cannot hide a difference). A verification first checks
 that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
 there is the user's, exit 2 naming the op or the failing node and how to give values or skip
 verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
-largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|).
+largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|) (rtol
+per dtype: `ir.precision.tolerance`).
 Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
 (`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
 models above protobuf's 2 GiB pass their large weights to ONNX Runtime beside the proto.
@@ -201,9 +204,14 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
     (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
     intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`);
     `providers`: ONNX Runtime's execution providers instead (the CUDA program's)."""
+    from fusesearch.ir.precision import model_dtype, widened
+
     ort = _ort()
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
+    back: dict[str, np.dtype] = {}
+    if model_dtype(model) == "bfloat16":  # ONNX Runtime's CPU provider has almost no bfloat16 kernels
+        model, back = widened(model)
     opts = ort.SessionOptions()
     level = ort.GraphOptimizationLevel
     opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
@@ -220,6 +228,7 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
         model.ir_version = saved
     sess = ort.InferenceSession(data, opts, providers=providers or ["CPUExecutionProvider"])
     sess.fusesearch_weights = aside  # ONNX Runtime reads them in place: they live as long as the session
+    sess.fusesearch_dtypes = back  # outputs handed back in the model's own dtype (bfloat16)
     return sess
 
 
@@ -243,10 +252,18 @@ def _weights_aside(model: onnx.ModelProto, opts, arrays: list[np.ndarray]) -> on
     return slim
 
 
+def session_feeds(sess, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feeds a session reads, bfloat16 ones widened to float32 for a widened model."""
+    wanted = {i.name: i.type for i in sess.get_inputs()}
+    return {k: (v.astype(np.float32) if wanted[k] == "tensor(float)" and v.dtype.name == "bfloat16" else v)
+            for k, v in feeds.items() if k in wanted}
+
+
 def _run_session(sess, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
-    wanted = {i.name for i in sess.get_inputs()}
-    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted}), strict=True))
+    back = getattr(sess, "fusesearch_dtypes", {})
+    got = sess.run(names, session_feeds(sess, feeds))
+    return {n: (v.astype(back[n]) if n in back else v) for n, v in zip(names, got, strict=True)}
 
 
 def run(model: onnx.ModelProto | str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -317,18 +334,21 @@ def reference_outputs(reference: onnx.ModelProto, feeds: Mapping[str, np.ndarray
     try:
         sess = session(reference)
     except ort_errors() as exc:
-        missing = _no_kernel(reference)
-        typed = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(exc))
-        if missing:
-            why = f"ONNX Runtime has no kernel for {missing}"
-        elif typed:
-            op, version, name = typed.groups()
-            why = (f"ONNX Runtime has no CPU kernel for op {op} (opset {version}) at node {name or '(unnamed)'} "
-                   "for its input types")
-        else:
-            why = f"ONNX Runtime cannot load the original model ({_first_line(exc)})"
-        raise BadInput(f"cannot verify: {why}" + (f"; {skip}" if skip else "")) from None
+        raise BadInput(f"cannot verify: {_cannot_load(reference, exc)}" + (f"; {skip}" if skip else "")) from None
     return _run_original(sess, feeds, given, skip, "cannot verify: the original model itself")
+
+
+def _cannot_load(model: onnx.ModelProto, exc: BaseException) -> str:
+    """Why ONNX Runtime refuses the model, naming the op (and node) it has no kernel for."""
+    missing = _no_kernel(model)
+    typed = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", str(exc))
+    if missing:
+        return f"ONNX Runtime has no kernel for {missing}"
+    if typed:
+        op, version, name = typed.groups()
+        return (f"ONNX Runtime has no CPU kernel for op {op} (opset {version}) at node {name or '(unnamed)'} "
+                "for its input types")
+    return f"ONNX Runtime cannot load the original model ({_first_line(exc)})"
 
 
 def _run_original(sess, feeds: Mapping[str, np.ndarray], given: Sequence[str], skip: str | None,
@@ -354,6 +374,11 @@ def candidate_outputs(candidate: onnx.ModelProto, feeds: Mapping[str, np.ndarray
         raise CandidateFailed(_first_line(exc)) from None
 
 
+def _numeric(a: np.ndarray) -> np.ndarray:
+    """bfloat16 (ml_dtypes: numpy kind 'V') as float32, so it compares as a number."""
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+
+
 def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
             rtol: float = 1e-4, atol: float = 0.0) -> list[OutputDiff]:
     diffs = []
@@ -361,7 +386,7 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
         if name not in candidate:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
             continue
-        ref, got = np.asarray(ref), np.asarray(candidate[name])
+        ref, got = _numeric(np.asarray(ref)), _numeric(np.asarray(candidate[name]))
         if ref.shape != got.shape:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
             continue
@@ -394,7 +419,11 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
         if vi.name in produced and vi.name not in known:
             probe.graph.output.append(vi)
             known.add(vi.name)
-    values = _run_original(session(probe), feeds, given, None, "the model")
+    try:
+        sess = session(probe)
+    except ort_errors() as exc:  # e.g. a --dtype model with an op ONNX Runtime has no kernel for
+        raise BadInput(f"cannot compute the reference values: {_cannot_load(model, exc)}") from None
+    values = _run_original(sess, feeds, given, None, "the model")
     for t in model.graph.initializer:
         values[t.name] = onnx.numpy_helper.to_array(t)
     values.update(feeds)

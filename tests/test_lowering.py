@@ -139,13 +139,23 @@ def test_non_convex_group_refused():
     assert not decision and "convex" in decision.reason
 
 
-def test_mixed_dtypes_refused_but_cast_joins():
+def test_float32_joins_one_half_dtype_but_not_two_or_float64():
+    """Generated code computes in float32 and half is storage only: float32 ops (a LayerNorm kept in
+    float32 by --dtype) fuse with half ones and the kernel is a half kernel; float16 with
+    bfloat16, or float64 with anything, stays apart."""
     nodes = [helper.make_node("Relu", ["x"], ["a"], name="a"),
              helper.make_node("Cast", ["a"], ["h"], to=TensorProto.FLOAT16, name="cast"),
              helper.make_node("Neg", ["h"], ["y"], name="neg")]
     g = graph_of(nodes, [("x", [4])], [("y", None, TensorProto.FLOAT16)])
-    assert not try_lower(g, group(g, "a", "cast", "neg"))
+    assert lower(g, group(g, "a", "cast", "neg")).dtype == "float16"
     assert lower(g, group(g, "cast", "neg")).dtype == "float16"
+    for other in (TensorProto.BFLOAT16, TensorProto.DOUBLE):
+        nodes = [helper.make_node("Relu", ["x"], ["a"], name="a"),
+                 helper.make_node("Cast", ["a"], ["h"], to=other, name="cast"),
+                 helper.make_node("Neg", ["h"], ["y"], name="neg")]
+        g = graph_of(nodes, [("x", [4], TensorProto.FLOAT16)], [("y", None, other)])
+        decision = try_lower(g, group(g, "a", "cast", "neg"))
+        assert not decision and "mixed dtypes" in decision.reason
 
 
 def test_lone_view_op_is_an_alias():

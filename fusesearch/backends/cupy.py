@@ -131,9 +131,12 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
     cupy = _import_cupy()
     module = compile_module(generated.cuda_source, options=("--std=c++17",))
     fn = module.get_function(generated.name)
-    args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape))
+    def bits(dtype: str):  # CuPy has no bfloat16: its 16 bits cross as uint16 (the kernel's storage type)
+        return np.uint16 if dtype == "bfloat16" else dtypes[dtype]
+
+    args = [cupy.asarray(np.ascontiguousarray(inputs[a.tensor], dtype=dtypes[a.dtype]).reshape(a.shape).view(bits(a.dtype)))
             for a in generated.inputs]
-    outs = [cupy.empty(a.shape, dtype=dtypes[a.dtype]) for a in generated.outputs]
+    outs = [cupy.empty(a.shape, dtype=bits(a.dtype)) for a in generated.outputs]
     params = tuple(args + outs)
 
     def launch() -> None:
@@ -141,7 +144,7 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
 
     def fetch() -> dict:
         cupy.cuda.get_current_stream().synchronize()
-        return {a.tensor: cupy.asnumpy(o) for a, o in zip(generated.outputs, outs, strict=True)}
+        return {a.tensor: cupy.asnumpy(o).view(dtypes[a.dtype]) for a, o in zip(generated.outputs, outs, strict=True)}
 
     return launch, fetch
 

@@ -7,10 +7,12 @@ Approach: compile the unchanged `cuda_source` as C++ with a small header that gi
 names a host meaning — `threadIdx`/`blockIdx` are thread-local, `__shared__` variables are
 statics (one copy per block, as blocks run one after another), `__syncthreads()` is a barrier of
 the block's threads, `__shfl_xor_sync` exchanges values through a per-warp slot array between two
-warp barriers, the wmma subset of the tensor-core skeletons works on warp-replicated fragments
-(each lane holds and computes the warp's whole 16x16 tile; lane 0 stores it), with the operands
-rounded as a tensor core reads them (TF32: 10 mantissa bits), cp.async is a synchronous copy, and
-`#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>` find empty stand-ins — and launch it with exactly the grid and block the GPU launch uses
+warp barriers, half storage converts on the host (`FS_HOST_HALF`: float16 through
+`_Float16`; bfloat16's bit manipulation is the kernel's own), the wmma subset of the tensor-core
+skeletons works on warp-replicated fragments (each lane holds and computes the warp's whole 16x16
+tile; lane 0 stores it), with the operands rounded as a tensor core reads them (TF32: 10 mantissa
+bits), cp.async is a synchronous copy, and `#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>`
+find empty stand-ins — and launch it with exactly the grid and block the GPU launch uses
 (`GeneratedKernel.grid`/`.block`): blockDim host threads loop over the blocks in order, with a
 block barrier between blocks. This is an executable model of the CUDA programming model, good
 for correctness (every thread, barrier and shuffle happens), useless for timing.
@@ -66,6 +68,9 @@ static dim3 blockDim, gridDim;
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
+#define FS_HOST_HALF  /* float16 conversions on the host (the kernel's own use cvt PTX) */
+static inline float fs_float16_load(unsigned short x) { _Float16 h; memcpy(&h, &x, 2); return (float)h; }
+static inline unsigned short fs_float16_store(float x) { _Float16 h = (_Float16)x; unsigned short u; memcpy(&u, &h, 2); return u; }
 static inline float4 make_float4(float x, float y, float z, float w) { float4 v = {x, y, z, w}; return v; }
 
 struct fs_barrier { pthread_mutex_t m; pthread_cond_t c; unsigned count, waiting, generation; };
@@ -306,7 +311,7 @@ def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.
     """Run the CUDA source on host threads with the kernel's launch geometry; outputs by tensor."""
     arrays = [np.ascontiguousarray(inputs[a.tensor], dtype=NP_DTYPES[a.dtype]).reshape(a.shape)
               for a in kernel.inputs]
-    outs = [np.full(a.shape, np.nan if a.dtype == "float32" else 0, dtype=NP_DTYPES[a.dtype])
+    outs = [np.full(a.shape, np.nan if a.dtype in ("float32", "float16", "bfloat16") else 0, dtype=NP_DTYPES[a.dtype])
             for a in kernel.outputs]
     launch(kernel, [x.ctypes.data for x in arrays + outs])
     return {a.tensor: o for a, o in zip(kernel.outputs, outs, strict=True)}

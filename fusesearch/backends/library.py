@@ -46,10 +46,10 @@ def node_model(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel) -> onnx
 def library_runner(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel,
                    inputs: dict[str, np.ndarray]) -> tuple[Callable[[], dict[str, np.ndarray]], list[str]]:
     """A zero-argument callable running the node on fixed inputs, and its output names."""
-    from fusesearch.verify import session
+    from fusesearch.verify import session, session_feeds
 
     sess = session(node_model(canonical, graph, kernel))
-    feeds = {t: np.ascontiguousarray(inputs[t]) for t in kernel.inputs}
+    feeds = session_feeds(sess, {t: np.ascontiguousarray(inputs[t]) for t in kernel.inputs})
     names = list(kernel.outputs)
 
     def go() -> dict[str, np.ndarray]:

@@ -7,8 +7,8 @@ Approach: as onnxscript's rewriter, a failed check returns its reason. A group i
 rule of `DEFAULT_RULES` accepts it, cheapest first:
 
     MaxGroupSize      at most K ops (default 16)
-    Lowerable         lowering's checks: OPAQUE ops alone, one anchor, static shapes, one dtype,
-                      connected, convex, reductions over inner axes sharing one row count, a
+    Lowerable         lowering's checks: OPAQUE ops alone, one anchor, static shapes, one float
+                      dtype (float32 may join one half dtype), connected, convex, reductions over inner axes sharing one row count, a
                       Softmax epilogue over the anchor's last axis (see fusesearch.lowering)
     Generatable       a fused group: the generator has code for every op and a C type for every
                       tensor (a kernel we cannot write is not a candidate; a lone op always is)

@@ -74,3 +74,27 @@ def test_measure_on_the_gpu(run_cli, tmp_path):
     assert doc["backend"] == "cupy" and doc["device"]
     assert_measure_report(doc, table, "zoo:bert-small")
     assert {g["how"] for g in doc["groups"]} >= {"generated"}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_kernels_match_ort_on_the_gpu(dtype):
+    """`--dtype`: every generated kernel of bert-small's greedy plan in half precision (cvt PTX for
+    float16, bit manipulation for bfloat16) within the dtype's tolerance of ONNX Runtime."""
+    from fusesearch.backends import cupy as gpu
+    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.shapes import ShapeBindings
+
+    prep = prepare("zoo:bert-small", ShapeBindings.parse(dims=["seq=32"]), dtype=dtype)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    ran = 0
+    for g in make_plan("zoo:bert-small", device="h200", strategy="greedy", prepared=prep).groups:
+        if g.kernel.alias or g.kernel.template == "opaque":
+            continue
+        gk = generate(prep.graph, g.kernel, name=f"g{g.id}")
+        launch, fetch = gpu.kernel_runner(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+        launch()
+        err = max_rel_err(fetch(), values)
+        assert math.isfinite(err) and err <= tolerance(dtype), f"g{g.id} {'+'.join(g.kernel.ops)}: {err:.3g}"
+        ran += 1
+    assert ran > 10

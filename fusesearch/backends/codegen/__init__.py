@@ -60,7 +60,8 @@ element is the row's (hoisted by the compiler) and the column's, with no per-ele
 Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the
 backend's flags select between its `#ifdef` paths and key its binary cache);
 arguments are the kernel's external inputs then outputs, in the Kernel's order; compute is
-float32 (float tensors), int64 (indices) or uint8 (bool).
+float32 (float tensors, half ones included: loads widen, stores round to nearest even, see
+`base.load_expr`/`store`), int64 (indices) or uint8 (bool).
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ from __future__ import annotations
 import hashlib
 
 from fusesearch.backends.codegen.base import (
+    _C_PRELUDE,
+    _CU_PRELUDE,
     CTYPES,
+    HALF_DTYPES,
     NP_DTYPES,
     SUPPORTED_TEMPLATES,
     Arg,
     CodegenRefused,
     GeneratedKernel,
+    half_prelude,
 )
 from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
@@ -127,9 +132,20 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
             cu_src = _vectorized(graph, kernel, name, ins, outs, args)
         elif skeleton == "alias":  # a lone view run as a kernel (a copy), where one is asked for
             skeleton, grid = "grid-stride", grid_stride(max(a.size for a in outs)).grid
+    members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
+    halves = {graph.tensors[t].dtype for n in members for t in (*n.inputs, *n.outputs) if t} & set(HALF_DTYPES)
+    if halves:  # the half types and conversions, right after the prelude (float32 sources unchanged)
+        c_src, cu_src = _with_half(c_src, halves, False), _with_half(cu_src, halves, True)
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton)
+
+
+def _with_half(src: str, dtypes, cuda: bool) -> str:
+    prelude = _CU_PRELUDE if cuda else _C_PRELUDE
+    if not src.startswith(prelude):
+        raise CodegenRefused("a skeleton without the common prelude cannot take half tensors")
+    return prelude + half_prelude(dtypes, cuda) + src[len(prelude):]
 
 
 def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel | FusionDecision:

@@ -1,6 +1,14 @@
 """Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal, and
 the C/CUDA preludes every skeleton starts with.
 
+Half precision (float16, bfloat16) is a storage type only: arithmetic is float32. A half value is
+widened where it is loaded (`load_expr`) and rounded to nearest even where it is stored
+(`store_expr`, `store`); `half_prelude` defines the types and the four conversions a source uses:
+C: `_Float16` for float16 (gcc's conversions), `uint16_t` bits for bfloat16; CUDA: 16-bit storage
+(`unsigned short`; NVRTC's pip package ships no cuda_fp16.h) converted by `cvt` PTX for float16 and
+by bit manipulation for bfloat16 (the CUDA emulator defines the float16 pair on the host, under
+FS_HOST_HALF). Every skeleton (and any new one, such as a tensor-core tile loading half operands)
+calls these; a float32-only kernel's source does not change.
 Invariants: this module imports nothing else of the generator; a dtype has a C type here or is
 refused (`CodegenRefused`, carrying a `FusionDecision`).
 """
@@ -10,12 +18,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from fusesearch.candidates.decision import FusionDecision
 
-CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char"}
-NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_}  # same keys
+CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char",
+          "float16": "fs_half", "bfloat16": "fs_bfloat16"}  # storage types (pointers, arguments)
+NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_,  # same keys
+             "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+HALF_DTYPES = ("float16", "bfloat16")
 SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv")
 
 
@@ -55,6 +67,71 @@ class GeneratedKernel:
     grid: tuple[int, int, int] = (1, 1, 1)  # the CUDA launch (CuPy and the emulator use it as is)
     block: tuple[int, int, int] = (256, 1, 1)
     skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct
+
+
+# -- half precision: storage only ------------------------------------------------------------
+
+def compute_dtype(dtype: str) -> str:
+    """The dtype arithmetic on values of `dtype` runs in: float32 for half, else the dtype."""
+    return "float32" if dtype in HALF_DTYPES else dtype
+
+
+def compute_ctype(dtype: str) -> str:
+    """The C type of a temporary holding a value of `dtype` (float for half)."""
+    return CTYPES[compute_dtype(dtype)]
+
+
+def load_expr(dtype: str, ref: str) -> str:
+    """`ref` (an lvalue of storage type `dtype`, e.g. `in0[i]`) as a value to compute with."""
+    return f"fs_{dtype}_load({ref})" if dtype in HALF_DTYPES else ref
+
+
+def store_expr(dtype: str, value: str) -> str:
+    """A computed `value` as the storage type `dtype` (rounded to nearest even for half)."""
+    return f"fs_{dtype}_store({value})" if dtype in HALF_DTYPES else value
+
+
+def store(arg: Arg, index: str, value: str) -> str:
+    """The statement writing `value` to `arg[index]`."""
+    return f"{arg.name}[{index}] = {store_expr(arg.dtype, value)};"
+
+
+def round_expr(dtype: str, value: str) -> str:
+    """`value` rounded to `dtype` and widened again (a Cast to half inside a kernel)."""
+    return load_expr(dtype, store_expr(dtype, value)) if dtype in HALF_DTYPES else value
+
+
+_C_HALF = {
+    "float16": ("typedef _Float16 fs_half;\n"
+                "static inline float fs_float16_load(fs_half x) { return (float)x; }\n"
+                "static inline fs_half fs_float16_store(float x) { return (fs_half)x; }\n"),
+    "bfloat16": ("typedef uint16_t fs_bfloat16;\n"
+                 "static inline float fs_bfloat16_load(fs_bfloat16 x) { union { uint32_t u; float f; } v; "
+                 "v.u = (uint32_t)x << 16; return v.f; }\n"
+                 "static inline fs_bfloat16 fs_bfloat16_store(float x) { union { float f; uint32_t u; } v; v.f = x;\n"
+                 "    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (fs_bfloat16)((v.u >> 16) | 0x40u);\n"
+                 "    v.u += 0x7fffu + ((v.u >> 16) & 1u); return (fs_bfloat16)(v.u >> 16); }\n"),
+}
+_CU_HALF = {
+    "float16": ("typedef unsigned short fs_half;\n#ifndef FS_HOST_HALF\n"
+                "__device__ __forceinline__ float fs_float16_load(fs_half x) { float f; "
+                "asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(x)); return f; }\n"
+                "__device__ __forceinline__ fs_half fs_float16_store(float x) { fs_half h; "
+                "asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(x)); return h; }\n#endif\n"),
+    "bfloat16": ("typedef unsigned short fs_bfloat16;\n"
+                 "__device__ __forceinline__ float fs_bfloat16_load(fs_bfloat16 x) { "
+                 "return __int_as_float((int)((unsigned)x << 16)); }\n"
+                 "__device__ __forceinline__ fs_bfloat16 fs_bfloat16_store(float x) { unsigned u = (unsigned)__float_as_int(x);\n"
+                 "    if ((u & 0x7fffffffu) > 0x7f800000u) return (fs_bfloat16)((u >> 16) | 0x40u);\n"
+                 "    u += 0x7fffu + ((u >> 16) & 1u); return (fs_bfloat16)(u >> 16); }\n"),
+}
+
+
+def half_prelude(dtypes, cuda: bool) -> str:
+    """Definitions of the half storage types among `dtypes` and their load/store conversions
+    ("" when there is none: float32 sources stay as they were)."""
+    table = _CU_HALF if cuda else _C_HALF
+    return "".join(table[d] for d in HALF_DTYPES if d in set(dtypes))
 
 
 # -- the expression emitter -------------------------------------------------------------------

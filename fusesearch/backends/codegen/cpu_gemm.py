@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import math
 
-from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent
+from fusesearch.backends.codegen.base import (
+    Arg,
+    _flat_loop,
+    _indent,
+    compute_dtype,
+    load_expr,
+    store,
+)
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
@@ -92,10 +99,16 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
                 f"        for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["            " + x_ for x_ in e.lines],
                 f"            patch[kq * pn + (oh - oh0) * {wo}LL + ow] = {v};", "        }", "    }", "}"]
         panel, ldb = "patch", "(int)pn"
+    filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
+    if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
+        filters = "wbuf"
+        widen = [f"float* wbuf = (float*)malloc(sizeof(float) * {cout_g * kt}LL);",
+                 f"for (long long q = 0; q < {cout_g * kt}LL; ++q) "
+                 f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
     e.lines = []
     e.push()
     e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
-    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
@@ -106,15 +119,16 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
              *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
              f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
-             *["    " + x_ for x_ in fill],
-             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {args[w].name} + gq * {cout_g * kt}LL, "
+             *["    " + x_ for x_ in fill + widen],
+             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
              "        for (long long oh = oh0; oh < oh1; ++oh) {",
              *(["            #pragma omp simd"] if _flat_loop(body) else []),
              f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
              "            }", "        }", "    }",
-             *(["    free(patch);"] if not direct else []), "    free(cbuf);", "}"]
+             *(["    free(patch);"] if not direct else []), "    free(cbuf);",
+             *(["    free(wbuf);"] if widen else []), "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
     split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
              f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
@@ -147,10 +161,11 @@ def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int
 
 def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
     """(x, w, shapes of x, w, y, group, outputs of y's shape, other outputs) of a 2-D conv whose
-    filter is a float32 kernel input, or None."""
+    filter is a float32 (or half) kernel input, or None."""
     x, w = anchor.inputs[0], anchor.inputs[1]
     xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    if len(xs) != 4 or w not in args or graph.tensors[w].dtype != "float32" or graph.producer(w) in kernel.nodes:
+    if (len(xs) != 4 or w not in args or compute_dtype(graph.tensors[w].dtype) != "float32"
+            or graph.producer(w) in kernel.nodes):
         return None
     main = [o for o in outs if o.shape == ys]
     if not main:
@@ -185,7 +200,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
                     iw = f"ow * {sw}LL + {kw * dw - pw}LL"
                     terms.append(f"w{kh}_{kw} * {e.value(x, ('nb', 'ci', f'ih{kh}', iw))}")
             e.acc_value = e.tmp("float", " + ".join(terms))  # _conv adds the bias
-        writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+        writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
         e.acc_value = ""
         e.pop()
         lines, e.lines = e.lines + writes, []
@@ -200,7 +215,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
         return [*(["#pragma omp simd"] if simd and _flat_loop(lines) else []),
                 f"for (long long ow = {start}; ow < {stop}; ++ow) {{", *["    " + x_ for x_ in lines], "}"]
 
-    taps = [f"const float w{kh}_{kw} = {args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL];"
+    taps = [f"const float w{kh}_{kw} = {load_expr(args[w].dtype, f'{args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL]')};"
             for kh in range(kh_n) for kw in range(kw_n)]
     rows = [f"long long ih{kh} = oh * {sh}LL + {kh * dh - ph}LL;" for kh in range(kh_n)]
     block = [f"for (long long nc = 0; nc < {xs[0] * ys[1]}LL; ++nc) {{",
@@ -243,7 +258,7 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
     writes = []  # conv: the patch buffer is refilled at each group's first output channel
     for o in main:
         v = e.value(o.tensor, idx)
-        writes.append(f"{o.name}[{e.flat(idx, o.shape)}] = {v};")
+        writes.append(store(o, e.flat(idx, o.shape), v))
     body = e.lines + writes
     e.pop()
     rows = math.prod(outer_shape)
@@ -291,7 +306,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     e.push()
     e.hoisted_acc = "acc"
     idx = row_idx + ("col",)
-    writes = [f"{o.name}[{e.flat(idx, o.shape)}] = {e.value(o.tensor, idx)};" for o in main]
+    writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
     body = e.lines + writes
     e.pop()
     loop = [f"for (long long row = 0; row < {math.prod(yshape[:-1])}LL; ++row) {{", *["    " + x for x in pre],
@@ -319,12 +334,13 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     applied are packed into a buffer, one sgemm multiplies them by B (a kernel input read in place,
     or, when the group computes it, packed per block) — an sgemv when the product has one row, which
     needs no packing — and the epilogue runs over the block's product while it is in cache, before
-    the one store. None where B is not float32."""
+    the one store. None where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
-    if graph.tensors[b].dtype != "float32":
+    if compute_dtype(graph.tensors[b].dtype) != "float32":
         return None
-    packed_b = b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
+    packed_b = (b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
+                or graph.tensors[b].dtype != "float32")  # half: widened into the panel
     sb = graph.tensors[b].shape
     m_extent = yshape[-2] if len(yshape) > 1 else 1
     batches = math.prod(yshape[:-2])
@@ -409,9 +425,9 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) 
     operands, or a product that is not float32."""
     y = anchor.outputs[0]
     info = graph.tensors[y]
-    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or info.dtype != "float32":
+    if anchor.op_type not in ("MatMul", "Gemm", "Conv") or compute_dtype(info.dtype) != "float32":
         return None
-    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     loops = _conv_loops if anchor.op_type == "Conv" else _matmul_row_loops
     product = loops(graph, kernel, args, [buffer], anchor)
     if product is None:

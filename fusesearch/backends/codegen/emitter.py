@@ -3,7 +3,8 @@ multi-index, built from its producer inside the group through the op tables (`op
 loads of the kernel's inputs.
 
 Invariants: temporaries are memoized per (tensor, index) in the innermost scope that holds them,
-so a diamond computes its shared value once; a one-element float32/int64 constant is a literal.
+so a diamond computes its shared value once; a one-element float/int64 constant is a literal;
+temporaries have the compute type (float for half tensors) and loads of half arguments widen.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusesearch.backends.codegen.base import CTYPES, Arg, CodegenRefused, _lit
+from fusesearch.backends.codegen.base import (
+    CTYPES,
+    HALF_DTYPES,
+    Arg,
+    CodegenRefused,
+    _lit,
+    compute_ctype,
+    load_expr,
+)
 from fusesearch.backends.codegen.ops import _op
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
@@ -65,7 +74,7 @@ class _Emitter:
         dtype = self.info(tensor).dtype
         if dtype not in CTYPES:
             raise CodegenRefused(f"dtype {dtype} of '{tensor}' has no C type here")
-        return CTYPES[dtype]
+        return compute_ctype(dtype)
 
     # values
     def value(self, tensor: str, idx: tuple[str, ...]) -> str:
@@ -92,16 +101,17 @@ class _Emitter:
     def scalar_literal(self, tensor: str) -> str | None:
         """A one-element float32/int64 constant as a literal in the source (folded by the compiler)."""
         value = self.graph.constant_value(tensor)
-        if value is None or value.size != 1 or self.info(tensor).dtype not in ("float32", "int64"):
+        if value is None or value.size != 1 or self.info(tensor).dtype not in ("float32", "int64", *HALF_DTYPES):
             return None
         x = value.reshape(-1)[0]
-        return _lit(float(x)) if self.info(tensor).dtype == "float32" else f"{int(x)}LL"
+        return f"{int(x)}LL" if self.info(tensor).dtype == "int64" else _lit(float(x))
 
     def load(self, tensor: str, idx: tuple[str, ...]) -> str:
         if tensor in self.vec_loads:
             return self.vec_loads[tensor]
         shape = self.info(tensor).shape
-        return f"{self.args[tensor].name}[{self.flat(idx, shape)}]"
+        arg = self.args[tensor]
+        return load_expr(arg.dtype, f"{arg.name}[{self.flat(idx, shape)}]")
 
     def flat(self, idx: Sequence[str], shape: Sequence[int]) -> str:
         if not shape:

@@ -5,7 +5,8 @@ grid of 16×16 `nvcuda::wmma` accumulator fragments (float).
     staging   per K step of BK, A and B tiles in shared memory as the fragment's element type
               (float for TF32, __half / __nv_bfloat16), the prologue applied while staging (as
               `tiled`); an operand element that is a plain float load of a kernel input is copied
-              with `cp.async` (TF32 only: half operands are converted on the way); with 2 stages
+              with `cp.async` (TF32 only: cp.async moves 4 bytes at least, and half operands,
+              float32 or half-stored, go through float on the way); with 2 stages
               (lowering's `stages`) the next K step is staged while this one is multiplied
     layout    A row-major (K contiguous) or column-major (M contiguous: Conv pixels, Gemm transA),
               B row-major (N contiguous) or column-major (K contiguous: Conv filters, Gemm transB),
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from fusesearch.backends.codegen.base import _CU_PRELUDE, CodegenRefused, _indent, _signature
+from fusesearch.backends.codegen.base import _CU_PRELUDE, CodegenRefused, _indent, _signature, store
 from fusesearch.backends.codegen.contraction import _contraction
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.tiled import _side_loops
@@ -122,7 +123,7 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         flat = e.tmp("long long", e.flat(y_idx, y_shape))
         for o in main:
             idx = y_idx if o.shape == y_shape else e.unflatten(flat, o.shape)
-            e.lines.append(f"{o.name}[{flat}] = {e.value(o.tensor, idx)};")
+            e.lines.append(store(o, flat, e.value(o.tensor, idx)))
 
     e.acc_value = f"Cs[mm * {ldc} + nn]"
     epi_lines, _ = section(epilogue)
@@ -248,6 +249,6 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         *side_lines,
     ]
     includes = "".join(f"#include <{h}>\n" for h in _HEADERS[skeleton])
-    src = (f"{includes}{_CU_PRELUDE}{_CP_ASYNC}\nextern \"C\" __global__ void "
+    src = (f"{_CU_PRELUDE}{includes}{_CP_ASYNC}\nextern \"C\" __global__ void "
            f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
     return src

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusesearch.backends.codegen.base import CodegenRefused, _lit
+from fusesearch.backends.codegen.base import (
+    CodegenRefused,
+    _lit,
+    compute_dtype,
+    load_expr,
+    round_expr,
+)
 from fusesearch.ir.graph import Node
 from fusesearch.ir.pool import pool_window
 
@@ -46,7 +52,7 @@ def _op(e: _Emitter, node: Node, tensor: str, idx: tuple[str, ...]) -> str:
         return _UNARY[op].format(e.input_at(node, 0, idx))
     if op in ("Sum", "Mean") or (op in ("Max", "Min") and len(node.inputs) != 2):
         return _variadic(e, node, idx)
-    if op in ("Pow", "Div") and e.info(tensor).dtype == "float32":
+    if op in ("Pow", "Div") and compute_dtype(e.info(tensor).dtype) == "float32":
         special = _by_constant(e, node, idx)
         if special is not None:
             return special
@@ -117,7 +123,7 @@ def _clip(e, n, t, idx):
 
 
 def _cast(e, n, t, idx):
-    return f"({e.ctype(t)})({e.input_at(n, 0, idx)})"
+    return round_expr(e.info(t).dtype, f"({e.ctype(t)})({e.input_at(n, 0, idx)})")
 
 
 def _where(e, n, t, idx):
@@ -338,7 +344,7 @@ def _conv(e, n, t, idx):
         acc = e.tmp("float", init)
         e.lines += ["#pragma omp simd reduction(+:" + acc + ")",
                     f"for (long long kq = 0; kq < {taps_n}LL; ++kq) "
-                    f"{acc} += {e.hoisted}[kq] * {e.args[w].name}[({co}) * {taps_n}LL + kq];"]
+                    f"{acc} += {e.hoisted}[kq] * {load_expr(e.args[w].dtype, f'{e.args[w].name}[({co}) * {taps_n}LL + kq]')};"]
         return acc
     return _dot(e, math.prod(taps), term, init)
 
@@ -403,7 +409,7 @@ _BINARY.update({"BitwiseAnd": "({0} & {1})", "BitwiseOr": "({0} | {1})", "Bitwis
 
 def _typed_lit(e: _Emitter, tensor: str, value: float) -> str:
     """A constant in the C type of `tensor`: a float literal, or an integer / bool one."""
-    dtype = e.info(tensor).dtype
+    dtype = compute_dtype(e.info(tensor).dtype)
     if dtype == "float32":
         return _lit(float(value))
     if dtype == "bool":
@@ -462,7 +468,7 @@ def _prelu(e, n, t, idx):
 
 def _mod(e, n, t, idx):
     a, b = e.input_at(n, 0, idx), e.input_at(n, 1, idx)
-    rem = f"fmodf({a}, {b})" if e.info(t).dtype == "float32" else f"{a} % {b}"
+    rem = f"fmodf({a}, {b})" if compute_dtype(e.info(t).dtype) == "float32" else f"{a} % {b}"
     if int(n.attrs.get("fmod", 0)):
         return f"({rem})"  # C's remainder truncates: the sign of the dividend, as fmod
     r = e.tmp(e.ctype(t), rem)  # the sign of the divisor, as Python's %

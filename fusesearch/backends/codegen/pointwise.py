@@ -13,6 +13,7 @@ from fusesearch.backends.codegen.base import (
     _flat_loop,
     _indent,
     _signature,
+    store,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pool_rows import _pool_rows
@@ -41,7 +42,7 @@ def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tup
         e.materialized = materialized
         idx = e.unflatten("i", out.shape)
         v = e.value(out.tensor, idx)
-        e.lines.append(f"{out.name}[i] = {v};")
+        e.lines.append(store(out, "i", v))
         blocks.append((out, e.lines))
         c_loops.append(_c_nest(graph, kernel, args, out, materialized))
     cu_loops = []
@@ -77,7 +78,7 @@ def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
         e.push()
         idx = (*row_idx, "j") if out.shape else ()
         v = e.value(out.tensor, idx)
-        body = [*e.lines, f"{out.name}[o * {inner}LL + j] = {v};"]
+        body = [*e.lines, store(out, f"o * {inner}LL + j", v)]
         e.lines = []
         e.pop()
         simd = ["#pragma omp simd"] if _flat_loop(body) else []

@@ -18,6 +18,8 @@ from fusesearch.backends.codegen.base import (
     _indent,
     _lit,
     _signature,
+    compute_dtype,
+    store,
 )
 from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _matmul_row_loops
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -118,9 +120,9 @@ def _row_product(graph, kernel, args, outs) -> str | None:
     anchor = graph.nodes[kernel.anchor]
     y = anchor.outputs[0]
     info = graph.tensors[y]
-    if info.dtype != "float32" or not info.shape:
+    if compute_dtype(info.dtype) != "float32" or not info.shape:
         return None
-    buffer = Arg("ybuf", y, tuple(info.shape), info.dtype)
+    buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
     if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
         return None
@@ -440,8 +442,8 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
         v = e.row_scalars.get(out.tensor) or e.value(out.tensor, e.unflatten("r", out.shape))
         e.pop()
         lines, e.lines = e.lines, []
-        plan.c += [*lines, f"{out.name}[r] = {v};"]
-        plan.cu += [*lines, f"if (threadIdx.x == 0) {out.name}[r] = {v};"]
+        plan.c += [*lines, store(out, "r", v)]
+        plan.cu += [*lines, f"if (threadIdx.x == 0) {store(out, 'r', v)}"]
         return
     def body(j: str) -> str:
         source = e.row_sources.get(out.tensor)
@@ -452,13 +454,13 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
             return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
         return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
 
-    store = f"{out.name}[r * {plan.length}LL + j] = "
+    index = f"r * {plan.length}LL + j"
     cu_lines, cu_value = _row_body(e, plan, body, False)
     c_lines, c_value = _row_body(e, plan, body, True)
     plan.c += [*(["#pragma omp simd"] if _flat_loop(c_lines) else []), f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
-               *["    " + x for x in c_lines + [store + c_value + ";"]], "}"]
+               *["    " + x for x in [*c_lines, store(out, index, c_value)]], "}"]
     plan.cu += [f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
-                *["    " + x for x in cu_lines + [store + cu_value + ";"]], "}"]
+                *["    " + x for x in [*cu_lines, store(out, index, cu_value)]], "}"]
 
 
 def _side_outputs(graph: Graph, kernel: Kernel, outs, plan: _RowPlan) -> list[Arg]:

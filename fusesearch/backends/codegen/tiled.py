@@ -13,6 +13,7 @@ from fusesearch.backends.codegen.base import (
     CodegenRefused,
     _indent,
     _signature,
+    store,
 )
 from fusesearch.backends.codegen.contraction import _contraction
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -64,7 +65,7 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
         flat = e.tmp("long long", e.flat(y_idx, y_shape))
         for o in main:
             idx = y_idx if o.shape == y_shape else e.unflatten(flat, o.shape)
-            e.lines.append(f"{o.name}[{flat}] = {e.value(o.tensor, idx)};")
+            e.lines.append(store(o, flat, e.value(o.tensor, idx)))
 
     e.acc_value = "acc[i][j]"
     epi_lines, _ = section(epilogue)
@@ -147,5 +148,5 @@ def _side_loops(graph: Graph, kernel: Kernel, args, side) -> list[str]:
                   "    const long long bid = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);",
                   "    const long long blocks = (long long)gridDim.x * gridDim.y * gridDim.z;",
                   f"    for (long long i = bid * blockDim.x + threadIdx.x; i < {out.size}LL; i += blocks * blockDim.x) {{",
-                  *["        " + x for x in e.lines + [f"{out.name}[i] = {v};"]], "    }", "}"]
+                  *["        " + x for x in [*e.lines, store(out, "i", v)]], "    }", "}"]
     return lines
