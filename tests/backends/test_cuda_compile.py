@@ -5,8 +5,8 @@ schedule's (lowering's), split-K is 1, the main loop is on tensor cores exactly 
 skeletons, the grid the cost model counts is the grid launched, and ptxas's shared memory equals
 the schedule's bytes; a tiled or tensor-core kernel's shared memory is within the per-block limit
 of static shared memory (48 KiB) and the tensor-core kernels' registers are reported. Plans are
-made with TF32 allowed (the default: fused gemm and conv groups on tensor cores) and, for the
-CUDA-core skeleton, without (NO_TF32's models).
+made with TF32 allowed (the default: fused gemm and conv groups on tensor cores), for the
+CUDA-core skeleton without (NO_TF32's models), and for HALF's models in float16 (FP16 tensor cores).
 Distinct kernels (by source hash) are compiled once, several to an NVRTC program (each kernel in
 its own namespace, its `#include` lines first: `cuda_module`)."""
 
@@ -36,10 +36,14 @@ STATIC_SMEM_LIMIT = 48 * 1024  # bytes of static __shared__ per block, every arc
 NO_TF32 = ("resnet18", "bert-small", "unet")  # the CUDA-core skeleton's kernels, a conv net and a transformer
 
 
-@pytest.mark.parametrize("name,tf32", [(name, True) for name in ZOO] + [(name, False) for name in NO_TF32],
-                         ids=[*ZOO, *(f"{name}-no-tf32" for name in NO_TF32)])
-def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32):
-    prep = prepare(f"zoo:{name}", tf32=tf32)
+HALF = ("bert-small", "resnet18")  # converted to float16: FP16 tensor-core kernels
+
+
+@pytest.mark.parametrize("name,tf32,dtype", [(name, True, "float32") for name in ZOO]
+                         + [(name, False, "float32") for name in NO_TF32] + [(name, True, "float16") for name in HALF],
+                         ids=[*ZOO, *(f"{name}-no-tf32" for name in NO_TF32), *(f"{name}-float16" for name in HALF)])
+def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
+    prep = prepare(f"zoo:{name}", tf32=tf32, dtype=dtype)
     distinct, refused = {}, 0
     for strategy in STRATEGIES:
         p = make_plan(f"zoo:{name}", device="h100-sxm", strategy=strategy, prepared=prep, time_limit_s=20)
@@ -63,7 +67,8 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32):
         tensor_cores = schedule.skeleton.startswith("mma")
         assert schedule.split_k == 1 and schedule.unit == ("tensor-core" if tensor_cores else "cuda-core"), (
             name, gk.name, schedule)
-        assert not tensor_cores or tf32, (name, gk.name)  # float32 on tensor cores only with TF32
+        assert not tensor_cores or tf32 or dtype != "float32", (name, gk.name)  # float32 needs TF32
+        assert gk.skeleton not in ("mma-tf32", "mma-bf16") or dtype == "float32", (name, gk.name)
         if kernel.impl == "generated":
             assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
     skeletons: dict[str, int] = {}

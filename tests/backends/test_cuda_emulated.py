@@ -261,3 +261,19 @@ def test_mma_64x64_tile_several_k_steps(tmp_path, skeleton):
     inits = [("w", rand(100, 70)), ("bias", rand(70, seed=6)), *GELU_CONSTANTS]
     one_group(tmp_path, nodes, [("x", [67, 100])], [("out", None)], inits, skeleton=skeleton, tf32=True,
               schedule=mma(skeleton, (64, 64, 32), 2, (2, 2, 1)))
+
+
+@pytest.mark.parametrize("dtype,skeleton", [("float16", "mma-f16"), ("bfloat16", "mma-bf16")])
+def test_mma_half_model_gemm_bias_relu(tmp_path, dtype, skeleton):
+    """The model converted to half (`--dtype`): the fused Gemm + bias + ReLU reads half operands,
+    multiplies them on FP16/BF16 tensor cores with float accumulation and stores half, equal to
+    ONNX Runtime's half model within the tolerance of the operands' precision."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["yb"]),
+             helper.make_node("Relu", ["yb"], ["out"])]
+    path = save(make_model(nodes, [("x", [37, 45])], [("out", None)], [("w", rand(45, 70)), ("b", rand(70, seed=1))]),
+                tmp_path / "m.onnx")
+    prep = prepare(path, dtype=dtype)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    gk = check(prep, values, range(len(prep.graph)), skeleton)
+    assert {a.dtype for a in (*gk.inputs, *gk.outputs)} == {dtype}
