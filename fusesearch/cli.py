@@ -595,7 +595,8 @@ def measure(
     budget: Annotated[float, typer.Option("--budget", callback=SECONDS,
                                           help="Timing budget per kernel, seconds.")] = 0.2,
     seed: Seed = 0,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet).")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet): a row per kernel; with --end-to-end also "
+                                                "the run's figures as end_to_end_* columns.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Re-time kernels even if cached.")] = False,
     ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
@@ -645,7 +646,10 @@ def measure(
                               else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
     whole = _end_to_end(prep, plan_, unfused, seed, values) if end_to_end else None
     if output is not None:
-        report.to_pandas().to_parquet(output, index=False)
+        rows = report.to_pandas()
+        if whole is not None:  # the run's figures, the same on every row
+            rows = rows.assign(**whole.columns())
+        rows.to_parquet(output, index=False)
     if json_out:
         _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
         return
@@ -944,11 +948,15 @@ def report(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing report and its plots.")] = False,
 ) -> None:
     """Markdown tables and PNG plots of a sweep's results."""
-    from fusesearch.report import write_report
+    from fusesearch.report import rank_correlations, rank_sentence, write_report
+    from fusesearch.sweep import load_results
 
     output = output or results_dir / "report.md"
     written = write_report(results_dir, output, overwrite=force)
     out.print(f"report written to {written[0]}" + (f" with {len(written) - 1} plots" if len(written) > 1 else ""))
+    ranks = rank_correlations(load_results(results_dir))
+    if ranks:  # a sweep run end to end: does the cost model rank plans as the machine does?
+        out.print(rank_sentence(ranks))
 
 
 # -- calibrate --------------------------------------------------------------------------------

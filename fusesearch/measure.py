@@ -200,7 +200,7 @@ class _Runner:
         self.canonical = to_proto(prep.canonical)
         self.values = all_values(self.canonical, random_feeds(self.canonical, seed, input_values),
                                  list(input_values or ()))
-        self.device = _device_label(backend)
+        self.device = device_label(backend)
         self.clock = PerfCounterClock() if backend == "cpu" else _gpu_clock()
         self.ptxas_arch: str | None = None
         self.before_each = None
@@ -375,7 +375,7 @@ def max_rel_err(outputs: dict, values: dict) -> float:
     return worst
 
 
-def _device_label(backend: str) -> str:
+def device_label(backend: str) -> str:
     if backend == "cpu":
         from costmodels import host_cpu
 

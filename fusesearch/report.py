@@ -7,6 +7,10 @@ Approach: `load_results` (the cell files, else results.parquet) → a pandas fra
 grid was (models, devices in config order; strategies none, rules, greedy, cpsat) → one Markdown
 section per question, and one matplotlib figure (Agg backend, no display) per question that the
 data can answer (no device plot for a one-device sweep, no measured plot without measurements).
+Cells run end to end (end_to_end_* columns) get their own section: per cell and per strategy the
+predicted and measured speedup over strategy none (the unfused program timed in the same run),
+the plan's latency over ONNX Runtime's, and Spearman's rank correlation (ties averaged) between
+predicted and measured plan times — across cells, of speedups, and within each model.
 Invariants: the report reads only the results folder and writes only `report.md` and its PNGs (all
 checked before any is written; nothing is overwritten unless asked); every figure in it is a
 number from the rows — cost-model predictions unless a column says measured.
@@ -275,6 +279,87 @@ def measured_section(frame) -> list[str]:
     return lines + [""]
 
 
+E2E = "end_to_end_"  # the columns of a cell run end to end (`RunReport.columns`)
+
+
+def _end_to_end(frame):
+    """The ok cells that ran end to end, with measured_speedup_e2e (unfused program / plan
+    program, the same run) and plan_vs_ort (plan / ONNX Runtime ENABLE_ALL)."""
+    ok = _ok(frame)
+    column = f"{E2E}plan_median_s"
+    if column not in ok or ok[column].dropna().empty:
+        return None
+    sub = ok.dropna(subset=[column]).copy()
+    sub["measured_speedup_e2e"] = sub[f"{E2E}unfused_median_s"] / sub[column]
+    sub["plan_vs_ort"] = sub[column] / sub[f"{E2E}ort_enable_all_median_s"]
+    return sub
+
+
+def rank_correlations(frame) -> dict:
+    """Spearman's rank correlation (ties averaged) between predicted and measured end to end:
+    `times` of the plans across cells; `speedups` over strategy none across cells (the models'
+    sizes factored out); `within_models`: the mean over models of the correlation of their
+    strategies' plan times (models where either side ties throughout are left out), with `models`
+    counting those kept."""
+    from costmodels.calibration import spearman
+
+    sub = _end_to_end(frame)
+    if sub is None:
+        return {}
+    within = [spearman(part["time_s"], part[f"{E2E}plan_median_s"]) for _, part in sub.groupby("model")]
+    within = [r for r in within if not math.isnan(r)]
+    return {"cells": len(sub), "times": spearman(sub["time_s"], sub[f"{E2E}plan_median_s"]),
+            "speedups": spearman(sub["speedup"], sub["measured_speedup_e2e"]),
+            "within_models": sum(within) / len(within) if within else math.nan, "models": len(within)}
+
+
+def end_to_end_section(frame) -> list[str]:
+    sub = _end_to_end(frame)
+    if sub is None:
+        return []
+    threads = sorted({int(t) for t in sub[f"{E2E}threads"].dropna()})
+    on = sorted({str(m) for m in sub.get("measured_on", []) if isinstance(m, str)})
+    lines = ["## End to end against ONNX Runtime", "",
+             f"Each plan compiled into one program and run whole ({', '.join(map(str, threads))} thread"
+             f"{'s' if threads != [1] else ''}{', on ' + ', '.join(on) if on else ''}), beside the unfused "
+             "program (strategy none, every node its own kernel) and ONNX Runtime at ENABLE_ALL, timed in "
+             "turn in the same run; medians. Predicted: the roofline model for the cell's device. "
+             "Speedups are over strategy none; plan / ORT = plan latency / ONNX Runtime ENABLE_ALL.", ""]
+    rows = []
+    for s in _strategies(sub):
+        part = sub[sub["strategy"] == s]
+        rows.append([s, len(part), f"{geomean(part['speedup']):.2f}x", f"{geomean(part['measured_speedup_e2e']):.2f}x",
+                     f"{geomean(part['plan_vs_ort']):.2f}x",
+                     f"{geomean(part[f'{E2E}plan_median_s'] / part[f'{E2E}ort_disable_all_median_s']):.2f}x",
+                     f"{part[f'{E2E}max_rel_err'].max():.1g}"])
+    lines += _table(["strategy", "cells", "predicted speedup", "measured speedup", "plan / ORT",
+                     "plan / ORT DISABLE_ALL", "max rel err"], rows, right=range(1, 7))
+    lines += ["", rank_sentence(rank_correlations(frame)), ""]
+    rows = []
+    for model in _ordered(sub, "model"):
+        for s in _strategies(sub[sub["model"] == model]):
+            for _, c in sub[(sub["model"] == model) & (sub["strategy"] == s)].iterrows():
+                rows.append([model, s, int(c["kernels"]), fmt_time(c["time_s"]), fmt_time(c[f"{E2E}plan_median_s"]),
+                             f"{fmt_time(c[f'{E2E}plan_p20_s'])}–{fmt_time(c[f'{E2E}plan_p80_s'])}",
+                             fmt_time(c[f"{E2E}ort_enable_all_median_s"]), f"{c['speedup']:.2f}x",
+                             f"{c['measured_speedup_e2e']:.2f}x", f"{c['plan_vs_ort']:.2f}x"])
+    lines += _table(["model", "strategy", "kernels", "predicted", "measured", "p20–p80", "ORT ENABLE_ALL",
+                     "predicted speedup", "measured speedup", "plan / ORT"], rows, right=range(2, 10))
+    return lines + [""]
+
+
+def rank_sentence(r: dict) -> str:
+    """`rank_correlations` in words (the report's line, and what `fusesearch report` prints)."""
+    return (f"Spearman rank correlation, predicted against measured end to end: plan times across the "
+            f"{r['cells']} cells {_rho(r['times'])}; speedups over strategy none across cells "
+            f"{_rho(r['speedups'])}; the strategies' plan times within a model {_rho(r['within_models'])} "
+            f"(mean over {r['models']} models).")
+
+
+def _rho(value: float) -> str:
+    return "-" if math.isnan(value) else f"ρ = {value:.2f}"
+
+
 def failed_section(frame) -> list[str]:
     if "status" not in frame:
         return []
@@ -402,22 +487,25 @@ def plot_devices(frame, path: Path) -> bool:
 
 
 def plot_measured(frame, path: Path) -> bool:
+    """Predicted against measured plan time: end to end where the cells ran so, else the sum of
+    the kernels each timed alone."""
     ok = _ok(frame)
-    if "measured_s" not in ok or ok["measured_s"].dropna().empty:
+    column = next((c for c in (f"{E2E}plan_median_s", "measured_s") if c in ok and not ok[c].dropna().empty), None)
+    if column is None:
         return False
-    sub = ok.dropna(subset=["measured_s"])
+    sub = ok.dropna(subset=[column])
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for s in _strategies(sub):
         part = sub[sub["strategy"] == s]
-        ax.scatter(part["time_s"], part["measured_s"], label=s, s=18)
-    lo = min(sub["time_s"].min(), sub["measured_s"].min())
-    hi = max(sub["time_s"].max(), sub["measured_s"].max())
+        ax.scatter(part["time_s"], part[column], label=s, s=18)
+    lo = min(sub["time_s"].min(), sub[column].min())
+    hi = max(sub["time_s"].max(), sub[column].max())
     ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.6, label="measured = predicted")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("predicted plan time (s)")
-    ax.set_ylabel("measured plan time (s)")
+    ax.set_ylabel("measured plan time (s), " + ("end to end" if column != "measured_s" else "sum of kernels"))
     ax.set_title("Predicted against measured")
     ax.legend(fontsize=8)
     return _save(plt, fig, path)
@@ -440,7 +528,7 @@ def render(frame, name: str, plots: Iterable[str] = ()) -> str:
     lines = header(frame, name)
     lines += [f"![{p}]({p}.png)" for p in plots] + ([""] if plots else [])
     for section in (summary_section, model_section, model_device_section, solver_section, devices_section,
-                    measured_section, failed_section):
+                    measured_section, end_to_end_section, failed_section):
         lines += section(frame)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -691,6 +691,23 @@ class RunReport:
                 **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
                    if self.backend == "cupy" else {})}
 
+    def columns(self, prefix: str = "end_to_end_") -> dict:
+        """The JSON document (less model and strategy) as one row's scalar columns, each named by
+        its key path joined with "_" after `prefix`: end_to_end_plan_median_s,
+        end_to_end_max_rel_err, end_to_end_segments_generated, end_to_end_ratios_plan_vs_unfused.
+        For tables that hold a run beside other figures: `measure --end-to-end -o`, sweeps."""
+        out: dict = {}
+
+        def walk(doc: dict, path: str) -> None:
+            for k, v in doc.items():
+                if isinstance(v, dict):
+                    walk(v, f"{path}{k}_")
+                else:
+                    out[path + k] = v
+
+        walk({k: v for k, v in self.to_dict().items() if k not in ("model", "strategy")}, prefix)
+        return out
+
     def to_pandas(self):
         import pandas as pd
 

@@ -17,6 +17,11 @@ Approach:
         ▼
     OUT/results.parquet rebuilt from the cell files (also atomically)
 
+With a `backend`, each cell also measures its plan against the unfused graph (strategy none), as
+`measure` lists: "kernels" (each kernel alone, summed: measured_s) and, on the cpu only,
+"end_to_end" (the plan as one program beside ONNX Runtime, `run.run_plan` at `threads` and
+`repeat`: end_to_end_* columns); by default the cpu does both, cupy "kernels".
+
 When OUT holds results.parquet but no cells/ (results committed without their cell files), the
 cells are restored from it first. Time limit and seed only matter to cpsat: for the other strategies they are dropped from the cell,
 so those cells run once. A cell that raises — or whose worker keeps dying — is recorded with
@@ -64,7 +69,9 @@ BACKENDS = ("cpu", "cupy")
 PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0}
 CPSAT_ONLY = ("time_limit_s", "seed")
 TOP_KEYS = {"name", "models", "devices", "strategies", "params", "backend", "measure_budget_s",
-            "solver_workers"}
+            "solver_workers", "measure", "threads", "repeat"}
+MEASURES = ("kernels", "end_to_end")  # what a sweep with a backend times: each kernel alone, the whole plan
+DEFAULT_MEASURE = {"cpu": ("kernels", "end_to_end"), "cupy": ("kernels",)}
 MODEL_KEYS = {"model", "label", "input_shapes", "dims", "zoo"}
 PREPARED_CACHE = 2  # prepared models kept per worker process (a 48-layer BERT is ~1.5 GB)
 
@@ -116,14 +123,20 @@ class SweepConfig:
     solver_workers: int = 1
     backend: str | None = None
     measure_budget_s: float = 0.05
+    measure: tuple[str, ...] = ()  # with a backend: "kernels" and/or "end_to_end"
+    threads: int = 1  # end_to_end: the programs' and ONNX Runtime's thread count
+    repeat: int = 20  # end_to_end: timed runs of each program
 
     def normalized(self) -> dict:
         """What defines the sweep's results (its identity in OUT/sweep.json)."""
+        timed = "end_to_end" in self.measure
         return {"name": self.name, "models": [m.key() for m in self.models],
                 "devices": list(self.device_labels), "strategies": list(self.strategies),
                 "params": {k: list(v) for k, v in sorted(self.params.items())},
                 "solver_workers": self.solver_workers, "backend": self.backend,
-                "measure_budget_s": self.measure_budget_s if self.backend else None}
+                "measure_budget_s": self.measure_budget_s if "kernels" in self.measure else None,
+                "measure": list(self.measure) or None, "threads": self.threads if timed else None,
+                "repeat": self.repeat if timed else None}
 
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(self.normalized(), sort_keys=True).encode()).hexdigest()
@@ -155,11 +168,32 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
         raise BadInput(f"{where}: backend = {backend!r}; choose one of {', '.join(BACKENDS)} or leave it out")
     budget = _positive(doc.get("measure_budget_s", 0.05), where, "measure_budget_s", float)
     workers = _positive(doc.get("solver_workers", 1), where, "solver_workers", int)
+    measure = _measure_keys(doc, backend, where)
+    threads = _positive(doc.get("threads", 1), where, "threads", int)
+    repeat = _positive(doc.get("repeat", 20), where, "repeat", int)
     name = doc.get("name", path.stem)
     if not isinstance(name, str) or not name:
         raise BadInput(f"{where}: name must be a non-empty string")
     _check_bindings(models, where)
-    return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget)
+    return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget,
+                       measure, threads, repeat)
+
+
+def _measure_keys(doc: Mapping[str, Any], backend: str | None, where: str) -> tuple[str, ...]:
+    """What the cells time: `measure` as written, else the backend's default; nothing without one."""
+    if backend is None:
+        given = sorted(k for k in ("measure", "threads", "repeat") if k in doc)
+        if given:
+            raise BadInput(f"{where}: {given[0]} only applies to a sweep that measures; add backend = \"cpu\" "
+                           f"or remove {given[0]}")
+        return ()
+    if "measure" not in doc:
+        return DEFAULT_MEASURE[backend]
+    measure = _strings(doc["measure"], where, "measure", MEASURES)
+    if "end_to_end" in measure and backend != "cpu":
+        raise BadInput(f"{where}: measure = {list(measure)!r}: whole plans run end to end on backend = \"cpu\" "
+                       "only so far; use measure = [\"kernels\"] or backend = \"cpu\"")
+    return measure
 
 
 def _models(raw, where: str, base: Path) -> tuple[ModelSpec, ...]:
@@ -357,19 +391,24 @@ class Cell:
     solver_workers: int
     backend: str | None
     measure_budget_s: float | None
+    measure: tuple[str, ...] = ()
+    threads: int | None = None
+    repeat: int | None = None
 
     def params(self) -> dict:
         return {"model": self.model.key(), "device": self.device_label, "strategy": self.strategy,
                 "max_group_size": self.max_group_size, "time_limit_s": self.time_limit_s,
                 "seed": self.seed, "solver_workers": self.solver_workers if self.strategy == "cpsat" else None,
-                "backend": self.backend, "measure_budget_s": self.measure_budget_s}
+                "backend": self.backend, "measure_budget_s": self.measure_budget_s,
+                "measure": list(self.measure) or None, "threads": self.threads, "repeat": self.repeat}
 
 
 # Bumped whenever a change makes the same cell give other figures (the cost model's prices, the
 # generated kernels), so a rerun after it recomputes every cell instead of keeping stale rows.
 # 2: lone anchors priced as library calls on tensor cores, generated kernels on the units they use.
-# 3: fused gemm/conv groups generated for TF32/FP16/BF16 tensor cores and priced there (mma_efficiency).
-RESULTS_VERSION = 3
+# 3: a cpu sweep runs each plan end to end beside ONNX Runtime (the end_to_end_* columns).
+# 4: fused gemm/conv groups generated for TF32/FP16/BF16 tensor cores and priced there (mma_efficiency).
+RESULTS_VERSION = 4
 
 
 def cell_id(params: Mapping[str, Any], device: str = "") -> str:
@@ -396,9 +435,11 @@ def expand(config: SweepConfig) -> list[Cell]:
             config.models, zip(config.devices, config.device_labels, strict=True), config.strategies,
             p["max_group_size"], p["time_limit_s"], p["seed"]):
         exact = strategy == "cpsat"
+        timed = "end_to_end" in config.measure
         cell = Cell(0, "", config.name, model, device, label, strategy, size, limit if exact else None,
                     seed if exact else None, config.solver_workers, config.backend,
-                    config.measure_budget_s if config.backend else None)
+                    config.measure_budget_s if "kernels" in config.measure else None, config.measure,
+                    config.threads if timed else None, config.repeat if timed else None)
         cid = cell_id(cell.params(), device)
         if cid in seen:
             continue
@@ -529,17 +570,26 @@ def _plan_sha(p) -> str:
 
 
 def _measure(cell: Cell, prep, p) -> dict:
+    """The plan measured on the cell's backend against the unfused graph (strategy none): each
+    kernel alone ("kernels": measured_s, the sum) and the whole plan as one program beside ONNX
+    Runtime ("end_to_end": `RunReport.columns`, end_to_end_*)."""
     from fusesearch.api import plan as api_plan
     from fusesearch.backends.timing import TimingCache
-    from fusesearch.measure import measure_plan
+    from fusesearch.measure import device_label, measure_plan
+    from fusesearch.run import run_plan
 
     unfused = api_plan(cell.model.model, cell.device, "none", prepared=prep)
-    report = measure_plan(prep, p, unfused, cell.backend, budget_s=cell.measure_budget_s or 0.05,
-                          seed=cell.seed or 0, cache=TimingCache())
-    t = report.totals()
-    return {"measured_s": t["measured_s"], "unfused_measured_s": t["unfused_measured_s"],
-            "measured_speedup": t["speedup"], "not_measured": t["not_measured"],
-            "measured_on": report.device}
+    row: dict = {"measured_on": device_label(cell.backend)}
+    if "kernels" in cell.measure:
+        report = measure_plan(prep, p, unfused, cell.backend, budget_s=cell.measure_budget_s or 0.05,
+                              seed=cell.seed or 0, cache=TimingCache())
+        t = report.totals()
+        row.update({"measured_s": t["measured_s"], "unfused_measured_s": t["unfused_measured_s"],
+                    "measured_speedup": t["speedup"], "not_measured": t["not_measured"]})
+    if "end_to_end" in cell.measure:
+        row.update(run_plan(prep, p, unfused, threads=cell.threads or 1, repeat=cell.repeat or 20,
+                            seed=cell.seed or 0).columns())
+    return row
 
 
 _VERSIONS: dict | None = None
@@ -668,7 +718,8 @@ def _frame(rows: list[dict]):
     frame = pd.DataFrame(rows).sort_values("cell_index", kind="stable").reset_index(drop=True)
     first = [c for c in ("cell_id", "cell_index", "sweep", "model", "device", "strategy", "max_group_size",
                          "time_limit_s", "seed", "status", "kernels", "time_s", "unfused_time_s",
-                         "lower_bound_s", "solver_status", "wall_s", "gap", "measured_s", "error")
+                         "lower_bound_s", "solver_status", "wall_s", "gap", "measured_s",
+                         "end_to_end_plan_median_s", "end_to_end_ort_enable_all_median_s", "error")
              if c in frame.columns]
     return frame[first + [c for c in frame.columns if c not in first]]
 

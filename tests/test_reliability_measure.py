@@ -124,11 +124,26 @@ def torch_relu_prod():
     return make_model(nodes, [("x", [64, 16])], [("y", None)], [("axes", np.int64([-1]))], opset=18)
 
 
+def torch_relu_cubic_resize():
+    """torch: `F.interpolate(x.relu(), scale_factor=2, mode="bicubic")` at opset 17 — a Resize mode
+    the generator has no code for, which only its attributes say (the op itself is generated)."""
+    nodes = [helper.make_node("Relu", ["x"], ["/Relu_output_0"], name="/Relu"),
+             helper.make_node("Resize", ["/Relu_output_0", "", "scales"], ["y"], name="/Resize", mode="cubic",
+                              coordinate_transformation_mode="pytorch_half_pixel", cubic_coeff_a=-0.75)]
+    return make_model(nodes, [("x", [1, 2, 8, 8])], [("y", None)], [("scales", np.float32([1, 1, 2, 2]))], opset=17)
+
+
+# groups the legality rules refuse at plan time (an op or dtype without a generator): the
+# model, the ops that would be fused, the largest relative error allowed
+NOT_CANDIDATES = [
+    pytest.param(ort_qdq_conv, ("QuantizeLinear", "DequantizeLinear"), 1e-4, id="qdq"),
+    pytest.param(torch_int8_matmul, ("Cast", "Gemm"), 1e-4, id="int8-input"),
+    pytest.param(torch_relu_prod, ("Relu", "ReduceProd"), 1e-4, id="reduce-prod"),
+]
+
 # model, the fused group's ops, what the refusal names, the largest relative error allowed
 REFUSED_GROUPS = [
-    pytest.param(ort_qdq_conv, "QuantizeLinear,DequantizeLinear", "uint8", 1e-4, id="qdq"),
-    pytest.param(torch_int8_matmul, "Cast,Gemm", "int8", 1e-4, id="int8-input"),
-    pytest.param(torch_relu_prod, "Relu,ReduceProd", "ReduceProd", 1e-4, id="reduce-prod"),
+    pytest.param(torch_relu_cubic_resize, "Relu,Resize", "cubic", 1e-4, id="resize-cubic"),
 ]
 
 # exported idioms the generator takes whole: model, the fused group's ops
@@ -141,6 +156,26 @@ GENERATED_GROUPS = [
     pytest.param(torch_relu_batchnorm, "BatchNormalization", id="batchnorm"),
     pytest.param(paddle_relu_gather_nd, "Relu,GatherND", id="gather-nd"),
 ]
+
+
+@needs_cc
+@pytest.mark.parametrize(("build", "ops", "tol"), NOT_CANDIDATES)
+def test_a_group_the_generator_cannot_write_is_never_planned(run_cli, tmp_path, build, ops, tol):
+    """The plan keeps such ops apart (each alone: a library call or its own kernel), and measure
+    times every group."""
+    model = save(build(), tmp_path / "m.onnx")
+    out = tmp_path / "m.parquet"
+    code, stdout, err = run_cli("measure", model, "--backend", "cpu", "--strategy", "greedy", "--budget", "0.01",
+                                "--no-cache", "-o", out, "--json")
+    assert code == 0 and err == "", err
+    doc = json.loads(stdout)
+    for g in doc["groups"]:
+        assert g["measured_s"] > 0 and g["max_rel_err"] <= tol, g
+        assert g["how"] != "library per node", g
+    rows = pd.read_parquet(out)
+    for op_types in rows[rows["plan"] == "plan"]["op_types"]:
+        assert not set(ops) <= set(op_types.split(",")), op_types
+    assert doc["totals"]["not_measured"] == 0
 
 
 @needs_cc
@@ -188,14 +223,14 @@ def test_exported_idioms_run_as_one_generated_kernel(run_cli, tmp_path, build, o
 
 @needs_cc
 def test_node_by_node_text_says_how_and_why_and_prints_no_blank_line(run_cli, tmp_path):
-    model = save(torch_int8_matmul(), tmp_path / "m.onnx")
+    model = save(torch_relu_cubic_resize(), tmp_path / "m.onnx")
     code, stdout, err = run_cli("measure", model, "--strategy", "greedy", "--budget", "0.01", "--no-cache")
     assert code == 0, err
     assert err == ""  # the progress bar only on a terminal: no blank line first
     assert stdout.startswith("measured on cpu")
-    assert "library per node: plan g0 (Cast,Gemm): dtype int8 of 'x' is not generated yet" in stdout
+    assert "library per node: plan g0 (Relu,Resize): /Resize(Resize) mode cubic has no code generator yet" in stdout
     assert "not measured:" not in stdout and "kernels not measured" not in stdout
-    assert "none ran as one generated kernel" in stdout and "--baseline library" not in stdout
+    assert "--baseline library" not in stdout
 
 
 def bfloat16_round_trip():

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusesearch.errors import BadInput
-from fusesearch.report import plan_distance, write_report
+from fusesearch.report import fmt_time, plan_distance, write_report
 from fusesearch.sweep import SweepStore, expand, load_config, run_cell
 from tests.conftest import make_model, save
 
@@ -105,8 +105,56 @@ def test_failed_cells_and_measured_cells_are_reported(tmp_path):
     written = write_report(out, out / "report.md")
     text = (out / "report.md").read_text()
     assert "## Predicted against measured" in text and "## Failed cells" in text
+    assert "## End to end against ONNX Runtime" in text  # a cpu sweep also runs each plan whole
     assert text.count("| broken |") == 2 and "broken.onnx" in text
     assert out / "measured.png" in written and (out / "measured.png").read_bytes().startswith(PNG)
+
+
+def _chain(hidden: int):
+    """x -> MatMul -> Relu -> Tanh -> MatMul -> Sigmoid: a plan fuses, the unfused graph does not."""
+    rng = np.random.default_rng(hidden)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Tanh", ["r"], ["t"], name="tanh"),
+             helper.make_node("MatMul", ["t", "w2"], ["u"], name="mm2"),
+             helper.make_node("Sigmoid", ["u"], ["y"], name="sigmoid")]
+    inits = [("w1", rng.standard_normal((32, hidden)).astype("float32") * 0.2),
+             ("w2", rng.standard_normal((hidden, 16)).astype("float32") * 0.2)]
+    return make_model(nodes, [("x", [16, 32])], [("y", [16, 16])], inits)
+
+
+def _spearman(a, b) -> float:
+    """Rank correlation from pandas' average ranks (an implementation apart from the report's)."""
+    return float(np.corrcoef(pd.Series(list(a)).rank(), pd.Series(list(b)).rank())[0, 1])
+
+
+def test_an_end_to_end_sweep_reports_plans_against_onnx_runtime_and_the_rank_correlation(tmp_path, run_cli):
+    save(_chain(24), tmp_path / "small.onnx")
+    save(_chain(96), tmp_path / "wide.onnx")
+    out, cells = _sweep(tmp_path, 'models = ["small.onnx", "wide.onnx"]\ndevices = ["host"]\n'
+                                  'strategies = ["none", "greedy"]\nbackend = "cpu"\nmeasure = ["end_to_end"]\n'
+                                  'repeat = 3\n')
+    rows = pd.read_parquet(out / "results.parquet")
+    assert (rows.status == "ok").all() and len(rows) == 4
+    code, stdout, err = run_cli("report", out)
+    assert code == 0, err
+    measured = rows["end_to_end_plan_median_s"]
+    times = _spearman(rows["time_s"], measured)
+    speedups = _spearman(rows["speedup"], rows["end_to_end_unfused_median_s"] / measured)
+    sentence = (f"plan times across the 4 cells ρ = {times:.2f}; speedups over strategy none across cells "
+                f"ρ = {speedups:.2f}")
+    assert sentence in stdout  # printed ...
+    text = (out / "report.md").read_text()
+    assert "## End to end against ONNX Runtime" in text and sentence in text  # ... and in the report
+    assert "## Predicted against measured\n" not in text  # no kernel was timed alone
+    c = rows[(rows.model == "wide") & (rows.strategy == "greedy")].iloc[0]
+    line = next(x for x in text.splitlines() if x.startswith("| wide | greedy |"))
+    ort = c["end_to_end_ort_enable_all_median_s"]
+    for figure in (fmt_time(c["time_s"]), fmt_time(c["end_to_end_plan_median_s"]), fmt_time(ort),
+                   f"{c['speedup']:.2f}x", f"{c['end_to_end_unfused_median_s'] / c['end_to_end_plan_median_s']:.2f}x",
+                   f"{c['end_to_end_plan_median_s'] / ort:.2f}x"):
+        assert f" {figure} |" in line, (figure, line)
+    assert (out / "measured.png").read_bytes().startswith(PNG)  # predicted against end-to-end times
 
 
 def test_report_of_an_empty_folder_is_bad_input(tmp_path, run_cli):

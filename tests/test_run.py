@@ -244,13 +244,25 @@ def test_cuda_program_runs_an_if_through_onnx_runtime(tmp_path):
 
 
 def test_measure_end_to_end_adds_the_run(run_cli, tmp_path):
+    rows = tmp_path / "rows.parquet"
     code, stdout, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--strategy", "greedy",
-                                   "--budget", "0.01", "--end-to-end", "--json")
+                                   "--budget", "0.01", "--end-to-end", "--json", "-o", rows)
     assert code == 0, stderr
     doc = json.loads(stdout)
     assert doc["totals"]["measured_s"] > 0  # measure's own figures stay
     whole = doc["end_to_end"]
     assert all(whole[k]["median_s"] > 0 for k in KEYS) and whole["max_rel_err"] <= 1e-4
+    # -o: a row per kernel, each also carrying the run's figures, named by their JSON key path
+    frame = pd.read_parquet(rows)
+    assert len(frame) == len(doc["groups"]) + frame["plan"].eq("unfused").sum()
+    for k in KEYS:
+        for stat in ("median_s", "p20_s", "p80_s"):
+            assert (frame[f"end_to_end_{k}_{stat}"] == whole[k][stat]).all()
+    for key in ("threads", "arena_peak_bytes", "activation_bytes", "max_rel_err"):
+        assert (frame[f"end_to_end_{key}"] == whole[key]).all()
+    assert (frame["end_to_end_segments_generated"] == whole["segments"]["generated"]).all()
+    assert (frame["end_to_end_ratios_plan_vs_unfused"] == whole["ratios"]["plan_vs_unfused"]).all()
+    assert "end_to_end_model" not in frame and frame["max_rel_err"].notna().all()  # each kernel's own stays
     code, _, stderr = run_cli("measure", save(mlp(), tmp_path / "mlp.onnx"), "--backend", "cupy", "--end-to-end")
     assert code == 2 and "--end-to-end" in stderr
 

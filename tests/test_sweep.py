@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -63,6 +64,14 @@ def _rows(out: Path) -> pd.DataFrame:
     ("models = ['missing.onnx']\ndevices = ['t4']", "missing.onnx: no such file"),
     ("models = [{model = 'zoo:bert-small', dims = {seqq = 8}}]\ndevices = ['t4']", "models[0].dims.seqq"),
     ("models = ['zoo:unet'\n", "not valid TOML"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nmeasure = ['end_to_end']", "measure only applies to a sweep that "
+     "measures; add backend = \"cpu\""),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nrepeat = 5", "repeat only applies"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cpu'\nmeasure = ['fast']", "measure = ['fast']; give a "
+     "list drawn from kernels, end_to_end"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cupy'\nmeasure = ['end_to_end']",
+     "end to end on backend = \"cpu\" only"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cpu'\nthreads = 0", "threads = 0; give a positive integer"),
 ])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, needle):
     path = _config(tmp_path, text)
@@ -114,6 +123,57 @@ def test_zoo_parameters_expand_into_models(tmp_path):
     labels = [m.label for m in cfg.models]
     assert labels[-2:] == ["bert-small/layers=1", "bert-small/layers=2"]
     assert len(expand(cfg)) == 4 * 3 * 2
+
+
+def test_a_cpu_sweep_measures_kernels_and_the_whole_plan_unless_told(tmp_path):
+    """backend = "cpu" times each kernel and the whole plan; measure = [...] picks; the end to end
+    settings are part of each cell's identity."""
+    base = 'models = ["zoo:rnn-control"]\ndevices = ["host"]\nstrategies = ["none"]\nbackend = "cpu"\n'
+    cpu = load_config(_config(tmp_path, base))
+    assert cpu.measure == ("kernels", "end_to_end") and (cpu.threads, cpu.repeat) == (1, 20)
+    only = load_config(_config(tmp_path, base + 'measure = ["end_to_end"]\nrepeat = 3\n', "e2e.toml"))
+    cell = expand(only)[0]
+    assert (cell.measure, cell.repeat, cell.threads, cell.measure_budget_s) == (("end_to_end",), 3, 1, None)
+    assert cell.cell_id != expand(cpu)[0].cell_id
+    assert load_config(_config(tmp_path, base.replace("cpu", "cupy"), "gpu.toml")).measure == ("kernels",)
+    plain = load_config(_config(tmp_path, base.replace('backend = "cpu"\n', ""), "plain.toml"))
+    assert plain.measure == () and expand(plain)[0].repeat is None
+
+
+def test_a_cpu_sweep_records_the_plan_run_end_to_end_beside_onnx_runtime(tmp_path):
+    """A model built in code, two strategies, measured end to end only: every end_to_end_* figure
+    is there, positive, and the programs equal ONNX Runtime's outputs."""
+    from onnx import helper
+
+    from fusesearch.sweep import SweepStore, run_cell
+    from tests.conftest import make_model, save
+
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["r"], name="relu"),
+                        helper.make_node("Tanh", ["r"], ["z"], name="tanh")],
+                       [("x", [8, 32])], [("z", [8, 16])], [("w", rng.standard_normal((32, 16)).astype("float32"))])
+    save(model, tmp_path / "mm.onnx")
+    path = _config(tmp_path, 'models = ["mm.onnx"]\ndevices = ["host"]\nstrategies = ["none", "greedy"]\n'
+                             'backend = "cpu"\nmeasure = ["end_to_end"]\nrepeat = 3\n')
+    cfg = load_config(path)
+    store = SweepStore(tmp_path / "out")
+    store.open(cfg)
+    cells = expand(cfg)
+    for cell in cells:
+        store.write(run_cell(cell))
+    store.rebuild(cells)
+    rows = _rows(tmp_path / "out")
+    assert (rows["status"] == "ok").all(), rows["error"].tolist()
+    for program in ("plan", "unfused", "ort_enable_all", "ort_disable_all"):
+        for stat in ("median_s", "p20_s", "p80_s"):
+            assert (rows[f"end_to_end_{program}_{stat}"] > 0).all(), (program, stat)
+        assert (rows[f"end_to_end_{program}_n"] == 3).all()
+    assert (rows["end_to_end_max_rel_err"] < 1e-4).all() and (rows["end_to_end_threads"] == 1).all()
+    assert (rows["end_to_end_arena_peak_bytes"] > 0).all() and (rows["end_to_end_segments_generated"] >= 1).all()
+    assert rows["measured_on"].notna().all() and "measured_s" not in rows  # no kernel timed alone
+    fused = rows[rows["strategy"] == "greedy"].iloc[0]
+    assert fused["end_to_end_kernels"] < rows[rows["strategy"] == "none"].iloc[0]["end_to_end_kernels"]
 
 
 # -- running --------------------------------------------------------------------------------------

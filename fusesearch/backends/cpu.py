@@ -3,9 +3,10 @@
 Problem: generated kernels must run and be checked on machines without a GPU — the same kernel
 bodies as the CUDA version, inside a C/OpenMP loop nest.
 Approach: `cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC` (plus glibc's vector math
-library where it links, so `omp simd` loops with expf/tanhf/erff vectorize) into a cache folder keyed
-by the source's hash and the flags (compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every
-array as a contiguous pointer of its C type, and returns the outputs as numpy arrays.
+library where it links, so `omp simd` loops with logf/tanhf vectorize; exp and erf are the C
+prelude's own inline polynomials) into a cache folder keyed by the source's hash and the flags
+(compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every array as a
+contiguous pointer of its C type, and returns the outputs as numpy arrays.
 Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
 """
 

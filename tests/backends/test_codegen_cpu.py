@@ -3,6 +3,8 @@ of every zoo plan: test_zoo_groups_cpu.py; CUDA compile checks: test_cuda_compil
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -153,3 +155,120 @@ def test_matmul_whose_epilogue_moves_elements(tmp_path):
     prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 5, 24])], [("out", None)], inits)
     kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
     assert "ybuf" in generate(prep.graph, kernel).c_source
+
+
+# -- the prelude's exp and erf against the C library's -------------------------------------------
+
+_F32 = np.float32
+
+
+def _math_sample() -> np.ndarray:
+    """A dense sample of floats: the whole range of exp's finite results and beyond, erf's curve
+    and tails (every float of 3.5 <= x < 3.7, where the fit nears 1), tiny and subnormal
+    magnitudes of both signs, the cut-offs and their neighbours, and the special values (NaN with
+    and without payload bits, infinities, signed zeros)."""
+    tiny = _F32(10.0) ** np.linspace(-45, 1.7, 200_001, dtype=_F32)
+    edges = np.array([-87.33654, -87.3365478515625, 88.72283, 3.6173997, -3.6173997, 3.92], _F32)
+    every = np.arange(_F32(3.5).view(np.uint32), _F32(3.7).view(np.uint32), dtype=np.uint32).view(_F32)
+    near = np.concatenate([np.nextafter(edges, _F32(np.inf)), np.nextafter(edges, _F32(-np.inf)), edges])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(_F32).max, -np.finfo(_F32).max,
+                        np.finfo(_F32).tiny, 1e-45, -1e-45], _F32)
+    payload = np.array([0x7FC001FF, 0xFFC00155, 0x7F800001], np.uint32).view(_F32)
+    return np.concatenate([np.linspace(-110, 95, 2_000_001, dtype=_F32), np.linspace(-6, 6, 1_000_001, dtype=_F32),
+                           tiny, -tiny, every, near, special, payload])
+
+
+@functools.lru_cache(maxsize=1)
+def _prelude_math():
+    """(x, fs_expf(x), libm expf(x), fs_erff(x), libm erff(x), -fs_erff(-x), the compiler's report
+    on the simd loop): ours through an `omp simd` loop compiled as kernels are, the C library's
+    through a plain loop (scalar libm)."""
+    import ctypes
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from fusesearch.backends.codegen.base import _C_PRELUDE
+
+    src = (_C_PRELUDE + "void ours(const float* x, float* e, float* r, long long n) {\n#pragma omp simd\n"
+           "for (long long i = 0; i < n; ++i) { e[i] = fs_expf(x[i]); r[i] = fs_erff(x[i]); }\n}\n"
+           "void libm(const float* x, float* e, float* r, long long n) {\n"
+           "for (long long i = 0; i < n; ++i) { e[i] = expf(x[i]); r[i] = erff(x[i]); }\n}\n")
+    x = _math_sample()
+    outs = [np.empty_like(x) for _ in range(5)]
+    neg, scratch = -x, np.empty_like(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.c"
+        path.write_text(src)
+        lib = Path(tmp) / "m.so"
+        done = subprocess.run([cpu.compiler(), *cpu.CFLAGS[:-1], "-fopt-info-vec-optimized", str(path), "-o", str(lib),
+                               cpu.CFLAGS[-1]], check=True, capture_output=True, text=True)
+        so = ctypes.CDLL(str(lib))
+        ptr = [a.ctypes.data_as(ctypes.c_void_p) for a in (x, *outs)]
+        so.ours(ptr[0], ptr[1], ptr[3], ctypes.c_longlong(x.size))
+        so.libm(ptr[0], ptr[2], ptr[4], ctypes.c_longlong(x.size))
+        so.ours(neg.ctypes.data_as(ctypes.c_void_p), scratch.ctypes.data_as(ctypes.c_void_p), ptr[5],
+                ctypes.c_longlong(x.size))
+    return (x, *outs[:4], -outs[4], done.stderr)
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    return np.abs(got.astype(np.float64) - ref.astype(np.float64)) / np.abs(ref.astype(np.float64))
+
+
+def test_prelude_exp_matches_libm():
+    """fs_expf within 1e-6 relative of libm's expf for every normal result; 0 where libm's result
+    is subnormal or 0 (below FLT_MIN); inf where it overflows; NaN for NaN (payload bits or not)."""
+    x, ours, ref = _prelude_math()[:3]
+    normal = np.isfinite(ref) & (ref >= np.finfo(_F32).tiny)
+    assert normal.sum() > 2_000_000
+    assert _rel(ours[normal], ref[normal]).max() < 1e-6
+    below = ~np.isnan(x) & (ref < np.finfo(_F32).tiny)
+    assert (ours[below] == 0).all() and below.sum() > 100_000
+    assert (ours[np.isinf(ref)] == np.inf).all() and np.isinf(ref).sum() > 50_000
+    assert np.isnan(ours[np.isnan(x)]).all() and np.isnan(x).sum() == 4
+    assert (ours[x == 0] == 1).all()
+
+
+def test_prelude_erf_matches_libm():
+    """fs_erff within 1e-6 relative of libm's erff wherever that is a normal float; within one
+    subnormal step below; odd (signed zeros kept), never beyond +-1, +-1 at the infinities, NaN
+    for NaN."""
+    x, _, _, ours, ref, odd = _prelude_math()[:6]
+    normal = np.abs(ref) >= np.finfo(_F32).tiny
+    assert _rel(ours[normal], ref[normal]).max() < 1e-6
+    sub = ~normal & ~np.isnan(x)
+    assert np.abs(ours[sub].astype(np.float64) - ref[sub]).max() <= 1.5e-45
+    zeros = x == 0
+    assert (np.signbit(ours[zeros]) == np.signbit(x[zeros])).all() and np.signbit(x[zeros]).any()
+    number = ~np.isnan(x)
+    np.testing.assert_array_equal(odd[number], ours[number])
+    assert np.abs(ours[number]).max() == 1.0
+    assert ours[x == np.inf].tolist() == [1.0] and ours[x == -np.inf].tolist() == [-1.0]
+    assert np.isnan(ours[np.isnan(x)]).all()
+
+
+def test_prelude_math_vectorizes():
+    """The `omp simd` loop over fs_expf and fs_erff vectorizes (GCC's own report; other compilers
+    are not asked)."""
+    import subprocess
+
+    version = subprocess.run([cpu.compiler(), "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in version:
+        pytest.skip("the vectorizer report is GCC's (-fopt-info-vec)")
+    assert "loop vectorized" in _prelude_math()[-1]
+
+
+def test_gelu_and_softmax_use_the_inline_math(tmp_path):
+    """GELU's erf and Softmax's exp are the prelude's (no call to the C library's), Softmax takes
+    one exp per element (the cached row) and one division per row (its reciprocal); both equal
+    ONNX Runtime on inputs reaching erf's and exp's tails."""
+    nodes = [helper.make_node("Mul", ["x", "rs2"], ["a"]), helper.make_node("Erf", ["a"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["b"]), helper.make_node("Mul", ["x", "b"], ["c"]),
+             helper.make_node("Mul", ["c", "s"], ["g"]), helper.make_node("Softmax", ["g"], ["y"], axis=-1)]
+    inits = [("rs2", np.float32(2.5)), ("one", np.float32(1.0)), ("s", np.float32(30.0))]  # erf up to ~10
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [6, 40])], [("y", None), ("g", None)], inits)
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    assert "erff(" not in body.replace("fs_erff(", "") and "expf(" not in body.replace("fs_expf(", "")
+    assert body.count("fs_expf(") == 1 and body.count("fs_erff(") >= 1 and body.count(" / ") == 1

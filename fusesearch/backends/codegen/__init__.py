@@ -53,8 +53,8 @@ emitted statements are the same text in both languages; only the skeleton around
 
 The opaque template is not generated (`generate` refuses it with a reason: a library call).
 C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
-the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call exp/log/tanh/erf's vector
-variants; one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
+the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call log/tanh's vector variants
+(exp and erf are the C prelude's own inline polynomials, `fs_expf` / `fs_erff`); one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
 square root; division by a constant a multiplication by its reciprocal); the index of a row
 element is the row's (hoisted by the compiler) and the column's, with no per-element division.
 Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the

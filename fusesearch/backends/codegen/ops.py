@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 # -- ops --------------------------------------------------------------------------------------
 
 _UNARY = {
-    "Relu": "FS_FMAX({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})",
-    "Sqrt": "sqrtf({0})", "Erf": "erff({0})", "Tanh": "tanhf({0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))",
+    "Relu": "FS_FMAX({0}, 0.0f)", "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "fs_expf({0})", "Log": "logf({0})",
+    "Sqrt": "sqrtf({0})", "Erf": "fs_erff({0})", "Tanh": "tanhf({0})", "Sigmoid": "(1.0f / (1.0f + fs_expf(-{0})))",
     "Reciprocal": "(1.0f / {0})", "Floor": "floorf({0})", "Ceil": "ceilf({0})", "Sin": "sinf({0})",
     "Cos": "cosf({0})", "Softsign": "({0} / (1.0f + fabsf({0})))",
     "HardSwish": "({0} * FS_FMIN(FS_FMAX({0} + 3.0f, 0.0f), 6.0f) / 6.0f)", "Not": "(!{0})",
@@ -96,14 +96,14 @@ def _leaky(e, n, t, idx):
 
 def _elu(e, n, t, idx):
     x = e.input_at(n, 0, idx)
-    return f"({x} >= 0.0f ? {x} : {_lit(n.attrs.get('alpha', 1.0))} * (expf({x}) - 1.0f))"
+    return f"({x} >= 0.0f ? {x} : {_lit(n.attrs.get('alpha', 1.0))} * (fs_expf({x}) - 1.0f))"
 
 
 def _gelu(e, n, t, idx):
     x = e.input_at(n, 0, idx)
     if n.attrs.get("approximate", "none") == "tanh":
         return f"(0.5f * {x} * (1.0f + tanhf(0.7978845608f * ({x} + 0.044715f * {x} * {x} * {x}))))"
-    return f"(0.5f * {x} * (1.0f + erff({x} * 0.7071067811865476f)))"
+    return f"(0.5f * {x} * (1.0f + fs_erff({x} * 0.7071067811865476f)))"
 
 
 def _clip(e, n, t, idx):
@@ -401,8 +401,8 @@ _UNARY.update({
     "Atan": "atanf({0})", "Atanh": "atanhf({0})", "Cosh": "coshf({0})", "Sinh": "sinhf({0})",
     "Tan": "tanf({0})", "IsNaN": "({0} != {0})", "BitwiseNot": "(~{0})", "Identity": "{0}",
     # softplus as max(x, 0) + log1p(exp(-|x|)): log1p(exp(x)) overflows to inf past x = 88
-    "Softplus": "(FS_FMAX({0}, 0.0f) + log1pf(expf(-fabsf({0}))))",
-    "Mish": "({0} * tanhf(FS_FMAX({0}, 0.0f) + log1pf(expf(-fabsf({0})))))",  # x·tanh(softplus(x))
+    "Softplus": "(FS_FMAX({0}, 0.0f) + log1pf(fs_expf(-fabsf({0}))))",
+    "Mish": "({0} * tanhf(FS_FMAX({0}, 0.0f) + log1pf(fs_expf(-fabsf({0})))))",  # x·tanh(softplus(x))
 })
 _BINARY.update({"BitwiseAnd": "({0} & {1})", "BitwiseOr": "({0} | {1})", "BitwiseXor": "({0} ^ {1})"})
 
@@ -427,13 +427,13 @@ def _selu(e, n, t, idx):
     x = e.input_at(n, 0, idx)
     alpha = float(n.attrs.get("alpha", 1.67326319217681884765625))
     gamma = float(n.attrs.get("gamma", 1.05070102214813232421875))
-    return f"({x} > 0.0f ? {_lit(gamma)} * {x} : {_lit(gamma * alpha)} * (expf({x}) - 1.0f))"
+    return f"({x} > 0.0f ? {_lit(gamma)} * {x} : {_lit(gamma * alpha)} * (fs_expf({x}) - 1.0f))"
 
 
 def _celu(e, n, t, idx):
     x = e.input_at(n, 0, idx)
     a = _lit(n.attrs.get("alpha", 1.0))
-    return f"(FS_FMAX({x}, 0.0f) + FS_FMIN(0.0f, {a} * (expf({x} / {a}) - 1.0f)))"
+    return f"(FS_FMAX({x}, 0.0f) + FS_FMIN(0.0f, {a} * (fs_expf({x} / {a}) - 1.0f)))"
 
 
 def _thresholded_relu(e, n, t, idx):
@@ -451,7 +451,7 @@ def _shrink(e, n, t, idx):
 
 def _swish(e, n, t, idx):
     x = e.input_at(n, 0, idx)
-    return f"({x} / (1.0f + expf({_lit(-float(n.attrs.get('alpha', 1.0)))} * {x})))"
+    return f"({x} / (1.0f + fs_expf({_lit(-float(n.attrs.get('alpha', 1.0)))} * {x})))"
 
 
 def _is_inf(e, n, t, idx):
