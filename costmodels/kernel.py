@@ -70,8 +70,8 @@ class KernelSpec:
       which uses tensor cores where the dtype allows: TF32 for float32, as cuBLAS under ONNX
       Runtime's CUDA provider). The cost model prices each on the unit it really uses.
     - `unit`: the instruction class of the main loop on a GPU, as the kernel's schedule decided it:
-      "tensor-core" (a library GEMM/conv), "cuda-core" (generated kernels: `fmaf`; opaque library
-      ops) or "none" (an alias). `roofline.compute_unit` names it for a device and dtype. Left
+      "tensor-core" (a library GEMM/conv, a generated `mma-*` kernel), "cuda-core" (other generated
+      kernels: `fmaf`; opaque library ops) or "none" (an alias). `roofline.compute_unit` names it for a device and dtype. Left
       empty, it follows `impl`: a library call with tensor-core FLOPs uses tensor cores.
     - `blocks`: the launch grid's blocks when the kernel's writer knows them exactly (a generated
       tile per batch or group, a block per row); 0 derives them from the iteration space.

@@ -23,10 +23,12 @@ cores; float32 uses TF32 tensor cores where the device has them and
 `RooflineParams.float32_uses_tf32` (the default of cuBLAS-backed inference: ONNX Runtime's CUDA EP
 `use_tf32=1`), else the FP32 CUDA-core peak; any dtype without a tensor-core rate on the device
 falls back to the FP32 CUDA-core peak (so float64 is optimistic on GeForce parts). Tensor cores
-price only library calls (impl "library": a lone anchor through cuBLAS / cuDNN); a generated
-kernel's main loop (impl "generated") runs on the FP32 CUDA cores, as the `tiled` skeleton's fmaf
-does, whatever the dtype: one kernel, one price (`compute_unit` names the unit and plan.json
-records it; eff[t, impl] is `library_efficiency` or `tc_efficiency`). Scalar peak:
+price library calls (impl "library": a lone anchor through cuBLAS / cuDNN) and generated kernels
+whose schedule's unit is "tensor-core" (the `mma-*` skeletons, wmma fragments); any other generated
+kernel's main loop runs on the FP32 CUDA cores, as the `tiled` skeleton's fmaf does, whatever the
+dtype: one kernel, one price (`compute_unit` names the unit and plan.json records it; eff[t, impl]
+is `library_efficiency`, `mma_efficiency` (generated, tensor cores) or `tc_efficiency`
+(generated, CUDA cores)). Scalar peak:
 half2 for float16 where the device lists one, else FP32.
 Invariants: pure and deterministic; a kernel that cannot launch (shared memory over the per-block
 maximum, too many threads, one block does not fit an SM) is infeasible with time_s = inf and a
@@ -73,6 +75,10 @@ DEFAULT_TC_EFFICIENCY = per_template(
 # the generated kernels' is `tc_efficiency` against theirs. Fitted apart by calibration.
 DEFAULT_LIBRARY_EFFICIENCY = per_template(
     {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
+# A generated tensor-core kernel (wmma 16x16 fragments, 64x64 block tiles, 4 warps) against the
+# tensor-core peak: well below cuBLAS's hand-tuned kernels (no ldmatrix swizzles, small tiles).
+DEFAULT_MMA_EFFICIENCY = per_template(
+    {"pointwise": 0.3, "rowwise": 0.3, "gemm": 0.4, "conv": 0.3, "opaque": 0.3})
 # Scalar efficiency: peaks count an FMA as 2 flops, while most elementwise ops issue one
 # 1-flop instruction per slot, so ~0.5 of peak is the practical ceiling.
 DEFAULT_SCALAR_EFFICIENCY = per_template(
@@ -106,8 +112,8 @@ DEFAULT_READ_TRAFFIC_FACTOR = 1.0
 # 0 for the datasheet model (OpKind counts them as one flop); calibration fits it.
 DEFAULT_DIVISION_FLOPS = 0.0
 
-_TABLE_FIELDS = ("tc_efficiency", "library_efficiency", "scalar_efficiency", "memory_efficiency",
-                 "occupancy_knee")
+_TABLE_FIELDS = ("tc_efficiency", "library_efficiency", "mma_efficiency", "scalar_efficiency",
+                 "memory_efficiency", "occupancy_knee")
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class RooflineParams:
 
     tc_efficiency: PerTemplate = DEFAULT_TC_EFFICIENCY
     library_efficiency: PerTemplate = DEFAULT_LIBRARY_EFFICIENCY
+    mma_efficiency: PerTemplate = DEFAULT_MMA_EFFICIENCY
     scalar_efficiency: PerTemplate = DEFAULT_SCALAR_EFFICIENCY
     memory_efficiency: PerTemplate = DEFAULT_MEMORY_EFFICIENCY
     occupancy_knee: PerTemplate = DEFAULT_OCCUPANCY_KNEE
@@ -245,8 +252,9 @@ def compute_unit(spec: KernelSpec, device: DeviceSpec, float32_uses_tf32: bool =
     """The unit a kernel's main loop runs on, named for the device: `none` for an alias,
     `cpu-simd` on a CPU; on a GPU, a tensor-core schedule (a library call's GEMM/conv) on the
     tensor cores of its dtype (`tf32-tensor-core` for float32 where the device has TF32 and it is
-    allowed, `fp16-` / `bf16-tensor-core`), a CUDA-core one (everything generated: the `tiled`
-    skeleton accumulates with fmaf) on `fp32-cuda-core`."""
+    allowed, `fp16-` / `bf16-tensor-core`) — a library call's GEMM/conv or a generated `mma-*`
+    kernel —, a CUDA-core one (every other generated kernel: the `tiled` skeleton accumulates with
+    fmaf) on `fp32-cuda-core`."""
     if spec.main_unit == "none":
         return "none"
     if device.kind != "gpu":
@@ -334,7 +342,9 @@ class RooflineModel:
         unit = compute_unit(spec, device, p.float32_uses_tf32)
         peak = (tensor_peak_flops_per_s(device, spec.dtype, p.float32_uses_tf32) if unit.endswith("tensor-core")
                 else scalar_peak_flops_per_s(device, "float32"))
-        tc_rate = peak * p.get("library_efficiency" if spec.impl == "library" else "tc_efficiency", spec.template)
+        table = ("library_efficiency" if spec.impl == "library" else
+                 "mma_efficiency" if unit.endswith("tensor-core") else "tc_efficiency")
+        tc_rate = peak * p.get(table, spec.template)
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
                        * p.get("scalar_efficiency", spec.template))
         scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops

@@ -10,6 +10,7 @@ Invariants: no files are written; errors are the package's (`FusesearchError`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -36,6 +37,15 @@ def resolve_device(name_or_path: str):
     return (spec.name, spec, params, str(name_or_path) if is_profile else None)
 
 
+def for_device(prep, spec, params):
+    """(prepared model, cost-model parameters) for one device: TF32 is used only where the user
+    allows it (`--no-tf32` clears `Graph.allow_tf32`) and the device has TF32 tensor cores (sm_80
+    and later; never on a CPU), and then for both the generated skeleton and the library's price."""
+    if prep.graph.allow_tf32 and spec.tf32_flops_per_s <= 0:
+        prep = dataclasses.replace(prep, graph=dataclasses.replace(prep.graph, allow_tf32=False))
+    return prep, (params if prep.graph.allow_tf32 else params.with_updates(float32_uses_tf32=False))
+
+
 def model_info(prep) -> ModelInfo:
     return ModelInfo(prep.loaded.name, prep.loaded.sha256, prep.loaded.nodes, len(prep.graph))
 
@@ -43,8 +53,9 @@ def model_info(prep) -> ModelInfo:
 def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
-         workers: int | None = None, prepared=None, dtype: str = "float32") -> Plan:
-    """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`)."""
+         workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True) -> Plan:
+    """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
+    False plans float32 GEMMs and convs without TF32 (`--no-tf32`)."""
     from costmodels import RooflineModel
     from fusesearch.pipeline import prepare
     from fusesearch.search import search
@@ -52,8 +63,8 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     bindings = ShapeBindings.parse(
         [f"{k}={'x'.join(map(str, v))}" for k, v in (input_shapes or {}).items()],
         [f"{k}={v}" for k, v in (dims or {}).items()])
-    prep = prepared or prepare(model, bindings, dtype=dtype)
     label, spec, params, profile = resolve_device(device)
+    prep, params = for_device(prepared or prepare(model, bindings, dtype=dtype, tf32=tf32), spec, params)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           **({"workers": workers} if workers else {}))
     return search(prep.graph, spec, RooflineModel(params), strategy, config=config, device_label=label,

@@ -670,6 +670,7 @@ def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] 
               progress: Callable[[str, int, int], None] | None = None) -> Calibration:
     """Sample, measure, split, fit and report (see the module note). `bindings` (a ShapeBindings
     from --input-shape/--dim) binds the dynamic dims of every model."""
+    from fusesearch.api import for_device
     from fusesearch.pipeline import prepare
 
     if samples < 4:
@@ -679,7 +680,7 @@ def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] 
     preps = {}
     for name in names:
         source = name if (name.startswith("zoo:") or name.endswith(".onnx")) else f"zoo:{name}"
-        preps[name] = prepare(source, bindings)
+        preps[name] = for_device(prepare(source, bindings), spec, start)[0]  # TF32 where the device has it
     sample = sample_candidates(preps, spec, start, samples, seed)
     total = len(sample.candidates) * (ROUNDS[backend] if rounds is None else rounds)
     if progress:

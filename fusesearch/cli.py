@@ -46,6 +46,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
 NO_VERIFY = "--no-verify"
+NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
+                                      "generated kernels accumulate with fmaf on CUDA cores and library calls "
+                                      "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
 
 
 def _dtype_option(_ctx, _param, value):
@@ -262,6 +265,7 @@ def plan(
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an offline HTML page of the plan.")] = None,
     input_value: InputValue = None,
     dtype: DType = "float32",
+    no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -274,7 +278,7 @@ def plan(
                   _reads((model, "model")))
     config = _config(time_limit, max_group_size, seed, workers)
     verifying = emit is not None and not no_verify
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype)
+    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
@@ -466,12 +470,12 @@ def export(
 
 def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
     from costmodels import RooflineModel
-    from fusesearch.api import model_info, resolve_device
+    from fusesearch.api import for_device, model_info, resolve_device
     from fusesearch.pipeline import prepare
     from fusesearch.search import SearchProblem, search
 
     label, spec, params, profile = resolve_device(device)
-    prep = prep or prepare(model, bindings)
+    prep, params = for_device(prep or prepare(model, bindings), spec, params)
     problem = SearchProblem.build(prep.graph, spec, RooflineModel(params), config)
     result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
                     profile=profile, model_info=model_info(prep), problem=problem)
@@ -607,6 +611,7 @@ def measure(
     end_to_end: Annotated[bool, typer.Option("--end-to-end", help="Also run the plan and the unfused graph "
                                              "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
     dtype: DType = "float32",
+    no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -628,7 +633,7 @@ def measure(
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype)
+    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
@@ -760,13 +765,14 @@ def run(
                                       "inputs.")] = 0,
     rtol: Annotated[float | None, typer.Option("--rtol", callback=TOLERANCE, help="Tolerance relative to "
                                                "max(1, max|ONNX Runtime|) (default: 1e-4, float16 1e-2, "
-                                               "bfloat16 5e-2).")] = None,
+                                               "bfloat16 5e-2; 2e-3 at least with TF32 kernels in the plan).")] = None,
     check_each: Annotated[bool, typer.Option("--check-each", help="Compare every intermediate tensor with "
                                              "ONNX Runtime's, not only the outputs.")] = False,
     input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
     dtype: DType = "float32",
+    no_tf32: NoTf32 = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
@@ -788,11 +794,11 @@ def run(
     from fusesearch.ir.precision import tolerance
 
     config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype)
-    rtol = tolerance(dtype) if rtol is None else rtol
+    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
+    rtol = max(tolerance(dtype), _plan_rtol(plan_)) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
         return
@@ -807,6 +813,15 @@ def run(
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
+
+
+def _plan_rtol(plan_) -> float:
+    """The tolerance the plan's tensor-core kernels need (their operands keep fewer mantissa bits:
+    `codegen.mma.TOLERANCE`), 0 without any; `run` takes the larger of it and the dtype's."""
+    from fusesearch.backends.codegen.mma import TOLERANCE as TENSOR_CORE
+
+    return max([0.0] + [TENSOR_CORE[g.kernel.schedule.skeleton] for g in plan_.groups
+                        if g.kernel.schedule.skeleton in TENSOR_CORE])
 
 
 def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:

@@ -16,7 +16,9 @@ Traffic is compulsory traffic: each external input (weights included) read once,
 used outside the group (or a graph output) written once. How the kernel runs is decided here,
 once, as its `Schedule` (fusesearch/schedule.py), which the generator writes as given: a BM×BN tile
 with A and B staged once per K step as float (`tiled`, where the anchor is a GEMM view and the
-epilogue keeps positions), else a thread per output with its dot product inline (`direct`); under
+epilogue keeps positions; for a fused group whose operands have tensor cores — float32 as TF32
+while `Graph.allow_tf32`, float16, bfloat16 — `mma-*` instead: 4 warps, a tile of MMA_TILES,
+1 or 2 stages, `mma_smem_bytes`), else a thread per output with its dot product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
@@ -51,6 +53,8 @@ from fusesearch.schedule import (
     ALIAS,
     LIBRARY,
     MAX_GRID_YZ,
+    MMA_THREADS,
+    MMA_TILES,
     THREADS,
     VIEW_OPS,
     Schedule,
@@ -58,7 +62,9 @@ from fusesearch.schedule import (
     block_per_row,
     grid_stride,
     has_gemm_view,
+    mma,
     stride_blocks,
+    tensor_core_skeleton,
     thread_layout,
     vectorizable,
 )
@@ -440,11 +446,19 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
         return _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
+    z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
+    skeleton = tensor_core_skeleton(graph, anchor) if len(nodes) > 1 else None  # a lone anchor: the library
+    if skeleton and has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None:
+        tm, tn, tk = mma_tile(m, n_dim)
+        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+        if max(grid[1:]) <= MAX_GRID_YZ:  # double-buffered when an operand is a plain copy of an input
+            stages = 2 if set(anchor.inputs[:2]) & set(_external_inputs(graph, nodes)) else 1
+            live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
+            return _build(graph, nodes, template, anchor.id, out_size, k, live, mma(skeleton, (tm, tn, tk), stages, grid))
     tm, tn, tk = _tile(m, n_dim)
     live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
     smem = (tm * tk + tk * tn) * 4  # the tile: A and B staged once per K step, as float
     threads = min(THREADS_PER_BLOCK, tm * tn)  # a thread per output at most
-    z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
     grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
     if (has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None
             and max(grid[1:]) <= MAX_GRID_YZ and thread_layout(tm, tn) is not None):
@@ -467,6 +481,15 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
     return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
+
+
+def mma_tile(m: int, n: int) -> tuple[int, int, int]:
+    """Block tile (M, N, K) of the tensor-core skeleton: the largest of MMA_TILES that still gives
+    TARGET_BLOCKS output tiles, else the smallest; K steps of TILE_K."""
+    for tm, tn in MMA_TILES:
+        if math.ceil(m / tm) * math.ceil(n / tn) >= TARGET_BLOCKS:
+            return tm, tn, TILE_K
+    return MMA_TILES[-1] + (TILE_K,)
 
 
 def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:

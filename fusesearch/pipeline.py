@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -44,11 +44,12 @@ class Prepared:
 
 
 def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original: bool = False,
-            dtype: str | None = None) -> Prepared:
+            dtype: str | None = None, tf32: bool = True) -> Prepared:
     """`keep_original`: also keep the loaded model as a proto, the reference `verify` runs (the
     file on disk may be gone or overwritten by then, and may carry an IR version ONNX Runtime
     does not read). `dtype`: float16 / bfloat16 converts the canonical model (`--dtype`); the
-    reference is then the converted model."""
+    reference is then the converted model. `tf32`: float32 GEMMs and convs may use TF32 tensor
+    cores (`Graph.allow_tf32`; False is `--no-tf32`)."""
     from fusesearch.ir.precision import check_dtype, to_half
 
     dtype = check_dtype(dtype)
@@ -61,6 +62,8 @@ def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original:
         passes = {**passes, f"{dtype}_casts": casts}
         original = converted if keep_original else None
     graph = graph_from_ir(canonical)
+    if not tf32:
+        graph = replace(graph, allow_tf32=False)
     if not graph.nodes:
         raise UnsupportedModel(f"{model}: the graph has no nodes (every output is an input or a constant); "
                                "there is nothing to fuse: give a model that computes something")

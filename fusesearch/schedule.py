@@ -12,9 +12,11 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 "alias" (a lone view: no kernel)
     skeleton    the CUDA skeleton: "library" | "alias" | "grid-stride" | "vectorized" (float4) |
                 "block-per-row" | "tiled" | "direct" (a thread per output, its dot product inline)
+                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+)
     unit        the instruction class the main loop uses on a GPU: "tensor-core" (the library's
-                GEMM/conv), "cuda-core" (everything generated today) or "none" (alias); the cost
-                model turns it into a named unit for a device and dtype (`costmodels.compute_unit`)
+                GEMM/conv, the `mma-*` skeletons), "cuda-core" (every other generated kernel) or
+                "none" (alias); the cost model turns it into a named unit for a device and dtype
+                (`costmodels.compute_unit`)
     tile        (BM, BN, BK) of a tiled or library GEMM/conv, (1, row, K) of a row kernel over a
                 product, else ()
     stages      shared-memory pipeline stages of the tile loop (1: single-buffered)
@@ -48,7 +50,17 @@ MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cach
 ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
 ARGBEST_SMEM = THREADS * (4 + 8)  # ArgMax/ArgMin's block combine: a value and an index per thread
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
-SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct")
+# tensor cores: the skeleton per operand dtype (float32 as TF32 only while `Graph.allow_tf32`), the
+# element size its tiles are staged in, 4 warps (2x2 over the block tile, each a grid of 16x16
+# accumulator fragments), the tiles lowering picks from, each staged row's padding (wmma's leading
+# dimension must be a multiple of 16 bytes; the padding also spreads shared-memory banks)
+MMA_SKELETONS = {"float32": "mma-tf32", "float16": "mma-f16", "bfloat16": "mma-bf16"}
+MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2}
+MMA_THREADS = 128
+MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
+MMA_PAD_BYTES = 16
+SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct",
+             *MMA_ELEMENT_BYTES)
 UNITS = ("tensor-core", "cuda-core", "none")
 
 
@@ -132,6 +144,35 @@ def anchor_derived(graph: Graph, nodes: Sequence[int], anchor: Node) -> set[str]
             return None
         derived.update(t for t in n.outputs if t)
     return derived
+
+
+def tensor_core_skeleton(graph: Graph, anchor: Node) -> str | None:
+    """The tensor-core skeleton for the anchor's operands (`mma-tf32` for float32 while the graph
+    allows TF32, `mma-f16`, `mma-bf16`), None when their dtype has none; whether a tile applies at
+    all (`has_gemm_view`, `anchor_derived`) is asked apart."""
+    dtypes = {graph.tensors[t].dtype for t in anchor.inputs[:2]}
+    skeleton = MMA_SKELETONS.get(dtypes.pop()) if len(dtypes) == 1 else None
+    return None if skeleton == "mma-tf32" and not graph.allow_tf32 else skeleton
+
+
+def mma_pad(element_bytes: int) -> int:
+    """Elements of padding after each staged row (MMA_PAD_BYTES)."""
+    return MMA_PAD_BYTES // element_bytes
+
+
+def mma_smem_bytes(tile: tuple[int, ...], stages: int, element_bytes: int) -> int:
+    """Shared memory of the tensor-core skeleton, exactly what it declares: per stage an A and a B
+    buffer of (rows + pad) x (columns + pad) elements (either operand layout fits), and the float
+    accumulator tile (BM x (BN + pad)) the epilogue reads, in the same bytes after the main loop."""
+    tm, tn, tk = tile
+    pad = mma_pad(element_bytes)
+    staged = stages * ((tm + pad) * (tk + pad) + (tk + pad) * (tn + pad)) * element_bytes
+    return max(staged, tm * (tn + mma_pad(4)) * 4)
+
+
+def mma(skeleton: str, tile: tuple[int, int, int], stages: int, grid: tuple[int, ...]) -> Schedule:
+    return Schedule("generated", skeleton, "tensor-core", tile, stages=stages, threads=MMA_THREADS, grid=grid,
+                    smem_bytes=mma_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]))
 
 
 def vectorizable(graph: Graph, nodes: Sequence[int], inputs: Sequence[str], outputs: Sequence[str]) -> bool:

@@ -408,7 +408,8 @@ class Cell:
 # 2: lone anchors priced as library calls on tensor cores, generated kernels on the units they use.
 # 3: the direct skeleton priced as a thread per output; row kernels' grids and cached-row shared
 #    memory; a cpu sweep runs each plan end to end beside ONNX Runtime (the end_to_end_* columns).
-RESULTS_VERSION = 3
+# 4: fused gemm/conv groups generated for TF32/FP16/BF16 tensor cores and priced there (mma_efficiency).
+RESULTS_VERSION = 4
 
 
 def cell_id(params: Mapping[str, Any], device: str = "") -> str:

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # GPU check for a machine with an NVIDIA GPU and CuPy 14 (CUDA 13): the gpu-marked tests,
-# `fusesearch measure --backend cupy` on two zoo models and `fusesearch run --backend cupy` (the
-# whole plan as one CUDA program beside ONNX Runtime) on bert-small. Figures and logs go to $OUT (default
-# ./gpu_out). It installs nothing from the network: packages missing on the GPU machine travel
+# `fusesearch measure --backend cupy` on two zoo models, `fusesearch run --backend cupy` (the
+# whole plan as one CUDA program beside ONNX Runtime) on bert-small, and the tensor-core kernels of
+# a few zoo shapes timed beside the CUDA-core skeleton and `cupy.matmul` with TF32 allowed
+# (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
+# Runtime's CUDA provider does and as the cost model prices them). Figures and logs go to $OUT
+# (default ./gpu_out). It installs nothing from the network: packages missing on the GPU machine travel
 # as wheels in .whl/ — fetch them here first (Python 3.12, x86_64), for example:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform any -d .whl \
-#     'ortools==9.15.*' 'protobuf>=6.33.1,<6.34' onnx-ir onnxscript typer rich jsonschema \
+#     'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-crt==13.0.*' 'ortools==9.15.*' 'protobuf>=6.33.1,<6.34' onnx-ir onnxscript typer rich jsonschema \
 #     jsonschema-specifications referencing rpds-py attrs absl-py immutabledict ml-dtypes \
 #     shellingham click typing-extensions pyarrow hypothesis sortedcontainers
 # It fails (exit 1, one line on stderr) when no GPU is visible — checked first, before anything
 # is installed — and when the gpu tests did not really run on the GPU: none selected, or any of
-# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); and when a measure or the
-# run fails.
+# them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); when a measure or the
+# run fails; and when a tensor-core kernel differs from the CUDA-core one beyond the TF32 tolerance.
 # Usage: bash scripts/gpu_check.sh   (about 5 minutes on an H200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,7 @@ if ! gpus=$(nvidia-smi -L 2>&1) || ! grep -q '^GPU ' <<< "$gpus"; then
   echo "gpu_check: no GPU visible: nvidia-smi -L lists none (${gpus%%$'\n'*}); run this on a GPU machine" >&2
   exit 1
 fi
+export CUPY_TF32=1
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 python3 -m venv --system-site-packages .gpuvenv
@@ -88,6 +92,11 @@ try:
 except Exception as exc:  # the .err file says why
     print("run bert-small --backend cupy: no result:", exc)
 PY
+$PY benchmarks/bench_gpu_mma.py --out "$OUT/bench_gpu_mma.json" 2>&1 | tee "$OUT/bench_gpu_mma.log"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+  echo "gpu_check: benchmarks/bench_gpu_mma.py failed: $(grep -m1 -E 'NOT EQUAL|Error|error' "$OUT/bench_gpu_mma.log")" >&2
+  status=1
+fi
 if [ "$ran_status" -ne 0 ]; then
   echo "gpu_check: $ran" >&2
 fi

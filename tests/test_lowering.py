@@ -163,3 +163,44 @@ def test_lone_view_op_is_an_alias():
     g = graph_of(nodes, [("x", [2, 3, 4])], [("y", None)])
     assert lower(g, group(g, "flat")).alias
     assert not lower(g, group(g, "flat", "r")).alias
+
+
+def test_gemm_skeleton_tensor_cores_when_tf32_is_allowed():
+    """A fused float32 conv runs on TF32 tensor cores by default: `mma-tf32`, 4 warps, its tile
+    from MMA_TILES, double-buffered (the input is a plain copy), the declared shared memory a
+    function of tile and stages, priced at the TF32 rate with `mma_efficiency`; with TF32 off
+    (`--no-tf32`) the CUDA-core `tiled` skeleton and the FP32 rate; a lone conv (a library call)
+    keeps the library's tile either way."""
+    from dataclasses import replace
+
+    from costmodels import DEVICES, RooflineModel, RooflineParams
+    from fusesearch.schedule import MMA_THREADS, MMA_TILES, mma_smem_bytes
+
+    g = conv_relu_graph(c=64, hw=64)
+    k = lower(g, group(g, "conv", "relu"))
+    assert (k.schedule.skeleton, k.schedule.unit, k.threads_per_block, k.schedule.stages) == (
+        "mma-tf32", "tensor-core", MMA_THREADS, 2)
+    assert k.tile[:2] in MMA_TILES and k.smem_bytes == mma_smem_bytes(k.tile, 2, 4) <= 48 * 1024
+    h100, params = DEVICES["h100-sxm"], RooflineParams()
+    cost = RooflineModel(params).cost(k.spec(), h100)
+    assert k.spec().unit == "tensor-core" and cost.compute_unit == "tf32-tensor-core"
+    tc_s = k.tc_flops / (h100.tf32_flops_per_s * params.get("mma_efficiency", "conv"))
+    assert cost.compute_s >= tc_s and cost.compute_s == pytest.approx(tc_s, rel=0.05)
+
+    off = replace(g, allow_tf32=False)
+    k_off = lower(off, group(off, "conv", "relu"))
+    assert (k_off.schedule.skeleton, k_off.threads_per_block, k_off.schedule.stages) == ("tiled", 256, 1)
+    assert k_off.spec().unit == "cuda-core"
+    no_tf32 = RooflineModel(params.with_updates(float32_uses_tf32=False))
+    assert no_tf32.cost(k_off.spec(), h100).compute_unit == "fp32-cuda-core"
+    assert no_tf32.cost(k.spec(), h100).compute_unit == "fp32-cuda-core"  # no TF32 rate without TF32
+    lone = lower(g, group(g, "conv"))
+    assert lone.impl == "library" and lone.schedule.generated.skeleton == "tiled"
+
+
+def test_gemm_skeleton_keeps_cuda_cores_where_no_tile_applies():
+    """An epilogue that moves elements (a Transpose after the product) has no tile: not `mma`."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             helper.make_node("Transpose", ["y"], ["out"], perm=[1, 0], name="t")]
+    g = graph_of(nodes, [("x", [40, 24])], [("out", None)], [("w", rng.standard_normal((24, 64)).astype(np.float32))])
+    assert lower(g, group(g, "mm", "t")).schedule.skeleton == "direct"

@@ -169,3 +169,14 @@ def test_cupy_program_equals_ort_and_is_timed(run_cli, tmp_path, build, graph):
         t = doc[key]
         assert 0 < t["p20_s"] <= t["median_s"] <= t["p80_s"], (key, t)
     assert doc["ort_provider"] in ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def test_emulated_program_with_tensor_core_kernels(run_cli, tmp_path):
+    """Planned for an H200 (TF32 allowed), the fused MatMul+Add+Relu is a tensor-core kernel in the
+    module (its #include lines first): the program equals ONNX Runtime within the TF32 tolerance,
+    the default --rtol then; with --no-tf32 the CUDA-core kernel, held to 1e-4."""
+    path = save(dense_norm(), tmp_path / "m.onnx")
+    doc = _json(run_cli, path, "--backend", "emulate", "--device", "h200")
+    assert doc["rtol"] == 2e-3 and doc["max_rel_err"] <= 2e-3 and doc["segments"] == {"generated": 1, "library": 0}
+    off = _json(run_cli, path, "--backend", "emulate", "--device", "h200", "--no-tf32")
+    assert off["rtol"] == 1e-4 and off["max_rel_err"] <= 1e-4

@@ -110,10 +110,13 @@ def l2_flusher(l2_bytes: int) -> Callable[[], None]:
 
 def compile_module(source: str, *, options: tuple[str, ...] = (),
                    name_expressions: Iterable[str] = ()) -> object:
-    """A `cupy.RawModule` compiled by NVRTC (lazily, at the first `get_function`)."""
+    """A `cupy.RawModule` compiled by NVRTC (lazily, at the first `get_function`), with the CUDA
+    headers the tensor-core kernels include on its path (`nvrtc.include_flags`)."""
+    from fusesearch.backends.nvrtc import include_flags
+
     cupy = _import_cupy()
     names = tuple(name_expressions)
-    return cupy.RawModule(code=source, options=tuple(options), backend="nvrtc",
+    return cupy.RawModule(code=source, options=(*options, *include_flags()), backend="nvrtc",
                           name_expressions=names or None)
 
 

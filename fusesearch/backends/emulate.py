@@ -8,7 +8,11 @@ names a host meaning — `threadIdx`/`blockIdx` are thread-local, `__shared__` v
 statics (one copy per block, as blocks run one after another), `__syncthreads()` is a barrier of
 the block's threads, `__shfl_xor_sync` exchanges values through a per-warp slot array between two
 warp barriers, half storage converts on the host (`FS_HOST_HALF`: float16 through
-`_Float16`; bfloat16's bit manipulation is the kernel's own) — and launch it with exactly the grid and block the GPU launch uses
+`_Float16`; bfloat16's bit manipulation is the kernel's own), the wmma subset of the tensor-core
+skeletons works on warp-replicated fragments (each lane holds and computes the warp's whole 16x16
+tile; lane 0 stores it), with the operands rounded as a tensor core reads them (TF32: 10 mantissa
+bits), cp.async is a synchronous copy, and `#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>`
+find empty stand-ins — and launch it with exactly the grid and block the GPU launch uses
 (`GeneratedKernel.grid`/`.block`): blockDim host threads loop over the blocks in order, with a
 block barrier between blocks. This is an executable model of the CUDA programming model, good
 for correctness (every thread, barrier and shuffle happens), useless for timing.
@@ -48,6 +52,7 @@ _HEADER = r"""
 #include <pthread.h>
 #include <time.h>
 #include <errno.h>
+#include <type_traits>
 struct dim3 { unsigned x, y, z; };
 struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
 struct float2 { float x, y; } __attribute__((aligned(8)));
@@ -115,6 +120,98 @@ static inline float __shfl_down_sync(unsigned mask, float v, unsigned delta) {
     fs_wait(&fs_warps[t >> 5]);
     return r;
 }
+
+// Tensor cores (the `mma-*` skeletons). A wmma fragment is warp-wide: here every lane holds the
+// whole tile (row-major in x[], num_elements = rows x cols), load_matrix_sync reads all of it on
+// every lane, mma_sync computes the whole 16x16 product on every lane (float accumulate, the
+// operands as the tensor core reads them: TF32 keeps 10 mantissa bits, half / bfloat16 exact),
+// and store_matrix_sync writes it from lane 0; mma_sync and store_matrix_sync first wait on a
+// warp barrier, so a lane that skips a collective op fails the launch as a divergent barrier.
+// cp.async is a synchronous 4-byte copy (commit and wait are no-ops).
+#define FS_EMULATED 1
+#define __align__(n) __attribute__((aligned(n)))
+struct __half { unsigned short x; };
+struct __nv_bfloat16 { unsigned short x; };
+static inline __half __float2half(float f) {
+    _Float16 h = (_Float16)f; __half r; memcpy(&r.x, &h, 2); return r;  // round to nearest even
+}
+static inline float __half2float(__half h) { _Float16 v; memcpy(&v, &h.x, 2); return (float)v; }
+static inline __nv_bfloat16 __float2bfloat16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    __nv_bfloat16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { r.x = (unsigned short)((u >> 16) | 0x40u); return r; }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    r.x = (unsigned short)(u >> 16);
+    return r;
+}
+static inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float fs_to_float(float v) { return v; }
+static inline float fs_to_float(__half v) { return __half2float(v); }
+static inline float fs_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+static inline void fs_cp_async4(void* dst, const void* src) { memcpy(dst, src, 4); }
+static inline void fs_cp_async_commit() {}
+template <int N> static inline void fs_cp_async_wait() {}
+static inline void fs_warp_collective() { fs_wait(&fs_warps[fs_tid() >> 5]); }
+namespace nvcuda { namespace wmma {
+struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+struct row_major {}; struct col_major {};
+namespace precision { struct tf32 {}; }
+enum layout_t { mem_row_major, mem_col_major };
+template <class T> struct fs_element { typedef T type; };
+template <> struct fs_element<precision::tf32> { typedef float type; };
+template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment {
+    enum { rows = std::is_same<Use, matrix_b>::value ? K : M, cols = std::is_same<Use, matrix_a>::value ? K : N };
+    enum { num_elements = rows * cols };
+    typedef typename fs_element<T>::type element_type;
+    element_type x[rows * cols];
+};
+static inline float __float_to_tf32(float f) {  // round to nearest (ties away), 10 mantissa bits
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+    memcpy(&f, &u, 4); return f;
+}
+template <class T> static inline float fs_operand(T v) { return fs_to_float(v); }
+static inline float fs_operand_tf32(float v) {  // the tensor core reads a TF32 operand's top 19 bits
+    uint32_t u; memcpy(&u, &v, 4); u &= 0xffffe000u; memcpy(&v, &u, 4); return v;
+}
+template <class Use, int M, int N, int K, class T, class L, class P>
+static inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm) {
+    typedef fragment<Use, M, N, K, T, L> F;
+    for (int r = 0; r < F::rows; ++r)
+        for (int c = 0; c < F::cols; ++c)
+            f.x[r * F::cols + c] = std::is_same<L, col_major>::value ? p[(size_t)c * ldm + r] : p[(size_t)r * ldm + c];
+}
+template <int M, int N, int K, class T>
+static inline void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
+    fs_warp_collective();
+    if ((fs_tid() & 31u) == 0)
+        for (int r = 0; r < M; ++r)
+            for (int c = 0; c < N; ++c)
+                p[layout == mem_row_major ? (size_t)r * ldm + c : (size_t)c * ldm + r] = f.x[r * N + c];
+}
+template <class Use, int M, int N, int K, class T, class L>
+static inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, typename fragment<Use, M, N, K, T, L>::element_type v) {
+    for (int i = 0; i < fragment<Use, M, N, K, T, L>::num_elements; ++i) f.x[i] = v;
+}
+template <int M, int N, int K, class T, class LA, class LB>
+static inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, LA>& a,
+                            const fragment<matrix_b, M, N, K, T, LB>& b, const fragment<accumulator, M, N, K, float>& c) {
+    fs_warp_collective();
+    const bool tf32 = std::is_same<T, precision::tf32>::value;
+    float out[M * N];
+    for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) {
+            float s = c.x[i * N + j];
+            for (int k = 0; k < K; ++k) {
+                float x = fs_operand(a.x[i * K + k]), y = fs_operand(b.x[k * N + j]);
+                if (tf32) { x = fs_operand_tf32(x); y = fs_operand_tf32(y); }
+                s += x * y;
+            }
+            out[i * N + j] = s;
+        }
+    for (int i = 0; i < M * N; ++i) d.x[i] = out[i];
+}
+} }
 """
 
 _LAUNCHER = r"""
@@ -168,6 +265,18 @@ def source(kernel: GeneratedKernel) -> str:
             + _LAUNCHER.format(nargs=max(1, len(params)), call=f"{kernel.name}({casts});"))
 
 
+STUB_HEADERS = ("mma.h", "cuda_fp16.h", "cuda_bf16.h")  # what the header above defines
+
+
+def _stub_headers(tmp: Path) -> Path:
+    """A folder of empty CUDA headers, so the kernel's own `#include <mma.h>` lines compile."""
+    folder = tmp / "include"
+    folder.mkdir(exist_ok=True)
+    for name in STUB_HEADERS:
+        (folder / name).write_text("/* defined by the emulator's header */\n")
+    return folder
+
+
 @lru_cache(maxsize=256)
 def _load(text: str, entries: int = 0) -> ctypes.CDLL:
     """The compiled text (cached by hash); its launchers: `fs_launch`, or `fs_launch_0` ..
@@ -184,8 +293,8 @@ def _load(text: str, entries: int = 0) -> ctypes.CDLL:
         with tempfile.TemporaryDirectory() as tmp:
             src, out = Path(tmp) / "kernel.cpp", Path(tmp) / "kernel.so"
             src.write_text(text)
-            done = subprocess.run([cxx, *CXXFLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cxx, *CXXFLAGS, f"-I{_stub_headers(Path(tmp))}", str(src), "-o", str(out)],
+                                  capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr[:300])
                 raise FusesearchError(f"the emulated CUDA kernel does not compile as C++: {first}")

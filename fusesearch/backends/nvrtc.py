@@ -313,9 +313,31 @@ def _nvrtc_cubin(nv: _Nvrtc, prog: ctypes.c_void_p) -> bytes:
     return buffer.raw[: size.value]  # .raw: a cubin holds NUL bytes
 
 
+@functools.cache
+def _nvrtc_include_flags(path: str) -> tuple[str, ...]:
+    """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc (the include/
+    that the nvidia-cuda-runtime and nvidia-cuda-crt wheels fill), in another nvidia wheel folder,
+    or in a CUDA home: NVRTC searches no directory of its own."""
+    wheels = [p.parent.parent for p in _pip_nvrtc_paths()]
+    for home in dict.fromkeys((Path(path).parent.parent, *wheels, *_cuda_homes())):
+        if (home / "include" / "mma.h").is_file():
+            return (f"--include-path={home / 'include'}",)
+    return ()
+
+
+def include_flags() -> tuple[str, ...]:
+    """NVRTC options that find the CUDA headers (mma.h, cuda_fp16.h) the tensor-core kernels
+    include, for any NVRTC front end (CuPy's too); () when none is found."""
+    found = _find_nvrtc()
+    if not isinstance(found, str):
+        return _nvrtc_include_flags(found.path)
+    homes = [h for h in _cuda_homes() if (h / "include" / "mma.h").is_file()]
+    return (f"--include-path={homes[0] / 'include'}",) if homes else ()
+
+
 def _nvrtc_compile_program(nv: _Nvrtc, prog: ctypes.c_void_p, arch: str,
                            options: tuple[str, ...]) -> tuple[bytes, str]:
-    flags = (f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options)
+    flags = (f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *_nvrtc_include_flags(nv.path), *options)
     argv = (ctypes.c_char_p * len(flags))(*(f.encode() for f in flags))
     status = nv.lib.nvrtcCompileProgram(prog, len(flags), argv)
     log = _nvrtc_log(nv, prog)

@@ -61,6 +61,9 @@ class Graph:
     _desc: tuple[int, ...] = field(repr=False)
     _anc: tuple[int, ...] = field(repr=False)
     _small_constants: Mapping[str, np.ndarray] = field(repr=False, default_factory=dict)
+    # float32 GEMMs and convs may run on TF32 tensor cores (ONNX Runtime's CUDA default; --no-tf32
+    # turns it off): a property of how the graph is compiled, which lowering reads
+    allow_tf32: bool = True
 
     # -- construction ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, load_device
 from fusesearch.backends import cpu, emulate
-from fusesearch.backends.codegen import GENERATED_OPS, generate
+from fusesearch.backends.codegen import GENERATED_OPS, cuda_module, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.candidates.rules import Legality
 from fusesearch.ir.canonicalize import to_proto
@@ -285,8 +285,8 @@ def _prepared(tmp_path, nodes, inputs, inits, opset):
 EMULATED = {
     "HardSigmoid": (SINGLE, "vectorized"), "Mish": (SINGLE, "vectorized"), "Pad-reflect": (SINGLE, "grid-stride"),
     "GatherND": (SINGLE, "grid-stride"), "Resize-linear-half_pixel": (SINGLE, "grid-stride"),
-    "BatchNormalization": (SINGLE, "vectorized"), "Conv-HardSigmoid-Mul": (FUSED, "tiled"),
-    "Pad-constant-Conv": (FUSED, "tiled"), "Conv-Resize-linear": (FUSED, "direct"),
+    "BatchNormalization": (SINGLE, "vectorized"), "Conv-HardSigmoid-Mul": (FUSED, "mma-tf32"),
+    "Pad-constant-Conv": (FUSED, "mma-tf32"), "Conv-Resize-linear": (FUSED, "direct"),
     "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
     "ArgMax-ArgMin": (SINGLE, "block-per-row"), "ArgMin-ArgMax-last": (SINGLE, "block-per-row"),
     "Hardmax": (SINGLE, "block-per-row"),
@@ -329,7 +329,7 @@ def test_every_new_kernel_compiles_for_the_gpu(tmp_path):
             prep = prepare(path)
             kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
             kernels.append(generate(prep.graph, kernel, name=f"k{len(kernels)}"))
-    source = "\n".join(f"namespace n{k.name} {{\n{k.cuda_source}\n}}" for k in kernels)
+    source = cuda_module(kernels)  # each in its namespace, the #include lines first
     for arch in nvrtc.ARCHES:
         result = nvrtc.compile_cuda(source, arch=arch)
         for gk in kernels:

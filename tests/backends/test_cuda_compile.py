@@ -1,9 +1,14 @@
 """Every generated CUDA kernel of every zoo plan (all strategies) compiles for sm_80 and sm_90 with
 NVRTC (or nvcc), without a GPU, and ptxas's report is parsed: registers, shared memory, no spills.
 The price is the kernel: for every distinct kernel, the skeleton, block and grid written are the
-schedule's (lowering's), split-K is 1 and the main loop is on CUDA cores, the grid the cost model
-counts is the grid launched, and ptxas's shared memory equals the schedule's bytes.
-Distinct kernels (by source hash) are compiled once, several to an NVRTC program."""
+schedule's (lowering's), split-K is 1, the main loop is on tensor cores exactly for the `mma-*`
+skeletons, the grid the cost model counts is the grid launched, and ptxas's shared memory equals
+the schedule's bytes; a tiled or tensor-core kernel's shared memory is within the per-block limit
+of static shared memory (48 KiB) and the tensor-core kernels' registers are reported. Plans are
+made with TF32 allowed (the default: fused gemm and conv groups on tensor cores), for the
+CUDA-core skeleton without (NO_TF32's models), and for HALF's models in float16 (FP16 tensor cores).
+Distinct kernels (by source hash) are compiled once, several to an NVRTC program (each kernel in
+its own namespace, its `#include` lines first: `cuda_module`)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import pytest
 
 from costmodels.resources import grid_blocks
 from fusesearch.api import plan as make_plan
-from fusesearch.backends.codegen import CodegenRefused, generate
+from fusesearch.backends.codegen import CodegenRefused, cuda_module, generate
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES
 from fusesearch.zoo import ZOO
@@ -25,9 +30,20 @@ pytestmark = pytest.mark.skipif(not nvrtc.toolchain_available(), reason="no CUDA
 BUNDLE = 8  # kernels per NVRTC program (each in its own namespace): fewer front-end runs
 
 
-@pytest.mark.parametrize("name", list(ZOO))
-def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
-    prep = prepare(f"zoo:{name}")
+STATIC_SMEM_LIMIT = 48 * 1024  # bytes of static __shared__ per block, every arch
+
+
+NO_TF32 = ("resnet18", "bert-small", "unet")  # the CUDA-core skeleton's kernels, a conv net and a transformer
+
+
+HALF = ("bert-small", "resnet18")  # converted to float16: FP16 tensor-core kernels
+
+
+@pytest.mark.parametrize("name,tf32,dtype", [(name, True, "float32") for name in ZOO]
+                         + [(name, False, "float32") for name in NO_TF32] + [(name, True, "float16") for name in HALF],
+                         ids=[*ZOO, *(f"{name}-no-tf32" for name in NO_TF32), *(f"{name}-float16" for name in HALF)])
+def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
+    prep = prepare(f"zoo:{name}", tf32=tf32, dtype=dtype)
     distinct, refused = {}, 0
     for strategy in STRATEGIES:
         p = make_plan(f"zoo:{name}", device="h100-sxm", strategy=strategy, prepared=prep, time_limit_s=20)
@@ -48,25 +64,64 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name):
         schedule = kernel.schedule.generated  # a library call's own form where it is generated
         assert gk.skeleton == schedule.skeleton, (name, gk.name)
         assert gk.block == (schedule.threads, 1, 1) and gk.grid == schedule.grid, (name, gk.name, gk.skeleton)
-        assert schedule.split_k == 1 and schedule.unit == "cuda-core", (name, gk.name, schedule)
+        tensor_cores = schedule.skeleton.startswith("mma")
+        assert schedule.split_k == 1 and schedule.unit == ("tensor-core" if tensor_cores else "cuda-core"), (
+            name, gk.name, schedule)
+        assert not tensor_cores or tf32 or dtype != "float32", (name, gk.name)  # float32 needs TF32
+        assert gk.skeleton not in ("mma-tf32", "mma-bf16") or dtype == "float32", (name, gk.name)
         if kernel.impl == "generated":
             assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
     skeletons: dict[str, int] = {}
+    registers: dict[str, list[int]] = {}
     for start in range(0, len(kernels), BUNDLE):
         chunk = kernels[start:start + BUNDLE]
-        source = "\n".join(f"namespace n{k.name} {{\n{k.cuda_source}\n}}" for k in chunk)
+        source = cuda_module(chunk)
         for arch in nvrtc.ARCHES:
             result = nvrtc.compile_cuda(source, arch=arch)
             for gk in chunk:
                 res = result.resource(gk.name)
                 assert res.registers > 0, (name, gk.name, arch)
                 assert res.spill_store_bytes == 0, (name, gk.name, gk.skeleton, arch, res)
-                if gk.skeleton == "tiled":
-                    assert res.smem_bytes > 0, (name, gk.name, arch, res)
+                if gk.skeleton == "tiled" or gk.skeleton.startswith("mma"):
+                    assert 0 < res.smem_bytes <= STATIC_SMEM_LIMIT, (name, gk.name, arch, res)
+                if gk.skeleton.startswith("mma"):
+                    registers.setdefault(arch, []).append(res.registers)
                 schedule = by_name[gk.name].schedule.generated
                 assert res.smem_bytes == schedule.smem_bytes, (name, gk.name, gk.skeleton, arch, res, schedule)
         for gk in chunk:
             skeletons[gk.skeleton] = skeletons.get(gk.skeleton, 0) + 1
     assert kernels, name
     print(f"{name}: {len(kernels)} distinct kernels compiled for {', '.join(nvrtc.ARCHES)} "
-          f"({skeletons}); {refused} opaque groups run as library calls")
+          f"({skeletons}); {refused} opaque groups run as library calls; tensor-core kernels' registers "
+          f"{ {arch: (min(r), max(r)) for arch, r in registers.items()} }")
+    tiled = [g.id for g in distinct.values() if g.kernel.schedule.skeleton == "tiled"]  # fused, CUDA cores
+    assert not (tf32 and tiled), (name, tiled)  # with TF32 every tiled fused group is on tensor cores
+
+
+def test_half_precision_tensor_core_kernels_compile():
+    """The FP16 and BF16 forms of bert-small's and resnet18's fused tensor-core kernels (their
+    float32 operands converted to __half / __nv_bfloat16 while staged) compile for sm_80 and
+    sm_90 without spills, with the shared memory their schedule gives."""
+    from dataclasses import replace
+
+    from fusesearch.schedule import mma
+
+    kernels, schedules = [], {}
+    for model in ("bert-small", "resnet18"):
+        prep = prepare(f"zoo:{model}")
+        p = make_plan(f"zoo:{model}", device="h100-sxm", strategy="greedy", prepared=prep)
+        tf32 = [g.kernel for g in p.groups if g.kernel.schedule.skeleton == "mma-tf32"][:3]
+        assert tf32, model
+        for kernel in tf32:
+            s = kernel.schedule
+            for skeleton in ("mma-f16", "mma-bf16"):
+                half = mma(skeleton, s.tile, s.stages, s.grid)
+                name = f"k{len(kernels)}"
+                kernels.append(generate(prep.graph, replace(kernel, schedule=half), name=name))
+                schedules[name] = half
+    for arch in nvrtc.ARCHES:
+        result = nvrtc.compile_cuda(cuda_module(kernels), arch=arch)
+        for gk in kernels:
+            res = result.resource(gk.name)
+            assert res.registers > 0 and res.spill_store_bytes == 0, (gk.name, gk.skeleton, arch, res)
+            assert res.smem_bytes == schedules[gk.name].smem_bytes <= STATIC_SMEM_LIMIT, (gk.name, arch, res)

@@ -1,9 +1,18 @@
 """The generated CUDA kernels, run as written on host threads (`backends.emulate`), equal ONNX
 Runtime: every skeleton — shared-memory tiled gemm and conv (implicit GEMM) with prologues and
-epilogues, vectorized pointwise, block-per-row reductions with warp shuffles — on tiny graphs
-whose shapes leave partial tiles, and on groups of zoo plans with small dims."""
+epilogues on CUDA cores (TF32 off) and on tensor cores (`mma-tf32`, and `mma-f16` / `mma-bf16`
+with the float32 operands converted while staged), vectorized pointwise, block-per-row reductions
+with warp shuffles — on tiny graphs whose shapes leave partial tiles, and on groups of zoo plans
+with small dims.
+
+Tolerance: |emulated - ONNX Runtime| <= tol x max(1, max |reference|), tol = 1e-4 on CUDA cores
+(float32 throughout); on tensor cores the operands keep 10 (TF32, FP16) or 7 (BF16) mantissa bits,
+a relative error of 2^-11 / 2^-8 per operand, so tol = 2e-3 for TF32 and FP16 and 1.6e-2 for BF16
+(K <= 4096 here: the float32 accumulation adds far less)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +20,7 @@ from onnx import helper
 
 from fusesearch.backends import emulate
 from fusesearch.backends.codegen import generate
+from fusesearch.backends.codegen.mma import TOLERANCE  # else 1e-4 (see above)
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower
@@ -21,9 +31,13 @@ from tests.conftest import make_model, save
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler")
 
 
-def check(prep, values, node_ids, skeleton: str | None = None):
+
+
+def check(prep, values, node_ids, skeleton: str | None = None, schedule=None):
+    """Lower, generate (with `schedule` instead of lowering's, e.g. another tile), emulate, and
+    compare every output with ONNX Runtime's."""
     kernel = lower(prep.graph, FusionGroup(frozenset(node_ids)))
-    gk = generate(prep.graph, kernel)
+    gk = generate(prep.graph, replace(kernel, schedule=schedule) if schedule else kernel)
     if skeleton:
         assert gk.skeleton == skeleton, (gk.skeleton, gk.cuda_source)
     out = emulate.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
@@ -31,17 +45,18 @@ def check(prep, values, node_ids, skeleton: str | None = None):
         ref = values[a.tensor]
         scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
         np.testing.assert_allclose(out[a.tensor].astype(np.float64), ref.astype(np.float64), rtol=0,
-                                   atol=1e-4 * scale, err_msg=f"{gk.name}: {a.tensor}")
+                                   atol=TOLERANCE.get(gk.skeleton, 1e-4) * scale, err_msg=f"{gk.name}: {a.tensor}")
     return gk
 
 
-def one_group(tmp_path, nodes, inputs, outputs, inits=(), skeleton=None):
+def one_group(tmp_path, nodes, inputs, outputs, inits=(), skeleton=None, tf32=False, schedule=None):
+    """One group of the whole graph; TF32 off unless asked (the CUDA-core skeletons)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = save(make_model(nodes, inputs, outputs, inits), tmp_path / "m.onnx")
-    prep = prepare(path)
+    prep = prepare(path, tf32=tf32)
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
-    return check(prep, values, range(len(prep.graph)), skeleton)
+    return check(prep, values, range(len(prep.graph)), skeleton, schedule)
 
 
 def rand(*shape, seed=0):
@@ -139,16 +154,18 @@ def test_gemm_with_softmax_epilogue(tmp_path):
     one_group(tmp_path, nodes, [("q", [2, 9, 16]), ("kt", [2, 16, 9])], [("out", None)], [("d", np.float32(8.0))])
 
 
-@pytest.mark.parametrize("name,dims,count", [("bert-small", ["batch=1", "seq=16"], 40), ("resnet18", ["batch=1"], 4)])
-def test_zoo_groups_run_emulated(name, dims, count):
+@pytest.mark.parametrize("name,dims,count,tf32,gemm_skeleton", [
+    ("bert-small", ["batch=1", "seq=16"], 40, True, "mma-tf32"), ("resnet18", ["batch=1"], 4, False, "tiled")])
+def test_zoo_groups_run_emulated(name, dims, count, tf32, gemm_skeleton):
     """The `count` cheapest distinct generated kernels of the cpsat plan (small dims), and the
     cheapest gemm/conv when none is among them, run emulated and match ONNX Runtime (emulation runs
     every CUDA thread on the host: resnet18's big convs take minutes, so CI takes the cheapest; all
-    of them pass when run by hand with count=100)."""
+    of them pass when run by hand with count=100); bert's GEMMs on TF32 tensor cores, resnet's
+    convs with TF32 off on CUDA cores."""
     from fusesearch.api import plan as make_plan
     from fusesearch.ir.shapes import ShapeBindings
 
-    prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=dims))
+    prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=dims), tf32=tf32)
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
     p = make_plan(f"zoo:{name}", device="h100-sxm", strategy="cpsat", prepared=prep)
@@ -165,4 +182,98 @@ def test_zoo_groups_run_emulated(name, dims, count):
     for _, g in chosen:
         check(prep, values, g.nodes)
     skeletons = {generate(prep.graph, g.kernel).skeleton for _, g in chosen}
-    assert "tiled" in skeletons, skeletons
+    assert gemm_skeleton in skeletons, skeletons
+
+
+# -- tensor cores ---------------------------------------------------------------------------------
+
+def gelu(x: str, out: str) -> list:
+    """GELU as exported (erf form): x * 0.5 * (1 + erf(x / sqrt 2))."""
+    return [helper.make_node("Div", [x, "sqrt2"], [f"{out}_d"]), helper.make_node("Erf", [f"{out}_d"], [f"{out}_e"]),
+            helper.make_node("Add", [f"{out}_e", "one"], [f"{out}_p"]), helper.make_node("Mul", [x, f"{out}_p"], [f"{out}_m"]),
+            helper.make_node("Mul", [f"{out}_m", "half"], [out])]
+
+
+GELU_CONSTANTS = [("sqrt2", np.float32(np.sqrt(2))), ("one", np.float32(1)), ("half", np.float32(0.5))]
+
+
+def tf32(x: np.ndarray) -> np.ndarray:
+    """Round float32 to TF32 as cvt.rna.tf32.f32 does: nearest, ties away, 10 mantissa bits."""
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def test_mma_tf32_batched_matmul_rounds_operands_as_a_tensor_core(tmp_path):
+    """Relu([2,3,37,45] @ [3,45,70]) (broadcast batch) on TF32 tensor cores, 37/70/45 partial tiles
+    and K step: within the TF32 tolerance of ONNX Runtime, and within float32 accumulation error of the
+    product of the TF32-rounded operands (so the emulator rounds as the hardware does)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Relu", ["p"], ["y"])]
+    w = rand(3, 45, 70)
+    path = save(make_model(nodes, [("x", [2, 3, 37, 45])], [("y", None)], [("w", w)]), tmp_path / "m.onnx")
+    prep = prepare(path)
+    kernel = lower(prep.graph, FusionGroup(frozenset({0, 1})))  # fused: a lone MatMul is a library call
+    assert (kernel.schedule.skeleton, kernel.threads_per_block, kernel.schedule.stages) == ("mma-tf32", 128, 2)
+    x = rand(2, 3, 37, 45, seed=3)
+    gk = generate(prep.graph, kernel)
+    assert "fs_cp_async4(" in gk.cuda_source and "__float_to_tf32" in gk.cuda_source
+    y = emulate.run(gk, {"x": x, "w": w})["y"].astype(np.float64)
+    exact = np.maximum(x.astype(np.float64) @ w.astype(np.float64), 0)
+    rounded = np.maximum(tf32(x).astype(np.float64) @ tf32(w).astype(np.float64), 0)
+    scale = np.abs(exact).max()
+    assert np.abs(y - exact).max() <= TOLERANCE["mma-tf32"] * scale
+    assert np.abs(y - rounded).max() <= 1e-5 * scale < np.abs(exact - rounded).max()
+
+
+def test_mma_gemm_transb_bias_relu(tmp_path):
+    """Gemm with transB (B staged column-major), bias and ReLU epilogue on the accumulators."""
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1), helper.make_node("Relu", ["y"], ["out"])]
+    inits = [("b", rand(50, 40)), ("c", rand(50, seed=2))]
+    gk = one_group(tmp_path, nodes, [("a", [33, 40])], [("out", None)], inits, skeleton="mma-tf32", tf32=True)
+    assert "nvcuda::wmma::col_major> b" in gk.cuda_source
+
+
+def test_mma_conv3x3_relu_implicit_gemm(tmp_path):
+    """3x3 padded stride-1 conv with bias and ReLU: implicit GEMM on TF32 tensor cores (A gathered
+    with its zero padding, B = the filters column-major by cp.async)."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["y"], ["out"])]
+    inits = [("w", rand(20, 6, 3, 3)), ("b", rand(20, seed=4))]
+    one_group(tmp_path, nodes, [("x", [2, 6, 9, 7])], [("out", None)], inits, skeleton="mma-tf32", tf32=True)
+
+
+def test_mma_gelu_prologue_single_stage(tmp_path):
+    """GELU before the MatMul (applied while A is staged) and GELU on the weights too: neither
+    operand is a plain copy, so lowering stages once (no double buffer) and no cp.async is issued."""
+    nodes = [*gelu("x", "gx"), *gelu("w", "gw"), helper.make_node("MatMul", ["gx", "gw"], ["out"])]
+    gk = one_group(tmp_path, nodes, [("x", [19, 33]), ("w", [33, 21])], [("out", None)], GELU_CONSTANTS,
+                   skeleton="mma-tf32", tf32=True)
+    assert "fs_cp_async4(&" not in gk.cuda_source and "multiply(0);" in gk.cuda_source
+
+
+@pytest.mark.parametrize("skeleton", ["mma-tf32", "mma-f16", "mma-bf16"])
+def test_mma_64x64_tile_several_k_steps(tmp_path, skeleton):
+    """A 64x64 block tile (2x2 fragments per warp), K = 100 (four K steps, double-buffered, a
+    partial last one), M and N not multiples of the tile, GELU prologue on A; FP16 and BF16 convert
+    the float32 operands while staging them."""
+    from fusesearch.schedule import mma
+
+    nodes = [*gelu("x", "gx"), helper.make_node("MatMul", ["gx", "w"], ["y"]),
+             helper.make_node("Add", ["y", "bias"], ["out"])]
+    inits = [("w", rand(100, 70)), ("bias", rand(70, seed=6)), *GELU_CONSTANTS]
+    one_group(tmp_path, nodes, [("x", [67, 100])], [("out", None)], inits, skeleton=skeleton, tf32=True,
+              schedule=mma(skeleton, (64, 64, 32), 2, (2, 2, 1)))
+
+
+@pytest.mark.parametrize("dtype,skeleton", [("float16", "mma-f16"), ("bfloat16", "mma-bf16")])
+def test_mma_half_model_gemm_bias_relu(tmp_path, dtype, skeleton):
+    """The model converted to half (`--dtype`): the fused Gemm + bias + ReLU reads half operands,
+    multiplies them on FP16/BF16 tensor cores with float accumulation and stores half, equal to
+    ONNX Runtime's half model within the tolerance of the operands' precision."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["yb"]),
+             helper.make_node("Relu", ["yb"], ["out"])]
+    path = save(make_model(nodes, [("x", [37, 45])], [("out", None)], [("w", rand(45, 70)), ("b", rand(70, seed=1))]),
+                tmp_path / "m.onnx")
+    prep = prepare(path, dtype=dtype)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    gk = check(prep, values, range(len(prep.graph)), skeleton)
+    assert {a.dtype for a in (*gk.inputs, *gk.outputs)} == {dtype}

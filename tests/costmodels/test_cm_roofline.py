@@ -231,3 +231,22 @@ def test_params_updates_and_dict_round_trip():
         PARAMS.with_updates(occupancy_knee={"gemm": 0.0})
     with pytest.raises(InvalidSpec, match="unknown"):
         RooflineParams.from_dict({"overlapp": 0.9})
+
+
+def test_generated_tensor_core_gemm_is_priced_at_tensor_core_rates():
+    """A generated kernel on tensor cores (unit "tensor-core": the mma skeletons) takes 2n^3 / (the
+    tensor-core peak of its dtype x mma_efficiency); without TF32, a float32 one falls back to the
+    FP32 CUDA cores and `tc_efficiency`."""
+    n = 4096
+    h100 = DEVICES["h100-sxm"]
+    for dtype, peak, unit in (("float32", h100.tf32_flops_per_s, "tf32-tensor-core"),
+                              ("float16", h100.fp16_flops_per_s, "fp16-tensor-core"),
+                              ("bfloat16", h100.bf16_flops_per_s, "bf16-tensor-core")):
+        cost = MODEL.cost(dataclasses.replace(square_gemm(n, dtype), unit="tensor-core"), h100)
+        assert cost.compute_unit == unit
+        assert cost.compute_s == pytest.approx(2 * n**3 / (peak * PARAMS.get("mma_efficiency", "gemm")), rel=1e-12)
+    no_tf32 = RooflineModel(PARAMS.with_updates(float32_uses_tf32=False))
+    cost = no_tf32.cost(dataclasses.replace(square_gemm(n, "float32"), unit="tensor-core"), h100)
+    assert cost.compute_unit == "fp32-cuda-core"
+    assert cost.compute_s == pytest.approx(2 * n**3 / (h100.fp32_flops_per_s * PARAMS.get("tc_efficiency", "gemm")),
+                                           rel=1e-12)

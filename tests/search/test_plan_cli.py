@@ -100,3 +100,20 @@ def test_bad_plan_flags_exit_2(run_cli):
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
     code, _, err = run_cli("compare", "zoo:resnet18", "--device", "t4", "--strategies", "none,magic")
     assert code == 2 and "magic" in err
+
+
+def test_no_tf32_prices_fused_gemms_on_cuda_cores(run_cli):
+    """TF32 is the default on a GPU that has it: fused gemm groups are generated for tensor cores
+    and priced there (as the library calls are); --no-tf32 puts both on the FP32 CUDA cores; a
+    device without TF32 (T4) never plans a TF32 kernel."""
+    units = {}
+    for flags in ((), ("--no-tf32",)):
+        code, stdout, err = run_cli("plan", "zoo:bert-small", "--device", "h100-sxm", "--strategy", "greedy",
+                                    "--json", *flags)
+        assert code == 0, err
+        units[flags] = {(g["impl"], g["template"], g["compute_unit"]) for g in json.loads(stdout)["groups"]}
+    assert {("generated", "gemm", "tf32-tensor-core"), ("library", "gemm", "tf32-tensor-core")} <= units[()]
+    assert not any(u.endswith("tensor-core") for _, _, u in units[("--no-tf32",)]), units[("--no-tf32",)]
+    code, stdout, err = run_cli("plan", "zoo:bert-small", "--device", "t4", "--strategy", "greedy", "--json")
+    assert code == 0, err
+    assert not any(g["compute_unit"] == "tf32-tensor-core" for g in json.loads(stdout)["groups"])

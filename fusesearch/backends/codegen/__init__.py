@@ -42,7 +42,11 @@ emitted statements are the same text in both languages; only the skeleton around
                z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
                BM×BN output tile, A and B staged per K step in shared memory with the prologue
                applied in the tile loads, a register micro-tile per thread, the epilogue applied
-               to the registers before the one store. Epilogues that move elements (a Transpose
+               to the registers before the one store; on tensor cores (`mma-tf32` for float32
+               while TF32 is allowed, `mma-f16`, `mma-bf16`: lowering's choice) the same tiles
+               staged as the fragments' type (cp.async double buffering for plain copies), wmma
+               fragments multiplied per warp, the accumulators through shared memory to the
+               epilogue and the one store. Epilogues that move elements (a Transpose
                after the product), ConvTranspose and 1-D operands use the `direct` skeleton: a
                thread per output element with its dot product inline. (A Softmax epilogue makes
                the group a row kernel, above.)
@@ -77,6 +81,7 @@ from fusesearch.backends.codegen.base import (
     half_prelude,
 )
 from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
+from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
 from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC
 from fusesearch.backends.codegen.pointwise import _pointwise
@@ -121,6 +126,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body)
         if skeleton == "tiled":
             cu_src = _tiled(graph, kernel, name, ins, outs, args)
+        elif skeleton.startswith("mma"):  # tensor cores
+            cu_src = _mma(graph, kernel, name, ins, outs, args)
         elif skeleton == "vectorized":
             cu_src = _vectorized(graph, kernel, name, ins, outs, args)
         elif skeleton == "alias":  # a lone view run as a kernel (a copy), where one is asked for

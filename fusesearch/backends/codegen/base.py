@@ -66,7 +66,7 @@ class GeneratedKernel:
     source_hash: str = field(default="")
     grid: tuple[int, int, int] = (1, 1, 1)  # the CUDA launch (CuPy and the emulator use it as is)
     block: tuple[int, int, int] = (256, 1, 1)
-    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | direct
+    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct
 
 
 # -- half precision: storage only ------------------------------------------------------------

@@ -30,6 +30,7 @@ class _Contraction:
     b: object  # (e, k, n) -> value of B
     y_index: object  # (e, m, n) -> index tuple of the anchor output
     a_m_contiguous: bool = False  # A's neighbours in memory are along M (Conv pixels, Gemm transA)
+    b_k_contiguous: bool = False  # B's neighbours in memory are along K (Conv filters, Gemm transB)
 
 
 def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
@@ -57,7 +58,7 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
             1, ys[0], ys[1], sa[0] if ta else sa[1], lambda e, z: None,
             lambda e, m, k: e.value(x, (k, m) if ta else (m, k)),
             lambda e, k, n: e.value(w, (n, k) if tb else (k, n)),
-            lambda e, m, n: (m, n), bool(ta))
+            lambda e, m, n: (m, n), bool(ta), bool(tb))
     if anchor.op_type != "Conv":
         return None
     group = int(anchor.attrs.get("group", 1))
@@ -81,4 +82,4 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
         return (p[0], e.tmp("long long", f"gz * {cout_g}LL + {n}"), *p[1:])
 
     return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
-                        conv_a, conv_b, conv_y, True)
+                        conv_a, conv_b, conv_y, True, True)
