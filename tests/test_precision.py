@@ -222,8 +222,8 @@ def _group_check(path, dtype, names, run_kernel, skeleton=None):
 GROUPS = {  # (model, node names in the group, CUDA skeleton)
     "pointwise": ("bert", ("div", "erf", "plus1", "gelu"), "grid-stride"),
     "rowwise": ("bert", ("residual", "ln"), "block-per-row"),  # LayerNorm in float32 between Casts
-    "gemm": ("bert", ("ffn", "bias"), "tiled"),
-    "conv": ("conv", ("conv", "relu"), "tiled"),  # C: the BLAS blocks over widened filters
+    "gemm": ("bert", ("ffn", "bias"), "mma"),  # CUDA: the tensor-core skeleton of the dtype
+    "conv": ("conv", ("conv", "relu"), "mma"),  # C: the BLAS blocks over widened filters
     "depthwise": ("conv", ("dw", "residual"), None),  # C: the depthwise loop, taps widened
 }
 
@@ -243,6 +243,8 @@ def test_emulated_cuda_half_kernels_equal_onnx_runtime(models, group, dtype):
     if not emulate.available():
         pytest.skip("no C++ compiler")
     kind, ops, skeleton = GROUPS[group]
+    if skeleton == "mma":
+        skeleton = {"float16": "mma-f16", "bfloat16": "mma-bf16"}[dtype]
     _group_check(models[kind], dtype, ops, emulate.run, skeleton)
 
 
