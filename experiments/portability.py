@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from costmodels import RooflineModel
-from fusesearch.api import resolve_device
+from fusesearch.api import for_device, resolve_device
 from fusesearch.candidates.rules import Legality
 from fusesearch.pipeline import prepare
 
@@ -35,10 +35,12 @@ def partition(graph, fused: list[str]) -> list[frozenset[int]]:
     return groups + [frozenset({v}) for v in range(len(graph)) if v not in taken]
 
 
-def cost_on(graph, groups, device: str, max_group_size: int) -> tuple[float, list[str]]:
-    """(predicted time, refusal reasons of the groups that are not legal on `device`)."""
+def cost_on(prep, groups, device: str, max_group_size: int) -> tuple[float, list[str]]:
+    """(predicted time, refusal reasons of the groups that are not legal on `device`), priced as
+    the sweep prices it: TF32 only where the device has it (`fusesearch.api.for_device`)."""
     _, spec, params, _ = resolve_device(device)
-    legality = Legality(graph, spec, RooflineModel(params), max_group_size)
+    prep, params = for_device(prep, spec, params)
+    legality = Legality(prep.graph, spec, RooflineModel(params), max_group_size)
     refused = [legality.check(g).decision.reason for g in groups if not legality.check(g).decision]
     return sum(legality.time_s(g) for g in groups), refused
 
@@ -54,14 +56,14 @@ def main(a: str = "t4", b: str = "h200") -> None:
     print("| --- | ---: | ---: | --- |")
     for model in dict.fromkeys(rows.sort_values("cell_index").model):
         cells = rows[rows.model == model].set_index("device")
-        graph = prepare(cells.loc[a, "model_source"]).graph
+        prep = prepare(cells.loc[a, "model_source"])
         size = int(cells.loc[a, "max_group_size"])
-        plan_a = partition(graph, json.loads(cells.loc[a, "fused_groups"]))
-        plan_b = partition(graph, json.loads(cells.loc[b, "fused_groups"]))
-        a_on_b, bad_ab = cost_on(graph, plan_a, b, size)
-        b_on_a, bad_ba = cost_on(graph, plan_b, a, size)
-        own_a, _ = cost_on(graph, plan_a, a, size)
-        own_b, _ = cost_on(graph, plan_b, b, size)
+        plan_a = partition(prep.graph, json.loads(cells.loc[a, "fused_groups"]))
+        plan_b = partition(prep.graph, json.loads(cells.loc[b, "fused_groups"]))
+        a_on_b, bad_ab = cost_on(prep, plan_a, b, size)
+        b_on_a, bad_ba = cost_on(prep, plan_b, a, size)
+        own_a, _ = cost_on(prep, plan_a, a, size)
+        own_b, _ = cost_on(prep, plan_b, b, size)
         why = (bad_ab and f"on {b}: {bad_ab[0]}") or (bad_ba and f"on {a}: {bad_ba[0]}") or ""
         print(f"| {model} | {versus(a_on_b, own_b, bad_ab)} | {versus(b_on_a, own_a, bad_ba)} | {why} |")
 
