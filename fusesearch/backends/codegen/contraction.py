@@ -11,8 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fusesearch.backends.codegen.base import CodegenRefused, store
+from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.ir.graph import Graph, Node
+from fusesearch.schedule import anchor_derived
 
 # -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
 
@@ -83,3 +86,60 @@ def _contraction(graph: Graph, anchor: Node) -> _Contraction | None:
 
     return _Contraction(group, math.prod(pixels), cout_g, math.prod(taps), lambda e, z: None,
                         conv_a, conv_b, conv_y, True, True)
+
+
+@dataclass(frozen=True)
+class TileParts:
+    """What a tiled skeleton (CUDA cores or tensor cores) writes around its own main loop: the
+    contraction, the per-block setup, the statements and value of A at (gm, gk) and of B at
+    (gk, gn) (prologue applied), the epilogue's statements at (gm, gn) (reading the product as
+    `acc`), and the outputs outside the epilogue (a prologue value also used elsewhere)."""
+
+    c: _Contraction
+    setup: list
+    a_lines: list
+    a_val: str
+    b_lines: list
+    b_val: str
+    epilogue: list
+    side: list
+
+
+def tile_parts(graph: Graph, kernel, args, outs, skeleton: str, acc: str) -> TileParts:
+    """The emitted parts of a tiled kernel, in one emitter (setup, A, B, then the epilogue, so
+    temporaries are numbered the same way for every skeleton); CodegenRefused where the schedule
+    chose a tile the anchor does not take."""
+    anchor = graph.nodes[kernel.anchor]
+    c = _contraction(graph, anchor)
+    derived = anchor_derived(graph, kernel.nodes, anchor)
+    if c is None or derived is None:
+        raise CodegenRefused(f"{anchor.name}({anchor.op_type}): the {skeleton} skeleton does not apply here "
+                             "(the schedule and the generator disagree)")
+    e = _Emitter(graph, kernel, args)
+    c.setup(e, "gz")
+    setup = e.lines
+
+    def section(fn) -> tuple[list[str], str]:
+        e.lines = []
+        e.push()
+        v = fn()
+        e.pop()
+        lines, e.lines = e.lines, []
+        return lines, v
+
+    a_lines, a_val = section(lambda: c.a(e, "gm", "gk"))
+    b_lines, b_val = section(lambda: c.b(e, "gk", "gn"))
+    main = [o for o in outs if o.tensor in derived]
+    y_shape = graph.tensors[anchor.outputs[0]].shape
+
+    def epilogue():
+        y_idx = c.y_index(e, "gm", "gn")
+        flat = e.tmp("long long", e.flat(y_idx, y_shape))
+        for o in main:
+            idx = y_idx if o.shape == y_shape else e.unflatten(flat, o.shape)
+            e.lines.append(store(o, flat, e.value(o.tensor, idx)))
+
+    e.acc_value = acc
+    epi_lines, _ = section(epilogue)
+    return TileParts(c, setup, a_lines, a_val, b_lines, b_val, epi_lines,
+                     [o for o in outs if o.tensor not in derived])

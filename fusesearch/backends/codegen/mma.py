@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import re
 
-from fusesearch.backends.codegen.base import _CU_PRELUDE, CodegenRefused, _indent, _signature, store
-from fusesearch.backends.codegen.contraction import _contraction
-from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.base import _CU_PRELUDE, CodegenRefused, _indent, _signature
+from fusesearch.backends.codegen.contraction import tile_parts
 from fusesearch.backends.codegen.tiled import _side_loops
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
     MMA_ELEMENT_BYTES,
     MMA_THREADS,
-    anchor_derived,
     mma_pad,
     mma_smem_bytes,
 )
@@ -70,12 +68,8 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     the schedule gives them (lowering checked that a tile applies)."""
     schedule = kernel.schedule.generated
     skeleton = schedule.skeleton
-    anchor = graph.nodes[kernel.anchor]
-    c = _contraction(graph, anchor)
-    derived = anchor_derived(graph, kernel.nodes, anchor)
-    if skeleton not in _PRECISION or c is None or derived is None:
-        raise CodegenRefused(f"{anchor.name}({anchor.op_type}): the {skeleton} skeleton does not apply here "
-                             "(the schedule and the generator disagree)")
+    if skeleton not in _PRECISION:
+        raise CodegenRefused(f"{skeleton}: not a tensor-core skeleton (the schedule and the generator disagree)")
     tm, tn, tk = schedule.tile
     stages = schedule.stages
     elem, frag_t, k8, convert = _PRECISION[skeleton]
@@ -85,24 +79,15 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     fm, fn = wm // 16, wn // 16
     if wm % 16 or wn % 16 or tk % k8:
         raise CodegenRefused(f"tile {schedule.tile} is not a whole number of 16x16x{k8} fragments per warp")
+    ldc = tn + mma_pad(4)
+    parts = tile_parts(graph, kernel, args, outs, skeleton, f"Cs[mm * {ldc} + nn]")
+    c, setup, side = parts.c, parts.setup, parts.side
+    a_lines, a_val, b_lines, b_val, epi_lines = parts.a_lines, parts.a_val, parts.b_lines, parts.b_val, parts.epilogue
     a_col, b_col = c.a_m_contiguous, c.b_k_contiguous
     lda = tm + pad if a_col else tk + pad
     ldb = tk + pad if b_col else tn + pad
-    ldc = tn + mma_pad(4)
     a_stage, b_stage = (tm + pad) * (tk + pad), (tk + pad) * (tn + pad)  # as `mma_smem_bytes` counts
     smem = mma_smem_bytes(schedule.tile, stages, esize)
-
-    e = _Emitter(graph, kernel, args)
-    c.setup(e, "gz")
-    setup = e.lines
-
-    def section(fn) -> tuple[list[str], str]:
-        e.lines = []
-        e.push()
-        v = fn()
-        e.pop()
-        lines, e.lines = e.lines, []
-        return lines, v
 
     def staged(lines: list[str], value: str, dst: str) -> list[str]:
         """The statements that put one operand element at `dst`: a cp.async of a plain float load
@@ -112,22 +97,6 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
             return [*lines[:-1], f"fs_cp_async4(&{dst}, &{last[2]});"]
         return [*lines, f"{dst} = {convert.format(value)};"]
 
-    a_lines, a_val = section(lambda: c.a(e, "gm", "gk"))
-    b_lines, b_val = section(lambda: c.b(e, "gk", "gn"))
-    main = [o for o in outs if o.tensor in derived]
-    side = [o for o in outs if o.tensor not in derived]
-    y_shape = graph.tensors[anchor.outputs[0]].shape
-
-    def epilogue():
-        y_idx = c.y_index(e, "gm", "gn")
-        flat = e.tmp("long long", e.flat(y_idx, y_shape))
-        for o in main:
-            idx = y_idx if o.shape == y_shape else e.unflatten(flat, o.shape)
-            e.lines.append(store(o, flat, e.value(o.tensor, idx)))
-
-    e.acc_value = f"Cs[mm * {ldc} + nn]"
-    epi_lines, _ = section(epilogue)
-    e.acc_value = ""
     side_lines = _side_loops(graph, kernel, args, side)
     zero = convert.format("0.0f")
 

@@ -15,11 +15,11 @@ from fusesearch.backends.codegen.base import (
     _signature,
     store,
 )
-from fusesearch.backends.codegen.contraction import _contraction
+from fusesearch.backends.codegen.contraction import tile_parts
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived, thread_layout
+from fusesearch.schedule import thread_layout
 
 
 def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
@@ -31,45 +31,16 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     Tile, threads and grid are the schedule's (lowering checked that the skeleton applies); split-K
     is never generated."""
     schedule = kernel.schedule.generated
-    anchor = graph.nodes[kernel.anchor]
-    c = _contraction(graph, anchor)
-    derived = anchor_derived(graph, kernel.nodes, anchor)
     layout = thread_layout(*schedule.tile[:2])
-    if c is None or derived is None or layout is None:
-        raise CodegenRefused(f"{anchor.name}({anchor.op_type}): the tiled skeleton does not apply here "
-                             "(the schedule and the generator disagree)")
+    if layout is None:
+        raise CodegenRefused(f"no thread layout for the tile {schedule.tile} (the schedule and the generator disagree)")
     tm, tn, tk = schedule.tile
     rx, ry = layout
     ti, tj = tm // ry, tn // rx
     nthreads = rx * ry
-    e = _Emitter(graph, kernel, args)
-    c.setup(e, "gz")
-    setup = e.lines
-
-    def section(fn) -> tuple[list[str], str]:
-        e.lines = []
-        e.push()
-        v = fn()
-        e.pop()
-        lines, e.lines = e.lines, []
-        return lines, v
-
-    a_lines, a_val = section(lambda: c.a(e, "gm", "gk"))
-    b_lines, b_val = section(lambda: c.b(e, "gk", "gn"))
-    main = [o for o in outs if o.tensor in derived]
-    side = [o for o in outs if o.tensor not in derived]
-    y_shape = graph.tensors[anchor.outputs[0]].shape
-
-    def epilogue():
-        y_idx = c.y_index(e, "gm", "gn")
-        flat = e.tmp("long long", e.flat(y_idx, y_shape))
-        for o in main:
-            idx = y_idx if o.shape == y_shape else e.unflatten(flat, o.shape)
-            e.lines.append(store(o, flat, e.value(o.tensor, idx)))
-
-    e.acc_value = "acc[i][j]"
-    epi_lines, _ = section(epilogue)
-    e.acc_value = ""
+    parts = tile_parts(graph, kernel, args, outs, "tiled", "acc[i][j]")
+    c, setup, side = parts.c, parts.setup, parts.side
+    a_lines, a_val, b_lines, b_val, epi_lines = parts.a_lines, parts.a_val, parts.b_lines, parts.b_val, parts.epilogue
     side_lines = _side_loops(graph, kernel, args, side)
     body = [
         f"__shared__ float As[{tk}][{tm}];",
