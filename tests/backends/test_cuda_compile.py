@@ -36,7 +36,7 @@ STATIC_SMEM_LIMIT = 48 * 1024  # bytes of static __shared__ per block, every arc
 NO_TF32 = ("resnet18", "bert-small", "unet")  # the CUDA-core skeleton's kernels, a conv net and a transformer
 
 
-HALF = ("bert-small", "resnet18")  # converted to float16: FP16 tensor-core kernels
+HALF = tuple(ZOO)  # every zoo model converted to float16: FP16 tensor-core kernels
 
 
 @pytest.mark.parametrize("name,tf32,dtype", [(name, True, "float32") for name in ZOO]
