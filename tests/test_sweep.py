@@ -145,8 +145,8 @@ def test_a_cpu_sweep_records_the_plan_run_end_to_end_beside_onnx_runtime(tmp_pat
     is there, positive, and the programs equal ONNX Runtime's outputs."""
     from onnx import helper
 
-    from fusesearch.sweep import SweepStore, run_cell
     from tests.conftest import make_model, save
+    from tests.test_report import _sweep
 
     rng = np.random.default_rng(0)
     model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
@@ -154,16 +154,9 @@ def test_a_cpu_sweep_records_the_plan_run_end_to_end_beside_onnx_runtime(tmp_pat
                         helper.make_node("Tanh", ["r"], ["z"], name="tanh")],
                        [("x", [8, 32])], [("z", [8, 16])], [("w", rng.standard_normal((32, 16)).astype("float32"))])
     save(model, tmp_path / "mm.onnx")
-    path = _config(tmp_path, 'models = ["mm.onnx"]\ndevices = ["host"]\nstrategies = ["none", "greedy"]\n'
-                             'backend = "cpu"\nmeasure = ["end_to_end"]\nrepeat = 3\n')
-    cfg = load_config(path)
-    store = SweepStore(tmp_path / "out")
-    store.open(cfg)
-    cells = expand(cfg)
-    for cell in cells:
-        store.write(run_cell(cell))
-    store.rebuild(cells)
-    rows = _rows(tmp_path / "out")
+    out, _ = _sweep(tmp_path, 'models = ["mm.onnx"]\ndevices = ["host"]\nstrategies = ["none", "greedy"]\n'
+                              'backend = "cpu"\nmeasure = ["end_to_end"]\nrepeat = 3\n')
+    rows = _rows(out)
     assert (rows["status"] == "ok").all(), rows["error"].tolist()
     for program in ("plan", "unfused", "ort_enable_all", "ort_disable_all"):
         for stat in ("median_s", "p20_s", "p80_s"):
