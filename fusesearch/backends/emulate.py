@@ -1,27 +1,31 @@
-"""Run a generated CUDA kernel's own source on the CPU, one host thread per CUDA thread.
+"""Run a generated CUDA kernel's own source on the CPU, every CUDA thread a coroutine.
 
-Problem: the CUDA skeletons (shared-memory tiles, barriers, warp shuffles) are the part of a
-generated kernel that the C/OpenMP backend never exercises, and most machines that build and
-test this project have no GPU. A kernel that compiles (NVRTC) may still index a tile wrongly.
+Problem: the CUDA skeletons (shared-memory tiles, barriers, warp shuffles, tensor-core fragments)
+are the part of a generated kernel that the C/OpenMP backend never exercises, and most machines
+that build and test this project have no GPU. A kernel that compiles (NVRTC) may still index a
+tile wrongly.
 Approach: compile the unchanged `cuda_source` as C++ with a small header that gives the CUDA
-names a host meaning — `threadIdx`/`blockIdx` are thread-local, `__shared__` variables are
-statics (one copy per block, as blocks run one after another), `__syncthreads()` is a barrier of
-the block's threads, `__shfl_xor_sync` exchanges values through a per-warp slot array between two
-warp barriers, half storage converts on the host (`FS_HOST_HALF`: float16 through
-`_Float16`; bfloat16's bit manipulation is the kernel's own), the wmma subset of the tensor-core
-skeletons works on warp-replicated fragments (each lane holds and computes the warp's whole 16x16
-tile; lane 0 stores it), with the operands rounded as a tensor core reads them (TF32: 10 mantissa
-bits), cp.async is a synchronous copy, and `#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>`
-find empty stand-ins — and launch it with exactly the grid and block the GPU launch uses
-(`GeneratedKernel.grid`/`.block`): blockDim host threads loop over the blocks in order, with a
-block barrier between blocks. This is an executable model of the CUDA programming model, good
-for correctness (every thread, barrier and shuffle happens), useless for timing.
+names a host meaning, and launch it with exactly the grid and block the GPU launch uses
+(`GeneratedKernel.grid`/`.block`). Blocks run one after another; a block's threads are
+coroutines (ucontext) on one host thread, each running until it waits at a barrier or ends, so a
+barrier costs a context switch, not an OS wake-up. `threadIdx` is set on every switch, `blockIdx`
+per block; `__shared__` variables are statics (one copy per block, as blocks run in turn);
+`__syncthreads()` is a barrier of the block's threads; `__shfl_xor_sync` exchanges values
+through a per-warp slot array between two warp barriers; half storage converts on the host
+(`FS_HOST_HALF`: float16 through `_Float16`; bfloat16's bit manipulation is the kernel's own);
+the wmma subset of the tensor-core skeletons works on warp-replicated fragments (each lane holds
+and computes the warp's whole 16x16 tile; lane 0 stores it) with the operands rounded as a
+tensor core reads them (TF32: 10 mantissa bits); cp.async is a synchronous copy; and
+`#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>` find empty stand-ins. This is an
+executable model of the CUDA programming model, good for correctness (every thread, barrier and
+shuffle happens), useless for timing.
 `module` does the same for many kernels at once: the CUDA program's one module
 (`codegen.cuda_module`), one launcher per kernel.
 Invariants: the source is compiled byte for byte as `kernel_runner` (or the CUDA program's
-module) would send it to NVRTC (only the header is prepended, the launchers appended); a barrier that waits more than TIMEOUT_S (a thread missed a
-`__syncthreads`, as a divergent barrier would on a GPU) fails the launch instead of hanging;
-inputs are never written.
+module) would send it to NVRTC (only the header is prepended, the launchers appended); a
+barrier that some thread never reaches (it skipped a `__syncthreads` or a warp-collective
+operation, as a divergent barrier would on a GPU) fails the launch as soon as no thread can run,
+instead of hanging; inputs are never written.
 """
 
 from __future__ import annotations
@@ -42,21 +46,19 @@ from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel, cuda_module,
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
-TIMEOUT_S = 20
-CXXFLAGS = ("-O1", "-std=c++17", "-pthread", "-shared", "-fPIC", "-w")
+CXXFLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _HEADER = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <pthread.h>
-#include <time.h>
-#include <errno.h>
+#include <ucontext.h>
+#include <sys/mman.h>
 #include <type_traits>
 struct dim3 { unsigned x, y, z; };
 struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
 struct float2 { float x, y; } __attribute__((aligned(8)));
-static thread_local dim3 threadIdx, blockIdx;
+static dim3 threadIdx, blockIdx;  // the running thread's (set by the scheduler on every switch)
 static dim3 blockDim, gridDim;
 #define __global__
 #define __device__
@@ -73,28 +75,72 @@ static inline float fs_float16_load(unsigned short x) { _Float16 h; memcpy(&h, &
 static inline unsigned short fs_float16_store(float x) { _Float16 h = (_Float16)x; unsigned short u; memcpy(&u, &h, 2); return u; }
 static inline float4 make_float4(float x, float y, float z, float w) { float4 v = {x, y, z, w}; return v; }
 
-struct fs_barrier { pthread_mutex_t m; pthread_cond_t c; unsigned count, waiting, generation; };
+// The threads of a block are coroutines (ucontext) on one host thread: a thread runs until it
+// waits at a barrier or ends, then the scheduler runs the next runnable one. A barrier releases
+// its waiters when the last of its `count` threads arrives; when no thread can run and some have
+// not ended, a barrier can never complete (a thread skipped it): the launch fails.
+enum { FS_MAX_THREADS = 1024, FS_STACK = 256 * 1024 };
+struct fs_barrier { unsigned count, waiting; unsigned waiters[FS_MAX_THREADS]; };
 static fs_barrier fs_block;
-static fs_barrier fs_warps[32];
-static volatile int fs_failed = 0;
-static float fs_slots[1024];
-static void fs_barrier_init(fs_barrier* b, unsigned count) {
-    pthread_mutex_init(&b->m, 0); pthread_cond_init(&b->c, 0);
-    b->count = count; b->waiting = 0; b->generation = 0;
-}
+static fs_barrier fs_warps[FS_MAX_THREADS / 32];
+static int fs_failed = 0;
+static float fs_slots[FS_MAX_THREADS];
+static ucontext_t fs_sched, fs_ctx[FS_MAX_THREADS];
+static unsigned fs_cur, fs_queue[FS_MAX_THREADS], fs_head, fs_tail, fs_ended;
+static char* fs_stacks;
+static void fs_barrier_init(fs_barrier* b, unsigned count) { b->count = count; b->waiting = 0; }
+static inline void fs_ready(unsigned t) { fs_queue[fs_tail++ % FS_MAX_THREADS] = t; }
 static void fs_wait(fs_barrier* b) {
-    pthread_mutex_lock(&b->m);
-    unsigned gen = b->generation;
-    if (++b->waiting == b->count) {
-        b->waiting = 0; b->generation++; pthread_cond_broadcast(&b->c);
-    } else {
-        struct timespec until; clock_gettime(CLOCK_REALTIME, &until); until.tv_sec += FS_TIMEOUT_S;
-        while (gen == b->generation && !fs_failed) {
-            if (pthread_cond_timedwait(&b->c, &b->m, &until) == ETIMEDOUT) { fs_failed = 1; break; }
-        }
-        if (fs_failed) pthread_cond_broadcast(&b->c);
+    if (++b->waiting == b->count) {  // the last to arrive releases the others and goes on
+        for (unsigned i = 0; i + 1 < b->count; ++i) fs_ready(b->waiters[i]);
+        b->waiting = 0;
+        return;
     }
-    pthread_mutex_unlock(&b->m);
+    b->waiters[b->waiting - 1] = fs_cur;
+    swapcontext(&fs_ctx[fs_cur], &fs_sched);
+}
+static void (*fs_body)(void);
+static void fs_entry(void) {
+    fs_body();
+    fs_wait(&fs_block);  // the end of the block is a barrier of all its threads
+    ++fs_ended;
+}
+static int fs_run(void (*body)(void), unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+    unsigned n = bx * by * bz;
+    if (n == 0 || n > FS_MAX_THREADS || n % 32 != 0) return -1;
+    if (!fs_stacks) {
+        void* p = mmap(0, (size_t)FS_MAX_THREADS * FS_STACK, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) return -3;
+        fs_stacks = (char*)p;
+    }
+    gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = bx; blockDim.y = by; blockDim.z = bz;
+    fs_body = body;
+    fs_failed = 0;
+    fs_barrier_init(&fs_block, n);
+    for (unsigned w = 0; w < n / 32; ++w) fs_barrier_init(&fs_warps[w], 32);
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) {
+                blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                fs_head = fs_tail = fs_ended = 0;
+                for (unsigned t = 0; t < n; ++t) {
+                    getcontext(&fs_ctx[t]);
+                    fs_ctx[t].uc_stack.ss_sp = fs_stacks + (size_t)t * FS_STACK;
+                    fs_ctx[t].uc_stack.ss_size = FS_STACK;
+                    fs_ctx[t].uc_link = &fs_sched;
+                    makecontext(&fs_ctx[t], fs_entry, 0);
+                    fs_ready(t);
+                }
+                while (fs_head != fs_tail) {
+                    unsigned t = fs_queue[fs_head++ % FS_MAX_THREADS];
+                    fs_cur = t;
+                    threadIdx.x = t % bx; threadIdx.y = (t / bx) % by; threadIdx.z = t / (bx * by);
+                    swapcontext(&fs_sched, &fs_ctx[t]);
+                }
+                if (fs_ended != n) { fs_failed = 1; return -2; }
+            }
+    return 0;
 }
 static inline unsigned fs_tid() {
     return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
@@ -196,19 +242,16 @@ static inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, typename fragm
 template <int M, int N, int K, class T, class LA, class LB>
 static inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, LA>& a,
                             const fragment<matrix_b, M, N, K, T, LB>& b, const fragment<accumulator, M, N, K, float>& c) {
-    fs_warp_collective();
+
     const bool tf32 = std::is_same<T, precision::tf32>::value;
-    float out[M * N];
-    for (int i = 0; i < M; ++i)
-        for (int j = 0; j < N; ++j) {
-            float s = c.x[i * N + j];
-            for (int k = 0; k < K; ++k) {
-                float x = fs_operand(a.x[i * K + k]), y = fs_operand(b.x[k * N + j]);
-                if (tf32) { x = fs_operand_tf32(x); y = fs_operand_tf32(y); }
-                s += x * y;
-            }
-            out[i * N + j] = s;
-        }
+    float x[M * K], y[K * N], out[M * N];  // the operands as the tensor core reads them
+    for (int i = 0; i < M * K; ++i) x[i] = tf32 ? fs_operand_tf32(fs_operand(a.x[i])) : fs_operand(a.x[i]);
+    for (int i = 0; i < K * N; ++i) y[i] = tf32 ? fs_operand_tf32(fs_operand(b.x[i])) : fs_operand(b.x[i]);
+    for (int i = 0; i < M; ++i) {
+        for (int j = 0; j < N; ++j) out[i * N + j] = c.x[i * N + j];
+        for (int k = 0; k < K; ++k)
+            for (int j = 0; j < N; ++j) out[i * N + j] += x[i * K + k] * y[k * N + j];
+    }
     for (int i = 0; i < M * N; ++i) d.x[i] = out[i];
 }
 } }
@@ -216,32 +259,10 @@ static inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const frag
 
 _LAUNCHER = r"""
 static void* fs_args[{nargs}];
-static void* fs_thread(void* p) {{
-    unsigned t = (unsigned)(uintptr_t)p;
-    threadIdx.x = t % blockDim.x; threadIdx.y = (t / blockDim.x) % blockDim.y;
-    threadIdx.z = t / (blockDim.x * blockDim.y);
-    for (unsigned z = 0; z < gridDim.z; ++z)
-        for (unsigned y = 0; y < gridDim.y; ++y)
-            for (unsigned x = 0; x < gridDim.x; ++x) {{
-                blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
-                {call}
-                fs_wait(&fs_block);
-                if (fs_failed) return 0;
-            }}
-    return 0;
-}}
+static void fs_thread(void) {{ {call} }}
 extern "C" int fs_launch(void** args, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {{
     for (int i = 0; i < {nargs}; ++i) fs_args[i] = args[i];
-    gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = bx; blockDim.y = by; blockDim.z = bz;
-    unsigned n = bx * by * bz;
-    if (n == 0 || n > 1024 || n % 32 != 0) return -1;
-    fs_failed = 0;
-    fs_barrier_init(&fs_block, n);
-    for (unsigned w = 0; w < n / 32; ++w) fs_barrier_init(&fs_warps[w], 32);
-    pthread_t threads[1024];
-    for (unsigned t = 0; t < n; ++t) pthread_create(&threads[t], 0, fs_thread, (void*)(uintptr_t)t);
-    for (unsigned t = 0; t < n; ++t) pthread_join(threads[t], 0);
-    return fs_failed ? -2 : 0;
+    return fs_run(fs_thread, gx, gy, gz, bx, by, bz);
 }}
 """
 
@@ -261,7 +282,7 @@ def source(kernel: GeneratedKernel) -> str:
     params = [*kernel.inputs, *kernel.outputs]
     casts = ", ".join(f"({'const ' if k < len(kernel.inputs) else ''}{a.ctype}*)fs_args[{k}]"
                       for k, a in enumerate(params))
-    return (f"#define FS_TIMEOUT_S {TIMEOUT_S}\n" + _HEADER + "\n" + kernel.cuda_source + "\n"
+    return (_HEADER + "\n" + kernel.cuda_source + "\n"
             + _LAUNCHER.format(nargs=max(1, len(params)), call=f"{kernel.name}({casts});"))
 
 
@@ -326,7 +347,7 @@ def module(kernels: Sequence[GeneratedKernel]) -> dict[str, Callable[[Sequence[i
     """The kernels as one module, as the CUDA program loads them: `codegen.cuda_module`'s text
     (the one NVRTC compiles) compiled once with one launcher per kernel; a launch function per
     kernel name, taking the kernel's argument pointers."""
-    text = f"#define FS_TIMEOUT_S {TIMEOUT_S}\n" + _HEADER + "\n" + cuda_module(kernels) + "\n"
+    text = _HEADER + "\n" + cuda_module(kernels) + "\n"
     for n, k in enumerate(kernels):
         params = [*k.inputs, *k.outputs]
         casts = ", ".join(f"({'const ' if i < len(k.inputs) else ''}{a.ctype}*)fs_args_{n}[{i}]"
@@ -346,6 +367,8 @@ def _launch(kernel: GeneratedKernel, fn, pointers: Sequence[int]) -> None:
     rc = fn(table, *grid, *block)
     if rc == -1:
         raise FusesearchError(f"{kernel.name}: block {block} is not a whole number of warps (<= 1024 threads)")
+    if rc == -3:
+        raise FusesearchError(f"{kernel.name}: no memory for the emulated threads' stacks")
     if rc != 0:
-        raise FusesearchError(f"{kernel.name}: a barrier waited over {TIMEOUT_S} s "
-                              "(a thread missed __syncthreads: divergent barrier)")
+        raise FusesearchError(f"{kernel.name}: a barrier was never reached by all its threads "
+                              "(a thread skipped __syncthreads or a warp-collective operation: divergent barrier)")

@@ -20,6 +20,7 @@ from onnx import helper
 
 from fusesearch.backends import emulate
 from fusesearch.backends.codegen import generate
+from fusesearch.backends.codegen.base import Arg, GeneratedKernel
 from fusesearch.backends.codegen.mma import TOLERANCE  # else 1e-4 (see above)
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
@@ -61,6 +62,46 @@ def one_group(tmp_path, nodes, inputs, outputs, inits=(), skeleton=None, tf32=Fa
 
 def rand(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def hand_kernel(body: str, block: int = 64, grid: int = 2) -> GeneratedKernel:
+    """A hand-written CUDA kernel over one float input and output of block x grid elements."""
+    n = block * grid
+    src = f"extern \"C\" __global__ void k(const float* __restrict__ in0, float* __restrict__ out0) {{\n{body}\n}}\n"
+    return GeneratedKernel(name="k", template="pointwise", inputs=(Arg("in0", "x", (n,), "float32"),),
+                           outputs=(Arg("out0", "y", (n,), "float32"),), c_source="", cuda_source=src,
+                           grid=(grid, 1, 1), block=(block, 1, 1), skeleton="hand")
+
+
+def test_emulated_threads_meet_at_barriers_and_shuffles():
+    """Every thread writes shared memory before the barrier and reads a neighbour's after it; a
+    warp sums its lanes by xor shuffles: the emulated block behaves as a CUDA block."""
+    kernel = hand_kernel("""
+    __shared__ float tile[64];
+    unsigned t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
+    tile[t] = in0[i];
+    __syncthreads();
+    float v = tile[(t + 1) % 64];
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    out0[i] = v;""")
+    x = np.arange(128, dtype=np.float32)
+    y = emulate.run(kernel, {"x": x})["y"]
+    blocks = x.reshape(2, 64)
+    want = np.concatenate([np.repeat([np.roll(b, -1)[:32].sum(), np.roll(b, -1)[32:].sum()], 32) for b in blocks])
+    np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("body", [
+    "if (threadIdx.x < 32) __syncthreads(); out0[threadIdx.x] = in0[threadIdx.x];",
+    "float v = in0[threadIdx.x]; if (threadIdx.x % 32 < 16) v = __shfl_xor_sync(0xffffffffu, v, 1); out0[threadIdx.x] = v;",
+], ids=["block-barrier", "warp-shuffle"])
+def test_a_divergent_barrier_fails_the_launch(body):
+    """A barrier or shuffle that some threads skip can never complete: the launch fails at once
+    with the reason (on a GPU it would hang or be undefined)."""
+    from fusesearch.errors import FusesearchError
+
+    with pytest.raises(FusesearchError, match="never reached by all its threads"):
+        emulate.run(hand_kernel(body, grid=1), {"x": np.zeros(64, np.float32)})
 
 
 def test_batched_matmul_with_prologue_and_epilogue(tmp_path):
