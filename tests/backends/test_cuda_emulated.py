@@ -27,6 +27,7 @@ from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
+from fusesearch.zoo import ZOO
 from tests.conftest import make_model, save
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler")
@@ -224,6 +225,35 @@ def test_zoo_groups_run_emulated(name, dims, count, tf32, gemm_skeleton):
         check(prep, values, g.nodes)
     skeletons = {generate(prep.graph, g.kernel).skeleton for _, g in chosen}
     assert gemm_skeleton in skeletons, skeletons
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_zoo_model_tensor_core_kernels_run_emulated(tmp_path, name, dtype):
+    """Every zoo model, float32 (TF32 tensor cores) and converted to float16 (FP16 tensor cores):
+    its cpsat plan on the H100 has fused gemm/conv groups on tensor cores, and the cheapest
+    distinct one of each template (gemm, conv) runs emulated, equal to ONNX Runtime within the
+    tolerance of its operands' precision. The transformers are built with one layer (every layer's
+    kernels are the same); the models' default dims."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.zoo import build_model
+
+    entry = ZOO[name]
+    path = save(build_model(name, **({"layers": 1} if "layers" in entry.params() else {})), tmp_path / f"{name}.onnx")
+    dims = ShapeBindings.parse(dims=[f"{k}={v}" for k, v in entry.default_dims.items()])
+    prep = prepare(str(path), dims, dtype=dtype)
+    p = make_plan(str(path), device="h100-sxm", strategy="cpsat", prepared=prep, time_limit_s=20)
+    cheapest = {}
+    for g in sorted(p.groups, key=lambda g: (g.kernel.iteration_size * max(1, g.kernel.reduction_length), g.id)):
+        if g.kernel.schedule.skeleton.startswith("mma") and not g.kernel.alias:
+            cheapest.setdefault(g.kernel.template, g)
+    assert cheapest, f"{name} {dtype}: no fused group on tensor cores"
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    want = "mma-tf32" if dtype == "float32" else "mma-f16"
+    for g in cheapest.values():
+        check(prep, values, g.nodes, skeleton=want)
 
 
 # -- tensor cores ---------------------------------------------------------------------------------
