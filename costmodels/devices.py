@@ -172,6 +172,12 @@ class DeviceSpec:
     def max_warps_per_sm(self) -> int:
         return self.max_threads_per_sm // self.warp_size
 
+    @property
+    def compute_capability(self) -> int:
+        """An NVIDIA GPU's compute capability x 10 from `arch` ("sm_86" -> 86); 0 otherwise."""
+        match = re.fullmatch(r"sm_(\d+)[a-z]?", self.arch)
+        return int(match.group(1)) if self.kind == "gpu" and match else 0
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (sources as a list)."""
         out = asdict(self)

@@ -75,6 +75,8 @@ class KernelSpec:
       empty, it follows `impl`: a library call with tensor-core FLOPs uses tensor cores.
     - `blocks`: the launch grid's blocks when the kernel's writer knows them exactly (a generated
       tile per batch or group, a block per row); 0 derives them from the iteration space.
+    - `min_arch`: the oldest GPU architecture (compute capability x 10, e.g. 80 for sm_80) the
+      kernel's code runs on; 0 for any. On an older GPU the kernel is infeasible.
     """
 
     template: str
@@ -97,6 +99,7 @@ class KernelSpec:
     impl: str = "generated"
     blocks: int = 0
     unit: str = ""
+    min_arch: int = 0
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:

@@ -363,6 +363,8 @@ def _infeasible_reason(
     spec: KernelSpec, device: DeviceSpec, regs_per_thread: int, occ: resources.Occupancy
 ) -> str:
     """Why the kernel cannot launch on the device ('' when it can)."""
+    if device.kind == "gpu" and spec.min_arch > device.compute_capability:
+        return (f"the kernel's code needs sm_{spec.min_arch} or later; {device.name} is {device.arch}")
     if spec.threads_per_block > device.max_threads_per_block:
         return (f"threads {spec.threads_per_block} per block > {device.max_threads_per_block} "
                 f"max on {device.name}")

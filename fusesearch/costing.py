@@ -4,6 +4,8 @@ Problem: plans are compared against two references — every node its own kernel
 the physics (nothing can beat reading the inputs and weights once, writing the outputs once and
 running every FLOP at peak in one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
+`priced_kernel` picks, for a fused anchor group, the faster of its tensor-core and CUDA-core
+schedules on the device (the search's choice);
 `unfused_time_s` sums single-node kernels; `lower_bound_s` applies the roofline at 100%
 efficiency to the whole graph as one kernel with full overlap.
 Invariants: lower_bound_s <= the time of any valid plan under default efficiencies <= 1;
@@ -18,7 +20,7 @@ from costmodels import DeviceSpec, KernelCost, RooflineModel
 from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import Kernel, lower
+from fusesearch.lowering import Kernel, lower, try_lower
 
 
 def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> KernelCost:
@@ -27,6 +29,20 @@ def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> Ker
                           regs_per_thread=0, smem_bytes=0, spill_bytes=0, bound="launch", feasible=True,
                           reason="alias: a view, no kernel", flops=0.0, dram_bytes=0.0, compute_unit="none")
     return model.cost(kernel.spec(), device)
+
+
+def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:
+    """The kernel as it runs on `device`: a fused group that lowering put on tensor cores is also
+    priced on the CUDA-core skeleton (`try_lower(..., tensor_cores=False)`), and the faster of the
+    two that fits is kept (ties keep the tensor cores); the tensor-core skeleton needs sm_80, and
+    TF32 is no faster than FP32 on some parts. Other kernels have one schedule."""
+    options = [kernel]
+    if kernel.impl == "generated" and kernel.schedule.unit == "tensor-core":
+        cuda_cores = try_lower(graph, FusionGroup(frozenset(kernel.nodes)), tensor_cores=False)
+        if isinstance(cuda_cores, Kernel):
+            options.append(cuda_cores)
+    priced = [(k, kernel_cost(k, device, model)) for k in options]
+    return min(priced, key=lambda kc: (not kc[1].feasible, kc[1].time_s if kc[1].feasible else 0.0))
 
 
 def unfused_kernels(graph: Graph) -> list[Kernel]:

@@ -147,7 +147,8 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit)
+            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
+            min_arch=self.schedule.min_arch)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -158,27 +159,30 @@ def lower(graph: Graph, group: FusionGroup) -> Kernel:
     return result
 
 
-def try_lower(graph: Graph, group: FusionGroup) -> Kernel | FusionDecision:
+def try_lower(graph: Graph, group: FusionGroup, *, tensor_cores: bool = True) -> Kernel | FusionDecision:
+    """`tensor_cores`: False lowers a fused anchor group to the CUDA-core skeleton even where its
+    operands have a tensor-core one (the search prices both and keeps the faster, see
+    `candidates.rules.FitsDevice`)."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes)
+    result = _lower_checked(graph, nodes, tensor_cores)
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return _lower_opaque(graph, nodes)  # a lone op without a template runs as a library call
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], tensor_cores: bool = True) -> Kernel | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
-    return _lower_template(graph, nodes)
+    return _lower_template(graph, nodes, tensor_cores)
 
 
-def _lower_template(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], tensor_cores: bool = True) -> Kernel | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
-        return _lower_anchor(graph, nodes, anchors[0])
+        return _lower_anchor(graph, nodes, anchors[0], tensor_cores)
     if any(n.kind == OpKind.REDUCE for n in nodes):
         return _lower_rowwise(graph, nodes)
     if nodes[0].kind == OpKind.OPAQUE:
@@ -430,7 +434,7 @@ def _tile(m: int, n: int) -> tuple[int, int, int]:
     return TILE_CHOICES[-1] + (TILE_K,)
 
 
-def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | FusionDecision:
+def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: bool = True) -> Kernel | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -447,7 +451,8 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node) -> Kernel | Fus
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
         return _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
     z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
-    skeleton = tensor_core_skeleton(graph, anchor) if len(nodes) > 1 else None  # a lone anchor: the library
+    # a lone anchor is the library's; a fused one on tensor cores where its operands have them
+    skeleton = tensor_core_skeleton(graph, anchor) if len(nodes) > 1 and tensor_cores else None
     if skeleton and has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None:
         tm, tn, tk = mma_tile(m, n_dim)
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)

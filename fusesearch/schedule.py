@@ -26,6 +26,9 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
     row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
     fallback    a library call's own generated schedule, for where our kernel runs it instead
                 (`measure --baseline generated`, calibration samples); priced as the library
+    min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
+                80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
+                model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
 
 Invariants: this module imports only the graph types; the generated launch (grid, block, shared
 memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
@@ -59,6 +62,7 @@ MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2}
 MMA_THREADS = 128
 MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
 MMA_PAD_BYTES = 16
+MMA_MIN_ARCH = 80  # cp.async staging and TF32 / BF16 wmma fragments: sm_80 and later
 SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct",
              *MMA_ELEMENT_BYTES)
 UNITS = ("tensor-core", "cuda-core", "none")
@@ -92,6 +96,10 @@ class Schedule:
     def blocks(self) -> int:
         """Blocks in the launch grid; 0 when the grid is the library's (from the iteration space)."""
         return math.prod(self.grid) if self.grid else 0
+
+    @property
+    def min_arch(self) -> int:
+        return MMA_MIN_ARCH if self.impl == "generated" and self.skeleton in MMA_ELEMENT_BYTES else 0
 
 
 LIBRARY = Schedule("library", "library", "cuda-core")  # an opaque op: a library call, not generated

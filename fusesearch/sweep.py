@@ -409,7 +409,9 @@ class Cell:
 # 3: the direct skeleton priced as a thread per output; row kernels' grids and cached-row shared
 #    memory; a cpu sweep runs each plan end to end beside ONNX Runtime (the end_to_end_* columns).
 # 4: fused gemm/conv groups generated for TF32/FP16/BF16 tensor cores and priced there (mma_efficiency).
-RESULTS_VERSION = 4
+# 5: a fused gemm/conv group's unit (tensor or CUDA cores) priced per device, the faster kept; the
+#    tensor-core skeletons refused before sm_80.
+RESULTS_VERSION = 5
 
 
 def cell_id(params: Mapping[str, Any], device: str = "") -> str:

@@ -7,7 +7,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, get_device
-from fusesearch.costing import graph_figures, kernel_cost
+from fusesearch.costing import graph_figures, kernel_cost, priced_kernel
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 from tests.test_lowering import conv_relu_graph, gemm_softmax_graph, graph_of, group
@@ -56,13 +56,34 @@ def test_tiny_kernel_is_launch_bound():
 
 
 def test_conv_relu_fused_moves_fewer_bytes_and_is_faster():
-    """Regime: memory-bound conv epilogue (16 channels, 64x64): fusing removes a round trip."""
+    """Regime: memory-bound conv epilogue (16 channels, 64x64): fusing removes a round trip, on
+    each device's skeleton (the T4, sm_75, has no TF32 and our tensor-core skeleton needs sm_80:
+    the fused kernel runs on CUDA cores there)."""
     g = conv_relu_graph(c=16, hw=64)
     fused = lower(g, group(g, "conv", "relu"))
     apart = [lower(g, group(g, "conv")), lower(g, group(g, "relu"))]
     assert fused.read_bytes + fused.write_bytes < sum(k.read_bytes + k.write_bytes for k in apart)
     for device in (T4, A100, H100):
-        assert kernel_cost(fused, device, MODEL).time_s < sum(kernel_cost(k, device, MODEL).time_s for k in apart)
+        kernel, cost = priced_kernel(g, fused, device, MODEL)
+        assert kernel.schedule.unit == ("cuda-core" if device is T4 else "tensor-core"), device.name
+        assert cost.time_s < sum(kernel_cost(k, device, MODEL).time_s for k in apart)
+
+
+def test_tensor_core_skeleton_needs_sm80_and_the_search_prices_both_units():
+    """Regime: compute-bound fused GEMM + ReLU in float16 (1024^3). Our tensor-core skeleton is
+    refused on the T4 (sm_75: cp.async, wmma as written need sm_80) with the reason; the priced
+    choice falls back to the CUDA-core skeleton there and keeps tensor cores on the A100."""
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["y"], name="mm"), helper.make_node("Relu", ["y"], ["r"], name="relu")]
+    g = graph_of(nodes, [("a", [1024, 1024], TensorProto.FLOAT16), ("b", [1024, 1024], TensorProto.FLOAT16)],
+                 [("r", None, TensorProto.FLOAT16)])
+    fused = lower(g, group(g, "mm", "relu"))
+    assert fused.schedule.skeleton == "mma-f16" and fused.schedule.min_arch == 80
+    refused = kernel_cost(fused, T4, MODEL)
+    assert not refused.feasible and "needs sm_80 or later; t4 is sm_75" in refused.reason
+    on_t4, cost_t4 = priced_kernel(g, fused, T4, MODEL)
+    assert on_t4.schedule.skeleton == "tiled" and cost_t4.feasible and cost_t4.compute_unit == "fp32-cuda-core"
+    on_a100, cost_a100 = priced_kernel(g, fused, A100, MODEL)
+    assert on_a100 is fused and cost_a100.compute_unit == "fp16-tensor-core"
 
 
 def test_softmax_epilogue_is_priced_as_the_row_kernel_generated():

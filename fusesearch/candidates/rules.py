@@ -31,7 +31,7 @@ from costmodels import DeviceSpec, KernelCost, RooflineModel
 from fusesearch.backends.codegen import generatable
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.costing import kernel_cost
+from fusesearch.costing import kernel_cost, priced_kernel
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, lower_as_library, try_lower
 
@@ -96,13 +96,15 @@ class Generatable:
 
 @dataclass(frozen=True)
 class FitsDevice:
-    """The cost model accepts the kernel on the device (shared memory, registers, threads). A lone
-    op that does not fit runs as a library call instead: every single node stays a candidate."""
+    """The cost model accepts the kernel on the device (shared memory, registers, threads, the
+    architecture its code needs), its compute unit a priced choice (`costing.priced_kernel`: a
+    fused anchor group on tensor cores or CUDA cores, whichever is faster there). A lone op that does not fit runs as a
+    library call instead: every single node stays a candidate."""
 
     name: str = "fits-device"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-        cost = kernel_cost(kernel, legality.device, legality.model)
+        kernel, cost = priced_kernel(legality.graph, kernel, legality.device, legality.model)
         if not cost.feasible and len(nodes) == 1:
             kernel = lower_as_library(legality.graph, FusionGroup(nodes))
             cost = kernel_cost(kernel, legality.device, legality.model)

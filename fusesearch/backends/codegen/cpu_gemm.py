@@ -331,7 +331,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
-    applied are packed into a buffer, one sgemm multiplies them by B (a kernel input read in place,
+    applied are packed into a buffer (A read in place when it is a float32 kernel input with no
+    prologue), one sgemm multiplies them by B (a kernel input read in place,
     or, when the group computes it, packed per block) — an sgemv when the product has one row, which
     needs no packing — and the epilogue runs over the block's product while it is in cache, before
     the one store. None where B is not float32 or half (half B is widened into the packed panel)."""
@@ -349,6 +350,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     z_idx = e.unflatten("z", yshape[:-2])
     z_lines = e.lines
     e.lines = []
+    a, sa = anchor.inputs[0], graph.tensors[anchor.inputs[0]].shape
+    a_in_place = (a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
+                  and len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))))
+    a_ptr = f"{e.args[a].name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})" if a_in_place else "abuf"
     if packed_b:  # B with its prologue (a Transpose of the keys, ...) as a K x N row-major panel
         e.push()
         bv = e.value(b, ("nn", "kk") if trans_b else e.broadcast(z_idx, sb[:-2]) + ("kk", "nn"))
@@ -364,27 +369,27 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         b_ptr = f"{e.args[b].name} + ({e.flat(e.broadcast(z_idx, sb[:-2]) + ('0', '0'), sb)})"
         ldb, b_trans = (k_extent if trans_b else n_extent), (112 if trans_b else 111)
     row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
-    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, abuf, 1, 0.0f, cbuf, 1);"
+    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, 0.0f, cbuf, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
-            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, abuf, 1, 0.0f, cbuf, 1);")
-    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, abuf, "
+            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, 0.0f, cbuf, 1);")
+    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, {a_ptr}, "
              f"{k_extent}, {b_ptr}, {ldb}, 0.0f, cbuf, {n_extent});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
     block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
              "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
              *["    " + x for x in z_lines],
-             f"    float* abuf = (float*)malloc(sizeof(float) * mc * {k_extent}LL);",
+             *([] if a_in_place else [f"    float* abuf = (float*)malloc(sizeof(float) * mc * {k_extent}LL);"]),
              f"    float* cbuf = (float*)malloc(sizeof(float) * mc * {n_extent}LL);",
-             "    for (long long i = 0; i < mc; ++i) {",
-             *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
-             *["        " + x for x in fill], "    }",
+             *([] if a_in_place else ["    for (long long i = 0; i < mc; ++i) {",
+                                      *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
+                                      *["        " + x for x in fill], "    }"]),
              "    " + sgemm,
              "    for (long long i = 0; i < mc; ++i) {",
              *["        " + x for x in row], f"        const float* acc = cbuf + i * {n_extent}LL;",
              *(["        #pragma omp simd"] if _flat_loop(body) else []),
              f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
-             "    }", "    free(abuf);", "    free(cbuf);", *(["    free(bbuf);"] if packed_b else []), "}"]
+             "    }", *([] if a_in_place else ["    free(abuf);"]), "    free(cbuf);", *(["    free(bbuf);"] if packed_b else []), "}"]
     split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
              f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
              f"long long blocks = ({m_extent}LL + mb - 1) / mb;")
