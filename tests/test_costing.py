@@ -138,3 +138,20 @@ def test_unfused_time_counts_every_node():
     singles = sum(kernel_cost(lower(g, group(g, n)), H100, MODEL).time_s for n in ("n0", "n1"))
     assert np.isclose(f.unfused_time_s, singles)
     assert f.unfused_kernels == 2
+
+
+def test_a_fused_conv_transpose_is_refused_on_the_cpu_and_kept_on_a_gpu():
+    """ConvTranspose + Relu: on a GPU a fusion candidate (the direct skeleton); on the CPU refused
+    with the reason (the C backend writes it only as a per-output gather loop), so the host plan
+    runs the ConvTranspose alone as a library call."""
+    from costmodels import host_cpu
+    from fusesearch.candidates.rules import Legality
+
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="ct", strides=[2, 2]),
+             helper.make_node("Relu", ["y"], ["r"], name="relu")]
+    g = graph_of(nodes, [("x", [1, 16, 8, 8], TensorProto.FLOAT), ("w", [16, 8, 2, 2], TensorProto.FLOAT)],
+                 [("r", None, TensorProto.FLOAT)])
+    both = frozenset(group(g, "ct", "relu").nodes)
+    assert Legality(g, H100, MODEL).check(both).decision
+    refused = Legality(g, host_cpu(), MODEL).check(both).decision
+    assert not refused and "no packed ConvTranspose" in refused.reason and "ct(ConvTranspose)" in refused.reason

@@ -83,15 +83,28 @@ class Lowerable:
 @dataclass(frozen=True)
 class Generatable:
     """A fused group is one generated kernel, so the generator must have code for each of its ops
-    and a C type for each of its tensors (`codegen.generatable`); a lone op stays a candidate
-    whatever it is (it runs as a library call where it is not generated)."""
+    and a C type for each of its tensors (`codegen.generatable`), and on a CPU an anchor the C
+    backend writes well (CPU_LIBRARY_ONLY); a lone op stays a candidate whatever it is (it runs as
+    a library call where it is not generated)."""
 
     name: str = "generatable"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision:
         if len(nodes) == 1:
             return FusionDecision.accept()
+        if legality.device.kind == "cpu" and kernel.anchor is not None:
+            anchor = legality.graph.nodes[kernel.anchor]
+            if anchor.op_type in CPU_LIBRARY_ONLY:
+                return FusionDecision.refuse(f"{anchor.name}({anchor.op_type}): {CPU_LIBRARY_ONLY[anchor.op_type]}")
         return generatable(legality.graph, kernel)
+
+
+# Anchors the C backend writes only as a per-output gather loop (no packed or BLAS path), so a
+# fused group holding one loses to the library by far more than any fusion saves: on a CPU they
+# stay alone, library calls (measured: U-Net's ConvTranspose + Concat, 2x2 stride 2 over 512
+# channels at 8x8, took 247 ms as generated against about 1 ms in ONNX Runtime).
+CPU_LIBRARY_ONLY = {"ConvTranspose": "the C backend has no packed ConvTranspose (a per-output gather loop, "
+                                     "far slower than the library's); on a CPU it runs alone as a library call"}
 
 
 @dataclass(frozen=True)
