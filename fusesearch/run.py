@@ -8,7 +8,8 @@ Approach: the plan's groups, in plan order, become steps:
 
     alias (a lone view) ............ no code: its output is its input's storage
     generated (the C generator) .... one call of the kernel's C function
-    library (opaque, refused) ...... each node alone in ONNX Runtime (its one-node model,
+    library (opaque, refused, and on the CPU a lone op of codegen.CPU_LIBRARY_ONLY)
+                                     each node alone in ONNX Runtime (its one-node model,
                                      `backends.library.node_model`), reading and writing the
                                      program's buffers through IO binding
                                      (a bfloat16 node: through float32 copies)
@@ -60,7 +61,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from fusesearch.backends.codegen import CodegenRefused, GeneratedKernel, generate
+from fusesearch.backends.codegen import CPU_LIBRARY_ONLY, CodegenRefused, GeneratedKernel, generate
 from fusesearch.backends.timing import Timing
 from fusesearch.errors import BadInput, FusesearchError
 
@@ -87,8 +88,10 @@ class Step:
     reason: str = ""  # library: why the group is not generated
 
 
-def plan_steps(graph, plan) -> list[Step]:
-    """The plan's groups, in order, as steps (a group the generator refuses: a step per node)."""
+def plan_steps(graph, plan, library_ops: Mapping[str, str] | None = None) -> list[Step]:
+    """The plan's groups, in order, as steps (a group the generator refuses: a step per node; a lone
+    node whose op is in `library_ops`, op -> why: a library step, as the C program runs
+    `codegen.CPU_LIBRARY_ONLY`)."""
     from fusesearch.candidates.group import FusionGroup
     from fusesearch.lowering import lower_as_library
 
@@ -98,7 +101,10 @@ def plan_steps(graph, plan) -> list[Step]:
         if kernel.alias:
             steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
             continue
+        op = graph.nodes[g.nodes[0]].op_type
         try:
+            if len(g.nodes) == 1 and op in (library_ops or {}):
+                raise CodegenRefused(library_ops[op])
             generated = generate(graph, kernel)
         except CodegenRefused as exc:
             parts = [kernel] if len(kernel.nodes) == 1 else [lower_as_library(graph, FusionGroup.single(i))
@@ -814,7 +820,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     errors: dict[str, float] = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         say(f"compiling {label}")
-        steps = plan_steps(graph, p)
+        steps = plan_steps(graph, p, CPU_LIBRARY_ONLY if device is None else None)
         programs[label], errors[label] = checked(
             label, lambda reuse, steps=steps: (
                 Program(graph, canonical, steps, weights, threads, reuse=reuse) if device is None

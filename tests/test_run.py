@@ -121,6 +121,22 @@ def test_plan_of_only_library_nodes_or_a_float16_model_runs(run_cli, tmp_path, b
     assert doc["library_steps"] == library and doc["max_rel_err"] <= 1e-3
 
 
+def conv_transpose():
+    """A decoder step: ConvTranspose 2x2 stride 2, then Relu (U-Net's upsampling)."""
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["u"], name="up", strides=[2, 2]),
+             helper.make_node("Relu", ["u"], ["y"], name="relu")]
+    return make_model(nodes, [("x", [1, 16, 8, 8])], [("y", [1, 8, 16, 16])], [("w", _w(16, 8, 2, 2))])
+
+
+def test_a_conv_transpose_runs_in_onnx_runtime_on_the_cpu(run_cli, tmp_path):
+    """The C backend writes a ConvTranspose only as a per-output gather loop, so the CPU plan keeps
+    it alone (legality) and the program runs it through ONNX Runtime, in both the plan and the
+    unfused program; the Relu is generated."""
+    doc = _run_json(run_cli, save(conv_transpose(), tmp_path / "ct.onnx"))
+    assert doc["library_steps"] == 1 and doc["segments"] == {"generated": 1, "library": 1}, doc
+    assert doc["max_rel_err"] <= 1e-4 and doc["unfused_max_rel_err"] <= 1e-4
+
+
 def test_zero_tolerance_names_the_first_differing_kernel(run_cli, tmp_path):
     """Our Gemm sums its 64 products in another order than ONNX Runtime's: at rtol 0 the first
     group (the MatMul with its Add and Relu) differs, and the message says so."""

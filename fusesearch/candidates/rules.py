@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
-from fusesearch.backends.codegen import generatable
+from fusesearch.backends.codegen import CPU_LIBRARY_ONLY, generatable
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.costing import kernel_cost, priced_kernel
@@ -99,12 +99,6 @@ class Generatable:
         return generatable(legality.graph, kernel)
 
 
-# Anchors the C backend writes only as a per-output gather loop (no packed or BLAS path), so a
-# fused group holding one loses to the library by far more than any fusion saves: on a CPU they
-# stay alone, library calls (measured: U-Net's ConvTranspose + Concat, 2x2 stride 2 over 512
-# channels at 8x8, took 247 ms as generated against about 1 ms in ONNX Runtime).
-CPU_LIBRARY_ONLY = {"ConvTranspose": "the C backend has no packed ConvTranspose (a per-output gather loop, "
-                                     "far slower than the library's); on a CPU it runs alone as a library call"}
 
 
 @dataclass(frozen=True)

@@ -169,5 +169,12 @@ def generatable(graph: Graph, kernel: Kernel) -> FusionDecision:
     return FusionDecision.accept()
 
 
+# Anchors the C backend writes only as a per-output gather loop (no packed or BLAS path), so a
+# fused group holding one loses to the library by far more than any fusion saves: on a CPU they
+# stay alone, library calls (legality refuses them fused; `run` runs them in ONNX Runtime) (measured: U-Net's ConvTranspose + Concat, 2x2 stride 2 over 512
+# channels at 8x8, took 247 ms as generated against about 1 ms in ONNX Runtime).
+CPU_LIBRARY_ONLY = {"ConvTranspose": "the C backend has no packed ConvTranspose (a per-output gather loop, "
+                                     "far slower than the library's); on a CPU it runs alone as a library call"}
+
 GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
 """Every op the generator has code for (its tables and handlers, and the row reductions)."""

@@ -2,6 +2,13 @@
 activation panel and the epilogue on the tile in cache, implicit-GEMM conv through im2col panels,
 the depthwise loop, and the per-row fallback without a BLAS (`#else`).
 
+Why a BLAS call per block and not our own micro-kernel: `benchmarks/bench_cpu.py --sections 1b`
+times a packed 6x16 AVX2/FMA micro-kernel of our own (`benchmarks/own_sgemm.c`, the weights packed
+once before timing) against scipy-openblas32's sgemm (which packs B inside every call) at the zoo's
+GEMM shapes: equal within noise (0.99x geomean on one Zen 3 core: 86-90 GFLOP/s both at
+128x768x768, 128x768x3072, 128x3072x768, 197x384x384; 0.95x at 37x45x70). So the BLAS stays: it is
+as fast, covers transposed operands and the GEMV case, and needs no packed copy of each weight
+kept beside the plan.
 Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
 source compiles with and without a BLAS; blocks run in parallel (OpenMP), each BLAS call alone.
 """
