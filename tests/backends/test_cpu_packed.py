@@ -113,6 +113,8 @@ CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
     "depthwise": ([2, 8, 9, 11], 8, 3, 1, 1, 8, 1),
     "depthwise strided x2 multiplier": ([1, 8, 12, 12], 16, 3, 2, 1, 8, 1),
     "depthwise 5x5 dilated": ([1, 8, 12, 12], 8, 5, 1, 4, 8, 2),
+    "1x1 to 2 channels": ([1, 32, 12, 12], 2, 1, 1, 0, 1, 1),  # a segmentation head: few outputs, many inputs
+    "3x3 to 3 channels strided": ([1, 16, 11, 9], 3, 3, 2, 1, 1, 1),
 }
 
 
