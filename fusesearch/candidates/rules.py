@@ -99,14 +99,12 @@ class Generatable:
         return generatable(legality.graph, kernel)
 
 
-
-
 @dataclass(frozen=True)
 class FitsDevice:
     """The cost model accepts the kernel on the device (shared memory, registers, threads, the
     architecture its code needs), its compute unit a priced choice (`costing.priced_kernel`: a
-    fused anchor group on tensor cores or CUDA cores, whichever is faster there). A lone op that does not fit runs as a
-    library call instead: every single node stays a candidate."""
+    fused anchor group on tensor cores or CUDA cores, whichever is faster there). A lone op that
+    does not fit runs as a library call instead: every single node stays a candidate."""
 
     name: str = "fits-device"
 
