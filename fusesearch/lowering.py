@@ -18,7 +18,8 @@ once, as its `Schedule` (fusesearch/schedule.py), which the generator writes as 
 with A and B staged once per K step as float (`tiled`, where the anchor is a GEMM view and the
 epilogue keeps positions; for a fused group whose operands have tensor cores — float32 as TF32
 while `Graph.allow_tf32`, float16, bfloat16 — `mma-*` instead: 4 warps, a tile of MMA_TILES,
-1 or 2 stages, `mma_smem_bytes`), else a thread per output with its dot product inline (`direct`); under
+1 or 2 stages, `mma_smem_bytes`; `try_lower(..., tensor_cores=False)` gives the CUDA-core form, and
+the search keeps whichever the device runs faster: `costing.priced_kernel`), else a thread per output with its dot product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
