@@ -155,3 +155,22 @@ def test_a_fused_conv_transpose_is_refused_on_the_cpu_and_kept_on_a_gpu():
     assert Legality(g, H100, MODEL).check(both).decision
     refused = Legality(g, host_cpu(), MODEL).check(both).decision
     assert not refused and "no packed ConvTranspose" in refused.reason and "ct(ConvTranspose)" in refused.reason
+
+
+def test_a_pool_in_front_of_a_conv_is_refused_on_the_cpu_and_kept_on_a_gpu():
+    """MaxPool then a 1x1 Conv (resnet50's stem into its first block): a fusion candidate on a GPU;
+    on the CPU refused with the reason (the packed conv would compute the pool tap by tap in its
+    panel), while the pool after a conv (an epilogue) stays a candidate there."""
+    from costmodels import host_cpu
+    from fusesearch.candidates.rules import Legality
+
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], name="pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4),
+             helper.make_node("Conv", ["p", "w"], ["y"], name="conv"),
+             helper.make_node("MaxPool", ["y"], ["z"], name="pool2", kernel_shape=[2, 2], strides=[2, 2])]
+    g = graph_of(nodes, [("x", [1, 16, 16, 16], TensorProto.FLOAT), ("w", [16, 16, 1, 1], TensorProto.FLOAT)],
+                 [("z", None, TensorProto.FLOAT)])
+    before = frozenset(group(g, "pool", "conv").nodes)
+    assert Legality(g, H100, MODEL).check(before).decision
+    refused = Legality(g, host_cpu(), MODEL).check(before).decision
+    assert not refused and "pool(MaxPool) before conv(Conv)" in refused.reason
+    assert Legality(g, host_cpu(), MODEL).check(frozenset(group(g, "conv", "pool2").nodes)).decision

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
-from fusesearch.backends.codegen import CPU_LIBRARY_ONLY, generatable
+from fusesearch.backends.codegen import cpu_fusable, generatable
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.costing import kernel_cost, priced_kernel
@@ -83,8 +83,8 @@ class Lowerable:
 @dataclass(frozen=True)
 class Generatable:
     """A fused group is one generated kernel, so the generator must have code for each of its ops
-    and a C type for each of its tensors (`codegen.generatable`), and on a CPU an anchor the C
-    backend writes well (CPU_LIBRARY_ONLY); a lone op stays a candidate whatever it is (it runs as
+    and a C type for each of its tensors (`codegen.generatable`), and on a CPU a group the C
+    backend writes well (`codegen.cpu_fusable`); a lone op stays a candidate whatever it is (it runs as
     a library call where it is not generated)."""
 
     name: str = "generatable"
@@ -92,10 +92,10 @@ class Generatable:
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision:
         if len(nodes) == 1:
             return FusionDecision.accept()
-        if legality.device.kind == "cpu" and kernel.anchor is not None:
-            anchor = legality.graph.nodes[kernel.anchor]
-            if anchor.op_type in CPU_LIBRARY_ONLY:
-                return FusionDecision.refuse(f"{anchor.name}({anchor.op_type}): {CPU_LIBRARY_ONLY[anchor.op_type]}")
+        if legality.device.kind == "cpu":
+            decision = cpu_fusable(legality.graph, kernel)
+            if not decision:
+                return decision
         return generatable(legality.graph, kernel)
 
 

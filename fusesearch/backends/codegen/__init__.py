@@ -90,6 +90,7 @@ from fusesearch.backends.codegen.tiled import _tiled
 from fusesearch.backends.codegen.vectorized import _vectorized
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.ir.graph import Graph
+from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import grid_stride
 
@@ -171,10 +172,32 @@ def generatable(graph: Graph, kernel: Kernel) -> FusionDecision:
 
 # Anchors the C backend writes only as a per-output gather loop (no packed or BLAS path), so a
 # fused group holding one loses to the library by far more than any fusion saves: on a CPU they
-# stay alone, library calls (legality refuses them fused; `run` runs them in ONNX Runtime) (measured: U-Net's ConvTranspose + Concat, 2x2 stride 2 over 512
-# channels at 8x8, took 247 ms as generated against about 1 ms in ONNX Runtime).
+# stay alone, library calls (legality refuses them fused; `run` runs them in ONNX Runtime)
+# (measured: U-Net's ConvTranspose + Concat, 2x2 stride 2 over 512 channels at 8x8, took 247 ms
+# as generated against about 1 ms in ONNX Runtime).
 CPU_LIBRARY_ONLY = {"ConvTranspose": "the C backend has no packed ConvTranspose (a per-output gather loop, "
                                      "far slower than the library's); on a CPU it runs alone as a library call"}
+
+
+def cpu_fusable(graph: Graph, kernel: Kernel) -> FusionDecision:
+    """Whether the C backend writes the fused group well enough to be worth fusing on a CPU: not
+    around a CPU_LIBRARY_ONLY anchor, and no MaxPool/AveragePool before the anchor (the packed
+    conv/GEMM fills its panel element by element, so a pool there is computed tap by tap with
+    strided gathers: resnet50's stem pool in front of a 1x1 conv took 2.0 ms against 0.47 ms for
+    the conv and our separable pool kernel apart)."""
+    if kernel.anchor is None:
+        return FusionDecision.accept()
+    anchor = graph.nodes[kernel.anchor]
+    if anchor.op_type in CPU_LIBRARY_ONLY:
+        return FusionDecision.refuse(f"{anchor.name}({anchor.op_type}): {CPU_LIBRARY_ONLY[anchor.op_type]}")
+    for i in kernel.nodes:
+        n = graph.nodes[i]
+        if n.op_type in POOL_OPS and graph.reaches(n.id, anchor.id):
+            return FusionDecision.refuse(
+                f"{n.name}({n.op_type}) before {anchor.name}({anchor.op_type}): the C backend would compute the pool "
+                "tap by tap inside the anchor's panel; on a CPU the pool runs as its own kernel")
+    return FusionDecision.accept()
+
 
 GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
 """Every op the generator has code for (its tables and handlers, and the row reductions)."""
