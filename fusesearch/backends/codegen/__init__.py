@@ -52,6 +52,9 @@ emitted statements are the same text in both languages; only the skeleton around
                the group a row kernel, above.)
 
 The opaque template is not generated (`generate` refuses it with a reason: a library call).
+What may be fused at all is asked before a group is priced: `generatable` (every op has code here,
+every tensor a C type) and, on a CPU, `cpu_fusable` (what the C backend writes too slowly to be
+worth fusing: a ConvTranspose, a pool in front of an anchor).
 C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
 the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call log/tanh's vector variants
 (exp and erf are the C prelude's own inline polynomials, `fs_expf` / `fs_erff`); one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
