@@ -101,16 +101,17 @@ def plan_steps(graph, plan, library_ops: Mapping[str, str] | None = None) -> lis
         if kernel.alias:
             steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
             continue
-        op = graph.nodes[g.nodes[0]].op_type
-        try:
-            if len(g.nodes) == 1 and op in (library_ops or {}):
-                raise CodegenRefused(library_ops[op])
-            generated = generate(graph, kernel)
-        except CodegenRefused as exc:
+        reason = (library_ops or {}).get(graph.nodes[g.nodes[0]].op_type, "") if len(g.nodes) == 1 else ""
+        if not reason:
+            try:
+                generated = generate(graph, kernel)
+            except CodegenRefused as exc:
+                reason = str(exc)
+        if reason:
             parts = [kernel] if len(kernel.nodes) == 1 else [lower_as_library(graph, FusionGroup.single(i))
                                                              for i in kernel.nodes]
             steps += [Step(g.id, "library", tuple(p.nodes), tuple(p.inputs), tuple(p.outputs), part=p,
-                           reason=str(exc)) for p in parts]
+                           reason=reason) for p in parts]
             continue
         steps.append(Step(g.id, "generated", tuple(g.nodes), tuple(a.tensor for a in generated.inputs),
                           tuple(a.tensor for a in generated.outputs), kernel=generated))

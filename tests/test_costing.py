@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from costmodels import RooflineModel, get_device
+from costmodels import RooflineModel, get_device, host_cpu
+from fusesearch.candidates.rules import Legality
 from fusesearch.costing import graph_figures, kernel_cost, priced_kernel
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
@@ -144,9 +145,6 @@ def test_a_fused_conv_transpose_is_refused_on_the_cpu_and_kept_on_a_gpu():
     """ConvTranspose + Relu: on a GPU a fusion candidate (the direct skeleton); on the CPU refused
     with the reason (the C backend writes it only as a per-output gather loop), so the host plan
     runs the ConvTranspose alone as a library call."""
-    from costmodels import host_cpu
-    from fusesearch.candidates.rules import Legality
-
     nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="ct", strides=[2, 2]),
              helper.make_node("Relu", ["y"], ["r"], name="relu")]
     g = graph_of(nodes, [("x", [1, 16, 8, 8], TensorProto.FLOAT), ("w", [16, 8, 2, 2], TensorProto.FLOAT)],
@@ -161,9 +159,6 @@ def test_a_pool_in_front_of_a_conv_is_refused_on_the_cpu_and_kept_on_a_gpu():
     """MaxPool then a 1x1 Conv (resnet50's stem into its first block): a fusion candidate on a GPU;
     on the CPU refused with the reason (the packed conv would compute the pool tap by tap in its
     panel), while the pool after a conv (an epilogue) stays a candidate there."""
-    from costmodels import host_cpu
-    from fusesearch.candidates.rules import Legality
-
     nodes = [helper.make_node("MaxPool", ["x"], ["p"], name="pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4),
              helper.make_node("Conv", ["p", "w"], ["y"], name="conv"),
              helper.make_node("MaxPool", ["y"], ["z"], name="pool2", kernel_shape=[2, 2], strides=[2, 2])]
