@@ -67,6 +67,18 @@ def test_matmul_bias_act_edges(tmp_path, blas, m, k, n):
                expect="FS_BLAS_SGEMM(101")
 
 
+@pytest.mark.parametrize("m", [1, 37, 130])
+def test_a_product_without_epilogue_is_stored_by_the_blas(tmp_path, blas, m):
+    """A prologue-only group (Sigmoid + MatMul, batched) and a MatMul whose product a Transpose
+    reorders: the sgemm writes the output (or the product's buffer) itself, no epilogue pass."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["xs"]), helper.make_node("MatMul", ["xs", "w"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 19]))])
+    moved = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Transpose", ["y"], ["out"], perm=[0, 2, 1])]
+    gk2 = one_kernel(tmp_path, moved, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 19]))])
+    assert ("0.0f, out0 + (z * " in gk.c_source) and ("0.0f, ybuf + (z * " in gk2.c_source)
+    assert "cbuf" not in gk.c_source + gk2.c_source
+
+
 def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas):
     """Batched activations against a broadcast batch of B computed in the group (a Transpose of
     the keys, as attention's score product), then a division by a constant."""

@@ -130,10 +130,41 @@ def _where(e, n, t, idx):
     return f"({e.input_at(n, 0, idx)} ? {e.input_at(n, 1, idx)} : {e.input_at(n, 2, idx)})"
 
 
+def reshape_blocks(out_shape, src_shape) -> list[tuple[slice, slice]] | None:
+    """The runs of dimensions that a reshape maps onto each other: pairs (output dims, source dims)
+    with equal products, as short as possible, in order ([1,128,12,64] from [1,128,768]: [1]↔[1],
+    [128]↔[128], [12,64]↔[768]). None for an empty tensor. Each run's index is linearised and
+    split on its own, so a merge needs no division and a split divides one index, not the flat one."""
+    if 0 in out_shape or 0 in src_shape:
+        return None
+    blocks, i, j = [], 0, 0
+    while i < len(out_shape) or j < len(src_shape):
+        i0, j0, po, ps = i, j, 1, 1
+        if i < len(out_shape):
+            po, i = out_shape[i], i + 1
+        if j < len(src_shape):
+            ps, j = src_shape[j], j + 1
+        while po != ps:  # grow the smaller side until the products meet
+            if po < ps and i < len(out_shape):
+                po, i = po * out_shape[i], i + 1
+            elif ps < po and j < len(src_shape):
+                ps, j = ps * src_shape[j], j + 1
+            else:
+                return None  # the shapes hold different element counts
+        blocks.append((slice(i0, i), slice(j0, j)))
+    return blocks
+
+
 def _reshape(e, n, t, idx):
     src = n.inputs[0]
-    flat = e.flat(idx, e.info(t).shape)
-    return e.value(src, e.unflatten(flat, e.info(src).shape))
+    out_shape, src_shape = e.info(t).shape, e.info(src).shape
+    blocks = reshape_blocks(out_shape, src_shape)
+    if blocks is None:
+        return e.value(src, e.unflatten(e.flat(idx, out_shape), src_shape))
+    src_idx: list[str] = []
+    for o, s in blocks:
+        src_idx += e.unflatten(e.flat(idx[o], out_shape[o]), src_shape[s])
+    return e.value(src, tuple(src_idx))
 
 
 def _transpose(e, n, t, idx):
