@@ -22,7 +22,7 @@ from costmodels.errors import InvalidSpec
 
 TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "opaque")
 IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
-UNITS = ("tensor-core", "cuda-core", "none")  # the main loop's instruction class on a GPU
+UNITS = ("tensor-core", "cuda-core", "cpu-simd", "none")  # the main loop's instruction class (cpu-simd: C only)
 
 DTYPE_BYTES: Mapping[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,

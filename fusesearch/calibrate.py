@@ -482,6 +482,8 @@ def _ptxas_row(cand: Candidate, graph, arch: str) -> dict:
     from fusesearch.backends.nvrtc import compile_cuda
 
     generated = generate(graph, cand.kernel)
+    if not generated.cuda_source:  # a CPU schedule (packed): no CUDA form to compile
+        return {}
     try:
         res = compile_cuda(generated.cuda_source, arch=arch).resource(generated.name)
     except Exception as exc:  # recorded, not fatal

@@ -746,8 +746,9 @@ def run(
     model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
     plan_json: Annotated[Path | None, typer.Option("--plan", help="Run this plan.json (default: plan now).")] = None,
     strategy: Strategy = "cpsat",
-    device: Annotated[str, typer.Option("--device", help="Cost model device the plan is made for, "
-                                        "or profile.json.")] = "host",
+    device: Annotated[str | None, typer.Option("--device", help="Cost model device the plan is made for, "
+                                               "or profile.json (default: host for --backend cpu, else "
+                                               "h200).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="cpu (generated C in one shared library), cupy "
                                          "(one CUDA module on one stream, a CUDA graph when no ONNX Runtime "
                                          "step splits it; timed with CUDA events), or emulate (the CUDA program "
@@ -789,8 +790,15 @@ def run(
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
     if emulated and output is not None:
         raise BadInput("-o: --backend emulate checks correctness only and has no timings to write; drop -o")
+    device = device or ("host" if backend == "cpu" else "h200")
     if not emulated:
         _check_profile_backend(device, backend)
+    if backend != "cpu":
+        from fusesearch.api import resolve_device
+
+        if resolve_device(device)[1].kind != "gpu":
+            raise BadInput(f"--device {device}: a plan for a CPU fuses GEMMs and convs as C only (the packed "
+                           f"skeleton), and --backend {backend} runs CUDA; give a GPU device (e.g. --device h200)")
     from fusesearch.ir.precision import tolerance
 
     config = _config(time_limit, 16, seed, None)

@@ -21,7 +21,10 @@ while `Graph.allow_tf32`, float16, bfloat16 — `mma-*` instead: 4 warps, a tile
 1 or 2 stages, `mma_smem_bytes`; `try_lower(..., tensor_cores=False)` gives the CUDA-core form, and
 the search keeps whichever the device runs faster: `costing.priced_kernel`), else a thread per output with its dot product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
-memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. A lone gemm/conv (a library call) whose
+memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
+a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a fused gemm/conv is
+`packed`, the C backend's form: prologues computed once per packed panel (a conv's once per tap),
+the product materialized once under a pool or a reordering epilogue. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
@@ -56,6 +59,7 @@ from fusesearch.schedule import (
     MAX_GRID_YZ,
     MMA_THREADS,
     MMA_TILES,
+    PACKED,
     THREADS,
     VIEW_OPS,
     Schedule,
@@ -160,30 +164,33 @@ def lower(graph: Graph, group: FusionGroup) -> Kernel:
     return result
 
 
-def try_lower(graph: Graph, group: FusionGroup, *, tensor_cores: bool = True) -> Kernel | FusionDecision:
+def try_lower(graph: Graph, group: FusionGroup, *, tensor_cores: bool = True, host: bool = False) -> Kernel | FusionDecision:
     """`tensor_cores`: False lowers a fused anchor group to the CUDA-core skeleton even where its
     operands have a tensor-core one (the search prices both and keeps the faster, see
-    `candidates.rules.FitsDevice`)."""
+    `candidates.rules.FitsDevice`). `host`: a fused anchor group as the CPU writes it (`packed`,
+    C only), for a CPU device; every other group lowers the same either way."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, tensor_cores)
+    result = _lower_checked(graph, nodes, tensor_cores, host)
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return _lower_opaque(graph, nodes)  # a lone op without a template runs as a library call
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node], tensor_cores: bool = True) -> Kernel | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], tensor_cores: bool = True,
+                   host: bool = False) -> Kernel | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
-    return _lower_template(graph, nodes, tensor_cores)
+    return _lower_template(graph, nodes, tensor_cores, host)
 
 
-def _lower_template(graph: Graph, nodes: list[Node], tensor_cores: bool = True) -> Kernel | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], tensor_cores: bool = True,
+                    host: bool = False) -> Kernel | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
-        return _lower_anchor(graph, nodes, anchors[0], tensor_cores)
+        return _lower_anchor(graph, nodes, anchors[0], tensor_cores, host)
     if any(n.kind == OpKind.REDUCE for n in nodes):
         return _lower_rowwise(graph, nodes)
     if nodes[0].kind == OpKind.OPAQUE:
@@ -435,7 +442,8 @@ def _tile(m: int, n: int) -> tuple[int, int, int]:
     return TILE_CHOICES[-1] + (TILE_K,)
 
 
-def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: bool = True) -> Kernel | FusionDecision:
+def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: bool = True,
+                  host: bool = False) -> Kernel | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -447,6 +455,9 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: b
     out_size = graph.tensors[anchor.outputs[0]].size
     template = GEMM_TEMPLATE[anchor.op_type]
     ids = [n.id for n in nodes]
+    if host and len(nodes) > 1:  # the CPU's C: packed panels, each prologue element once (per tap)
+        return _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes), PACKED,
+                      reload_tile=(m, n_dim, k), host=True)
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
@@ -548,12 +559,16 @@ def _external_outputs(graph: Graph, nodes: list[Node]) -> list[str]:
 
 
 def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, iteration: int,
-           reduction: int, live: int, schedule: Schedule, *, reload_tile: tuple[int, ...] | None = None) -> Kernel:
+           reduction: int, live: int, schedule: Schedule, *, reload_tile: tuple[int, ...] | None = None,
+           host: bool = False) -> Kernel:
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
     alias = schedule.impl == "alias"
     reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile)
     per_tap = _window_recompute(graph, nodes)
+    if host and anchor is not None:  # the C skeleton materializes the product: a pool after it
+        # recomputes the epilogue per tap, never the anchor or its prologue
+        per_tap = {i: f for i, f in per_tap.items() if i != anchor and not graph.reaches(i, anchor)}
     tc = scalar = trans = divisions = 0
     for n in nodes:
         times = reloads.get(n.id, 1) * per_tap.get(n.id, 1.0)

@@ -330,7 +330,7 @@ class _Runner:
 
     def _ptxas(self, generated) -> dict:
         """ptxas's view of the generated CUDA kernel (where a CUDA compiler is present)."""
-        if generated is None or not self.ptxas_arch:
+        if generated is None or not self.ptxas_arch or not generated.cuda_source:  # none, or a CPU schedule
             return {}
         from fusesearch.backends import nvrtc
 
@@ -348,7 +348,7 @@ class _Runner:
                "predicted_spill_bytes": g.cost.spill_bytes, "compute_unit": g.cost.compute_unit,
                "max_rel_err": err, "backend": self.backend,
                "device": self.device, "source_hash": generated.source_hash if generated else None,
-               "cuda_skeleton": generated.skeleton if generated else None,
+               "skeleton": generated.skeleton if generated else None,
                "cuda_grid": "x".join(map(str, generated.grid)) if generated else None}
         row.update(timing.to_row() if timing else {"median_s": math.nan, "p20_s": math.nan, "p80_s": math.nan, "n": 0})
         row.update(self._ptxas(generated))

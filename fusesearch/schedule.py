@@ -12,11 +12,15 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 "alias" (a lone view: no kernel)
     skeleton    the CUDA skeleton: "library" | "alias" | "grid-stride" | "vectorized" (float4) |
                 "block-per-row" | "tiled" | "direct" (a thread per output, its dot product inline)
-                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+)
-    unit        the instruction class the main loop uses on a GPU: "tensor-core" (the library's
-                GEMM/conv, the `mma-*` skeletons), "cuda-core" (every other generated kernel) or
-                "none" (alias); the cost model turns it into a named unit for a device and dtype
-                (`costmodels.compute_unit`)
+                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+);
+                on a CPU device a fused gemm/conv is "packed" (C only, no CUDA form): the C
+                backend's BLAS blocks over packed panels, each prologue element computed once
+                per panel (a conv's once per filter tap: the im2col panel), a product that an
+                epilogue reorders or pools materialized once
+    unit        the instruction class the main loop uses: "tensor-core" (the library's GEMM/conv,
+                the `mma-*` skeletons), "cuda-core" (every other generated CUDA kernel),
+                "cpu-simd" (`packed`) or "none" (alias); the cost model turns it into a named unit
+                for a device and dtype (`costmodels.compute_unit`)
     tile        (BM, BN, BK) of a tiled or library GEMM/conv, (1, row, K) of a row kernel over a
                 product, else ()
     stages      shared-memory pipeline stages of the tile loop (1: single-buffered)
@@ -30,7 +34,7 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
 
-Invariants: this module imports only the graph types; the generated launch (grid, block, shared
+Invariants: this module imports only the graph types (and the units the cost model knows); the generated launch (grid, block, shared
 memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
 checks it against ptxas for every zoo kernel).
 """
@@ -41,6 +45,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from costmodels.kernel import UNITS
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind
 
@@ -64,8 +69,8 @@ MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
 MMA_PAD_BYTES = 16
 MMA_MIN_ARCH = 80  # cp.async staging and TF32 / BF16 wmma fragments: sm_80 and later
 SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct",
-             *MMA_ELEMENT_BYTES)
-UNITS = ("tensor-core", "cuda-core", "none")
+             *MMA_ELEMENT_BYTES, "packed")
+CPU_SKELETONS = frozenset({"packed"})  # written in C only: no CUDA source, launch or shared memory
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class Schedule:
 
 LIBRARY = Schedule("library", "library", "cuda-core")  # an opaque op: a library call, not generated
 ALIAS = Schedule("alias", "alias", "none")
+PACKED = Schedule("generated", "packed", "cpu-simd", threads=1)  # a fused gemm/conv on a CPU
 
 
 def stride_blocks(elements: int) -> int:

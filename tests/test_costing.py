@@ -169,3 +169,44 @@ def test_a_pool_in_front_of_a_conv_is_refused_on_the_cpu_and_kept_on_a_gpu():
     refused = Legality(g, host_cpu(), MODEL).check(before).decision
     assert not refused and "pool(MaxPool) before conv(Conv)" in refused.reason
     assert Legality(g, host_cpu(), MODEL).check(frozenset(group(g, "conv", "pool2").nodes)).decision
+
+
+def test_a_fused_gemm_on_the_cpu_is_priced_as_the_packed_c_skeleton():
+    """Regime: the host. GELU-like prologue (Tanh) on A and a Transpose of B in the group, bias
+    epilogue: on a GPU the tiled skeleton recomputes each prologue element once per tile that
+    loads it; on the CPU the C backend packs A's rows and B's panel once, so the priced
+    schedule is `packed` (C only) with every prologue element computed once."""
+    nodes = [helper.make_node("Tanh", ["a"], ["at"], name="tanh"),
+             helper.make_node("Transpose", ["b"], ["bt"], name="tr", perm=[1, 0]),
+             helper.make_node("MatMul", ["at", "bt"], ["y"], name="mm"),
+             helper.make_node("Relu", ["y"], ["z"], name="relu")]
+    g = graph_of(nodes, [("a", [512, 256], TensorProto.FLOAT), ("b", [1024, 256], TensorProto.FLOAT)],
+                 [("z", None, TensorProto.FLOAT)])
+    ids = frozenset(group(g, "tanh", "tr", "mm", "relu").nodes)
+    gpu_kernel, _ = priced_kernel(g, lower(g, group(g, "tanh", "tr", "mm", "relu")), H100, MODEL)
+    host_kernel, cost = priced_kernel(g, lower(g, group(g, "tanh", "tr", "mm", "relu")), host_cpu(), MODEL)
+    assert host_kernel.schedule.skeleton == "packed" and host_kernel.schedule.unit == "cpu-simd"
+    assert cost.compute_unit == "cpu-simd" and cost.feasible
+    assert host_kernel.transcendentals == 512 * 256  # each Tanh once
+    assert host_kernel.scalar_flops == 512 * 1024 + 512 * 256  # the Relu, each Tanh once; a Transpose moves
+    assert gpu_kernel.schedule.skeleton != "packed" and gpu_kernel.transcendentals > host_kernel.transcendentals
+    assert Legality(g, host_cpu(), MODEL).check(ids).kernel.schedule.skeleton == "packed"
+
+
+def test_a_conv_prologue_on_the_cpu_counts_once_per_tap_and_a_pool_after_it_never_recomputes_the_conv():
+    """Regime: the host. The im2col panel computes a prologue element once per filter tap that
+    reads it (9 for a 3x3 conv, padding aside: counted as the tile's taps); a MaxPool after the conv
+    reads the product materialized once, so the conv's MACs stay tensor (anchor) work, while
+    the Relu between them is evaluated at every tap."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
+             helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["y"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], ["z"], name="pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4)]
+    g = graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT), ("w", [16, 8, 3, 3], TensorProto.FLOAT)],
+                 [("z", None, TensorProto.FLOAT)])
+    host, _ = priced_kernel(g, lower(g, group(g, "sig", "conv", "relu", "pool")), host_cpu(), MODEL)
+    gpu = lower(g, group(g, "sig", "conv", "relu", "pool"))
+    macs = 16 * 16 * 16 * 8 * 9
+    assert host.schedule.skeleton == "packed" and host.tc_flops == 2 * macs
+    assert host.transcendentals == 9 * 8 * 16 * 16  # the Sigmoid once per tap
+    assert gpu.tc_flops == 0  # on a GPU the conv is recomputed at every window tap, on CUDA cores

@@ -236,7 +236,7 @@ def test_cuda_program_through_the_emulator_equals_ort(tmp_path, build):
         pytest.skip("no C++ compiler")
     path = save(build(), tmp_path / "m.onnx")
     prep = prepare(path)
-    result = run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep), check_each=True)
+    result = run_emulated(prep, make_plan(path, device="t4", strategy="greedy", prepared=prep), check_each=True)
     assert result["max_rel_err"] <= 1e-4
     assert result["segments"]["generated"] >= 1
     assert result["segments"]["library"] == (build is conv_pool)
@@ -254,7 +254,7 @@ def test_cuda_program_runs_an_if_through_onnx_runtime(tmp_path):
         pytest.skip("no C++ compiler")
     path = save(with_if(), tmp_path / "if.onnx")
     prep = prepare(path)
-    result = run_emulated(prep, make_plan(path, device="host", strategy="greedy", prepared=prep))
+    result = run_emulated(prep, make_plan(path, device="t4", strategy="greedy", prepared=prep))
     assert result["segments"] == {"generated": 2, "library": 1} and result["cuda_graph"] is False
     assert result["max_rel_err"] <= 1e-4
 

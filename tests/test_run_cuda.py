@@ -85,7 +85,7 @@ def _json(run_cli, path, *flags):
 def test_emulated_cuda_program_equals_ort(run_cli, tmp_path, build, segments, graph):
     """Every kernel in one module, launched in plan order over one arena (replayed from the
     emulated graph capture when all segments are generated), gives ONNX Runtime's outputs."""
-    doc = _json(run_cli, save(build(), tmp_path / "m.onnx"), "--backend", "emulate", "--check-each")
+    doc = _json(run_cli, save(build(), tmp_path / "m.onnx"), "--backend", "emulate", "--no-tf32", "--check-each")
     assert doc["backend"] == "emulate" and doc["segments"] == segments and doc["cuda_graph"] is graph
     assert doc["max_rel_err"] <= 1e-4 and doc["kernels"] >= 2 and doc["library_steps"] == segments["library"]
     assert 0 < doc["arena_peak_bytes"] < doc["activation_bytes"]
@@ -94,7 +94,7 @@ def test_emulated_cuda_program_equals_ort(run_cli, tmp_path, build, segments, gr
 
 def test_emulate_prints_its_check_without_timing(run_cli, tmp_path):
     code, stdout, stderr = run_cli("run", save(dense_if_norm(), tmp_path / "m.onnx"), "--strategy", "greedy",
-                                   "--backend", "emulate")
+                                   "--backend", "emulate", "--no-tf32")
     assert code == 0, stderr
     assert "correctness only, not timed" in stdout and "no CUDA graph" in stdout
     assert "equal to ONNX Runtime: max rel err" in stdout and "median" not in stdout
@@ -104,7 +104,7 @@ def test_emulate_zero_tolerance_names_the_first_differing_kernel(run_cli, tmp_pa
     """Our kernels sum in another order than ONNX Runtime (the LayerNorm's row mean, here): at
     rtol 0 a group differs, and the one line names the first, its kernel and its nodes."""
     code, stdout, stderr = run_cli("run", save(dense_norm(), tmp_path / "m.onnx"), "--strategy", "greedy",
-                                   "--backend", "emulate", "--rtol", "0")
+                                   "--backend", "emulate", "--no-tf32", "--rtol", "0")
     assert code == 1 and stdout == ""
     line, = stderr.strip().splitlines()
     assert "plan (CUDA, emulated) program differs from ONNX Runtime" in line, line
@@ -121,7 +121,7 @@ def test_one_module_holds_kernels_whose_helpers_share_names(tmp_path):
 
     path = save(dense_norm(), tmp_path / "m.onnx")
     prep = prepare(path)
-    kernels = [s.kernel for s in plan_steps(prep.graph, make_plan(path, device="host", strategy="greedy",
+    kernels = [s.kernel for s in plan_steps(prep.graph, make_plan(path, device="t4", strategy="greedy",
                                                                       prepared=prep)) if s.kernel is not None]
     assert sum("block_reduce(" in k.cuda_source for k in kernels) >= 2
     text = cuda_module(kernels)
@@ -148,6 +148,7 @@ def test_cupy_without_a_gpu_exits_2_with_one_line(run_cli, tmp_path):
 @pytest.mark.parametrize("flags, named", [
     (("--backend", "tpu"), "--backend tpu"),
     (("--backend", "emulate", "-o", "rows.parquet"), "-o: --backend emulate checks correctness only"),
+    (("--backend", "emulate", "--device", "host"), "--device host: a plan for a CPU fuses GEMMs and convs as C only"),
 ])
 def test_bad_backend_flags_exit_2(run_cli, tmp_path, flags, named):
     code, stdout, stderr = run_cli("run", save(dense_norm(), tmp_path / "m.onnx"), *flags)
@@ -161,7 +162,7 @@ def test_bad_backend_flags_exit_2(run_cli, tmp_path, flags, named):
 @pytest.mark.gpu
 @pytest.mark.parametrize("build, graph", [(dense_norm, True), (dense_if_norm, False)])
 def test_cupy_program_equals_ort_and_is_timed(run_cli, tmp_path, build, graph):
-    doc = _json(run_cli, save(build(), tmp_path / "m.onnx"), "--backend", "cupy", "--repeat", "5",
+    doc = _json(run_cli, save(build(), tmp_path / "m.onnx"), "--backend", "cupy", "--no-tf32", "--repeat", "5",
                 "--warmup", "1", "--check-each")
     assert doc["backend"] == "cupy" and doc["cuda_graph"] is graph
     assert doc["max_rel_err"] <= 1e-4 and doc["unfused_max_rel_err"] <= 1e-4

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fusesearch.backends.codegen.base import require_cuda
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
@@ -129,7 +130,7 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
     from fusesearch.backends.codegen import NP_DTYPES as dtypes
 
     cupy = _import_cupy()
-    module = compile_module(generated.cuda_source, options=("--std=c++17",))
+    module = compile_module(require_cuda(generated), options=("--std=c++17",))
     fn = module.get_function(generated.name)
     def bits(dtype: str):  # CuPy has no bfloat16: its 16 bits cross as uint16 (the kernel's storage type)
         return np.uint16 if dtype == "bfloat16" else dtypes[dtype]

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel, cuda_module, module_namespace
+from fusesearch.backends.codegen.base import require_cuda
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
@@ -280,7 +281,7 @@ def source(kernel: GeneratedKernel) -> str:
     params = [*kernel.inputs, *kernel.outputs]
     casts = ", ".join(f"({'const ' if k < len(kernel.inputs) else ''}{a.ctype}*)fs_args[{k}]"
                       for k, a in enumerate(params))
-    return (_HEADER + "\n" + kernel.cuda_source + "\n"
+    return (_HEADER + "\n" + require_cuda(kernel) + "\n"
             + _LAUNCHER.format(nargs=max(1, len(params)), call=f"{kernel.name}({casts});"))
 
 

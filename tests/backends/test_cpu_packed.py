@@ -231,3 +231,20 @@ def test_conv_whose_epilogue_moves_elements(tmp_path, blas, epilogue):
         inputs, inits = [("x", [1, 8, 10, 10]), ("skip", [1, 5, 10, 10])], [("w", _w([16, 8, 3, 3]))]
     gk = one_kernel(tmp_path, nodes, inputs, [("out", None)], inits, expect="ybuf")
     assert "FS_BLAS_SGEMM(101" in gk.c_source
+
+
+def test_a_packed_schedule_is_c_only_and_the_cuda_side_refuses_it_by_name(tmp_path):
+    """Priced for the host, a fused MatMul+Relu is `packed`: its C runs, it has no CUDA source,
+    and the CUDA module builder (the emulator's and CuPy's) names the kernel and what to do."""
+    from costmodels import RooflineModel, host_cpu
+    from fusesearch.backends.codegen import cuda_module
+    from fusesearch.costing import priced_kernel
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["out"])]
+    prep = prepare(save(make_model(nodes, [("x", [5, 8])], [("out", None)], [("w", _w([8, 3]))]), tmp_path / "m.onnx"))
+    kernel, _ = priced_kernel(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))),
+                              host_cpu(), RooflineModel())
+    gk = generate(prep.graph, kernel, "k_host")
+    assert kernel.schedule.skeleton == gk.skeleton == "packed" and gk.cuda_source == "" and "FS_BLAS_SGEMM" in gk.c_source
+    with pytest.raises(ValueError, match="k_host: its schedule \\(packed\\) is the CPU's"):
+        cuda_module([gk])

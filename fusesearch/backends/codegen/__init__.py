@@ -93,9 +93,10 @@ from fusesearch.backends.codegen.tiled import _tiled
 from fusesearch.backends.codegen.vectorized import _vectorized
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.ir.graph import Graph
+from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import grid_stride
+from fusesearch.schedule import CPU_SKELETONS, grid_stride
 
 __all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "cuda_module",
            "generatable", "generate", "module_namespace", "try_generate"]
@@ -115,7 +116,8 @@ def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...
 def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated.
     The skeleton, tile, block, grid and shared memory are the kernel's schedule (for a library
-    call, its own generated form): decided by lowering, written here as given."""
+    call, its own generated form): decided by lowering, written here as given. A CPU schedule
+    (`packed`) has C only: its `cuda_source` is empty."""
     schedule = kernel.schedule.generated
     if kernel.template not in SUPPORTED_TEMPLATES or schedule is None:
         raise CodegenRefused(f"template {kernel.template} is not generated yet (runs as a library call)")
@@ -123,7 +125,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
     args = {a.tensor: a for a in ins}
     skeleton, grid = schedule.skeleton, schedule.grid
-    if skeleton == "block-per-row":
+    row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
+    if skeleton == "block-per-row" or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
     else:
         c_body = _anchor_row_loops(graph, kernel, args, outs) if kernel.anchor is not None else None
@@ -136,10 +139,13 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
             cu_src = _vectorized(graph, kernel, name, ins, outs, args)
         elif skeleton == "alias":  # a lone view run as a kernel (a copy), where one is asked for
             skeleton, grid = "grid-stride", grid_stride(max(a.size for a in outs)).grid
+    if skeleton in CPU_SKELETONS:  # a CPU schedule: C only
+        cu_src = ""
     members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
     halves = {graph.tensors[t].dtype for n in members for t in (*n.inputs, *n.outputs) if t} & set(HALF_DTYPES)
     if halves:  # the half types and conversions, right after the prelude (float32 sources unchanged)
-        c_src, cu_src = _with_half(c_src, halves, False), _with_half(cu_src, halves, True)
+        c_src = _with_half(c_src, halves, False)
+        cu_src = _with_half(cu_src, halves, True) if cu_src else cu_src
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton)

@@ -66,7 +66,16 @@ class GeneratedKernel:
     source_hash: str = field(default="")
     grid: tuple[int, int, int] = (1, 1, 1)  # the CUDA launch (CuPy and the emulator use it as is)
     block: tuple[int, int, int] = (256, 1, 1)
-    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct
+    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct;
+    # CPU only (`cuda_source` empty): packed
+
+
+def require_cuda(kernel: GeneratedKernel) -> str:
+    """The kernel's CUDA source; ValueError naming the kernel where its schedule is a CPU one."""
+    if not kernel.cuda_source:
+        raise ValueError(f"{kernel.name}: its schedule ({kernel.skeleton}) is the CPU's and has no CUDA form; "
+                         "plan for a GPU device to run it on one")
+    return kernel.cuda_source
 
 
 # -- half precision: storage only ------------------------------------------------------------

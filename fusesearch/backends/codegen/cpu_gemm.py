@@ -26,13 +26,34 @@ from fusesearch.backends.codegen.base import (
     store,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
-from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
+from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input, reshape_blocks
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import anchor_derived
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
+
+
+def _split_outputs(graph: Graph, kernel: Kernel, outs, anchor: Node):
+    """(main, side): the outputs at the product's positions (computed from it element for element,
+    a Reshape of it included: `anchor_derived`), written in the product's loop; the rest (a
+    prologue's output) by loops of their own."""
+    y = anchor.outputs[0]
+    derived = anchor_derived(graph, kernel.nodes, anchor) or {y}
+    main = [o for o in outs if o.tensor in derived or o.tensor == y]
+    return main, [o for o in outs if o not in main]
+
+
+def _write(e: _Emitter, o: Arg, idx: tuple[str, ...], yshape) -> str:
+    """The store of output `o` at the product's element `idx`: the same flat position, `o`'s value
+    read at its own multi-index (a view's runs of dimensions mapped, `ops.reshape_blocks`)."""
+    o_idx = idx
+    if tuple(o.shape) != tuple(yshape):
+        o_idx = ()
+        for o_dims, y_dims in reshape_blocks(tuple(o.shape), tuple(yshape)):
+            o_idx += e.unflatten(e.flat(idx[y_dims], yshape[y_dims]), o.shape[o_dims])
+    return store(o, e.flat(idx, yshape), e.value(o.tensor, o_idx))
 
 
 def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:
@@ -117,7 +138,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     e.lines = []
     e.push()
     e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
-    writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
+    writes = [_write(e, o, idx, ys) for o in main]
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
@@ -176,10 +197,10 @@ def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
     if (len(xs) != 4 or w not in args or compute_dtype(graph.tensors[w].dtype) != "float32"
             or graph.producer(w) in kernel.nodes):
         return None
-    main = [o for o in outs if o.shape == ys]
+    main, side = _split_outputs(graph, kernel, outs, anchor)
     if not main:
         return None
-    return x, w, xs, ws, ys, int(anchor.attrs.get("group", 1)), main, [o for o in outs if o.shape != ys]
+    return x, w, xs, ws, ys, int(anchor.attrs.get("group", 1)), main, side
 
 
 def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
@@ -209,7 +230,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
                     iw = f"ow * {sw}LL + {kw * dw - pw}LL"
                     terms.append(f"w{kh}_{kw} * {e.value(x, ('nb', 'ci', f'ih{kh}', iw))}")
             e.acc_value = e.tmp("float", " + ".join(terms))  # _conv adds the bias
-        writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
+        writes = [_write(e, o, idx, ys) for o in main]
         e.acc_value = ""
         e.pop()
         lines, e.lines = e.lines + writes, []
@@ -244,8 +265,7 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
     buffer, dotted with each output channel's contiguous filter row."""
     y = anchor.outputs[0]
     yshape = graph.tensors[y].shape
-    main = [o for o in outs if o.shape == yshape]
-    side = [o for o in outs if o.shape != yshape]
+    main, side = _split_outputs(graph, kernel, outs, anchor)
     fill = _HOIST_FILL.get(anchor.op_type)
     plan = fill(graph, anchor) if fill else None
     if plan is None or not main:
@@ -266,8 +286,7 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
     e.hoisted = "hbuf"
     writes = []  # conv: the patch buffer is refilled at each group's first output channel
     for o in main:
-        v = e.value(o.tensor, idx)
-        writes.append(store(o, e.flat(idx, o.shape), v))
+        writes.append(_write(e, o, idx, yshape))
     body = e.lines + writes
     e.pop()
     rows = math.prod(outer_shape)
@@ -292,7 +311,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     trans_a = anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))
     trans_b = anchor.op_type == "Gemm" and int(anchor.attrs.get("transB", 0))
     k_extent, n_extent = (sa[0] if trans_a else sa[-1]), yshape[-1]
-    main = [o for o in outs if o.shape == yshape]
+    main, side = _split_outputs(graph, kernel, outs, anchor)
     if not main:
         return None
     e = _Emitter(graph, kernel, args)
@@ -315,7 +334,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     e.push()
     e.hoisted_acc = "acc"
     idx = row_idx + ("col",)
-    writes = [store(o, e.flat(idx, o.shape), e.value(o.tensor, idx)) for o in main]
+    writes = [_write(e, o, idx, yshape) for o in main]
     body = e.lines + writes
     e.pop()
     loop = [f"for (long long row = 0; row < {math.prod(yshape[:-1])}LL; ++row) {{", *["    " + x for x in pre],
@@ -323,7 +342,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
             f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) acc[nn] = 0.0f;",
             *["    " + x for x in fill + mac],
             f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
-    c_side, _ = _pointwise_loops(graph, kernel, args, [o for o in outs if o.shape != yshape])
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
     rows_loop = c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
     if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
         rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]

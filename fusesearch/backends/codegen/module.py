@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from fusesearch.backends.codegen.base import GeneratedKernel
+from fusesearch.backends.codegen.base import GeneratedKernel, require_cuda
 
 
 def module_namespace(kernel: GeneratedKernel) -> str:
@@ -30,7 +30,7 @@ def cuda_module(kernels) -> str:
     includes: dict[str, None] = {}
     parts = []
     for k in kernels:
-        lines = k.cuda_source.splitlines(keepends=True)
+        lines = require_cuda(k).splitlines(keepends=True)
         includes.update(dict.fromkeys(ln.strip() for ln in lines if _INCLUDE.match(ln)))
         body = "".join(ln for ln in lines if not _INCLUDE.match(ln))
         macros = dict.fromkeys(re.findall(r"^\s*#\s*define\s+(\w+)", body, flags=re.M))
