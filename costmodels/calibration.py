@@ -228,7 +228,9 @@ def fit_staged(specs: Sequence[KernelSpec], measured_s: Sequence[float], device:
     transcendental weight) and the anchor-free templates' efficiencies on the anchor-free kernels,
     where those terms dominate; then each anchor template's own parameters with the shared ones
     fixed. So a template the roofline describes poorly (naive CPU loop nests for gemm) cannot bend
-    what every kernel shares. One stage over everything when either side has too few kernels."""
+    what every kernel shares. On a CPU the anchor templates' scalar efficiency (their prologue and
+    epilogue loops) is the pointwise one, not fitted apart. One stage over everything when either
+    side has too few kernels."""
     start = start or RooflineParams()
     measured = np.asarray(measured_s, dtype=np.float64)
     simple = np.array([s.template in ANCHOR_FREE for s in specs])
@@ -238,7 +240,14 @@ def fit_staged(specs: Sequence[KernelSpec], measured_s: Sequence[float], device:
     first = fit(first_specs, measured[simple], device, start)
     rest_specs = [s for s, k in zip(specs, simple, strict=True) if not k]
     names = [n for n in free_parameters(rest_specs, device) if n not in SHARED]
-    second = fit(rest_specs, measured[~simple], device, first.params, names=names)
+    first_params = first.params
+    if device.kind != "gpu":  # on a CPU a prologue or epilogue is the same vectorized C loop as a
+        # pointwise kernel, and too small a part of an anchor kernel's time to fit its own rate
+        tied = {f"scalar_efficiency.{t}": first_params.get("scalar_efficiency", "pointwise")
+                for t in sorted({s.template for s in rest_specs})}
+        first_params = first_params.with_updates(**tied)
+        names = [n for n in names if n not in tied]
+    second = fit(rest_specs, measured[~simple], device, first_params, names=names)
     total = lambda p: float(np.mean((np.log(predict(specs, device, p)) - np.log(measured)) ** 2))  # noqa: E731
     return FitResult(second.params, tuple(dict.fromkeys(first.fitted + second.fitted)), total(start),
                      total(second.params), first.iterations + second.iterations)
