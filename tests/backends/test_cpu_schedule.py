@@ -1,0 +1,43 @@
+"""The CPU side of "one kernel, one truth": for every group of every zoo plan made for the host
+(each strategy), the kernel the C backend is given is the one the search priced, and what it
+writes is that kernel's schedule: a fused gemm/conv is `packed` (C only, priced on `cpu-simd`
+with each prologue element computed once per panel), every other generated kernel writes the
+skeleton lowering chose. Structural: the sources are generated, not compiled (numerics: the
+end-to-end runs in tests/test_run.py and the packed edge cases in test_cpu_packed.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodels import RooflineModel, host_cpu
+from fusesearch.api import plan as make_plan
+from fusesearch.backends.codegen import generate
+from fusesearch.costing import kernel_cost
+from fusesearch.ir.shapes import ShapeBindings
+from fusesearch.pipeline import prepare
+from fusesearch.search import STRATEGIES
+from fusesearch.zoo import ZOO
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
+    dims = ["seq=32"] if "seq" in ZOO[name].default_dims else []  # the text models shorter: planning time
+    prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=dims))
+    device, model = host_cpu(), RooflineModel()
+    packed = 0
+    for strategy in STRATEGIES:
+        p = make_plan(f"zoo:{name}", device="host", strategy=strategy, prepared=prep, time_limit_s=5)
+        for g in p.groups:
+            k = g.kernel
+            assert kernel_cost(k, device, model).time_s == pytest.approx(g.cost.time_s, rel=1e-12), (name, g.id)
+            fused_anchor = k.anchor is not None and len(k.nodes) > 1
+            assert (k.schedule.skeleton == "packed") == fused_anchor, (name, strategy, g.id, k.schedule)
+            if k.alias or k.schedule.generated is None:
+                continue
+            gk = generate(p.graph, k)
+            assert gk.skeleton == k.schedule.generated.skeleton, (name, strategy, g.id)
+            if fused_anchor:
+                packed += 1
+                assert gk.cuda_source == "" and g.cost.compute_unit == "cpu-simd"
+                assert k.spec().unit == "cpu-simd" and k.spec().smem_bytes == 0
+    assert packed or name == "rnn-control", f"{name}: no fused gemm/conv in any host plan"
