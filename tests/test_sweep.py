@@ -118,6 +118,27 @@ def test_cell_ids_follow_a_profiles_content_and_the_results_version(tmp_path, mo
     assert [c.cell_id for c in expand(load_config(path))] != second
 
 
+def test_a_rerun_after_recalibrating_holds_only_the_new_grids_rows(tmp_path):
+    """The profile changes in place: every cell reruns under a new id, and the results (and so
+    `report`) hold the new grid only; the earlier grid's cell files stay on disk, unread."""
+    from costmodels import DEVICES
+    from costmodels.profile import Profile, save_profile
+    from fusesearch.sweep import load_results
+
+    profile = tmp_path / "p.json"
+    save_profile(Profile(DEVICES["t4"]), profile)
+    path = _config(tmp_path, 'models = ["zoo:rnn-control"]\ndevices = ["p.json"]\nstrategies = ["none", "greedy"]\n')
+    out = tmp_path / "out"
+    first = run_sweep(load_config(path), out, workers=1)
+    old = set(load_results(out)["cell_id"])
+    save_profile(Profile(DEVICES["t4"], RooflineParams().with_updates(overlap=0.5)), profile)
+    second = run_sweep(load_config(path), out, workers=1)
+    assert first.ran == second.ran == 2 and len(list((out / "cells").glob("*.json"))) == 4
+    rows = load_results(out)
+    assert len(rows) == 2 and not set(rows["cell_id"]) & old
+    assert set(pd.read_parquet(out / "results.parquet")["cell_id"]) == set(rows["cell_id"])
+
+
 def test_zoo_parameters_expand_into_models(tmp_path):
     cfg = load_config(_config(tmp_path, KILL))
     labels = [m.label for m in cfg.models]
@@ -324,3 +345,13 @@ def test_an_existing_scheduler_runs_the_cells(tmp_path, run_cli):
     assert json.loads(stdout)["ran"] == 2 and len(_rows(tmp_path / "out")) == 2
     code, _, err = run_cli("sweep", path, "--scheduler", "tcp://x:1", "--workers", "2")
     assert code == 2 and "give one" in err
+
+
+def test_local_workers_keep_glibcs_adaptive_malloc(tmp_path):
+    """Dask's default MALLOC_TRIM_THRESHOLD_ would make every large scratch buffer of a generated
+    C kernel a fresh mapping on each call; the sweep's local workers start without it."""
+    seen = []
+    path = _config(tmp_path, 'models = ["zoo:rnn-control"]\ndevices = ["t4"]\nstrategies = ["none"]\n')
+    run_sweep(load_config(path), tmp_path / "out", workers=1,
+              on_client=lambda c: seen.extend(c.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()))
+    assert seen == [None]
