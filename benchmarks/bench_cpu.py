@@ -178,6 +178,20 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
               f"{t_blas / t_own:5.2f}x   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean: own micro-kernel at {geo:.2f}x the BLAS's throughput")
+    # how the generated GEMM splits a product into BLAS calls (cpu_gemm.BLAS_TILE_FLOATS): each
+    # call packs all of B, so a short last block costs a whole packing
+    m, k, n = 128, 768, 2304
+    a, b = RNG.standard_normal((m, k)).astype(np.float32), RNG.standard_normal((k, n)).astype(np.float32)
+    c = np.zeros((m, n), np.float32)
+    print(f"   one {m}x{n}x{k} product (gpt2's QKV) as BLAS calls over row blocks:")
+    for rows in ((128,), (64, 64), (113, 15)):
+        def split(rows=rows) -> None:
+            m0 = 0
+            for r in rows:
+                lib.blas_sgemm(r, n, k, ptr(a.ctypes.data + 4 * m0 * k), b.ctypes.data_as(ptr), ptr(c.ctypes.data + 4 * m0 * n))
+                m0 += r
+        t = statistics.median(measure(split, budget_s=budget).median_s for _ in range(repeats))
+        print(f"   {' + '.join(map(str, rows)):10s} rows  {2.0 * m * n * k / t / 1e9:6.1f} GFLOP/s")
 
 
 def _line(label, flops, ours, ort, err) -> float:

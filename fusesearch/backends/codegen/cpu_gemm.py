@@ -356,7 +356,8 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
 
 # C gemm: at most this product tile (8 MiB, within the last-level cache) per BLAS call. Each call
 # packs all of B again, so fewer, even calls win: at 128x2304x768 one call runs at 86 GFLOP/s,
-# 113 + 15 rows (a 1 MiB cap) at 72 and 64 + 64 at 79 (one Zen 3 core, scipy-openblas32)
+# 113 + 15 rows (a 1 MiB cap) at 72 and 64 + 64 at 79 (one Zen 3 core, scipy-openblas32;
+# `benchmarks/bench_cpu.py --sections 1b` times the three)
 BLAS_TILE_FLOATS = 1 << 21
 
 
