@@ -8,7 +8,7 @@ DEMO_MODEL  ?= zoo:resnet50
 DEMO_DEVICE ?= h100-sxm
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-all lint bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,9 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-all: install
+	$(BIN)/python -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check fusesearch costmodels tests benchmarks

@@ -874,9 +874,14 @@ def _run_on_dask(todo: list[Cell], store: SweepStore, workers, scheduler, skippe
         else:
             n = workers or default_workers()
             logging.getLogger("distributed").setLevel(max(logging.WARNING, log.getEffectiveLevel()))
-            with dask.config.set({SPAWN_ENV: _worker_environ()}):
-                cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                       dashboard_address=":0", silence_logs=logging.WARNING)
+            inherited = os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)  # workers inherit our environment
+            try:
+                with dask.config.set({SPAWN_ENV: _worker_environ()}):
+                    cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                           dashboard_address=":0", silence_logs=logging.WARNING)
+            finally:
+                if inherited is not None:
+                    os.environ["MALLOC_TRIM_THRESHOLD_"] = inherited
             client = Client(cluster)
     except OSError as exc:
         raise FusesearchError(f"could not start the Dask cluster: {exc}") from None
