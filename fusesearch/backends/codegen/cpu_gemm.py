@@ -26,7 +26,7 @@ from fusesearch.backends.codegen.base import (
     store,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
-from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input, reshape_blocks
+from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel
@@ -39,21 +39,15 @@ def _split_outputs(graph: Graph, kernel: Kernel, outs, anchor: Node):
     """(main, side): the outputs at the product's positions (computed from it element for element,
     a Reshape of it included: `anchor_derived`), written in the product's loop; the rest (a
     prologue's output) by loops of their own."""
-    y = anchor.outputs[0]
-    derived = anchor_derived(graph, kernel.nodes, anchor) or {y}
-    main = [o for o in outs if o.tensor in derived or o.tensor == y]
+    derived = anchor_derived(graph, kernel.nodes, anchor) or {anchor.outputs[0]}
+    main = [o for o in outs if o.tensor in derived]
     return main, [o for o in outs if o not in main]
 
 
 def _write(e: _Emitter, o: Arg, idx: tuple[str, ...], yshape) -> str:
     """The store of output `o` at the product's element `idx`: the same flat position, `o`'s value
-    read at its own multi-index (a view's runs of dimensions mapped, `ops.reshape_blocks`)."""
-    o_idx = idx
-    if tuple(o.shape) != tuple(yshape):
-        o_idx = ()
-        for o_dims, y_dims in reshape_blocks(tuple(o.shape), tuple(yshape)):
-            o_idx += e.unflatten(e.flat(idx[y_dims], yshape[y_dims]), o.shape[o_dims])
-    return store(o, e.flat(idx, yshape), e.value(o.tensor, o_idx))
+    read at its own multi-index (`_Emitter.view_index`)."""
+    return store(o, e.flat(idx, yshape), e.value(o.tensor, e.view_index(idx, yshape, o.shape)))
 
 
 def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:

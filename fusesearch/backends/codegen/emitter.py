@@ -23,7 +23,7 @@ from fusesearch.backends.codegen.base import (
     compute_ctype,
     load_expr,
 )
-from fusesearch.backends.codegen.ops import _op
+from fusesearch.backends.codegen.ops import _op, reshape_blocks
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
 
@@ -136,6 +136,21 @@ class _Emitter:
             out.append(flat if outer and stride == 1 else self.tmp("long long", div if outer else f"{div} % {d}LL"))
             outer = False
         return tuple(out)
+
+    def view_index(self, idx: tuple[str, ...], shape: Sequence[int], view: Sequence[int]) -> tuple[str, ...]:
+        """The multi-index into `view` of the element at `idx` in `shape` (same size, same flat
+        position): each run of dimensions the two share (`ops.reshape_blocks`) linearised and split
+        on its own, so a merge needs no division and a split divides one index, not the flat one."""
+        shape, view = tuple(shape), tuple(view)
+        if shape == view:
+            return tuple(idx)
+        blocks = reshape_blocks(view, shape)
+        if blocks is None:
+            return self.unflatten(self.flat(idx, shape), view)
+        out: tuple[str, ...] = ()
+        for v, s in blocks:
+            out += self.unflatten(self.flat(idx[s], shape[s]), view[v])
+        return out
 
     def broadcast(self, idx: tuple[str, ...], shape: Sequence[int]) -> tuple[str, ...]:
         """Index into an input of `shape` broadcast to the output's index (numpy rules)."""

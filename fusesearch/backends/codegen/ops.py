@@ -133,8 +133,7 @@ def _where(e, n, t, idx):
 def reshape_blocks(out_shape, src_shape) -> list[tuple[slice, slice]] | None:
     """The runs of dimensions that a reshape maps onto each other: pairs (output dims, source dims)
     with equal products, as short as possible, in order ([1,128,12,64] from [1,128,768]: [1]↔[1],
-    [128]↔[128], [12,64]↔[768]). None for an empty tensor. Each run's index is linearised and
-    split on its own, so a merge needs no division and a split divides one index, not the flat one."""
+    [128]↔[128], [12,64]↔[768]). None for an empty tensor (`_Emitter.view_index` uses them)."""
     if 0 in out_shape or 0 in src_shape:
         return None
     blocks, i, j = [], 0, 0
@@ -157,14 +156,7 @@ def reshape_blocks(out_shape, src_shape) -> list[tuple[slice, slice]] | None:
 
 def _reshape(e, n, t, idx):
     src = n.inputs[0]
-    out_shape, src_shape = e.info(t).shape, e.info(src).shape
-    blocks = reshape_blocks(out_shape, src_shape)
-    if blocks is None:
-        return e.value(src, e.unflatten(e.flat(idx, out_shape), src_shape))
-    src_idx: list[str] = []
-    for o, s in blocks:
-        src_idx += e.unflatten(e.flat(idx[o], out_shape[o]), src_shape[s])
-    return e.value(src, tuple(src_idx))
+    return e.value(src, e.view_index(idx, e.info(t).shape, e.info(src).shape))
 
 
 def _transpose(e, n, t, idx):
