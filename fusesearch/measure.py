@@ -22,8 +22,12 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
     anything else ................................ the generated kernel
 
 The rule is the same for the plan and the unfused graph, so a lone anchor costs the same in
-both. Each run is timed by `backends.timing.measure` (perf_counter on CPU, CUDA events on GPU);
-generated kernels' timings are cached by (source hash, shapes, device). The unfused plan has
+both. Every kernel of both is prepared (generated, compiled, run once and checked) first, then all
+are timed together by `backends.timing.measure_interleaved` (perf_counter on CPU, CUDA events on
+GPU) in ROUNDS passes, each plan group next to the unfused kernels of its nodes: on a shared
+machine whose speed drifts over minutes, a fused kernel and what it replaces are still compared
+under the same conditions. Generated kernels' timings are cached by (source hash, shapes,
+device). The unfused plan has
 every node its own kernel. `MeasureReport.library_comparison` then sets, for every plan group
 that fuses an anchor with other ops, its measured time beside the library baseline: the
 anchor's library time plus the unfused times of the group's other nodes, and flags the groups
@@ -46,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusesearch.backends.codegen import CodegenRefused, generate
-from fusesearch.backends.timing import PerfCounterClock, Timing, TimingCache, measure
+from fusesearch.backends.timing import PerfCounterClock, Timing, TimingCache, measure_interleaved
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
@@ -168,15 +172,58 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
     runner.before_each = _l2_flush() if flush_l2 and backend == "cupy" else None
-    done = []
+    items = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
-        items = []
         for g in p.groups:
-            items.append(runner.measure(label, g))
+            items[label, g.id] = runner.prepare(label, g)
             if progress:
                 progress(label)
-        done.append(tuple(items))
+    todo = [it for it in _paired_order(plan, unfused, items) if it.run is not None and it.timing is None]
+    timings = measure_interleaved([it.run for it in todo], clock=runner.clock, budget_s=budget_s, rounds=ROUNDS,
+                                  before_each=runner.before_each)
+    for it, timing in zip(todo, timings, strict=True):
+        it.timing = timing
+    done = [tuple(runner.finish(items[label, g.id]) for g in p.groups) for label, p in (("plan", plan), ("unfused", unfused))]
     return MeasureReport(backend, runner.device, done[0], done[1], baseline)
+
+
+ROUNDS = 5  # passes over every kernel; each gets budget_s / ROUNDS per pass
+
+
+def _paired_order(plan: Plan, unfused: Plan, items: dict) -> list[_Item]:
+    """Every item, each plan group followed by the unfused kernels of its nodes (those not yet
+    placed), then the unfused kernels left: a fused kernel and what it replaces are timed seconds
+    apart in every round."""
+    by_node = {g.nodes[0]: items["unfused", g.id] for g in unfused.groups if len(g.nodes) == 1}
+    order, placed = [], set()
+    for g in plan.groups:
+        order.append(items["plan", g.id])
+        for n in g.nodes:
+            it = by_node.get(n)
+            if it is not None and id(it) not in placed:
+                order.append(it)
+                placed.add(id(it))
+    order += [items["unfused", g.id] for g in unfused.groups if id(items["unfused", g.id]) not in placed]
+    return order
+
+
+@dataclass
+class _Item:
+    """One kernel of the plan or the unfused graph, between `prepare` and `finish`."""
+
+    label: str
+    group: object
+    how: str
+    run: Callable[[], None] | None = None
+    key: str | None = None
+    timing: Timing | None = None
+    err: float = math.nan
+    generated: object = None
+    reason: str = ""
+    cached: Timing | None = None
+
+    def __post_init__(self) -> None:
+        self.cached = self.timing if self.how != "alias" else None
 
 
 def _check_reference_dtypes(graph, label: str, plan: Plan) -> None:
@@ -206,13 +253,12 @@ class _Runner:
         self.before_each = None
         self.baseline = "library"
 
-    def measure(self, label: str, g) -> KernelMeasurement:
+    def prepare(self, label: str, g) -> _Item:
+        """Generate, compile and run the group's kernel once (its error against ONNX Runtime's
+        values); its timing is left to `measure_plan`'s interleaved rounds unless cached."""
         kernel, graph = g.kernel, self.prep.graph
-        ids = dict(nodes=tuple(g.nodes), anchor=kernel.anchor)
         if kernel.alias:  # a view: no kernel runs (as the prediction says)
-            timing = Timing((0.0,), 0, "alias")
-            return KernelMeasurement(label, g.id, "alias", "alias", 0.0, timing, 0.0,
-                                     self._row(label, g, "alias", timing, 0.0, None), **ids)
+            return _Item(label, g, "alias", timing=Timing((0.0,), 0, "alias"), err=0.0)
         generated, why = None, "a lone anchor runs through the library (baseline library)"
         if not (self.baseline == "library" and len(kernel.nodes) == 1 and kernel.anchor is not None):
             try:
@@ -221,22 +267,26 @@ class _Runner:
                 why = str(exc)
         run, fetch, how, key, reason = self._prepare(kernel, generated, f"{label} group g{g.id}")
         if run is None:
-            row = {**self._row(label, g, how, None, math.nan, generated), "reason": f"{reason} ({why})"}
-            return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, None, math.nan, row,
-                                     reason=row["reason"], **ids)
+            return _Item(label, g, how, generated=generated, reason=f"{reason} ({why})")
         run()
         err = max_rel_err(fetch(), self.values)
         timing = self.cache.get(key) if self.cache and key else None
-        if timing is None:
-            timing = measure(run, clock=self.clock, budget_s=self.budget_s, before_each=self.before_each)
-            if self.cache and key:
-                self.cache.put(key, timing)
-        row = self._row(label, g, how, timing, err, generated)
-        reason = why if how == PER_NODE else ""
-        if reason:
-            row["reason"] = reason
-        return KernelMeasurement(label, g.id, _template(g), how, g.cost.time_s, timing, err, row,
-                                 reason=reason, **ids)
+        return _Item(label, g, how, run=run, key=key, timing=timing, err=err, generated=generated,
+                     reason=why if how == PER_NODE else "")
+
+    def finish(self, item: _Item) -> KernelMeasurement:
+        g, how, timing = item.group, item.how, item.timing
+        ids = dict(nodes=tuple(g.nodes), anchor=g.kernel.anchor)
+        if how == "alias":
+            return KernelMeasurement(item.label, g.id, "alias", "alias", 0.0, timing, 0.0,
+                                     self._row(item.label, g, "alias", timing, 0.0, None), **ids)
+        if item.run is not None and item.key and self.cache and item.cached is None:
+            self.cache.put(item.key, timing)
+        row = self._row(item.label, g, how, timing, item.err, item.generated)
+        if item.reason:
+            row["reason"] = item.reason
+        return KernelMeasurement(item.label, g.id, _template(g), how, g.cost.time_s, timing, item.err, row,
+                                 reason=item.reason, **ids)
 
     def _prepare(self, kernel, generated, where: str):
         """(run, fetch, how, cache key, why not measured) for the group's kernel; `where` names the

@@ -7,7 +7,9 @@ run at a time, with an untimed `before_each` hook (an L2 flush on a GPU) before 
 until `budget_s` of wall time is spent — at least `min_samples`, at most `max_samples`. Each run
 is bracketed by a `Clock` (`PerfCounterClock` on the host here; `CudaEventClock` in
 `fusesearch.backends.cupy`), so a GPU clock's `stop` synchronizes and the wall-time budget is
-real. `Timing` keeps every sample and reports the median and the 20th/80th percentiles.
+real. `measure_interleaved` samples several runs in rounds over all of them, so runs compared
+with each other (a fused kernel, the kernels it replaces) see the same machine. `Timing` keeps
+every sample and reports the median and the 20th/80th percentiles.
 `TimingCache` stores one JSON file per key (source hash, input shapes, device, extra).
 
     warm-up: run, run, ... until warmup_s       (not sampled, no before_each)
@@ -127,6 +129,28 @@ def measure(run: Callable[[], None], *, clock: Clock | None = None, budget_s: fl
     warmup_runs = _warm_up(run, clock, warmup_s)
     samples = _sample(run, clock, budget_s, min_samples, max_samples, before_each)
     return Timing(samples_s=tuple(samples), warmup_runs=warmup_runs, clock=clock.name)
+
+
+def measure_interleaved(runs: list[Callable[[], None]], *, clock: Clock | None = None, budget_s: float = 0.25,
+                        rounds: int = 5, warmup_s: float = 0.05,
+                        before_each: Callable[[], None] | None = None) -> list[Timing]:
+    """One Timing per run of `runs`, sampled in `rounds` passes over all of them in order, each
+    pass giving every run `budget_s / rounds` of wall time (at least one sample) after one warm-up
+    run (the first pass warms up for `warmup_s`). What a shared machine does over minutes (another
+    tenant, a frequency change) then falls on every run alike, and runs listed next to each other
+    (a fused kernel and the kernels it replaces) are sampled seconds apart, so their ratio holds
+    even where each one's absolute time drifts."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    _check_measure_args(budget_s, warmup_s, 1, 1)
+    clock = clock if clock is not None else PerfCounterClock()
+    samples: list[list[float]] = [[] for _ in runs]
+    warmups = [0] * len(runs)
+    for r in range(rounds):
+        for i, run in enumerate(runs):
+            warmups[i] += _warm_up(run, clock, warmup_s if r == 0 else 0.0)
+            samples[i] += _sample(run, clock, budget_s / rounds, 1, 1000, before_each)
+    return [Timing(samples_s=tuple(s), warmup_runs=w, clock=clock.name) for s, w in zip(samples, warmups, strict=True)]
 
 
 def _check_measure_args(budget_s: float, warmup_s: float, min_samples: int,

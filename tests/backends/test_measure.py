@@ -250,3 +250,21 @@ def test_gpu_library_baseline_runs_anchors_through_cupy(run_cli, tmp_path):
     assert {"Conv", "Gemm"} <= set(library["op_types"]) and "MaxPool" not in set(library["op_types"])
     assert any("MaxPool" in ops.split(",") for ops in table[table["how"] == "generated"]["op_types"])
     assert doc["totals"]["anchor_groups_compared"] == doc["totals"]["anchor_groups"] > 0
+
+
+def test_each_plan_group_is_timed_beside_the_unfused_kernels_it_replaces(small_model):
+    """measure_plan's interleaved order: every plan group, then the unfused kernels of its nodes
+    not yet placed; every kernel of both exactly once."""
+    import fusesearch
+    from fusesearch.measure import _Item, _paired_order
+
+    plan = fusesearch.plan(small_model, device="host", strategy="greedy")
+    unfused = fusesearch.plan(small_model, device="host", strategy="none")
+    items = {(label, g.id): _Item(label, g, "generated") for label, p in (("plan", plan), ("unfused", unfused))
+             for g in p.groups}
+    order = _paired_order(plan, unfused, items)
+    assert sorted(id(it) for it in order) == sorted(id(it) for it in items.values())
+    fused = next(g for g in plan.groups if len(g.nodes) > 1)
+    at = order.index(items["plan", fused.id])
+    after = [it.group.nodes[0] for it in order[at + 1:at + 1 + len(fused.nodes)]]
+    assert after == list(fused.nodes)

@@ -16,6 +16,7 @@ from fusesearch.backends.timing import (
     TimingCache,
     default_cache_dir,
     measure,
+    measure_interleaved,
 )
 from fusesearch.errors import FusesearchError
 
@@ -104,6 +105,26 @@ def test_a_custom_clock_is_used_and_named():
 
     t = measure(nothing, clock=TickClock(), budget_s=0.0, warmup_s=0.0, min_samples=3)
     assert t.samples_s == (0.5, 0.5, 0.5) and t.clock == "ticks"
+
+
+def test_interleaved_rounds_alternate_the_runs_and_keep_every_sample():
+    log = []
+    runs = [lambda: log.append("a"), lambda: log.append("b")]
+    a, b = measure_interleaved(runs, budget_s=0.0, rounds=3, warmup_s=0.0)
+    # each round: a warm-up and one sample of a, then of b
+    assert "".join(log) == "aabb" * 3
+    assert (a.n, b.n, a.warmup_runs, b.warmup_runs) == (3, 3, 3, 3)
+
+
+def test_interleaved_timings_measure_each_run_apart():
+    fast, slow = measure_interleaved([sleeper(0.001), sleeper(0.004)], budget_s=0.05, rounds=2, warmup_s=0.0)
+    assert 0.001 <= fast.median_s < 0.0035 <= 0.004 <= slow.median_s
+    assert fast.n >= 2 and slow.n >= 2
+
+
+def test_interleaved_refuses_no_rounds():
+    with pytest.raises(ValueError, match="rounds"):
+        measure_interleaved([nothing], rounds=0)
 
 
 def test_perf_counter_clock_measures_seconds():
