@@ -80,13 +80,26 @@ def test_a_product_without_epilogue_is_stored_by_the_blas(tmp_path, blas, m):
 
 
 def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas):
-    """Batched activations against a broadcast batch of B computed in the group (a Transpose of
-    the keys, as attention's score product), then a division by a constant."""
+    """Batched activations against a broadcast batch of B that is a view of an input (a Transpose
+    of the keys, as attention's score product): the BLAS reads the keys in place, transposed, by
+    their strides; then a division by a constant."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("q", [2, 3, 70, 16]), ("k", [1, 3, 70, 16])], [("out", None)],
-                    [("c", np.float32(4.0))], expect="bbuf")
-    assert "0.25f" in gk.c_source  # division by the constant 4 became a multiplication
+                    [("c", np.float32(4.0))], expect="FS_BLAS_SGEMM(101, 111, 112, (int)mc, 70, 16")
+    assert "bbuf" not in gk.c_source and "0.25f" in gk.c_source  # the division by 4 became a multiplication
+
+
+@pytest.mark.parametrize("perm,packed", [([0, 2, 3, 1], "bbuf[nn * 16LL + kk]"), ([0, 2, 1, 3], "bbuf[kk * 16LL + nn]")])
+def test_computed_b_is_packed_along_its_source(tmp_path, blas, perm, packed):
+    """Keys or values with a bias in the group (Add, Reshape into heads, Transpose): B is packed
+    per batch in the order its source runs (K x N, or N x K passed transposed when the source is
+    contiguous along K)."""
+    nodes = [helper.make_node("Add", ["k", "bias"], ["kb"]), helper.make_node("Reshape", ["kb", "shape"], ["k4"]),
+             helper.make_node("Transpose", ["k4"], ["kt"], perm=perm), helper.make_node("MatMul", ["q", "kt"], ["out"])]
+    q_shape = [1, 3, 70, 16] if perm[-1] == 1 else [1, 3, 16, 70]
+    one_kernel(tmp_path, nodes, [("q", q_shape), ("k", [1, 70, 48])], [("out", None)],
+               [("bias", _w([48], 2)), ("shape", np.int64([1, 70, 3, 16]))], expect=packed if blas == "blas" else None)
 
 
 @pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from fusesearch.backends.codegen.base import (
     Arg,
     _flat_loop,
@@ -29,6 +31,7 @@ from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
+from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import anchor_derived
 
@@ -355,6 +358,83 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
 BLAS_TILE_FLOATS = 1 << 21
 
 
+
+_VIEWS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+PROBE_FLOATS = 1 << 22  # offsets probed per B operand at most (a 32 MiB int64 table at codegen)
+
+
+def _b_source(graph: Graph, members, b: str) -> tuple[str, np.ndarray, bool] | None:
+    """(source, offsets, pure) of a MatMul's B computed in the group: `offsets[i]` is the flat
+    position in `source` (a tensor the group reads) of the element B's value at `i` is computed
+    from, following views (Reshape, Transpose, ...) and each elementwise op's full-shape input;
+    `pure` when the path has only views (B is `source` read by other strides). None when the path
+    leaves that form (a broadcast, a Concat) or the source is too large to probe."""
+    path, t = [], b
+    while graph.producer(t) in members:
+        node = graph.nodes[graph.producer(t)]
+        shape = graph.tensors[t].shape
+        if node.op_type in _VIEWS:
+            nxt = node.inputs[0]
+        elif kind_of(node.op_type, node.domain) == OpKind.ELEMWISE or node.op_type in ("Add", "Sub", "Mul", "Div"):
+            nxt = next((i for i in node.inputs if i and graph.tensors[i].shape == shape), None)
+            if nxt is None:
+                return None
+        else:
+            return None
+        path.append((node, t))
+        t = nxt
+    size = math.prod(graph.tensors[t].shape)
+    if not path or size > PROBE_FLOATS:
+        return None
+    offsets = np.arange(size, dtype=np.int64).reshape(graph.tensors[t].shape)
+    for node, out in reversed(path):
+        if node.op_type == "Transpose":
+            perm = node.attrs.get("perm")
+            offsets = offsets.transpose(tuple(perm) if perm is not None else None)
+        offsets = np.ascontiguousarray(offsets).reshape(graph.tensors[out].shape)
+    return t, offsets, all(node.op_type in _VIEWS for node, _ in path)
+
+
+def _affine_strides(offsets: np.ndarray) -> tuple[int, ...] | None:
+    """Per-axis strides when offsets[i] = offsets[0] + sum(i_d * stride_d) for every i, else None."""
+    origin = offsets.reshape(-1)[0] if offsets.size else 0
+    strides = tuple(int(np.take(offsets, 1, axis=d).reshape(-1)[0] - origin) if n > 1 else 0
+                    for d, n in enumerate(offsets.shape))
+    grid = origin + sum(np.arange(n, dtype=np.int64).reshape([-1 if i == d else 1 for i in range(offsets.ndim)]) * st
+                        for d, (n, st) in enumerate(zip(offsets.shape, strides, strict=True)))
+    return strides if np.array_equal(np.broadcast_to(grid, offsets.shape), offsets) else None
+
+
+def _k_contiguous(offsets: np.ndarray) -> bool:
+    """Whether B's source runs along K (B's second-to-last axis) rather than N at its origin."""
+    first = offsets.reshape(-1, *offsets.shape[-2:])[0]
+    step_k = int(first[1, 0] - first[0, 0]) if first.shape[0] > 1 else 0
+    step_n = int(first[0, 1] - first[0, 0]) if first.shape[1] > 1 else 0
+    return abs(step_k) == 1 and abs(step_n) != 1
+
+
+def _strided_b(graph: Graph, e: _Emitter, source, z_idx, sb, k_extent: int, n_extent: int):
+    """(pointer, ldb, transpose flag) reading B in place from its source, a float32 kernel input
+    B is a view of, when every batch of B is a K x N matrix of it with unit stride along N
+    (ldb >= N) or along K (transposed, ldb >= K); else None."""
+    src, offsets, _ = source
+    if src not in e.args or graph.tensors[src].dtype != "float32" or len(sb) < 2:
+        return None
+    strides = _affine_strides(offsets)
+    if strides is None:
+        return None
+    s_k, s_n = strides[-2], strides[-1]
+    if s_n == 1 and s_k >= n_extent:
+        ldb, flag = s_k, 111
+    elif s_k == 1 and s_n >= k_extent:
+        ldb, flag = s_n, 112
+    else:
+        return None
+    batch = e.broadcast(z_idx, sb[:-2])
+    base = " + ".join([f"({i}) * {st}LL" for i, st in zip(batch, strides[:-2], strict=True) if st] + [f"{offsets.reshape(-1)[0]}LL"])
+    return f"{e.args[src].name} + ({base})", ldb, flag
+
+
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body,
                  direct: str | None = None) -> list[str] | None:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
@@ -385,17 +465,25 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     a_in_place = (a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
                   and len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))))
     a_ptr = f"{e.args[a].name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})" if a_in_place else "abuf"
-    if packed_b:  # B with its prologue (a Transpose of the keys, ...) as a K x N row-major panel
+    source = _b_source(graph, e.members, b) if packed_b and anchor.op_type == "MatMul" else None
+    strided = _strided_b(graph, e, source, z_idx, sb, k_extent, n_extent) if source and source[2] else None
+    if strided is not None:  # a view of a kernel input (the keys of attention): the BLAS reads it by strides
+        b_ptr, ldb, b_trans = strided
+        packed_b = False
+    elif packed_b:  # B with its prologue as a panel, in the order its source is contiguous in
         e.push()
         bv = e.value(b, ("nn", "kk") if trans_b else e.broadcast(z_idx, sb[:-2]) + ("kk", "nn"))
         e.pop()
+        k_inner = source is not None and source[1].ndim >= 2 and _k_contiguous(source[1])
+        loops = (("nn", n_extent), ("kk", k_extent)) if k_inner else (("kk", k_extent), ("nn", n_extent))
+        at = f"nn * {k_extent}LL + kk" if k_inner else f"kk * {n_extent}LL + nn"
         z_lines += [f"float* bbuf = (float*)malloc(sizeof(float) * {k_extent * n_extent}LL);",
-                    f"for (long long kk = 0; kk < {k_extent}LL; ++kk) {{",
+                    f"for (long long {loops[0][0]} = 0; {loops[0][0]} < {loops[0][1]}LL; ++{loops[0][0]}) {{",
                     *([] if e.lines else ["    #pragma omp simd"]),
-                    f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) {{", *["        " + x for x in e.lines],
-                    f"        bbuf[kk * {n_extent}LL + nn] = {bv};", "    }", "}"]
+                    f"    for (long long {loops[1][0]} = 0; {loops[1][0]} < {loops[1][1]}LL; ++{loops[1][0]}) {{",
+                    *["        " + x for x in e.lines], f"        bbuf[{at}] = {bv};", "    }", "}"]
         e.lines = []
-        b_ptr, ldb, b_trans = "bbuf", n_extent, 111
+        b_ptr, ldb, b_trans = "bbuf", (k_extent if k_inner else n_extent), (112 if k_inner else 111)
     else:
         b_ptr = f"{e.args[b].name} + ({e.flat(e.broadcast(z_idx, sb[:-2]) + ('0', '0'), sb)})"
         ldb, b_trans = (k_extent if trans_b else n_extent), (112 if trans_b else 111)
