@@ -261,3 +261,40 @@ def test_a_packed_schedule_is_c_only_and_the_cuda_side_refuses_it_by_name(tmp_pa
     assert kernel.schedule.skeleton == gk.skeleton == "packed" and gk.cuda_source == "" and "FS_BLAS_SGEMM" in gk.c_source
     with pytest.raises(ValueError, match="k_host: its schedule \\(packed\\) is the CPU's"):
         cuda_module([gk])
+
+
+def test_scratch_arena_is_reused_across_calls_and_sizes(tmp_path, blas):
+    """Panels and tiles come from a per-thread arena kept between calls (no malloc per call): a
+    conv kernel runs again on new inputs, and a larger one after it; every result equals ONNX
+    Runtime's (a stale value left in a reused panel would show)."""
+    conv = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["y"], ["out"])]
+    for h in (9, 23):  # the second kernel's panels are larger than the first's
+        prep = prepare(save(make_model(conv, [("x", [1, 5, h, 11])], [("out", None)], [("w", _w([12, 5, 3, 3]))]),
+                            tmp_path / f"c{h}.onnx"))
+        canonical = to_proto(prep.canonical)
+        gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+        assert "malloc(" not in gk.c_source and "fs_scratch(" in gk.c_source
+        for seed in (0, 1, 2):  # the same loaded library each time: its arena is reused
+            values = all_values(canonical, random_feeds(canonical, seed))
+            out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})["out"]
+            np.testing.assert_allclose(out, values["out"], rtol=0, atol=1e-4 * max(1.0, np.abs(values["out"]).max()))
+
+
+@pytest.mark.parametrize("kernel,stride,pad,group", [(1, 1, 0, 1), (3, 2, 1, 1), (3, 1, 1, 3), (3, 1, 2, 2)])
+def test_conv_over_a_channel_concat_computes_each_piece_in_its_own_tap_loop(tmp_path, blas, kernel, stride, pad, group):
+    """A C2f/U-Net-style conv input: SiLU(a) + b and SiLU(c) concatenated along the channels (5 + 7,
+    so the pieces straddle the conv's groups), through a per-channel scale, into a conv with a
+    SiLU epilogue; the panel fills one tap loop per piece (no branch per element) and zeros the
+    padding outside the interior."""
+    nodes = [helper.make_node("Sigmoid", ["a"], ["sa"]), helper.make_node("Mul", ["a", "sa"], ["ya"]),
+             helper.make_node("Add", ["ya", "b"], ["pa"]), helper.make_node("Sigmoid", ["c"], ["sc"]),
+             helper.make_node("Mul", ["c", "sc"], ["pc"]), helper.make_node("Concat", ["pa", "pc"], ["cat"], axis=1),
+             helper.make_node("Mul", ["cat", "scale"], ["x"]),
+             helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kernel] * 2, strides=[stride] * 2,
+                              pads=[pad] * 4, group=group),
+             helper.make_node("Sigmoid", ["y"], ["sy"]), helper.make_node("Mul", ["y", "sy"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("a", [1, 5, 13, 11]), ("b", [1, 5, 13, 11]), ("c", [1, 7, 13, 11])],
+                    [("out", None)], [("scale", _w([1, 12, 1, 1], 3)), ("w", _w([12, 12 // group, kernel, kernel]))])
+    if blas == "blas":
+        assert gk.c_source.count("for (long long kq = klo; kq < khi; ++kq)") == 2

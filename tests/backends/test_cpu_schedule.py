@@ -2,7 +2,7 @@
 (each strategy), the kernel the C backend is given is the one the search priced, and what it
 writes is that kernel's schedule: a fused gemm/conv is `packed` (C only, priced on `cpu-simd`
 with each prologue element computed once per panel), every other generated kernel writes the
-skeleton lowering chose. Structural: the sources are generated, not compiled (numerics: the
+skeleton lowering chose, its scratch buffers from the per-thread arena (no malloc per call). Structural: the sources are generated, not compiled (numerics: the
 end-to-end runs in tests/test_run.py and the packed edge cases in test_cpu_packed.py)."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
                 continue
             gk = generate(p.graph, k)
             assert gk.skeleton == k.schedule.generated.skeleton, (name, strategy, g.id)
+            assert "malloc(" not in gk.c_source, (name, strategy, g.id)  # scratch comes from the arena
             if fused_anchor:
                 packed += 1
                 assert gk.cuda_source == "" and g.cost.compute_unit == "cpu-simd"

@@ -29,16 +29,18 @@ emitted statements are the same text in both languages; only the skeleton around
     gemm/conv  C, with a BLAS (`FS_BLAS_SGEMM`, scipy-openblas32; measured faster than our own
                loops and within noise of ONNX Runtime's MLAS, benchmarks/bench_cpu.py): MatMul/Gemm
                per block of output rows of one batch (a block per thread) — the A rows with the prologue
-               applied packed into a panel (B too when the group computes it, e.g. the transposed
-               keys of attention), one sgemm into a block tile, the epilogue over the tile while it
-               is in cache, before the one store; Conv as implicit GEMM per block of whole output
+               applied packed into a panel; B read in place by its strides when it is a view of an
+               input (the transposed keys of attention), else, when the group computes it, packed
+               in the order its source runs; one sgemm into a block tile, the epilogue over the
+               tile while it is in cache, before the one store; Conv as implicit GEMM per block of whole output
                rows of one image and group — the im2col panel (prologue and zero padding applied;
                a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
                epilogue; depthwise convs in their own loop (a vectorized row of output pixels, taps
                unrolled, bounds checks only at the borders). Without a BLAS (`#else`): per output
                row, the activation operand's row (prologue applied) into a buffer, then i-k-j
                accumulation and the epilogue per column. Blocks run in parallel (OpenMP), the BLAS
-               single-threaded inside each · CUDA (`tiled`): the anchor as
+               single-threaded inside each; panels and tiles live in a per-thread scratch arena
+               kept between calls (`base.scratch`), never a malloc per call · CUDA (`tiled`): the anchor as
                z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
                BM×BN output tile, A and B staged per K step in shared memory with the prologue
                applied in the tile loads, a register micro-tile per thread, the epilogue applied

@@ -207,6 +207,32 @@ static inline float fs_erff(float x) {
     return t * p / q;
 }
 """
+# C: scratch buffers (a product's tile, a packed panel, an im2col patch) come from a per-thread
+# arena kept between calls: one slot per buffer name, grown to the largest size asked, never
+# freed. A malloc/free per call costs a page fault per 4 KiB each time glibc hands the memory back
+# to the system (which MALLOC_TRIM_THRESHOLD_ or a large block makes it do); the arena costs
+# nothing after the first call. Per thread, so OpenMP blocks never share one; a buffer the whole
+# kernel shares (the materialized product) is taken by the calling thread before its parallel loops.
+SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf")
+_C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
+              f"static _Thread_local size_t fs_slot_bytes[{len(SCRATCH_SLOTS)}];\n"
+              "static inline float* fs_scratch(int slot, size_t bytes) {\n"
+              "    if (bytes > fs_slot_bytes[slot]) {\n"
+              "        free(fs_slot[slot]);\n"
+              "        size_t padded = (bytes + 63) / 64 * 64;\n"
+              "        fs_slot[slot] = aligned_alloc(64, padded);\n"
+              "        fs_slot_bytes[slot] = fs_slot[slot] ? padded : 0;\n"
+              "        if (!fs_slot[slot]) abort();\n"
+              "    }\n"
+              "    return (float*)fs_slot[slot];\n"
+              "}\n")
+
+
+def scratch(name: str, floats: str) -> str:
+    """The C declaration of scratch buffer `name` (one of SCRATCH_SLOTS) of `floats` floats."""
+    return f"float* {name} = fs_scratch({SCRATCH_SLOTS.index(name)}, sizeof(float) * ({floats}));"
+
+
 _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifdef FS_VECTOR_MATH\n"
               + "".join(f"#pragma omp declare simd notinbranch\nfloat {f}(float);\n" for f in _VECTOR_MATH)
               + "#endif\n#ifdef FS_BLAS_SGEMM\nvoid FS_BLAS_SGEMM(int, int, int, int, int, int, float, const float*, int, "
@@ -214,7 +240,7 @@ _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifd
               "void FS_BLAS_SGEMV(int, int, int, int, float, const float*, int, const float*, int, float, float*, int);\n"
               "#define FS_GEMV_OR(call) if (mc == 1) { call } else\n#else\n#define FS_GEMV_OR(call)\n#endif\n"
               "#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
-              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n" + _C_MATH + "#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_max_threads(); }\n"
+              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n" + _C_MATH + _C_SCRATCH + "#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_max_threads(); }\n"
               "#else\nstatic inline long long fs_threads(void) { return 1; }\n#endif\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
 _CU_PRELUDE = ("#define fs_expf(x) expf(x)\n#define fs_erff(x) erff(x)\n#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
                "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n#define FS_SIMD_SUM(a)\n"

@@ -25,6 +25,7 @@ from fusesearch.backends.codegen.base import (
     _indent,
     compute_dtype,
     load_expr,
+    scratch,
     store,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -117,19 +118,12 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
         fill = _im2col_rows(args[x].name, xs, cin_g, kern, strides, pads, dilations, wo)
         panel, ldb = "patch", "(int)pn"
     else:
-        e.lines = []
-        e.push()
-        v = _conv_input(e, anchor, x, xs, idx, "kq", taps, (spatial, strides, pads, dilations), "gq", cin_g)
-        e.pop()
-        fill = [f"for (long long kq = 0; kq < {kt}LL; ++kq) {{", "    for (long long oh = oh0; oh < oh1; ++oh) {",
-                *(["        #pragma omp simd"] if _flat_loop(e.lines) else []),
-                f"        for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["            " + x_ for x_ in e.lines],
-                f"            patch[kq * pn + (oh - oh0) * {wo}LL + ow] = {v};", "        }", "    }", "}"]
+        fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
         panel, ldb = "patch", "(int)pn"
     filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
     if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
         filters = "wbuf"
-        widen = [f"float* wbuf = (float*)malloc(sizeof(float) * {cout_g * kt}LL);",
+        widen = [scratch("wbuf", f"{cout_g * kt}LL"),
                  f"for (long long q = 0; q < {cout_g * kt}LL; ++q) "
                  f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
     e.lines = []
@@ -144,8 +138,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              "    long long oh0 = blk % blocks * rb;",
              f"    long long oh1 = oh0 + rb < {ho}LL ? oh0 + rb : {ho}LL;",
              f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
-             *([f"    float* patch = (float*)malloc(sizeof(float) * {kt}LL * pn);"] if not direct else []),
-             f"    float* cbuf = (float*)malloc(sizeof(float) * {cout_g}LL * pn);",
+             *(["    " + scratch("patch", f"{kt}LL * pn")] if not direct else []),
+             "    " + scratch("cbuf", f"{cout_g}LL * pn"),
              *["    " + x_ for x_ in fill + widen],
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
@@ -154,8 +148,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              *(["            #pragma omp simd"] if _flat_loop(body) else []),
              f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
              "            }", "        }", "    }",
-             *(["    free(patch);"] if not direct else []), "    free(cbuf);",
-             *(["    free(wbuf);"] if widen else []), "}"]
+             "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
     split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
              f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
@@ -184,6 +177,85 @@ def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int
             "        #pragma omp simd",
             f"        for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];",
             f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", "}"]
+
+
+def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 with the prologue applied (or a half input
+    widened): as `_im2col_rows`, the rows and columns outside the image are zeros and the prologue
+    runs only on the interior, with no bounds test per element; a Concat along the channels the
+    input is computed from (`_channel_concat`) becomes one tap loop per piece, each computing its
+    own piece only: no branch per element (under `omp simd` both sides of one were computed)."""
+    kern, strides, pads, dilations = geometry
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = kern, strides, pads, dilations
+    h, w = xs[2], xs[3]
+    khkw, kt = kh_n * kw_n, cin_g * kh_n * kw_n
+    found = _channel_concat(e.graph, e.members, x, xs)
+    pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
+    lines = []
+    for concat, k, lo, hi in pieces:
+        e.pinned = {} if concat is None else {concat: k}
+        e.lines = []
+        e.push()
+        v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", f"(ow * {sw}LL + off)"))
+        e.pop()
+        body = e.lines
+        if concat is None:
+            head, tail = [f"for (long long kq = 0; kq < {kt}LL; ++kq) {{"], ["}"]
+        else:  # the taps of this piece's channels within the group
+            head = ["{", f"    long long klo = ({lo}LL - gq * {cin_g}LL) * {khkw}LL, khi = ({hi}LL - gq * {cin_g}LL) * {khkw}LL;",
+                    "    if (klo < 0) klo = 0;", f"    if (khi > {kt}LL) khi = {kt}LL;",
+                    "for (long long kq = klo; kq < khi; ++kq) {"]
+            tail = ["}", "}"]
+        lines += [*head,
+                  f"    long long ci = kq / {khkw}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
+                  f"    long long off = kw * {dw}LL - {pw}LL;",
+                  f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
+                  f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
+                  f"    if (hi > {wo}LL) hi = {wo}LL;", "    if (lo > hi) lo = hi;",
+                  "    for (long long oh = oh0; oh < oh1; ++oh) {",
+                  f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
+                  f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
+                  f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
+                  "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
+                  *(["        #pragma omp simd"] if _flat_loop(body) else []),
+                  "        for (long long ow = lo; ow < hi; ++ow) {", *["            " + x_ for x_ in body],
+                  f"            dst[ow] = {v};", "        }",
+                  f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", *tail]
+    e.pinned = {}
+    return lines
+
+
+def _channel_concat(graph: Graph, members, x: str, xs) -> tuple[str, list[tuple[int, int]]] | None:
+    """(the Concat's output, each input's channel range) when a conv input `x` is computed in the
+    group from one Concat along the channels of x's own shape through same-shape elementwise or
+    broadcast ops only (every path from the Concat to x keeps the channel index), else None."""
+    seen, stack = set(), [x]
+    while stack:
+        p = graph.producer(stack.pop())
+        if p is not None and p in members and p not in seen:
+            seen.add(p)
+            stack += [i for i in graph.nodes[p].inputs if i]
+    concats = [p for p in seen if graph.nodes[p].op_type == "Concat"
+               and int(graph.nodes[p].attrs.get("axis", 0)) % len(xs) == 1 and graph.tensors[graph.nodes[p].outputs[0]].shape == tuple(xs)]
+    if len(concats) != 1:
+        return None
+    node = graph.nodes[concats[0]]
+    derived = {node.outputs[0]}
+    for p in sorted(seen):  # topological: ids are positions
+        n = graph.nodes[p]
+        if p == concats[0] or not any(i in derived for i in n.inputs):
+            continue
+        if (kind_of(n.op_type, n.domain) > OpKind.BROADCAST or graph.tensors[n.outputs[0]].shape != tuple(xs)
+                or any(i in derived and graph.tensors[i].shape != tuple(xs) for i in n.inputs)):
+            return None
+        derived.update(n.outputs)
+    if x not in derived:
+        return None
+    ranges, at = [], 0
+    for i in (i for i in node.inputs if i):
+        ranges.append((at, at + graph.tensors[i].shape[1]))
+        at += graph.tensors[i].shape[1]
+    return node.outputs[0], ranges
 
 
 def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
@@ -477,7 +549,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         k_inner = source is not None and source[1].ndim >= 2 and _k_contiguous(source[1])
         loops = (("nn", n_extent), ("kk", k_extent)) if k_inner else (("kk", k_extent), ("nn", n_extent))
         at = f"nn * {k_extent}LL + kk" if k_inner else f"kk * {n_extent}LL + nn"
-        z_lines += [f"float* bbuf = (float*)malloc(sizeof(float) * {k_extent * n_extent}LL);",
+        z_lines += [scratch("bbuf", f"{k_extent * n_extent}LL"),
                     f"for (long long {loops[0][0]} = 0; {loops[0][0]} < {loops[0][1]}LL; ++{loops[0][0]}) {{",
                     *([] if e.lines else ["    #pragma omp simd"]),
                     f"    for (long long {loops[1][0]} = 0; {loops[1][0]} < {loops[1][1]}LL; ++{loops[1][0]}) {{",
@@ -496,22 +568,22 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              f"{k_extent}, {b_ptr}, {ldb}, 0.0f, {c_ptr}, {n_extent});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
     epilogue = [] if direct else [
-        f"    float* cbuf = (float*)malloc(sizeof(float) * mc * {n_extent}LL);", "    " + sgemm,
+        "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
         "    for (long long i = 0; i < mc; ++i) {",
         *["        " + x for x in row], f"        const float* acc = cbuf + i * {n_extent}LL;",
         *(["        #pragma omp simd"] if _flat_loop(body) else []),
         f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
-        "    }", "    free(cbuf);"]
+        "    }"]
     block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
              "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
              *["    " + x for x in z_lines],
-             *([] if a_in_place else [f"    float* abuf = (float*)malloc(sizeof(float) * mc * {k_extent}LL);"]),
+             *([] if a_in_place else ["    " + scratch("abuf", f"mc * {k_extent}LL")]),
              *([] if a_in_place else ["    for (long long i = 0; i < mc; ++i) {",
                                       *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
                                       *["        " + x for x in fill], "    }"]),
              *(["    " + sgemm] if direct else epilogue),
-             *([] if a_in_place else ["    free(abuf);"]), *(["    free(bbuf);"] if packed_b else []), "}"]
+             "}"]
     split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
              f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
              f"long long blocks = ({m_extent}LL + mb - 1) / mb;",
@@ -561,5 +633,4 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) 
     if product is None:
         return None
     c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))
-    return [f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);", *product, *c_loops,
-            "    free(ybuf);"]
+    return ["    " + scratch("ybuf", f"{max(1, buffer.size)}LL"), *product, *c_loops]

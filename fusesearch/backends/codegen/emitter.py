@@ -47,6 +47,7 @@ class _Emitter:
         self.window_clamp = False  # C loop nests: a pool tap reads a clamped position and selects, no branch
         self.window_cols = ""  # C: the column loop variable ...
         self.window_interior: frozenset[int] = frozenset()  # ... inside these pools' interior (no column checks)
+        self.pinned: dict[str, int] = {}  # C: Concat output → the one input the current loop reads
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:

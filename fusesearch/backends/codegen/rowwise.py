@@ -19,6 +19,7 @@ from fusesearch.backends.codegen.base import (
     _lit,
     _signature,
     compute_dtype,
+    scratch,
     store,
 )
 from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _matmul_row_loops
@@ -127,8 +128,8 @@ def _row_product(graph, kernel, args, outs) -> str | None:
     if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
         return None
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}))
-    return (f"    float* ybuf = (float*)malloc(sizeof(float) * {max(1, buffer.size)}LL);\n"
-            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side) + "    free(ybuf);\n")
+    return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side))
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
