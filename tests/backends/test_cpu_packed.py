@@ -75,7 +75,7 @@ def test_a_product_without_epilogue_is_stored_by_the_blas(tmp_path, blas, m):
     gk = one_kernel(tmp_path, nodes, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 19]))])
     moved = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Transpose", ["y"], ["out"], perm=[0, 2, 1])]
     gk2 = one_kernel(tmp_path, moved, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 19]))])
-    assert ("0.0f, out0 + (z * " in gk.c_source) and ("0.0f, ybuf + (z * " in gk2.c_source)
+    assert ("0.0f, out0 + ((z) * " in gk.c_source) and ("0.0f, ybuf + ((z) * " in gk2.c_source)
     assert "cbuf" not in gk.c_source + gk2.c_source
 
 
@@ -298,3 +298,42 @@ def test_conv_over_a_channel_concat_computes_each_piece_in_its_own_tap_loop(tmp_
                     [("out", None)], [("scale", _w([1, 12, 1, 1], 3)), ("w", _w([12, 12 // group, kernel, kernel]))])
     if blas == "blas":
         assert gk.c_source.count("for (long long kq = klo; kq < khi; ++kq)") == 2
+
+
+@pytest.mark.parametrize("perm,shape", [([0, 2, 1, 3], [1, 70, 60]), ([0, 1, 2, 3], [1, 3, 1400])])
+def test_a_product_moved_by_views_is_stored_at_its_strides(tmp_path, blas, perm, shape):
+    """Attention's context product merged into heads (Transpose + Reshape): each head's tile is
+    stored by the BLAS at the output's row stride (ldc = heads x N), no buffer and no copy pass."""
+    nodes = [helper.make_node("MatMul", ["p", "v"], ["y"]), helper.make_node("Transpose", ["y"], ["yt"], perm=perm),
+             helper.make_node("Reshape", ["yt", "shape"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("p", [1, 3, 70, 16]), ("v", [1, 3, 16, 20])], [("out", None)],
+                    [("shape", np.int64(shape))])
+    if blas == "blas":
+        blas_part = gk.c_source[gk.c_source.index(f"void {gk.name}("):].split("#else")[0]
+        assert "ybuf" not in blas_part and f", {60 if perm[1] == 2 else 20});" in blas_part
+
+
+def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
+    """Attention scores with an int64 mask turned into an additive float mask that is also an
+    output: the side loop writes the mask once, and the Softmax rows over the BLAS product read it
+    back instead of casting and scaling it again per score element."""
+    nodes = [helper.make_node("Cast", ["mask"], ["mf"], to=1), helper.make_node("Sub", ["one", "mf"], ["inv"]),
+             helper.make_node("Mul", ["inv", "big"], ["ext"]), helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "scale"], ["sd"]),
+             helper.make_node("Add", ["sd", "ext"], ["sm"]), helper.make_node("Softmax", ["sm"], ["out"], axis=-1)]
+    from onnx import TensorProto
+
+    model = make_model(nodes, [("q", [1, 2, 37, 16]), ("k", [1, 2, 37, 16])], [("out", None), ("ext", None)],
+                       [("one", np.float32(1.0)), ("big", np.float32(-10000.0)), ("scale", np.float32(4.0))])
+    model.graph.input.append(helper.make_tensor_value_info("mask", TensorProto.INT64, [1, 1, 1, 37]))
+    prep = prepare(save(model, tmp_path / "m.onnx"))
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+    for name in ("out", "ext"):
+        np.testing.assert_allclose(out[name], values[name], rtol=0, atol=1e-4 * max(1.0, np.abs(values[name]).max()))
+    if blas == "blas":
+        body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        rows = body[body.index("for (long long r = 0;"):].split("#else")[0]  # the BLAS path's rows
+        assert "out0[j]" in rows and "(float)(" not in rows  # the rows read the mask back, cast nowhere per element

@@ -88,7 +88,8 @@ CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole out
 
 def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
     """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
-    and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS): the block's input patches (prologue applied, zero padding) are packed into an
+    and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS
+    or the filters' size, blocks of even size): the block's input patches (prologue applied, zero padding) are packed into an
     im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its input in place), one sgemm
     multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
     epilogue runs over the block's product while it is in cache, before the one store. None for
@@ -108,7 +109,9 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     kt = math.prod(taps)
     ho, wo = ys[2], ys[3]
     pixels = ho * wo
-    cap = max(1, CONV_PATCH_FLOATS // max(1, kt * wo))  # output rows per block: its panel within the cap
+    # output rows per block: the panel within the cap, or within the filters' size when they are
+    # larger (every block's sgemm packs all the filters again: a 512x4608 filter set is 9 MiB)
+    cap = max(1, max(CONV_PATCH_FLOATS, cout_g * kt) // max(1, kt * wo))
     direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
               and not any(pads) and graph.tensors[x].dtype == "float32")
     idx = ("nb", "co", "oh", "ow")
@@ -152,7 +155,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
     split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
              f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
-             f"long long blocks = ({ho}LL + rb - 1) / rb;")
+             f"long long blocks = ({ho}LL + rb - 1) / rb;",
+             f"rb = ({ho}LL + blocks - 1) / blocks;")  # even blocks: a short last one costs a whole filter packing
     return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
                      + _indent(block, 1), "    }"]
 
@@ -367,10 +371,12 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
     return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
 
 
-def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
+                      store: tuple[str, tuple[int, ...]] | None = None) -> list[str] | None:
     """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
     into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
-    epilogue per column reading acc[n]."""
+    epilogue per column reading acc[n]. `store` (the output's name and its strides per product
+    axis): only the BLAS blocks, each storing its tile there (None without a BLAS path)."""
     a, b = anchor.inputs[0], anchor.inputs[1]
     sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
     y = anchor.outputs[0]
@@ -415,9 +421,11 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
     rows_loop = c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
     if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
         rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
-    direct = (main[0].name if len(outs) == 1 and main[0].tensor == y and main[0].dtype == "float32"
-              and anchor.op_type == "MatMul" else None)  # the product is the output: the BLAS stores it
-    blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, direct)
+    direct = ((main[0].name, _row_major(yshape)) if len(outs) == 1 and main[0].tensor == y
+              and main[0].dtype == "float32" and anchor.op_type == "MatMul" else None)  # the BLAS stores the output
+    blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct)
+    if store is not None:  # only the BLAS blocks, storing through the given strides
+        return blas
     if blas is None:
         return rows_loop if max(k_extent, n_extent) <= MAX_HOIST else None
     return ["#ifdef FS_BLAS_SGEMM", *c_side, *blas, "#else", *rows_loop, "#endif"]
@@ -508,7 +516,7 @@ def _strided_b(graph: Graph, e: _Emitter, source, z_idx, sb, k_extent: int, n_ex
 
 
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body,
-                 direct: str | None = None) -> list[str] | None:
+                 direct: tuple[str, tuple[int, ...]] | None = None) -> list[str] | None:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -516,7 +524,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     prologue), one sgemm multiplies them by B (a kernel input read in place,
     or, when the group computes it, packed per block) — an sgemv when the product has one row, which
     needs no packing — and the epilogue runs over the block's product while it is in cache, before
-    the one store; where the product is the group's one output (`direct`: its float32 argument) the
+    the one store; where the product is the group's one output or a view of it (`direct`: its
+    float32 argument and the output's stride per product axis, unit along N) the
     BLAS stores the block there and there is no epilogue pass. None where B is not float32 or half
     (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
@@ -560,12 +569,16 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         b_ptr = f"{e.args[b].name} + ({e.flat(e.broadcast(z_idx, sb[:-2]) + ('0', '0'), sb)})"
         ldb, b_trans = (k_extent if trans_b else n_extent), (112 if trans_b else 111)
     row = ["long long row = z * " + f"{m_extent}LL + m0 + i;", *pre]
-    c_ptr = f"{direct} + (z * {m_extent}LL + m0) * {n_extent}LL" if direct else "cbuf"
+    c_ptr, ldc = "cbuf", n_extent
+    if direct:  # the tile stored in place: a batch's rows at their strides (a head's columns of a merge)
+        name, st = direct
+        at = [f"({i}) * {s_}LL" for i, s_ in zip(z_idx, st[:-2], strict=True) if s_] + [f"m0 * {st[-2]}LL"]
+        c_ptr, ldc = f"{name} + ({' + '.join(at)})", st[-2]
     gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, 0.0f, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
             f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, 0.0f, {c_ptr}, 1);")
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, {a_ptr}, "
-             f"{k_extent}, {b_ptr}, {ldb}, 0.0f, {c_ptr}, {n_extent});")
+             f"{k_extent}, {b_ptr}, {ldb}, 0.0f, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
     epilogue = [] if direct else [
         "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
@@ -633,4 +646,42 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) 
     if product is None:
         return None
     c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))
-    return ["    " + scratch("ybuf", f"{max(1, buffer.size)}LL"), *product, *c_loops]
+    whole = ["    " + scratch("ybuf", f"{max(1, buffer.size)}LL"), *product, *c_loops]
+    strides = _view_strides(graph, kernel, outs, y) if anchor.op_type == "MatMul" else None
+    stored = _matmul_row_loops(graph, kernel, args, [buffer], anchor, store=(outs[0].name, strides)) if strides else None
+    return ["#ifdef FS_BLAS_SGEMM", *stored, "#else", *whole, "#endif"] if stored else whole
+
+
+def _view_strides(graph: Graph, kernel: Kernel, outs, y: str) -> tuple[int, ...] | None:
+    """The stride in the kernel's one float32 output of each axis of product `y`, when the output is
+    `y` moved by views only (a Transpose merging attention heads, a Reshape) and the product's rows
+    land at a fixed stride with unit stride along N; else None."""
+    if len(outs) != 1 or outs[0].dtype != "float32":
+        return None
+    path, t = [], y
+    while t != outs[0].tensor:
+        users = [n for n in graph.consumers(t) if n in kernel.nodes]
+        if len(users) != 1 or graph.nodes[users[0]].op_type not in _VIEWS or graph.nodes[users[0]].inputs[0] != t:
+            return None
+        path.append(graph.nodes[users[0]])
+        t = path[-1].outputs[0]
+    yshape = graph.tensors[y].shape
+    size = math.prod(yshape)
+    if not path or size > PROBE_FLOATS or len(yshape) < 2:
+        return None
+    moved = np.arange(size, dtype=np.int64).reshape(yshape)  # at each output position: the product's element
+    for node in path:
+        if node.op_type == "Transpose":
+            perm = node.attrs.get("perm")
+            moved = moved.transpose(tuple(perm) if perm is not None else None)
+        moved = np.ascontiguousarray(moved).reshape(graph.tensors[node.outputs[0]].shape)
+    where = np.empty(size, dtype=np.int64)
+    where[moved.reshape(-1)] = np.arange(size, dtype=np.int64)  # at each product element: its output position
+    strides = _affine_strides(where.reshape(yshape))
+    if strides is None or where[0] != 0 or strides[-1] != 1 or (yshape[-2] > 1 and strides[-2] < yshape[-1]):
+        return None
+    return strides if yshape[-2] > 1 else (*strides[:-2], yshape[-1], 1)
+
+
+def _row_major(shape) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -73,14 +73,17 @@ class _RowPlan:
         return self.cached if self.c_target else self.cu_cached
 
 
-def _row_plan(graph, kernel, args, outs, materialized=frozenset()):
-    """The row kernel's statements: (plan with its C and CUDA row bodies, side-output loops)."""
+def _row_plan(graph, kernel, args, outs, materialized=frozenset(), read_side=False):
+    """The row kernel's statements: (plan with its C and CUDA row bodies, side-output loops).
+    `read_side` (C only: the side loops run first in the same thread's program order): the rows
+    read the side outputs back instead of computing them again (an int64 attention mask cast
+    and scaled per score element costs more than the scores' Softmax)."""
     nodes = [graph.nodes[i] for i in kernel.nodes]
     rows, length = _row_shape(graph, nodes)
-    e = _Emitter(graph, kernel, args)
-    e.materialized = materialized
     plan = _RowPlan(rows, length, smem_rows=kernel.schedule.generated.row_cache)
     side = _side_outputs(graph, kernel, outs, plan)
+    e = _Emitter(graph, kernel, {**args, **{o.tensor: o for o in side}} if read_side else args)
+    e.materialized = materialized | {o.tensor for o in side} if read_side else materialized
     for node in nodes:
         if node.kind.name == "REDUCE":
             _reduction(e, node, plan)
@@ -127,7 +130,7 @@ def _row_product(graph, kernel, args, outs) -> str | None:
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
     if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
         return None
-    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}))
+    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
     return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
             + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side))
 
