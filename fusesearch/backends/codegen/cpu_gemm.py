@@ -8,9 +8,17 @@ once before timing) against scipy-openblas32's sgemm (which packs B inside every
 GEMM shapes: equal within noise (0.99x geomean on one Zen 3 core: 86-90 GFLOP/s both at
 128x768x768, 128x768x3072, 128x3072x768, 197x384x384; 0.95x at 37x45x70). So the BLAS stays: it is
 as fast, covers transposed operands and the GEMV case, and needs no packed copy of each weight
-kept beside the plan.
+kept beside the plan. The exception 1b also times: a conv whose filters dwarf its activations
+(resnet's last stage, 49 pixels x 4608 taps x 512 filters, 9 MiB of filters) ran 1.12x faster
+with the filters packed once, the gap ONNX Runtime's pre-packed weights hold over us there.
+Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
+at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
+that heads merge into is stored at the output's row stride; computed panels are packed in the
+order their source runs, and a conv's prologue fills only the image interior, one tap loop per
+piece of a channel Concat.
 Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
-source compiles with and without a BLAS; blocks run in parallel (OpenMP), each BLAS call alone.
+source compiles with and without a BLAS; blocks run in parallel (OpenMP), each BLAS call alone;
+scratch comes from the per-thread arena (`base.scratch`), never a malloc per call.
 """
 
 from __future__ import annotations
