@@ -169,13 +169,13 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
                      + _indent(block, 1), "    }"]
 
 
-def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int) -> list[str]:
-    """The im2col panel of output rows oh0..oh1 read from the input as it is (no prologue): per tap
-    and output row, the zero rows and columns outside the image, a strided copy in between."""
-    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = kern, strides, pads, dilations
+def _im2col_tap(geometry, xs, wo: int, interior: list[str]) -> list[str]:
+    """The body of tap `kq`'s loop of an im2col panel over output rows oh0..oh1: the tap's channel
+    and offsets, zero rows above and below the image and zero columns beside it, and `interior`
+    (lines filling dst[lo..hi) of one row, `ih` and `off` known) in between."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = geometry
     h, w = xs[2], xs[3]
-    return [f"for (long long kq = 0; kq < {cin_g * kh_n * kw_n}LL; ++kq) {{",
-            f"    long long ci = kq / {kh_n * kw_n}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
+    return [f"    long long ci = kq / {kh_n * kw_n}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
             f"    long long off = kw * {dw}LL - {pw}LL;",
             f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
             f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
@@ -184,11 +184,19 @@ def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int
             f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
             f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
             f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
-            f"        const float* src = {x} + ((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + off;",
             "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
-            "        #pragma omp simd",
-            f"        for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];",
-            f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", "}"]
+            *["        " + x for x in interior],
+            f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }"]
+
+
+def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 read from the input as it is (no prologue): per tap
+    and output row, the zero rows and columns outside the image, a strided copy in between."""
+    (kh_n, kw_n), (_, sw), h, w = kern, strides, xs[2], xs[3]
+    copy = [f"const float* src = {x} + ((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + off;",
+            "#pragma omp simd", f"for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];"]
+    return [f"for (long long kq = 0; kq < {cin_g * kh_n * kw_n}LL; ++kq) {{",
+            *_im2col_tap((kern, strides, pads, dilations), xs, wo, copy), "}"]
 
 
 def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> list[str]:
@@ -197,9 +205,7 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
     runs only on the interior, with no bounds test per element; a Concat along the channels the
     input is computed from (`_channel_concat`) becomes one tap loop per piece, each computing its
     own piece only: no branch per element (under `omp simd` both sides of one were computed)."""
-    kern, strides, pads, dilations = geometry
-    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = kern, strides, pads, dilations
-    h, w = xs[2], xs[3]
+    (kh_n, kw_n), (_, sw) = geometry[0], geometry[1]
     khkw, kt = kh_n * kw_n, cin_g * kh_n * kw_n
     found = _channel_concat(e.graph, e.members, x, xs)
     pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
@@ -218,21 +224,9 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
                     "    if (klo < 0) klo = 0;", f"    if (khi > {kt}LL) khi = {kt}LL;",
                     "for (long long kq = klo; kq < khi; ++kq) {"]
             tail = ["}", "}"]
-        lines += [*head,
-                  f"    long long ci = kq / {khkw}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
-                  f"    long long off = kw * {dw}LL - {pw}LL;",
-                  f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
-                  f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
-                  f"    if (hi > {wo}LL) hi = {wo}LL;", "    if (lo > hi) lo = hi;",
-                  "    for (long long oh = oh0; oh < oh1; ++oh) {",
-                  f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
-                  f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
-                  f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
-                  "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
-                  *(["        #pragma omp simd"] if _flat_loop(body) else []),
-                  "        for (long long ow = lo; ow < hi; ++ow) {", *["            " + x_ for x_ in body],
-                  f"            dst[ow] = {v};", "        }",
-                  f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }", *tail]
+        fill = [*(["#pragma omp simd"] if _flat_loop(body) else []), "for (long long ow = lo; ow < hi; ++ow) {",
+                *["    " + x_ for x_ in body], f"    dst[ow] = {v};", "}"]
+        lines += [*head, *_im2col_tap(geometry, xs, wo, fill), *tail]
     e.pinned = {}
     return lines
 
