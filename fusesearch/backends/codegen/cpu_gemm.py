@@ -635,7 +635,7 @@ _HOIST_FILL = {"Conv": _fill_conv}
 def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
     """C skeleton for a MatMul/Gemm/Conv whose epilogue reads the product at other positions than
     the one computed (a Transpose after a MatMul, a Reshape+Transpose or a Concat after a Conv):
-    the product (prologue applied) into a heap buffer by the anchor's own loops (the BLAS blocks),
+    the product (prologue applied) into a scratch buffer by the anchor's own loops (the BLAS blocks),
     then every output by pointwise loops that read the buffer. None for other anchors, 1-D
     operands, or a product that is not float32."""
     y = anchor.outputs[0]

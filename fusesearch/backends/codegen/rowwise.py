@@ -116,7 +116,7 @@ def _rowwise(graph, kernel, name, ins, outs, args):
 
 def _row_product(graph, kernel, args, outs) -> str | None:
     """C for a row kernel over a MatMul/Gemm (attention's scores under a Softmax): the product,
-    prologue applied, into a heap buffer through the BLAS blocks, then the row loops reading it
+    prologue applied, into a scratch buffer through the BLAS blocks, then the row loops reading it
     (each row's dot products are one BLAS tile instead of a dot per element). None without an
     anchor, or where the product is not float32 or not generated through the BLAS blocks."""
     if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
