@@ -183,6 +183,8 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
                                   before_each=runner.before_each)
     for it, timing in zip(todo, timings, strict=True):
         it.timing = timing
+        if runner.cache and it.key:
+            runner.cache.put(it.key, timing)
     done = [tuple(runner.finish(items[label, g.id]) for g in p.groups) for label, p in (("plan", plan), ("unfused", unfused))]
     return MeasureReport(backend, runner.device, done[0], done[1], baseline)
 
@@ -220,10 +222,6 @@ class _Item:
     err: float = math.nan
     generated: object = None
     reason: str = ""
-    cached: Timing | None = None
-
-    def __post_init__(self) -> None:
-        self.cached = self.timing if self.how != "alias" else None
 
 
 def _check_reference_dtypes(graph, label: str, plan: Plan) -> None:
@@ -280,8 +278,6 @@ class _Runner:
         if how == "alias":
             return KernelMeasurement(item.label, g.id, "alias", "alias", 0.0, timing, 0.0,
                                      self._row(item.label, g, "alias", timing, 0.0, None), **ids)
-        if item.run is not None and item.key and self.cache and item.cached is None:
-            self.cache.put(item.key, timing)
         row = self._row(item.label, g, how, timing, item.err, item.generated)
         if item.reason:
             row["reason"] = item.reason

@@ -463,18 +463,25 @@ def _b_source(graph: Graph, members, b: str) -> tuple[str, np.ndarray, bool] | N
                 return None
         else:
             return None
-        path.append((node, t))
+        path.append(node)
         t = nxt
     size = math.prod(graph.tensors[t].shape)
     if not path or size > PROBE_FLOATS:
         return None
-    offsets = np.arange(size, dtype=np.int64).reshape(graph.tensors[t].shape)
-    for node, out in reversed(path):
+    offsets = _through_views(graph, path[::-1], graph.tensors[t].shape)
+    return t, offsets, all(node.op_type in _VIEWS for node in path)
+
+
+def _through_views(graph: Graph, nodes, shape) -> np.ndarray:
+    """Each element's flat position in a tensor of `shape`, carried through `nodes` in order (views
+    move the positions; an elementwise op, its output the same shape, keeps them)."""
+    positions = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    for node in nodes:
         if node.op_type == "Transpose":
             perm = node.attrs.get("perm")
-            offsets = offsets.transpose(tuple(perm) if perm is not None else None)
-        offsets = np.ascontiguousarray(offsets).reshape(graph.tensors[out].shape)
-    return t, offsets, all(node.op_type in _VIEWS for node, _ in path)
+            positions = positions.transpose(tuple(perm) if perm is not None else None)
+        positions = np.ascontiguousarray(positions).reshape(graph.tensors[node.outputs[0]].shape)
+    return positions
 
 
 def _affine_strides(offsets: np.ndarray) -> tuple[int, ...] | None:
@@ -671,12 +678,7 @@ def _view_strides(graph: Graph, kernel: Kernel, outs, y: str) -> tuple[int, ...]
     size = math.prod(yshape)
     if not path or size > PROBE_FLOATS or len(yshape) < 2:
         return None
-    moved = np.arange(size, dtype=np.int64).reshape(yshape)  # at each output position: the product's element
-    for node in path:
-        if node.op_type == "Transpose":
-            perm = node.attrs.get("perm")
-            moved = moved.transpose(tuple(perm) if perm is not None else None)
-        moved = np.ascontiguousarray(moved).reshape(graph.tensors[node.outputs[0]].shape)
+    moved = _through_views(graph, path, yshape)  # at each output position: the product's element
     where = np.empty(size, dtype=np.int64)
     where[moved.reshape(-1)] = np.arange(size, dtype=np.int64)  # at each product element: its output position
     strides = _affine_strides(where.reshape(yshape))
