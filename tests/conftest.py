@@ -18,6 +18,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fusesearch.cli import main as cli_main
+from fusesearch.zoo import ZOO
+
+# bert-base and vit-base are bert-small's and vit-small's builders at a larger size: the same ops,
+# the same fusion groups and skeletons, larger extents. The sweeps over every kernel of every zoo
+# model run them under -m slow only (`make test-all`), keeping `make test` within CI's time.
+SCALED_TWINS = ("bert-base", "vit-base")
+
+
+def zoo_params(slow=SCALED_TWINS) -> list:
+    """Every zoo model as a pytest parameter, those in `slow` marked slow."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in ZOO]
 
 
 def make_model(nodes, inputs, outputs, initializers=(), opset=17, name="t"):

@@ -17,9 +17,10 @@ from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES
 from fusesearch.zoo import ZOO
+from tests.conftest import zoo_params
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("name", zoo_params())
 def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
     dims = ["seq=32"] if "seq" in ZOO[name].default_dims else []  # the text models shorter: planning time
     prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=dims))

@@ -29,6 +29,7 @@ from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES
 from fusesearch.zoo import ZOO
+from tests.conftest import SCALED_TWINS
 
 nvrtc = pytest.importorskip("fusesearch.backends.nvrtc")
 pytestmark = pytest.mark.skipif(not nvrtc.toolchain_available(), reason="no CUDA compiler (NVRTC or nvcc)")
@@ -49,7 +50,8 @@ HALF = tuple(ZOO)  # every zoo model converted to float16: FP16 tensor-core kern
 FAST_HALF = ("bert-small", "resnet18", "mobilenetv2")  # float16 by default; the other models' under -m slow
 
 
-@pytest.mark.parametrize("name,tf32,dtype", [(name, True, "float32") for name in ZOO]
+@pytest.mark.parametrize("name,tf32,dtype", [pytest.param(name, True, "float32", marks=pytest.mark.slow if name in SCALED_TWINS else ())
+                                              for name in ZOO]
                          + [(name, False, "float32") for name in NO_TF32]
                          + [pytest.param(name, True, "float16", marks=() if name in FAST_HALF else pytest.mark.slow)
                             for name in HALF],

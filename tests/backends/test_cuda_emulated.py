@@ -28,7 +28,7 @@ from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
 from fusesearch.zoo import ZOO
-from tests.conftest import make_model, save
+from tests.conftest import SCALED_TWINS, make_model, save
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler")
 
@@ -230,7 +230,8 @@ def test_zoo_groups_run_emulated(name, dims, count, tf32, gemm_skeleton):
 FAST_HALF = ("bert-small", "resnet18", "gpt2")  # float16 by default; the other models' under -m slow
 
 
-@pytest.mark.parametrize("name,dtype", [(name, "float32") for name in ZOO] + [
+@pytest.mark.parametrize("name,dtype", [pytest.param(name, "float32", marks=pytest.mark.slow if name in SCALED_TWINS else ())
+                                        for name in ZOO] + [
     pytest.param(name, "float16", marks=() if name in FAST_HALF else pytest.mark.slow) for name in ZOO])
 def test_every_zoo_model_tensor_core_kernels_run_emulated(tmp_path, name, dtype):
     """Every zoo model, float32 (TF32 tensor cores) and converted to float16 (FP16 tensor cores):

@@ -43,6 +43,7 @@ from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES
 from fusesearch.verify import all_values, compare, random_feeds
+from tests.conftest import zoo_params
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
@@ -90,7 +91,7 @@ def _check_arraylib(node, values, seen: set) -> bool:
     return True
 
 
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+@pytest.mark.parametrize("name", zoo_params())
 def test_every_group_of_every_zoo_plan_matches_ort_on_the_cpu_backend(name, record_property):
     prep, canonical, values = _model(name)
     graph = prep.graph
