@@ -11,8 +11,9 @@
    resnet18) and the sum of kernel times beside ONNX Runtime's whole-model time (ENABLE_ALL, one
    thread; target within 1.5x).
 5. Threads: a conv, a GEMM and a row kernel with 1 and 2 OpenMP threads (faster with 2, equal).
-1b. The GEMM main loop: our own packed, register-blocked micro-kernel (benchmarks/own_sgemm.c)
-   against the BLAS the backend calls per block, to decide which the generated code uses.
+1b. The GEMM main loop: our own packed, register-blocked micro-kernel (the C prelude's
+   fs_gemm_packed, weights packed once) against the BLAS the backend calls per block, and generated
+   convs both ways, to decide which the generated code uses where.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,1b,2,3,4,5] [--repeats 5]
         [--budget 0.2] [--models bert-small,resnet18]
@@ -33,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
-from fusesearch.backends.timing import measure
+from fusesearch.backends.timing import measure, measure_interleaved
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
@@ -56,6 +57,14 @@ CONVS = [("resnet50 1x1 64->256 @56", 64, 56, 256, 1, 1, 1),
          ("resnet50 1x1 512->2048 @7", 512, 7, 2048, 1, 1, 1),
          ("resnet50 3x3 512->512 @7", 512, 7, 512, 3, 1, 1),
          ("mobilenetv2 depthwise 3x3 144 @56", 144, 56, 144, 3, 1, 144)]
+# (label, C_in, H, C_out, kernel, stride): 1b's convs with filters packed once or through the BLAS
+PACK_CONVS = [("resnet 3x3 64->64 @56", 64, 56, 64, 3, 1),
+              ("resnet 3x3 128->128 @28", 128, 28, 128, 3, 1),
+              ("resnet 3x3 256->256 @14", 256, 14, 256, 3, 1),
+              ("resnet 3x3 256->512 /2 @14", 256, 14, 512, 3, 2),
+              ("resnet 3x3 512->512 @7", 512, 7, 512, 3, 1),
+              ("resnet50 1x1 512->2048 @7", 512, 7, 2048, 1, 1),
+              ("resnet50 1x1 2048->512 @7", 2048, 7, 512, 1, 1)]
 
 
 def ort_session(model: onnx.ModelProto, level: str = "all"):
@@ -137,23 +146,31 @@ def section_anchors(budget: float, repeats: int) -> None:
 
 
 def section_micro_kernel(budget: float, repeats: int) -> None:
-    """1b. Our own packed 6x16 AVX2/FMA micro-kernel (benchmarks/own_sgemm.c, B packed once before
-    timing, as a constant weight would be) against the BLAS the CPU backend calls per block
-    (scipy-openblas32, which packs B inside every call), same shapes, same call path (ctypes)."""
+    """1b. Our own packed 6x16 micro-kernel (the C prelude's `fs_gemm_packed`, B packed once by
+    `fs_pack_b` before timing, as a constant weight is) against the BLAS the CPU backend calls per
+    block (scipy-openblas32, which packs B inside every call), same shapes, same call path
+    (ctypes); then generated convs with their filters packed once against the same convs through
+    the BLAS (cpu_gemm.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
     import ctypes
     import subprocess
+
+    from fusesearch.backends.codegen import base, cpu_gemm
 
     flags = cpu.blas_flags()
     if not flags:
         print("1b. skipped: no BLAS to compare with (pip install scipy-openblas32)")
         return
-    src = Path(__file__).with_name("own_sgemm.c")
+    driver = (base._C_PRELUDE + base._C_PACKED_GEMM
+              + "void own_pack_b(int K, int N, const float* B, float* Bp) { fs_pack_b(K, N, B, N, 1, Bp); }\n"
+              "void own_sgemm(int M, int N, int K, const float* A, const float* Bp, float* C) "
+              "{ fs_gemm_packed(M, N, K, A, K, 1, Bp, C, N); }\n"
+              "void blas_sgemm(int M, int N, int K, const float* A, const float* B, float* C) "
+              "{ FS_BLAS_SGEMM(101, 111, 111, M, N, K, 1.0f, A, K, B, N, 0.0f, C, N); }\n")
     with tempfile.TemporaryDirectory() as tmp:
-        so = Path(tmp) / "own_sgemm.so"
-        subprocess.run([cpu.compiler(), "-O3", "-march=native", "-shared", "-fPIC", str(src), "-o", str(so), *flags],
-                       check=True)
+        src, so = Path(tmp) / "own_sgemm.c", Path(tmp) / "own_sgemm.so"
+        src.write_text(driver)
+        subprocess.run([cpu.compiler(), *cpu.CFLAGS[:-1], str(src), "-o", str(so), *cpu.link_flags(), "-lm"], check=True)
         lib = ctypes.CDLL(str(so))
-    lib.own_packed_b_floats.restype = ctypes.c_longlong
     ptr = ctypes.c_void_p
     print("1b. GEMM main loop: own packed micro-kernel vs the BLAS per call, one thread, medians of", repeats)
     ratios = []
@@ -163,7 +180,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
                                                                                       ("odd 37x45x70", 37, 45, 70)]:
         a = RNG.standard_normal((m, k)).astype(np.float32)
         b = RNG.standard_normal((k, n)).astype(np.float32)
-        bp = np.zeros(lib.own_packed_b_floats(k, n), np.float32)
+        bp = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32)
         lib.own_pack_b(k, n, b.ctypes.data_as(ptr), bp.ctypes.data_as(ptr))
         c_own, c_blas = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)
         own = lambda: lib.own_sgemm(m, n, k, a.ctypes.data_as(ptr), bp.ctypes.data_as(ptr), c_own.ctypes.data_as(ptr))  # noqa: E731,B023
@@ -180,6 +197,30 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
               f"{t_blas / t_own:5.2f}x   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean: own micro-kernel at {geo:.2f}x the BLAS's throughput")
+    print(f"   generated Conv+Relu, filters packed once vs the BLAS per block (packed from "
+          f"{cpu_gemm.PACK_FILTER_FLOATS} filter floats and filters >= a block's pixels), interleaved:")
+    pairs = []
+    for label, cin, h, cout, kk, stride in PACK_CONVS:
+        ho = (h + 2 * (kk // 2) - kk) // stride + 1
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kk, kk], strides=[stride] * 2, pads=[kk // 2] * 4),
+                 helper.make_node("Relu", ["y"], ["out"])]
+        w = RNG.standard_normal((cout, cin, kk, kk)).astype(np.float32) * 0.1
+        model = _model(nodes, [_vi("x", (1, cin, h, h))], [_vi("out", (1, cout, ho, ho))], [numpy_helper.from_array(w, "w")])
+        with tempfile.TemporaryDirectory() as tmp:
+            onnx.save(model, str(Path(tmp) / "m.onnx"))
+            g = prepare(str(Path(tmp) / "m.onnx")).graph
+        runs = []
+        for threshold in (0, 1 << 62):  # always packed, never packed
+            cpu_gemm.PACK_FILTER_FLOATS, saved = threshold, cpu_gemm.PACK_FILTER_FLOATS
+            kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
+            cpu_gemm.PACK_FILTER_FLOATS = saved
+            runs.append(cpu.runner(kernel, {"x": RNG.standard_normal((1, cin, h, h)).astype(np.float32), "w": w}))
+        pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, runs))
+    times = measure_interleaved([r for *_, runs in pairs for r in runs], budget_s=budget * repeats, rounds=repeats)
+    for i, (label, flops, _) in enumerate(pairs):
+        packed, blas = times[2 * i].median_s, times[2 * i + 1].median_s
+        print(f"   {label:38s} packed {flops / packed / 1e9:6.1f} GFLOP/s   BLAS {flops / blas / 1e9:6.1f} GFLOP/s   "
+              f"{blas / packed:5.2f}x")
     # how the generated GEMM splits a product into BLAS calls (cpu_gemm.BLAS_TILE_FLOATS): each
     # call packs all of B, so a short last block costs a whole packing
     m, k, n = 128, 768, 2304

@@ -325,9 +325,15 @@ class Program(Layout):
         super().__init__(graph, steps, weights, reuse=reuse)
         self.threads = threads
         self._allocate(weights)
-        self.ext = (ctypes.c_void_p * max(1, len(self.ext_index)))()
+        # the weights kernels read packed: a buffer each after the external arrays, packed once below
+        self.packed = {(s.kernel.name, p.arg.name): np.empty(p.arg.shape, dtype=np.float32)
+                       for s in self.steps if s.kernel is not None for p in s.kernel.packed}
+        self.pk_index = {key: len(self.ext_index) + i for i, key in enumerate(self.packed)}
+        self.ext = (ctypes.c_void_p * max(1, len(self.ext_index) + len(self.packed)))()
         for t, a in self.ext_arrays.items():
             self.ext[self.ext_index[t]] = a.ctypes.data
+        for key, a in self.packed.items():
+            self.ext[self.pk_index[key]] = a.ctypes.data
         self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
         self.calls = self._calls(canonical)
 
@@ -346,11 +352,18 @@ class Program(Layout):
                  half_prelude(dtypes, cuda=False).rstrip("\n"),  # the half storage types of the prototypes
                  "void fs_set_threads(int n) { omp_set_num_threads(n); }",
                  "int fs_get_threads(void) { return omp_get_max_threads(); }"]
-        for s in self.steps:
-            if s.kernel is not None:
-                k = s.kernel
-                params = [f"const {a.ctype}*" for a in k.inputs] + [f"{a.ctype}*" for a in k.outputs]
-                lines.append(f"void {k.name}({', '.join(params)});")
+        kernels = [s.kernel for run in runs for s in run if s.kernel is not None]
+        for k in kernels:
+            ins = [f"const {a.ctype}*" for a in k.inputs]
+            params = ins + [f"{a.ctype}*" for a in k.outputs] + ["const float*"] * len(k.packed)
+            lines.append(f"void {k.name}({', '.join(params)});")
+            if k.packed:
+                lines.append(f"void {k.name}_pack({', '.join(ins + ['float*'] * len(k.packed))});")
+        lines.append("void fs_pack(char* a, void** x) {")  # once, before the first run
+        for k in (k for k in kernels if k.packed):
+            pk = [f"(float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed]
+            lines.append(f"    {k.name}_pack({', '.join([self._pointer(a.tensor, True, a.ctype) for a in k.inputs] + pk)});")
+        lines.append("}")
         for n, run in enumerate(runs):
             lines.append(f"void fs_segment_{n}(char* a, void** x) {{")
             for s in run:
@@ -358,7 +371,8 @@ class Program(Layout):
                     continue
                 k = s.kernel
                 args = ([self._pointer(a.tensor, True, a.ctype) for a in k.inputs]
-                        + [self._pointer(a.tensor, False, a.ctype) for a in k.outputs])
+                        + [self._pointer(a.tensor, False, a.ctype) for a in k.outputs]
+                        + [f"(const float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed])
                 lines.append(f"    {k.name}({', '.join(args)});")
             lines.append("}")
         return "\n".join(lines) + "\n"
@@ -375,6 +389,8 @@ class Program(Layout):
             lib.fs_get_threads.restype = ctypes.c_int
             _THREADS.setdefault("before", (lib, lib.fs_get_threads()))
             lib.fs_set_threads(self.threads)
+            lib.fs_pack.argtypes, lib.fs_pack.restype = [ctypes.c_void_p, ctypes.c_void_p], None
+            lib.fs_pack(self.arena_ptr, self.ext)  # the packed weights, from the weights (loaded once)
         n = 0
         for kind, run in parts:
             if kind == "generated":

@@ -297,3 +297,24 @@ def test_zoo_bert_small_equals_ort_step_by_step(run_cli):
     doc = _run_json(run_cli, "zoo:bert-small", "--dim", "seq=16", "--check-each")
     assert doc["max_rel_err"] <= 1e-4 and doc["segments"]["generated"] >= 1
     assert doc["arena_peak_bytes"] <= 0.6 * doc["activation_bytes"]
+
+
+def test_a_plan_whose_convs_read_packed_filters_equals_ort(run_cli, tmp_path, monkeypatch):
+    """Fused convs whose filters are packed once (PACK_FILTER_FLOATS lowered so the model stays
+    small): the program packs them when it is built (the driver's fs_pack), every call reads the
+    packed copy, and the whole plan equals ONNX Runtime."""
+    import fusesearch
+    from fusesearch.backends.codegen import cpu_gemm, generate
+
+    monkeypatch.setattr(cpu_gemm, "PACK_FILTER_FLOATS", 0)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1] * 4, strides=[2, 2]),
+             helper.make_node("Add", ["c2", "s"], ["a2"]), helper.make_node("Relu", ["a2"], ["out"])]
+    path = save(make_model(nodes, [("x", [1, 8, 6, 6]), ("s", [1, 40, 3, 3])], [("out", None)],
+                           [("w1", _w(40, 8, 3, 3)), ("b1", _w(40)), ("w2", _w(40, 40, 3, 3))]), tmp_path / "convs.onnx")
+    p = fusesearch.plan(path, device="host", strategy="greedy")
+    packed = [generate(p.graph, g.kernel).packed for g in p.groups if g.kernel.impl == "generated"]
+    assert any(packed)  # a fused conv reads its filters packed
+    doc = _run_json(run_cli, path)
+    assert doc["max_rel_err"] <= 1e-4 and doc["segments"]["generated"] >= 1

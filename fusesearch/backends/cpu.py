@@ -128,11 +128,19 @@ def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.
 
 def runner(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]):
     """A zero-argument callable that runs the kernel on fixed buffers (for timing); `.buffers`
-    holds the inputs then the outputs."""
-    fn = getattr(compile_kernel(kernel), kernel.name)
+    holds the inputs then the outputs. Weights the kernel reads packed (`kernel.packed`) are
+    packed here, once, by the kernel's `<name>_pack`: not part of a call (they are constants)."""
+    lib = compile_kernel(kernel)
+    fn = getattr(lib, kernel.name)
     arrays = [np.ascontiguousarray(inputs[a.tensor], dtype=NP_DTYPES[a.dtype]).reshape(a.shape) for a in kernel.inputs]
     arrays += [np.empty(a.shape, dtype=NP_DTYPES[a.dtype]) for a in kernel.outputs]
-    pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays]
+    packed = [np.empty(p.arg.shape, dtype=np.float32) for p in kernel.packed]
+    pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays + packed]
+    if packed:
+        pack = getattr(lib, f"{kernel.name}_pack")
+        pack.restype = None
+        pack.argtypes = [ctypes.c_void_p] * (len(kernel.inputs) + len(packed))
+        pack(*pointers[:len(kernel.inputs)], *pointers[len(arrays):])
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * len(pointers)
 
@@ -140,4 +148,5 @@ def runner(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]):
         fn(*pointers)
 
     go.buffers = arrays  # keep them alive
+    go.packed = packed
     return go

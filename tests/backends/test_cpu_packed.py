@@ -337,3 +337,72 @@ def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
         rows = body[body.index("for (long long r = 0;"):].split("#else")[0]  # the BLAS path's rows
         assert "out0[j]" in rows and "(float)(" not in rows  # the rows read the mask back, cast nowhere per element
+
+
+PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation); filters >= a block's pixels
+    "3x3 padded, partial tiles": ([1, 8, 5, 5], 30, 3, 1, 1, 1, 1),  # 25 pixels (M % 6), 30 filters (N % 16)
+    "K and M blocked": ([1, 40, 10, 10], 112, 3, 1, 1, 1, 1),  # K = 360 > KC, 100 pixels > MC
+    "1x1 read in place": ([2, 24, 4, 4], 48, 1, 1, 0, 1, 1),
+    "strided dilated grouped": ([1, 16, 9, 9], 64, 3, 2, 2, 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_CONVS))
+def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
+    """Filters past PACK_FILTER_FLOATS (lowered here so the cases stay small) are packed once by the
+    kernel's `_pack` function and multiplied by our own micro-kernel, product transposed: equal to
+    ONNX Runtime at partial tiles, K and M blocking, a 1x1 input read in place, groups, strides
+    and dilations, with a prologue and a residual epilogue; with or without a BLAS (it needs none)."""
+    from fusesearch.backends.codegen import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "PACK_FILTER_FLOATS", 0)
+    xs, cout, k, stride, pad, group, dil = PACKED_CONVS[name]
+    ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
+    wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
+    prologue = "Identity" if k == 1 else "Relu"
+    nodes = [helper.make_node(prologue, ["x"], ["xr"]),
+             helper.make_node("Conv", ["xr", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
+                              pads=[pad] * 4, group=group, dilations=[dil] * 2),
+             helper.make_node("Add", ["y", "r"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", xs), ("r", [xs[0], cout, ho, wo])], [("out", None)],
+                    [("w", _w([cout, xs[1] // group, k, k])), ("b", _w([cout], 3))], expect="fs_gemm_packed(")
+    (packed,) = gk.packed
+    assert packed.arg.tensor == "w" and packed.groups == group and "FS_BLAS_SGEMM(101" not in gk.c_source
+    assert packed.arg.size == group * -(-(cout // group) // 16) * 16 * (xs[1] // group) * k * k
+
+
+def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkeypatch):
+    """The runner packs the weights when it is made: a call reads the packed copy, so changing the
+    weight's buffer afterwards changes nothing (it is a constant), while a new runner sees it."""
+    from fusesearch.backends.codegen import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "PACK_FILTER_FLOATS", 0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["y"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", [1, 4, 3, 3])], [("out", None)], [("w", _w([20, 4, 3, 3]))])
+    assert gk.packed
+    inputs = {"x": _w([1, 4, 3, 3], 1), "w": _w([20, 4, 3, 3])}
+    go = cpu.runner(gk, inputs)
+    go()
+    first = go.buffers[-1].copy()
+    go.buffers[1][...] = 0.0  # the weight, after packing
+    go()
+    np.testing.assert_array_equal(go.buffers[-1], first)
+    again = cpu.runner(gk, {"x": inputs["x"], "w": np.zeros_like(inputs["w"])})
+    again()
+    assert not again.buffers[-1].any()
+
+
+def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
+    """At the default threshold: resnet's last-stage 3x3 conv (512 filters of 4608 taps, 49 pixels)
+    packs its filters; the same conv over 64 filters at 56x56 calls the BLAS."""
+    big = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
+           helper.make_node("Relu", ["y"], ["out"])]
+    prep = prepare(save(make_model(big, [("x", [1, 512, 7, 7])], [("out", None)], [("w", _w([512, 512, 3, 3]))]),
+                        tmp_path / "big.onnx"))
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    assert gk.packed and "fs_gemm_packed(" in gk.c_source
+    prep = prepare(save(make_model(big, [("x", [1, 64, 56, 56])], [("out", None)], [("w", _w([64, 64, 3, 3]))]),
+                        tmp_path / "small.onnx"))
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source

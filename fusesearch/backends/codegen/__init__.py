@@ -128,11 +128,12 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     args = {a.tensor: a for a in ins}
     skeleton, grid = schedule.skeleton, schedule.grid
     row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
+    packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
     if skeleton == "block-per-row" or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
     else:
-        c_body = _anchor_row_loops(graph, kernel, args, outs) if kernel.anchor is not None else None
-        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body)
+        c_body = _anchor_row_loops(graph, kernel, args, outs, packs) if kernel.anchor is not None else None
+        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()))
         if skeleton == "tiled":
             cu_src = _tiled(graph, kernel, name, ins, outs, args)
         elif skeleton.startswith("mma"):  # tensor cores
@@ -150,7 +151,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
         cu_src = _with_half(cu_src, halves, True) if cu_src else cu_src
     digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
-                           source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton)
+                           source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton,
+                           packed=tuple(packs.values()))
 
 
 def _with_half(src: str, dtypes, cuda: bool) -> str:

@@ -68,6 +68,32 @@ class GeneratedKernel:
     block: tuple[int, int, int] = (256, 1, 1)
     skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct;
     # CPU only (`cuda_source` empty): packed
+    packed: tuple[PackedWeight, ...] = ()  # C: weights the kernel reads packed (after its outputs)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A constant float32 operand (a weight) that a C kernel reads as B panels (`fs_pack_b`)
+    made once, before its first call, by the kernel's `<name>_pack(inputs..., packed...)`; the
+    kernel takes them after its outputs. `groups` matrices, each K x N, element (k, n) of group g
+    at source[g * group_stride + k * sk + n * sn]."""
+    arg: Arg  # pk<i>: tensor = the weight, shape = (floats,)
+    source: str  # the weight's input argument (in<j>)
+    k: int
+    n: int
+    sk: int
+    sn: int
+    groups: int = 1
+    group_stride: int = 0
+
+    @property
+    def group_floats(self) -> int:
+        return -(-self.n // FS_NR) * FS_NR * self.k
+
+    def pack_call(self) -> str:
+        """The C statement packing every group (in `<name>_pack`)."""
+        return (f"for (long long g = 0; g < {self.groups}LL; ++g) fs_pack_b({self.k}LL, {self.n}LL, "
+                f"{self.source} + g * {self.group_stride}LL, {self.sk}LL, {self.sn}LL, {self.arg.name} + g * {self.group_floats}LL);")
 
 
 def require_cuda(kernel: GeneratedKernel) -> str:
@@ -213,7 +239,7 @@ static inline float fs_erff(float x) {
 # to the system (which MALLOC_TRIM_THRESHOLD_ or a large block makes it do); the arena costs
 # nothing after the first call. Per thread, so OpenMP blocks never share one; a buffer the whole
 # kernel shares (the materialized product) is taken by the calling thread before its parallel loops.
-SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf")
+SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf", "apk")
 _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
               f"static _Thread_local size_t fs_slot_bytes[{len(SCRATCH_SLOTS)}];\n"
               "static inline float* fs_scratch(int slot, size_t bytes) {\n"
@@ -228,9 +254,123 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
               "}\n")
 
 
+# C: the packed GEMM of a kernel whose weights are packed once (`PackedWeight`), C = A B with B a
+# constant: `fs_pack_b` lays B (K x N, by strides) out as ceil(N/16) panels of K x 16 floats, zero
+# padded, once, before the kernel's first call; `fs_gemm_packed` packs A (by strides: a row-major
+# activation panel, or an im2col panel read transposed) per KC x MC block into panels of 6 rows
+# and runs a 6 x 16 register tile per panel pair: on AVX2 + FMA twelve ymm accumulators, 12 FMAs
+# per k against 2 loads and 6 broadcasts (the BLAS's own shape); elsewhere the same tile in plain
+# loops the compiler vectorizes. Partial tiles (M % 6, N % 16) go through a stack tile.
+FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
+_C_PACKED_GEMM = f"""#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+enum {{ FS_MR = 6, FS_NR = {FS_NR}, FS_KC = 256, FS_MC = 96 }};
+static void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
+    for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+        float* dst = Bp + n0 * K;
+        long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
+        for (long long k = 0; k < K; ++k) {{
+            long long j = 0;
+            for (; j < nr; ++j) dst[k * FS_NR + j] = B[k * sk + (n0 + j) * sn];
+            for (; j < FS_NR; ++j) dst[k * FS_NR + j] = 0.0f;
+        }}
+    }}
+}}
+static inline void fs_micro(long long kc, const float* a, const float* b, float* c, long long ldc, int accumulate) {{
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+    for (long long k = 0; k < kc; ++k, a += FS_MR, b += FS_NR) {{
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), x;
+        x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+        x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+        x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+    }}
+    __m256 acc[12] = {{c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51}};
+    for (int i = 0; i < FS_MR; ++i) {{
+        float* row = c + i * ldc;
+        if (accumulate) {{
+            acc[2 * i] = _mm256_add_ps(acc[2 * i], _mm256_loadu_ps(row));
+            acc[2 * i + 1] = _mm256_add_ps(acc[2 * i + 1], _mm256_loadu_ps(row + 8));
+        }}
+        _mm256_storeu_ps(row, acc[2 * i]);
+        _mm256_storeu_ps(row + 8, acc[2 * i + 1]);
+    }}
+#else
+    float acc[FS_MR][FS_NR] = {{{{0.0f}}}};
+    for (long long k = 0; k < kc; ++k, a += FS_MR, b += FS_NR)
+        for (int i = 0; i < FS_MR; ++i)
+            for (int j = 0; j < FS_NR; ++j) acc[i][j] += a[i] * b[j];
+    for (int i = 0; i < FS_MR; ++i)
+        for (int j = 0; j < FS_NR; ++j) c[i * ldc + j] = accumulate ? c[i * ldc + j] + acc[i][j] : acc[i][j];
+#endif
+}}
+static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
+                           const float* Bp, float* C, long long ldc) {{
+    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * FS_MC * FS_KC);
+    float tile[FS_MR * FS_NR];
+    for (long long k0 = 0; k0 < K; k0 += FS_KC) {{
+        long long kc = K - k0 < FS_KC ? K - k0 : FS_KC;
+        for (long long m0 = 0; m0 < M; m0 += FS_MC) {{
+            long long mc = M - m0 < FS_MC ? M - m0 : FS_MC;
+            for (long long i0 = 0; i0 < mc; i0 += FS_MR) {{
+                float* dst = ap + i0 * kc;
+                long long mr = mc - i0 < FS_MR ? mc - i0 : FS_MR;
+                const float* src = A + (m0 + i0) * am + k0 * ak;
+                if (mr < FS_MR)
+                    for (long long q = 0; q < kc * FS_MR; ++q) dst[q] = 0.0f;
+                if (am == 1) {{
+                    for (long long k = 0; k < kc; ++k)
+                        for (long long i = 0; i < mr; ++i) dst[k * FS_MR + i] = src[k * ak + i];
+                }} else {{
+                    for (long long i = 0; i < mr; ++i)
+                        for (long long k = 0; k < kc; ++k) dst[k * FS_MR + i] = src[i * am + k * ak];
+                }}
+            }}
+            for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+                const float* bp = Bp + n0 * K + k0 * FS_NR;
+                long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
+                for (long long i0 = 0; i0 < mc; i0 += FS_MR) {{
+                    long long mr = mc - i0 < FS_MR ? mc - i0 : FS_MR;
+                    float* c = C + (m0 + i0) * ldc + n0;
+                    if (mr == FS_MR && nr == FS_NR) {{
+                        fs_micro(kc, ap + i0 * kc, bp, c, ldc, k0 > 0);
+                    }} else {{
+                        if (k0 > 0)
+                            for (long long i = 0; i < mr; ++i)
+                                for (long long j = 0; j < nr; ++j) tile[i * FS_NR + j] = c[i * ldc + j];
+                        fs_micro(kc, ap + i0 * kc, bp, tile, FS_NR, k0 > 0);
+                        for (long long i = 0; i < mr; ++i)
+                            for (long long j = 0; j < nr; ++j) c[i * ldc + j] = tile[i * FS_NR + j];
+                    }}
+                }}
+            }}
+        }}
+    }}
+}}
+"""
+
+
 def scratch(name: str, floats: str) -> str:
     """The C declaration of scratch buffer `name` (one of SCRATCH_SLOTS) of `floats` floats."""
     return f"float* {name} = fs_scratch({SCRATCH_SLOTS.index(name)}, sizeof(float) * ({floats}));"
+
+
+def c_function(name: str, ins, outs, packed, body: str) -> str:
+    """A C kernel's source: the prelude (and the packed GEMM where weights are packed), the kernel
+    `name(inputs, outputs, packed weights)` running `body`, and its `<name>_pack`."""
+    params = _signature(ins, outs, "restrict") + "".join(f", const float* restrict {p.arg.name}" for p in packed)
+    src = f"{_C_PRELUDE}{_C_PACKED_GEMM if packed else ''}\nvoid {name}({params}) {{\n{body}}}\n"
+    if packed:
+        src += (f"void {name}_pack({_signature(ins, (), 'restrict')}"
+                + "".join(f", float* restrict {p.arg.name}" for p in packed) + ") {\n"
+                + "".join(f"    {p.pack_call()}\n" for p in packed) + "}\n")
+    return src
 
 
 _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifdef FS_VECTOR_MATH\n"

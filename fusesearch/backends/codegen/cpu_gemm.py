@@ -1,23 +1,29 @@
 """The packed CPU skeleton for gemm/conv (C only): BLAS blocks with the prologue packed into the
-activation panel and the epilogue on the tile in cache, implicit-GEMM conv through im2col panels,
-the depthwise loop, and the per-row fallback without a BLAS (`#else`).
+activation panel and the epilogue on the tile in cache, implicit-GEMM conv through im2col panels
+(large filters packed once, our own micro-kernel), the depthwise loop, and the per-row fallback
+without a BLAS (`#else`).
 
-Why a BLAS call per block and not our own micro-kernel: `benchmarks/bench_cpu.py --sections 1b`
-times a packed 6x16 AVX2/FMA micro-kernel of our own (`benchmarks/own_sgemm.c`, the weights packed
-once before timing) against scipy-openblas32's sgemm (which packs B inside every call) at the zoo's
-GEMM shapes: equal within noise (0.99x geomean on one Zen 3 core: 86-90 GFLOP/s both at
-128x768x768, 128x768x3072, 128x3072x768, 197x384x384; 0.95x at 37x45x70). So the BLAS stays: it is
-as fast, covers transposed operands and the GEMV case, and needs no packed copy of each weight
-kept beside the plan. The exception 1b also times: a conv whose filters dwarf its activations
-(resnet's last stage, 49 pixels x 4608 taps x 512 filters, 9 MiB of filters) ran 1.12x faster
-with the filters packed once, the gap ONNX Runtime's pre-packed weights hold over us there.
+Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
+packed 6x16 AVX2/FMA micro-kernel (the C prelude's `fs_gemm_packed`, B packed once by
+`fs_pack_b`) against scipy-openblas32's sgemm (which packs B inside every call) at the zoo's GEMM
+shapes: equal within noise (86-90 GFLOP/s both at 128x768x768, 128x768x3072, 128x3072x768,
+197x384x384 on one Zen 3 core), and generated MatMuls with their weights packed once were no
+faster (0.8-1.07x at bert's and vit's shapes). So MatMul/Gemm call the BLAS: as fast, covering
+transposed operands and the GEMV case. Convs whose filters dwarf their activations are the
+exception: with the filters packed once per plan (`PackedWeight`, packed by the kernel's `_pack`
+function before its first call) and the product computed transposed (pixels x filters), resnet's
+3x3 512-filter convs at 7x7 ran 1.09-1.20x faster than through the BLAS, which packs 9 MiB of
+filters again per block; below PACK_FILTER_FLOATS, or with fewer filters than a block has
+pixels, the BLAS was as fast or faster (the transposed product's epilogue reads it by strides).
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
 order their source runs, and a conv's prologue fills only the image interior, one tap loop per
 piece of a channel Concat.
 Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
-source compiles with and without a BLAS; blocks run in parallel (OpenMP), each BLAS call alone;
+source compiles with and without a BLAS (a conv with packed filters needs none: its path is
+unconditional); only float32 constants (initializers) are packed, once per runner or program,
+never per call; blocks run in parallel (OpenMP), each BLAS call alone;
 scratch comes from the per-thread arena (`base.scratch`), never a malloc per call.
 """
 
@@ -28,7 +34,9 @@ import math
 import numpy as np
 
 from fusesearch.backends.codegen.base import (
+    FS_NR,
     Arg,
+    PackedWeight,
     _flat_loop,
     _indent,
     compute_dtype,
@@ -47,6 +55,21 @@ from fusesearch.schedule import anchor_derived
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
 
+def _packed(packs: dict, graph: Graph, args, w: str, layout: tuple[int, int, int, int], groups: int = 1,
+            group_stride: int = 0) -> str | None:
+    """The C name of weight `w` packed once as B panels (`PackedWeight`; layout (K, N, sk, sn)),
+    registered in `packs`; None unless `w` is a float32 constant kernel input."""
+    if w not in args or args[w].dtype != "float32" or not graph.tensors[w].constant:
+        return None
+    if w not in packs:
+        k, n, sk, sn = layout
+        floats = groups * -(-n // FS_NR) * FS_NR * k
+        packs[w] = PackedWeight(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, k, n, sk, sn,
+                                groups, group_stride)
+    return packs[w].arg.name
+
+
+
 def _split_outputs(graph: Graph, kernel: Kernel, outs, anchor: Node):
     """(main, side): the outputs at the product's positions (computed from it element for element,
     a Reshape of it included: `anchor_derived`), written in the product's loop; the rest (a
@@ -62,7 +85,7 @@ def _write(e: _Emitter, o: Arg, idx: tuple[str, ...], yshape) -> str:
     return store(o, e.flat(idx, yshape), e.value(o.tensor, e.view_index(idx, yshape, o.shape)))
 
 
-def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | None:
+def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict) -> list[str] | None:
     """C skeleton for gemm/conv with a prologue on the activation operand: per output row (all
     output dims but the one the weights span), the operand's row (MatMul/Gemm: A[m, :]; Conv: the
     input patch of one output pixel and group) is computed once into a buffer, then reused for
@@ -71,30 +94,41 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs) -> list[str] | N
         return None
     anchor = graph.nodes[kernel.anchor]
     if anchor_derived(graph, kernel.nodes, anchor) is None:  # the epilogue moves elements
-        return _materialized_loops(graph, kernel, args, outs, anchor)
+        return _materialized_loops(graph, kernel, args, outs, anchor, packs)
     if anchor.op_type in ("MatMul", "Gemm"):
         return _matmul_row_loops(graph, kernel, args, outs, anchor)
     if anchor.op_type != "Conv":
         return None
-    return _conv_loops(graph, kernel, args, outs, anchor)
+    return _conv_loops(graph, kernel, args, outs, anchor, packs)
 
 
-def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
     """C conv: the depthwise loop, or the BLAS blocks with the per-pixel row loops as fallback."""
     depthwise = _depthwise_loops(graph, kernel, args, outs, anchor)
     if depthwise is not None:
         return depthwise
     hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)
-    blas = _conv_blas_blocks(graph, kernel, args, outs, anchor)
+    used: dict = {}  # the weights packed, kept only when this path is taken
+    blas = _conv_blas_blocks(graph, kernel, args, outs, anchor, used)
+    if used:  # our own packed GEMM: no BLAS needed
+        packs.update(used)
+        return blas
     if blas is None or hoisted is None:
         return hoisted
     return ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *hoisted, "#endif"]
 
 
 CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+# C conv: filters of at least this many floats (4 MiB), and more filters than a block has pixels,
+# are packed once (`PackedWeight`) and multiplied by our own micro-kernel (`fs_gemm_packed`, the
+# product transposed: pixels x filters) instead of a BLAS call that packs them again per block
+# (`benchmarks/bench_cpu.py --sections 1b`: resnet's 3x3 512-filter convs at 7x7 1.09-1.20x faster;
+# below the size, as at 256 filters over 14x14 pixels or 64 over 56x56, the BLAS was as fast or
+# up to 1.4x faster)
+PACK_FILTER_FLOATS = 1 << 20
 
 
-def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
     """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
     and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS
     or the filters' size, blocks of even size): the block's input patches (prologue applied, zero padding) are packed into an
@@ -132,6 +166,9 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
         fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
         panel, ldb = "patch", "(int)pn"
     filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
+    block_pixels = min(pixels, cap * wo)  # one thread's block
+    packed = (_packed(packs, graph, args, w, (kt, cout_g, 1, kt), group, cout_g * kt)
+              if cout_g * kt >= PACK_FILTER_FLOATS and cout_g >= block_pixels else None)
     if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
         filters = "wbuf"
         widen = [scratch("wbuf", f"{cout_g * kt}LL"),
@@ -139,7 +176,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
                  f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
     e.lines = []
     e.push()
-    e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
+    e.acc_value = (f"cbuf[((oh - oh0) * {wo}LL + ow) * {cout_g}LL + col]" if packed  # the product transposed
+                   else f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]")
     writes = [_write(e, o, idx, ys) for o in main]
     body = e.lines + writes
     e.pop()
@@ -152,6 +190,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node) ->
              *(["    " + scratch("patch", f"{kt}LL * pn")] if not direct else []),
              "    " + scratch("cbuf", f"{cout_g}LL * pn"),
              *["    " + x_ for x_ in fill + widen],
+             f"    fs_gemm_packed(pn, {cout_g}LL, {kt}LL, {panel}, 1, {ldb}, {packed} + gq * {packs[w].group_floats if packed else 0}LL, "
+             f"cbuf, {cout_g}LL);" if packed else
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
@@ -639,7 +679,7 @@ def _fill_conv(graph: Graph, anchor: Node):
 _HOIST_FILL = {"Conv": _fill_conv}
 
 
-def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
     """C skeleton for a MatMul/Gemm/Conv whose epilogue reads the product at other positions than
     the one computed (a Transpose after a MatMul, a Reshape+Transpose or a Concat after a Conv):
     the product (prologue applied) into a scratch buffer by the anchor's own loops (the BLAS blocks),
@@ -650,8 +690,8 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) 
     if anchor.op_type not in ("MatMul", "Gemm", "Conv") or compute_dtype(info.dtype) != "float32":
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
-    loops = _conv_loops if anchor.op_type == "Conv" else _matmul_row_loops
-    product = loops(graph, kernel, args, [buffer], anchor)
+    product = (_conv_loops(graph, kernel, args, [buffer], anchor, packs) if anchor.op_type == "Conv"
+               else _matmul_row_loops(graph, kernel, args, [buffer], anchor))
     if product is None:
         return None
     c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))

@@ -7,12 +7,12 @@ interior columns); CUDA: a grid-stride loop.
 from __future__ import annotations
 
 from fusesearch.backends.codegen.base import (
-    _C_PRELUDE,
     _CU_PRELUDE,
     Arg,
     _flat_loop,
     _indent,
     _signature,
+    c_function,
     store,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -20,13 +20,13 @@ from fusesearch.backends.codegen.pool_rows import _pool_rows
 from fusesearch.ir.pool import POOL_OPS, pool_window
 
 
-def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None):
+def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None, packed=()):
     """C and CUDA sources of the pointwise skeleton; `c_body` replaces the C loops (the packed CPU
-    skeleton of an anchor group)."""
+    skeleton of an anchor group, reading the `packed` weights)."""
     c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
     if c_body is not None:
         c_loops = c_body
-    c_src = (f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n" + "\n".join(c_loops) + "\n}\n")
+    c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n")
     cu_src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0

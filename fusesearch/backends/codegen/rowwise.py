@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, field
 
 from fusesearch.backends.codegen.base import (
-    _C_PRELUDE,
     _CU_PRELUDE,
     Arg,
     CodegenRefused,
@@ -18,6 +17,7 @@ from fusesearch.backends.codegen.base import (
     _indent,
     _lit,
     _signature,
+    c_function,
     compute_dtype,
     scratch,
     store,
@@ -106,7 +106,7 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     product = _row_product(graph, kernel, args, outs)
     if product is not None:  # C with a BLAS: the product first (packed, blocked), then the rows read it
         c_body = f"#ifdef FS_BLAS_SGEMM\n{product}#else\n{c_body}#endif\n"
-    c_src = f"{_C_PRELUDE}\nvoid {name}({_signature(ins, outs, 'restrict')}) {{\n{c_body}}}\n"
+    c_src = c_function(name, ins, outs, (), c_body)
     arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
     cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "".join(x + "\n" for x in cu_side)
