@@ -61,6 +61,9 @@ CONVS = [("resnet50 1x1 64->256 @56", 64, 56, 256, 1, 1, 1),
 PACK_CONVS = [("resnet 3x3 64->64 @56", 64, 56, 64, 3, 1),
               ("resnet 3x3 128->128 @28", 128, 28, 128, 3, 1),
               ("resnet 3x3 256->256 @14", 256, 14, 256, 3, 1),
+              ("resnet50 1x1 256->1024 @14", 256, 14, 1024, 1, 1),
+              ("resnet50 1x1 1024->256 @14", 1024, 14, 256, 1, 1),
+              ("vit patch 16x16/16 3->384 @224", 3, 224, 384, 16, 16),
               ("resnet 3x3 256->512 /2 @14", 256, 14, 512, 3, 2),
               ("resnet 3x3 512->512 @7", 512, 7, 512, 3, 1),
               ("resnet50 1x1 512->2048 @7", 512, 7, 2048, 1, 1),
@@ -163,7 +166,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     driver = (base._C_PRELUDE + base._C_PACKED_GEMM
               + "void own_pack_b(int K, int N, const float* B, float* Bp) { fs_pack_b(K, N, B, N, 1, Bp); }\n"
               "void own_sgemm(int M, int N, int K, const float* A, const float* Bp, float* C) "
-              "{ fs_gemm_packed(M, N, K, A, K, 1, Bp, C, N); }\n"
+              "{ fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M); }\n"
               "void blas_sgemm(int M, int N, int K, const float* A, const float* B, float* C) "
               "{ FS_BLAS_SGEMM(101, 111, 111, M, N, K, 1.0f, A, K, B, N, 0.0f, C, N); }\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,7 +191,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         own()
         blas()
         ref = a.astype(np.float64) @ b.astype(np.float64)
-        err = float(np.max(np.abs(c_own - ref)) / np.max(np.abs(ref)))
+        err = float(np.max(np.abs(c_own.reshape(n, m).T - ref)) / np.max(np.abs(ref)))  # ours: C transposed
         t_own = statistics.median(measure(own, budget_s=budget).median_s for _ in range(repeats))
         t_blas = statistics.median(measure(blas, budget_s=budget).median_s for _ in range(repeats))
         flops = 2.0 * m * n * k
@@ -197,12 +200,13 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
               f"{t_blas / t_own:5.2f}x   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean: own micro-kernel at {geo:.2f}x the BLAS's throughput")
-    print(f"   generated Conv+Relu, filters packed once vs the BLAS per block (packed from "
-          f"{cpu_gemm.PACK_FILTER_FLOATS} filter floats and filters >= a block's pixels), interleaved:")
+    print(f"   generated Conv+Relu, filters packed once vs the BLAS per block, interleaved (generated: what "
+          f"cpu_gemm.packs_filters picks, from {cpu_gemm.PACK_FILTER_FLOATS} filter floats):")
     pairs = []
     for label, cin, h, cout, kk, stride in PACK_CONVS:
-        ho = (h + 2 * (kk // 2) - kk) // stride + 1
-        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kk, kk], strides=[stride] * 2, pads=[kk // 2] * 4),
+        pad = kk // 2 if kk < stride * 2 else 0  # "same" for 1x1 and 3x3, none for a patch embedding
+        ho = (h + 2 * pad - kk) // stride + 1
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kk, kk], strides=[stride] * 2, pads=[pad] * 4),
                  helper.make_node("Relu", ["y"], ["out"])]
         w = RNG.standard_normal((cout, cin, kk, kk)).astype(np.float32) * 0.1
         model = _model(nodes, [_vi("x", (1, cin, h, h))], [_vi("out", (1, cout, ho, ho))], [numpy_helper.from_array(w, "w")])
@@ -210,17 +214,19 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
             onnx.save(model, str(Path(tmp) / "m.onnx"))
             g = prepare(str(Path(tmp) / "m.onnx")).graph
         runs = []
-        for threshold in (0, 1 << 62):  # always packed, never packed
-            cpu_gemm.PACK_FILTER_FLOATS, saved = threshold, cpu_gemm.PACK_FILTER_FLOATS
+        for packs in (True, False):
+            rule, cpu_gemm.packs_filters = cpu_gemm.packs_filters, lambda *_, packs=packs: packs
             kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
-            cpu_gemm.PACK_FILTER_FLOATS = saved
+            cpu_gemm.packs_filters = rule
+            if packs:
+                chosen = "packed" if rule(cout, cin * kk * kk, min(ho * ho, cpu_gemm.conv_block_rows(cout, cin * kk * kk, ho) * ho)) else "BLAS"
             runs.append(cpu.runner(kernel, {"x": RNG.standard_normal((1, cin, h, h)).astype(np.float32), "w": w}))
-        pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, runs))
-    times = measure_interleaved([r for *_, runs in pairs for r in runs], budget_s=budget * repeats, rounds=repeats)
-    for i, (label, flops, _) in enumerate(pairs):
+        pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, runs, chosen))
+    times = measure_interleaved([r for _, _, runs, _ in pairs for r in runs], budget_s=budget * repeats, rounds=repeats)
+    for i, (label, flops, _, chosen) in enumerate(pairs):
         packed, blas = times[2 * i].median_s, times[2 * i + 1].median_s
         print(f"   {label:38s} packed {flops / packed / 1e9:6.1f} GFLOP/s   BLAS {flops / blas / 1e9:6.1f} GFLOP/s   "
-              f"{blas / packed:5.2f}x")
+              f"{blas / packed:5.2f}x   generated: {chosen}")
     # how the generated GEMM splits a product into BLAS calls (cpu_gemm.BLAS_TILE_FLOATS): each
     # call packs all of B, so a short last block costs a whole packing
     m, k, n = 128, 768, 2304

@@ -341,7 +341,7 @@ def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
 
 PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation); filters >= a block's pixels
     "3x3 padded, partial tiles": ([1, 8, 5, 5], 30, 3, 1, 1, 1, 1),  # 25 pixels (M % 6), 30 filters (N % 16)
-    "K and M blocked": ([1, 40, 10, 10], 112, 3, 1, 1, 1, 1),  # K = 360 > KC, 100 pixels > MC
+    "long K, many pixels": ([1, 40, 10, 10], 112, 3, 1, 1, 1, 1),  # K = 360, 100 pixels (17 row panels)
     "1x1 read in place": ([2, 24, 4, 4], 48, 1, 1, 0, 1, 1),
     "strided dilated grouped": ([1, 16, 9, 9], 64, 3, 2, 2, 2, 2),
 }
@@ -351,7 +351,7 @@ PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
 def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
     """Filters past PACK_FILTER_FLOATS (lowered here so the cases stay small) are packed once by the
     kernel's `_pack` function and multiplied by our own micro-kernel, product transposed: equal to
-    ONNX Runtime at partial tiles, K and M blocking, a 1x1 input read in place, groups, strides
+    ONNX Runtime at partial tiles, a long K over many pixels, a 1x1 input read in place, groups, strides
     and dilations, with a prologue and a residual epilogue; with or without a BLAS (it needs none)."""
     from fusesearch.backends.codegen import cpu_gemm
 

@@ -254,18 +254,19 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
               "}\n")
 
 
-# C: the packed GEMM of a kernel whose weights are packed once (`PackedWeight`), C = A B with B a
-# constant: `fs_pack_b` lays B (K x N, by strides) out as ceil(N/16) panels of K x 16 floats, zero
-# padded, once, before the kernel's first call; `fs_gemm_packed` packs A (by strides: a row-major
-# activation panel, or an im2col panel read transposed) per KC x MC block into panels of 6 rows
-# and runs a 6 x 16 register tile per panel pair: on AVX2 + FMA twelve ymm accumulators, 12 FMAs
-# per k against 2 loads and 6 broadcasts (the BLAS's own shape); elsewhere the same tile in plain
-# loops the compiler vectorizes. Partial tiles (M % 6, N % 16) go through a stack tile.
+# C: the packed GEMM of a kernel whose weights are packed once (`PackedWeight`): C^T = (A B)^T with
+# B a constant. `fs_pack_b` lays B (K x N, by strides) out as ceil(N/16) panels of K x 16 floats,
+# zero padded, once, before the kernel's first call; `fs_gemm_packed` packs A (by strides: an
+# im2col panel read transposed, pixels x taps) into panels of 6 rows, runs a 6 x 16 register tile
+# per panel pair over all of K (on AVX2 + FMA twelve ymm accumulators, 12 FMAs per k against 2
+# loads and 6 broadcasts, the BLAS's own shape; elsewhere the same tile in plain loops the
+# compiler vectorizes) and stores each tile once, transposed (a conv's output channels x pixels,
+# the layout the epilogue reads contiguously); partial tiles (M % 6, N % 16) store their part.
 FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
 _C_PACKED_GEMM = f"""#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-enum {{ FS_MR = 6, FS_NR = {FS_NR}, FS_KC = 256, FS_MC = 96 }};
+enum {{ FS_MR = 6, FS_NR = {FS_NR} }};
 static void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
     for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
         float* dst = Bp + n0 * K;
@@ -277,12 +278,12 @@ static void fs_pack_b(long long K, long long N, const float* B, long long sk, lo
         }}
     }}
 }}
-static inline void fs_micro(long long kc, const float* a, const float* b, float* c, long long ldc, int accumulate) {{
+static inline void fs_micro(long long K, const float* a, const float* b, float* tile) {{
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-    for (long long k = 0; k < kc; ++k, a += FS_MR, b += FS_NR) {{
+    for (long long k = 0; k < K; ++k, a += FS_MR, b += FS_NR) {{
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), x;
         x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
         x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
@@ -291,65 +292,44 @@ static inline void fs_micro(long long kc, const float* a, const float* b, float*
         x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
         x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
     }}
-    __m256 acc[12] = {{c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51}};
-    for (int i = 0; i < FS_MR; ++i) {{
-        float* row = c + i * ldc;
-        if (accumulate) {{
-            acc[2 * i] = _mm256_add_ps(acc[2 * i], _mm256_loadu_ps(row));
-            acc[2 * i + 1] = _mm256_add_ps(acc[2 * i + 1], _mm256_loadu_ps(row + 8));
-        }}
-        _mm256_storeu_ps(row, acc[2 * i]);
-        _mm256_storeu_ps(row + 8, acc[2 * i + 1]);
-    }}
+    _mm256_storeu_ps(tile + 0, c00); _mm256_storeu_ps(tile + 8, c01); _mm256_storeu_ps(tile + 16, c10);
+    _mm256_storeu_ps(tile + 24, c11); _mm256_storeu_ps(tile + 32, c20); _mm256_storeu_ps(tile + 40, c21);
+    _mm256_storeu_ps(tile + 48, c30); _mm256_storeu_ps(tile + 56, c31); _mm256_storeu_ps(tile + 64, c40);
+    _mm256_storeu_ps(tile + 72, c41); _mm256_storeu_ps(tile + 80, c50); _mm256_storeu_ps(tile + 88, c51);
 #else
-    float acc[FS_MR][FS_NR] = {{{{0.0f}}}};
-    for (long long k = 0; k < kc; ++k, a += FS_MR, b += FS_NR)
+    float acc[FS_MR * FS_NR] = {{0.0f}};
+    for (long long k = 0; k < K; ++k, a += FS_MR, b += FS_NR)
         for (int i = 0; i < FS_MR; ++i)
-            for (int j = 0; j < FS_NR; ++j) acc[i][j] += a[i] * b[j];
-    for (int i = 0; i < FS_MR; ++i)
-        for (int j = 0; j < FS_NR; ++j) c[i * ldc + j] = accumulate ? c[i * ldc + j] + acc[i][j] : acc[i][j];
+            for (int j = 0; j < FS_NR; ++j) acc[i * FS_NR + j] += a[i] * b[j];
+    for (int q = 0; q < FS_MR * FS_NR; ++q) tile[q] = acc[q];
 #endif
 }}
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
-    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * FS_MC * FS_KC);
+    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_MR - 1) / FS_MR * FS_MR) * K);
     float tile[FS_MR * FS_NR];
-    for (long long k0 = 0; k0 < K; k0 += FS_KC) {{
-        long long kc = K - k0 < FS_KC ? K - k0 : FS_KC;
-        for (long long m0 = 0; m0 < M; m0 += FS_MC) {{
-            long long mc = M - m0 < FS_MC ? M - m0 : FS_MC;
-            for (long long i0 = 0; i0 < mc; i0 += FS_MR) {{
-                float* dst = ap + i0 * kc;
-                long long mr = mc - i0 < FS_MR ? mc - i0 : FS_MR;
-                const float* src = A + (m0 + i0) * am + k0 * ak;
-                if (mr < FS_MR)
-                    for (long long q = 0; q < kc * FS_MR; ++q) dst[q] = 0.0f;
-                if (am == 1) {{
-                    for (long long k = 0; k < kc; ++k)
-                        for (long long i = 0; i < mr; ++i) dst[k * FS_MR + i] = src[k * ak + i];
-                }} else {{
-                    for (long long i = 0; i < mr; ++i)
-                        for (long long k = 0; k < kc; ++k) dst[k * FS_MR + i] = src[i * am + k * ak];
-                }}
-            }}
-            for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
-                const float* bp = Bp + n0 * K + k0 * FS_NR;
-                long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
-                for (long long i0 = 0; i0 < mc; i0 += FS_MR) {{
-                    long long mr = mc - i0 < FS_MR ? mc - i0 : FS_MR;
-                    float* c = C + (m0 + i0) * ldc + n0;
-                    if (mr == FS_MR && nr == FS_NR) {{
-                        fs_micro(kc, ap + i0 * kc, bp, c, ldc, k0 > 0);
-                    }} else {{
-                        if (k0 > 0)
-                            for (long long i = 0; i < mr; ++i)
-                                for (long long j = 0; j < nr; ++j) tile[i * FS_NR + j] = c[i * ldc + j];
-                        fs_micro(kc, ap + i0 * kc, bp, tile, FS_NR, k0 > 0);
-                        for (long long i = 0; i < mr; ++i)
-                            for (long long j = 0; j < nr; ++j) c[i * ldc + j] = tile[i * FS_NR + j];
-                    }}
-                }}
-            }}
+    for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
+        float* dst = ap + i0 * K;
+        long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+        const float* src = A + i0 * am;
+        if (mr < FS_MR)
+            for (long long q = 0; q < K * FS_MR; ++q) dst[q] = 0.0f;
+        if (am == 1) {{
+            for (long long k = 0; k < K; ++k)
+                for (long long i = 0; i < mr; ++i) dst[k * FS_MR + i] = src[k * ak + i];
+        }} else {{
+            for (long long i = 0; i < mr; ++i)
+                for (long long k = 0; k < K; ++k) dst[k * FS_MR + i] = src[i * am + k * ak];
+        }}
+    }}
+    for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+        long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
+        for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
+            long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+            float* c = C + n0 * ldc + i0;
+            fs_micro(K, ap + i0 * K, Bp + n0 * K, tile);
+            for (long long j = 0; j < nr; ++j)
+                for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_NR + j];
         }}
     }}
 }}

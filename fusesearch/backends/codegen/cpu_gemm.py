@@ -11,10 +11,12 @@ shapes: equal within noise (86-90 GFLOP/s both at 128x768x768, 128x768x3072, 128
 faster (0.8-1.07x at bert's and vit's shapes). So MatMul/Gemm call the BLAS: as fast, covering
 transposed operands and the GEMV case. Convs whose filters dwarf their activations are the
 exception: with the filters packed once per plan (`PackedWeight`, packed by the kernel's `_pack`
-function before its first call) and the product computed transposed (pixels x filters), resnet's
-3x3 512-filter convs at 7x7 ran 1.09-1.20x faster than through the BLAS, which packs 9 MiB of
-filters again per block; below PACK_FILTER_FLOATS, or with fewer filters than a block has
-pixels, the BLAS was as fast or faster (the transposed product's epilogue reads it by strides).
+function before its first call) and the product computed as pixels x filters, each tile stored
+transposed into the channels x pixels block the epilogue reads, the convs of resnet's last stages
+(3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran
+1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters again per block; below
+PACK_FILTER_FLOATS, or with fewer filters than a block has pixels, the two were within noise
+(0.86-1.04x), so the BLAS stays there (`packs_filters`).
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
@@ -120,12 +122,23 @@ def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: d
 
 CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
 # C conv: filters of at least this many floats (4 MiB), and more filters than a block has pixels,
-# are packed once (`PackedWeight`) and multiplied by our own micro-kernel (`fs_gemm_packed`, the
-# product transposed: pixels x filters) instead of a BLAS call that packs them again per block
-# (`benchmarks/bench_cpu.py --sections 1b`: resnet's 3x3 512-filter convs at 7x7 1.09-1.20x faster;
-# below the size, as at 256 filters over 14x14 pixels or 64 over 56x56, the BLAS was as fast or
-# up to 1.4x faster)
+# are packed once (`PackedWeight`) and multiplied by our own micro-kernel (`fs_gemm_packed`)
+# instead of a BLAS call that packs them again per block (see the module note; the figures from
+# `benchmarks/bench_cpu.py --sections 1b`)
 PACK_FILTER_FLOATS = 1 << 20
+
+
+def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
+    """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
+    are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
+    return filters * taps >= PACK_FILTER_FLOATS and filters >= block_pixels
+
+
+def conv_block_rows(filters: int, taps: int, width: int) -> int:
+    """Output rows per conv block at most: the im2col panel within CONV_PATCH_FLOATS, or within
+    the filters' size when they are larger (a BLAS call packs all the filters again per block: a
+    512x4608 filter set is 9 MiB)."""
+    return max(1, max(CONV_PATCH_FLOATS, filters * taps) // max(1, taps * width))
 
 
 def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
@@ -151,9 +164,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     kt = math.prod(taps)
     ho, wo = ys[2], ys[3]
     pixels = ho * wo
-    # output rows per block: the panel within the cap, or within the filters' size when they are
-    # larger (every block's sgemm packs all the filters again: a 512x4608 filter set is 9 MiB)
-    cap = max(1, max(CONV_PATCH_FLOATS, cout_g * kt) // max(1, kt * wo))
+    cap = conv_block_rows(cout_g, kt, wo)
     direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
               and not any(pads) and graph.tensors[x].dtype == "float32")
     idx = ("nb", "co", "oh", "ow")
@@ -166,9 +177,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
         fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
         panel, ldb = "patch", "(int)pn"
     filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
-    block_pixels = min(pixels, cap * wo)  # one thread's block
     packed = (_packed(packs, graph, args, w, (kt, cout_g, 1, kt), group, cout_g * kt)
-              if cout_g * kt >= PACK_FILTER_FLOATS and cout_g >= block_pixels else None)
+              if packs_filters(cout_g, kt, min(pixels, cap * wo)) else None)  # one thread's block
     if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
         filters = "wbuf"
         widen = [scratch("wbuf", f"{cout_g * kt}LL"),
@@ -176,8 +186,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
                  f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
     e.lines = []
     e.push()
-    e.acc_value = (f"cbuf[((oh - oh0) * {wo}LL + ow) * {cout_g}LL + col]" if packed  # the product transposed
-                   else f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]")
+    e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
     writes = [_write(e, o, idx, ys) for o in main]
     body = e.lines + writes
     e.pop()
@@ -191,7 +200,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              "    " + scratch("cbuf", f"{cout_g}LL * pn"),
              *["    " + x_ for x_ in fill + widen],
              f"    fs_gemm_packed(pn, {cout_g}LL, {kt}LL, {panel}, 1, {ldb}, {packed} + gq * {packs[w].group_floats if packed else 0}LL, "
-             f"cbuf, {cout_g}LL);" if packed else
+             f"cbuf, pn);" if packed else
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
