@@ -17,7 +17,8 @@ Approach: the plan's groups, in plan order, become steps:
 Maximal runs of generated steps are segments: every kernel's C source is compiled on its own
 (its object cached by source hash and flags) and linked with a generated driver into one shared
 library that has one entry function per segment, calling its kernels in order with pointers into
-one arena and a table of external pointers (weights, loaded once; the model's inputs) — one
+one arena and a table of external pointers (weights, loaded once; the model's inputs; the weights
+kernels read packed, packed once by the driver's `fs_pack` when the program is built) — one
 ctypes call per segment, no Python between consecutive kernels. Library steps between them run
 from Python. Every produced tensor has a lifetime [producing step, last reading step] (model
 outputs live to the end; an alias extends its source's); `plan_arena` places them greedily by

@@ -6,7 +6,9 @@ Approach: `cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC` (plus gl
 library where it links, so `omp simd` loops with logf/tanhf vectorize; exp and erf are the C
 prelude's own inline polynomials) into a cache folder keyed by the source's hash and the flags
 (compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every array as a
-contiguous pointer of its C type, and returns the outputs as numpy arrays.
+contiguous pointer of its C type, and returns the outputs as numpy arrays; a kernel that reads
+weights packed (`GeneratedKernel.packed`) gets them packed by its `<name>_pack` when its runner is
+made, once, and passed after its outputs.
 Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
 """
 

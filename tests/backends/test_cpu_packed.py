@@ -339,7 +339,7 @@ def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
         assert "out0[j]" in rows and "(float)(" not in rows  # the rows read the mask back, cast nowhere per element
 
 
-PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation); filters >= a block's pixels
+PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
     "3x3 padded, partial tiles": ([1, 8, 5, 5], 30, 3, 1, 1, 1, 1),  # 25 pixels (M % 6), 30 filters (N % 16)
     "long K, many pixels": ([1, 40, 10, 10], 112, 3, 1, 1, 1, 1),  # K = 360, 100 pixels (17 row panels)
     "1x1 read in place": ([2, 24, 4, 4], 48, 1, 1, 0, 1, 1),
@@ -349,13 +349,13 @@ PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
 
 @pytest.mark.parametrize("name", sorted(PACKED_CONVS))
 def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
-    """Filters past PACK_FILTER_FLOATS (lowered here so the cases stay small) are packed once by the
+    """Filters the rule packs (`packs_filters`, forced here so the cases stay small) are packed once by the
     kernel's `_pack` function and multiplied by our own micro-kernel, product transposed: equal to
     ONNX Runtime at partial tiles, a long K over many pixels, a 1x1 input read in place, groups, strides
     and dilations, with a prologue and a residual epilogue; with or without a BLAS (it needs none)."""
     from fusesearch.backends.codegen import cpu_gemm
 
-    monkeypatch.setattr(cpu_gemm, "PACK_FILTER_FLOATS", 0)
+    monkeypatch.setattr(cpu_gemm, "packs_filters", lambda *_: True)
     xs, cout, k, stride, pad, group, dil = PACKED_CONVS[name]
     ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
     wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
@@ -376,7 +376,7 @@ def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkey
     weight's buffer afterwards changes nothing (it is a constant), while a new runner sees it."""
     from fusesearch.backends.codegen import cpu_gemm
 
-    monkeypatch.setattr(cpu_gemm, "PACK_FILTER_FLOATS", 0)
+    monkeypatch.setattr(cpu_gemm, "packs_filters", lambda *_: True)
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("Relu", ["y"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [1, 4, 3, 3])], [("out", None)], [("w", _w([20, 4, 3, 3]))])

@@ -36,7 +36,9 @@ emitted statements are the same text in both languages; only the skeleton around
                rows of one image and group — the im2col panel (prologue and zero padding applied;
                a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
                epilogue; depthwise convs in their own loop (a vectorized row of output pixels, taps
-               unrolled, bounds checks only at the borders). Without a BLAS (`#else`): per output
+               unrolled, bounds checks only at the borders); a conv whose filters dwarf its
+               activations reads them packed once (`PackedWeight`, the kernel's `<name>_pack`)
+               through our own micro-kernel instead of the BLAS. Without a BLAS (`#else`): per output
                row, the activation operand's row (prologue applied) into a buffer, then i-k-j
                accumulation and the epilogue per column. Blocks run in parallel (OpenMP), the BLAS
                single-threaded inside each; panels and tiles live in a per-thread scratch arena
@@ -64,7 +66,8 @@ square root; division by a constant a multiplication by its reciprocal); the ind
 element is the row's (hoisted by the compiler) and the column's, with no per-element division.
 Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the
 backend's flags select between its `#ifdef` paths and key its binary cache);
-arguments are the kernel's external inputs then outputs, in the Kernel's order; compute is
+arguments are the kernel's external inputs then outputs, in the Kernel's order (then, in C, its
+packed weights); compute is
 float32 (float tensors, half ones included: loads widen, stores round to nearest even, see
 `base.load_expr`/`store`), int64 (indices) or uint8 (bool).
 """

@@ -121,7 +121,7 @@ def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: d
 
 
 CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
-# C conv: filters of at least this many floats (4 MiB), and more filters than a block has pixels,
+# C conv: filters of at least this many floats (4 MiB), and at least twice as many filters as a block has pixels,
 # are packed once (`PackedWeight`) and multiplied by our own micro-kernel (`fs_gemm_packed`)
 # instead of a BLAS call that packs them again per block (see the module note; the figures from
 # `benchmarks/bench_cpu.py --sections 1b`)
@@ -131,7 +131,7 @@ PACK_FILTER_FLOATS = 1 << 20
 def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
     """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
     are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
-    return filters * taps >= PACK_FILTER_FLOATS and filters >= block_pixels
+    return filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels
 
 
 def conv_block_rows(filters: int, taps: int, width: int) -> int:
