@@ -406,3 +406,27 @@ def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
                         tmp_path / "small.onnx"))
     gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
     assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
+
+
+@pytest.mark.parametrize("epilogue,additive", [("bias", True), ("bias+residual", True), ("residual first", True),
+                                               ("plus its own relu", False), ("bias then relu", False)])
+def test_a_product_plus_terms_without_it_is_prefilled_and_added_by_the_blas(tmp_path, blas, epilogue, additive):
+    """MatMul + Add(s) whose other operands do not read the product: the output block is filled
+    with them first and the BLAS adds the product (beta 1), no tile kept; an epilogue that reads
+    the product twice or applies anything after the adds keeps the tile and its second pass."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+    if epilogue == "bias":
+        nodes.append(helper.make_node("Add", ["y", "bias"], ["out"]))
+    elif epilogue == "bias+residual":
+        nodes += [helper.make_node("Add", ["y", "bias"], ["yb"]), helper.make_node("Add", ["yb", "r"], ["out"])]
+    elif epilogue == "residual first":
+        nodes += [helper.make_node("Add", ["r", "y"], ["yr"]), helper.make_node("Add", ["bias", "yr"], ["out"])]
+    elif epilogue == "plus its own relu":
+        nodes += [helper.make_node("Relu", ["y"], ["ry"]), helper.make_node("Add", ["y", "ry"], ["out"])]
+    else:
+        nodes += [helper.make_node("Add", ["y", "bias"], ["yb"]), helper.make_node("Relu", ["yb"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", [2, 37, 24]), ("r", [2, 37, 40])], [("out", None)],
+                    [("w", _w([24, 40])), ("bias", _w([40], 1))])
+    if blas == "blas":
+        assert ("1.0f, out0" in gk.c_source) == additive
+        assert ("cbuf" not in gk.c_source) == additive
