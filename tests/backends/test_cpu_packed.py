@@ -430,3 +430,22 @@ def test_a_product_plus_terms_without_it_is_prefilled_and_added_by_the_blas(tmp_
     if blas == "blas":
         assert ("1.0f, out0" in gk.c_source) == additive
         assert ("cbuf" not in gk.c_source) == additive
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_a_conv_reads_back_its_input_when_the_kernel_writes_it_as_an_output(tmp_path, blas, kernel):
+    """A Concat that is also a kernel output (another kernel reads it) is written once by the
+    kernel's own loop and the conv reads it back from there (a 1x1 conv in place, a 3x3 by
+    strided copies), rather than computing every piece again per tap."""
+    nodes = [helper.make_node("Resize", ["a", "", "scales"], ["up"], mode="nearest"),
+             helper.make_node("Concat", ["up", "b"], ["cat"], axis=1),
+             helper.make_node("Conv", ["cat", "w"], ["y"], kernel_shape=[kernel] * 2, pads=[kernel // 2] * 4),
+             helper.make_node("Sigmoid", ["y"], ["s"]), helper.make_node("Mul", ["y", "s"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("a", [1, 8, 5, 5]), ("b", [1, 8, 10, 10])], [("out", None), ("cat", None)],
+                    [("scales", np.float32([1, 1, 2, 2])), ("w", _w([16, 16, kernel, kernel]))])
+    if blas == "blas":
+        cat = next(a.name for a in gk.outputs if a.tensor == "cat")
+        body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):].split("\n#else")[0]  # the BLAS path
+        blocks = body[body.index("for (long long blk"):]
+        assert (f"{cat} + nb *" in blocks) if kernel == 1 else (f"const float* src = {cat} +" in blocks)
+        assert "ceilf" not in blocks and "floorf" not in blocks  # no Resize index math in the conv's blocks

@@ -32,7 +32,8 @@ emitted statements are the same text in both languages; only the skeleton around
                applied packed into a panel; B read in place by its strides when it is a view of an
                input (the transposed keys of attention), else, when the group computes it, packed
                in the order its source runs; one sgemm into a block tile, the epilogue over the
-               tile while it is in cache, before the one store; Conv as implicit GEMM per block of whole output
+               tile while it is in cache, before the one store (an epilogue that only adds terms
+               without the product is written first and the sgemm adds into it, beta 1); Conv as implicit GEMM per block of whole output
                rows of one image and group — the im2col panel (prologue and zero padding applied;
                a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
                epilogue; depthwise convs in their own loop (a vectorized row of output pixels, taps

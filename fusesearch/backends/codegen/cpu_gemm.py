@@ -165,13 +165,17 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     ho, wo = ys[2], ys[3]
     pixels = ho * wo
     cap = conv_block_rows(cout_g, kt, wo)
-    direct = (x in args and graph.producer(x) not in kernel.nodes and kern == (1, 1) and strides == (1, 1)
-              and not any(pads) and graph.tensors[x].dtype == "float32")
+    # the conv's input as stored: a kernel input, or a side output this kernel writes first (a
+    # Concat another kernel reads too), read back rather than computed again per tap
+    stored = (args[x] if x in args and graph.producer(x) not in kernel.nodes
+              else next((o for o in side if o.tensor == x), None))
+    stored = stored if stored is not None and stored.dtype == "float32" else None
+    direct = stored is not None and kern == (1, 1) and strides == (1, 1) and not any(pads)
     idx = ("nb", "co", "oh", "ow")
     if direct:
-        fill, panel, ldb = [], f"{args[x].name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
-    elif x in args and graph.producer(x) not in kernel.nodes and graph.tensors[x].dtype == "float32":
-        fill = _im2col_rows(args[x].name, xs, cin_g, kern, strides, pads, dilations, wo)
+        fill, panel, ldb = [], f"{stored.name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
+    elif stored is not None:
+        fill = _im2col_rows(stored.name, xs, cin_g, kern, strides, pads, dilations, wo)
         panel, ldb = "patch", "(int)pn"
     else:
         fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
