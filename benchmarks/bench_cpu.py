@@ -352,7 +352,7 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
                   f"ONNX Runtime ENABLE_ALL whole model {ort_s * 1e3:.2f} ms: sum of our kernels "
                   f"{t['measured_s'] / ort_s:.2f}x of it (target <= 1.5x)")
     if "3" in sections and total:
-        print(f"3. all models: the fused kernel wins in {wins} of {total} fused anchor groups ({wins / total:.0%}; "
+        print(f"3. all models: the fused kernel wins in {wins} of {total} fused anchor groups ({wins / total:.1%}; "
               f"target >= 90%); it loses by more than 10% in {far}")
 
 

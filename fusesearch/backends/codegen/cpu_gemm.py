@@ -15,8 +15,9 @@ function before its first call) and the product computed as pixels x filters, ea
 transposed into the channels x pixels block the epilogue reads, the convs of resnet's last stages
 (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran
 1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters again per block; below
-PACK_FILTER_FLOATS, or with fewer filters than a block has pixels, the two were within noise
-(0.86-1.04x), so the BLAS stays there (`packs_filters`).
+PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has pixels, the two were
+within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS
+stays there (`packs_filters`).
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
@@ -71,7 +72,6 @@ def _packed(packs: dict, graph: Graph, args, w: str, layout: tuple[int, int, int
     return packs[w].arg.name
 
 
-
 def _split_outputs(graph: Graph, kernel: Kernel, outs, anchor: Node):
     """(main, side): the outputs at the product's positions (computed from it element for element,
     a Reshape of it included: `anchor_derived`), written in the product's loop; the rest (a
@@ -121,10 +121,10 @@ def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: d
 
 
 CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
-# C conv: filters of at least this many floats (4 MiB), and at least twice as many filters as a block has pixels,
-# are packed once (`PackedWeight`) and multiplied by our own micro-kernel (`fs_gemm_packed`)
-# instead of a BLAS call that packs them again per block (see the module note; the figures from
-# `benchmarks/bench_cpu.py --sections 1b`)
+# C conv: filters of at least this many floats (4 MiB), at least twice as many as a block has
+# pixels, are packed once (`PackedWeight`) and multiplied by our own micro-kernel
+# (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
+# the figures from `benchmarks/bench_cpu.py --sections 1b`)
 PACK_FILTER_FLOATS = 1 << 20
 
 
@@ -144,10 +144,13 @@ def conv_block_rows(filters: int, taps: int, width: int) -> int:
 def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
     """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
     and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS
-    or the filters' size, blocks of even size): the block's input patches (prologue applied, zero padding) are packed into an
-    im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its input in place), one sgemm
-    multiplies the group's filters (C_out/g x taps, a constant read in place) by it, and the
-    epilogue runs over the block's product while it is in cache, before the one store. None for
+    or the filters' size, blocks of even size): the block's input patches (prologue applied, zero
+    padding) are packed into an im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its
+    input in place, as it does an input the kernel wrote first as a side output), one sgemm
+    multiplies the group's filters (C_out/g x taps, a constant read in place) by it, or, where
+    `packs_filters` says so, our own micro-kernel multiplies it by the filters packed once into
+    `packs`, and the epilogue runs over the block's product while it is in cache, before the one
+    store. None for
     depthwise-like groups (one input and under 8 output channels per group), non-2-D convs and
     computed filters; a conv with few output channels over many input channels (a segmentation
     head's 1x1 to 2 classes) stays here: its row loop was 3-8x slower than ONNX Runtime."""
