@@ -20,6 +20,7 @@ from fusesearch.pipeline import prepare
 from fusesearch.plans import validate_plan
 from fusesearch.search import STRATEGIES, SearchConfig, search
 from fusesearch.verify import compare, random_feeds, run
+from tests.conftest import SCALED_TWINS, zoo_params
 
 H100 = get_device("h100-sxm")
 SCHEMA = json.loads(resources.files("fusesearch").joinpath("schemas/plan.schema.json").read_text())
@@ -36,12 +37,12 @@ def plan_of(name: str, strategy: str):
                   model_info=model_info(prep))
 
 
-# the two largest transformers (a minute and half a minute here) under -m slow (`make test-all`):
-# bert-small, vit-small and vit-base keep the transformer case in the default run
-LONG_PLANS = ("gpt2", "bert-base")
+# the largest transformers (a minute, half a minute and 27 s here) under -m slow (`make test-all`):
+# bert-small and vit-small keep the transformer case in the default run
+LONG_PLANS = ("gpt2", *SCALED_TWINS)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in LONG_PLANS else n for n in zoo.ZOO])
+@pytest.mark.parametrize("name", zoo_params(LONG_PLANS))
 def test_every_strategy_plans_every_zoo_model_and_its_fused_model_verifies(name):
     """plan → plan.json (schema) → fused.onnx (checker, one node per kernel) → ONNX Runtime equal."""
     plans = {s: plan_of(name, s) for s in STRATEGIES}
