@@ -738,33 +738,20 @@ def _additive_epilogue(graph: Graph, kernel: Kernel, y: str, out: str) -> bool:
     """Whether `out` is product `y` plus terms that do not depend on it (a bias, a residual): a
     chain of Adds from y to out, each of y's shape, y read once, the other operands computed
     without y. The BLAS can then add the product to an output prefilled with those terms."""
-    t = y
+    anchor, t = graph.producer(y), y
     while t != out:
         users = [n for n in graph.consumers(t) if n in kernel.nodes]
         if len(users) != 1:
             return False
         node = graph.nodes[users[0]]
         others = [i for i in node.inputs if i != t]
+        source = graph.producer(others[0]) if len(others) == 1 else None
         if (node.op_type != "Add" or len(others) != 1 or node.inputs.count(t) != 1
                 or graph.tensors[node.outputs[0]].shape != graph.tensors[y].shape
-                or _depends_on(graph, kernel, others[0], y)):
+                or source is not None and (source == anchor or graph.reaches(anchor, source))):
             return False
         t = node.outputs[0]
     return True
-
-
-def _depends_on(graph: Graph, kernel: Kernel, t: str, y: str) -> bool:
-    """Whether tensor `t` is computed in the kernel from `y`."""
-    stack, seen = [t], set()
-    while stack:
-        u = stack.pop()
-        if u == y:
-            return True
-        p = graph.producer(u)
-        if p is not None and p in kernel.nodes and p not in seen:
-            seen.add(p)
-            stack += [i for i in graph.nodes[p].inputs if i]
-    return False
 
 
 def _view_strides(graph: Graph, kernel: Kernel, outs, y: str) -> tuple[int, ...] | None:
