@@ -346,7 +346,7 @@ class Program(Layout):
         return f"({q}{ctype}*)(a + {self.offsets[r]}ULL)"
 
     def driver(self, runs: list[list[Step]]) -> str:
-        from fusesearch.backends.codegen.base import half_prelude
+        from fusesearch.backends.codegen.base import c_pack_params, c_params, half_prelude
 
         dtypes = {a.dtype for s in self.steps if s.kernel is not None for a in (*s.kernel.inputs, *s.kernel.outputs)}
         lines = ["#include <omp.h>", "#include <stddef.h>", "#include <stdint.h>",
@@ -355,11 +355,9 @@ class Program(Layout):
                  "int fs_get_threads(void) { return omp_get_max_threads(); }"]
         kernels = [s.kernel for run in runs for s in run if s.kernel is not None]
         for k in kernels:
-            ins = [f"const {a.ctype}*" for a in k.inputs]
-            params = ins + [f"{a.ctype}*" for a in k.outputs] + ["const float*"] * len(k.packed)
-            lines.append(f"void {k.name}({', '.join(params)});")
+            lines.append(f"void {k.name}({', '.join(c_params(k.inputs, k.outputs, k.packed, named=False))});")
             if k.packed:
-                lines.append(f"void {k.name}_pack({', '.join(ins + ['float*'] * len(k.packed))});")
+                lines.append(f"void {k.name}_pack({', '.join(c_pack_params(k.inputs, k.packed, named=False))});")
         lines.append("void fs_pack(char* a, void** x) {")  # once, before the first run
         for k in (k for k in kernels if k.packed):
             pk = [f"(float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed]

@@ -341,14 +341,28 @@ def scratch(name: str, floats: str) -> str:
     return f"float* {name} = fs_scratch({SCRATCH_SLOTS.index(name)}, sizeof(float) * ({floats}));"
 
 
+def _c_param(ctype: str, a: Arg, named: bool) -> str:
+    return f"{ctype}* restrict {a.name}" if named else f"{ctype}*"
+
+
+def c_params(ins, outs, packed, named: bool = True) -> list[str]:
+    """A C kernel's parameters: its inputs, outputs, then packed weights; `named`: with `restrict`
+    and the argument names (the definition), else the types alone (a prototype)."""
+    return ([_c_param(f"const {a.ctype}", a, named) for a in ins] + [_c_param(a.ctype, a, named) for a in outs]
+            + [_c_param("const float", p.arg, named) for p in packed])
+
+
+def c_pack_params(ins, packed, named: bool = True) -> list[str]:
+    """The parameters of a C kernel's `<name>_pack`: its inputs, then the packed buffers it fills."""
+    return [_c_param(f"const {a.ctype}", a, named) for a in ins] + [_c_param("float", p.arg, named) for p in packed]
+
+
 def c_function(name: str, ins, outs, packed, body: str) -> str:
     """A C kernel's source: the prelude (and the packed GEMM where weights are packed), the kernel
     `name(inputs, outputs, packed weights)` running `body`, and its `<name>_pack`."""
-    params = _signature(ins, outs, "restrict") + "".join(f", const float* restrict {p.arg.name}" for p in packed)
-    src = f"{_C_PRELUDE}{_C_PACKED_GEMM if packed else ''}\nvoid {name}({params}) {{\n{body}}}\n"
+    src = f"{_C_PRELUDE}{_C_PACKED_GEMM if packed else ''}\nvoid {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n"
     if packed:
-        src += (f"void {name}_pack({_signature(ins, (), 'restrict')}"
-                + "".join(f", float* restrict {p.arg.name}" for p in packed) + ") {\n"
+        src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"
                 + "".join(f"    {p.pack_call()}\n" for p in packed) + "}\n")
     return src
 
