@@ -7,6 +7,9 @@ EXTRAS := dev,dist,plot
 DEMO_MODEL  ?= zoo:resnet50
 DEMO_DEVICE ?= h100-sxm
 PYTEST_ARGS ?=
+# test workers (pytest-xdist): one per CPU this process may run on, at most 4 (each holds its own
+# planned zoo models); TEST_WORKERS=0 runs the suite in this process
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: install demo test test-all lint bench clean
 
@@ -23,10 +26,10 @@ demo: install
 	$(BIN)/fusesearch plan $(DEMO_MODEL) --device $(DEMO_DEVICE)
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: install
-	$(BIN)/python -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "slow or not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check fusesearch costmodels tests benchmarks

@@ -6,7 +6,8 @@
    achieved bandwidth (bytes in + out / time) as a share of the memory bandwidth of a 128 MiB copy
    timed in the same run. Target: >= 60%.
 3. Fused anchor groups of zoo plans (cpsat on host): fused kernel vs library anchor + the rest as
-   separate kernels (measure's `fused_loses`). Target: fused wins in >= 90% of groups.
+   separate kernels (measure's `fused_loses`). Target: fused wins in >= 90% of groups. The groups
+   lost by less than TIE (2%, within a shared core's swing between rounds) are counted apart.
 4. Whole plans (cpsat on host): measured plan vs unfused (targets 1.3x bert-small, 1.1x
    resnet18) and the sum of kernel times beside ONNX Runtime's whole-model time (ENABLE_ALL, one
    thread; target within 1.5x).
@@ -40,6 +41,9 @@ from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 
 RNG = np.random.default_rng(0)
+# section 3: a fused group slower than library + rest by at most this fraction lost within what
+# one shared core's speed swings between interleaved rounds (printed apart, still counted as lost)
+TIE = 0.02
 
 # (label, M, K, N, batch, transposed B): bert-base projections, FFN, attention score and context
 GEMMS = [("bert-base qkv/out 128x768x768", 128, 768, 768, 1, False),
@@ -322,7 +326,7 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
     from fusesearch.measure import measure_plan
     from fusesearch.verify import random_feeds
 
-    wins = total = far = 0
+    wins = total = far = close = 0
     for name in models:
         prep = prepare(f"zoo:{name}")
         p = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep)
@@ -333,9 +337,11 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
         lost = sorted(g for g, v in versus.items() if v["fused_loses"])
         ratio = {g: v["measured_s"] / v["library_baseline_s"] for g, v in versus.items()}
         by_far = sorted(g for g, r in ratio.items() if r > 1.1)
+        near = sum(1 for g in lost if ratio[g] <= 1 + TIE)  # lost by less than the machine's noise
         wins += len(versus) - len(lost)
         total += len(versus)
         far += len(by_far)
+        close += near
         canonical = to_proto(prep.canonical)
         feeds = random_feeds(canonical, 0)
         sess = ort_session(canonical)
@@ -344,7 +350,7 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
             worst = max(ratio, key=ratio.get) if ratio else None
             print(f"3. {name}: fused anchor groups beating library anchor + the rest: {len(versus) - len(lost)} of "
                   f"{len(versus)}" + (f" (losing: {', '.join(f'g{g}' for g in lost)})" if lost else "")
-                  + (f"; losing by > 10%: {len(by_far)}; fused / (library + rest) median "
+                  + (f"; losing by < {TIE:.0%}: {near}; by > 10%: {len(by_far)}; fused / (library + rest) median "
                      f"{statistics.median(ratio.values()):.2f}, worst {ratio[worst]:.2f} (g{worst})" if ratio else ""))
         if "4" in sections:
             print(f"4. {name}: plan {p.kernels} kernels {t['measured_s'] * 1e3:.2f} ms, unfused {none.kernels} kernels "
@@ -353,7 +359,7 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
                   f"{t['measured_s'] / ort_s:.2f}x of it (target <= 1.5x)")
     if "3" in sections and total:
         print(f"3. all models: the fused kernel wins in {wins} of {total} fused anchor groups ({wins / total:.1%}; "
-              f"target >= 90%); it loses by more than 10% in {far}")
+              f"target >= 90%); it loses by less than {TIE:.0%} in {close}, by more than 10% in {far}")
 
 
 def section_threads(budget: float, repeats: int) -> None:

@@ -38,7 +38,7 @@ zoo_app = typer.Typer(no_args_is_help=True, help="Built-in models (zoo:NAME).")
 app.add_typer(zoo_app, name="zoo")
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message: a path is never broken
 
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
 Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim (repeatable)")]
