@@ -449,3 +449,54 @@ def test_a_conv_reads_back_its_input_when_the_kernel_writes_it_as_an_output(tmp_
         blocks = body[body.index("for (long long blk"):]
         assert (f"{cat} + nb *" in blocks) if kernel == 1 else (f"const float* src = {cat} +" in blocks)
         assert "ceilf" not in blocks and "floorf" not in blocks  # no Resize index math in the conv's blocks
+
+
+# the AVX-512 micro-kernel's six intrinsics as plain C over 16 floats, counting its calls: its
+# branch of `fs_micro` then compiles and runs on any CPU, checking its indexing (two accumulator
+# sets over even and odd k, the odd-K tail, the six row stores)
+_AVX512_STAND_IN = """#define __AVX512F__ 1
+typedef struct { float v[16]; } fs_v16;
+#define __m512 fs_v16
+long long fs_stand_in_calls = 0;
+static inline fs_v16 _mm512_setzero_ps(void) { fs_v16 r; ++fs_stand_in_calls; for (int i = 0; i < 16; ++i) r.v[i] = 0.0f; return r; }
+static inline fs_v16 _mm512_loadu_ps(const float* p) { fs_v16 r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
+static inline fs_v16 _mm512_set1_ps(float x) { fs_v16 r; for (int i = 0; i < 16; ++i) r.v[i] = x; return r; }
+static inline fs_v16 _mm512_fmadd_ps(fs_v16 a, fs_v16 b, fs_v16 c) { for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+static inline fs_v16 _mm512_add_ps(fs_v16 a, fs_v16 b) { for (int i = 0; i < 16; ++i) a.v[i] += b.v[i]; return a; }
+static inline void _mm512_storeu_ps(float* p, fs_v16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i]; }
+"""
+
+
+@pytest.mark.parametrize("branch", ["native", "portable", "avx512"])
+def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
+    """The packed GEMM (`fs_pack_b`, `fs_gemm_packed`) through each branch of its micro-kernel equals
+    a float64 product at partial tiles and an odd K: as this CPU compiles it (`-march=native`: AVX2 +
+    FMA here, AVX-512 where the CPU has it), the portable loops (no vector ISA named), and the
+    AVX-512 branch with its intrinsics replaced by plain C (`_AVX512_STAND_IN`), so its indexing is
+    checked on a CPU without AVX-512 (and compiled with the real ones to zmm FMAs)."""
+    from fusesearch.backends.codegen import base
+
+    driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C) {\n"
+              "    fs_pack_b(K, N, B, N, 1, Bp);\n    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n}\n")
+    source = base._C_PRELUDE + base._C_PACKED_GEMM + driver
+    flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    if branch == "native":
+        flags = list(cpu.CFLAGS[:-1])
+    elif branch == "avx512":  # the real intrinsics compile (to zmm FMAs); the stand-in runs
+        asm = subprocess.run([cpu.compiler(), "-O2", "-mavx512f", "-mfma", "-std=c11", "-x", "c", "-S", "-", "-o", "-"],
+                             input=source, check=True, capture_output=True, text=True).stdout
+        assert "vfmadd" in asm and "zmm" in asm
+        source = _AVX512_STAND_IN + source.replace("#include <immintrin.h>\n", "")
+    src, lib = tmp_path / "gemm.c", tmp_path / "gemm.so"
+    src.write_text(source)
+    subprocess.run([cpu.compiler(), *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib))
+    rng = np.random.default_rng(1)
+    for m, n, k in [(25, 30, 37), (6, 16, 1), (13, 40, 64)]:
+        a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+        bp, c = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
+        fn.run(*(ctypes.c_longlong(v) for v in (m, n, k)), *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c)))
+        np.testing.assert_allclose(c.T, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{branch} {m}x{n}x{k}")
+    if branch == "avx512":
+        assert ctypes.c_longlong.in_dll(fn, "fs_stand_in_calls").value > 0, "the AVX-512 branch did not run"

@@ -258,12 +258,16 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 # B a constant. `fs_pack_b` lays B (K x N, by strides) out as ceil(N/16) panels of K x 16 floats,
 # zero padded, once, before the kernel's first call; `fs_gemm_packed` packs A (by strides: an
 # im2col panel read transposed, pixels x taps) into panels of 6 rows, runs a 6 x 16 register tile
-# per panel pair over all of K (on AVX2 + FMA twelve ymm accumulators, 12 FMAs per k against 2
-# loads and 6 broadcasts, the BLAS's own shape; elsewhere the same tile in plain loops the
-# compiler vectorizes) and stores each tile once, transposed (a conv's output channels x pixels,
-# the layout the epilogue reads contiguously); partial tiles (M % 6, N % 16) store their part.
+# per panel pair over all of K and stores each tile once, transposed (a conv's output channels x
+# pixels, the layout the epilogue reads contiguously); partial tiles (M % 6, N % 16) store their
+# part. The tile's branches, chosen by what the compiler targets (`-march=native`): AVX2 + FMA,
+# twelve ymm accumulators, 12 FMAs per k against 2 loads and 6 broadcasts (the BLAS's own shape);
+# AVX-512, a row of the tile per zmm and two accumulator sets (even and odd k) so that twelve
+# FMAs are in flight, summed at the store; elsewhere the same tile in plain loops the compiler
+# vectorizes. Only the AVX2 branch has run on hardware here: the AVX-512 one is checked with its
+# intrinsics replaced by plain C (tests/backends/test_cpu_packed.py) and runs wherever the CPU has it.
 FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
-_C_PACKED_GEMM = f"""#if defined(__AVX2__) && defined(__FMA__)
+_C_PACKED_GEMM = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 enum {{ FS_MR = 6, FS_NR = {FS_NR} }};
@@ -279,7 +283,30 @@ static void fs_pack_b(long long K, long long N, const float* B, long long sk, lo
     }}
 }}
 static inline void fs_micro(long long K, const float* a, const float* b, float* tile) {{
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), e2 = _mm512_setzero_ps(), e3 = _mm512_setzero_ps();
+    __m512 e4 = _mm512_setzero_ps(), e5 = _mm512_setzero_ps(), o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+    __m512 o2 = _mm512_setzero_ps(), o3 = _mm512_setzero_ps(), o4 = _mm512_setzero_ps(), o5 = _mm512_setzero_ps();
+    long long k = 0;
+    for (; k + 1 < K; k += 2, a += 2 * FS_MR, b += 2 * FS_NR) {{
+        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + FS_NR);
+        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, e0); o0 = _mm512_fmadd_ps(_mm512_set1_ps(a[6]), b1, o0);
+        e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, e1); o1 = _mm512_fmadd_ps(_mm512_set1_ps(a[7]), b1, o1);
+        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, e2); o2 = _mm512_fmadd_ps(_mm512_set1_ps(a[8]), b1, o2);
+        e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, e3); o3 = _mm512_fmadd_ps(_mm512_set1_ps(a[9]), b1, o3);
+        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, e4); o4 = _mm512_fmadd_ps(_mm512_set1_ps(a[10]), b1, o4);
+        e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, e5); o5 = _mm512_fmadd_ps(_mm512_set1_ps(a[11]), b1, o5);
+    }}
+    if (k < K) {{
+        __m512 b0 = _mm512_loadu_ps(b);
+        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, e0); e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, e1);
+        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, e2); e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, e3);
+        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, e4); e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, e5);
+    }}
+    _mm512_storeu_ps(tile + 0, _mm512_add_ps(e0, o0)); _mm512_storeu_ps(tile + 16, _mm512_add_ps(e1, o1));
+    _mm512_storeu_ps(tile + 32, _mm512_add_ps(e2, o2)); _mm512_storeu_ps(tile + 48, _mm512_add_ps(e3, o3));
+    _mm512_storeu_ps(tile + 64, _mm512_add_ps(e4, o4)); _mm512_storeu_ps(tile + 80, _mm512_add_ps(e5, o5));
+#elif defined(__AVX2__) && defined(__FMA__)
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();

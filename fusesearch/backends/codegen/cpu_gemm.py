@@ -5,7 +5,7 @@ without a BLAS (`#else`).
 
 Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
 packed 6x16 AVX2/FMA micro-kernel (the C prelude's `fs_gemm_packed`, B packed once by
-`fs_pack_b`) against scipy-openblas32's sgemm (which packs B inside every call) at the zoo's GEMM
+`fs_pack_b`; an AVX-512 branch where the CPU has it, never timed here) against scipy-openblas32's sgemm (which packs B inside every call) at the zoo's GEMM
 shapes: equal within noise (86-90 GFLOP/s both at 128x768x768, 128x768x3072, 128x3072x768,
 197x384x384 on one Zen 3 core), and generated MatMuls with their weights packed once were no
 faster (0.8-1.07x at bert's and vit's shapes). So MatMul/Gemm call the BLAS: as fast, covering
