@@ -290,12 +290,12 @@ static inline void fs_micro(long long K, const float* a, const float* b, float* 
     long long k = 0;
     for (; k + 1 < K; k += 2, a += 2 * FS_MR, b += 2 * FS_NR) {{
         __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + FS_NR);
-        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, e0); o0 = _mm512_fmadd_ps(_mm512_set1_ps(a[6]), b1, o0);
-        e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, e1); o1 = _mm512_fmadd_ps(_mm512_set1_ps(a[7]), b1, o1);
-        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, e2); o2 = _mm512_fmadd_ps(_mm512_set1_ps(a[8]), b1, o2);
-        e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, e3); o3 = _mm512_fmadd_ps(_mm512_set1_ps(a[9]), b1, o3);
-        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, e4); o4 = _mm512_fmadd_ps(_mm512_set1_ps(a[10]), b1, o4);
-        e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, e5); o5 = _mm512_fmadd_ps(_mm512_set1_ps(a[11]), b1, o5);
+        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, e0); o0 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 0]), b1, o0);
+        e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, e1); o1 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 1]), b1, o1);
+        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, e2); o2 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 2]), b1, o2);
+        e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, e3); o3 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 3]), b1, o3);
+        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, e4); o4 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 4]), b1, o4);
+        e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, e5); o5 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 5]), b1, o5);
     }}
     if (k < K) {{
         __m512 b0 = _mm512_loadu_ps(b);

@@ -4,19 +4,19 @@ activation panel and the epilogue on the tile in cache, implicit-GEMM conv throu
 without a BLAS (`#else`).
 
 Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
-packed 6x16 AVX2/FMA micro-kernel (the C prelude's `fs_gemm_packed`, B packed once by
-`fs_pack_b`; an AVX-512 branch where the CPU has it, never timed here) against scipy-openblas32's sgemm (which packs B inside every call) at the zoo's GEMM
-shapes: equal within noise (86-90 GFLOP/s both at 128x768x768, 128x768x3072, 128x3072x768,
-197x384x384 on one Zen 3 core), and generated MatMuls with their weights packed once were no
-faster (0.8-1.07x at bert's and vit's shapes). So MatMul/Gemm call the BLAS: as fast, covering
-transposed operands and the GEMV case. Convs whose filters dwarf their activations are the
-exception: with the filters packed once per plan (`PackedWeight`, packed by the kernel's `_pack`
-function before its first call) and the product computed as pixels x filters, each tile stored
-transposed into the channels x pixels block the epilogue reads, the convs of resnet's last stages
-(3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran
-1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters again per block; below
-PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has pixels, the two were
-within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS
+packed 6x16 AVX2/FMA micro-kernel (the C prelude's `fs_gemm_packed`, B packed once by `fs_pack_b`;
+an AVX-512 branch where the CPU has it, never timed here) against scipy-openblas32's sgemm (which
+packs B inside every call) at the zoo's GEMM shapes: equal within noise (86-90 GFLOP/s both at
+128x768x768, 128x768x3072, 128x3072x768, 197x384x384 on one Zen 3 core), and generated MatMuls with
+their weights packed once were no faster (0.8-1.07x at bert's and vit's shapes). So MatMul/Gemm call
+the BLAS: as fast, covering transposed operands and the GEMV case. Convs whose filters dwarf their
+activations are the exception: with the filters packed once per plan (`PackedWeight`, packed by the
+kernel's `_pack` function before its first call) and the product computed as pixels x filters, each
+tile stored transposed into the channels x pixels block the epilogue reads, the convs of resnet's
+last stages (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7)
+ran 1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters again per block;
+below PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has pixels, the two
+were within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS
 stays there (`packs_filters`).
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
