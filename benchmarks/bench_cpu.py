@@ -169,7 +169,9 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         return
     driver = (base._C_PRELUDE + base._C_PACKED_GEMM
               + "void own_pack_b(int K, int N, const float* B, float* Bp) { fs_pack_b(K, N, B, N, 1, Bp); }\n"
-              "void own_sgemm(int M, int N, int K, const float* A, const float* Bp, float* C) "
+              "void own_rows(int M, int N, int K, const float* A, const float* Bp, float* C) "
+              "{ fs_gemm_rows(M, N, K, A, K, Bp, C, N, 0); }\n"
+              "void own_packed(int M, int N, int K, const float* A, const float* Bp, float* C) "
               "{ fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M); }\n"
               "void blas_sgemm(int M, int N, int K, const float* A, const float* B, float* C) "
               "{ FS_BLAS_SGEMM(101, 111, 111, M, N, K, 1.0f, A, K, B, N, 0.0f, C, N); }\n")
@@ -179,31 +181,39 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         subprocess.run([cpu.compiler(), *cpu.CFLAGS[:-1], str(src), "-o", str(so), *cpu.link_flags(), "-lm"], check=True)
         lib = ctypes.CDLL(str(so))
     ptr = ctypes.c_void_p
-    print("1b. GEMM main loop: own packed micro-kernel vs the BLAS per call, one thread, medians of", repeats)
-    ratios = []
+    print("1b. GEMM main loop, one thread, interleaved, medians of", repeats, "rounds: our micro-kernel over B packed once,")
+    print("    A read by rows and C stored in place (`fs_gemm_rows`: MatMul/Gemm with a constant B) or A packed and")
+    print("    C stored transposed (`fs_gemm_packed`: a conv's pixels x filters), vs the BLAS (packs B in every call)")
+    cases = []
     # the last-stage resnet conv as pixels x taps x filters: the filters (9 MiB) are the constant operand
-    for label, m, k, n in [(g[0], g[1], g[2], g[3]) for g in GEMMS if g[4] == 1] + [("vit-small qkv 197x384x384", 197, 384, 384),
+    for label, m, k, n in [(g[0], g[1], g[2], g[3]) for g in GEMMS if g[4] == 1] + [("bert-small qkv 128x128x128", 128, 128, 128),
+                                                                                      ("bert-small ffn-up 128x128x512", 128, 128, 512),
+                                                                                      ("bert-small ffn-down 128x512x128", 128, 512, 128),
+                                                                                      ("vit-small qkv 197x384x384", 197, 384, 384),
+                                                                                      ("vit-small ffn-up 197x384x1536", 197, 384, 1536),
                                                                                       ("resnet 3x3 512 @7 49x4608x512", 49, 4608, 512),
                                                                                       ("odd 37x45x70", 37, 45, 70)]:
         a = RNG.standard_normal((m, k)).astype(np.float32)
         b = RNG.standard_normal((k, n)).astype(np.float32)
         bp = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32)
         lib.own_pack_b(k, n, b.ctypes.data_as(ptr), bp.ctypes.data_as(ptr))
-        c_own, c_blas = np.zeros((m, n), np.float32), np.zeros((m, n), np.float32)
-        own = lambda: lib.own_sgemm(m, n, k, a.ctypes.data_as(ptr), bp.ctypes.data_as(ptr), c_own.ctypes.data_as(ptr))  # noqa: E731,B023
-        blas = lambda: lib.blas_sgemm(m, n, k, a.ctypes.data_as(ptr), b.ctypes.data_as(ptr), c_blas.ctypes.data_as(ptr))  # noqa: E731,B023
-        own()
-        blas()
+        outs = [np.zeros((m, n), np.float32), np.zeros((n, m), np.float32), np.zeros((m, n), np.float32)]
+        calls = [lambda f=f, x=x, c=c, a=a, mnk=(m, n, k): f(*mnk, a.ctypes.data_as(ptr), x.ctypes.data_as(ptr), c.ctypes.data_as(ptr))
+                 for f, x, c in ((lib.own_rows, bp, outs[0]), (lib.own_packed, bp, outs[1]), (lib.blas_sgemm, b, outs[2]))]
+        for call in calls:
+            call()
         ref = a.astype(np.float64) @ b.astype(np.float64)
-        err = float(np.max(np.abs(c_own.reshape(n, m).T - ref)) / np.max(np.abs(ref)))  # ours: C transposed
-        t_own = statistics.median(measure(own, budget_s=budget).median_s for _ in range(repeats))
-        t_blas = statistics.median(measure(blas, budget_s=budget).median_s for _ in range(repeats))
-        flops = 2.0 * m * n * k
-        ratios.append(t_blas / t_own)
-        print(f"   {label:38s} own {flops / t_own / 1e9:6.1f} GFLOP/s   BLAS {flops / t_blas / 1e9:6.1f} GFLOP/s   "
-              f"{t_blas / t_own:5.2f}x   max rel err {err:.1e}")
+        err = max(float(np.max(np.abs(c - ref)) / np.max(np.abs(ref))) for c in (outs[0], outs[1].T, outs[2]))
+        cases.append((label, 2.0 * m * n * k, calls, err))
+    times = measure_interleaved([c for _, _, calls, _ in cases for c in calls], budget_s=budget * repeats, rounds=repeats)
+    ratios = []
+    for i, (label, flops, _, err) in enumerate(cases):
+        rows, packed, blas = (times[3 * i + j].median_s for j in range(3))
+        ratios.append(blas / rows)
+        print(f"   {label:38s} rows {flops / rows / 1e9:6.1f}  packed {flops / packed / 1e9:6.1f}  BLAS {flops / blas / 1e9:6.1f} "
+              f"GFLOP/s   rows {blas / rows:5.2f}x the BLAS   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
-    print(f"   geometric mean: own micro-kernel at {geo:.2f}x the BLAS's throughput")
+    print(f"   geometric mean: fs_gemm_rows at {geo:.2f}x the BLAS's throughput")
     print(f"   generated Conv+Relu, filters packed once vs the BLAS per block, interleaved (generated: what "
           f"cpu_gemm.packs_filters picks, from {cpu_gemm.PACK_FILTER_FLOATS} filter floats):")
     pairs = []

@@ -58,25 +58,52 @@ def _w(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.3
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 1, 7), (70, 33, 1), (130, 17, 65), (64, 64, 64)])
-def test_matmul_bias_act_edges(tmp_path, blas, m, k, n):
-    """M, N, K off the block size; K = 1; N = 1; prologue (Relu) and epilogue (bias, Tanh)."""
+ROWS, BLAS = "fs_gemm_rows(", "FS_BLAS_SGEMM(101"
+
+
+@pytest.mark.parametrize("m,k,n,path", [(1, 1, 1, BLAS), (5, 1, 7, BLAS), (70, 33, 1, BLAS), (130, 17, 65, ROWS),
+                                        (64, 64, 64, ROWS), (6, 1, 16, ROWS), (13, 1030, 20, BLAS)])
+def test_matmul_bias_act_edges(tmp_path, blas, m, k, n, path):
+    """M, N, K off the block size; K = 1; N = 1; prologue (Relu) and epilogue (bias, Tanh). A
+    constant B goes to our micro-kernel packed once (`fs_gemm_rows`, no BLAS needed) from one full
+    tile (FS_MR rows, FS_NR columns) and up to ROWS_MAX_K; below, or beyond, to the BLAS."""
     nodes = [helper.make_node("Relu", ["x"], ["xr"]), helper.make_node("MatMul", ["xr", "w"], ["y"]),
              helper.make_node("Add", ["y", "b"], ["z"]), helper.make_node("Tanh", ["z"], ["out"])]
-    one_kernel(tmp_path, nodes, [("x", [2, m, k])], [("out", None)], [("w", _w([k, n])), ("b", _w([n], 1))],
-               expect="FS_BLAS_SGEMM(101")
+    gk = one_kernel(tmp_path, nodes, [("x", [2, m, k])], [("out", None)], [("w", _w([k, n])), ("b", _w([n], 1))],
+                    expect=path)
+    assert bool(gk.packed) == (path == ROWS)
+
+
+@pytest.mark.parametrize("m", [6, 37, 130])
+def test_packed_b_product_adds_onto_its_bias_in_place(tmp_path, blas, m):
+    """MatMul + bias + residual (the product plus terms without it) over a constant B: the output
+    is prefilled with bias + residual and `fs_gemm_rows` adds the product there (beta 1), with no
+    product buffer; also when the group has a second output (its prologue's value, as a LayerNorm
+    feeding both the residual and the product)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"]),
+             helper.make_node("Add", ["z", "r"], ["out"])]
+    gk = one_kernel(tmp_path, nodes, [("x", [m, 40]), ("r", [m, 33])], [("out", None)], [("w", _w([40, 33])), ("b", _w([33], 1))])
+    assert "cbuf" not in gk.c_source and "pk0, out0 + (m0 * 33LL), 33LL, 1);" in gk.c_source
+    side = [helper.make_node("Sigmoid", ["x"], ["xs"]), helper.make_node("MatMul", ["xs", "w"], ["y"]),
+            helper.make_node("Add", ["y", "b"], ["out"])]
+    gk = one_kernel(tmp_path, side, [("x", [m, 40])], [("out", None), ("xs", None)], [("w", _w([40, 33])), ("b", _w([33], 1))])
+    assert "cbuf" not in gk.c_source and "fs_gemm_rows(mc, 33LL, 40LL, abuf, 40LL, pk0, out" in gk.c_source
 
 
 @pytest.mark.parametrize("m", [1, 37, 130])
 def test_a_product_without_epilogue_is_stored_by_the_blas(tmp_path, blas, m):
     """A prologue-only group (Sigmoid + MatMul, batched) and a MatMul whose product a Transpose
-    reorders: the sgemm writes the output (or the product's buffer) itself, no epilogue pass."""
+    reorders: our micro-kernel over B packed once (or the sgemm, for one row or fewer than FS_NR
+    columns) writes the output (or the product's buffer) itself, no epilogue pass."""
     nodes = [helper.make_node("Sigmoid", ["x"], ["xs"]), helper.make_node("MatMul", ["xs", "w"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 19]))])
     moved = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Transpose", ["y"], ["out"], perm=[0, 2, 1])]
     gk2 = one_kernel(tmp_path, moved, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 19]))])
-    assert ("0.0f, out0 + ((z) * " in gk.c_source) and ("0.0f, ybuf + ((z) * " in gk2.c_source)
+    call = "0.0f, {} + ((z) * " if m == 1 else "pk0, {} + ((z) * "  # the sgemm, or fs_gemm_rows
+    assert call.format("out0") in gk.c_source and call.format("ybuf") in gk2.c_source
     assert "cbuf" not in gk.c_source + gk2.c_source
+    fewer = one_kernel(tmp_path, nodes, [("x", [3, m, 24])], [("out", None)], [("w", _w([24, 7]))])  # N < FS_NR: the BLAS
+    assert "0.0f, out0 + ((z) * " in fewer.c_source and "cbuf" not in fewer.c_source
 
 
 def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas):
@@ -102,13 +129,20 @@ def test_computed_b_is_packed_along_its_source(tmp_path, blas, perm, packed):
                [("bias", _w([48], 2)), ("shape", np.int64([1, 70, 3, 16]))], expect=packed if blas == "blas" else None)
 
 
+@pytest.mark.parametrize("n,alpha,path", [(11, 0.5, BLAS), (21, 0.5, ROWS), (21, 1.0, ROWS)])
 @pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
-def test_gemm_transposed_operands(tmp_path, blas, trans_a, trans_b):
+def test_gemm_transposed_operands(tmp_path, blas, trans_a, trans_b, n, alpha, path):
+    """Gemm with either operand transposed, through the BLAS (fewer than FS_NR columns) and our
+    micro-kernel (B packed once along its strides); with alpha 1 and nothing after it, the output
+    is prefilled with beta * C and the product added there."""
     a_shape = [9, 13] if trans_a else [13, 9]
-    b_shape = [11, 9] if trans_b else [9, 11]
-    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transA=trans_a, transB=trans_b, alpha=0.5, beta=2.0),
-             helper.make_node("Relu", ["y"], ["out"])]
-    one_kernel(tmp_path, nodes, [("a", a_shape)], [("out", None)], [("b", _w(b_shape)), ("c", _w([11], 2))])
+    b_shape = [n, 9] if trans_b else [9, n]
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y" if alpha != 1.0 else "out"], transA=trans_a, transB=trans_b,
+                              alpha=alpha, beta=2.0)]
+    if alpha != 1.0:
+        nodes.append(helper.make_node("Relu", ["y"], ["out"]))
+    gk = one_kernel(tmp_path, nodes, [("a", a_shape)], [("out", None)], [("b", _w(b_shape)), ("c", _w([n], 2))], expect=path)
+    assert ("cbuf" not in gk.c_source) == (alpha == 1.0 and path == ROWS)
 
 
 @pytest.mark.parametrize("trans_b", [0, 1])
@@ -427,9 +461,8 @@ def test_a_product_plus_terms_without_it_is_prefilled_and_added_by_the_blas(tmp_
         nodes += [helper.make_node("Add", ["y", "bias"], ["yb"]), helper.make_node("Relu", ["yb"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [2, 37, 24]), ("r", [2, 37, 40])], [("out", None)],
                     [("w", _w([24, 40])), ("bias", _w([40], 1))])
-    if blas == "blas":
-        assert ("1.0f, out0" in gk.c_source) == additive
-        assert ("cbuf" not in gk.c_source) == additive
+    assert (", out0 + ((z) * 1480LL + m0 * 40LL), 40LL, 1);" in gk.c_source) == additive  # fs_gemm_rows, beta 1
+    assert ("cbuf" not in gk.c_source) == additive
 
 
 @pytest.mark.parametrize("kernel", [1, 3])
@@ -469,15 +502,17 @@ static inline void _mm512_storeu_ps(float* p, fs_v16 a) { for (int i = 0; i < 16
 
 @pytest.mark.parametrize("branch", ["native", "portable", "avx512"])
 def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
-    """The packed GEMM (`fs_pack_b`, `fs_gemm_packed`) through each branch of its micro-kernel equals
-    a float64 product at partial tiles and an odd K: as this CPU compiles it (`-march=native`: AVX2 +
+    """The packed GEMMs through each branch of their micro-kernel equal a float64 product at partial
+    tiles and an odd K (`fs_gemm_packed`: A packed, C stored transposed; `fs_gemm_rows`: A read by
+    rows, added onto C in place): as this CPU compiles it (`-march=native`: AVX2 +
     FMA here, AVX-512 where the CPU has it), the portable loops (no vector ISA named), and the
     AVX-512 branch with its intrinsics replaced by plain C (`_AVX512_STAND_IN`), so its indexing is
     checked on a CPU without AVX-512 (and compiled with the real ones to zmm FMAs)."""
     from fusesearch.backends.codegen import base
 
-    driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C) {\n"
-              "    fs_pack_b(K, N, B, N, 1, Bp);\n    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n}\n")
+    driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
+              "         float* R) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n"
+              "    fs_gemm_rows(M, N, K, A, K, Bp, R, N, 1);\n}\n")
     source = base._C_PRELUDE + base._C_PACKED_GEMM + driver
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     if branch == "native":
@@ -495,8 +530,11 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     for m, n, k in [(25, 30, 37), (6, 16, 1), (13, 40, 64)]:
         a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
         bp, c = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
-        fn.run(*(ctypes.c_longlong(v) for v in (m, n, k)), *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c)))
-        np.testing.assert_allclose(c.T, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-5,
-                                   err_msg=f"{branch} {m}x{n}x{k}")
+        r = rng.standard_normal((m, n)).astype(np.float32)  # fs_gemm_rows adds the product onto it
+        expect = a.astype(np.float64) @ b.astype(np.float64)
+        prior = r.astype(np.float64)
+        fn.run(*(ctypes.c_longlong(v) for v in (m, n, k)), *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c, r)))
+        np.testing.assert_allclose(c.T, expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} packed {m}x{n}x{k}")
+        np.testing.assert_allclose(r, prior + expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} rows {m}x{n}x{k}")
     if branch == "avx512":
         assert ctypes.c_longlong.in_dll(fn, "fs_stand_in_calls").value > 0, "the AVX-512 branch did not run"

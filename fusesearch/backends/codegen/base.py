@@ -267,10 +267,11 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 # vectorizes. Only the AVX2 branch has run on hardware here: the AVX-512 one is checked with its
 # intrinsics replaced by plain C (tests/backends/test_cpu_packed.py) and runs wherever the CPU has it.
 FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
+FS_MR = 6  # rows of A per micro-kernel tile (FS_MR x FS_NR accumulators in registers)
 _C_PACKED_GEMM = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-enum {{ FS_MR = 6, FS_NR = {FS_NR} }};
+enum {{ FS_MR = {FS_MR}, FS_NR = {FS_NR} }};
 static void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
     for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
         float* dst = Bp + n0 * K;
@@ -282,53 +283,74 @@ static void fs_pack_b(long long K, long long N, const float* B, long long sk, lo
         }}
     }}
 }}
-static inline void fs_micro(long long K, const float* a, const float* b, float* tile) {{
+/* tile[i * ldt + j] (+)= sum_k a[i * as + k * ak] * b[k * FS_NR + j] over a FS_MR x FS_NR tile: A
+   packed (as 1, ak FS_MR) or read in place by rows (as lda, ak 1); `acc` adds the tile's values */
+static inline void fs_micro(long long K, const float* a, long long as, long long ak, const float* b, float* tile,
+                            long long ldt, int acc) {{
+    const float *a0 = a, *a1 = a + as, *a2 = a + 2 * as, *a3 = a + 3 * as, *a4 = a + 4 * as, *a5 = a + 5 * as;
 #if defined(__AVX512F__)
     __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), e2 = _mm512_setzero_ps(), e3 = _mm512_setzero_ps();
     __m512 e4 = _mm512_setzero_ps(), e5 = _mm512_setzero_ps(), o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
     __m512 o2 = _mm512_setzero_ps(), o3 = _mm512_setzero_ps(), o4 = _mm512_setzero_ps(), o5 = _mm512_setzero_ps();
-    long long k = 0;
-    for (; k + 1 < K; k += 2, a += 2 * FS_MR, b += 2 * FS_NR) {{
+    long long k = 0, q = 0;
+    for (; k + 1 < K; k += 2, q += 2 * ak, b += 2 * FS_NR) {{
         __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + FS_NR);
-        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, e0); o0 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 0]), b1, o0);
-        e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, e1); o1 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 1]), b1, o1);
-        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, e2); o2 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 2]), b1, o2);
-        e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, e3); o3 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 3]), b1, o3);
-        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, e4); o4 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 4]), b1, o4);
-        e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, e5); o5 = _mm512_fmadd_ps(_mm512_set1_ps(a[FS_MR + 5]), b1, o5);
+        long long r = q + ak;
+        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a0[q]), b0, e0); o0 = _mm512_fmadd_ps(_mm512_set1_ps(a0[r]), b1, o0);
+        e1 = _mm512_fmadd_ps(_mm512_set1_ps(a1[q]), b0, e1); o1 = _mm512_fmadd_ps(_mm512_set1_ps(a1[r]), b1, o1);
+        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a2[q]), b0, e2); o2 = _mm512_fmadd_ps(_mm512_set1_ps(a2[r]), b1, o2);
+        e3 = _mm512_fmadd_ps(_mm512_set1_ps(a3[q]), b0, e3); o3 = _mm512_fmadd_ps(_mm512_set1_ps(a3[r]), b1, o3);
+        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a4[q]), b0, e4); o4 = _mm512_fmadd_ps(_mm512_set1_ps(a4[r]), b1, o4);
+        e5 = _mm512_fmadd_ps(_mm512_set1_ps(a5[q]), b0, e5); o5 = _mm512_fmadd_ps(_mm512_set1_ps(a5[r]), b1, o5);
     }}
     if (k < K) {{
         __m512 b0 = _mm512_loadu_ps(b);
-        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, e0); e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, e1);
-        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, e2); e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, e3);
-        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, e4); e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, e5);
+        e0 = _mm512_fmadd_ps(_mm512_set1_ps(a0[q]), b0, e0); e1 = _mm512_fmadd_ps(_mm512_set1_ps(a1[q]), b0, e1);
+        e2 = _mm512_fmadd_ps(_mm512_set1_ps(a2[q]), b0, e2); e3 = _mm512_fmadd_ps(_mm512_set1_ps(a3[q]), b0, e3);
+        e4 = _mm512_fmadd_ps(_mm512_set1_ps(a4[q]), b0, e4); e5 = _mm512_fmadd_ps(_mm512_set1_ps(a5[q]), b0, e5);
     }}
-    _mm512_storeu_ps(tile + 0, _mm512_add_ps(e0, o0)); _mm512_storeu_ps(tile + 16, _mm512_add_ps(e1, o1));
-    _mm512_storeu_ps(tile + 32, _mm512_add_ps(e2, o2)); _mm512_storeu_ps(tile + 48, _mm512_add_ps(e3, o3));
-    _mm512_storeu_ps(tile + 64, _mm512_add_ps(e4, o4)); _mm512_storeu_ps(tile + 80, _mm512_add_ps(e5, o5));
+    e0 = _mm512_add_ps(e0, o0); e1 = _mm512_add_ps(e1, o1); e2 = _mm512_add_ps(e2, o2);
+    e3 = _mm512_add_ps(e3, o3); e4 = _mm512_add_ps(e4, o4); e5 = _mm512_add_ps(e5, o5);
+    if (acc) {{
+        e0 = _mm512_add_ps(e0, _mm512_loadu_ps(tile)); e1 = _mm512_add_ps(e1, _mm512_loadu_ps(tile + ldt));
+        e2 = _mm512_add_ps(e2, _mm512_loadu_ps(tile + 2 * ldt)); e3 = _mm512_add_ps(e3, _mm512_loadu_ps(tile + 3 * ldt));
+        e4 = _mm512_add_ps(e4, _mm512_loadu_ps(tile + 4 * ldt)); e5 = _mm512_add_ps(e5, _mm512_loadu_ps(tile + 5 * ldt));
+    }}
+    _mm512_storeu_ps(tile, e0); _mm512_storeu_ps(tile + ldt, e1); _mm512_storeu_ps(tile + 2 * ldt, e2);
+    _mm512_storeu_ps(tile + 3 * ldt, e3); _mm512_storeu_ps(tile + 4 * ldt, e4); _mm512_storeu_ps(tile + 5 * ldt, e5);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-    for (long long k = 0; k < K; ++k, a += FS_MR, b += FS_NR) {{
+    for (long long k = 0, q = 0; k < K; ++k, q += ak, b += FS_NR) {{
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), x;
-        x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+        x = _mm256_broadcast_ss(a0 + q); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a1 + q); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a2 + q); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a3 + q); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+        x = _mm256_broadcast_ss(a4 + q); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+        x = _mm256_broadcast_ss(a5 + q); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
     }}
-    _mm256_storeu_ps(tile + 0, c00); _mm256_storeu_ps(tile + 8, c01); _mm256_storeu_ps(tile + 16, c10);
-    _mm256_storeu_ps(tile + 24, c11); _mm256_storeu_ps(tile + 32, c20); _mm256_storeu_ps(tile + 40, c21);
-    _mm256_storeu_ps(tile + 48, c30); _mm256_storeu_ps(tile + 56, c31); _mm256_storeu_ps(tile + 64, c40);
-    _mm256_storeu_ps(tile + 72, c41); _mm256_storeu_ps(tile + 80, c50); _mm256_storeu_ps(tile + 88, c51);
+    if (acc) {{
+        c00 = _mm256_add_ps(c00, _mm256_loadu_ps(tile)); c01 = _mm256_add_ps(c01, _mm256_loadu_ps(tile + 8));
+        c10 = _mm256_add_ps(c10, _mm256_loadu_ps(tile + ldt)); c11 = _mm256_add_ps(c11, _mm256_loadu_ps(tile + ldt + 8));
+        c20 = _mm256_add_ps(c20, _mm256_loadu_ps(tile + 2 * ldt)); c21 = _mm256_add_ps(c21, _mm256_loadu_ps(tile + 2 * ldt + 8));
+        c30 = _mm256_add_ps(c30, _mm256_loadu_ps(tile + 3 * ldt)); c31 = _mm256_add_ps(c31, _mm256_loadu_ps(tile + 3 * ldt + 8));
+        c40 = _mm256_add_ps(c40, _mm256_loadu_ps(tile + 4 * ldt)); c41 = _mm256_add_ps(c41, _mm256_loadu_ps(tile + 4 * ldt + 8));
+        c50 = _mm256_add_ps(c50, _mm256_loadu_ps(tile + 5 * ldt)); c51 = _mm256_add_ps(c51, _mm256_loadu_ps(tile + 5 * ldt + 8));
+    }}
+    _mm256_storeu_ps(tile, c00); _mm256_storeu_ps(tile + 8, c01); _mm256_storeu_ps(tile + ldt, c10);
+    _mm256_storeu_ps(tile + ldt + 8, c11); _mm256_storeu_ps(tile + 2 * ldt, c20); _mm256_storeu_ps(tile + 2 * ldt + 8, c21);
+    _mm256_storeu_ps(tile + 3 * ldt, c30); _mm256_storeu_ps(tile + 3 * ldt + 8, c31); _mm256_storeu_ps(tile + 4 * ldt, c40);
+    _mm256_storeu_ps(tile + 4 * ldt + 8, c41); _mm256_storeu_ps(tile + 5 * ldt, c50); _mm256_storeu_ps(tile + 5 * ldt + 8, c51);
 #else
-    float acc[FS_MR * FS_NR] = {{0.0f}};
-    for (long long k = 0; k < K; ++k, a += FS_MR, b += FS_NR)
+    const float* rows[FS_MR] = {{a0, a1, a2, a3, a4, a5}};
+    float sum[FS_MR * FS_NR] = {{0.0f}};
+    for (long long k = 0; k < K; ++k, b += FS_NR)
         for (int i = 0; i < FS_MR; ++i)
-            for (int j = 0; j < FS_NR; ++j) acc[i * FS_NR + j] += a[i] * b[j];
-    for (int q = 0; q < FS_MR * FS_NR; ++q) tile[q] = acc[q];
+            for (int j = 0; j < FS_NR; ++j) sum[i * FS_NR + j] += rows[i][k * ak] * b[j];
+    for (int i = 0; i < FS_MR; ++i)
+        for (int j = 0; j < FS_NR; ++j) tile[i * ldt + j] = (acc ? tile[i * ldt + j] : 0.0f) + sum[i * FS_NR + j];
 #endif
 }}
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
@@ -354,9 +376,41 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
         for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
             long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
             float* c = C + n0 * ldc + i0;
-            fs_micro(K, ap + i0 * K, Bp + n0 * K, tile);
+            fs_micro(K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_NR, 0);
             for (long long j = 0; j < nr; ++j)
                 for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_NR + j];
+        }}
+    }}
+}}
+/* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
+   plus C's values when beta: per panel of FS_MR rows of A, every B micro-panel in turn, each tile
+   stored straight into C (a partial one through `tile`, the last rows through a zero-padded copy) */
+static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
+                         const float* Bp, float* C, long long ldc, int beta) {{
+    float tile[FS_MR * FS_NR];
+    for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
+        long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+        const float* a = A + i0 * lda;
+        long long la = lda;
+        if (mr < FS_MR) {{
+            float* pad = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * FS_MR * K);
+            for (long long i = 0; i < FS_MR; ++i)
+                for (long long k = 0; k < K; ++k) pad[i * K + k] = i < mr ? a[i * lda + k] : 0.0f;
+            a = pad;
+            la = K;
+        }}
+        for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+            long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
+            float* c = C + i0 * ldc + n0;
+            if (mr == FS_MR && nr == FS_NR) {{
+                fs_micro(K, a, la, 1, Bp + n0 * K, c, ldc, beta);
+                continue;
+            }}
+            for (long long i = 0; i < FS_MR; ++i)
+                for (long long j = 0; j < FS_NR; ++j) tile[i * FS_NR + j] = beta && i < mr && j < nr ? c[i * ldc + j] : 0.0f;
+            fs_micro(K, a, la, 1, Bp + n0 * K, tile, FS_NR, beta);
+            for (long long i = 0; i < mr; ++i)
+                for (long long j = 0; j < nr; ++j) c[i * ldc + j] = tile[i * FS_NR + j];
         }}
     }}
 }}

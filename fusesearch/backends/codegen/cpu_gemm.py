@@ -1,30 +1,34 @@
-"""The packed CPU skeleton for gemm/conv (C only): BLAS blocks with the prologue packed into the
-activation panel and the epilogue on the tile in cache, implicit-GEMM conv through im2col panels
-(large filters packed once, our own micro-kernel), the depthwise loop, and the per-row fallback
-without a BLAS (`#else`).
+"""The packed CPU skeleton for gemm/conv (C only): blocks of output rows, each multiplied by our
+own micro-kernel over weights packed once or by a BLAS call, with the prologue packed into the
+activation panel and the epilogue on the tile in cache; implicit-GEMM conv through im2col panels;
+the depthwise loop; and the per-row fallback without a BLAS (`#else`).
 
 Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
-packed 6x16 AVX2/FMA micro-kernel (the C prelude's `fs_gemm_packed`, B packed once by `fs_pack_b`;
-an AVX-512 branch where the CPU has it, never timed here) against scipy-openblas32's sgemm (which
-packs B inside every call) at the zoo's GEMM shapes: equal within noise (86-90 GFLOP/s both at
-128x768x768, 128x768x3072, 128x3072x768, 197x384x384 on one Zen 3 core), and generated MatMuls with
-their weights packed once were no faster (0.8-1.07x at bert's and vit's shapes). So MatMul/Gemm call
-the BLAS: as fast, covering transposed operands and the GEMV case. Convs whose filters dwarf their
-activations are the exception: with the filters packed once per plan (`PackedWeight`, packed by the
+6x16 AVX2/FMA micro-kernel (`fs_micro` in the C prelude, an AVX-512 branch where the CPU has it,
+never timed here) over B packed once by `fs_pack_b`, against scipy-openblas32's sgemm (which packs
+B inside every call), at the zoo's GEMM shapes. MatMul/Gemm with a constant float32 B use ours
+(`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output or added onto
+it where the output is prefilled with a bias or residual): 1.03-1.14x the BLAS at bert-small's and
+vit-small's shapes on one Zen 3 core, 1.04x over bert-small's generated gemm groups and 1.08x over
+vit-small's (interleaved, same plan); equal at bert-base's 768x768; slower where B is large (no K
+or N blocking: 0.88x at 768x3072, 0.93x at 3072x768), so there, below one full tile (FS_MR rows,
+FS_NR columns, where it would compute padding) and for B computed in the group or read by strides
+(attention), the BLAS stays (`ROWS_MAX_K`, `ROWS_MAX_B_FLOATS`). Convs whose filters dwarf their
+activations also use ours: with the filters packed once per plan (`PackedWeight`, packed by the
 kernel's `_pack` function before its first call) and the product computed as pixels x filters, each
-tile stored transposed into the channels x pixels block the epilogue reads, the convs of resnet's
-last stages (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7)
-ran 1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters again per block;
-below PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has pixels, the two
-were within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS
-stays there (`packs_filters`).
+tile stored transposed into the channels x pixels block the epilogue reads (`fs_gemm_packed`), the
+convs of resnet's last stages (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1
+512<->2048 at 7x7) ran 1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters
+again per block; below PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has
+pixels, the two were within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x
+packed), so the BLAS stays there (`packs_filters`).
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
 order their source runs, and a conv's prologue fills only the image interior, one tap loop per
 piece of a channel Concat.
 Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
-source compiles with and without a BLAS (a conv with packed filters needs none: its path is
+source compiles with and without a BLAS (a product over packed weights needs none: its path is
 unconditional); only float32 constants (initializers) are packed, once per runner or program,
 never per call; blocks run in parallel (OpenMP), each BLAS call alone;
 scratch comes from the per-thread arena (`base.scratch`), never a malloc per call.
@@ -37,6 +41,7 @@ import math
 import numpy as np
 
 from fusesearch.backends.codegen.base import (
+    FS_MR,
     FS_NR,
     Arg,
     PackedWeight,
@@ -98,7 +103,7 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict) -> 
     if anchor_derived(graph, kernel.nodes, anchor) is None:  # the epilogue moves elements
         return _materialized_loops(graph, kernel, args, outs, anchor, packs)
     if anchor.op_type in ("MatMul", "Gemm"):
-        return _matmul_row_loops(graph, kernel, args, outs, anchor)
+        return _matmul_row_loops(graph, kernel, args, outs, anchor, packs=packs)
     if anchor.op_type != "Conv":
         return None
     return _conv_loops(graph, kernel, args, outs, anchor, packs)
@@ -430,11 +435,13 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
 
 
 def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
-                      store: tuple[str, tuple[int, ...]] | None = None) -> list[str] | None:
+                      store: tuple[str, tuple[int, ...]] | None = None, packs: dict | None = None) -> list[str] | None:
     """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
     into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
     epilogue per column reading acc[n]. `store` (the output's name and its strides per product
-    axis): only the BLAS blocks, each storing its tile there (None without a BLAS path)."""
+    axis): only the BLAS blocks, each storing its tile there (None without a BLAS path). `packs`
+    (where the kernel can take packed weights): a constant B is packed once and multiplied by our
+    own micro-kernel (`fs_gemm_rows`), which needs no BLAS."""
     a, b = anchor.inputs[0], anchor.inputs[1]
     sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
     y = anchor.outputs[0]
@@ -479,9 +486,13 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     rows_loop = c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
     if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
         rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
-    additive = len(outs) == 1 and main[0].tensor != y and _additive_epilogue(graph, kernel, y, main[0].tensor)
-    direct = ((main[0].name, _row_major(yshape)) if len(outs) == 1 and (main[0].tensor == y or additive)
-              and main[0].dtype == "float32" and anchor.op_type == "MatMul" else None)  # the BLAS stores the output
+    # a Gemm's C operand is a term without the product (its alpha must be 1: the product is added as is)
+    gemm_c = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
+    alpha_one = anchor.op_type == "MatMul" or float(anchor.attrs.get("alpha", 1.0)) == 1.0
+    additive = (len(main) == 1 and (main[0].tensor != y or gemm_c)
+                and _additive_epilogue(graph, kernel, y, main[0].tensor))
+    direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor == y or additive)
+              and main[0].dtype == "float32" and alpha_one else None)  # the BLAS stores the output
     prefill = None
     if direct and additive:  # the output is the product plus terms without it: those first, then the BLAS adds
         e.lines = []
@@ -490,7 +501,10 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         prefill = e.lines + [_write(e, main[0], idx, yshape)]
         e.acc_value = ""
         e.pop()
-    blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill)
+    blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
+                        packs)
+    if blas is not None and _OWN in "".join(blas):  # our micro-kernel over B packed once: no BLAS needed
+        return [*c_side, *blas] if store is None else blas
     if store is not None:  # only the BLAS blocks, storing through the given strides
         return blas
     if blas is None:
@@ -503,6 +517,15 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
 # 113 + 15 rows (a 1 MiB cap) at 72 and 64 + 64 at 79 (one Zen 3 core, scipy-openblas32;
 # `benchmarks/bench_cpu.py --sections 1b` times the three)
 BLAS_TILE_FLOATS = 1 << 21
+# C gemm with a constant B: our micro-kernel over B packed once (`fs_gemm_rows`, no K or N blocking)
+# where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 64 KiB at most, stays in L2 while a
+# row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row panel of A sweeps all
+# of B): 1.03-1.14x the BLAS at bert-small's and vit-small's shapes, 1.0x at bert-base's 768x768;
+# at bert-base's 768x3072 and 3072x768 the BLAS's blocking wins (0.88x, 0.93x), so it stays there
+# (`bench_cpu.py --sections 1b`)
+ROWS_MAX_K = 1024
+_OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
+ROWS_MAX_B_FLOATS = 1 << 20
 
 
 
@@ -590,7 +613,8 @@ def _strided_b(graph: Graph, e: _Emitter, source, z_idx, sb, k_extent: int, n_ex
 
 
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body,
-                 direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None) -> list[str] | None:
+                 direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
+                 packs: dict | None = None) -> list[str] | None:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -603,8 +627,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     BLAS stores the block there and there is no epilogue pass; with `prefill` (the output's value
     with the product taken as 0: a bias, a residual) the block is first filled with it and the
     BLAS adds the product (beta = 1), so a MatMul + Add keeps no tile and makes no second pass
-    (bert-small's 128x128 projections 2-5% faster). None where B is not float32 or half
-    (half B is widened into the packed panel)."""
+    (bert-small's 128x128 projections 2-5% faster). With `packs`, a constant float32 B of at most
+    ROWS_MAX_K rows is packed once (registered there) and each block multiplied by `fs_gemm_rows`
+    instead of the BLAS (see the module note). None where B is not float32 or half (half B is
+    widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
     if compute_dtype(graph.tensors[b].dtype) != "float32":
@@ -652,12 +678,18 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         at = [f"({i}) * {s_}LL" for i, s_ in zip(z_idx, st[:-2], strict=True) if s_] + [f"m0 * {st[-2]}LL"]
         c_ptr, ldc = f"{name} + ({' + '.join(at)})", st[-2]
     beta = "1.0f" if prefill else "0.0f"  # prefilled: the BLAS adds the product to the block
+    own = (packs is not None and not packed_b and strided is None and len(sb) == 2 and k_extent <= ROWS_MAX_K
+           and k_extent * n_extent <= ROWS_MAX_B_FLOATS
+           and m_extent >= FS_MR and n_extent >= FS_NR and anchor.op_type in ("MatMul", "Gemm"))
+    pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1)) if own else None
     gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
             f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);")
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, {a_ptr}, "
              f"{k_extent}, {b_ptr}, {ldb}, {beta}, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
+    if pk is not None:  # our micro-kernel over B packed once (the product's rows read in place)
+        sgemm = f"{_OWN}mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {k_extent}LL, {pk}, {c_ptr}, {ldc}LL, {int(bool(prefill))});"
     epilogue = [] if direct else [
         "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
         "    for (long long i = 0; i < mc; ++i) {",
@@ -723,14 +755,17 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, 
     if anchor.op_type not in ("MatMul", "Gemm", "Conv") or compute_dtype(info.dtype) != "float32":
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
+    strides = _view_strides(graph, kernel, outs, y) if anchor.op_type == "MatMul" else None
+    stored = (_matmul_row_loops(graph, kernel, args, [buffer], anchor, store=(outs[0].name, strides), packs=packs)
+              if strides else None)
+    if stored and _OWN in "".join(stored):  # our micro-kernel stores the product in place: no BLAS needed
+        return stored
     product = (_conv_loops(graph, kernel, args, [buffer], anchor, packs) if anchor.op_type == "Conv"
-               else _matmul_row_loops(graph, kernel, args, [buffer], anchor))
+               else _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs))
     if product is None:
         return None
     c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))
     whole = ["    " + scratch("ybuf", f"{max(1, buffer.size)}LL"), *product, *c_loops]
-    strides = _view_strides(graph, kernel, outs, y) if anchor.op_type == "MatMul" else None
-    stored = _matmul_row_loops(graph, kernel, args, [buffer], anchor, store=(outs[0].name, strides)) if strides else None
     return ["#ifdef FS_BLAS_SGEMM", *stored, "#else", *whole, "#endif"] if stored else whole
 
 
