@@ -1,5 +1,9 @@
 """Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal, and
-the C/CUDA preludes every skeleton starts with (the C one with its own vectorizable exp and erf).
+the C/CUDA preludes every skeleton starts with (the C one with its own vectorizable exp and erf),
+and the packed GEMM a C kernel with packed weights includes: `fs_pack_b` (B in FS_NR-wide panels),
+the FS_MR x FS_NR micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or portable loops, by what the
+compiler targets; A by two strides, the tile at a row stride, stored or added), `fs_gemm_rows`
+(A by rows in place, C row-major: MatMul/Gemm) and `fs_gemm_packed` (A packed, C transposed: conv).
 
 Half precision (float16, bfloat16) is a storage type only: arithmetic is float32. A half value is
 widened where it is loaded (`load_expr`) and rounded to nearest even where it is stored
