@@ -117,6 +117,24 @@ def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas):
     assert "bbuf" not in gk.c_source and "0.25f" in gk.c_source  # the division by 4 became a multiplication
 
 
+@pytest.mark.parametrize("m", [5, 37])
+def test_attention_values_read_by_strides_are_packed_per_block(tmp_path, blas, m):
+    """The context product of attention (probabilities x the values, split into heads by a Reshape
+    and a Transpose of an input, the heads merged back by a Transpose): the values are packed per
+    head from the input by their strides and multiplied by our micro-kernel, which stores each head
+    at the output's row stride; below one full tile of rows the BLAS reads them in place."""
+    nodes = [helper.make_node("Reshape", ["v", "shape"], ["v4"]), helper.make_node("Transpose", ["v4"], ["vt"], perm=[0, 2, 1, 3]),
+             helper.make_node("MatMul", ["p", "vt"], ["c"]), helper.make_node("Transpose", ["c"], ["out"], perm=[0, 2, 1, 3])]
+    gk = one_kernel(tmp_path, nodes, [("p", [1, 3, m, 70]), ("v", [1, 70, 48])], [("out", None)],
+                    [("shape", np.int64([1, 70, 3, 16]))])
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    if m >= 6:
+        assert "fs_pack_b(70LL, 16LL, in" in body and "48LL, 1LL, bbuf);" in body and "bbuf, out0 + (" in body
+        assert "FS_BLAS_SGEMM(" not in body and not gk.packed
+    else:
+        assert "FS_BLAS_SGEMM(101, 111, 111, (int)mc, 16, 70, 1.0f" in body and "fs_pack_b(" not in body
+
+
 @pytest.mark.parametrize("perm,packed", [([0, 2, 3, 1], "bbuf[nn * 16LL + kk]"), ([0, 2, 1, 3], "bbuf[kk * 16LL + nn]")])
 def test_computed_b_is_packed_along_its_source(tmp_path, blas, perm, packed):
     """Keys or values with a bias in the group (Add, Reshape into heads, Transpose): B is packed

@@ -443,9 +443,11 @@ def c_pack_params(ins, packed, named: bool = True) -> list[str]:
 
 
 def c_function(name: str, ins, outs, packed, body: str) -> str:
-    """A C kernel's source: the prelude (and the packed GEMM where weights are packed), the kernel
-    `name(inputs, outputs, packed weights)` running `body`, and its `<name>_pack`."""
-    src = f"{_C_PRELUDE}{_C_PACKED_GEMM if packed else ''}\nvoid {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n"
+    """A C kernel's source: the prelude (and the packed GEMM where weights are packed or the body
+    packs an operand per call), the kernel `name(inputs, outputs, packed weights)` running `body`,
+    and its `<name>_pack`."""
+    gemm = packed or "fs_pack_b(" in body
+    src = f"{_C_PRELUDE}{_C_PACKED_GEMM if gemm else ''}\nvoid {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n"
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"
                 + "".join(f"    {p.pack_call()}\n" for p in packed) + "}\n")

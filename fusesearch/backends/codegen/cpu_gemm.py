@@ -678,10 +678,15 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         at = [f"({i}) * {s_}LL" for i, s_ in zip(z_idx, st[:-2], strict=True) if s_] + [f"m0 * {st[-2]}LL"]
         c_ptr, ldc = f"{name} + ({' + '.join(at)})", st[-2]
     beta = "1.0f" if prefill else "0.0f"  # prefilled: the BLAS adds the product to the block
-    own = (packs is not None and not packed_b and strided is None and len(sb) == 2 and k_extent <= ROWS_MAX_K
-           and k_extent * n_extent <= ROWS_MAX_B_FLOATS
+    own = (packs is not None and not packed_b and k_extent <= ROWS_MAX_K and k_extent * n_extent <= ROWS_MAX_B_FLOATS
            and m_extent >= FS_MR and n_extent >= FS_NR and anchor.op_type in ("MatMul", "Gemm"))
-    pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1)) if own else None
+    pk = None
+    if own and strided is None and len(sb) == 2:  # a constant B: packed once per plan
+        pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1))
+    elif own and strided is not None and b_trans == 111:  # a view of an input along N (attention's values): per block
+        z_lines += [scratch("bbuf", f"{-(-n_extent // FS_NR) * FS_NR * k_extent}LL"),
+                    f"fs_pack_b({k_extent}LL, {n_extent}LL, {b_ptr}, {ldb}LL, 1LL, bbuf);"]
+        pk = "bbuf"
     gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
             f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);")
