@@ -6,18 +6,22 @@ the depthwise loop; and the per-row fallback without a BLAS (`#else`).
 Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
 6x16 AVX2/FMA micro-kernel (`fs_micro` in the C prelude, an AVX-512 branch where the CPU has it,
 never timed here) over B packed once by `fs_pack_b`, against scipy-openblas32's sgemm (which packs
-B inside every call), at the zoo's GEMM shapes. MatMul/Gemm with a constant float32 B use ours
-(`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output or added onto
-it where the output is prefilled with a bias or residual): 1.03-1.14x the BLAS at bert-small's and
-vit-small's shapes on one Zen 3 core, 1.04x over bert-small's generated gemm groups and 1.08x over
-vit-small's (interleaved, same plan); equal at bert-base's 768x768; slower where B is large (no K
-or N blocking: 0.88x at 768x3072, 0.93x at 3072x768), so there, below one full tile (FS_MR rows,
-FS_NR columns, where it would compute padding) and for B computed in the group or read by strides
-(attention), the BLAS stays (`ROWS_MAX_K`, `ROWS_MAX_B_FLOATS`). Convs whose filters dwarf their
-activations also use ours: with the filters packed once per plan (`PackedWeight`, packed by the
-kernel's `_pack` function before its first call) and the product computed as pixels x filters, each
-tile stored transposed into the channels x pixels block the epilogue reads (`fs_gemm_packed`), the
-convs of resnet's last stages (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1
+B inside every call), at the zoo's GEMM shapes. MatMul/Gemm whose B is a constant float32 (packed
+once per plan) or a view of an input along N (attention's values, packed per block) use ours
+(`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output, at the merged
+heads' stride, or added onto it where the output is prefilled with a bias or residual): in 1b's
+loop 0.98-1.06x the BLAS at bert-small's and vit-small's shapes (two runs) and 1.02x at bert-base's
+768x768; inside the generated kernels, interleaved with the same kernels through the BLAS, 1.04x
+over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at attention's context
+products with the values packed per head; that turned vit-small's fused groups from 72-79 of 98
+beating ONNX Runtime's library + rest into 97. It has no K or N blocking and loses where B is
+large (0.86x at 768x3072, 0.88x at 3072x768), so the BLAS stays there (`ROWS_MAX_K`,
+`ROWS_MAX_B_FLOATS`), below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
+for B computed in the group and for B transposed by strides (attention's keys: 0.98-1.01x).
+Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
+(`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
+computed as pixels x filters, each tile stored transposed into the channels x pixels block the
+epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1
 512<->2048 at 7x7) ran 1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters
 again per block; below PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has
 pixels, the two were within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x
@@ -517,15 +521,14 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
 # 113 + 15 rows (a 1 MiB cap) at 72 and 64 + 64 at 79 (one Zen 3 core, scipy-openblas32;
 # `benchmarks/bench_cpu.py --sections 1b` times the three)
 BLAS_TILE_FLOATS = 1 << 21
-# C gemm with a constant B: our micro-kernel over B packed once (`fs_gemm_rows`, no K or N blocking)
-# where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 64 KiB at most, stays in L2 while a
-# row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row panel of A sweeps all
-# of B): 1.03-1.14x the BLAS at bert-small's and vit-small's shapes, 1.0x at bert-base's 768x768;
-# at bert-base's 768x3072 and 3072x768 the BLAS's blocking wins (0.88x, 0.93x), so it stays there
-# (`bench_cpu.py --sections 1b`)
+# C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`,
+# no K or N blocking) where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 64 KiB at most,
+# stays in L2 while a row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row
+# panel of A sweeps all of B); beyond, at bert-base's 768x3072 and 3072x768, the BLAS's blocking
+# wins (ours 0.86x, 0.88x in `bench_cpu.py --sections 1b`), so it stays there
 ROWS_MAX_K = 1024
-_OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
 ROWS_MAX_B_FLOATS = 1 << 20
+_OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
 
 
 
