@@ -21,11 +21,11 @@ for B computed in the group and for B transposed by strides (attention's keys: 0
 Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
 (`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
 computed as pixels x filters, each tile stored transposed into the channels x pixels block the
-epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 512 filters at 7x7, the strided 3x3 to 512, resnet50's 1x1
-512<->2048 at 7x7) ran 1.14-1.35x faster than through the BLAS, which packs up to 9 MiB of filters
-again per block; below PACK_FILTER_FLOATS, or with fewer than twice as many filters as a block has
-pixels, the two were within noise (0.86-1.05x; U-Net's 16x16 Concat+Conv over 256 filters 0.92x
-packed), so the BLAS stays there (`packs_filters`).
+epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 512 filters at
+7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran 1.14-1.35x faster than through
+the BLAS, which packs up to 9 MiB of filters again per block; below PACK_FILTER_FLOATS, or with
+fewer than twice as many filters as a block has pixels, the two were within noise (0.86-1.05x;
+U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS stays there (`packs_filters`).
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
@@ -444,8 +444,8 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
     epilogue per column reading acc[n]. `store` (the output's name and its strides per product
     axis): only the BLAS blocks, each storing its tile there (None without a BLAS path). `packs`
-    (where the kernel can take packed weights): a constant B is packed once and multiplied by our
-    own micro-kernel (`fs_gemm_rows`), which needs no BLAS."""
+    (where the kernel can take packed weights): a constant B packed once, or attention's values
+    packed per block, multiplied by our own micro-kernel (`fs_gemm_rows`), which needs no BLAS."""
     a, b = anchor.inputs[0], anchor.inputs[1]
     sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
     y = anchor.outputs[0]
@@ -630,9 +630,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     BLAS stores the block there and there is no epilogue pass; with `prefill` (the output's value
     with the product taken as 0: a bias, a residual) the block is first filled with it and the
     BLAS adds the product (beta = 1), so a MatMul + Add keeps no tile and makes no second pass
-    (bert-small's 128x128 projections 2-5% faster). With `packs`, a constant float32 B of at most
-    ROWS_MAX_K rows is packed once (registered there) and each block multiplied by `fs_gemm_rows`
-    instead of the BLAS (see the module note). None where B is not float32 or half (half B is
+    (bert-small's 128x128 projections 2-5% faster). With `packs`, within ROWS_MAX_K and
+    ROWS_MAX_B_FLOATS and from one full tile, a constant float32 B is packed once (registered
+    there), or a B that is a view of an input along N (attention's values) is packed per block,
+    and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note). None where B is not float32 or half (half B is
     widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
@@ -696,7 +697,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, {a_ptr}, "
              f"{k_extent}, {b_ptr}, {ldb}, {beta}, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
-    if pk is not None:  # our micro-kernel over B packed once (the product's rows read in place)
+    if pk is not None:  # our micro-kernel over B packed (once per plan, or per block), A's rows read in place
         sgemm = f"{_OWN}mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {k_extent}LL, {pk}, {c_ptr}, {ldc}LL, {int(bool(prefill))});"
     epilogue = [] if direct else [
         "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
