@@ -179,10 +179,22 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
             if progress:
                 progress(label)
     todo = [it for it in _paired_order(plan, unfused, items) if it.run is not None and it.timing is None]
-    timings = measure_interleaved([it.run for it in todo], clock=runner.clock, budget_s=budget_s, rounds=ROUNDS,
-                                  before_each=runner.before_each)
-    for it, timing in zip(todo, timings, strict=True):
-        it.timing = timing
+    nulls = []  # ONNX Runtime's Runs that compute nothing, timed among the rest where a library call is
+    if backend == "cpu" and any(it.how in ("library", PER_NODE) for it in todo):
+        from fusesearch.backends.library import null_runs
+        from fusesearch.verify import omp_threads
+
+        nulls = list(null_runs(omp_threads()))
+    timings = measure_interleaved([it.run for it in todo] + nulls, clock=runner.clock, budget_s=budget_s,
+                                  rounds=ROUNDS, before_each=runner.before_each)
+    run_s = node_s = 0.0
+    if nulls:
+        from fusesearch.backends.library import run_costs
+
+        run_s, node_s = run_costs(*(t.median_s for t in timings[len(todo):]))
+    for it, timing in zip(todo, timings[:len(todo)], strict=True):
+        calls = len(it.group.kernel.nodes) if it.how in ("library", PER_NODE) and nulls else 0  # one Run each
+        it.timing = timing.less(run_s * calls, node_s * calls)
         if runner.cache and it.key:
             runner.cache.put(it.key, timing)
     done = [tuple(runner.finish(items[label, g.id]) for g in p.groups) for label, p in (("plan", plan), ("unfused", unfused))]

@@ -63,6 +63,7 @@ import numpy as np
 import onnx
 
 from fusesearch.backends.codegen import CPU_LIBRARY_ONLY, CodegenRefused, GeneratedKernel, generate
+from fusesearch.backends.library import host_binding, node_model
 from fusesearch.backends.timing import Timing
 from fusesearch.errors import BadInput, FusesearchError
 
@@ -419,7 +420,6 @@ class Program(Layout):
 def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, providers=None):
     """An ONNX Runtime session of a library step's one-node model (`providers`: ONNX Runtime's
     list, default the CPU); BadInput naming the node when ONNX Runtime refuses it."""
-    from fusesearch.backends.library import node_model
     from fusesearch.verify import session
 
     node = graph.nodes[s.nodes[0]]
@@ -429,32 +429,6 @@ def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, pr
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise BadInput(f"group g{s.group}: node '{node.name}' ({node.op_type}) has no generated kernel and "
                        f"ONNX Runtime cannot run it alone ({first}); run cannot execute this model") from None
-
-
-def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
-                 outputs: Sequence[tuple[str, np.ndarray]]) -> Callable[[], None]:
-    """A run of `sess` reading `inputs` (each array as its function gives it at the call) and
-    writing `outputs` in place (host arrays, IO binding; a bfloat16 node runs widened, its values
-    crossing as float32 copies)."""
-    if getattr(sess, "fusesearch_dtypes", None):
-        from fusesearch.verify import _run_session
-
-        def widened() -> None:
-            got = _run_session(sess, {t: get() for t, get in inputs})
-            for t, view in outputs:
-                view[...] = got[t]
-
-        return widened
-    binding = sess.io_binding()
-    for t, view in outputs:
-        binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
-
-    def go() -> None:
-        for t, get in inputs:
-            binding.bind_cpu_input(t, get())
-        sess.run_with_iobinding(binding)
-
-    return go
 
 
 # -- checking ---------------------------------------------------------------------------------

@@ -4,18 +4,24 @@ Problem: OPAQUE ops (If, Loop, TopK, LpPool, ...) have no generated kernel, and 
 (MatMul, Gemm, Conv) runs through a library in `measure`'s default baseline, so that the report
 can say when a fused generated kernel loses to a library kernel plus a separate epilogue; a fused
 group the generator refuses (float16, int8, an op without a generator) runs one node at a time
-here. (The GPU's library path is `arraylib` with cupy; this module is the CPU's.)
+here. (The GPU's library path is `arraylib` with cupy; this module is the CPU's.) A node timed
+alone must cost what it costs inside ONNX Runtime's run of the whole model, not more.
 Approach: cut the node out of the canonical model into a one-node model — its explicit inputs and
-the outer-scope values its subgraphs capture become graph inputs (weights included), its outputs
-the graph outputs, value types from the Graph — and run it in ONNX Runtime on one thread with
-graph optimizations off.
-Invariants: the node is copied unchanged (control-flow bodies included); onnxruntime is imported
-only through fusesearch.verify.
+the outer-scope values its subgraphs capture become graph inputs, except the model's weights,
+which stay initializers (so ONNX Runtime pre-packs them once, as it does in the whole model), its
+outputs the graph outputs, value types from the Graph — and run it in ONNX Runtime on one thread
+with graph optimizations off, through IO binding into arrays allocated once (`host_binding`: no
+output allocation or conversion per call). ONNX Runtime's fixed cost of one Run (the Python
+binding and the executor's setup, paid once per model in a whole-model run) is timed by
+`measure` on one-element Identity models (`null_runs`, `run_costs`) among its other runs, and
+taken off each library sample, which never falls below what one trivial node costs inside a run.
+Invariants: the node is copied unchanged (control-flow bodies included); a weight is never bound
+as an input; onnxruntime is imported only through fusesearch.verify.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -32,27 +38,102 @@ def _value_info(graph: Graph, name: str) -> onnx.ValueInfoProto:
 
 
 def node_model(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel) -> onnx.ModelProto:
+    """The kernel's one node as a model: the canonical model's weights it reads as initializers,
+    its other inputs as graph inputs."""
     if len(kernel.nodes) != 1:
         raise ValueError("a library call runs exactly one node")
     (node_id,) = kernel.nodes
     node = canonical.graph.node[node_id]
-    model_graph = helper.make_graph([node], f"lib_{node.name}", [_value_info(graph, t) for t in kernel.inputs],
-                                    [_value_info(graph, t) for t in kernel.outputs])
+    weights = {t.name: t for t in canonical.graph.initializer if t.name in kernel.inputs}
+    model_graph = helper.make_graph([node], f"lib_{node.name}",
+                                    [_value_info(graph, t) for t in kernel.inputs if t not in weights],
+                                    [_value_info(graph, t) for t in kernel.outputs],
+                                    [weights[t] for t in kernel.inputs if t in weights])
     model = helper.make_model(model_graph, opset_imports=list(canonical.opset_import), ir_version=canonical.ir_version)
     model.functions.extend(canonical.functions)
     return model
 
 
+def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
+                 outputs: Sequence[tuple[str, np.ndarray]], *, fixed: bool = False) -> Callable[[], None]:
+    """A run of `sess` reading `inputs` (each array as its function gives it at the call, or once
+    here when `fixed`; names the session does not take, its weights, are skipped) and writing
+    `outputs` in place (host arrays, IO binding; a bfloat16 node runs widened, its values crossing
+    as float32 copies)."""
+    taken = {i.name for i in sess.get_inputs()}
+    inputs = [(t, get) for t, get in inputs if t in taken]
+    if getattr(sess, "fusesearch_dtypes", None):
+        from fusesearch.verify import _run_session
+
+        def widened() -> None:
+            got = _run_session(sess, {t: get() for t, get in inputs})
+            for t, view in outputs:
+                view[...] = got[t]
+
+        return widened
+    binding = sess.io_binding()
+    for t, view in outputs:
+        binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+    if fixed:
+        for t, get in inputs:
+            binding.bind_cpu_input(t, get())
+        inputs = []
+
+    def go() -> None:
+        for t, get in inputs:
+            binding.bind_cpu_input(t, get())
+        sess.run_with_iobinding(binding)
+
+    return go
+
+
 def library_runner(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel,
                    inputs: dict[str, np.ndarray]) -> tuple[Callable[[], dict[str, np.ndarray]], list[str]]:
-    """A zero-argument callable running the node on fixed inputs, and its output names."""
-    from fusesearch.verify import session, session_feeds
+    """A zero-argument callable running the node on fixed inputs into outputs allocated once (the
+    same arrays every call), and its output names."""
+    from fusesearch.verify import session
 
     sess = session(node_model(canonical, graph, kernel))
-    feeds = session_feeds(sess, {t: np.ascontiguousarray(inputs[t]) for t in kernel.inputs})
+    arrays = {t: np.ascontiguousarray(inputs[t]) for t in kernel.inputs}
+    feeds = [(t, lambda a=a: a) for t, a in arrays.items()]
     names = list(kernel.outputs)
+    if any(graph.tensors[t].shape is None for t in names):  # a dynamic output: ONNX Runtime allocates it
+        taken = {i.name for i in sess.get_inputs()}
+        given = {t: get() for t, get in feeds if t in taken}
+        return (lambda: dict(zip(names, sess.run(names, given), strict=True))), names
+    outs = {t: np.empty(graph.tensors[t].shape, dtype=np.dtype(graph.tensors[t].dtype)) for t in names}
+    run = host_binding(sess, feeds, list(outs.items()), fixed=True)
 
     def go() -> dict[str, np.ndarray]:
-        return dict(zip(names, sess.run(names, feeds), strict=True))
+        run()
+        return outs
 
     return go, names
+
+
+CHAIN = 64  # Identity nodes in the chain whose runs give one node's share of a Run
+
+
+def null_runs(threads: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Two runs through IO binding with `threads` intra-op threads that compute nothing: a
+    one-element Identity, and a chain of CHAIN + 1 of them (`run_costs` reads their times)."""
+    from fusesearch.verify import session
+
+    def model(n: int) -> onnx.ModelProto:
+        names = ["x", *(f"v{i}" for i in range(n - 1)), "y"]
+        nodes = [helper.make_node("Identity", [a], [b]) for a, b in zip(names, names[1:], strict=False)]
+        vi = [helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, [1]) for t in ("x", "y")]
+        return helper.make_model(helper.make_graph(nodes, "null", vi[:1], vi[1:]), opset_imports=[helper.make_opsetid("", 17)])
+
+    a, b = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    one, chain = (host_binding(session(model(n), threads=threads), [("x", lambda: a)], [("y", b)], fixed=True)
+                  for n in (1, CHAIN + 1))
+    return one, chain
+
+
+def run_costs(one_s: float, chain_s: float) -> tuple[float, float]:
+    """(Run, node) seconds from the times of `null_runs`: ONNX Runtime's fixed cost of one Run
+    through IO binding beyond its nodes, and what one trivial node costs inside a run (its
+    dispatch): node = (chain - one) / CHAIN, Run = one - node."""
+    node = max((chain_s - one_s) / CHAIN, 1e-9)
+    return max(one_s - node, 0.0), node

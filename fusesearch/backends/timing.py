@@ -32,7 +32,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,6 +66,10 @@ class Timing:
     @property
     def n(self) -> int:
         return len(self.samples_s)
+
+    def less(self, fixed_s: float, floor_s: float = 0.0) -> Timing:
+        """Every sample less a fixed cost the calling path adds to each, at least `floor_s`."""
+        return replace(self, samples_s=tuple(max(floor_s, s - fixed_s) for s in self.samples_s))
 
     @property
     def median_s(self) -> float:

@@ -268,3 +268,61 @@ def test_each_plan_group_is_timed_beside_the_unfused_kernels_it_replaces(small_m
     at = order.index(items["plan", fused.id])
     after = [it.group.nodes[0] for it in order[at + 1:at + 1 + len(fused.nodes)]]
     assert after == list(fused.nodes)
+
+
+def test_library_samples_are_taken_off_onnx_runtimes_fixed_run_cost(small_model, monkeypatch):
+    """A library call's samples lose ONNX Runtime's fixed cost of a Run (`library.run_costs`, from
+    the null runs timed among the kernels: paid once per model inside a whole-model run), never
+    below one trivial node's share; generated kernels are untouched. With a Run cost larger than
+    any sample every library row sits at the floor; with none, its own time shows."""
+    import fusesearch
+    from fusesearch.backends import library
+    from fusesearch.measure import measure_plan
+    from fusesearch.pipeline import prepare
+
+    prep = prepare(small_model)
+    plan = fusesearch.plan(small_model, device="host", strategy="greedy", prepared=prep)
+    unfused = fusesearch.plan(small_model, device="host", strategy="none", prepared=prep)
+    seen = {}
+    for run_s, node_s in ((10.0, 3e-6), (0.0, 0.0)):
+        monkeypatch.setattr(library, "run_costs", lambda one, chain, c=(run_s, node_s): c)
+        report = measure_plan(prep, plan, unfused, "cpu", budget_s=0.01)
+        rows = {(m.plan, m.nodes): m for m in (*report.plan, *report.unfused)}
+        lib = [m for m in rows.values() if m.how == "library"]
+        assert lib and all(m.how != "library" or len(m.nodes) == 1 for m in lib)
+        seen[run_s] = {k: m.timing for k, m in rows.items() if m.how == "library"}
+        for m in rows.values():
+            if m.how == "generated":
+                assert m.measured_s > 0
+    for k, timing in seen[10.0].items():
+        assert set(timing.samples_s) == {3e-6}, k  # every sample at the floor
+        assert seen[0.0][k].median_s > 3e-6, k  # the MatMul and MaxPool take longer than that alone
+
+
+def test_a_library_node_reads_the_models_weights_as_initializers(tmp_path):
+    """The one-node model keeps the weights it reads as initializers (ONNX Runtime pre-packs them
+    once, as in the whole model) and takes only the activations as inputs; the runner writes into
+    the same arrays every call, equal to ONNX Runtime's run of the whole model."""
+    from fusesearch.backends.library import library_runner, node_model
+    from fusesearch.candidates.group import FusionGroup
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.lowering import lower_as_library
+    from fusesearch.pipeline import prepare
+    from fusesearch.verify import all_values, random_feeds
+
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1, name="fc")], [("x", [4, 8])],
+                       [("y", None)], [("w", rng.standard_normal((6, 8)).astype(np.float32)),
+                                        ("b", rng.standard_normal(6).astype(np.float32))])
+    prep = prepare(save(model, tmp_path / "m.onnx"))
+    canonical = to_proto(prep.canonical)
+    kernel = lower_as_library(prep.graph, FusionGroup.single(0))
+    one = node_model(canonical, prep.graph, kernel)
+    assert [i.name for i in one.graph.input] == ["x"]
+    assert sorted(t.name for t in one.graph.initializer) == ["b", "w"]
+    values = all_values(canonical, random_feeds(canonical, 0))
+    go, names = library_runner(canonical, prep.graph, kernel, {t: values[t] for t in kernel.inputs})
+    first = go()
+    again = go()
+    assert names == ["y"] and first["y"] is again["y"]
+    np.testing.assert_allclose(again["y"], values["y"], rtol=1e-6, atol=1e-6)
