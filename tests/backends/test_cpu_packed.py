@@ -62,7 +62,8 @@ ROWS, BLAS = "fs_gemm_rows(", "FS_BLAS_SGEMM(101"
 
 
 @pytest.mark.parametrize("m,k,n,path", [(1, 1, 1, BLAS), (5, 1, 7, BLAS), (70, 33, 1, BLAS), (130, 17, 65, ROWS),
-                                        (64, 64, 64, ROWS), (6, 1, 16, ROWS), (13, 1030, 20, BLAS)])
+                                        (64, 64, 64, ROWS), (6, 1, 16, ROWS), (13, 1030, 20, ROWS),
+                                        (13, 2054, 20, BLAS)])
 def test_matmul_bias_act_edges(tmp_path, blas, m, k, n, path):
     """M, N, K off the block size; K = 1; N = 1; prologue (Relu) and epilogue (bias, Tanh). A
     constant B goes to our micro-kernel packed once (`fs_gemm_rows`, no BLAS needed) from one full

@@ -522,11 +522,13 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
 # `benchmarks/bench_cpu.py --sections 1b` times the three)
 BLAS_TILE_FLOATS = 1 << 21
 # C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`,
-# no K or N blocking) where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 64 KiB at most,
+# no K or N blocking) where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 128 KiB at most,
 # stays in L2 while a row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row
-# panel of A sweeps all of B); beyond, at bert-base's 768x3072 and 3072x768, the BLAS's blocking
-# wins (ours 0.86x, 0.88x in `bench_cpu.py --sections 1b`), so it stays there
-ROWS_MAX_K = 1024
+# panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core): vit-small's
+# 197x1536x384 FFN down-projection with its GELU prologue 1.08x faster than through the BLAS (which
+# packs its 2.4 MiB B again per call); with B beyond, bert-base's 768x3072 up-projection 0.99x,
+# 3072x768 down 1.04x, gpt2's 768x2304 0.96x: no gain, so the BLAS stays there
+ROWS_MAX_K = 2048
 ROWS_MAX_B_FLOATS = 1 << 20
 _OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
 
