@@ -181,7 +181,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     driver = (base._C_PRELUDE + base._C_PACKED_GEMM
               + "void own_pack_b(int K, int N, const float* B, float* Bp) { fs_pack_b(K, N, B, N, 1, Bp); }\n"
               "void own_rows(int M, int N, int K, const float* A, const float* Bp, float* C) "
-              "{ fs_gemm_rows(M, N, K, A, K, Bp, C, N, 0); }\n"
+              "{ fs_gemm_rows(M, N, K, A, K, Bp, C, N, 0, 0, 0); }\n"
               "void own_packed(int M, int N, int K, const float* A, const float* Bp, float* C) "
               "{ fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M); }\n"
               "void blas_sgemm(int M, int N, int K, const float* A, const float* B, float* C) "

@@ -77,18 +77,23 @@ def test_matmul_bias_act_edges(tmp_path, blas, m, k, n, path):
 
 @pytest.mark.parametrize("m", [6, 37, 130])
 def test_packed_b_product_adds_onto_its_bias_in_place(tmp_path, blas, m):
-    """MatMul + bias + residual (the product plus terms without it) over a constant B: the output
-    is prefilled with bias + residual and `fs_gemm_rows` adds the product there (beta 1), with no
-    product buffer; also when the group has a second output (its prologue's value, as a LayerNorm
-    feeding both the residual and the product)."""
+    """MatMul + bias + residual (the product plus terms without it) over a constant B:
+    `fs_gemm_rows` reads both in place and adds them at the store (R0 the bias row, C0 the
+    residual), with no product buffer and no prefill pass; also when the group has a second output
+    (its prologue's value, as a LayerNorm feeding both the residual and the product), with the
+    bias alone."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"]),
              helper.make_node("Add", ["z", "r"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [m, 40]), ("r", [m, 33])], [("out", None)], [("w", _w([40, 33])), ("b", _w([33], 1))])
-    assert "cbuf" not in gk.c_source and "pk0, out0 + (m0 * 33LL), 33LL, 1);" in gk.c_source
+    named = {a.tensor: a.name for a in gk.inputs}
+    assert "cbuf" not in gk.c_source and "col < 33LL" not in gk.c_source  # no prefill loop
+    assert f"pk0, out0 + (m0 * 33LL), 33LL, {named['r']} + (z * {m * 33}LL + m0 * 33LL), 33LL, {named['b']});" in gk.c_source
     side = [helper.make_node("Sigmoid", ["x"], ["xs"]), helper.make_node("MatMul", ["xs", "w"], ["y"]),
             helper.make_node("Add", ["y", "b"], ["out"])]
     gk = one_kernel(tmp_path, side, [("x", [m, 40])], [("out", None), ("xs", None)], [("w", _w([40, 33])), ("b", _w([33], 1))])
     assert "cbuf" not in gk.c_source and "fs_gemm_rows(mc, 33LL, 40LL, abuf, 40LL, pk0, out" in gk.c_source
+    bias = next(a.name for a in gk.inputs if a.tensor == "b")
+    assert f"33LL, 0, 0LL, {bias});" in gk.c_source and "col < 33LL" not in gk.c_source
 
 
 @pytest.mark.parametrize("m", [1, 37, 130])
@@ -461,15 +466,19 @@ def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
     assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
 
 
-@pytest.mark.parametrize("epilogue,additive", [("bias", True), ("bias+residual", True), ("residual first", True),
+@pytest.mark.parametrize("epilogue,additive", [("bias", True), ("residual", True), ("bias+residual", True), ("residual first", True),
                                                ("plus its own relu", False), ("bias then relu", False)])
 def test_a_product_plus_terms_without_it_is_prefilled_and_added_by_the_blas(tmp_path, blas, epilogue, additive):
     """MatMul + Add(s) whose other operands do not read the product: the output block is filled
-    with them first and the BLAS adds the product (beta 1), no tile kept; an epilogue that reads
-    the product twice or applies anything after the adds keeps the tile and its second pass."""
+    with them first and the BLAS adds the product (beta 1), no tile kept, or, through our
+    micro-kernel, a bias and a residual are read in place and added at the store; an epilogue
+    that reads the product twice or applies anything after the adds keeps the tile and its second
+    pass."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
     if epilogue == "bias":
         nodes.append(helper.make_node("Add", ["y", "bias"], ["out"]))
+    elif epilogue == "residual":
+        nodes.append(helper.make_node("Add", ["r", "y"], ["out"]))
     elif epilogue == "bias+residual":
         nodes += [helper.make_node("Add", ["y", "bias"], ["yb"]), helper.make_node("Add", ["yb", "r"], ["out"])]
     elif epilogue == "residual first":
@@ -480,7 +489,11 @@ def test_a_product_plus_terms_without_it_is_prefilled_and_added_by_the_blas(tmp_
         nodes += [helper.make_node("Add", ["y", "bias"], ["yb"]), helper.make_node("Relu", ["yb"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [2, 37, 24]), ("r", [2, 37, 40])], [("out", None)],
                     [("w", _w([24, 40])), ("bias", _w([40], 1))])
-    assert (", out0 + ((z) * 1480LL + m0 * 40LL), 40LL, 1);" in gk.c_source) == additive  # fs_gemm_rows, beta 1
+    if additive:  # fs_gemm_rows's C0 (the residual) and R0 (the bias row), read in place
+        named = {a.tensor: a.name for a in gk.inputs}
+        c0 = f"{named['r']} + (z * 1480LL + m0 * 40LL), 40LL" if "residual" in epilogue else "0, 0LL"
+        r0 = named["bias"] if epilogue != "residual" else "0"
+        assert f", out0 + ((z) * 1480LL + m0 * 40LL), 40LL, {c0}, {r0});" in gk.c_source
     assert ("cbuf" not in gk.c_source) == additive
 
 
@@ -523,15 +536,16 @@ static inline void _mm512_storeu_ps(float* p, fs_v16 a) { for (int i = 0; i < 16
 def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     """The packed GEMMs through each branch of their micro-kernel equal a float64 product at partial
     tiles and an odd K (`fs_gemm_packed`: A packed, C stored transposed; `fs_gemm_rows`: A read by
-    rows, added onto C in place): as this CPU compiles it (`-march=native`: AVX2 +
+    rows, added onto C in place, or stored plus a bias row and a residual): as this CPU compiles it (`-march=native`: AVX2 +
     FMA here, AVX-512 where the CPU has it), the portable loops (no vector ISA named), and the
     AVX-512 branch with its intrinsics replaced by plain C (`_AVX512_STAND_IN`), so its indexing is
     checked on a CPU without AVX-512 (and compiled with the real ones to zmm FMAs)."""
     from fusesearch.backends.codegen import base
 
     driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
-              "         float* R) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n"
-              "    fs_gemm_rows(M, N, K, A, K, Bp, R, N, 1);\n}\n")
+              "         float* R, float* S, const float* T, const float* bias) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
+              "    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n    fs_gemm_rows(M, N, K, A, K, Bp, R, N, R, N, 0);\n"
+              "    fs_gemm_rows(M, N, K, A, K, Bp, S, N, T, N, bias);\n}\n")
     source = base._C_PRELUDE + base._C_PACKED_GEMM + driver
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     if branch == "native":
@@ -550,9 +564,14 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
         a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
         bp, c = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
         r = rng.standard_normal((m, n)).astype(np.float32)  # fs_gemm_rows adds the product onto it
+        bias, out = rng.standard_normal(n).astype(np.float32), np.zeros((m, n), np.float32)  # plus a bias row
+        residual = rng.standard_normal((m, n)).astype(np.float32)  # and a residual read in place
         expect = a.astype(np.float64) @ b.astype(np.float64)
         prior = r.astype(np.float64)
-        fn.run(*(ctypes.c_longlong(v) for v in (m, n, k)), *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c, r)))
+        fn.run(*(ctypes.c_longlong(v) for v in (m, n, k)),
+               *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c, r, out, residual, bias)))
+        np.testing.assert_allclose(out, expect + bias + residual, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{branch} bias and residual {m}x{n}x{k}")
         np.testing.assert_allclose(c.T, expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} packed {m}x{n}x{k}")
         np.testing.assert_allclose(r, prior + expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} rows {m}x{n}x{k}")
     if branch == "avx512":

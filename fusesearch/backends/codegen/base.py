@@ -2,8 +2,9 @@
 the C/CUDA preludes every skeleton starts with (the C one with its own vectorizable exp and erf),
 and the packed GEMM a C kernel with packed weights includes: `fs_pack_b` (B in FS_NR-wide panels),
 the FS_MR x FS_NR micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or portable loops, by what the
-compiler targets; A by two strides, the tile at a row stride, stored or added), `fs_gemm_rows`
-(A by rows in place, C row-major: MatMul/Gemm) and `fs_gemm_packed` (A packed, C transposed: conv).
+compiler targets; A by two strides, the tile at a row stride, plus a tile or a row added at the
+store where given), `fs_gemm_rows` (A by rows in place, C row-major: MatMul/Gemm) and
+`fs_gemm_packed` (A packed, C transposed: conv).
 
 Half precision (float16, bfloat16) is a storage type only: arithmetic is float32. A half value is
 widened where it is loaded (`load_expr`) and rounded to nearest even where it is stored
@@ -287,10 +288,11 @@ static void fs_pack_b(long long K, long long N, const float* B, long long sk, lo
         }}
     }}
 }}
-/* tile[i * ldt + j] (+)= sum_k a[i * as + k * ak] * b[k * FS_NR + j] over a FS_MR x FS_NR tile: A
-   packed (as 1, ak FS_MR) or read in place by rows (as lda, ak 1); `acc` adds the tile's values */
+/* tile[i * ldt + j] = sum_k a[i * as + k * ak] * b[k * FS_NR + j] over a FS_MR x FS_NR tile, plus
+   r0[j] where r0 is given (a bias row), then plus c0[i * ldc0 + j] where c0 is given (the tile
+   itself, a residual): A packed (as 1, ak FS_MR) or read in place by rows (as lda, ak 1) */
 static inline void fs_micro(long long K, const float* a, long long as, long long ak, const float* b, float* tile,
-                            long long ldt, int acc) {{
+                            long long ldt, const float* c0, long long ldc0, const float* r0) {{
     const float *a0 = a, *a1 = a + as, *a2 = a + 2 * as, *a3 = a + 3 * as, *a4 = a + 4 * as, *a5 = a + 5 * as;
 #if defined(__AVX512F__)
     __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), e2 = _mm512_setzero_ps(), e3 = _mm512_setzero_ps();
@@ -315,10 +317,15 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
     }}
     e0 = _mm512_add_ps(e0, o0); e1 = _mm512_add_ps(e1, o1); e2 = _mm512_add_ps(e2, o2);
     e3 = _mm512_add_ps(e3, o3); e4 = _mm512_add_ps(e4, o4); e5 = _mm512_add_ps(e5, o5);
-    if (acc) {{
-        e0 = _mm512_add_ps(e0, _mm512_loadu_ps(tile)); e1 = _mm512_add_ps(e1, _mm512_loadu_ps(tile + ldt));
-        e2 = _mm512_add_ps(e2, _mm512_loadu_ps(tile + 2 * ldt)); e3 = _mm512_add_ps(e3, _mm512_loadu_ps(tile + 3 * ldt));
-        e4 = _mm512_add_ps(e4, _mm512_loadu_ps(tile + 4 * ldt)); e5 = _mm512_add_ps(e5, _mm512_loadu_ps(tile + 5 * ldt));
+    if (r0) {{
+        __m512 r = _mm512_loadu_ps(r0);
+        e0 = _mm512_add_ps(e0, r); e1 = _mm512_add_ps(e1, r); e2 = _mm512_add_ps(e2, r);
+        e3 = _mm512_add_ps(e3, r); e4 = _mm512_add_ps(e4, r); e5 = _mm512_add_ps(e5, r);
+    }}
+    if (c0) {{
+        e0 = _mm512_add_ps(e0, _mm512_loadu_ps(c0)); e1 = _mm512_add_ps(e1, _mm512_loadu_ps(c0 + ldc0));
+        e2 = _mm512_add_ps(e2, _mm512_loadu_ps(c0 + 2 * ldc0)); e3 = _mm512_add_ps(e3, _mm512_loadu_ps(c0 + 3 * ldc0));
+        e4 = _mm512_add_ps(e4, _mm512_loadu_ps(c0 + 4 * ldc0)); e5 = _mm512_add_ps(e5, _mm512_loadu_ps(c0 + 5 * ldc0));
     }}
     _mm512_storeu_ps(tile, e0); _mm512_storeu_ps(tile + ldt, e1); _mm512_storeu_ps(tile + 2 * ldt, e2);
     _mm512_storeu_ps(tile + 3 * ldt, e3); _mm512_storeu_ps(tile + 4 * ldt, e4); _mm512_storeu_ps(tile + 5 * ldt, e5);
@@ -335,13 +342,19 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
         x = _mm256_broadcast_ss(a4 + q); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
         x = _mm256_broadcast_ss(a5 + q); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
     }}
-    if (acc) {{
-        c00 = _mm256_add_ps(c00, _mm256_loadu_ps(tile)); c01 = _mm256_add_ps(c01, _mm256_loadu_ps(tile + 8));
-        c10 = _mm256_add_ps(c10, _mm256_loadu_ps(tile + ldt)); c11 = _mm256_add_ps(c11, _mm256_loadu_ps(tile + ldt + 8));
-        c20 = _mm256_add_ps(c20, _mm256_loadu_ps(tile + 2 * ldt)); c21 = _mm256_add_ps(c21, _mm256_loadu_ps(tile + 2 * ldt + 8));
-        c30 = _mm256_add_ps(c30, _mm256_loadu_ps(tile + 3 * ldt)); c31 = _mm256_add_ps(c31, _mm256_loadu_ps(tile + 3 * ldt + 8));
-        c40 = _mm256_add_ps(c40, _mm256_loadu_ps(tile + 4 * ldt)); c41 = _mm256_add_ps(c41, _mm256_loadu_ps(tile + 4 * ldt + 8));
-        c50 = _mm256_add_ps(c50, _mm256_loadu_ps(tile + 5 * ldt)); c51 = _mm256_add_ps(c51, _mm256_loadu_ps(tile + 5 * ldt + 8));
+    if (r0) {{
+        __m256 r = _mm256_loadu_ps(r0), s = _mm256_loadu_ps(r0 + 8);
+        c00 = _mm256_add_ps(c00, r); c01 = _mm256_add_ps(c01, s); c10 = _mm256_add_ps(c10, r); c11 = _mm256_add_ps(c11, s);
+        c20 = _mm256_add_ps(c20, r); c21 = _mm256_add_ps(c21, s); c30 = _mm256_add_ps(c30, r); c31 = _mm256_add_ps(c31, s);
+        c40 = _mm256_add_ps(c40, r); c41 = _mm256_add_ps(c41, s); c50 = _mm256_add_ps(c50, r); c51 = _mm256_add_ps(c51, s);
+    }}
+    if (c0) {{
+        c00 = _mm256_add_ps(c00, _mm256_loadu_ps(c0)); c01 = _mm256_add_ps(c01, _mm256_loadu_ps(c0 + 8));
+        c10 = _mm256_add_ps(c10, _mm256_loadu_ps(c0 + ldc0)); c11 = _mm256_add_ps(c11, _mm256_loadu_ps(c0 + ldc0 + 8));
+        c20 = _mm256_add_ps(c20, _mm256_loadu_ps(c0 + 2 * ldc0)); c21 = _mm256_add_ps(c21, _mm256_loadu_ps(c0 + 2 * ldc0 + 8));
+        c30 = _mm256_add_ps(c30, _mm256_loadu_ps(c0 + 3 * ldc0)); c31 = _mm256_add_ps(c31, _mm256_loadu_ps(c0 + 3 * ldc0 + 8));
+        c40 = _mm256_add_ps(c40, _mm256_loadu_ps(c0 + 4 * ldc0)); c41 = _mm256_add_ps(c41, _mm256_loadu_ps(c0 + 4 * ldc0 + 8));
+        c50 = _mm256_add_ps(c50, _mm256_loadu_ps(c0 + 5 * ldc0)); c51 = _mm256_add_ps(c51, _mm256_loadu_ps(c0 + 5 * ldc0 + 8));
     }}
     _mm256_storeu_ps(tile, c00); _mm256_storeu_ps(tile + 8, c01); _mm256_storeu_ps(tile + ldt, c10);
     _mm256_storeu_ps(tile + ldt + 8, c11); _mm256_storeu_ps(tile + 2 * ldt, c20); _mm256_storeu_ps(tile + 2 * ldt + 8, c21);
@@ -354,7 +367,8 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
         for (int i = 0; i < FS_MR; ++i)
             for (int j = 0; j < FS_NR; ++j) sum[i * FS_NR + j] += rows[i][k * ak] * b[j];
     for (int i = 0; i < FS_MR; ++i)
-        for (int j = 0; j < FS_NR; ++j) tile[i * ldt + j] = (acc ? tile[i * ldt + j] : 0.0f) + sum[i * FS_NR + j];
+        for (int j = 0; j < FS_NR; ++j)
+            tile[i * ldt + j] = (sum[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
 #endif
 }}
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
@@ -380,17 +394,19 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
         for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
             long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
             float* c = C + n0 * ldc + i0;
-            fs_micro(K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_NR, 0);
+            fs_micro(K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
             for (long long j = 0; j < nr; ++j)
                 for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_NR + j];
         }}
     }}
 }}
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
-   plus C's values when beta: per panel of FS_MR rows of A, every B micro-panel in turn, each tile
-   stored straight into C (a partial one through `tile`, the last rows through a zero-padded copy) */
+   plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
+   itself: the product added onto it; a residual): per panel of FS_MR rows of A, every B
+   micro-panel in turn, each tile stored straight into C (a partial one through `tile`, the last
+   rows through a zero-padded copy) */
 static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
-                         const float* Bp, float* C, long long ldc, int beta) {{
+                         const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
     float tile[FS_MR * FS_NR];
     for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
         long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
@@ -406,15 +422,15 @@ static void fs_gemm_rows(long long M, long long N, long long K, const float* A, 
         for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
             long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
             float* c = C + i0 * ldc + n0;
+            const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
             if (mr == FS_MR && nr == FS_NR) {{
-                fs_micro(K, a, la, 1, Bp + n0 * K, c, ldc, beta);
+                fs_micro(K, a, la, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
                 continue;
             }}
-            for (long long i = 0; i < FS_MR; ++i)
-                for (long long j = 0; j < FS_NR; ++j) tile[i * FS_NR + j] = beta && i < mr && j < nr ? c[i * ldc + j] : 0.0f;
-            fs_micro(K, a, la, 1, Bp + n0 * K, tile, FS_NR, beta);
+            fs_micro(K, a, la, 1, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
             for (long long i = 0; i < mr; ++i)
-                for (long long j = 0; j < nr; ++j) c[i * ldc + j] = tile[i * FS_NR + j];
+                for (long long j = 0; j < nr; ++j)
+                    c[i * ldc + j] = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
         }}
     }}
 }}

@@ -497,7 +497,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
                 and _additive_epilogue(graph, kernel, y, main[0].tensor))
     direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor == y or additive)
               and main[0].dtype == "float32" and alpha_one else None)  # the BLAS stores the output
-    prefill = None
+    prefill = init = None
     if direct and additive:  # the output is the product plus terms without it: those first, then the BLAS adds
         e.lines = []
         e.push()
@@ -505,8 +505,9 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         prefill = e.lines + [_write(e, main[0], idx, yshape)]
         e.acc_value = ""
         e.pop()
+        init = _terms_in_place(graph, kernel, args, anchor, main[0].tensor, yshape)
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
-                        packs)
+                        packs, init)
     if blas is not None and _OWN in "".join(blas):  # our micro-kernel over B packed once: no BLAS needed
         return [*c_side, *blas] if store is None else blas
     if store is not None:  # only the BLAS blocks, storing through the given strides
@@ -619,7 +620,7 @@ def _strided_b(graph: Graph, e: _Emitter, source, z_idx, sb, k_extent: int, n_ex
 
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body,
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
-                 packs: dict | None = None) -> list[str] | None:
+                 packs: dict | None = None, init: tuple[str, str] | None = None) -> list[str] | None:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -635,8 +636,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     (bert-small's 128x128 projections 2-5% faster). With `packs`, within ROWS_MAX_K and
     ROWS_MAX_B_FLOATS and from one full tile, a constant float32 B is packed once (registered
     there), or a B that is a view of an input along N (attention's values) is packed per block,
-    and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note). None where B is not float32 or half (half B is
-    widened into the packed panel)."""
+    and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note); there a
+    prefill of terms read in place (`init`: a residual's and a bias row's arguments,
+    `_terms_in_place`) is added by the micro-kernel at the store instead, with no prefill pass.
+    None where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
     if compute_dtype(graph.tensors[b].dtype) != "float32":
@@ -700,7 +703,9 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              f"{k_extent}, {b_ptr}, {ldb}, {beta}, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
     if pk is not None:  # our micro-kernel over B packed (once per plan, or per block), A's rows read in place
-        sgemm = f"{_OWN}mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {k_extent}LL, {pk}, {c_ptr}, {ldc}LL, {int(bool(prefill))});"
+        c0 = (f"{init[0]}, {init[1]}" if init is not None else f"{c_ptr}, {ldc}LL, 0" if prefill else "0, 0LL, 0")
+        sgemm = f"{_OWN}mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {k_extent}LL, {pk}, {c_ptr}, {ldc}LL, {c0});"
+        prefill = None if init is not None else prefill  # the term is added at the store
     epilogue = [] if direct else [
         "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
         "    for (long long i = 0; i < mc; ++i) {",
@@ -798,6 +803,37 @@ def _additive_epilogue(graph: Graph, kernel: Kernel, y: str, out: str) -> bool:
             return False
         t = node.outputs[0]
     return True
+
+
+def _terms_in_place(graph: Graph, kernel: Kernel, args, anchor: Node, out: str, yshape) -> tuple[str, str] | None:
+    """For `out` = product + terms (`_additive_epilogue`, a Gemm's C with beta 1 among them): when
+    the terms are float32 kernel inputs, at most one of the product's shape (a residual) and at
+    most one a row along N (a bias), `fs_gemm_rows`'s C0 and R0 arguments for the block of rows at
+    (z, m0), each "0, 0LL" / "0" when absent; else None."""
+    y = anchor.outputs[0]
+    terms = [anchor.inputs[2]] if anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and anchor.inputs[2] else []
+    if terms and float(anchor.attrs.get("beta", 1.0)) != 1.0:  # beta * C: the prefill scales it
+        return None
+    t = y
+    while t != out:
+        node = graph.nodes[next(n for n in graph.consumers(t) if n in kernel.nodes)]
+        terms.append(next(i for i in node.inputs if i != t))
+        t = node.outputs[0]
+    m_extent, n_extent = (yshape[-2] if len(yshape) > 1 else 1), yshape[-1]
+    matrix, row = [], []
+    for term in terms:
+        if term not in args or args[term].dtype != "float32" or graph.producer(term) in kernel.nodes:
+            return None
+        shape = (1,) * (len(yshape) - len(graph.tensors[term].shape)) + tuple(graph.tensors[term].shape)
+        if shape[-1] == n_extent and math.prod(shape[:-1]) == 1:
+            row.append(args[term].name)
+        elif shape == tuple(yshape):
+            matrix.append(f"{args[term].name} + (z * {m_extent * n_extent}LL + m0 * {n_extent}LL), {n_extent}LL")
+        else:
+            return None
+    if len(matrix) > 1 or len(row) > 1:
+        return None
+    return (matrix[0] if matrix else "0, 0LL"), (row[0] if row else "0")
 
 
 def _view_strides(graph: Graph, kernel: Kernel, outs, y: str) -> tuple[int, ...] | None:
