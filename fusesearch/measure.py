@@ -22,7 +22,12 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
     anything else ................................ the generated kernel
 
 The rule is the same for the plan and the unfused graph, so a lone anchor costs the same in
-both. Every kernel of both is prepared (generated, compiled, run once and checked) first, then all
+both. A CPU library call runs as ONNX Runtime runs the node inside the whole model
+(`backends.library`: its weights initializers, pre-packed; IO binding, no output allocation), and
+ONNX Runtime's fixed cost of one Run, which a whole-model run pays once, not per node, is taken
+off each of its samples: two null Runs (one Identity, a chain of them) are timed in the same
+rounds and `library.run_costs` reads the Run's cost and one trivial node's share from them; a
+sample never falls below that share. Every kernel of both is prepared (generated, compiled, run once and checked) first, then all
 are timed together by `backends.timing.measure_interleaved` (perf_counter on CPU, CUDA events on
 GPU) in ROUNDS passes, each plan group next to the unfused kernels of its nodes: on a shared
 machine whose speed drifts over minutes, a fused kernel and what it replaces are still compared

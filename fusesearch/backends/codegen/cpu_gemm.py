@@ -9,13 +9,16 @@ never timed here) over B packed once by `fs_pack_b`, against scipy-openblas32's 
 B inside every call), at the zoo's GEMM shapes. MatMul/Gemm whose B is a constant float32 (packed
 once per plan) or a view of an input along N (attention's values, packed per block) use ours
 (`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output, at the merged
-heads' stride, or added onto it where the output is prefilled with a bias or residual): in 1b's
+heads' stride, plus a bias row and a residual read in place where the epilogue adds them, or
+added onto an output prefilled with other terms): in 1b's
 loop 0.98-1.06x the BLAS at bert-small's and vit-small's shapes (two runs) and 1.02x at bert-base's
 768x768; inside the generated kernels, interleaved with the same kernels through the BLAS, 1.04x
 over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at attention's context
-products with the values packed per head; that turned vit-small's fused groups from 72-79 of 98
-beating ONNX Runtime's library + rest into 97. It has no K or N blocking and loses where B is
-large (0.86x at 768x3072, 0.88x at 3072x768), so the BLAS stays there (`ROWS_MAX_K`,
+products with the values packed per head (against
+ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fused groups are
+within a few percent of library + rest: the README's benchmark table). It has no K or N blocking;
+with B beyond ROWS_MAX_B_FLOATS (bert-base's FFN, gpt2's QKV) it measured 0.96-1.04x the BLAS,
+so the BLAS stays there (`ROWS_MAX_K`,
 `ROWS_MAX_B_FLOATS`), below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
 for B computed in the group and for B transposed by strides (attention's keys: 0.98-1.01x).
 Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
