@@ -87,12 +87,14 @@ def ort_session(model: onnx.ModelProto, level: str = "all"):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
 def ort_call(sess, feeds: dict) -> tuple[object, dict]:
     """(a run of `sess` on `feeds` through IO binding into outputs allocated once, the outputs):
     no output allocation or conversion per call, as inside a whole-model run."""
-    outs = {o.name: np.empty(o.shape, np.dtype(o.type[len("tensor("):-1].replace("float", "float32")
-                                                .replace("float3216", "float16").replace("double", "float64")))
-            for o in sess.get_outputs()}
+    outs = {o.name: np.empty(o.shape, ORT_TYPES[o.type]) for o in sess.get_outputs()}
     run = host_binding(sess, [(i.name, lambda a=feeds[i.name]: a) for i in sess.get_inputs()], list(outs.items()),
                        fixed=True)
     return run, outs

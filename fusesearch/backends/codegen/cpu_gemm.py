@@ -496,8 +496,8 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     # a Gemm's C operand is a term without the product (its alpha must be 1: the product is added as is)
     gemm_c = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
     alpha_one = anchor.op_type == "MatMul" or float(anchor.attrs.get("alpha", 1.0)) == 1.0
-    additive = (len(main) == 1 and (main[0].tensor != y or gemm_c)
-                and _additive_epilogue(graph, kernel, y, main[0].tensor))
+    terms = _additive_terms(graph, kernel, y, main[0].tensor) if len(main) == 1 and (main[0].tensor != y or gemm_c) else None
+    additive = terms is not None
     direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor == y or additive)
               and main[0].dtype == "float32" and alpha_one else None)  # the BLAS stores the output
     prefill = init = None
@@ -508,7 +508,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         prefill = e.lines + [_write(e, main[0], idx, yshape)]
         e.acc_value = ""
         e.pop()
-        init = _terms_in_place(graph, kernel, args, anchor, main[0].tensor, yshape)
+        init = _terms_in_place(args, anchor, ([anchor.inputs[2]] if gemm_c else []) + terms, yshape)
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
                         packs, init)
     if blas is not None and _OWN in "".join(blas):  # our micro-kernel over B packed once: no BLAS needed
@@ -788,46 +788,41 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, 
     return ["#ifdef FS_BLAS_SGEMM", *stored, "#else", *whole, "#endif"] if stored else whole
 
 
-def _additive_epilogue(graph: Graph, kernel: Kernel, y: str, out: str) -> bool:
-    """Whether `out` is product `y` plus terms that do not depend on it (a bias, a residual): a
-    chain of Adds from y to out, each of y's shape, y read once, the other operands computed
-    without y. The BLAS can then add the product to an output prefilled with those terms."""
-    anchor, t = graph.producer(y), y
+def _additive_terms(graph: Graph, kernel: Kernel, y: str, out: str) -> list[str] | None:
+    """The terms, in order, when `out` is product `y` plus terms that do not depend on it (a bias,
+    a residual): a chain of Adds from y to out, each of y's shape, y read once, the other operands
+    computed without y; else None. The BLAS can then add the product to an output prefilled with
+    those terms."""
+    anchor, t, terms = graph.producer(y), y, []
     while t != out:
         users = [n for n in graph.consumers(t) if n in kernel.nodes]
         if len(users) != 1:
-            return False
+            return None
         node = graph.nodes[users[0]]
         others = [i for i in node.inputs if i != t]
         source = graph.producer(others[0]) if len(others) == 1 else None
         if (node.op_type != "Add" or len(others) != 1 or node.inputs.count(t) != 1
                 or graph.tensors[node.outputs[0]].shape != graph.tensors[y].shape
                 or source is not None and (source == anchor or graph.reaches(anchor, source))):
-            return False
+            return None
+        terms.append(others[0])
         t = node.outputs[0]
-    return True
+    return terms
 
 
-def _terms_in_place(graph: Graph, kernel: Kernel, args, anchor: Node, out: str, yshape) -> tuple[str, str] | None:
-    """For `out` = product + terms (`_additive_epilogue`, a Gemm's C with beta 1 among them): when
-    the terms are float32 kernel inputs, at most one of the product's shape (a residual) and at
-    most one a row along N (a bias), `fs_gemm_rows`'s C0 and R0 arguments for the block of rows at
-    (z, m0), each "0, 0LL" / "0" when absent; else None."""
-    y = anchor.outputs[0]
-    terms = [anchor.inputs[2]] if anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and anchor.inputs[2] else []
-    if terms and float(anchor.attrs.get("beta", 1.0)) != 1.0:  # beta * C: the prefill scales it
+def _terms_in_place(args, anchor: Node, terms: list[str], yshape) -> tuple[str, str] | None:
+    """For an output that is the product plus `terms` (`_additive_terms`, a Gemm's C first): when
+    every term is a float32 kernel input (a Gemm's C with beta 1), at most one of the product's
+    shape (a residual) and at most one a row along N (a bias), `fs_gemm_rows`'s C0 and R0
+    arguments for the block of rows at (z, m0), each "0, 0LL" / "0" when absent; else None."""
+    if anchor.op_type == "Gemm" and float(anchor.attrs.get("beta", 1.0)) != 1.0:  # beta * C: the prefill scales it
         return None
-    t = y
-    while t != out:
-        node = graph.nodes[next(n for n in graph.consumers(t) if n in kernel.nodes)]
-        terms.append(next(i for i in node.inputs if i != t))
-        t = node.outputs[0]
     m_extent, n_extent = (yshape[-2] if len(yshape) > 1 else 1), yshape[-1]
     matrix, row = [], []
     for term in terms:
-        if term not in args or args[term].dtype != "float32" or graph.producer(term) in kernel.nodes:
+        if term not in args or args[term].dtype != "float32":  # computed in the kernel, or half
             return None
-        shape = (1,) * (len(yshape) - len(graph.tensors[term].shape)) + tuple(graph.tensors[term].shape)
+        shape = (1,) * (len(yshape) - len(args[term].shape)) + tuple(args[term].shape)
         if shape[-1] == n_extent and math.prod(shape[:-1]) == 1:
             row.append(args[term].name)
         elif shape == tuple(yshape):
