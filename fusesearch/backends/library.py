@@ -91,15 +91,14 @@ def library_runner(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel,
                    inputs: dict[str, np.ndarray]) -> tuple[Callable[[], dict[str, np.ndarray]], list[str]]:
     """A zero-argument callable running the node on fixed inputs into outputs allocated once (the
     same arrays every call), and its output names."""
-    from fusesearch.verify import session
+    from fusesearch.verify import session, session_feeds
 
     sess = session(node_model(canonical, graph, kernel))
     arrays = {t: np.ascontiguousarray(inputs[t]) for t in kernel.inputs}
     feeds = [(t, lambda a=a: a) for t, a in arrays.items()]
     names = list(kernel.outputs)
     if any(graph.tensors[t].shape is None for t in names):  # a dynamic output: ONNX Runtime allocates it
-        taken = {i.name for i in sess.get_inputs()}
-        given = {t: get() for t, get in feeds if t in taken}
+        given = session_feeds(sess, arrays)
         return (lambda: dict(zip(names, sess.run(names, given), strict=True))), names
     outs = {t: np.empty(graph.tensors[t].shape, dtype=np.dtype(graph.tensors[t].dtype)) for t in names}
     run = host_binding(sess, feeds, list(outs.items()), fixed=True)
