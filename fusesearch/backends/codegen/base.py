@@ -371,6 +371,39 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
             tile[i * ldt + j] = (sum[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
 #endif
 }}
+/* the last R < FS_MR rows of A by rows (row stride as) times a packed B micro-panel: R x FS_NR
+   sums into tile (row stride FS_NR), R FMAs per k pair rather than a zero-padded full tile's FS_MR
+   (a GNU C vector type: the compiler's widest registers; R a constant where it is inlined) */
+typedef float fs_v8 __attribute__((vector_size(32)));
+_Static_assert(FS_NR == 16, "fs_micro_rows holds a tile row in two 8-float vectors");
+static inline __attribute__((always_inline)) void fs_micro_rows(int R, long long K, const float* a, long long as,
+                                                                const float* b, float* tile) {{
+    fs_v8 lo[FS_MR - 1], hi[FS_MR - 1];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = (fs_v8){{0}};
+    for (long long k = 0; k < K; ++k, b += FS_NR) {{
+        fs_v8 b0, b1;
+        memcpy(&b0, b, sizeof b0);
+        memcpy(&b1, b + 8, sizeof b1);
+        for (int i = 0; i < R; ++i) {{
+            float x = a[i * as + k];
+            lo[i] += x * b0;
+            hi[i] += x * b1;
+        }}
+    }}
+    for (int i = 0; i < R; ++i) {{
+        memcpy(tile + i * FS_NR, &lo[i], sizeof lo[i]);
+        memcpy(tile + i * FS_NR + 8, &hi[i], sizeof hi[i]);
+    }}
+}}
+static void fs_micro_tail(int R, long long K, const float* a, long long as, const float* b, float* tile) {{
+    switch (R) {{
+    case 1: fs_micro_rows(1, K, a, as, b, tile); break;
+    case 2: fs_micro_rows(2, K, a, as, b, tile); break;
+    case 3: fs_micro_rows(3, K, a, as, b, tile); break;
+    case 4: fs_micro_rows(4, K, a, as, b, tile); break;
+    default: fs_micro_rows(5, K, a, as, b, tile); break;
+    }}
+}}
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_MR - 1) / FS_MR * FS_MR) * K);
@@ -403,31 +436,26 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
    plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
    itself: the product added onto it; a residual): per panel of FS_MR rows of A, every B
-   micro-panel in turn, each tile stored straight into C (a partial one through `tile`, the last
-   rows through a zero-padded copy) */
+   micro-panel in turn, each tile stored straight into C (a partial one through `tile`; the last
+   M % FS_MR rows by `fs_micro_tail`, which computes only them) */
 static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
                          const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
     float tile[FS_MR * FS_NR];
     for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
         long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
         const float* a = A + i0 * lda;
-        long long la = lda;
-        if (mr < FS_MR) {{
-            float* pad = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * FS_MR * K);
-            for (long long i = 0; i < FS_MR; ++i)
-                for (long long k = 0; k < K; ++k) pad[i * K + k] = i < mr ? a[i * lda + k] : 0.0f;
-            a = pad;
-            la = K;
-        }}
         for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
             long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
             float* c = C + i0 * ldc + n0;
             const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
             if (mr == FS_MR && nr == FS_NR) {{
-                fs_micro(K, a, la, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
+                fs_micro(K, a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
                 continue;
             }}
-            fs_micro(K, a, la, 1, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
+            if (mr == FS_MR)
+                fs_micro(K, a, lda, 1, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
+            else
+                fs_micro_tail((int)mr, K, a, lda, Bp + n0 * K, tile);
             for (long long i = 0; i < mr; ++i)
                 for (long long j = 0; j < nr; ++j)
                     c[i * ldc + j] = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
@@ -470,7 +498,7 @@ def c_function(name: str, ins, outs, packed, body: str) -> str:
     return src
 
 
-_C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#ifdef FS_VECTOR_MATH\n"
+_C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#include <string.h>\n#ifdef FS_VECTOR_MATH\n"
               + "".join(f"#pragma omp declare simd notinbranch\nfloat {f}(float);\n" for f in _VECTOR_MATH)
               + "#endif\n#ifdef FS_BLAS_SGEMM\nvoid FS_BLAS_SGEMM(int, int, int, int, int, int, float, const float*, int, "
               "const float*, int, float, float*, int);\n#endif\n#ifdef FS_BLAS_SGEMV\n"

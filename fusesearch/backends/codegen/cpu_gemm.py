@@ -16,10 +16,11 @@ loop 0.98-1.06x the BLAS at bert-small's and vit-small's shapes (two runs) and 1
 over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at attention's context
 products with the values packed per head (against
 ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fused groups are
-within a few percent of library + rest: the README's benchmark table). It has no K or N blocking;
-with B beyond ROWS_MAX_B_FLOATS (bert-base's FFN, gpt2's QKV) it measured 0.96-1.04x the BLAS,
-so the BLAS stays there (`ROWS_MAX_K`,
-`ROWS_MAX_B_FLOATS`), below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
+within a few percent of library + rest: the README's benchmark table). It has no K or N blocking
+(blocks of B's columns kept in L2 measured no faster inside the kernels); at gpt2's 768x3072
+up-projection and 768x2304 QKV (B of 2.4M and 1.8M floats) it ran 1.05x and 1.03-1.04x the
+BLAS, at K = 3072 (the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond
+`ROWS_MAX_K` and `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
 for B computed in the group and for B transposed by strides (attention's keys: 0.98-1.01x).
 Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
 (`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
@@ -528,12 +529,13 @@ BLAS_TILE_FLOATS = 1 << 21
 # C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`,
 # no K or N blocking) where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 128 KiB at most,
 # stays in L2 while a row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row
-# panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core): vit-small's
-# 197x1536x384 FFN down-projection with its GELU prologue 1.08x faster than through the BLAS (which
-# packs its 2.4 MiB B again per call); with B beyond, bert-base's 768x3072 up-projection 0.99x,
-# 3072x768 down 1.04x, gpt2's 768x2304 0.96x: no gain, so the BLAS stays there
+# panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core, each
+# twice against an A/A control within 1%): vit-small's 197x1536x384 FFN down-projection with its
+# GELU prologue 1.08x faster than through the BLAS (which packs its 2.4 MiB B again per call),
+# gpt2's 768x3072 up-projection + bias 1.05x, its 768x2304 QKV + Split 1.03-1.04x; at K = 3072
+# (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, so the BLAS stays there
 ROWS_MAX_K = 2048
-ROWS_MAX_B_FLOATS = 1 << 20
+ROWS_MAX_B_FLOATS = 1 << 22
 _OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
 
 
