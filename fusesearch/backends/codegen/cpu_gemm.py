@@ -17,9 +17,9 @@ over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at atte
 products with the values packed per head (against
 ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fused groups are
 within a few percent of library + rest: the README's benchmark table). It has no K or N blocking
-(blocks of B's columns kept in L2 measured no faster inside the kernels); at gpt2's 768x3072
-up-projection and 768x2304 QKV (B of 2.4M and 1.8M floats) it ran 1.05x and 1.03-1.04x the
-BLAS, at K = 3072 (the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond
+(blocks of B's columns kept in L2 measured no faster inside the kernels); at gpt2's 768x2304
+QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x
+(as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072 (the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond
 `ROWS_MAX_K` and `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
 for B computed in the group and for B transposed by strides (attention's keys: 0.98-1.01x).
 Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
@@ -532,7 +532,8 @@ BLAS_TILE_FLOATS = 1 << 21
 # panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core, each
 # twice against an A/A control within 1%): vit-small's 197x1536x384 FFN down-projection with its
 # GELU prologue 1.08x faster than through the BLAS (which packs its 2.4 MiB B again per call),
-# gpt2's 768x3072 up-projection + bias 1.05x, its 768x2304 QKV + Split 1.03-1.04x; at K = 3072
+# gpt2's 768x2304 QKV + Split 1.03-1.04x, its 768x3072 up-projection + bias 0.91-1.05x (within
+# the A/A spread of a later, busier run); at K = 3072
 # (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, so the BLAS stays there
 ROWS_MAX_K = 2048
 ROWS_MAX_B_FLOATS = 1 << 22
