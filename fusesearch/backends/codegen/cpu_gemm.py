@@ -19,8 +19,9 @@ ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fuse
 within a few percent of library + rest: the README's benchmark table). It has no K or N blocking
 (blocks of B's columns kept in L2 measured no faster inside the kernels); at gpt2's 768x2304
 QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x
-(as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072 (the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond
-`ROWS_MAX_K` and `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
+(as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072
+(the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond `ROWS_MAX_K` and
+`ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
 for B computed in the group and for B transposed by strides (attention's keys: 0.98-1.01x).
 Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
 (`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
@@ -529,8 +530,8 @@ BLAS_TILE_FLOATS = 1 << 21
 # C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`,
 # no K or N blocking) where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 128 KiB at most,
 # stays in L2 while a row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row
-# panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core, each
-# twice against an A/A control within 1%): vit-small's 197x1536x384 FFN down-projection with its
+# panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core; the
+# gpt2 figures each beside an A/A pair of the same two kernels): vit-small's 197x1536x384 FFN down-projection with its
 # GELU prologue 1.08x faster than through the BLAS (which packs its 2.4 MiB B again per call),
 # gpt2's 768x2304 QKV + Split 1.03-1.04x, its 768x3072 up-projection + bias 0.91-1.05x (within
 # the A/A spread of a later, busier run); at K = 3072
