@@ -349,6 +349,7 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
     from fusesearch.verify import random_feeds
 
     wins = total = far = close = 0
+    losers: list[str] = []
     for name in models:
         prep = prepare(f"zoo:{name}")
         p = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep)
@@ -357,6 +358,11 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
         t = report.totals()
         versus = {g: v for g, v in report.library_comparison().items() if v["fused_loses"] is not None}
         lost = sorted(g for g, v in versus.items() if v["fused_loses"])
+        for m in report.plan:  # what each loser is: its anchor and shapes, its ops, the ratio
+            if m.group in lost:
+                losers.append(f"{name} g{m.group} {_anchor_label(prep.graph, m.anchor)} "
+                              f"{'+'.join(prep.graph.nodes[i].op_type for i in m.nodes)}: "
+                              f"{versus[m.group]['measured_s'] / versus[m.group]['library_baseline_s']:.2f}")
         ratio = {g: v["measured_s"] / v["library_baseline_s"] for g, v in versus.items()}
         by_far = sorted(g for g, r in ratio.items() if r > 1.1)
         near = sum(1 for g in lost if ratio[g] <= 1 + TIE)  # lost by less than the machine's noise
@@ -382,6 +388,16 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
     if "3" in sections and total:
         print(f"3. all models: the fused kernel wins in {wins} of {total} fused anchor groups ({wins / total:.1%}; "
               f"target >= 90%); it loses by less than {TIE:.0%} in {close}, by more than 10% in {far}")
+        if losers:
+            print("3. the losers (anchor, its input shapes, the group's ops: fused / (library + rest)):\n   "
+                  + "\n   ".join(losers))
+
+
+def _anchor_label(graph, anchor: int) -> str:
+    """An anchor as 'MatMul 1x128x768 @ 768x3072': its op and its first two inputs' shapes."""
+    node = graph.nodes[anchor]
+    shapes = [graph.tensors[t].shape for t in node.inputs[:2] if t]
+    return f"{node.op_type} " + " @ ".join("x".join(map(str, sh)) for sh in shapes if sh is not None)
 
 
 def section_threads(budget: float, repeats: int) -> None:
