@@ -358,12 +358,10 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
         t = report.totals()
         versus = {g: v for g, v in report.library_comparison().items() if v["fused_loses"] is not None}
         lost = sorted(g for g, v in versus.items() if v["fused_loses"])
-        for m in report.plan:  # what each loser is: its anchor and shapes, its ops, the ratio
-            if m.group in lost:
-                losers.append(f"{name} g{m.group} {_anchor_label(prep.graph, m.anchor)} "
-                              f"{'+'.join(prep.graph.nodes[i].op_type for i in m.nodes)}: "
-                              f"{versus[m.group]['measured_s'] / versus[m.group]['library_baseline_s']:.2f}")
         ratio = {g: v["measured_s"] / v["library_baseline_s"] for g, v in versus.items()}
+        losers += [f"{name} g{m.group} {_anchor_label(prep.graph, m.anchor)} "  # its anchor, shapes, ops, ratio
+                   f"{'+'.join(prep.graph.nodes[i].op_type for i in m.nodes)}: {ratio[m.group]:.2f}"
+                   for m in report.plan if m.group in lost]
         by_far = sorted(g for g, r in ratio.items() if r > 1.1)
         near = sum(1 for g in lost if ratio[g] <= 1 + TIE)  # lost by less than the machine's noise
         wins += len(versus) - len(lost)
@@ -397,14 +395,12 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
 
 def _over(items) -> str:
     """Per template, the kernels' summed prediction over their summed measurement ('gemm 1.33x (17)')."""
-    sums: dict[str, list[float]] = {}
+    timed: dict[str, list] = {}
     for m in items:
-        if m.timing is not None and m.measured_s > 0:
-            pair = sums.setdefault(m.template, [0.0, 0.0, 0])
-            pair[0] += m.predicted_s
-            pair[1] += m.measured_s
-            pair[2] += 1
-    return ", ".join(f"{k} {p / q:.2f}x ({n})" for k, (p, q, n) in sorted(sums.items()))
+        if m.timing is not None and m.measured_s > 0:  # aliases take no time
+            timed.setdefault(m.template, []).append(m)
+    return ", ".join(f"{k} {math.fsum(m.predicted_s for m in ms) / math.fsum(m.measured_s for m in ms):.2f}x ({len(ms)})"
+                     for k, ms in sorted(timed.items()))
 
 
 def _anchor_label(graph, anchor: int) -> str:
