@@ -13,10 +13,10 @@ from costmodels.devices import (
     device_table_rows,
     get_device,
     host_cpu,
-    measure_copy_bandwidth,
 )
 from costmodels.errors import CostModelError, InvalidSpec, ProfileError, UnknownDevice
 from costmodels.kernel import DTYPE_BYTES, IMPLS, TEMPLATES, KernelSpec
+from costmodels.probes import measure_copy_bandwidth
 from costmodels.profile import SCHEMA, Profile, load_device, load_profile, save_profile
 from costmodels.resources import (
     Occupancy,

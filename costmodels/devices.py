@@ -8,10 +8,12 @@ clock, peak FLOP/s, DRAM bandwidth, L2) come from NVIDIA whitepapers and datashe
 each entry. Tensor-core figures are DENSE (datasheets print the 2:4-sparse figure, twice as large,
 with an asterisk); 0 means the device has no tensor-core path for that type.
 `host_cpu()` describes the machine it runs on with the same fields: counts and caches read from
-/proc and /sys, the copy bandwidth measured, the FP32 peak estimated. The bandwidth is measured
-once per machine (CPU model, OpenMP threads, probe size) and kept in a small JSON file in the user
-cache folder, so `host` means the same figures, and plans for it the same plan.json, on every run.
-Invariants: specs are frozen; every rate and size is positive (tensor-core rates may be 0);
+/proc and /sys; the DRAM and cache copy bandwidths and the FMA peak measured by `probes`. The
+figures are measured once per machine (CPU model, OpenMP threads, probe size) and kept in a small
+JSON file in the user cache folder, so `host` means the same figures, and plans for it the same
+plan.json, on every run.
+Invariants: specs are frozen; every rate and size is positive (tensor-core rates and the cache
+regime may be 0);
 names are lowercase-hyphen; the table never changes at run time.
 """
 
@@ -24,15 +26,12 @@ import math
 import os
 import platform
 import re
-import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from costmodels import probes
 from costmodels.errors import InvalidSpec, UnknownDevice
 
 KIB = 1024
@@ -114,6 +113,10 @@ ARCH_LIMITS: Mapping[str, Mapping[str, int]] = {
 }
 
 
+# Fields a profile written before they existed may lack (they take their defaults).
+_OPTIONAL_FIELDS = ("cache_bytes_per_s", "cache_fit_bytes", "sources")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device's peak rates and per-SM limits (a CPU fills the same fields by analogy).
@@ -147,6 +150,12 @@ class DeviceSpec:
     max_threads_per_block: int
     warp_size: int
     launch_overhead_s: float
+    # Traffic of a kernel whose footprint (bytes read + written) is at most `cache_fit_bytes` moves
+    # at `cache_bytes_per_s` (a CPU's last-level cache, as timed loops and chained kernels keep
+    # their tensors there); 0 and 0: every byte at `dram_bytes_per_s` (the GPU table: GPU timings
+    # flush L2).
+    cache_bytes_per_s: float = 0.0
+    cache_fit_bytes: int = 0
     sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -159,7 +168,8 @@ class DeviceSpec:
             value = getattr(self, f.name)
             if f.name in ("name", "vendor", "kind", "arch", "sources"):
                 continue
-            may_be_zero = f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s"
+            may_be_zero = ((f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s")
+                           or f.name.startswith("cache_"))
             if not _finite_number(value) or value < 0 or (value == 0 and not may_be_zero):
                 raise InvalidSpec(f"device {self.name}: {f.name} = {value!r}, expected > 0")
         if self.smem_per_block_max_bytes > self.smem_per_sm_bytes:
@@ -167,6 +177,13 @@ class DeviceSpec:
                 f"device {self.name}: smem_per_block_max_bytes {self.smem_per_block_max_bytes} "
                 f"> smem_per_sm_bytes {self.smem_per_sm_bytes}"
             )
+
+    def bandwidth_for(self, footprint_bytes: float) -> float:
+        """Bytes/s for a kernel that reads and writes `footprint_bytes` in all: the cache's rate when
+        they fit in `cache_fit_bytes`, else DRAM's."""
+        if self.cache_bytes_per_s > 0 and footprint_bytes <= self.cache_fit_bytes:
+            return self.cache_bytes_per_s
+        return self.dram_bytes_per_s
 
     @property
     def max_warps_per_sm(self) -> int:
@@ -188,7 +205,7 @@ class DeviceSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
         """Inverse of `to_dict`; raises InvalidSpec naming missing or unknown fields."""
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data and n != "sources"]
+        missing = [n for n in names if n not in data and n not in _OPTIONAL_FIELDS]
         unknown = sorted(set(data) - set(names))
         if missing or unknown:
             raise InvalidSpec(f"device fields: missing {missing}, unknown {unknown}")
@@ -198,7 +215,7 @@ class DeviceSpec:
 
 
 def _finite_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _nvidia(
@@ -353,27 +370,42 @@ def device_table_rows(devices: Mapping[str, DeviceSpec] | None = None) -> list[d
 # The host CPU
 # ---------------------------------------------------------------------------------------------
 
-# FP32 peak estimate per core and cycle = SIMD lanes x 2 (FMA) x 2 (FMA ports). Two FMA ports is
-# true of Intel Haswell..Sapphire Rapids server parts and AMD Zen 2+; an estimate elsewhere.
+# FP32 peak estimate per core and cycle = SIMD lanes x 2 (FMA) x 2 (FMA ports), used only where
+# the FMA probe cannot run (no C compiler). Two FMA ports is true of Intel Haswell..Sapphire
+# Rapids server parts and AMD Zen 2+; an estimate elsewhere.
 CPU_FMA_PORTS = 2
 CPU_DEFAULT_CLOCK_HZ = 2.5e9  # used only where neither /sys nor /proc reports a frequency
 # Fork/join of an OpenMP parallel region plus a ctypes call: a few microseconds (EPCC OpenMP
 # micro-benchmarks report ~1-2 us per PARALLEL region on a few cores). Estimate.
 CPU_LAUNCH_OVERHEAD_S = 3e-6
-# Copy used to measure bandwidth: each array is 2x the last-level cache (a streaming working set
-# larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
-# touched. First-touch page faults are slow and erratic on some VMs, so the arrays are
-# initialized in parallel, outside the timed passes, and the best of a few passes counts.
-BANDWIDTH_PROBE_MIN_BYTES = 32 * MIB
-BANDWIDTH_PROBE_BYTES = 128 * MIB
-BANDWIDTH_PROBE_BUDGET_S = 0.4
 _SYS_CPU = Path("/sys/devices/system/cpu")
 # The CPU backend's kernels are OpenMP loops: the host is described as the CPUs they use.
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
-# The measured bandwidth is kept per machine in $FUSESEARCH_CACHE (else ~/.cache/fusesearch), the
+# The measured figures are kept per machine in $FUSESEARCH_CACHE (else ~/.cache/fusesearch), the
 # folder of the CPU backend's compiled kernels: delete the file to measure again.
 CACHE_ENV = "FUSESEARCH_CACHE"
-HOST_CACHE_FILE = Path("host") / "bandwidth.json"
+HOST_CACHE_FILE = Path("host") / "measured.json"
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """What `costmodels.probes` measured on this machine, as kept in the cache file."""
+
+    dram_bytes_per_s: float
+    cache_bytes_per_s: float
+    cache_fit_bytes: int
+    fma_flops_per_s_per_thread: float  # 0: the probe could not run; the peak is estimated
+
+    @classmethod
+    def from_dict(cls, data: object) -> HostFigures | None:
+        """The figures an entry holds; None for an entry of another shape (measured again)."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, Mapping) or sorted(data) != sorted(names):
+            return None
+        values = [data[n] for n in names]
+        if not all(_finite_number(v) and v >= 0 for v in values) or values[0] <= 0:
+            return None
+        return cls(float(values[0]), float(values[1]), int(values[2]), float(values[3]))
 
 
 def _read(path: Path | str) -> str:
@@ -394,13 +426,6 @@ def _cpuinfo() -> dict[str, str]:
         key, _, value = line.partition(":")
         info.setdefault(key.strip(), value.strip())
     return info
-
-
-def _usable_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _openmp_threads(cpus: int) -> int:
@@ -466,64 +491,26 @@ def _cache_bytes_by_level() -> dict[int, int]:
     return {k: v for k, v in sizes.items() if v > 0}
 
 
-@functools.lru_cache(maxsize=4)
-def measure_copy_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, workers: int = 0) -> float:
-    """Copy bandwidth in bytes/s (read + write, as STREAM counts it): best of a few copies.
-
-    The arrays are split across `workers` threads (default: usable CPUs, at most 16; numpy
-    releases the GIL while copying), each thread first-touching its own chunk. Stops after
-    BANDWIDTH_PROBE_BUDGET_S; halves the size when memory is short.
-    """
-    available = _mem_available_bytes()
-    while available and nbytes > BANDWIDTH_PROBE_MIN_BYTES and 4 * nbytes > available:
-        nbytes //= 2
-    workers = workers or min(_usable_cpus(), 16)
-    src = np.empty(nbytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    bounds = np.linspace(0, src.size, workers + 1).astype(int)
-    chunks = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-    def touch(chunk: slice) -> None:
-        src[chunk] = 1.0
-        dst[chunk] = 0.0
-
-    def copy(chunk: slice) -> None:
-        np.copyto(dst[chunk], src[chunk])
-
-    best_s = float("inf")
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(touch, chunks))
-        start = time.perf_counter()
-        for _ in range(20):
-            t0 = time.perf_counter()
-            list(pool.map(copy, chunks))
-            best_s = min(best_s, time.perf_counter() - t0)
-            if time.perf_counter() - start > BANDWIDTH_PROBE_BUDGET_S:
-                break
-    return 2 * src.nbytes / best_s
-
-
-def _mem_available_bytes() -> int:
-    m = re.search(r"MemAvailable:\s+(\d+) kB", _read("/proc/meminfo"))
-    return int(m.group(1)) * KIB if m else 0
-
-
 @functools.lru_cache(maxsize=1)
 def host_cpu() -> DeviceSpec:
-    """This machine as a DeviceSpec (measures copy bandwidth once, ~0.1-1 s; cached).
+    """This machine as a DeviceSpec (measured once per machine, ~1-2 s, then read from the cache
+    file; cached in the process).
 
     Analogies for GPU-only fields: an SM is a usable logical CPU; a warp is one SIMD vector
     (`warp_size` = FP32 lanes); "shared memory" per SM and per block is the per-core L2 (what a
-    tile must fit to stay on-core); `l2_bytes` is the last-level cache; there are no tensor cores
+    tile must fit to stay on-core); `l2_bytes` is the last-level cache as the OS reports it, and
+    `cache_bytes_per_s` / `cache_fit_bytes` what a copy measures of it; there are no tensor cores
     (tensor-core rates 0, so the model uses the FP32 rate); registers and thread limits keep GPU
     nominal values (64 K regs, 255 per thread, 2048 threads, 32 blocks) so the shared register
     model only flags gross pressure. "Usable CPUs" are those the OpenMP kernels use: the affinity
-    mask, capped by OMP_NUM_THREADS when set (read at the first call). FP32 peak = physical cores x clock x lanes x 2 (FMA)
-    x CPU_FMA_PORTS: an upper-bound estimate, not a measurement.
+    mask, capped by OMP_NUM_THREADS when set (read at the first call). FP32 peak = physical cores x
+    the FMA probe's rate on one thread (each core runs its own; an SMT sibling shares the core's
+    FMA units); where the probe cannot run, physical cores x clock x lanes x 2 (FMA) x
+    CPU_FMA_PORTS, an estimate.
     """
     info = _cpuinfo()
     flags = set(info.get("flags", info.get("Features", "")).split())
-    cpus = _openmp_threads(_usable_cpus())
+    cpus = _openmp_threads(probes.usable_cpus())
     cores = max(1, cpus // _threads_per_core())
     lanes = _simd_fp32_lanes(flags)
     fma = 2 if ("fma" in flags or "asimd" in flags or platform.machine() == "arm64") else 1
@@ -531,8 +518,16 @@ def host_cpu() -> DeviceSpec:
     caches = _cache_bytes_by_level()
     llc_bytes = caches[max(caches)] if caches else 8 * MIB
     core_cache_bytes = caches.get(2, caches.get(1, 256 * KIB))
-    probe_bytes = min(BANDWIDTH_PROBE_BYTES, max(BANDWIDTH_PROBE_MIN_BYTES, 2 * llc_bytes))
-    bandwidth_key = f"{info.get('model name', 'unknown model')}; {cpus} threads; {probe_bytes // MIB} MiB"
+    probe_bytes = min(probes.BANDWIDTH_PROBE_BYTES, max(probes.BANDWIDTH_PROBE_MIN_BYTES, 2 * llc_bytes))
+    key = f"{info.get('model name', 'unknown model')}; {cpus} threads; {probe_bytes // MIB} MiB"
+    measured = host_figures(key, probe_bytes, llc_bytes, core_cache_bytes, cpus)
+    if measured.fma_flops_per_s_per_thread > 0:
+        peak = cores * measured.fma_flops_per_s_per_thread
+        peak_source = ("fp32_flops_per_s: measured, physical cores x one thread's rate of independent "
+                       "vector FMAs (C probe, -march=native)")
+    else:
+        peak = cores * clock_hz * lanes * fma * CPU_FMA_PORTS
+        peak_source = "fp32_flops_per_s: estimate = cores x clock x lanes x 2 (FMA) x 2 (ports); no C compiler for the probe"
     return DeviceSpec(
         name="host",
         vendor=(info.get("vendor_id") or platform.processor() or "unknown").lower(),
@@ -540,12 +535,12 @@ def host_cpu() -> DeviceSpec:
         arch=platform.machine() or "unknown",
         sm_count=cpus,
         clock_hz=clock_hz,
-        fp32_flops_per_s=cores * clock_hz * lanes * fma * CPU_FMA_PORTS,
+        fp32_flops_per_s=peak,
         tf32_flops_per_s=0.0,
         fp16_flops_per_s=0.0,
         bf16_flops_per_s=0.0,
         fp16_simt_flops_per_s=0.0,
-        dram_bytes_per_s=host_bandwidth(bandwidth_key, probe_bytes, cpus),
+        dram_bytes_per_s=measured.dram_bytes_per_s,
         l2_bytes=llc_bytes,
         smem_per_sm_bytes=core_cache_bytes,
         smem_per_block_max_bytes=core_cache_bytes,
@@ -556,6 +551,8 @@ def host_cpu() -> DeviceSpec:
         max_threads_per_block=MAX_THREADS_PER_BLOCK,
         warp_size=lanes,
         launch_overhead_s=CPU_LAUNCH_OVERHEAD_S,
+        cache_bytes_per_s=measured.cache_bytes_per_s,
+        cache_fit_bytes=measured.cache_fit_bytes,
         sources=(
             f"/proc/cpuinfo: {info.get('model name', 'unknown model')}; {cpus} usable CPUs, "
             f"{cores} physical cores, {lanes} fp32 lanes",
@@ -563,33 +560,38 @@ def host_cpu() -> DeviceSpec:
             "/sys/devices/system/cpu/cpu0/cache (L2 per core, last-level cache)",
             f"dram_bytes_per_s: measured once on this machine, best multi-threaded numpy copy of "
             f"{probe_bytes // MIB} MiB (read + write bytes), kept in the cache folder's {HOST_CACHE_FILE}",
-            "fp32_flops_per_s: estimate = cores x clock x lanes x 2 (FMA) x 2 (ports)",
+            "cache_bytes_per_s, cache_fit_bytes: measured with it, the same copy at footprints up to the "
+            "last-level cache (costmodels.probes.measure_cache_regime)",
+            peak_source,
             "launch_overhead_s: estimate for an OpenMP parallel region + ctypes call",
         ),
     )
 
 
 def host_cache_path() -> Path:
-    """The JSON file of measured host bandwidths: {key: bytes/s}."""
+    """The JSON file of this machine's measured figures: {key: HostFigures as a dict}."""
     root = os.environ.get(CACHE_ENV)
     return (Path(root) if root else Path.home() / ".cache" / "fusesearch") / HOST_CACHE_FILE
 
 
-def host_bandwidth(key: str, probe_bytes: int, workers: int) -> float:
-    """This machine's copy bandwidth for `key` (CPU model, threads, probe size): read from the
-    cache file, else measured and written there (atomically). An unreadable or foreign cache
-    entry is measured again; a cache that cannot be written only costs a measurement per run."""
+def host_figures(key: str, probe_bytes: int, llc_bytes: int, core_cache_bytes: int,
+                 workers: int) -> HostFigures:
+    """This machine's figures for `key` (CPU model, threads, probe size): read from the cache
+    file, else measured and written there (atomically). An unreadable or foreign entry is
+    measured again; a cache that cannot be written only costs a measurement per run."""
     path = host_cache_path()
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     known = known if isinstance(known, dict) else {}
-    value = known.get(key)
-    if isinstance(value, int | float) and math.isfinite(value) and value > 0:
-        return float(value)
-    measured = measure_copy_bandwidth(probe_bytes, workers)
-    known[key] = measured
+    kept = HostFigures.from_dict(known.get(key))
+    if kept is not None:
+        return kept
+    dram = probes.measure_copy_bandwidth(probe_bytes, workers)
+    cache, fit = probes.measure_cache_regime(llc_bytes, core_cache_bytes, dram, workers)
+    measured = HostFigures(dram, cache, fit, probes.measure_fma_peak()[0])
+    known[key] = asdict(measured)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -8,10 +8,12 @@ Approach (after XLA's gpu_performance_model, which knows nothing of the pass tha
               + (scalar_flops + transcendentals x w + divisions x d
                  + iteration_size x index_divisions x e)
                 / (scalar peak(dtype) x scalar_eff[t] x occ)
-    memory_s  = (read x r + write + spill traffic) / (DRAM bytes/s x mem_eff[t] x occ)
+    memory_s  = (read x r + write + spill traffic) / (bandwidth x mem_eff[t] x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
 
-where t is the template, d the extra cost of a floating-point division or square root
+where bandwidth is `DeviceSpec.bandwidth_for(read + write)`: DRAM's, or on a CPU with a
+measured cache regime the cache's when the kernel's bytes fit in it (GPUs: always DRAM's), t is
+the template, d the extra cost of a floating-point division or square root
 (`division_flops`: 0 by default, as OpKind counts one flop), r the share of reads that reach DRAM (`read_traffic_factor`: 1 by
 default; a CPU timing loop re-reads inputs from its last-level cache), e the cost of one index
 division in flops (`index_division_flops`: 0 by
@@ -313,7 +315,7 @@ class RooflineModel:
                          * p.spill_traffic_factor)
         dram_bytes = (spec.dram_read_bytes * p.read_traffic_factor + spec.dram_write_bytes
                       + spill_traffic)
-        memory_s = dram_bytes / (device.dram_bytes_per_s
+        memory_s = dram_bytes / (device.bandwidth_for(spec.dram_bytes)
                                  * p.get("memory_efficiency", spec.template) * scale)
         launch_s = device.launch_overhead_s * p.launch_overhead_scale
         overlapped = max(compute_s, memory_s) + (1.0 - p.overlap) * min(compute_s, memory_s)

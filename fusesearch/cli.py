@@ -1046,11 +1046,13 @@ def _check_profile_backend(device: str | None, backend: str) -> None:
 def devices(json_out: JsonFlag = False) -> None:
     """The built-in GPU table (and this machine's CPU as `host`)."""
     from costmodels import DEVICES, device_table_rows, host_cpu
+    from costmodels.devices import host_cache_path
 
     if json_out:
         _emit_json({"devices": [spec.to_dict() for spec in list(DEVICES.values()) + [host_cpu()]]})
         return
-    rows = device_table_rows({**DEVICES, "host": host_cpu()})
+    host = host_cpu()
+    rows = device_table_rows({**DEVICES, "host": host})
     headers = {"name": "name", "arch": "arch", "sms": "SMs", "fp32_tflops": "FP32 TFLOP/s",
                "fp16_tc_tflops": "FP16 TC TFLOP/s", "dram_gb_per_s": "DRAM GB/s", "l2_mib": "L2 MiB",
                "smem_per_block_kib": "smem/block KiB", "launch_us": "launch us"}
@@ -1060,6 +1062,10 @@ def devices(json_out: JsonFlag = False) -> None:
     for r in rows:
         table.add_row(*[f"{v:g}" if isinstance(v, float) else str(v) for v in r.values()])
     out.print(table)
+    cache = (f"cache {host.cache_bytes_per_s / 1e9:.1f} GB/s for a kernel moving up to "
+             f"{host.cache_fit_bytes / 2**20:g} MiB" if host.cache_bytes_per_s else "no cache regime")
+    out.print(f"host, measured once on this machine: FP32 {host.fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
+              f"DRAM {host.dram_bytes_per_s / 1e9:.1f} GB/s, {cache} (delete {host_cache_path()} to measure again)")
 
 
 # -- zoo --------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def graph_figures(graph: Graph, device: DeviceSpec, model: RooflineModel) -> Gra
     # the bound takes the fastest unit any implementation could use (tensor cores, where allowed)
     tc_peak = tensor_peak_flops_per_s(device, dtype, model.params.float32_uses_tf32)
     compute_s = tc / tc_peak + scalar / scalar_peak_flops_per_s(device, dtype)
-    memory_s = min_bytes / device.dram_bytes_per_s
+    memory_s = min_bytes / device.bandwidth_for(min_bytes)
     bound = device.launch_overhead_s + max(compute_s, memory_s)
     return GraphFigures(unfused, len(kernels), bound, min_bytes, tc, scalar)
 

@@ -21,7 +21,8 @@ import pytest
 from onnx import helper
 
 from costmodels import host_cpu, load_device
-from costmodels.devices import host_cache_path, measure_copy_bandwidth
+from costmodels.devices import host_cache_path
+from costmodels.probes import measure_copy_bandwidth
 from tests.conftest import make_model, save
 
 # -- option validators ------------------------------------------------------------------------
@@ -203,26 +204,35 @@ def test_plan_json_is_byte_identical_across_runs(run_cli, tmp_path, fresh_host, 
     assert json.loads(texts[0])["solver"]["status"] == "OPTIMAL"
 
 
-def test_host_bandwidth_is_measured_once_and_read_back(fresh_host):
+def test_host_figures_are_measured_once_and_read_back(fresh_host):
     """The cache file holds one entry per machine; host_cpu() reads it instead of measuring."""
     first = host_cpu()
     path = host_cache_path()
     entries = json.loads(path.read_text())
-    assert list(entries.values()) == [first.dram_bytes_per_s]
-    key = next(iter(entries))
+    [(key, figures)] = entries.items()
+    assert figures["dram_bytes_per_s"] == first.dram_bytes_per_s
+    assert (figures["cache_bytes_per_s"], figures["cache_fit_bytes"]) == (first.cache_bytes_per_s,
+                                                                          first.cache_fit_bytes)
     assert f"{first.sm_count} threads" in key
-    path.write_text(json.dumps({key: 12.5e9}))  # what an earlier run on this machine would have left
+    # what an earlier run on this machine would have left
+    path.write_text(json.dumps({key: {"dram_bytes_per_s": 12.5e9, "cache_bytes_per_s": 50e9,
+                                      "cache_fit_bytes": 4 << 20, "fma_flops_per_s_per_thread": 1e11}}))
     fresh_host()
-    assert host_cpu().dram_bytes_per_s == 12.5e9
+    host = host_cpu()
+    assert (host.dram_bytes_per_s, host.cache_bytes_per_s, host.cache_fit_bytes) == (12.5e9, 50e9, 4 << 20)
+    assert (host.fp32_flops_per_s / 1e11).is_integer()  # physical cores x the kept FMA rate
 
 
-def test_a_corrupt_host_cache_is_measured_again(fresh_host):
+@pytest.mark.parametrize("kept", ["{not json", '{"AMD": 12.5e9}', "[]"])
+def test_a_corrupt_or_foreign_host_cache_is_measured_again(fresh_host, kept):
     path = host_cache_path()
     path.parent.mkdir(parents=True)
-    path.write_text("{not json")
+    path.write_text(kept)
     host = host_cpu()
     assert 1e8 < host.dram_bytes_per_s < 1e13
-    assert json.loads(path.read_text()) == {next(iter(json.loads(path.read_text()))): host.dram_bytes_per_s}
+    entries = json.loads(path.read_text())
+    key = next(k for k in entries if "threads" in k)
+    assert entries[key]["dram_bytes_per_s"] == host.dram_bytes_per_s
 
 
 def test_a_host_profile_keeps_its_own_bandwidth(fresh_host, tmp_path):

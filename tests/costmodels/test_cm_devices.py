@@ -9,8 +9,9 @@ import time
 import pytest
 
 from costmodels import DEVICES, DeviceSpec, UnknownDevice, device_table_rows, get_device, host_cpu
-from costmodels.devices import KIB, measure_copy_bandwidth
+from costmodels.devices import KIB, MIB
 from costmodels.errors import InvalidSpec
+from costmodels.probes import measure_copy_bandwidth, measure_fma_peak
 
 REQUIRED = ("v100-sxm2", "t4", "a10", "l4", "a100-40gb", "a100-80gb", "l40s", "h100-pcie",
             "h100-sxm", "h200", "rtx-3090", "rtx-4090")
@@ -117,18 +118,47 @@ def test_device_spec_round_trips_and_validates():
         DeviceSpec.from_dict({**d.to_dict(), "hbm_stacks": 4})
 
 
-def test_host_cpu_is_measured_quickly():
-    """Host CPU: positive cores, clock, measured bandwidth and FP32 estimate, in under 2 s."""
+def test_host_cpu_is_measured_quickly(tmp_path, monkeypatch):
+    """Host CPU: positive cores and clock, measured DRAM and cache bandwidths and FMA peak, in
+    under 3 s on a machine seen for the first time (an empty cache folder)."""
+    monkeypatch.setenv("FUSESEARCH_CACHE", str(tmp_path))
     host_cpu.cache_clear()
     measure_copy_bandwidth.cache_clear()
+    measure_fma_peak.cache_clear()
     start = time.perf_counter()
     host = host_cpu()
     elapsed_s = time.perf_counter() - start
-    assert elapsed_s < 2.0
+    host_cpu.cache_clear()
+    assert elapsed_s < 3.0
     assert host.kind == "cpu" and host.name == "host"
     assert host.sm_count >= 1 and host.clock_hz > 0
     assert 1e8 < host.dram_bytes_per_s < 1e13
+    # the cache regime: none, or a faster rate for footprints up to the last-level cache
+    assert (host.cache_bytes_per_s, host.cache_fit_bytes) == (0, 0) or (
+        host.cache_bytes_per_s > host.dram_bytes_per_s and 0 < host.cache_fit_bytes <= host.l2_bytes)
     assert host.fp32_flops_per_s > 0 and host.warp_size in (4, 8, 16)
     assert host.tf32_flops_per_s == host.fp16_flops_per_s == 0
     assert host.smem_per_block_max_bytes > 0 and host.l2_bytes >= host.smem_per_sm_bytes
-    assert host_cpu() is host  # cached
+
+
+def test_the_fma_probe_measures_a_plausible_peak():
+    """One thread's FMA rate (the C compiler the CPU backend needs is present): lanes x 2 flops x
+    2 ports x a clock between 0.5 and 6 GHz at most, and at least a tenth of it (a busy machine)."""
+    flops, lanes = measure_fma_peak()
+    assert lanes in (4, 8, 16)
+    assert lanes * 2 * 2 * 0.05e9 < flops < lanes * 2 * 2 * 6e9
+
+
+def test_bandwidth_for_prices_a_footprint_that_fits_the_cache_at_the_cache_rate():
+    """GPUs (no cache regime) price every footprint at DRAM; a device with one uses the cache's
+    rate up to `cache_fit_bytes` inclusive; an older profile without the fields still loads."""
+    gpu = DEVICES["h100-sxm"]
+    assert gpu.bandwidth_for(1) == gpu.bandwidth_for(10**12) == gpu.dram_bytes_per_s
+    cpu = dataclasses.replace(gpu, kind="cpu", dram_bytes_per_s=10e9, cache_bytes_per_s=40e9,
+                              cache_fit_bytes=8 * MIB)
+    assert cpu.bandwidth_for(8 * MIB) == 40e9
+    assert cpu.bandwidth_for(8 * MIB + 1) == 10e9
+    old = {k: v for k, v in cpu.to_dict().items() if not k.startswith("cache_")}
+    assert DeviceSpec.from_dict(old) == dataclasses.replace(cpu, cache_bytes_per_s=0.0, cache_fit_bytes=0)
+    with pytest.raises(InvalidSpec, match="cache_bytes_per_s"):
+        dataclasses.replace(cpu, cache_bytes_per_s=-1.0)

@@ -1,0 +1,213 @@
+"""Measurements of this machine that `host_cpu()` turns into a DeviceSpec.
+
+Problem: a CPU's datasheet figures are not at hand (a VM reports its nominal clock, not the
+boost clock its FMA units run at; the last-level cache it reports is shared with neighbours), and
+the roofline prices every kernel from them, so a wrong figure skews every host plan.
+Approach: three short probes, each a lower bound on what the machine can do, taken as the best of
+a few timed passes:
+- `measure_copy_bandwidth(n, workers)`: a numpy copy of two n-byte arrays split across threads
+  (STREAM's convention: read + write bytes); DRAM when n is well beyond the last-level cache.
+- `measure_cache_regime(...)`: the same copy at footprints from a few core caches up to the
+  last-level cache; the cache's rate is the best of them, and the footprint that still fits is the
+  largest one whose rate stays above the geometric mean of the cache's and DRAM's rates (on a VM
+  that shares its L3 this is well below the size the OS reports).
+- `measure_fma_peak()`: a C loop of independent vector FMAs (GCC vector types, 12 accumulators,
+  the widest vector `-march=native` offers) on one thread, compiled with the system's C compiler;
+  0 when there is none.
+Invariants: the probes are pure measurements (no files; `host_cpu()` keeps the figures); each
+stays within a fraction of a second; an unusable result is reported as 0, never guessed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Copy used to measure DRAM bandwidth: each array is 2x the last-level cache (a streaming working
+# set larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
+# touched. First-touch page faults are slow and erratic on some VMs, so the arrays are
+# initialized in parallel, outside the timed passes, and the best of a few passes counts.
+BANDWIDTH_PROBE_MIN_BYTES = 32 * MIB
+BANDWIDTH_PROBE_BYTES = 128 * MIB
+BANDWIDTH_PROBE_BUDGET_S = 0.4
+# Each timed pass of a small copy repeats it until about this many bytes have moved, so that the
+# thread pool's dispatch (tens of microseconds) is not what is timed.
+PASS_BYTES = 16 * MIB
+# The cache probe: a footprint (both arrays) from CACHE_PROBE_CORE_CACHES core caches up to the
+# last-level cache, doubling; each footprint gets CACHE_PROBE_BUDGET_S.
+CACHE_PROBE_CORE_CACHES = 4
+CACHE_PROBE_BUDGET_S = 0.12
+# A cache at most this much faster than DRAM is not worth a regime of its own.
+CACHE_MIN_SPEEDUP = 1.25
+# The FMA probe: accumulators (more than latency x ports = 4 x 2 on current x86 cores) and
+# iterations per timed pass (~25 ms at 3 GHz).
+FMA_ACCUMULATORS = 12
+FMA_ITERATIONS = 6_000_000
+FMA_PASSES = 5
+
+def _fma_source(accumulators: int) -> str:
+    """The probe's C: `accumulators` independent vectors, each updated by one FMA per iteration."""
+    names = [f"c{i}" for i in range(accumulators)]
+    return _FMA_TEMPLATE % {
+        "declare": ", ".join(names),
+        "init": " ".join(f"{v} = b * {i + 1}.0f;" for i, v in enumerate(names)),
+        "step": " ".join(f"{v} = {v} * a + b;" for v in names),
+        "sum": " + ".join(names),
+    }
+
+
+_FMA_TEMPLATE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vec __attribute__((vector_size(4 * LANES)));
+int main(int argc, char **argv) {
+  long iterations = atol(argv[1]);
+  int passes = atoi(argv[2]);
+  float seed = (float)argc * 1e-7f;
+  vec a, b, %(declare)s;
+  for (int l = 0; l < LANES; ++l) { a[l] = 1.0f - seed; b[l] = seed; }
+  %(init)s
+  double best = 1e30;
+  for (int p = 0; p < passes; ++p) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long n = 0; n < iterations; ++n) {
+      %(step)s
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    if (s < best) best = s;
+  }
+  vec total = %(sum)s;
+  float sum = 0.0f;
+  for (int l = 0; l < LANES; ++l) sum += total[l];
+  printf("%%d %%.9e %%g\n", LANES, best, (double)sum);
+  return 0;
+}
+"""
+
+
+@functools.lru_cache(maxsize=16)
+def measure_copy_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, workers: int = 0,
+                           budget_s: float = BANDWIDTH_PROBE_BUDGET_S) -> float:
+    """Copy bandwidth in bytes/s (read + write, as STREAM counts it): best of a few passes.
+
+    The arrays are split across `workers` threads (default: usable CPUs, at most 16; numpy
+    releases the GIL while copying), each thread first-touching its own chunk and repeating its
+    copy until a pass moves about PASS_BYTES. Stops after `budget_s`; a DRAM-sized probe (at
+    least BANDWIDTH_PROBE_MIN_BYTES) halves its size when memory is short.
+    """
+    available = _mem_available_bytes()
+    while available and nbytes > BANDWIDTH_PROBE_MIN_BYTES and 4 * nbytes > available:
+        nbytes //= 2
+    workers = workers or min(usable_cpus(), 16)
+    src = np.empty(max(nbytes // 4, workers), dtype=np.float32)
+    dst = np.empty_like(src)
+    bounds = np.linspace(0, src.size, workers + 1).astype(int)
+    chunks = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    repeats = max(1, PASS_BYTES // (2 * src.nbytes))
+
+    def touch(chunk: slice) -> None:
+        src[chunk] = 1.0
+        dst[chunk] = 0.0
+
+    def copy(chunk: slice) -> None:
+        for _ in range(repeats):
+            np.copyto(dst[chunk], src[chunk])
+
+    best_s = float("inf")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(touch, chunks))
+        list(pool.map(copy, chunks))  # warm: caches, page tables
+        start = time.perf_counter()
+        for _ in range(20):
+            t0 = time.perf_counter()
+            list(pool.map(copy, chunks))
+            best_s = min(best_s, time.perf_counter() - t0)
+            if time.perf_counter() - start > budget_s:
+                break
+    return 2 * src.nbytes * repeats / best_s
+
+
+def measure_cache_regime(llc_bytes: int, core_cache_bytes: int, dram_bytes_per_s: float,
+                         workers: int) -> tuple[float, int]:
+    """(cache bytes/s, largest footprint in bytes that runs at it): (0, 0) when no footprint up to
+    the last-level cache copies CACHE_MIN_SPEEDUP x faster than DRAM."""
+    footprint = CACHE_PROBE_CORE_CACHES * core_cache_bytes * max(1, workers)
+    rates: list[tuple[int, float]] = []
+    while footprint <= llc_bytes:
+        rates.append((footprint, measure_copy_bandwidth(footprint // 2, workers, CACHE_PROBE_BUDGET_S)))
+        footprint *= 2
+    best = max((rate for _, rate in rates), default=0.0)
+    if best < CACHE_MIN_SPEEDUP * dram_bytes_per_s:
+        return 0.0, 0
+    threshold = math.sqrt(best * dram_bytes_per_s)
+    fit = 0  # the end of the first run of footprints at or above the threshold
+    for size, rate in rates:
+        if rate >= threshold:
+            fit = size
+        elif fit:
+            break
+    return best, fit
+
+
+@functools.lru_cache(maxsize=1)
+def measure_fma_peak() -> tuple[float, int]:
+    """(FP32 flop/s of one thread issuing independent vector FMAs, its vector lanes); (0, 0) when
+    no C compiler builds the probe or its output is unusable."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return 0.0, 0
+    with tempfile.TemporaryDirectory(prefix="fusesearch-fma-") as folder:
+        source = Path(folder) / "fma.c"
+        binary = Path(folder) / "fma"
+        source.write_text(_fma_source(FMA_ACCUMULATORS))
+        try:
+            subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast", "-o", str(binary),
+                            str(source)], check=True, capture_output=True, timeout=60)
+            out = subprocess.run([str(binary), str(FMA_ITERATIONS), str(FMA_PASSES)], check=True,
+                                 capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return 0.0, 0
+    m = re.fullmatch(r"(\d+) (\S+) \S+\s*", out)
+    if not m or float(m.group(2)) <= 0:
+        return 0.0, 0
+    lanes = int(m.group(1))
+    return FMA_ITERATIONS * FMA_ACCUMULATORS * lanes * 2 / float(m.group(2)), lanes
+
+
+def usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _mem_available_bytes() -> int:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"MemAvailable:\s+(\d+) kB", text)
+    return int(m.group(1)) * KIB if m else 0
