@@ -1065,7 +1065,15 @@ def devices(json_out: JsonFlag = False) -> None:
     cache = (f"cache {host.cache_bytes_per_s / 1e9:.1f} GB/s for a kernel moving up to "
              f"{host.cache_fit_bytes / 2**20:g} MiB" if host.cache_bytes_per_s else "no cache regime")
     out.print(f"host, measured once on this machine: FP32 {host.fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
-              f"DRAM {host.dram_bytes_per_s / 1e9:.1f} GB/s, {cache} (delete {host_cache_path()} to measure again)")
+              f"DRAM {host.dram_bytes_per_s / 1e9:.1f} GB/s, {cache} (delete {_home_relative(host_cache_path())} to measure again)")
+
+
+def _home_relative(path: Path) -> str:
+    """A path under the user's home folder as '~/...', any other as given."""
+    try:
+        return str(Path("~") / path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 # -- zoo --------------------------------------------------------------------------------------

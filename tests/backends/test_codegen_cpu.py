@@ -272,3 +272,35 @@ def test_gelu_and_softmax_use_the_inline_math(tmp_path):
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     assert "erff(" not in body.replace("fs_erff(", "") and "expf(" not in body.replace("fs_expf(", "")
     assert body.count("fs_expf(") == 1 and body.count("fs_erff(") >= 1 and body.count(" / ") == 1
+
+
+def test_a_cached_row_is_read_back_by_every_later_pass(tmp_path):
+    """An embedding + LayerNorm row (Gather, Add, the mean pass, the variance pass, the output
+    pass): the Gather and the Add run in the first pass only; the later passes read the row it
+    cached. Equal to ONNX Runtime."""
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["g"]), helper.make_node("Add", ["g", "pos"], ["x"]),
+             helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1]), helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["d2"]), helper.make_node("ReduceMean", ["d2"], ["v"], axes=[-1]),
+             helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["sd"]),
+             helper.make_node("Div", ["d", "sd"], ["y"])]
+    inits = [("table", np.random.default_rng(0).standard_normal((50, 24)).astype(np.float32)),
+             ("pos", np.random.default_rng(1).standard_normal((6, 24)).astype(np.float32)),
+             ("eps", np.float32(1e-5))]
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("ids", [6], TensorProto.INT64)], [("y", None)], inits)
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    passes = body.split("for (long long j = 0;")[1:]
+    assert len(passes) == 3 and "rb0[j] = " in passes[0]
+    assert all("rb0[j]" in p and "in0[" not in p and "in1[" not in p for p in passes[1:])
+
+
+def test_a_row_over_several_dims_is_indexed_without_division(tmp_path):
+    """Relu + GlobalAveragePool over 5x7 windows: the row's two dims are read back as the flat
+    column, so the loop holds no division or modulo the compiler must keep. Equal to ONNX Runtime."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["y"])]
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 5, 7])], [("y", None)])
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    loads = [line for line in body.splitlines() if "in0[" in line]
+    assert loads and all("/" not in x and "%" not in x for x in loads)
+    assert "*35LL + (j)]" in loads[0]

@@ -48,6 +48,12 @@ class _Emitter:
         self.window_cols = ""  # C: the column loop variable ...
         self.window_interior: frozenset[int] = frozenset()  # ... inside these pools' interior (no column checks)
         self.pinned: dict[str, int] = {}  # C: Concat output → the one input the current loop reads
+        # indices `unflatten` split (their temporaries' names) → (the flat index, the extents), so
+        # that `flat` over the same extents reads the flat index back instead of re-linearising
+        self.unflattened: dict[tuple[str, ...], tuple[str, tuple[int, ...]]] = {}
+        # rowwise: tensor → (flat index of its element at the current (r, j), that element in the
+        # row an earlier pass cached): read back instead of computed again
+        self.row_cache: dict[str, tuple[str, str]] = {}
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:
@@ -81,6 +87,9 @@ class _Emitter:
     def value(self, tensor: str, idx: tuple[str, ...]) -> str:
         if tensor in self.row_scalars:
             return self.row_scalars[tensor]
+        cached = self.row_cache.get(tensor)
+        if cached is not None and self.flat(idx, self.info(tensor).shape) == cached[0]:
+            return cached[1]
         key = (tensor, idx)
         found = self._memo(key)
         if found is not None:
@@ -117,6 +126,7 @@ class _Emitter:
     def flat(self, idx: Sequence[str], shape: Sequence[int]) -> str:
         if not shape:
             return "0"
+        idx, shape = self._rejoin(tuple(idx), tuple(shape))
         terms, stride = [], 1
         for i, d in zip(reversed(idx), reversed(shape), strict=True):
             if d != 1:
@@ -136,7 +146,23 @@ class _Emitter:
             div = f"({flat}) / {stride}LL" if stride > 1 else f"({flat})"
             out.append(flat if outer and stride == 1 else self.tmp("long long", div if outer else f"{div} % {d}LL"))
             outer = False
+        if sum(d > 1 for d in shape) > 1:
+            self.unflattened[tuple(out)] = (flat, tuple(shape))
         return tuple(out)
+
+    def _rejoin(self, idx: tuple[str, ...], shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """`idx` over `shape` with each run that `unflatten` split over the same extents put back as
+        its flat index over one merged extent: the same position (the outermost split index has
+        no modulo, so the run re-linearises to the flat index exactly), with no division left for
+        the compiler to keep (the split temporaries go unused and are dropped)."""
+        for names, (flat, dims) in self.unflattened.items():
+            k = len(names)
+            for p in range(len(idx) - k + 1):
+                if idx[p:p + k] == names and shape[p:p + k] == dims:
+                    idx = idx[:p] + (f"({flat})",) + idx[p + k:]
+                    shape = shape[:p] + (math.prod(dims),) + shape[p + k:]
+                    break
+        return idx, shape
 
     def view_index(self, idx: tuple[str, ...], shape: Sequence[int], view: Sequence[int]) -> tuple[str, ...]:
         """The multi-index into `view` of the element at `idx` in `shape` (same size, same flat

@@ -67,6 +67,7 @@ class _RowPlan:
     cached: dict[str, str] = field(default_factory=dict)  # C: tensor → its row, in a local buffer
     cu_cached: dict[str, str] = field(default_factory=dict)  # CUDA: tensor → its row, in shared memory
     c_target: bool = False  # emitting the C body or the CUDA one (each reads its own cached rows)
+    cached_at: dict[str, str] = field(default_factory=dict)  # cached tensor → flat index of its (r, j) element
     smem_rows: tuple[str, ...] = ()  # CUDA: the rows the schedule keeps in shared memory
 
     def rows_cached(self) -> dict[str, str]:
@@ -159,14 +160,29 @@ def _full_index(e: _Emitter, tensor: str, plan: _RowPlan, j: str) -> tuple[str, 
 
 
 def _row_body(e: _Emitter, plan: _RowPlan, body, c_target: bool) -> tuple[list[str], str]:
+    """One pass's statements and value at column j. Every row an earlier pass cached is read back
+    wherever the pass needs that tensor at (r, j), not only as a reduction's input (LayerNorm's
+    variance pass and its output pass read the row its mean pass cached)."""
     e.lines = []
     e.push()
     plan.c_target = c_target
+    e.row_cache = {t: (plan.cached_at[t], f"{buffer}[j]") for t, buffer in plan.rows_cached().items()
+                   if t in plan.cached_at}
     value = body("j")
+    e.row_cache = {}
     plan.c_target = False
     e.pop()
     lines, e.lines = e.lines, []
     return lines, value
+
+
+def _cache_row(e: _Emitter, plan: _RowPlan, tensor: str) -> None:
+    """Note where `tensor`'s element (r, j) sits, for later passes to find it in its cached row
+    (a graph tensor; not a Softmax's row of exponentials, which only its own passes read)."""
+    if tensor not in plan.cached_at and tensor in e.graph.tensors:
+        kept, e.lines = e.lines, []
+        plan.cached_at[tensor] = e.flat(_full_index(e, tensor, plan, "j"), e.info(tensor).shape)
+        e.lines = kept
 
 
 def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str, cache: str = "") -> None:
@@ -197,6 +213,8 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
                 f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
                 *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
                 f"{acc} = block_reduce({acc}, {1 if 'fmax' in combine else 0});"]
+    if buffer or cu_buffer:
+        _cache_row(e, plan, cache)
     if buffer:
         plan.cached[cache] = buffer
     if cu_buffer:
