@@ -568,10 +568,15 @@ def host_cpu() -> DeviceSpec:
     )
 
 
+def cache_root() -> Path:
+    """The user cache folder: `$FUSESEARCH_CACHE` when set, else ~/.cache/fusesearch."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "fusesearch"
+
+
 def host_cache_path() -> Path:
     """The JSON file of this machine's measured figures: {key: HostFigures as a dict}."""
-    root = os.environ.get(CACHE_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "fusesearch") / HOST_CACHE_FILE
+    return cache_root() / HOST_CACHE_FILE
 
 
 def host_figures(key: str, probe_bytes: int, llc_bytes: int, core_cache_bytes: int,

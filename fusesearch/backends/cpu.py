@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from costmodels.devices import cache_root
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
@@ -86,8 +87,7 @@ def vector_math_flags() -> tuple[str, ...]:
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("FUSESEARCH_CACHE", Path.home() / ".cache" / "fusesearch"))
-    folder = root / "cpu"
+    folder = cache_root() / "cpu"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
