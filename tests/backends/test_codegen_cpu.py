@@ -357,3 +357,24 @@ def test_hoist_invariants_keeps_what_depends_on_the_loop():
     assert inside == ["float v3 = in1[r * 8LL + j];", "float v4 = (v3 * v2r);", "float v5 = (s0 * 2.0f);",
                       "float v6 = buf[r];", "float v7 = in2[j] + v5;", "out0[r * 8LL + j] = v4;", "s0 = s0 + v4;"]
     assert hoist_invariants(["float v1 = in0[r];", "if (j) out0[j] = v1;"], "j") is None
+
+
+def test_long_row_reductions_keep_partial_results(tmp_path):
+    """Rows of 100 (three whole chunks of C_PARTIALS and a tail of 4): the LayerNorm's sums and the
+    Softmax's max and sum each run as C_PARTIALS partial results folded at the end, the tail in a
+    plain loop; a row of 40 (under two chunks) keeps the one-accumulator loop. Equal to ONNX
+    Runtime, a row max included (inputs with large negative and positive values)."""
+    from fusesearch.backends.codegen.rowwise import C_PARTIALS
+
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1),
+             helper.make_node("Mul", ["n", "s"], ["m"]), helper.make_node("Softmax", ["m"], ["y"], axis=-1)]
+    rng = np.random.default_rng(0)
+    for length, partial in ((100, True), (40, False)):
+        inits = [("g", rng.standard_normal(length).astype(np.float32)),
+                 ("b", rng.standard_normal(length).astype(np.float32)), ("s", np.float32(8.0))]
+        prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [5, length])], [("y", None)], inits)
+        gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+        body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        assert body.count(f"[{C_PARTIALS}];") == (4 if partial else 0)  # mean, variance, max, sum
+        if partial:
+            assert body.count("for (long long j = 96LL; j < 100LL; ++j)") == 4
