@@ -9,9 +9,10 @@ non-binding side from gradients, so a coarse coordinate search over each paramet
 first, then Levenberg-Marquardt with a forward-difference Jacobian of `RooflineModel.cost` itself
 (never a re-implementation), from three starts (efficiencies x 1, 0.1, 0.01). `fit_staged` fits
 the shared terms on the anchor-free kernels first, then each anchor template's own parameters.
-`cross_validate` refits on k folds of the training kernels (by group, seeded) and says, per
-template, whether its fitted parameters predict the left-out folds worse (MAPE) than its starting
-ones; the caller keeps the starting parameters of such a template (`keep_start`).
+`cross_validate` refits on k folds of the training kernels (by group, seeded) and says whether
+the fitted first stage (shared terms, anchor-free templates) predicts the left-out folds worse
+(MAPE, over every kernel) than its starting values, then, per template, whether its own fitted
+parameters do; the caller keeps the starting values of such a part (`keep_shared`, `keep_start`).
 `fit_registers` fits the register estimate to ptxas's counts. `accuracy` gives MAPE, median APE,
 Spearman and Kendall (tau-b).
 Invariants: pure and deterministic (numpy only; no graphs, no files); a FitResult's parameters
@@ -259,6 +260,14 @@ def keep_start(params: RooflineParams, start: RooflineParams, template: str) -> 
     return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in _OWN})
 
 
+def keep_shared(params: RooflineParams, start: RooflineParams) -> RooflineParams:
+    """`params` with the first stage of `fit_staged` set back to `start`: the shared terms and the
+    anchor-free templates' own parameters (the anchor templates' own stay as fitted)."""
+    updates = {name: getattr(start, name) for name in SHARED}
+    updates.update({f"{table}.{t}": start.get(table, t) for t in ANCHOR_FREE for table in _OWN})
+    return params.with_updates(**updates)
+
+
 def group_folds(groups: Sequence[str], k: int, seed: int) -> np.ndarray:
     """Fold index (0..k-1) of each row: the distinct groups shuffled (seeded) and dealt round-robin,
     so a group's rows share a fold."""
@@ -268,29 +277,44 @@ def group_folds(groups: Sequence[str], k: int, seed: int) -> np.ndarray:
     return np.array([fold_of[g] for g in groups], dtype=np.int64)
 
 
+SHARED_TERMS = "shared terms"  # cross_validate's key for the first stage kept or fitted as a whole
+
+
 def cross_validate(specs: Sequence[KernelSpec], measured_s: Sequence[float], groups: Sequence[str],
                    device: DeviceSpec, start: RooflineParams, seed: int, *, k: int = CV_FOLDS) -> dict[str, dict]:
-    """Per template: the MAPE on left-out folds of its fitted parameters ("fitted_mape") and of its
-    starting ones with the fold's shared terms ("kept_mape"), each fold predicted by `fit_staged`
-    run on the other k-1. Empty when there are fewer than k groups."""
+    """The MAPE on left-out folds, each fold predicted by `fit_staged` run on the other k-1: first
+    under SHARED_TERMS, over every kernel, of the fold's fitted parameters ("fitted_mape") and of
+    them with the first stage back at `start` (`keep_shared`: "kept_mape"); then per template, on
+    that template's kernels, of the better of those two ("fitted_mape") and of it with the
+    template's own parameters at `start` ("kept_mape"). Empty when there are fewer than k groups."""
     measured = np.asarray(measured_s, dtype=np.float64)
     if len(set(groups)) < k:
         return {}
     folds = group_folds(groups, k, seed)
-    templates = sorted({s.template for s in specs})
-    ape: dict[str, dict[str, list[float]]] = {t: {"fitted": [], "kept": []} for t in templates}
-    for f in range(k):
-        inside = folds != f
-        fitted = fit_staged([s for s, i in zip(specs, inside, strict=True) if i], measured[inside], device,
-                        start).params
-        out = [s for s, i in zip(specs, inside, strict=True) if not i]
-        for t in sorted({s.template for s in out}):
-            rows = [s for s in out if s.template == t]
-            m = measured[~inside][[s.template == t for s in out]]
-            for key, p in (("fitted", fitted), ("kept", keep_start(fitted, start, t))):
-                ape[t][key].extend(np.abs(predict(rows, device, p) - m) / m)
-    return {t: {"n": len(v["fitted"]), "fitted_mape": float(np.mean(v["fitted"])),
-                "kept_mape": float(np.mean(v["kept"]))} for t, v in ape.items() if v["fitted"]}
+    fits = [fit_staged([s for s, i in zip(specs, folds != f, strict=True) if i], measured[folds != f], device,
+                       start).params for f in range(k)]
+
+    def ape(params_of, rows_of) -> list[float]:
+        out: list[float] = []
+        for f, fitted in enumerate(fits):
+            rows = [s for s, i in zip(specs, folds == f, strict=True) if i and rows_of(s)]
+            m = measured[folds == f][[rows_of(s) for s, i in zip(specs, folds == f, strict=True) if i]]
+            if rows:
+                out.extend(np.abs(predict(rows, device, params_of(fitted)) - m) / m)
+        return out
+
+    every = lambda s: True  # noqa: E731
+    shared = {"fitted": ape(lambda p: p, every), "kept": ape(lambda p: keep_shared(p, start), every)}
+    keep = np.mean(shared["kept"]) < np.mean(shared["fitted"])
+    base = (lambda p: keep_shared(p, start)) if keep else (lambda p: p)
+    out = {SHARED_TERMS: {"n": len(shared["fitted"]), "fitted_mape": float(np.mean(shared["fitted"])),
+                          "kept_mape": float(np.mean(shared["kept"]))}}
+    for t in sorted({s.template for s in specs}):
+        mine = lambda s, t=t: s.template == t  # noqa: E731
+        fitted = ape(base, mine)
+        kept = ape(lambda p, t=t: keep_start(base(p), start, t), mine)
+        out[t] = {"n": len(fitted), "fitted_mape": float(np.mean(fitted)), "kept_mape": float(np.mean(kept))}
+    return out
 
 
 def _levenberg_marquardt(residual, loss, z: np.ndarray, z0: np.ndarray, prior_weight: float,

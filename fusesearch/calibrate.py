@@ -72,6 +72,7 @@ from costmodels import (
 )
 from costmodels.calibration import (
     REGISTER_ARCH,
+    SHARED_TERMS,
     FitResult,
     accuracy,
     cross_validate,
@@ -79,6 +80,7 @@ from costmodels.calibration import (
     fit_registers,
     fit_staged,
     free_parameters,
+    keep_shared,
     keep_start,
     kendall,
     predict,
@@ -577,14 +579,20 @@ def analyse(rows: Sequence[dict], device: DeviceSpec, start: RooflineParams, bac
 
 def keep_where_worse(params: RooflineParams, start: RooflineParams, device: DeviceSpec, frame,
                      specs: Sequence[KernelSpec], held: np.ndarray, seed: int) -> tuple[RooflineParams, dict]:
-    """Per template, its starting parameters instead of the fitted ones where the fitted ones
-    predict worse (MAPE): first on left-out folds of the training kernels (cross-validation), then,
-    for the rest, on the held-out kernels. Returns the parameters and {template: {"by",
-    "kept_mape", "fitted_mape", "n"}} for each template kept."""
+    """Starting parameters instead of fitted ones where the fitted ones predict worse (MAPE): first
+    the shared terms with the anchor-free templates' own (the fit's first stage, over every kernel;
+    `keep_shared`), then per template its own, on left-out folds of the training kernels
+    (cross-validation), then, for the templates left, on the held-out kernels. Returns the
+    parameters and {template or SHARED_TERMS: {"by", "kept_mape", "fitted_mape", "n"}} for each
+    part kept."""
     measured = frame["measured_s"].to_numpy()
     train = [s for s, h in zip(specs, held, strict=True) if not h]
     kept: dict[str, dict] = {}
     cv = cross_validate(train, measured[~held], list(frame.loc[~held, "group"]), device, start, seed)
+    shared = cv.pop(SHARED_TERMS, None)  # the first stage as a whole before any template's own
+    if shared is not None and shared["fitted_mape"] > shared["kept_mape"]:
+        params = keep_shared(params, start)
+        kept[SHARED_TERMS] = {"by": "cross-validation", **shared}
     for t, c in cv.items():
         if c["fitted_mape"] > c["kept_mape"]:
             params = keep_start(params, start, t)

@@ -224,6 +224,27 @@ def test_a_template_the_fit_would_make_worse_keeps_its_defaults(noise, by, what)
     assert json.loads(json.dumps(result.profile.to_dict()))["fit"]["kept_defaults"]["gemm"]["by"] == by
 
 
+def test_a_first_stage_the_fit_would_make_worse_keeps_its_defaults():
+    """Keep the first stage: anchor-free kernels whose times are noise unrelated to the model (the
+    gemm kernels follow it) leave the shared terms and the anchor-free templates' own parameters at
+    their defaults, by cross-validation over every kernel, and the report says so."""
+    start = RooflineParams()
+    rows = _rows("none")
+    noise = np.random.default_rng(10)
+    for row in rows:
+        if row["template"] == "pointwise":
+            row["measured_s"] = float(10 ** noise.uniform(-5, -2))
+    result = cal.analyse(rows, _CPU, start, "cpu", 0)
+    kept = result.report["kept_defaults"]["shared terms"]
+    assert kept["by"] == "cross-validation" and kept["fitted_mape"] > kept["kept_mape"]
+    params = result.profile.params
+    for name in ("overlap", "launch_overhead_scale", "index_division_flops", "read_traffic_factor"):
+        assert getattr(params, name) == getattr(start, name)
+    for table in ("scalar_efficiency", "memory_efficiency"):
+        assert params.get(table, "pointwise") == start.get(table, "pointwise")
+    assert any(line.split()[:2] == ["shared", "terms"] for line in cal.report_lines(result.report))
+
+
 # -- end to end on the CPU ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
