@@ -267,7 +267,10 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 # per panel pair over all of K and stores each tile once, transposed (a conv's output channels x
 # pixels, the layout the epilogue reads contiguously); partial tiles (M % 6, N % 16) store their
 # part. The tile's branches, chosen by what the compiler targets (`-march=native`): AVX2 + FMA,
-# twelve ymm accumulators, 12 FMAs per k against 2 loads and 6 broadcasts (the BLAS's own shape);
+# twelve ymm accumulators, 12 FMAs per k against 2 loads and 6 broadcasts (the BLAS's own shape),
+# the k loop unrolled 4 times (`#pragma GCC unroll`): the same best time, but medians on this
+# shared VM 7-12% lower at every zoo GEMM shape (vit-small's 197x384x384 from 5% behind ONNX
+# Runtime's MLAS to 3-5% ahead; `benchmarks/bench_cpu.py --sections 1b`);
 # AVX-512, a row of the tile per zmm and two accumulator sets (even and odd k) so that twelve
 # FMAs are in flight, summed at the store; elsewhere the same tile in plain loops the compiler
 # vectorizes. Only the AVX2 branch has run on hardware here: the AVX-512 one is checked with its
@@ -334,6 +337,7 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+#pragma GCC unroll 4
     for (long long k = 0, q = 0; k < K; ++k, q += ak, b += FS_NR) {{
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), x;
         x = _mm256_broadcast_ss(a0 + q); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
