@@ -115,15 +115,22 @@ def test_a_product_without_epilogue_is_stored_by_the_blas(tmp_path, blas, m):
     assert "0.0f, out0 + ((z) * " in fewer.c_source and "cbuf" not in fewer.c_source
 
 
-def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas):
+@pytest.mark.parametrize("m", [5, 70])
+def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas, m):
     """Batched activations against a broadcast batch of B that is a view of an input (a Transpose
-    of the keys, as attention's score product): the BLAS reads the keys in place, transposed, by
-    their strides; then a division by a constant."""
+    of the keys, as attention's score product): the keys are packed per batch from the input by
+    their strides (transposed: unit stride along K) and multiplied by our micro-kernel; below one
+    full tile of rows the BLAS reads them in place, transposed; then a division by a constant."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["out"])]
-    gk = one_kernel(tmp_path, nodes, [("q", [2, 3, 70, 16]), ("k", [1, 3, 70, 16])], [("out", None)],
-                    [("c", np.float32(4.0))], expect="FS_BLAS_SGEMM(101, 111, 112, (int)mc, 70, 16")
-    assert "bbuf" not in gk.c_source and "0.25f" in gk.c_source  # the division by 4 became a multiplication
+    gk = one_kernel(tmp_path, nodes, [("q", [2, 3, m, 16]), ("k", [1, 3, 70, 16])], [("out", None)],
+                    [("c", np.float32(4.0))])
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    if m >= 6:
+        assert "fs_pack_b(16LL, 70LL, in" in body and "1LL, 16LL, bbuf);" in body and "FS_BLAS_SGEMM(" not in body
+    else:
+        assert "FS_BLAS_SGEMM(101, 111, 112, (int)mc, 70, 16" in body and "bbuf" not in body
+    assert "0.25f" in body  # the division by 4 became a multiplication
 
 
 @pytest.mark.parametrize("m", [5, 37])
@@ -276,13 +283,16 @@ def test_vector_math_is_linked_and_accurate(tmp_path):
 
 def test_attention_scores_under_a_softmax(tmp_path, blas):
     """Q x K^T (the keys transposed in the group), scaled, masked, under a Softmax: a row kernel
-    whose product goes through the BLAS blocks first."""
+    whose product goes through the GEMM blocks first, the keys packed per head by their strides
+    for our micro-kernel (a BLAS is still needed for the C path: without one, the row loops)."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["d"]),
              helper.make_node("Add", ["d", "mask"], ["a"]), helper.make_node("Softmax", ["a"], ["out"], axis=-1)]
     gk = one_kernel(tmp_path, nodes, [("q", [1, 2, 67, 16]), ("k", [1, 2, 67, 16]), ("mask", [1, 1, 1, 67])],
                     [("out", None)], [("c", np.float32(4.0))], expect="ybuf")
     assert gk.rows == 2 * 67
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    assert "1LL, 16LL, bbuf);" in body and "fs_gemm_rows(" in body and "FS_BLAS_SGEMM(101" not in body
 
 
 def test_a_wide_product_goes_through_the_blas(tmp_path, blas):

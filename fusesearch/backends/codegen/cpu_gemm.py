@@ -7,7 +7,8 @@ Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sectio
 6x16 AVX2/FMA micro-kernel (`fs_micro` in the C prelude, an AVX-512 branch where the CPU has it,
 never timed here) over B packed once by `fs_pack_b`, against scipy-openblas32's sgemm (which packs
 B inside every call), at the zoo's GEMM shapes. MatMul/Gemm whose B is a constant float32 (packed
-once per plan) or a view of an input along N (attention's values, packed per block) use ours
+once per plan) or a view of an input (attention's values along N and its keys along K, packed
+per block) use ours
 (`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output, at the merged
 heads' stride, plus a bias row and a residual read in place where the epilogue adds them, or
 added onto an output prefilled with other terms): in 1b's
@@ -21,8 +22,11 @@ within a few percent of library + rest: the README's benchmark table). It has no
 QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x
 (as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072
 (the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond `ROWS_MAX_K` and
-`ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding),
-for B computed in the group and for B transposed by strides (attention's keys: 0.98-1.01x).
+`ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding)
+and for B computed in the group. Attention's keys (B transposed by strides) ran 0.98-1.01x the
+BLAS with the k loop rolled; unrolled, the score groups (scale, mask and Softmax on the product)
+run 1.11-1.17x faster than through the BLAS at bert-small's, bert-base's, vit-small's and gpt2's
+shapes (interleaved medians), so they are packed per head too.
 Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
 (`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
 computed as pixels x filters, each tile stored transposed into the channels x pixels block the
@@ -736,9 +740,11 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     pk = None
     if own and strided is None and len(sb) == 2:  # a constant B: packed once per plan
         pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1))
-    elif own and strided is not None and b_trans == 111:  # a view of an input along N (attention's values): per block
+    elif own and strided is not None:  # a view of an input along N (attention's values) or along K
+        # (its keys, read transposed): packed per block
         z_lines += [scratch("bbuf", f"{-(-n_extent // FS_NR) * FS_NR * k_extent}LL"),
-                    f"fs_pack_b({k_extent}LL, {n_extent}LL, {b_ptr}, {ldb}LL, 1LL, bbuf);"]
+                    f"fs_pack_b({k_extent}LL, {n_extent}LL, {b_ptr}, "
+                    + (f"{ldb}LL, 1LL, bbuf);" if b_trans == 111 else f"1LL, {ldb}LL, bbuf);")]
         pk = "bbuf"
     gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)

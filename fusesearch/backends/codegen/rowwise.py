@@ -25,7 +25,7 @@ from fusesearch.backends.codegen.base import (
     scratch,
     store,
 )
-from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _matmul_row_loops
+from fusesearch.backends.codegen.cpu_gemm import _OWN, MAX_HOIST, _matmul_row_loops
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
@@ -120,9 +120,10 @@ def _rowwise(graph, kernel, name, ins, outs, args):
 
 def _row_product(graph, kernel, args, outs) -> str | None:
     """C for a row kernel over a MatMul/Gemm (attention's scores under a Softmax): the product,
-    prologue applied, into a scratch buffer through the BLAS blocks, then the row loops reading it
-    (each row's dot products are one BLAS tile instead of a dot per element). None without an
-    anchor, or where the product is not float32 or not generated through the BLAS blocks."""
+    prologue applied, into a scratch buffer through the GEMM blocks (our micro-kernel over the
+    keys packed per head, or the BLAS), then the row loops reading it (each row's dot products
+    are one tile instead of a dot per element). None without an anchor, or where the product is
+    not float32 or not generated through the GEMM blocks."""
     if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
         return None
     anchor = graph.nodes[kernel.anchor]
@@ -131,8 +132,12 @@ def _row_product(graph, kernel, args, outs) -> str | None:
     if compute_dtype(info.dtype) != "float32" or not info.shape:
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
-    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
-    if loops is None or "FS_BLAS_SGEMM(" not in "".join(loops):
+    packs: dict = {}  # views of inputs packed per block for our micro-kernel (attention's keys,
+    # values); a constant B would need a packed argument this skeleton does not pass: the BLAS then
+    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
+    if packs:
+        loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
+    if loops is None or not any(call in "".join(loops) for call in ("FS_BLAS_SGEMM(", _OWN)):
         return None
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
     return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
