@@ -530,7 +530,7 @@ def _flat_loop(body: list[str]) -> bool:
 
 # C loop-invariant code motion over a generated body (`hoist_loop_invariants`): one pass over every
 # skeleton's source, so no skeleton decides it on its own
-_DECLARATION = re.compile(r"^(\w[\w ]*?) (v\d+) = (.+);$")
+_DECLARATION = re.compile(r"^(\w[\w ]*?) (v\d+r?) = (.+);$")  # a temporary, or a hoisted one's reciprocal
 _ASSIGNMENT = re.compile(r"^(\w+)(\[.+\])? [-+*]?= .+;$")  # a store into an array, an accumulator's update
 _DIVISION = re.compile(r"^\((v\d+) / (v\d+)\)$")
 _READ_ONLY = re.compile(r"^(in|pk)\d+$")  # a kernel's inputs and packed weights: never written
@@ -608,8 +608,7 @@ def hoist_loop_invariants(body: str) -> str:
             continue
         before, inside = split
         hoisted += 1
-        names = [m.group(2) for m in map(_DECLARATION.match, before) if m]
-        names += [f"{n}r" for n in names if any(x.startswith(f"float {n}r = ") for x in before)]
+        names = [_DECLARATION.match(x).group(2) for x in before]
         rename = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
         prefix = f"h{hoisted}_"
 

@@ -211,8 +211,12 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
         cu_value = f"{cu_buffer}[j]"
     head = [f"float {buffer}[{plan.length}];"] if buffer else []
     cu_head = [f"__shared__ float {cu_buffer}[{plan.length}];"] if cu_buffer else []
-    is_max = "fmax" in combine  # C: a compare-select max vectorizes (fmaxf does not); acc is never NaN
-    c_combine = f"({c_value} > {acc} ? {c_value} : {acc})" if is_max else combine.format(acc, c_value)
+    is_max = "fmax" in combine
+
+    def merge(target: str, value: str) -> str:  # C: a compare-select max vectorizes (fmaxf does not); never NaN
+        return f"({value} > {target} ? {value} : {target})" if is_max else combine.format(target, value)
+
+    c_combine = merge(acc, c_value)
     simd = [f"#pragma omp simd reduction({'max' if is_max else '+'}:{acc})"] if _flat_loop(c_lines) else []
     split = hoist_invariants(c_lines, "j") if simd and plan.length >= 2 * C_PARTIALS else None
     if split is None:
@@ -220,11 +224,8 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
                    f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
                    *["    " + x for x in c_lines + [f"{acc} = {c_combine};"]], "}"]
     else:
-        part = f"p{acc}[jj]"
-        part_combine = (f"({c_value} > {part} ? {c_value} : {part})" if is_max else combine.format(part, c_value))
         plan.c += [*head, f"float {acc} = {init};", *split[0],
-                   *_partial_sums(plan.length, split[1], acc, init, part_combine, c_combine, simd[0],
-                                  f"({acc} > p{acc}[q] ? {acc} : p{acc}[q])" if is_max else combine.format(acc, f"p{acc}[q]"))]
+                   *_partial_sums(plan.length, split[1], acc, init, merge, c_value, simd[0])]
     plan.cu += [*cu_head, f"float {acc} = {init};",
                 f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
                 *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
@@ -240,22 +241,22 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
 C_PARTIALS = 32  # C row reductions: independent partial results per row (4 AVX2 vectors, 2 AVX-512)
 
 
-def _partial_sums(length: int, lines: list[str], acc: str, init: str, part_combine: str, combine: str,
-                  simd: str, fold: str) -> list[str]:
+def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, value: str, simd: str) -> list[str]:
     """A C row reduction over `length` >= 2 x C_PARTIALS columns as C_PARTIALS partial results
     (`p<acc>`), folded into `acc` at the end: one vector accumulator makes the loop wait on the
     add's (or the compare's) latency each step, C_PARTIALS of them keep the FMA units busy (a
     LayerNorm over vit-small's 197x384 rows 40 -> 26 us); the columns past the last whole chunk
-    in the plain loop. `lines`: the body's statements at column j, its invariants already hoisted."""
+    in the plain loop. `lines`: the body's statements at column j, its invariants already hoisted;
+    `merge(target, value)`: the reduction's C expression of one step."""
     whole = length - length % C_PARTIALS
     out = ["{", f"    float p{acc}[{C_PARTIALS}];", f"    for (int q = 0; q < {C_PARTIALS}; ++q) p{acc}[q] = {init};",
            f"    for (long long j0 = 0; j0 < {whole}LL; j0 += {C_PARTIALS}LL) {{", "        #pragma omp simd",
            f"        for (long long jj = 0; jj < {C_PARTIALS}LL; ++jj) {{", "            long long j = j0 + jj;",
-           *["            " + x for x in lines], f"            p{acc}[jj] = {part_combine};", "        }", "    }"]
+           *["            " + x for x in lines], f"            p{acc}[jj] = {merge(f'p{acc}[jj]', value)};", "        }", "    }"]
     if whole < length:
         out += ["    " + simd, f"    for (long long j = {whole}LL; j < {length}LL; ++j) {{",
-                *["        " + x for x in lines], f"        {acc} = {combine};", "    }"]
-    return out + ["    " + simd, f"    for (int q = 0; q < {C_PARTIALS}; ++q) {acc} = {fold};", "}"]
+                *["        " + x for x in lines], f"        {acc} = {merge(acc, value)};", "    }"]
+    return out + ["    " + simd, f"    for (int q = 0; q < {C_PARTIALS}; ++q) {acc} = {merge(acc, f'p{acc}[q]')};", "}"]
 
 
 def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
