@@ -65,6 +65,7 @@ from fusesearch.schedule import (
     Schedule,
     anchor_derived,
     block_per_row,
+    conv_reads_band,
     grid_stride,
     has_gemm_view,
     mma,
@@ -564,7 +565,8 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     inputs = _external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
     alias = schedule.impl == "alias"
-    reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile)
+    reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile,
+                                band=host and anchor is not None and conv_reads_band(graph, graph.nodes[anchor]))
     per_tap = _window_recompute(graph, nodes)
     if host and anchor is not None:  # the C skeleton materializes the product: a pool after it
         # recomputes the epilogue per tap, never the anchor or its prologue
@@ -615,16 +617,17 @@ def _index_divisions(graph: Graph, tensors: list[str]) -> int:
 
 
 def _prologue_reloads(graph: Graph, nodes: list[Node], anchor: int | None,
-                      tile: tuple[int, ...]) -> dict[int, int]:
+                      tile: tuple[int, ...], band: bool = False) -> dict[int, int]:
     """How many times a tiled kernel recomputes each prologue op: an element of the activation
     operand is loaded once per output tile along N (and, for a convolution, once per filter tap
-    that reads it); of the weight operand, once per tile along M."""
+    that reads it, unless the C conv computes its input once into a band: `conv_reads_band`);
+    of the weight operand, once per tile along M."""
     if anchor is None or len(tile) < 2:
         return {}
     a = graph.nodes[anchor]
     m, n_dim, _ = _gemm_dims(graph, a)
     tm, tn = tile[0], tile[1]
-    taps = math.prod(graph.tensors[a.inputs[1]].shape[2:]) if a.op_type in ("Conv", "ConvTranspose") else 1
+    taps = math.prod(graph.tensors[a.inputs[1]].shape[2:]) if a.op_type in ("Conv", "ConvTranspose") and not band else 1
     per_operand = [math.ceil(n_dim / tn) * taps, math.ceil(m / tm)]
     reloads = {}
     for n in nodes:

@@ -112,6 +112,22 @@ ALIAS = Schedule("alias", "alias", "none")
 PACKED = Schedule("generated", "packed", "cpu-simd", threads=1)  # a fused gemm/conv on a CPU
 
 
+def conv_reads_band(graph: Graph, anchor: Node) -> bool:
+    """Whether a fused 2-D conv with a k x k window (not 1 x 1) and float32 constant filters, not
+    depthwise-like, is written (`packed`, C) over a zero-bordered band of its input: each input
+    element, prologue included, computed once per block of output rows, its taps packed from
+    there (`fs_conv_band`); other convs read im2col panels, a prologue element once per tap."""
+    if anchor.op_type != "Conv":
+        return False
+    x, w = graph.tensors[anchor.inputs[0]], graph.tensors[anchor.inputs[1]]
+    if x.shape is None or w.shape is None or len(x.shape) != 4 or not w.constant or w.dtype != "float32":
+        return False
+    group = int(anchor.attrs.get("group", 1))
+    if x.shape[1] // group == 1 and w.shape[0] // group < 8:  # depthwise-like: its own loop
+        return False
+    return tuple(w.shape[2:]) != (1, 1)
+
+
 def stride_blocks(elements: int) -> int:
     """Blocks of a grid-stride loop: one element per thread, capped (the loop covers the rest)."""
     return max(1, min(-(-elements // THREADS), MAX_STRIDE_BLOCKS))

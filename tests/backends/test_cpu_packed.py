@@ -216,8 +216,8 @@ CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
 @pytest.mark.parametrize("prologue", [True, False], ids=["prologue", "input-as-is"])
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
-    """With a prologue the im2col panel is filled through the expression emitter; without one, by
-    strided row copies between the zero borders."""
+    """With a prologue the band (k x k) or im2col panel (1 x 1) is filled through the expression
+    emitter; without one, by row copies between the zero borders."""
     xs, cout, k, stride, pad, group, dil = CONVS[name]
     ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
     wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
@@ -231,6 +231,9 @@ def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
         assert "nc = 0; nc <" in body and "FS_SIMD_SUM" not in body and " >= 0 && " not in body
         assert ("cbuf[p] = " in body) == (stride == 1 or wo < 16)
+    elif k > 1:  # taps packed from the zero-bordered band, each input element computed once
+        body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        assert "fs_conv_band(" in body and "FS_BLAS_SGEMM(101" not in body and body.count("float* dst = patch") == 1
     else:
         assert "FS_BLAS_SGEMM(101" in gk.c_source  # implicit GEMM through the BLAS
 
@@ -318,7 +321,7 @@ def test_conv_whose_epilogue_moves_elements(tmp_path, blas, epilogue):
                  helper.make_node("Concat", ["m", "skip"], ["out"], axis=1)]
         inputs, inits = [("x", [1, 8, 10, 10]), ("skip", [1, 5, 10, 10])], [("w", _w([16, 8, 3, 3]))]
     gk = one_kernel(tmp_path, nodes, inputs, [("out", None)], inits, expect="ybuf")
-    assert "FS_BLAS_SGEMM(101" in gk.c_source
+    assert "fs_conv_band(" in gk.c_source  # a k x k window: taps packed from the band
 
 
 def test_a_packed_schedule_is_c_only_and_the_cuda_side_refuses_it_by_name(tmp_path):
@@ -357,11 +360,11 @@ def test_scratch_arena_is_reused_across_calls_and_sizes(tmp_path, blas):
 
 
 @pytest.mark.parametrize("kernel,stride,pad,group", [(1, 1, 0, 1), (3, 2, 1, 1), (3, 1, 1, 3), (3, 1, 2, 2)])
-def test_conv_over_a_channel_concat_computes_each_piece_in_its_own_tap_loop(tmp_path, blas, kernel, stride, pad, group):
+def test_conv_over_a_channel_concat_computes_each_piece_in_its_own_loop(tmp_path, blas, kernel, stride, pad, group):
     """A C2f/U-Net-style conv input: SiLU(a) + b and SiLU(c) concatenated along the channels (5 + 7,
     so the pieces straddle the conv's groups), through a per-channel scale, into a conv with a
-    SiLU epilogue; the panel fills one tap loop per piece (no branch per element) and zeros the
-    padding outside the interior."""
+    SiLU epilogue; the band (k x k) or the im2col panel (1 x 1) fills one loop per piece (no
+    branch per element) and zeros the padding outside the interior."""
     nodes = [helper.make_node("Sigmoid", ["a"], ["sa"]), helper.make_node("Mul", ["a", "sa"], ["ya"]),
              helper.make_node("Add", ["ya", "b"], ["pa"]), helper.make_node("Sigmoid", ["c"], ["sc"]),
              helper.make_node("Mul", ["c", "sc"], ["pc"]), helper.make_node("Concat", ["pa", "pc"], ["cat"], axis=1),
@@ -371,7 +374,9 @@ def test_conv_over_a_channel_concat_computes_each_piece_in_its_own_tap_loop(tmp_
              helper.make_node("Sigmoid", ["y"], ["sy"]), helper.make_node("Mul", ["y", "sy"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("a", [1, 5, 13, 11]), ("b", [1, 5, 13, 11]), ("c", [1, 7, 13, 11])],
                     [("out", None)], [("scale", _w([1, 12, 1, 1], 3)), ("w", _w([12, 12 // group, kernel, kernel]))])
-    if blas == "blas":
+    if kernel > 1:
+        assert gk.c_source.count("float* dst = patch + (ci * bh + r) * bw;") == 2
+    elif blas == "blas":
         assert gk.c_source.count("for (long long kq = klo; kq < khi; ++kq)") == 2
 
 
@@ -469,18 +474,22 @@ def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkey
 
 
 def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
-    """At the default threshold: resnet's last-stage 3x3 conv (512 filters of 4608 taps, 49 pixels)
-    packs its filters; the same conv over 64 filters at 56x56 calls the BLAS."""
-    big = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
-           helper.make_node("Relu", ["y"], ["out"])]
-    prep = prepare(save(make_model(big, [("x", [1, 512, 7, 7])], [("out", None)], [("w", _w([512, 512, 3, 3]))]),
-                        tmp_path / "big.onnx"))
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    """At the default threshold: resnet50's last-stage 1x1 conv (2048 filters of 512 taps, 49
+    pixels) packs its filters; the same conv over 64 filters at 56x56 calls the BLAS; every 3x3
+    conv packs them (its taps come from the band), large or small."""
+    def conv(xs, ws, k):
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[k, k], pads=[k // 2] * 4),
+                 helper.make_node("Relu", ["y"], ["out"])]
+        prep = prepare(save(make_model(nodes, [("x", xs)], [("out", None)], [("w", _w(ws))]), tmp_path / "m.onnx"))
+        return generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+
+    gk = conv([1, 512, 7, 7], [2048, 512, 1, 1], 1)
     assert gk.packed and "fs_gemm_packed(" in gk.c_source
-    prep = prepare(save(make_model(big, [("x", [1, 64, 56, 56])], [("out", None)], [("w", _w([64, 64, 3, 3]))]),
-                        tmp_path / "small.onnx"))
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    gk = conv([1, 64, 56, 56], [64, 64, 1, 1], 1)
     assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
+    for xs, ws in (([1, 512, 7, 7], [512, 512, 3, 3]), ([1, 64, 56, 56], [64, 64, 3, 3])):
+        gk = conv(xs, ws, 3)
+        assert gk.packed and "fs_conv_band(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
 
 
 @pytest.mark.parametrize("epilogue,additive", [("bias", True), ("residual", True), ("bias+residual", True), ("residual first", True),
@@ -517,8 +526,8 @@ def test_a_product_plus_terms_without_it_is_prefilled_and_added_by_the_blas(tmp_
 @pytest.mark.parametrize("kernel", [1, 3])
 def test_a_conv_reads_back_its_input_when_the_kernel_writes_it_as_an_output(tmp_path, blas, kernel):
     """A Concat that is also a kernel output (another kernel reads it) is written once by the
-    kernel's own loop and the conv reads it back from there (a 1x1 conv in place, a 3x3 by
-    strided copies), rather than computing every piece again per tap."""
+    kernel's own loop and the conv reads it back from there (a 1x1 conv in place, a 3x3 into its
+    band), rather than computing every piece again per tap."""
     nodes = [helper.make_node("Resize", ["a", "", "scales"], ["up"], mode="nearest"),
              helper.make_node("Concat", ["up", "b"], ["cat"], axis=1),
              helper.make_node("Conv", ["cat", "w"], ["y"], kernel_shape=[kernel] * 2, pads=[kernel // 2] * 4),
@@ -529,7 +538,7 @@ def test_a_conv_reads_back_its_input_when_the_kernel_writes_it_as_an_output(tmp_
         cat = next(a.name for a in gk.outputs if a.tensor == "cat")
         body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):].split("\n#else")[0]  # the BLAS path
         blocks = body[body.index("for (long long blk"):]
-        assert (f"{cat} + nb *" in blocks) if kernel == 1 else (f"const float* src = {cat} +" in blocks)
+        assert (f"{cat} + nb *" in blocks) if kernel == 1 else (f"= {cat}[((nb *" in blocks)
         assert "ceilf" not in blocks and "floorf" not in blocks  # no Resize index math in the conv's blocks
 
 

@@ -245,7 +245,7 @@ static inline float fs_erff(float x) {
 # to the system (which MALLOC_TRIM_THRESHOLD_ or a large block makes it do); the arena costs
 # nothing after the first call. Per thread, so OpenMP blocks never share one; a buffer the whole
 # kernel shares (the materialized product) is taken by the calling thread before its parallel loops.
-SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf", "apk")
+SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf", "apk", "offs")
 _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
               f"static _Thread_local size_t fs_slot_bytes[{len(SCRATCH_SLOTS)}];\n"
               "static inline float* fs_scratch(int slot, size_t bytes) {\n"
@@ -435,6 +435,65 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
             fs_micro(K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
             for (long long j = 0; j < nr; ++j)
                 for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_NR + j];
+        }}
+    }}
+}}
+/* a conv over a zero-bordered band of its input (channels x rows x columns, prologue applied):
+   C[n * ldc + p] = sum_k band[px(p) + off[k]] * B[k][n] for the M output pixels p of a block (rows
+   of ow pixels; pixel p at px(p) = (p / ow) * rs + (p % ow) * cs in the band, tap k at off[k])
+   and the N filters packed once (fs_pack_b). Per chunk of pixels (its taps within FS_BAND_CHUNK
+   floats, in L2) the taps are packed into FS_MR-pixel panels, one 8-float copy per tap where the
+   pixels are adjacent, the even floats of 16 where they are every other one (the band has 16
+   floats of slack, `apk` 8), then every filter panel runs
+   over the chunk, each tile stored transposed (a partial one its part; the last panel repeats its
+   last pixel) */
+enum {{ FS_BAND_CHUNK = 65536 }};
+static void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs,
+                         const float* band, const int* off, const float* Bp, float* C, long long ldc) {{
+    long long mc = FS_BAND_CHUNK / K / FS_MR * FS_MR;
+    mc = mc < FS_MR ? FS_MR : mc > 16 * FS_MR ? 16 * FS_MR : mc;
+    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * (mc * K + 8));
+    float tile[FS_MR * FS_NR];
+    for (long long m0 = 0; m0 < M; m0 += mc) {{
+        long long mn = M - m0 < mc ? M - m0 : mc;
+        for (long long t0 = 0; t0 < mn; t0 += FS_MR) {{
+            float* dst = ap + t0 * K;
+            long long px[FS_MR], mr = mn - t0 < FS_MR ? mn - t0 : FS_MR, adjacent = 1, pairs = 1;
+            for (long long i = 0; i < FS_MR; ++i) {{
+                long long p = m0 + t0 + (i < mr ? i : mr - 1);
+                px[i] = p / ow * rs + p % ow * cs;
+                adjacent &= px[i] == px[0] + i;
+                pairs &= px[i] == px[0] + 2 * i;
+            }}
+            const float* src = band + px[0];
+            if (adjacent) {{
+                for (long long k = 0; k < K; ++k) {{
+                    fs_v8 v;
+                    memcpy(&v, src + off[k], sizeof v);
+                    memcpy(dst + k * FS_MR, &v, sizeof v);
+                }}
+#if defined(__AVX2__)
+            }} else if (pairs) {{  /* stride 2: the even floats of 16 */
+                for (long long k = 0; k < K; ++k) {{
+                    __m256 lo = _mm256_loadu_ps(src + off[k]), hi = _mm256_loadu_ps(src + off[k] + 8);
+                    __m256 even = _mm256_shuffle_ps(lo, hi, 0x88);
+                    _mm256_storeu_ps(dst + k * FS_MR, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+                }}
+#endif
+            }} else {{
+                for (long long k = 0; k < K; ++k)
+                    for (long long i = 0; i < FS_MR; ++i) dst[k * FS_MR + i] = band[px[i] + off[k]];
+            }}
+        }}
+        for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+            long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
+            for (long long t0 = 0; t0 < mn; t0 += FS_MR) {{
+                long long mr = mn - t0 < FS_MR ? mn - t0 : FS_MR;
+                float* c = C + n0 * ldc + m0 + t0;
+                fs_micro(K, ap + t0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
+                for (long long j = 0; j < nr; ++j)
+                    for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_NR + j];
+            }}
         }}
     }}
 }}

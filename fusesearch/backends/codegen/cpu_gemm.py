@@ -56,6 +56,7 @@ import numpy as np
 from fusesearch.backends.codegen.base import (
     FS_MR,
     FS_NR,
+    SCRATCH_SLOTS,
     Arg,
     PackedWeight,
     _flat_loop,
@@ -71,7 +72,7 @@ from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived
+from fusesearch.schedule import anchor_derived, conv_reads_band
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
@@ -193,7 +194,11 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     stored = stored if stored is not None and stored.dtype == "float32" else None
     direct = stored is not None and kern == (1, 1) and strides == (1, 1) and not any(pads)
     idx = ("nb", "co", "oh", "ow")
-    if direct:
+    band = conv_reads_band(graph, anchor) and _packed({}, graph, args, w, (kt, cout_g, 1, kt)) is not None
+    if band:
+        fill, band_size = _band_fill(e, x, stored, xs, cin_g, (kern, strides, pads, dilations), wo)
+        panel = ldb = None
+    elif direct:
         fill, panel, ldb = [], f"{stored.name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
     elif stored is not None:
         fill = _im2col_rows(stored.name, xs, cin_g, kern, strides, pads, dilations, wo)
@@ -203,7 +208,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
         panel, ldb = "patch", "(int)pn"
     filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
     packed = (_packed(packs, graph, args, w, (kt, cout_g, 1, kt), group, cout_g * kt)
-              if packs_filters(cout_g, kt, min(pixels, cap * wo)) else None)  # one thread's block
+              if band or packs_filters(cout_g, kt, min(pixels, cap * wo)) else None)  # one thread's block
     if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
         filters = "wbuf"
         widen = [scratch("wbuf", f"{cout_g * kt}LL"),
@@ -221,9 +226,11 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              "    long long oh0 = blk % blocks * rb;",
              f"    long long oh1 = oh0 + rb < {ho}LL ? oh0 + rb : {ho}LL;",
              f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
-             *(["    " + scratch("patch", f"{kt}LL * pn")] if not direct else []),
+             *(["    " + scratch("patch", band_size if band else f"{kt}LL * pn")] if not direct else []),
              "    " + scratch("cbuf", f"{cout_g}LL * pn"),
              *["    " + x_ for x_ in fill + widen],
+             f"    fs_conv_band(pn, {cout_g}LL, {kt}LL, {wo}LL, {strides[0]}LL * bw, {strides[1]}LL, patch, offs, "
+             f"{packed} + gq * {packs[w].group_floats if packed else 0}LL, cbuf, pn);" if band else
              f"    fs_gemm_packed(pn, {cout_g}LL, {kt}LL, {panel}, 1, {ldb}, {packed} + gq * {packs[w].group_floats if packed else 0}LL, "
              f"cbuf, pn);" if packed else
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
@@ -241,6 +248,50 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              f"rb = ({ho}LL + blocks - 1) / blocks;")  # even blocks: a short last one costs a whole filter packing
     return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
                      + _indent(block, 1), "    }"]
+
+
+def _band_fill(e: _Emitter, x: str, stored: Arg | None, xs, cin_g: int, geometry, wo: int) -> tuple[list[str], str]:
+    """(the lines, the size in floats) of the zero-bordered band of the input (prologue applied,
+    or a half input widened) that output rows oh0..oh1 of group gq read, and the tap offsets
+    `offs` in it (`fs_conv_band`): per channel `bh` rows of `bw` columns (the band of the
+    longest block, so one table serves every block), each element computed once; rows and columns
+    outside the image zeros, the interior with no bounds test; a Concat along the channels
+    (`_channel_concat`) one channel loop per piece, each computing its own piece only."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = geometry
+    h, w = xs[2], xs[3]
+    khd = (kh_n - 1) * dh + 1
+    bw = max(pw + w, (wo - 1) * sw + (kw_n - 1) * dw + 1)
+    kt = cin_g * kh_n * kw_n
+    lines = [f"long long ih0 = oh0 * {sh}LL - {ph}LL, br = (oh1 - oh0 - 1) * {sh}LL + {khd}LL, "
+             f"bh = (rb - 1) * {sh}LL + {khd}LL, bw = {bw}LL;",
+             f"int* offs = (int*)fs_scratch({SCRATCH_SLOTS.index('offs')}, sizeof(int) * {kt}LL);",
+             f"for (long long kq = 0; kq < {kt}LL; ++kq) offs[kq] = (int)(((kq / {kh_n * kw_n}LL) * bh + kq / {kw_n}LL "
+             f"% {kh_n}LL * {dh}LL) * bw + kq % {kw_n}LL * {dw}LL);"]
+    found = None if stored is not None else _channel_concat(e.graph, e.members, x, xs)
+    pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
+    for concat, k, lo, hi in pieces:
+        if stored is not None:
+            body, v = [], f"{stored.name}[((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + iw]"
+        else:
+            e.pinned = {} if concat is None else {concat: k}
+            e.lines = []
+            e.push()
+            v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", "iw"))
+            e.pop()
+            body = e.lines
+        lines += [f"for (long long ci = {lo}LL - gq * {cin_g}LL < 0 ? 0 : {lo}LL - gq * {cin_g}LL; "
+                  f"ci < {cin_g}LL && ci < {hi}LL - gq * {cin_g}LL; ++ci) {{",
+                  "    for (long long r = 0; r < br; ++r) {",
+                  "        float* dst = patch + (ci * bh + r) * bw;",
+                  "        long long ih = ih0 + r;",
+                  f"        if (ih < 0 || ih >= {h}LL) {{ for (long long q = 0; q < bw; ++q) dst[q] = 0.0f; continue; }}",
+                  f"        for (long long q = 0; q < {pw}LL; ++q) dst[q] = 0.0f;",
+                  f"        for (long long q = {pw + w}LL; q < bw; ++q) dst[q] = 0.0f;",
+                  *(["        #pragma omp simd"] if _flat_loop(body) else []),
+                  f"        for (long long iw = 0; iw < {w}LL; ++iw) {{", *["            " + x_ for x_ in body],
+                  f"            dst[{pw}LL + iw] = {v};", "        }", "    }", "}"]
+    e.pinned = {}
+    return lines, f"{cin_g}LL * ((rb - 1) * {sh}LL + {khd}LL) * {bw}LL + 16"
 
 
 def _im2col_tap(geometry, xs, wo: int, interior: list[str]) -> list[str]:
