@@ -210,3 +210,20 @@ def test_a_conv_prologue_on_the_cpu_counts_once_per_tap_and_a_pool_after_it_neve
     assert host.schedule.skeleton == "packed" and host.tc_flops == 2 * macs
     assert host.transcendentals == 9 * 8 * 16 * 16  # the Sigmoid once per tap
     assert gpu.tc_flops == 0  # on a GPU the conv is recomputed at every window tap, on CUDA cores
+
+
+def test_a_conv_prologue_on_the_cpu_counts_once_when_the_conv_reads_a_band():
+    """Regime: the host. With constant float32 filters a 3x3 conv packs its taps from a band of its
+    input computed once per element (`conv_reads_band`, `fs_conv_band`): its prologue is charged
+    once, as the generated C evaluates it, not once per tap; a 1x1 conv's im2col panel has one tap."""
+    from fusesearch.schedule import conv_reads_band
+
+    for k in (3, 1):
+        nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
+                 helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", pads=[k // 2] * 4),
+                 helper.make_node("Relu", ["y"], ["z"], name="relu")]
+        g = graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT)], [("z", None, TensorProto.FLOAT)],
+                     [("w", np.ones((16, 8, k, k), np.float32))])
+        host, _ = priced_kernel(g, lower(g, group(g, "sig", "conv", "relu")), host_cpu(), MODEL)
+        assert conv_reads_band(g, g.nodes[g.node("conv").id]) == (k == 3)
+        assert host.schedule.skeleton == "packed" and host.transcendentals == 8 * 16 * 16  # the Sigmoid once
