@@ -61,7 +61,8 @@ CONVS = [("resnet50 1x1 64->256 @56", 64, 56, 256, 1, 1, 1),
          ("resnet50 3x3 256->256 @14", 256, 14, 256, 3, 1, 1),
          ("resnet50 1x1 512->2048 @7", 512, 7, 2048, 1, 1, 1),
          ("resnet50 3x3 512->512 @7", 512, 7, 512, 3, 1, 1),
-         ("mobilenetv2 depthwise 3x3 144 @56", 144, 56, 144, 3, 1, 144)]
+         ("mobilenetv2 depthwise 3x3 144 @56", 144, 56, 144, 3, 1, 144),
+         ("mobilenetv2 1x1 24->144 @56", 24, 56, 144, 1, 1, 1)]
 # (label, C_in, H, C_out, kernel, stride): 1b's convs with filters packed once or through the BLAS
 PACK_CONVS = [("resnet 3x3 64->64 @56", 64, 56, 64, 3, 1),
               ("resnet 3x3 128->128 @28", 128, 28, 128, 3, 1),

@@ -13,7 +13,7 @@ import pytest
 from onnx import helper
 
 from fusesearch.backends import cpu
-from fusesearch.backends.codegen import generate
+from fusesearch.backends.codegen import cpu_gemm, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower
@@ -45,7 +45,7 @@ def one_kernel(tmp_path, nodes, inputs, outputs, inits=(), expect=None):
     values = all_values(canonical, random_feeds(canonical, 0))
     gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
     if expect is not None:
-        assert expect in gk.c_source, f"the {expect} skeleton was not chosen"
+        assert expect in gk.c_source[gk.c_source.index(f"void {gk.name}("):], f"the {expect} skeleton was not chosen"
     out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
     for a in gk.outputs:
         ref = values[a.tensor].astype(np.float64)
@@ -200,6 +200,8 @@ def test_prologue_output_also_a_kernel_output(tmp_path, blas):
 CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
     "3x3 padded": ([1, 8, 9, 7], 16, 3, 1, 1, 1, 1),
     "1x1 in place": ([2, 16, 10, 10], 32, 1, 1, 0, 1, 1),
+    "1x1 in place partial tiles": ([1, 10, 7, 9], 25, 1, 1, 0, 1, 1),  # 63 pixels, 25 filters: fs_conv_1x1's edges
+    "1x1 over many channels": ([1, 80, 6, 6], 24, 1, 1, 0, 1, 1),  # the BLAS
     "strided 5x5": ([1, 3, 17, 17], 8, 5, 2, 2, 1, 1),
     "strided 3x3 odd": ([1, 16, 11, 13], 24, 3, 2, 1, 1, 1),
     "dilated grouped": ([1, 32, 9, 9], 32, 3, 1, 2, 2, 2),
@@ -234,8 +236,10 @@ def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
     elif k > 1:  # taps packed from the zero-bordered band, each input element computed once
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
         assert "fs_conv_band(" in body and "FS_BLAS_SGEMM(101" not in body and body.count("float* dst = patch") == 1
-    else:
-        assert "FS_BLAS_SGEMM(101" in gk.c_source  # implicit GEMM through the BLAS
+    else:  # a 1x1 over few input channels read in place: its pixels packed, our micro-kernel over the
+        # filters; else implicit GEMM through the BLAS
+        rows = not prologue and stride == 1 and cpu_gemm.rows_1x1(cout, xs[1])
+        assert ("fs_conv_1x1(" in gk.c_source) == rows and ("FS_BLAS_SGEMM(101" in gk.c_source) != rows
 
 
 def test_conv_1x1_reads_its_input_in_place(tmp_path):
@@ -433,8 +437,6 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
     kernel's `_pack` function and multiplied by our own micro-kernel, product transposed: equal to
     ONNX Runtime at partial tiles, a long K over many pixels, a 1x1 input read in place, groups, strides
     and dilations, with a prologue and a residual epilogue; with or without a BLAS (it needs none)."""
-    from fusesearch.backends.codegen import cpu_gemm
-
     monkeypatch.setattr(cpu_gemm, "packs_filters", lambda *_: True)
     xs, cout, k, stride, pad, group, dil = PACKED_CONVS[name]
     ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
@@ -445,7 +447,8 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
                               pads=[pad] * 4, group=group, dilations=[dil] * 2),
              helper.make_node("Add", ["y", "r"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", xs), ("r", [xs[0], cout, ho, wo])], [("out", None)],
-                    [("w", _w([cout, xs[1] // group, k, k])), ("b", _w([cout], 3))], expect="fs_gemm_packed(")
+                    [("w", _w([cout, xs[1] // group, k, k])), ("b", _w([cout], 3))],
+                    expect="fs_conv_band(" if k > 1 else "fs_gemm_packed(")
     (packed,) = gk.packed
     assert packed.arg.tensor == "w" and packed.groups == group and "FS_BLAS_SGEMM(101" not in gk.c_source
     assert packed.arg.size == group * -(-(cout // group) // 16) * 16 * (xs[1] // group) * k * k

@@ -145,12 +145,23 @@ CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole out
 # (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
 # the figures from `benchmarks/bench_cpu.py --sections 1b`)
 PACK_FILTER_FLOATS = 1 << 20
+# C conv: a 1x1 stride-1 conv over at most this many input channels, with at least twice as many
+# filters, packs its pixels per chunk and runs `fs_gemm_rows` over the filters in place
+# (`fs_conv_1x1`): 1.10-1.18x the BLAS at mobilenetv2's expansions (16->96 @112, 24->144 @56,
+# 32->192 @28, 64->384 @14), 0.91-0.99x over more channels (256->64 @56, 384->64, 960->160), where
+# the BLAS stays (`benchmarks/bench_cpu.py` section 1's lone convs)
+ROWS_1X1_MAX_TAPS = 64
 
 
 def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
     """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
     are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
     return filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels
+
+
+def rows_1x1(filters: int, taps: int) -> bool:
+    """Whether a 1x1 stride-1 conv reading its input in place runs through `fs_conv_1x1`."""
+    return taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
 
 
 def conv_block_rows(filters: int, taps: int, width: int) -> int:
@@ -233,6 +244,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              f"{packed} + gq * {packs[w].group_floats if packed else 0}LL, cbuf, pn);" if band else
              f"    fs_gemm_packed(pn, {cout_g}LL, {kt}LL, {panel}, 1, {ldb}, {packed} + gq * {packs[w].group_floats if packed else 0}LL, "
              f"cbuf, pn);" if packed else
+             f"    fs_conv_1x1({cout_g}LL, pn, {kt}LL, {filters}, {kt}LL, {panel}, {ldb}LL, cbuf, pn);" if direct and rows_1x1(cout_g, kt) else
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
