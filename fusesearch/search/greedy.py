@@ -6,9 +6,15 @@ Approach: start from singletons; every quotient edge A→B whose union is legal 
     saving(A, B) = time(A) + time(B) − time(A ∪ B)            (XLA: time unfused − time fused)
 
 kept in a max-heap with lazy invalidation (a version per group). Pop the best positive saving,
-skip it if stale or if merging would close a cycle in the quotient graph (another path A → C → … → B;
-the search only visits groups whose smallest node id is below B's largest, since ids are
-topological), merge, and re-score the merged group's edges. Stop when no positive saving is left.
+skip it if stale or if merging would close a cycle in the quotient graph (another path A → C → … → B),
+merge, and re-score the merged group's edges. Stop when no positive saving is left.
+The cycle test searches only between A and B in a topological order of the quotient kept from
+merge to merge (`ord`; node ids at the start): every group on a path A → C → … → B lies strictly
+between them. A merge then moves the groups in that window that reach B (found backwards) in
+front of the merged group and those A reaches (found forwards) after it, in the window's own
+positions, each set in its old order (the Pearce-Kelly reordering), so the order stays
+topological and each test stays local. Node ids alone are not such an order once groups hold
+several nodes: a group of later nodes can reach a group of earlier ones through a third group.
 Invariants: after every merge the groups partition the nodes and the quotient graph is acyclic;
 ties break by the smallest node id, so the result is deterministic.
 """
@@ -29,7 +35,7 @@ class _State:
         self.succ: dict[int, set[int]] = {i: set(graph.successors(i)) for i in range(len(graph))}
         self.pred: dict[int, set[int]] = {i: set(graph.predecessors(i)) for i in range(len(graph))}
         self.lo = {i: i for i in range(len(graph))}
-        self.hi = {i: i for i in range(len(graph))}
+        self.ord = {i: i for i in range(len(graph))}  # a topological order of the quotient
         self.version = {i: 0 for i in range(len(graph))}
         self.heap: list[tuple[float, int, int, int, int, int]] = []
         self.merges = 0
@@ -43,24 +49,34 @@ class _State:
         if saving > 0:
             heapq.heappush(self.heap, (-saving, min(self.lo[a], self.lo[b]), a, b, self.version[a], self.version[b]))
 
-    def closes_cycle(self, a: int, b: int) -> bool:
-        """Is there a path a → c → … → b through some other group c?"""
-        limit = self.hi[b]
-        stack = [c for c in self.succ[a] if c != b and self.lo[c] < limit]
+    def _window(self, start: int, edges: dict[int, set[int]], skip: int, inside) -> list[int]:
+        """The groups reached from `start` along `edges` (not through `skip`) whose order `inside` accepts."""
+        stack = [c for c in edges[start] if c != skip and inside(self.ord[c])]
         seen = set(stack)
         while stack:
-            c = stack.pop()
-            if b in self.succ[c]:
-                return True
-            for d in self.succ[c]:
-                if d not in seen and d != b and self.lo[d] < limit:
+            for d in edges[stack.pop()]:
+                if d not in seen and d != skip and inside(self.ord[d]):
                     seen.add(d)
                     stack.append(d)
-        return False
+        return sorted(seen, key=self.ord.__getitem__)
 
-    def merge(self, a: int, b: int) -> None:
+    def forward(self, a: int, b: int) -> list[int] | None:
+        """The groups after a and before b in `ord` that a reaches, or None when one of them
+        reaches b (merging a and b would close a cycle)."""
+        found = self._window(a, self.succ, b, lambda o: o < self.ord[b])
+        return None if any(b in self.succ[c] for c in found) else found
+
+    def merge(self, a: int, b: int, forward: list[int]) -> None:
+        backward = self._window(b, self.pred, a, lambda o: o > self.ord[a])
+        slots = sorted([self.ord[a], self.ord[b], *(self.ord[c] for c in backward + forward)])
+        for slot, c in zip(slots, backward, strict=False):
+            self.ord[c] = slot
+        self.ord[a] = slots[len(backward)]
+        for slot, c in zip(slots[len(slots) - len(forward):], forward, strict=True):
+            self.ord[c] = slot
+        del self.ord[b]
         self.members[a] = self.members[a] | self.members.pop(b)
-        self.lo[a], self.hi[a] = min(self.lo[a], self.lo.pop(b)), max(self.hi[a], self.hi.pop(b))
+        self.lo[a] = min(self.lo[a], self.lo.pop(b))
         for c in self.succ.pop(b):
             self.pred[c].discard(b)
             if c != a:
@@ -87,9 +103,10 @@ def greedy_partition(problem: SearchProblem) -> list[frozenset[int]]:
         _, _, a, b, va, vb = heapq.heappop(state.heap)
         if state.version.get(a) != va or state.version.get(b) != vb:
             continue
-        if state.closes_cycle(a, b):
+        forward = state.forward(a, b)
+        if forward is None:
             continue
-        state.merge(a, b)
+        state.merge(a, b, forward)
         for p in sorted(state.pred[a]):
             state.push(p, a)
         for s in sorted(state.succ[a]):

@@ -153,3 +153,15 @@ def test_every_strategy_valid_and_cpsat_never_worse(graph):
     assert times["cpsat"] <= times["rules"] + tol
     assert times["greedy"] <= times["none"] + tol
     assert math.isfinite(times["cpsat"])
+
+
+def test_greedy_never_closes_a_cycle_through_a_group_of_later_nodes():
+    """A graph hypothesis found: with n0, n4 and n7 merged, {n6} reaches {n5} through that group
+    although n6 > n5, so a cycle test pruned by node ids merged n1 and n5 and closed the cycle
+    {n1, n5} -> {n6} -> {n0, n4, n7} -> {n1, n5}; the greedy's own topological order finds it."""
+    spec = [("n0", "Relu", ("x",)), ("n1", "Relu", ("x",)), ("n2", "Relu", ("x",)), ("n3", "Relu", ("x",)),
+            ("n4", "MatMul", ("x", "n0")), ("n5", "Add", ("n1", "n4")), ("n6", "Softmax", ("n1",)),
+            ("n7", "Add", ("n0", "n6")), ("n8", "Relu", ("n6",))]
+    graph = build(spec, {"x": (1024, 1024), **{name: (1024, 1024) for name, _, _ in spec}})
+    plan = search(graph, H100, MODEL, "greedy")
+    assert validate_plan(graph, plan.partition()) and plan.kernels < len(graph)
