@@ -23,7 +23,8 @@ the search keeps whichever the device runs faster: `costing.priced_kernel`), els
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
 a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a fused gemm/conv is
-`packed`, the C backend's form: prologues computed once per packed panel (a conv's once per tap),
+`packed`, the C backend's form: prologues computed once per packed panel (a conv's once per tap
+of its im2col panel, once where it reads a band: `schedule.conv_reads_band`),
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows

@@ -15,7 +15,8 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+);
                 on a CPU device a fused gemm/conv is "packed" (C only, no CUDA form): the C
                 backend's BLAS blocks over packed panels, each prologue element computed once
-                per panel (a conv's once per filter tap: the im2col panel), a product that an
+                per panel (a conv's once per filter tap of its im2col panel, or once where it
+                reads a band: `conv_reads_band`), a product that an
                 epilogue reorders or pools materialized once
     unit        the instruction class the main loop uses: "tensor-core" (the library's GEMM/conv,
                 the `mma-*` skeletons), "cuda-core" (every other generated CUDA kernel),

@@ -497,23 +497,6 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
         }}
     }}
 }}
-/* a 1x1 conv's product C[M x N] (row stride ldc) = F[M x K] (filters, row stride lda, read in
-   place) x X[K x N] (the input's pixels, row stride ldx): per chunk of pixels (its K x chunk
-   panel within FS_BAND_CHUNK floats, in L2) X packed into FS_NR-wide panels (`bbuf`), then
-   `fs_gemm_rows` stores every tile straight into C's rows */
-static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
-                         const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0);
-static void fs_conv_1x1(long long M, long long N, long long K, const float* F, long long lda, const float* X,
-                        long long ldx, float* C, long long ldc) {{
-    long long nc = FS_BAND_CHUNK / K / FS_NR * FS_NR;
-    nc = nc < FS_NR ? FS_NR : nc;
-    float* xp = fs_scratch({SCRATCH_SLOTS.index("bbuf")}, sizeof(float) * nc * K);
-    for (long long n0 = 0; n0 < N; n0 += nc) {{
-        long long nn = N - n0 < nc ? N - n0 : nc;
-        fs_pack_b(K, nn, X + n0, ldx, 1, xp);
-        fs_gemm_rows(M, nn, K, F, lda, xp, C + n0, ldc, 0, 0, 0);
-    }}
-}}
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
    plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
    itself: the product added onto it; a residual): per panel of FS_MR rows of A, every B
@@ -541,6 +524,21 @@ static void fs_gemm_rows(long long M, long long N, long long K, const float* A, 
                 for (long long j = 0; j < nr; ++j)
                     c[i * ldc + j] = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
         }}
+    }}
+}}
+/* a 1x1 conv's product C[M x N] (row stride ldc) = F[M x K] (filters, row stride lda, read in
+   place) x X[K x N] (the input's pixels, row stride ldx): per chunk of pixels (its K x chunk
+   panel within FS_BAND_CHUNK floats, in L2) X packed into FS_NR-wide panels (`bbuf`), then
+   `fs_gemm_rows` stores every tile straight into C's rows */
+static void fs_conv_1x1(long long M, long long N, long long K, const float* F, long long lda, const float* X,
+                        long long ldx, float* C, long long ldc) {{
+    long long nc = FS_BAND_CHUNK / K / FS_NR * FS_NR;
+    nc = nc < FS_NR ? FS_NR : nc;
+    float* xp = fs_scratch({SCRATCH_SLOTS.index("bbuf")}, sizeof(float) * nc * K);
+    for (long long n0 = 0; n0 < N; n0 += nc) {{
+        long long nn = N - n0 < nc ? N - n0 : nc;
+        fs_pack_b(K, nn, X + n0, ldx, 1, xp);
+        fs_gemm_rows(M, nn, K, F, lda, xp, C + n0, ldc, 0, 0, 0);
     }}
 }}
 """

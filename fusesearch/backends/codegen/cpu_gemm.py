@@ -1,7 +1,8 @@
 """The packed CPU skeleton for gemm/conv (C only): blocks of output rows, each multiplied by our
 own micro-kernel over weights packed once or by a BLAS call, with the prologue packed into the
-activation panel and the epilogue on the tile in cache; implicit-GEMM conv through im2col panels;
-the depthwise loop; and the per-row fallback without a BLAS (`#else`).
+activation panel and the epilogue on the tile in cache; k x k convs over a zero-bordered band of
+their input, 1x1 convs through im2col panels or in place; the depthwise loop; and the per-row
+fallback without a BLAS (`#else`).
 
 Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
 6x16 AVX2/FMA micro-kernel (`fs_micro` in the C prelude, an AVX-512 branch where the CPU has it,
@@ -27,7 +28,16 @@ and for B computed in the group. Attention's keys (B transposed by strides) ran 
 BLAS with the k loop rolled; unrolled, the score groups (scale, mask and Softmax on the product)
 run 1.11-1.17x faster than through the BLAS at bert-small's, bert-base's, vit-small's and gpt2's
 shapes (interleaved medians), so they are packed per head too.
-Convs whose filters dwarf their activations also use ours: with the filters packed once per plan
+Every k x k conv with constant float32 filters (not depthwise-like: `schedule.conv_reads_band`)
+uses ours over a band: per block of output rows its input, prologue applied once per element,
+into a zero-bordered band, its taps packed per chunk of pixels straight from there into 6-pixel
+panels and multiplied by the filters packed once (`fs_conv_band`, `_band_fill`): against the
+im2col panel through the BLAS (written, then packed again by every sgemm), interleaved,
+1.07-1.15x at resnet's and U-Net's 3x3 stride-1 convs, 1.03-1.10x strided (the even floats of
+16 per tap), 0.91x at a 3-channel stem (27 taps: the transposed tile stores dominate). A 1x1
+stride-1 conv over few input channels (`rows_1x1`) packs its pixels per chunk and runs
+`fs_gemm_rows` over the filters in place (`fs_conv_1x1`).
+1x1 convs whose filters dwarf their activations also use ours: with the filters packed once per plan
 (`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
 computed as pixels x filters, each tile stored transposed into the channels x pixels block the
 epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 512 filters at
