@@ -13,8 +13,9 @@
    thread; target within 1.5x).
 5. Threads: a conv, a GEMM and a row kernel with 1 and 2 OpenMP threads (faster with 2, equal).
 1b. The GEMM main loop: our own packed, register-blocked micro-kernel (the C prelude's
-   fs_gemm_packed, weights packed once) against the BLAS the backend calls per block, and generated
-   convs both ways, to decide which the generated code uses where.
+   fs_gemm_rows / fs_gemm_packed, weights packed once) against the BLAS the backend calls per
+   block, and generated convs as generated (taps from the band, filters packed) against im2col
+   through the BLAS, to decide which the generated code uses where.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,1b,2,3,4,5] [--repeats 5]
         [--budget 0.2] [--models bert-small,resnet18]
@@ -228,8 +229,8 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
               f"GFLOP/s   rows {blas / rows:5.2f}x the BLAS   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean: fs_gemm_rows at {geo:.2f}x the BLAS's throughput")
-    print(f"   generated Conv+Relu, filters packed once vs the BLAS per block, interleaved (generated: what "
-          f"cpu_gemm.packs_filters picks, from {cpu_gemm.PACK_FILTER_FLOATS} filter floats):")
+    print("   generated Conv+Relu as generated (k x k: taps packed from the band, `fs_conv_band`; 1x1: filters packed "
+          f"once from {cpu_gemm.PACK_FILTER_FLOATS} floats, `fs_gemm_packed`, or the BLAS) vs im2col through the BLAS, interleaved:")
     pairs = []
     for label, cin, h, cout, kk, stride in PACK_CONVS:
         pad = kk // 2 if kk < stride * 2 else 0  # "same" for 1x1 and 3x3, none for a patch embedding
@@ -241,20 +242,22 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             onnx.save(model, str(Path(tmp) / "m.onnx"))
             g = prepare(str(Path(tmp) / "m.onnx")).graph
-        runs = []
-        for packs in (True, False):
-            rule, cpu_gemm.packs_filters = cpu_gemm.packs_filters, lambda *_, packs=packs: packs
-            kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
-            cpu_gemm.packs_filters = rule
-            if packs:
-                chosen = "packed" if rule(cout, cin * kk * kk, min(ho * ho, cpu_gemm.conv_block_rows(cout, cin * kk * kk, ho) * ho)) else "BLAS"
-            runs.append(cpu.runner(kernel, {"x": RNG.standard_normal((1, cin, h, h)).astype(np.float32), "w": w}))
-        pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, runs, chosen))
+        kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
+        body = kernel.c_source[kernel.c_source.index(f"void {kernel.name}("):]
+        chosen = "band" if "fs_conv_band(" in body else "packed" if "fs_gemm_packed(" in body else "BLAS"
+        rules = cpu_gemm.conv_reads_band, cpu_gemm.packs_filters
+        cpu_gemm.conv_reads_band = cpu_gemm.packs_filters = lambda *_: False
+        im2col = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
+        cpu_gemm.conv_reads_band, cpu_gemm.packs_filters = rules
+        x = RNG.standard_normal((1, cin, h, h)).astype(np.float32)
+        pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, [cpu.runner(k, {"x": x, "w": w}) for k in (kernel, im2col)],
+                      chosen))
     times = measure_interleaved([r for _, _, runs, _ in pairs for r in runs], budget_s=budget * repeats, rounds=repeats)
-    for i, (label, flops, _, chosen) in enumerate(pairs):
-        packed, blas = times[2 * i].median_s, times[2 * i + 1].median_s
-        print(f"   {label:38s} packed {flops / packed / 1e9:6.1f} GFLOP/s   BLAS {flops / blas / 1e9:6.1f} GFLOP/s   "
-              f"{blas / packed:5.2f}x   generated: {chosen}")
+    for i, (label, flops, runs, chosen) in enumerate(pairs):
+        ours, blas = times[2 * i].median_s, times[2 * i + 1].median_s
+        same = np.allclose(runs[0].buffers[-1], runs[1].buffers[-1], rtol=1e-4, atol=1e-4)
+        print(f"   {label:38s} generated ({chosen:6s}) {flops / ours / 1e9:6.1f} GFLOP/s   im2col + BLAS {flops / blas / 1e9:6.1f} "
+              f"GFLOP/s   {blas / ours:5.2f}x   outputs equal: {same}")
     # how the generated GEMM splits a product into BLAS calls (cpu_gemm.BLAS_TILE_FLOATS): each
     # call packs all of B, so a short last block costs a whole packing
     m, k, n = 128, 768, 2304
