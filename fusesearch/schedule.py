@@ -113,6 +113,12 @@ ALIAS = Schedule("alias", "alias", "none")
 PACKED = Schedule("generated", "packed", "cpu-simd", threads=1)  # a fused gemm/conv on a CPU
 
 
+def depthwise_like(in_per_group: int, out_per_group: int) -> bool:
+    """A C conv with one input channel and under 8 output channels per group: its own loop (the
+    depthwise loop, or per-pixel rows), never a GEMM over packed panels."""
+    return in_per_group == 1 and out_per_group < 8
+
+
 def conv_reads_band(graph: Graph, anchor: Node) -> bool:
     """Whether a fused 2-D conv with a k x k window (not 1 x 1) and float32 constant filters, not
     depthwise-like, is written (`packed`, C) over a zero-bordered band of its input: each input
@@ -124,9 +130,7 @@ def conv_reads_band(graph: Graph, anchor: Node) -> bool:
     if x.shape is None or w.shape is None or len(x.shape) != 4 or not w.constant or w.dtype != "float32":
         return False
     group = int(anchor.attrs.get("group", 1))
-    if x.shape[1] // group == 1 and w.shape[0] // group < 8:  # depthwise-like: its own loop
-        return False
-    return tuple(w.shape[2:]) != (1, 1)
+    return not depthwise_like(x.shape[1] // group, w.shape[0] // group) and tuple(w.shape[2:]) != (1, 1)
 
 
 def stride_blocks(elements: int) -> int:

@@ -82,7 +82,7 @@ from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived, conv_reads_band
+from fusesearch.schedule import anchor_derived, conv_reads_band, depthwise_like
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
@@ -199,7 +199,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
         return None
     x, w, xs, ws, ys, group, main, side = found
     cin_g, cout_g = xs[1] // group, ys[1] // group
-    if cin_g == 1 and cout_g < 8:  # depthwise-like: its own loop
+    if depthwise_like(cin_g, cout_g):  # its own loop
         return None
     e = _Emitter(graph, kernel, args)
     spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
