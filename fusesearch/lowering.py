@@ -24,7 +24,8 @@ a Softmax epilogue, a block per row with the product's row (and the exponentials
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
 a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a fused gemm/conv is
 `packed`, the C backend's form: prologues computed once per packed panel (a conv's once per tap
-of its im2col panel, once where it reads a band: `schedule.conv_reads_band`),
+of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
+scale, folded into the product, not at all: `schedule.folded_scale`),
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
@@ -67,6 +68,7 @@ from fusesearch.schedule import (
     anchor_derived,
     block_per_row,
     conv_reads_band,
+    folded_scale,
     grid_stride,
     has_gemm_view,
     mma,
@@ -572,8 +574,11 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     if host and anchor is not None:  # the C skeleton materializes the product: a pool after it
         # recomputes the epilogue per tap, never the anchor or its prologue
         per_tap = {i: f for i, f in per_tap.items() if i != anchor and not graph.reaches(i, anchor)}
+    fold = folded_scale(graph, {n.id for n in nodes}, graph.nodes[anchor]) if host and anchor is not None else None
     tc = scalar = trans = divisions = 0
     for n in nodes:
+        if fold is not None and n.id in fold[2]:  # a scale the C product takes as its alpha: no op runs
+            continue
         times = reloads.get(n.id, 1) * per_tap.get(n.id, 1.0)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
         trans += round(times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)))

@@ -43,7 +43,7 @@ checks it against ptxas for every zoo kernel).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from costmodels.kernel import UNITS
@@ -131,6 +131,38 @@ def conv_reads_band(graph: Graph, anchor: Node) -> bool:
         return False
     group = int(anchor.attrs.get("group", 1))
     return not depthwise_like(x.shape[1] // group, w.shape[0] // group) and tuple(w.shape[2:]) != (1, 1)
+
+
+def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[str, float, frozenset[int]] | None:
+    """Where a fused MatMul/Gemm's activation operand is a float32 tensor read in place times
+    scalar constants (Mul by one, Div by one: GELU's x 0.5 in front of a down-projection), the C
+    product (`packed`) folds the scale into itself — the BLAS's alpha, or the weights scaled as
+    they are packed — and reads the tensor in place, with no panel of A: (the tensor, the scale,
+    the folded nodes), charged nothing. None where a folded value is used elsewhere (another op
+    of the group, outside it) or the operand is anything else."""
+    if anchor.op_type not in ("MatMul", "Gemm") or (anchor.op_type == "Gemm" and (
+            int(anchor.attrs.get("transA", 0)) or float(anchor.attrs.get("alpha", 1.0)) != 1.0)):
+        return None
+    t, scale, folded, user = anchor.inputs[0], 1.0, [], anchor.id
+    while (p := graph.producer(t)) is not None and p in nodes:
+        n = graph.nodes[p]
+        if (n.op_type not in ("Mul", "Div") or len(n.inputs) != 2 or graph.is_output(t)
+                or graph.consumers(t) != (user,)):
+            return None
+        sides = (1,) if n.op_type == "Div" else (1, 0)
+        c = next((i for i in sides if (v := graph.constant_value(n.inputs[i])) is not None and v.size == 1), None)
+        other = n.inputs[1 - c] if c is not None else None
+        if other is None or graph.tensors[other].shape != graph.tensors[t].shape:
+            return None
+        v = float(graph.constant_value(n.inputs[c]).reshape(()))
+        if not math.isfinite(v) or v == 0.0:
+            return None
+        scale = scale / v if n.op_type == "Div" else scale * v
+        folded.append(p)
+        t, user = other, p
+    if not folded or graph.tensors[t].dtype != "float32" or not math.isfinite(scale) or scale == 0.0:
+        return None
+    return t, scale, frozenset(folded)
 
 
 def stride_blocks(elements: int) -> int:

@@ -16,7 +16,7 @@ from fusesearch.backends import cpu
 from fusesearch.backends.codegen import cpu_gemm, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.lowering import lower
+from fusesearch.lowering import lower, try_lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
 from tests.conftest import make_model, save
@@ -187,6 +187,30 @@ def test_one_row_products_are_matrix_vector_calls(tmp_path, blas, trans_b):
     gk = one_kernel(tmp_path, nodes, [("x", [1, 24, 1, 1])], [("out", None)],
                     [("w", _w([37, 24] if trans_b else [24, 37])), ("b", _w([37], 4))])
     assert "FS_BLAS_SGEMV(101" in gk.c_source
+
+
+@pytest.mark.parametrize("m,k,path", [(37, 40, ROWS), (37, 2100, BLAS), (1, 40, "FS_BLAS_SGEMV(")])
+def test_a_scalar_scale_on_the_activation_folds_into_the_product(tmp_path, blas, m, k, path):
+    """GELU's x 0.5 (and a Div by a constant) in front of a down-projection: the activation is read
+    in place (no panel of A) and the scale is folded into the product — into the weights as they
+    are packed once (our micro-kernel), or as the BLAS's alpha — and priced as no op on the host;
+    with the scaled value also a kernel output, nothing folds."""
+    nodes = [helper.make_node("Mul", ["x", "half"], ["xh"]), helper.make_node("Div", ["xh", "four"], ["xs"]),
+             helper.make_node("MatMul", ["xs", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"]),
+             helper.make_node("Add", ["z", "r"], ["out"])]
+    inits = [("half", np.float32(0.5)), ("four", np.float32(4.0)), ("w", _w([k, 21])), ("b", _w([21], 1))]
+    gk = one_kernel(tmp_path, nodes, [("x", [m, k]), ("r", [m, 21])], [("out", None)], inits,
+                    expect=path if blas == "blas" else None)
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    if blas == "blas":
+        assert "abuf" not in body
+        folded = (gk.packed[0].scale == 0.125 and "*= 0.125f;" in gk.c_source) if path == ROWS else ", 0.125f, " in body
+        assert folded
+    prep = prepare(str(tmp_path / "m.onnx"))
+    host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
+    assert host.scalar_flops == m * 21  # the residual (the bias is the canonical Gemm's C): the scale costs nothing
+    side = one_kernel(tmp_path, nodes, [("x", [m, k]), ("r", [m, 21])], [("out", None), ("xs", None)], inits)
+    assert not any(p.scale != 1.0 for p in side.packed) and ", 0.125f, " not in side.c_source
 
 
 def test_prologue_output_also_a_kernel_output(tmp_path, blas):

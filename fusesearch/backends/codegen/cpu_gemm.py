@@ -71,6 +71,7 @@ from fusesearch.backends.codegen.base import (
     PackedWeight,
     _flat_loop,
     _indent,
+    _lit,
     compute_dtype,
     load_expr,
     scratch,
@@ -82,22 +83,23 @@ from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived, conv_reads_band, depthwise_like
+from fusesearch.schedule import anchor_derived, conv_reads_band, depthwise_like, folded_scale
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
 
 def _packed(packs: dict, graph: Graph, args, w: str, layout: tuple[int, int, int, int], groups: int = 1,
-            group_stride: int = 0) -> str | None:
+            group_stride: int = 0, scale: float = 1.0) -> str | None:
     """The C name of weight `w` packed once as B panels (`PackedWeight`; layout (K, N, sk, sn)),
-    registered in `packs`; None unless `w` is a float32 constant kernel input."""
+    times `scale` (a folded scale), registered in `packs`; None unless `w` is a float32 constant
+    kernel input."""
     if w not in args or args[w].dtype != "float32" or not graph.tensors[w].constant:
         return None
     if w not in packs:
         k, n, sk, sn = layout
         floats = groups * -(-n // FS_NR) * FS_NR * k
         packs[w] = PackedWeight(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, k, n, sk, sn,
-                                groups, group_stride)
+                                groups, group_stride, scale)
     return packs[w].arg.name
 
 
@@ -775,9 +777,12 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     z_idx = e.unflatten("z", yshape[:-2])
     z_lines = e.lines
     e.lines = []
-    a, sa = anchor.inputs[0], graph.tensors[anchor.inputs[0]].shape
+    fold = folded_scale(graph, e.members, anchor)  # A = scale x a tensor read in place: the scale folds
+    a, sa = fold[0] if fold else anchor.inputs[0], graph.tensors[anchor.inputs[0]].shape
     a_in_place = (a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
                   and len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))))
+    scale = fold[1] if fold and a_in_place else 1.0  # the BLAS's alpha, or B scaled as it is packed
+    alpha = _lit(scale)
     a_ptr = f"{e.args[a].name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})" if a_in_place else "abuf"
     source = _b_source(graph, e.members, b) if packed_b and anchor.op_type == "MatMul" else None
     strided = _strided_b(graph, e, source, z_idx, sb, k_extent, n_extent) if source and source[2] else None
@@ -812,17 +817,20 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
            and m_extent >= FS_MR and n_extent >= FS_NR and anchor.op_type in ("MatMul", "Gemm"))
     pk = None
     if own and strided is None and len(sb) == 2:  # a constant B: packed once per plan
-        pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1))
+        pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1),
+                     scale=scale)
     elif own and strided is not None:  # a view of an input along N (attention's values) or along K
         # (its keys, read transposed): packed per block
         z_lines += [scratch("bbuf", f"{-(-n_extent // FS_NR) * FS_NR * k_extent}LL"),
                     f"fs_pack_b({k_extent}LL, {n_extent}LL, {b_ptr}, "
                     + (f"{ldb}LL, 1LL, bbuf);" if b_trans == 111 else f"1LL, {ldb}LL, bbuf);")]
+        if scale != 1.0:
+            z_lines += [f"for (long long i = 0; i < {-(-n_extent // FS_NR) * FS_NR * k_extent}LL; ++i) bbuf[i] *= {alpha};"]
         pk = "bbuf"
-    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
+    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
-            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, 1.0f, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);")
-    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, 1.0f, {a_ptr}, "
+            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);")
+    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, {alpha}, {a_ptr}, "
              f"{k_extent}, {b_ptr}, {ldb}, {beta}, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
     if pk is not None:  # our micro-kernel over B packed (once per plan, or per block), A's rows read in place
