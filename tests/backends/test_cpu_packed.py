@@ -326,6 +326,24 @@ def test_attention_scores_under_a_softmax(tmp_path, blas):
     assert "1LL, 16LL, bbuf);" in body and "fs_gemm_rows(" in body and "FS_BLAS_SGEMM(101" not in body
 
 
+@pytest.mark.parametrize("m", [3, 67])
+def test_queries_split_into_heads_are_read_in_place_by_their_strides(tmp_path, blas, m):
+    """Attention's queries as the projection left them (sequence x heads·dims, split into heads by
+    a Reshape and a Transpose in the group): A is read in place, its row stride the projection's
+    width, with no panel of A — by our micro-kernel from one full tile, else by the BLAS."""
+    nodes = [helper.make_node("Reshape", ["q", "shape"], ["q4"]), helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["qh", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["d"]),
+             helper.make_node("Softmax", ["d"], ["out"], axis=-1)]
+    gk = one_kernel(tmp_path, nodes, [("q", [1, m, 32]), ("k", [1, 2, 19, 16])], [("out", None)],
+                    [("c", np.float32(4.0)), ("shape", np.int64([1, m, 2, 16]))])
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    if blas == "blas":
+        q = next(a.name for a in gk.inputs if a.tensor == "q")
+        assert "abuf" not in body and f"{q} + ((z) * 16LL + 0LL + m0 * 32LL)" in body
+        assert ("fs_gemm_rows(" in body) == (m >= 6) and ("m0 * 32LL), 32" in body)
+
+
 def test_a_wide_product_goes_through_the_blas(tmp_path, blas):
     """An LM head's N (here 20000) is past what the row loops keep on the stack: the BLAS blocks
     with it, the generic loops without."""
