@@ -630,8 +630,9 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         e.acc_value = ""
         e.pop()
         init = _terms_in_place(args, anchor, ([anchor.inputs[2]] if gemm_c else []) + terms, yshape)
+    written = {o.tensor: o for o in side} if store is None else {}  # computed by c_side before the blocks
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
-                        packs, init)
+                        packs, init, written)
     if blas is not None and _OWN in "".join(blas):  # our micro-kernel over B packed once: no BLAS needed
         return [*c_side, *blas] if store is None else blas
     if store is not None:  # only the BLAS blocks, storing through the given strides
@@ -762,7 +763,8 @@ def _strided_a(graph: Graph, e: _Emitter, a: str, z_idx, sa, k_extent: int) -> t
 
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body,
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
-                 packs: dict | None = None, init: tuple[str, str] | None = None) -> list[str] | None:
+                 packs: dict | None = None, init: tuple[str, str] | None = None,
+                 written: dict | None = None) -> list[str] | None:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -781,6 +783,9 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note); there a
     prefill of terms read in place (`init`: a residual's and a bias row's arguments,
     `_terms_in_place`) is added by the micro-kernel at the store instead, with no prefill pass.
+    A that is also a kernel output (`written`: outputs the kernel's side loops store before the
+    blocks, as a LayerNorm's value that a residual reads later) is read back from there, its
+    prologue not computed twice.
     None where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
@@ -804,6 +809,11 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     alpha = _lit(scale)
     a_ptr = f"{e.args[a].name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})" if a_in_place else "abuf"
     lda = k_extent
+    stored_a = (written or {}).get(anchor.inputs[0])
+    if (not a_in_place and stored_a is not None and stored_a.dtype == "float32" and len(sa) >= 2
+            and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0)))):
+        a_ptr = f"{stored_a.name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})"
+        a_in_place = True
     if not a_in_place and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))):
         viewed = _strided_a(graph, e, a, z_idx, sa, k_extent)  # a view of an input (attention's queries)
         if viewed is not None:
