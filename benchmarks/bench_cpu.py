@@ -387,6 +387,11 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
                   f"{t['unfused_measured_s'] * 1e3:.2f} ms -> {t['speedup']:.2f}x (predicted {none.time_s / p.time_s:.2f}x); "
                   f"ONNX Runtime ENABLE_ALL whole model {ort_s * 1e3:.2f} ms: sum of our kernels "
                   f"{t['measured_s'] / ort_s:.2f}x of it (target <= 1.5x)")
+            anchors = math.fsum(m.measured_s for m in report.unfused if m.anchor is not None and m.timing is not None)
+            if anchors > 0:  # the most any fusion could gain: every op but the GEMMs/convs free
+                print(f"4. {name}: ceiling: the unfused graph's {sum(m.anchor is not None for m in report.unfused)} "
+                      f"GEMMs/convs alone take {anchors * 1e3:.2f} ms, so a plan that ran them at the library's "
+                      f"speed and everything else at no cost would be {t['unfused_measured_s'] / anchors:.2f}x unfused")
             print(f"4. {name}: predicted / measured by template: "
                   + "; ".join(f"{label} {_over(items)}" for label, items in (("plan", report.plan), ("unfused", report.unfused))))
     if "3" in sections and total:

@@ -769,7 +769,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
     applied are packed into a buffer (A read in place when it is a float32 kernel input with no
-    prologue), one sgemm multiplies them by B (a kernel input read in place,
+    prologue or a scalar scale the product folds, a view of one with unit stride along K:
+    `_strided_a`, or an output the side loops wrote: `written`), one sgemm multiplies them by B (a kernel input read in place,
     or, when the group computes it, packed per block) — an sgemv when the product has one row, which
     needs no packing — and the epilogue runs over the block's product while it is in cache, before
     the one store; where the product is the group's one output or a view of it (`direct`: its
