@@ -804,22 +804,19 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     e.lines = []
     fold = folded_scale(graph, e.members, anchor)  # A = scale x a tensor read in place: the scale folds
     a, sa = fold[0] if fold else anchor.inputs[0], graph.tensors[anchor.inputs[0]].shape
-    a_in_place = (a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
-                  and len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))))
+    by_rows = len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0)))
+    a_in_place = by_rows and a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
     scale = fold[1] if fold and a_in_place else 1.0  # the BLAS's alpha, or B scaled as it is packed
     alpha = _lit(scale)
-    a_ptr = f"{e.args[a].name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})" if a_in_place else "abuf"
-    lda = k_extent
-    stored_a = (written or {}).get(anchor.inputs[0])
-    if (not a_in_place and stored_a is not None and stored_a.dtype == "float32" and len(sa) >= 2
-            and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0)))):
-        a_ptr = f"{stored_a.name} + ({e.flat(e.broadcast(z_idx, sa[:-2]) + ('m0', '0'), sa)})"
-        a_in_place = True
-    if not a_in_place and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))):
-        viewed = _strided_a(graph, e, a, z_idx, sa, k_extent)  # a view of an input (attention's queries)
-        if viewed is not None:
-            a_ptr, lda = viewed
-            a_in_place = True
+    stored_a = (written or {}).get(anchor.inputs[0])  # an output the side loops wrote before the blocks
+    row_at = e.flat(e.broadcast(z_idx, sa[:-2]) + ("m0", "0"), sa)
+    a_ptr, lda = "abuf", k_extent
+    if a_in_place:
+        a_ptr = f"{e.args[a].name} + ({row_at})"
+    elif by_rows and stored_a is not None and stored_a.dtype == "float32":
+        a_ptr, a_in_place = f"{stored_a.name} + ({row_at})", True
+    elif by_rows and (viewed := _strided_a(graph, e, a, z_idx, sa, k_extent)) is not None:  # attention's queries
+        (a_ptr, lda), a_in_place = viewed, True
     source = _b_source(graph, e.members, b) if packed_b and anchor.op_type == "MatMul" else None
     strided = _strided_b(graph, e, source, z_idx, sb, k_extent, n_extent) if source and source[2] else None
     if strided is not None:  # a view of a kernel input (the keys of attention): the BLAS reads it by strides
