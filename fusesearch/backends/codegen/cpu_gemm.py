@@ -22,7 +22,8 @@ within a few percent of library + rest: the README's benchmark table). It has no
 (blocks of B's columns kept in L2 measured no faster inside the kernels); at gpt2's 768x2304
 QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x
 (as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072
-(the down-projections, GELU prologue) 0.90-0.97x, so the BLAS stays beyond `ROWS_MAX_K` and
+(the down-projections, GELU prologue) 0.90-0.97x (with GELU's x 0.5 folded and the activation
+read in place, within noise of the BLAS inside bert-base's kernel), so the BLAS stays beyond `ROWS_MAX_K` and
 `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding)
 and for B computed in the group. Attention's keys (B transposed by strides) ran 0.98-1.01x the
 BLAS with the k loop rolled; unrolled, the score groups (scale, mask and Softmax on the product)
@@ -655,7 +656,8 @@ BLAS_TILE_FLOATS = 1 << 21
 # GELU prologue 1.08x faster than through the BLAS (which packs its 2.4 MiB B again per call),
 # gpt2's 768x2304 QKV + Split 1.03-1.04x, its 768x3072 up-projection + bias 0.91-1.05x (within
 # the A/A spread of a later, busier run); at K = 3072
-# (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, so the BLAS stays there
+# (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, and within noise with GELU's
+# x 0.5 folded (`schedule.folded_scale`, the activation read in place), so the BLAS stays there
 ROWS_MAX_K = 2048
 ROWS_MAX_B_FLOATS = 1 << 22
 _OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
