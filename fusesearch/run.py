@@ -62,12 +62,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CPU_LIBRARY_ONLY, CodegenRefused, GeneratedKernel, generate
+from fusesearch.backends.cpu import ALIGN, aligned_array, aligned_empty
 from fusesearch.backends.library import host_binding, node_model
 from fusesearch.backends.timing import Timing
 from fusesearch.errors import BadInput, FusesearchError
 
-ALIGN = 64  # bytes: every arena tensor starts on a cache line
 TIMED = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
 _THREADS: dict = {}  # "before": (a loaded program library, OpenMP's thread count before any program set it)
 
@@ -178,8 +179,6 @@ def plan_arena(sizes: Mapping[str, int], lifetimes: Mapping[str, tuple[int, int]
 def _flags() -> tuple[list[str], list[str]]:
     """(compile flags, link flags) from the CPU backend: its CFLAGS and its extra flags (a BLAS,
     vector math), split into defines and libraries."""
-    from fusesearch.backends import cpu
-
     extra = cpu.link_flags()
     base = [f for f in cpu.CFLAGS if f != "-shared" and not f.startswith("-l")]
     defines = [f for f in extra if f.startswith(("-D", "-I"))]
@@ -188,8 +187,6 @@ def _flags() -> tuple[list[str], list[str]]:
 
 
 def _cc(args: list[str], what: str) -> None:
-    from fusesearch.backends import cpu
-
     cc = cpu.compiler()
     if cc is None:
         raise BadInput("--backend cpu: no C compiler found; install gcc or set CC")
@@ -214,8 +211,6 @@ def _object(source: str, name: str, flags: list[str], folder: Path) -> Path:
 
 def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDLL:
     """Compile every kernel (objects cached) and the driver, link them into one shared library."""
-    from fusesearch.backends import cpu
-
     compile_flags, link_flags = _flags()
     folder = cpu.cache_dir()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -279,9 +274,8 @@ class Layout:
     def _allocate(self, weights: Mapping[str, np.ndarray]) -> None:
         """The arena (aligned host memory) and the external arrays known so far (the weights)."""
         self.ext_arrays: dict[str, np.ndarray] = {t: weights[t] for t in self.ext_index if t in weights}
-        self._arena = np.zeros(self.peak_bytes + ALIGN, dtype=np.uint8)
-        start = (-self._arena.ctypes.data) % ALIGN
-        self.arena = self._arena[start:start + self.peak_bytes]
+        self.arena = aligned_empty(self.peak_bytes)
+        self.arena[...] = 0
 
     def view(self, t: str) -> np.ndarray:
         """The tensor as a numpy array over the program's memory (no copy)."""
@@ -328,7 +322,7 @@ class Program(Layout):
         self.threads = threads
         self._allocate(weights)
         # the weights kernels read packed: a buffer each after the external arrays, packed once below
-        self.packed = {(s.kernel.name, p.arg.name): np.empty(p.arg.shape, dtype=np.float32)
+        self.packed = {(s.kernel.name, p.arg.name): aligned_array(p.arg.shape, np.float32)
                        for s in self.steps if s.kernel is not None for p in s.kernel.packed}
         self.pk_index = {key: len(self.ext_index) + i for i, key in enumerate(self.packed)}
         self.ext = (ctypes.c_void_p * max(1, len(self.ext_index) + len(self.packed)))()
@@ -563,9 +557,9 @@ class HostDevice:
         return emulate.module(kernels)
 
     def alloc(self, nbytes: int) -> np.ndarray:
-        raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ALIGN
-        return raw[start:start + nbytes]
+        out = aligned_empty(nbytes)
+        out[...] = 0
+        return out
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.array(array, copy=True, order="C")

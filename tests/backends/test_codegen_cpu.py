@@ -180,9 +180,9 @@ def _math_sample() -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def _prelude_math():
-    """(x, fs_expf(x), libm expf(x), fs_erff(x), libm erff(x), -fs_erff(-x), the compiler's report
-    on the simd loop): ours through an `omp simd` loop compiled as kernels are, the C library's
-    through a plain loop (scalar libm)."""
+    """(x, fs_expf(x), libm expf(x), fs_erff(x), libm erff(x), -fs_erff(-x), fs_expf_le(x), the
+    compiler's report on the simd loop): ours through an `omp simd` loop compiled as kernels are,
+    the C library's through a plain loop (scalar libm)."""
     import ctypes
     import subprocess
     import tempfile
@@ -192,10 +192,12 @@ def _prelude_math():
 
     src = (_C_PRELUDE + "void ours(const float* x, float* e, float* r, long long n) {\n#pragma omp simd\n"
            "for (long long i = 0; i < n; ++i) { e[i] = fs_expf(x[i]); r[i] = fs_erff(x[i]); }\n}\n"
+           "void le(const float* x, float* e, long long n) {\n#pragma omp simd\n"
+           "for (long long i = 0; i < n; ++i) e[i] = fs_expf_le(x[i]);\n}\n"
            "void libm(const float* x, float* e, float* r, long long n) {\n"
            "for (long long i = 0; i < n; ++i) { e[i] = expf(x[i]); r[i] = erff(x[i]); }\n}\n")
     x = _math_sample()
-    outs = [np.empty_like(x) for _ in range(5)]
+    outs = [np.empty_like(x) for _ in range(6)]
     neg, scratch = -x, np.empty_like(x)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.c"
@@ -209,7 +211,8 @@ def _prelude_math():
         so.libm(ptr[0], ptr[2], ptr[4], ctypes.c_longlong(x.size))
         so.ours(neg.ctypes.data_as(ctypes.c_void_p), scratch.ctypes.data_as(ctypes.c_void_p), ptr[5],
                 ctypes.c_longlong(x.size))
-    return (x, *outs[:4], -outs[4], done.stderr)
+        so.le(ptr[0], ptr[6], ctypes.c_longlong(x.size))
+    return (x, *outs[:4], -outs[4], outs[5], done.stderr)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -228,6 +231,17 @@ def test_prelude_exp_matches_libm():
     assert (ours[np.isinf(ref)] == np.inf).all() and np.isinf(ref).sum() > 50_000
     assert np.isnan(ours[np.isnan(x)]).all() and np.isnan(x).sum() == 4
     assert (ours[x == 0] == 1).all()
+
+
+def test_prelude_bounded_exp_is_the_exp_below_its_overflow():
+    """fs_expf_le (a Softmax's exp of x - max(row)) equals fs_expf bit for bit wherever x <= 88
+    (where 2^round(x log2 e) is a float), 0 included below FLT_MIN; NaN for NaN of any payload."""
+    x, ours = _prelude_math()[:2]
+    le = _prelude_math()[6]
+    below = ~np.isnan(x) & (x <= 88)
+    assert below.sum() > 2_500_000 and (ours[below] == 0).sum() > 100_000
+    np.testing.assert_array_equal(le[below].view(np.uint32), ours[below].view(np.uint32))
+    assert np.isnan(le[np.isnan(x)]).all() and np.isnan(x).sum() == 4
 
 
 def test_prelude_erf_matches_libm():
@@ -271,7 +285,7 @@ def test_gelu_and_softmax_use_the_inline_math(tmp_path):
     gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     assert "erff(" not in body.replace("fs_erff(", "") and "expf(" not in body.replace("fs_expf(", "")
-    assert body.count("fs_expf(") == 1 and body.count("fs_erff(") >= 1 and body.count(" / ") == 1
+    assert body.count("fs_expf_le(") == 1 and body.count("fs_erff(") >= 1 and body.count(" / ") == 1
 
 
 def test_a_cached_row_is_read_back_by_every_later_pass(tmp_path):

@@ -212,6 +212,10 @@ _VECTOR_MATH = ("logf", "tanhf", "log1pf", "sinf", "cosf")
 #   float-to-int conversion), r = x - n ln 2 in two FMA steps (Cody-Waite), e^r a degree-5 minimax
 #   polynomial on [-ln2/2, ln2/2], n added to the result's exponent field; out-of-range inputs are
 #   selected afterwards, never clamped before (GCC threads a clamp pair into many selects).
+#   fs_expf_le: the same e^x for x <= 88 only (a Softmax's x - max(row), never above 0; Softplus's
+#   -|x|): no overflow select, 2^n (a float while n <= 127) applied by a multiply instead of an
+#   exponent add, so NaN of any payload stays NaN without a second select; equal to fs_expf bit
+#   for bit there (7% off a Softmax here).
 #   fs_erff: x P(x^2) / Q(x^2), P and Q of degree 5 (a relative minimax fit of erf on [0, 4]), x
 #   clamped first to +-3.6174.
 _C_MATH = """#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
@@ -231,6 +235,16 @@ static inline float fs_expf(float x) {
     float y = fs_float(fs_bits(FS_FMA(p, r * r, r) + 1.0f) + (fs_bits(t) << 23));
     y = x < -87.33654f ? 0.0f : y;
     return x <= 88.72283f ? y : x + INFINITY;
+}
+#pragma omp declare simd notinbranch
+static inline float fs_expf_le(float x) {
+    float t = FS_FMA(x, 1.4426950216293335f, 12582912.0f);
+    float n = t - 12582912.0f;
+    float r = FS_FMA(n, -1.428606765330187e-06f, FS_FMA(n, -0.693145751953125f, x));
+    float p = FS_FMA(FS_FMA(FS_FMA(0.008312525227665901f, r, 0.041890114545822144f), r, 0.16667114198207855f), r,
+                     0.499992311000824f);
+    float y = (FS_FMA(p, r * r, r) + 1.0f) * fs_float((fs_bits(t) + 127u) << 23);
+    return x < -87.33654f ? 0.0f : y;
 }
 #pragma omp declare simd notinbranch
 static inline float fs_erff(float x) {
@@ -591,7 +605,7 @@ _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#inc
               "#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
               "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n" + _C_MATH + _C_SCRATCH + "#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_max_threads(); }\n"
               "#else\nstatic inline long long fs_threads(void) { return 1; }\n#endif\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
-_CU_PRELUDE = ("#define fs_expf(x) expf(x)\n#define fs_erff(x) erff(x)\n#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
+_CU_PRELUDE = ("#define fs_expf(x) expf(x)\n#define fs_expf_le(x) expf(x)\n#define fs_erff(x) erff(x)\n#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
                "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n#define FS_SIMD_SUM(a)\n"
                "#define FS_FMAX(a, b) fmaxf(a, b)\n#define FS_FMIN(a, b) fminf(a, b)\n")
 

@@ -427,8 +427,8 @@ _UNARY.update({
     "Atan": "atanf({0})", "Atanh": "atanhf({0})", "Cosh": "coshf({0})", "Sinh": "sinhf({0})",
     "Tan": "tanf({0})", "IsNaN": "({0} != {0})", "BitwiseNot": "(~{0})", "Identity": "{0}",
     # softplus as max(x, 0) + log1p(exp(-|x|)): log1p(exp(x)) overflows to inf past x = 88
-    "Softplus": "(FS_FMAX({0}, 0.0f) + log1pf(fs_expf(-fabsf({0}))))",
-    "Mish": "({0} * tanhf(FS_FMAX({0}, 0.0f) + log1pf(fs_expf(-fabsf({0})))))",  # x·tanh(softplus(x))
+    "Softplus": "(FS_FMAX({0}, 0.0f) + log1pf(fs_expf_le(-fabsf({0}))))",
+    "Mish": "({0} * tanhf(FS_FMAX({0}, 0.0f) + log1pf(fs_expf_le(-fabsf({0})))))",  # x·tanh(softplus(x))
 })
 _BINARY.update({"BitwiseAnd": "({0} & {1})", "BitwiseOr": "({0} | {1})", "BitwiseXor": "({0} ^ {1})"})
 

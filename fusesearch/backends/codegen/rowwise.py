@@ -334,7 +334,7 @@ def _row_reduction(e, node, plan, at, cache: str) -> None:
         _row_loop(e, plan, at, "fmaxf({0}, {1})", "-INFINITY", acc, cache)
         e.count += 1
         total = f"s{e.count}"
-        _row_loop(e, plan, lambda j: f"fs_expf({at(j)} - {acc})", "{0} + {1}", "0.0f", total)
+        _row_loop(e, plan, lambda j: f"fs_expf_le({at(j)} - {acc})", "{0} + {1}", "0.0f", total)
         e.row_scalars[node.outputs[0]] = _scalar(e, plan, f"{acc} + logf({total})")
         return
     term, kind, result = _ROW_REDUCTIONS[node.op_type]
@@ -465,13 +465,13 @@ def _softmax(e, node, plan, at, cache: str) -> None:
     total = f"s{e.count}"
     softmax = node.op_type == "Softmax"
     # Softmax caches each exp on the sum's pass; a written output then costs one multiply per element
-    _row_loop(e, plan, lambda j: f"fs_expf({at(j)} - {mx})", "{0} + {1}", "0.0f", total,
+    _row_loop(e, plan, lambda j: f"fs_expf_le({at(j)} - {mx})", "{0} + {1}", "0.0f", total,
               exp_row(node.outputs[0]) if softmax else "")
     x = node.inputs[0]
     e.row_sources[node.outputs[0]] = x
     if softmax:  # one reciprocal per row, a multiply per element (its exp recomputed where uncached)
         inv = e.row_scalars[exp_row(node.outputs[0])] = _scalar(e, plan, f"1.0f / {total}")
-        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(fs_expf({xv or e.value(x, idx)} - {mx}) * {inv})"
+        e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"(fs_expf_le({xv or e.value(x, idx)} - {mx}) * {inv})"
     else:
         log_total = _scalar(e, plan, f"logf({total})")
         e.row_ops[node.outputs[0]] = lambda idx, xv=None: f"({xv or e.value(x, idx)} - {mx} - {log_total})"
