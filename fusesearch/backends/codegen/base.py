@@ -1,6 +1,8 @@
 """Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal, and
 the C/CUDA preludes every skeleton starts with (the C one with its own vectorizable exp and erf),
-and the packed GEMM a C kernel with packed weights includes: `fs_pack_b` (B in FS_NR-wide panels),
+and the packed GEMM a C kernel with packed weights includes: `fs_pack_b` (B in FS_NR-wide panels;
+B stored transposed, as attention's keys are, by 8 x 8 AVX2 transposes: an element-wise gather
+there cost 7% of a bert-small score kernel),
 the FS_MR x FS_NR micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or portable loops, by what the
 compiler targets; A by two strides, the tile at a row stride, plus a tile or a row added at the
 store where given), `fs_gemm_rows` (A by rows in place, C row-major: MatMul/Gemm) and
@@ -299,11 +301,40 @@ _C_PACKED_GEMM = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(_
 #include <immintrin.h>
 #endif
 enum {{ FS_MR = {FS_MR}, FS_NR = {FS_NR} }};
+#if defined(__AVX2__)
+/* dst[k * FS_NR + j] = src[j * sn + k] for an 8 x 8 block: eight rows of B^T in, eight panel rows out */
+static inline void fs_transpose8(const float* src, long long sn, float* dst) {{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + sn), r2 = _mm256_loadu_ps(src + 2 * sn);
+    __m256 r3 = _mm256_loadu_ps(src + 3 * sn), r4 = _mm256_loadu_ps(src + 4 * sn), r5 = _mm256_loadu_ps(src + 5 * sn);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * sn), r7 = _mm256_loadu_ps(src + 7 * sn);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+    __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + FS_NR, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * FS_NR, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * FS_NR, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * FS_NR, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * FS_NR, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
+}}
+#endif
 static void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
     for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
         float* dst = Bp + n0 * K;
         long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
-        for (long long k = 0; k < K; ++k) {{
+        long long k0 = 0;
+#if defined(__AVX2__)
+        if (sk == 1 && nr == FS_NR)  /* B stored transposed (attention's keys): 8 x 8 blocks */
+            for (; k0 + 8 <= K; k0 += 8)
+                for (long long j0 = 0; j0 < FS_NR; j0 += 8) fs_transpose8(B + k0 + (n0 + j0) * sn, sn, dst + k0 * FS_NR + j0);
+#endif
+        for (long long k = k0; k < K; ++k) {{
             long long j = 0;
             for (; j < nr; ++j) dst[k * FS_NR + j] = B[k * sk + (n0 + j) * sn];
             for (; j < FS_NR; ++j) dst[k * FS_NR + j] = 0.0f;
