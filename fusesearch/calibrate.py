@@ -14,7 +14,8 @@ Approach:
     measure              real data (ORT's tensors for seeded valid inputs, `verify.all_values`),
         │                the generated kernel on the backend (C/OpenMP with the device's thread
         │                count, or CUDA with an L2 flush per sample); R rounds over all kernels,
-        │                measured = the least of the rounds' medians (load only adds time)
+        │                measured = the least of the rounds' medians (load only adds time); on
+        │                the CPU each round's samples net of a null C call's median (as `measure`)
         ▼
     split by group       seeded per (seed, template): a fixed fraction of every template held out
         ▼
@@ -88,7 +89,7 @@ from costmodels.calibration import (
 )
 from costmodels.profile import default_versions, installed_versions
 from fusesearch.errors import BadInput
-from fusesearch.measure import max_rel_err
+from fusesearch.measure import CALL_FLOOR_S, max_rel_err
 
 log = logging.getLogger(__name__)
 
@@ -354,17 +355,20 @@ def _measure_all(candidates, preps, runner, model, device, seed, budget_s, max_k
     data: dict[str, _ModelData] = {}
     skipped: dict[str, int] = defaultdict(int)
     kept: list[tuple[Candidate, dict]] = []
+    call_s = _call_cost(runner, budget_s)
     for cand in candidates:  # round 1: build, probe, check against ORT, time
         if cand.model not in data:
             data[cand.model] = _ModelData(preps[cand.model], _model_values(preps[cand.model], seed))
         row = _first_round(cand, data[cand.model], runner, budget_s, max_kernel_s, skipped)
         if row is not None:
+            row["timings"] = [t.less(call_s, CALL_FLOOR_S) for t in row["timings"]]
             kept.append((cand, row))
         if progress:
             progress(cand)
     for _ in range(rounds - 1):  # later rounds, minutes apart for the same kernel
+        call_s = _call_cost(runner, budget_s)
         for cand, row in kept:
-            row["timings"].append(_time_round(cand, data[cand.model], runner, budget_s))
+            row["timings"].append(_time_round(cand, data[cand.model], runner, budget_s).less(call_s, CALL_FLOOR_S))
             if progress:
                 progress(cand)
     rows = []
@@ -430,6 +434,18 @@ def _finish_row(row: dict, *, rows_model: RooflineModel, cand: Candidate, device
                 "measured_s": min(medians)})
     row.update(_prediction_row(cand, rows_model, device))
     return row
+
+
+def _call_cost(runner, budget_s: float) -> float:
+    """On the CPU, the median of a C call that does nothing (`cpu.null_runner`), taken off each
+    kernel's samples in the round as `measure` does: a plan's program never calls its kernels
+    one by one through ctypes. 0 on a GPU (CUDA events time the kernel alone)."""
+    if runner is not _cpu_run:
+        return 0.0
+    from fusesearch.backends import cpu
+    from fusesearch.backends.timing import PerfCounterClock
+
+    return _timed(cpu.null_runner(), PerfCounterClock(), None, budget_s).median_s
 
 
 def _cpu_run(generated, inputs):

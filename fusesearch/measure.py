@@ -27,7 +27,11 @@ both. A CPU library call runs as ONNX Runtime runs the node inside the whole mod
 ONNX Runtime's fixed cost of one Run, which a whole-model run pays once, not per node, is taken
 off each of its samples: two null Runs (one Identity, a chain of them) are timed in the same
 rounds and `library.run_costs` reads the Run's cost and one trivial node's share from them; a
-sample never falls below that share. Every kernel of both is prepared (generated, compiled, run once and checked) first, then all
+sample never falls below that share. Likewise a generated CPU kernel is timed through a ctypes
+call from Python (about 1.5 us here) that a plan's program, one C call per segment of kernels,
+never pays per kernel: a C function that does nothing (`cpu.null_runner`) is timed in the same
+rounds and its median taken off each generated sample (at least CALL_FLOOR_S), so a plan of 32
+kernels is not credited with the calls of the 120 it replaces. Every kernel of both is prepared (generated, compiled, run once and checked) first, then all
 are timed together by `backends.timing.measure_interleaved` (perf_counter on CPU, CUDA events on
 GPU) in ROUNDS passes, each plan group next to the unfused kernels of its nodes: on a shared
 machine whose speed drifts over minutes, a fused kernel and what it replaces are still compared
@@ -190,23 +194,34 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
         from fusesearch.verify import omp_threads
 
         nulls = list(null_runs(omp_threads()))
-    timings = measure_interleaved([it.run for it in todo] + nulls, clock=runner.clock, budget_s=budget_s,
+    call = []  # a C call that does nothing, where a generated kernel is timed through ctypes
+    if backend == "cpu" and any(it.how == "generated" for it in todo):
+        from fusesearch.backends import cpu
+
+        call = [cpu.null_runner()]
+    timings = measure_interleaved([it.run for it in todo] + nulls + call, clock=runner.clock, budget_s=budget_s,
                                   rounds=ROUNDS, before_each=runner.before_each)
-    run_s = node_s = 0.0
+    run_s = node_s = call_s = 0.0
     if nulls:
         from fusesearch.backends.library import run_costs
 
-        run_s, node_s = run_costs(*(t.median_s for t in timings[len(todo):]))
+        run_s, node_s = run_costs(*(t.median_s for t in timings[len(todo):len(todo) + 2]))
+    if call:
+        call_s = timings[-1].median_s
     for it, timing in zip(todo, timings[:len(todo)], strict=True):
-        calls = len(it.group.kernel.nodes) if it.how in ("library", PER_NODE) and nulls else 0  # one Run each
-        it.timing = timing.less(run_s * calls, node_s * calls)
+        if it.how == "generated":  # the Python and ctypes cost of the call, which a program never pays
+            it.timing = timing.less(call_s, CALL_FLOOR_S)
+        else:
+            calls = len(it.group.kernel.nodes) if it.how in ("library", PER_NODE) and nulls else 0  # one Run each
+            it.timing = timing.less(run_s * calls, node_s * calls)
         if runner.cache and it.key:
-            runner.cache.put(it.key, timing)
+            runner.cache.put(it.key, it.timing)
     done = [tuple(runner.finish(items[label, g.id]) for g in p.groups) for label, p in (("plan", plan), ("unfused", unfused))]
     return MeasureReport(backend, runner.device, done[0], done[1], baseline)
 
 
 ROUNDS = 5  # passes over every kernel; each gets budget_s / ROUNDS per pass
+CALL_FLOOR_S = 1e-8  # a generated CPU kernel's sample net of the ctypes call: at least a C call
 
 
 def _paired_order(plan: Plan, unfused: Plan, items: dict) -> list[_Item]:
@@ -386,7 +401,7 @@ class _Runner:
                                    outputs) for node, outputs in calls], ""
 
     def _key(self, generated, shapes) -> str:
-        extra = f"budget={self.budget_s};flush={self.before_each is not None}"
+        extra = f"budget={self.budget_s};flush={self.before_each is not None};net of the call"
         if self.backend == "cpu":  # OpenMP's thread count changes a CPU kernel's time
             extra += f";omp_threads={os.environ.get('OMP_NUM_THREADS', '')}"
         return TimingCache.key(generated.source_hash, shapes, self.device, extra)

@@ -143,6 +143,27 @@ def _build(source: str, target: Path) -> None:
         os.replace(out, target)  # atomic: concurrent builders of the same source agree
 
 
+NULL_ARGS = 8  # the null kernel's pointer arguments (a generated kernel's typical count)
+
+
+def null_runner():
+    """A zero-argument callable that calls, as `runner`'s do, a C function of NULL_ARGS pointers
+    that does nothing: what timing a kernel through ctypes adds to each sample (about 1.5 us
+    here), which a plan's program (one C call per segment of kernels) never pays per kernel."""
+    source = "void fs_null(" + ", ".join(f"void* a{i}" for i in range(NULL_ARGS)) + ") {}\n"
+    fn = _load(source, hashlib.sha256(source.encode()).hexdigest()).fs_null
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * NULL_ARGS
+    buffer = aligned_array((16,), np.float32)
+    pointers = [buffer.ctypes.data_as(ctypes.c_void_p)] * NULL_ARGS
+
+    def go() -> None:
+        fn(*pointers)
+
+    go.buffers = [buffer]
+    return go
+
+
 def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run on host arrays keyed by tensor name; returns the outputs keyed by tensor name."""
     go = runner(kernel, inputs)

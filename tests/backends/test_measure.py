@@ -273,8 +273,8 @@ def test_each_plan_group_is_timed_beside_the_unfused_kernels_it_replaces(small_m
 def test_library_samples_are_taken_off_onnx_runtimes_fixed_run_cost(small_model, monkeypatch):
     """A library call's samples lose ONNX Runtime's fixed cost of a Run (`library.run_costs`, from
     the null runs timed among the kernels: paid once per model inside a whole-model run), never
-    below one trivial node's share; generated kernels are untouched. With a Run cost larger than
-    any sample every library row sits at the floor; with none, its own time shows."""
+    below one trivial node's share; generated kernels lose only the null C call's cost. With a Run
+    cost larger than any sample every library row sits at the floor; with none, its own time shows."""
     import fusesearch
     from fusesearch.backends import library
     from fusesearch.measure import measure_plan
@@ -297,6 +297,41 @@ def test_library_samples_are_taken_off_onnx_runtimes_fixed_run_cost(small_model,
     for k, timing in seen[10.0].items():
         assert set(timing.samples_s) == {3e-6}, k  # every sample at the floor
         assert seen[0.0][k].median_s > 3e-6, k  # the MatMul and MaxPool take longer than that alone
+
+
+def test_generated_samples_are_taken_off_the_cost_of_a_ctypes_call(small_model, monkeypatch):
+    """A generated CPU kernel's samples lose the median of a C call that does nothing
+    (`cpu.null_runner`, timed in the same rounds): a program calls its kernels from C, never
+    through ctypes one by one. With a null call slower than every kernel, every generated sample
+    sits at CALL_FLOOR_S; with the real one, each kernel keeps a positive time of its own, and
+    library rows are untouched by it."""
+    import time
+
+    import fusesearch
+    from fusesearch.backends import cpu
+    from fusesearch.measure import CALL_FLOOR_S, measure_plan
+    from fusesearch.pipeline import prepare
+
+    prep = prepare(small_model)
+    plan = fusesearch.plan(small_model, device="host", strategy="greedy", prepared=prep)
+    unfused = fusesearch.plan(small_model, device="host", strategy="none", prepared=prep)
+
+    def slow_null():
+        def go() -> None:
+            end = time.perf_counter() + 0.05
+            while time.perf_counter() < end:
+                pass
+        return go
+
+    real = measure_plan(prep, plan, unfused, "cpu", budget_s=0.01)
+    monkeypatch.setattr(cpu, "null_runner", slow_null)
+    slow = measure_plan(prep, plan, unfused, "cpu", budget_s=0.01)
+    gen = [(a, b) for a, b in zip((*real.plan, *real.unfused), (*slow.plan, *slow.unfused), strict=True)
+           if a.how == "generated"]
+    assert gen and all(set(b.timing.samples_s) == {CALL_FLOOR_S} for _, b in gen)
+    assert all(a.measured_s > CALL_FLOOR_S for a, _ in gen)
+    lib = [b for b in (*slow.plan, *slow.unfused) if b.how == "library"]
+    assert lib and all(m.measured_s > CALL_FLOOR_S for m in lib)
 
 
 def test_a_library_node_reads_the_models_weights_as_initializers(tmp_path):
