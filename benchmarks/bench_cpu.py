@@ -19,7 +19,7 @@
    through the BLAS, to decide which the generated code uses where.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,1b,2,3,4,5] [--repeats 5]
-        [--budget 0.2] [--models bert-small,resnet18]
+        [--budget 0.2] [--models bert-small,resnet18] [--plan-runs 3]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from costmodels.probes import measure_fma_peak
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.library import host_binding, null_runs, run_costs
@@ -349,9 +350,11 @@ def section_bandwidth(budget: float, repeats: int) -> None:
               f"({theirs / mine:4.2f}x ours)   max abs err {err:.1e}")
 
 
-def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
+def section_plans(models: list[str], budget: float, sections: set[str], runs: int = 1) -> None:
     """Sections 3 and 4 from one `measure` run per model (cpsat on host, lone anchors through the
-    library), with ONNX Runtime's whole-model time in the same run."""
+    library), with ONNX Runtime's whole-model time in the same run; section 4 then measures the
+    plan against the unfused graph `runs` - 1 more times and prints every run's speedup and their
+    median (one run's ratio moves by several percent with what the shared host does meanwhile)."""
     from fusesearch.api import plan as make_plan
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.measure import measure_plan
@@ -397,6 +400,20 @@ def section_plans(models: list[str], budget: float, sections: set[str]) -> None:
                 print(f"4. {name}: ceiling: the unfused graph's {sum(m.anchor is not None for m in report.unfused)} "
                       f"GEMMs/convs alone take {anchors * 1e3:.2f} ms, so a plan that ran them at the library's "
                       f"speed and everything else at no cost would be {t['unfused_measured_s'] / anchors:.2f}x unfused")
+                flops = {g.id: g.cost.flops for g in none.groups}
+                product_flops = math.fsum(flops[m.group] for m in report.unfused if m.anchor is not None)
+                peak = measure_fma_peak()[0]
+                if peak > 0:  # the bound no kernel can pass: the products' FLOPs at one core's FMA peak
+                    print(f"4. {name}: bound: those products' {product_flops / 1e6:.0f} MFLOP at this core's FMA peak "
+                          f"({peak / 1e9:.0f} GFLOP/s, measured now) take {product_flops / peak * 1e3:.2f} ms: a plan "
+                          f"running them at the peak and everything else at no cost would be "
+                          f"{t['unfused_measured_s'] * peak / product_flops:.2f}x unfused (ours takes {t['measured_s'] * 1e3:.2f} ms; "
+                          f"the bound is {product_flops / peak / t['measured_s']:.0%} of it)")
+            if runs > 1:
+                speedups = [t["speedup"]] + [measure_plan(prep, p, none, "cpu", budget_s=budget).totals()["speedup"]
+                                             for _ in range(runs - 1)]
+                print(f"4. {name}: plan vs unfused over {runs} runs: "
+                      f"{', '.join(f'{x:.2f}x' for x in speedups)}; median {statistics.median(speedups):.2f}x")
             print(f"4. {name}: predicted / measured by template: "
                   + "; ".join(f"{label} {_over(items)}" for label, items in (("plan", report.plan), ("unfused", report.unfused))))
     if "3" in sections and total:
@@ -459,6 +476,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--models", default="bert-small,resnet18")
+    parser.add_argument("--plan-runs", type=int, default=3, help="section 4: measure runs per model")
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit(f"no C compiler: {cpu.available().reason}")
@@ -473,7 +491,7 @@ def main() -> None:
     if "5" in sections:
         section_threads(args.budget, args.repeats)
     if sections & {"3", "4"}:
-        section_plans([m for m in args.models.split(",") if m], args.budget, sections)
+        section_plans([m for m in args.models.split(",") if m], args.budget, sections, args.plan_runs)
 
 
 if __name__ == "__main__":
