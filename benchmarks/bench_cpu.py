@@ -10,8 +10,11 @@
    separate kernels (measure's `fused_loses`). Target: fused wins in >= 90% of groups. The groups
    lost by less than TIE (2%, within a shared core's swing between rounds) are counted apart.
 4. Whole plans (cpsat on host): measured plan vs unfused (targets 1.3x bert-small, 1.1x
-   resnet18) and the sum of kernel times beside ONNX Runtime's whole-model time (ENABLE_ALL, one
-   thread; target within 1.5x).
+   resnet18), `--plan-runs` times each (every speedup and their median), and the sum of kernel
+   times beside ONNX Runtime's whole-model time (ENABLE_ALL, one thread; target within 1.5x).
+   Beside them two limits on the speedup: the ceiling (the unfused graph's GEMMs and convs at
+   the library's measured speed, everything else free) and the bound (their FLOPs at this core's
+   FMA peak, measured in the run, everything else free).
 5. Threads: a conv, a GEMM and a row kernel with 1 and 2 OpenMP threads (faster with 2, equal).
 1b. The GEMM main loop: our own packed, register-blocked micro-kernel (the C prelude's
    fs_gemm_rows / fs_gemm_packed, weights packed once) against the BLAS the backend calls per
