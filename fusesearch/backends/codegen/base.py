@@ -296,9 +296,35 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 # FMAs are in flight, summed at the store; elsewhere the same tile in plain loops the compiler
 # vectorizes. Only the AVX2 branch has run on hardware here: the AVX-512 one is checked with its
 # intrinsics replaced by plain C (tests/backends/test_cpu_packed.py) and runs wherever the CPU has it.
+
+def _avx512_tile(name: str, panels_of_a: int) -> str:
+    """The C of the AVX-512 tile `name`: panels_of_a x FS_MR rows of A (rows FS_MR.. from `ahi` where
+    there are two) times two packed B micro-panels, plus r0 and c0 where given, stored at tile."""
+    rows = panels_of_a * FS_MR
+    ahi = "const float* ahi, " if panels_of_a > 1 else ""
+    lines = [f"static inline void {name}(long long K, const float* a, {ahi}long long as, long long ak, const float* b,",
+             "        float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {",
+             "    const float* b2 = b + FS_NR * K;"]
+    lines += [f"    const float* a{i} = {'a' if i < FS_MR else 'ahi'} + {i % FS_MR} * as;" for i in range(rows)]
+    lines += [f"    __m512 x{i} = _mm512_setzero_ps(), y{i} = _mm512_setzero_ps();" for i in range(rows)]
+    lines += ["#pragma GCC unroll 4",
+              "    for (long long k = 0, q = 0; k < K; ++k, q += ak, b += FS_NR, b2 += FS_NR) {",
+              "        __m512 u = _mm512_loadu_ps(b), v = _mm512_loadu_ps(b2), s;"]
+    lines += [f"        s = _mm512_set1_ps(a{i}[q]); x{i} = _mm512_fmadd_ps(s, u, x{i}); y{i} = _mm512_fmadd_ps(s, v, y{i});"
+              for i in range(rows)]
+    lines += ["    }", "    if (r0) {", "        __m512 r = _mm512_loadu_ps(r0), t = _mm512_loadu_ps(r0 + FS_NR);"]
+    lines += [f"        x{i} = _mm512_add_ps(x{i}, r); y{i} = _mm512_add_ps(y{i}, t);" for i in range(rows)]
+    lines += ["    }", "    if (c0) {"]
+    lines += [f"        x{i} = _mm512_add_ps(x{i}, _mm512_loadu_ps(c0 + {i} * ldc0)); "
+              f"y{i} = _mm512_add_ps(y{i}, _mm512_loadu_ps(c0 + {i} * ldc0 + FS_NR));" for i in range(rows)]
+    lines += ["    }"]
+    lines += [f"    _mm512_storeu_ps(tile + {i} * ldt, x{i}); _mm512_storeu_ps(tile + {i} * ldt + FS_NR, y{i});"
+              for i in range(rows)]
+    return "\n".join([*lines, "}"]) + "\n"
+
 FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
 FS_MR = 6  # rows of A per micro-kernel tile (FS_MR x FS_NR accumulators in registers)
-_C_PACKED_GEMM = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+_C_PACKED_GEMM = (f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 enum {{ FS_MR = {FS_MR}, FS_NR = {FS_NR} }};
@@ -426,56 +452,22 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
             tile[i * ldt + j] = (sum[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
 #endif
 }}
-/* FS_PANELS adjacent B micro-panels (b, b + FS_NR * K, ...) against one A panel: an FS_MR x
-   (FS_PANELS * FS_NR) tile whose panel p lies at tile + p * FS_NR (c0 and r0 likewise). AVX-512:
-   two panels, twelve zmm accumulators, per k two loads and six broadcasts for twelve FMAs (a
-   single 16-wide panel needs a broadcast per FMA and is bound by the load ports); elsewhere one
-   panel, `fs_micro` itself */
+/* FS_PANELS adjacent B micro-panels (b, b + FS_NR * K, ...) against one A panel (`fs_micro_wide`)
+   or two (`fs_micro_tall`: rows FS_MR.. from ahi): an FS_MR (or 2 FS_MR) x (FS_PANELS * FS_NR)
+   tile whose panel p lies at tile + p * FS_NR (c0 and r0 likewise). AVX-512: two panels, a zmm
+   accumulator per row and panel (12 or 24), per k two loads and a broadcast per row for two FMAs
+   (a single 16-wide panel needs a broadcast per FMA and is bound by the load ports); elsewhere
+   one panel: `fs_micro` itself, twice for the tall tile */
 #if defined(__AVX512F__)
-enum {{ FS_PANELS = 2 }};
-static inline void fs_micro_wide(long long K, const float* a, long long as, long long ak, const float* b, float* tile,
-                                 long long ldt, const float* c0, long long ldc0, const float* r0) {{
-    const float *a0 = a, *a1 = a + as, *a2 = a + 2 * as, *a3 = a + 3 * as, *a4 = a + 4 * as, *a5 = a + 5 * as;
-    const float* b2 = b + FS_NR * K;
-    __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps(), x2 = _mm512_setzero_ps(), x3 = _mm512_setzero_ps();
-    __m512 x4 = _mm512_setzero_ps(), x5 = _mm512_setzero_ps(), y0 = _mm512_setzero_ps(), y1 = _mm512_setzero_ps();
-    __m512 y2 = _mm512_setzero_ps(), y3 = _mm512_setzero_ps(), y4 = _mm512_setzero_ps(), y5 = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (long long k = 0, q = 0; k < K; ++k, q += ak, b += FS_NR, b2 += FS_NR) {{
-        __m512 u = _mm512_loadu_ps(b), v = _mm512_loadu_ps(b2), s;
-        s = _mm512_set1_ps(a0[q]); x0 = _mm512_fmadd_ps(s, u, x0); y0 = _mm512_fmadd_ps(s, v, y0);
-        s = _mm512_set1_ps(a1[q]); x1 = _mm512_fmadd_ps(s, u, x1); y1 = _mm512_fmadd_ps(s, v, y1);
-        s = _mm512_set1_ps(a2[q]); x2 = _mm512_fmadd_ps(s, u, x2); y2 = _mm512_fmadd_ps(s, v, y2);
-        s = _mm512_set1_ps(a3[q]); x3 = _mm512_fmadd_ps(s, u, x3); y3 = _mm512_fmadd_ps(s, v, y3);
-        s = _mm512_set1_ps(a4[q]); x4 = _mm512_fmadd_ps(s, u, x4); y4 = _mm512_fmadd_ps(s, v, y4);
-        s = _mm512_set1_ps(a5[q]); x5 = _mm512_fmadd_ps(s, u, x5); y5 = _mm512_fmadd_ps(s, v, y5);
-    }}
-    if (r0) {{
-        __m512 r = _mm512_loadu_ps(r0), t = _mm512_loadu_ps(r0 + FS_NR);
-        x0 = _mm512_add_ps(x0, r); x1 = _mm512_add_ps(x1, r); x2 = _mm512_add_ps(x2, r);
-        x3 = _mm512_add_ps(x3, r); x4 = _mm512_add_ps(x4, r); x5 = _mm512_add_ps(x5, r);
-        y0 = _mm512_add_ps(y0, t); y1 = _mm512_add_ps(y1, t); y2 = _mm512_add_ps(y2, t);
-        y3 = _mm512_add_ps(y3, t); y4 = _mm512_add_ps(y4, t); y5 = _mm512_add_ps(y5, t);
-    }}
-    if (c0) {{
-        const float* c1 = c0 + FS_NR;
-        x0 = _mm512_add_ps(x0, _mm512_loadu_ps(c0)); y0 = _mm512_add_ps(y0, _mm512_loadu_ps(c1));
-        x1 = _mm512_add_ps(x1, _mm512_loadu_ps(c0 + ldc0)); y1 = _mm512_add_ps(y1, _mm512_loadu_ps(c1 + ldc0));
-        x2 = _mm512_add_ps(x2, _mm512_loadu_ps(c0 + 2 * ldc0)); y2 = _mm512_add_ps(y2, _mm512_loadu_ps(c1 + 2 * ldc0));
-        x3 = _mm512_add_ps(x3, _mm512_loadu_ps(c0 + 3 * ldc0)); y3 = _mm512_add_ps(y3, _mm512_loadu_ps(c1 + 3 * ldc0));
-        x4 = _mm512_add_ps(x4, _mm512_loadu_ps(c0 + 4 * ldc0)); y4 = _mm512_add_ps(y4, _mm512_loadu_ps(c1 + 4 * ldc0));
-        x5 = _mm512_add_ps(x5, _mm512_loadu_ps(c0 + 5 * ldc0)); y5 = _mm512_add_ps(y5, _mm512_loadu_ps(c1 + 5 * ldc0));
-    }}
-    float* t1 = tile + FS_NR;
-    _mm512_storeu_ps(tile, x0); _mm512_storeu_ps(t1, y0); _mm512_storeu_ps(tile + ldt, x1); _mm512_storeu_ps(t1 + ldt, y1);
-    _mm512_storeu_ps(tile + 2 * ldt, x2); _mm512_storeu_ps(t1 + 2 * ldt, y2);
-    _mm512_storeu_ps(tile + 3 * ldt, x3); _mm512_storeu_ps(t1 + 3 * ldt, y3);
-    _mm512_storeu_ps(tile + 4 * ldt, x4); _mm512_storeu_ps(t1 + 4 * ldt, y4);
-    _mm512_storeu_ps(tile + 5 * ldt, x5); _mm512_storeu_ps(t1 + 5 * ldt, y5);
-}}
-#else
-enum {{ FS_PANELS = 1 }};
+enum {{ FS_PANELS = 2, FS_TALL = 2 }};
+{{WIDE}}{{TALL}}#else
+enum {{ FS_PANELS = 1, FS_TALL = 1 }};
 #define fs_micro_wide fs_micro
+static inline void fs_micro_tall(long long K, const float* a, const float* ahi, long long as, long long ak, const float* b,
+                                 float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {{
+    fs_micro(K, a, as, ak, b, tile, ldt, c0, ldc0, r0);
+    fs_micro(K, ahi, as, ak, b, tile + FS_MR * ldt, ldt, c0 ? c0 + FS_MR * ldc0 : 0, ldc0, r0);
+}}
 #endif
 /* the FS_MR x FS_NR * panels tile (panels <= FS_PANELS; a last panel past N is zero padded) */
 static inline void fs_micro_span(int panels, long long K, const float* a, long long as, long long ak, const float* b,
@@ -519,7 +511,7 @@ static void fs_micro_tail(int R, long long K, const float* a, long long as, cons
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_MR - 1) / FS_MR * FS_MR) * K);
-    float tile[FS_MR * FS_PANELS * FS_NR];
+    float tile[FS_TALL * FS_MR * FS_PANELS * FS_NR];
     for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
         float* dst = ap + i0 * K;
         long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
@@ -537,12 +529,17 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
     for (long long n0 = 0; n0 < N; ) {{
         int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
         long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
-        for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
-            long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+        for (long long i0 = 0; i0 < M; ) {{
+            int tall = panels == FS_PANELS && M - i0 > (FS_TALL - 1) * FS_MR ? FS_TALL : 1;
+            long long mr = M - i0 < tall * FS_MR ? M - i0 : tall * FS_MR;
             float* c = C + n0 * ldc + i0;
-            fs_micro_span(panels, K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR);
+            if (tall > 1)
+                fs_micro_tall(K, ap + i0 * K, ap + (i0 + FS_MR) * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR, 0, 0, 0);
+            else
+                fs_micro_span(panels, K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR);
             for (long long j = 0; j < nr; ++j)
                 for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
+            i0 += tall * FS_MR;
         }}
         n0 += panels * FS_NR;
     }}
@@ -562,7 +559,7 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
     long long mc = FS_BAND_CHUNK / K / FS_MR * FS_MR;
     mc = mc < FS_MR ? FS_MR : mc > 16 * FS_MR ? 16 * FS_MR : mc;
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * (mc * K + 8));
-    float tile[FS_MR * FS_PANELS * FS_NR];
+    float tile[FS_TALL * FS_MR * FS_PANELS * FS_NR];
     for (long long m0 = 0; m0 < M; m0 += mc) {{
         long long mn = M - m0 < mc ? M - m0 : mc;
         for (long long t0 = 0; t0 < mn; t0 += FS_MR) {{
@@ -597,55 +594,74 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
         for (long long n0 = 0; n0 < N; ) {{
             int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
             long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
-            for (long long t0 = 0; t0 < mn; t0 += FS_MR) {{
-                long long mr = mn - t0 < FS_MR ? mn - t0 : FS_MR;
+            for (long long t0 = 0; t0 < mn; ) {{
+                int tall = panels == FS_PANELS && mn - t0 > (FS_TALL - 1) * FS_MR ? FS_TALL : 1;
+                long long mr = mn - t0 < tall * FS_MR ? mn - t0 : tall * FS_MR;
                 float* c = C + n0 * ldc + m0 + t0;
-                fs_micro_span(panels, K, ap + t0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR);
+                if (tall > 1)
+                    fs_micro_tall(K, ap + t0 * K, ap + (t0 + FS_MR) * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR, 0, 0, 0);
+                else
+                    fs_micro_span(panels, K, ap + t0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR);
                 for (long long j = 0; j < nr; ++j)
                     for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
+                t0 += tall * FS_MR;
             }}
             n0 += panels * FS_NR;
         }}
     }}
 }}
+/* fs_gemm_rows' tile of mr <= FS_MR rows (a, row stride lda) by one B micro-panel b, nr <= FS_NR of
+   its columns stored at c (plus r0 and c0 where given): a full tile straight into C, a partial one
+   through `tile` (the last M % FS_MR rows by `fs_micro_tail`, which computes only them) */
+static inline void fs_rows_tile(long long mr, long long nr, long long K, const float* a, long long lda, const float* b,
+                                float* c, long long ldc, const float* c0, long long ldc0, const float* r0) {{
+    float tile[FS_MR * FS_NR];
+    if (mr == FS_MR && nr == FS_NR) {{
+        fs_micro(K, a, lda, 1, b, c, ldc, c0, ldc0, r0);
+        return;
+    }}
+    if (mr == FS_MR)
+        fs_micro(K, a, lda, 1, b, tile, FS_NR, 0, 0, 0);
+    else
+        fs_micro_tail((int)mr, K, a, lda, b, tile);
+    for (long long i = 0; i < mr; ++i)
+        for (long long j = 0; j < nr; ++j)
+            c[i * ldc + j] = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
+}}
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
    plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
    itself: the product added onto it; a residual): per block of B's columns (their micro-panels
-   within FS_ROWS_B_BLOCK floats, in L2), per panel of FS_MR rows of A (in L1), every B micro-panel
-   of the block in turn (FS_PANELS at a time), each tile stored straight into C (a partial one
-   through `tile`; the last M % FS_MR rows by `fs_micro_tail`, which computes only them) */
+   within FS_ROWS_B_BLOCK floats, in L2), per FS_TALL panels of FS_MR rows of A (in L1), every B
+   micro-panel of the block in turn, FS_PANELS at a time where whole ones remain (the tile stored
+   straight into C), else one (`fs_rows_tile`) */
 enum {{ FS_ROWS_B_BLOCK = 65536 }};
 static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
                          const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
-    float tile[FS_MR * FS_NR];
     long long nc = FS_ROWS_B_BLOCK / K / (FS_PANELS * FS_NR) * (FS_PANELS * FS_NR);
     nc = nc < FS_PANELS * FS_NR ? FS_PANELS * FS_NR : nc;
     for (long long nb = 0; nb < N; nb += nc) {{
         long long ne = N - nb < nc ? N : nb + nc;
-        for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
-            long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+        for (long long i0 = 0; i0 < M; ) {{
+            long long tall = M - i0 >= FS_TALL * FS_MR ? FS_TALL : 1, mr = M - i0 < FS_MR ? M - i0 : FS_MR;
             const float* a = A + i0 * lda;
-            for (long long n0 = nb; n0 < ne; n0 += FS_NR) {{
-                long long nr = ne - n0 < FS_NR ? ne - n0 : FS_NR;
+            for (long long n0 = nb; n0 < ne; ) {{
                 float* c = C + i0 * ldc + n0;
                 const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
                 if (mr == FS_MR && FS_PANELS > 1 && ne - n0 >= FS_PANELS * FS_NR) {{
-                    fs_micro_wide(K, a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
-                    n0 += (FS_PANELS - 1) * FS_NR;
+                    if (tall > 1)
+                        fs_micro_tall(K, a, a + FS_MR * lda, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
+                    else
+                        fs_micro_wide(K, a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
+                    n0 += FS_PANELS * FS_NR;
                     continue;
                 }}
-                if (mr == FS_MR && nr == FS_NR) {{
-                    fs_micro(K, a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
-                    continue;
-                }}
-                if (mr == FS_MR)
-                    fs_micro(K, a, lda, 1, Bp + n0 * K, tile, FS_NR, 0, 0, 0);
-                else
-                    fs_micro_tail((int)mr, K, a, lda, Bp + n0 * K, tile);
-                for (long long i = 0; i < mr; ++i)
-                    for (long long j = 0; j < nr; ++j)
-                        c[i * ldc + j] = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
+                long long nr = ne - n0 < FS_NR ? ne - n0 : FS_NR;
+                for (long long h = 0; h < tall; ++h)
+                    fs_rows_tile(mr, nr, K, a + h * FS_MR * lda, lda, Bp + n0 * K, c + h * FS_MR * ldc, ldc,
+                                 c0 ? c0 + h * FS_MR * ldc0 : 0, ldc0, r0);
+                n0 += FS_NR;
             }}
+            i0 += tall * FS_MR;
         }}
     }}
 }}
@@ -664,7 +680,7 @@ static void fs_conv_1x1(long long M, long long N, long long K, const float* F, l
         fs_gemm_rows(M, nn, K, F, lda, xp, C + n0, ldc, 0, 0, 0);
     }}
 }}
-"""
+""").replace("{WIDE}", _avx512_tile("fs_micro_wide", 1)).replace("{TALL}", _avx512_tile("fs_micro_tall", 2))
 
 
 def scratch(name: str, floats: str) -> str:
