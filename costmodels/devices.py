@@ -521,7 +521,8 @@ def host_cpu() -> DeviceSpec:
     llc_bytes = caches[max(caches)] if caches else 8 * MIB
     core_cache_bytes = caches.get(2, caches.get(1, 256 * KIB))
     probe_bytes = min(probes.BANDWIDTH_PROBE_BYTES, max(probes.BANDWIDTH_PROBE_MIN_BYTES, 2 * llc_bytes))
-    key = f"{info.get('model name', 'unknown model')}; {cpus} threads; {probe_bytes // MIB} MiB"
+    key = (f"{info.get('model name', 'unknown model')}; {cpus} threads; {probe_bytes // MIB} MiB; "
+           f"probes v{probes.PROBES_VERSION}")
     measured = host_figures(key, probe_bytes, llc_bytes, core_cache_bytes, cpus)
     if measured.fma_flops_per_s_per_thread > 0:
         peak = cores * measured.fma_flops_per_s_per_thread
