@@ -633,7 +633,7 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     subprocess.run([cpu.compiler(), *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
     fn = ctypes.CDLL(str(lib))
     rng = np.random.default_rng(1)
-    for m, n, k in [(25, 30, 37), (6, 16, 1), (13, 40, 64)]:
+    for m, n, k in [(25, 30, 37), (6, 16, 1), (13, 40, 64), (9, 33, 5), (23, 64, 19)]:
         a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
         bp, c = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
         r = rng.standard_normal((m, n)).astype(np.float32)  # fs_gemm_rows adds the product onto it

@@ -484,6 +484,26 @@ static inline void fs_micro_tall(long long K, const float* a, const float* ahi, 
                                  float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {{
     fs_micro_x2(2 * FS_MR, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0);
 }}
+/* any 1 to 2 FS_MR rows of A read by rows (row stride as) times two B micro-panels, stored at c
+   (row stride ldc) plus r0 and c0: fs_gemm_rows' tiles, the last M % (2 FS_MR) rows included */
+static void fs_micro_rows2(int rows, long long K, const float* a, long long as, const float* b, float* c, long long ldc,
+                           const float* c0, long long ldc0, const float* r0) {{
+    const float* ahi = rows > FS_MR ? a + FS_MR * as : a;
+    switch (rows) {{
+    case 1: fs_micro_x2(1, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 2: fs_micro_x2(2, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 3: fs_micro_x2(3, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 4: fs_micro_x2(4, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 5: fs_micro_x2(5, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 6: fs_micro_x2(6, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 7: fs_micro_x2(7, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 8: fs_micro_x2(8, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 9: fs_micro_x2(9, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 10: fs_micro_x2(10, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 11: fs_micro_x2(11, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    default: fs_micro_x2(12, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    }}
+}}
 #else
 enum {{ FS_PANELS = 1, FS_TALL = 1 }};
 #define fs_micro_wide fs_micro
@@ -655,9 +675,10 @@ static inline void fs_rows_tile(long long mr, long long nr, long long K, const f
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
    plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
    itself: the product added onto it; a residual): per block of B's columns (their micro-panels
-   within FS_ROWS_B_BLOCK floats, in L2), per FS_TALL panels of FS_MR rows of A (in L1), every B
-   micro-panel of the block in turn, FS_PANELS at a time where whole ones remain (the tile stored
-   straight into C), else one (`fs_rows_tile`) */
+   within FS_ROWS_B_BLOCK floats, in L2), per FS_TALL panels of FS_MR rows of A (in L1; the last
+   M % (FS_TALL FS_MR) rows together), every B micro-panel of the block in turn: with AVX-512 two
+   at a time where whole ones remain (`fs_micro_rows2`, the tile stored straight into C), else
+   one (`fs_rows_tile`, per FS_MR rows) */
 enum {{ FS_ROWS_B_BLOCK = 65536 }};
 static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
                          const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
@@ -666,26 +687,25 @@ static void fs_gemm_rows(long long M, long long N, long long K, const float* A, 
     for (long long nb = 0; nb < N; nb += nc) {{
         long long ne = N - nb < nc ? N : nb + nc;
         for (long long i0 = 0; i0 < M; ) {{
-            long long tall = M - i0 >= FS_TALL * FS_MR ? FS_TALL : 1, mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+            long long rows = M - i0 < FS_TALL * FS_MR ? M - i0 : FS_TALL * FS_MR;
             const float* a = A + i0 * lda;
             for (long long n0 = nb; n0 < ne; ) {{
                 float* c = C + i0 * ldc + n0;
                 const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
-                if (mr == FS_MR && FS_PANELS > 1 && ne - n0 >= FS_PANELS * FS_NR) {{
-                    if (tall > 1)
-                        fs_micro_tall(K, a, a + FS_MR * lda, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
-                    else
-                        fs_micro_wide(K, a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
+#if defined(__AVX512F__)
+                if (ne - n0 >= FS_PANELS * FS_NR) {{
+                    fs_micro_rows2((int)rows, K, a, lda, Bp + n0 * K, c, ldc, c0, ldc0, r0);
                     n0 += FS_PANELS * FS_NR;
                     continue;
                 }}
+#endif
                 long long nr = ne - n0 < FS_NR ? ne - n0 : FS_NR;
-                for (long long h = 0; h < tall; ++h)
-                    fs_rows_tile(mr, nr, K, a + h * FS_MR * lda, lda, Bp + n0 * K, c + h * FS_MR * ldc, ldc,
-                                 c0 ? c0 + h * FS_MR * ldc0 : 0, ldc0, r0);
+                for (long long h = 0; h < rows; h += FS_MR)
+                    fs_rows_tile(rows - h < FS_MR ? rows - h : FS_MR, nr, K, a + h * lda, lda, Bp + n0 * K, c + h * ldc, ldc,
+                                 c0 ? c0 + h * ldc0 : 0, ldc0, r0);
                 n0 += FS_NR;
             }}
-            i0 += tall * FS_MR;
+            i0 += rows;
         }}
     }}
 }}
