@@ -609,8 +609,10 @@ static inline void _mm512_storeu_ps(float* p, fs_v16 a) { for (int i = 0; i < 16
 def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     """The packed GEMMs through each branch of their micro-kernel equal a float64 product at partial
     tiles and an odd K (`fs_gemm_packed`: A packed, C stored transposed; `fs_gemm_rows`: A read by
-    rows, added onto C in place, or stored plus a bias row and a residual): as this CPU compiles it (`-march=native`: AVX2 +
-    FMA here, AVX-512 where the CPU has it), the portable loops (no vector ISA named), and the
+    rows, added onto C in place, or stored plus a bias row and a residual; M of 6, 9, 13, 23
+    and 25 rows: tiles of 6 and 12 and last ones of 1, 9 and 11; N with a 32-wide pair, a partial
+    pair and a single 16-wide panel left): as this CPU compiles it (`-march=native`: AVX2 + FMA or
+    AVX-512, whichever it has), the portable loops (no vector ISA named), and the
     AVX-512 branch with its intrinsics replaced by plain C (`_AVX512_STAND_IN`), so its indexing is
     checked on a CPU without AVX-512 (and compiled with the real ones to zmm FMAs)."""
     from fusesearch.backends.codegen import base

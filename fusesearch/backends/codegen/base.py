@@ -5,8 +5,9 @@ B stored transposed, as attention's keys are, by 8 x 8 AVX2 transposes: an eleme
 there cost 7% of a bert-small score kernel),
 the FS_MR x FS_NR micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or portable loops, by what the
 compiler targets; A by two strides, the tile at a row stride, plus a tile or a row added at the
-store where given), `fs_gemm_rows` (A by rows in place, C row-major: MatMul/Gemm) and
-`fs_gemm_packed` (A packed, C transposed: conv).
+store where given) and, with AVX-512, the 6 or 12 x 32 tiles over two B panels (`fs_micro_x2`),
+`fs_gemm_rows` (A by rows in place, C row-major, B's columns in blocks that stay in L2:
+MatMul/Gemm) and `fs_gemm_packed` (A packed, C transposed: conv).
 
 Half precision (float16, bfloat16) is a storage type only: arithmetic is float32. A half value is
 widened where it is loaded (`load_expr`) and rounded to nearest even where it is stored
@@ -292,10 +293,19 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 # the k loop unrolled 4 times (`#pragma GCC unroll`): the same best time, but medians on this
 # shared VM 7-12% lower at every zoo GEMM shape (vit-small's 197x384x384 from 5% behind ONNX
 # Runtime's MLAS to 3-5% ahead; `benchmarks/bench_cpu.py --sections 1b`);
-# AVX-512, a row of the tile per zmm and two accumulator sets (even and odd k) so that twelve
-# FMAs are in flight, summed at the store; elsewhere the same tile in plain loops the compiler
-# vectorizes. Only the AVX2 branch has run on hardware here: the AVX-512 one is checked with its
-# intrinsics replaced by plain C (tests/backends/test_cpu_packed.py) and runs wherever the CPU has it.
+# AVX-512, the same 6 x 16 tile (a row per zmm, two accumulator sets over even and odd k) where one
+# B panel remains, and otherwise two B panels at once (`fs_micro_x2`: 6 or 12 rows x 32 columns,
+# a zmm accumulator per row and panel, two loads and a broadcast per row for two FMAs; the 6 x 16
+# tile needs a broadcast per FMA and is bound by the load ports): `fs_gemm_packed` and
+# `fs_conv_band` run 12 x 32 over two A panels, `fs_gemm_rows` 12 x 32 down to the last M % 12
+# rows in a tile of their own height (`fs_micro_rows2`), its k loop unrolled 8 times (4 left the
+# loop at 60-70% of the FMA peak, 8 at about 93%, 12 x 32 in L1). On one Ice Lake Xeon core
+# (AVX-512, 185 GFLOP/s FMA peak) this took `fs_gemm_rows` from 0.59x the BLAS (the 6 x 16 tile)
+# to 1.15-1.25x (`--sections 1b`, geometric mean over the zoo's shapes), the band convs from
+# 0.98-1.19x im2col + BLAS to 1.2-1.5x. Elsewhere the 6 x 16 tile in plain loops the compiler
+# vectorizes. The AVX2 and AVX-512 branches have both run on hardware (a Zen 3 and an Ice Lake
+# core); tests/backends/test_cpu_packed.py also runs the AVX-512 one with its intrinsics replaced
+# by plain C, so that its indexing is checked on a CPU without AVX-512.
 
 FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
 FS_MR = 6  # rows of A per micro-kernel tile (FS_MR x FS_NR accumulators in registers)

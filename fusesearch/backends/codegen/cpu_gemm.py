@@ -5,9 +5,13 @@ their input, 1x1 convs through im2col panels or in place; the depthwise loop; an
 fallback without a BLAS (`#else`).
 
 Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
-6x16 AVX2/FMA micro-kernel (`fs_micro` in the C prelude, an AVX-512 branch where the CPU has it,
-never timed here) over B packed once by `fs_pack_b`, against scipy-openblas32's sgemm (which packs
-B inside every call), at the zoo's GEMM shapes. MatMul/Gemm whose B is a constant float32 (packed
+micro-kernel (the C prelude's `fs_micro`, 6x16 with AVX2/FMA; with AVX-512 6 or 12 x 32 over two
+B panels, `fs_micro_x2`) over B packed once by `fs_pack_b`, against scipy-openblas32's sgemm
+(which packs B inside every call), at the zoo's GEMM shapes. The choices and figures below were
+made and measured on one Zen 3 core (AVX2); on an Ice Lake Xeon core (AVX-512) the same choices
+hold with a wider margin (`fs_gemm_rows` 1.15-1.25x the BLAS, the band convs 1.2-1.5x im2col +
+BLAS, the packed 1x1 convs 1.2-1.4x); the thresholds that leave the other 1x1 convs and the
+K = 3072 down-projections on the BLAS were not measured again there. MatMul/Gemm whose B is a constant float32 (packed
 once per plan) or a view of an input (attention's values along N and its keys along K, packed
 per block) use ours
 (`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output, at the merged
