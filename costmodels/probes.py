@@ -7,10 +7,12 @@ Approach: three short probes, each a lower bound on what the machine can do, tak
 a few timed passes:
 - `measure_copy_bandwidth(n, workers)`: a numpy copy of two n-byte arrays split across threads
   (STREAM's convention: read + write bytes); DRAM when n is well beyond the last-level cache.
-- `measure_cache_regime(...)`: the same copy at footprints from a few core caches up to the
-  last-level cache; the cache's rate is the best of them, and the footprint that still fits is the
-  largest one whose rate stays above the geometric mean of the cache's and DRAM's rates (on a VM
-  that shares its L3 this is well below the size the OS reports).
+- `measure_cache_regime(...)`: the same copy at footprints from half the threads' core caches
+  (L2) up to the last-level cache; the cache's rate is the best of them, and the footprint that
+  still fits is the largest one whose rate stays above the geometric mean of the cache's and
+  DRAM's rates (on a VM that shares its L3 this is well below the size the OS reports; where the
+  L3 is no faster than DRAM, as on an Ice Lake VM here, it is the L2s, so the small tensors of a
+  transformer at seq 128 are priced at the L2's rate rather than DRAM's, 2.7x apart on one thread).
 - `measure_fma_peak()`: a C loop of independent vector FMAs (GCC vector types, 12 accumulators,
   the widest vector `-march=native` offers) on one thread, compiled with the system's C compiler;
   0 when there is none. Where GCC prefers 256-bit vectors on an AVX-512 core (Ice Lake's
@@ -39,7 +41,7 @@ KIB = 1024
 MIB = 1024 * KIB
 # Part of the key a machine's figures are kept under: raised when a probe changes what it
 # measures, so that figures an older probe kept are measured again.
-PROBES_VERSION = 2
+PROBES_VERSION = 3
 
 # Copy used to measure DRAM bandwidth: each array is 2x the last-level cache (a streaming working
 # set larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
@@ -51,9 +53,9 @@ BANDWIDTH_PROBE_BUDGET_S = 0.4
 # Each timed pass of a small copy repeats it until about this many bytes have moved, so that the
 # thread pool's dispatch (tens of microseconds) is not what is timed.
 PASS_BYTES = 16 * MIB
-# The cache probe: a footprint (both arrays) from CACHE_PROBE_CORE_CACHES core caches up to the
-# last-level cache, doubling; each footprint gets CACHE_PROBE_BUDGET_S.
-CACHE_PROBE_CORE_CACHES = 4
+# The cache probe: a footprint (both arrays) from CACHE_PROBE_CORE_CACHES of each thread's core
+# cache up to the last-level cache, doubling; each footprint gets CACHE_PROBE_BUDGET_S.
+CACHE_PROBE_CORE_CACHES = 0.5
 CACHE_PROBE_BUDGET_S = 0.12
 # A cache at most this much faster than DRAM is not worth a regime of its own.
 CACHE_MIN_SPEEDUP = 1.25
@@ -162,7 +164,7 @@ def measure_cache_regime(llc_bytes: int, core_cache_bytes: int, dram_bytes_per_s
                          workers: int) -> tuple[float, int]:
     """(cache bytes/s, largest footprint in bytes that runs at it): (0, 0) when no footprint up to
     the last-level cache copies CACHE_MIN_SPEEDUP x faster than DRAM."""
-    footprint = CACHE_PROBE_CORE_CACHES * core_cache_bytes * max(1, workers)
+    footprint = int(CACHE_PROBE_CORE_CACHES * core_cache_bytes) * max(1, workers)
     rates: list[tuple[int, float]] = []
     while footprint <= llc_bytes:
         rates.append((footprint, measure_copy_bandwidth(footprint // 2, workers, CACHE_PROBE_BUDGET_S)))
