@@ -63,7 +63,7 @@ ROWS, BLAS = "fs_gemm_rows(", "FS_BLAS_SGEMM(101"
 
 @pytest.mark.parametrize("m,k,n,path", [(1, 1, 1, BLAS), (5, 1, 7, BLAS), (70, 33, 1, BLAS), (130, 17, 65, ROWS),
                                         (64, 64, 64, ROWS), (6, 1, 16, ROWS), (13, 1030, 20, ROWS),
-                                        (13, 2054, 20, BLAS), (8, 9, 18, ROWS), (9, 9, 18, ROWS), (10, 9, 18, ROWS),
+                                        (13, 3078, 20, ROWS), (13, 4102, 20, BLAS), (8, 9, 18, ROWS), (9, 9, 18, ROWS), (10, 9, 18, ROWS),
                                         (11, 9, 18, ROWS), (7, 1100, 1000, ROWS), (7, 2000, 2100, BLAS)])
 def test_matmul_bias_act_edges(tmp_path, blas, m, k, n, path):
     """M, N, K off the block size (the last M % FS_MR rows, 1 to 5, by `fs_micro_tail`); K = 1;

@@ -22,13 +22,15 @@ loop 0.98-1.06x the BLAS at bert-small's and vit-small's shapes (two runs) and 1
 over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at attention's context
 products with the values packed per head (against
 ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fused groups are
-within a few percent of library + rest: the README's benchmark table). It has no K or N blocking
-(blocks of B's columns kept in L2 measured no faster inside the kernels); at gpt2's 768x2304
+within a few percent of library + rest: the README's benchmark table). It had no K or N blocking
+then (blocks of B's columns kept in L2 measured no faster inside the kernels on Zen 3; they
+took 1b's bert-base shapes from 0.67x to 0.88x the BLAS on Ice Lake, so they are in); at gpt2's 768x2304
 QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x
 (as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072
 (the down-projections, GELU prologue) 0.90-0.97x (with GELU's x 0.5 folded and the activation
-read in place, within noise of the BLAS inside bert-base's kernel), so the BLAS stays beyond `ROWS_MAX_K` and
-`ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding)
+read in place, within noise of the BLAS inside bert-base's kernel; on an Ice Lake core, with
+the AVX-512 tiles and B's columns blocked in L2, 1.28x faster than the BLAS, so `ROWS_MAX_K` is
+now 4096). The BLAS stays beyond `ROWS_MAX_K` and `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding)
 and for B computed in the group. Attention's keys (B transposed by strides) ran 0.98-1.01x the
 BLAS with the k loop rolled; unrolled, the score groups (scale, mask and Softmax on the product)
 run 1.11-1.17x faster than through the BLAS at bert-small's, bert-base's, vit-small's and gpt2's
@@ -653,16 +655,20 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
 # `benchmarks/bench_cpu.py --sections 1b` times the three)
 BLAS_TILE_FLOATS = 1 << 21
 # C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`,
-# no K or N blocking) where K <= ROWS_MAX_K (a B micro-panel of FS_NR x K floats, 128 KiB at most,
-# stays in L2 while a row panel of A runs over it) and B has at most ROWS_MAX_B_FLOATS (each row
-# panel of A sweeps all of B). Generated both ways and timed interleaved (one Zen 3 core; the
+# B's columns in blocks kept in L2) where K <= ROWS_MAX_K (a pair of B micro-panels, 2 x FS_NR x K
+# floats, 512 KiB at most, stays in L2 while the row panels of A run over it) and B has at most
+# ROWS_MAX_B_FLOATS. ROWS_MAX_K was 2048 until the AVX-512 tiles and the column blocks: on one
+# Ice Lake core bert-base's 128x3072x768 down-projection group (GELU prologue, bias, residual) ran
+# 1.28x faster through ours than through the BLAS (6.37 against 8.31 ms, 5.32 against 6.80,
+# interleaved medians, `bench_cpu.py` section 3 had listed it losing to ONNX Runtime's MLAS by
+# more than 10% in every layer), so it is 4096; the Zen 3 figures below are from before. Generated both ways and timed interleaved (one Zen 3 core; the
 # gpt2 figures each beside an A/A pair of the same two kernels): vit-small's 197x1536x384 FFN down-projection with its
 # GELU prologue 1.08x faster than through the BLAS (which packs its 2.4 MiB B again per call),
 # gpt2's 768x2304 QKV + Split 1.03-1.04x, its 768x3072 up-projection + bias 0.91-1.05x (within
 # the A/A spread of a later, busier run); at K = 3072
 # (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, and within noise with GELU's
-# x 0.5 folded (`schedule.folded_scale`, the activation read in place), so the BLAS stays there
-ROWS_MAX_K = 2048
+# x 0.5 folded (`schedule.folded_scale`, the activation read in place)
+ROWS_MAX_K = 4096
 ROWS_MAX_B_FLOATS = 1 << 22
 _OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
 
