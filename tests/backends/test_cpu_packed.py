@@ -191,7 +191,7 @@ def test_one_row_products_are_matrix_vector_calls(tmp_path, blas, trans_b):
     assert "FS_BLAS_SGEMV(101" in gk.c_source
 
 
-@pytest.mark.parametrize("m,k,path", [(37, 40, ROWS), (37, 2100, BLAS), (1, 40, "FS_BLAS_SGEMV(")])
+@pytest.mark.parametrize("m,k,path", [(37, 40, ROWS), (37, 4200, BLAS), (1, 40, "FS_BLAS_SGEMV(")])
 def test_a_scalar_scale_on_the_activation_folds_into_the_product(tmp_path, blas, m, k, path):
     """GELU's x 0.5 (and a Div by a constant) in front of a down-projection: the activation is read
     in place (no panel of A) and the scale is folded into the product — into the weights as they
@@ -521,9 +521,10 @@ def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkey
 
 
 def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
-    """At the default threshold: resnet50's last-stage 1x1 conv (2048 filters of 512 taps, 49
-    pixels) packs its filters; the same conv over 64 filters at 56x56 calls the BLAS; every 3x3
-    conv packs them (its taps come from the band), large or small."""
+    """At the default thresholds: resnet50's last-stage 1x1 conv (2048 filters of 512 taps, 49
+    pixels) packs its filters, and so does mobilenetv2's 160 -> 96 at 7x7 (many taps, few
+    pixels); a 1x1 conv over 64 taps at 56x56 and one over 192 taps at 28x28 call the BLAS;
+    every 3x3 conv packs them (its taps come from the band), large or small."""
     def conv(xs, ws, k):
         nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[k, k], pads=[k // 2] * 4),
                  helper.make_node("Relu", ["y"], ["out"])]
@@ -534,9 +535,25 @@ def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
     assert gk.packed and "fs_gemm_packed(" in gk.c_source
     gk = conv([1, 64, 56, 56], [64, 64, 1, 1], 1)
     assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
+    # many taps over few pixels: packed however few the filters (PACK_MIN_TAPS, PACK_MAX_PIXELS)
+    gk = conv([1, 160, 7, 7], [96, 160, 1, 1], 1)
+    assert gk.packed and "fs_gemm_packed(" in gk.c_source
+    gk = conv([1, 192, 28, 28], [32, 192, 1, 1], 1)
+    assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
     for xs, ws in (([1, 512, 7, 7], [512, 512, 3, 3]), ([1, 64, 56, 56], [64, 64, 3, 3])):
         gk = conv(xs, ws, 3)
         assert gk.packed and "fs_conv_band(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
+
+
+def test_a_small_packed_1x1_conv_with_clip_and_residual(tmp_path, blas):
+    """A 1x1 conv over 160 taps at 7x7 to 40 filters (packed: PACK_MIN_TAPS), Clip, plus a
+    residual: equal to ONNX Runtime with and without a BLAS."""
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1]),
+             helper.make_node("Clip", ["y", "lo", "hi"], ["c"]), helper.make_node("Add", ["c", "r"], ["out"])]
+    inits = [("w", _w([40, 160, 1, 1])), ("lo", np.array(0.0, np.float32)), ("hi", np.array(6.0, np.float32))]
+    gk = one_kernel(tmp_path, nodes, [("x", [1, 160, 7, 7]), ("r", [1, 40, 7, 7])], [("out", None)], inits,
+                    expect="fs_gemm_packed(")
+    assert gk.packed
 
 
 @pytest.mark.parametrize("epilogue,additive", [("bias", True), ("residual", True), ("bias+residual", True), ("residual first", True),

@@ -51,7 +51,9 @@ epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 5
 7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran 1.14-1.35x faster than through
 the BLAS, which packs up to 9 MiB of filters again per block; below PACK_FILTER_FLOATS, or with
 fewer than twice as many filters as a block has pixels, the two were within noise (0.86-1.05x;
-U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS stays there (`packs_filters`).
+U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS stayed there; on an Ice
+Lake core, convs over at least 96 taps with blocks of at most 14 x 14 pixels ran 0.66-1.02x the
+BLAS's time packed (0.85-0.87x summed per model), so they are packed too (`packs_filters`).
 A scalar scale on a MatMul's activation (GELU's x 0.5 before a down-projection:
 `schedule.folded_scale`) is folded into the product, the weights scaled as they are packed or the
 BLAS's alpha, and the activation read in place: 194 -> 179 us at bert-small's 128x512x128.
@@ -167,6 +169,17 @@ CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole out
 # (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
 # the figures from `benchmarks/bench_cpu.py --sections 1b`)
 PACK_FILTER_FLOATS = 1 << 20
+# ... and so are those of a conv over at least PACK_MIN_TAPS taps whose blocks have at most
+# PACK_MAX_PIXELS pixels (14 x 14): each activation element then meets many filters, and the
+# filters packed again per BLAS call cost more than our panel of pixels packed per block. On one
+# Ice Lake core (AVX-512), fused 1x1 convs generated both ways and timed interleaved, the time
+# packed over the BLAS's: mobilenetv2's 0.66-0.91x at 7 x 7 (160 to 960 taps), 0.90-1.02x at
+# 14 x 14 (96 to 576 taps; 0.87x summed over its 16), resnet50's 14 x 14 0.71-0.97x (0.85x
+# summed), yolo-neck's 10 x 10 0.79-1.01x (0.86x); over 64 taps 1.13-1.39x and at 28 x 28
+# 1.18-1.22x, where the BLAS stays (on Zen 3, below the first rule, the two were within noise:
+# 0.86-1.05x)
+PACK_MIN_TAPS = 96
+PACK_MAX_PIXELS = 196
 # C conv: a 1x1 stride-1 conv over at most this many input channels, with at least twice as many
 # filters, packs its pixels per chunk and runs `fs_gemm_rows` over the filters in place
 # (`fs_conv_1x1`): 1.10-1.18x the BLAS at mobilenetv2's expansions (16->96 @112, 24->144 @56,
@@ -178,7 +191,8 @@ ROWS_1X1_MAX_TAPS = 64
 def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
     """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
     are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
-    return filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels
+    return ((filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels)
+            or (taps >= PACK_MIN_TAPS and block_pixels <= PACK_MAX_PIXELS))
 
 
 def rows_1x1(filters: int, taps: int) -> bool:
