@@ -523,11 +523,33 @@ static inline void fs_micro_tall(long long K, const float* a, const float* ahi, 
     fs_micro(K, ahi, as, ak, b, tile + FS_MR * ldt, ldt, c0 ? c0 + FS_MR * ldc0 : 0, ldc0, r0);
 }}
 #endif
-/* the FS_MR x FS_NR * panels tile (panels <= FS_PANELS; a last panel past N is zero padded) */
-static inline void fs_micro_span(int panels, long long K, const float* a, long long as, long long ak, const float* b,
-                                 float* tile, long long ldt) {{
-    if (panels == FS_PANELS) fs_micro_wide(K, a, as, ak, b, tile, ldt, 0, 0, 0);
-    else fs_micro(K, a, as, ak, b, tile, ldt, 0, 0, 0);
+/* C[n * ldc + i] = sum_k A[i][k] B[k][n] for M rows of A packed in FS_MR-row panels (ap: panel p
+   at ap + p * FS_MR * K, zero padded or repeating its last row) and N columns of B packed by
+   fs_pack_b: per FS_PANELS B micro-panels, per FS_TALL A panels, one tile, stored transposed (a
+   partial one its part; a last B panel past N is zero padded) */
+static void fs_packed_panels(long long M, long long N, long long K, const float* ap, const float* Bp, float* C,
+                             long long ldc) {{
+    float tile[FS_TALL * FS_MR * FS_PANELS * FS_NR];
+    for (long long n0 = 0; n0 < N; ) {{
+        int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
+        long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
+        for (long long i0 = 0; i0 < M; ) {{
+            int tall = panels == FS_PANELS && M - i0 > (FS_TALL - 1) * FS_MR ? FS_TALL : 1;
+            long long mr = M - i0 < tall * FS_MR ? M - i0 : tall * FS_MR;
+            float* c = C + n0 * ldc + i0;
+            const float *a = ap + i0 * K, *b = Bp + n0 * K;
+            if (tall > 1)
+                fs_micro_tall(K, a, a + FS_MR * K, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+            else if (panels == FS_PANELS)
+                fs_micro_wide(K, a, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+            else
+                fs_micro(K, a, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+            for (long long j = 0; j < nr; ++j)
+                for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
+            i0 += tall * FS_MR;
+        }}
+        n0 += panels * FS_NR;
+    }}
 }}
 /* the last R < FS_MR rows of A by rows (row stride as) times a packed B micro-panel: R x FS_NR
    sums into tile (row stride FS_NR), R FMAs per k pair rather than a zero-padded full tile's FS_MR
@@ -565,7 +587,6 @@ static void fs_micro_tail(int R, long long K, const float* a, long long as, cons
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_MR - 1) / FS_MR * FS_MR) * K);
-    float tile[FS_TALL * FS_MR * FS_PANELS * FS_NR];
     for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
         float* dst = ap + i0 * K;
         long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
@@ -580,23 +601,7 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
                 for (long long k = 0; k < K; ++k) dst[k * FS_MR + i] = src[i * am + k * ak];
         }}
     }}
-    for (long long n0 = 0; n0 < N; ) {{
-        int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
-        long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
-        for (long long i0 = 0; i0 < M; ) {{
-            int tall = panels == FS_PANELS && M - i0 > (FS_TALL - 1) * FS_MR ? FS_TALL : 1;
-            long long mr = M - i0 < tall * FS_MR ? M - i0 : tall * FS_MR;
-            float* c = C + n0 * ldc + i0;
-            if (tall > 1)
-                fs_micro_tall(K, ap + i0 * K, ap + (i0 + FS_MR) * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR, 0, 0, 0);
-            else
-                fs_micro_span(panels, K, ap + i0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR);
-            for (long long j = 0; j < nr; ++j)
-                for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
-            i0 += tall * FS_MR;
-        }}
-        n0 += panels * FS_NR;
-    }}
+    fs_packed_panels(M, N, K, ap, Bp, C, ldc);
 }}
 /* a conv over a zero-bordered band of its input (channels x rows x columns, prologue applied):
    C[n * ldc + p] = sum_k band[px(p) + off[k]] * B[k][n] for the M output pixels p of a block (rows
@@ -613,7 +618,6 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
     long long mc = FS_BAND_CHUNK / K / FS_MR * FS_MR;
     mc = mc < FS_MR ? FS_MR : mc > 16 * FS_MR ? 16 * FS_MR : mc;
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * (mc * K + 8));
-    float tile[FS_TALL * FS_MR * FS_PANELS * FS_NR];
     for (long long m0 = 0; m0 < M; m0 += mc) {{
         long long mn = M - m0 < mc ? M - m0 : mc;
         for (long long t0 = 0; t0 < mn; t0 += FS_MR) {{
@@ -645,23 +649,7 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
                     for (long long i = 0; i < FS_MR; ++i) dst[k * FS_MR + i] = band[px[i] + off[k]];
             }}
         }}
-        for (long long n0 = 0; n0 < N; ) {{
-            int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
-            long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
-            for (long long t0 = 0; t0 < mn; ) {{
-                int tall = panels == FS_PANELS && mn - t0 > (FS_TALL - 1) * FS_MR ? FS_TALL : 1;
-                long long mr = mn - t0 < tall * FS_MR ? mn - t0 : tall * FS_MR;
-                float* c = C + n0 * ldc + m0 + t0;
-                if (tall > 1)
-                    fs_micro_tall(K, ap + t0 * K, ap + (t0 + FS_MR) * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR, 0, 0, 0);
-                else
-                    fs_micro_span(panels, K, ap + t0 * K, 1, FS_MR, Bp + n0 * K, tile, FS_PANELS * FS_NR);
-                for (long long j = 0; j < nr; ++j)
-                    for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
-                t0 += tall * FS_MR;
-            }}
-            n0 += panels * FS_NR;
-        }}
+        fs_packed_panels(mn, N, K, ap, Bp, C + m0, ldc);
     }}
 }}
 /* fs_gemm_rows' tile of mr <= FS_MR rows (a, row stride lda) by one B micro-panel b, nr <= FS_NR of
