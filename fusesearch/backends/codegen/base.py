@@ -301,8 +301,8 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 # rows in a tile of their own height (`fs_micro_rows2`), its k loop unrolled 8 times (4 left the
 # loop at 60-70% of the FMA peak, 8 at about 93%, 12 x 32 in L1). On one Ice Lake Xeon core
 # (AVX-512, 185 GFLOP/s FMA peak) this took `fs_gemm_rows` from 0.59x the BLAS (the 6 x 16 tile)
-# to 1.15-1.25x (`--sections 1b`, geometric mean over the zoo's shapes), the band convs from
-# 0.98-1.19x im2col + BLAS to 1.2-1.5x. Elsewhere the 6 x 16 tile in plain loops the compiler
+# to 1.15-1.31x (`--sections 1b`, geometric mean over the zoo's shapes, four runs), the band
+# convs from 0.98-1.19x im2col + BLAS to 1.2-1.6x. Elsewhere the 6 x 16 tile in plain loops the compiler
 # vectorizes. The AVX2 and AVX-512 branches have both run on hardware (a Zen 3 and an Ice Lake
 # core); tests/backends/test_cpu_packed.py also runs the AVX-512 one with its intrinsics replaced
 # by plain C, so that its indexing is checked on a CPU without AVX-512.
@@ -445,7 +445,7 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
    one panel: `fs_micro` itself, twice for the tall tile */
 #if defined(__AVX512F__)
 enum {{ FS_PANELS = 2, FS_TALL = 2 }};
-/* rows (FS_MR or 2 FS_MR, a constant where inlined) of A, row i at a + i * as (ahi + (i - FS_MR)
+/* rows (1 to 2 FS_MR, a constant where inlined) of A, row i at a + i * as (ahi + (i - FS_MR)
    * as past FS_MR), moving by ak per k; the k loop unrolled 8 times: 4 left the inner loop at
    60-70% of the FMA peak, 8 at 93% (12 x 32 in L1, one Ice Lake core) */
 static inline __attribute__((always_inline)) void fs_micro_x2(int rows, long long K, const float* a, const float* ahi,
