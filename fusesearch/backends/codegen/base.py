@@ -437,14 +437,12 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
             tile[i * ldt + j] = (sum[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
 #endif
 }}
-/* FS_PANELS adjacent B micro-panels (b, b + FS_NR * K, ...) against one A panel (`fs_micro_wide`)
-   or two (`fs_micro_tall`: rows FS_MR.. from ahi): an FS_MR (or 2 FS_MR) x (FS_PANELS * FS_NR)
-   tile whose panel p lies at tile + p * FS_NR (c0 and r0 likewise). AVX-512: two panels, a zmm
-   accumulator per row and panel (12 or 24), per k two loads and a broadcast per row for two FMAs
-   (a single 16-wide panel needs a broadcast per FMA and is bound by the load ports); elsewhere
-   one panel: `fs_micro` itself, twice for the tall tile */
+/* FS_PANELS adjacent B micro-panels (b, b + FS_NR * K, ...) per tile. AVX-512: two, against 1 to
+   2 FS_MR rows of A (`fs_micro_x2`, `fs_micro_rows2`): a zmm accumulator per row and panel (up to
+   24), per k two loads and a broadcast per row for two FMAs (a single 16-wide panel needs a
+   broadcast per FMA and is bound by the load ports); elsewhere one: `fs_micro` */
 #if defined(__AVX512F__)
-enum {{ FS_PANELS = 2, FS_TALL = 2 }};
+enum {{ FS_PANELS = 2 }};
 /* rows (1 to 2 FS_MR, a constant where inlined) of A, row i at a + i * as (ahi + (i - FS_MR)
    * as past FS_MR), moving by ak per k; the k loop unrolled 8 times: 4 left the inner loop at
    60-70% of the FMA peak, 8 at 93% (12 x 32 in L1, one Ice Lake core) */
@@ -486,67 +484,55 @@ static inline __attribute__((always_inline)) void fs_micro_x2(int rows, long lon
         _mm512_storeu_ps(tile + i * ldt + FS_NR, y[i]);
     }}
 }}
-static inline void fs_micro_wide(long long K, const float* a, long long as, long long ak, const float* b, float* tile,
-                                 long long ldt, const float* c0, long long ldc0, const float* r0) {{
-    fs_micro_x2(FS_MR, K, a, a, as, ak, b, tile, ldt, c0, ldc0, r0);
-}}
-static inline void fs_micro_tall(long long K, const float* a, const float* ahi, long long as, long long ak, const float* b,
-                                 float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {{
-    fs_micro_x2(2 * FS_MR, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0);
-}}
-/* any 1 to 2 FS_MR rows of A read by rows (row stride as) times two B micro-panels, stored at c
-   (row stride ldc) plus r0 and c0: fs_gemm_rows' tiles, the last M % (2 FS_MR) rows included */
-static void fs_micro_rows2(int rows, long long K, const float* a, long long as, const float* b, float* c, long long ldc,
-                           const float* c0, long long ldc0, const float* r0) {{
-    const float* ahi = rows > FS_MR ? a + FS_MR * as : a;
+/* any 1 to 2 FS_MR rows of A (row i at a + i * as, past FS_MR at ahi + (i - FS_MR) * as, moving by
+   ak per k) times two B micro-panels, stored at tile (row stride ldt) plus r0 and c0: the
+   constant row count `fs_micro_x2` is inlined with, chosen at run time (fs_gemm_rows' last
+   M % (2 FS_MR) rows; 6 or 12 packed rows in fs_packed_panels) */
+static void fs_micro_rows2(int rows, long long K, const float* a, const float* ahi, long long as, long long ak,
+                           const float* b, float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {{
     switch (rows) {{
-    case 1: fs_micro_x2(1, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 2: fs_micro_x2(2, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 3: fs_micro_x2(3, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 4: fs_micro_x2(4, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 5: fs_micro_x2(5, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 6: fs_micro_x2(6, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 7: fs_micro_x2(7, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 8: fs_micro_x2(8, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 9: fs_micro_x2(9, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 10: fs_micro_x2(10, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    case 11: fs_micro_x2(11, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
-    default: fs_micro_x2(12, K, a, ahi, as, 1, b, c, ldc, c0, ldc0, r0); break;
+    case 1: fs_micro_x2(1, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 2: fs_micro_x2(2, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 3: fs_micro_x2(3, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 4: fs_micro_x2(4, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 5: fs_micro_x2(5, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 6: fs_micro_x2(6, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 7: fs_micro_x2(7, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 8: fs_micro_x2(8, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 9: fs_micro_x2(9, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 10: fs_micro_x2(10, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 11: fs_micro_x2(11, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    default: fs_micro_x2(12, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
     }}
 }}
 #else
-enum {{ FS_PANELS = 1, FS_TALL = 1 }};
-#define fs_micro_wide fs_micro
-static inline void fs_micro_tall(long long K, const float* a, const float* ahi, long long as, long long ak, const float* b,
-                                 float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {{
-    fs_micro(K, a, as, ak, b, tile, ldt, c0, ldc0, r0);
-    fs_micro(K, ahi, as, ak, b, tile + FS_MR * ldt, ldt, c0 ? c0 + FS_MR * ldc0 : 0, ldc0, r0);
-}}
+enum {{ FS_PANELS = 1 }};
 #endif
 /* C[n * ldc + i] = sum_k A[i][k] B[k][n] for M rows of A packed in FS_MR-row panels (ap: panel p
    at ap + p * FS_MR * K, zero padded or repeating its last row) and N columns of B packed by
-   fs_pack_b: per FS_PANELS B micro-panels, per FS_TALL A panels, one tile, stored transposed (a
-   partial one its part; a last B panel past N is zero padded) */
+   fs_pack_b: per FS_PANELS B micro-panels (a last one past N zero padded), per two A panels
+   with AVX-512 (one elsewhere), one tile, stored transposed (a partial one its part) */
 static void fs_packed_panels(long long M, long long N, long long K, const float* ap, const float* Bp, float* C,
                              long long ldc) {{
-    float tile[FS_TALL * FS_MR * FS_PANELS * FS_NR];
+    float tile[2 * FS_MR * FS_PANELS * FS_NR];
     for (long long n0 = 0; n0 < N; ) {{
         int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
         long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
         for (long long i0 = 0; i0 < M; ) {{
-            int tall = panels == FS_PANELS && M - i0 > (FS_TALL - 1) * FS_MR ? FS_TALL : 1;
-            long long mr = M - i0 < tall * FS_MR ? M - i0 : tall * FS_MR;
-            float* c = C + n0 * ldc + i0;
             const float *a = ap + i0 * K, *b = Bp + n0 * K;
-            if (tall > 1)
-                fs_micro_tall(K, a, a + FS_MR * K, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
-            else if (panels == FS_PANELS)
-                fs_micro_wide(K, a, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
-            else
+            long long rows = FS_MR;
+#if defined(__AVX512F__)
+            if (panels == FS_PANELS) {{
+                rows = M - i0 > FS_MR ? 2 * FS_MR : FS_MR;
+                fs_micro_rows2((int)rows, K, a, a + FS_MR * K, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+            }} else
+#endif
                 fs_micro(K, a, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+            long long mr = M - i0 < rows ? M - i0 : rows;
+            float* c = C + n0 * ldc + i0;
             for (long long j = 0; j < nr; ++j)
                 for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
-            i0 += tall * FS_MR;
+            i0 += rows;
         }}
         n0 += panels * FS_NR;
     }}
@@ -673,8 +659,8 @@ static inline void fs_rows_tile(long long mr, long long nr, long long K, const f
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
    plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
    itself: the product added onto it; a residual): per block of B's columns (their micro-panels
-   within FS_ROWS_B_BLOCK floats, in L2), per FS_TALL panels of FS_MR rows of A (in L1; the last
-   M % (FS_TALL FS_MR) rows together), every B micro-panel of the block in turn: with AVX-512 two
+   within FS_ROWS_B_BLOCK floats, in L2), per FS_PANELS panels of FS_MR rows of A (in L1; the last
+   M % (FS_PANELS FS_MR) rows together), every B micro-panel of the block in turn: with AVX-512 two
    at a time where whole ones remain (`fs_micro_rows2`, the tile stored straight into C), else
    one (`fs_rows_tile`, per FS_MR rows) */
 enum {{ FS_ROWS_B_BLOCK = 65536 }};
@@ -685,14 +671,14 @@ static void fs_gemm_rows(long long M, long long N, long long K, const float* A, 
     for (long long nb = 0; nb < N; nb += nc) {{
         long long ne = N - nb < nc ? N : nb + nc;
         for (long long i0 = 0; i0 < M; ) {{
-            long long rows = M - i0 < FS_TALL * FS_MR ? M - i0 : FS_TALL * FS_MR;
+            long long rows = M - i0 < FS_PANELS * FS_MR ? M - i0 : FS_PANELS * FS_MR;  /* 12 rows with AVX-512 */
             const float* a = A + i0 * lda;
             for (long long n0 = nb; n0 < ne; ) {{
                 float* c = C + i0 * ldc + n0;
                 const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
 #if defined(__AVX512F__)
                 if (ne - n0 >= FS_PANELS * FS_NR) {{
-                    fs_micro_rows2((int)rows, K, a, lda, Bp + n0 * K, c, ldc, c0, ldc0, r0);
+                    fs_micro_rows2((int)rows, K, a, rows > FS_MR ? a + FS_MR * lda : a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
                     n0 += FS_PANELS * FS_NR;
                     continue;
                 }}
