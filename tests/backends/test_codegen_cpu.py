@@ -392,3 +392,55 @@ def test_long_row_reductions_keep_partial_results(tmp_path):
         assert body.count(f"[{C_PARTIALS}];") == (4 if partial else 0)  # mean, variance, max, sum
         if partial:
             assert body.count("for (long long j = 96LL; j < 100LL; ++j)") == 4
+
+
+def _body(prep) -> str:
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    return gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+
+
+def test_trailing_dims_merge_into_one_loop_where_no_load_divides(tmp_path):
+    """Add + Relu over 4x8x5x6: with a per-channel bias (8x1x1) the 5x6 plane is one loop of 30
+    (rows 4 x 8 = 32, at least MERGE_MIN_ROWS), the bias read per row and the element loads at the
+    flat column, no division; a bias along the last dim (6) would need j % 6, so that loop stays
+    over the last dim. Both equal ONNX Runtime."""
+    from fusesearch.backends.codegen.pointwise import MERGE_MIN_ROWS
+
+    assert 4 < MERGE_MIN_ROWS <= 32
+    rng = np.random.default_rng(0)
+    for bias, inner in (((8, 1, 1), 30), ((6,), 6)):
+        nodes = [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+        prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [4, 8, 5, 6])], [("y", None)],
+                                        [("b", rng.standard_normal(bias).astype(np.float32))])
+        loops = _loop_bodies(_body(prep), "j")
+        assert len(loops) == 1 and f"j < {inner}LL" in _body(prep)
+        assert "/" not in loops[0] and "%" not in loops[0]
+
+
+def test_outputs_past_the_threshold_stream_their_stores(tmp_path, monkeypatch):
+    """With STREAM_MIN_BYTES at 0 every float32 output streams (`fs_stream`, a fence per thread):
+    a pointwise group over rows of 111 floats (lines split at both ends), a LayerNorm over rows of
+    300 (a whole chunk of STREAM_CHUNK and a partial one) and a Softmax over rows of 40, with a
+    side output; all equal ONNX Runtime. At the real threshold a 1 MiB output stores plainly and a
+    16 MiB one streams."""
+    from fusesearch.backends.codegen import base
+
+    assert base.STREAM_CHUNK < 300
+    rng = np.random.default_rng(0)
+    cases = [([helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Sigmoid", ["a"], ["y"])],
+              [20, 37, 3], [("b", rng.standard_normal((20, 1, 1)).astype(np.float32))]),
+             ([helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)], [7, 300],
+              [("g", rng.standard_normal(300).astype(np.float32)), ("b", rng.standard_normal(300).astype(np.float32))]),
+             ([helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Softmax", ["m"], ["y"], axis=-1)], [9, 40],
+              [("s", np.float32(4.0))])]
+    with monkeypatch.context() as patch:
+        patch.setattr(base, "STREAM_MIN_BYTES", 0)
+        for nodes, shape, inits in cases:
+            outputs = [("y", None), ("m", None)] if any(n.op_type == "Softmax" for n in nodes) else [("y", None)]
+            body = _body(whole_graph_as_one_group(tmp_path, nodes, [("x", shape)], outputs, inits))
+            assert "fs_stream(out" in body and body.count("fs_stream_fence();") == 1
+            assert shape[0] != 20 or "j0 < 111LL" in body
+    add = [helper.make_node("Add", ["x", "x"], ["y"])]
+    assert "fs_stream(" not in _body(whole_graph_as_one_group(tmp_path, add, [("x", [256, 1024])], [("y", None)]))
+    big = _body(whole_graph_as_one_group(tmp_path, add, [("x", [16, 256, 1024])], [("y", None)]))
+    assert "fs_stream(out0" in big and "fs_prefetch_ahead(in0" in big

@@ -1,10 +1,14 @@
 """The pointwise skeleton: one loop per output, O[i] = value(O, unflatten(i)). C: a loop nest
-parallel over the leading dims and vectorized over the last (`omp simd`, the row index hoisted;
-a pool's output in separable row passes, under another pool the last dim split into border and
-interior columns); CUDA: a grid-stride loop.
+parallel over the leading dims and vectorized over the trailing ones (`omp simd`; the row index
+hoisted; trailing dims merged into one loop where no load divides its index; a pool's output in
+separable row passes, under another pool the last dim split into border and interior columns;
+an output past STREAM_MIN_BYTES written with streaming stores); CUDA: a grid-stride loop.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 from fusesearch.backends.codegen.base import (
     _CU_PRELUDE,
@@ -13,7 +17,10 @@ from fusesearch.backends.codegen.base import (
     _indent,
     _signature,
     c_function,
+    parallel_rows,
     store,
+    streamed_loop,
+    streams,
 )
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pool_rows import _pool_rows
@@ -53,22 +60,34 @@ def _pointwise_loops(graph, kernel, args, outs, materialized=frozenset()) -> tup
 
 
 def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
-    """C loops for one output: rows (all dims but the last) in parallel, the last dim innermost.
-    A pool's own output is computed in separable row passes (`pool_rows`); under other pools of
-    the output's width in the group, the column loop is split into the border columns (taps
-    clamped and bounded) and the interior, where no window crosses the input's edge and the taps
-    are plain strided loads."""
+    """C loops for one output: rows in parallel, the innermost loop over the output's trailing
+    dims merged (`_merged_body`), else its last dim. A pool's own output is computed in separable
+    row passes (`pool_rows`); under other pools of the output's width in the group, the column loop
+    is split into the border columns (taps clamped and bounded) and the interior, where no window
+    crosses the input's edge and the taps are plain strided loads. A float32 output of
+    STREAM_MIN_BYTES or more streams its stores (`streamed_loop`)."""
     pool_rows = _pool_rows(graph, kernel, args, out, materialized)
     if pool_rows is not None:
         return pool_rows
     inner = out.shape[-1] if out.shape else 1
+    pools, lo, hi = _pool_interior(graph, kernel, inner)
+    merged = None if pools else _merged_body(graph, kernel, args, out, materialized)
+    if merged is not None:
+        rows, inner, head, body, v = merged
+        if streams(out) and _flat_loop(body):
+            ahead = [a.name for a in kernel_inputs(args, out)]
+            loop = streamed_loop(out, f"o * {inner}LL", inner, body, v, ahead)
+            return parallel_rows("o", rows, [*head, *loop], fence=True)
+        simd = ["#pragma omp simd"] if _flat_loop(body) else []
+        loop = [*simd, f"for (long long j = 0; j < {inner}LL; ++j) {{",
+                *["    " + x for x in [*body, store(out, f"o * {inner}LL + j", v)]], "}"]
+        return parallel_rows("o", rows, [*head, *loop], fence=False)
     rows = out.size // inner if inner else 0
     e = _Emitter(graph, kernel, args)
     e.materialized = materialized
     e.window_clamp = True
     row_idx = e.unflatten("o", out.shape[:-1]) if out.shape else ()
     head, e.lines = e.lines, []
-    pools, lo, hi = _pool_interior(graph, kernel, inner)
     ranges = [(0, lo, False), (lo, hi, True), (hi, inner, False)] if pools else [(0, inner, False)]
     loops = []
     for begin, end, interior in ranges:
@@ -84,9 +103,57 @@ def _c_nest(graph, kernel, args, out: Arg, materialized) -> str:
         simd = ["#pragma omp simd"] if _flat_loop(body) else []
         first = f"{begin}LL" if begin else "0"
         loops += [*simd, f"for (long long j = {first}; j < {end}LL; ++j) {{", *["    " + x for x in body], "}"]
-    loop = [f"for (long long o = 0; o < {rows}LL; ++o) {{", *["    " + x for x in head],
-            *["    " + x for x in loops], "}"]
-    return "    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)
+    return parallel_rows("o", rows, [*head, *loops], fence=False)
+
+
+# The merged inner loop keeps at least this many rows for the threads to share.
+MERGE_MIN_ROWS = 16
+
+
+def _merged_body(graph, kernel, args, out: Arg, materialized):
+    """(rows, inner extent, row statements, element statements, value) of `out` with the widest
+    run of trailing dims whose flat index j every load reads without dividing it (each input
+    either spans those dims or is broadcast over all of them: `_Emitter` re-linearises a split
+    index it reads back whole), leaving at least MERGE_MIN_ROWS rows; the last dim alone where no
+    wider run qualifies; None for a scalar output."""
+    dims = len(out.shape)
+    if dims == 0:
+        return None
+    for k in range(dims - 1):
+        rows = math.prod(out.shape[:k])
+        if rows < MERGE_MIN_ROWS or math.prod(out.shape[k:]) == out.shape[-1]:
+            continue
+        found = _body_over(graph, kernel, args, out, materialized, k)
+        if found is not None:
+            return found
+    return _body_over(graph, kernel, args, out, materialized, dims - 1, check=False)
+
+
+def _body_over(graph, kernel, args, out, materialized, k: int, check: bool = True):
+    """`_merged_body`'s statements with the inner loop over dims k.. of `out` (None where `check`
+    and an element statement still reads a part of the split flat index)."""
+    e = _Emitter(graph, kernel, args)
+    e.materialized = materialized
+    e.window_clamp = True
+    row_idx = e.unflatten("o", out.shape[:k])
+    head, e.lines = e.lines, []
+    e.push()
+    col_idx = e.unflatten("j", out.shape[k:])
+    v = e.value(out.tensor, (*row_idx, *col_idx))
+    e.pop()
+    split = {x for x in col_idx if x.startswith("v")}
+    decl = re.compile(r"^long long (v\d+) = ")
+    body = [x for x in e.lines if not ((m := decl.match(x)) and m.group(1) in split)]
+    used = set(re.findall(r"\bv\d+\b", " ".join([*body, v])))
+    if check and used & split:
+        return None
+    return math.prod(out.shape[:k]), math.prod(out.shape[k:]), head, body, v
+
+
+def kernel_inputs(args, out: Arg) -> list[Arg]:
+    """The kernel's inputs of `out`'s size (read at its flat index where the loops merge: what a
+    streamed loop prefetches)."""
+    return [a for a in args.values() if a.name.startswith("in") and a.size == out.size]
 
 
 def _pool_interior(graph, kernel, width: int) -> tuple[frozenset[int], int, int]:
