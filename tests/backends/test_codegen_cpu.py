@@ -394,9 +394,13 @@ def test_long_row_reductions_keep_partial_results(tmp_path):
             assert body.count("for (long long j = 96LL; j < 100LL; ++j)") == 4
 
 
+def _source(prep) -> str:
+    return generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))).c_source
+
+
 def _body(prep) -> str:
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
-    return gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    source = _source(prep)
+    return source[source.index("\nvoid k_") + 1:]
 
 
 def test_trailing_dims_merge_into_one_loop_where_no_load_divides(tmp_path):
@@ -441,6 +445,28 @@ def test_outputs_past_the_threshold_stream_their_stores(tmp_path, monkeypatch):
             assert "fs_stream(out" in body and body.count("fs_stream_fence();") == 1
             assert shape[0] != 20 or "j0 < 111LL" in body
     add = [helper.make_node("Add", ["x", "x"], ["y"])]
-    assert "fs_stream(" not in _body(whole_graph_as_one_group(tmp_path, add, [("x", [256, 1024])], [("y", None)]))
-    big = _body(whole_graph_as_one_group(tmp_path, add, [("x", [16, 256, 1024])], [("y", None)]))
-    assert "fs_stream(out0" in big and "fs_prefetch_ahead(in0" in big
+    wide = 'target("prefer-vector-width=512")'
+    small = _source(whole_graph_as_one_group(tmp_path, add, [("x", [256, 1024])], [("y", None)]))
+    assert "fs_stream(out" not in small and wide not in small
+    big = _source(whole_graph_as_one_group(tmp_path, add, [("x", [16, 256, 1024])], [("y", None)]))
+    assert "fs_stream(out0" in big and "fs_prefetch_ahead(in0" in big and wide in big
+
+
+def test_conv_prologue_and_epilogue_run_over_the_blocks_pixels_as_one_loop(tmp_path):
+    """Clip + 1x1 Conv (48 -> 16 filters at 7x9) + Add: the Clip while packing the panel and the Add
+    after the product each run over a block's pixels as one loop (a block is whole output rows),
+    with no division; an Add of a bias along the width (9) needs the pixel's column, so that
+    epilogue keeps its loops over rows and columns. Both equal ONNX Runtime."""
+    rng = np.random.default_rng(0)
+    for bias, flat in (((1, 16, 7, 9), True), ((9,), False)):
+        nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["c"]),
+                 helper.make_node("Conv", ["c", "w"], ["y0"], kernel_shape=[1, 1]),
+                 helper.make_node("Add", ["y0", "r"], ["y"])]
+        inits = [("lo", np.float32(0.0)), ("hi", np.float32(1.0)),
+                 ("w", rng.standard_normal((16, 48, 1, 1)).astype(np.float32)),
+                 ("r", rng.standard_normal(bias).astype(np.float32))]
+        body = _body(whole_graph_as_one_group(tmp_path, nodes, [("x", [1, 48, 7, 9])], [("y", None)], inits))
+        pixel_loops = _loop_bodies(body, "q")
+        assert len(pixel_loops) == (2 if flat else 1)
+        assert all("/" not in loop and "%" not in loop for loop in pixel_loops)
+        assert ("for (long long ow = 0; ow < 9LL; ++ow)" in body) != flat

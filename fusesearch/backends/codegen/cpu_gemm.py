@@ -261,6 +261,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
         widen = [scratch("wbuf", f"{cout_g * kt}LL"),
                  f"for (long long q = 0; q < {cout_g * kt}LL; ++q) "
                  f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
+    flat = _flat_epilogue(e, main, ys)
     e.lines = []
     e.push()
     e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
@@ -268,6 +269,14 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
+    if flat is not None:  # the block's pixels as one loop
+        epilogue = [*(["        #pragma omp simd"] if _flat_loop(flat) else []),
+                    "        for (long long q = 0; q < pn; ++q) {", *["            " + x_ for x_ in flat], "        }"]
+    else:
+        epilogue = ["        for (long long oh = oh0; oh < oh1; ++oh) {",
+                    *(["            #pragma omp simd"] if _flat_loop(body) else []),
+                    f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
+                    "            }", "        }"]
     block = [f"for (long long blk = 0; blk < {xs[0] * group}LL * blocks; ++blk) {{",
              f"    long long nb = blk / ({group}LL * blocks), gq = blk / blocks % {group}LL;",
              "    long long oh0 = blk % blocks * rb;",
@@ -284,10 +293,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
-             "        for (long long oh = oh0; oh < oh1; ++oh) {",
-             *(["            #pragma omp simd"] if _flat_loop(body) else []),
-             f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
-             "            }", "        }", "    }",
+             *epilogue, "    }",
              "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
     split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
@@ -296,6 +302,21 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              f"rb = ({ho}LL + blocks - 1) / blocks;")  # even blocks: a short last one costs a whole filter packing
     return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
                      + _indent(block, 1), "    }"]
+
+
+def _flat_epilogue(e: _Emitter, main, ys) -> list[str] | None:
+    """The conv epilogue's statements at pixel q of a block (whole output rows: the output's flat
+    pixel p0 + q), or None where one needs the pixel's row or column apart (a bias along the
+    width): a block of 14x14 pixels is then one loop of 196, not 14 of 14."""
+    e.lines = []
+    e.push()
+    pixel = e.unflatten("(p0 + q)", ys[2:])
+    e.acc_value = "cbuf[col * pn + q]"
+    writes = [_write(e, o, ("nb", "co", *pixel), ys) for o in main]
+    lines = e.without_split(e.lines, writes, pixel)
+    e.pop()
+    e.acc_value = ""
+    return None if lines is None else [*lines, *writes]
 
 
 def _band_fill(e: _Emitter, x: str, stored: Arg | None, xs, cin_g: int, geometry, wo: int) -> tuple[list[str], str]:
@@ -383,8 +404,21 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
     found = _channel_concat(e.graph, e.members, x, xs)
     pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
     lines = []
+    pointwise = geometry[0] == (1, 1) and geometry[1] == (1, 1) and not any(geometry[2])
     for concat, k, lo, hi in pieces:
         e.pinned = {} if concat is None else {concat: k}
+        flat = None
+        if pointwise:  # a 1x1 stride-1 unpadded tap: the block's pixels as one loop over the input's
+            e.lines = []
+            e.push()
+            pixel = e.unflatten("(p0 + q)", xs[2:])
+            v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", *pixel))
+            e.pop()
+            body = e.without_split(e.lines, [v], pixel)
+            if body is not None:
+                flat = ["    long long ci = kq;", "    float* dst = patch + kq * pn;",
+                        *(["    #pragma omp simd"] if _flat_loop(body) else []), "    for (long long q = 0; q < pn; ++q) {",
+                        *["        " + x_ for x_ in body], f"        dst[q] = {v};", "    }"]
         e.lines = []
         e.push()
         v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", f"(ow * {sw}LL + off)"))
@@ -399,7 +433,7 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
             tail = ["}", "}"]
         fill = [*(["#pragma omp simd"] if _flat_loop(body) else []), "for (long long ow = lo; ow < hi; ++ow) {",
                 *["    " + x_ for x_ in body], f"    dst[ow] = {v};", "}"]
-        lines += [*head, *_im2col_tap(geometry, xs, wo, fill), *tail]
+        lines += [*head, *(flat or _im2col_tap(geometry, xs, wo, fill)), *tail]
     e.pinned = {}
     return lines
 

@@ -10,6 +10,7 @@ temporaries have the compute type (float for half tensors) and loads of half arg
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,9 @@ from fusesearch.backends.codegen.base import (
 from fusesearch.backends.codegen.ops import _op, reshape_blocks
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
+
+_TEMP = re.compile(r"\bv\d+\b")
+_DECL = re.compile(r"^long long (v\d+) = ")
 
 
 class _Emitter:
@@ -149,6 +153,17 @@ class _Emitter:
         if sum(d > 1 for d in shape) > 1:
             self.unflattened[tuple(out)] = (flat, tuple(shape))
         return tuple(out)
+
+    @staticmethod
+    def without_split(lines: list[str], values: list[str], split: Sequence[str]) -> list[str] | None:
+        """`lines` less the declarations of `split` (the temporaries an `unflatten` made), or None
+        where a remaining statement or one of `values` still reads one of them: then every load
+        re-linearised the split index (`_rejoin`), and a loop over the flat index needs no division."""
+        names = {x for x in split if _TEMP.fullmatch(x)}
+        kept = [x for x in lines if not ((m := _DECL.match(x)) and m.group(1) in names)]
+        if names & set(_TEMP.findall(" ".join([*kept, *values]))):
+            return None
+        return kept
 
     def _rejoin(self, idx: tuple[str, ...], shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """`idx` over `shape` with each run that `unflatten` split over the same extents put back as

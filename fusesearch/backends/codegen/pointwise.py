@@ -8,7 +8,6 @@ an output past STREAM_MIN_BYTES written with streaming stores); CUDA: a grid-str
 from __future__ import annotations
 
 import math
-import re
 
 from fusesearch.backends.codegen.base import (
     _CU_PRELUDE,
@@ -141,13 +140,10 @@ def _body_over(graph, kernel, args, out, materialized, k: int, check: bool = Tru
     col_idx = e.unflatten("j", out.shape[k:])
     v = e.value(out.tensor, (*row_idx, *col_idx))
     e.pop()
-    split = {x for x in col_idx if x.startswith("v")}
-    decl = re.compile(r"^long long (v\d+) = ")
-    body = [x for x in e.lines if not ((m := decl.match(x)) and m.group(1) in split)]
-    used = set(re.findall(r"\bv\d+\b", " ".join([*body, v])))
-    if check and used & split:
+    body = e.without_split(e.lines, [v], col_idx)
+    if body is None and check:
         return None
-    return math.prod(out.shape[:k]), math.prod(out.shape[k:]), head, body, v
+    return math.prod(out.shape[:k]), math.prod(out.shape[k:]), head, e.lines if body is None else body, v
 
 
 def kernel_inputs(args, out: Arg) -> list[Arg]:

@@ -3,7 +3,8 @@ outputs. C: parallel over rows; CUDA: a block per row with block reductions; a c
 several passes is cached on its first pass (C: a local buffer; CUDA: shared memory, for exactly the
 rows the schedule lists in `row_cache` — lowering decided them and priced their bytes). A C
 reduction over a long row keeps C_PARTIALS partial results (`_partial_sums`), its invariant
-temporaries hoisted before the chunk loop.
+temporaries hoisted before the chunk loop. A full-size output past STREAM_MIN_BYTES streams its
+row (`base.streamed_loop`), the first reduction prefetching the inputs it reads.
 """
 
 from __future__ import annotations
