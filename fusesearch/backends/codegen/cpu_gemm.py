@@ -308,15 +308,10 @@ def _flat_epilogue(e: _Emitter, main, ys) -> list[str] | None:
     """The conv epilogue's statements at pixel q of a block (whole output rows: the output's flat
     pixel p0 + q), or None where one needs the pixel's row or column apart (a bias along the
     width): a block of 14x14 pixels is then one loop of 196, not 14 of 14."""
-    e.lines = []
-    e.push()
-    pixel = e.unflatten("(p0 + q)", ys[2:])
     e.acc_value = "cbuf[col * pn + q]"
-    writes = [_write(e, o, ("nb", "co", *pixel), ys) for o in main]
-    lines = e.without_split(e.lines, writes, pixel)
-    e.pop()
+    found = e.over_flat("(p0 + q)", ys[2:], lambda pixel: [_write(e, o, ("nb", "co", *pixel), ys) for o in main])
     e.acc_value = ""
-    return None if lines is None else [*lines, *writes]
+    return None if found is None else [*found[0], *found[1]]
 
 
 def _band_fill(e: _Emitter, x: str, stored: Arg | None, xs, cin_g: int, geometry, wo: int) -> tuple[list[str], str]:
@@ -407,23 +402,6 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
     pointwise = geometry[0] == (1, 1) and geometry[1] == (1, 1) and not any(geometry[2])
     for concat, k, lo, hi in pieces:
         e.pinned = {} if concat is None else {concat: k}
-        flat = None
-        if pointwise:  # a 1x1 stride-1 unpadded tap: the block's pixels as one loop over the input's
-            e.lines = []
-            e.push()
-            pixel = e.unflatten("(p0 + q)", xs[2:])
-            v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", *pixel))
-            e.pop()
-            body = e.without_split(e.lines, [v], pixel)
-            if body is not None:
-                flat = ["    long long ci = kq;", "    float* dst = patch + kq * pn;",
-                        *(["    #pragma omp simd"] if _flat_loop(body) else []), "    for (long long q = 0; q < pn; ++q) {",
-                        *["        " + x_ for x_ in body], f"        dst[q] = {v};", "    }"]
-        e.lines = []
-        e.push()
-        v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", f"(ow * {sw}LL + off)"))
-        e.pop()
-        body = e.lines
         if concat is None:
             head, tail = [f"for (long long kq = 0; kq < {kt}LL; ++kq) {{"], ["}"]
         else:  # the taps of this piece's channels within the group
@@ -431,9 +409,23 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
                     "    if (klo < 0) klo = 0;", f"    if (khi > {kt}LL) khi = {kt}LL;",
                     "for (long long kq = klo; kq < khi; ++kq) {"]
             tail = ["}", "}"]
+        # a 1x1 stride-1 unpadded tap: the block's pixels as one loop, where no load divides the pixel
+        flat = (e.over_flat("(p0 + q)", xs[2:], lambda pixel: [e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", *pixel))])
+                if pointwise else None)
+        if flat is not None:
+            body, (v,) = flat
+            lines += [*head, "    long long ci = kq;", "    float* dst = patch + kq * pn;",
+                      *(["    #pragma omp simd"] if _flat_loop(body) else []), "    for (long long q = 0; q < pn; ++q) {",
+                      *["        " + x_ for x_ in body], f"        dst[q] = {v};", "    }", *tail]
+            continue
+        e.lines = []
+        e.push()
+        v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", f"(ow * {sw}LL + off)"))
+        e.pop()
+        body = e.lines
         fill = [*(["#pragma omp simd"] if _flat_loop(body) else []), "for (long long ow = lo; ow < hi; ++ow) {",
                 *["    " + x_ for x_ in body], f"    dst[ow] = {v};", "}"]
-        lines += [*head, *(flat or _im2col_tap(geometry, xs, wo, fill)), *tail]
+        lines += [*head, *_im2col_tap(geometry, xs, wo, fill), *tail]
     e.pinned = {}
     return lines
 

@@ -154,16 +154,22 @@ class _Emitter:
             self.unflattened[tuple(out)] = (flat, tuple(shape))
         return tuple(out)
 
-    @staticmethod
-    def without_split(lines: list[str], values: list[str], split: Sequence[str]) -> list[str] | None:
-        """`lines` less the declarations of `split` (the temporaries an `unflatten` made), or None
-        where a remaining statement or one of `values` still reads one of them: then every load
-        re-linearised the split index (`_rejoin`), and a loop over the flat index needs no division."""
-        names = {x for x in split if _TEMP.fullmatch(x)}
-        kept = [x for x in lines if not ((m := _DECL.match(x)) and m.group(1) in names)]
+    def over_flat(self, flat: str, shape: Sequence[int], build) -> tuple[list[str], list[str]] | None:
+        """(statements, values) of `build(idx)`, idx the split of the flat index `flat` over
+        `shape` (`unflatten`), emitted from an empty statement list in a scope of their own; None
+        where a statement or a value still reads a part of the split, so that a loop over `flat`
+        would divide it. Otherwise every load re-linearised the split (`_rejoin`) and its
+        temporaries are left out."""
+        self.lines = []
+        self.push()
+        idx = self.unflatten(flat, shape)
+        values = build(idx)
+        self.pop()
+        names = {x for x in idx if _TEMP.fullmatch(x)}
+        kept = [x for x in self.lines if not ((m := _DECL.match(x)) and m.group(1) in names)]
         if names & set(_TEMP.findall(" ".join([*kept, *values]))):
             return None
-        return kept
+        return kept, values
 
     def _rejoin(self, idx: tuple[str, ...], shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """`idx` over `shape` with each run that `unflatten` split over the same extents put back as

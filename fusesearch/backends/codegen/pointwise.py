@@ -125,25 +125,22 @@ def _merged_body(graph, kernel, args, out: Arg, materialized):
         found = _body_over(graph, kernel, args, out, materialized, k)
         if found is not None:
             return found
-    return _body_over(graph, kernel, args, out, materialized, dims - 1, check=False)
+    return _body_over(graph, kernel, args, out, materialized, dims - 1)  # one dim: no split to read
 
 
-def _body_over(graph, kernel, args, out, materialized, k: int, check: bool = True):
-    """`_merged_body`'s statements with the inner loop over dims k.. of `out` (None where `check`
-    and an element statement still reads a part of the split flat index)."""
+def _body_over(graph, kernel, args, out, materialized, k: int):
+    """`_merged_body`'s statements with the inner loop over dims k.. of `out` (None where an
+    element statement still reads a part of the split flat index)."""
     e = _Emitter(graph, kernel, args)
     e.materialized = materialized
     e.window_clamp = True
     row_idx = e.unflatten("o", out.shape[:k])
-    head, e.lines = e.lines, []
-    e.push()
-    col_idx = e.unflatten("j", out.shape[k:])
-    v = e.value(out.tensor, (*row_idx, *col_idx))
-    e.pop()
-    body = e.without_split(e.lines, [v], col_idx)
-    if body is None and check:
+    head = e.lines
+    found = e.over_flat("j", out.shape[k:], lambda col: [e.value(out.tensor, (*row_idx, *col))])
+    if found is None:
         return None
-    return math.prod(out.shape[:k]), math.prod(out.shape[k:]), head, e.lines if body is None else body, v
+    body, (v,) = found
+    return math.prod(out.shape[:k]), math.prod(out.shape[k:]), head, body, v
 
 
 def kernel_inputs(args, out: Arg) -> list[Arg]:
