@@ -33,6 +33,14 @@ def check_group(prep, values, node_ids) -> None:
                                    atol=1e-4 * scale, err_msg=f"{gk.name}: {a.tensor}")
 
 
+@pytest.fixture
+def one_row_at_a_time(monkeypatch):
+    """Row kernels one row per iteration (no pairs): tests that count a row body's passes."""
+    from fusesearch.backends.codegen import rowwise
+
+    monkeypatch.setattr(rowwise, "PAIR_MAX_LENGTH", 0)
+
+
 def whole_graph_as_one_group(tmp_path, nodes, inputs, outputs, inits=(), opset=17):
     path = save(make_model(nodes, inputs, outputs, inits, opset=opset), tmp_path / "m.onnx")
     prep = prepare(path)
@@ -275,7 +283,8 @@ def test_prelude_math_vectorizes():
 
 def test_gelu_and_softmax_use_the_inline_math(tmp_path):
     """GELU's erf and Softmax's exp are the prelude's (no call to the C library's), Softmax takes
-    one exp per element (the cached row) and one division per row (its reciprocal); both equal
+    one exp per element (the cached row) and one division per row (its reciprocal; the rows run in
+    pairs, so two of each per pair's body); both equal
     ONNX Runtime on inputs reaching erf's and exp's tails."""
     nodes = [helper.make_node("Mul", ["x", "rs2"], ["a"]), helper.make_node("Erf", ["a"], ["e"]),
              helper.make_node("Add", ["e", "one"], ["b"]), helper.make_node("Mul", ["x", "b"], ["c"]),
@@ -285,10 +294,11 @@ def test_gelu_and_softmax_use_the_inline_math(tmp_path):
     gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     assert "erff(" not in body.replace("fs_erff(", "") and "expf(" not in body.replace("fs_expf(", "")
-    assert body.count("fs_expf_le(") == 1 and body.count("fs_erff(") >= 1 and body.count(" / ") == 1
+    rows = 2 if "r_1 = r_0 + 1" in body else 1  # the rows of 40 run in pairs: each statement per row
+    assert body.count("fs_expf_le(") == rows and body.count("fs_erff(") >= 1 and body.count(" / ") == rows
 
 
-def test_a_cached_row_is_read_back_by_every_later_pass(tmp_path):
+def test_a_cached_row_is_read_back_by_every_later_pass(tmp_path, one_row_at_a_time):
     """An embedding + LayerNorm row (Gather, Add, the mean pass, the variance pass, the output
     pass): the Gather and the Add run in the first pass only; the later passes read the row it
     cached. Equal to ONNX Runtime."""
@@ -331,7 +341,7 @@ def _loop_bodies(body: str, var: str) -> list[str]:
     return out
 
 
-def test_per_row_values_are_hoisted_out_of_the_element_loops(tmp_path):
+def test_per_row_values_are_hoisted_out_of_the_element_loops(tmp_path, one_row_at_a_time):
     """Embedding + LayerNorm written out (Gather, Add, ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt,
     Div, Mul, Add): the Gather's row index is read once per row, before the element loop (inside,
     the compiler vectorizes the table read as a hardware gather, 2.5x slower at bert-small's
@@ -373,7 +383,7 @@ def test_hoist_invariants_keeps_what_depends_on_the_loop():
     assert hoist_invariants(["float v1 = in0[r];", "if (j) out0[j] = v1;"], "j") is None
 
 
-def test_long_row_reductions_keep_partial_results(tmp_path):
+def test_long_row_reductions_keep_partial_results(tmp_path, one_row_at_a_time):
     """Rows of 100 (three whole chunks of C_PARTIALS and a tail of 4): the LayerNorm's sums and the
     Softmax's max and sum each run as C_PARTIALS partial results folded at the end, the tail in a
     plain loop; a row of 40 (under two chunks) keeps the one-accumulator loop. Equal to ONNX
@@ -470,3 +480,34 @@ def test_conv_prologue_and_epilogue_run_over_the_blocks_pixels_as_one_loop(tmp_p
         assert len(pixel_loops) == (2 if flat else 1)
         assert all("/" not in loop and "%" not in loop for loop in pixel_loops)
         assert ("for (long long ow = 0; ow < 9LL; ++ow)" in body) != flat
+
+
+def test_short_rows_run_in_pairs_and_math_loops_compile_wide(tmp_path):
+    """Rows up to PAIR_MAX_LENGTH run two at a time, statement by statement (`r_0`, `r_1`, each
+    top-level name suffixed by its row): a scaled Softmax over 7 rows of 40 (odd: the last row is
+    its own pair), an Add + LayerNorm over 4 rows of 300 and ReduceMax over rows of 3 (the tail
+    past the partial sums); a LayerNorm over rows of 600 runs one row at a time. All equal ONNX
+    Runtime. A kernel calling erf or exp is compiled for 512-bit vectors (`WIDE_CALLS`); an Add or a
+    LayerNorm is not."""
+    from fusesearch.backends.codegen import rowwise
+
+    assert 300 < rowwise.PAIR_MAX_LENGTH < 600
+    rng = np.random.default_rng(0)
+    wide = 'target("prefer-vector-width=512")'
+
+    def norm(n):
+        return [("g", rng.standard_normal(n).astype(np.float32)), ("b", rng.standard_normal(n).astype(np.float32))]
+
+    cases = [([helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Softmax", ["m"], ["y"], axis=-1)],
+              [7, 40], [("s", np.float32(4.0))], True, True),
+             ([helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("LayerNormalization", ["a", "g", "b"], ["y"], axis=-1)],
+              [4, 300], norm(300), True, False),
+             ([helper.make_node("ReduceMax", ["x"], ["y"], axes=[1], keepdims=1)], [5, 3], [], True, False),
+             ([helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)], [3, 600], norm(600), False, False)]
+    for nodes, shape, inits, paired, is_wide in cases:
+        source = _source(whole_graph_as_one_group(tmp_path, nodes, [("x", shape)], [("y", None)], inits, opset=13))
+        body = source[source.index("\nvoid k_") + 1:]
+        assert ("long long r_0 = 2 * rp, r_1 = r_0 + 1 < " in body) == paired
+        assert (wide in source) == is_wide
+        if paired:
+            assert "r_0)" in body and "r_1)" in body and "[r]" not in body

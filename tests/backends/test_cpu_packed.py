@@ -463,7 +463,7 @@ def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
         np.testing.assert_allclose(out[name], values[name], rtol=0, atol=1e-4 * max(1.0, np.abs(values[name]).max()))
     if blas == "blas":
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
-        rows = body[body.index("for (long long r = 0;"):].split("#else")[0]  # the BLAS path's rows
+        rows = body[body.index("for (long long rp = 0;"):].split("#else")[0]  # the BLAS path's rows (in pairs)
         assert "out0[j]" in rows and "(float)(" not in rows  # the rows read the mask back, cast nowhere per element
 
 

@@ -329,13 +329,16 @@ static inline void fs_stream_fence(void) {{
 """
 
 
-# A kernel that streams is compiled for 512-bit vectors where the core has them (GCC prefers 256
-# on Ice Lake): its erf or exp then keeps up with DRAM (a GELU over 48 MiB from 55% to 72% of a
-# memcpy's bandwidth, with the streamed stores), while short kernels in cache, which pay the
-# core's wait for its 512-bit power level, stay at 256 (a GELU over bert-small's 128x512: 7%
-# slower at 512).
+# A kernel that streams, or whose loops evaluate erf, exp or a vector-math function, is compiled for
+# 512-bit vectors where the core has them (GCC prefers 256 on Ice Lake): those loops are bound by
+# the FMA ports, which do twice the work per instruction at 512 (a GELU over 48 MiB from 55% to 72%
+# of a memcpy's bandwidth with the streamed stores; a GEMM's GELU epilogue over bert-small's 128x512
+# 137 -> 127 us, erf alone over 128x512 31 -> 21 us). Light loops in cache stay at 256: an Add or a
+# LayerNorm over 128 rows of 128 was 20-25% slower at 512 (measured; the halved instruction count
+# does not pay for the core's 512-bit power level there).
 _WIDE_ON = ('#if defined(__AVX512F__) && !defined(__clang__)\n#pragma GCC push_options\n'
             '#pragma GCC target("prefer-vector-width=512")\n#endif\n')
+WIDE_CALLS = ("fs_erff", "fs_expf", "fs_expf_le", *_VECTOR_MATH)  # the calls that make a C kernel wide
 _WIDE_OFF = "#if defined(__AVX512F__) && !defined(__clang__)\n#pragma GCC pop_options\n#endif\n"
 
 
@@ -828,7 +831,7 @@ def c_function(name: str, ins, outs, packed, body: str) -> str:
     (its loops' invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
     gemm = packed or "fs_pack_b(" in body or "fs_conv_1x1(" in body
     body = hoist_loop_invariants(body)
-    wide = "fs_stream(" in body
+    wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
     src = (f"{_C_PRELUDE}{_C_PACKED_GEMM if gemm else ''}{_WIDE_ON if wide else ''}\n"
            f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n{_WIDE_OFF if wide else ''}")
     if packed:
