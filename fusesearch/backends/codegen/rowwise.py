@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fusesearch.backends.codegen.base import (
     _CU_PRELUDE,
+    FOLDED,
     Arg,
     CodegenRefused,
     _flat_loop,
@@ -290,14 +291,15 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
         plan.cu_cached[cache] = cu_buffer
 
 
-C_PARTIALS = 32  # C row reductions: independent partial results per row (4 AVX2 vectors, 2 AVX-512)
+C_PARTIALS = FOLDED  # C row reductions: independent partial results per row (4 AVX2 vectors, 2 AVX-512)
 
 
 def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, value: str, simd: str,
                   ahead=()) -> list[str]:
     """A C row reduction over `length` >= 2 x C_PARTIALS columns as C_PARTIALS partial results
-    (`p<acc>`), folded into `acc` at the end: one vector accumulator makes the loop wait on the
-    add's (or the compare's) latency each step, C_PARTIALS of them keep the FMA units busy (a
+    (`p<acc>`), folded into `acc` at the end by a tree (`fs_fold_sum`/`fs_fold_max`): one vector
+    accumulator makes the loop wait on the add's (or the compare's) latency each step, C_PARTIALS
+    of them keep the FMA units busy (a
     LayerNorm over vit-small's 197x384 rows 40 -> 26 us); the columns past the last whole chunk
     in the plain loop. `lines`: the body's statements at column j, its invariants already hoisted;
     `merge(target, value)`: the reduction's C expression of one step; `ahead`: row bases whose
@@ -311,7 +313,8 @@ def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, val
     if whole < length:
         out += ["    " + simd, f"    for (long long j = {whole}LL; j < {length}LL; ++j) {{",
                 *["        " + x for x in lines], f"        {acc} = {merge(acc, value)};", "    }"]
-    return out + ["    " + simd, f"    for (int q = 0; q < {C_PARTIALS}; ++q) {acc} = {merge(acc, f'p{acc}[q]')};", "}"]
+    fold = "fs_fold_max" if "reduction(max:" in simd else "fs_fold_sum"  # the partials' tree (base._C_FOLD)
+    return out + [f"    float f{acc} = {fold}(p{acc});", f"    {acc} = {merge(acc, f'f{acc}')};", "}"]
 
 
 def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
