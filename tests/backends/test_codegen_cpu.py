@@ -385,8 +385,8 @@ def test_hoist_invariants_keeps_what_depends_on_the_loop():
 
 def test_long_row_reductions_keep_partial_results(tmp_path, one_row_at_a_time):
     """Rows of 100 (three whole chunks of C_PARTIALS and a tail of 4): the LayerNorm's sums and the
-    Softmax's max and sum each run as C_PARTIALS partial results folded at the end, the tail in a
-    plain loop; a row of 40 (under two chunks) keeps the one-accumulator loop. Equal to ONNX
+    Softmax's max and sum each run as C_PARTIALS partial results folded at the end (`fs_fold_sum`,
+    `fs_fold_max`), the tail in a plain loop; a row of 40 (under two chunks) keeps the one-accumulator loop. Equal to ONNX
     Runtime, a row max included (inputs with large negative and positive values)."""
     from fusesearch.backends.codegen.rowwise import C_PARTIALS
 
@@ -400,8 +400,9 @@ def test_long_row_reductions_keep_partial_results(tmp_path, one_row_at_a_time):
         gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
         assert body.count(f"[{C_PARTIALS}];") == (4 if partial else 0)  # mean, variance, max, sum
-        if partial:
+        if partial:  # the tail, then each reduction's partials folded by the prelude's tree
             assert body.count("for (long long j = 96LL; j < 100LL; ++j)") == 4
+            assert body.count("= fs_fold_sum(p") == 3 and body.count("= fs_fold_max(p") == 1
 
 
 def _source(prep) -> str:
