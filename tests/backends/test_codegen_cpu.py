@@ -512,3 +512,24 @@ def test_short_rows_run_in_pairs_and_math_loops_compile_wide(tmp_path):
         assert (wide in source) == is_wide
         if paired:
             assert "r_0)" in body and "r_1)" in body and "[r]" not in body
+
+
+def test_paired_rows_keep_each_pragma_on_its_own_rows_loop():
+    """`_paired` splits a row body into top-level statements: a pragma line (`#pragma`, the
+    `FS_SIMD_SUM` macro) stays with the loop after it, so each row's copy of the loop keeps its
+    own; every top-level name (and `r`) is suffixed by its row, names declared inside a block are
+    not; the second row of an odd count is the first again."""
+    from fusesearch.backends.codegen.rowwise import _paired
+
+    body = ["float s1 = 0.0f;", "FS_SIMD_SUM(s1)", "for (long long k = 0; k < 4LL; ++k) {",
+            "    float v2 = in0[r * 4LL + k];", "    s1 += v2;", "}", "#pragma omp simd",
+            "for (long long j = 0; j < 4LL; ++j) out0[r * 4LL + j] = s1;"]
+    out = _paired(body, 3)
+    assert out[0] == "long long r_0 = 2 * rp, r_1 = r_0 + 1 < 3LL ? r_0 + 1 : r_0;"
+    assert out[1:3] == ["float s1_0 = 0.0f;", "float s1_1 = 0.0f;"]
+    for u in (0, 1):
+        at = out.index(f"FS_SIMD_SUM(s1_{u})")
+        assert out[at + 1].startswith("for (long long k = 0;") and f"in0[r_{u} * 4LL + k]" in out[at + 2]
+        assert out[at + 2].strip().startswith("float v2 = ")  # block-local: not renamed
+        store = out.index(f"for (long long j = 0; j < 4LL; ++j) out0[r_{u} * 4LL + j] = s1_{u};")
+        assert out[store - 1] == "#pragma omp simd"

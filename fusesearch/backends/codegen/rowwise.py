@@ -140,7 +140,7 @@ def _paired(body: list[str], rows: int) -> list[str]:
     for line in body:
         current.append(line)
         depth += line.count("{") - line.count("}")
-        if depth == 0 and not line.lstrip().startswith("#"):
+        if depth == 0 and not line.lstrip().startswith(("#", "FS_SIMD")):  # a pragma stays on its loop
             statements.append(current)
             current = []
     if current or depth:
