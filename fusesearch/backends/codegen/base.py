@@ -335,33 +335,34 @@ static inline void fs_stream_fence(void) {{
 # the partials' four ymm, then halves): a Softmax over 128-float rows 17% faster in cache, a
 # LayerNorm 3-7%. 256 bits at either vector width: a 512-bit load of partials the loop stored as two
 # ymm waits for the stores to reach the cache (a LayerNorm 35% slower).
-FOLDED = 32  # the partial results the fold takes
-_C_FOLD = """static inline float fs_fold_sum(const float* p) {
+FOLDED = 32  # the partial results the fold takes (the C helpers' FS_FOLDED; a multiple of 8)
+_C_FOLD = f"""enum {{ FS_FOLDED = {FOLDED} }};  /* a multiple of 8 */
+static inline float fs_fold_sum(const float* p) {{
 #if defined(__AVX__)
-    __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                             _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+    __m256 v = _mm256_loadu_ps(p);
+    for (int q = 8; q < FS_FOLDED; q += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(p + q));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #else
     float s = 0.0f;
-    for (int q = 0; q < 32; ++q) s += p[q];
+    for (int q = 0; q < FS_FOLDED; ++q) s += p[q];
     return s;
 #endif
-}
-static inline float fs_fold_max(const float* p) {
+}}
+static inline float fs_fold_max(const float* p) {{
 #if defined(__AVX__)
-    __m256 v = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                             _mm256_max_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+    __m256 v = _mm256_loadu_ps(p);
+    for (int q = 8; q < FS_FOLDED; q += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(p + q));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     float s = -INFINITY;
-    for (int q = 0; q < 32; ++q) s = p[q] > s ? p[q] : s;
+    for (int q = 0; q < FS_FOLDED; ++q) s = p[q] > s ? p[q] : s;
     return s;
 #endif
-}
+}}
 """
 
 
