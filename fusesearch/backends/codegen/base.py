@@ -336,34 +336,30 @@ static inline void fs_stream_fence(void) {{
 # LayerNorm 3-7%. 256 bits at either vector width: a 512-bit load of partials the loop stored as two
 # ymm waits for the stores to reach the cache (a LayerNorm 35% slower).
 FOLDED = 32  # the partial results the fold takes (the C helpers' FS_FOLDED; a multiple of 8)
-_C_FOLD = f"""enum {{ FS_FOLDED = {FOLDED} }};  /* a multiple of 8 */
-static inline float fs_fold_sum(const float* p) {{
+
+
+def _c_fold(name: str, op: str, init: str, step: str) -> str:
+    """The C helper folding FS_FOLDED partials by `op` (`add`/`max`): four ymm then halves, or a
+    plain loop of `step` (acc `s`, partial `p[q]`) without AVX."""
+    return f"""static inline float {name}(const float* p) {{
 #if defined(__AVX__)
     __m256 v = _mm256_loadu_ps(p);
-    for (int q = 8; q < FS_FOLDED; q += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(p + q));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (int q = 8; q < FS_FOLDED; q += 8) v = _mm256_{op}_ps(v, _mm256_loadu_ps(p + q));
+    __m128 h = _mm_{op}_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_{op}_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_{op}_ss(h, _mm_movehdup_ps(h)));
 #else
-    float s = 0.0f;
-    for (int q = 0; q < FS_FOLDED; ++q) s += p[q];
-    return s;
-#endif
-}}
-static inline float fs_fold_max(const float* p) {{
-#if defined(__AVX__)
-    __m256 v = _mm256_loadu_ps(p);
-    for (int q = 8; q < FS_FOLDED; q += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(p + q));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-#else
-    float s = -INFINITY;
-    for (int q = 0; q < FS_FOLDED; ++q) s = p[q] > s ? p[q] : s;
+    float s = {init};
+    for (int q = 0; q < FS_FOLDED; ++q) {step};
     return s;
 #endif
 }}
 """
+
+
+_C_FOLD = (f"enum {{ FS_FOLDED = {FOLDED} }};  /* a multiple of 8 */\n"
+           + _c_fold("fs_fold_sum", "add", "0.0f", "s += p[q]")
+           + _c_fold("fs_fold_max", "max", "-INFINITY", "s = p[q] > s ? p[q] : s"))
 
 
 # A kernel that streams, or whose loops evaluate erf, exp or a vector-math function, is compiled for
