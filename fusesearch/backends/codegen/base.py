@@ -236,8 +236,8 @@ static inline float fs_float(uint32_t i) { union { uint32_t i; float f; } u = { 
 /* e^x's steps shared by fs_expf and fs_expf_le: t holds n = round(x log2 e) plus magic's low bits
    in its low bits, q = e^r for r = x - n ln 2 */
 #define FS_EXP_STEPS(x, magic) \
-    float t = FS_FMA(x, 1.4426950216293335f, magic); \
-    float n = t - magic; \
+    float t = FS_FMA(x, 1.4426950216293335f, (magic)); \
+    float n = t - (magic); \
     float r = FS_FMA(n, -0.6931471824645996f, x); \
     float p = FS_FMA(FS_FMA(FS_FMA(0.008312525227665901f, r, 0.041890114545822144f), r, 0.16667114198207855f), r, \
                      0.499992311000824f); \
@@ -251,7 +251,7 @@ static inline float fs_expf(float x) {
 }
 #pragma omp declare simd notinbranch
 static inline float fs_expf_le(float x) {
-    FS_EXP_STEPS(x, 12583039.0f);
+    FS_EXP_STEPS(x, 12582912.0f + 127.0f);
     float y = q * fs_float(fs_bits(t) << 23);
     return x < -87.33654f ? 0.0f : y;
 }
