@@ -228,6 +228,7 @@ CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
     "1x1 in place": ([2, 16, 10, 10], 32, 1, 1, 0, 1, 1),
     "1x1 in place partial tiles": ([1, 10, 7, 9], 25, 1, 1, 0, 1, 1),  # 63 pixels, 25 filters: fs_conv_1x1's edges
     "1x1 over many channels": ([1, 80, 6, 6], 24, 1, 1, 0, 1, 1),  # the BLAS
+    "1x1 at 14x14": ([1, 24, 14, 14], 40, 1, 1, 0, 1, 1),  # 196 pixels: fs_conv_1x1, a prologue's panel or in place
     "strided 5x5": ([1, 3, 17, 17], 8, 5, 2, 2, 1, 1),
     "strided 3x3 odd": ([1, 16, 11, 13], 24, 3, 2, 1, 1, 1),
     "dilated grouped": ([1, 32, 9, 9], 32, 3, 1, 2, 2, 2),
@@ -262,9 +263,9 @@ def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
     elif k > 1:  # taps packed from the zero-bordered band, each input element computed once
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
         assert "fs_conv_band(" in body and "FS_BLAS_SGEMM(101" not in body and body.count("float* dst = patch") == 1
-    else:  # a 1x1 over few input channels read in place: its pixels packed, our micro-kernel over the
-        # filters; else implicit GEMM through the BLAS
-        rows = not prologue and stride == 1 and cpu_gemm.rows_1x1(cout, xs[1])
+    else:  # a 1x1 over many pixels, or over few input channels read in place: its pixels packed, our
+        # micro-kernel over the filters; else implicit GEMM through the BLAS
+        rows = stride == 1 and cpu_gemm.rows_1x1(cout, xs[1], ho * wo, not prologue)
         assert ("fs_conv_1x1(" in gk.c_source) == rows and ("FS_BLAS_SGEMM(101" in gk.c_source) != rows
 
 
@@ -470,7 +471,7 @@ def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
 PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
     "3x3 padded, partial tiles": ([1, 8, 5, 5], 30, 3, 1, 1, 1, 1),  # 25 pixels (M % 6), 30 filters (N % 16)
     "long K, many pixels": ([1, 40, 10, 10], 112, 3, 1, 1, 1, 1),  # K = 360, 100 pixels (17 row panels)
-    "1x1 read in place": ([2, 24, 4, 4], 48, 1, 1, 0, 1, 1),
+    "1x1 read in place": ([2, 24, 4, 4], 40, 1, 1, 0, 1, 1),  # under twice as many filters as taps: not rows_1x1
     "strided dilated grouped": ([1, 16, 9, 9], 64, 3, 2, 2, 2, 2),
 }
 
@@ -523,7 +524,8 @@ def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkey
 def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
     """At the default thresholds: resnet50's last-stage 1x1 conv (2048 filters of 512 taps, 49
     pixels) packs its filters, and so does mobilenetv2's 160 -> 96 at 7x7 (many taps, few
-    pixels); a 1x1 conv over 64 taps at 56x56 and one over 192 taps at 28x28 call the BLAS;
+    pixels); a 1x1 conv over 64 taps at 56x56 and one over 192 taps at 28x28 run `fs_conv_1x1`
+    (at least ROWS_1X1_MIN_PIXELS pixels), one over 64 taps to 64 filters at 10x10 calls the BLAS;
     every 3x3 conv packs them (its taps come from the band), large or small."""
     def conv(xs, ws, k):
         nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[k, k], pads=[k // 2] * 4),
@@ -534,12 +536,14 @@ def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
     gk = conv([1, 512, 7, 7], [2048, 512, 1, 1], 1)
     assert gk.packed and "fs_gemm_packed(" in gk.c_source
     gk = conv([1, 64, 56, 56], [64, 64, 1, 1], 1)
+    assert not gk.packed and "fs_conv_1x1(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
+    gk = conv([1, 64, 10, 10], [64, 64, 1, 1], 1)
     assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
     # many taps over few pixels: packed however few the filters (PACK_MIN_TAPS, PACK_MAX_PIXELS)
     gk = conv([1, 160, 7, 7], [96, 160, 1, 1], 1)
     assert gk.packed and "fs_gemm_packed(" in gk.c_source
     gk = conv([1, 192, 28, 28], [32, 192, 1, 1], 1)
-    assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
+    assert not gk.packed and "fs_conv_1x1(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
     for xs, ws in (([1, 512, 7, 7], [512, 512, 3, 3]), ([1, 64, 56, 56], [64, 64, 3, 3])):
         gk = conv(xs, ws, 3)
         assert gk.packed and "fs_conv_band(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source

@@ -42,8 +42,11 @@ panels and multiplied by the filters packed once (`fs_conv_band`, `_band_fill`):
 im2col panel through the BLAS (written, then packed again by every sgemm), interleaved,
 1.07-1.15x at resnet's and U-Net's 3x3 stride-1 convs, 1.03-1.10x strided (the even floats of
 16 per tap), 0.91x at a 3-channel stem (27 taps: the transposed tile stores dominate). A 1x1
-stride-1 conv over few input channels (`rows_1x1`) packs its pixels per chunk and runs
-`fs_gemm_rows` over the filters in place (`fs_conv_1x1`).
+stride-1 conv over blocks of at least 14 x 14 pixels, or over few input channels read in place
+(`rows_1x1`), packs its pixels per chunk (the input read in place or the prologue's panel) and
+runs `fs_gemm_rows` over the filters in place, each tile stored straight into the block's
+channels x pixels (`fs_conv_1x1`): 0.76-0.98x the BLAS's time at 20 x 20 and above (yolo-neck,
+resnet50, mobilenetv2), 0.87-0.96x the packed filters' at mobilenetv2's 14 x 14.
 1x1 convs whose filters dwarf their activations also use ours: with the filters packed once per plan
 (`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
 computed as pixels x filters, each tile stored transposed into the channels x pixels block the
@@ -53,7 +56,8 @@ the BLAS, which packs up to 9 MiB of filters again per block; below PACK_FILTER_
 fewer than twice as many filters as a block has pixels, the two were within noise (0.86-1.05x;
 U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS stayed there; on an Ice
 Lake core, convs over at least 96 taps with blocks of at most 14 x 14 pixels ran 0.66-1.02x the
-BLAS's time packed (0.85-0.87x summed per model), so they are packed too (`packs_filters`).
+BLAS's time packed (0.85-0.87x summed per model), so they are packed too (`packs_filters`),
+except the 1x1 convs over at most 384 taps at 14 x 14, which `fs_conv_1x1` runs faster still.
 A scalar scale on a MatMul's activation (GELU's x 0.5 before a down-projection:
 `schedule.folded_scale`) is folded into the product, the weights scaled as they are packed or the
 BLAS's alpha, and the activation read in place: 194 -> 179 us at bert-small's 128x512x128.
@@ -180,11 +184,23 @@ PACK_FILTER_FLOATS = 1 << 20
 # 0.86-1.05x)
 PACK_MIN_TAPS = 96
 PACK_MAX_PIXELS = 196
-# C conv: a 1x1 stride-1 conv over at most this many input channels, with at least twice as many
-# filters, packs its pixels per chunk and runs `fs_gemm_rows` over the filters in place
-# (`fs_conv_1x1`): 1.10-1.18x the BLAS at mobilenetv2's expansions (16->96 @112, 24->144 @56,
-# 32->192 @28, 64->384 @14), 0.91-0.99x over more channels (256->64 @56, 384->64, 960->160), where
-# the BLAS stays (`benchmarks/bench_cpu.py` section 1's lone convs)
+# C conv: a 1x1 stride-1 unpadded conv runs `fs_gemm_rows` over its filters in place, its pixels
+# (the input read in place, or the prologue's panel) packed per chunk (`fs_conv_1x1`), each tile
+# stored straight into the block's channels x pixels, where its blocks have at least
+# ROWS_1X1_MIN_PIXELS pixels (14 x 14) and it has at least two row panels of filters (2 FS_MR),
+# unless its filters would be packed (`packs_filters`) over more than ROWS_1X1_PACKED_TAPS taps;
+# and, at any size, where it reads its input in place over at most ROWS_1X1_MAX_TAPS input
+# channels with at least twice as many filters. On one Ice Lake core (AVX-512), fused 1x1 convs
+# generated both ways and timed interleaved, its time over the BLAS's at 20 x 20 and above:
+# yolo-neck's 0.77-0.93x (0.88x summed), resnet50's 0.76-0.89x at 28 x 28 and 56 x 56,
+# mobilenetv2's 0.82-0.98x at 28 x 28 to 112 x 112 (one 1.14x), but 1.26x at U-Net's head (2
+# filters); over the packed filters (`fs_gemm_packed`, which stores each pixels x filters tile
+# transposed) at 14 x 14: mobilenetv2's 0.87-0.96x up to 384 taps, 1.02-1.09x at 576, resnet50's
+# 0.98-1.03x at 256 taps, 0.98-1.09x at 1024 (a tile's 12 filter rows of 576 or more taps fill
+# L1 beside the pixel panels); at 7 x 7 and 10 x 10 1.05-1.67x, where the packed filters stay.
+# On Zen 3 the in-place rule measured 1.10-1.18x the BLAS at mobilenetv2's expansions.
+ROWS_1X1_MIN_PIXELS = 196
+ROWS_1X1_PACKED_TAPS = 384
 ROWS_1X1_MAX_TAPS = 64
 
 
@@ -195,9 +211,12 @@ def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
             or (taps >= PACK_MIN_TAPS and block_pixels <= PACK_MAX_PIXELS))
 
 
-def rows_1x1(filters: int, taps: int) -> bool:
-    """Whether a 1x1 stride-1 conv reading its input in place runs through `fs_conv_1x1`."""
-    return taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
+def rows_1x1(filters: int, taps: int, block_pixels: int, in_place: bool) -> bool:
+    """Whether a 1x1 stride-1 unpadded conv (its input read `in_place`, else a prologue's panel)
+    runs through `fs_conv_1x1`."""
+    if block_pixels >= ROWS_1X1_MIN_PIXELS and filters >= 2 * FS_MR:
+        return taps <= ROWS_1X1_PACKED_TAPS or not packs_filters(filters, taps, block_pixels)
+    return in_place and taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
 
 
 def conv_block_rows(filters: int, taps: int, width: int) -> int:
@@ -212,7 +231,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS
     or the filters' size, blocks of even size): the block's input patches (prologue applied, zero
     padding) are packed into an im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its
-    input in place, as it does an input the kernel wrote first as a side output), one sgemm
+    input in place, as it does an input the kernel wrote first as a side output, and most run
+    `fs_conv_1x1` over its filters in place: `rows_1x1`), one sgemm
     multiplies the group's filters (C_out/g x taps, a constant read in place) by it, or, where
     `packs_filters` says so, our own micro-kernel multiplies it by the filters packed once into
     `packs`, and the epilogue runs over the block's product while it is in cache, before the one
@@ -239,7 +259,8 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     stored = (args[x] if x in args and graph.producer(x) not in kernel.nodes
               else next((o for o in side if o.tensor == x), None))
     stored = stored if stored is not None and stored.dtype == "float32" else None
-    direct = stored is not None and kern == (1, 1) and strides == (1, 1) and not any(pads)
+    one_by_one = kern == (1, 1) and strides == (1, 1) and not any(pads)
+    direct = stored is not None and one_by_one
     idx = ("nb", "co", "oh", "ow")
     band = conv_reads_band(graph, anchor)  # constant float32 filters: `_packed` below packs them
     if band:
@@ -254,8 +275,10 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
         fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
         panel, ldb = "patch", "(int)pn"
     filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
+    block_pixels = min(pixels, cap * wo)  # one thread's block
+    rows = one_by_one and rows_1x1(cout_g, kt, block_pixels, direct)
     packed = (_packed(packs, graph, args, w, (kt, cout_g, 1, kt), group, cout_g * kt)
-              if band or packs_filters(cout_g, kt, min(pixels, cap * wo)) else None)  # one thread's block
+              if band or (not rows and packs_filters(cout_g, kt, block_pixels)) else None)
     if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
         filters = "wbuf"
         widen = [scratch("wbuf", f"{cout_g * kt}LL"),
@@ -289,7 +312,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              f"{packed} + gq * {packs[w].group_floats if packed else 0}LL, cbuf, pn);" if band else
              f"    fs_gemm_packed(pn, {cout_g}LL, {kt}LL, {panel}, 1, {ldb}, {packed} + gq * {packs[w].group_floats if packed else 0}LL, "
              f"cbuf, pn);" if packed else
-             f"    fs_conv_1x1({cout_g}LL, pn, {kt}LL, {filters}, {kt}LL, {panel}, {ldb}LL, cbuf, pn);" if direct and rows_1x1(cout_g, kt) else
+             f"    fs_conv_1x1({cout_g}LL, pn, {kt}LL, {filters}, {kt}LL, {panel}, {ldb}, cbuf, pn);" if rows else
              f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
              f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
              f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
