@@ -269,7 +269,7 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
         return f"({value} > {target} ? {value} : {target})" if is_max else combine.format(target, value)
 
     c_combine = merge(acc, c_value)
-    simd = [f"#pragma omp simd reduction({'max' if is_max else '+'}:{acc})"] if _flat_loop(c_lines) else []
+    simd = [_simd_reduction(acc, is_max)] if _flat_loop(c_lines) else []
     split = hoist_invariants(c_lines, "j") if simd and plan.length >= 2 * C_PARTIALS else None
     if split is None:
         plan.c += [*head, f"float {acc} = {init};", *simd,
@@ -277,7 +277,7 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
                    *["    " + x for x in c_lines + [f"{acc} = {c_combine};"]], "}"]
     else:
         plan.c += [*head, f"float {acc} = {init};", *split[0],
-                   *_partial_sums(plan.length, split[1], acc, init, merge, c_value, simd[0], plan.ahead)]
+                   *_partial_sums(plan.length, split[1], acc, init, merge, c_value, is_max, plan.ahead)]
         plan.ahead = []
     plan.cu += [*cu_head, f"float {acc} = {init};",
                 f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
@@ -294,14 +294,20 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
 C_PARTIALS = FOLDED  # C row reductions: independent partial results per row (4 AVX2 vectors, 2 AVX-512)
 
 
-def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, value: str, simd: str,
+def _simd_reduction(acc: str, is_max: bool) -> str:
+    """The `omp simd` pragma of a C row reduction into `acc`: a max or a sum."""
+    return f"#pragma omp simd reduction({'max' if is_max else '+'}:{acc})"
+
+
+def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, value: str, is_max: bool,
                   ahead=()) -> list[str]:
     """A C row reduction over `length` >= 2 x C_PARTIALS columns as C_PARTIALS partial results
     (`p<acc>`), folded into `acc` at the end by a tree (`fs_fold_sum`/`fs_fold_max`): one vector
     accumulator makes the loop wait on the add's (or the compare's) latency each step, C_PARTIALS
     of them keep the FMA units busy (a LayerNorm over vit-small's 197x384 rows 40 -> 26 us); the
     columns past the last whole chunk in the plain loop. `lines`: the body's statements at column j, its invariants already hoisted;
-    `merge(target, value)`: the reduction's C expression of one step; `ahead`: row bases whose
+    `merge(target, value)`: the reduction's C expression of one step (a max where `is_max`, else a
+    sum); `ahead`: row bases whose
     columns each chunk prefetches STREAM_AHEAD floats on (`fs_prefetch_ahead`)."""
     whole = length - length % C_PARTIALS
     out = ["{", f"    float p{acc}[{C_PARTIALS}];", f"    for (int q = 0; q < {C_PARTIALS}; ++q) p{acc}[q] = {init};",
@@ -310,9 +316,9 @@ def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, val
            f"        for (long long jj = 0; jj < {C_PARTIALS}LL; ++jj) {{", "            long long j = j0 + jj;",
            *["            " + x for x in lines], f"            p{acc}[jj] = {merge(f'p{acc}[jj]', value)};", "        }", "    }"]
     if whole < length:
-        out += ["    " + simd, f"    for (long long j = {whole}LL; j < {length}LL; ++j) {{",
+        out += ["    " + _simd_reduction(acc, is_max), f"    for (long long j = {whole}LL; j < {length}LL; ++j) {{",
                 *["        " + x for x in lines], f"        {acc} = {merge(acc, value)};", "    }"]
-    fold = "fs_fold_max" if "reduction(max:" in simd else "fs_fold_sum"  # the partials' tree (base._C_FOLD)
+    fold = "fs_fold_max" if is_max else "fs_fold_sum"  # the partials' tree (base._C_FOLD)
     return out + [f"    float {acc}_fold = {fold}(p{acc});", f"    {acc} = {merge(acc, f'{acc}_fold')};", "}"]
 
 
