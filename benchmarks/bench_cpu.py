@@ -18,8 +18,9 @@
 5. Threads: a conv, a GEMM and a row kernel with 1 and 2 OpenMP threads (faster with 2, equal).
 1b. The GEMM main loop: our own packed, register-blocked micro-kernel (the C prelude's
    fs_gemm_rows / fs_gemm_packed, weights packed once) against the BLAS the backend calls per
-   block, and generated convs as generated (taps from the band, filters packed) against im2col
-   through the BLAS, to decide which the generated code uses where.
+   block, and generated convs as generated (taps from the band, filters packed, a 1x1's pixels
+   packed for the filters in place) against im2col through the BLAS, to decide which the
+   generated code uses where.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cpu.py [--sections 1,1b,2,3,4,5] [--repeats 5]
         [--budget 0.2] [--models bert-small,resnet18] [--plan-runs 3]
@@ -73,6 +74,8 @@ CONVS = [("resnet50 1x1 64->256 @56", 64, 56, 256, 1, 1, 1),
 PACK_CONVS = [("resnet 3x3 64->64 @56", 64, 56, 64, 3, 1),
               ("resnet 3x3 128->128 @28", 128, 28, 128, 3, 1),
               ("resnet 3x3 256->256 @14", 256, 14, 256, 3, 1),
+              ("resnet50 1x1 64->256 @56", 64, 56, 256, 1, 1),
+              ("resnet50 1x1 512->128 @28", 512, 28, 128, 1, 1),
               ("resnet50 1x1 256->1024 @14", 256, 14, 1024, 1, 1),
               ("resnet50 1x1 1024->256 @14", 1024, 14, 256, 1, 1),
               ("vit patch 16x16/16 3->384 @224", 3, 224, 384, 16, 16),
@@ -234,8 +237,9 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
               f"GFLOP/s   rows {blas / rows:5.2f}x the BLAS   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean: fs_gemm_rows at {geo:.2f}x the BLAS's throughput")
-    print("   generated Conv+Relu as generated (k x k: taps packed from the band, `fs_conv_band`; 1x1: filters packed "
-          f"once from {cpu_gemm.PACK_FILTER_FLOATS} floats, `fs_gemm_packed`, or the BLAS) vs im2col through the BLAS, interleaved:")
+    print("   generated Conv+Relu as generated (k x k: taps packed from the band, `fs_conv_band`; 1x1: pixels packed for the "
+          "filters in place, `fs_conv_1x1` (rows), filters packed once, `fs_gemm_packed`, or the BLAS) vs im2col through the "
+          "BLAS, interleaved:")
     pairs = []
     for label, cin, h, cout, kk, stride in PACK_CONVS:
         pad = kk // 2 if kk < stride * 2 else 0  # "same" for 1x1 and 3x3, none for a patch embedding
@@ -249,11 +253,12 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
             g = prepare(str(Path(tmp) / "m.onnx")).graph
         kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
         body = kernel.c_source[kernel.c_source.index(f"void {kernel.name}("):]
-        chosen = "band" if "fs_conv_band(" in body else "packed" if "fs_gemm_packed(" in body else "BLAS"
-        rules = cpu_gemm.conv_reads_band, cpu_gemm.packs_filters
-        cpu_gemm.conv_reads_band = cpu_gemm.packs_filters = lambda *_: False
+        chosen = ("band" if "fs_conv_band(" in body else "packed" if "fs_gemm_packed(" in body
+                  else "rows" if "fs_conv_1x1(" in body else "BLAS")
+        rules = cpu_gemm.conv_reads_band, cpu_gemm.packs_filters, cpu_gemm.rows_1x1
+        cpu_gemm.conv_reads_band = cpu_gemm.packs_filters = cpu_gemm.rows_1x1 = lambda *_: False
         im2col = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
-        cpu_gemm.conv_reads_band, cpu_gemm.packs_filters = rules
+        cpu_gemm.conv_reads_band, cpu_gemm.packs_filters, cpu_gemm.rows_1x1 = rules
         x = RNG.standard_normal((1, cin, h, h)).astype(np.float32)
         pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, [cpu.runner(k, {"x": x, "w": w}) for k in (kernel, im2col)],
                       chosen))
