@@ -219,6 +219,11 @@ def rows_1x1(filters: int, taps: int, block_pixels: int, in_place: bool) -> bool
     return in_place and taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
 
 
+def _pixel_wise(kern, strides, pads) -> bool:
+    """Whether a conv's geometry is 1x1, stride 1, unpadded: output pixel p reads input pixel p."""
+    return tuple(kern) == (1, 1) and tuple(strides) == (1, 1) and not any(pads)
+
+
 def conv_block_rows(filters: int, taps: int, width: int) -> int:
     """Output rows per conv block at most: the im2col panel within CONV_PATCH_FLOATS, or within
     the filters' size when they are larger (a BLAS call packs all the filters again per block: a
@@ -259,7 +264,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     stored = (args[x] if x in args and graph.producer(x) not in kernel.nodes
               else next((o for o in side if o.tensor == x), None))
     stored = stored if stored is not None and stored.dtype == "float32" else None
-    one_by_one = kern == (1, 1) and strides == (1, 1) and not any(pads)
+    one_by_one = _pixel_wise(kern, strides, pads)
     direct = stored is not None and one_by_one
     idx = ("nb", "co", "oh", "ow")
     band = conv_reads_band(graph, anchor)  # constant float32 filters: `_packed` below packs them
@@ -422,7 +427,7 @@ def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> 
     found = _channel_concat(e.graph, e.members, x, xs)
     pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
     lines = []
-    pointwise = geometry[0] == (1, 1) and geometry[1] == (1, 1) and not any(geometry[2])
+    pointwise = _pixel_wise(*geometry[:3])
     for concat, k, lo, hi in pieces:
         e.pinned = {} if concat is None else {concat: k}
         if concat is None:
