@@ -2,7 +2,9 @@
 the CUDA-core `tiled` kernel of the same group (TF32 off) and beside `cupy.matmul` of the same
 M×N×K with TF32 allowed (CUPY_TF32=1, set here before CuPy is imported), in TFLOP/s of the
 anchor's FLOPs. The two generated kernels' outputs are compared (TF32 tolerance: 2e-3 of the
-largest magnitude). Figures are printed and written as JSON (--out), not asserted.
+larger of the largest output and sqrt(K), the spread of a product of standard normal operands,
+which a saturating epilogue such as Tanh hides from the outputs). Figures are printed and written
+as JSON (--out); the exit code is 1 when a pair differs.
 
     python benchmarks/bench_gpu_mma.py [--models bert-base,resnet50] [--per-model 4] [--budget 0.2] [--out mma.json]
 """
@@ -15,6 +17,7 @@ os.environ.setdefault("CUPY_TF32", "1")  # cuBLAS may use TF32 for float32, as O
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -88,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             tiled_s, tiled_out = timed(cuda_core, values, args.budget)
             m, n, k = _gemm_dims(g, g.nodes[kernel.anchor])
             library_s = cupy_matmul_s(m, n, k, args.budget)
-            err = max(float(np.max(np.abs(mma_out[t] - tiled_out[t])) / max(1.0, float(np.max(np.abs(tiled_out[t])))))
-                      for t in mma_out)
+            # the scale of the difference is the product's, before a saturating epilogue (Tanh) squeezes
+            # the outputs: with standard normal operands its spread is sqrt(K)
+            err = max(float(np.max(np.abs(mma_out[t] - tiled_out[t])))
+                      / max(1.0, math.sqrt(k), float(np.max(np.abs(tiled_out[t])))) for t in mma_out)
             ok = err <= TOLERANCE
             failed += not ok
             flops = float(kernel.tc_flops)

@@ -12,14 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 SAMPLES=${SAMPLES:-320}
 mkdir -p "$OUT"
-if [ ! -x .gpuvenv/bin/python ]; then
-  python3 -m venv --system-site-packages .gpuvenv
-fi
-PY=.gpuvenv/bin/python
-if compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install --quiet --no-index --no-deps .whl/*.whl
-fi
-$PY -m pip install --quiet --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2 || true
+source scripts/gpu_env.sh
 $PY -m fusesearch calibrate --backend cupy --device h200 --samples "$SAMPLES" --seed 0 \
   -o "$OUT/h200.json" --force 2>&1 | tee "$OUT/calibrate.log"
 exit "${PIPESTATUS[0]}"

@@ -31,12 +31,7 @@ fi
 export CUPY_TF32=1
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-python3 -m venv --system-site-packages .gpuvenv
-PY=.gpuvenv/bin/python
-if compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install --quiet --no-index --no-deps .whl/*.whl
-fi
-$PY -m pip install --quiet --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2 || true
+source scripts/gpu_env.sh
 $PY - <<'PY' | tee "$OUT/gpu_env.txt"
 import sys
 
@@ -50,7 +45,8 @@ print("cupy available:", decision, "gpus:", gpu.gpu_count())
 print("device:", gpu.device_name(), "L2 bytes:", gpu.l2_bytes())
 PY
 set +e
-$PY -m pytest -q -m gpu -rs --junitxml="$OUT/gpu_tests.xml" tests 2>&1 | tee "$OUT/gpu_tests.log"
+xdist=$($PY -c "import xdist" 2> /dev/null && echo "-n 4" || true)  # 16 cores: compiles run beside each other
+$PY -m pytest -q -m gpu -rs $xdist --durations=10 --junitxml="$OUT/gpu_tests.xml" tests 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
 ran=$($PY scripts/gpu_tests_ran.py "$OUT/gpu_tests.xml" 2>&1)
 ran_status=$?

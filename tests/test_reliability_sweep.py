@@ -4,6 +4,7 @@ one line naming the TOML file and key, before any cell runs); a sweep whose ever
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from fusesearch.errors import BadInput
 from fusesearch.sweep import load_config
 from tests.conftest import make_model, save
 
-pytest.importorskip("distributed")
+# a mark, not a module-level importorskip: `-m gpu` deselects these tests rather than skipping the module
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("distributed") is None, reason="dask.distributed is not installed")
 
 
 def _dynamic(tmp_path: Path) -> str:

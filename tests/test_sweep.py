@@ -3,6 +3,7 @@ failed cells, and crash safety (a killed worker, a killed sweep) — no row lost
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ from costmodels import RooflineParams
 from fusesearch.errors import BadInput
 from fusesearch.sweep import SweepStore, expand, load_config, read_cells, run_sweep
 
-pytest.importorskip("distributed")
+# a mark, not a module-level importorskip: `-m gpu` deselects these tests rather than skipping the module
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("distributed") is None, reason="dask.distributed is not installed")
 
 TINY = """
 name = "tiny"

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fusesearch.backends.codegen.base import require_cuda
+from fusesearch.backends.library import taken_inputs
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
@@ -261,6 +262,7 @@ class Device:
 
         providers = self._providers()
         sess = make_session(providers)
+        inputs = taken_inputs(sess, inputs)
         binding = sess.io_binding()
         if providers is not None and CUDA_EP in sess.get_providers():
             for t, b in inputs:

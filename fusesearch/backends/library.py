@@ -54,14 +54,20 @@ def node_model(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel) -> onnx
     return model
 
 
+def taken_inputs(sess, inputs: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+    """The (name, value) pairs of `inputs` that `sess` takes as inputs: a step's weights and
+    the outer-scope values its subgraphs read are initializers of its one-node model."""
+    taken = {i.name for i in sess.get_inputs()}
+    return [(t, v) for t, v in inputs if t in taken]
+
+
 def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
                  outputs: Sequence[tuple[str, np.ndarray]], *, fixed: bool = False) -> Callable[[], None]:
     """A run of `sess` reading `inputs` (each array as its function gives it at the call, or once
     here when `fixed`; names the session does not take, its weights, are skipped) and writing
     `outputs` in place (host arrays, IO binding; a bfloat16 node runs widened, its values crossing
     as float32 copies)."""
-    taken = {i.name for i in sess.get_inputs()}
-    inputs = [(t, get) for t, get in inputs if t in taken]
+    inputs = taken_inputs(sess, inputs)
     if getattr(sess, "fusesearch_dtypes", None):
         from fusesearch.verify import _run_session
 

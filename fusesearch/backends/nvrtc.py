@@ -313,14 +313,28 @@ def _nvrtc_cubin(nv: _Nvrtc, prog: ctypes.c_void_p) -> bytes:
     return buffer.raw[: size.value]  # .raw: a cubin holds NUL bytes
 
 
+def _has_cuda_headers(home: Path) -> bool:
+    """`home/include` holds mma.h and the crt/ headers it includes (the nvidia-cuda-runtime and
+    nvidia-cuda-crt wheels fill one include/ together; a folder with only the first is unusable)."""
+    return (home / "include" / "mma.h").is_file() and (home / "include" / "crt" / "mma.h").is_file()
+
+
+def _wheel_homes() -> list[Path]:
+    """Every nvidia/<name> folder of the installed nvidia wheels, across all site folders."""
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return [p for root in roots for p in sorted(Path(root).iterdir()) if p.is_dir()]
+
+
 @functools.cache
 def _nvrtc_include_flags(path: str) -> tuple[str, ...]:
-    """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc (the include/
-    that the nvidia-cuda-runtime and nvidia-cuda-crt wheels fill), in another nvidia wheel folder,
-    or in a CUDA home: NVRTC searches no directory of its own."""
-    wheels = [p.parent.parent for p in _pip_nvrtc_paths()]
-    for home in dict.fromkeys((Path(path).parent.parent, *wheels, *_cuda_homes())):
-        if (home / "include" / "mma.h").is_file():
+    """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc, in another
+    nvidia wheel folder, or in a CUDA home: NVRTC searches no directory of its own."""
+    for home in dict.fromkeys((Path(path).parent.parent, *_wheel_homes(), *_cuda_homes())):
+        if _has_cuda_headers(home):
             return (f"--include-path={home / 'include'}",)
     return ()
 
@@ -331,7 +345,7 @@ def include_flags() -> tuple[str, ...]:
     found = _find_nvrtc()
     if not isinstance(found, str):
         return _nvrtc_include_flags(found.path)
-    homes = [h for h in _cuda_homes() if (h / "include" / "mma.h").is_file()]
+    homes = [h for h in (*_wheel_homes(), *_cuda_homes()) if _has_cuda_headers(h)]
     return (f"--include-path={homes[0] / 'include'}",) if homes else ()
 
 
