@@ -389,3 +389,26 @@ def test_missing_compilers_are_a_refusal_not_a_crash(without_nvrtc, monkeypatch)
     assert "libnvrtc not usable" in decision.reason and "nvcc not found" in decision.reason
     with pytest.raises(without_nvrtc.ToolchainMissing, match="libnvrtc not usable.*nvcc not found"):
         compile_cuda(SOURCE + "// nothing\n")
+
+
+def test_cuda_headers_come_from_a_folder_that_holds_crt_too(tmp_path, monkeypatch):
+    """A wheel folder with mma.h but not the crt/ headers it includes (nvidia-cuda-runtime without
+    nvidia-cuda-crt, as a GPU image can have) is passed over for one that has both."""
+    from fusesearch.backends import nvrtc
+
+    half, whole = tmp_path / "half", tmp_path / "whole"
+    for home in (half, whole):
+        (home / "include").mkdir(parents=True)
+        (home / "include" / "mma.h").write_text("#include \"crt/mma.h\"\n")
+    (whole / "include" / "crt").mkdir()
+    (whole / "include" / "crt" / "mma.h").write_text("\n")
+    monkeypatch.setattr(nvrtc, "_wheel_homes", lambda: [half, whole])
+    monkeypatch.setattr(nvrtc, "_cuda_homes", lambda: [])
+    nvrtc._nvrtc_include_flags.cache_clear()
+    try:
+        assert nvrtc._nvrtc_include_flags(str(half / "lib" / "libnvrtc.so.13")) == (f"--include-path={whole / 'include'}",)
+        monkeypatch.setattr(nvrtc, "_wheel_homes", lambda: [half])
+        nvrtc._nvrtc_include_flags.cache_clear()
+        assert nvrtc._nvrtc_include_flags(str(half / "lib" / "libnvrtc.so.13")) == ()
+    finally:
+        nvrtc._nvrtc_include_flags.cache_clear()
