@@ -180,11 +180,11 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     `fs_pack_b` before timing, as a constant weight is) against the BLAS the CPU backend calls per
     block (scipy-openblas32, which packs B inside every call), same shapes, same call path
     (ctypes); then generated convs with their filters packed once against the same convs through
-    the BLAS (cpu_gemm.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
+    the BLAS (cpu_conv.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
     import ctypes
     import subprocess
 
-    from fusesearch.backends.codegen import base, cpu_gemm
+    from fusesearch.backends.codegen import base, cpu_conv
 
     flags = cpu.blas_flags()
     if not flags:
@@ -255,10 +255,10 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         body = kernel.c_source[kernel.c_source.index(f"void {kernel.name}("):]
         chosen = ("band" if "fs_conv_band(" in body else "packed" if "fs_gemm_packed(" in body
                   else "rows" if "fs_conv_1x1(" in body else "BLAS")
-        rules = cpu_gemm.conv_reads_band, cpu_gemm.packs_filters, cpu_gemm.rows_1x1
-        cpu_gemm.conv_reads_band = cpu_gemm.packs_filters = cpu_gemm.rows_1x1 = lambda *_: False
+        rules = cpu_conv.conv_reads_band, cpu_conv.packs_filters, cpu_conv.rows_1x1
+        cpu_conv.conv_reads_band = cpu_conv.packs_filters = cpu_conv.rows_1x1 = lambda *_: False
         im2col = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
-        cpu_gemm.conv_reads_band, cpu_gemm.packs_filters, cpu_gemm.rows_1x1 = rules
+        cpu_conv.conv_reads_band, cpu_conv.packs_filters, cpu_conv.rows_1x1 = rules
         x = RNG.standard_normal((1, cin, h, h)).astype(np.float32)
         pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, [cpu.runner(k, {"x": x, "w": w}) for k in (kernel, im2col)],
                       chosen))

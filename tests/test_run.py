@@ -308,9 +308,9 @@ def test_a_plan_whose_convs_read_packed_filters_equals_ort(run_cli, tmp_path, mo
     small): the program packs them when it is built (the driver's fs_pack), every call reads the
     packed copy, and the whole plan equals ONNX Runtime."""
     import fusesearch
-    from fusesearch.backends.codegen import cpu_gemm, generate
+    from fusesearch.backends.codegen import cpu_conv, generate
 
-    monkeypatch.setattr(cpu_gemm, "packs_filters", lambda *_: True)
+    monkeypatch.setattr(cpu_conv, "packs_filters", lambda *_: True)
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1] * 4, strides=[2, 2]),

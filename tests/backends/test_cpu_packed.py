@@ -13,7 +13,7 @@ import pytest
 from onnx import helper
 
 from fusesearch.backends import cpu
-from fusesearch.backends.codegen import cpu_gemm, generate
+from fusesearch.backends.codegen import cpu_conv, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower, try_lower
@@ -265,7 +265,7 @@ def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
         assert "fs_conv_band(" in body and "FS_BLAS_SGEMM(101" not in body and body.count("float* dst = patch") == 1
     else:  # a 1x1 over many pixels, or over few input channels read in place: its pixels packed, our
         # micro-kernel over the filters; else implicit GEMM through the BLAS
-        rows = stride == 1 and cpu_gemm.rows_1x1(cout, xs[1], ho * wo, not prologue)
+        rows = stride == 1 and cpu_conv.rows_1x1(cout, xs[1], ho * wo, not prologue)
         assert ("fs_conv_1x1(" in gk.c_source) == rows and ("FS_BLAS_SGEMM(101" in gk.c_source) != rows
 
 
@@ -482,7 +482,7 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
     kernel's `_pack` function and multiplied by our own micro-kernel, product transposed: equal to
     ONNX Runtime at partial tiles, a long K over many pixels, a 1x1 input read in place, groups, strides
     and dilations, with a prologue and a residual epilogue; with or without a BLAS (it needs none)."""
-    monkeypatch.setattr(cpu_gemm, "packs_filters", lambda *_: True)
+    monkeypatch.setattr(cpu_conv, "packs_filters", lambda *_: True)
     xs, cout, k, stride, pad, group, dil = PACKED_CONVS[name]
     ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
     wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
@@ -502,9 +502,9 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
 def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkeypatch):
     """The runner packs the weights when it is made: a call reads the packed copy, so changing the
     weight's buffer afterwards changes nothing (it is a constant), while a new runner sees it."""
-    from fusesearch.backends.codegen import cpu_gemm
+    from fusesearch.backends.codegen import cpu_conv
 
-    monkeypatch.setattr(cpu_gemm, "packs_filters", lambda *_: True)
+    monkeypatch.setattr(cpu_conv, "packs_filters", lambda *_: True)
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("Relu", ["y"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [1, 4, 3, 3])], [("out", None)], [("w", _w([20, 4, 3, 3]))])

@@ -89,7 +89,7 @@ from fusesearch.backends.codegen.base import (
     GeneratedKernel,
     half_prelude,
 )
-from fusesearch.backends.codegen.cpu_gemm import _anchor_row_loops
+from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
 from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC

@@ -1,0 +1,577 @@
+"""The packed CPU skeleton for Conv (C only): k x k convs over a zero-bordered band of their
+input, 1x1 convs through im2col panels or with their pixels packed per chunk, filters packed once
+where they dwarf the activations, each block's product by our micro-kernel or a BLAS call
+(`cpu_gemm`'s pieces) with the epilogue on the tile in cache; depthwise convs in their own loop;
+the per-pixel row loops without a BLAS (`#else`). The measured choices (figures from
+`benchmarks/bench_cpu.py --sections 1b`, interleaved, on one Zen 3 core unless an Ice Lake core
+is named; `cpu_gemm`'s note says how our micro-kernel and the BLAS compare on products):
+Every k x k conv with constant float32 filters (not depthwise-like: `schedule.conv_reads_band`)
+uses ours over a band: per block of output rows its input, prologue applied once per element,
+into a zero-bordered band, its taps packed per chunk of pixels straight from there into 6-pixel
+panels and multiplied by the filters packed once (`fs_conv_band`, `_band_fill`): against the
+im2col panel through the BLAS (written, then packed again by every sgemm), interleaved,
+1.07-1.15x at resnet's and U-Net's 3x3 stride-1 convs, 1.03-1.10x strided (the even floats of
+16 per tap), 0.91x at a 3-channel stem (27 taps: the transposed tile stores dominate). A 1x1
+stride-1 conv over blocks of at least 14 x 14 pixels, or over few input channels read in place
+(`rows_1x1`), packs its pixels per chunk (the input read in place or the prologue's panel) and
+runs `fs_gemm_rows` over the filters in place, each tile stored straight into the block's
+channels x pixels (`fs_conv_1x1`): 0.76-0.98x the BLAS's time at 20 x 20 and above (yolo-neck,
+resnet50, mobilenetv2), 0.87-0.96x the packed filters' at mobilenetv2's 14 x 14.
+1x1 convs whose filters dwarf their activations also use ours: with the filters packed once per plan
+(`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
+computed as pixels x filters, each tile stored transposed into the channels x pixels block the
+epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 512 filters at
+7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran 1.14-1.35x faster than through
+the BLAS, which packs up to 9 MiB of filters again per block; below PACK_FILTER_FLOATS, or with
+fewer than twice as many filters as a block has pixels, the two were within noise (0.86-1.05x;
+U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS stayed there; on an Ice
+Lake core, convs over at least 96 taps with blocks of at most 14 x 14 pixels ran 0.66-1.02x the
+BLAS's time packed (0.85-0.87x summed per model), so they are packed too (`packs_filters`),
+except the 1x1 convs over at most 384 taps at 14 x 14, which `fs_conv_1x1` runs faster still.
+A conv's prologue fills only the image interior of its panel or band, one tap loop per piece of a
+channel Concat.
+Invariants: as `cpu_gemm`'s — every BLAS path under `#ifdef FS_BLAS_SGEMM` beside a loop
+fallback (the packed-filter and band paths need none), float32 constant filters packed once per
+runner or program, blocks in parallel, scratch from the per-thread arena.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fusesearch.backends.codegen.base import (
+    FS_MR,
+    SCRATCH_SLOTS,
+    Arg,
+    _flat_loop,
+    _indent,
+    compute_dtype,
+    load_expr,
+    scratch,
+)
+from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _packed, _split_outputs, _write
+from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
+from fusesearch.backends.codegen.pointwise import _pointwise_loops
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.ir.op_kind import OpKind, kind_of
+from fusesearch.lowering import Kernel
+from fusesearch.schedule import conv_reads_band, depthwise_like
+
+
+def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
+    """C conv: the depthwise loop, or the BLAS blocks with the per-pixel row loops as fallback."""
+    depthwise = _depthwise_loops(graph, kernel, args, outs, anchor)
+    if depthwise is not None:
+        return depthwise
+    hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)
+    used: dict = {}  # the weights packed, kept only when this path is taken
+    blas = _conv_blas_blocks(graph, kernel, args, outs, anchor, used)
+    if used:  # our own packed GEMM: no BLAS needed
+        packs.update(used)
+        return blas
+    if blas is None or hoisted is None:
+        return hoisted
+    return ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *hoisted, "#endif"]
+
+
+CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+
+# C conv: filters of at least this many floats (4 MiB), at least twice as many as a block has
+# pixels, are packed once (`PackedWeight`) and multiplied by our own micro-kernel
+# (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
+# the figures from `benchmarks/bench_cpu.py --sections 1b`)
+PACK_FILTER_FLOATS = 1 << 20
+
+# ... and so are those of a conv over at least PACK_MIN_TAPS taps whose blocks have at most
+# PACK_MAX_PIXELS pixels (14 x 14): each activation element then meets many filters, and the
+# filters packed again per BLAS call cost more than our panel of pixels packed per block. On one
+# Ice Lake core (AVX-512), fused 1x1 convs generated both ways and timed interleaved, the time
+# packed over the BLAS's: mobilenetv2's 0.66-0.91x at 7 x 7 (160 to 960 taps), 0.90-1.02x at
+# 14 x 14 (96 to 576 taps; 0.87x summed over its 16), resnet50's 14 x 14 0.71-0.97x (0.85x
+# summed), yolo-neck's 10 x 10 0.79-1.01x (0.86x); over 64 taps 1.13-1.39x and at 28 x 28
+# 1.18-1.22x, where the BLAS stays (on Zen 3, below the first rule, the two were within noise:
+# 0.86-1.05x)
+PACK_MIN_TAPS = 96
+
+PACK_MAX_PIXELS = 196
+
+# C conv: a 1x1 stride-1 unpadded conv runs `fs_gemm_rows` over its filters in place, its pixels
+# (the input read in place, or the prologue's panel) packed per chunk (`fs_conv_1x1`), each tile
+# stored straight into the block's channels x pixels, where its blocks have at least
+# ROWS_1X1_MIN_PIXELS pixels (14 x 14) and it has at least two row panels of filters (2 FS_MR),
+# unless its filters would be packed (`packs_filters`) over more than ROWS_1X1_PACKED_TAPS taps;
+# and, at any size, where it reads its input in place over at most ROWS_1X1_MAX_TAPS input
+# channels with at least twice as many filters. On one Ice Lake core (AVX-512), fused 1x1 convs
+# generated both ways and timed interleaved, its time over the BLAS's at 20 x 20 and above:
+# yolo-neck's 0.77-0.93x (0.88x summed), resnet50's 0.76-0.89x at 28 x 28 and 56 x 56,
+# mobilenetv2's 0.82-0.98x at 28 x 28 to 112 x 112 (one 1.14x), but 1.26x at U-Net's head (2
+# filters); over the packed filters (`fs_gemm_packed`, which stores each pixels x filters tile
+# transposed) at 14 x 14: mobilenetv2's 0.87-0.96x up to 384 taps, 1.02-1.09x at 576, resnet50's
+# 0.98-1.03x at 256 taps, 0.98-1.09x at 1024 (a tile's 12 filter rows of 576 or more taps fill
+# L1 beside the pixel panels); at 7 x 7 and 10 x 10 1.05-1.67x, where the packed filters stay.
+# On Zen 3 the in-place rule measured 1.10-1.18x the BLAS at mobilenetv2's expansions.
+ROWS_1X1_MIN_PIXELS = 196
+
+ROWS_1X1_PACKED_TAPS = 384
+
+ROWS_1X1_MAX_TAPS = 64
+
+
+def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
+    """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
+    are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
+    return ((filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels)
+            or (taps >= PACK_MIN_TAPS and block_pixels <= PACK_MAX_PIXELS))
+
+
+def rows_1x1(filters: int, taps: int, block_pixels: int, in_place: bool) -> bool:
+    """Whether a 1x1 stride-1 unpadded conv (its input read `in_place`, else a prologue's panel)
+    runs through `fs_conv_1x1`."""
+    if block_pixels >= ROWS_1X1_MIN_PIXELS and filters >= 2 * FS_MR:
+        return taps <= ROWS_1X1_PACKED_TAPS or not packs_filters(filters, taps, block_pixels)
+    return in_place and taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
+
+
+def _pixel_wise(kern, strides, pads) -> bool:
+    """Whether a conv's geometry is 1x1, stride 1, unpadded: output pixel p reads input pixel p."""
+    return tuple(kern) == (1, 1) and tuple(strides) == (1, 1) and not any(pads)
+
+
+def conv_block_rows(filters: int, taps: int, width: int) -> int:
+    """Output rows per conv block at most: the im2col panel within CONV_PATCH_FLOATS, or within
+    the filters' size when they are larger (a BLAS call packs all the filters again per block: a
+    512x4608 filter set is 9 MiB)."""
+    return max(1, max(CONV_PATCH_FLOATS, filters * taps) // max(1, taps * width))
+
+
+def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
+    """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
+    and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS
+    or the filters' size, blocks of even size): the block's input patches (prologue applied, zero
+    padding) are packed into an im2col panel (taps x pixels; a 1x1 stride-1 unpadded conv reads its
+    input in place, as it does an input the kernel wrote first as a side output, and most run
+    `fs_conv_1x1` over its filters in place: `rows_1x1`), one sgemm
+    multiplies the group's filters (C_out/g x taps, a constant read in place) by it, or, where
+    `packs_filters` says so, our own micro-kernel multiplies it by the filters packed once into
+    `packs`, and the epilogue runs over the block's product while it is in cache, before the one
+    store. None for
+    depthwise-like groups (one input and under 8 output channels per group), non-2-D convs and
+    computed filters; a conv with few output channels over many input channels (a segmentation
+    head's 1x1 to 2 classes) stays here: its row loop was 3-8x slower than ONNX Runtime."""
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
+        return None
+    x, w, xs, ws, ys, group, main, side = found
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    if depthwise_like(cin_g, cout_g):  # its own loop
+        return None
+    e = _Emitter(graph, kernel, args)
+    spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
+    taps = [cin_g, *kern]
+    kt = math.prod(taps)
+    ho, wo = ys[2], ys[3]
+    pixels = ho * wo
+    cap = conv_block_rows(cout_g, kt, wo)
+    # the conv's input as stored: a kernel input, or a side output this kernel writes first (a
+    # Concat another kernel reads too), read back rather than computed again per tap
+    stored = (args[x] if x in args and graph.producer(x) not in kernel.nodes
+              else next((o for o in side if o.tensor == x), None))
+    stored = stored if stored is not None and stored.dtype == "float32" else None
+    one_by_one = _pixel_wise(kern, strides, pads)
+    direct = stored is not None and one_by_one
+    idx = ("nb", "co", "oh", "ow")
+    band = conv_reads_band(graph, anchor)  # constant float32 filters: `_packed` below packs them
+    if band:
+        fill, band_size = _band_fill(e, x, stored, xs, cin_g, (kern, strides, pads, dilations), wo)
+        panel = ldb = None
+    elif direct:
+        fill, panel, ldb = [], f"{stored.name} + nb * {xs[1] * pixels}LL + gq * {cin_g * pixels}LL + p0", pixels
+    elif stored is not None:
+        fill = _im2col_rows(stored.name, xs, cin_g, kern, strides, pads, dilations, wo)
+        panel, ldb = "patch", "(int)pn"
+    else:
+        fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
+        panel, ldb = "patch", "(int)pn"
+    filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
+    block_pixels = min(pixels, cap * wo)  # one thread's block
+    rows = one_by_one and rows_1x1(cout_g, kt, block_pixels, direct)
+    packed = (_packed(packs, graph, args, w, (kt, cout_g, 1, kt), group, cout_g * kt)
+              if band or (not rows and packs_filters(cout_g, kt, block_pixels)) else None)
+    if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
+        filters = "wbuf"
+        widen = [scratch("wbuf", f"{cout_g * kt}LL"),
+                 f"for (long long q = 0; q < {cout_g * kt}LL; ++q) "
+                 f"wbuf[q] = {load_expr(args[w].dtype, f'{args[w].name}[gq * {cout_g * kt}LL + q]')};"]
+    flat = _flat_epilogue(e, main, ys)
+    e.lines = []
+    e.push()
+    e.acc_value = f"cbuf[col * pn + (oh - oh0) * {wo}LL + ow]"
+    writes = [_write(e, o, idx, ys) for o in main]
+    body = e.lines + writes
+    e.pop()
+    e.acc_value = ""
+    if flat is not None:  # the block's pixels as one loop
+        epilogue = [*(["        #pragma omp simd"] if _flat_loop(flat) else []),
+                    "        for (long long q = 0; q < pn; ++q) {", *["            " + x_ for x_ in flat], "        }"]
+    else:
+        epilogue = ["        for (long long oh = oh0; oh < oh1; ++oh) {",
+                    *(["            #pragma omp simd"] if _flat_loop(body) else []),
+                    f"            for (long long ow = 0; ow < {wo}LL; ++ow) {{", *["                " + x_ for x_ in body],
+                    "            }", "        }"]
+    block = [f"for (long long blk = 0; blk < {xs[0] * group}LL * blocks; ++blk) {{",
+             f"    long long nb = blk / ({group}LL * blocks), gq = blk / blocks % {group}LL;",
+             "    long long oh0 = blk % blocks * rb;",
+             f"    long long oh1 = oh0 + rb < {ho}LL ? oh0 + rb : {ho}LL;",
+             f"    long long p0 = oh0 * {wo}LL, pn = (oh1 - oh0) * {wo}LL;",
+             *(["    " + scratch("patch", band_size if band else f"{kt}LL * pn")] if not direct else []),
+             "    " + scratch("cbuf", f"{cout_g}LL * pn"),
+             *["    " + x_ for x_ in fill + widen],
+             f"    fs_conv_band(pn, {cout_g}LL, {kt}LL, {wo}LL, {strides[0]}LL * bw, {strides[1]}LL, patch, offs, "
+             f"{packed} + gq * {packs[w].group_floats if packed else 0}LL, cbuf, pn);" if band else
+             f"    fs_gemm_packed(pn, {cout_g}LL, {kt}LL, {panel}, 1, {ldb}, {packed} + gq * {packs[w].group_floats if packed else 0}LL, "
+             f"cbuf, pn);" if packed else
+             f"    fs_conv_1x1({cout_g}LL, pn, {kt}LL, {filters}, {kt}LL, {panel}, {ldb}, cbuf, pn);" if rows else
+             f"    FS_BLAS_SGEMM(101, 111, 111, {cout_g}, (int)pn, {kt}, 1.0f, {filters}, "
+             f"{kt}, {panel}, {ldb}, 0.0f, cbuf, (int)pn);",
+             f"    for (long long col = 0; col < {cout_g}LL; ++col) {{", f"        long long co = gq * {cout_g}LL + col;",
+             *epilogue, "    }",
+             "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
+             f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
+             f"long long blocks = ({ho}LL + rb - 1) / rb;",
+             f"rb = ({ho}LL + blocks - 1) / blocks;")  # even blocks: a short last one costs a whole filter packing
+    return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
+                     + _indent(block, 1), "    }"]
+
+
+def _flat_epilogue(e: _Emitter, main, ys) -> list[str] | None:
+    """The conv epilogue's statements at pixel q of a block (whole output rows: the output's flat
+    pixel p0 + q), or None where one needs the pixel's row or column apart (a bias along the
+    width): a block of 14x14 pixels is then one loop of 196, not 14 of 14."""
+    e.acc_value = "cbuf[col * pn + q]"
+    found = e.over_flat("(p0 + q)", ys[2:], lambda pixel: [_write(e, o, ("nb", "co", *pixel), ys) for o in main])
+    e.acc_value = ""
+    return None if found is None else [*found[0], *found[1]]
+
+
+def _band_fill(e: _Emitter, x: str, stored: Arg | None, xs, cin_g: int, geometry, wo: int) -> tuple[list[str], str]:
+    """(the lines, the size in floats) of the zero-bordered band of the input (prologue applied,
+    or a half input widened) that output rows oh0..oh1 of group gq read, and the tap offsets
+    `offs` in it (`fs_conv_band`): per channel `bh` rows of `bw` columns (the band of the
+    longest block, so one table serves every block), each element computed once; rows and columns
+    outside the image zeros, the interior with no bounds test; a Concat along the channels
+    (`_channel_concat`) one channel loop per piece, each computing its own piece only."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = geometry
+    h, w = xs[2], xs[3]
+    khd = (kh_n - 1) * dh + 1
+    bw = max(pw + w, (wo - 1) * sw + (kw_n - 1) * dw + 1)
+    kt = cin_g * kh_n * kw_n
+    lines = [f"long long ih0 = oh0 * {sh}LL - {ph}LL, br = (oh1 - oh0 - 1) * {sh}LL + {khd}LL, "
+             f"bh = (rb - 1) * {sh}LL + {khd}LL, bw = {bw}LL;",
+             f"int* offs = (int*)fs_scratch({SCRATCH_SLOTS.index('offs')}, sizeof(int) * {kt}LL);",
+             f"for (long long kq = 0; kq < {kt}LL; ++kq) offs[kq] = (int)(((kq / {kh_n * kw_n}LL) * bh + kq / {kw_n}LL "
+             f"% {kh_n}LL * {dh}LL) * bw + kq % {kw_n}LL * {dw}LL);"]
+    found = None if stored is not None else _channel_concat(e.graph, e.members, x, xs)
+    pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
+    for concat, k, lo, hi in pieces:
+        if stored is not None:
+            body, v = [], f"{stored.name}[((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + iw]"
+        else:
+            e.pinned = {} if concat is None else {concat: k}
+            e.lines = []
+            e.push()
+            v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", "iw"))
+            e.pop()
+            body = e.lines
+        lines += [f"for (long long ci = {lo}LL - gq * {cin_g}LL < 0 ? 0 : {lo}LL - gq * {cin_g}LL; "
+                  f"ci < {cin_g}LL && ci < {hi}LL - gq * {cin_g}LL; ++ci) {{",
+                  "    for (long long r = 0; r < br; ++r) {",
+                  "        float* dst = patch + (ci * bh + r) * bw;",
+                  "        long long ih = ih0 + r;",
+                  f"        if (ih < 0 || ih >= {h}LL) {{ for (long long q = 0; q < bw; ++q) dst[q] = 0.0f; continue; }}",
+                  f"        for (long long q = 0; q < {pw}LL; ++q) dst[q] = 0.0f;",
+                  f"        for (long long q = {pw + w}LL; q < bw; ++q) dst[q] = 0.0f;",
+                  *(["        #pragma omp simd"] if _flat_loop(body) else []),
+                  f"        for (long long iw = 0; iw < {w}LL; ++iw) {{", *["            " + x_ for x_ in body],
+                  f"            dst[{pw}LL + iw] = {v};", "        }", "    }", "}"]
+    e.pinned = {}
+    return lines, f"{cin_g}LL * ((rb - 1) * {sh}LL + {khd}LL) * {bw}LL + 16"
+
+
+def _im2col_tap(geometry, xs, wo: int, interior: list[str]) -> list[str]:
+    """The body of tap `kq`'s loop of an im2col panel over output rows oh0..oh1: the tap's channel
+    and offsets, zero rows above and below the image and zero columns beside it, and `interior`
+    (lines filling dst[lo..hi) of one row, `ih` and `off` known) in between."""
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = geometry
+    h, w = xs[2], xs[3]
+    return [f"    long long ci = kq / {kh_n * kw_n}LL, kh = kq / {kw_n}LL % {kh_n}LL, kw = kq % {kw_n}LL;",
+            f"    long long off = kw * {dw}LL - {pw}LL;",
+            f"    long long lo = off >= 0 ? 0 : (-off + {sw}LL - 1) / {sw}LL;",
+            f"    long long hi = {w}LL - off > 0 ? ({w}LL - off + {sw}LL - 1) / {sw}LL : 0;",
+            f"    if (hi > {wo}LL) hi = {wo}LL;", "    if (lo > hi) lo = hi;",
+            "    for (long long oh = oh0; oh < oh1; ++oh) {",
+            f"        float* dst = patch + kq * pn + (oh - oh0) * {wo}LL;",
+            f"        long long ih = oh * {sh}LL - {ph}LL + kh * {dh}LL;",
+            f"        if (ih < 0 || ih >= {h}LL) {{ for (long long ow = 0; ow < {wo}LL; ++ow) dst[ow] = 0.0f; continue; }}",
+            "        for (long long ow = 0; ow < lo; ++ow) dst[ow] = 0.0f;",
+            *["        " + x for x in interior],
+            f"        for (long long ow = hi; ow < {wo}LL; ++ow) dst[ow] = 0.0f;", "    }"]
+
+
+def _im2col_rows(x: str, xs, cin_g: int, kern, strides, pads, dilations, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 read from the input as it is (no prologue): per tap
+    and output row, the zero rows and columns outside the image, a strided copy in between."""
+    (kh_n, kw_n), (_, sw), h, w = kern, strides, xs[2], xs[3]
+    copy = [f"const float* src = {x} + ((nb * {xs[1]}LL + gq * {cin_g}LL + ci) * {h}LL + ih) * {w}LL + off;",
+            "#pragma omp simd", f"for (long long ow = lo; ow < hi; ++ow) dst[ow] = src[ow * {sw}LL];"]
+    return [f"for (long long kq = 0; kq < {cin_g * kh_n * kw_n}LL; ++kq) {{",
+            *_im2col_tap((kern, strides, pads, dilations), xs, wo, copy), "}"]
+
+
+def _im2col_prologue(e: _Emitter, x: str, xs, cin_g: int, geometry, wo: int) -> list[str]:
+    """The im2col panel of output rows oh0..oh1 with the prologue applied (or a half input
+    widened): as `_im2col_rows`, the rows and columns outside the image are zeros and the prologue
+    runs only on the interior, with no bounds test per element; a Concat along the channels the
+    input is computed from (`_channel_concat`) becomes one tap loop per piece, each computing its
+    own piece only: no branch per element (under `omp simd` both sides of one were computed)."""
+    (kh_n, kw_n), (_, sw) = geometry[0], geometry[1]
+    khkw, kt = kh_n * kw_n, cin_g * kh_n * kw_n
+    found = _channel_concat(e.graph, e.members, x, xs)
+    pieces = [(None, 0, 0, xs[1])] if found is None else [(found[0], k, lo, hi) for k, (lo, hi) in enumerate(found[1])]
+    lines = []
+    pointwise = _pixel_wise(*geometry[:3])
+    for concat, k, lo, hi in pieces:
+        e.pinned = {} if concat is None else {concat: k}
+        if concat is None:
+            head, tail = [f"for (long long kq = 0; kq < {kt}LL; ++kq) {{"], ["}"]
+        else:  # the taps of this piece's channels within the group
+            head = ["{", f"    long long klo = ({lo}LL - gq * {cin_g}LL) * {khkw}LL, khi = ({hi}LL - gq * {cin_g}LL) * {khkw}LL;",
+                    "    if (klo < 0) klo = 0;", f"    if (khi > {kt}LL) khi = {kt}LL;",
+                    "for (long long kq = klo; kq < khi; ++kq) {"]
+            tail = ["}", "}"]
+        # a 1x1 stride-1 unpadded tap: the block's pixels as one loop, where no load divides the pixel
+        flat = (e.over_flat("(p0 + q)", xs[2:], lambda pixel: [e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", *pixel))])
+                if pointwise else None)
+        if flat is not None:
+            body, (v,) = flat
+            lines += [*head, "    long long ci = kq;", "    float* dst = patch + kq * pn;",
+                      *(["    #pragma omp simd"] if _flat_loop(body) else []), "    for (long long q = 0; q < pn; ++q) {",
+                      *["        " + x_ for x_ in body], f"        dst[q] = {v};", "    }", *tail]
+            continue
+        e.lines = []
+        e.push()
+        v = e.value(x, ("nb", f"(gq * {cin_g}LL + ci)", "ih", f"(ow * {sw}LL + off)"))
+        e.pop()
+        body = e.lines
+        fill = [*(["#pragma omp simd"] if _flat_loop(body) else []), "for (long long ow = lo; ow < hi; ++ow) {",
+                *["    " + x_ for x_ in body], f"    dst[ow] = {v};", "}"]
+        lines += [*head, *_im2col_tap(geometry, xs, wo, fill), *tail]
+    e.pinned = {}
+    return lines
+
+
+def _channel_concat(graph: Graph, members, x: str, xs) -> tuple[str, list[tuple[int, int]]] | None:
+    """(the Concat's output, each input's channel range) when a conv input `x` is computed in the
+    group from one Concat along the channels of x's own shape through same-shape elementwise or
+    broadcast ops only (every path from the Concat to x keeps the channel index), else None."""
+    seen, stack = set(), [x]
+    while stack:
+        p = graph.producer(stack.pop())
+        if p is not None and p in members and p not in seen:
+            seen.add(p)
+            stack += [i for i in graph.nodes[p].inputs if i]
+    concats = [p for p in seen if graph.nodes[p].op_type == "Concat"
+               and int(graph.nodes[p].attrs.get("axis", 0)) % len(xs) == 1 and graph.tensors[graph.nodes[p].outputs[0]].shape == tuple(xs)]
+    if len(concats) != 1:
+        return None
+    node = graph.nodes[concats[0]]
+    derived = {node.outputs[0]}
+    for p in sorted(seen):  # topological: ids are positions
+        n = graph.nodes[p]
+        if p == concats[0] or not any(i in derived for i in n.inputs):
+            continue
+        if (kind_of(n.op_type, n.domain) > OpKind.BROADCAST or graph.tensors[n.outputs[0]].shape != tuple(xs)
+                or any(i in derived and graph.tensors[i].shape != tuple(xs) for i in n.inputs)):
+            return None
+        derived.update(n.outputs)
+    if x not in derived:
+        return None
+    ranges, at = [], 0
+    for i in (i for i in node.inputs if i):
+        ranges.append((at, at + graph.tensors[i].shape[1]))
+        at += graph.tensors[i].shape[1]
+    return node.outputs[0], ranges
+
+
+def _conv_2d(graph: Graph, kernel: Kernel, args, outs, anchor: Node):
+    """(x, w, shapes of x, w, y, group, outputs of y's shape, other outputs) of a 2-D conv whose
+    filter is a float32 (or half) kernel input, or None."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    if (len(xs) != 4 or w not in args or compute_dtype(graph.tensors[w].dtype) != "float32"
+            or graph.producer(w) in kernel.nodes):
+        return None
+    main, side = _split_outputs(graph, kernel, outs, anchor)
+    if not main:
+        return None
+    return x, w, xs, ws, ys, int(anchor.attrs.get("group", 1)), main, side
+
+
+DEPTHWISE_LANES = 8  # floats per vector the depthwise loop is written for (AVX2)
+
+
+def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C depthwise conv (one input channel per group): per image and output channel, its input
+    channel (prologue applied once per element, not once per tap) into zero-bordered planes (the
+    per-thread `patch` scratch), then every output row as one vectorized loop over its pixels with
+    the taps unrolled, the filter's taps in registers and no bounds check (the border is the
+    planes' zeros), the epilogue on each pixel before its one store. A column stride s splits the
+    padded columns into s planes by column modulo s, so every tap reads unit-stride (a strided
+    read vectorizes as a gather). At mobilenetv2's 7x7 and 14x14 planes, where most pixels touch
+    the border, the earlier per-pixel bounds-checked border path ran 5-10x slower than priced.
+    None unless the conv is 2-D with one input channel per group and a constant filter."""
+    found = _conv_2d(graph, kernel, args, outs, anchor)
+    if found is None:
+        return None
+    x, w, xs, ws, ys, group, main, side = found
+    if group == 1 or xs[1] != group:
+        return None
+    e = _Emitter(graph, kernel, args)
+    _, (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
+    cout_g = ys[1] // group
+    h, wd, oh_n, ow_n = xs[2], xs[3], ys[2], ys[3]
+    hp = max(ph + h, (oh_n - 1) * sh + (kh_n - 1) * dh + 1)  # the padded plane's rows and columns
+    wp = max(pw + wd, (ow_n - 1) * sw + (kw_n - 1) * dw + 1)
+    wq = -(-wp // sw)  # columns of each of the sw planes: padded column c sits in plane c % sw at c // sw
+
+    def at(row: str, column: int, col0: str) -> str:  # padded (row, col0 * sw + column) in its plane
+        return f"patch[({column % sw * hp}LL + {row}) * {wq}LL + {col0} + {column // sw}LL]"
+
+    spans = []  # per plane, the columns j holding image values: [lo, hi); the rest are zeros
+    for f in range(sw):  # plane f: padded columns j * sw + f, input column j * sw + f - pw
+        lo = max(0, -(-(pw - f) // sw))
+        spans.append((lo, max(lo, min(wq, (wd - 1 + pw - f) // sw + 1))))
+    both = (max(a for a, _ in spans), min(b for _, b in spans))  # one loop fills every plane here
+
+    def fill_loop(planes, lo: int, hi: int) -> list[str]:
+        if hi <= lo:
+            return []
+        e.lines = []
+        e.push()
+        stores = [f"{at(f'ih + {ph}LL', f, 'j')} = {e.value(x, ('nb', 'ci', 'ih', f'(j * {sw}LL + {f - pw}LL)'))};"
+                  for f in planes]
+        body, e.lines = [*e.lines, *stores], []
+        e.pop()
+        return [*(["#pragma omp simd"] if _flat_loop(body) else []), f"for (long long j = {lo}LL; j < {hi}LL; ++j) {{",
+                *["    " + x_ for x_ in body], "}"]
+
+    fill = []
+    for f, (lo, hi) in enumerate(spans):
+        row = f"({f * hp}LL + ih + {ph}LL) * {wq}LL"
+        fill += [f"for (long long j = {a}LL; j < {b}LL; ++j) patch[{row} + j] = 0.0f;" for a, b in ((0, lo), (hi, wq)) if b > a]
+        fill += fill_loop([f], lo, min(hi, both[0])) + fill_loop([f], max(lo, both[1]), hi)
+    fill += fill_loop(range(sw), *both)  # a column stride's planes from one pass over the input row
+    # flat: the sums over every plane position p = oh * sh * wq + ow (a tap at a fixed offset from
+    # p, so one long vector loop), columns past the output's computed and dropped, then the
+    # epilogue per row from that buffer; where rows are narrow (a row loop of 7 or 14 pixels runs
+    # mostly in its scalar remainder) or the waste is only the filter's overhang (stride 1)
+    flat = sh == 1 or ow_n < 2 * DEPTHWISE_LANES
+    pos = "p" if flat else "ow"
+    e.lines = []
+    e.push()
+    rows = [" + ".join(f"w{kh}_{kw} * {at(str(kh * dh) + 'LL' if flat else f'oh * {sh}LL + {kh * dh}LL', kw * dw, pos)}"
+                       for kw in range(kw_n)) for kh in range(kh_n)]  # an FMA chain per filter row, then summed
+    total = " + ".join(f"({r})" for r in rows)  # _conv adds the bias
+    if flat:
+        sums = [f"for (long long p = 0; p < {(oh_n - 1) * sh * wq + ow_n}LL; ++p) cbuf[p] = {total};"]
+        e.acc_value = f"cbuf[oh * {sh * wq}LL + ow]"
+    else:
+        sums = []
+        e.acc_value = e.tmp("float", total)
+    writes = [_write(e, o, ("nb", "co", "oh", "ow"), ys) for o in main]
+    e.acc_value = ""
+    body, e.lines = e.lines + writes, []
+    e.pop()
+    taps = [f"const float w{kh}_{kw} = {load_expr(args[w].dtype, f'{args[w].name}[co * {kh_n * kw_n}LL + {kh * kw_n + kw}LL]')};"
+            for kh in range(kh_n) for kw in range(kw_n)]
+    zero = [f"for (long long q = {a}LL; q < {b}LL; ++q) patch[q] = 0.0f;"  # the rows above and below the image
+            for f in range(sw) for a, b in ((f * hp * wq, (f * hp + ph) * wq), ((f * hp + ph + h) * wq, (f + 1) * hp * wq))
+            if b > a]
+    block = [f"for (long long nc = 0; nc < {xs[0] * ys[1]}LL; ++nc) {{",
+             f"    long long nb = nc / {ys[1]}LL, co = nc % {ys[1]}LL, ci = co / {cout_g}LL;",
+             "    " + scratch("patch", f"{sw * hp * wq}LL"), *["    " + z for z in zero],
+             *(["    " + scratch("cbuf", f"{oh_n * sh * wq}LL")] if flat else []),
+             f"    for (long long ih = 0; ih < {h}LL; ++ih) {{", *["        " + x_ for x_ in fill], "    }",
+             *["    " + t for t in taps], *(["    #pragma omp simd"] if sums else []), *["    " + x_ for x_ in sums],
+             f"    for (long long oh = 0; oh < {oh_n}LL; ++oh) {{",
+             *(["        #pragma omp simd"] if _flat_loop(body) else []),
+             f"        for (long long ow = 0; ow < {ow_n}LL; ++ow) {{", *["            " + x_ for x_ in body], "        }",
+             "    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+
+
+def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
+    """C conv without a BLAS: per output pixel, the input patch (prologue applied) once into a
+    buffer, dotted with each output channel's contiguous filter row."""
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+    main, side = _split_outputs(graph, kernel, outs, anchor)
+    fill = _HOIST_FILL.get(anchor.op_type)
+    plan = fill(graph, anchor) if fill else None
+    if plan is None or not main:
+        return None
+    inner_axis, extent, fill_fn = plan
+    if extent > MAX_HOIST:
+        return None
+    e = _Emitter(graph, kernel, args)
+    outer_shape = tuple(d for i, d in enumerate(yshape) if i != inner_axis)
+    row_idx = e.unflatten("row", outer_shape)
+    col = "col"
+    idx = row_idx[:inner_axis] + (col,) + row_idx[inner_axis:]
+    pre = e.lines
+    e.lines = []
+    fill_fn(e, anchor, idx, "hbuf")
+    fill_lines, e.lines = e.lines, []
+    e.push()
+    e.hoisted = "hbuf"
+    writes = []  # conv: the patch buffer is refilled at each group's first output channel
+    for o in main:
+        writes.append(_write(e, o, idx, yshape))
+    body = e.lines + writes
+    e.pop()
+    rows = math.prod(outer_shape)
+    loop = [f"for (long long row = 0; row < {rows}LL; ++row) {{", *["    " + x for x in pre],
+            f"    float hbuf[{extent}];"]
+    loop += [f"    for (long long {col} = 0; {col} < {yshape[inner_axis]}LL; ++{col}) {{"]
+    loop += ["        " + x for x in fill_lines + body] + ["    }", "}"]
+    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+
+
+def _fill_conv(graph: Graph, anchor: Node):
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = graph.tensors[x].shape, graph.tensors[w].shape, graph.tensors[anchor.outputs[0]].shape
+    group = int(anchor.attrs.get("group", 1))
+    cin_g, cout_g = xs[1] // group, ys[1] // group
+    kernel = tuple(anchor.attrs.get("kernel_shape") or ws[2:])
+    taps = [cin_g, *kernel]
+
+    def fill(e, node, idx, buf) -> None:
+        geometry = _conv_geometry(e, node, xs, ws, ys, False)
+        spatial, _, strides, dilations, pads = geometry
+        co = idx[1]
+        g = f"(({co}) / {cout_g}LL)"
+        kk = "kh"
+        e.lines.append(f"if (({co}) % {cout_g}LL == 0) for (long long {kk} = 0; {kk} < {math.prod(taps)}LL; ++{kk}) {{")
+        e.push()
+        v = _conv_input(e, node, x, xs, idx, kk, taps, (spatial, strides, pads, dilations), g, cin_g)
+        e.pop()
+        e.lines.append(f"    {buf}[{kk}] = {v};")
+        e.lines.append("}")
+    return 1, math.prod(taps), fill
+
+
+_HOIST_FILL = {"Conv": _fill_conv}
