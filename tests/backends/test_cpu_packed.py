@@ -153,6 +153,29 @@ def test_attention_values_read_by_strides_are_packed_per_block(tmp_path, blas, m
         assert "FS_BLAS_SGEMM(101, 111, 111, (int)mc, 16, 70, 1.0f" in body and "fs_pack_b(" not in body
 
 
+@pytest.mark.parametrize("case", ["batched input", "broadcast input", "batched constant", "gemm transB input"])
+def test_b_read_in_place_is_packed_per_block(tmp_path, blas, case):
+    """B a kernel input read in place but not a 2-D constant (an unfused graph's values or
+    transposed keys, a broadcast batch, a batched constant, a Gemm's transposed B computed
+    elsewhere): packed per block from the input (along K when transposed) and multiplied by our
+    micro-kernel, with a bias and an activation on the tile; no BLAS call."""
+    relu = helper.make_node("Relu", ["y"], ["out"])
+    if case == "gemm transB input":
+        nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1, alpha=0.5), relu]
+        gk = one_kernel(tmp_path, nodes, [("a", [37, 24]), ("b", [40, 24])], [("out", None)], [("c", _w([40], 2))])
+        packing = "1LL, 24LL, bbuf);"  # B is N x K: unit stride along K
+    else:
+        b_shape = {"batched input": [3, 24, 40], "broadcast input": [24, 40], "batched constant": [3, 24, 40]}[case]
+        nodes = [helper.make_node("MatMul", ["a", "b"], ["y"]), relu]
+        b = [("b", b_shape)] if case != "batched constant" else []
+        gk = one_kernel(tmp_path, nodes, [("a", [3, 37, 24]), *b], [("out", None)],
+                        [("b", _w(b_shape))] if case == "batched constant" else [])
+        packing = "40LL, 1LL, bbuf);"
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    assert "fs_pack_b(24LL, 40LL, in" in body and packing in body and ROWS in body, body
+    assert "FS_BLAS_SGEMM(" not in body and not gk.packed
+
+
 @pytest.mark.parametrize("perm,packed", [([0, 2, 3, 1], "bbuf[nn * 16LL + kk]"), ([0, 2, 1, 3], "bbuf[kk * 16LL + nn]")])
 def test_computed_b_is_packed_along_its_source(tmp_path, blas, perm, packed):
     """Keys or values with a bias in the group (Add, Reshape into heads, Transpose): B is packed
@@ -432,14 +455,16 @@ def test_conv_over_a_channel_concat_computes_each_piece_in_its_own_loop(tmp_path
 @pytest.mark.parametrize("perm,shape", [([0, 2, 1, 3], [1, 70, 60]), ([0, 1, 2, 3], [1, 3, 1400])])
 def test_a_product_moved_by_views_is_stored_at_its_strides(tmp_path, blas, perm, shape):
     """Attention's context product merged into heads (Transpose + Reshape): each head's tile is
-    stored by the BLAS at the output's row stride (ldc = heads x N), no buffer and no copy pass."""
+    stored at the output's row stride (ldc = heads x N) by our micro-kernel over the values packed
+    per block, no buffer and no copy pass."""
     nodes = [helper.make_node("MatMul", ["p", "v"], ["y"]), helper.make_node("Transpose", ["y"], ["yt"], perm=perm),
              helper.make_node("Reshape", ["yt", "shape"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("p", [1, 3, 70, 16]), ("v", [1, 3, 16, 20])], [("out", None)],
                     [("shape", np.int64(shape))])
     if blas == "blas":
         blas_part = gk.c_source[gk.c_source.index(f"void {gk.name}("):].split("#else")[0]
-        assert "ybuf" not in blas_part and f", {60 if perm[1] == 2 else 20});" in blas_part
+        assert "ybuf" not in blas_part and "fs_gemm_rows(" in blas_part
+        assert f", {60 if perm[1] == 2 else 20}LL, 0, 0LL, 0);" in blas_part  # C's pointer and row stride
 
 
 def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
