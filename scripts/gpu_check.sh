@@ -6,18 +6,19 @@
 # (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
 # Runtime's CUDA provider does and as the cost model prices them). Figures and logs go to $OUT
 # (default ./gpu_out). It installs nothing from the network: packages missing on the GPU machine travel
-# as wheels in .whl/ — fetch them here first (Python 3.12, x86_64), for example:
+# as wheels in .whl/, installed into .gpusite/ (scripts/gpu_env.sh). Fetch them here first (Python
+# 3.12, x86_64); on an image with CuPy 14, numpy, onnx, onnx-ir, onnxscript, onnxruntime, pandas,
+# pyarrow, typer and rich (the H200 it has run on), these were what it lacked:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform any -d .whl \
-#     'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-crt==13.0.*' 'ortools==9.15.*' 'protobuf>=6.33.1,<6.34' onnx-ir onnxscript typer rich jsonschema \
-#     jsonschema-specifications referencing rpds-py attrs absl-py immutabledict ml-dtypes \
-#     shellingham click typing-extensions pyarrow hypothesis sortedcontainers
+#     'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-crt==13.0.*' 'ortools==9.15.*' 'protobuf>=6.33.1,<6.34' \
+#     immutabledict jsonschema jsonschema-specifications referencing rpds-py scipy-openblas32
 # It fails (exit 1, one line on stderr) when no GPU is visible — checked first, before anything
 # is installed — and when the gpu tests did not really run on the GPU: none selected, or any of
 # them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); when a measure or the
 # run fails; and when a tensor-core kernel differs from the CUDA-core one beyond the TF32 tolerance.
-# Usage: bash scripts/gpu_check.sh   (about 5 minutes on an H200)
+# Usage: bash scripts/gpu_check.sh   (162 s on an H200: experiments/h200-check/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi > /dev/null 2>&1; then
