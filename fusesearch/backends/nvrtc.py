@@ -192,14 +192,18 @@ def parse_ptxas_log(log: str, arch: str) -> tuple[KernelResources, ...]:
 # ----------------------------------------------------------------------------- locating compilers
 
 
-def _pip_nvrtc_paths() -> list[Path]:
-    """libnvrtc.so.N from the nvidia-cuda-nvrtc wheels (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib)."""
+def _nvidia_roots() -> list[str]:
+    """The `nvidia` namespace folders of the installed nvidia-* wheels, in sys.path order."""
     try:
         spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):
         return []
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    found = [p for root in roots for p in Path(root).glob("*/lib/libnvrtc.so*")
+    return list(spec.submodule_search_locations or []) if spec else []
+
+
+def _pip_nvrtc_paths() -> list[Path]:
+    """libnvrtc.so.N from the nvidia-cuda-nvrtc wheels (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib)."""
+    found = [p for root in _nvidia_roots() for p in Path(root).glob("*/lib/libnvrtc.so*")
              if _NVRTC_SONAME_RE.fullmatch(p.name)]
     return sorted(found, key=lambda p: p.name, reverse=True)  # newest major first
 
@@ -321,12 +325,7 @@ def _has_cuda_headers(home: Path) -> bool:
 
 def _wheel_homes() -> list[Path]:
     """Every nvidia/<name> folder of the installed nvidia wheels, across all site folders."""
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    return [p for root in roots for p in sorted(Path(root).iterdir()) if p.is_dir()]
+    return [p for root in _nvidia_roots() for p in sorted(Path(root).iterdir()) if p.is_dir()]
 
 
 @functools.cache
