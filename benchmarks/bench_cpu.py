@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -222,8 +223,9 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         lib.own_pack_b(k, n, b.ctypes.data_as(ptr), bp.ctypes.data_as(ptr))
         outs = [np.zeros((m, n), np.float32), np.zeros((n, m), np.float32), np.zeros((m, n), np.float32)]
         # the arguments converted once: a ctypes conversion per call costs microseconds, a tenth of a small product
-        calls = [lambda f=f, args=(m, n, k, a.ctypes.data_as(ptr), x.ctypes.data_as(ptr), c.ctypes.data_as(ptr)): f(*args)
-                 for f, x, c in ((lib.own_rows, bp, outs[0]), (lib.own_packed, bp, outs[1]), (lib.blas_sgemm, b, outs[2]))]
+        arguments = [(f, (m, n, k, a.ctypes.data_as(ptr), x.ctypes.data_as(ptr), c.ctypes.data_as(ptr)))
+                     for f, x, c in ((lib.own_rows, bp, outs[0]), (lib.own_packed, bp, outs[1]), (lib.blas_sgemm, b, outs[2]))]
+        calls = [functools.partial(f, *args) for f, args in arguments]
         for call in calls:
             call()
         ref = a.astype(np.float64) @ b.astype(np.float64)
