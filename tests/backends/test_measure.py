@@ -307,12 +307,14 @@ def test_library_samples_are_taken_off_onnx_runtimes_fixed_run_cost(small_model,
         assert seen[0.0][k].median_s > 3e-6, k  # the MatMul and MaxPool take longer than that alone
 
 
-def test_generated_samples_are_taken_off_the_cost_of_a_ctypes_call(small_model, monkeypatch):
+def test_generated_samples_are_taken_off_the_cost_of_a_ctypes_call(tmp_path, monkeypatch):
     """A generated CPU kernel's samples lose the median of a C call that does nothing
     (`cpu.null_runner`, timed in the same rounds): a program calls its kernels from C, never
     through ctypes one by one. With a null call slower than every kernel, every generated sample
     sits at CALL_FLOOR_S; with the real one, each kernel keeps a positive time of its own, and
-    library rows are untouched by it."""
+    library rows are untouched by it. The kernels take tens of microseconds each (a 128x256x256
+    product, rows of 32K floats), so the null call's spread on a loaded machine (a fraction of a
+    microsecond) cannot take one to the floor."""
     import time
 
     import fusesearch
@@ -320,9 +322,14 @@ def test_generated_samples_are_taken_off_the_cost_of_a_ctypes_call(small_model, 
     from fusesearch.measure import CALL_FLOOR_S, measure_plan
     from fusesearch.pipeline import prepare
 
-    prep = prepare(small_model)
-    plan = fusesearch.plan(small_model, device="host", strategy="greedy", prepared=prep)
-    unfused = fusesearch.plan(small_model, device="host", strategy="none", prepared=prep)
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"), helper.make_node("Add", ["m", "b"], ["a"], name="bias"),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"), helper.make_node("Softmax", ["r"], ["y"], axis=-1, name="sm")]
+    inits = [("w", rng.standard_normal((256, 256)).astype(np.float32)), ("b", rng.standard_normal(256).astype(np.float32))]
+    model = save(make_model(nodes, [("x", [128, 256])], [("y", None)], inits), tmp_path / "m.onnx")
+    prep = prepare(model)
+    plan = fusesearch.plan(model, device="host", strategy="greedy", prepared=prep)
+    unfused = fusesearch.plan(model, device="host", strategy="none", prepared=prep)
 
     def slow_null():
         def go() -> None:
