@@ -328,14 +328,17 @@ def _wheel_homes() -> list[Path]:
     return [p for root in _nvidia_roots() for p in sorted(Path(root).iterdir()) if p.is_dir()]
 
 
+def _include_flag(homes) -> tuple[str, ...]:
+    """`--include-path` of the first of `homes` that holds the CUDA headers; () when none does."""
+    home = next((h for h in dict.fromkeys(homes) if _has_cuda_headers(h)), None)
+    return (f"--include-path={home / 'include'}",) if home else ()
+
+
 @functools.cache
 def _nvrtc_include_flags(path: str) -> tuple[str, ...]:
     """`--include-path` of the CUDA headers (mma.h, cuda_fp16.h) beside libnvrtc, in another
     nvidia wheel folder, or in a CUDA home: NVRTC searches no directory of its own."""
-    for home in dict.fromkeys((Path(path).parent.parent, *_wheel_homes(), *_cuda_homes())):
-        if _has_cuda_headers(home):
-            return (f"--include-path={home / 'include'}",)
-    return ()
+    return _include_flag((Path(path).parent.parent, *_wheel_homes(), *_cuda_homes()))
 
 
 def include_flags() -> tuple[str, ...]:
@@ -344,8 +347,7 @@ def include_flags() -> tuple[str, ...]:
     found = _find_nvrtc()
     if not isinstance(found, str):
         return _nvrtc_include_flags(found.path)
-    homes = [h for h in (*_wheel_homes(), *_cuda_homes()) if _has_cuda_headers(h)]
-    return (f"--include-path={homes[0] / 'include'}",) if homes else ()
+    return _include_flag((*_wheel_homes(), *_cuda_homes()))
 
 
 def _nvrtc_compile_program(nv: _Nvrtc, prog: ctypes.c_void_p, arch: str,
