@@ -341,7 +341,7 @@ def test_vector_math_is_linked_and_accurate(tmp_path):
 def test_attention_scores_under_a_softmax(tmp_path, blas):
     """Q x K^T (the keys transposed in the group), scaled, masked, under a Softmax: a row kernel
     whose product goes through the GEMM blocks first, the keys packed per head by their strides
-    for our micro-kernel (a BLAS is still needed for the C path: without one, the row loops)."""
+    for our micro-kernel, which needs no BLAS: the same path with and without one."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Div", ["s", "c"], ["d"]),
              helper.make_node("Add", ["d", "mask"], ["a"]), helper.make_node("Softmax", ["a"], ["out"], axis=-1)]
@@ -349,7 +349,21 @@ def test_attention_scores_under_a_softmax(tmp_path, blas):
                     [("out", None)], [("c", np.float32(4.0))], expect="ybuf")
     assert gk.rows == 2 * 67
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
-    assert "1LL, 16LL, bbuf);" in body and "fs_gemm_rows(" in body and "FS_BLAS_SGEMM(101" not in body
+    assert "1LL, 16LL, bbuf);" in body and "fs_gemm_rows(" in body and "FS_BLAS_SGEMM" not in body
+
+
+@pytest.mark.parametrize("m", [6, 70])
+def test_a_softmax_over_constant_weights_reads_them_packed_once(tmp_path, blas, m):
+    """A classifier head (MatMul by constant weights, bias, Softmax): the row kernel's product runs
+    on our micro-kernel over the weights packed once (the kernel's `_pack`), with or without a BLAS,
+    from one full tile of rows (6) and with a last partial one (70: `fs_micro_tail`)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"]),
+             helper.make_node("Softmax", ["z"], ["out"], axis=-1)]
+    gk = one_kernel(tmp_path, nodes, [("x", [m, 40])], [("out", None)], [("w", _w([40, 37])), ("b", _w([37], 1))],
+                    expect="ybuf")
+    assert gk.rows == m and [p.arg.tensor for p in gk.packed] == ["w"]
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    assert "fs_gemm_rows(" in body and "FS_BLAS_SGEMM" not in body and f"void {gk.name}_pack(" in gk.c_source
 
 
 @pytest.mark.parametrize("m", [3, 67])

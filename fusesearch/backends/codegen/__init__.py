@@ -134,7 +134,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
     packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
     if skeleton == "block-per-row" or (skeleton in CPU_SKELETONS and row_epilogue):
-        c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args)
+        c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
         c_body = _anchor_row_loops(graph, kernel, args, outs, packs) if kernel.anchor is not None else None
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()))

@@ -154,15 +154,18 @@ def _paired(body: list[str], rows: int) -> list[str]:
     return out
 
 
-def _rowwise(graph, kernel, name, ins, outs, args):
+def _rowwise(graph, kernel, name, ins, outs, args, packs: dict):
+    """C and CUDA sources of the row kernel (and its rows and row length); `packs` receives the
+    weights its C product reads packed once (a classifier head's constant B under its Softmax)."""
     plan, (c_side, cu_side) = _row_plan(graph, kernel, args, outs)
     rows, length = plan.rows, plan.length
     cu_body = _indent(plan.cu, 2)
     c_body = _c_rows(plan, c_side)
-    product = _row_product(graph, kernel, args, outs)
-    if product is not None:  # C with a BLAS: the product first (packed, blocked), then the rows read it
-        c_body = f"#ifdef FS_BLAS_SGEMM\n{product}#else\n{c_body}#endif\n"
-    c_src = c_function(name, ins, outs, (), c_body)
+    product = _row_product(graph, kernel, args, outs, packs)
+    if product is not None:  # the product first (packed, blocked), then the rows read it
+        loops, own = product
+        c_body = loops if own else f"#ifdef FS_BLAS_SGEMM\n{loops}#else\n{c_body}#endif\n"
+    c_src = c_function(name, ins, outs, tuple(packs.values()), c_body)
     arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
     cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "".join(x + "\n" for x in cu_side)
@@ -170,12 +173,14 @@ def _rowwise(graph, kernel, name, ins, outs, args):
     return c_src, cu_src, rows, length
 
 
-def _row_product(graph, kernel, args, outs) -> str | None:
-    """C for a row kernel over a MatMul/Gemm (attention's scores under a Softmax): the product,
-    prologue applied, into a scratch buffer through the GEMM blocks (our micro-kernel over the
-    keys packed per head, or the BLAS), then the row loops reading it (each row's dot products
-    are one tile instead of a dot per element). None without an anchor, or where the product is
-    not float32 or not generated through the GEMM blocks."""
+def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | None:
+    """C for a row kernel over a MatMul/Gemm (attention's scores or a classifier head under a
+    Softmax): the product, prologue applied, into a scratch buffer through the GEMM
+    blocks (our micro-kernel over weights packed once into `packs` or keys packed per head, else
+    the BLAS), then the row loops reading it (each row's dot products are one tile instead of a
+    dot per element); with whether it runs without a BLAS (our micro-kernel alone: no `#ifdef`).
+    None without an anchor, or where the product is not float32 or not generated through the GEMM
+    blocks."""
     if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
         return None
     anchor = graph.nodes[kernel.anchor]
@@ -184,16 +189,13 @@ def _row_product(graph, kernel, args, outs) -> str | None:
     if compute_dtype(info.dtype) != "float32" or not info.shape:
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
-    packs: dict = {}  # views of inputs packed per block for our micro-kernel (attention's keys,
-    # values); a constant B would need a packed argument this skeleton does not pass: the BLAS then
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
-    if packs:
-        loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor)
-    if loops is None or not any(call in "".join(loops) for call in ("FS_BLAS_SGEMM(", _OWN)):
+    text = "".join(loops or ())
+    if loops is None or not any(call in text for call in ("FS_BLAS_SGEMM(", _OWN)):
         return None
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
     return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
-            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side))
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), "FS_BLAS_SGEMM" not in text
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
