@@ -54,8 +54,13 @@ RNG = np.random.default_rng(0)
 # one shared core's speed swings between interleaved rounds (printed apart, still counted as lost)
 TIE = 0.02
 
-# (label, M, K, N, batch, transposed B): bert-base projections, FFN, attention score and context
-GEMMS = [("bert-base qkv/out 128x768x768", 128, 768, 768, 1, False),
+# (label, M, K, N, batch, transposed B): bert-small's and bert-base's projections and FFN (bert-small's
+# decide its plan's section-4 ratio: both graphs run them, the unfused one through the library),
+# attention score and context
+GEMMS = [("bert-small qkv/out 128x128x128", 128, 128, 128, 1, False),
+         ("bert-small ffn-up 128x128x512", 128, 128, 512, 1, False),
+         ("bert-small ffn-down 128x512x128", 128, 512, 128, 1, False),
+         ("bert-base qkv/out 128x768x768", 128, 768, 768, 1, False),
          ("bert-base ffn-up 128x768x3072", 128, 768, 3072, 1, False),
          ("bert-base ffn-down 128x3072x768", 128, 3072, 768, 1, False),
          ("attention score 12x128x64x128 (B^T)", 128, 64, 128, 12, True),
