@@ -364,6 +364,13 @@ def test_a_softmax_over_constant_weights_reads_them_packed_once(tmp_path, blas, 
     assert gk.rows == m and [p.arg.tensor for p in gk.packed] == ["w"]
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
     assert "fs_gemm_rows(" in body and "FS_BLAS_SGEMM" not in body and f"void {gk.name}_pack(" in gk.c_source
+    # planned for a CPU the group is priced as `packed`, and that schedule writes the same product
+    prep = prepare(str(tmp_path / "m.onnx"))
+    host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
+    assert host.schedule.generated.skeleton == "packed"
+    hk = generate(prep.graph, host, gk.name)
+    assert [p.arg.tensor for p in hk.packed] == ["w"] and hk.cuda_source == ""
+    assert "fs_gemm_rows(" in hk.c_source and "FS_BLAS_SGEMM(" not in hk.c_source[hk.c_source.index(f"\nvoid {gk.name}("):]
 
 
 @pytest.mark.parametrize("m", [3, 67])
