@@ -190,8 +190,8 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
-    text = "".join(loops or ())
-    if loops is None or not any(call in text for call in ("FS_BLAS_SGEMM(", _OWN)):
+    text = "".join(loops) if loops is not None else ""
+    if not any(call in text for call in ("FS_BLAS_SGEMM(", _OWN)):
         return None
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
     return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
