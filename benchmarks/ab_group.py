@@ -1,0 +1,120 @@
+"""One generated group against variants of its own C source, timed interleaved (figures printed,
+never asserted): how the README's "measured and not kept" and "what a part costs" figures are made.
+
+Problem: a fused kernel's time is the sum of parts no profiler on a shared 2-core VM separates
+well (the product, a prologue, an erf epilogue, a Softmax pass), and a tried code change is only
+worth keeping if it beats the kernel it would replace on the same machine minutes apart.
+Approach: a variant file (`benchmarks/variants/*.py`) names a zoo model, the group of its cpsat
+plan for the host (the first, in plan order, whose ops joined by '+' equal GROUP), and variants,
+each a list of (regular expression, replacement) edits of the group's generated C source; every
+edit must match (a generator change that moved the text fails loudly, never a silent no-op). The
+base and each variant are compiled, run once, checked against ONNX Runtime's values of the
+group's outputs (the variants named in BOUNDS compute something else on purpose — a part taken
+out — so their error is printed, not checked), then timed in ROUNDS interleaved rounds of
+`measure_interleaved`; each round's medians are printed and, per variant, the median over rounds
+of its time over the base's (below 1: the variant is faster).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ab_group.py benchmarks/variants/gelu_epilogue.py
+        [--rounds 7] [--budget 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from fusesearch.api import plan as make_plan
+from fusesearch.backends import cpu
+from fusesearch.backends.codegen import generate
+from fusesearch.backends.timing import measure_interleaved
+from fusesearch.ir.canonicalize import to_proto
+from fusesearch.measure import max_rel_err
+from fusesearch.pipeline import prepare
+from fusesearch.verify import all_values, random_feeds
+
+CHECK = 1e-4  # a variant that is not a bound must match ONNX Runtime as the base does (max_rel_err)
+
+
+class VariantError(Exception):
+    """A variant file that does not fit the generator's output (one clear line)."""
+
+
+def load_variants(path: Path) -> dict:
+    spec: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), spec)
+    for key in ("MODEL", "GROUP", "VARIANTS"):
+        if key not in spec:
+            raise VariantError(f"{path}: no {key} (a variant file sets MODEL, GROUP, VARIANTS and optionally BOUNDS)")
+    return spec
+
+
+def plan_group(spec: dict, prep=None):
+    """(prepared model, the group, its generated kernel): the first group of MODEL's cpsat plan for
+    the host whose ops joined by '+' are GROUP."""
+    prep = prep or prepare(f"zoo:{spec['MODEL']}")
+    plan = make_plan(f"zoo:{spec['MODEL']}", device="host", strategy="cpsat", prepared=prep)
+    ops = {g.id: "+".join(prep.graph.nodes[i].op_type for i in g.kernel.nodes) for g in plan.groups}
+    group = next((g for g in plan.groups if ops[g.id] == spec["GROUP"]), None)
+    if group is None:
+        raise VariantError(f"no group {spec['GROUP']} in {spec['MODEL']}'s cpsat plan for the host")
+    return prep, group, generate(prep.graph, group.kernel, name=f"ab_{group.id}")
+
+
+def edited(source: str, edits, label: str) -> str:
+    """`source` with every (pattern, replacement) edit applied; each must match."""
+    for pattern, replacement in edits:
+        source, count = re.subn(pattern, replacement, source)
+        if count == 0:
+            raise VariantError(f"variant '{label}': the pattern {pattern!r} is not in the group's source "
+                               "(the generator changed: update the variant file)")
+    return source
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", type=Path, help="a variant file (benchmarks/variants/*.py)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each printed)")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per round over all runs")
+    args = parser.parse_args()
+    try:
+        spec = load_variants(args.variants)
+        prep, group, base = plan_group(spec)
+        sources = {label: edited(base.c_source, edits, label) for label, edits in spec["VARIANTS"].items()}
+    except VariantError as exc:
+        sys.exit(f"{args.variants}: {exc}")
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    inputs = {t: values[t] for t in group.kernel.inputs}
+    labels, runs = ["base"], [cpu.runner(base, inputs)]
+    for label, source in sources.items():
+        variant = dataclasses.replace(base, c_source=source, source_hash=hashlib.sha256(source.encode()).hexdigest())
+        labels.append(label)
+        runs.append(cpu.runner(variant, inputs))
+    bounds = set(spec.get("BOUNDS", ()))
+    print(f"{spec['MODEL']} g{group.id} {spec['GROUP']}: {len(labels) - 1} variants, {args.rounds} rounds")
+    for label, run in zip(labels, runs, strict=True):
+        run()
+        outs = run.buffers[len(base.inputs):]
+        err = max_rel_err({a.tensor: x for a, x in zip(base.outputs, outs, strict=True)}, values)
+        note = " (a bound: computes something else)" if label in bounds else ""
+        print(f"  {label}: error against ONNX Runtime {err:.1e}{note}")
+        if label not in bounds and err > CHECK:
+            sys.exit(f"variant '{label}' is wrong (error {err:.1e} > {CHECK}); list it in BOUNDS if that is meant")
+    rounds = []
+    for r in range(args.rounds):
+        times = [t.median_s * 1e6 for t in measure_interleaved(runs, budget_s=args.budget, rounds=5)]
+        rounds.append(times)
+        print(f"  round {r + 1}: " + ", ".join(f"{label} {t:.1f} us" for label, t in zip(labels, times, strict=True)))
+    for i, label in enumerate(labels[1:], 1):
+        ratios = [t[i] / t[0] for t in rounds]
+        print(f"  {label}: {statistics.median(ratios):.3f}x the base's time (median over rounds; "
+              f"rounds {min(ratios):.3f}-{max(ratios):.3f}); base median {statistics.median(t[0] for t in rounds):.1f} us")
+
+
+if __name__ == "__main__":
+    main()

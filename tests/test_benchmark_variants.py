@@ -1,0 +1,44 @@
+"""The README's "what a part costs" and "measured and not kept" figures come from
+`benchmarks/ab_group.py` over the variant files in `benchmarks/variants/`: each variant is a set of
+edits of a plan group's generated C source, so a generator change that moves the edited text
+would break those commands. Each file must still find its group and every edit must still match."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANT_FILES = sorted((ROOT / "benchmarks" / "variants").glob("*.py"))
+
+
+def _ab_group():
+    spec = importlib.util.spec_from_file_location("ab_group", ROOT / "benchmarks" / "ab_group.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+AB = _ab_group()
+
+
+def test_there_are_variant_files():
+    assert {p.stem for p in VARIANT_FILES} >= {"gelu_epilogue", "score_softmax", "micro_kernel"}
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=lambda p: p.stem)
+def test_every_variant_still_edits_its_group(path):
+    spec = AB.load_variants(path)
+    _, group, base = AB.plan_group(spec)
+    assert group.kernel.anchor is not None  # each file studies a fused product
+    for label, edits in spec["VARIANTS"].items():
+        source = AB.edited(base.c_source, edits, label)
+        assert source != base.c_source, label
+    assert set(spec.get("BOUNDS", ())) <= set(spec["VARIANTS"])
+
+
+def test_an_edit_that_no_longer_matches_is_refused():
+    with pytest.raises(AB.VariantError, match="the generator changed"):
+        AB.edited("int x;", [(r"fs_erff\(", "(")], "erf taken out")
