@@ -391,6 +391,69 @@ def test_queries_split_into_heads_are_read_in_place_by_their_strides(tmp_path, b
         assert ("fs_gemm_rows(" in body) == (m >= 6) and ("m0 * 32LL), 32" in body)
 
 
+def _gelu_nodes(bias: bool, residual: bool = False):
+    """MatMul (+ bias row) then GELU written out as ONNX exports it (x / sqrt 2, Erf, + 1, x *, x 0.5)
+    (+ a residual read per element)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y0"])]
+    nodes += [helper.make_node("Add", ["y0", "b"], ["y"])] if bias else [helper.make_node("Identity", ["y0"], ["y"])]
+    nodes += [helper.make_node("Div", ["y", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+              helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["y", "e1"], ["g"]),
+              helper.make_node("Mul", ["g", "half"], ["out" if not residual else "g2"])]
+    return nodes + ([helper.make_node("Add", ["g2", "r"], ["out"])] if residual else [])
+
+
+def _without_tile_epilogue(gk):
+    """The same kernel with its block epilogue (the source without FS_TILE_EPI)."""
+    import dataclasses
+    import hashlib
+
+    source = gk.c_source.replace("#define FS_TILE_EPI 1\n", "")
+    assert source != gk.c_source
+    return dataclasses.replace(gk, c_source=source, source_hash=hashlib.sha256(source.encode()).hexdigest())
+
+
+@pytest.mark.parametrize("m,n,bias", [(70, 64, True), (13, 40, True), (128, 96, False), (5, 32, True)])
+def test_a_gelu_epilogue_runs_on_the_registers(tmp_path, m, n, bias):
+    """A MatMul by constant weights with its bias row and GELU: with AVX-512 the micro-kernel adds
+    the bias and applies the GELU to each tile in its registers before the one store
+    (`fs_gemm_rows_epi`, the tile epilogue `fs_tile_epi`; a partial tile of N % 32 columns or
+    M % 12 rows through `fs_tile_epi1`), with no product block and no second pass; elsewhere the
+    block epilogue. Both equal ONNX Runtime and each other bit for bit (the same operations in the
+    same order), M and N off the tile included (5 rows: under one FS_MR tile, the BLAS's)."""
+    inits = [("w", _w([48, n])), ("sqrt2", np.float32(1.4142135)), ("one", np.float32(1.0)), ("half", np.float32(0.5))]
+    inits += [("b", _w([n], 1))] if bias else []
+    gk = one_kernel(tmp_path, _gelu_nodes(bias), [("x", [m, 48])], [("out", None)], inits)
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    if m < 6:  # below one full tile the product goes to the BLAS or the row loops: no tile epilogue
+        assert "fs_gemm_rows_epi(" not in body and "FS_TILE_EPI" not in gk.c_source
+        return
+    b = next((a.name for a in gk.inputs if a.tensor == "b"), "0")
+    assert "fs_gemm_rows_epi(" in body and f", {n}LL, {b});" in body and "static inline __m512 fs_tile_epi(" in gk.c_source
+    prep = prepare(str(tmp_path / "m.onnx"))
+    values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
+    feeds = {a.tensor: values[a.tensor] for a in gk.inputs}
+    tiles, block = cpu.run(gk, feeds)["out"], cpu.run(_without_tile_epilogue(gk), feeds)["out"]
+    np.testing.assert_array_equal(tiles, block)
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "tanh"])
+def test_an_epilogue_that_is_not_a_function_of_the_tile_keeps_its_block(tmp_path, epilogue):
+    """A tile epilogue is a function of the product plus a bias row alone, over constants, the four
+    operators and erf: a residual read per element, or Tanh (libmvec's), keeps the block epilogue."""
+    if epilogue == "residual":
+        nodes = _gelu_nodes(True, residual=True)
+        inputs = [("x", [30, 48]), ("r", [30, 64])]
+    else:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"]),
+                 helper.make_node("Tanh", ["z"], ["out"])]
+        inputs = [("x", [30, 48])]
+    inits = [("w", _w([48, 64])), ("b", _w([64], 1)), ("sqrt2", np.float32(1.4142135)), ("one", np.float32(1.0)),
+             ("half", np.float32(0.5))]
+    gk = one_kernel(tmp_path, nodes, inputs, [("out", None)], inits if epilogue == "residual" else inits[:2])
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    assert "fs_gemm_rows(" in body and "fs_gemm_rows_epi(" not in body and "#define FS_TILE_EPI" not in gk.c_source
+
+
 def test_a_wide_product_goes_through_the_blas(tmp_path, blas):
     """An LM head's N (here 20000) is past what the row loops keep on the stack: the BLAS blocks
     with it, the generic loops without."""
@@ -676,7 +739,9 @@ static inline void _mm512_storeu_ps(float* p, fs_v16 a) { for (int i = 0; i < 16
 def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     """The packed GEMMs through each branch of their micro-kernel equal a float64 product at partial
     tiles and an odd K (`fs_gemm_packed`: A packed, C stored transposed; `fs_gemm_rows`: A read by
-    rows, added onto C in place, or stored plus a bias row and a residual; M of 6, 9, 13, 23
+    rows, added onto C in place, or stored plus a bias row and a residual, or plus a bias row through
+    a tile epilogue, `fs_gemm_rows_epi`: here 2v + 1, on the registers with AVX-512, per element
+    elsewhere; M of 6, 9, 13, 23
     and 25 rows: tiles of 6 and 12 and last ones of 1, 9 and 11; N with a 32-wide pair, a partial
     pair and a single 16-wide panel left): as this CPU compiles it (`-march=native`: AVX2 + FMA or
     AVX-512, whichever it has), the portable loops (no vector ISA named), and the
@@ -685,10 +750,13 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     from fusesearch.backends.codegen import base
 
     driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
-              "         float* R, float* S, const float* T, const float* bias) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
+              "         float* R, float* S, const float* T, const float* bias, float* E) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
               "    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n    fs_gemm_rows(M, N, K, A, K, Bp, R, N, R, N, 0);\n"
-              "    fs_gemm_rows(M, N, K, A, K, Bp, S, N, T, N, bias);\n}\n")
-    source = base._C_PRELUDE + base._C_PACKED_GEMM + driver
+              "    fs_gemm_rows(M, N, K, A, K, Bp, S, N, T, N, bias);\n    fs_gemm_rows_epi(M, N, K, A, K, Bp, E, N, bias);\n}\n")
+    epilogue = ("#define FS_TILE_EPI 1\nstatic inline float fs_tile_epi1(float v) { return (v + v) + 1.0f; }\n"
+                "#if defined(__AVX512F__)\n#include <immintrin.h>\nstatic inline __m512 fs_tile_epi(__m512 v) {\n"
+                "    return _mm512_add_ps(_mm512_add_ps(v, v), _mm512_set1_ps(1.0f));\n}\n#endif\n")
+    source = base._C_PRELUDE + epilogue + base._C_PACKED_GEMM + driver
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     if branch == "native":
         flags = list(cpu.CFLAGS[:-1])
@@ -708,10 +776,13 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
         r = rng.standard_normal((m, n)).astype(np.float32)  # fs_gemm_rows adds the product onto it
         bias, out = rng.standard_normal(n).astype(np.float32), np.zeros((m, n), np.float32)  # plus a bias row
         residual = rng.standard_normal((m, n)).astype(np.float32)  # and a residual read in place
+        tiles = np.zeros((m, n), np.float32)  # through the tile epilogue
         expect = a.astype(np.float64) @ b.astype(np.float64)
         prior = r.astype(np.float64)
         fn.run(*(ctypes.c_longlong(v) for v in (m, n, k)),
-               *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c, r, out, residual, bias)))
+               *(x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, bp, c, r, out, residual, bias, tiles)))
+        np.testing.assert_allclose(tiles, 2 * (expect + bias) + 1, rtol=1e-5, atol=2e-5,
+                                   err_msg=f"{branch} tile epilogue {m}x{n}x{k}")
         np.testing.assert_allclose(out, expect + bias + residual, rtol=1e-5, atol=1e-5,
                                    err_msg=f"{branch} bias and residual {m}x{n}x{k}")
         np.testing.assert_allclose(c.T, expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} packed {m}x{n}x{k}")

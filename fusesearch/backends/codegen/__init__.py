@@ -133,11 +133,13 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     skeleton, grid = schedule.skeleton, schedule.grid
     row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
     packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
+    defs: list[str] = []  # file-scope C the packed GEMM calls (a tile epilogue)
     if skeleton == "block-per-row" or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
-        c_body = _anchor_row_loops(graph, kernel, args, outs, packs) if kernel.anchor is not None else None
-        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()))
+        c_body = _anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None else None
+        c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()),
+                                                 "".join(defs))
         if skeleton == "tiled":
             cu_src = _tiled(graph, kernel, name, ins, outs, args)
         elif skeleton.startswith("mma"):  # tensor cores

@@ -255,17 +255,52 @@ static inline float fs_expf_le(float x) {
     float y = q * fs_float(fs_bits(t) << 23);
     return x < -87.33654f ? 0.0f : y;
 }
-#pragma omp declare simd notinbranch
-static inline float fs_erff(float x) {
-    float t = fabsf(x) > 3.6173997f ? copysignf(3.6173997f, x) : x;
-    float s = t * t;
-    float p = FS_FMA(FS_FMA(FS_FMA(FS_FMA(FS_FMA(1.986772758755251e-06f, s, 0.00028456433210521936f), s,
-                     0.0038833203725516796f), s, 0.05310166999697685f), s, 0.1935446709394455f), s, 1.1283791065216064f);
-    float q = FS_FMA(FS_FMA(FS_FMA(FS_FMA(FS_FMA(3.7419991713250056e-05f, s, 0.0011855633929371834f), s,
-                     0.015207204967737198f), s, 0.11534981429576874f), s, 0.504857063293457f), s, 1.0f);
-    return t * p / q;
-}
 """
+# erf's fit (`fs_erff` above): the clamp and P's and Q's coefficients, highest degree first, in one
+# place for the scalar function every C kernel may call and the AVX-512 one a tile epilogue calls
+# (`fs_erf16`): the same operations in the same order, so the two agree bit for bit
+ERF_CLAMP = "3.6173997f"
+ERF_P = ("1.986772758755251e-06f", "0.00028456433210521936f", "0.0038833203725516796f", "0.05310166999697685f",
+         "0.1935446709394455f", "1.1283791065216064f")
+ERF_Q = ("3.7419991713250056e-05f", "0.0011855633929371834f", "0.015207204967737198f", "0.11534981429576874f",
+         "0.504857063293457f", "1.0f")
+
+
+def _horner(coefficients, fma, wrap: str = "") -> str:
+    """c0 s^n + ... + cn by nested FMAs (`fma(a, b, c)` = a b + c), `wrap` around each constant."""
+    expr = wrap.format(coefficients[0]) if wrap else coefficients[0]
+    for c in coefficients[1:]:
+        expr = fma(expr, "s", wrap.format(c) if wrap else c)
+    return expr
+
+
+def _erf_scalar() -> str:
+    def fma(a, b, c):
+        return f"FS_FMA({a}, {b}, {c})"
+
+    p, q = _horner(ERF_P, fma), _horner(ERF_Q, fma)
+    p = p.replace(", s, 0.0038833203725516796f", ", s,\n                     0.0038833203725516796f")
+    q = q.replace(", s, 0.015207204967737198f", ", s,\n                     0.015207204967737198f")
+    return ("#pragma omp declare simd notinbranch\nstatic inline float fs_erff(float x) {\n"
+            f"    float t = fabsf(x) > {ERF_CLAMP} ? copysignf({ERF_CLAMP}, x) : x;\n    float s = t * t;\n"
+            f"    float p = {p};\n    float q = {q};\n    return t * p / q;\n}}\n")
+
+
+def _erf_avx512() -> str:
+    def fma(a, b, c):
+        return f"_mm512_fmadd_ps({a}, {b}, {c})"
+
+    p, q = _horner(ERF_P, fma, "_mm512_set1_ps({})"), _horner(ERF_Q, fma, "_mm512_set1_ps({})")
+    return ("/* fs_erff over 16 floats: x clamped by a max and a min, x their second operand, the one\n"
+            "   vmaxps/vminps return where it is NaN (NaN kept, as in fs_erff) */\n"
+            "static inline __m512 fs_erf16(__m512 x) {\n"
+            f"    __m512 t = _mm512_min_ps(_mm512_set1_ps({ERF_CLAMP}), _mm512_max_ps(_mm512_set1_ps(-{ERF_CLAMP}), x));\n"
+            "    __m512 s = _mm512_mul_ps(t, t);\n"
+            f"    __m512 p = {p};\n    __m512 q = {q};\n"
+            "    return _mm512_div_ps(_mm512_mul_ps(t, p), q);\n}\n")
+
+
+_C_MATH += _erf_scalar()
 # C: scratch buffers (a product's tile, a packed panel, an im2col patch) come from a per-thread
 # arena kept between calls: one slot per buffer name, grown to the largest size asked, never
 # freed. A malloc/free per call costs a page fault per 4 KiB each time glibc hands the memory back
@@ -579,7 +614,7 @@ enum {{ FS_PANELS = 2 }};
    60-70% of the FMA peak, 8 at 93% (12 x 32 in L1, one Ice Lake core) */
 static inline __attribute__((always_inline)) void fs_micro_x2(int rows, long long K, const float* a, const float* ahi,
         long long as, long long ak, const float* b, float* tile, long long ldt, const float* c0, long long ldc0,
-        const float* r0) {{
+        const float* r0, int epi) {{
     const float* b2 = b + FS_NR * K;
     __m512 x[2 * FS_MR], y[2 * FS_MR];
 #pragma GCC unroll 12
@@ -611,29 +646,37 @@ static inline __attribute__((always_inline)) void fs_micro_x2(int rows, long lon
     }}
 #pragma GCC unroll 12
     for (int i = 0; i < rows; ++i) {{
+#ifdef FS_TILE_EPI
+        if (epi) {{
+            x[i] = fs_tile_epi(x[i]);
+            y[i] = fs_tile_epi(y[i]);
+        }}
+#endif
         _mm512_storeu_ps(tile + i * ldt, x[i]);
         _mm512_storeu_ps(tile + i * ldt + FS_NR, y[i]);
     }}
+    (void)epi;
 }}
 /* any 1 to 2 FS_MR rows of A (row i at a + i * as, past FS_MR at ahi + (i - FS_MR) * as, moving by
    ak per k) times two B micro-panels, stored at tile (row stride ldt) plus r0 and c0: the
    constant row count `fs_micro_x2` is inlined with, chosen at run time (fs_gemm_rows' last
    M % (2 FS_MR) rows; 6 or 12 packed rows in fs_packed_panels) */
 static void fs_micro_rows2(int rows, long long K, const float* a, const float* ahi, long long as, long long ak,
-                           const float* b, float* tile, long long ldt, const float* c0, long long ldc0, const float* r0) {{
+                           const float* b, float* tile, long long ldt, const float* c0, long long ldc0, const float* r0,
+                           int epi) {{
     switch (rows) {{
-    case 1: fs_micro_x2(1, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 2: fs_micro_x2(2, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 3: fs_micro_x2(3, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 4: fs_micro_x2(4, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 5: fs_micro_x2(5, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 6: fs_micro_x2(6, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 7: fs_micro_x2(7, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 8: fs_micro_x2(8, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 9: fs_micro_x2(9, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 10: fs_micro_x2(10, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    case 11: fs_micro_x2(11, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
-    default: fs_micro_x2(12, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0); break;
+    case 1: fs_micro_x2(1, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 2: fs_micro_x2(2, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 3: fs_micro_x2(3, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 4: fs_micro_x2(4, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 5: fs_micro_x2(5, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 6: fs_micro_x2(6, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 7: fs_micro_x2(7, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 8: fs_micro_x2(8, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 9: fs_micro_x2(9, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 10: fs_micro_x2(10, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    case 11: fs_micro_x2(11, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
+    default: fs_micro_x2(12, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
     }}
 }}
 #else
@@ -655,7 +698,7 @@ static void fs_packed_panels(long long M, long long N, long long K, const float*
 #if defined(__AVX512F__)
             if (panels == FS_PANELS) {{
                 rows = M - i0 > FS_MR ? 2 * FS_MR : FS_MR;
-                fs_micro_rows2((int)rows, K, a, a + FS_MR * K, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+                fs_micro_rows2((int)rows, K, a, a + FS_MR * K, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0, 0);
             }} else
 #endif
                 fs_micro(K, a, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
@@ -770,12 +813,13 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
     }}
 }}
 /* fs_gemm_rows' tile of mr <= FS_MR rows (a, row stride lda) by one B micro-panel b, nr <= FS_NR of
-   its columns stored at c (plus r0 and c0 where given): a full tile straight into C, a partial one
-   through `tile` (the last M % FS_MR rows by `fs_micro_tail`, which computes only them) */
+   its columns stored at c (plus r0 and c0 where given, then through the tile epilogue where epi is
+   set): a full tile with no epilogue straight into C, the others through `tile` (the last
+   M % FS_MR rows by `fs_micro_tail`, which computes only them) */
 static inline void fs_rows_tile(long long mr, long long nr, long long K, const float* a, long long lda, const float* b,
-                                float* c, long long ldc, const float* c0, long long ldc0, const float* r0) {{
+                                float* c, long long ldc, const float* c0, long long ldc0, const float* r0, int epi) {{
     float tile[FS_MR * FS_NR];
-    if (mr == FS_MR && nr == FS_NR) {{
+    if (mr == FS_MR && nr == FS_NR && !epi) {{
         fs_micro(K, a, lda, 1, b, c, ldc, c0, ldc0, r0);
         return;
     }}
@@ -784,8 +828,13 @@ static inline void fs_rows_tile(long long mr, long long nr, long long K, const f
     else
         fs_micro_tail((int)mr, K, a, lda, b, tile);
     for (long long i = 0; i < mr; ++i)
-        for (long long j = 0; j < nr; ++j)
-            c[i * ldc + j] = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
+        for (long long j = 0; j < nr; ++j) {{
+            float v = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
+#ifdef FS_TILE_EPI
+            if (epi) v = fs_tile_epi1(v);
+#endif
+            c[i * ldc + j] = v;
+        }}
 }}
 /* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
    plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
@@ -793,10 +842,11 @@ static inline void fs_rows_tile(long long mr, long long nr, long long K, const f
    within FS_ROWS_B_BLOCK floats, in L2), per FS_PANELS panels of FS_MR rows of A (in L1; the last
    M % (FS_PANELS FS_MR) rows together), every B micro-panel of the block in turn: with AVX-512 two
    at a time where whole ones remain (`fs_micro_rows2`, the tile stored straight into C), else
-   one (`fs_rows_tile`, per FS_MR rows) */
+   one (`fs_rows_tile`, per FS_MR rows); with `epi` every tile goes through the kernel's tile
+   epilogue after R0 and C0 (`fs_tile_epi` on the registers, `fs_tile_epi1` on a partial tile) */
 enum {{ FS_ROWS_B_BLOCK = 65536 }};
-static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
-                         const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
+static inline __attribute__((always_inline)) void fs_gemm_rows_at(long long M, long long N, long long K, const float* A,
+        long long lda, const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0, int epi) {{
     long long nc = FS_ROWS_B_BLOCK / K / (FS_PANELS * FS_NR) * (FS_PANELS * FS_NR);
     nc = nc < FS_PANELS * FS_NR ? FS_PANELS * FS_NR : nc;
     for (long long nb = 0; nb < N; nb += nc) {{
@@ -809,7 +859,8 @@ static void fs_gemm_rows(long long M, long long N, long long K, const float* A, 
                 const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
 #if defined(__AVX512F__)
                 if (ne - n0 >= FS_PANELS * FS_NR) {{
-                    fs_micro_rows2((int)rows, K, a, rows > FS_MR ? a + FS_MR * lda : a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0);
+                    fs_micro_rows2((int)rows, K, a, rows > FS_MR ? a + FS_MR * lda : a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0,
+                                   epi);
                     n0 += FS_PANELS * FS_NR;
                     continue;
                 }}
@@ -817,13 +868,25 @@ static void fs_gemm_rows(long long M, long long N, long long K, const float* A, 
                 long long nr = ne - n0 < FS_NR ? ne - n0 : FS_NR;
                 for (long long h = 0; h < rows; h += FS_MR)
                     fs_rows_tile(rows - h < FS_MR ? rows - h : FS_MR, nr, K, a + h * lda, lda, Bp + n0 * K, c + h * ldc, ldc,
-                                 c0 ? c0 + h * ldc0 : 0, ldc0, r0);
+                                 c0 ? c0 + h * ldc0 : 0, ldc0, r0, epi);
                 n0 += FS_NR;
             }}
             i0 += rows;
         }}
     }}
 }}
+static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
+                         const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
+    fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, C0, ldc0, R0, 0);
+}}
+#ifdef FS_TILE_EPI
+/* fs_gemm_rows with the kernel's tile epilogue on the product plus R0 (a bias row) before the one
+   store: no block of the product kept and no second pass (`tile_epilogue`) */
+static void fs_gemm_rows_epi(long long M, long long N, long long K, const float* A, long long lda,
+                             const float* Bp, float* C, long long ldc, const float* R0) {{
+    fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, 0, 0, R0, 1);
+}}
+#endif
 /* a 1x1 conv's product C[M x N] (row stride ldc) = F[M x K] (filters, row stride lda, read in
    place) x X[K x N] (the input's pixels, row stride ldx): per chunk of pixels (its K x chunk
    panel within FS_BAND_CHUNK floats, in L2) X packed into FS_NR-wide panels (`bbuf`), then
@@ -863,19 +926,55 @@ def c_pack_params(ins, packed, named: bool = True) -> list[str]:
     return [_c_param(f"const {a.ctype}", a, named) for a in ins] + [_c_param("float", p.arg, named) for p in packed]
 
 
-def c_function(name: str, ins, outs, packed, body: str) -> str:
-    """A C kernel's source: the prelude (and the packed GEMM where weights are packed or the body
-    packs an operand per call), the kernel `name(inputs, outputs, packed weights)` running `body`
-    (its loops' invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
+def c_function(name: str, ins, outs, packed, body: str, defs: str = "") -> str:
+    """A C kernel's source: the prelude, `defs` (file-scope definitions the packed GEMM calls: a tile
+    epilogue, `tile_epilogue`), the packed GEMM where weights are packed or the body packs an
+    operand per call, the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
+    invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
     gemm = packed or "fs_pack_b(" in body or "fs_conv_1x1(" in body
     body = hoist_loop_invariants(body)
     wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
-    src = (f"{_C_PRELUDE}{_C_PACKED_GEMM if gemm else ''}{_WIDE_ON if wide else ''}\n"
+    src = (f"{_C_PRELUDE}{defs}{_C_PACKED_GEMM if gemm else ''}{_WIDE_ON if wide else ''}\n"
            f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n{_WIDE_OFF if wide else ''}")
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"
                 + "".join(f"    {p.pack_call()}\n" for p in packed) + "}\n")
     return src
+
+
+
+# a tile epilogue's statements (`tile_epilogue`): temporaries, the argument v, float literals, the
+# four operators and erf; GCC's vector extensions run the same text on 16 floats (a float operand
+# broadcast), erf there by `fs_erf16`
+_TILE_TOKEN = re.compile(r"\s*(?:(v\d*)|(-?\d+(?:\.\d*)?(?:e-?\d+)?f)|(fs_erff)(?=\()|([-+*/(),]))")
+_TILE_STATEMENT = re.compile(r"float (v\d+) = (.*);")
+
+
+def _tile_expression(text: str) -> bool:
+    at = 0
+    while at < len(text):
+        m = _TILE_TOKEN.match(text, at)
+        if m is None or m.end() == at:
+            return False
+        at = m.end()
+    return True
+
+
+def tile_epilogue(lines: list[str], result: str) -> str | None:
+    """The C definitions of a tile epilogue: one output element as a function of `v` (the product
+    plus its bias row), from the scalar emitter's `lines` (`float vN = expr;`) and `result`, as
+    `fs_tile_epi1` (a float) and, with AVX-512, `fs_tile_epi` (16 floats in a zmm: the same
+    statements, erf by `fs_erf16`), which `fs_gemm_rows_epi` applies to each tile before its one
+    store; FS_TILE_EPI is defined only with AVX-512 (elsewhere the kernel keeps its block epilogue).
+    None when a statement holds anything else (a load, an index, a select, another call)."""
+    statements = [_TILE_STATEMENT.fullmatch(line) for line in lines]
+    if any(m is None or not _tile_expression(m.group(2)) for m in statements) or not _tile_expression(result):
+        return None
+    scalar = "".join(f"    {line}\n" for line in lines)
+    vector = "".join(f"    __m512 {m.group(1)} = {m.group(2).replace('fs_erff(', 'fs_erf16(')};\n" for m in statements)
+    return ("#if defined(__AVX512F__)\n#include <immintrin.h>\n#define FS_TILE_EPI 1\n" + _erf_avx512()
+            + f"static inline float fs_tile_epi1(float v) {{\n{scalar}    return {result};\n}}\n"
+            + f"static inline __m512 fs_tile_epi(__m512 v) {{\n{vector}    return {result};\n}}\n#endif\n")
 
 
 _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#include <string.h>\n#ifdef FS_VECTOR_MATH\n"

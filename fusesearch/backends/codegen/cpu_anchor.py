@@ -18,7 +18,7 @@ from fusesearch.lowering import Kernel
 from fusesearch.schedule import anchor_derived
 
 
-def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict) -> list[str] | None:
+def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict, defs: list[str] | None = None) -> list[str] | None:
     """C skeleton for gemm/conv with a prologue on the activation operand: per output row (all
     output dims but the one the weights span), the operand's row (MatMul/Gemm: A[m, :]; Conv: the
     input patch of one output pixel and group) is computed once into a buffer, then reused for
@@ -29,7 +29,7 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict) -> 
     if anchor_derived(graph, kernel.nodes, anchor) is None:  # the epilogue moves elements
         return _materialized_loops(graph, kernel, args, outs, anchor, packs)
     if anchor.op_type in ("MatMul", "Gemm"):
-        return _matmul_row_loops(graph, kernel, args, outs, anchor, packs=packs)
+        return _matmul_row_loops(graph, kernel, args, outs, anchor, packs=packs, defs=defs)
     if anchor.op_type != "Conv":
         return None
     return _conv_loops(graph, kernel, args, outs, anchor, packs)

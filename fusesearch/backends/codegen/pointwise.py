@@ -26,13 +26,13 @@ from fusesearch.backends.codegen.pool_rows import _pool_rows
 from fusesearch.ir.pool import POOL_OPS, pool_window
 
 
-def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None, packed=()):
+def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None, packed=(), defs: str = ""):
     """C and CUDA sources of the pointwise skeleton; `c_body` replaces the C loops (the packed CPU
-    skeleton of an anchor group, reading the `packed` weights)."""
+    skeleton of an anchor group, reading the `packed` weights, calling the file-scope `defs`)."""
     c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
     if c_body is not None:
         c_loops = c_body
-    c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n")
+    c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "")
     cu_src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
               + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0
