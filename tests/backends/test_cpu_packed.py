@@ -434,6 +434,11 @@ def test_a_gelu_epilogue_runs_on_the_registers(tmp_path, m, n, bias):
     feeds = {a.tensor: values[a.tensor] for a in gk.inputs}
     tiles, block = cpu.run(gk, feeds)["out"], cpu.run(_without_tile_epilogue(gk), feeds)["out"]
     np.testing.assert_array_equal(tiles, block)
+    # planned for a CPU the group is priced `packed` (outputs written once, no block round trip), and
+    # that schedule writes the tile epilogue
+    host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
+    assert host.schedule.generated.skeleton == "packed"
+    assert host.write_bytes == m * n * 4 and "fs_gemm_rows_epi(" in generate(prep.graph, host, gk.name).c_source
 
 
 @pytest.mark.parametrize("epilogue", ["residual", "tanh"])

@@ -279,8 +279,6 @@ def _erf_scalar() -> str:
         return f"FS_FMA({a}, {b}, {c})"
 
     p, q = _horner(ERF_P, fma), _horner(ERF_Q, fma)
-    p = p.replace(", s, 0.0038833203725516796f", ", s,\n                     0.0038833203725516796f")
-    q = q.replace(", s, 0.015207204967737198f", ", s,\n                     0.015207204967737198f")
     return ("#pragma omp declare simd notinbranch\nstatic inline float fs_erff(float x) {\n"
             f"    float t = fabsf(x) > {ERF_CLAMP} ? copysignf({ERF_CLAMP}, x) : x;\n    float s = t * t;\n"
             f"    float p = {p};\n    float q = {q};\n    return t * p / q;\n}}\n")

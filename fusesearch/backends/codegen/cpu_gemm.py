@@ -44,6 +44,10 @@ Operands go to the BLAS by strides wherever a view allows (found by probing the 
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
 order their source runs.
+An epilogue that is a function of the product plus a bias row alone (a GELU) runs on the
+micro-kernel's registers before the one store where the CPU has AVX-512 (`_tile_epilogue`,
+`base.tile_epilogue`; the block and a second pass elsewhere): bert-small's FFN-up group 1.06x
+slower through the block (`benchmarks/ab_group.py benchmarks/variants/gelu_epilogue.py`).
 Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
 source compiles with and without a BLAS (a product over packed weights needs none: its path is
 unconditional); only float32 constants (initializers) are packed, once per runner or program,
@@ -231,7 +235,7 @@ def _tile_epilogue(graph: Graph, kernel: Kernel, args, anchor: Node, out: Arg, y
     or added first; the micro-kernel adds it) by constants, the four operators and erf (a GELU); None
     otherwise (a residual or any other tensor read per element, a view, another op).
     Measured on one Ice Lake core (`benchmarks/ab_group.py`, interleaved): bert-small's FFN-up
-    group with its bias and GELU on the registers 0.93x the time of the same group through a
+    group with its bias and GELU on the registers 0.94x the time of the same group through a
     product block and a second pass."""
     y = anchor.outputs[0]
     if out.dtype != "float32" or out.tensor == y:
