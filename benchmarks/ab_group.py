@@ -4,10 +4,12 @@ never asserted): how the README's "measured and not kept" and "what a part costs
 Problem: a fused kernel's time is the sum of parts no profiler on a shared 2-core VM separates
 well (the product, a prologue, an erf epilogue, a Softmax pass), and a tried code change is only
 worth keeping if it beats the kernel it would replace on the same machine minutes apart.
-Approach: a variant file (`benchmarks/variants/*.py`) names a zoo model, the group of its cpsat
-plan for the host (the first, in plan order, whose ops joined by '+' equal GROUP), and variants,
-each a list of (regular expression, replacement) edits of the group's generated C source; every
-edit must match (a generator change that moved the text fails loudly, never a silent no-op). The
+Approach: a variant file (`benchmarks/variants/*.py`) names a zoo model, a group of it by its
+nodes' names (NODES: the group a one-thread cpsat plan for the host takes, lowered as the host
+plan lowers it, `packed`; named rather than planned, because the host's plan moves with its
+measured figures and thread count), and variants, each a list of (regular expression,
+replacement) edits of the group's generated C source; every edit must match (a generator change
+that moved the text fails loudly, never a silent no-op). The
 base and each variant are compiled, run once, checked against ONNX Runtime's values of the
 group's outputs (the variants named in BOUNDS compute something else on purpose — a part taken
 out — so their error is printed, not checked), then timed in ROUNDS interleaved rounds of
@@ -15,7 +17,7 @@ out — so their error is printed, not checked), then timed in ROUNDS interleave
 of its time over the base's (below 1: the variant is faster).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ab_group.py benchmarks/variants/gelu_epilogue.py
-        [--rounds 7] [--budget 0.3]
+        [--rounds 7] [--budget 0.3] [--check: only that every edit still applies]
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from fusesearch.api import plan as make_plan
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.timing import measure_interleaved
+from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
+from fusesearch.lowering import Kernel, try_lower
 from fusesearch.measure import max_rel_err
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
@@ -47,22 +50,23 @@ class VariantError(Exception):
 def load_variants(path: Path) -> dict:
     spec: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), spec)
-    for key in ("MODEL", "GROUP", "VARIANTS"):
+    for key in ("MODEL", "NODES", "VARIANTS"):
         if key not in spec:
-            raise VariantError(f"{path}: no {key} (a variant file sets MODEL, GROUP, VARIANTS and optionally BOUNDS)")
+            raise VariantError(f"{path}: no {key} (a variant file sets MODEL, NODES, VARIANTS and optionally BOUNDS)")
     return spec
 
 
-def plan_group(spec: dict, prep=None):
-    """(prepared model, the group, its generated kernel): the first group of MODEL's cpsat plan for
-    the host whose ops joined by '+' are GROUP."""
-    prep = prep or prepare(f"zoo:{spec['MODEL']}")
-    plan = make_plan(f"zoo:{spec['MODEL']}", device="host", strategy="cpsat", prepared=prep)
-    ops = {g.id: "+".join(prep.graph.nodes[i].op_type for i in g.kernel.nodes) for g in plan.groups}
-    group = next((g for g in plan.groups if ops[g.id] == spec["GROUP"]), None)
-    if group is None:
-        raise VariantError(f"no group {spec['GROUP']} in {spec['MODEL']}'s cpsat plan for the host")
-    return prep, group, generate(prep.graph, group.kernel, name=f"ab_{group.id}")
+def group_kernel(spec: dict):
+    """(prepared model, the group's Kernel as the host lowers it, its generated kernel)."""
+    prep = prepare(f"zoo:{spec['MODEL']}")
+    ids = {node.name: node.id for node in prep.graph.nodes}
+    missing = [name for name in spec["NODES"] if name not in ids]
+    if missing:
+        raise VariantError(f"{spec['MODEL']} has no node {missing[0]} (NODES names the group's nodes)")
+    kernel = try_lower(prep.graph, FusionGroup(frozenset(ids[name] for name in spec["NODES"])), host=True)
+    if not isinstance(kernel, Kernel):
+        raise VariantError(f"the group of NODES is not one kernel: {kernel.reason}")
+    return prep, kernel, generate(prep.graph, kernel, name="ab_group")
 
 
 def edited(source: str, edits, label: str) -> str:
@@ -80,23 +84,28 @@ def main() -> None:
     parser.add_argument("variants", type=Path, help="a variant file (benchmarks/variants/*.py)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each printed)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per round over all runs")
+    parser.add_argument("--check", action="store_true", help="only check that every edit still applies")
     args = parser.parse_args()
     try:
         spec = load_variants(args.variants)
-        prep, group, base = plan_group(spec)
+        prep, kernel, base = group_kernel(spec)
         sources = {label: edited(base.c_source, edits, label) for label, edits in spec["VARIANTS"].items()}
     except VariantError as exc:
         sys.exit(f"{args.variants}: {exc}")
+    ops = "+".join(prep.graph.nodes[i].op_type for i in kernel.nodes)
+    if args.check:
+        print(f"{spec['MODEL']} {ops}: the {len(sources)} variants apply")
+        return
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
-    inputs = {t: values[t] for t in group.kernel.inputs}
+    inputs = {t: values[t] for t in kernel.inputs}
     labels, runs = ["base"], [cpu.runner(base, inputs)]
     for label, source in sources.items():
         variant = dataclasses.replace(base, c_source=source, source_hash=hashlib.sha256(source.encode()).hexdigest())
         labels.append(label)
         runs.append(cpu.runner(variant, inputs))
     bounds = set(spec.get("BOUNDS", ()))
-    print(f"{spec['MODEL']} g{group.id} {spec['GROUP']}: {len(labels) - 1} variants, {args.rounds} rounds")
+    print(f"{spec['MODEL']} {ops}: {len(labels) - 1} variants, {args.rounds} rounds")
     for label, run in zip(labels, runs, strict=True):
         run()
         outs = run.buffers[len(base.inputs):]

@@ -9,7 +9,7 @@ statistics kernel the plan runs before this group)."""
 import re
 
 MODEL = "bert-small"
-GROUP = "Add+Sqrt+Div+Mul+Add+MatMul+Add+Div+Erf+Add+Mul"
+NODES = ("add_10", "sqrt_1", "div_2", "mul_2", "add_11", "matmul_6", "add_12", "div_3", "erf_0", "add_13", "mul_3")
 
 _APPLY = """        float h1_v2 = in0[o];
         float h1_v3 = (h1_v2 + 9.999999960041972e-13f);"""

@@ -6,7 +6,7 @@ prefetched into L1 while the current one runs (for a first row block that finds 
 import re
 
 MODEL = "bert-small"
-GROUP = "MatMul+Add"
+NODES = ("matmul_1", "add_5")
 
 _LOOP = "#pragma GCC unroll 8\n    for (long long k = 0; k < K; ++k, a += ak"
 _LOADS = "__m512 u = _mm512_loadu_ps(b), v = _mm512_loadu_ps(b2);"

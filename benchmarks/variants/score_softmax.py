@@ -2,6 +2,6 @@
 Q K^T, then scale, mask and Softmax over each row. What the exponentials cost (taken out: a
 bound)."""
 MODEL = "bert-small"
-GROUP = "Transpose+Transpose+MatMul+Div+Add+Softmax"
+NODES = ("transpose_4", "transpose_5", "matmul_11", "div_5", "add_21", "softmax_1")
 VARIANTS = {"exp taken out": [(r"= fs_expf_le\(", "= (")]}
 BOUNDS = ("exp taken out",)
