@@ -75,8 +75,6 @@ float32 (float tensors, half ones included: loads widen, stores round to nearest
 
 from __future__ import annotations
 
-import hashlib
-
 from fusesearch.backends.codegen.base import (
     _C_PRELUDE,
     _CU_PRELUDE,
@@ -88,6 +86,7 @@ from fusesearch.backends.codegen.base import (
     CodegenRefused,
     GeneratedKernel,
     half_prelude,
+    source_digest,
 )
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
@@ -155,7 +154,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     if halves:  # the half types and conversions, right after the prelude (float32 sources unchanged)
         c_src = _with_half(c_src, halves, False)
         cu_src = _with_half(cu_src, halves, True) if cu_src else cu_src
-    digest = hashlib.sha256((c_src + "\0" + cu_src).encode()).hexdigest()
+    digest = source_digest(c_src, cu_src)
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton,
                            packed=tuple(packs.values()))

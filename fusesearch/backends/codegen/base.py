@@ -23,9 +23,10 @@ refused (`CodegenRefused`, carrying a `FusionDecision`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ml_dtypes
 import numpy as np
@@ -78,6 +79,16 @@ class GeneratedKernel:
     skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct;
     # CPU only (`cuda_source` empty): packed
     packed: tuple[PackedWeight, ...] = ()  # C: weights the kernel reads packed (after its outputs)
+
+    def with_c_source(self, c_source: str) -> GeneratedKernel:
+        """The same kernel with another C source (an edit of this one: `benchmarks/ab_group.py`),
+        hashed as `generate` hashes a source."""
+        return replace(self, c_source=c_source, source_hash=source_digest(c_source, self.cuda_source))
+
+
+def source_digest(c_source: str, cuda_source: str) -> str:
+    """A generated kernel's `source_hash`: its two sources (the compile caches' key)."""
+    return hashlib.sha256((c_source + "\0" + cuda_source).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
