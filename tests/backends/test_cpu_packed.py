@@ -610,6 +610,29 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
     assert packed.arg.size == group * -(-(cout // group) // 16) * 16 * (xs[1] // group) * k * k
 
 
+BAND_CONVS = {  # name: (x shape, C_out, kernel, stride): every k x k conv runs `fs_conv_band`
+    "rows of 26: panels across rows": ([1, 8, 26, 26], 20, 3, 1),  # 12-pixel panels whole, split and partial
+    "rows of 7: adjacent halves": ([1, 16, 7, 7], 40, 3, 1),  # a 6-pixel half within a row, the other across
+    "stride 2: every other pixel": ([1, 8, 30, 30], 24, 3, 2),  # halves of even floats, then a row break
+    "chunks of even size": ([1, 256, 14, 14], 48, 3, 1),  # 2304 taps: 196 pixels in several chunks
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAND_CONVS))
+def test_band_conv_packs_its_taps_by_panels_of_a_tile(tmp_path, name):
+    """A k x k conv's taps packed from its band into panels of a tile's rows (12 pixels with
+    AVX-512: one copy per tap where they are adjacent, else per 6 pixels a copy, the even floats or
+    single floats) in chunks within half the L2: equal to ONNX Runtime across row breaks, narrow
+    rows, stride 2 and a block split into chunks, with a bias and a ReLU."""
+    xs, cout, k, stride = BAND_CONVS[name]
+    ho = (xs[2] + 2 * (k // 2) - k) // stride + 1
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
+                              pads=[k // 2] * 4),
+             helper.make_node("Relu", ["y"], ["out"])]
+    one_kernel(tmp_path, nodes, [("x", xs)], [("out", [xs[0], cout, ho, ho])],
+               [("w", _w([cout, xs[1], k, k])), ("b", _w([cout], 3))], expect="fs_conv_band(")
+
+
 def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkeypatch):
     """The runner packs the weights when it is made: a call reads the packed copy, so changing the
     weight's buffer afterwards changes nothing (it is a constant), while a new runner sees it."""

@@ -487,6 +487,9 @@ FS_MR = 6  # rows of A per micro-kernel tile (FS_MR x FS_NR accumulators in regi
 _C_PACKED_GEMM = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 enum {{ FS_MR = {FS_MR}, FS_NR = {FS_NR} }};
 #if defined(__AVX2__)
 /* dst[k * FS_NR + j] = src[j * sn + k] for an 8 x 8 block: eight rows of B^T in, eight panel rows out */
@@ -530,7 +533,7 @@ static void fs_pack_b(long long K, long long N, const float* B, long long sk, lo
 }}
 /* tile[i * ldt + j] = sum_k a[i * as + k * ak] * b[k * FS_NR + j] over a FS_MR x FS_NR tile, plus
    r0[j] where r0 is given (a bias row), then plus c0[i * ldc0 + j] where c0 is given (the tile
-   itself, a residual): A packed (as 1, ak FS_MR) or read in place by rows (as lda, ak 1) */
+   itself, a residual): A packed (as 1, ak FS_AP) or read in place by rows (as lda, ak 1) */
 static inline void fs_micro(long long K, const float* a, long long as, long long ak, const float* b, float* tile,
                             long long ldt, const float* c0, long long ldc0, const float* r0) {{
     const float *a0 = a, *a1 = a + as, *a2 = a + 2 * as, *a3 = a + 3 * as, *a4 = a + 4 * as, *a5 = a + 5 * as;
@@ -617,7 +620,7 @@ static inline void fs_micro(long long K, const float* a, long long as, long long
    24), per k two loads and a broadcast per row for two FMAs (a single 16-wide panel needs a
    broadcast per FMA and is bound by the load ports); elsewhere one: `fs_micro` */
 #if defined(__AVX512F__)
-enum {{ FS_PANELS = 2 }};
+enum {{ FS_PANELS = 2, FS_AP = 2 * FS_MR }};
 /* rows (1 to 2 FS_MR, a constant where inlined) of A, row i at a + i * as (ahi + (i - FS_MR)
    * as past FS_MR), moving by ak per k; the k loop unrolled 8 times: 4 left the inner loop at
    60-70% of the FMA peak, 8 at 93% (12 x 32 in L1, one Ice Lake core) */
@@ -669,7 +672,7 @@ static inline __attribute__((always_inline)) void fs_micro_x2(int rows, long lon
 /* any 1 to 2 FS_MR rows of A (row i at a + i * as, past FS_MR at ahi + (i - FS_MR) * as, moving by
    ak per k) times two B micro-panels, stored at tile (row stride ldt) plus r0 and c0: the
    constant row count `fs_micro_x2` is inlined with, chosen at run time (fs_gemm_rows' last
-   M % (2 FS_MR) rows; 6 or 12 packed rows in fs_packed_panels) */
+   M % (2 FS_MR) rows; a packed panel's 1 to 12 rows in fs_packed_panels) */
 static void fs_micro_rows2(int rows, long long K, const float* a, const float* ahi, long long as, long long ak,
                            const float* b, float* tile, long long ldt, const float* c0, long long ldc0, const float* r0,
                            int epi) {{
@@ -689,33 +692,36 @@ static void fs_micro_rows2(int rows, long long K, const float* a, const float* a
     }}
 }}
 #else
-enum {{ FS_PANELS = 1 }};
+enum {{ FS_PANELS = 1, FS_AP = FS_MR }};
 #endif
-/* C[n * ldc + i] = sum_k A[i][k] B[k][n] for M rows of A packed in FS_MR-row panels (ap: panel p
-   at ap + p * FS_MR * K, zero padded or repeating its last row) and N columns of B packed by
-   fs_pack_b: per FS_PANELS B micro-panels (a last one past N zero padded), per two A panels
-   with AVX-512 (one elsewhere), one tile, stored transposed (a partial one its part) */
+/* C[n * ldc + i] = sum_k A[i][k] B[k][n] for M rows of A packed in FS_AP-row panels (ap: panel p
+   at ap + p * FS_AP * K, its row i at k * FS_AP + i, zero padded or repeating its last row; 12
+   rows with AVX-512, as many as a tile has, so packing a panel copies 12 floats per k, not 6
+   twice) and N columns of B packed by fs_pack_b: per FS_PANELS B micro-panels (a last one past N
+   zero padded), per A panel, one tile of its rows (a partial panel only its rows), stored
+   transposed (a partial one its part) */
 static void fs_packed_panels(long long M, long long N, long long K, const float* ap, const float* Bp, float* C,
                              long long ldc) {{
-    float tile[2 * FS_MR * FS_PANELS * FS_NR];
+    float tile[FS_AP * FS_PANELS * FS_NR];
     for (long long n0 = 0; n0 < N; ) {{
         int panels = N - n0 > (FS_PANELS - 1) * FS_NR ? FS_PANELS : 1;
         long long nr = N - n0 < panels * FS_NR ? N - n0 : panels * FS_NR;
-        for (long long i0 = 0; i0 < M; ) {{
+        for (long long i0 = 0; i0 < M; i0 += FS_AP) {{
             const float *a = ap + i0 * K, *b = Bp + n0 * K;
-            long long rows = FS_MR;
+            long long mr = M - i0 < FS_AP ? M - i0 : FS_AP;
 #if defined(__AVX512F__)
             if (panels == FS_PANELS) {{
-                rows = M - i0 > FS_MR ? 2 * FS_MR : FS_MR;
-                fs_micro_rows2((int)rows, K, a, a + FS_MR * K, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0, 0);
-            }} else
+                fs_micro_rows2((int)mr, K, a, a + FS_MR, 1, FS_AP, b, tile, FS_PANELS * FS_NR, 0, 0, 0, 0);
+            }} else {{
+                fs_micro(K, a, 1, FS_AP, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
+                if (mr > FS_MR) fs_micro(K, a + FS_MR, 1, FS_AP, b, tile + FS_MR * FS_PANELS * FS_NR, FS_PANELS * FS_NR, 0, 0, 0);
+            }}
+#else
+            fs_micro(K, a, 1, FS_AP, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
 #endif
-                fs_micro(K, a, 1, FS_MR, b, tile, FS_PANELS * FS_NR, 0, 0, 0);
-            long long mr = M - i0 < rows ? M - i0 : rows;
             float* c = C + n0 * ldc + i0;
             for (long long j = 0; j < nr; ++j)
                 for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * FS_PANELS * FS_NR + j];
-            i0 += rows;
         }}
         n0 += panels * FS_NR;
     }}
@@ -755,19 +761,19 @@ static void fs_micro_tail(int R, long long K, const float* a, long long as, cons
 }}
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
-    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_MR - 1) / FS_MR * FS_MR) * K);
-    for (long long i0 = 0; i0 < M; i0 += FS_MR) {{
+    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_AP - 1) / FS_AP * FS_AP) * K);
+    for (long long i0 = 0; i0 < M; i0 += FS_AP) {{
         float* dst = ap + i0 * K;
-        long long mr = M - i0 < FS_MR ? M - i0 : FS_MR;
+        long long mr = M - i0 < FS_AP ? M - i0 : FS_AP;
         const float* src = A + i0 * am;
-        if (mr < FS_MR)
-            for (long long q = 0; q < K * FS_MR; ++q) dst[q] = 0.0f;
+        if (mr < FS_AP)
+            for (long long q = 0; q < K * FS_AP; ++q) dst[q] = 0.0f;
         if (am == 1) {{
             for (long long k = 0; k < K; ++k)
-                for (long long i = 0; i < mr; ++i) dst[k * FS_MR + i] = src[k * ak + i];
+                for (long long i = 0; i < mr; ++i) dst[k * FS_AP + i] = src[k * ak + i];
         }} else {{
             for (long long i = 0; i < mr; ++i)
-                for (long long k = 0; k < K; ++k) dst[k * FS_MR + i] = src[i * am + k * ak];
+                for (long long k = 0; k < K; ++k) dst[k * FS_AP + i] = src[i * am + k * ak];
         }}
     }}
     fs_packed_panels(M, N, K, ap, Bp, C, ldc);
@@ -776,47 +782,82 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
    C[n * ldc + p] = sum_k band[px(p) + off[k]] * B[k][n] for the M output pixels p of a block (rows
    of ow pixels; pixel p at px(p) = (p / ow) * rs + (p % ow) * cs in the band, tap k at off[k])
    and the N filters packed once (fs_pack_b). Per chunk of pixels (its taps within FS_BAND_CHUNK
-   floats, in L2) the taps are packed into FS_MR-pixel panels, one 8-float copy per tap where the
-   pixels are adjacent, the even floats of 16 where they are every other one (the band has 16
-   floats of slack, `apk` 8), then every filter panel runs
-   over the chunk, each tile stored transposed (a partial one its part; the last panel repeats its
-   last pixel) */
+   floats, in L2) the taps are packed into FS_AP-pixel panels: with
+   AVX-512 one 16-float copy per tap where the panel's 12 pixels are adjacent; else per FS_MR
+   pixels one 8-float copy where they are adjacent (outputs narrower than 12 pixels), the even
+   floats of 16 where they are every other one, single floats otherwise (the band has 16 floats
+   of slack, `apk` 16: a copy writes past its FS_MR pixels, into floats the next copy writes
+   again); then every filter panel runs over the chunk, each tile stored transposed (a partial
+   one its part; the last panel repeats its last pixel) */
 enum {{ FS_BAND_CHUNK = 65536 }};
+/* the floats of packed taps per chunk: half this core's L2 (sysconf, read once; at least
+   FS_BAND_CHUNK, which is half a 512 KiB L2), so a chunk and the filter panels streaming past it
+   stay there; resnet's 3x3 convs at 14x14 and 7x7 (2304-4608 taps) ran 1.13-1.22x faster with
+   half of a 2 MiB L2 than with 256 KiB, which split their pixels into chunks of 12-24 that each
+   streamed every filter panel again */
+static long long fs_band_chunk(void) {{
+    static long long floats;
+    if (!floats) {{
+        long long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        l2 = (long long)sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        long long share = l2 / 4 / 2;
+        floats = share > FS_BAND_CHUNK ? share : FS_BAND_CHUNK;
+    }}
+    return floats;
+}}
 static void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs,
                          const float* band, const int* off, const float* Bp, float* C, long long ldc) {{
-    long long mc = FS_BAND_CHUNK / K / FS_MR * FS_MR;
-    mc = mc < FS_MR ? FS_MR : mc > 16 * FS_MR ? 16 * FS_MR : mc;
-    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * (mc * K + 8));
+    long long mc = fs_band_chunk() / K / FS_AP * FS_AP;
+    mc = mc < FS_AP ? FS_AP : mc > 16 * FS_MR ? 16 * FS_MR : mc;
+    long long chunks = (M + mc - 1) / mc;  /* chunks of even size: a short last one streams all filters again */
+    mc = ((M + chunks - 1) / chunks + FS_AP - 1) / FS_AP * FS_AP;
+    float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * (mc * K + 16));
     for (long long m0 = 0; m0 < M; m0 += mc) {{
         long long mn = M - m0 < mc ? M - m0 : mc;
-        for (long long t0 = 0; t0 < mn; t0 += FS_MR) {{
+        for (long long t0 = 0; t0 < mn; t0 += FS_AP) {{
             float* dst = ap + t0 * K;
-            long long px[FS_MR], mr = mn - t0 < FS_MR ? mn - t0 : FS_MR, adjacent = 1, pairs = 1;
-            for (long long i = 0; i < FS_MR; ++i) {{
+            long long px[FS_AP], mr = mn - t0 < FS_AP ? mn - t0 : FS_AP, adjacent = 1;
+            int mode[FS_AP / FS_MR];  /* per FS_MR pixels: 1 adjacent, 2 every other one, 0 neither */
+            for (long long i = 0; i < FS_AP; ++i) {{
                 long long p = m0 + t0 + (i < mr ? i : mr - 1);
                 px[i] = p / ow * rs + p % ow * cs;
                 adjacent &= px[i] == px[0] + i;
-                pairs &= px[i] == px[0] + 2 * i;
             }}
-            const float* src = band + px[0];
+            for (long long h = 0; h < FS_AP; h += FS_MR) {{
+                int adj = 1, every2 = 1;
+                for (long long i = 1; i < FS_MR; ++i) {{
+                    adj &= px[h + i] == px[h] + i;
+                    every2 &= px[h + i] == px[h] + 2 * i;
+                }}
+                mode[h / FS_MR] = adj ? 1 : every2 ? 2 : 0;
+            }}
+#if defined(__AVX512F__)
             if (adjacent) {{
-                for (long long k = 0; k < K; ++k) {{
-                    fs_v8 v;
-                    memcpy(&v, src + off[k], sizeof v);
-                    memcpy(dst + k * FS_MR, &v, sizeof v);
-                }}
-#if defined(__AVX2__)
-            }} else if (pairs) {{  /* stride 2: the even floats of 16 */
-                for (long long k = 0; k < K; ++k) {{
-                    __m256 lo = _mm256_loadu_ps(src + off[k]), hi = _mm256_loadu_ps(src + off[k] + 8);
-                    __m256 even = _mm256_shuffle_ps(lo, hi, 0x88);
-                    _mm256_storeu_ps(dst + k * FS_MR, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
-                }}
-#endif
-            }} else {{
-                for (long long k = 0; k < K; ++k)
-                    for (long long i = 0; i < FS_MR; ++i) dst[k * FS_MR + i] = band[px[i] + off[k]];
+                const float* src = band + px[0];
+                for (long long k = 0; k < K; ++k) _mm512_storeu_ps(dst + k * FS_AP, _mm512_loadu_ps(src + off[k]));
+                continue;
             }}
+#endif
+            for (long long k = 0; k < K; ++k)  /* k outer: a copy's floats past its FS_MR are written again next */
+                for (long long h = 0; h < FS_AP; h += FS_MR) {{
+                    const float* s = band + px[h] + off[k];
+                    float* d = dst + k * FS_AP + h;
+                    if (mode[h / FS_MR] == 1) {{
+                        fs_v8 v;
+                        memcpy(&v, s, sizeof v);
+                        memcpy(d, &v, sizeof v);
+#if defined(__AVX2__)
+                    }} else if (mode[h / FS_MR] == 2) {{  /* stride 2: the even floats of 16 */
+                        __m256 lo = _mm256_loadu_ps(s), hi = _mm256_loadu_ps(s + 8);
+                        __m256 even = _mm256_shuffle_ps(lo, hi, 0x88);
+                        _mm256_storeu_ps(d, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+#endif
+                    }} else {{
+                        for (long long i = 0; i < FS_MR; ++i) d[i] = band[px[h + i] + off[k]];
+                    }}
+                }}
         }}
         fs_packed_panels(mn, N, K, ap, Bp, C + m0, ldc);
     }}
