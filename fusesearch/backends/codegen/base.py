@@ -781,22 +781,22 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
 /* a conv over a zero-bordered band of its input (channels x rows x columns, prologue applied):
    C[n * ldc + p] = sum_k band[px(p) + off[k]] * B[k][n] for the M output pixels p of a block (rows
    of ow pixels; pixel p at px(p) = (p / ow) * rs + (p % ow) * cs in the band, tap k at off[k])
-   and the N filters packed once (fs_pack_b). Per chunk of pixels (its taps within FS_BAND_CHUNK
-   floats, in L2) the taps are packed into FS_AP-pixel panels: with
-   AVX-512 one 16-float copy per tap where the panel's 12 pixels are adjacent; else per FS_MR
-   pixels one 8-float copy where they are adjacent (outputs narrower than 12 pixels), the even
-   floats of 16 where they are every other one, single floats otherwise (the band has 16 floats
-   of slack, `apk` 16: a copy writes past its FS_MR pixels, into floats the next copy writes
-   again); then every filter panel runs over the chunk, each tile stored transposed (a partial
-   one its part; the last panel repeats its last pixel) */
+   and the N filters packed once (fs_pack_b). Per chunk of pixels (its taps within
+   `fs_band_chunk()` floats, in L2) the taps are packed into FS_AP-pixel panels: with AVX-512
+   one 16-float copy per tap where the panel's 12 pixels are adjacent; else per FS_MR pixels one
+   8-float copy where they are adjacent (outputs narrower than 12 pixels), the even floats of 16
+   where they are every other one, single floats otherwise (the band has 16 floats of slack,
+   `apk` 16: a copy writes past its FS_MR pixels, into floats the next copy writes again); then
+   every filter panel runs over the chunk, each tile stored transposed (a partial one its part;
+   the last panel repeats its last pixel) */
 enum {{ FS_BAND_CHUNK = 65536 }};
 /* the floats of packed taps per chunk: half this core's L2 (sysconf, read once; at least
    FS_BAND_CHUNK, which is half a 512 KiB L2), so a chunk and the filter panels streaming past it
    stay there; resnet's 3x3 convs at 14x14 and 7x7 (2304-4608 taps) ran 1.13-1.22x faster with
    half of a 2 MiB L2 than with 256 KiB, which split their pixels into chunks of 12-24 that each
-   streamed every filter panel again */
+   streamed every filter panel again; per thread, so OpenMP blocks never race on it */
 static long long fs_band_chunk(void) {{
-    static long long floats;
+    static _Thread_local long long floats;
     if (!floats) {{
         long long l2 = 0;
 #ifdef _SC_LEVEL2_CACHE_SIZE
