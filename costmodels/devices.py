@@ -375,10 +375,10 @@ def device_table_rows(devices: Mapping[str, DeviceSpec] | None = None) -> list[d
 # Rapids server parts and AMD Zen 2+; an estimate elsewhere.
 CPU_FMA_PORTS = 2
 CPU_DEFAULT_CLOCK_HZ = 2.5e9  # used only where neither /sys nor /proc reports a frequency
-# Fork/join of an OpenMP parallel region (EPCC OpenMP micro-benchmarks report ~1-2 us per
-# PARALLEL region on a few cores; 1.1 us at 1 thread and 1.7 us at 2 measured here, each beside a
-# C call that does nothing). Not the ctypes call: `measure` and `calibrate` take that off every
-# sample, as a plan's program calls its kernels from C.
+# Fork/join of an OpenMP parallel region: measured on the machine (`probes.measure_launch_overhead`,
+# with the kernels' threads); this estimate only where the probe cannot run (EPCC's OpenMP
+# micro-benchmarks report ~1-2 us per PARALLEL region on a few cores). Not the ctypes call:
+# `measure` and `calibrate` take that off every sample, as a plan's program calls its kernels from C.
 CPU_LAUNCH_OVERHEAD_S = 1.5e-6
 _SYS_CPU = Path("/sys/devices/system/cpu")
 # The CPU backend's kernels are OpenMP loops: the host is described as the CPUs they use.
@@ -397,6 +397,7 @@ class HostFigures:
     cache_bytes_per_s: float
     cache_fit_bytes: int
     fma_flops_per_s_per_thread: float  # 0: the probe could not run; the peak is estimated
+    launch_s: float  # an OpenMP parallel region's fork and join; 0: the probe could not run (estimated)
 
     @classmethod
     def from_dict(cls, data: object) -> HostFigures | None:
@@ -407,7 +408,7 @@ class HostFigures:
         values = [data[n] for n in names]
         if not all(_finite_number(v) and v >= 0 for v in values) or values[0] <= 0:
             return None
-        return cls(float(values[0]), float(values[1]), int(values[2]), float(values[3]))
+        return cls(float(values[0]), float(values[1]), int(values[2]), float(values[3]), float(values[4]))
 
 
 def _read(path: Path | str) -> str:
@@ -553,7 +554,7 @@ def host_cpu() -> DeviceSpec:
         max_blocks_per_sm=32,
         max_threads_per_block=MAX_THREADS_PER_BLOCK,
         warp_size=lanes,
-        launch_overhead_s=CPU_LAUNCH_OVERHEAD_S,
+        launch_overhead_s=measured.launch_s if measured.launch_s > 0 else CPU_LAUNCH_OVERHEAD_S,
         cache_bytes_per_s=measured.cache_bytes_per_s,
         cache_fit_bytes=measured.cache_fit_bytes,
         sources=(
@@ -566,7 +567,9 @@ def host_cpu() -> DeviceSpec:
             "cache_bytes_per_s, cache_fit_bytes: measured with it, the same copy at footprints up to the "
             "last-level cache (costmodels.probes.measure_cache_regime)",
             peak_source,
-            "launch_overhead_s: estimate for an OpenMP parallel region + ctypes call",
+            ("launch_overhead_s: measured, a C call of an OpenMP parallel region over a few floats with "
+             f"{cpus} OpenMP thread{'s' if cpus > 1 else ''} (costmodels.probes.measure_launch_overhead)" if measured.launch_s > 0 else
+             "launch_overhead_s: estimate for an OpenMP parallel region (the probe could not run)"),
         ),
     )
 
@@ -598,7 +601,7 @@ def host_figures(key: str, probe_bytes: int, llc_bytes: int, core_cache_bytes: i
         return kept
     dram = probes.measure_copy_bandwidth(probe_bytes, workers)
     cache, fit = probes.measure_cache_regime(llc_bytes, core_cache_bytes, dram, workers)
-    measured = HostFigures(dram, cache, fit, probes.measure_fma_peak()[0])
+    measured = HostFigures(dram, cache, fit, probes.measure_fma_peak()[0], probes.measure_launch_overhead(workers))
     known[key] = asdict(measured)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import pytest
 from onnx import helper
 
 from costmodels import host_cpu, load_device
-from costmodels.devices import host_cache_path
+from costmodels.devices import CPU_LAUNCH_OVERHEAD_S, host_cache_path
 from costmodels.probes import measure_copy_bandwidth
 from tests.conftest import make_model, save
 
@@ -215,12 +215,25 @@ def test_host_figures_are_measured_once_and_read_back(fresh_host):
                                                                           first.cache_fit_bytes)
     assert f"{first.sm_count} threads" in key
     # what an earlier run on this machine would have left
-    path.write_text(json.dumps({key: {"dram_bytes_per_s": 12.5e9, "cache_bytes_per_s": 50e9,
-                                      "cache_fit_bytes": 4 << 20, "fma_flops_per_s_per_thread": 1e11}}))
+    assert figures["launch_s"] == first.launch_overhead_s > 0
+    kept = {"dram_bytes_per_s": 12.5e9, "cache_bytes_per_s": 50e9, "cache_fit_bytes": 4 << 20,
+            "fma_flops_per_s_per_thread": 1e11, "launch_s": 2.5e-7}
+    path.write_text(json.dumps({key: kept}))
     fresh_host()
     host = host_cpu()
     assert (host.dram_bytes_per_s, host.cache_bytes_per_s, host.cache_fit_bytes) == (12.5e9, 50e9, 4 << 20)
     assert (host.fp32_flops_per_s / 1e11).is_integer()  # physical cores x the kept FMA rate
+    assert host.launch_overhead_s == 2.5e-7
+    # a launch probe that could not run (0) leaves the estimate
+    path.write_text(json.dumps({key: {**kept, "launch_s": 0.0}}))
+    fresh_host()
+    assert host_cpu().launch_overhead_s == CPU_LAUNCH_OVERHEAD_S
+    # an entry an older version kept (no launch figure) is measured again, not misread
+    path.write_text(json.dumps({key: {k: v for k, v in kept.items() if k != "launch_s"}}))
+    fresh_host()
+    again = host_cpu()
+    assert again.dram_bytes_per_s != 12.5e9 and again.launch_overhead_s > 0
+    assert "launch_s" in json.loads(path.read_text())[key]
 
 
 @pytest.mark.parametrize("kept", ["{not json", '{"AMD": 12.5e9}', "[]"])

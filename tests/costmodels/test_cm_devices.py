@@ -11,7 +11,7 @@ import pytest
 from costmodels import DEVICES, DeviceSpec, UnknownDevice, device_table_rows, get_device, host_cpu
 from costmodels.devices import KIB, MIB
 from costmodels.errors import InvalidSpec
-from costmodels.probes import measure_copy_bandwidth, measure_fma_peak
+from costmodels.probes import measure_copy_bandwidth, measure_fma_peak, measure_launch_overhead
 
 REQUIRED = ("v100-sxm2", "t4", "a10", "l4", "a100-40gb", "a100-80gb", "l40s", "h100-pcie",
             "h100-sxm", "h200", "rtx-3090", "rtx-4090")
@@ -139,6 +139,9 @@ def test_host_cpu_is_measured_quickly(tmp_path, monkeypatch):
     assert host.fp32_flops_per_s > 0 and host.warp_size in (4, 8, 16)
     assert host.tf32_flops_per_s == host.fp16_flops_per_s == 0
     assert host.smem_per_block_max_bytes > 0 and host.l2_bytes >= host.smem_per_sm_bytes
+    # the kernels' OpenMP region as measured with their threads, not the fallback estimate
+    assert 0 < host.launch_overhead_s < 1e-3
+    assert any(s.startswith("launch_overhead_s: measured") for s in host.sources)
 
 
 def test_the_fma_probe_measures_a_plausible_peak():
@@ -147,6 +150,20 @@ def test_the_fma_probe_measures_a_plausible_peak():
     flops, lanes = measure_fma_peak()
     assert lanes in (4, 8, 16)
     assert lanes * 2 * 2 * 0.05e9 < flops < lanes * 2 * 2 * 6e9
+
+
+def test_the_launch_probe_times_an_openmp_region_and_reports_0_without_a_compiler(monkeypatch):
+    """A parallel region's call: more than a plain call (a nanosecond) and well under a
+    millisecond on one thread; with no usable compiler the probe reports 0 (the estimate is used),
+    never a guess."""
+    one = measure_launch_overhead(1)
+    assert 1e-9 < one < 1e-4
+    measure_launch_overhead.cache_clear()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    try:
+        assert measure_launch_overhead(1) == 0.0
+    finally:
+        measure_launch_overhead.cache_clear()
 
 
 def test_bandwidth_for_prices_a_footprint_that_fits_the_cache_at_the_cache_rate():
