@@ -17,7 +17,9 @@
    Beside them two limits on the speedup: the ceiling (the unfused graph's GEMMs and convs at
    the library's measured speed, everything else free) and the bound (their FLOPs at this core's
    FMA peak, everything else free; the peak is the best of the FMA probe's readings taken beside
-   each run, since a reading taken while a neighbour shares the core is low), and where the
+   each run, since a reading taken while a neighbour shares the core is low), the same for the
+   micro-kernel's loop alone (its loads and FMAs from L1: what a product's main loop can reach
+   here), and where the
    plan's time goes: its product groups (products with their fused prologues and epilogues, and
    the rate they run the products' FLOPs at) against its other kernels.
 5. Threads: a conv, a GEMM and a row kernel with 1 and 2 OpenMP threads (faster with 2, equal).
@@ -38,6 +40,7 @@ import functools
 import math
 import os
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -193,7 +196,6 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     (ctypes); then generated convs with their filters packed once against the same convs through
     the BLAS (cpu_conv.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
     import ctypes
-    import subprocess
 
     from fusesearch.backends.codegen import base, cpu_conv
 
@@ -386,6 +388,85 @@ def fma_reading() -> float:
     return measure_fma_peak.__wrapped__()[0]
 
 
+# The loop our micro-kernel runs (`fs_micro_x2` with AVX-512: per k, two vector loads of B, twelve
+# broadcasts of A and 24 FMAs; `fs_micro` with AVX2: two loads, six broadcasts, twelve FMAs), its
+# operands in L1 and its accumulators independent: what a product's main loop can reach on this
+# core, below the FMA probe's peak by what the loads cost.
+_TILE_LOOP = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#if defined(__AVX512F__)
+#define ROWS 12
+typedef __m512 vec;
+#define LOAD _mm512_loadu_ps
+#define BCAST _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+#define ZERO _mm512_setzero_ps
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ROWS 6
+typedef __m256 vec;
+#define LOAD _mm256_loadu_ps
+#define BCAST _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define ZERO _mm256_setzero_ps
+#define LANES 8
+#endif
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+int main(int argc, char** argv) {
+#if defined(LANES)
+    long steps = atol(argv[1]);
+    static float buf[2 * LANES + ROWS] __attribute__((aligned(64)));
+    for (int i = 0; i < 2 * LANES + ROWS; ++i) buf[i] = 1.0f / (float)(argc + i);
+    vec x[ROWS], y[ROWS];
+    for (int i = 0; i < ROWS; ++i) x[i] = y[i] = ZERO();
+    double best = 1e30;
+    for (int pass = 0; pass < 5; ++pass) {
+        double t0 = now();
+        for (long k = 0; k < steps; ++k) {
+            const float* p = buf;
+            __asm__("" : "+r"(p));
+            vec u = LOAD(p), v = LOAD(p + LANES);
+#pragma GCC unroll 16
+            for (int i = 0; i < ROWS; ++i) {
+                vec s = BCAST(p[2 * LANES + i]);
+                x[i] = FMA(s, u, x[i]);
+                y[i] = FMA(s, v, y[i]);
+            }
+        }
+        double t = now() - t0;
+        if (t < best) best = t;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < ROWS; ++i) { float* a = (float*)&x[i]; float* b = (float*)&y[i]; sum += a[0] + b[LANES - 1]; }
+    printf("%.6e %g\n", 4.0 * ROWS * LANES * (double)steps / best, (double)sum);
+#else
+    printf("0 0\n");
+#endif
+    return 0;
+}
+"""
+
+
+def tile_loop_reading(steps: int = 2_000_000) -> float:
+    """One reading of `_TILE_LOOP` in flop/s (0 where the core has neither AVX-512 nor AVX2 + FMA,
+    or no C compiler builds it)."""
+    compiler = cpu.compiler()
+    if not compiler:
+        return 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "tile.c", Path(tmp) / "tile"
+        src.write_text(_TILE_LOOP)
+        try:
+            subprocess.run([compiler, "-O2", "-march=native", str(src), "-o", str(exe)], check=True, capture_output=True)
+            out = subprocess.run([str(exe), str(steps)], check=True, capture_output=True, text=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return 0.0
+    return float(out.split()[0])
+
+
 def section_plans(models: list[str], budget: float, sections: set[str], runs: int = 1) -> None:
     """Sections 3 and 4 from one `measure` run per model (cpsat on host, lone anchors through the
     library), with ONNX Runtime's whole-model time in the same run; section 4 then measures the
@@ -443,11 +524,13 @@ def section_plans(models: list[str], budget: float, sections: set[str], runs: in
             # the FMA probe, read beside every run: the core's peak is the best reading (a reading
             # taken while a neighbour shares the core is low, by up to a fifth on the shared host)
             peaks = [fma_reading()] if limits else []
+            loops = [tile_loop_reading()] if limits else []
             if runs > 1:
                 speedups = [t["speedup"]]
                 for _ in range(runs - 1):
                     speedups.append(measure_plan(prep, p, none, "cpu", budget_s=budget).totals()["speedup"])
                     peaks += [fma_reading()] if limits else []
+                    loops += [tile_loop_reading()] if limits else []
                 print(f"4. {name}: plan vs unfused over {runs} runs: "
                       f"{', '.join(f'{x:.2f}x' for x in speedups)}; median {statistics.median(speedups):.2f}x")
             if limits and max(peaks) > 0:  # the bound no kernel can pass: the products' FLOPs at one core's FMA peak
@@ -460,6 +543,13 @@ def section_plans(models: list[str], budget: float, sections: set[str], runs: in
                       f"{product_flops / peak * 1e3:.2f} ms: a plan running them at the peak and everything else "
                       f"at no cost would be {t['unfused_measured_s'] * peak / product_flops:.2f}x unfused (ours takes "
                       f"{t['measured_s'] * 1e3:.2f} ms; the bound is {product_flops / peak / t['measured_s']:.0%} of it)")
+                if max(loops) > 0:
+                    loop = max(loops)
+                    print(f"4. {name}: the micro-kernel's loop alone (per step two vector loads, a broadcast per row, "
+                          f"two FMAs per broadcast, all in L1; the best of {len(loops)} readings beside the runs, "
+                          f"{min(loops) / 1e9:.0f}-{loop / 1e9:.0f} GFLOP/s, {loop / peak:.0%} of the peak) runs those "
+                          f"products in {product_flops / loop * 1e3:.2f} ms: at that rate, everything else at no cost, "
+                          f"a plan would be {t['unfused_measured_s'] * loop / product_flops:.2f}x unfused")
                 plan_flops = {g.id: g.cost.flops for g in p.groups}
                 fused = [m for m in report.plan if m.anchor is not None and m.timing is not None]
                 fused_s = math.fsum(m.measured_s for m in fused)
