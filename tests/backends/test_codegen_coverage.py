@@ -183,6 +183,15 @@ SINGLE = {
                                            coordinate_transformation_mode="align_corners",
                                            nearest_mode="round_prefer_ceil")],
                                      [("x", [1, 2, 4, 5])], [("sizes", np.int64([1, 2, 7, 9]))], 18),
+    # PyTorch's nearest upsampling (asymmetric, floor): integer factors index by i / s in integers,
+    # fractional ones through the float coordinate
+    "Resize-nearest-asymmetric-floor": ([node("Resize", ["x", "", "scales"], mode="nearest",
+                                              coordinate_transformation_mode="asymmetric", nearest_mode="floor")],
+                                        [("x", [1, 2, 5, 3])], [("scales", np.float32([1, 1, 2, 3]))], 18),
+    "Resize-nearest-asymmetric-floor-fraction": ([node("Resize", ["x", "", "scales"], mode="nearest",
+                                                       coordinate_transformation_mode="asymmetric",
+                                                       nearest_mode="floor")],
+                                                 [("x", [1, 2, 4, 5])], [("scales", np.float32([1, 1, 1.5, 2.5]))], 18),
     "Row-reductions": ([node("Mul", ["x", "k"], ["a"]), node("Abs", ["a"], ["b"]),
                         *[node(op, [src, "axes"], [f"r{i}"]) for i, (op, src) in enumerate(
                             [("ReduceMin", "a"), ("ReduceL1", "a"), ("ReduceL2", "a"), ("ReduceSumSquare", "a"),
@@ -285,6 +294,7 @@ def _prepared(tmp_path, nodes, inputs, inits, opset):
 EMULATED = {
     "HardSigmoid": (SINGLE, "vectorized"), "Mish": (SINGLE, "vectorized"), "Pad-reflect": (SINGLE, "grid-stride"),
     "GatherND": (SINGLE, "grid-stride"), "Resize-linear-half_pixel": (SINGLE, "grid-stride"),
+    "Resize-nearest-asymmetric-floor": (SINGLE, "grid-stride"),
     "BatchNormalization": (SINGLE, "vectorized"), "Conv-HardSigmoid-Mul": (FUSED, "mma-tf32"),
     "Pad-constant-Conv": (FUSED, "mma-tf32"), "Conv-Resize-linear": (FUSED, "direct"),
     "Row-reductions": (SINGLE, "block-per-row"), "GlobalMaxPool": (SINGLE, "block-per-row"),
@@ -354,6 +364,20 @@ def test_resize_of_old_opsets_equals_onnx_runtime_on_the_original_model(tmp_path
     feeds = {a.tensor: x if a.tensor == "x" else prep.graph.constant_value(a.tensor) for a in gk.inputs}
     got = cpu.run(gk, feeds)[gk.outputs[0].tensor]
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
+
+
+@pytest.mark.parametrize(("case", "float_axes"), [("Resize-nearest-asymmetric-floor", 0),
+                                                  ("Resize-nearest-asymmetric-floor-fraction", 2)])
+def test_a_nearest_integer_upscale_indexes_in_integers(tmp_path, case, float_axes):
+    """An axis upsampled by an integer factor at asymmetric coordinates with floor reads its source
+    at i / s (no float coordinate, no floorf, so the loop vectorizes: yolo-neck's Resize went from
+    76 to 9 us); a fractional factor keeps the float coordinate, one floorf per axis."""
+    nodes, inputs, inits, opset = SINGLE[case]
+    path = save(make_model(nodes, inputs, [("y", None)], inits, opset=opset), tmp_path / "m.onnx")
+    prep = prepare(path)
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset({0}))))
+    assert gk.c_source.count("floorf(") == float_axes
+    assert ("/ 2LL" in gk.c_source and "/ 3LL" in gk.c_source) == (float_axes == 0)
 
 
 def test_a_group_the_generator_cannot_write_is_not_a_candidate(tmp_path):
