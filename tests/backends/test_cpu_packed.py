@@ -814,3 +814,19 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
         np.testing.assert_allclose(r, prior + expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} rows {m}x{n}x{k}")
     if branch == "avx512":
         assert ctypes.c_longlong.in_dll(fn, "fs_stand_in_calls").value > 0, "the AVX-512 branch did not run"
+
+
+@pytest.mark.parametrize("hw", [96, 30])
+def test_a_conv_with_small_filters_runs_in_blocks_that_stay_in_the_cache(tmp_path, hw):
+    """A 1x1 conv over a computed panel (an Add, then a Concat: yolo's CSP merge) whose filters are
+    small takes blocks of rows whose panel and product fit a share of the core's L2 (read at run
+    time): at 96x96 several blocks, the last one shorter; at 30x30 one. Equal to ONNX Runtime with
+    the bias."""
+    nodes = [helper.make_node("Add", ["x1", "x2"], ["a"]),
+             helper.make_node("Concat", ["a", "x3"], ["c"], axis=1),
+             helper.make_node("Conv", ["c", "w", "b"], ["y"])]
+    xs = [1, 16, hw, hw]
+    gk = one_kernel(tmp_path, nodes, [("x1", xs), ("x2", xs), ("x3", xs)], [("y", [1, 32, hw, hw])],
+                    [("w", _w([32, 32, 1, 1])), ("b", _w([32], 3))])
+    body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    assert "fs_band_chunk()" in body  # the blocks' rows fit the cache, as the host's L2 allows

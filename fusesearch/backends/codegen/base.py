@@ -981,7 +981,7 @@ def c_function(name: str, ins, outs, packed, body: str, defs: str = "") -> str:
     epilogue, `tile_epilogue`), the packed GEMM where weights are packed or the body packs an
     operand per call, the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
     invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
-    gemm = packed or "fs_pack_b(" in body or "fs_conv_1x1(" in body
+    gemm = packed or any(f in body for f in ("fs_pack_b(", "fs_conv_1x1(", "fs_band_chunk("))
     body = hoist_loop_invariants(body)
     wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
     src = (f"{_C_PRELUDE}{defs}{_C_PACKED_GEMM if gemm else ''}{_WIDE_ON if wide else ''}\n"

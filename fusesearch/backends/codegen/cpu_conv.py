@@ -32,7 +32,9 @@ Lake core, convs over at least 96 taps with blocks of at most 14 x 14 pixels ran
 BLAS's time packed (0.85-0.87x summed per model), so they are packed too (`packs_filters`),
 except the 1x1 convs over at most 384 taps at 14 x 14, which `fs_conv_1x1` runs faster still.
 A conv's prologue fills only the image interior of its panel or band, one tap loop per piece of a
-channel Concat.
+channel Concat. Blocks are whole output rows, the panel within CONV_PATCH_FLOATS; where the
+filters are small, fewer rows, so that the block's panel and product stay in the core's L2
+(`CONV_FIT_SHARE`: yolo-neck's Concat + 1x1 conv groups no longer behind library + rest).
 Invariants: as `cpu_gemm`'s — every BLAS path under `#ifdef FS_BLAS_SGEMM` beside a loop
 fallback (the packed-filter and band paths need none), float32 constant filters packed once per
 runner or program, blocks in parallel, scratch from the per-thread arena.
@@ -79,6 +81,16 @@ def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: d
 
 
 CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+# ... and fewer rows where the filters are small (at most 1/CONV_FIT_SHARE of the budget): the
+# block's panel and product within 1/CONV_FIT_SHARE of `fs_band_chunk()` floats (half the core's
+# L2, read at run time), so the prologue's panel, the product and the epilogue's pass over it stay
+# in L2; every block streams all the filters again, hence the condition. yolo-neck's Add+SiLU+Concat
+# + 1x1 conv 32->32 at 80x80 (one block of 800 KiB panel + 800 KiB product before): 204 -> 173 us;
+# `bench_cpu.py --sections 3` over resnet18, resnet50, mobilenetv2, yolo-neck and U-Net: 165 of 170
+# fused groups ahead of library + rest, none behind by more than 10% (159 and 3 before). Without
+# the condition, resnet50's 14x14 1x1 convs to 1024 channels fell 12-16% behind (blocks of 3 rows,
+# each streaming 1 MiB of filters).
+CONV_FIT_SHARE = 4
 
 # C conv: filters of at least this many floats (4 MiB), at least twice as many as a block has
 # pixels, are packed once (`PackedWeight`) and multiplied by our own micro-kernel
@@ -241,8 +253,12 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              *epilogue, "    }",
              "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    held = (0 if direct else kt) + cout_g  # floats per pixel a block holds: its panel and its product
+    fit = ([] if band else
+           [f"{{ long long budget = fs_band_chunk() / {CONV_FIT_SHARE}LL, fit = budget / {held * wo}LL;",
+            f"  if ({cout_g * kt * CONV_FIT_SHARE}LL <= budget && rb > fit) rb = fit > 0 ? fit : 1; }}"])
     split = (f"long long split = (fs_threads() + {xs[0] * group}LL - 1) / {xs[0] * group}LL;",  # blocks per image
-             f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;",
+             f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;", *fit,
              f"long long blocks = ({ho}LL + rb - 1) / rb;",
              f"rb = ({ho}LL + blocks - 1) / blocks;")  # even blocks: a short last one costs a whole filter packing
     return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
