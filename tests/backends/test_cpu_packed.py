@@ -45,13 +45,18 @@ def one_kernel(tmp_path, nodes, inputs, outputs, inits=(), expect=None):
     values = all_values(canonical, random_feeds(canonical, 0))
     gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
     if expect is not None:
-        assert expect in gk.c_source[gk.c_source.index(f"void {gk.name}("):], f"the {expect} skeleton was not chosen"
+        assert expect in _body(gk), f"the {expect} skeleton was not chosen"
     out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
     for a in gk.outputs:
         ref = values[a.tensor].astype(np.float64)
         scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
         np.testing.assert_allclose(out[a.tensor], ref, rtol=0, atol=1e-4 * scale, err_msg=a.tensor)
     return gk
+
+
+def _body(gk) -> str:
+    """A generated kernel's own function: the calls it makes, not the prelude's definitions."""
+    return gk.c_source[gk.c_source.index(f"void {gk.name}("):]
 
 
 def _w(shape, seed=0):
@@ -280,16 +285,17 @@ def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
     gk = one_kernel(tmp_path, nodes, [("x", xs), ("r", [xs[0], cout, ho, wo])], [("out", None)],
                     [("w", _w([cout, xs[1] // group, k, k])), ("b", _w([cout], 3))])
     if group == xs[1]:  # the depthwise loop: bounds-free over zero-bordered planes, flat where rows are short
-        body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        body = _body(gk)
         assert "nc = 0; nc <" in body and "FS_SIMD_SUM" not in body and " >= 0 && " not in body
         assert ("cbuf[p] = " in body) == (stride == 1 or wo < 16)
     elif k > 1:  # taps packed from the zero-bordered band, each input element computed once
-        body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        body = _body(gk)
         assert "fs_conv_band(" in body and "FS_BLAS_SGEMM(101" not in body and body.count("float* dst = patch") == 1
     else:  # a 1x1 over many pixels, or over few input channels read in place: its pixels packed, our
         # micro-kernel over the filters; else implicit GEMM through the BLAS
         rows = stride == 1 and cpu_conv.rows_1x1(cout, xs[1], ho * wo, not prologue)
-        assert ("fs_conv_1x1(" in gk.c_source) == rows and ("FS_BLAS_SGEMM(101" in gk.c_source) != rows
+        body = _body(gk)
+        assert ("fs_conv_1x1(" in body) == rows and ("FS_BLAS_SGEMM(101" in body) != rows
 
 
 def test_conv_1x1_reads_its_input_in_place(tmp_path):
@@ -479,7 +485,7 @@ def test_conv_whose_epilogue_moves_elements(tmp_path, blas, epilogue):
                  helper.make_node("Concat", ["m", "skip"], ["out"], axis=1)]
         inputs, inits = [("x", [1, 8, 10, 10]), ("skip", [1, 5, 10, 10])], [("w", _w([16, 8, 3, 3]))]
     gk = one_kernel(tmp_path, nodes, inputs, [("out", None)], inits, expect="ybuf")
-    assert "fs_conv_band(" in gk.c_source  # a k x k window: taps packed from the band
+    assert "fs_conv_band(" in _body(gk)  # a k x k window: taps packed from the band
 
 
 def test_a_packed_schedule_is_c_only_and_the_cuda_side_refuses_it_by_name(tmp_path):
@@ -548,7 +554,7 @@ def test_a_product_moved_by_views_is_stored_at_its_strides(tmp_path, blas, perm,
     gk = one_kernel(tmp_path, nodes, [("p", [1, 3, 70, 16]), ("v", [1, 3, 16, 20])], [("out", None)],
                     [("shape", np.int64(shape))])
     if blas == "blas":
-        blas_part = gk.c_source[gk.c_source.index(f"void {gk.name}("):].split("#else")[0]
+        blas_part = _body(gk).split("#else")[0]
         assert "ybuf" not in blas_part and "fs_gemm_rows(" in blas_part
         assert f", {60 if perm[1] == 2 else 20}LL, 0, 0LL, 0);" in blas_part  # C's pointer and row stride
 
@@ -574,7 +580,7 @@ def test_scores_read_the_mask_their_kernel_wrote_once(tmp_path, blas):
     for name in ("out", "ext"):
         np.testing.assert_allclose(out[name], values[name], rtol=0, atol=1e-4 * max(1.0, np.abs(values[name]).max()))
     if blas == "blas":
-        body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        body = _body(gk)
         rows = body[body.index("for (long long rp = 0;"):].split("#else")[0]  # the BLAS path's rows (in pairs)
         assert "out0[j]" in rows and "(float)(" not in rows  # the rows read the mask back, cast nowhere per element
 
@@ -668,19 +674,19 @@ def test_large_filters_are_packed_and_small_ones_go_to_the_blas(tmp_path):
         return generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
 
     gk = conv([1, 512, 7, 7], [2048, 512, 1, 1], 1)
-    assert gk.packed and "fs_gemm_packed(" in gk.c_source
+    assert gk.packed and "fs_gemm_packed(" in _body(gk)
     gk = conv([1, 64, 56, 56], [64, 64, 1, 1], 1)
-    assert not gk.packed and "fs_conv_1x1(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
+    assert not gk.packed and "fs_conv_1x1(" in _body(gk) and "FS_BLAS_SGEMM(101" not in _body(gk)
     gk = conv([1, 64, 10, 10], [64, 64, 1, 1], 1)
-    assert not gk.packed and "FS_BLAS_SGEMM(101" in gk.c_source
+    assert not gk.packed and "FS_BLAS_SGEMM(101" in _body(gk)
     # many taps over few pixels: packed however few the filters (PACK_MIN_TAPS, PACK_MAX_PIXELS)
     gk = conv([1, 160, 7, 7], [96, 160, 1, 1], 1)
-    assert gk.packed and "fs_gemm_packed(" in gk.c_source
+    assert gk.packed and "fs_gemm_packed(" in _body(gk)
     gk = conv([1, 192, 28, 28], [32, 192, 1, 1], 1)
-    assert not gk.packed and "fs_conv_1x1(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
+    assert not gk.packed and "fs_conv_1x1(" in _body(gk) and "FS_BLAS_SGEMM(101" not in _body(gk)
     for xs, ws in (([1, 512, 7, 7], [512, 512, 3, 3]), ([1, 64, 56, 56], [64, 64, 3, 3])):
         gk = conv(xs, ws, 3)
-        assert gk.packed and "fs_conv_band(" in gk.c_source and "FS_BLAS_SGEMM(101" not in gk.c_source
+        assert gk.packed and "fs_conv_band(" in _body(gk) and "FS_BLAS_SGEMM(101" not in _body(gk)
 
 
 def test_a_small_packed_1x1_conv_with_clip_and_residual(tmp_path, blas):
@@ -828,5 +834,5 @@ def test_a_conv_with_small_filters_runs_in_blocks_that_stay_in_the_cache(tmp_pat
     xs = [1, 16, hw, hw]
     gk = one_kernel(tmp_path, nodes, [("x1", xs), ("x2", xs), ("x3", xs)], [("y", [1, 32, hw, hw])],
                     [("w", _w([32, 32, 1, 1])), ("b", _w([32], 3))])
-    body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    body = _body(gk)
     assert "fs_band_chunk()" in body  # the blocks' rows fit the cache, as the host's L2 allows
