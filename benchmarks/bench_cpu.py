@@ -48,7 +48,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from costmodels.probes import measure_fma_peak
+from costmodels.probes import c_program_output, measure_fma_peak
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.library import host_binding, null_runs, run_costs
@@ -453,18 +453,8 @@ int main(int argc, char** argv) {
 def tile_loop_reading(steps: int = 2_000_000) -> float:
     """One reading of `_TILE_LOOP` in flop/s (0 where the core has neither AVX-512 nor AVX2 + FMA,
     or no C compiler builds it)."""
-    compiler = cpu.compiler()
-    if not compiler:
-        return 0.0
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "tile.c", Path(tmp) / "tile"
-        src.write_text(_TILE_LOOP)
-        try:
-            subprocess.run([compiler, "-O2", "-march=native", str(src), "-o", str(exe)], check=True, capture_output=True)
-            out = subprocess.run([str(exe), str(steps)], check=True, capture_output=True, text=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            return 0.0
-    return float(out.split()[0])
+    out = c_program_output(_TILE_LOOP, ["-O2", "-march=native"], [steps])
+    return float(out.split()[0]) if out else 0.0
 
 
 def section_plans(models: list[str], budget: float, sections: set[str], runs: int = 1) -> None:

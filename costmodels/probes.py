@@ -188,24 +188,33 @@ def measure_cache_regime(llc_bytes: int, core_cache_bytes: int, dram_bytes_per_s
     return best, fit
 
 
+def c_program_output(source: str, flags: list[str], args: list, env: dict[str, str] | None = None) -> str | None:
+    """What a C program prints: `source` compiled with the system's C compiler and `flags`, run
+    with `args` (and `env` over this process's environment); None when there is no compiler or
+    the build or the run fails. Each probe's program, and the benchmarks' (`bench_cpu`), run
+    through here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None
+    with tempfile.TemporaryDirectory(prefix="fusesearch-probe-") as folder:
+        src, binary = Path(folder) / "probe.c", Path(folder) / "probe"
+        src.write_text(source)
+        try:
+            subprocess.run([compiler, *flags, "-o", str(binary), str(src)], check=True, capture_output=True, timeout=60)
+            return subprocess.run([str(binary), *map(str, args)], check=True, capture_output=True, text=True,
+                                  timeout=60, env={**os.environ, **(env or {})}).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+
 @functools.lru_cache(maxsize=1)
 def measure_fma_peak() -> tuple[float, int]:
     """(FP32 flop/s of one thread issuing independent vector FMAs, its vector lanes); (0, 0) when
     no C compiler builds the probe or its output is unusable."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    out = c_program_output(_fma_source(FMA_ACCUMULATORS), ["-O2", "-march=native", "-ffp-contract=fast"],
+                           [FMA_ITERATIONS, FMA_PASSES])
+    if out is None:
         return 0.0, 0
-    with tempfile.TemporaryDirectory(prefix="fusesearch-fma-") as folder:
-        source = Path(folder) / "fma.c"
-        binary = Path(folder) / "fma"
-        source.write_text(_fma_source(FMA_ACCUMULATORS))
-        try:
-            subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast", "-o", str(binary),
-                            str(source)], check=True, capture_output=True, timeout=60)
-            out = subprocess.run([str(binary), str(FMA_ITERATIONS), str(FMA_PASSES)], check=True,
-                                 capture_output=True, text=True, timeout=60).stdout
-        except (OSError, subprocess.SubprocessError):
-            return 0.0, 0
     m = re.fullmatch(r"(\d+) (\S+) \S+\s*", out)
     if not m or float(m.group(2)) <= 0:
         return 0.0, 0
@@ -214,11 +223,12 @@ def measure_fma_peak() -> tuple[float, int]:
 
 
 # The launch probe: each timed pass calls the kernel in batches of LAUNCH_BATCH until
-# LAUNCH_PASS_S has passed (a busy machine makes a region of several threads far slower, and the
-# probe must still end in a fraction of a second); the best of LAUNCH_PASSES passes counts.
-LAUNCH_BATCH = 64
-LAUNCH_PASS_S = 0.02
-LAUNCH_PASSES = 5
+# LAUNCH_PASS_S has passed, and the best of LAUNCH_PASSES passes counts. A busy machine makes a
+# region of several threads far slower (5 ms, not 0.8 us, with the other core taken), so the
+# batches are short: the probe ends in 0.08 s here, 0.2 s on a busy host.
+LAUNCH_BATCH = 8
+LAUNCH_PASS_S = 0.01
+LAUNCH_PASSES = 3
 
 _LAUNCH_SOURCE = r"""
 #include <stdio.h>
@@ -261,21 +271,10 @@ def measure_launch_overhead(threads: int) -> float:
     """Seconds one call of a kernel that is an OpenMP parallel region over a few floats takes,
     with `threads` OpenMP threads; 0.0 when no C compiler with OpenMP builds the probe or its
     output is unusable."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    out = c_program_output(_LAUNCH_SOURCE, ["-O2", "-fopenmp"], [LAUNCH_BATCH, LAUNCH_PASS_S, LAUNCH_PASSES],
+                           {"OMP_NUM_THREADS": str(max(1, threads))})
+    if out is None:
         return 0.0
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads))}
-    with tempfile.TemporaryDirectory(prefix="fusesearch-launch-") as folder:
-        source = Path(folder) / "launch.c"
-        binary = Path(folder) / "launch"
-        source.write_text(_LAUNCH_SOURCE)
-        try:
-            subprocess.run([compiler, "-O2", "-fopenmp", "-o", str(binary), str(source)], check=True,
-                           capture_output=True, timeout=60)
-            out = subprocess.run([str(binary), str(LAUNCH_BATCH), str(LAUNCH_PASS_S), str(LAUNCH_PASSES)], check=True,
-                                 capture_output=True, text=True, timeout=60, env=env).stdout
-        except (OSError, subprocess.SubprocessError):
-            return 0.0
     m = re.fullmatch(r"(\S+) \S+\s*", out)
     try:
         seconds = float(m.group(1)) if m else 0.0
