@@ -223,12 +223,17 @@ def measure_fma_peak() -> tuple[float, int]:
 
 
 # The launch probe: each timed pass calls the kernel in batches of LAUNCH_BATCH until
-# LAUNCH_PASS_S has passed, and the best of LAUNCH_PASSES passes counts. A busy machine makes a
-# region of several threads far slower (5 ms, not 0.8 us, with the other core taken), so the
-# batches are short: the probe ends in 0.08 s here, 0.2 s on a busy host.
+# LAUNCH_PASS_S has passed, and the best batch of LAUNCH_PASSES passes counts. A busy machine
+# makes a region of several threads far slower while a thread waits for its core (5 ms, not
+# 0.8 us, averaged over a pass with the other core taken: a figure that, kept in the cache file,
+# would price every host kernel at 5 ms); short batches both find the moments the team runs
+# together and keep the probe within 0.08 s here, 0.2 s on a busy host.
 LAUNCH_BATCH = 8
 LAUNCH_PASS_S = 0.01
 LAUNCH_PASSES = 3
+# A best batch slower than this never had its team running together (an idle core forks and joins
+# in microseconds): the machine was too busy to say, so the probe reports 0 and the estimate is used.
+LAUNCH_MAX_S = 1e-4
 
 _LAUNCH_SOURCE = r"""
 #include <stdio.h>
@@ -251,14 +256,13 @@ int main(int argc, char **argv) {
   double best = 1e30;
   fs_region(out, 64);
   for (int p = 0; p < passes; ++p) {
-    long calls = 0;
-    double t0 = now(), s = 0.0;
+    double start = now(), t0 = start, t1 = start;
     do {
       for (long c = 0; c < batch; ++c) fs_region(out, 64);
-      calls += batch;
-      s = now() - t0;
-    } while (s < pass_s);
-    if (s / (double)calls < best) best = s / (double)calls;
+      t1 = now();
+      if ((t1 - t0) / (double)batch < best) best = (t1 - t0) / (double)batch;
+      t0 = t1;
+    } while (t1 - start < pass_s);
   }
   printf("%.9e %g\n", best, (double)out[63]);
   return 0;
@@ -269,8 +273,8 @@ int main(int argc, char **argv) {
 @functools.lru_cache(maxsize=16)
 def measure_launch_overhead(threads: int) -> float:
     """Seconds one call of a kernel that is an OpenMP parallel region over a few floats takes,
-    with `threads` OpenMP threads; 0.0 when no C compiler with OpenMP builds the probe or its
-    output is unusable."""
+    with `threads` OpenMP threads; 0.0 when no C compiler with OpenMP builds the probe, its
+    output is unusable, or the machine is too busy for its team to run together (LAUNCH_MAX_S)."""
     out = c_program_output(_LAUNCH_SOURCE, ["-O2", "-fopenmp"], [LAUNCH_BATCH, LAUNCH_PASS_S, LAUNCH_PASSES],
                            {"OMP_NUM_THREADS": str(max(1, threads))})
     if out is None:
@@ -280,7 +284,7 @@ def measure_launch_overhead(threads: int) -> float:
         seconds = float(m.group(1)) if m else 0.0
     except ValueError:
         return 0.0
-    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+    return seconds if math.isfinite(seconds) and 0 < seconds <= LAUNCH_MAX_S else 0.0
 
 
 def usable_cpus() -> int:

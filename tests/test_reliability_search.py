@@ -215,7 +215,9 @@ def test_host_figures_are_measured_once_and_read_back(fresh_host):
                                                                           first.cache_fit_bytes)
     assert f"{first.sm_count} threads" in key
     # what an earlier run on this machine would have left
-    assert figures["launch_s"] == first.launch_overhead_s > 0
+    # the measured launch, or 0 kept (a machine too busy to say) and the estimate used
+    assert figures["launch_s"] == first.launch_overhead_s > 0 or (
+        figures["launch_s"] == 0.0 and first.launch_overhead_s == CPU_LAUNCH_OVERHEAD_S)
     kept = {"dram_bytes_per_s": 12.5e9, "cache_bytes_per_s": 50e9, "cache_fit_bytes": 4 << 20,
             "fma_flops_per_s_per_thread": 1e11, "launch_s": 2.5e-7}
     path.write_text(json.dumps({key: kept}))
