@@ -114,7 +114,9 @@ ARCH_LIMITS: Mapping[str, Mapping[str, int]] = {
 
 
 # Fields a profile written before they existed may lack (they take their defaults).
-_OPTIONAL_FIELDS = ("cache_bytes_per_s", "cache_fit_bytes", "sources")
+_OPTIONAL_FIELDS = ("cache_curve", "sources")
+# The two fields the cache curve replaced: one point, (cache_fit_bytes, cache_bytes_per_s)
+_OLD_CACHE_FIELDS = ("cache_bytes_per_s", "cache_fit_bytes")
 
 
 @dataclass(frozen=True)
@@ -150,26 +152,25 @@ class DeviceSpec:
     max_threads_per_block: int
     warp_size: int
     launch_overhead_s: float
-    # Traffic of a kernel whose footprint (bytes read + written) is at most `cache_fit_bytes` moves
-    # at `cache_bytes_per_s` (a CPU's last-level cache, as timed loops and chained kernels keep
-    # their tensors there); 0 and 0: every byte at `dram_bytes_per_s` (the GPU table: GPU timings
-    # flush L2).
-    cache_bytes_per_s: float = 0.0
-    cache_fit_bytes: int = 0
+    # ((footprint bytes, bytes/s), ...), footprints ascending and rates non-increasing, all above
+    # DRAM's: what a copy of that many bytes (read + written) moves per second on a CPU, whose
+    # caches keep a timed loop's or a chain's tensors (`bandwidth_for` reads it); (): every byte
+    # at `dram_bytes_per_s` (the GPU table: GPU timings flush L2).
+    cache_curve: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(str(s) for s in self.sources))
+        object.__setattr__(self, "cache_curve", _curve(self.name, self.cache_curve, self.dram_bytes_per_s))
         if not self.name or not _NAME_RE.match(self.name):
             raise InvalidSpec(f"device name {self.name!r} must be lowercase-hyphen, e.g. 'h100-sxm'")
         if self.kind not in KINDS:
             raise InvalidSpec(f"device {self.name}: kind {self.kind!r} must be one of {KINDS}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "vendor", "kind", "arch", "sources"):
+            if f.name in ("name", "vendor", "kind", "arch", "sources", "cache_curve"):
                 continue
-            may_be_zero = ((f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s")
-                           or f.name.startswith("cache_"))
+            may_be_zero = f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s"
             if not _finite_number(value) or value < 0 or (value == 0 and not may_be_zero):
                 raise InvalidSpec(f"device {self.name}: {f.name} = {value!r}, expected > 0")
         if self.smem_per_block_max_bytes > self.smem_per_sm_bytes:
@@ -179,11 +180,20 @@ class DeviceSpec:
             )
 
     def bandwidth_for(self, footprint_bytes: float) -> float:
-        """Bytes/s for a kernel that reads and writes `footprint_bytes` in all: the cache's rate when
-        they fit in `cache_fit_bytes`, else DRAM's."""
-        if self.cache_bytes_per_s > 0 and footprint_bytes <= self.cache_fit_bytes:
-            return self.cache_bytes_per_s
-        return self.dram_bytes_per_s
+        """Bytes/s for a kernel that reads and writes `footprint_bytes` in all, read off
+        `cache_curve`: the first point's rate up to its footprint, between two points the straight
+        line between them in log footprint and log rate, DRAM's beyond the last point (and with no
+        curve)."""
+        curve = self.cache_curve
+        if not curve or footprint_bytes > curve[-1][0]:
+            return self.dram_bytes_per_s
+        if footprint_bytes <= curve[0][0]:
+            return curve[0][1]
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:], strict=False):
+            if footprint_bytes <= f1:
+                share = math.log(footprint_bytes / f0) / math.log(f1 / f0)
+                return r0 * (r1 / r0) ** share
+        return self.dram_bytes_per_s  # unreachable: footprint_bytes <= curve[-1][0]
 
     @property
     def max_warps_per_sm(self) -> int:
@@ -196,22 +206,43 @@ class DeviceSpec:
         return int(match.group(1)) if self.kind == "gpu" and match else 0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (sources as a list)."""
+        """Plain JSON-ready dict (sources and the cache curve as lists)."""
         out = asdict(self)
         out["sources"] = list(self.sources)
+        out["cache_curve"] = [list(point) for point in self.cache_curve]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
-        """Inverse of `to_dict`; raises InvalidSpec naming missing or unknown fields."""
+        """Inverse of `to_dict`; raises InvalidSpec naming missing or unknown fields. A profile
+        written with the two fields the cache curve replaced loads as that curve's one point."""
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in data and n not in _OPTIONAL_FIELDS]
-        unknown = sorted(set(data) - set(names))
+        unknown = sorted(set(data) - set(names) - set(_OLD_CACHE_FIELDS))
         if missing or unknown:
             raise InvalidSpec(f"device fields: missing {missing}, unknown {unknown}")
-        kwargs = dict(data)
+        kwargs = {k: v for k, v in data.items() if k not in _OLD_CACHE_FIELDS}
+        rate, fit = data.get("cache_bytes_per_s", 0), data.get("cache_fit_bytes", 0)
+        if "cache_curve" not in data and _finite_number(rate) and _finite_number(fit) and rate > 0 and fit > 0:
+            kwargs["cache_curve"] = ((int(fit), float(rate)),)
         kwargs["sources"] = tuple(kwargs.get("sources", ()))
+        kwargs["cache_curve"] = tuple(tuple(point) for point in kwargs.get("cache_curve", ()))
         return cls(**kwargs)
+
+
+def _curve(name: str, curve: object, dram_bytes_per_s: float) -> tuple[tuple[int, float], ...]:
+    """`curve` as a tuple of (int footprint, float rate), checked: footprints > 0 ascending, rates
+    non-increasing and above DRAM's; raises InvalidSpec naming the device and the point."""
+    try:
+        points = tuple((int(size), float(rate)) for size, rate in curve)
+    except (TypeError, ValueError):
+        raise InvalidSpec(f"device {name}: cache_curve must be (footprint bytes, bytes/s) pairs, got {curve!r}") from None
+    for i, (size, rate) in enumerate(points):
+        previous = points[i - 1] if i else (0, math.inf)
+        if not (math.isfinite(rate) and size > previous[0] and previous[1] >= rate > dram_bytes_per_s):
+            raise InvalidSpec(f"device {name}: cache_curve point {i} ({size}, {rate:g}) must have a larger "
+                              "footprint than the one before, a rate no higher than its, and above dram_bytes_per_s")
+    return points
 
 
 def _finite_number(value: object) -> bool:
@@ -394,8 +425,7 @@ class HostFigures:
     """What `costmodels.probes` measured on this machine, as kept in the cache file."""
 
     dram_bytes_per_s: float
-    cache_bytes_per_s: float
-    cache_fit_bytes: int
+    cache_curve: tuple[tuple[int, float], ...]  # `probes.measure_cache_curve`; () where no cache beats DRAM
     fma_flops_per_s_per_thread: float  # 0: the probe could not run; the peak is estimated
     launch_s: float  # an OpenMP parallel region's fork and join; 0: the probe could not run (estimated)
 
@@ -405,10 +435,14 @@ class HostFigures:
         names = [f.name for f in fields(cls)]
         if not isinstance(data, Mapping) or sorted(data) != sorted(names):
             return None
-        values = [data[n] for n in names]
-        if not all(_finite_number(v) and v >= 0 for v in values) or values[0] <= 0:
+        numbers = [data[n] for n in names if n != "cache_curve"]
+        if not all(_finite_number(v) and v >= 0 for v in numbers) or numbers[0] <= 0:
             return None
-        return cls(float(values[0]), float(values[1]), int(values[2]), float(values[3]), float(values[4]))
+        try:
+            curve = _curve("host", data["cache_curve"], float(numbers[0]))
+        except InvalidSpec:
+            return None
+        return cls(float(numbers[0]), curve, float(numbers[1]), float(numbers[2]))
 
 
 def _read(path: Path | str) -> str:
@@ -502,7 +536,7 @@ def host_cpu() -> DeviceSpec:
     Analogies for GPU-only fields: an SM is a usable logical CPU; a warp is one SIMD vector
     (`warp_size` = FP32 lanes); "shared memory" per SM and per block is the per-core L2 (what a
     tile must fit to stay on-core); `l2_bytes` is the last-level cache as the OS reports it, and
-    `cache_bytes_per_s` / `cache_fit_bytes` what a copy measures of it; there are no tensor cores
+    `cache_curve` what a copy measures at footprints up to it; there are no tensor cores
     (tensor-core rates 0, so the model uses the FP32 rate); registers and thread limits keep GPU
     nominal values (64 K regs, 255 per thread, 2048 threads, 32 blocks) so the shared register
     model only flags gross pressure. "Usable CPUs" are those the OpenMP kernels use: the affinity
@@ -555,8 +589,7 @@ def host_cpu() -> DeviceSpec:
         max_threads_per_block=MAX_THREADS_PER_BLOCK,
         warp_size=lanes,
         launch_overhead_s=measured.launch_s if measured.launch_s > 0 else CPU_LAUNCH_OVERHEAD_S,
-        cache_bytes_per_s=measured.cache_bytes_per_s,
-        cache_fit_bytes=measured.cache_fit_bytes,
+        cache_curve=measured.cache_curve,
         sources=(
             f"/proc/cpuinfo: {info.get('model name', 'unknown model')}; {cpus} usable CPUs, "
             f"{cores} physical cores, {lanes} fp32 lanes",
@@ -564,8 +597,8 @@ def host_cpu() -> DeviceSpec:
             "/sys/devices/system/cpu/cpu0/cache (L2 per core, last-level cache)",
             f"dram_bytes_per_s: measured once on this machine, best multi-threaded numpy copy of "
             f"{probe_bytes // MIB} MiB (read + write bytes), kept in the cache folder's {HOST_CACHE_FILE}",
-            "cache_bytes_per_s, cache_fit_bytes: measured with it, the same copy at footprints up to the "
-            "last-level cache (costmodels.probes.measure_cache_regime)",
+            "cache_curve: measured with it, the same copy at doubling footprints up to the last-level "
+            "cache (costmodels.probes.measure_cache_curve)",
             peak_source,
             ("launch_overhead_s: measured, a C call of an OpenMP parallel region over a few floats with "
              f"{cpus} OpenMP thread{'s' if cpus > 1 else ''} (costmodels.probes.measure_launch_overhead)" if measured.launch_s > 0 else
@@ -600,8 +633,8 @@ def host_figures(key: str, probe_bytes: int, llc_bytes: int, core_cache_bytes: i
     if kept is not None:
         return kept
     dram = probes.measure_copy_bandwidth(probe_bytes, workers)
-    cache, fit = probes.measure_cache_regime(llc_bytes, core_cache_bytes, dram, workers)
-    measured = HostFigures(dram, cache, fit, probes.measure_fma_peak()[0], probes.measure_launch_overhead(workers))
+    curve = probes.measure_cache_curve(llc_bytes, core_cache_bytes, dram, workers)
+    measured = HostFigures(dram, curve, probes.measure_fma_peak()[0], probes.measure_launch_overhead(workers))
     known[key] = asdict(measured)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,15 @@ Approach: four short probes, each a lower bound on what the machine can do, take
 a few timed passes:
 - `measure_copy_bandwidth(n, workers)`: a numpy copy of two n-byte arrays split across threads
   (STREAM's convention: read + write bytes); DRAM when n is well beyond the last-level cache.
-- `measure_cache_regime(...)`: the same copy at footprints from half the threads' core caches
-  (L2) up to the last-level cache; the cache's rate is the best of them, and the footprint that
-  still fits is the largest one whose rate stays above the geometric mean of the cache's and
-  DRAM's rates (on a VM that shares its L3 this is well below the size the OS reports; where the
-  L3 is no faster than DRAM, as on an Ice Lake VM here, it is the L2s, so the small tensors of a
-  transformer at seq 128 are priced at the L2's rate rather than DRAM's, 2.7x apart on one thread).
+- `measure_cache_curve(...)`: the same copy at footprints from half the threads' core caches
+  (L2) up to the last-level cache, doubling: the rate at each footprint, made non-increasing
+  (a footprint is credited the best rate of any larger one: noise only slows a pass), and cut
+  where it no longer beats DRAM by CACHE_MIN_SPEEDUP. One thread of a Sapphire Rapids VM copies
+  97 GB/s at 1 MiB, 59 at 2 MiB (its L2), 29-30 from 4 to 128 MiB (its share of a shared L3)
+  and 17 beyond; a kernel's memory time is read off this curve at its footprint
+  (`DeviceSpec.bandwidth_for`). Two regimes (the cache's rate up to one footprint, DRAM's
+  beyond) priced the 1.2-3.2 MB tensors of vit-small and resnet at DRAM's rate, 2.3-3.7x
+  slower than they ran.
 - `measure_fma_peak()`: a C loop of independent vector FMAs (GCC vector types, 12 accumulators,
   the widest vector `-march=native` offers) on one thread, compiled with the system's C compiler;
   0 when there is none. Where GCC prefers 256-bit vectors on an AVX-512 core (Ice Lake's
@@ -47,7 +50,7 @@ KIB = 1024
 MIB = 1024 * KIB
 # Part of the key a machine's figures are kept under: raised when a probe changes what it
 # measures, so that figures an older probe kept are measured again.
-PROBES_VERSION = 4
+PROBES_VERSION = 5
 
 # Copy used to measure DRAM bandwidth: each array is 2x the last-level cache (a streaming working
 # set larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
@@ -166,26 +169,33 @@ def measure_copy_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, workers: int = 0
     return 2 * src.nbytes * repeats / best_s
 
 
-def measure_cache_regime(llc_bytes: int, core_cache_bytes: int, dram_bytes_per_s: float,
-                         workers: int) -> tuple[float, int]:
-    """(cache bytes/s, largest footprint in bytes that runs at it): (0, 0) when no footprint up to
-    the last-level cache copies CACHE_MIN_SPEEDUP x faster than DRAM."""
+def measure_cache_curve(llc_bytes: int, core_cache_bytes: int, dram_bytes_per_s: float,
+                        workers: int) -> tuple[tuple[int, float], ...]:
+    """((footprint bytes, copy bytes/s), ...) at doubling footprints from CACHE_PROBE_CORE_CACHES of
+    the threads' core caches up to the last-level cache: each rate at least that of every larger
+    footprint, the curve ending at the last footprint that copies CACHE_MIN_SPEEDUP x faster than
+    DRAM; () when none does."""
     footprint = int(CACHE_PROBE_CORE_CACHES * core_cache_bytes) * max(1, workers)
-    rates: list[tuple[int, float]] = []
+    points: list[tuple[int, float]] = []
     while footprint <= llc_bytes:
-        rates.append((footprint, measure_copy_bandwidth(footprint // 2, workers, CACHE_PROBE_BUDGET_S)))
+        points.append((footprint, measure_copy_bandwidth(footprint // 2, workers, CACHE_PROBE_BUDGET_S)))
         footprint *= 2
-    best = max((rate for _, rate in rates), default=0.0)
-    if best < CACHE_MIN_SPEEDUP * dram_bytes_per_s:
-        return 0.0, 0
-    threshold = math.sqrt(best * dram_bytes_per_s)
-    fit = 0  # the end of the first run of footprints at or above the threshold
-    for size, rate in rates:
-        if rate >= threshold:
-            fit = size
-        elif fit:
-            break
-    return best, fit
+    return monotone_curve(points, dram_bytes_per_s)
+
+
+def monotone_curve(points: list[tuple[int, float]], dram_bytes_per_s: float) -> tuple[tuple[int, float], ...]:
+    """`points` (ascending footprints) with each rate raised to the best of the larger footprints'
+    (a bigger working set never copies faster: a slower pass was another tenant), then cut after
+    the last point still CACHE_MIN_SPEEDUP x faster than DRAM."""
+    curve: list[tuple[int, float]] = []
+    best = 0.0
+    for size, rate in reversed(points):
+        best = max(best, rate)
+        curve.append((size, best))
+    curve.reverse()
+    while curve and curve[-1][1] < CACHE_MIN_SPEEDUP * dram_bytes_per_s:
+        curve.pop()
+    return tuple(curve)
 
 
 def c_program_output(source: str, flags: list[str], args: list, env: dict[str, str] | None = None) -> str | None:

@@ -12,7 +12,7 @@ Approach (after XLA's gpu_performance_model, which knows nothing of the pass tha
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
 
 where bandwidth is `DeviceSpec.bandwidth_for(read + write)`: DRAM's, or on a CPU with a
-measured cache regime the cache's when the kernel's bytes fit in it (GPUs: always DRAM's), t is
+measured cache curve the rate it reads at the kernel's footprint (GPUs: always DRAM's), t is
 the template, d the extra cost of a floating-point division or square root
 (`division_flops`: 0 by default, as OpKind counts one flop), r the share of reads that reach DRAM (`read_traffic_factor`: 1 by
 default; a CPU timing loop re-reads inputs from its last-level cache), e the cost of one index

@@ -1062,8 +1062,8 @@ def devices(json_out: JsonFlag = False) -> None:
     for r in rows:
         table.add_row(*[f"{v:g}" if isinstance(v, float) else str(v) for v in r.values()])
     out.print(table)
-    cache = (f"cache {host.cache_bytes_per_s / 1e9:.1f} GB/s for a kernel moving up to "
-             f"{host.cache_fit_bytes / 2**20:g} MiB" if host.cache_bytes_per_s else "no cache regime")
+    cache = ("caches " + ", ".join(f"{rate / 1e9:.1f} GB/s at {size / 2**20:g} MiB" for size, rate in host.cache_curve)
+             + " (a kernel's bytes read + written)" if host.cache_curve else "no cache faster than DRAM")
     out.print(f"host, measured once on this machine: FP32 {host.fp32_flops_per_s / 1e9:.1f} GFLOP/s, "
               f"DRAM {host.dram_bytes_per_s / 1e9:.1f} GB/s, {cache} (delete {_home_relative(host_cache_path())} to measure again)")
 

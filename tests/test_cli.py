@@ -76,7 +76,7 @@ def test_inspect_canonical_runs_in_ort_and_refuses_overwrite(run_cli, tmp_path):
 
 def test_devices_lists_the_table_and_the_host_figures_measured_once(run_cli):
     """`devices`: every GPU of the table and the host, whose measured figures (FP32 peak, DRAM,
-    cache regime) are stated below the table and carried in full by --json."""
+    cache curve) are stated below the table and carried in full by --json."""
     from costmodels import DEVICES, host_cpu
 
     code, out, _ = run_cli("devices")
@@ -86,11 +86,12 @@ def test_devices_lists_the_table_and_the_host_figures_measured_once(run_cli):
     line = next(x for x in out.splitlines() if x.startswith("host, measured once"))
     assert f"FP32 {host.fp32_flops_per_s / 1e9:.1f} GFLOP/s" in line
     assert f"DRAM {host.dram_bytes_per_s / 1e9:.1f} GB/s" in line
-    assert ("no cache regime" in line) == (host.cache_bytes_per_s == 0)
+    assert ("no cache faster than DRAM" in line) == (host.cache_curve == ())
+    assert all(f"{rate / 1e9:.1f} GB/s at {size / 2**20:g} MiB" in line for size, rate in host.cache_curve)
     code, out, _ = run_cli("devices", "--json")
     listed = {d["name"]: d for d in json.loads(out)["devices"]}
-    assert listed["host"]["cache_fit_bytes"] == host.cache_fit_bytes
-    assert listed["h100-sxm"]["cache_bytes_per_s"] == 0  # GPU timings flush L2: no cache regime
+    assert [tuple(point) for point in listed["host"]["cache_curve"]] == list(host.cache_curve)
+    assert listed["h100-sxm"]["cache_curve"] == []  # GPU timings flush L2: every byte at DRAM's rate
 
 
 def test_zoo_list_and_export_round_trip(run_cli, tmp_path):

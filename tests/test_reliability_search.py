@@ -211,19 +211,18 @@ def test_host_figures_are_measured_once_and_read_back(fresh_host):
     entries = json.loads(path.read_text())
     [(key, figures)] = entries.items()
     assert figures["dram_bytes_per_s"] == first.dram_bytes_per_s
-    assert (figures["cache_bytes_per_s"], figures["cache_fit_bytes"]) == (first.cache_bytes_per_s,
-                                                                          first.cache_fit_bytes)
+    assert [tuple(point) for point in figures["cache_curve"]] == list(first.cache_curve)
     assert f"{first.sm_count} threads" in key
     # what an earlier run on this machine would have left
     # the measured launch, or 0 kept (a machine too busy to say) and the estimate used
     assert figures["launch_s"] == first.launch_overhead_s > 0 or (
         figures["launch_s"] == 0.0 and first.launch_overhead_s == CPU_LAUNCH_OVERHEAD_S)
-    kept = {"dram_bytes_per_s": 12.5e9, "cache_bytes_per_s": 50e9, "cache_fit_bytes": 4 << 20,
+    kept = {"dram_bytes_per_s": 12.5e9, "cache_curve": [[2 << 20, 70e9], [4 << 20, 50e9]],
             "fma_flops_per_s_per_thread": 1e11, "launch_s": 2.5e-7}
     path.write_text(json.dumps({key: kept}))
     fresh_host()
     host = host_cpu()
-    assert (host.dram_bytes_per_s, host.cache_bytes_per_s, host.cache_fit_bytes) == (12.5e9, 50e9, 4 << 20)
+    assert (host.dram_bytes_per_s, host.cache_curve) == (12.5e9, ((2 << 20, 70e9), (4 << 20, 50e9)))
     assert (host.fp32_flops_per_s / 1e11).is_integer()  # physical cores x the kept FMA rate
     assert host.launch_overhead_s == 2.5e-7
     # a launch probe that could not run (0) leaves the estimate

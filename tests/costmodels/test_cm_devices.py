@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 
@@ -146,9 +147,8 @@ def test_host_cpu_is_measured_quickly(tmp_path, monkeypatch):
     assert host.kind == "cpu" and host.name == "host"
     assert host.sm_count >= 1 and host.clock_hz > 0
     assert 1e8 < host.dram_bytes_per_s < 1e13
-    # the cache regime: none, or a faster rate for footprints up to the last-level cache
-    assert (host.cache_bytes_per_s, host.cache_fit_bytes) == (0, 0) or (
-        host.cache_bytes_per_s > host.dram_bytes_per_s and 0 < host.cache_fit_bytes <= host.l2_bytes)
+    # the cache curve: none, or rates above DRAM's at footprints up to the last-level cache
+    assert all(rate > host.dram_bytes_per_s and 0 < size <= host.l2_bytes for size, rate in host.cache_curve)
     assert host.fp32_flops_per_s > 0 and host.warp_size in (4, 8, 16)
     assert host.tf32_flops_per_s == host.fp16_flops_per_s == 0
     assert host.smem_per_block_max_bytes > 0 and host.l2_bytes >= host.smem_per_sm_bytes
@@ -184,16 +184,37 @@ def test_the_launch_probe_times_an_openmp_region_and_reports_0_without_a_compile
         measure_launch_overhead.cache_clear()
 
 
-def test_bandwidth_for_prices_a_footprint_that_fits_the_cache_at_the_cache_rate():
-    """GPUs (no cache regime) price every footprint at DRAM; a device with one uses the cache's
-    rate up to `cache_fit_bytes` inclusive; an older profile without the fields still loads."""
+def test_bandwidth_for_reads_the_cache_curve_at_a_kernels_footprint():
+    """GPUs (no curve) price every footprint at DRAM; a CPU reads its curve: the first point's
+    rate up to its footprint, log-log between points (a footprint halfway in log between 2 and 8
+    MiB gets the geometric mean of their rates), DRAM's beyond the last point. A profile written
+    with the two fields the curve replaced loads as its one point, one with neither as no curve;
+    a curve that rises, or falls to DRAM's rate, is refused naming its point."""
     gpu = DEVICES["h100-sxm"]
+    assert gpu.cache_curve == ()
     assert gpu.bandwidth_for(1) == gpu.bandwidth_for(10**12) == gpu.dram_bytes_per_s
-    cpu = dataclasses.replace(gpu, kind="cpu", dram_bytes_per_s=10e9, cache_bytes_per_s=40e9,
-                              cache_fit_bytes=8 * MIB)
-    assert cpu.bandwidth_for(8 * MIB) == 40e9
-    assert cpu.bandwidth_for(8 * MIB + 1) == 10e9
-    old = {k: v for k, v in cpu.to_dict().items() if not k.startswith("cache_")}
-    assert DeviceSpec.from_dict(old) == dataclasses.replace(cpu, cache_bytes_per_s=0.0, cache_fit_bytes=0)
-    with pytest.raises(InvalidSpec, match="cache_bytes_per_s"):
-        dataclasses.replace(cpu, cache_bytes_per_s=-1.0)
+    cpu = dataclasses.replace(gpu, kind="cpu", dram_bytes_per_s=10e9,
+                              cache_curve=((2 * MIB, 80e9), (8 * MIB, 20e9), (64 * MIB, 20e9)))
+    assert cpu.bandwidth_for(1) == cpu.bandwidth_for(2 * MIB) == 80e9
+    assert cpu.bandwidth_for(4 * MIB) == pytest.approx(40e9)
+    assert cpu.bandwidth_for(8 * MIB) == pytest.approx(20e9) == cpu.bandwidth_for(64 * MIB)
+    assert cpu.bandwidth_for(64 * MIB + 1) == 10e9
+    assert DeviceSpec.from_dict(json.loads(json.dumps(cpu.to_dict()))) == cpu
+    old = {k: v for k, v in cpu.to_dict().items() if k != "cache_curve"}
+    assert DeviceSpec.from_dict(old) == dataclasses.replace(cpu, cache_curve=())
+    two_fields = {**old, "cache_bytes_per_s": 40e9, "cache_fit_bytes": 8 * MIB}
+    assert DeviceSpec.from_dict(two_fields).cache_curve == ((8 * MIB, 40e9),)
+    with pytest.raises(InvalidSpec, match="cache_curve point 1"):
+        dataclasses.replace(cpu, cache_curve=((2 * MIB, 40e9), (4 * MIB, 80e9)))
+    with pytest.raises(InvalidSpec, match="cache_curve point 0"):
+        dataclasses.replace(cpu, cache_curve=((2 * MIB, 10e9),))
+
+
+def test_the_cache_curve_is_made_monotone_and_cut_where_it_meets_dram():
+    """A slower pass at a small footprint (another tenant) is credited a larger footprint's rate;
+    the points no faster than CACHE_MIN_SPEEDUP x DRAM's rate are dropped from the end."""
+    points = [(1 * MIB, 70e9), (2 * MIB, 30e9), (4 * MIB, 49e9), (8 * MIB, 26e9), (16 * MIB, 12e9)]
+    assert probes.monotone_curve(points, 10e9) == ((1 * MIB, 70e9), (2 * MIB, 49e9), (4 * MIB, 49e9),
+                                                   (8 * MIB, 26e9))
+    assert probes.monotone_curve(points, 50e9) == ((1 * MIB, 70e9),)
+    assert probes.monotone_curve(points, 100e9) == ()

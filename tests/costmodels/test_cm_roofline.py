@@ -47,10 +47,10 @@ def test_large_fp32_elementwise_chain_is_memory_bound_on_h100():
 
 
 def test_a_cpu_kernel_that_fits_the_measured_cache_is_priced_at_the_cache_rate():
-    """Cache regime (a pinned CPU: DRAM 10 GB/s, cache 40 GB/s up to 8 MiB): a chain moving 8 MiB
-    takes a quarter of the time per byte of one moving 16 MiB."""
+    """Cache regime (a pinned CPU: DRAM 10 GB/s, a cache curve of one point, 40 GB/s up to 8 MiB):
+    a chain moving 8 MiB takes a quarter of the time per byte of one moving 16 MiB."""
     device = dataclasses.replace(DEVICES["t4"], name="pinned-cpu", kind="cpu", dram_bytes_per_s=10e9,
-                                 cache_bytes_per_s=40e9, cache_fit_bytes=8 * 2**20)
+                                 cache_curve=((8 * 2**20, 40e9),))
     eff = PARAMS.get("memory_efficiency", "pointwise")
     fits, spills = (MODEL.cost(elementwise_chain(n), device) for n in (2**20, 2**21))
     assert fits.dram_bytes == 8 * 2**20 and spills.dram_bytes == 16 * 2**20
