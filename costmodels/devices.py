@@ -226,7 +226,6 @@ class DeviceSpec:
         if "cache_curve" not in data and _finite_number(rate) and _finite_number(fit) and rate > 0 and fit > 0:
             kwargs["cache_curve"] = ((int(fit), float(rate)),)
         kwargs["sources"] = tuple(kwargs.get("sources", ()))
-        kwargs["cache_curve"] = tuple(tuple(point) for point in kwargs.get("cache_curve", ()))
         return cls(**kwargs)
 
 
