@@ -187,13 +187,11 @@ class DeviceSpec:
         curve = self.cache_curve
         if not curve or footprint_bytes > curve[-1][0]:
             return self.dram_bytes_per_s
-        if footprint_bytes <= curve[0][0]:
+        i = next(i for i, (size, _) in enumerate(curve) if footprint_bytes <= size)
+        if i == 0:
             return curve[0][1]
-        for (f0, r0), (f1, r1) in zip(curve, curve[1:], strict=False):
-            if footprint_bytes <= f1:
-                share = math.log(footprint_bytes / f0) / math.log(f1 / f0)
-                return r0 * (r1 / r0) ** share
-        return self.dram_bytes_per_s  # unreachable: footprint_bytes <= curve[-1][0]
+        (f0, r0), (f1, r1) = curve[i - 1], curve[i]
+        return r0 * (r1 / r0) ** (math.log(footprint_bytes / f0) / math.log(f1 / f0))
 
     @property
     def max_warps_per_sm(self) -> int:

@@ -66,7 +66,7 @@ PASS_BYTES = 16 * MIB
 # cache up to the last-level cache, doubling; each footprint gets CACHE_PROBE_BUDGET_S.
 CACHE_PROBE_CORE_CACHES = 0.5
 CACHE_PROBE_BUDGET_S = 0.12
-# A cache at most this much faster than DRAM is not worth a regime of its own.
+# A footprint that copies at most this much faster than DRAM ends the cache curve.
 CACHE_MIN_SPEEDUP = 1.25
 # The FMA probe: accumulators (more than latency x ports = 4 x 2 on current x86 cores) and
 # iterations per timed pass (~25 ms at 3 GHz).
