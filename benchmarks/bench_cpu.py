@@ -197,13 +197,13 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     the BLAS (cpu_conv.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
     import ctypes
 
-    from fusesearch.backends.codegen import base, cpu_conv
+    from fusesearch.backends.codegen import c_gemm, c_prelude, cpu_conv
 
     flags = cpu.blas_flags()
     if not flags:
         print("1b. skipped: no BLAS to compare with (pip install scipy-openblas32)")
         return
-    driver = (base._C_PRELUDE + base._C_PACKED_GEMM
+    driver = (c_prelude._C_PRELUDE + c_gemm._C_PACKED_GEMM
               + "void own_pack_b(int K, int N, const float* B, float* Bp) { fs_pack_b(K, N, B, N, 1, Bp); }\n"
               "void own_rows(int M, int N, int K, const float* A, const float* Bp, float* C) "
               "{ fs_gemm_rows(M, N, K, A, K, Bp, C, N, 0, 0, 0); }\n"
@@ -231,7 +231,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
                                                                                       ("odd 37x45x70", 37, 45, 70)]:
         a = RNG.standard_normal((m, k)).astype(np.float32)
         b = RNG.standard_normal((k, n)).astype(np.float32)
-        bp = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32)
+        bp = np.zeros(-(-n // c_gemm.FS_NR) * c_gemm.FS_NR * k, np.float32)
         lib.own_pack_b(k, n, b.ctypes.data_as(ptr), bp.ctypes.data_as(ptr))
         outs = [np.zeros((m, n), np.float32), np.zeros((n, m), np.float32), np.zeros((m, n), np.float32)]
         # the arguments converted once: a ctypes conversion per call costs microseconds, a tenth of a small product

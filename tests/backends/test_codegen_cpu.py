@@ -196,7 +196,7 @@ def _prelude_math():
     import tempfile
     from pathlib import Path
 
-    from fusesearch.backends.codegen.base import _C_PRELUDE
+    from fusesearch.backends.codegen.c_prelude import _C_PRELUDE
 
     src = (_C_PRELUDE + "void ours(const float* x, float* e, float* r, long long n) {\n#pragma omp simd\n"
            "for (long long i = 0; i < n; ++i) { e[i] = fs_expf(x[i]); r[i] = fs_erff(x[i]); }\n}\n"
@@ -371,7 +371,7 @@ def test_hoist_invariants_keeps_what_depends_on_the_loop():
     """The split itself: a temporary reading the loop variable, a variant temporary, an array the
     body writes or an accumulator it updates stays inside; a division by a hoisted temporary
     becomes a multiply by its reciprocal; a body with a branch is left whole."""
-    from fusesearch.backends.codegen.base import hoist_invariants
+    from fusesearch.backends.codegen.hoist import hoist_invariants
 
     body = ["float v1 = in0[r];", "float v2 = sqrtf(v1);", "float v3 = in1[r * 8LL + j];",
             "float v4 = (v3 / v2);", "float v5 = (s0 * 2.0f);", "float v6 = buf[r];", "float v7 = in2[j] + v5;",
@@ -438,9 +438,9 @@ def test_outputs_past_the_threshold_stream_their_stores(tmp_path, monkeypatch):
     300 (a whole chunk of STREAM_CHUNK and a partial one) and a Softmax over rows of 40, with a
     side output; all equal ONNX Runtime. At the real threshold a 1 MiB output stores plainly and a
     16 MiB one streams."""
-    from fusesearch.backends.codegen import base
+    from fusesearch.backends.codegen import c_prelude
 
-    assert base.STREAM_CHUNK < 300
+    assert c_prelude.STREAM_CHUNK < 300
     rng = np.random.default_rng(0)
     cases = [([helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Sigmoid", ["a"], ["y"])],
               [20, 37, 3], [("b", rng.standard_normal((20, 1, 1)).astype(np.float32))]),
@@ -449,7 +449,7 @@ def test_outputs_past_the_threshold_stream_their_stores(tmp_path, monkeypatch):
              ([helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Softmax", ["m"], ["y"], axis=-1)], [9, 40],
               [("s", np.float32(4.0))])]
     with monkeypatch.context() as patch:
-        patch.setattr(base, "STREAM_MIN_BYTES", 0)
+        patch.setattr(c_prelude, "STREAM_MIN_BYTES", 0)
         for nodes, shape, inits in cases:
             outputs = [("y", None), ("m", None)] if any(n.op_type == "Softmax" for n in nodes) else [("y", None)]
             body = _body(whole_graph_as_one_group(tmp_path, nodes, [("x", shape)], outputs, inits))

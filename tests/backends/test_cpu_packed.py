@@ -778,7 +778,7 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     AVX-512, whichever it has), the portable loops (no vector ISA named), and the
     AVX-512 branch with its intrinsics replaced by plain C (`_AVX512_STAND_IN`), so its indexing is
     checked on a CPU without AVX-512 (and compiled with the real ones to zmm FMAs)."""
-    from fusesearch.backends.codegen import base
+    from fusesearch.backends.codegen import c_gemm, c_prelude
 
     driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
               "         float* R, float* S, const float* T, const float* bias, float* E) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
@@ -787,7 +787,7 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     epilogue = ("#define FS_TILE_EPI 1\nstatic inline float fs_tile_epi1(float v) { return (v + v) + 1.0f; }\n"
                 "#if defined(__AVX512F__)\n#include <immintrin.h>\nstatic inline __m512 fs_tile_epi(__m512 v) {\n"
                 "    return _mm512_add_ps(_mm512_add_ps(v, v), _mm512_set1_ps(1.0f));\n}\n#endif\n")
-    source = base._C_PRELUDE + epilogue + base._C_PACKED_GEMM + driver
+    source = c_prelude._C_PRELUDE + epilogue + c_gemm._C_PACKED_GEMM + driver
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     if branch == "native":
         flags = list(cpu.CFLAGS[:-1])
@@ -803,7 +803,7 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     rng = np.random.default_rng(1)
     for m, n, k in [(25, 30, 37), (6, 16, 1), (13, 40, 64), (9, 33, 5), (23, 64, 19)]:
         a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
-        bp, c = np.zeros(-(-n // base.FS_NR) * base.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
+        bp, c = np.zeros(-(-n // c_gemm.FS_NR) * c_gemm.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
         r = rng.standard_normal((m, n)).astype(np.float32)  # fs_gemm_rows adds the product onto it
         bias, out = rng.standard_normal(n).astype(np.float32), np.zeros((m, n), np.float32)  # plus a bias row
         residual = rng.standard_normal((m, n)).astype(np.float32)  # and a residual read in place

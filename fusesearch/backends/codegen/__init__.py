@@ -76,8 +76,6 @@ float32 (float tensors, half ones included: loads widen, stores round to nearest
 from __future__ import annotations
 
 from fusesearch.backends.codegen.base import (
-    _C_PRELUDE,
-    _CU_PRELUDE,
     CTYPES,
     HALF_DTYPES,
     NP_DTYPES,
@@ -88,6 +86,7 @@ from fusesearch.backends.codegen.base import (
     half_prelude,
     source_digest,
 )
+from fusesearch.backends.codegen.c_prelude import _C_PRELUDE, _CU_PRELUDE
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.module import cuda_module, module_namespace

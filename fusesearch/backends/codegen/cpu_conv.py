@@ -45,8 +45,6 @@ from __future__ import annotations
 import math
 
 from fusesearch.backends.codegen.base import (
-    FS_MR,
-    SCRATCH_SLOTS,
     Arg,
     _flat_loop,
     _indent,
@@ -54,6 +52,8 @@ from fusesearch.backends.codegen.base import (
     load_expr,
     scratch,
 )
+from fusesearch.backends.codegen.c_gemm import FS_MR
+from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS
 from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _packed, _split_outputs, _write
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input

@@ -62,8 +62,6 @@ import math
 import numpy as np
 
 from fusesearch.backends.codegen.base import (
-    FS_MR,
-    FS_NR,
     Arg,
     CodegenRefused,
     PackedWeight,
@@ -73,8 +71,8 @@ from fusesearch.backends.codegen.base import (
     compute_dtype,
     scratch,
     store,
-    tile_epilogue,
 )
+from fusesearch.backends.codegen.c_gemm import FS_MR, FS_NR, tile_epilogue
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import re
 
-from fusesearch.backends.codegen.base import _CU_PRELUDE, CodegenRefused, _indent, _signature
+from fusesearch.backends.codegen.base import CodegenRefused, _indent, _signature
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.contraction import tile_parts
 from fusesearch.backends.codegen.tiled import _side_loops
 from fusesearch.ir.graph import Graph

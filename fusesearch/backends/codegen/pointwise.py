@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 from fusesearch.backends.codegen.base import (
-    _CU_PRELUDE,
     Arg,
     _flat_loop,
     _indent,
@@ -21,6 +20,7 @@ from fusesearch.backends.codegen.base import (
     streamed_loop,
     streams,
 )
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pool_rows import _pool_rows
 from fusesearch.ir.pool import POOL_OPS, pool_window

@@ -16,8 +16,6 @@ import re
 from dataclasses import dataclass, field
 
 from fusesearch.backends.codegen.base import (
-    _CU_PRELUDE,
-    FOLDED,
     Arg,
     CodegenRefused,
     _flat_loop,
@@ -26,15 +24,16 @@ from fusesearch.backends.codegen.base import (
     _signature,
     c_function,
     compute_dtype,
-    hoist_invariants,
     parallel_rows,
     scratch,
     store,
     streamed_loop,
     streams,
 )
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE, FOLDED
 from fusesearch.backends.codegen.cpu_gemm import _OWN, MAX_HOIST, _matmul_row_loops
 from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.hoist import hoist_invariants
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel, reduced_rows

@@ -8,13 +8,8 @@ exactly what the cost model prices.
 
 from __future__ import annotations
 
-from fusesearch.backends.codegen.base import (
-    _CU_PRELUDE,
-    CodegenRefused,
-    _indent,
-    _signature,
-    store,
-)
+from fusesearch.backends.codegen.base import CodegenRefused, _indent, _signature, store
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.contraction import tile_parts
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.graph import Graph

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import math
 
-from fusesearch.backends.codegen.base import (
-    _CU_PRELUDE,
-    _indent,
-    _signature,
-)
+from fusesearch.backends.codegen.base import _indent, _signature
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
