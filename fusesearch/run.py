@@ -317,9 +317,9 @@ class Program(Layout):
     """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
 
     def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
-                 threads: int, *, reuse: bool = True) -> None:
+                 threads: int, *, reuse: bool = True, profile: bool = False) -> None:
         super().__init__(graph, steps, weights, reuse=reuse)
-        self.threads = threads
+        self.threads, self.profile = threads, profile
         self._allocate(weights)
         # the weights kernels read packed: a buffer each after the external arrays, packed once below
         self.packed = {(s.kernel.name, p.arg.name): aligned_array(p.arg.shape, np.float32)
@@ -349,6 +349,8 @@ class Program(Layout):
                  "void fs_set_threads(int n) { omp_set_num_threads(n); }",
                  "int fs_get_threads(void) { return omp_get_max_threads(); }"]
         kernels = [s.kernel for run in runs for s in run if s.kernel is not None]
+        if self.profile:  # each kernel call's seconds, summed over runs (omp_get_wtime: OpenMP's clock)
+            lines.append(f"double fs_kernel_s[{max(1, len(kernels))}];")
         for k in kernels:
             lines.append(f"void {k.name}({', '.join(c_params(k.inputs, k.outputs, k.packed, named=False))});")
             if k.packed:
@@ -358,6 +360,7 @@ class Program(Layout):
             pk = [f"(float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed]
             lines.append(f"    {k.name}_pack({', '.join([self._pointer(a.tensor, True, a.ctype) for a in k.inputs] + pk)});")
         lines.append("}")
+        called = 0
         for n, run in enumerate(runs):
             lines.append(f"void fs_segment_{n}(char* a, void** x) {{")
             for s in run:
@@ -367,7 +370,10 @@ class Program(Layout):
                 args = ([self._pointer(a.tensor, True, a.ctype) for a in k.inputs]
                         + [self._pointer(a.tensor, False, a.ctype) for a in k.outputs]
                         + [f"(const float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed])
-                lines.append(f"    {k.name}({', '.join(args)});")
+                call = f"{k.name}({', '.join(args)});"
+                lines.append(f"    {{ double t0 = omp_get_wtime(); {call} fs_kernel_s[{called}] += omp_get_wtime() - t0; }}"
+                             if self.profile else f"    {call}")
+                called += 1
             lines.append("}")
         return "\n".join(lines) + "\n"
 
@@ -409,6 +415,20 @@ class Program(Layout):
     def run(self) -> None:
         for call in self.calls:
             call()
+
+    def kernel_seconds(self, reset: bool = False) -> dict[int, float]:
+        """A program built with `profile`: the seconds each plan group's kernel took inside the
+        program, summed over the runs since it was built or last reset (`reset`: start again)."""
+        if not self.profile:
+            raise ValueError("kernel_seconds needs a Program built with profile=True")
+        steps = [s for s in self.steps if s.kernel is not None]
+        if not steps:
+            return {}
+        seconds = (ctypes.c_double * len(steps)).in_dll(self.library, "fs_kernel_s")
+        found = {s.group: seconds[i] for i, s in enumerate(steps)}
+        if reset:
+            ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
+        return found
 
 
 def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, providers=None):

@@ -322,3 +322,42 @@ def test_a_plan_whose_convs_read_packed_filters_equals_ort(run_cli, tmp_path, mo
     assert any(packed)  # a fused conv reads its filters packed
     doc = _run_json(run_cli, path)
     assert doc["max_rel_err"] <= 1e-4 and doc["segments"]["generated"] >= 1
+
+
+def test_a_profiled_program_times_each_kernel_and_computes_the_same(tmp_path):
+    """`Program(profile=True)` (benchmarks/bench_program.py): each generated group's seconds inside
+    the program, summed over runs, positive and no more than the runs' wall time; `reset` starts
+    again from zero; the outputs are the unprofiled program's. A program built without it refuses."""
+    import time
+
+    import onnx
+
+    from fusesearch.api import plan as make_plan
+    from fusesearch.backends.codegen import CPU_LIBRARY_ONLY
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import Program, plan_steps
+    from fusesearch.verify import random_feeds
+
+    path = save(mlp(), tmp_path / "mlp.onnx")
+    prep = prepare(path)
+    plan = make_plan(path, device="host", strategy="greedy", prepared=prep)
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in canonical.graph.initializer}
+    feeds = random_feeds(canonical, 0)
+    steps = plan_steps(prep.graph, plan, CPU_LIBRARY_ONLY)
+    plain, profiled = (Program(prep.graph, canonical, steps, weights, 1, profile=p) for p in (False, True))
+    expected = plain(feeds)
+    start = time.perf_counter()
+    for _ in range(3):
+        got = profiled(feeds)
+    wall = time.perf_counter() - start
+    seconds = profiled.kernel_seconds(reset=True)
+    generated = sorted(s.group for s in steps if s.how == "generated")
+    assert sorted(seconds) == generated and len(generated) >= 2
+    assert all(s > 0 for s in seconds.values()) and sum(seconds.values()) <= wall
+    assert all(s == 0 for s in profiled.kernel_seconds().values())
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+    with pytest.raises(ValueError, match="profile=True"):
+        plain.kernel_seconds()

@@ -352,28 +352,38 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
    where they are every other one, single floats otherwise (the band has 16 floats of slack,
    `apk` 16: a copy writes past its FS_MR pixels, into floats the next copy writes again); then
    every filter panel runs over the chunk, each tile stored transposed (a partial one its part;
-   the last panel repeats its last pixel) */
+   the last panel repeats its last pixel). Every chunk streams all the filters, so a chunk's taps
+   may take what of 7/8 of the L2 one pair of filter panels streaming past them leaves, when that
+   is more than `fs_band_chunk()`: resnet's 3x3 convs at 7x7 (4608 taps, 9 MiB of filters) then
+   take their 49 pixels in one chunk, not two (in a whole resnet18 program, where the filters
+   come from memory, not from the cache as in a kernel timed alone, 2.6 ms each instead of 2.9-3.0,
+   the same alone: `fs_conv_band`'s chunks) */
 enum {{ FS_BAND_CHUNK = 65536 }};
-/* the floats of packed taps per chunk: half this core's L2 (sysconf, read once; at least
-   FS_BAND_CHUNK, which is half a 512 KiB L2), so a chunk and the filter panels streaming past it
+/* this core's L2 in floats (sysconf, read once per thread), and the floats of packed taps per
+   chunk: half of it (at least FS_BAND_CHUNK, which is half a 512 KiB L2), so a chunk and the filter panels streaming past it
    stay there; resnet's 3x3 convs at 14x14 and 7x7 (2304-4608 taps) ran 1.13-1.22x faster with
    half of a 2 MiB L2 than with 256 KiB, which split their pixels into chunks of 12-24 that each
    streamed every filter panel again; per thread, so OpenMP blocks never race on it */
-static long long fs_band_chunk(void) {{
+static long long fs_l2_floats(void) {{
     static _Thread_local long long floats;
     if (!floats) {{
         long long l2 = 0;
 #ifdef _SC_LEVEL2_CACHE_SIZE
         l2 = (long long)sysconf(_SC_LEVEL2_CACHE_SIZE);
 #endif
-        long long share = l2 / 4 / 2;
-        floats = share > FS_BAND_CHUNK ? share : FS_BAND_CHUNK;
+        floats = l2 > 0 ? l2 / 4 : 2 * FS_BAND_CHUNK;
     }}
     return floats;
 }}
+static long long fs_band_chunk(void) {{
+    long long share = fs_l2_floats() / 2;
+    return share > FS_BAND_CHUNK ? share : FS_BAND_CHUNK;
+}}
 static void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs,
                          const float* band, const int* off, const float* Bp, float* C, long long ldc) {{
-    long long mc = fs_band_chunk() / K / FS_AP * FS_AP;
+    long long budget = fs_l2_floats() * 7 / 8 - K * FS_PANELS * FS_NR;
+    budget = budget > fs_band_chunk() ? budget : fs_band_chunk();
+    long long mc = budget / K / FS_AP * FS_AP;
     mc = mc < FS_AP ? FS_AP : mc > 16 * FS_MR ? 16 * FS_MR : mc;
     long long chunks = (M + mc - 1) / mc;  /* chunks of even size: a short last one streams all filters again */
     mc = ((M + chunks - 1) / chunks + FS_AP - 1) / FS_AP * FS_AP;
