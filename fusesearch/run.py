@@ -19,7 +19,8 @@ Maximal runs of generated steps are segments: every kernel's C source is compile
 library that has one entry function per segment, calling its kernels in order with pointers into
 one arena and a table of external pointers (weights, loaded once; the model's inputs; the weights
 kernels read packed, packed once by the driver's `fs_pack` when the program is built) — one
-ctypes call per segment, no Python between consecutive kernels. Library steps between them run
+ctypes call per segment, no Python between consecutive kernels (a program built with `profile`
+also times each kernel call in C: `Program.kernel_seconds`). Library steps between them run
 from Python. Every produced tensor has a lifetime [producing step, last reading step] (model
 outputs live to the end; an alias extends its source's); `plan_arena` places them greedily by
 size at the lowest offset that overlaps no placed tensor alive at the same time.
