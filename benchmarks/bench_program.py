@@ -10,8 +10,9 @@ says what to fix (a kernel that streams its weights more than once, one that rea
 Approach: the cpsat plan for `host` built as one program with each kernel call timed in C
 (`run.Program(profile=True)`: OpenMP's clock around each call, summed over the runs), run in
 rounds with ONNX Runtime's whole model (ENABLE_ALL) in between, as `fusesearch run` times them;
-beside each kernel, `measure`'s time for it alone (its median, interleaved rounds) and the cost
-model's prediction; then the totals: the program's median wall time, the sum of its kernels inside
+beside each kernel, `measure`'s time for the same kernel alone (its median, interleaved rounds;
+`--baseline generated`, so a lone conv or GEMM is our kernel there too, as in the program, not
+ONNX Runtime's) and the cost model's prediction; then the totals: the program's median wall time, the sum of its kernels inside
 it, the sum alone, the prediction and ONNX Runtime's median, all one thread.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_program.py [--models resnet18,bert-small]
@@ -60,7 +61,7 @@ def one_model(name: str, runs: int, top: int) -> None:
         ort.run(names, ort_feeds)
         theirs.append(time.perf_counter() - t0)
     inside = {g: s / runs for g, s in program.kernel_seconds().items()}
-    report = measure_plan(prep, plan, unfused, "cpu", budget_s=0.2)
+    report = measure_plan(prep, plan, unfused, "cpu", budget_s=0.2, baseline="generated")  # lone anchors as the program runs them
     alone = {m.group: m.measured_s for m in report.plan}
     predicted = {m.group: m.predicted_s for m in report.plan}
     ops = {g.id: "+".join(prep.graph.nodes[i].op_type for i in g.nodes) for g in plan.groups}
