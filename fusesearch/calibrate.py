@@ -12,10 +12,13 @@ Approach:
     sample               the ones codegen refuses are skipped and counted
         ▼
     measure              real data (ORT's tensors for seeded valid inputs, `verify.all_values`),
-        │                the generated kernel on the backend (C/OpenMP with the device's thread
-        │                count, or CUDA with an L2 flush per sample); R rounds over all kernels,
-        │                measured = the least of the rounds' medians (load only adds time); on
-        │                the CPU each round's samples net of a null C call's median (as `measure`)
+        │                each kernel as the plan runs it: the generated kernel on the backend
+        │                (C/OpenMP with the device's thread count, or CUDA with an L2 flush per
+        │                sample), a lone anchor through the library (MLAS in ONNX Runtime, cuBLAS),
+        │                so `library_efficiency` is fitted to the library, not to our fallback;
+        │                R rounds over all kernels, measured = the least of the rounds' medians
+        │                (load only adds time); on the CPU each round's samples net of what the
+        │                calling path adds (a null C call, ONNX Runtime's Run), as `measure` does
         ▼
     split by group       seeded per (seed, template): a fixed fraction of every template held out
         ▼
@@ -125,6 +128,11 @@ class Sample:
     counts: Mapping[str, int]  # enumerated / per-stratum availability / refused / duplicates
 
 
+def _kind(kernel) -> str:
+    """The sampling stratum's kind: the template, `template/library` for a library call."""
+    return f"{kernel.template}/library" if runs_through_library(kernel) else kernel.template
+
+
 def _work(kernel) -> float:
     spec = kernel.spec()
     return math.log10(1.0 + spec.flops + spec.dram_bytes)
@@ -161,14 +169,17 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
 def sample_candidates(preps: Mapping[str, object], device: DeviceSpec, params: RooflineParams,
                       samples: int, seed: int, *, bins: int = SIZE_BINS,
                       templates: Iterable[str] = TEMPLATES) -> Sample:
-    """`samples` candidates stratified by (template, size bin), seeded; kernels that codegen
-    refuses and exact duplicates (same KernelSpec) are skipped and counted."""
+    """`samples` candidates stratified by (kind, size bin), seeded: a kind is a template, with a
+    template's library calls (lone anchors, `runs_through_library`) a kind of their own, so the
+    few library calls among many fused groups are sampled as often as the generated kernels and
+    `library_efficiency` is fitted on them; kernels that codegen refuses and exact duplicates
+    (same KernelSpec) are skipped and counted."""
     from fusesearch.backends.codegen import CodegenRefused, generate
 
     pool = enumerate_pool(preps, device, params, templates)
-    by_template: dict[str, list] = defaultdict(list)
+    by_template: dict[str, list] = defaultdict(list)  # by kind
     for item in pool:
-        by_template[item[2].template].append(item)
+        by_template[_kind(item[2])].append(item)
     strata: dict[tuple[str, int], list] = {}
     for template in sorted(by_template):
         items = by_template[template]
@@ -194,7 +205,8 @@ def sample_candidates(preps: Mapping[str, object], device: DeviceSpec, params: R
                     continue
                 graph = preps[name].graph
                 try:
-                    generate(graph, kernel)
+                    if not runs_through_library(kernel):  # a library call runs the library's kernel
+                        generate(graph, kernel)
                 except CodegenRefused:
                     counts["codegen_refused"] += 1
                     continue
@@ -212,15 +224,23 @@ def sample_candidates(preps: Mapping[str, object], device: DeviceSpec, params: R
 @dataclass
 class _ModelData:
     prep: object
+    canonical: object  # the canonical model as ONNX (a library call runs its node from it)
     values: dict
 
 
-def _model_values(prep, seed: int) -> dict:
+def _model_data(prep, seed: int) -> _ModelData:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.verify import all_values, random_feeds
 
     canonical = to_proto(prep.canonical)
-    return all_values(canonical, random_feeds(canonical, seed))
+    return _ModelData(prep, canonical, all_values(canonical, random_feeds(canonical, seed)))
+
+
+def runs_through_library(kernel) -> bool:
+    """A lone anchor (or opaque op) the plan runs as a library call: the cost model prices it with
+    `library_efficiency`, so calibration times the library's own kernel (MLAS through ONNX Runtime
+    on the CPU, the array library on a GPU), never the generated fallback it would fit instead."""
+    return kernel.schedule.impl == "library"
 
 
 def backend_device_name(backend: str) -> str:
@@ -315,16 +335,18 @@ def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, obje
                        budget_s: float | None = None, max_kernel_s: float | None = None,
                        progress: Callable[[Candidate], None] | None = None,
                        registers: bool = True, rounds: int | None = None) -> tuple[list[dict], dict[str, int]]:
-    """Run each candidate's generated kernel on real data on the backend, in `rounds` rounds over
-    all candidates (so a kernel's rounds are far apart in time); one row per measured kernel
-    (KernelSpec fields, model prediction, measured time, ptxas registers). `progress` is called
-    once per candidate and round. Returns (rows, counts of skipped kernels by reason)."""
+    """Run each candidate on real data on the backend as the plan runs it (its generated kernel, or
+    the library call a lone anchor is: `runs_through_library`), in `rounds` rounds over all
+    candidates (so a kernel's rounds are far apart in time); one row per measured kernel
+    (KernelSpec fields, how it ran, model prediction, measured time, ptxas registers of a generated
+    kernel). `progress` is called once per candidate and round. Returns (rows, counts of skipped
+    kernels by reason)."""
     rounds = ROUNDS[backend] if rounds is None else rounds
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     budget_s = BUDGET_S[backend] if budget_s is None else budget_s
     max_kernel_s = MAX_KERNEL_S[backend] if max_kernel_s is None else max_kernel_s
-    runner = _cpu_run if backend == "cpu" else _gpu_runner()
+    runner = _CpuRunner() if backend == "cpu" else _GpuRunner()
     reg_ok = registers and _register_toolchain()
     with _openmp_threads(device.sm_count if backend == "cpu" else 0):
         return _measure_all(candidates, preps, runner, RooflineModel(params), device, seed, budget_s,
@@ -355,20 +377,20 @@ def _measure_all(candidates, preps, runner, model, device, seed, budget_s, max_k
     data: dict[str, _ModelData] = {}
     skipped: dict[str, int] = defaultdict(int)
     kept: list[tuple[Candidate, dict]] = []
-    call_s = _call_cost(runner, budget_s)
+    costs = runner.call_costs(budget_s)
     for cand in candidates:  # round 1: build, probe, check against ORT, time
         if cand.model not in data:
-            data[cand.model] = _ModelData(preps[cand.model], _model_values(preps[cand.model], seed))
+            data[cand.model] = _model_data(preps[cand.model], seed)
         row = _first_round(cand, data[cand.model], runner, budget_s, max_kernel_s, skipped)
         if row is not None:
-            row["timings"] = [t.less(call_s, CALL_FLOOR_S) for t in row["timings"]]
+            row["timings"] = [runner.net(row["how"], t, costs) for t in row["timings"]]
             kept.append((cand, row))
         if progress:
             progress(cand)
     for _ in range(rounds - 1):  # later rounds, minutes apart for the same kernel
-        call_s = _call_cost(runner, budget_s)
+        costs = runner.call_costs(budget_s)
         for cand, row in kept:
-            row["timings"].append(_time_round(cand, data[cand.model], runner, budget_s).less(call_s, CALL_FLOOR_S))
+            row["timings"].append(runner.net(row["how"], _time_round(cand, data[cand.model], runner, budget_s), costs))
             if progress:
                 progress(cand)
     rows = []
@@ -383,34 +405,30 @@ def _first_round(cand: Candidate, md: _ModelData, runner, budget_s: float, max_k
                  skipped: dict) -> dict | None:
     import time
 
-    from fusesearch.backends.codegen import generate
-
-    generated = generate(md.prep.graph, cand.kernel)
-    inputs = {t: md.values[t] for t in cand.kernel.inputs}
     try:
-        run, fetch, clock, before_each = runner(generated, inputs)
-    except Exception as exc:  # a compiler rejection is counted, not fatal
+        call = runner.prepare(cand, md)
+    except Exception as exc:  # a compiler's or the library's rejection is counted, not fatal
         log.warning("skipping %s: %s", cand.key, exc)
-        skipped["compile_failed"] += 1
+        skipped["library_refused" if runs_through_library(cand.kernel) else "compile_failed"] += 1
+        return None
+    if call is None:  # a library call the backend has no kernel for
+        skipped["no_library_kernel"] += 1
         return None
     t0 = time.perf_counter()
-    run()
-    outputs = fetch()
+    call.run()
+    outputs = call.fetch()
     if time.perf_counter() - t0 > max_kernel_s:
         skipped["too_slow"] += 1
         return None
     err = max_rel_err(outputs, md.values)
-    timing = _timed(run, clock, before_each, budget_s)
-    return {"model": cand.model, "group": cand.key, "size_bin": cand.size_bin,
-            "source_hash": generated.source_hash, "max_rel_err": err, "timings": [timing]}
+    timing = _timed(call.run, call.clock, call.before_each, budget_s)
+    return {"model": cand.model, "group": cand.key, "size_bin": cand.size_bin, "how": call.how,
+            "source_hash": call.source_hash, "max_rel_err": err, "timings": [timing]}
 
 
 def _time_round(cand: Candidate, md: _ModelData, runner, budget_s: float):
-    from fusesearch.backends.codegen import generate
-
-    generated = generate(md.prep.graph, cand.kernel)
-    run, _, clock, before_each = runner(generated, {t: md.values[t] for t in cand.kernel.inputs})
-    return _timed(run, clock, before_each, budget_s)
+    call = runner.prepare(cand, md)
+    return _timed(call.run, call.clock, call.before_each, budget_s)
 
 
 def _timed(run, clock, before_each, budget_s: float):
@@ -436,39 +454,113 @@ def _finish_row(row: dict, *, rows_model: RooflineModel, cand: Candidate, device
     return row
 
 
-def _call_cost(runner, budget_s: float) -> float:
-    """On the CPU, the median of a C call that does nothing (`cpu.null_runner`), taken off each
-    kernel's samples in the round as `measure` does: a plan's program never calls its kernels
-    one by one through ctypes. 0 on a GPU (CUDA events time the kernel alone)."""
-    if runner is not _cpu_run:
-        return 0.0
-    from fusesearch.backends import cpu
-    from fusesearch.backends.timing import PerfCounterClock
+@dataclass(frozen=True)
+class _Call:
+    """One candidate ready to time: how it runs ("generated" or "library"), the run, its outputs,
+    the clock and the untimed hook before each sample, and what identifies its code."""
 
-    return _timed(cpu.null_runner(), PerfCounterClock(), None, budget_s).median_s
-
-
-def _cpu_run(generated, inputs):
-    from fusesearch.backends import cpu
-    from fusesearch.backends.timing import PerfCounterClock
-
-    go = cpu.runner(generated, inputs)
-    outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
-    return go, lambda: outputs, PerfCounterClock(), None
+    how: str
+    run: Callable[[], None]
+    fetch: Callable[[], dict]
+    clock: object
+    before_each: Callable[[], None] | None
+    source_hash: str
 
 
-def _gpu_runner():
-    """(generated, inputs) -> (launch, fetch, CUDA-event clock, L2 flush) on the visible GPU."""
-    from fusesearch.backends import cupy as gpu
+def _library_label(graph, kernel) -> str:
+    """What identifies a library call in the rows: the op and its input shapes (no source)."""
+    node = graph.nodes[kernel.nodes[0]]
+    shapes = ";".join("x".join(map(str, graph.tensors[t].shape or ())) for t in node.inputs if t)
+    return f"library:{node.op_type}:{shapes}"
 
-    clock = gpu.CudaEventClock()
-    flush = gpu.l2_flusher(max(1, gpu.l2_bytes()))
 
-    def runner(generated, inputs):
-        launch, fetch = gpu.kernel_runner(generated, inputs)
-        return launch, fetch, clock, flush
+class _CpuRunner:
+    """Candidates on the host: a generated kernel through ctypes (`cpu.runner`), a library call as
+    ONNX Runtime runs the node inside a model (`library.library_runner`: IO binding, its weights
+    initializers). Each round's samples are net of what the calling path adds and a plan's program
+    never pays per kernel, as in `measure`: a C call that does nothing for a generated kernel, ONNX
+    Runtime's fixed cost of one Run (from `library.null_runs`) for a library call."""
 
-    return runner
+    def prepare(self, cand: Candidate, md: _ModelData) -> _Call:
+        from fusesearch.backends.timing import PerfCounterClock
+
+        kernel, graph = cand.kernel, md.prep.graph
+        inputs = {t: md.values[t] for t in kernel.inputs}
+        if runs_through_library(kernel):
+            from fusesearch.backends.library import library_runner
+
+            go, _ = library_runner(md.canonical, graph, kernel, inputs)
+            state: dict = {}
+
+            def run() -> None:
+                state.update(go())
+
+            return _Call("library", run, lambda: state, PerfCounterClock(), None, _library_label(graph, kernel))
+        from fusesearch.backends import cpu
+        from fusesearch.backends.codegen import generate
+
+        generated = generate(graph, kernel)
+        go = cpu.runner(generated, inputs)
+        outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
+        return _Call("generated", go, lambda: outputs, PerfCounterClock(), None, generated.source_hash)
+
+    def call_costs(self, budget_s: float) -> tuple[float, float, float]:
+        """(a null C call, ONNX Runtime's Run, one trivial node inside a Run), seconds: medians
+        timed now, between the rounds they are taken off."""
+        from fusesearch.backends import cpu
+        from fusesearch.backends.library import null_runs, run_costs
+        from fusesearch.backends.timing import PerfCounterClock
+        from fusesearch.verify import omp_threads
+
+        clock = PerfCounterClock()
+        call_s = _timed(cpu.null_runner(), clock, None, budget_s).median_s
+        one, chain = (_timed(r, clock, None, budget_s).median_s for r in null_runs(omp_threads()))
+        return (call_s, *run_costs(one, chain))
+
+    @staticmethod
+    def net(how: str, timing, costs: tuple[float, float, float]):
+        call_s, run_s, node_s = costs
+        return timing.less(call_s, CALL_FLOOR_S) if how == "generated" else timing.less(run_s, node_s)
+
+
+class _GpuRunner:
+    """Candidates on the visible GPU: a generated kernel through CuPy, a library call through the
+    array library (cuBLAS for a GEMM), each timed by CUDA events with an L2 flush before each
+    sample; nothing is taken off (the events time the device's work alone)."""
+
+    def __init__(self) -> None:
+        from fusesearch.backends import cupy as gpu
+
+        self.clock = gpu.CudaEventClock()
+        self.flush = gpu.l2_flusher(max(1, gpu.l2_bytes()))
+
+    def prepare(self, cand: Candidate, md: _ModelData) -> _Call | None:
+        from fusesearch.backends import cupy as gpu
+
+        kernel, graph = cand.kernel, md.prep.graph
+        if runs_through_library(kernel):
+            from fusesearch.backends import arraylib
+
+            node = graph.nodes[kernel.nodes[0]]
+            outputs = [t for t in node.outputs if t]
+            if not arraylib.supports(node.op_type, node.attrs, len(outputs)):
+                return None
+            launch, fetch = gpu.library_runner(node.op_type, node.attrs,
+                                               [md.values[t] if t else None for t in node.inputs], outputs)
+            return _Call("library", launch, fetch, self.clock, self.flush, _library_label(graph, kernel))
+        from fusesearch.backends.codegen import generate
+
+        generated = generate(graph, kernel)
+        launch, fetch = gpu.kernel_runner(generated, {t: md.values[t] for t in kernel.inputs})
+        return _Call("generated", launch, fetch, self.clock, self.flush, generated.source_hash)
+
+    @staticmethod
+    def call_costs(budget_s: float) -> tuple[float, float, float]:
+        return 0.0, 0.0, 0.0
+
+    @staticmethod
+    def net(how: str, timing, costs):
+        return timing
 
 
 def _prediction_row(cand: Candidate, model: RooflineModel, device: DeviceSpec) -> dict:
@@ -499,6 +591,8 @@ def _ptxas_row(cand: Candidate, graph, arch: str) -> dict:
     from fusesearch.backends.codegen import generate
     from fusesearch.backends.nvrtc import compile_cuda
 
+    if runs_through_library(cand.kernel):  # the library's kernel, not ours: no source to compile
+        return {}
     generated = generate(graph, cand.kernel)
     if not generated.cuda_source:  # a CPU schedule (packed): no CUDA form to compile
         return {}

@@ -300,6 +300,41 @@ def test_calibration_improves_held_out_mape_on_the_cpu(cpu_profile):
     assert {"fusesearch", "numpy", "onnxruntime", "cc"} <= set(profile.versions)
 
 
+def test_library_calls_are_timed_through_the_library(cpu_profile):
+    """A lone MatMul is a library call in a plan (priced with `library_efficiency`): calibration
+    samples such calls as a kind of their own and times ONNX Runtime's kernel for them, checked
+    against its own values, never the generated fallback; every generated row is generated code."""
+    folder, _ = cpu_profile
+    frame = pd.read_parquet(folder / "measurements.parquet")
+    library = frame[frame["impl"] == "library"]
+    assert len(library) >= 2, frame[["group", "impl"]]
+    assert set(library["how"]) == {"library"}
+    assert library["source_hash"].str.startswith("library:MatMul:").any()
+    assert (library["max_rel_err"] < 1e-4).all()
+    assert set(frame.loc[frame["impl"] == "generated", "how"]) == {"generated"}
+    profile = load_profile(folder / "profile.json")
+    assert any(key.startswith("pool.gemm/library.") for key in profile.fit["sampling"])
+
+
+def test_the_library_runs_what_the_generated_fallback_would_compute():
+    """`_CpuRunner.prepare` on a lone anchor runs ONNX Runtime's node (no generated source) and
+    hands back the same values as the model; a fused group runs its generated kernel."""
+    prep = prepare("zoo:bert-small")
+    md = cal._model_data(prep, 0)
+    sample = cal.sample_candidates({"bert-small": prep}, host_cpu(), RooflineParams(), 40, seed=0)
+    lone = [c for c in sample.candidates if cal.runs_through_library(c.kernel)]
+    fused = [c for c in sample.candidates if not cal.runs_through_library(c.kernel)]
+    assert lone and fused
+    for cand, how in ((lone[0], "library"), (fused[0], "generated")):
+        call = cal._CpuRunner().prepare(cand, md)
+        assert call.how == how and call.source_hash.startswith("library:") == (how == "library")
+        call.run()
+        got = call.fetch()
+        assert set(got) == set(cand.kernel.outputs)
+        for t, y in got.items():
+            np.testing.assert_allclose(y, md.values[t], rtol=1e-4, atol=1e-4)
+
+
 def test_profile_round_trips_through_json(cpu_profile, tmp_path):
     """Serialization: the calibrated profile saves and loads to the same device, params and fit."""
     folder, _ = cpu_profile
