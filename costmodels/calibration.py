@@ -11,8 +11,10 @@ first, then Levenberg-Marquardt with a forward-difference Jacobian of `RooflineM
 the shared terms on the anchor-free kernels first, then each anchor template's own parameters.
 `cross_validate` refits on k folds of the training kernels (by group, seeded) and says whether
 the fitted first stage (shared terms, anchor-free templates) predicts the left-out folds worse
-(MAPE, over every kernel) than its starting values, then, per template, whether its own fitted
+(MAPE, over every kernel) than its starting values, then, per part, whether its own fitted
 parameters do; the caller keeps the starting values of such a part (`keep_shared`, `keep_start`).
+A part (`part_of`) is a template's generated kernels (their efficiencies and occupancy knee) or
+its library calls (`template/library`: its `library_efficiency`), judged apart: another kernel.
 `fit_registers` fits the register estimate to ptxas's counts. `accuracy` gives MAPE, median APE,
 Spearman and Kendall (tau-b).
 Invariants: pure and deterministic (numpy only; no graphs, no files); a FitResult's parameters
@@ -254,10 +256,23 @@ def fit_staged(specs: Sequence[KernelSpec], measured_s: Sequence[float], device:
                      total(second.params), first.iterations + second.iterations)
 
 
-def keep_start(params: RooflineParams, start: RooflineParams, template: str) -> RooflineParams:
-    """`params` with `template`'s own parameters (its efficiencies and occupancy knee) set back to
-    their values in `start`; the shared terms stay as fitted."""
-    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in _OWN})
+LIBRARY_PART = "/library"  # a part's suffix for a template's library calls
+
+
+def part_of(spec: KernelSpec) -> str:
+    """The part of the parameters a kernel is judged in: `template`, or `template/library` for a
+    library call (a vendor kernel priced by `library_efficiency`, not our generated code)."""
+    return spec.template + (LIBRARY_PART if spec.impl == "library" else "")
+
+
+def keep_start(params: RooflineParams, start: RooflineParams, part: str) -> RooflineParams:
+    """`params` with the part's own parameters set back to their values in `start`: a template's
+    (`part_of`) efficiencies and occupancy knee but its library efficiency, or for
+    `template/library` that library efficiency alone; the shared terms stay as fitted."""
+    template = part.removesuffix(LIBRARY_PART)
+    tables = (("library_efficiency",) if part.endswith(LIBRARY_PART)
+              else tuple(t for t in _OWN if t != "library_efficiency"))
+    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in tables})
 
 
 def keep_shared(params: RooflineParams, start: RooflineParams) -> RooflineParams:
@@ -284,9 +299,9 @@ def cross_validate(specs: Sequence[KernelSpec], measured_s: Sequence[float], gro
                    device: DeviceSpec, start: RooflineParams, seed: int, *, k: int = CV_FOLDS) -> dict[str, dict]:
     """The MAPE on left-out folds, each fold predicted by `fit_staged` run on the other k-1: first
     under SHARED_TERMS, over every kernel, of the fold's fitted parameters ("fitted_mape") and of
-    them with the first stage back at `start` (`keep_shared`: "kept_mape"); then per template, on
-    that template's kernels, of the better of those two ("fitted_mape") and of it with the
-    template's own parameters at `start` ("kept_mape"). Empty when there are fewer than k groups."""
+    them with the first stage back at `start` (`keep_shared`: "kept_mape"); then per part
+    (`part_of`), on that part's kernels, of the better of those two ("fitted_mape") and of it with
+    the part's own parameters at `start` ("kept_mape"). Empty when there are fewer than k groups."""
     measured = np.asarray(measured_s, dtype=np.float64)
     if len(set(groups)) < k:
         return {}
@@ -309,8 +324,8 @@ def cross_validate(specs: Sequence[KernelSpec], measured_s: Sequence[float], gro
     base = (lambda p: keep_shared(p, start)) if keep else (lambda p: p)
     out = {SHARED_TERMS: {"n": len(shared["fitted"]), "fitted_mape": float(np.mean(shared["fitted"])),
                           "kept_mape": float(np.mean(shared["kept"]))}}
-    for t in sorted({s.template for s in specs}):
-        mine = lambda s, t=t: s.template == t  # noqa: E731
+    for t in sorted({part_of(s) for s in specs}):
+        mine = lambda s, t=t: part_of(s) == t  # noqa: E731
         fitted = ape(base, mine)
         kept = ape(lambda p, t=t: keep_start(base(p), start, t), mine)
         out[t] = {"n": len(fitted), "fitted_mape": float(np.mean(fitted)), "kept_mape": float(np.mean(kept))}

@@ -87,6 +87,7 @@ from costmodels.calibration import (
     keep_shared,
     keep_start,
     kendall,
+    part_of,
     predict,
     spearman,
 )
@@ -691,10 +692,10 @@ def keep_where_worse(params: RooflineParams, start: RooflineParams, device: Devi
                      specs: Sequence[KernelSpec], held: np.ndarray, seed: int) -> tuple[RooflineParams, dict]:
     """Starting parameters instead of fitted ones where the fitted ones predict worse (MAPE): first
     the shared terms with the anchor-free templates' own (the fit's first stage, over every kernel;
-    `keep_shared`), then per template its own, on left-out folds of the training kernels
-    (cross-validation), then, for the templates left, on the held-out kernels. Returns the
-    parameters and {template or SHARED_TERMS: {"by", "kept_mape", "fitted_mape", "n"}} for each
-    part kept."""
+    `keep_shared`), then per part (a template's generated kernels, or its library calls: `part_of`)
+    its own, on left-out folds of the training kernels (cross-validation), then, for the parts
+    left, on the held-out kernels. Returns the parameters and {part or SHARED_TERMS: {"by",
+    "kept_mape", "fitted_mape", "n"}} for each part kept."""
     measured = frame["measured_s"].to_numpy()
     train = [s for s, h in zip(specs, held, strict=True) if not h]
     kept: dict[str, dict] = {}
@@ -707,8 +708,9 @@ def keep_where_worse(params: RooflineParams, start: RooflineParams, device: Devi
         if c["fitted_mape"] > c["kept_mape"]:
             params = keep_start(params, start, t)
             kept[t] = {"by": "cross-validation", **c}
-    for t in sorted({s.template for s, h in zip(specs, held, strict=True) if h} - set(kept)):
-        rows = held & (frame["template"] == t).to_numpy()
+    parts = np.array([part_of(s) for s in specs])
+    for t in sorted(set(parts[held]) - set(kept)):
+        rows = held & (parts == t)
         sub = [s for s, r in zip(specs, rows, strict=True) if r]
         fitted = accuracy(predict(sub, device, params), measured[rows])["mape"]
         candidate = keep_start(params, start, t)
@@ -923,6 +925,7 @@ def _num(x: float, digits: int = 3) -> str:
 
 __all__ = ["BACKENDS", "Calibration", "Candidate", "FitResult", "accuracy", "analyse", "calibrate",
            "check_profile_for_backend", "fit", "fit_registers", "fit_staged", "free_parameters",
-           "kendall", "measure_candidates", "plot", "predict", "report_lines",
+           "keep_start", "kendall", "measure_candidates", "part_of", "plot", "predict", "report_lines",
+           "runs_through_library",
            "resolve_calibration_device", "sample_candidates", "spearman", "split_groups",
            "table_name_for_gpu", "write_outputs"]

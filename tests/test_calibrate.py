@@ -440,3 +440,20 @@ def test_gpu_names_map_to_the_device_table():
     assert cal.table_name_for_gpu("NVIDIA GeForce RTX 4090") == "rtx-4090"
     assert cal.table_name_for_gpu("NVIDIA L4") == "l4" and cal.table_name_for_gpu("NVIDIA L40S") == "l40s"
     assert cal.table_name_for_gpu("Some Future GPU") is None
+
+
+def test_a_templates_library_calls_keep_their_defaults_apart():
+    """Parts: a template's library calls (`conv/library`) are judged apart from its generated
+    kernels; keeping one part's defaults restores only its own parameters."""
+    assert cal.part_of(KernelSpec(template="conv", impl="library", tc_flops=1e6)) == "conv/library"
+    assert cal.part_of(KernelSpec(template="conv", tc_flops=1e6)) == "conv"
+    start = RooflineParams()
+    fitted = start.with_updates(library_efficiency={"conv": 0.3}, tc_efficiency={"conv": 0.9},
+                                memory_efficiency={"conv": 0.4})
+    library = cal.keep_start(fitted, start, "conv/library")
+    assert library.get("library_efficiency", "conv") == start.get("library_efficiency", "conv")
+    assert library.get("tc_efficiency", "conv") == 0.9 and library.get("memory_efficiency", "conv") == 0.4
+    generated = cal.keep_start(fitted, start, "conv")
+    assert generated.get("library_efficiency", "conv") == 0.3
+    assert generated.get("tc_efficiency", "conv") == start.get("tc_efficiency", "conv")
+    assert generated.get("memory_efficiency", "conv") == start.get("memory_efficiency", "conv")
