@@ -79,7 +79,14 @@ static inline void fs_transpose8(const float* src, long long sn, float* dst) {{
 }}
 #endif
 static void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
-    for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+    /* columns contiguous (a 1x1 conv's pixels, attention's values): row by row, each row's whole
+       panels in turn, so B is read in order, not down a column of rows a stride apart (a 1x1
+       conv's rows are 12 KiB apart: every read a new page, which no prefetcher follows) */
+    long long whole = sn == 1 ? N / FS_NR * FS_NR : 0;
+    for (long long k = 0; k < K; ++k)
+        for (long long n0 = 0; n0 < whole; n0 += FS_NR)
+            memcpy(Bp + n0 * K + k * FS_NR, B + k * sk + n0, sizeof(float) * FS_NR);
+    for (long long n0 = whole; n0 < N; n0 += FS_NR) {{
         float* dst = Bp + n0 * K;
         long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
         long long k0 = 0;
