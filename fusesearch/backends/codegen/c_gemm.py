@@ -342,7 +342,17 @@ static void fs_micro_tail(int R, long long K, const float* a, long long as, cons
 static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_AP - 1) / FS_AP * FS_AP) * K);
-    for (long long i0 = 0; i0 < M; i0 += FS_AP) {{
+    /* rows of A adjacent (a conv's pixels): FS_PACK_ROWS taps of every whole panel in turn, one
+       FS_AP-float copy each (as fs_pack_b_rows: A read as that many streams in order; 0.91x the
+       time of panel after panel with a copy loop per tap on mobilenetv2's 1x1 576->96 conv at
+       14x14, 0.97x on resnet50's 1024->256) */
+    long long whole = am == 1 ? M / FS_AP * FS_AP : 0;
+    for (long long k0 = 0; k0 < K; k0 += FS_PACK_ROWS) {{
+        long long k1 = k0 + FS_PACK_ROWS < K ? k0 + FS_PACK_ROWS : K;
+        for (long long i0 = 0; i0 < whole; i0 += FS_AP)
+            for (long long k = k0; k < k1; ++k) memcpy(ap + i0 * K + k * FS_AP, A + i0 + k * ak, sizeof(float) * FS_AP);
+    }}
+    for (long long i0 = whole; i0 < M; i0 += FS_AP) {{
         float* dst = ap + i0 * K;
         long long mr = M - i0 < FS_AP ? M - i0 : FS_AP;
         const float* src = A + i0 * am;
