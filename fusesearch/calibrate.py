@@ -178,12 +178,12 @@ def sample_candidates(preps: Mapping[str, object], device: DeviceSpec, params: R
     from fusesearch.backends.codegen import CodegenRefused, generate
 
     pool = enumerate_pool(preps, device, params, templates)
-    by_template: dict[str, list] = defaultdict(list)  # by kind
+    by_kind: dict[str, list] = defaultdict(list)
     for item in pool:
-        by_template[_kind(item[2])].append(item)
+        by_kind[_kind(item[2])].append(item)
     strata: dict[tuple[str, int], list] = {}
-    for template in sorted(by_template):
-        items = by_template[template]
+    for template in sorted(by_kind):
+        items = by_kind[template]
         for item, b in zip(items, _size_bins([_work(k) for _, _, k in items], bins), strict=True):
             strata.setdefault((template, b), []).append(item)
     rng = np.random.default_rng(seed)
@@ -192,7 +192,7 @@ def sample_candidates(preps: Mapping[str, object], device: DeviceSpec, params: R
     seen: set[str] = set()
     chosen: list[Candidate] = []
     # round-robin: templates in turn, and within a template its size bins in turn
-    order = [(t, b) for b in range(bins) for t in sorted(by_template)]
+    order = [(t, b) for b in range(bins) for t in sorted(by_kind)]
     while len(chosen) < samples and any(queues.values()):
         for key in order:
             if len(chosen) >= samples:

@@ -102,13 +102,19 @@ static void fs_pack_b(long long K, long long N, const float* B, long long sk, lo
    1.5x faster (`benchmarks/variants/pack_rows.py`); a panel the kernel wrote itself (in cache)
    packs faster column by column (`fs_pack_b`: 1.01-1.04x) */
 enum {{ FS_PACK_ROWS = 8 }};
-static void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp) {{
-    long long whole = N / FS_NR * FS_NR;
+/* panels of w adjacent floats per row (w a constant where inlined): panel p's row k, at
+   dst + (p * K + k) * w, is src + p * w + k * sk, copied FS_PACK_ROWS rows of every panel in turn */
+static inline __attribute__((always_inline)) void fs_pack_rows(long long K, long long panels, long long w,
+                                                               const float* src, long long sk, float* dst) {{
     for (long long k0 = 0; k0 < K; k0 += FS_PACK_ROWS) {{
         long long k1 = k0 + FS_PACK_ROWS < K ? k0 + FS_PACK_ROWS : K;
-        for (long long n0 = 0; n0 < whole; n0 += FS_NR)
-            for (long long k = k0; k < k1; ++k) memcpy(Bp + n0 * K + k * FS_NR, B + k * sk + n0, sizeof(float) * FS_NR);
+        for (long long p = 0; p < panels; ++p)
+            for (long long k = k0; k < k1; ++k) memcpy(dst + (p * K + k) * w, src + p * w + k * sk, sizeof(float) * w);
     }}
+}}
+static void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp) {{
+    long long whole = N / FS_NR * FS_NR;
+    fs_pack_rows(K, whole / FS_NR, FS_NR, B, sk, Bp);
     if (whole < N) fs_pack_b(K, N - whole, B + whole, sk, 1, Bp + whole * K);
 }}
 /* tile[i * ldt + j] = sum_k a[i * as + k * ak] * b[k * FS_NR + j] over a FS_MR x FS_NR tile, plus
@@ -343,15 +349,11 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
                            const float* Bp, float* C, long long ldc) {{
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_AP - 1) / FS_AP * FS_AP) * K);
     /* rows of A adjacent (a conv's pixels): FS_PACK_ROWS taps of every whole panel in turn, one
-       FS_AP-float copy each (as fs_pack_b_rows: A read as that many streams in order; 0.91x the
-       time of panel after panel with a copy loop per tap on mobilenetv2's 1x1 576->96 conv at
-       14x14, 0.97x on resnet50's 1024->256) */
+       FS_AP-float copy each (`fs_pack_rows`, as fs_pack_b_rows: A read as that many streams in
+       order; 0.91x the time of panel after panel with a copy loop per tap on mobilenetv2's 1x1
+       576->96 conv at 14x14, 0.97x on resnet50's 1024->256) */
     long long whole = am == 1 ? M / FS_AP * FS_AP : 0;
-    for (long long k0 = 0; k0 < K; k0 += FS_PACK_ROWS) {{
-        long long k1 = k0 + FS_PACK_ROWS < K ? k0 + FS_PACK_ROWS : K;
-        for (long long i0 = 0; i0 < whole; i0 += FS_AP)
-            for (long long k = k0; k < k1; ++k) memcpy(ap + i0 * K + k * FS_AP, A + i0 + k * ak, sizeof(float) * FS_AP);
-    }}
+    fs_pack_rows(K, whole / FS_AP, FS_AP, A, ak, ap);
     for (long long i0 = whole; i0 < M; i0 += FS_AP) {{
         float* dst = ap + i0 * K;
         long long mr = M - i0 < FS_AP ? M - i0 : FS_AP;
