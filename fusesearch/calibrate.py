@@ -93,7 +93,7 @@ from costmodels.calibration import (
 )
 from costmodels.profile import default_versions, installed_versions
 from fusesearch.errors import BadInput
-from fusesearch.measure import CALL_FLOOR_S, max_rel_err
+from fusesearch.measure import CALL_FLOOR_S, gpu_library_call, max_rel_err
 
 log = logging.getLogger(__name__)
 
@@ -540,15 +540,10 @@ class _GpuRunner:
 
         kernel, graph = cand.kernel, md.prep.graph
         if runs_through_library(kernel):
-            from fusesearch.backends import arraylib
-
-            node = graph.nodes[kernel.nodes[0]]
-            outputs = [t for t in node.outputs if t]
-            if not arraylib.supports(node.op_type, node.attrs, len(outputs)):
+            call, _ = gpu_library_call(graph.nodes[kernel.nodes[0]], md.values)
+            if call is None:
                 return None
-            launch, fetch = gpu.library_runner(node.op_type, node.attrs,
-                                               [md.values[t] if t else None for t in node.inputs], outputs)
-            return _Call("library", launch, fetch, self.clock, self.flush, _library_label(graph, kernel))
+            return _Call("library", *call, self.clock, self.flush, _library_label(graph, kernel))
         from fusesearch.backends.codegen import generate
 
         generated = generate(graph, kernel)

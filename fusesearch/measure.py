@@ -220,6 +220,20 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     return MeasureReport(backend, runner.device, done[0], done[1], baseline)
 
 
+def gpu_library_call(node, values: dict):
+    """((launch, fetch), "") of one node through `arraylib` with cupy on its values (the array
+    library's kernel: cuBLAS for a GEMM), or (None, why) where the array library has none."""
+    from fusesearch.backends import arraylib
+
+    outputs = [t for t in node.outputs if t]
+    decision = arraylib.supports(node.op_type, node.attrs, len(outputs))
+    if not decision:
+        return None, f"no GPU library kernel for {node.name}({node.op_type}): {decision.reason}"
+    from fusesearch.backends import cupy as gpu
+
+    return gpu.library_runner(node.op_type, node.attrs, [values[t] if t else None for t in node.inputs], outputs), ""
+
+
 ROUNDS = 5  # passes over every kernel; each gets budget_s / ROUNDS per pass
 CALL_FLOOR_S = 1e-8  # a generated CPU kernel's sample net of the ctypes call: at least a C call
 
@@ -385,20 +399,13 @@ class _Runner:
 
     def _gpu_library(self, kernel):
         """((launch, fetch) per node through `arraylib` with cupy, "") or (None, why not measured)."""
-        from fusesearch.backends import arraylib
-
         calls = []
         for part in self._parts(kernel):
-            node = self.prep.graph.nodes[part.nodes[0]]
-            outputs = [t for t in node.outputs if t]
-            decision = arraylib.supports(node.op_type, node.attrs, len(outputs))
-            if not decision:
-                return None, f"no GPU library kernel for {node.name}({node.op_type}): {decision.reason}"
-            calls.append((node, outputs))
-        from fusesearch.backends import cupy as gpu
-
-        return [gpu.library_runner(node.op_type, node.attrs, [self.values[t] if t else None for t in node.inputs],
-                                   outputs) for node, outputs in calls], ""
+            call, why = gpu_library_call(self.prep.graph.nodes[part.nodes[0]], self.values)
+            if call is None:
+                return None, why
+            calls.append(call)
+        return calls, ""
 
     def _key(self, generated, shapes) -> str:
         extra = f"budget={self.budget_s};flush={self.before_each is not None};net of the call"
