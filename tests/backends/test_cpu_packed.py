@@ -617,19 +617,19 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
 
 
 BAND_CONVS = {  # name: (x shape, C_out, kernel, stride): every k x k conv runs `fs_conv_band`
-    "rows of 26: panels across rows": ([1, 8, 26, 26], 20, 3, 1),  # 12-pixel panels whole, split and partial
-    "rows of 7: adjacent halves": ([1, 16, 7, 7], 40, 3, 1),  # a 6-pixel half within a row, the other across
-    "stride 2: every other pixel": ([1, 8, 30, 30], 24, 3, 2),  # halves of even floats, then a row break
-    "chunks of even size": ([1, 256, 14, 14], 48, 3, 1),  # 2304 taps: 196 pixels in several chunks
+    "rows of 26": ([1, 8, 26, 26], 20, 3, 1),  # AVX-512: 9 + 9 + 8 pixels a row; else 6-pixel panels across rows
+    "rows of 7": ([1, 16, 7, 7], 40, 3, 1),  # a row one panel; 40 filters: a pair, then one panel
+    "stride 2: every other pixel": ([1, 8, 30, 30], 24, 3, 2),  # broadcasts 2 apart; else the even floats
+    "many taps": ([1, 256, 14, 14], 48, 3, 1),  # 2304 taps: 12 blocks of 192; else chunks of pixels
 }
 
 
 @pytest.mark.parametrize("name", sorted(BAND_CONVS))
-def test_band_conv_packs_its_taps_by_panels_of_a_tile(tmp_path, name):
-    """A k x k conv's taps packed from its band into panels of a tile's rows (12 pixels with
-    AVX-512: one copy per tap where they are adjacent, else per 6 pixels a copy, the even floats or
-    single floats) in chunks within half the L2: equal to ONNX Runtime across row breaks, narrow
-    rows, stride 2 and a block split into chunks, with a bias and a ReLU."""
+def test_band_conv_reads_its_taps_from_the_band(tmp_path, name):
+    """A k x k conv's taps come from its zero-bordered band: with AVX-512 read in place by the
+    micro-kernel (panels within each output row, the taps in blocks), elsewhere packed into panels
+    of a tile's rows in chunks within half the L2: equal to ONNX Runtime over narrow and wide rows,
+    stride 2, one and two filter panels and many taps, with a bias and a ReLU."""
     xs, cout, k, stride = BAND_CONVS[name]
     ho = (xs[2] + 2 * (k // 2) - k) // stride + 1
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
@@ -783,7 +783,10 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
               "         float* R, float* S, const float* T, const float* bias, float* E) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
               "    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n    fs_gemm_rows(M, N, K, A, K, Bp, R, N, R, N, 0);\n"
-              "    fs_gemm_rows(M, N, K, A, K, Bp, S, N, T, N, bias);\n    fs_gemm_rows_epi(M, N, K, A, K, Bp, E, N, bias);\n}\n")
+              "    fs_gemm_rows(M, N, K, A, K, Bp, S, N, T, N, bias);\n    fs_gemm_rows_epi(M, N, K, A, K, Bp, E, N, bias);\n}\n"
+              "void band(long long M, long long N, long long K, long long ow, long long rs, long long cs, const float* X,\n"
+              "          const int* off, const float* B, float* Bp, float* C) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
+              "    fs_conv_band(M, N, K, ow, rs, cs, X, off, Bp, C, M);\n}\n")
     epilogue = ("#define FS_TILE_EPI 1\nstatic inline float fs_tile_epi1(float v) { return (v + v) + 1.0f; }\n"
                 "#if defined(__AVX512F__)\n#include <immintrin.h>\nstatic inline __m512 fs_tile_epi(__m512 v) {\n"
                 "    return _mm512_add_ps(_mm512_add_ps(v, v), _mm512_set1_ps(1.0f));\n}\n#endif\n")
@@ -818,6 +821,22 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
                                    err_msg=f"{branch} bias and residual {m}x{n}x{k}")
         np.testing.assert_allclose(c.T, expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} packed {m}x{n}x{k}")
         np.testing.assert_allclose(r, prior + expect, rtol=1e-5, atol=1e-5, err_msg=f"{branch} rows {m}x{n}x{k}")
+    # fs_conv_band: rows of ow pixels (pixel (r, c) at r * rs + c * cs of the band, tap k at off[k]):
+    # panels within a row of balanced widths, the taps in blocks (K over FS_TAP_BLOCK), more panels
+    # than a group, stride 2, a last single filter panel and a partial pair
+    for rows, ow, cs, n, k in [(3, 26, 1, 20, 72), (2, 7, 1, 40, 400), (4, 15, 2, 24, 27), (1, 56, 1, 16, 200),
+                               (10, 5, 1, 33, 193)]:
+        rs, m = ow * cs + 3, rows * ow
+        off = rng.choice(4 * k, size=k, replace=False).astype(np.int32)
+        x = rng.standard_normal(rows * rs + 4 * k + 64).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        bp, c = np.zeros(-(-n // c_gemm.FS_NR) * c_gemm.FS_NR * k, np.float32), np.zeros((n, m), np.float32)
+        px = np.array([r * rs + q * cs for r in range(rows) for q in range(ow)])
+        taps = x[px[:, None] + off[None, :]].astype(np.float64)  # pixels x taps
+        fn.band(*(ctypes.c_longlong(v) for v in (m, n, k, ow, rs, cs)),
+                *(v.ctypes.data_as(ctypes.c_void_p) for v in (x, off, b, bp, c)))
+        np.testing.assert_allclose(c.T, taps @ b.astype(np.float64), rtol=1e-5, atol=2e-5,
+                                   err_msg=f"{branch} band {rows}x{ow} stride {cs}, {n} filters, {k} taps")
     if branch == "avx512":
         assert ctypes.c_longlong.in_dll(fn, "fs_stand_in_calls").value > 0, "the AVX-512 branch did not run"
 

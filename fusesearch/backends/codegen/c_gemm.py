@@ -277,6 +277,72 @@ static void fs_micro_rows2(int rows, long long K, const float* a, const float* a
     default: fs_micro_x2(12, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
     }}
 }}
+/* rows (1 to 12, a constant where inlined) pixels of a conv's band, pixel i of tap k at
+   x[off[k] + i * cs] (read in place: no packed copy of the taps), times one B micro-panel b or,
+   where `pair` is set, two (b, b + bs; row k at k * FS_NR) over K taps: the rows x 16 or 32 sums
+   stored at tile (row stride 2 FS_NR), added to what it holds where acc is set (the sums of the
+   taps before); the k loop unrolled 8 times */
+static inline __attribute__((always_inline)) void fs_micro_taps(int rows, int pair, long long K, const float* x,
+        long long cs, const int* off, const float* b, long long bs, float* tile, int acc) {{
+    const float* b2 = b + bs;
+    __m512 u[FS_AP], v[FS_AP];
+#pragma GCC unroll 12
+    for (int i = 0; i < rows; ++i) {{
+        u[i] = acc ? _mm512_loadu_ps(tile + i * 2 * FS_NR) : _mm512_setzero_ps();
+        v[i] = acc && pair ? _mm512_loadu_ps(tile + i * 2 * FS_NR + FS_NR) : _mm512_setzero_ps();
+    }}
+#pragma GCC unroll 8
+    for (long long k = 0; k < K; ++k, b += FS_NR, b2 += FS_NR) {{
+        const float* p = x + off[k];
+        __m512 e = _mm512_loadu_ps(b), o = pair ? _mm512_loadu_ps(b2) : e;
+#pragma GCC unroll 12
+        for (int i = 0; i < rows; ++i) {{
+            __m512 s = _mm512_set1_ps(p[i * cs]);
+            u[i] = _mm512_fmadd_ps(s, e, u[i]);
+            if (pair) v[i] = _mm512_fmadd_ps(s, o, v[i]);
+        }}
+    }}
+#pragma GCC unroll 12
+    for (int i = 0; i < rows; ++i) {{
+        _mm512_storeu_ps(tile + i * 2 * FS_NR, u[i]);
+        if (pair) _mm512_storeu_ps(tile + i * 2 * FS_NR + FS_NR, v[i]);
+    }}
+}}
+/* `fs_micro_taps` with its row count and panels chosen at run time */
+static void fs_micro_taps_rows(int rows, int pair, long long K, const float* x, long long cs, const int* off,
+                               const float* b, long long bs, float* tile, int acc) {{
+    if (pair) {{
+        switch (rows) {{
+        case 1: fs_micro_taps(1, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 2: fs_micro_taps(2, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 3: fs_micro_taps(3, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 4: fs_micro_taps(4, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 5: fs_micro_taps(5, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 6: fs_micro_taps(6, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 7: fs_micro_taps(7, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 8: fs_micro_taps(8, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 9: fs_micro_taps(9, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 10: fs_micro_taps(10, 1, K, x, cs, off, b, bs, tile, acc); break;
+        case 11: fs_micro_taps(11, 1, K, x, cs, off, b, bs, tile, acc); break;
+        default: fs_micro_taps(12, 1, K, x, cs, off, b, bs, tile, acc); break;
+        }}
+    }} else {{
+        switch (rows) {{
+        case 1: fs_micro_taps(1, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 2: fs_micro_taps(2, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 3: fs_micro_taps(3, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 4: fs_micro_taps(4, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 5: fs_micro_taps(5, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 6: fs_micro_taps(6, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 7: fs_micro_taps(7, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 8: fs_micro_taps(8, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 9: fs_micro_taps(9, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 10: fs_micro_taps(10, 0, K, x, cs, off, b, bs, tile, acc); break;
+        case 11: fs_micro_taps(11, 0, K, x, cs, off, b, bs, tile, acc); break;
+        default: fs_micro_taps(12, 0, K, x, cs, off, b, bs, tile, acc); break;
+        }}
+    }}
+}}
 #else
 enum {{ FS_PANELS = 1, FS_AP = FS_MR }};
 #endif
@@ -371,22 +437,30 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
     fs_packed_panels(M, N, K, ap, Bp, C, ldc);
 }}
 /* a conv over a zero-bordered band of its input (channels x rows x columns, prologue applied):
-   C[n * ldc + p] = sum_k band[px(p) + off[k]] * B[k][n] for the M output pixels p of a block (rows
-   of ow pixels; pixel p at px(p) = (p / ow) * rs + (p % ow) * cs in the band, tap k at off[k])
-   and the N filters packed once (fs_pack_b). Per chunk of pixels (its taps within
-   `fs_band_chunk()` floats, in L2) the taps are packed into FS_AP-pixel panels: with AVX-512
-   one 16-float copy per tap where the panel's 12 pixels are adjacent; else per FS_MR pixels one
-   8-float copy where they are adjacent (outputs narrower than 12 pixels), the even floats of 16
+   C[n * ldc + p] = sum_k band[px(p) + off[k]] * B[k][n] for the M output pixels p of a block (M /
+   ow whole rows of ow pixels; pixel p at px(p) = (p / ow) * rs + (p % ow) * cs in the band, tap k
+   at off[k]) and the N filters packed once (fs_pack_b).
+   With AVX-512 the taps are read in place: each output row in panels of at most 12 pixels, of
+   balanced widths (56 as 11 + 11 + 11 + 11 + 12, 14 as 7 + 7), every panel's tile a broadcast per
+   pixel from band + off[k] (`fs_micro_taps`) times one or two filter panels; the taps in blocks
+   of FS_TAP_BLOCK (192 taps of a filter-panel pair, 24 KiB, stay in L1 while FS_TAP_GROUP panels
+   run over them; those panels' tiles carry the sums from block to block in L1), each tile stored
+   transposed after the last block. Against copying the taps first into packed 12-pixel panels
+   (below, kept where there is no AVX-512), interleaved on one Sapphire Rapids core
+   (`benchmarks/variants/band_taps.py` and resnet18's, U-Net's, yolo-neck's and mobilenetv2's k x k
+   convs): 1.07-1.23x faster at 28x28 and wider, 1.02-1.09x at 14x14 and 7x7, 1.05-1.15x at the
+   3-channel stems, 1.5x over 16 filters (one panel, no padded second one).
+   Without AVX-512: per chunk of pixels (its taps within
+   `fs_band_chunk()` floats, in L2) the taps are packed into FS_AP-pixel panels: per FS_MR pixels one
+   8-float copy where they are adjacent, the even floats of 16
    where they are every other one, single floats otherwise (the band has 16 floats of slack,
    `apk` 16: a copy writes past its FS_MR pixels, into floats the next copy writes again); then
    every filter panel runs over the chunk, each tile stored transposed (a partial one its part;
    the last panel repeats its last pixel). Every chunk streams all the filters, so a chunk's taps
    may take what of 7/8 of the L2 one pair of filter panels streaming past them leaves, when that
    is more than `fs_band_chunk()`: resnet's 3x3 convs at 7x7 (4608 taps, 9 MiB of filters) then
-   take their 49 pixels in one chunk, not two (in a whole resnet18 program, where the filters
-   come from memory, not from the cache as in a kernel timed alone, 2.6 ms each instead of 2.9-3.0,
-   the same alone: `fs_conv_band`'s chunks) */
-enum {{ FS_BAND_CHUNK = 65536 }};
+   take their 49 pixels in one chunk, not two */
+enum {{ FS_BAND_CHUNK = 65536, FS_TAP_BLOCK = 192, FS_TAP_GROUP = 8 }};
 /* this core's L2 in floats (sysconf, read once per thread), and the floats of packed taps per
    chunk: half of it (at least FS_BAND_CHUNK, which is half a 512 KiB L2), so a chunk and the filter panels streaming past it
    stay there; resnet's 3x3 convs at 14x14 and 7x7 (2304-4608 taps) ran 1.13-1.22x faster with
@@ -409,6 +483,33 @@ static long long fs_band_chunk(void) {{
 }}
 static void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs,
                          const float* band, const int* off, const float* Bp, float* C, long long ldc) {{
+#if defined(__AVX512F__)
+    long long per = (ow + FS_AP - 1) / FS_AP, panels = M / ow * per, base = ow / per, longer = per - ow % per;
+    /* the taps in blocks of FS_TAP_BLOCK (their B rows in L1), every block over FS_TAP_GROUP panels at
+       a time (their tiles, carrying the sums between blocks, in L1 too) */
+    float tiles[FS_TAP_GROUP * FS_AP * 2 * FS_NR];
+    for (long long n0 = 0; n0 < N; n0 += 2 * FS_NR) {{
+        long long nr = N - n0 < 2 * FS_NR ? N - n0 : 2 * FS_NR;
+        for (long long t0 = 0; t0 < panels; t0 += FS_TAP_GROUP) {{
+            long long tn = panels - t0 < FS_TAP_GROUP ? panels - t0 : FS_TAP_GROUP;
+            for (long long k0 = 0; k0 < K; k0 += FS_TAP_BLOCK) {{
+                long long kc = K - k0 < FS_TAP_BLOCK ? K - k0 : FS_TAP_BLOCK;
+                for (long long t = 0; t < tn; ++t) {{
+                    long long r = (t0 + t) / per, q = (t0 + t) % per;
+                    long long c0 = q * base + (q > longer ? q - longer : 0), mr = base + (q >= longer);
+                    float* tile = tiles + t * FS_AP * 2 * FS_NR;
+                    fs_micro_taps_rows((int)mr, nr > FS_NR, kc, band + r * rs + c0 * cs, cs, off + k0,
+                                       Bp + n0 * K + k0 * FS_NR, FS_NR * K, tile, k0 > 0);
+                    if (k0 + kc == K) {{
+                        float* c = C + n0 * ldc + r * ow + c0;
+                        for (long long j = 0; j < nr; ++j)
+                            for (long long i = 0; i < mr; ++i) c[j * ldc + i] = tile[i * 2 * FS_NR + j];
+                    }}
+                }}
+            }}
+        }}
+    }}
+#else
     long long budget = fs_l2_floats() * 7 / 8 - K * FS_PANELS * FS_NR;
     budget = budget > fs_band_chunk() ? budget : fs_band_chunk();
     long long mc = budget / K / FS_AP * FS_AP;
@@ -463,6 +564,7 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
         }}
         fs_packed_panels(mn, N, K, ap, Bp, C + m0, ldc);
     }}
+#endif
 }}
 /* fs_gemm_rows' tile of mr <= FS_MR rows (a, row stride lda) by one B micro-panel b, nr <= FS_NR of
    its columns stored at c (plus r0 and c0 where given, then through the tile epilogue where epi is

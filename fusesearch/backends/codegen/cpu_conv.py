@@ -7,11 +7,13 @@ the per-pixel row loops without a BLAS (`#else`). The measured choices (figures 
 is named; `cpu_gemm`'s note says how our micro-kernel and the BLAS compare on products):
 Every k x k conv with constant float32 filters (not depthwise-like: `schedule.conv_reads_band`)
 uses ours over a band: per block of output rows its input, prologue applied once per element,
-into a zero-bordered band, its taps packed per chunk of pixels (within half the core's L2)
-straight from there into panels of a tile's rows (12 pixels with AVX-512, else 6) and multiplied
-by the filters packed once (`fs_conv_band`, `_band_fill`; against its 6-pixel panels in chunks of
+into a zero-bordered band, multiplied by the filters packed once (`fs_conv_band`, `_band_fill`):
+with AVX-512 the micro-kernel reads each tap's pixels from the band in place, panels within
+each output row (1.02-1.23x faster than packing the taps first, one Sapphire Rapids core; its
+note has the figures), else its taps are packed per chunk of pixels (within half the core's L2)
+into panels of a tile's rows (6 pixels; the 12-pixel panels, against 6-pixel ones in chunks of
 256 KiB, on a core with a 2 MiB L2: 1.02x at resnet's 3x3 convs at 56 and 28, 1.13x at 14, 1.21x
-at 7, 1.22x at the strided 256->512, outputs bit for bit equal): against the
+at 7, 1.22x at the strided 256->512, outputs bit for bit equal). The packed band: against the
 im2col panel through the BLAS (written, then packed again by every sgemm), interleaved,
 1.07-1.15x at resnet's and U-Net's 3x3 stride-1 convs, 1.03-1.10x strided (the even floats of
 16 per tap), 0.91x at a 3-channel stem (27 taps: the transposed tile stores dominate). A 1x1
