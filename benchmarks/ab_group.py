@@ -7,7 +7,8 @@ worth keeping if it beats the kernel it would replace on the same machine minute
 Approach: a variant file (`benchmarks/variants/*.py`) names a zoo model, a group of it by its
 nodes' names (NODES: the group a one-thread cpsat plan for the host takes, lowered as the host
 plan lowers it, `packed`; named rather than planned, because the host's plan moves with its
-measured figures and thread count), and variants, each a list of (regular expression,
+measured figures and thread count; or GROUPS, a list of (model, nodes) pairs, each run in turn
+against the same variants), and variants, each a list of (regular expression,
 replacement) edits of the group's generated C source; every edit must match (a generator change
 that moved the text fails loudly, never a silent no-op). The
 base and each variant are compiled, run once, checked against ONNX Runtime's values of the
@@ -48,10 +49,17 @@ class VariantError(Exception):
 def load_variants(path: Path) -> dict:
     spec: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), spec)
-    for key in ("MODEL", "NODES", "VARIANTS"):
+    keys = ("VARIANTS",) if "GROUPS" in spec else ("MODEL", "NODES", "VARIANTS")
+    for key in keys:
         if key not in spec:
-            raise VariantError(f"{path}: no {key} (a variant file sets MODEL, NODES, VARIANTS and optionally BOUNDS)")
+            raise VariantError(f"{path}: no {key} (a variant file sets MODEL and NODES, or GROUPS, VARIANTS and "
+                               "optionally BOUNDS)")
     return spec
+
+
+def groups(spec: dict) -> list:
+    """The (model, nodes) pairs a variant file names: its GROUPS, or its one MODEL and NODES."""
+    return list(spec["GROUPS"]) if "GROUPS" in spec else [(spec["MODEL"], spec["NODES"])]
 
 
 def group_kernel(spec: dict):
@@ -77,23 +85,13 @@ def edited(source: str, edits, label: str) -> str:
     return source
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", type=Path, help="a variant file (benchmarks/variants/*.py)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each printed)")
-    parser.add_argument("--budget", type=float, default=0.3, help="seconds per round over all runs")
-    parser.add_argument("--check", action="store_true", help="only check that every edit still applies")
-    args = parser.parse_args()
-    try:
-        spec = load_variants(args.variants)
-        prep, kernel, base = group_kernel(spec)
-        sources = {label: edited(base.c_source, edits, label) for label, edits in spec["VARIANTS"].items()}
-    except VariantError as exc:  # one line, exit code 2: the file does not fit this generator
-        print(f"{args.variants}: {exc}", file=sys.stderr)
-        sys.exit(2)
+def run_group(spec: dict, model: str, nodes, args) -> None:
+    """One group against the variants: checked against ONNX Runtime, then timed interleaved."""
+    prep, kernel, base = group_kernel({**spec, "MODEL": model, "NODES": nodes})
+    sources = {label: edited(base.c_source, edits, label) for label, edits in spec["VARIANTS"].items()}
     ops = "+".join(prep.graph.nodes[i].op_type for i in kernel.nodes)
     if args.check:
-        print(f"{spec['MODEL']} {ops}: the {len(sources)} variants apply")
+        print(f"{model} {ops}: the {len(sources)} variants apply")
         return
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
@@ -103,7 +101,7 @@ def main() -> None:
         labels.append(label)
         runs.append(cpu.runner(base.with_c_source(source), inputs))
     bounds = set(spec.get("BOUNDS", ()))
-    print(f"{spec['MODEL']} {ops}: {len(labels) - 1} variants, {args.rounds} rounds")
+    print(f"{model} {ops}: {len(labels) - 1} variants, {args.rounds} rounds")
     for label, run in zip(labels, runs, strict=True):
         run()
         outs = run.buffers[len(base.inputs):]
@@ -121,6 +119,22 @@ def main() -> None:
         ratios = [t[i] / t[0] for t in rounds]
         print(f"  {label}: {statistics.median(ratios):.3f}x the base's time (median over rounds; "
               f"rounds {min(ratios):.3f}-{max(ratios):.3f}); base median {statistics.median(t[0] for t in rounds):.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", type=Path, help="a variant file (benchmarks/variants/*.py)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each printed)")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per round over all runs")
+    parser.add_argument("--check", action="store_true", help="only check that every edit still applies")
+    args = parser.parse_args()
+    try:
+        spec = load_variants(args.variants)
+        for model, nodes in groups(spec):
+            run_group(spec, model, nodes, args)
+    except VariantError as exc:  # one line, exit code 2: the file does not fit this generator
+        print(f"{args.variants}: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
