@@ -1,7 +1,9 @@
 """Every k x k conv shape of resnet18, U-Net, yolo-neck and mobilenetv2's stem (`fs_conv_band`),
 each group as the host plans it: the taps read in place from the band by the micro-kernel (with
-AVX-512) against the change it replaced, the taps copied first into packed 12-pixel panels (16
-floats per tap where a panel's pixels are adjacent)."""
+AVX-512) against the taps copied first into packed panels, as the path without AVX-512 does (8
+floats per 6 adjacent pixels). The change itself was measured against 16-float copies of 12
+adjacent pixels, a branch since deleted (figures in the README, from this file at the commit
+that added it)."""
 GROUPS = [
     ("resnet18", ("conv_1", "relu_1")),  # 64->64 at 56x56
     ("resnet18", ("conv_5", "relu_5")),  # 64->128, stride 2, to 28x28

@@ -2,9 +2,9 @@
 computed once into a zero-bordered band; with AVX-512 the micro-kernel reads each tap's pixels
 from the band in place (a broadcast per pixel of a panel within an output row) over the filters
 packed once, the taps in blocks whose filter rows stay in L1, each tile stored transposed into
-the block's channels x pixels, then the epilogue's pass. The change it replaced, kept as a
-variant: the taps copied first, 12 pixels per 16-float copy, into packed panels for the same
-micro-kernel (the path without AVX-512). What the parts cost, taken out (bounds): the tiles'
+the block's channels x pixels, then the epilogue's pass. As a variant, the path without
+AVX-512: the taps copied first into packed panels (8 floats per 6 adjacent pixels) for the same
+micro-kernel. What the parts cost, taken out (bounds): the tiles'
 transposed stores (one vector of their sums stored instead) and the epilogue's stores."""
 import re
 

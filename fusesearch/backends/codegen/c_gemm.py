@@ -446,10 +446,10 @@ static void fs_gemm_packed(long long M, long long N, long long K, const float* A
    of FS_TAP_BLOCK (192 taps of a filter-panel pair, 24 KiB, stay in L1 while FS_TAP_GROUP panels
    run over them; those panels' tiles carry the sums from block to block in L1), each tile stored
    transposed after the last block. Against copying the taps first into packed 12-pixel panels
-   (below, kept where there is no AVX-512), interleaved on one Sapphire Rapids core
-   (`benchmarks/variants/band_taps.py` and resnet18's, U-Net's, yolo-neck's and mobilenetv2's k x k
-   convs): 1.07-1.23x faster at 28x28 and wider, 1.02-1.09x at 14x14 and 7x7, 1.05-1.15x at the
-   3-channel stems, 1.5x over 16 filters (one panel, no padded second one).
+   (16 floats a tap), interleaved on one Sapphire Rapids core (`benchmarks/variants/band_convs.py`
+   at the commit that made this change; 13 k x k convs of resnet18, U-Net, yolo-neck, mobilenetv2):
+   1.06-1.25x faster at 28x28 and wider, 1.00-1.12x at 14x14 and below, 1.07-1.15x at the
+   3-channel stems, 1.44x over 16 filters (one panel, no padded second one).
    Without AVX-512: per chunk of pixels (its taps within
    `fs_band_chunk()` floats, in L2) the taps are packed into FS_AP-pixel panels: per FS_MR pixels one
    8-float copy where they are adjacent, the even floats of 16
@@ -521,12 +521,11 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
         long long mn = M - m0 < mc ? M - m0 : mc;
         for (long long t0 = 0; t0 < mn; t0 += FS_AP) {{
             float* dst = ap + t0 * K;
-            long long px[FS_AP], mr = mn - t0 < FS_AP ? mn - t0 : FS_AP, adjacent = 1;
+            long long px[FS_AP], mr = mn - t0 < FS_AP ? mn - t0 : FS_AP;
             int mode[FS_AP / FS_MR];  /* per FS_MR pixels: 1 adjacent, 2 every other one, 0 neither */
             for (long long i = 0; i < FS_AP; ++i) {{
                 long long p = m0 + t0 + (i < mr ? i : mr - 1);
                 px[i] = p / ow * rs + p % ow * cs;
-                adjacent &= px[i] == px[0] + i;
             }}
             for (long long h = 0; h < FS_AP; h += FS_MR) {{
                 int adj = 1, every2 = 1;
@@ -536,13 +535,6 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
                 }}
                 mode[h / FS_MR] = adj ? 1 : every2 ? 2 : 0;
             }}
-#if defined(__AVX512F__)
-            if (adjacent) {{
-                const float* src = band + px[0];
-                for (long long k = 0; k < K; ++k) _mm512_storeu_ps(dst + k * FS_AP, _mm512_loadu_ps(src + off[k]));
-                continue;
-            }}
-#endif
             for (long long k = 0; k < K; ++k)  /* k outer: a copy's floats past its FS_MR are written again next */
                 for (long long h = 0; h < FS_AP; h += FS_MR) {{
                     const float* s = band + px[h] + off[k];
