@@ -252,7 +252,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
               f"GFLOP/s   rows {blas / rows:5.2f}x the BLAS   max rel err {err:.1e}")
     geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
     print(f"   geometric mean: fs_gemm_rows at {geo:.2f}x the BLAS's throughput")
-    print("   generated Conv+Relu as generated (k x k: taps packed from the band, `fs_conv_band`; 1x1: pixels packed for the "
+    print("   generated Conv+Relu as generated (k x k: taps read from the band, `fs_conv_band`; 1x1: pixels packed for the "
           "filters in place, `fs_conv_1x1` (rows), filters packed once, `fs_gemm_packed`, or the BLAS) vs im2col through the "
           "BLAS, interleaved:")
     pairs = []

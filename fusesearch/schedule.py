@@ -122,8 +122,9 @@ def depthwise_like(in_per_group: int, out_per_group: int) -> bool:
 def conv_reads_band(graph: Graph, anchor: Node) -> bool:
     """Whether a fused 2-D conv with a k x k window (not 1 x 1) and float32 constant filters, not
     depthwise-like, is written (`packed`, C) over a zero-bordered band of its input: each input
-    element, prologue included, computed once per block of output rows, its taps packed from
-    there (`fs_conv_band`); other convs read im2col panels, a prologue element once per tap."""
+    element, prologue included, computed once per block of output rows, its taps read from there
+    (`fs_conv_band`: in place with AVX-512, else packed); other convs read im2col panels, a
+    prologue element once per tap."""
     if anchor.op_type != "Conv":
         return False
     x, w = graph.tensors[anchor.inputs[0]], graph.tensors[anchor.inputs[1]]
