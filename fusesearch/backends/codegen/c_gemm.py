@@ -35,8 +35,9 @@ from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS, _erf_avx512
 # AVX-512, the same 6 x 16 tile (a row per zmm, two accumulator sets over even and odd k) where one
 # B panel remains, and otherwise two B panels at once (`fs_micro_x2`: 6 or 12 rows x 32 columns,
 # a zmm accumulator per row and panel, two loads and a broadcast per row for two FMAs; the 6 x 16
-# tile needs a broadcast per FMA and is bound by the load ports): `fs_gemm_packed` and
-# `fs_conv_band` run 12 x 32 over two A panels, `fs_gemm_rows` 12 x 32 down to the last M % 12
+# tile needs a broadcast per FMA and is bound by the load ports): `fs_gemm_packed` runs 12 x 32
+# over two A panels, `fs_conv_band` up to 12 x 32 with the pixels broadcast from its band in place
+# (`fs_micro_taps`, the same loop with a tap offset per k), `fs_gemm_rows` 12 x 32 down to the last M % 12
 # rows in a tile of their own height (`fs_micro_rows2`), its k loop unrolled 8 times (4 left the
 # loop at 60-70% of the FMA peak, 8 at about 93%, 12 x 32 in L1). On one Ice Lake Xeon core
 # (AVX-512, 185 GFLOP/s FMA peak) this took `fs_gemm_rows` from 0.59x the BLAS (the 6 x 16 tile)
