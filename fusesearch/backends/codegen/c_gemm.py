@@ -309,39 +309,27 @@ static inline __attribute__((always_inline)) void fs_micro_taps(int rows, int pa
         if (pair) _mm512_storeu_ps(tile + i * 2 * FS_NR + FS_NR, v[i]);
     }}
 }}
-/* `fs_micro_taps` with its row count and panels chosen at run time */
+/* `fs_micro_taps` with its row count and panels chosen at run time (FS_TAPS_CASES: the 12 row
+   counts with `pair` the constant P) */
+#define FS_TAPS_CASES(P) \
+    case 1: fs_micro_taps(1, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 2: fs_micro_taps(2, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 3: fs_micro_taps(3, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 4: fs_micro_taps(4, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 5: fs_micro_taps(5, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 6: fs_micro_taps(6, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 7: fs_micro_taps(7, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 8: fs_micro_taps(8, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 9: fs_micro_taps(9, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 10: fs_micro_taps(10, P, K, x, cs, off, b, bs, tile, acc); break; \
+    case 11: fs_micro_taps(11, P, K, x, cs, off, b, bs, tile, acc); break; \
+    default: fs_micro_taps(12, P, K, x, cs, off, b, bs, tile, acc); break;
 static void fs_micro_taps_rows(int rows, int pair, long long K, const float* x, long long cs, const int* off,
                                const float* b, long long bs, float* tile, int acc) {{
     if (pair) {{
-        switch (rows) {{
-        case 1: fs_micro_taps(1, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 2: fs_micro_taps(2, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 3: fs_micro_taps(3, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 4: fs_micro_taps(4, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 5: fs_micro_taps(5, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 6: fs_micro_taps(6, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 7: fs_micro_taps(7, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 8: fs_micro_taps(8, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 9: fs_micro_taps(9, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 10: fs_micro_taps(10, 1, K, x, cs, off, b, bs, tile, acc); break;
-        case 11: fs_micro_taps(11, 1, K, x, cs, off, b, bs, tile, acc); break;
-        default: fs_micro_taps(12, 1, K, x, cs, off, b, bs, tile, acc); break;
-        }}
+        switch (rows) {{ FS_TAPS_CASES(1) }}
     }} else {{
-        switch (rows) {{
-        case 1: fs_micro_taps(1, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 2: fs_micro_taps(2, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 3: fs_micro_taps(3, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 4: fs_micro_taps(4, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 5: fs_micro_taps(5, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 6: fs_micro_taps(6, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 7: fs_micro_taps(7, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 8: fs_micro_taps(8, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 9: fs_micro_taps(9, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 10: fs_micro_taps(10, 0, K, x, cs, off, b, bs, tile, acc); break;
-        case 11: fs_micro_taps(11, 0, K, x, cs, off, b, bs, tile, acc); break;
-        default: fs_micro_taps(12, 0, K, x, cs, off, b, bs, tile, acc); break;
-        }}
+        switch (rows) {{ FS_TAPS_CASES(0) }}
     }}
 }}
 #else
