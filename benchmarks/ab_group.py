@@ -62,14 +62,14 @@ def groups(spec: dict) -> list:
     return list(spec["GROUPS"]) if "GROUPS" in spec else [(spec["MODEL"], spec["NODES"])]
 
 
-def group_kernel(spec: dict):
-    """(prepared model, the group's Kernel as the host lowers it, its generated kernel)."""
-    prep = prepare(f"zoo:{spec['MODEL']}")
+def group_kernel(model: str, nodes):
+    """(prepared model, the group of these nodes' Kernel as the host lowers it, its generated kernel)."""
+    prep = prepare(f"zoo:{model}")
     ids = {node.name: node.id for node in prep.graph.nodes}
-    missing = [name for name in spec["NODES"] if name not in ids]
+    missing = [name for name in nodes if name not in ids]
     if missing:
-        raise VariantError(f"{spec['MODEL']} has no node {missing[0]} (NODES names the group's nodes)")
-    kernel = try_lower(prep.graph, FusionGroup(frozenset(ids[name] for name in spec["NODES"])), host=True)
+        raise VariantError(f"{model} has no node {missing[0]} (NODES or GROUPS names the group's nodes)")
+    kernel = try_lower(prep.graph, FusionGroup(frozenset(ids[name] for name in nodes)), host=True)
     if not isinstance(kernel, Kernel):
         raise VariantError(f"the group of NODES is not one kernel: {kernel.reason}")
     return prep, kernel, generate(prep.graph, kernel, name="ab_group")
@@ -87,7 +87,7 @@ def edited(source: str, edits, label: str) -> str:
 
 def run_group(spec: dict, model: str, nodes, args) -> None:
     """One group against the variants: checked against ONNX Runtime, then timed interleaved."""
-    prep, kernel, base = group_kernel({**spec, "MODEL": model, "NODES": nodes})
+    prep, kernel, base = group_kernel(model, nodes)
     sources = {label: edited(base.c_source, edits, label) for label, edits in spec["VARIANTS"].items()}
     ops = "+".join(prep.graph.nodes[i].op_type for i in kernel.nodes)
     if args.check:
