@@ -6,7 +6,9 @@ search, the reports and the code generator.
 Approach: checks first (each refusal is a `FusionDecision` with its reason), then the template:
 
     any OPAQUE op ............ alone → `opaque` (a library call, costed, never fused)
-    one ANCHOR ............... Conv/ConvTranspose → `conv` (implicit GEMM), MatMul/Gemm → `gemm`;
+    one ANCHOR ............... Conv/ConvTranspose → `conv` (implicit GEMM), a depthwise Conv (in
+                               groups of one input channel: `schedule.depthwise_conv`) →
+                               `depthwise`, MatMul/Gemm → `gemm`;
                                elementwise/broadcast/injective prologue and epilogue, and a
                                row Softmax epilogue over the output's last axis
     REDUCE, no anchor ........ `rowwise`: reductions over inner axes sharing one row count
@@ -23,7 +25,8 @@ the search keeps whichever the device runs faster: `costing.priced_kernel`), els
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
 a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a fused gemm/conv is
-`packed`, the C backend's form: prologues computed once per packed panel (a conv's once per tap
+`packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
+each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
 scale, folded into the product, not at all: `schedule.folded_scale`),
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv (a library call) whose
@@ -57,6 +60,7 @@ from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 from fusesearch.ir.pool import POOL_OPS, pool_window
 from fusesearch.schedule import (
     ALIAS,
+    DEPTHWISE,
     LIBRARY,
     MAX_GRID_YZ,
     MMA_THREADS,
@@ -68,6 +72,7 @@ from fusesearch.schedule import (
     anchor_derived,
     block_per_row,
     conv_reads_band,
+    depthwise_conv,
     folded_scale,
     grid_stride,
     has_gemm_view,
@@ -461,11 +466,12 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: b
             row_tile = max(row_tile, decision)
     m, n_dim, k = _gemm_dims(graph, anchor)
     out_size = graph.tensors[anchor.outputs[0]].size
-    template = GEMM_TEMPLATE[anchor.op_type]
+    template = "depthwise" if depthwise_conv(graph, anchor) else GEMM_TEMPLATE[anchor.op_type]
     ids = [n.id for n in nodes]
-    if host and len(nodes) > 1:  # the CPU's C: packed panels, each prologue element once (per tap)
-        return _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes), PACKED,
-                      reload_tile=(m, n_dim, k), host=True)
+    if host and len(nodes) > 1:  # the CPU's C: packed panels, each prologue element once (per tap),
+        # or a depthwise conv's loop over its planes (each prologue element once)
+        return _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
+                      DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
@@ -573,7 +579,8 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     outputs = _external_outputs(graph, nodes)
     alias = schedule.impl == "alias"
     reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile,
-                                band=host and anchor is not None and conv_reads_band(graph, graph.nodes[anchor]))
+                                band=host and anchor is not None and (conv_reads_band(graph, graph.nodes[anchor])
+                                                                      or schedule.skeleton == "depthwise"))
     per_tap = _window_recompute(graph, nodes)
     if host and anchor is not None:  # the C skeleton materializes the product: a pool after it
         # recomputes the epilogue per tap, never the anchor or its prologue

@@ -17,10 +17,13 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 backend's BLAS blocks over packed panels, each prologue element computed once
                 per panel (a conv's once per filter tap of its im2col panel, or once where it
                 reads a band: `conv_reads_band`), a product that an
-                epilogue reorders or pools materialized once
+                epilogue reorders or pools materialized once; a fused depthwise conv (template
+                "depthwise") is "depthwise" (C only): per channel its input, prologue applied
+                once per element, into zero-bordered planes, each output row one vectorized loop
+                with the taps unrolled: a loop nest, not a GEMM over packed panels
     unit        the instruction class the main loop uses: "tensor-core" (the library's GEMM/conv,
                 the `mma-*` skeletons), "cuda-core" (every other generated CUDA kernel),
-                "cpu-simd" (`packed`) or "none" (alias); the cost model turns it into a named unit
+                "cpu-simd" (`packed`, `depthwise`) or "none" (alias); the cost model turns it into a named unit
                 for a device and dtype (`costmodels.compute_unit`)
     tile        (BM, BN, BK) of a tiled or library GEMM/conv, (1, row, K) of a row kernel over a
                 product, else ()
@@ -70,8 +73,8 @@ MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
 MMA_PAD_BYTES = 16
 MMA_MIN_ARCH = 80  # cp.async staging and TF32 / BF16 wmma fragments: sm_80 and later
 SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct",
-             *MMA_ELEMENT_BYTES, "packed")
-CPU_SKELETONS = frozenset({"packed"})  # written in C only: no CUDA source, launch or shared memory
+             *MMA_ELEMENT_BYTES, "packed", "depthwise")
+CPU_SKELETONS = frozenset({"packed", "depthwise"})  # written in C only: no CUDA source, launch or shared memory
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Schedule:
 LIBRARY = Schedule("library", "library", "cuda-core")  # an opaque op: a library call, not generated
 ALIAS = Schedule("alias", "alias", "none")
 PACKED = Schedule("generated", "packed", "cpu-simd", threads=1)  # a fused gemm/conv on a CPU
+DEPTHWISE = Schedule("generated", "depthwise", "cpu-simd", threads=1)  # a fused depthwise conv on a CPU
 
 
 def depthwise_like(in_per_group: int, out_per_group: int) -> bool:
@@ -119,9 +123,22 @@ def depthwise_like(in_per_group: int, out_per_group: int) -> bool:
     return in_per_group == 1 and out_per_group < 8
 
 
+def depthwise_conv(graph: Graph, anchor: Node) -> bool:
+    """Whether a Conv is depthwise: 2-D, in groups of one input channel each (any number of
+    output channels per group). Its own template ("depthwise"), priced by its own efficiencies
+    apart from dense convs (a library's depthwise kernel and ours are loop nests over each
+    channel's plane, running at a fraction of a dense conv's rate), and on a CPU its own
+    skeleton (`DEPTHWISE`, the C depthwise loop)."""
+    if anchor.op_type != "Conv":
+        return False
+    x = graph.tensors[anchor.inputs[0]]
+    group = int(anchor.attrs.get("group", 1))
+    return x.shape is not None and len(x.shape) == 4 and group > 1 and x.shape[1] == group
+
+
 def conv_reads_band(graph: Graph, anchor: Node) -> bool:
-    """Whether a fused 2-D conv with a k x k window (not 1 x 1) and float32 constant filters, not
-    depthwise-like, is written (`packed`, C) over a zero-bordered band of its input: each input
+    """Whether a fused 2-D conv with a k x k window (not 1 x 1) and float32 constant filters, neither
+    depthwise (`depthwise_conv`) nor depthwise-like, is written (`packed`, C) over a zero-bordered band of its input: each input
     element, prologue included, computed once per block of output rows, its taps read from there
     (`fs_conv_band`: in place with AVX-512, else packed); other convs read im2col panels, a
     prologue element once per tap."""
@@ -131,7 +148,8 @@ def conv_reads_band(graph: Graph, anchor: Node) -> bool:
     if x.shape is None or w.shape is None or len(x.shape) != 4 or not w.constant or w.dtype != "float32":
         return False
     group = int(anchor.attrs.get("group", 1))
-    return not depthwise_like(x.shape[1] // group, w.shape[0] // group) and tuple(w.shape[2:]) != (1, 1)
+    return (not depthwise_like(x.shape[1] // group, w.shape[0] // group) and not depthwise_conv(graph, anchor)
+            and tuple(w.shape[2:]) != (1, 1))
 
 
 def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[str, float, frozenset[int]] | None:

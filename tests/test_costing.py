@@ -227,3 +227,40 @@ def test_a_conv_prologue_on_the_cpu_counts_once_when_the_conv_reads_a_band():
         host, _ = priced_kernel(g, lower(g, group(g, "sig", "conv", "relu")), host_cpu(), MODEL)
         assert conv_reads_band(g, g.nodes[g.node("conv").id]) == (k == 3)
         assert host.schedule.skeleton == "packed" and host.transcendentals == 8 * 16 * 16  # the Sigmoid once
+
+
+def _depthwise_graph(channels_in_group: int = 1):
+    """Sigmoid -> 3x3 Conv in groups of `channels_in_group` input channels (8 channels) -> Relu."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
+             helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", pads=[1] * 4, group=8 // channels_in_group),
+             helper.make_node("Relu", ["y"], ["z"], name="relu")]
+    return graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT)], [("z", None, TensorProto.FLOAT)],
+                    [("w", np.ones((8, channels_in_group, 3, 3), np.float32))])
+
+
+def test_a_depthwise_conv_is_its_own_template_priced_by_its_own_efficiencies():
+    """Regime: compute-bound on the host's SIMD units. A conv in groups of one input channel is
+    template "depthwise" everywhere (lone: the library's call; fused on the host: the C depthwise
+    loop, skeleton `depthwise`, its prologue evaluated once per element of its zero-bordered planes,
+    as that loop does, not once per tap): the depthwise efficiencies price it, a dense conv's do
+    not; a grouped conv over two channels per group stays a conv."""
+    from fusesearch.schedule import depthwise_conv
+
+    g = _depthwise_graph()
+    conv = g.nodes[g.node("conv").id]
+    assert depthwise_conv(g, conv)
+    fused = lower(g, group(g, "sig", "conv", "relu"))
+    host, _ = priced_kernel(g, fused, host_cpu(), MODEL)
+    lone = lower(g, group(g, "conv"))
+    assert fused.template == host.template == lone.template == "depthwise"
+    assert host.schedule.skeleton == "depthwise" and host.spec().unit == "cpu-simd"
+    assert host.tc_flops == 2 * 8 * 16 * 16 * 9 and host.transcendentals == 8 * 16 * 16  # the Sigmoid once
+    assert lone.schedule.impl == "library"
+    slow = RooflineModel(MODEL.params.with_updates(**{"tc_efficiency.depthwise": 0.01, "library_efficiency.depthwise": 0.01}))
+    for k in (host, lone):
+        assert kernel_cost(k, host_cpu(), slow).compute_s > 10 * kernel_cost(k, host_cpu(), MODEL).compute_s
+    dense = _depthwise_graph(2)
+    assert not depthwise_conv(dense, dense.nodes[dense.node("conv").id])
+    dense_host, _ = priced_kernel(dense, lower(dense, group(dense, "sig", "conv", "relu")), host_cpu(), MODEL)
+    assert dense_host.template == "conv" and dense_host.schedule.skeleton == "packed"
+    assert kernel_cost(dense_host, host_cpu(), slow).time_s == kernel_cost(dense_host, host_cpu(), MODEL).time_s

@@ -1,7 +1,8 @@
 """The CPU side of "one kernel, one truth": for every group of every zoo plan made for the host
 (each strategy), the kernel the C backend is given is the one the search priced, and what it
 writes is that kernel's schedule: a fused gemm/conv is `packed` (C only, priced on `cpu-simd`
-with each prologue element computed once per panel), every other generated kernel writes the
+with each prologue element computed once per panel), a fused depthwise conv `depthwise` (its own
+template and loop over zero-bordered planes, never the packed GEMM), every other generated kernel writes the
 skeleton lowering chose, its scratch buffers from the per-thread arena (no malloc per call). Structural: the sources are generated, not compiled (numerics: the
 end-to-end runs in tests/test_run.py and the packed edge cases in test_cpu_packed.py)."""
 
@@ -32,7 +33,8 @@ def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
             k = g.kernel
             assert kernel_cost(k, device, model).time_s == pytest.approx(g.cost.time_s, rel=1e-12), (name, g.id)
             fused_anchor = k.anchor is not None and len(k.nodes) > 1
-            assert (k.schedule.skeleton == "packed") == fused_anchor, (name, strategy, g.id, k.schedule)
+            own = "depthwise" if k.template == "depthwise" else "packed"
+            assert (k.schedule.skeleton == own) == fused_anchor, (name, strategy, g.id, k.schedule)
             if k.alias or k.schedule.generated is None:
                 continue
             gk = generate(p.graph, k)
@@ -42,4 +44,6 @@ def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
                 packed += 1
                 assert gk.cuda_source == "" and g.cost.compute_unit == "cpu-simd"
                 assert k.spec().unit == "cpu-simd" and k.spec().smem_bytes == 0
+                body = gk.c_source.split(f"\nvoid {gk.name}(")[1].split(f"\nvoid {gk.name}_pack(")[0]  # the kernel itself
+                assert ("patch[" in body and "fs_gemm" not in body) == (own == "depthwise"), (name, strategy, g.id)
     assert packed or name == "rnn-control", f"{name}: no fused gemm/conv in any host plan"

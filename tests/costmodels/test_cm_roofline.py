@@ -245,6 +245,19 @@ def test_params_updates_and_dict_round_trip():
         RooflineParams.from_dict({"overlapp": 0.9})
 
 
+def test_a_profile_from_before_the_depthwise_template_prices_depthwise_convs_as_its_convs():
+    """A table written without "depthwise" (a profile fitted before the template existed) gives
+    depthwise convs its conv value; one that has it keeps its own."""
+    old = {name: {t: v for t, v in table.items() if t != "depthwise"}
+           for name, table in PARAMS.with_updates(**{"tc_efficiency.conv": 0.55, "library_efficiency.conv": 0.45,
+                                                     "tc_efficiency.depthwise": 0.1}).to_dict().items()
+           if isinstance(table, dict)}
+    loaded = RooflineParams.from_dict(old)
+    assert loaded.get("tc_efficiency", "depthwise") == 0.55 and loaded.get("library_efficiency", "depthwise") == 0.45
+    own = PARAMS.with_updates(**{"tc_efficiency.depthwise": 0.1})
+    assert RooflineParams.from_dict(own.to_dict()).get("tc_efficiency", "depthwise") == 0.1
+
+
 def test_generated_tensor_core_gemm_is_priced_at_tensor_core_rates():
     """A generated kernel on tensor cores (unit "tensor-core": the mma skeletons) takes 2n^3 / (the
     tensor-core peak of its dtype x mma_efficiency); without TF32, a float32 one falls back to the

@@ -67,8 +67,9 @@ from fusesearch.schedule import conv_reads_band, depthwise_like
 
 
 def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
-    """C conv: the depthwise loop, or the BLAS blocks with the per-pixel row loops as fallback."""
-    depthwise = _depthwise_loops(graph, kernel, args, outs, anchor)
+    """C conv: the depthwise loop (a depthwise conv's: its template, decided by lowering), or the
+    BLAS blocks with the per-pixel row loops as fallback."""
+    depthwise = _depthwise_loops(graph, kernel, args, outs, anchor) if kernel.template == "depthwise" else None
     if depthwise is not None:
         return depthwise
     hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)
@@ -452,13 +453,12 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
     padded columns into s planes by column modulo s, so every tap reads unit-stride (a strided
     read vectorizes as a gather). At mobilenetv2's 7x7 and 14x14 planes, where most pixels touch
     the border, the earlier per-pixel bounds-checked border path ran 5-10x slower than priced.
-    None unless the conv is 2-D with one input channel per group and a constant filter."""
+    For a depthwise conv (`schedule.depthwise_conv`: 2-D, one input channel per group); None
+    where its filter is computed in the kernel (the row loops then run it)."""
     found = _conv_2d(graph, kernel, args, outs, anchor)
     if found is None:
         return None
     x, w, xs, ws, ys, group, main, side = found
-    if group == 1 or xs[1] != group:
-        return None
     e = _Emitter(graph, kernel, args)
     _, (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
     cout_g = ys[1] // group
