@@ -223,6 +223,7 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     cases = []
     # the last-stage resnet conv as pixels x taps x filters: the filters (9 MiB) are the constant operand
     for label, m, k, n in [(g[0], g[1], g[2], g[3]) for g in GEMMS if g[4] == 1] + [("bert-small qkv 128x128x128", 128, 128, 128),
+                                                                                      ("bert-small q|k|v as one 128x128x384", 128, 128, 384),
                                                                                       ("bert-small ffn-up 128x128x512", 128, 128, 512),
                                                                                       ("bert-small ffn-down 128x512x128", 128, 512, 128),
                                                                                       ("vit-small qkv 197x384x384", 197, 384, 384),
