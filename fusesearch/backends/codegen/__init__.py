@@ -36,8 +36,9 @@ emitted statements are the same text in both languages; only the skeleton around
                without the product is written first and the sgemm adds into it, beta 1); Conv as implicit GEMM per block of whole output
                rows of one image and group — the im2col panel (prologue and zero padding applied;
                a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
-               epilogue; depthwise convs in their own loop (a vectorized row of output pixels, taps
-               unrolled, bounds checks only at the borders); a conv whose filters dwarf its
+               epilogue; depthwise convs (template `depthwise`, skeleton `depthwise` when fused on
+               a CPU) in their own loop (each channel into zero-bordered planes, then a vectorized
+               row of output pixels, taps unrolled, no bounds checks); a conv whose filters dwarf its
                activations reads them packed once (`PackedWeight`, the kernel's `<name>_pack`)
                through our own micro-kernel instead of the BLAS. Without a BLAS (`#else`): per output
                row, the activation operand's row (prologue applied) into a buffer, then i-k-j
@@ -121,7 +122,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated.
     The skeleton, tile, block, grid and shared memory are the kernel's schedule (for a library
     call, its own generated form): decided by lowering, written here as given. A CPU schedule
-    (`packed`) has C only: its `cuda_source` is empty."""
+    (`packed`, `depthwise`) has C only: its `cuda_source` is empty."""
     schedule = kernel.schedule.generated
     if kernel.template not in SUPPORTED_TEMPLATES or schedule is None:
         raise CodegenRefused(f"template {kernel.template} is not generated yet (runs as a library call)")
