@@ -15,10 +15,13 @@ base and each variant are compiled, run once, checked against ONNX Runtime's val
 group's outputs (the variants named in BOUNDS compute something else on purpose — a part taken
 out — so their error is printed, not checked), then timed in ROUNDS interleaved rounds of
 `measure_interleaved`; each round's medians are printed and, per variant, the median over rounds
-of its time over the base's (below 1: the variant is faster).
+of its time over the base's (below 1: the variant is faster). With `--flush MIB` a buffer of that
+many MiB is summed before every sample, so each run finds its weights and inputs evicted from the
+caches (256: from memory), as a kernel inside a whole program does after the rest of the model
+and ONNX Runtime ran (`bench_program.py`), not in the cache as when it runs many times in a row.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ab_group.py benchmarks/variants/gelu_epilogue.py
-        [--rounds 7] [--budget 0.3] [--check: only that every edit still applies]
+        [--rounds 7] [--budget 0.3] [--flush MIB] [--check: only that every edit still applies]
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import re
 import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
@@ -101,7 +106,8 @@ def run_group(spec: dict, model: str, nodes, args) -> None:
         labels.append(label)
         runs.append(cpu.runner(base.with_c_source(source), inputs))
     bounds = set(spec.get("BOUNDS", ()))
-    print(f"{model} {ops}: {len(labels) - 1} variants, {args.rounds} rounds")
+    print(f"{model} {ops}: {len(labels) - 1} variants, {args.rounds} rounds"
+          + (f", a {args.flush} MiB buffer summed before every sample" if args.flush > 0 else ""))
     for label, run in zip(labels, runs, strict=True):
         run()
         outs = run.buffers[len(base.inputs):]
@@ -110,9 +116,11 @@ def run_group(spec: dict, model: str, nodes, args) -> None:
         print(f"  {label}: error against ONNX Runtime {err:.1e}{note}")
         if label not in bounds and err > CHECK:
             sys.exit(f"variant '{label}' is wrong (error {err:.1e} > {CHECK}); list it in BOUNDS if that is meant")
+    buffer = np.ones(args.flush << 18, np.float32) if args.flush > 0 else None
+    flush = (lambda: float(buffer.sum())) if buffer is not None else None
     rounds = []
     for r in range(args.rounds):
-        times = [t.median_s * 1e6 for t in measure_interleaved(runs, budget_s=args.budget, rounds=5)]
+        times = [t.median_s * 1e6 for t in measure_interleaved(runs, budget_s=args.budget, rounds=5, before_each=flush)]
         rounds.append(times)
         print(f"  round {r + 1}: " + ", ".join(f"{label} {t:.1f} us" for label, t in zip(labels, times, strict=True)))
     for i, label in enumerate(labels[1:], 1):
@@ -126,6 +134,8 @@ def main() -> None:
     parser.add_argument("variants", type=Path, help="a variant file (benchmarks/variants/*.py)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each printed)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per round over all runs")
+    parser.add_argument("--flush", type=int, default=0, metavar="MIB",
+                        help="sum a buffer of MIB MiB before every sample: the group's data evicted from the caches")
     parser.add_argument("--check", action="store_true", help="only check that every edit still applies")
     args = parser.parse_args()
     try:
