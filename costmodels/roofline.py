@@ -53,8 +53,22 @@ from costmodels.kernel import TEMPLATES, KernelSpec
 PerTemplate = tuple[tuple[str, float], ...]
 
 
+# A template whose values, where a table gives none for it, are another's: the defaults, and a
+# profile written before the template existed, price depthwise convs as dense convs until a
+# calibration fits them apart (on a CPU MLAS's run at 3-14 GFLOP/s against 110-160 for its dense
+# convs, ours at 20-40).
+DERIVED_TEMPLATES = {"depthwise": "conv"}
+
+
+def with_derived(values: Mapping[str, float]) -> dict[str, float]:
+    """`values` plus each derived template it lacks, at its source template's value."""
+    return {**{t: values[s] for t, s in DERIVED_TEMPLATES.items() if t not in values and s in values}, **values}
+
+
 def per_template(values: Mapping[str, float]) -> PerTemplate:
-    """A frozen per-template table in TEMPLATES order (every template required)."""
+    """A frozen per-template table in TEMPLATES order (every template required but a derived one
+    whose source is given: `DERIVED_TEMPLATES`)."""
+    values = with_derived(values)
     missing = [t for t in TEMPLATES if t not in values]
     unknown = sorted(set(values) - set(TEMPLATES))
     if missing or unknown:
@@ -68,33 +82,32 @@ def _number(name: str, value: object) -> float:
     return float(value)
 
 
-# Defaults are informed estimates; `fusesearch calibrate` fits them per device. A depthwise conv
-# starts from a dense conv's values (its own only once fitted: on a CPU MLAS's run at 3-14 GFLOP/s
-# against 110-160 for its dense convs, ours at 20-40).
+# Defaults are informed estimates; `fusesearch calibrate` fits them per device (a depthwise conv's
+# are a dense conv's: `DERIVED_TEMPLATES`).
 # Tensor-core efficiency: large cuBLAS GEMMs reach ~75-90% of dense peak; implicit-GEMM convs
 # less (im2col gathers); the rest rarely use tensor cores.
 DEFAULT_TC_EFFICIENCY = per_template(
-    {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "depthwise": 0.6, "opaque": 0.4})
+    {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
 # A library call's main loop (cuBLAS / cuDNN / MLAS) against the peak of the unit it runs on;
 # the generated kernels' is `tc_efficiency` against theirs. Fitted apart by calibration.
 DEFAULT_LIBRARY_EFFICIENCY = per_template(
-    {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "depthwise": 0.6, "opaque": 0.4})
+    {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
 # A generated tensor-core kernel (wmma 16x16 fragments, 64x64 block tiles, 4 warps) against the
 # tensor-core peak: well below cuBLAS's hand-tuned kernels (no ldmatrix swizzles, small tiles).
 DEFAULT_MMA_EFFICIENCY = per_template(
-    {"pointwise": 0.3, "rowwise": 0.3, "gemm": 0.4, "conv": 0.3, "depthwise": 0.3, "opaque": 0.3})
+    {"pointwise": 0.3, "rowwise": 0.3, "gemm": 0.4, "conv": 0.3, "opaque": 0.3})
 # Scalar efficiency: peaks count an FMA as 2 flops, while most elementwise ops issue one
 # 1-flop instruction per slot, so ~0.5 of peak is the practical ceiling.
 DEFAULT_SCALAR_EFFICIENCY = per_template(
-    {"pointwise": 0.5, "rowwise": 0.4, "gemm": 0.5, "conv": 0.5, "depthwise": 0.5, "opaque": 0.3})
+    {"pointwise": 0.5, "rowwise": 0.4, "gemm": 0.5, "conv": 0.5, "opaque": 0.3})
 # Memory efficiency: STREAM-like copies reach ~85-92% of datasheet DRAM bandwidth on
 # V100/A100/H100 (BabelStream results); strided or tiled access patterns less.
 DEFAULT_MEMORY_EFFICIENCY = per_template(
-    {"pointwise": 0.9, "rowwise": 0.85, "gemm": 0.8, "conv": 0.75, "depthwise": 0.75, "opaque": 0.6})
+    {"pointwise": 0.9, "rowwise": 0.85, "gemm": 0.8, "conv": 0.75, "opaque": 0.6})
 # Occupancy knee: streaming kernels saturate DRAM from ~25% occupancy; tensor-core GEMMs run
 # near peak with one 8-warp block per SM (12.5% on a 64-warp SM), as cuBLAS kernels do.
 DEFAULT_OCCUPANCY_KNEE = per_template(
-    {"pointwise": 0.25, "rowwise": 0.25, "gemm": 0.125, "conv": 0.125, "depthwise": 0.125, "opaque": 0.25})
+    {"pointwise": 0.25, "rowwise": 0.25, "gemm": 0.125, "conv": 0.125, "opaque": 0.25})
 # XLA gpu_performance_model: kMemoryComputeParallelism = 0.95.
 DEFAULT_OVERLAP = 0.95
 # SFU throughput is 16 results/clock/SM vs 128 FP32 FMA = 256 flops/clock/SM (CUDA C++
@@ -215,13 +228,13 @@ class RooflineParams:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RooflineParams:
         """Inverse of `to_dict`. Missing keys take defaults (older profiles; a table written before
-        the depthwise template existed prices depthwise convs as it priced convs); unknown keys fail."""
+        a derived template existed gives it its source's value: `DERIVED_TEMPLATES`); unknown keys
+        fail."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InvalidSpec(f"unknown RooflineParams keys {unknown}; known: {sorted(known)}")
-        data = {k: ({**v, "depthwise": v["conv"]} if k in _TABLE_FIELDS and isinstance(v, Mapping)
-                    and "conv" in v and "depthwise" not in v else v) for k, v in data.items()}
+        data = {k: with_derived(v) if k in _TABLE_FIELDS and isinstance(v, Mapping) else v for k, v in data.items()}
         default = cls()
         return default.with_updates(**data)
 
