@@ -855,3 +855,29 @@ def test_a_conv_with_small_filters_runs_in_blocks_that_stay_in_the_cache(tmp_pat
                     [("w", _w([32, 32, 1, 1])), ("b", _w([32], 3))])
     body = _body(gk)
     assert "fs_band_chunk()" in body  # the blocks' rows fit the cache, as the host's L2 allows
+
+
+@pytest.mark.parametrize("branch", ["native", "portable"])
+def test_split2_splits_a_row_by_column_parity_at_every_length(tmp_path, branch):
+    """`fs_split2` (a stride-2 depthwise conv's input row into its two planes): even and odd
+    columns exactly, for every row length up to 81 (whole 32-float steps, the masked last step
+    with AVX-512, an odd length's one more even column), never writing past either plane: as this
+    CPU compiles it and as the portable loop."""
+    from fusesearch.backends.codegen import c_prelude
+
+    source = c_prelude._C_PRELUDE + ("void split(const float* src, float* even, float* odd, long long ne, long long no) {\n"
+                                     "    fs_split2(src, even, odd, ne, no);\n}\n")
+    flags = list(cpu.CFLAGS[:-1]) if branch == "native" else ["-O2", "-shared", "-fPIC", "-std=c11"]
+    src, lib = tmp_path / "split.c", tmp_path / "split.so"
+    src.write_text(source)
+    subprocess.run([cpu.compiler(), *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib))
+    ptr = ctypes.c_void_p
+    for width in range(82):
+        row = np.arange(1, width + 1, dtype=np.float32)
+        ne, no = (width + 1) // 2, width // 2
+        even, odd = np.full(ne + 16, -1.0, np.float32), np.full(no + 16, -1.0, np.float32)
+        fn.split(row.ctypes.data_as(ptr), even.ctypes.data_as(ptr), odd.ctypes.data_as(ptr), ctypes.c_longlong(ne),
+                 ctypes.c_longlong(no))
+        assert np.array_equal(even[:ne], row[0::2]) and np.array_equal(odd[:no], row[1::2]), (branch, width)
+        assert (even[ne:] == -1).all() and (odd[no:] == -1).all(), (branch, width)

@@ -179,6 +179,32 @@ static inline void fs_stream_fence(void) {{
     _mm_sfence();
 #endif
 }}
+/* even[j] = src[2 j] for j < ne, odd[j] = src[2 j + 1] for j < no (no <= ne <= no + 1): a stride-2
+   depthwise conv's input row, its prologue applied, split by column parity into its two planes;
+   with AVX-512 two permutes per 32 floats and a masked last step */
+static inline void fs_split2(const float* restrict src, float* restrict even, float* restrict odd, long long ne,
+                             long long no) {{
+    long long j = 0;
+#if defined(__AVX512F__)
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (; j + 16 <= no; j += 16) {{
+        __m512 a = _mm512_loadu_ps(src + 2 * j), b = _mm512_loadu_ps(src + 2 * j + 16);
+        _mm512_storeu_ps(even + j, _mm512_permutex2var_ps(a, ie, b));
+        _mm512_storeu_ps(odd + j, _mm512_permutex2var_ps(a, io, b));
+    }}
+    if (j < no) {{
+        unsigned long long m = (1ULL << (2 * (no - j))) - 1;  /* the 2 (no - j) floats left */
+        __m512 a = _mm512_maskz_loadu_ps((__mmask16)m, src + 2 * j), b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), src + 2 * j + 16);
+        __mmask16 s = (__mmask16)((1u << (no - j)) - 1);
+        _mm512_mask_storeu_ps(even + j, s, _mm512_permutex2var_ps(a, ie, b));
+        _mm512_mask_storeu_ps(odd + j, s, _mm512_permutex2var_ps(a, io, b));
+        j = no;
+    }}
+#endif
+    for (long long k = j; k < no; ++k) odd[k] = src[2 * k + 1];
+    for (long long k = j; k < ne; ++k) even[k] = src[2 * k];
+}}
 """
 
 

@@ -450,7 +450,8 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
     per-thread `patch` scratch), then every output row as one vectorized loop over its pixels with
     the taps unrolled, the filter's taps in registers and no bounds check (the border is the
     planes' zeros), the epilogue on each pixel before its one store. A column stride s splits the
-    padded columns into s planes by column modulo s, so every tap reads unit-stride (a strided
+    padded columns into s planes by column modulo s (for s = 2 each input row, prologue applied,
+    contiguous into a row buffer, then split by parity with `fs_split2`), so every tap reads unit-stride (a strided
     read vectorizes as a gather). At mobilenetv2's 7x7 and 14x14 planes, where most pixels touch
     the border, the earlier per-pixel bounds-checked border path ran 5-10x slower than priced.
     For a depthwise conv (`schedule.depthwise_conv`: 2-D, one input channel per group); None
@@ -492,8 +493,24 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
     for f, (lo, hi) in enumerate(spans):
         row = f"({f * hp}LL + ih + {ph}LL) * {wq}LL"
         fill += [f"for (long long j = {a}LL; j < {b}LL; ++j) patch[{row} + j] = 0.0f;" for a, b in ((0, lo), (hi, wq)) if b > a]
-        fill += fill_loop([f], lo, min(hi, both[0])) + fill_loop([f], max(lo, both[1]), hi)
-    fill += fill_loop(range(sw), *both)  # a column stride's planes from one pass over the input row
+        if sw != 2:
+            fill += fill_loop([f], lo, min(hi, both[0])) + fill_loop([f], max(lo, both[1]), hi)
+    if sw == 2:  # the input row, prologue applied, contiguous into `rowb`, then split by parity
+        # (`fs_split2`): input column c = 2 m + r is padded column c + pw, plane (r + pw) % 2,
+        # column m + (r + pw) // 2; read at stride 2 the planes' loop ran in permutes and a
+        # scalar remainder, 70% of mobilenetv2's 112x112 strided depthwise conv
+        e.lines = []
+        e.push()
+        value = e.value(x, ('nb', 'ci', 'ih', 'c'))
+        body = [*e.lines, f"rowb[c] = {value};"]
+        e.lines = []
+        e.pop()
+        fill += [*(["#pragma omp simd"] if _flat_loop(body) else []), f"for (long long c = 0; c < {wd}LL; ++c) {{",
+                 *["    " + x_ for x_ in body], "}"]
+        dest = [f"patch + ({(r + pw) % 2 * hp}LL + ih + {ph}LL) * {wq}LL + {(r + pw) // 2}LL" for r in (0, 1)]
+        fill.append(f"fs_split2(rowb, {dest[0]}, {dest[1]}, {(wd + 1) // 2}LL, {wd // 2}LL);")
+    else:
+        fill += fill_loop(range(sw), *both)  # a column stride's planes from one pass over the input row
     # flat: the sums over every plane position p = oh * sh * wq + ow (a tap at a fixed offset from
     # p, so one long vector loop), columns past the output's computed and dropped, then the
     # epilogue per row from that buffer; where rows are narrow (a row loop of 7 or 14 pixels runs
@@ -524,6 +541,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
              f"    long long nb = nc / {ys[1]}LL, co = nc % {ys[1]}LL, ci = co / {cout_g}LL;",
              "    " + scratch("patch", f"{sw * hp * wq}LL"), *["    " + z for z in zero],
              *(["    " + scratch("cbuf", f"{oh_n * sh * wq}LL")] if flat else []),
+             *([f"    float rowb[{wd}];"] if sw == 2 else []),
              f"    for (long long ih = 0; ih < {h}LL; ++ih) {{", *["        " + x_ for x_ in fill], "    }",
              *["    " + t for t in taps], *(["    #pragma omp simd"] if sums else []), *["    " + x_ for x_ in sums],
              f"    for (long long oh = 0; oh < {oh_n}LL; ++oh) {{",
