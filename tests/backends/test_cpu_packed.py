@@ -763,6 +763,17 @@ static inline fs_v16 _mm512_set1_ps(float x) { fs_v16 r; for (int i = 0; i < 16;
 static inline fs_v16 _mm512_fmadd_ps(fs_v16 a, fs_v16 b, fs_v16 c) { for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
 static inline fs_v16 _mm512_add_ps(fs_v16 a, fs_v16 b) { for (int i = 0; i < 16; ++i) a.v[i] += b.v[i]; return a; }
 static inline void _mm512_storeu_ps(float* p, fs_v16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i]; }
+typedef struct { int v[16]; } fs_i16;
+#define __m512i fs_i16
+typedef unsigned short __mmask16;
+static inline fs_i16 _mm512_setr_epi32(int a0, int a1, int a2, int a3, int a4, int a5, int a6, int a7, int a8, int a9,
+                                       int a10, int a11, int a12, int a13, int a14, int a15) {
+    fs_i16 r = {{a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15}}; return r; }
+static inline fs_v16 _mm512_permutex2var_ps(fs_v16 a, fs_i16 idx, fs_v16 b) {
+    fs_v16 r; for (int i = 0; i < 16; ++i) r.v[i] = idx.v[i] & 16 ? b.v[idx.v[i] & 15] : a.v[idx.v[i] & 15]; return r; }
+static inline fs_v16 _mm512_maskz_loadu_ps(__mmask16 m, const float* p) {
+    fs_v16 r; for (int i = 0; i < 16; ++i) r.v[i] = m >> i & 1 ? p[i] : 0.0f; return r; }
+static inline void _mm512_mask_storeu_ps(float* p, __mmask16 m, fs_v16 a) { for (int i = 0; i < 16; ++i) if (m >> i & 1) p[i] = a.v[i]; }
 """
 
 
@@ -857,17 +868,20 @@ def test_a_conv_with_small_filters_runs_in_blocks_that_stay_in_the_cache(tmp_pat
     assert "fs_band_chunk()" in body  # the blocks' rows fit the cache, as the host's L2 allows
 
 
-@pytest.mark.parametrize("branch", ["native", "portable"])
+@pytest.mark.parametrize("branch", ["native", "portable", "avx512"])
 def test_split2_splits_a_row_by_column_parity_at_every_length(tmp_path, branch):
     """`fs_split2` (a stride-2 depthwise conv's input row into its two planes): even and odd
     columns exactly, for every row length up to 81 (whole 32-float steps, the masked last step
     with AVX-512, an odd length's one more even column), never writing past either plane: as this
-    CPU compiles it and as the portable loop."""
+    CPU compiles it, as the portable loop, and the AVX-512 branch with its intrinsics replaced by
+    plain C (`_AVX512_STAND_IN`: its permutes and masks checked on a CPU without AVX-512)."""
     from fusesearch.backends.codegen import c_prelude
 
     source = c_prelude._C_PRELUDE + ("void split(const float* src, float* even, float* odd, long long ne, long long no) {\n"
                                      "    fs_split2(src, even, odd, ne, no);\n}\n")
     flags = list(cpu.CFLAGS[:-1]) if branch == "native" else ["-O2", "-shared", "-fPIC", "-std=c11"]
+    if branch == "avx512":
+        source = _AVX512_STAND_IN + source.replace("#include <immintrin.h>\n", "")
     src, lib = tmp_path / "split.c", tmp_path / "split.so"
     src.write_text(source)
     subprocess.run([cpu.compiler(), *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
