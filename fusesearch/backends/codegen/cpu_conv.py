@@ -477,17 +477,21 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
         spans.append((lo, max(lo, min(wq, (wd - 1 + pw - f) // sw + 1))))
     both = (max(a for a, _ in spans), min(b for _, b in spans))  # one loop fills every plane here
 
-    def fill_loop(planes, lo: int, hi: int) -> list[str]:
+    def simd_loop(var: str, lo: int, hi: int, stores) -> list[str]:
+        """for var in [lo, hi): the input values `stores` reads (its (target, input column) pairs)
+        computed, prologue applied, and stored; under `omp simd` where the body allows."""
         if hi <= lo:
             return []
         e.lines = []
         e.push()
-        stores = [f"{at(f'ih + {ph}LL', f, 'j')} = {e.value(x, ('nb', 'ci', 'ih', f'(j * {sw}LL + {f - pw}LL)'))};"
-                  for f in planes]
-        body, e.lines = [*e.lines, *stores], []
+        assigned = [f"{target} = {e.value(x, ('nb', 'ci', 'ih', column))};" for target, column in stores]
+        body, e.lines = [*e.lines, *assigned], []
         e.pop()
-        return [*(["#pragma omp simd"] if _flat_loop(body) else []), f"for (long long j = {lo}LL; j < {hi}LL; ++j) {{",
+        return [*(["#pragma omp simd"] if _flat_loop(body) else []), f"for (long long {var} = {lo}LL; {var} < {hi}LL; ++{var}) {{",
                 *["    " + x_ for x_ in body], "}"]
+
+    def fill_loop(planes, lo: int, hi: int) -> list[str]:
+        return simd_loop("j", lo, hi, [(at(f"ih + {ph}LL", f, "j"), f"(j * {sw}LL + {f - pw}LL)") for f in planes])
 
     fill = []
     for f, (lo, hi) in enumerate(spans):
@@ -499,14 +503,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
         # (`fs_split2`): input column c = 2 m + r is padded column c + pw, plane (r + pw) % 2,
         # column m + (r + pw) // 2; read at stride 2 the planes' loop ran in permutes and a
         # scalar remainder, 70% of mobilenetv2's 112x112 strided depthwise conv
-        e.lines = []
-        e.push()
-        value = e.value(x, ('nb', 'ci', 'ih', 'c'))
-        body = [*e.lines, f"rowb[c] = {value};"]
-        e.lines = []
-        e.pop()
-        fill += [*(["#pragma omp simd"] if _flat_loop(body) else []), f"for (long long c = 0; c < {wd}LL; ++c) {{",
-                 *["    " + x_ for x_ in body], "}"]
+        fill += simd_loop("c", 0, wd, [("rowb[c]", "c")])
         dest = [f"patch + ({(r + pw) % 2 * hp}LL + ih + {ph}LL) * {wq}LL + {(r + pw) // 2}LL" for r in (0, 1)]
         fill.append(f"fs_split2(rowb, {dest[0]}, {dest[1]}, {(wd + 1) // 2}LL, {wd // 2}LL);")
     else:
