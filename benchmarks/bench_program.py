@@ -29,7 +29,6 @@ import numpy as np
 import onnx
 
 from fusesearch.api import plan as make_plan
-from fusesearch.backends.codegen import CPU_LIBRARY_ONLY
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.measure import measure_plan
 from fusesearch.pipeline import prepare
@@ -44,7 +43,7 @@ def one_model(name: str, runs: int, top: int) -> None:
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, 0)
-    program = Program(prep.graph, canonical, plan_steps(prep.graph, plan, CPU_LIBRARY_ONLY), weights, 1, profile=True)
+    program = Program(prep.graph, canonical, plan_steps(prep.graph, plan, library_calls=True), weights, 1, profile=True)
     program.set_inputs(feeds)
     ort = session(canonical, threads=1, optimize=True)
     names, ort_feeds = [o.name for o in ort.get_outputs()], session_feeds(ort, feeds)

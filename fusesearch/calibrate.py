@@ -92,7 +92,9 @@ from costmodels.calibration import (
     spearman,
 )
 from costmodels.profile import default_versions, installed_versions
+from fusesearch.candidates.group import FusionGroup
 from fusesearch.errors import BadInput
+from fusesearch.lowering import lower
 from fusesearch.measure import CALL_FLOOR_S, gpu_library_call, max_rel_err
 
 log = logging.getLogger(__name__)
@@ -150,7 +152,8 @@ def _size_bins(values: Sequence[float], bins: int) -> list[int]:
 def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: RooflineParams,
                    templates: Iterable[str] = TEMPLATES) -> list[tuple[str, frozenset[int], object]]:
     """Every legal, non-alias candidate of each model whose template is generated: (model, nodes,
-    kernel), in a deterministic order."""
+    kernel), in a deterministic order; a lone anchor on a CPU twice, as our C and as the library
+    call (`costing.priced_kernel` chooses between them by both efficiencies)."""
     from fusesearch.candidates.enumerate import enumerate_candidates
     from fusesearch.candidates.rules import Legality
 
@@ -164,6 +167,9 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
             if not verdict.decision or kernel is None or kernel.alias or kernel.template not in wanted:
                 continue
             pool.append((name, nodes, kernel))
+            if kernel.anchor is not None and len(nodes) == 1 and kernel.impl == "generated":
+                # a lone anchor the plan runs as our C was priced against its library call: both fitted
+                pool.append((name, nodes, lower(prep.graph, FusionGroup(nodes))))
     return pool
 
 

@@ -602,9 +602,9 @@ def measure(
     ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
                                                "of each CUDA kernel (default: on for cupy).")] = None,
     flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict L2 before every GPU sample.")] = False,
-    baseline: Annotated[str, typer.Option("--baseline", help="How lone anchors (MatMul, Gemm, Conv) run, in the "
-                                          "plan and the unfused graph: library (ONNX Runtime on cpu, "
-                                          "cuBLAS/CuPy on cupy) or generated.")] = "library",
+    baseline: Annotated[str, typer.Option("--baseline", help="How the unfused graph's lone anchors (MatMul, Gemm, "
+                                          "Conv) run: library (ONNX Runtime on cpu, cuBLAS/CuPy on "
+                                          "cupy) or generated (ours); the plan runs as priced.")] = "library",
     input_value: Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input in "
                                                    "the data measured on, e.g. sr=16000 or x=[1,2,3] "
                                                    "(repeatable)")] = None,
@@ -690,7 +690,8 @@ def _measure_plans(prep, device, strategy, config, plan_json):
 def _print_measure(report, output) -> None:
     t = report.totals()
     versus = report.library_comparison()
-    table = Table(title=f"measured on {report.backend} ({report.device}), lone anchors: {report.baseline}",
+    table = Table(title=f"measured on {report.backend} ({report.device}), the unfused graph's lone anchors: "
+                                f"{report.baseline}",
                   title_justify="left")
     for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err", "library+rest"):
         table.add_column(col, justify="left" if col in ("group", "template", "how") else "right")
@@ -727,7 +728,8 @@ def _print_versus(versus: dict, baseline: str) -> None:
     if not versus:
         return
     if not compared:
-        why = ("use --baseline library to time the lone anchors through the library" if baseline != "library"
+        why = ("use --baseline library to time the unfused graph's lone anchors through the library"
+               if baseline != "library"
                else "none ran as one generated kernel, or a part was not measured")
         out.print(f"{len(versus)} fused anchor groups, none compared with the library ({why})")
         return

@@ -5,7 +5,8 @@ the physics (nothing can beat reading the inputs and weights once, writing the o
 running every FLOP at peak in one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
 `priced_kernel` picks, for a fused anchor group, the faster of its tensor-core and CUDA-core
-schedules on a GPU (the search's choice), its `packed` C form on a CPU;
+schedules on a GPU (the search's choice), its `packed` C form on a CPU, and for a lone anchor on
+a CPU the faster of that C and the library call (ties ours);
 `unfused_time_s` sums single-node kernels; `lower_bound_s` applies the roofline at 100%
 efficiency to the whole graph as one kernel with full overlap.
 Invariants: lower_bound_s <= the time of any valid plan under default efficiencies <= 1;
@@ -31,17 +32,28 @@ def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> Ker
     return model.cost(kernel.spec(), device)
 
 
-def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:
+def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel, *,
+                  ours_alone: bool = False) -> tuple[Kernel, KernelCost]:
     """The kernel as it runs on `device`: on a CPU, a fused gemm/conv is the C backend's `packed`
-    form (`try_lower(..., host=True)`); on a GPU, a fused group that lowering put on tensor cores
+    form (`try_lower(..., host=True)`), and a lone one whose C the backend writes (`ours_alone`:
+    the caller asks the generator) is priced both as that C and as the library call, the faster
+    kept, ties ours (our C measured at or above MLAS's at the zoo's shapes, a depthwise conv far
+    above: so a CPU plan calls the library only where a profile prices it faster, and `run`
+    executes what the plan prices); on a GPU, a fused group that lowering put on tensor cores
     is also priced on the CUDA-core skeleton (`try_lower(..., tensor_cores=False)`), and the
     faster of the two that fits is kept (ties keep the tensor cores); the tensor-core skeleton
     needs sm_80, and TF32 is no faster than FP32 on some parts. Other kernels have one schedule."""
-    if device.kind != "gpu" and kernel.impl == "generated" and kernel.anchor is not None and len(kernel.nodes) > 1:
+    alone = ours_alone and kernel.impl == "library" and len(kernel.nodes) == 1
+    if device.kind != "gpu" and kernel.anchor is not None and (alone or kernel.impl == "generated" and len(kernel.nodes) > 1):
         host = try_lower(graph, FusionGroup(frozenset(kernel.nodes)), host=True)
-        if isinstance(host, Kernel):
-            kernel = host
-        return kernel, kernel_cost(kernel, device, model)
+        if not isinstance(host, Kernel):
+            return kernel, kernel_cost(kernel, device, model)
+        ours = kernel_cost(host, device, model)
+        if alone:
+            library = kernel_cost(kernel, device, model)
+            if library.feasible and (not ours.feasible or library.time_s < ours.time_s):
+                return kernel, library
+        return host, ours
     options = [kernel]
     if kernel.impl == "generated" and kernel.schedule.unit == "tensor-core":
         cuda_cores = try_lower(graph, FusionGroup(frozenset(kernel.nodes)), tensor_cores=False)

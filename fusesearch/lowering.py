@@ -24,8 +24,8 @@ while `Graph.allow_tf32`, float16, bfloat16 — `mma-*` instead: 4 warps, a tile
 the search keeps whichever the device runs faster: `costing.priced_kernel`), else a thread per output with its dot product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
-a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a fused gemm/conv is
-`packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
+a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a gemm/conv, fused or
+alone, is `packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
 scale, folded into the product, not at all: `schedule.folded_scale`),
@@ -180,7 +180,7 @@ def lower(graph: Graph, group: FusionGroup) -> Kernel:
 def try_lower(graph: Graph, group: FusionGroup, *, tensor_cores: bool = True, host: bool = False) -> Kernel | FusionDecision:
     """`tensor_cores`: False lowers a fused anchor group to the CUDA-core skeleton even where its
     operands have a tensor-core one (the search prices both and keeps the faster, see
-    `candidates.rules.FitsDevice`). `host`: a fused anchor group as the CPU writes it (`packed`,
+    `candidates.rules.FitsDevice`). `host`: an anchor group, fused or alone, as the CPU writes it (`packed`,
     C only), for a CPU device; every other group lowers the same either way."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     result = _lower_checked(graph, nodes, tensor_cores, host)
@@ -468,8 +468,8 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: b
     out_size = graph.tensors[anchor.outputs[0]].size
     template = "depthwise" if depthwise_conv(graph, anchor) else GEMM_TEMPLATE[anchor.op_type]
     ids = [n.id for n in nodes]
-    if host and len(nodes) > 1:  # the CPU's C: packed panels, each prologue element once (per tap),
-        # or a depthwise conv's loop over its planes (each prologue element once)
+    if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
+        # conv's loop over its planes (each prologue element once); a lone anchor the same C
         return _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                       DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared

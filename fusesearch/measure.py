@@ -10,8 +10,9 @@ its outputs are checked against ONNX Runtime's (max relative error). Each group 
 its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library call:
 
     alias (a lone view) .......................... no kernel, 0 s
-    lone anchor, baseline "library" (default) .... library: ONNX Runtime (CPU) / arraylib with
-                                                   cupy: cuBLAS matmul, im2col conv (GPU)
+    lone anchor of the unfused graph, baseline     library: ONNX Runtime (CPU) / arraylib with
+    "library" (default); of the plan, where the    cupy: cuBLAS matmul, im2col conv (GPU)
+    plan runs it as a library call (impl library)
     codegen refused (opaque: Loop, If, TopK) ..... library, same; on the GPU only ops that
                                                    `arraylib` implements, the rest "not measured"
     codegen refused a fused group (a float16,      "library per node": each node alone through the
@@ -21,8 +22,9 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
                                                    be an `arraylib` op, else "not measured")
     anything else ................................ the generated kernel
 
-The rule is the same for the plan and the unfused graph, so a lone anchor costs the same in
-both. A CPU library call runs as ONNX Runtime runs the node inside the whole model
+The plan runs as it is priced (a CPU plan runs a lone anchor as our C unless the library is
+priced faster: `costing.priced_kernel`); the baseline says how the unfused graph's lone anchors
+run, the library's (the reference a user of ONNX Runtime knows) or ours. A CPU library call runs as ONNX Runtime runs the node inside the whole model
 (`backends.library`: its weights initializers, pre-packed; IO binding, no output allocation), and
 ONNX Runtime's fixed cost of one Run, which a whole-model run pays once, not per node, is taken
 off each of its samples: two null Runs (one Identity, a chain of them) are timed in the same
@@ -169,7 +171,8 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     """`cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
     compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
     shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample;
-    `baseline`: "library" runs lone anchors through the library, "generated" as generated kernels;
+    `baseline`: "library" runs the unfused graph's lone anchors through the library, "generated"
+    as generated kernels (the plan's run as the plan says);
     `input_values`: inputs given by the user (`verify.parse_input_values`), the rest drawn."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
@@ -303,8 +306,11 @@ class _Runner:
         kernel, graph = g.kernel, self.prep.graph
         if kernel.alias:  # a view: no kernel runs (as the prediction says)
             return _Item(label, g, "alias", timing=Timing((0.0,), 0, "alias"), err=0.0)
-        generated, why = None, "a lone anchor runs through the library (baseline library)"
-        if not (self.baseline == "library" and len(kernel.nodes) == 1 and kernel.anchor is not None):
+        # a lone anchor: the plan's as the plan prices it, the unfused graph's as the baseline says
+        library = kernel.impl == "library" if label == "plan" else self.baseline == "library"
+        generated, why = None, ("the plan runs this lone anchor as a library call" if label == "plan" else
+                                "a lone anchor runs through the library (baseline library)")
+        if not (library and len(kernel.nodes) == 1 and kernel.anchor is not None):
             try:
                 generated = generate(graph, kernel, name=f"fs_{label}_{g.id}")
             except CodegenRefused as exc:

@@ -8,7 +8,7 @@ Approach: the plan's groups, in plan order, become steps:
 
     alias (a lone view) ............ no code: its output is its input's storage
     generated (the C generator) .... one call of the kernel's C function
-    library (opaque, refused, and on the CPU a lone op of codegen.CPU_LIBRARY_ONLY)
+    library (opaque, refused, and on the CPU a lone group the plan runs as a library call)
                                      each node alone in ONNX Runtime (its one-node model,
                                      `backends.library.node_model`), reading and writing the
                                      program's buffers through IO binding
@@ -64,7 +64,7 @@ import numpy as np
 import onnx
 
 from fusesearch.backends import cpu
-from fusesearch.backends.codegen import CPU_LIBRARY_ONLY, CodegenRefused, GeneratedKernel, generate
+from fusesearch.backends.codegen import CodegenRefused, GeneratedKernel, generate
 from fusesearch.backends.cpu import ALIGN, aligned_array, aligned_empty
 from fusesearch.backends.library import host_binding, node_model
 from fusesearch.backends.timing import Timing
@@ -92,10 +92,11 @@ class Step:
     reason: str = ""  # library: why the group is not generated
 
 
-def plan_steps(graph, plan, library_ops: Mapping[str, str] | None = None) -> list[Step]:
-    """The plan's groups, in order, as steps (a group the generator refuses: a step per node; a lone
-    node whose op is in `library_ops`, op -> why: a library step, as the C program runs
-    `codegen.CPU_LIBRARY_ONLY`)."""
+def plan_steps(graph, plan, library_calls: bool = False) -> list[Step]:
+    """The plan's groups, in order, as steps (a group the generator refuses: a step per node; with
+    `library_calls`, as the C program runs a plan, a lone group the plan runs as a library call
+    (`impl` library: an anchor the library is priced faster for, a ConvTranspose, an opaque op)
+    a library step, as the plan priced it)."""
     from fusesearch.candidates.group import FusionGroup
     from fusesearch.lowering import lower_as_library
 
@@ -105,7 +106,8 @@ def plan_steps(graph, plan, library_ops: Mapping[str, str] | None = None) -> lis
         if kernel.alias:
             steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
             continue
-        reason = (library_ops or {}).get(graph.nodes[g.nodes[0]].op_type, "") if len(g.nodes) == 1 else ""
+        reason = ("the plan runs it as a library call" if library_calls and kernel.impl == "library"
+                  and len(g.nodes) == 1 else "")
         if not reason:
             try:
                 generated = generate(graph, kernel)
@@ -825,7 +827,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     errors: dict[str, float] = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         say(f"compiling {label}")
-        steps = plan_steps(graph, p, CPU_LIBRARY_ONLY if device is None else None)
+        steps = plan_steps(graph, p, library_calls=device is None)
         programs[label], errors[label] = checked(
             label, lambda reuse, steps=steps: (
                 Program(graph, canonical, steps, weights, threads, reuse=reuse) if device is None

@@ -264,3 +264,29 @@ def test_a_depthwise_conv_is_its_own_template_priced_by_its_own_efficiencies():
     dense_host, _ = priced_kernel(dense, lower(dense, group(dense, "sig", "conv", "relu")), host_cpu(), MODEL)
     assert dense_host.template == "conv" and dense_host.schedule.skeleton == "packed"
     assert kernel_cost(dense_host, host_cpu(), slow).time_s == kernel_cost(dense_host, host_cpu(), MODEL).time_s
+
+
+def test_a_lone_anchor_on_the_cpu_is_our_c_unless_the_library_is_priced_faster():
+    """Regime: the host, compute-bound products. A lone MatMul is priced both as the library call
+    and as our C (`packed`); the default efficiencies price the two alike (ours no dearer: the
+    library's call may split K) and the plan keeps ours (what the C program runs); a profile that prices the library's faster keeps the library call.
+    A lone depthwise conv is ours too (skeleton `depthwise`); a lone ConvTranspose stays the
+    library's (the C backend writes none worth running); on a GPU a lone anchor is the library's."""
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["y"], name="mm"),
+             helper.make_node("ConvTranspose", ["x", "wt"], ["ct"], name="ct", strides=[2, 2])]
+    g = graph_of(nodes, [("a", [256, 512], TensorProto.FLOAT), ("x", [1, 16, 8, 8], TensorProto.FLOAT)],
+                 [("y", None, TensorProto.FLOAT), ("ct", None, TensorProto.FLOAT)],
+                 [("w", np.ones((512, 512), np.float32)), ("wt", np.ones((16, 8, 2, 2), np.float32))])
+    mm, ct = (frozenset(group(g, name).nodes) for name in ("mm", "ct"))
+    ours = Legality(g, host_cpu(), MODEL).check(mm)
+    assert ours.kernel.impl == "generated" and ours.kernel.schedule.skeleton == "packed"
+    library = lower(g, group(g, "mm"))
+    assert library.impl == "library" and ours.cost.time_s <= kernel_cost(library, host_cpu(), MODEL).time_s
+    fast = RooflineModel(MODEL.params.with_updates(**{"library_efficiency.gemm": 0.95, "tc_efficiency.gemm": 0.2}))
+    called = Legality(g, host_cpu(), fast).check(mm)
+    assert called.kernel.impl == "library" and called.cost.time_s < kernel_cost(ours.kernel, host_cpu(), fast).time_s
+    assert Legality(g, host_cpu(), MODEL).check(ct).kernel.impl == "library"
+    assert Legality(g, H100, MODEL).check(mm).kernel.impl == "library"
+    dw = _depthwise_graph()
+    lone = Legality(dw, host_cpu(), MODEL).check(frozenset(group(dw, "conv").nodes)).kernel
+    assert lone.impl == "generated" and lone.schedule.skeleton == "depthwise"

@@ -333,7 +333,6 @@ def test_a_profiled_program_times_each_kernel_and_computes_the_same(tmp_path):
     import onnx
 
     from fusesearch.api import plan as make_plan
-    from fusesearch.backends.codegen import CPU_LIBRARY_ONLY
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import prepare
     from fusesearch.run import Program, plan_steps
@@ -345,7 +344,7 @@ def test_a_profiled_program_times_each_kernel_and_computes_the_same(tmp_path):
     canonical = to_proto(prep.canonical)
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, 0)
-    steps = plan_steps(prep.graph, plan, CPU_LIBRARY_ONLY)
+    steps = plan_steps(prep.graph, plan, library_calls=True)
     plain, profiled = (Program(prep.graph, canonical, steps, weights, 1, profile=p) for p in (False, True))
     expected = plain(feeds)
     start = time.perf_counter()
@@ -361,3 +360,28 @@ def test_a_profiled_program_times_each_kernel_and_computes_the_same(tmp_path):
         np.testing.assert_array_equal(got[name], value)
     with pytest.raises(ValueError, match="profile=True"):
         plain.kernel_seconds()
+
+
+def test_a_lone_anchor_runs_as_its_plan_priced_it(tmp_path):
+    """On the CPU a program runs what its plan priced: with the default efficiencies the library's
+    GEMM and ours cost the same and the unfused plan (strategy none) keeps the MLP's lone MatMuls
+    as our C (generated steps); with efficiencies that price the library's faster it calls the
+    library, and the program runs them in ONNX Runtime (library steps) and still equals it."""
+    from costmodels import RooflineModel, host_cpu
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import plan_steps, run_plan
+    from fusesearch.search import search
+
+    prep = prepare(save(mlp(), tmp_path / "mlp.onnx"))
+    graph = prep.graph
+    products = [(n.id,) for n in graph.nodes if n.op_type in ("MatMul", "Gemm")]
+    assert len(products) == 2
+    fast_library = RooflineModel(RooflineModel().params.with_updates(
+        **{"library_efficiency.gemm": 0.95, "tc_efficiency.gemm": 0.2}))
+    for model, how in ((RooflineModel(), "generated"), (fast_library, "library")):
+        none = search(graph, host_cpu(), model, "none")
+        steps = {s.nodes: s.how for s in plan_steps(graph, none, library_calls=True)}
+        assert [steps[p] for p in products] == [how, how]
+        assert none.unfused_time_s == pytest.approx(none.time_s, rel=1e-12)  # the plan's reference is none's
+    report = run_plan(prep, none, none, time_it=False)
+    assert report.library_steps == 2 and report.max_rel_err < 1e-4

@@ -13,7 +13,8 @@ rule of `DEFAULT_RULES` accepts it, cheapest first:
     Generatable       a fused group: the generator has code for every op and a C type for every
                       tensor (a kernel we cannot write is not a candidate; a lone op always is)
     FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
-                      threads within the device's limits
+                      threads within the device's limits; its form a priced choice (tensor or
+                      CUDA cores; on a CPU a lone anchor as our C or the library call)
 
 `Legality.check` memoizes (node set → decision, kernel, cost), so each group is lowered and
 costed once per search.
@@ -103,13 +104,18 @@ class Generatable:
 class FitsDevice:
     """The cost model accepts the kernel on the device (shared memory, registers, threads, the
     architecture its code needs), its compute unit a priced choice (`costing.priced_kernel`: a
-    fused anchor group on tensor cores or CUDA cores, whichever is faster there). A lone op that
-    does not fit runs as a library call instead: every single node stays a candidate."""
+    fused anchor group on tensor cores or CUDA cores, whichever is faster there; on a CPU a lone
+    anchor as our C or the library call, where the C backend writes it: `cpu_fusable` and
+    `generatable`, as for a fused group). A lone op that does not fit runs as a library call
+    instead: every single node stays a candidate."""
 
     name: str = "fits-device"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-        kernel, cost = priced_kernel(legality.graph, kernel, legality.device, legality.model)
+        graph = legality.graph
+        ours_alone = (legality.device.kind == "cpu" and len(nodes) == 1 and kernel.anchor is not None
+                      and bool(cpu_fusable(graph, kernel)) and bool(generatable(graph, kernel)))
+        kernel, cost = priced_kernel(graph, kernel, legality.device, legality.model, ours_alone=ours_alone)
         if not cost.feasible and len(nodes) == 1:
             kernel = lower_as_library(legality.graph, FusionGroup(nodes))
             cost = kernel_cost(kernel, legality.device, legality.model)
