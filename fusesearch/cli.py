@@ -636,7 +636,7 @@ def measure(
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, library_anchors=baseline == "library")
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
@@ -666,13 +666,20 @@ def _ptxas_arch(device: str) -> str:
     return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
-def _measure_plans(prep, device, strategy, config, plan_json):
+def _measure_plans(prep, device, strategy, config, plan_json, library_anchors: bool = False):
+    """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors library
+    calls with `library_anchors` (`measure --baseline library`), else as the device runs them."""
+    import dataclasses
+
     from fusesearch.api import model_info, resolve_device
     from fusesearch.plans import Plan, SolverInfo
 
     model = prep.loaded.source
     plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep)
     none, _, _ = _run_plan(model, None, device, "none", config, prep)
+    unfused = none
+    if library_anchors:
+        unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, library_anchors=True), prep)[0]
     if plan_json is not None:
         from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
@@ -684,7 +691,7 @@ def _measure_plans(prep, device, strategy, config, plan_json):
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
                            solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
                            model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s)
-    return plan_, none, prep
+    return plan_, unfused, prep
 
 
 def _print_measure(report, output) -> None:

@@ -113,7 +113,8 @@ class FitsDevice:
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
         graph = legality.graph
-        ours_alone = (legality.device.kind == "cpu" and len(nodes) == 1 and kernel.anchor is not None
+        ours_alone = (legality.device.kind == "cpu" and not legality.library_anchors and len(nodes) == 1
+                      and kernel.anchor is not None
                       and bool(cpu_fusable(graph, kernel)) and bool(generatable(graph, kernel)))
         kernel, cost = priced_kernel(graph, kernel, legality.device, legality.model, ours_alone=ours_alone)
         if not cost.feasible and len(nodes) == 1:
@@ -136,6 +137,9 @@ class Legality:
     model: RooflineModel
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
+    # every lone anchor a library call, also on a CPU: the unfused reference as a user of ONNX
+    # Runtime runs it (`measure --baseline library`), not a plan's choice
+    library_anchors: bool = False
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
 
     def check(self, nodes: Iterable[int]) -> Verdict:

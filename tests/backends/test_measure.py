@@ -197,6 +197,31 @@ def test_library_baseline_runs_lone_anchors_through_the_library_and_compares_fus
     assert plan[plan["library_baseline_s"].isna()]["fused_loses"].isna().all()  # only anchor groups compare
 
 
+def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_baseline_says(run_cli, tmp_path):
+    """Regime: the host. A lone MatMul is planned as our C (`costing.priced_kernel`: the library
+    call, priced with the partial sums of its split K, is dearer), so the plan's group runs as
+    our kernel and is predicted as one, while the unfused graph's (--baseline library) runs through
+    ONNX Runtime, predicted at the library call's price (its plan made with `library_anchors`)."""
+    from costmodels import RooflineModel, host_cpu
+    from fusesearch.candidates.group import FusionGroup
+    from fusesearch.costing import kernel_cost
+    from fusesearch.lowering import lower, try_lower
+    from fusesearch.pipeline import prepare
+
+    w = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    model = save(make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [("x", [256, 512])],
+                            [("y", None)], [("w", w)]), tmp_path / "mm.onnx")
+    doc, table = _parquet_and_json(run_cli, tmp_path, model)
+    rows = table.set_index("plan")
+    assert rows.loc["plan", "how"] == "generated" and rows.loc["unfused", "how"] == "library"
+    graph, mm = prepare(model).graph, FusionGroup(frozenset({0}))
+    ours, library = (kernel_cost(k, host_cpu(), RooflineModel()).time_s
+                     for k in (try_lower(graph, mm, host=True), lower(graph, mm)))
+    assert rows.loc["plan", "predicted_s"] == pytest.approx(ours, rel=1e-9)
+    assert rows.loc["unfused", "predicted_s"] == pytest.approx(library, rel=1e-9) and library > ours * 1.001
+    assert max(rows["max_rel_err"]) < VERIFY_RTOL
+
+
 def test_generated_baseline_runs_lone_anchors_as_generated_kernels(run_cli, tmp_path, small_model):
     doc, table = _parquet_and_json(run_cli, tmp_path, small_model, "--baseline", "generated")
     assert doc["baseline"] == "generated"
