@@ -152,8 +152,10 @@ def _size_bins(values: Sequence[float], bins: int) -> list[int]:
 def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: RooflineParams,
                    templates: Iterable[str] = TEMPLATES) -> list[tuple[str, frozenset[int], object]]:
     """Every legal, non-alias candidate of each model whose template is generated: (model, nodes,
-    kernel), in a deterministic order; a lone anchor on a CPU twice, as our C and as the library
-    call (`costing.priced_kernel` chooses between them by both efficiencies)."""
+    kernel), in a deterministic order. A lone anchor is its library call, also where a CPU plan
+    runs it as our C (`costing.priced_kernel` chooses by both efficiencies): `library_efficiency`
+    is fitted on those calls, the generated efficiencies on the fused groups, whose C is the same
+    product with a prologue and an epilogue."""
     from fusesearch.candidates.enumerate import enumerate_candidates
     from fusesearch.candidates.rules import Legality
 
@@ -166,10 +168,9 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
             kernel = verdict.kernel
             if not verdict.decision or kernel is None or kernel.alias or kernel.template not in wanted:
                 continue
-            pool.append((name, nodes, kernel))
             if kernel.anchor is not None and len(nodes) == 1 and kernel.impl == "generated":
-                # a lone anchor the plan runs as our C was priced against its library call: both fitted
-                pool.append((name, nodes, lower(prep.graph, FusionGroup(nodes))))
+                kernel = lower(prep.graph, FusionGroup(nodes))  # a lone anchor: its library call
+            pool.append((name, nodes, kernel))
     return pool
 
 

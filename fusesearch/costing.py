@@ -7,8 +7,10 @@ Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cos
 `priced_kernel` picks, for a fused anchor group, the faster of its tensor-core and CUDA-core
 schedules on a GPU (the search's choice), its `packed` C form on a CPU, and for a lone anchor on
 a CPU the faster of that C and the library call (ties ours);
-`unfused_time_s` sums single-node kernels; `lower_bound_s` applies the roofline at 100%
-efficiency to the whole graph as one kernel with full overlap.
+`unfused_time_s` sums single-node kernels (lone anchors as library calls: the unfused graph as
+ONNX Runtime runs it; a plan's own reference is strategy none's time, `search.search`);
+`lower_bound_s` applies the roofline at 100% efficiency to the whole graph as one kernel with
+full overlap.
 Invariants: lower_bound_s <= the time of any valid plan under default efficiencies <= 1;
 functions are pure.
 """
