@@ -722,15 +722,25 @@ def _print_measure(report, output) -> None:
 
 
 def _fmt_versus(v: dict | None) -> str:
-    """A fused anchor group's library baseline (anchor via the library + the rest separately)."""
+    """A fused anchor group's library baseline (anchor via the library + the rest separately), or
+    a lone anchor's own call through the library where the plan ran it as our kernel."""
     if v is None:
         return ""
-    if v["fused_loses"] is None:
+    loses = v["ours_loses"] if v["alone"] else v["fused_loses"]
+    if loses is None:
         return "-"
-    return _fmt_time(v["library_baseline_s"]) + (" LOSES" if v["fused_loses"] else "")
+    return _fmt_time(v["library_baseline_s"]) + (" LOSES" if loses else "")
 
 
 def _print_versus(versus: dict, baseline: str) -> None:
+    lone = {g: v for g, v in versus.items() if v["alone"] and v["ours_loses"] is not None}
+    if lone:
+        slower = sorted(g for g, v in lone.items() if v["ours_loses"])
+        out.print(f"lone anchors the plan runs as our kernel vs the same call through the library: ours is slower in "
+                  f"{len(slower)} of {len(lone)} (ours {_fmt_time(sum(v['measured_s'] for v in lone.values()))} vs "
+                  f"library {_fmt_time(sum(v['library_baseline_s'] for v in lone.values()))})"
+                  + (f": {', '.join(f'g{g}' for g in slower[:12])}{' ...' if len(slower) > 12 else ''}" if slower else ""))
+    versus = {g: v for g, v in versus.items() if not v["alone"]}
     compared = {g: v for g, v in versus.items() if v["fused_loses"] is not None}
     if not versus:
         return

@@ -122,11 +122,22 @@ class MeasureReport:
         the unfused run), their sum `library_baseline_s`, `measured_s`, and `fused_loses`
         (measured > baseline; None when a part was not measured, when the unfused anchor did not run
         through the library, as under baseline "generated", or when the group did not run as one
-        generated kernel but node by node)."""
+        generated kernel but node by node). A lone anchor the plan ran as our kernel is set beside
+        the same anchor through the library (`alone` True, no rest; `fused_loses` None, `ours_loses`
+        whether ours is the slower)."""
         alone = {m.nodes[0]: m for m in self.unfused if len(m.nodes) == 1}
         out = {}
         for m in self.plan:
-            if m.anchor is None or len(m.nodes) < 2:
+            if m.anchor is None:
+                continue
+            if len(m.nodes) == 1:
+                lib = alone.get(m.anchor)
+                if m.how == "generated" and lib is not None and lib.how == "library":
+                    known = not (math.isnan(lib.measured_s) or math.isnan(m.measured_s))
+                    out[m.group] = {"anchor_library_s": lib.measured_s, "rest_separate_s": 0.0,
+                                    "library_baseline_s": lib.measured_s, "measured_s": m.measured_s,
+                                    "fused_loses": None, "alone": True,
+                                    "ours_loses": bool(m.measured_s > lib.measured_s) if known else None}
                 continue
             lib = alone.get(m.anchor)
             anchor_s = lib.measured_s if lib is not None and lib.how == "library" else math.nan
@@ -134,7 +145,8 @@ class MeasureReport:
             baseline_s = anchor_s + rest_s
             known = m.how == "generated" and not (math.isnan(baseline_s) or math.isnan(m.measured_s))
             out[m.group] = {"anchor_library_s": anchor_s, "rest_separate_s": rest_s, "library_baseline_s": baseline_s,
-                            "measured_s": m.measured_s, "fused_loses": bool(m.measured_s > baseline_s) if known else None}
+                            "measured_s": m.measured_s, "fused_loses": bool(m.measured_s > baseline_s) if known else None,
+                            "alone": False}
         return out
 
     def to_dict(self) -> dict:
@@ -146,9 +158,12 @@ class MeasureReport:
                    "fused_loses": versus.get(m.group, {}).get("fused_loses"),
                    **({"reason": m.reason} if m.reason else {})}
                   for m in self.plan]
-        compared = [v for v in versus.values() if v["fused_loses"] is not None]
-        totals = {**self.totals(), "anchor_groups": len(versus), "anchor_groups_compared": len(compared),
-                  "fused_loses": sum(v["fused_loses"] for v in compared)}
+        fused = [v for v in versus.values() if not v["alone"]]
+        compared = [v for v in fused if v["fused_loses"] is not None]
+        lone = [v for v in versus.values() if v["alone"] and v["ours_loses"] is not None]
+        totals = {**self.totals(), "anchor_groups": len(fused), "anchor_groups_compared": len(compared),
+                  "fused_loses": sum(v["fused_loses"] for v in compared), "lone_anchors_compared": len(lone),
+                  "lone_ours_loses": sum(v["ours_loses"] for v in lone)}
         return {"backend": self.backend, "device": self.device, "baseline": self.baseline, "groups": groups,
                 "totals": totals}
 

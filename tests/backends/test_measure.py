@@ -220,6 +220,16 @@ def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_ba
     assert rows.loc["plan", "predicted_s"] == pytest.approx(ours, rel=1e-9)
     assert rows.loc["unfused", "predicted_s"] == pytest.approx(library, rel=1e-9) and library > ours * 1.001
     assert max(rows["max_rel_err"]) < VERIFY_RTOL
+    # set beside the same call through the library, measured in the same rounds
+    (group,) = doc["groups"]
+    assert group["library_baseline_s"] == pytest.approx(rows.loc["unfused", "median_s"], rel=1e-12)
+    assert group["fused_loses"] is None
+    totals = doc["totals"]
+    assert totals["anchor_groups"] == 0 and totals["lone_anchors_compared"] == 1
+    assert totals["lone_ours_loses"] == int(rows.loc["plan", "median_s"] > rows.loc["unfused", "median_s"])
+    code, stdout, err = run_cli("measure", model, "--strategy", "greedy", "--budget", "0.01")
+    assert code == 0, err
+    assert "lone anchors the plan runs as our kernel vs the same call through the library: ours is slower in" in stdout
 
 
 def test_generated_baseline_runs_lone_anchors_as_generated_kernels(run_cli, tmp_path, small_model):
