@@ -676,11 +676,10 @@ def _measure_plans(prep, device, strategy, config, plan_json, library_anchors: b
 
     model = prep.loaded.source
     plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep)
-    none, _, _ = _run_plan(model, None, device, "none", config, prep)
-    unfused = none
-    if library_anchors:
-        unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, library_anchors=True), prep)[0]
+    unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, library_anchors=library_anchors),
+                        prep)[0]
     if plan_json is not None:
+        none = _run_plan(model, None, device, "none", config, prep)[0] if library_anchors else unfused
         from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 

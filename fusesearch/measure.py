@@ -24,10 +24,10 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
 
 The plan runs as it is priced (a CPU plan runs a lone anchor as our C unless the library is
 priced faster: `costing.priced_kernel`); the baseline says how the unfused graph's lone anchors
-run, the library's (the reference a user of ONNX Runtime knows) or ours. A CPU library call runs as ONNX Runtime runs the node inside the whole model
-(`backends.library`: its weights initializers, pre-packed; IO binding, no output allocation), and
-ONNX Runtime's fixed cost of one Run, which a whole-model run pays once, not per node, is taken
-off each of its samples: two null Runs (one Identity, a chain of them) are timed in the same
+run, the library's (the reference a user of ONNX Runtime knows) or ours. A CPU library call
+runs as ONNX Runtime runs the node inside the whole model (`backends.library`: its weights
+initializers, pre-packed; IO binding, no output allocation), and ONNX Runtime's fixed cost of
+one Run, which a whole-model run pays once, not per node, is taken off each of its samples: two null Runs (one Identity, a chain of them) are timed in the same
 rounds and `library.run_costs` reads the Run's cost and one trivial node's share from them; a
 sample never falls below that share. Likewise a generated CPU kernel is timed through a ctypes
 call from Python (about 1.5 us here) that a plan's program, one C call per segment of kernels,
