@@ -43,7 +43,7 @@ def one_model(name: str, runs: int, top: int) -> None:
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, 0)
-    program = Program(prep.graph, canonical, plan_steps(prep.graph, plan, library_calls=True), weights, 1, profile=True)
+    program = Program(prep.graph, canonical, plan_steps(prep.graph, plan), weights, 1, profile=True)
     program.set_inputs(feeds)
     ort = session(canonical, threads=1, optimize=True)
     names, ort_feeds = [o.name for o in ort.get_outputs()], session_feeds(ort, feeds)

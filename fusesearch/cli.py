@@ -768,7 +768,7 @@ def run(
                                                "or profile.json (default: host for --backend cpu, else "
                                                "h200).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="cpu (generated C in one shared library), cupy "
-                                         "(one CUDA module on one stream, a CUDA graph when no ONNX Runtime "
+                                         "(one CUDA module on one stream, a CUDA graph when no library "
                                          "step splits it; timed with CUDA events), or emulate (the CUDA program "
                                          "through the CUDA emulator on the CPU: correctness only, the plan "
                                          "checked against ONNX Runtime, no timing).")] = "cpu",

@@ -32,7 +32,8 @@ the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one
 turn per round, so that the machine's load changes fall on all four alike.
 On a GPU (`backend="cupy"`) the same steps and arena become a `CudaProgram`: one device
 allocation at the same offsets, every kernel's CUDA source in one module, launched in plan order
-on one non-default stream, library steps through ONNX Runtime on the device's buffers, the whole
+on one non-default stream, a lone anchor the plan prices as the library's call through `arraylib`
+with cupy (cuBLAS) and other library steps through ONNX Runtime on the device's buffers, the whole
 program captured once as a CUDA graph and replayed when every segment is generated; the
 programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
 CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
@@ -92,11 +93,11 @@ class Step:
     reason: str = ""  # library: why the group is not generated
 
 
-def plan_steps(graph, plan, library_calls: bool = False) -> list[Step]:
-    """The plan's groups, in order, as steps (a group the generator refuses: a step per node; with
-    `library_calls`, as the C program runs a plan, a lone group the plan runs as a library call
-    (`impl` library: an anchor the library is priced faster for, a ConvTranspose, an opaque op)
-    a library step, as the plan priced it)."""
+def plan_steps(graph, plan) -> list[Step]:
+    """The plan's groups, in order, as steps (a group the generator refuses: a step per node; a
+    lone group the plan runs as a library call, `impl` library — a GPU plan's lone anchor, a CPU
+    plan's where the library is priced faster, a ConvTranspose on a CPU, an opaque op —: a
+    library step, as the plan priced it)."""
     from fusesearch.candidates.group import FusionGroup
     from fusesearch.lowering import lower_as_library
 
@@ -106,8 +107,7 @@ def plan_steps(graph, plan, library_calls: bool = False) -> list[Step]:
         if kernel.alias:
             steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
             continue
-        reason = ("the plan runs it as a library call" if library_calls and kernel.impl == "library"
-                  and len(g.nodes) == 1 else "")
+        reason = "the plan runs it as a library call" if kernel.impl == "library" and len(g.nodes) == 1 else ""
         if not reason:
             try:
                 generated = generate(graph, kernel)
@@ -502,13 +502,31 @@ def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: 
 
 # -- the CUDA program --------------------------------------------------------------------------
 
+def _array_library_call(graph, step: Step):
+    """(op type, attributes, inputs, outputs) of a lone anchor the plan runs as a library call,
+    where `arraylib` has it (cuBLAS through CuPy on a GPU: the library call the plan priced), else
+    None (the step runs through ONNX Runtime)."""
+    from fusesearch.backends import arraylib
+
+    part = step.part
+    if part is None or part.anchor is None or len(step.nodes) != 1:
+        return None
+    node = graph.nodes[part.anchor]
+    outputs = [t for t in node.outputs if t]
+    if not arraylib.supports(node.op_type, node.attrs, len(outputs)):
+        return None
+    return node.op_type, node.attrs, list(node.inputs), outputs
+
+
 class CudaProgram(Layout):
     """The plan as one CUDA program on a `device` — `backends.cupy.Device` (a GPU) or
     `HostDevice` (the CUDA emulator on host memory): one device allocation for the arena at
     `plan_arena`'s offsets, weights uploaded once, an input buffer per model input (so every
     pointer is fixed), every generated kernel in one module (`codegen.cuda_module`) launched in
-    plan order with its own grid and block, library steps through ONNX Runtime on the device's
-    buffers (`device.library`). When every segment is generated (`cuda_graph`), the launches are
+    plan order with its own grid and block, a lone anchor the plan runs as a library call through
+    the array library on the device's buffers (`device.array_library`: cuBLAS through CuPy on a
+    GPU, as the plan priced it), other library steps through ONNX Runtime on them
+    (`device.library`). When every segment is generated (`cuda_graph`), the launches are
     captured once into a CUDA graph and every run replays it; otherwise they are launched one by
     one. The orchestration is this class alone; the device only allocates, copies, launches and
     captures."""
@@ -529,6 +547,10 @@ class CudaProgram(Layout):
             if s.how == "generated":
                 args = [self.buffer(a.tensor) for a in (*s.kernel.inputs, *s.kernel.outputs)]
                 self.launches.append(device.launcher(functions[s.kernel.name], s.kernel, args))
+            elif s.how == "library" and (call := _array_library_call(graph, s)) is not None:
+                op_type, attrs, ins, outs = call
+                self.launches.append(device.array_library(op_type, attrs, [self.buffer(t) for t in ins],
+                                                          [self.buffer(t) for t in outs]))
             elif s.how == "library":
                 self.launches.append(device.library(
                     lambda providers, s=s: library_session(canonical, graph, s, threads, providers),
@@ -536,8 +558,11 @@ class CudaProgram(Layout):
         self.cuda_graph = bool(kernels) and self.segment_counts["library"] == 0
         self.graph_exec = device.capture(self._launch_all) if self.cuda_graph else None
 
-    def buffer(self, t: str):
-        """The tensor as a device array over the program's memory (no copy)."""
+    def buffer(self, t: str | None):
+        """The tensor as a device array over the program's memory (no copy); None for an omitted
+        optional input."""
+        if not t:
+            return None
         info = self.graph.tensors[t]
         r = self.root(t)
         base, offset = (self.ext_arrays[r], 0) if r in self.ext_index else (self.arena, self.offsets[r])
@@ -606,6 +631,17 @@ class HostDevice:
 
     def library(self, make_session, inputs, outputs) -> Callable[[], None]:
         return self._recorded(host_binding(make_session(None), [(t, lambda b=b: b) for t, b in inputs], outputs))
+
+    def array_library(self, op_type: str, attrs, inputs, outputs) -> Callable[[], None]:
+        """`arraylib`'s function for the node with numpy over the host buffers (None: an omitted
+        optional input), its results copied into the outputs' buffers."""
+        from fusesearch.backends import arraylib
+
+        def go() -> None:
+            for buffer, y in zip(outputs, arraylib.run(np, op_type, attrs, inputs, len(outputs)), strict=True):
+                buffer[...] = y
+
+        return self._recorded(go)
 
     def _recorded(self, go: Callable[[], None]) -> Callable[[], None]:
         def launch() -> None:
@@ -827,7 +863,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     errors: dict[str, float] = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         say(f"compiling {label}")
-        steps = plan_steps(graph, p, library_calls=device is None)
+        steps = plan_steps(graph, p)
         programs[label], errors[label] = checked(
             label, lambda reuse, steps=steps: (
                 Program(graph, canonical, steps, weights, threads, reuse=reuse) if device is None

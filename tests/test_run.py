@@ -246,6 +246,32 @@ def test_cuda_program_through_the_emulator_equals_ort(tmp_path, build):
     assert result["segments"]["library"] == (build is conv_pool)
 
 
+def test_a_gpu_plans_lone_anchors_run_as_the_library_calls_it_priced(tmp_path, monkeypatch):
+    """A GPU plan prices a lone MatMul as the library's call (cuBLAS): the CUDA program runs it
+    through `arraylib` on the device's buffers (cupy on a GPU, numpy in the emulator here), not as
+    our tiled kernel, and still gives ONNX Runtime's outputs; with library steps between its
+    kernels the program is launched step by step, not captured."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.backends import arraylib, emulate
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import plan_steps, run_emulated
+
+    if not emulate.available():
+        pytest.skip("no C++ compiler")
+    path = save(mlp(), tmp_path / "m.onnx")
+    prep = prepare(path)
+    none = make_plan(path, device="t4", strategy="none", prepared=prep)
+    products = [s for s in plan_steps(prep.graph, none) if prep.graph.nodes[s.nodes[0]].op_type in ("MatMul", "Gemm")]
+    assert len(products) == 2 and all(s.how == "library" and s.kernel is None for s in products)
+    calls = []
+    real = arraylib.run
+    monkeypatch.setattr(arraylib, "run", lambda xp, op_type, *a: calls.append(op_type) or real(xp, op_type, *a))
+    result = run_emulated(prep, none, check_each=True)
+    assert result["max_rel_err"] <= 1e-4 and result["cuda_graph"] is False
+    assert result["library_steps"] >= 2 and len(calls) >= len(products)
+    assert set(calls) == {prep.graph.nodes[s.nodes[0]].op_type for s in products}  # every run of them by arraylib
+
+
 def test_cuda_program_runs_an_if_through_onnx_runtime(tmp_path):
     """A node with no generated kernel (If) runs through ONNX Runtime between the kernels: the
     program is launched one by one, not captured as a CUDA graph."""
@@ -344,7 +370,7 @@ def test_a_profiled_program_times_each_kernel_and_computes_the_same(tmp_path):
     canonical = to_proto(prep.canonical)
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, 0)
-    steps = plan_steps(prep.graph, plan, library_calls=True)
+    steps = plan_steps(prep.graph, plan)
     plain, profiled = (Program(prep.graph, canonical, steps, weights, 1, profile=p) for p in (False, True))
     expected = plain(feeds)
     start = time.perf_counter()
@@ -380,7 +406,7 @@ def test_a_lone_anchor_runs_as_its_plan_priced_it(tmp_path):
         **{"library_efficiency.gemm": 0.95, "tc_efficiency.gemm": 0.2}))
     for model, how in ((RooflineModel(), "generated"), (fast_library, "library")):
         none = search(graph, host_cpu(), model, "none")
-        steps = {s.nodes: s.how for s in plan_steps(graph, none, library_calls=True)}
+        steps = {s.nodes: s.how for s in plan_steps(graph, none)}
         assert [steps[p] for p in products] == [how, how]
         assert none.unfused_time_s == pytest.approx(none.time_s, rel=1e-12)  # the plan's reference is none's
     report = run_plan(prep, none, none, time_it=False)

@@ -1,5 +1,5 @@
 """`fusesearch run --backend cupy|emulate`: the plan's CUDA program (one module, one stream, a CUDA
-graph when no ONNX Runtime step splits it) equals ONNX Runtime.
+graph when no library step splits it) equals ONNX Runtime.
 
 Without a GPU the same orchestration (`run.CudaProgram`) runs on the CUDA emulator
 (`--backend emulate`): a MatMul+Add+Relu and a LayerNorm-like row group, then a Softmax row group

@@ -285,6 +285,21 @@ class Device:
 
         return go
 
+    def array_library(self, op_type: str, attrs, inputs, outputs) -> Callable[[], None]:
+        """A lone anchor's library call: `arraylib`'s function for the node with cupy (cuBLAS
+        for MatMul and Gemm, im2col + cuBLAS for Conv) on the device buffers, on the program's
+        stream, its results copied into the outputs' buffers (None: an omitted optional input)."""
+        from fusesearch.backends import arraylib
+
+        cupy, stream = self.cupy, self.stream
+
+        def launch() -> None:
+            with stream:
+                for buffer, y in zip(outputs, arraylib.run(cupy, op_type, attrs, inputs, len(outputs)), strict=True):
+                    buffer[...] = y
+
+        return launch
+
     def capture(self, launch_all: Callable[[], None]):
         """The launches of `launch_all` captured on the stream as one CUDA graph."""
         with self.stream:
