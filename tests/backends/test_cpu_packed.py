@@ -183,14 +183,18 @@ def test_b_read_in_place_is_packed_per_block(tmp_path, blas, case):
 
 @pytest.mark.parametrize("perm,packed", [([0, 2, 3, 1], "bbuf[nn * 16LL + kk]"), ([0, 2, 1, 3], "bbuf[kk * 16LL + nn]")])
 def test_computed_b_is_packed_along_its_source(tmp_path, blas, perm, packed):
-    """Keys or values with a bias in the group (Add, Reshape into heads, Transpose): B is packed
+    """Keys or values with a bias in the group (Add, Reshape into heads, Transpose): B is computed
     per batch in the order its source runs (K x N, or N x K passed transposed when the source is
-    contiguous along K)."""
+    contiguous along K), then packed from there for our micro-kernel (no BLAS call: the schedule
+    priced is the packed one)."""
     nodes = [helper.make_node("Add", ["k", "bias"], ["kb"]), helper.make_node("Reshape", ["kb", "shape"], ["k4"]),
              helper.make_node("Transpose", ["k4"], ["kt"], perm=perm), helper.make_node("MatMul", ["q", "kt"], ["out"])]
     q_shape = [1, 3, 70, 16] if perm[-1] == 1 else [1, 3, 16, 70]
-    one_kernel(tmp_path, nodes, [("q", q_shape), ("k", [1, 70, 48])], [("out", None)],
-               [("bias", _w([48], 2)), ("shape", np.int64([1, 70, 3, 16]))], expect=packed if blas == "blas" else None)
+    gk = one_kernel(tmp_path, nodes, [("q", q_shape), ("k", [1, 70, 48])], [("out", None)],
+                    [("bias", _w([48], 2)), ("shape", np.int64([1, 70, 3, 16]))], expect=packed if blas == "blas" else None)
+    body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
+    n, k = (70, 16) if perm[-1] == 1 else (16, 70)
+    assert f"fs_pack_b({k}LL, {n}LL, bbuf, " in body and ROWS in body and "FS_BLAS_SGEMM(" not in body, body
 
 
 @pytest.mark.parametrize("n,alpha,path", [(11, 0.5, BLAS), (21, 0.5, ROWS), (21, 1.0, ROWS)])

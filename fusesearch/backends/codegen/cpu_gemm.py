@@ -453,10 +453,19 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         at = [f"({i}) * {s_}LL" for i, s_ in zip(z_idx, st[:-2], strict=True) if s_] + [f"m0 * {st[-2]}LL"]
         c_ptr, ldc = f"{name} + ({' + '.join(at)})", st[-2]
     beta = "1.0f" if prefill else "0.0f"  # prefilled: the BLAS adds the product to the block
-    own = (packs is not None and not packed_b and k_extent <= ROWS_MAX_K and k_extent * n_extent <= ROWS_MAX_B_FLOATS
+    own = (packs is not None and k_extent <= ROWS_MAX_K and k_extent * n_extent <= ROWS_MAX_B_FLOATS
            and m_extent >= FS_MR and n_extent >= FS_NR and anchor.op_type in ("MatMul", "Gemm"))
     pk = None
-    if own and strided is None and len(sb) == 2:  # a constant B: packed once per plan
+    if own and packed_b:  # B computed in the group (attention's values with their bias): its panel
+        # above, with the prologue applied, packed from there per block
+        npad = -(-n_extent // FS_NR) * FS_NR * k_extent
+        z_lines += [scratch("bpk", f"{npad}LL"),
+                    f"fs_pack_b({k_extent}LL, {n_extent}LL, bbuf, "
+                    + (f"{ldb}LL, 1LL, bpk);" if b_trans == 111 else f"1LL, {ldb}LL, bpk);")]
+        if scale != 1.0:
+            z_lines += [f"for (long long i = 0; i < {npad}LL; ++i) bpk[i] *= {alpha};"]
+        pk = "bpk"
+    if own and pk is None and strided is None and len(sb) == 2:  # a constant B: packed once per plan
         pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1),
                      scale=scale)
     if own and pk is None and (strided is not None or e.args[b].dtype == "float32"):
