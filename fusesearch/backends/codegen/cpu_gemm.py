@@ -386,7 +386,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     (bert-small's 128x128 projections 2-5% faster). With `packs`, within ROWS_MAX_K and
     ROWS_MAX_B_FLOATS and from one full tile, a constant float32 B is packed once (registered
     there), or a B that is a view of an input along N (attention's values) is packed per block,
-    and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note); there a
+    or a B the group computes (the values with their bias) is packed per block from its panel
+    (`bpk`), and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note); there a
     prefill of terms read in place (`init`: a residual's and a bias row's arguments,
     `_terms_in_place`) is added by the micro-kernel at the store instead, with no prefill pass.
     A that is also a kernel output (`written`: outputs the kernel's side loops store before the
