@@ -459,12 +459,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     pk = None
     if own and packed_b:  # B computed in the group (attention's values with their bias): its panel
         # above, with the prologue applied, packed from there per block
-        npad = -(-n_extent // FS_NR) * FS_NR * k_extent
-        z_lines += [scratch("bpk", f"{npad}LL"),
-                    f"fs_pack_b({k_extent}LL, {n_extent}LL, bbuf, "
-                    + (f"{ldb}LL, 1LL, bpk);" if b_trans == 111 else f"1LL, {ldb}LL, bpk);")]
-        if scale != 1.0:
-            z_lines += [f"for (long long i = 0; i < {npad}LL; ++i) bpk[i] *= {alpha};"]
+        z_lines += _pack_per_block("bpk", "bbuf", k_extent, n_extent, ldb, b_trans, scale, alpha)
         pk = "bpk"
     if own and pk is None and strided is None and len(sb) == 2:  # a constant B: packed once per plan
         pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1),
@@ -473,11 +468,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         # a view of an input along N (attention's values) or along K (its keys, read transposed), or
         # a float32 input read in place that is not a 2-D constant (an unfused graph's values and
         # transposed keys, a batched constant): packed per block
-        z_lines += [scratch("bbuf", f"{-(-n_extent // FS_NR) * FS_NR * k_extent}LL"),
-                    f"fs_pack_b({k_extent}LL, {n_extent}LL, {b_ptr}, "
-                    + (f"{ldb}LL, 1LL, bbuf);" if b_trans == 111 else f"1LL, {ldb}LL, bbuf);")]
-        if scale != 1.0:
-            z_lines += [f"for (long long i = 0; i < {-(-n_extent // FS_NR) * FS_NR * k_extent}LL; ++i) bbuf[i] *= {alpha};"]
+        z_lines += _pack_per_block("bbuf", b_ptr, k_extent, n_extent, ldb, b_trans, scale, alpha)
         pk = "bbuf"
     gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
@@ -520,6 +511,18 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              f"long long blocks = ({m_extent}LL + mb - 1) / mb;",
              f"mb = ({m_extent}LL + blocks - 1) / blocks;")  # even blocks: a short last call costs a whole B packing
     return ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n" + _indent(block, 1), "    }"]
+
+
+def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, scale: float, alpha: str) -> list[str]:
+    """C packing B into scratch `dst` for our micro-kernel, per block, from `src` (K x N with
+    leading dimension `ldb`, or N x K where `b_trans` is 112), scaled as it is packed where a
+    scalar scale folds into the product."""
+    floats = -(-n // FS_NR) * FS_NR * k
+    lines = [scratch(dst, f"{floats}LL"),
+             f"fs_pack_b({k}LL, {n}LL, {src}, " + (f"{ldb}LL, 1LL, {dst});" if b_trans == 111 else f"1LL, {ldb}LL, {dst});")]
+    if scale != 1.0:
+        lines.append(f"for (long long i = 0; i < {floats}LL; ++i) {dst}[i] *= {alpha};")
+    return lines
 
 
 def _additive_terms(graph: Graph, kernel: Kernel, y: str, out: str) -> list[str] | None:
