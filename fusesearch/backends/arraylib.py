@@ -245,3 +245,9 @@ def run(xp, op_type: str, attrs: Attrs, inputs: Sequence[Any], n_outputs: int = 
     while args and args[-1] is None:
         args.pop()
     return [OPS[op_type](xp, attrs, *args)]
+
+
+def run_into(xp, op_type: str, attrs: Attrs, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    """`run`, its results copied into the given output arrays (a program's buffers)."""
+    for buffer, y in zip(outputs, run(xp, op_type, attrs, inputs, len(outputs)), strict=True):
+        buffer[...] = y
