@@ -20,7 +20,7 @@ from typing import Any
 
 from costmodels.errors import InvalidSpec
 
-TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "depthwise", "opaque")
+TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "conv_disjoint", "depthwise", "opaque")
 IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
 UNITS = ("tensor-core", "cuda-core", "cpu-simd", "none")  # the main loop's instruction class (cpu-simd: C only)
 
@@ -44,7 +44,8 @@ class KernelSpec:
     """One kernel, as counts.
 
     - `template`: the code shape that runs it — "pointwise" (one thread per output element),
-      "rowwise" (reductions over a row, e.g. Softmax / LayerNorm), "gemm", "conv", "depthwise"
+      "rowwise" (reductions over a row, e.g. Softmax / LayerNorm), "gemm", "conv", "conv_disjoint"
+      (a conv whose windows do not overlap: a 1x1 conv, a patch embedding), "depthwise"
       (a conv in groups of one input channel: a loop over each channel's plane, not a GEMM), or
       "opaque" (a library call or an op without a lowering).
     - `tc_flops`: FLOPs a tensor core may run (the GEMM / conv main loop; FMA = 2).

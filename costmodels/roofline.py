@@ -54,10 +54,11 @@ PerTemplate = tuple[tuple[str, float], ...]
 
 
 # A template whose values, where a table gives none for it, are another's: the defaults, and a
-# profile written before the template existed, price depthwise convs as dense convs until a
-# calibration fits them apart (on a CPU MLAS's run at 3-14 GFLOP/s against 110-160 for its dense
-# convs, ours at 20-40).
-DERIVED_TEMPLATES = {"depthwise": "conv"}
+# profile written before the template existed, price depthwise convs and convs with disjoint
+# windows as dense convs until a calibration fits them apart (on a CPU MLAS's depthwise convs run
+# at 3-14 GFLOP/s against 110-160 for its dense convs, ours at 20-40; its overlapping windows,
+# through im2col, below its 1x1 convs, ours above: `fusesearch.schedule.disjoint_windows`).
+DERIVED_TEMPLATES = {"conv_disjoint": "conv", "depthwise": "conv"}
 
 
 def with_derived(values: Mapping[str, float]) -> dict[str, float]:

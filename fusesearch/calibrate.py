@@ -103,7 +103,7 @@ BACKENDS = ("cpu", "cupy")
 DEFAULT_MODELS = {"cpu": ("bert-small", "resnet18", "mobilenetv2", "vit-small"),
                   "cupy": ("bert-base", "resnet50", "mobilenetv2", "vit-base", "gpt2", "yolo-neck",
                            "unet")}
-TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "depthwise")  # what codegen generates
+TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "conv_disjoint", "depthwise")  # what codegen generates
 SIZE_BINS = 4
 HELDOUT_FRACTION = 0.3
 MAX_KERNEL_S = {"cpu": 0.25, "cupy": 0.05}  # a first run slower than this is skipped (counted)
@@ -836,7 +836,8 @@ def plot(frame, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"pointwise": "tab:blue", "rowwise": "tab:orange", "gemm": "tab:green", "conv": "tab:red", "depthwise": "tab:purple"}
+    colors = {"pointwise": "tab:blue", "rowwise": "tab:orange", "gemm": "tab:green", "conv": "tab:red",
+              "conv_disjoint": "tab:brown", "depthwise": "tab:purple"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
     lo = float(min(frame["measured_s"].min(), frame["predicted_before_s"].min(),
                    frame["predicted_after_s"].min())) * 1e6 / 2

@@ -8,7 +8,9 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
     any OPAQUE op ............ alone → `opaque` (a library call, costed, never fused)
     one ANCHOR ............... Conv/ConvTranspose → `conv` (implicit GEMM), a depthwise Conv (in
                                groups of one input channel: `schedule.depthwise_conv`) →
-                               `depthwise`, MatMul/Gemm → `gemm`;
+                               `depthwise`, a Conv whose windows do not overlap (a 1x1 conv,
+                               a patch embedding: `schedule.disjoint_windows`) →
+                               `conv_disjoint`, MatMul/Gemm → `gemm`;
                                elementwise/broadcast/injective prologue and epilogue, and a
                                row Softmax epilogue over the output's last axis
     REDUCE, no anchor ........ `rowwise`: reductions over inner axes sharing one row count
@@ -73,6 +75,7 @@ from fusesearch.schedule import (
     block_per_row,
     conv_reads_band,
     depthwise_conv,
+    disjoint_windows,
     folded_scale,
     grid_stride,
     has_gemm_view,
@@ -466,7 +469,7 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: b
             row_tile = max(row_tile, decision)
     m, n_dim, k = _gemm_dims(graph, anchor)
     out_size = graph.tensors[anchor.outputs[0]].size
-    template = "depthwise" if depthwise_conv(graph, anchor) else GEMM_TEMPLATE[anchor.op_type]
+    template = anchor_template(graph, anchor)
     ids = [n.id for n in nodes]
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
         # conv's loop over its planes (each prologue element once); a lone anchor the same C
@@ -530,6 +533,14 @@ def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:
     if tiles >= TARGET_BLOCKS:
         return 1
     return max(1, min(math.ceil(TARGET_BLOCKS / tiles), k // (4 * tk)))
+
+
+def anchor_template(graph: Graph, anchor: Node) -> str:
+    """An anchor's template: "depthwise" (`depthwise_conv`), "conv_disjoint" (`disjoint_windows`),
+    else "conv" or "gemm" by its op."""
+    if depthwise_conv(graph, anchor):
+        return "depthwise"
+    return "conv_disjoint" if disjoint_windows(graph, anchor) else GEMM_TEMPLATE[anchor.op_type]
 
 
 def _row_epilogue(graph: Graph, n: Node, anchor: Node) -> int | FusionDecision:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from fusesearch.plans import Plan
 
-COLORS = {"pointwise": "#8ecae6", "rowwise": "#ffd166", "gemm": "#f4a261", "conv": "#e76f51", "depthwise": "#d4a5a5",
-          "opaque": "#adb5bd", "alias": "#e9ecef"}
+COLORS = {"pointwise": "#8ecae6", "rowwise": "#ffd166", "gemm": "#f4a261", "conv": "#e76f51", "conv_disjoint": "#f28482",
+          "depthwise": "#d4a5a5", "opaque": "#adb5bd", "alias": "#e9ecef"}
 BOUND_BADGE = {"memory": "M", "compute": "C", "launch": "L"}
 BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN = 190, 46, 30, 38, 20
 MAX_OPS_CHARS = 30

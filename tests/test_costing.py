@@ -4,6 +4,7 @@ figures (unfused time, physical lower bound)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, get_device, host_cpu
@@ -264,6 +265,44 @@ def test_a_depthwise_conv_is_its_own_template_priced_by_its_own_efficiencies():
     dense_host, _ = priced_kernel(dense, lower(dense, group(dense, "sig", "conv", "relu")), host_cpu(), MODEL)
     assert dense_host.template == "conv" and dense_host.schedule.skeleton == "packed"
     assert kernel_cost(dense_host, host_cpu(), slow).time_s == kernel_cost(dense_host, host_cpu(), MODEL).time_s
+
+
+def _window_graph(k: int, stride: int, dilation: int = 1):
+    """Sigmoid -> Conv 8 -> 16 channels, a k x k window at `stride` and `dilation` -> Relu."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
+             helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", strides=[stride] * 2, dilations=[dilation] * 2),
+             helper.make_node("Relu", ["y"], ["z"], name="relu")]
+    return graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT)], [("z", None, TensorProto.FLOAT)],
+                    [("w", np.ones((16, 8, k, k), np.float32))])
+
+
+@pytest.mark.parametrize(("k", "stride", "dilation", "disjoint"), [
+    (1, 1, 1, True), (1, 2, 1, True), (4, 4, 1, True), (2, 4, 1, True),  # 1x1, strided 1x1, patches
+    (3, 1, 1, False), (3, 2, 1, False), (2, 2, 2, False), (4, 2, 1, False)])  # windows that overlap
+def test_a_conv_with_disjoint_windows_is_its_own_template_priced_by_its_own_efficiencies(k, stride, dilation, disjoint):
+    """Regime: compute-bound on the host's SIMD units. A conv whose windows do not overlap (each
+    input element in one window per filter: 1x1 convs, a patch embedding) is template
+    "conv_disjoint" lone (the library's call) and fused (host and GPU lowering alike), priced by its
+    own efficiencies and not by a conv's; a window that overlaps its neighbours (a 3x3, a 4x4 at
+    stride 2, a 2x2 dilated by 2) stays a conv, priced by the conv's."""
+    from fusesearch.schedule import disjoint_windows
+
+    g = _window_graph(k, stride, dilation)
+    assert disjoint_windows(g, g.nodes[g.node("conv").id]) == disjoint
+    template = "conv_disjoint" if disjoint else "conv"
+    fused = lower(g, group(g, "sig", "conv", "relu"))
+    host, _ = priced_kernel(g, fused, host_cpu(), MODEL)
+    lone = lower(g, group(g, "conv"))
+    assert fused.template == host.template == lone.template == template
+    assert host.schedule.skeleton == "packed" and lone.schedule.impl == "library"
+    other = "conv" if disjoint else "conv_disjoint"
+    slow_own = RooflineModel(MODEL.params.with_updates(**{f"tc_efficiency.{template}": 0.001,
+                                                          f"library_efficiency.{template}": 0.001}))
+    slow_other = RooflineModel(MODEL.params.with_updates(**{f"tc_efficiency.{other}": 0.001,
+                                                            f"library_efficiency.{other}": 0.001}))
+    for kernel in (host, lone):
+        assert kernel_cost(kernel, host_cpu(), slow_own).compute_s > 10 * kernel_cost(kernel, host_cpu(), MODEL).compute_s
+        assert kernel_cost(kernel, host_cpu(), slow_other).time_s == kernel_cost(kernel, host_cpu(), MODEL).time_s
 
 
 def test_a_lone_anchor_on_the_cpu_is_our_c_unless_the_library_is_priced_faster():

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from costmodels import DEVICES, InvalidSpec, KernelSpec, RooflineModel, RooflineParams
-from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
+from costmodels.roofline import DERIVED_TEMPLATES, scalar_peak_flops_per_s, tensor_peak_flops_per_s
 
 MODEL = RooflineModel()
 PARAMS = MODEL.params
@@ -245,17 +245,19 @@ def test_params_updates_and_dict_round_trip():
         RooflineParams.from_dict({"overlapp": 0.9})
 
 
-def test_a_profile_from_before_the_depthwise_template_prices_depthwise_convs_as_its_convs():
-    """A table written without "depthwise" (a profile fitted before the template existed) gives
-    depthwise convs its conv value; one that has it keeps its own."""
-    old = {name: {t: v for t, v in table.items() if t != "depthwise"}
+@pytest.mark.parametrize("derived", ["depthwise", "conv_disjoint"])
+def test_a_profile_from_before_a_conv_template_prices_those_convs_as_its_convs(derived):
+    """A table written without "depthwise" or "conv_disjoint" (a profile fitted before the template
+    existed) gives those convs its conv value; one that has it keeps its own."""
+    assert DERIVED_TEMPLATES[derived] == "conv"
+    old = {name: {t: v for t, v in table.items() if t != derived}
            for name, table in PARAMS.with_updates(**{"tc_efficiency.conv": 0.55, "library_efficiency.conv": 0.45,
-                                                     "tc_efficiency.depthwise": 0.1}).to_dict().items()
+                                                     f"tc_efficiency.{derived}": 0.1}).to_dict().items()
            if isinstance(table, dict)}
     loaded = RooflineParams.from_dict(old)
-    assert loaded.get("tc_efficiency", "depthwise") == 0.55 and loaded.get("library_efficiency", "depthwise") == 0.45
-    own = PARAMS.with_updates(**{"tc_efficiency.depthwise": 0.1})
-    assert RooflineParams.from_dict(own.to_dict()).get("tc_efficiency", "depthwise") == 0.1
+    assert loaded.get("tc_efficiency", derived) == 0.55 and loaded.get("library_efficiency", derived) == 0.45
+    own = PARAMS.with_updates(**{f"tc_efficiency.{derived}": 0.1})
+    assert RooflineParams.from_dict(own.to_dict()).get("tc_efficiency", derived) == 0.1
 
 
 def test_generated_tensor_core_gemm_is_priced_at_tensor_core_rates():

@@ -40,7 +40,7 @@ CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "uns
 NP_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_,  # same keys
              "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 HALF_DTYPES = ("float16", "bfloat16")
-SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "depthwise")
+SUPPORTED_TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "conv_disjoint", "depthwise")
 
 
 class CodegenRefused(Exception):
