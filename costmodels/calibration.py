@@ -11,12 +11,16 @@ first, then Levenberg-Marquardt with a forward-difference Jacobian of `RooflineM
 the shared terms on the anchor-free kernels first, then each anchor template's own parameters.
 `cross_validate` refits on k folds of the training kernels (by group, seeded) and says whether
 the fitted first stage (shared terms, anchor-free templates) predicts the left-out folds worse
-(MAPE, over every kernel) than its starting values, then, per part, whether its own fitted
-parameters do; the caller keeps the starting values of such a part (`keep_shared`, `keep_start`).
+(`error_factor`, over every kernel) than its starting values, then, per part, whether its own
+fitted parameters do; the caller keeps the starting values of such a part (`keep_shared`,
+`keep_start`). The judge is the error the fit minimizes, |log(predicted / measured)|, a factor off
+either way, not the APE: an APE caps a prediction too fast at 100% and leaves one too slow
+unbounded, so it kept a part's defaults that priced every depthwise conv 3-5x too fast (APE near
+80% each) over a fit within 1.5x either way.
 A part (`part_of`) is a template's generated kernels (their efficiencies and occupancy knee) or
 its library calls (`template/library`: its `library_efficiency`), judged apart: another kernel.
 `fit_registers` fits the register estimate to ptxas's counts. `accuracy` gives MAPE, median APE,
-Spearman and Kendall (tau-b).
+Spearman and Kendall (tau-b) for the report.
 Invariants: pure and deterministic (numpy only; no graphs, no files); a FitResult's parameters
 pass RooflineParams validation, and the efficiencies it fits stay within (0, 1] of their peak.
 """
@@ -97,14 +101,22 @@ def kendall(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def accuracy(predicted: Sequence[float], measured: Sequence[float]) -> dict:
-    """{"n", "mape", "median_ape", "spearman", "kendall"}: APE = |pred - meas| / meas."""
+    """{"n", "mape", "median_ape", "error_factor", "spearman", "kendall"}: APE = |pred - meas| /
+    meas; `error_factor` the factor off either way that the fit and its guard judge by."""
     p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
     if len(p) == 0:
-        return {"n": 0, "mape": math.nan, "median_ape": math.nan, "spearman": math.nan,
+        return {"n": 0, "mape": math.nan, "median_ape": math.nan, "error_factor": math.nan, "spearman": math.nan,
                 "kendall": math.nan}
     ape = np.abs(p - m) / m
     return {"n": int(len(p)), "mape": float(np.mean(ape)), "median_ape": float(np.median(ape)),
-            "spearman": spearman(p, m), "kendall": kendall(p, m)}
+            "error_factor": error_factor(p, m), "spearman": spearman(p, m), "kendall": kendall(p, m)}
+
+
+def error_factor(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """exp(mean |log(predicted / measured)|): the factor (>= 1) a prediction is typically off by,
+    too fast or too slow alike (1 = exact; nan for no kernels)."""
+    p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
+    return float(np.exp(np.mean(np.abs(np.log(p / m))))) if len(p) else math.nan
 
 
 # -- fitting ----------------------------------------------------------------------------------
@@ -297,11 +309,12 @@ SHARED_TERMS = "shared terms"  # cross_validate's key for the first stage kept o
 
 def cross_validate(specs: Sequence[KernelSpec], measured_s: Sequence[float], groups: Sequence[str],
                    device: DeviceSpec, start: RooflineParams, seed: int, *, k: int = CV_FOLDS) -> dict[str, dict]:
-    """The MAPE on left-out folds, each fold predicted by `fit_staged` run on the other k-1: first
-    under SHARED_TERMS, over every kernel, of the fold's fitted parameters ("fitted_mape") and of
-    them with the first stage back at `start` (`keep_shared`: "kept_mape"); then per part
-    (`part_of`), on that part's kernels, of the better of those two ("fitted_mape") and of it with
-    the part's own parameters at `start` ("kept_mape"). Empty when there are fewer than k groups."""
+    """The `error_factor` on left-out folds, each fold predicted by `fit_staged` run on the other
+    k-1: first under SHARED_TERMS, over every kernel, of the fold's fitted parameters
+    ("fitted_error") and of them with the first stage back at `start` (`keep_shared`:
+    "kept_error"); then per part (`part_of`), on that part's kernels, of the better of those two
+    ("fitted_error") and of it with the part's own parameters at `start` ("kept_error"). Empty
+    when there are fewer than k groups."""
     measured = np.asarray(measured_s, dtype=np.float64)
     if len(set(groups)) < k:
         return {}
@@ -309,26 +322,27 @@ def cross_validate(specs: Sequence[KernelSpec], measured_s: Sequence[float], gro
     fits = [fit_staged([s for s, i in zip(specs, folds != f, strict=True) if i], measured[folds != f], device,
                        start).params for f in range(k)]
 
-    def ape(params_of, rows_of) -> list[float]:
-        out: list[float] = []
+    def left_out(params_of, rows_of) -> tuple[np.ndarray, np.ndarray]:
+        """(predicted, measured) of the kernels `rows_of` takes, each by its own fold's fit."""
+        pred: list[float] = []
+        meas: list[float] = []
         for f, fitted in enumerate(fits):
             rows = [s for s, i in zip(specs, folds == f, strict=True) if i and rows_of(s)]
-            m = measured[folds == f][[rows_of(s) for s, i in zip(specs, folds == f, strict=True) if i]]
             if rows:
-                out.extend(np.abs(predict(rows, device, params_of(fitted)) - m) / m)
-        return out
+                pred.extend(predict(rows, device, params_of(fitted)))
+                meas.extend(measured[folds == f][[rows_of(s) for s, i in zip(specs, folds == f, strict=True) if i]])
+        return np.array(pred), np.array(meas)
 
     every = lambda s: True  # noqa: E731
-    shared = {"fitted": ape(lambda p: p, every), "kept": ape(lambda p: keep_shared(p, start), every)}
-    keep = np.mean(shared["kept"]) < np.mean(shared["fitted"])
-    base = (lambda p: keep_shared(p, start)) if keep else (lambda p: p)
-    out = {SHARED_TERMS: {"n": len(shared["fitted"]), "fitted_mape": float(np.mean(shared["fitted"])),
-                          "kept_mape": float(np.mean(shared["kept"]))}}
+    fitted_all, kept_all = left_out(lambda p: p, every), left_out(lambda p: keep_shared(p, start), every)
+    shared = {"n": len(fitted_all[0]), "fitted_error": error_factor(*fitted_all), "kept_error": error_factor(*kept_all)}
+    base = (lambda p: keep_shared(p, start)) if shared["kept_error"] < shared["fitted_error"] else (lambda p: p)
+    out = {SHARED_TERMS: shared}
     for t in sorted({part_of(s) for s in specs}):
         mine = lambda s, t=t: part_of(s) == t  # noqa: E731
-        fitted = ape(base, mine)
-        kept = ape(lambda p, t=t: keep_start(base(p), start, t), mine)
-        out[t] = {"n": len(fitted), "fitted_mape": float(np.mean(fitted)), "kept_mape": float(np.mean(kept))}
+        fitted = left_out(base, mine)
+        kept = left_out(lambda p, t=t: keep_start(base(p), start, t), mine)
+        out[t] = {"n": len(fitted[0]), "fitted_error": error_factor(*fitted), "kept_error": error_factor(*kept)}
     return out
 
 

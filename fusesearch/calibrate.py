@@ -80,6 +80,7 @@ from costmodels.calibration import (
     FitResult,
     accuracy,
     cross_validate,
+    error_factor,
     fit,
     fit_registers,
     fit_staged,
@@ -692,34 +693,35 @@ def analyse(rows: Sequence[dict], device: DeviceSpec, start: RooflineParams, bac
 
 def keep_where_worse(params: RooflineParams, start: RooflineParams, device: DeviceSpec, frame,
                      specs: Sequence[KernelSpec], held: np.ndarray, seed: int) -> tuple[RooflineParams, dict]:
-    """Starting parameters instead of fitted ones where the fitted ones predict worse (MAPE): first
+    """Starting parameters instead of fitted ones where the fitted ones predict worse (a larger
+    `error_factor`: the log error the fit minimizes, a factor off either way): first
     the shared terms with the anchor-free templates' own (the fit's first stage, over every kernel;
     `keep_shared`), then per part (a template's generated kernels, or its library calls: `part_of`)
     its own, on left-out folds of the training kernels (cross-validation), then, for the parts
     left, on the held-out kernels. Returns the parameters and {part or SHARED_TERMS: {"by",
-    "kept_mape", "fitted_mape", "n"}} for each part kept."""
+    "kept_error", "fitted_error", "n"}} for each part kept."""
     measured = frame["measured_s"].to_numpy()
     train = [s for s, h in zip(specs, held, strict=True) if not h]
     kept: dict[str, dict] = {}
     cv = cross_validate(train, measured[~held], list(frame.loc[~held, "group"]), device, start, seed)
     shared = cv.pop(SHARED_TERMS, None)  # the first stage as a whole before any template's own
-    if shared is not None and shared["fitted_mape"] > shared["kept_mape"]:
+    if shared is not None and shared["fitted_error"] > shared["kept_error"]:
         params = keep_shared(params, start)
         kept[SHARED_TERMS] = {"by": "cross-validation", **shared}
     for t, c in cv.items():
-        if c["fitted_mape"] > c["kept_mape"]:
+        if c["fitted_error"] > c["kept_error"]:
             params = keep_start(params, start, t)
             kept[t] = {"by": "cross-validation", **c}
     parts = np.array([part_of(s) for s in specs])
     for t in sorted(set(parts[held]) - set(kept)):
         rows = held & (parts == t)
         sub = [s for s, r in zip(specs, rows, strict=True) if r]
-        fitted = accuracy(predict(sub, device, params), measured[rows])["mape"]
+        fitted = error_factor(predict(sub, device, params), measured[rows])
         candidate = keep_start(params, start, t)
-        kept_mape = accuracy(predict(sub, device, candidate), measured[rows])["mape"]
-        if fitted > kept_mape:
+        kept_error = error_factor(predict(sub, device, candidate), measured[rows])
+        if fitted > kept_error:
             params = candidate
-            kept[t] = {"by": "held-out", "n": len(sub), "fitted_mape": fitted, "kept_mape": kept_mape}
+            kept[t] = {"by": "held-out", "n": len(sub), "fitted_error": fitted, "kept_error": kept_error}
     return params, kept
 
 
@@ -891,20 +893,21 @@ def report_lines(report: Mapping) -> list[str]:
         block = report[key]
         n = report["n_heldout"] if key == "heldout" else report["n_train"]
         lines.append(f"{label} ({n} kernels)")
-        lines.append(f"  {'template':<10} {'n':>4}  {'MAPE':>15}  {'median APE':>15}  "
+        lines.append(f"  {'template':<13} {'n':>4}  {'MAPE':>15}  {'median APE':>15}  {'error factor':>15}  "
                      f"{'Spearman':>13}  {'Kendall':>13}")
         rows = [("overall", block["before"], block["after"])]
         rows += [(t, v["before"], v["after"]) for t, v in block["per_template"].items()]
         for name, b, a in rows:
-            lines.append(f"  {name:<10} {a['n']:>4}  {_pct(b['mape'])} → {_pct(a['mape'])}  "
+            lines.append(f"  {name:<13} {a['n']:>4}  {_pct(b['mape'])} → {_pct(a['mape'])}  "
                          f"{_pct(b['median_ape'])} → {_pct(a['median_ape'])}  "
+                         f"{_factor(b.get('error_factor'))} → {_factor(a.get('error_factor'))}  "
                          f"{_num(b['spearman'])} → {_num(a['spearman'])}  "
                          f"{_num(b['kendall'])} → {_num(a['kendall'])}")
         if key == "heldout":
             for t, k in report.get("kept_defaults", {}).items():
                 what = "held-out" if k["by"] == "held-out" else "cross-validated (training folds)"
-                lines.append(f"  {t:<10} kept defaults: {what} MAPE would rise from {_pct(k['kept_mape']).strip()} "
-                             f"to {_pct(k['fitted_mape']).strip()} with fitted parameters")
+                lines.append(f"  {t:<13} kept defaults: {what} error factor would rise from {k['kept_error']:.3f}x "
+                             f"to {k['fitted_error']:.3f}x with fitted parameters")
     regs = report.get("registers")
     if regs:
         b, a = regs["heldout"]["before"], regs["heldout"]["after"]
@@ -918,6 +921,10 @@ def report_lines(report: Mapping) -> list[str]:
 
 def _pct(x: float) -> str:
     return f"{'-':>6}" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:5.1f}%"
+
+
+def _factor(x: float | None) -> str:
+    return f"{'-':>6}" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:5.3f}x"
 
 
 def _num(x: float, digits: int = 3) -> str:
