@@ -220,23 +220,25 @@ def test_a_conv_prologue_on_the_cpu_counts_once_when_the_conv_reads_a_band():
     from fusesearch.schedule import conv_reads_band
 
     for k in (3, 1):
-        nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
-                 helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", pads=[k // 2] * 4),
-                 helper.make_node("Relu", ["y"], ["z"], name="relu")]
-        g = graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT)], [("z", None, TensorProto.FLOAT)],
-                     [("w", np.ones((16, 8, k, k), np.float32))])
+        g = _sigmoid_conv_relu((16, 8, k, k), pads=[k // 2] * 4)
         host, _ = priced_kernel(g, lower(g, group(g, "sig", "conv", "relu")), host_cpu(), MODEL)
         assert conv_reads_band(g, g.nodes[g.node("conv").id]) == (k == 3)
         assert host.schedule.skeleton == "packed" and host.transcendentals == 8 * 16 * 16  # the Sigmoid once
 
 
-def _depthwise_graph(channels_in_group: int = 1):
-    """Sigmoid -> 3x3 Conv in groups of `channels_in_group` input channels (8 channels) -> Relu."""
+def _sigmoid_conv_relu(weight_shape: tuple[int, ...], **conv_attrs):
+    """Sigmoid -> Conv (filters of `weight_shape`, ones; `conv_attrs` its attributes) -> Relu over
+    a 1 x 8 x 16 x 16 input."""
     nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
-             helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", pads=[1] * 4, group=8 // channels_in_group),
+             helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", **conv_attrs),
              helper.make_node("Relu", ["y"], ["z"], name="relu")]
     return graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT)], [("z", None, TensorProto.FLOAT)],
-                    [("w", np.ones((8, channels_in_group, 3, 3), np.float32))])
+                    [("w", np.ones(weight_shape, np.float32))])
+
+
+def _depthwise_graph(channels_in_group: int = 1):
+    """Sigmoid -> 3x3 Conv in groups of `channels_in_group` input channels (8 channels) -> Relu."""
+    return _sigmoid_conv_relu((8, channels_in_group, 3, 3), pads=[1] * 4, group=8 // channels_in_group)
 
 
 def test_a_depthwise_conv_is_its_own_template_priced_by_its_own_efficiencies():
@@ -267,15 +269,6 @@ def test_a_depthwise_conv_is_its_own_template_priced_by_its_own_efficiencies():
     assert kernel_cost(dense_host, host_cpu(), slow).time_s == kernel_cost(dense_host, host_cpu(), MODEL).time_s
 
 
-def _window_graph(k: int, stride: int, dilation: int = 1):
-    """Sigmoid -> Conv 8 -> 16 channels, a k x k window at `stride` and `dilation` -> Relu."""
-    nodes = [helper.make_node("Sigmoid", ["x"], ["xs"], name="sig"),
-             helper.make_node("Conv", ["xs", "w"], ["y"], name="conv", strides=[stride] * 2, dilations=[dilation] * 2),
-             helper.make_node("Relu", ["y"], ["z"], name="relu")]
-    return graph_of(nodes, [("x", [1, 8, 16, 16], TensorProto.FLOAT)], [("z", None, TensorProto.FLOAT)],
-                    [("w", np.ones((16, 8, k, k), np.float32))])
-
-
 @pytest.mark.parametrize(("k", "stride", "dilation", "disjoint"), [
     (1, 1, 1, True), (1, 2, 1, True), (4, 4, 1, True), (2, 4, 1, True),  # 1x1, strided 1x1, patches
     (3, 1, 1, False), (3, 2, 1, False), (2, 2, 2, False), (4, 2, 1, False)])  # windows that overlap
@@ -287,7 +280,7 @@ def test_a_conv_with_disjoint_windows_is_its_own_template_priced_by_its_own_effi
     stride 2, a 2x2 dilated by 2) stays a conv, priced by the conv's."""
     from fusesearch.schedule import disjoint_windows
 
-    g = _window_graph(k, stride, dilation)
+    g = _sigmoid_conv_relu((16, 8, k, k), strides=[stride] * 2, dilations=[dilation] * 2)
     assert disjoint_windows(g, g.nodes[g.node("conv").id]) == disjoint
     template = "conv_disjoint" if disjoint else "conv"
     fused = lower(g, group(g, "sig", "conv", "relu"))
