@@ -23,7 +23,9 @@ ctypes call per segment, no Python between consecutive kernels (a program built 
 also times each kernel call in C: `Program.kernel_seconds`). Library steps between them run
 from Python. Every produced tensor has a lifetime [producing step, last reading step] (model
 outputs live to the end; an alias extends its source's); `plan_arena` places them greedily by
-size at the lowest offset that overlaps no placed tensor alive at the same time.
+size at the lowest offset that overlaps no placed tensor alive at the same time, a tensor of a
+page or more on a page (`cpu.alignment`: two such never fall 64-192 bytes apart modulo 4 KiB,
+where a kernel's stores are taken for its loads of the input a vector ahead).
 `run_plan` checks both programs (the plan and the unfused graph, every node its own kernel)
 against ONNX Runtime on seeded valid inputs (`verify.random_feeds`, `verify.compare`), naming
 the first step whose output differs on a mismatch, then times both and ONNX Runtime at
@@ -66,7 +68,7 @@ import onnx
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CodegenRefused, GeneratedKernel, generate
-from fusesearch.backends.cpu import ALIGN, aligned_array, aligned_empty
+from fusesearch.backends.cpu import aligned_array, aligned_empty, alignment
 from fusesearch.backends.library import host_binding, node_model
 from fusesearch.backends.timing import Timing
 from fusesearch.errors import BadInput, FusesearchError
@@ -150,28 +152,31 @@ def segments(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
 
 def plan_arena(sizes: Mapping[str, int], lifetimes: Mapping[str, tuple[int, int]], *,
                reuse: bool = True) -> tuple[dict[str, int], int]:
-    """Offsets of each tensor (greedy by size: largest first, each at the lowest aligned offset
-    that overlaps no placed tensor whose lifetime [first, last] intersects its own) and the peak
-    bytes. Without reuse, tensors are laid end to end."""
-    def aligned(n: int) -> int:
-        return -(-n // ALIGN) * ALIGN
+    """Offsets of each tensor (greedy by size: largest first, each at the lowest offset aligned
+    as `cpu.alignment` aligns a buffer of its size, a page from a page up, that overlaps no placed
+    tensor whose lifetime [first, last] intersects its own) and the peak bytes. Without reuse,
+    tensors are laid end to end, each aligned so."""
+    def up(n: int, align: int) -> int:
+        return -(-n // align) * align
 
     offsets: dict[str, int] = {}
     if not reuse:
         at = 0
         for t in sizes:
-            offsets[t] = at
-            at += aligned(max(sizes[t], 1))
+            align = alignment(max(sizes[t], 1))
+            offsets[t] = at = up(at, align)
+            at += up(max(sizes[t], 1), align)
         return offsets, at
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
     for t in sorted(sizes, key=lambda t: (-sizes[t], lifetimes[t][0], t)):
         first, last = lifetimes[t]
-        need = aligned(max(sizes[t], 1))
+        align = alignment(max(sizes[t], 1))
+        need = up(max(sizes[t], 1), align)
         at = 0
         for off, end, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
             if off - at >= need:
                 break
-            at = max(at, end)
+            at = max(at, up(end, align))
         offsets[t] = at
         placed.append((at, at + need, first, last))
     return offsets, max((p[1] for p in placed), default=0)

@@ -18,7 +18,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusesearch.backends import cpu
-from fusesearch.run import ALIGN, Step, plan_arena, segments
+from fusesearch.backends.cpu import ALIGN, PAGE, aligned_empty
+from fusesearch.run import Step, plan_arena, segments
 from tests.conftest import make_model, save
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
@@ -199,6 +200,18 @@ def test_arena_reuses_memory_on_a_chain():
     assert flat == 10 * 1024
 
 
+def test_arena_starts_every_tensor_of_a_page_or_more_on_a_page():
+    """Tensors of 100 B, 5000 B and 70000 B, all alive together and laid end to end: the large
+    ones start on pages (so they fall alike modulo 4 KiB), the small one on a cache line."""
+    sizes = {"small": 100, "mid": 5000, "big": 70000}
+    lifetimes = dict.fromkeys(sizes, (0, 1))
+    for reuse in (True, False):
+        offsets, peak = plan_arena(sizes, lifetimes, reuse=reuse)
+        assert offsets["mid"] % PAGE == 0 and offsets["big"] % PAGE == 0 and offsets["small"] % ALIGN == 0
+        assert peak >= sum(sizes.values()) and len(set(offsets.values())) == 3
+    assert aligned_empty(5000).ctypes.data % PAGE == 0 and aligned_empty(100).ctypes.data % ALIGN == 0
+
+
 def test_arena_never_overlaps_live_tensors():
     rng = np.random.default_rng(1)
     sizes = {f"t{i}": int(rng.integers(1, 5000)) for i in range(60)}
@@ -207,8 +220,8 @@ def test_arena_never_overlaps_live_tensors():
         first = int(rng.integers(0, 40))
         lifetimes[t] = (first, first + int(rng.integers(0, 10)))
     offsets, peak = plan_arena(sizes, lifetimes)
-    for a in sizes:
-        assert offsets[a] % ALIGN == 0 and offsets[a] + sizes[a] <= peak
+    for a in sizes:  # a page from a page up (4096 and more here), a cache line below
+        assert offsets[a] % (PAGE if sizes[a] >= PAGE else ALIGN) == 0 and offsets[a] + sizes[a] <= peak
         for b in sizes:
             live = lifetimes[a][0] <= lifetimes[b][1] and lifetimes[b][0] <= lifetimes[a][1]
             if a < b and live:

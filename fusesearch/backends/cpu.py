@@ -9,7 +9,11 @@ prelude's own inline polynomials) into a cache folder keyed by the source's hash
 contiguous pointer of its C type, and returns the outputs as numpy arrays; every buffer a kernel is
 given starts on a cache line (`aligned_empty`, as in a plan's arena and ONNX Runtime's allocator:
 numpy's own large arrays start 16 bytes past a page, which splits every other 32-byte vector
-access across two lines and cost a Softmax 4% here); a kernel that reads
+access across two lines and cost a Softmax 4% here), and one of a page or more on a page (`PAGE`:
+an output that starts 64-192 bytes past an input modulo 4 KiB has its stores taken for the loads
+of the input a vector ahead, a false dependence the core resolves late; a GELU loop ran 14-19%
+slower so, whichever variant of its source, so two timings of one kernel differed by where its
+buffers fell); a kernel that reads
 weights packed (`GeneratedKernel.packed`) gets them packed by its `<name>_pack` when its runner is
 made, once, and passed after its outputs.
 Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
@@ -34,17 +38,25 @@ from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
 ALIGN = 64  # bytes: every buffer a kernel reads or writes starts on a cache line
+PAGE = 4096  # bytes: and one of at least this many on a page, so any two such start alike modulo 4 KiB
+
+
+def alignment(nbytes: int) -> int:
+    """Where a buffer of `nbytes` starts: on a page from a page up, else on a cache line."""
+    return PAGE if nbytes >= PAGE else ALIGN
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """`nbytes` uninitialised bytes starting on an ALIGN boundary (a view into a larger array)."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
+    """`nbytes` uninitialised bytes starting on an `alignment(nbytes)` boundary (a view into a
+    larger array)."""
+    align = alignment(nbytes)
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
     return raw[start:start + nbytes]
 
 
 def aligned_array(shape, dtype, fill: np.ndarray | None = None) -> np.ndarray:
-    """An array of `shape` and `dtype` on an ALIGN boundary, holding `fill` when given."""
+    """An array of `shape` and `dtype` aligned as `aligned_empty`, holding `fill` when given."""
     dtype = np.dtype(dtype)
     out = aligned_empty(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)
     if fill is not None:

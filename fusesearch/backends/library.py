@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from fusesearch.backends.cpu import aligned_array
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
 
@@ -100,13 +101,14 @@ def library_runner(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel,
     from fusesearch.verify import session, session_feeds
 
     sess = session(node_model(canonical, graph, kernel))
-    arrays = {t: np.ascontiguousarray(inputs[t]) for t in kernel.inputs}
+    # aligned as our kernels' buffers are (`cpu.aligned_array`), so both are timed on like memory
+    arrays = {t: aligned_array(np.shape(inputs[t]), np.asarray(inputs[t]).dtype, inputs[t]) for t in kernel.inputs}
     feeds = [(t, lambda a=a: a) for t, a in arrays.items()]
     names = list(kernel.outputs)
     if any(graph.tensors[t].shape is None for t in names):  # a dynamic output: ONNX Runtime allocates it
         given = session_feeds(sess, arrays)
         return (lambda: dict(zip(names, sess.run(names, given), strict=True))), names
-    outs = {t: np.empty(graph.tensors[t].shape, dtype=np.dtype(graph.tensors[t].dtype)) for t in names}
+    outs = {t: aligned_array(graph.tensors[t].shape, graph.tensors[t].dtype) for t in names}
     run = host_binding(sess, feeds, list(outs.items()), fixed=True)
 
     def go() -> dict[str, np.ndarray]:
