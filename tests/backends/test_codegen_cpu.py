@@ -172,11 +172,12 @@ _F32 = np.float32
 
 def _math_sample() -> np.ndarray:
     """A dense sample of floats: the whole range of exp's finite results and beyond, erf's curve
-    and tails (every float of 3.5 <= x < 3.7, where the fit nears 1), tiny and subnormal
+    and tails (every float of 3.5 <= x < 3.7, where the fit nears 1), GELU's clamp, tiny and subnormal
     magnitudes of both signs, the cut-offs and their neighbours, and the special values (NaN with
     and without payload bits, infinities, signed zeros)."""
     tiny = _F32(10.0) ** np.linspace(-45, 1.7, 200_001, dtype=_F32)
-    edges = np.array([-87.33654, -87.3365478515625, 88.72283, 3.6173997, -3.6173997, 3.92], _F32)
+    edges = np.array([-87.33654, -87.3365478515625, 88.72283, 3.5792792, -3.5792792, 3.92, 5.07561827, -5.07561827],
+                     _F32)
     every = np.arange(_F32(3.5).view(np.uint32), _F32(3.7).view(np.uint32), dtype=np.uint32).view(_F32)
     near = np.concatenate([np.nextafter(edges, _F32(np.inf)), np.nextafter(edges, _F32(-np.inf)), edges])
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(_F32).max, -np.finfo(_F32).max,
@@ -188,9 +189,10 @@ def _math_sample() -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def _prelude_math():
-    """(x, fs_expf(x), libm expf(x), fs_erff(x), libm erff(x), -fs_erff(-x), fs_expf_le(x), the
-    compiler's report on the simd loop): ours through an `omp simd` loop compiled as kernels are,
-    the C library's through a plain loop (scalar libm)."""
+    """(x, fs_expf(x), libm expf(x), fs_erff(x), libm erff(x), -fs_erff(-x), fs_expf_le(x),
+    fs_gelu2f(x), x (1 + erf(x / sqrt 2)) in double through libm's erf, the compiler's report on
+    the simd loop): ours through an `omp simd` loop compiled as kernels are, the C library's
+    through a plain loop (scalar libm)."""
     import ctypes
     import subprocess
     import tempfile
@@ -202,6 +204,9 @@ def _prelude_math():
            "for (long long i = 0; i < n; ++i) { e[i] = fs_expf(x[i]); r[i] = fs_erff(x[i]); }\n}\n"
            "void le(const float* x, float* e, long long n) {\n#pragma omp simd\n"
            "for (long long i = 0; i < n; ++i) e[i] = fs_expf_le(x[i]);\n}\n"
+           "void gelu(const float* x, float* g, double* ref, long long n) {\n#pragma omp simd\n"
+           "for (long long i = 0; i < n; ++i) g[i] = fs_gelu2f(x[i]);\n"
+           "for (long long i = 0; i < n; ++i) ref[i] = x[i] * (1.0 + erf(x[i] * 0.70710678118654752));\n}\n"
            "void libm(const float* x, float* e, float* r, long long n) {\n"
            "for (long long i = 0; i < n; ++i) { e[i] = expf(x[i]); r[i] = erff(x[i]); }\n}\n")
     x = _math_sample()
@@ -220,7 +225,10 @@ def _prelude_math():
         so.ours(neg.ctypes.data_as(ctypes.c_void_p), scratch.ctypes.data_as(ctypes.c_void_p), ptr[5],
                 ctypes.c_longlong(x.size))
         so.le(ptr[0], ptr[6], ctypes.c_longlong(x.size))
-    return (x, *outs[:4], -outs[4], outs[5], done.stderr)
+        gelu, ref = np.empty_like(x), np.empty(x.shape, np.float64)
+        so.gelu(ptr[0], gelu.ctypes.data_as(ctypes.c_void_p), ref.ctypes.data_as(ctypes.c_void_p),
+                ctypes.c_longlong(x.size))
+    return (x, *outs[:4], -outs[4], outs[5], gelu, ref, done.stderr)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -270,6 +278,27 @@ def test_prelude_erf_matches_libm():
     assert np.isnan(ours[np.isnan(x)]).all()
 
 
+def test_prelude_gelu_matches_libm():
+    """fs_gelu2f(x), GELU's x (1 + erf(x / sqrt 2)) in one call: within 1e-6 relative of the same
+    through libm's erf in double for x >= 0 (where 1 + erf >= 1); within 1e-6 |x| below, where
+    1 + erf cancels as it does in float through four ops; exactly 0 from its clamp down (erf is -1
+    there), as the four ops give; inf at inf and where 2x passes the largest float, NaN for NaN
+    and at -inf (inf times 0, as the ops)."""
+    from fusesearch.backends.codegen.c_prelude import GELU_CLAMP
+
+    x, gelu, ref = _prelude_math()[0], *_prelude_math()[7:9]
+    number = np.isfinite(x)
+    up = number & (x > 0) & (ref <= np.finfo(_F32).max)  # 2x beyond the largest float: inf, as x (1 + 1)
+    assert _rel(gelu[up], ref[up]).max() < 1e-6 and up.sum() > 1_500_000
+    assert (gelu[number & (x > 0) & (ref > np.finfo(_F32).max)] == np.inf).all()
+    down = number & (x < 0)
+    assert (np.abs(gelu[down] - ref[down]) <= 1e-6 * np.abs(x[down])).all() and down.sum() > 1_500_000
+    tail = number & (x <= -float(GELU_CLAMP.rstrip("f")))
+    assert (gelu[tail] == 0).all() and tail.sum() > 500_000
+    assert (gelu[x == 0] == 0).all() and gelu[x == np.inf].tolist() == [np.inf]
+    assert np.isnan(gelu[np.isnan(x) | (x == -np.inf)]).all()
+
+
 def test_prelude_math_vectorizes():
     """The `omp simd` loop over fs_expf and fs_erff vectorizes (GCC's own report; other compilers
     are not asked)."""
@@ -296,6 +325,30 @@ def test_gelu_and_softmax_use_the_inline_math(tmp_path):
     assert "erff(" not in body.replace("fs_erff(", "") and "expf(" not in body.replace("fs_expf(", "")
     rows = 2 if "r_1 = r_0 + 1" in body else 1  # the rows of 40 run in pairs: each statement per row
     assert body.count("fs_expf_le(") == rows and body.count("fs_erff(") >= 1 and body.count(" / ") == rows
+
+
+@pytest.mark.parametrize("form", ["divide", "multiply, operands swapped", "erf also an output"])
+def test_gelu_ops_are_one_call(tmp_path, form):
+    """x (1 + erf(x / sqrt 2)) as four ops (x divided by sqrt 2, or times sqrt(1/2), any operand
+    order), then GELU's 0.5: one `fs_gelu2f` call and no erf of its own, unless a value inside it is
+    read elsewhere (here erf's, an output), which keeps the four ops. Equal to ONNX Runtime on
+    inputs reaching erf's tails."""
+    if form == "divide":
+        scale = helper.make_node("Div", ["x", "r2"], ["a"])
+        tail = [helper.make_node("Add", ["e", "one"], ["b"]), helper.make_node("Mul", ["x", "b"], ["c"])]
+    else:
+        scale = helper.make_node("Mul", ["rs2", "x"], ["a"])
+        tail = [helper.make_node("Add", ["one", "e"], ["b"]), helper.make_node("Mul", ["b", "x"], ["c"])]
+    nodes = [helper.make_node("Mul", ["x0", "wide"], ["x"]), scale, helper.make_node("Erf", ["a"], ["e"]), *tail,
+             helper.make_node("Mul", ["c", "half"], ["y"])]
+    inits = [("wide", np.float32(6.0)), ("r2", np.float32(np.sqrt(2))), ("rs2", np.float32(np.sqrt(0.5))),
+             ("one", np.float32(1.0)), ("half", np.float32(0.5))]
+    outputs = [("y", None), ("e", None)] if form == "erf also an output" else [("y", None)]
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("x0", [4, 40])], outputs, inits)
+    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+    folded = form != "erf also an output"
+    assert body.count("fs_gelu2f(") == folded and (body.count("fs_erff(") == 0) == folded
 
 
 def test_a_cached_row_is_read_back_by_every_later_pass(tmp_path, one_row_at_a_time):

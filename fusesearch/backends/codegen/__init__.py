@@ -63,7 +63,8 @@ every tensor a C type) and, on a CPU, `cpu_fusable` (what the C backend writes t
 worth fusing: a ConvTranspose, a pool in front of an anchor).
 C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
 the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call log/tanh's vector variants
-(exp and erf are the C prelude's own inline polynomials, `fs_expf` / `fs_erff`); one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
+(exp and erf are the C prelude's own inline polynomials, `fs_expf` / `fs_erff`, and GELU's
+x (1 + erf(x / sqrt 2)) one call, `fs_gelu2f`, wherever a group holds those four ops); one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
 square root; division by a constant a multiplication by its reciprocal); the index of a row
 element is the row's (hoisted by the compiler) and the column's, with no per-element division.
 Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the

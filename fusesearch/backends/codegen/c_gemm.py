@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS, _erf_avx512
+from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS, _erf_avx512, gelu_avx512
 
 # C: the packed GEMM of a kernel whose weights are packed once (`PackedWeight`): C^T = (A B)^T with
 # B a constant. `fs_pack_b` lays B (K x N, by strides) out as ceil(N/16) panels of K x 16 floats,
@@ -645,9 +645,9 @@ static void fs_conv_1x1(long long M, long long N, long long K, const float* F, l
 
 
 # a tile epilogue's statements (`tile_epilogue`): temporaries, the argument v, float literals, the
-# four operators and erf; GCC's vector extensions run the same text on 16 floats (a float operand
-# broadcast), erf there by `fs_erf16`
-_TILE_TOKEN = re.compile(r"\s*(?:(v\d*)|(-?\d+(?:\.\d*)?(?:e-?\d+)?f)|(fs_erff)(?=\()|([-+*/(),]))")
+# four operators, erf and GELU's x (1 + erf(x / sqrt 2)); GCC's vector extensions run the same text
+# on 16 floats (a float operand broadcast), erf there by `fs_erf16`, the GELU by `fs_gelu2_16`
+_TILE_TOKEN = re.compile(r"\s*(?:(v\d*)|(-?\d+(?:\.\d*)?(?:e-?\d+)?f)|(fs_erff|fs_gelu2f)(?=\()|([-+*/(),]))")
 _TILE_STATEMENT = re.compile(r"float (v\d+) = (.*);")
 
 
@@ -665,14 +665,15 @@ def tile_epilogue(lines: list[str], result: str) -> str | None:
     """The C definitions of a tile epilogue: one output element as a function of `v` (the product
     plus its bias row), from the scalar emitter's `lines` (`float vN = expr;`) and `result`, as
     `fs_tile_epi1` (a float) and, with AVX-512, `fs_tile_epi` (16 floats in a zmm: the same
-    statements, erf by `fs_erf16`), which `fs_gemm_rows_epi` applies to each tile before its one
+    statements, erf by `fs_erf16`, the GELU by `fs_gelu2_16`), which `fs_gemm_rows_epi` applies to each tile before its one
     store; FS_TILE_EPI is defined only with AVX-512 (elsewhere the kernel keeps its block epilogue).
     None when a statement holds anything else (a load, an index, a select, another call)."""
     statements = [_TILE_STATEMENT.fullmatch(line) for line in lines]
     if any(m is None or not _tile_expression(m.group(2)) for m in statements) or not _tile_expression(result):
         return None
     scalar = "".join(f"    {line}\n" for line in lines)
-    vector = "".join(f"    __m512 {m.group(1)} = {m.group(2).replace('fs_erff(', 'fs_erf16(')};\n" for m in statements)
-    return ("#if defined(__AVX512F__)\n#include <immintrin.h>\n#define FS_TILE_EPI 1\n" + _erf_avx512()
+    vector = "".join(f"    __m512 {m.group(1)} = {m.group(2).replace('fs_erff(', 'fs_erf16(').replace('fs_gelu2f(', 'fs_gelu2_16(')};\n"
+                     for m in statements)
+    return ("#if defined(__AVX512F__)\n#include <immintrin.h>\n#define FS_TILE_EPI 1\n" + _erf_avx512() + gelu_avx512()
             + f"static inline float fs_tile_epi1(float v) {{\n{scalar}    return {result};\n}}\n"
             + f"static inline __m512 fs_tile_epi(__m512 v) {{\n{vector}    return {result};\n}}\n#endif\n")
