@@ -11,9 +11,10 @@ given starts on a cache line (`aligned_empty`, as in a plan's arena and ONNX Run
 numpy's own large arrays start 16 bytes past a page, which splits every other 32-byte vector
 access across two lines and cost a Softmax 4% here), and one of a page or more on a page (`PAGE`:
 an output that starts 64-192 bytes past an input modulo 4 KiB has its stores taken for the loads
-of the input a vector ahead, a false dependence the core resolves late; a GELU loop ran 14-19%
-slower so, whichever variant of its source, so two timings of one kernel differed by where its
-buffers fell); a kernel that reads
+of the input a vector ahead, a false dependence the core resolves late: bert-small's GELU 5-9%
+slower there, and the unfused graph's 120 kernels 2% slower in all with numpy's placement,
+`benchmarks/bench_alignment.py`; two timings of one kernel differed by where its buffers fell);
+a kernel that reads
 weights packed (`GeneratedKernel.packed`) gets them packed by its `<name>_pack` when its runner is
 made, once, and passed after its outputs.
 Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
