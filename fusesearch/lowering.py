@@ -30,7 +30,8 @@ a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a g
 alone, is `packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
-scale, folded into the product, not at all: `schedule.folded_scale`),
+scale, folded into the product, not at all: `schedule.folded_scale`; on any device a GELU's
+x / sqrt 2 and + 1, folded into its one call, not at all either: `schedule.gelu_chains`),
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv (a library call) whose
 output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
 skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
@@ -77,6 +78,7 @@ from fusesearch.schedule import (
     depthwise_conv,
     disjoint_windows,
     folded_scale,
+    gelu_chains,
     grid_stride,
     has_gemm_view,
     mma,
@@ -597,9 +599,12 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
         # recomputes the epilogue per tap, never the anchor or its prologue
         per_tap = {i: f for i, f in per_tap.items() if i != anchor and not graph.reaches(i, anchor)}
     fold = folded_scale(graph, {n.id for n in nodes}, graph.nodes[anchor]) if host and anchor is not None else None
+    silent = {i for c in gelu_chains(graph, {n.id for n in nodes}).values() for i in (c.scale, c.add)}
     tc = scalar = trans = divisions = 0
     for n in nodes:
         if fold is not None and n.id in fold[2]:  # a scale the C product takes as its alpha: no op runs
+            continue
+        if n.id in silent:  # a GELU's scale and + 1, folded into its one call: no op runs
             continue
         times = reloads.get(n.id, 1) * per_tap.get(n.id, 1.0)
         flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))

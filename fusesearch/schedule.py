@@ -4,7 +4,8 @@ Problem: a cost model that prices one kernel while the generator writes another 
 fiction. Tile, threads, grid, shared memory, split-K, the skeleton and the compute unit must be
 decided in one place, priced from there and generated from there.
 Approach: `lowering` builds a frozen `Schedule` for every Kernel from the predicates below (which
-skeleton applies to a group, which computed rows a row kernel caches in shared memory); the cost
+skeleton applies to a group, which computed rows a row kernel caches in shared memory; which ops
+the C product folds into itself, `folded_scale`, and which GELUs are one call, `gelu_chains`); the cost
 model prices `Kernel.spec()`, which reads it; the code generator dispatches on `skeleton` and
 writes its tile, block, grid and shared memory as given — it never re-decides them.
 
@@ -203,6 +204,59 @@ def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[st
     if not folded or graph.tensors[t].dtype != "float32" or not math.isfinite(scale) or scale == 0.0:
         return None
     return t, scale, frozenset(folded)
+
+
+@dataclass(frozen=True)
+class GeluChain:
+    """GELU before its 0.5 as four ops of a group, x (1 + erf(x / sqrt 2)): `x`, and the ids of
+    the scale (x times sqrt(1/2), or divided by sqrt 2), the Erf and the + 1."""
+
+    x: str
+    scale: int
+    erf: int
+    add: int
+
+
+def gelu_chains(graph: Graph, nodes: Collection[int]) -> dict[int, GeluChain]:
+    """Each GELU's four ops in the group, by the id of its last Mul (x times 1 + erf): float32, one
+    shape, any operand order, every inner value read by the next op alone (no output). The
+    generator writes each as one call (C `fs_gelu2f`: erf's fit with the scale in its
+    coefficients, the + 1 and the product one FMA; CUDA the same FMA over erff) and lowering prices
+    it so: the scale and the + 1 run no op, the Erf its transcendental, the Mul one op."""
+    def inner(t: str, op: str, shape) -> Node | None:
+        p = graph.producer(t)
+        if (p is None or p not in nodes or len(graph.consumers(t)) != 1 or graph.is_output(t)
+                or graph.tensors[t].shape != shape or graph.nodes[p].op_type != op or len(graph.nodes[p].inputs) < 1):
+            return None
+        return graph.nodes[p]
+
+    def constant(t: str, value: float) -> bool:
+        c = graph.constant_value(t)
+        return c is not None and c.size == 1 and math.isclose(float(c.reshape(-1)[0]), value, rel_tol=1e-6)
+
+    found: dict[int, GeluChain] = {}
+    for i in sorted(nodes):
+        node = graph.nodes[i]
+        out = graph.tensors[node.outputs[0]] if node.outputs else None
+        if node.op_type != "Mul" or len(node.inputs) != 2 or out is None or out.dtype != "float32":
+            continue
+        for x, b in (node.inputs, node.inputs[::-1]):
+            add = inner(b, "Add", out.shape)
+            if add is None or len(add.inputs) != 2:
+                continue
+            for y, one in (add.inputs, add.inputs[::-1]):
+                erf = inner(y, "Erf", out.shape) if constant(one, 1.0) else None
+                scale = None if erf is None else (inner(erf.inputs[0], "Mul", out.shape)
+                                                  or inner(erf.inputs[0], "Div", out.shape))
+                if scale is None or len(scale.inputs) != 2 or x not in scale.inputs:
+                    continue
+                if (constant(scale.inputs[1], math.sqrt(2)) and scale.inputs[0] == x if scale.op_type == "Div"
+                        else constant(scale.inputs[1 - scale.inputs.index(x)], math.sqrt(0.5))):
+                    found[i] = GeluChain(x, scale.id, erf.id, add.id)
+                    break
+            if i in found:
+                break
+    return found
 
 
 def stride_blocks(elements: int) -> int:

@@ -108,8 +108,8 @@ def _gelu_coefficients(coefficients) -> tuple[str, ...]:
 # one FMA, x + x erf: two vector operations fewer than the four ops (x / sqrt 2, erf, + 1, times x:
 # a GELU over bert-small's 128 x 512 1.12x faster, its FFN-up group with the product 1.4%); x erf
 # and x cancel exactly where erf is -1, as 1 + erf does. Its clamp is the first float at which that
-# fit rounds to 1 (found by evaluating it in C, so it stays exactly +-1 beyond). `ops._gelu_input`
-# finds the four ops in a group.
+# fit rounds to 1 (found by evaluating it in C, so it stays exactly +-1 beyond). `schedule.gelu_chains`
+# finds the four ops in a group, for the generator and the cost model alike.
 GELU_CLAMP = "5.07561827f"
 GELU_P, GELU_Q = _gelu_coefficients(ERF_P), _gelu_coefficients(ERF_Q)
 

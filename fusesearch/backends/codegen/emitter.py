@@ -27,6 +27,7 @@ from fusesearch.backends.codegen.base import (
 from fusesearch.backends.codegen.ops import _op, reshape_blocks
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
+from fusesearch.schedule import gelu_chains
 
 _TEMP = re.compile(r"\bv\d+\b")
 _DECL = re.compile(r"^long long (v\d+) = ")
@@ -36,6 +37,7 @@ class _Emitter:
     def __init__(self, graph: Graph, kernel: Kernel, args: dict[str, Arg]) -> None:
         self.graph = graph
         self.members = set(kernel.nodes)
+        self.gelus = gelu_chains(graph, self.members)  # the GELUs written as one call each
         self.args = args
         self.lines: list[str] = []
         self.scopes: list[dict[tuple[str, tuple[str, ...]], str]] = [{}]

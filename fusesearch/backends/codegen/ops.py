@@ -52,8 +52,8 @@ _VARIADIC = {"Sum": "+", "Max": "FS_FMAX", "Min": "FS_FMIN", "Mean": "+"}
 
 def _op(e: _Emitter, node: Node, tensor: str, idx: tuple[str, ...]) -> str:
     op = node.op_type
-    if op == "Mul" and (x := _gelu_input(e, node, tensor)) is not None:
-        return f"fs_gelu2f({e.value(x, idx)})"
+    if op == "Mul" and node.id in e.gelus:  # GELU's four ops as one call (`schedule.gelu_chains`)
+        return f"fs_gelu2f({e.value(e.gelus[node.id].x, idx)})"
     if op in _UNARY:
         return _UNARY[op].format(e.input_at(node, 0, idx))
     if op in ("Sum", "Mean") or (op in ("Max", "Min") and len(node.inputs) != 2):
@@ -68,44 +68,6 @@ def _op(e: _Emitter, node: Node, tensor: str, idx: tuple[str, ...]) -> str:
     if handler is None:
         raise CodegenRefused(f"{node.name}({op}) has no code generator yet")
     return handler(e, node, tensor, idx)
-
-
-def _gelu_input(e: _Emitter, node: Node, tensor: str) -> str | None:
-    """x where this Mul is x (1 + erf(x / sqrt 2)) (GELU before its 0.5; x times sqrt(1/2), or
-    divided by sqrt 2, either order of every commutative op), all four ops in the group, float32,
-    one shape, and each inner value read by the next op alone (no output, not computed apart):
-    then one call, `fs_gelu2f`, computes it (the prelude's note). None otherwise."""
-    def inner(t: str, op: str) -> Node | None:
-        producer = e.graph.producer(t)
-        if (producer is None or producer not in e.members or len(e.graph.consumers(t)) != 1 or t in e.args
-                or e.graph.is_output(t) or t in e.materialized or t in e.row_ops or t in e.row_scalars
-                or e.info(t).shape != shape):
-            return None
-        found = e.graph.nodes[producer]
-        return found if found.op_type == op else None
-
-    def constant(t: str, value: float) -> bool:
-        c = e.graph.constant_value(t)
-        return c is not None and c.size == 1 and math.isclose(float(c.reshape(-1)[0]), value, rel_tol=1e-6)
-
-    shape = e.info(tensor).shape
-    if e.info(tensor).dtype != "float32" or len(node.inputs) != 2:
-        return None
-    for x, b in (node.inputs, node.inputs[::-1]):
-        add = inner(b, "Add")
-        if add is None or len(add.inputs) != 2:
-            continue
-        for y, one in (add.inputs, add.inputs[::-1]):
-            erf = inner(y, "Erf") if constant(one, 1.0) else None
-            scale = inner(erf.inputs[0], "Mul") or inner(erf.inputs[0], "Div") if erf is not None else None
-            if scale is None or len(scale.inputs) != 2:
-                continue
-            if scale.op_type == "Div":
-                if scale.inputs[0] == x and constant(scale.inputs[1], math.sqrt(2)):
-                    return x
-            elif x in scale.inputs and constant(scale.inputs[1 - scale.inputs.index(x)], math.sqrt(0.5)):
-                return x
-    return None
 
 
 def _by_constant(e: _Emitter, node: Node, idx) -> str | None:
