@@ -114,54 +114,42 @@ GELU_CLAMP = "5.07561827f"
 GELU_P, GELU_Q = _gelu_coefficients(ERF_P), _gelu_coefficients(ERF_Q)
 
 
-def _erf_scalar() -> str:
+def _rational(name: str, clamp: str, p_coefficients, q_coefficients, result: str, *, wide: bool) -> str:
+    """`name`(x): t = x clamped to +-clamp, s = t^2, p = P(s), q = Q(s), then `result` of them, as
+    a scalar `omp declare simd` function (C, FMAs by FS_FMA) or over 16 floats (AVX-512, the same
+    operations in the same order; the clamp a max and a min with x their second operand, which
+    vmaxps/vminps return where it is NaN: NaN kept, as in the scalar form)."""
+    if wide:
+        def fma(a, b, c):
+            return f"_mm512_fmadd_ps({a}, {b}, {c})"
+
+        p, q = (_horner(c, fma, "_mm512_set1_ps({})") for c in (p_coefficients, q_coefficients))
+        return (f"static inline __m512 {name}(__m512 x) {{\n"
+                f"    __m512 t = _mm512_min_ps(_mm512_set1_ps({clamp}), _mm512_max_ps(_mm512_set1_ps(-{clamp}), x));\n"
+                f"    __m512 s = _mm512_mul_ps(t, t);\n    __m512 p = {p};\n    __m512 q = {q};\n    return {result};\n}}\n")
+
     def fma(a, b, c):
         return f"FS_FMA({a}, {b}, {c})"
 
-    p, q = _horner(ERF_P, fma), _horner(ERF_Q, fma)
-    return ("#pragma omp declare simd notinbranch\nstatic inline float fs_erff(float x) {\n"
-            f"    float t = fabsf(x) > {ERF_CLAMP} ? copysignf({ERF_CLAMP}, x) : x;\n    float s = t * t;\n"
-            f"    float p = {p};\n    float q = {q};\n    return t * p / q;\n}}\n")
+    p, q = (_horner(c, fma) for c in (p_coefficients, q_coefficients))
+    return (f"#pragma omp declare simd notinbranch\nstatic inline float {name}(float x) {{\n"
+            f"    float t = fabsf(x) > {clamp} ? copysignf({clamp}, x) : x;\n    float s = t * t;\n"
+            f"    float p = {p};\n    float q = {q};\n    return {result};\n}}\n")
 
 
 def _erf_avx512() -> str:
-    def fma(a, b, c):
-        return f"_mm512_fmadd_ps({a}, {b}, {c})"
-
-    p, q = _horner(ERF_P, fma, "_mm512_set1_ps({})"), _horner(ERF_Q, fma, "_mm512_set1_ps({})")
-    return ("/* fs_erff over 16 floats: x clamped by a max and a min, x their second operand, the one\n"
-            "   vmaxps/vminps return where it is NaN (NaN kept, as in fs_erff) */\n"
-            "static inline __m512 fs_erf16(__m512 x) {\n"
-            f"    __m512 t = _mm512_min_ps(_mm512_set1_ps({ERF_CLAMP}), _mm512_max_ps(_mm512_set1_ps(-{ERF_CLAMP}), x));\n"
-            "    __m512 s = _mm512_mul_ps(t, t);\n"
-            f"    __m512 p = {p};\n    __m512 q = {q};\n"
-            "    return _mm512_div_ps(_mm512_mul_ps(t, p), q);\n}\n")
-
-
-def _gelu_scalar() -> str:
-    def fma(a, b, c):
-        return f"FS_FMA({a}, {b}, {c})"
-
-    p, q = _horner(GELU_P, fma), _horner(GELU_Q, fma)
-    return ("/* x (1 + erf(x / sqrt 2)) */\n#pragma omp declare simd notinbranch\nstatic inline float fs_gelu2f(float x) {\n"
-            f"    float t = fabsf(x) > {GELU_CLAMP} ? copysignf({GELU_CLAMP}, x) : x;\n    float s = t * t;\n"
-            f"    float p = {p};\n    float q = {q};\n    return FS_FMA(x, t * p / q, x);\n}}\n")
+    """`fs_erff` over 16 floats (`fs_erf16`, a tile epilogue's)."""
+    return _rational("fs_erf16", ERF_CLAMP, ERF_P, ERF_Q, "_mm512_div_ps(_mm512_mul_ps(t, p), q)", wide=True)
 
 
 def gelu_avx512() -> str:
-    """`fs_gelu2f` over 16 floats (a tile epilogue's), the same operations in the same order."""
-    def fma(a, b, c):
-        return f"_mm512_fmadd_ps({a}, {b}, {c})"
-
-    p, q = _horner(GELU_P, fma, "_mm512_set1_ps({})"), _horner(GELU_Q, fma, "_mm512_set1_ps({})")
-    return ("static inline __m512 fs_gelu2_16(__m512 x) {\n"
-            f"    __m512 t = _mm512_min_ps(_mm512_set1_ps({GELU_CLAMP}), _mm512_max_ps(_mm512_set1_ps(-{GELU_CLAMP}), x));\n"
-            "    __m512 s = _mm512_mul_ps(t, t);\n"
-            f"    __m512 p = {p};\n    __m512 q = {q};\n"
-            "    return _mm512_fmadd_ps(x, _mm512_div_ps(_mm512_mul_ps(t, p), q), x);\n}\n")
+    """`fs_gelu2f` over 16 floats (`fs_gelu2_16`, a tile epilogue's)."""
+    return _rational("fs_gelu2_16", GELU_CLAMP, GELU_P, GELU_Q,
+                     "_mm512_fmadd_ps(x, _mm512_div_ps(_mm512_mul_ps(t, p), q), x)", wide=True)
 
 
-_C_MATH += _erf_scalar() + _gelu_scalar()
+_C_MATH += (_rational("fs_erff", ERF_CLAMP, ERF_P, ERF_Q, "t * p / q", wide=False) + "/* x (1 + erf(x / sqrt 2)) */\n"
+            + _rational("fs_gelu2f", GELU_CLAMP, GELU_P, GELU_Q, "FS_FMA(x, t * p / q, x)", wide=False))
 # C: scratch buffers (a product's tile, a packed panel, an im2col patch) come from a per-thread
 # arena kept between calls: one slot per buffer name, grown to the largest size asked, never
 # freed. A malloc/free per call costs a page fault per 4 KiB each time glibc hands the memory back
