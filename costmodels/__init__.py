@@ -31,6 +31,7 @@ from costmodels.roofline import (
     RooflineModel,
     RooflineParams,
     compute_unit,
+    host_params,
     scalar_peak_flops_per_s,
     tensor_peak_flops_per_s,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "device_table_rows",
     "estimate_registers",
     "get_device",
+    "host_params",
     "grid_blocks",
     "host_cpu",
     "load_device",

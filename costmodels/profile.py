@@ -26,7 +26,7 @@ import numpy as np
 
 from costmodels.devices import DEVICES, HOST_NAMES, DeviceSpec, get_device
 from costmodels.errors import InvalidSpec, ProfileError
-from costmodels.roofline import RooflineParams
+from costmodels.roofline import RooflineParams, host_params
 
 SCHEMA = "fusesearch.profile/1"
 _FIX = "expected a profile.json written by `fusesearch calibrate`"
@@ -127,7 +127,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 
 def load_device(name_or_path: str | os.PathLike[str]) -> tuple[DeviceSpec, RooflineParams]:
-    """A table name ('h100-sxm', 'host') -> (spec, default params); a profile path (ends in
+    """A table name ('h100-sxm', 'host') -> (spec, default params: `host_params()` for a CPU); a profile path (ends in
     .json, contains a path separator, or names an existing file) -> (its device, its params)."""
     text = os.fspath(name_or_path)
     looks_like_path = text.lower().endswith(".json") or "/" in text or os.sep in text
@@ -135,7 +135,8 @@ def load_device(name_or_path: str | os.PathLike[str]) -> tuple[DeviceSpec, Roofl
     if looks_like_path or (not is_name and Path(text).is_file()):
         profile = load_profile(text)
         return profile.device, profile.params
-    return get_device(text), RooflineParams()
+    spec = get_device(text)
+    return spec, (host_params() if spec.kind == "cpu" else RooflineParams())
 
 
 def _json_safe(value: Any) -> Any:

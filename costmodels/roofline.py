@@ -93,6 +93,14 @@ DEFAULT_TC_EFFICIENCY = per_template(
 # the generated kernels' is `tc_efficiency` against theirs. Fitted apart by calibration.
 DEFAULT_LIBRARY_EFFICIENCY = per_template(
     {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
+# On a CPU the library is MLAS through ONNX Runtime, and calibration on two CPUs (a Sapphire
+# Rapids-class Xeon, a Zen 4-class EPYC: README, Calibration) agreed where the defaults above do
+# not: its convs over overlapping windows (im2col) run at 1/1.2 of our C's rate (fitted 0.785
+# against our 0.944; 0.74 ours against the kept 0.6 on the Xeon), its depthwise convs (NCHWc
+# reorders around each) at 0.03-0.06 of the peak; its GEMMs and disjoint-window convs within 2%
+# of ours. So `host` starts from these (`host_params`), until a profile of the machine replaces them.
+HOST_LIBRARY_EFFICIENCY = per_template(
+    {**dict(DEFAULT_LIBRARY_EFFICIENCY), "conv": 0.5, "conv_disjoint": 0.6, "depthwise": 0.04})
 # A generated tensor-core kernel (wmma 16x16 fragments, 64x64 block tiles, 4 warps) against the
 # tensor-core peak: well below cuBLAS's hand-tuned kernels (no ldmatrix swizzles, small tiles).
 DEFAULT_MMA_EFFICIENCY = per_template(
@@ -399,3 +407,9 @@ def _infeasible_reason(
     if occ.blocks_per_sm == 0:
         return f"one block does not fit an SM of {device.name} (limited by {occ.limiter})"
     return ""
+
+
+def host_params() -> RooflineParams:
+    """The defaults for a CPU device (`host`): a CPU library's own efficiencies
+    (HOST_LIBRARY_EFFICIENCY), everything else as for any device."""
+    return RooflineParams(library_efficiency=HOST_LIBRARY_EFFICIENCY)

@@ -11,6 +11,7 @@ from costmodels import (
     Profile,
     ProfileError,
     RooflineParams,
+    host_params,
     load_device,
     load_profile,
     save_profile,
@@ -46,6 +47,20 @@ def test_load_device_by_name_and_by_path(tmp_path):
     assert load_device(path) == (DEVICES["a10"], FITTED)
     bare = save_profile(make_profile(), tmp_path / "a10-profile")
     assert load_device(bare) == (DEVICES["a10"], FITTED)
+
+
+def test_a_cpu_starts_from_its_library_s_own_efficiencies():
+    """`host` (a CPU) gets the model's defaults but MLAS's efficiencies where calibration on two
+    CPUs agreed: its convs over overlapping windows below ours, its depthwise convs far below,
+    its GEMMs and 1x1 convs as ours; a GPU table name gets the defaults alone."""
+    spec, params = load_device("host")
+    assert spec.kind == "cpu" and params == host_params() != RooflineParams()
+    get = params.get
+    assert get("library_efficiency", "conv") < get("tc_efficiency", "conv")
+    assert get("library_efficiency", "depthwise") < 0.1 * get("tc_efficiency", "depthwise")
+    for template in ("gemm", "conv_disjoint"):
+        assert get("library_efficiency", template) == get("tc_efficiency", template)
+    assert params.with_updates(library_efficiency=dict(RooflineParams().library_efficiency)) == RooflineParams()
 
 
 @pytest.mark.parametrize(("content", "problem"), [
