@@ -202,7 +202,7 @@ def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_ba
     call, priced with the partial sums of its split K, is dearer), so the plan's group runs as
     our kernel and is predicted as one, while the unfused graph's (--baseline library) runs through
     ONNX Runtime, predicted at the library call's price (its plan made with `library_anchors`)."""
-    from costmodels import RooflineModel, host_cpu
+    from costmodels import RooflineModel, host_cpu, host_params
     from fusesearch.candidates.group import FusionGroup
     from fusesearch.costing import kernel_cost
     from fusesearch.lowering import lower, try_lower
@@ -215,7 +215,7 @@ def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_ba
     rows = table.set_index("plan")
     assert rows.loc["plan", "how"] == "generated" and rows.loc["unfused", "how"] == "library"
     graph, mm = prepare(model).graph, FusionGroup(frozenset({0}))
-    ours, library = (kernel_cost(k, host_cpu(), RooflineModel()).time_s
+    ours, library = (kernel_cost(k, host_cpu(), RooflineModel(host_params())).time_s
                      for k in (try_lower(graph, mm, host=True), lower(graph, mm)))
     assert rows.loc["plan", "predicted_s"] == pytest.approx(ours, rel=1e-9)
     assert rows.loc["unfused", "predicted_s"] == pytest.approx(library, rel=1e-9) and library > ours * 1.001
