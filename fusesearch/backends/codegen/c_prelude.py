@@ -95,11 +95,10 @@ def _horner(coefficients, fma, wrap: str = "") -> str:
     return expr
 
 
-def _gelu_coefficients(coefficients) -> tuple[str, ...]:
+def _gelu_coefficients(coefficients, scale: float) -> tuple[str, ...]:
     """erf's P or Q (highest degree first) for erf(x / sqrt 2) as a function of x: the coefficient
-    of s^d times 2^-d, and P's also over sqrt 2 (its one x)."""
+    of s^d times 2^-d, all times `scale` (P's 1/sqrt 2, for its one x; Q's 1)."""
     n = len(coefficients) - 1
-    scale = (1 / math.sqrt(2)) if coefficients is ERF_P else 1.0
     return tuple(f"{float(c.rstrip('f')) * 2.0 ** -(n - i) * scale!r}f" for i, c in enumerate(coefficients))
 
 
@@ -111,7 +110,7 @@ def _gelu_coefficients(coefficients) -> tuple[str, ...]:
 # fit rounds to 1 (found by evaluating it in C, so it stays exactly +-1 beyond). `schedule.gelu_chains`
 # finds the four ops in a group, for the generator and the cost model alike.
 GELU_CLAMP = "5.07561827f"
-GELU_P, GELU_Q = _gelu_coefficients(ERF_P), _gelu_coefficients(ERF_Q)
+GELU_P, GELU_Q = _gelu_coefficients(ERF_P, 1 / math.sqrt(2)), _gelu_coefficients(ERF_Q, 1.0)
 
 
 def _rational(name: str, clamp: str, p_coefficients, q_coefficients, result: str, *, wide: bool) -> str:
