@@ -102,7 +102,8 @@ def library_runner(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel,
 
     sess = session(node_model(canonical, graph, kernel))
     # aligned as our kernels' buffers are (`cpu.aligned_array`), so both are timed on like memory
-    arrays = {t: aligned_array(np.shape(inputs[t]), np.asarray(inputs[t]).dtype, inputs[t]) for t in kernel.inputs}
+    values = {t: np.asarray(inputs[t]) for t in kernel.inputs}
+    arrays = {t: aligned_array(a.shape, a.dtype, a) for t, a in values.items()}
     feeds = [(t, lambda a=a: a) for t, a in arrays.items()]
     names = list(kernel.outputs)
     if any(graph.tensors[t].shape is None for t in names):  # a dynamic output: ONNX Runtime allocates it
