@@ -45,8 +45,7 @@ _VECTOR_MATH = ("logf", "tanhf", "log1pf", "sinf", "cosf")
 #   scaled, masked Softmax 7-14% faster, a SiLU 5-19% (interleaved).
 #   fs_erff: x P(x^2) / Q(x^2), P of degree 4 and Q of degree 5 (a relative minimax fit of erf on
 #   [0, 3.7], P(0) = 2 / sqrt(pi) rounded, so erf of a subnormal rounds as libm's), x clamped first
-#   to +-3.5793: one FMA fewer than the degree-5 P it replaced (3.6e-7 measured), a GELU over
-#   128 x 512 4.5% faster.
+#   to +-3.5793: one FMA fewer than the degree-5 P it replaced (3.6e-7 measured).
 _C_MATH = """#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define FS_FMA(a, b, c) fmaf(a, b, c)
 #else
@@ -105,7 +104,8 @@ def _gelu_coefficients(coefficients, scale: float) -> tuple[str, ...]:
 # GELU's x (1 + erf(x / sqrt 2)) in one function (`fs_gelu2f`, and `fs_gelu2_16` over 16 floats):
 # erf's fit with 1/sqrt 2 taken into its coefficients and the 1 + and the product by x taken into
 # one FMA, x + x erf: two vector operations fewer than the four ops (x / sqrt 2, erf, + 1, times x:
-# a GELU over bert-small's 128 x 512 1.12x faster, its FFN-up group with the product 1.4%); x erf
+# bert-small's FFN-up group, product included, 1.4% faster, `benchmarks/variants/gelu_epilogue.py`;
+# with erf's lower degree, `bench_cpu.py`'s GELU over 4096 x 3072 4.77 -> 4.27 ms); x erf
 # and x cancel exactly where erf is -1, as 1 + erf does. Its clamp is the first float at which that
 # fit rounds to 1 (found by evaluating it in C, so it stays exactly +-1 beyond). `schedule.gelu_chains`
 # finds the four ops in a group, for the generator and the cost model alike.
