@@ -223,10 +223,19 @@ def gelu_chains(graph: Graph, nodes: Collection[int]) -> dict[int, GeluChain]:
     generator writes each as one call (C `fs_gelu2f`: erf's fit with the scale in its
     coefficients, the + 1 and the product one FMA; CUDA the same FMA over erff) and lowering prices
     it so: the scale and the + 1 run no op, the Erf its transcendental, the Mul one op."""
-    def inner(t: str, op: str, shape) -> Node | None:
+    return {i: chain for i in sorted(nodes) if (chain := _gelu_at(graph, nodes, graph.nodes[i])) is not None}
+
+
+def _gelu_at(graph: Graph, nodes: Collection[int], node: Node) -> GeluChain | None:
+    """The GELU chain `node` ends (`gelu_chains`), or None."""
+    out = graph.tensors[node.outputs[0]] if node.outputs else None
+    if node.op_type != "Mul" or len(node.inputs) != 2 or out is None or out.dtype != "float32":
+        return None
+
+    def inner(t: str, *ops: str) -> Node | None:  # t's producer, one of ops, read by the next op alone
         p = graph.producer(t)
         if (p is None or p not in nodes or len(graph.consumers(t)) != 1 or graph.is_output(t)
-                or graph.tensors[t].shape != shape or graph.nodes[p].op_type != op or len(graph.nodes[p].inputs) < 1):
+                or graph.tensors[t].shape != out.shape or graph.nodes[p].op_type not in ops):
             return None
         return graph.nodes[p]
 
@@ -234,29 +243,17 @@ def gelu_chains(graph: Graph, nodes: Collection[int]) -> dict[int, GeluChain]:
         c = graph.constant_value(t)
         return c is not None and c.size == 1 and math.isclose(float(c.reshape(-1)[0]), value, rel_tol=1e-6)
 
-    found: dict[int, GeluChain] = {}
-    for i in sorted(nodes):
-        node = graph.nodes[i]
-        out = graph.tensors[node.outputs[0]] if node.outputs else None
-        if node.op_type != "Mul" or len(node.inputs) != 2 or out is None or out.dtype != "float32":
-            continue
-        for x, b in (node.inputs, node.inputs[::-1]):
-            add = inner(b, "Add", out.shape)
-            if add is None or len(add.inputs) != 2:
+    for x, b in (node.inputs, node.inputs[::-1]):
+        add = inner(b, "Add")
+        for y, one in (add.inputs, add.inputs[::-1]) if add is not None and len(add.inputs) == 2 else ():
+            erf = inner(y, "Erf") if constant(one, 1.0) else None
+            scale = inner(erf.inputs[0], "Mul", "Div") if erf is not None else None
+            if scale is None or len(scale.inputs) != 2 or x not in scale.inputs:
                 continue
-            for y, one in (add.inputs, add.inputs[::-1]):
-                erf = inner(y, "Erf", out.shape) if constant(one, 1.0) else None
-                scale = None if erf is None else (inner(erf.inputs[0], "Mul", out.shape)
-                                                  or inner(erf.inputs[0], "Div", out.shape))
-                if scale is None or len(scale.inputs) != 2 or x not in scale.inputs:
-                    continue
-                if (constant(scale.inputs[1], math.sqrt(2)) and scale.inputs[0] == x if scale.op_type == "Div"
-                        else constant(scale.inputs[1 - scale.inputs.index(x)], math.sqrt(0.5))):
-                    found[i] = GeluChain(x, scale.id, erf.id, add.id)
-                    break
-            if i in found:
-                break
-    return found
+            if (scale.inputs[0] == x and constant(scale.inputs[1], math.sqrt(2)) if scale.op_type == "Div"
+                    else constant(scale.inputs[1 - scale.inputs.index(x)], math.sqrt(0.5))):
+                return GeluChain(x, scale.id, erf.id, add.id)
+    return None
 
 
 def stride_blocks(elements: int) -> int:
