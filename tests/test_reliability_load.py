@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from tests.conftest import make_model, save
 
@@ -179,6 +180,93 @@ def _opset(version):
     return build
 
 
+def _ir_version(version):
+    def build():
+        model = _relu()
+        model.ir_version = version
+        return model
+    return build
+
+
+def _one_node(op, inputs, shapes, weights=(), opset=17, **attrs):
+    """One node `n` reading graph inputs `shapes` (name -> shape) and `weights`, writing 'y'."""
+    node = helper.make_node(op, inputs, ["y"], name="n", **attrs)
+    return lambda: make_model([node], list(shapes.items()), [("y", None)], weights, opset=opset)
+
+
+def _duplicate_input():
+    return make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add")], [("x", [4]), ("x", [4])], [("y", None)])
+
+
+def _input_declared_unlike_its_initializer():
+    return make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [("x", [8, 16]), ("w", [3, 3])],
+                      [("y", None)], [("w", np.ones((8, 16), np.float32))])
+
+
+def _sequence_input():
+    seq = helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [4])
+    return make_model([helper.make_node("SequenceAt", ["s", "i"], ["y"], name="at")], [seq], [("y", None)],
+                      [("i", np.array(0, np.int64))])
+
+
+def _dropout(ratio, training):
+    return _one_node("Dropout", ["x", "r", "t"], {"x": [64]}, [("r", np.array(ratio, np.float32)),
+                                                                 ("t", np.array(training))])
+
+
+def _dropout_training_fed():
+    node = helper.make_node("Dropout", ["x", "r", "t"], ["y"], name="n")
+    return make_model([node], [("x", [64]), ("t", [], TensorProto.BOOL)], [("y", None)],
+                      [("r", np.array(0.5, np.float32))])
+
+
+_ONES = {n: np.ones(n, np.float32) for n in (3, 5)}
+_BN = [("s", np.ones(2, np.float32)), ("b", np.zeros(2, np.float32)), ("m", np.zeros(2, np.float32)),
+       ("v", np.array([1, -2], np.float32))]
+# Models ONNX Runtime refuses on loading or on their first run (test_onnx_runtime_refuses_them_too)
+ORT_REFUSES = [
+    ("ir-version-15", _ir_version(15), ["IR version 15", "newer", "installed onnx"]),
+    ("ir-version-99", _ir_version(99), ["IR version 99", "newer"]),
+    ("duplicate-input", _duplicate_input, ["graph input 'x'", "declared twice"]),
+    ("input-unlike-initializer", _input_declared_unlike_its_initializer,
+     ["graph input 'w'", "[3, 3]", "initializer", "[8, 16]"]),
+    ("reshape-16-to-25", _one_node("Reshape", ["x", "s"], {"x": [4, 4]}, [("s", np.array([5, 5], np.int64))]),
+     ["'n' (Reshape)", "16 elements", "[5, 5]", "25 elements"]),
+    ("conv-kernel-above-input", _one_node("Conv", ["x", "W"], {"x": [1, 1, 4, 4]},
+                                          [("W", np.ones((1, 1, 7, 7), np.float32))]), ["'n' (Conv)", "-2", "kernel"]),
+    ("conv-group-0", _one_node("Conv", ["x", "W"], {"x": [1, 2, 4, 4]}, [("W", np.ones((2, 2, 3, 3), np.float32))],
+                               group=0), ["'n' (Conv)", "group 0", "positive"]),
+    ("gather-index-out-of-range", _one_node("Gather", ["x", "i"], {"x": [4, 3]}, [("i", np.array([7], np.int64))]),
+     ["'n' (Gather)", "index 7", "'i'", "axis 0", "-4..3"]),
+    ("gemm-bias-length", _one_node("Gemm", ["x", "W", "b"], {"x": [2, 4]}, [("W", np.ones((4, 3), np.float32)),
+                                                                            ("b", _ONES[5])]),
+     ["'n' (Gemm)", "'b' [5]", "[2, 3]"]),
+    ("layernorm-scale-shape", _one_node("LayerNormalization", ["x", "s"], {"x": [2, 4]}, [("s", _ONES[3])]),
+     ["'n' (LayerNormalization)", "scale 's' [3]", "[4]"]),
+    ("gemm-transA-string", _one_node("Gemm", ["x", "W"], {"x": [4, 4]}, [("W", np.ones((4, 3), np.float32))],
+                                     transA="yes"), ["'n' (Gemm)", "'transA'", "STRING", "INT"]),
+    ("clip-string-bounds", _one_node("Clip", ["x"], {"x": [4]}, opset=9, min="0", max="6"),
+     ["'n' (Clip)", "STRING", "FLOAT"]),
+    ("softmax-axis-string", _one_node("Softmax", ["x"], {"x": [2, 4]}, axis="last"),
+     ["'n' (Softmax)", "'axis'", "STRING", "INT"]),
+    ("softmax-axis-ints", _one_node("Softmax", ["x"], {"x": [2, 4]}, axis=[1]), ["'n' (Softmax)", "'axis'", "INTS"]),
+    ("layernorm-axis-string", _one_node("LayerNormalization", ["x", "s"], {"x": [2, 4]}, [("s", np.ones(4, np.float32))],
+                                        axis="last"), ["'n' (LayerNormalization)", "'axis'", "STRING", "INT"]),
+    ("required-attribute-missing", _one_node("Unsqueeze", ["x"], {"x": [4]}, opset=11),
+     ["'n' (Unsqueeze)", "required attribute 'axes'"]),
+]
+# Models ONNX Runtime runs, whose results no plan can match (test_onnx_runtime_runs_them_apart)
+ORT_RUNS_APART = [
+    ("batchnorm-negative-variance", _one_node("BatchNormalization", ["x", "s", "b", "m", "v"], {"x": [1, 2, 3, 3]}, _BN),
+     ["'n' (BatchNormalization)", "variance 'v'", "-2", "NaN"]),
+    ("dropout-training", _dropout(0.5, True), ["'n' (Dropout)", "training mode", "'t' is true", "model.eval()"]),
+    ("dropout-training-fed", _dropout_training_fed, ["'n' (Dropout)", "training mode", "'t' is not a constant"]),
+]
+UNSUPPORTED = [
+    ("sequence-input", _sequence_input, ["graph input 's'", "sequence", "only tensor inputs"]),
+]
+
+
 BROKEN = [
     ("initializer-size", _initializer_size_mismatch, ["initializer 'w'", "12 bytes", "[1, 8]", "32"]),
     ("initializer-typed-size", _typed_data_size_mismatch, ["initializer 'w'", "3 values", "[1, 8]", "8"]),
@@ -194,7 +282,7 @@ BROKEN = [
     ("no-nodes", _no_nodes, ["no nodes", "nothing to fuse"]),
     ("opset-too-new", _opset(99), ["opset 99", "7..", "not supported"]),
     ("opset-too-old", _opset(6), ["opset 6", "7..", "not supported"]),
-]
+] + ORT_REFUSES + ORT_RUNS_APART + UNSUPPORTED
 
 
 @pytest.mark.parametrize(("build", "needles"), [row[1:] for row in BROKEN], ids=[row[0] for row in BROKEN])
@@ -205,6 +293,66 @@ def test_broken_model_is_refused_with_one_line(run_cli, tmp_path, caplog, comman
     one_line_error(code, err, "broken.onnx", *needles)
     assert out == ""
     assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")], caplog.text  # one line only
+
+
+ORT_ERRORS = (ort_state.Fail, ort_state.InvalidGraph, ort_state.InvalidArgument, ort_state.RuntimeException)
+
+
+def _ort_session(model: onnx.ModelProto):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _ort_feeds(sess) -> dict:
+    types = {"tensor(bool)": np.bool_, "tensor(float)": np.float32}
+    return {i.name: np.ones(i.shape, types[i.type]) for i in sess.get_inputs()}
+
+
+@pytest.mark.parametrize("build", [row[1] for row in ORT_REFUSES], ids=[row[0] for row in ORT_REFUSES])
+def test_onnx_runtime_refuses_them_too(build):
+    with pytest.raises(ORT_ERRORS):
+        sess = _ort_session(build())
+        sess.run(None, _ort_feeds(sess))
+
+
+def test_onnx_runtime_runs_them_apart():
+    """A negative variance gives NaN; a Dropout in training mode zeroes values at random."""
+    bn = _one_node("BatchNormalization", ["x", "s", "b", "m", "v"], {"x": [1, 2, 3, 3]}, _BN)()
+    (y,) = ort_run(bn, {"x": np.ones((1, 2, 3, 3), np.float32)})
+    assert np.isnan(y[0, 1]).all() and not np.isnan(y[0, 0]).any()
+    for sess, feeds in [(_ort_session(_dropout(0.5, True)()), {}),
+                        (_ort_session(_dropout_training_fed()), {"t": np.array(True)})]:
+        runs = [sess.run(None, {"x": np.ones(64, np.float32), **feeds})[0] for _ in range(2)]
+        assert (runs[0] == 0).any() and (runs[0] != runs[1]).any()
+
+
+def test_dropout_in_training_mode_at_ratio_0_plans_and_verifies_as_identity(run_cli, tmp_path):
+    """ONNX Runtime keeps every value at ratio 0, training mode or not: nothing to refuse."""
+    path = save(_dropout(0.0, True)(), tmp_path / "drop.onnx")
+    x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    np.testing.assert_array_equal(ort_run(path, {"x": x})[0], x)
+    code, out, err = run_cli("plan", path, "--device", DEVICE, "--emit", tmp_path / "fused.onnx")
+    assert code == 0, err
+    assert "outputs equal" in out
+
+
+def _save_string_attribute(op, attr, tmp_path):
+    """Split `split` and ReduceMean `axes` as strings: onnx's version converter crashed the
+    interpreter on them (a segmentation fault) before the schema check."""
+    x = ("x", [4, 4])
+    model = make_model([helper.make_node(op, ["x"], ["y"], name="n", **{attr: "1"})], [x], [("y", None)], opset=11)
+    return save(model, tmp_path / "crash.onnx")
+
+
+@pytest.mark.parametrize(("op", "attr"), [("Split", "split"), ("ReduceMean", "axes")])
+@pytest.mark.parametrize("command", [["inspect"], ["plan", "--device", DEVICE]], ids=["inspect", "plan"])
+def test_an_attribute_of_the_wrong_type_is_one_line_not_a_crash(tmp_path, op, attr, command):
+    """In a child process: a crash there is a failed test, not a dead pytest."""
+    path = _save_string_attribute(op, attr, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "fusesearch", command[0], path, *command[1:]],
+                          capture_output=True, text=True, timeout=120)
+    one_line_error(proc.returncode, proc.stderr, "crash.onnx", f"'n' ({op})", f"'{attr}'", "STRING", "INTS")
 
 
 def test_opset_message_names_one_range_and_readme_agrees():

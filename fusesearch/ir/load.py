@@ -29,10 +29,11 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
@@ -70,15 +71,17 @@ def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel
     nodes = len(proto.graph.node)
     _check_and_sort(proto.graph, label)
     _name_nodes(proto.graph)
+    _check_attributes(proto, label)
     _check_tensor_sizes(proto.graph, label)
+    _check_inputs_match_weights(proto.graph, label)
     _weights_out_of_inputs(proto, bindings)
     _check_input_types(proto.graph, label)
     stash = _strip_weights(proto)
     proto = _upgrade(proto, opset, label)
     _make_static(proto, bindings, label)
     proto = _infer_shapes(proto, label, bindings.spelling.both)
-    _check_conv_channels(proto.graph, label)
     _restore_weights(proto, stash, label)
+    _check_nodes(proto.graph, label)
     ir_model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
         ir.external_data.set_base_dir(ir_model.graph, base_dir)
@@ -121,6 +124,10 @@ def _parse_file(path: Path, label: str) -> onnx.ModelProto:
     if not proto.HasField("graph") or not proto.opset_import:
         raise ModelLoadError(f"{label}: not an ONNX model (no graph or no opset_import); give an .onnx "
                              "file exported by onnx/torch.onnx/tf2onnx")
+    if proto.ir_version > onnx.IR_VERSION:
+        raise UnsupportedModel(f"{label}: IR version {proto.ir_version} is newer than the installed onnx "
+                               f"knows ({onnx.IR_VERSION}); re-export the model with IR version "
+                               f"{onnx.IR_VERSION} or lower")
     return proto
 
 
@@ -210,6 +217,12 @@ def _node_label(node: onnx.NodeProto, index: int) -> str:
 def _check_and_sort(graph: onnx.GraphProto, label: str) -> None:
     """Every node has an op type, every tensor one producer, every input and output is produced,
     no cycle; reorder the nodes topologically (stable)."""
+    declared: set[str] = set()
+    for vi in graph.input:
+        if vi.name in declared:
+            raise ModelLoadError(f"{label}: graph input '{vi.name}' is declared twice; each input needs its "
+                                 "own name: fix the export")
+        declared.add(vi.name)
     available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer} | {""}
     producer: dict[str, int] = {}
     for i, node in enumerate(graph.node):
@@ -308,7 +321,49 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
         seen.add(name)
 
 
-# -- 3. tensors and types, 5. conv channels ---------------------------------------------------
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterator[tuple[onnx.NodeProto, int]]:
+    """Every node of the graph and of its subgraphs, with its index in its own graph."""
+    for i, node in enumerate(graph.node):
+        yield node, i
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_nodes(sub)
+
+
+def _check_attributes(proto: onnx.ModelProto, label: str) -> None:
+    """Every attribute of an operator with a schema has the schema's type, and every required one
+    is there, as ONNX Runtime checks on loading. This runs before any onnx C++ pass: the version
+    converter reads an attribute as the type its schema gives and crashes the interpreter on
+    another (a Split `split` or ReduceMean `axes` given as a string is a segmentation fault)."""
+    versions = {o.domain or "": o.version for o in proto.opset_import}
+    versions.setdefault("", versions.get("ai.onnx", 0))
+    schemas: dict[tuple[str, str], onnx.defs.OpSchema | None] = {}
+    for node, i in _all_nodes(proto.graph):
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (node.op_type, domain) not in schemas:
+            try:
+                schemas[node.op_type, domain] = onnx.defs.get_schema(node.op_type, versions.get(domain, 0), domain)
+            except onnx.defs.SchemaError:  # not an ONNX operator (warned about later) or no such opset
+                schemas[node.op_type, domain] = None
+        schema = schemas[node.op_type, domain]
+        if schema is None:
+            continue
+        for attr in node.attribute:
+            spec = schema.attributes.get(attr.name)
+            if spec is not None and not attr.ref_attr_name and attr.type != int(spec.type):
+                given = onnx.AttributeProto.AttributeType.Name(attr.type)
+                raise ModelLoadError(f"{label}: node {_node_label(node, i)} attribute '{attr.name}' has type "
+                                     f"{given}, {node.op_type}-{schema.since_version} takes {spec.type.name}; "
+                                     "fix the export")
+        given = {attr.name for attr in node.attribute}
+        missing = [name for name, spec in schema.attributes.items() if spec.required and name not in given]
+        if missing:
+            raise ModelLoadError(f"{label}: node {_node_label(node, i)} lacks its required attribute "
+                                 f"'{missing[0]}'; fix the export")
+
+
+# -- 3. tensors and types, 5. node checks ---------------------------------------------------
 
 _SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}
 for _name, _bits in (("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)):  # newer onnx only
@@ -375,33 +430,180 @@ def _check_input_types(graph: onnx.GraphProto, label: str) -> None:
         if kind is None or (kind == "tensor_type" and vi.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED):
             raise ModelLoadError(f"{label}: graph input '{vi.name}' has no type; give it a tensor type "
                                  "(element type and shape) in the export")
+        if kind != "tensor_type":
+            raise UnsupportedModel(f"{label}: graph input '{vi.name}' is a {kind.removesuffix('_type')}; only "
+                                   "tensor inputs are supported: export the model with tensor inputs")
 
 
-def _check_conv_channels(graph: onnx.GraphProto, label: str) -> None:
-    """Conv and ConvTranspose read as many channels as their weight expects (onnx's shape
-    inference does not check it; ONNX Runtime refuses the model)."""
+def _check_nodes(graph: onnx.GraphProto, label: str) -> None:
+    """Each main-graph node fits its inputs where onnx's shape inference does not check it and
+    ONNX Runtime refuses the model on loading or on its first run, and no node draws random values
+    (a Dropout in training mode): no plan could reproduce ONNX Runtime's results."""
     shapes: dict[str, list[int]] = {t.name: list(t.dims) for t in graph.initializer}
-    for vi in list(graph.input) + list(graph.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
-            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else 0 for d in vi.type.tensor_type.shape.dim]
+    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
+        dims = vi.type.tensor_type.shape.dim if vi.type.tensor_type.HasField("shape") else None
+        if dims is not None and all(d.HasField("dim_value") for d in dims):
+            shapes[vi.name] = [d.dim_value for d in dims]
+    constants = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
     for i, node in enumerate(graph.node):
-        if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
-            continue
-        x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
-        if not x or not w or len(x) < 2 or len(w) < 2 or x[1] <= 0 or min(w[:2]) <= 0:
-            continue
-        group = next((a.i for a in node.attribute if a.name == "group"), 1) or 1
-        expected = w[1] * group if node.op_type == "Conv" else w[0]
-        if x[1] != expected:
-            how = f"{w[1]} x group {group}" if node.op_type == "Conv" else "its dim 0"
-            raise ModelLoadError(
-                f"{label}: node {_node_label(node, i)} reads {x[1]} channels from '{node.input[0]}' but its "
-                f"weight '{node.input[1]}' {w} expects {expected} ({how}); fix the export or the input shape")
+        check = _NODE_CHECKS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        problem = (check(node, shapes, constants) if check else None) or _negative_dim(node, shapes)
+        if problem:
+            raise ModelLoadError(f"{label}: node {_node_label(node, i)} {problem}")
+
+
+Shapes = dict[str, list[int]]
+Constants = dict[str, onnx.TensorProto]
+SMALL_CONSTANT = 1 << 20  # elements: larger constants are not decoded to be checked
+
+
+def _constant(name: str, constants: Constants) -> np.ndarray | None:
+    tensor = constants.get(name)
+    if tensor is None or np.prod(tensor.dims, dtype=np.int64) > SMALL_CONSTANT:
+        return None
+    return onnx.numpy_helper.to_array(tensor)
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _input(node: onnx.NodeProto, index: int) -> str:
+    return node.input[index] if len(node.input) > index else ""
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """`shape` broadcasts to `target` one way (numpy rules, `target` unchanged)."""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
+
+
+def _negative_dim(node: onnx.NodeProto, shapes: Shapes) -> str | None:
+    out = next((o for o in node.output if any(d < 0 for d in shapes.get(o, ()))), None)
+    if out is None:
+        return None
+    return (f"gives '{out}' the shape {shapes[out]}: its inputs do not fit its attributes (e.g. a kernel larger "
+            "than the padded input); fix the export or the input shape")
+
+
+def _check_conv(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    """A positive group, and as many channels read as the weight expects."""
+    group = _attr(node, "group", 1)
+    if group <= 0:
+        return f"has group {group}; group is a positive divisor of the input channels: fix the export"
+    x, w = shapes.get(_input(node, 0)), shapes.get(_input(node, 1))
+    if not x or not w or len(x) < 2 or len(w) < 2 or x[1] <= 0 or min(w[:2]) <= 0:
+        return None
+    expected = w[1] * group if node.op_type == "Conv" else w[0]
+    if x[1] == expected:
+        return None
+    how = f"{w[1]} x group {group}" if node.op_type == "Conv" else "its dim 0"
+    return (f"reads {x[1]} channels from '{node.input[0]}' but its weight '{node.input[1]}' {w} expects "
+            f"{expected} ({how}); fix the export or the input shape")
+
+
+def _check_reshape(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    x, y = shapes.get(_input(node, 0)), shapes.get(node.output[0])
+    if x is None or y is None or np.prod(x, dtype=np.int64) == np.prod(y, dtype=np.int64):
+        return None
+    return (f"reshapes '{node.input[0]}' {x} ({np.prod(x, dtype=np.int64)} elements) to {y} "
+            f"({np.prod(y, dtype=np.int64)} elements); a reshape keeps the element count: fix its shape "
+            "input or the input shape")
+
+
+def _check_gather(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    data, indices = shapes.get(_input(node, 0)), _constant(_input(node, 1), constants)
+    axis = _attr(node, "axis", 0)
+    if data is None or indices is None or not -len(data) <= axis < len(data):
+        return None
+    size = data[axis]
+    wrong = indices[(indices < -size) | (indices >= size)]
+    if not wrong.size:
+        return None
+    return (f"reads index {wrong.flat[0]} of '{node.input[1]}' along axis {axis} of '{node.input[0]}' {data}, "
+            f"outside -{size}..{size - 1}; fix the indices or the input shape")
+
+
+def _check_gemm(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    a, b, c = (shapes.get(_input(node, k)) for k in range(3))
+    if a is None or b is None or c is None or len(a) != 2 or len(b) != 2:
+        return None
+    out = [a[1] if _attr(node, "transA", 0) else a[0], b[0] if _attr(node, "transB", 0) else b[1]]
+    if broadcasts_to(c, out):
+        return None
+    return f"adds '{node.input[2]}' {c}, which does not broadcast to its output {out}; fix the bias"
+
+
+def _check_layer_norm(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    x = shapes.get(_input(node, 0))
+    axis = _attr(node, "axis", -1)
+    if x is None or not -len(x) <= axis < len(x):
+        return None
+    target = x[axis:]
+    for k, role in ((1, "scale"), (2, "bias")):
+        given = shapes.get(_input(node, k))
+        if given is not None and not broadcasts_to(given, target):
+            return (f"has {role} '{node.input[k]}' {given}, which does not broadcast to {target} (the dims of "
+                    f"'{node.input[0]}' {x} from axis {axis}); fix the export")
+    return None
+
+
+def _check_batch_norm(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    var = _constant(_input(node, 4), constants)
+    epsilon = _attr(node, "epsilon", 1e-5)
+    if var is None or not (var + epsilon < 0).any():
+        return None
+    return (f"has variance '{node.input[4]}' as low as {var.min():g}, below -epsilon ({epsilon:g}): its outputs "
+            "would be NaN; fix the weights (a variance is never negative)")
+
+
+def _check_dropout(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
+    """A training mode that is true, or not a constant, zeroes values at random in ONNX Runtime
+    unless the ratio is a constant 0."""
+    mode = _input(node, 2)
+    training = _constant(mode, constants)
+    ratio = _constant(_input(node, 1), constants) if _input(node, 1) else np.float32(0.5)
+    if not mode or (training is not None and not training.any()) or (ratio is not None and not ratio.any()):
+        return None
+    how = f"runs in training mode ('{mode}' is true)" if training is not None else \
+        f"may run in training mode ('{mode}' is not a constant)"
+    return (f"{how}: ONNX Runtime then zeroes values at random, which no plan "
+            f"reproduces; export the model in inference mode (model.eval()) or make '{mode}' a constant false")
+
+
+_NODE_CHECKS = {
+    "Conv": _check_conv, "ConvTranspose": _check_conv, "Reshape": _check_reshape, "Gather": _check_gather,
+    "Gemm": _check_gemm, "LayerNormalization": _check_layer_norm, "BatchNormalization": _check_batch_norm,
+    "Dropout": _check_dropout,
+}
 
 
 # -- 4. weights listed as inputs ---------------------------------------------------------------
 
 WEIGHTS_APART_IR = 4  # from IR 4 on an initializer need not be a graph input
+
+
+def _check_inputs_match_weights(graph: onnx.GraphProto, label: str) -> None:
+    """A graph input that is also an initializer is declared with the initializer's element type
+    and dims (a symbolic dim matches any), as ONNX Runtime checks on loading."""
+    weights = {t.name: t for t in graph.initializer}
+    for vi in graph.input:
+        weight = weights.get(vi.name)
+        if weight is None or not vi.type.HasField("tensor_type"):
+            continue
+        declared = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
+        type_differs = declared.elem_type not in (onnx.TensorProto.UNDEFINED, weight.data_type)
+        shape_differs = declared.HasField("shape") and (
+            len(dims) != len(weight.dims) or any(d not in (None, w) for d, w in zip(dims, weight.dims, strict=True)))
+        if type_differs or shape_differs:
+            shown = [d if d is not None else "?" for d in dims] if declared.HasField("shape") else "any shape"
+            raise ModelLoadError(
+                f"{label}: graph input '{vi.name}' is declared {onnx.TensorProto.DataType.Name(declared.elem_type)} "
+                f"{shown} but its initializer is {onnx.TensorProto.DataType.Name(weight.data_type)} "
+                f"{list(weight.dims)}; make the input's declaration match its initializer: fix the export")
 
 
 def _weights_out_of_inputs(proto: onnx.ModelProto, bindings: ShapeBindings) -> None:
