@@ -38,6 +38,8 @@ import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes.common import ShapeInferencePass
 
+from fusesearch.ir.load import broadcasts_to
+
 log = logging.getLogger(__name__)
 
 MAX_ITERATIONS = 16
@@ -411,7 +413,7 @@ def _gemm_from(graph: ir.Graph, matmul: ir.Node) -> int:
         return 0
     bias = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
     c_shape, mn = static_shape(bias), (a_shape[0], b_shape[1])
-    if bias is out or c_shape is None or static_shape(add.outputs[0]) != mn or not _unidirectional(c_shape, mn):
+    if bias is out or c_shape is None or static_shape(add.outputs[0]) != mn or not broadcasts_to(c_shape, mn):
         return 0
     if out.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
         return 0
@@ -426,13 +428,6 @@ def _gemm_from(graph: ir.Graph, matmul: ir.Node) -> int:
     _remove(graph, add)
     _remove(graph, matmul)
     return 1
-
-
-def _unidirectional(shape: tuple[int, ...], target: tuple[int, int]) -> bool:
-    if len(shape) > 2:
-        return False
-    padded = (1,) * (2 - len(shape)) + shape
-    return all(s in (1, t) for s, t in zip(padded, target, strict=True))
 
 
 # -- shape completion -------------------------------------------------------------------------
