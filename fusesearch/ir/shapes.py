@@ -308,7 +308,7 @@ def _strict_inference(model: ir.Model) -> tuple[str, str, str] | None:
     from onnx_ir.passes.common import _c_api_utils  # strips large weights for the C++ call
 
     def infer(proto: onnx.ModelProto) -> None:
-        onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=True)
+        onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=False)
 
     try:
         _c_api_utils.call_onnx_api(infer, model)
