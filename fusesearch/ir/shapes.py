@@ -4,12 +4,16 @@ Problem: exported models carry dynamic dims — named (`batch`, `p2o.DynamicDime
 (`?`, -1, 0) — and everything downstream (costs, kernels) needs static shapes.
 Approach: parse the flags into a frozen `ShapeBindings`; `bind_inputs` rewrites the graph inputs'
 shapes of a ModelProto in place before shape inference. `--input-shape` sets a whole input;
-`--dim` sets every occurrence of a named dim.
+`--dim` sets every occurrence of a named dim. A dim named `?` or '' (as -1, the exporters'
+"unknown") is anonymous: it ties nothing, so only `--input-shape` of its own input binds it.
+After canonicalization `check_static_model` checks the model computes at the bound dims (strict
+shape inference with the constants folded, constant Gather indices inside their table).
 Messages name the bindings as the user wrote them: command-line flags by default, or a config
 file's keys (`Spelling`, which `fusesearch sweep` sets to its TOML keys).
 Invariants: after binding, every graph input dim is a positive int, or a `ShapeBindingError` names
 the input, the dim and the flag (or key) that fixes it. Bindings that name nothing in the model are
-errors too, and so are two bindings that give one named dim two values.
+errors too, and so are two bindings that give one named dim two values (or one flag given twice
+with two values). No tensor, input or intermediate, exceeds MAX_TENSOR_BYTES.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import onnx
 import onnx_ir as ir
 
 from fusesearch.errors import ModelLoadError, ShapeBindingError
+from fusesearch.ir.canonicalize import static_shape
 
 
 @dataclass(frozen=True)
@@ -268,7 +273,7 @@ def check_static_model(model: ir.Model, label: str, bindings: ShapeBindings) -> 
     positions). Else a one-line BadInput naming the bindings, the node and the shapes."""
     for node in model.graph:
         for value in node.outputs:
-            shape = _static(value)
+            shape = static_shape(value)
             too_large = _oversize(shape, value.dtype.value) if shape and value.dtype is not None else None
             if too_large:
                 _refuse(label, bindings, f"tensor '{value.name}' of node '{node.name}' ({node.op_type}) "
@@ -278,10 +283,7 @@ def check_static_model(model: ir.Model, label: str, bindings: ShapeBindings) -> 
             _check_gather(node, label, bindings)
     conflict = _strict_inference(model)
     if conflict is not None:
-        op, name, why = conflict
-        node = next((n for n in model.graph if n.name == name), None)
-        shapes = ", ".join(_shape_text(v) for v in node.inputs) if node is not None else "?"
-        _refuse(label, bindings, f"node '{name}' ({op}) cannot take inputs of shapes {shapes} ({why})")
+        _refuse(label, bindings, conflict)
 
 
 def _refuse(label: str, bindings: ShapeBindings, problem: str) -> None:
@@ -292,20 +294,16 @@ def _refuse(label: str, bindings: ShapeBindings, problem: str) -> None:
     raise ModelLoadError(f"{label}: {problem}; fix the export")
 
 
-def _static(value: ir.Value | None) -> tuple[int, ...] | None:
-    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape):
-        return None
-    return tuple(value.shape)
-
-
 def _shape_text(value: ir.Value | None) -> str:
-    shape = _static(value)
+    shape = static_shape(value)
     return "none" if value is None else "x".join(map(str, shape)) if shape is not None else "?"
 
 
-def _strict_inference(model: ir.Model) -> tuple[str, str, str] | None:
-    """(op type, node name, reason) of the first node onnx's strict shape inference refuses."""
-    from onnx_ir.passes.common import _c_api_utils  # strips large weights for the C++ call
+def _strict_inference(model: ir.Model) -> str | None:
+    """Words naming the first node onnx's strict shape inference refuses, and its input shapes.
+    Without data propagation: the constants are folded by now, and it allocates for a large weight
+    that the call below turns into an input."""
+    from onnx_ir.passes.common import _c_api_utils  # takes large weights out for the C++ call
 
     def infer(proto: onnx.ModelProto) -> None:
         onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=False)
@@ -315,15 +313,18 @@ def _strict_inference(model: ir.Model) -> tuple[str, str, str] | None:
     except onnx.shape_inference.InferenceError as exc:
         found = _INFERENCE_ERROR.search(str(exc))
         if found is None:
-            return "?", "?", str(exc).strip().splitlines()[0]
-        return found.group(1), found.group(2), found.group(3).strip()
+            return f"onnx's shape inference fails ({str(exc).strip().splitlines()[0]})"
+        op, name, why = found.group(1), found.group(2), found.group(3).strip()
+        node = next((n for n in model.graph if n.name == name), None)
+        shapes = ", ".join(_shape_text(v) for v in node.inputs) if node is not None else "?"
+        return f"node '{name}' ({op}) cannot take inputs of shapes {shapes} ({why})"
     return None
 
 
 def _check_gather(node: ir.Node, label: str, bindings: ShapeBindings) -> None:
     """A Gather with constant indices reads inside its data's axis (ONNX Runtime refuses the model)."""
     data, indices = (list(node.inputs) + [None, None])[:2]
-    shape = _static(data)
+    shape = static_shape(data)
     if shape is None or indices is None or indices.const_value is None:
         return
     axis = node.attributes.get_int("axis", 0)
