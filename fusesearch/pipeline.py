@@ -2,7 +2,8 @@
 
 Problem: every command (inspect, plan, compare, measure, ...) starts the same way and must report
 the same figures.
-Approach: `prepare()` runs load → canonicalize → (with `dtype` float16/bfloat16: the half
+Approach: `prepare()` runs load → canonicalize → (a check that the canonical model computes at the
+bound dims, `ir.shapes.check_static_model`) → (with `dtype` float16/bfloat16: the half
 conversion of `ir.precision`, on the canonical model) → Graph once and keeps each stage's result
 (and, for verification, the loaded model serialized before canonicalization rewrites it in place,
 or for a half model the converted one: the reference is the model the plan is for);
@@ -26,7 +27,7 @@ from fusesearch.ir.canonicalize import canonicalize, lowest_ir_version, to_proto
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.load import LoadedModel, load_model
 from fusesearch.ir.op_kind import node_flops
-from fusesearch.ir.shapes import ShapeBindings
+from fusesearch.ir.shapes import ShapeBindings, check_static_model
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def prepare(model: str, bindings: ShapeBindings | None = None, *, keep_original:
     loaded = load_model(model, bindings)
     original = to_proto(loaded.model) if keep_original and dtype == "float32" else None
     canonical, passes = canonicalize(loaded.model)
+    check_static_model(canonical, model, loaded.bindings)
     if dtype != "float32":
         converted, casts = to_half(to_proto(canonical), dtype)
         canonical = ir.serde.deserialize_model(converted)

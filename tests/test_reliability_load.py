@@ -496,3 +496,137 @@ def test_external_data_length_not_matching_dims_is_refused(run_cli, tmp_path):
     (tmp_path / "w.bin").write_bytes(b"\0" * 16)
     code, _, err = run_cli("inspect", save(model, tmp_path / "ext.onnx"))
     one_line_error(code, err, "ext.onnx", "initializer 'w'", "8 bytes of external data", "[4]", "16")
+
+
+# -- dims: anonymous dims, dims the model cannot take, huge dims ----------------------------------
+
+def _paddle_classifier() -> onnx.ModelProto:
+    """A PaddleOCR-style classifier export: input x [-1, 3, '?', '?'], the exporter's "unknown"
+    spelled -1 and '?' (Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm -> Softmax)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+             helper.make_node("Gemm", ["f", "G", "GB"], ["g"], transB=1, name="fc"),
+             helper.make_node("Softmax", ["g"], ["y"], axis=1, name="softmax")]
+    weights = [("W", rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.1),
+               ("B", rng.standard_normal(8).astype(np.float32) * 0.1),
+               ("G", rng.standard_normal((2, 8)).astype(np.float32)), ("GB", rng.standard_normal(2).astype(np.float32))]
+    return make_model(nodes, [("x", [-1, 3, "?", "?"])], [("y", [-1, 2])], weights)
+
+
+def test_anonymous_dims_bind_from_the_input_shape_in_every_command(run_cli, tmp_path):
+    """Two '?' dims of one input tie nothing: --input-shape gives them 48 and 192, and the model
+    inspects, plans and verifies (--emit), measures and runs equal to ONNX Runtime."""
+    path = save(_paddle_classifier(), tmp_path / "cls.onnx")
+    shape = ["--input-shape", "x=1x3x48x192"]
+    code, out, err = run_cli("inspect", path, *shape, "--json")
+    assert code == 0, err
+    doc = strict_json(out)
+    assert [i["shape"] for i in doc["inputs"]] == [[1, 3, 48, 192]] and doc["outputs"][0]["shape"] == [1, 2]
+    code, out, err = run_cli("plan", path, *shape, "--device", "host", "--emit", tmp_path / "fused.onnx")
+    assert code == 0 and "verified in ONNX Runtime" in out, err
+    code, _, err = run_cli("measure", path, *shape, "--backend", "cpu", "--strategy", "greedy", "--budget", "0.01")
+    assert code == 0, err
+    code, out, err = run_cli("run", path, *shape, "--strategy", "greedy", "--repeat", "1", "--warmup", "0")
+    assert code == 0 and "equal to ONNX Runtime" in out, err
+
+
+def _two_anonymous_inputs():
+    nodes = [helper.make_node("ReduceSum", ["a"], ["s"], keepdims=0, name="sa"),
+             helper.make_node("ReduceSum", ["b"], ["t"], keepdims=0, name="sb")]
+    return make_model(nodes, [("a", ["?", 4]), ("b", ["?", 4])], [("s", None), ("t", None)])
+
+
+def test_anonymous_dims_of_two_inputs_take_two_values(run_cli, tmp_path):
+    path = save(_two_anonymous_inputs(), tmp_path / "two.onnx")
+    code, out, err = run_cli("inspect", path, "--input-shape", "a=2x4", "--input-shape", "b=3x4", "--json")
+    assert code == 0, err
+    assert [i["shape"] for i in strict_json(out)["inputs"]] == [[2, 4], [3, 4]]
+
+
+def _positions_past_the_table():
+    """ids [batch, seq] -> word embeddings + position embeddings of Range(0, seq) from a 512-row
+    table: at seq > 512 the position Gather reads past the table."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Shape", ["ids"], ["shape"], name="shape"),
+             helper.make_node("Gather", ["shape", "one"], ["seq"], axis=0, name="seq_len"),
+             helper.make_node("Range", ["zero", "seq", "one"], ["positions"], name="positions"),
+             helper.make_node("Gather", ["pos_table", "positions"], ["pe"], name="pos_embed"),
+             helper.make_node("Gather", ["word_table", "ids"], ["we"], name="word_embed"),
+             helper.make_node("Add", ["we", "pe"], ["y"], name="add")]
+    return make_model(nodes, [("ids", ["batch", "seq"], TensorProto.INT64)], [("y", None)],
+                      [("pos_table", rng.standard_normal((512, 16)).astype(np.float32)),
+                       ("word_table", rng.standard_normal((100, 16)).astype(np.float32)),
+                       ("zero", np.array(0, np.int64)), ("one", np.array(1, np.int64))])
+
+
+def _gather_constant_index_out_of_range():
+    nodes = [helper.make_node("Gather", ["table", "idx"], ["g"], name="lookup"),
+             helper.make_node("Add", ["x", "g"], ["y"], name="add")]
+    return make_model(nodes, [("x", [2, 4])], [("y", None)],
+                      [("table", np.ones((3, 4), np.float32)), ("idx", np.array([0, 7], np.int64))])
+
+
+def _matmul(m, k, n):
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["c"], name="mm"), helper.make_node("Relu", ["c"], ["y"], name="relu")]
+    return make_model(nodes, [("a", [m, k]), ("b", [k, n])], [("y", None)])
+
+
+def _relu_batch():
+    return make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [("x", ["batch", 1024])], [("y", None)])
+
+
+# (id, model: a builder or zoo:NAME, flags, needles of the one line)
+CANNOT_TAKE = [
+    ("bert-seq-past-positions", "zoo:bert-small", ["--dim", "seq=1000"],
+     ["at --dim seq=1000", "node 'add_0' (Add)", "1x1000x128, 1x512x128", "cannot take these dims"]),
+    ("gather-past-the-table", _positions_past_the_table, ["--dim", "batch=1", "--dim", "seq=1000"],
+     ["--dim seq=1000", "node 'pos_embed' (Gather)", "index 999 of 'pos_table'", "512 entries"]),
+    ("gather-constant-index", _gather_constant_index_out_of_range, [],
+     ["node 'lookup' (Gather)", "index 7 of 'table'", "3 entries", "fix the export"]),
+    ("dim-given-twice", _relu_batch, ["--dim", "batch=1", "--dim", "batch=2"],
+     ["--dim batch=2 conflicts with --dim batch=1", "one value"]),
+    ("input-shape-given-twice", _relu_batch, ["--input-shape", "x=1x1024", "--input-shape", "x=2x1024"],
+     ["--input-shape x=2x1024 conflicts with --input-shape x=1x1024"]),
+    ("huge-input", _relu_batch, ["--dim", "batch=1000000000000"],
+     ["--dim batch=1000000000000 makes input 'x'", "1000000000000x1024 float32", "3,725 TiB", "256 TiB"]),
+    ("dim-past-int64", _relu_batch, ["--dim", "batch=100000000000000000000"],
+     ["--dim batch=100000000000000000000 makes input 'x'", "256 TiB"]),
+    ("huge-intermediate", lambda: _matmul("m", 1, "n"), ["--dim", "m=16777216", "--dim", "n=16777216"],
+     ["at --dim m=16777216, --dim n=16777216", "tensor 'c' of node 'mm' (MatMul)", "16777216x16777216 float32",
+      "1,024 TiB"]),
+]
+
+
+@pytest.mark.parametrize(("model", "flags", "needles"), [row[1:] for row in CANNOT_TAKE],
+                         ids=[row[0] for row in CANNOT_TAKE])
+@pytest.mark.parametrize("command", [["inspect"], ["plan", "--device", DEVICE]], ids=["inspect", "plan"])
+def test_dims_the_model_cannot_take_are_refused_naming_dim_and_node(run_cli, tmp_path, command, model, flags,
+                                                                    needles):
+    path = model if isinstance(model, str) else save(model(), tmp_path / "m.onnx")
+    code, out, err = run_cli(command[0], path, *command[1:], *flags)
+    one_line_error(code, err, *needles)
+    assert out == ""
+
+
+def test_a_sweep_cell_at_dims_the_model_cannot_take_fails_with_that_line(tmp_path):
+    from fusesearch.sweep import expand, load_config, run_cell
+
+    config = tmp_path / "sweep.toml"
+    config.write_text('models = [{ model = "zoo:bert-small", dims = { seq = 1000 } }]\ndevices = ["t4"]\n'
+                      'strategies = ["greedy"]\n')
+    (cell,) = expand(load_config(config))
+    row = run_cell(cell)
+    assert row["status"] == "error", row
+    assert "at models[0].dims.seq=1000, node 'add_0' (Add)" in row["error"], row["error"]
+    assert "input_shapes and dims of models[0]" in row["error"] and "--dim" not in row["error"]
+
+
+def test_shape_completion_counts_elements_before_allocating(run_cli):
+    """rnn-control's Loop at batch 10^9 reads a 119 GiB state: shape completion (which runs a node
+    on zeros when its inputs are small) refused it only after allocating the zeros (MemoryError)."""
+    code, out, err = run_cli("inspect", "zoo:rnn-control", "--dim", "batch=1000000000", "--json")
+    assert code == 0, err
+    assert strict_json(out)["inputs"][0]["shape"][0] == 1000000000

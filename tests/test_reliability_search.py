@@ -172,6 +172,23 @@ def test_the_deterministic_resolve_is_never_infeasible(run_cli, tmp_path, caplog
             assert not [r for r in caplog.records if "re-solve" in r.getMessage()]
 
 
+def test_cpsat_solves_costs_past_int64_picoseconds(run_cli, tmp_path, caplog):
+    """A MatMul of 2^20 x 2^24 by 2^24 x 2^20 costs about 6e18 ps on a T4; its candidates' costs sum
+    past int64. CP-SAT called that model invalid and the greedy plan came back as after a time-out;
+    the costs now take a coarser unit and CP-SAT proves the optimum."""
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["c"], name="mm"), helper.make_node("Relu", ["c"], ["y"], name="relu")]
+    model = save(make_model(nodes, [("a", ["m", "k"]), ("b", ["k", "n"])], [("y", None)]), tmp_path / "mm.onnx")
+    with caplog.at_level(logging.WARNING, logger="fusesearch.search.cpsat"):
+        code, stdout, err = run_cli("plan", model, "--device", "t4", "--dim", "m=1048576", "--dim", "k=16777216",
+                                    "--dim", "n=1048576", "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    stats = doc["run"]["stats"]
+    assert doc["solver"]["status"] == stats["solver_status"] == "OPTIMAL" and "fallback" not in stats, stats
+    assert stats["objective_ps"] > 2**53 and not caplog.records  # beyond 1 ps resolution
+    assert [g["ops"] for g in doc["groups"]] == [["MatMul", "Relu"]]
+
+
 # -- byte-identical plan.json, host included --------------------------------------------------
 
 @pytest.fixture

@@ -135,17 +135,17 @@ def _case(tmp_path, kind):
     if kind == "huge dim":
         big = save(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [("x", ["batch", 1024])],
                               [("y", ["batch", 1024])]), tmp_path / "d.onnx")
-        return (("plan", big, *PLAN, "--dim", "batch=1000000000000", "--emit", out),
+        return (("plan", big, *PLAN, "--dim", "batch=10000000000", "--emit", out),
                 ["cannot verify", "needs", "GiB available", "--no-verify or a smaller --dim"], out)
     if kind == "verify: huge dim":
         big = save(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [("x", ["batch", 1024])],
                               [("y", ["batch", 1024])]), tmp_path / "d.onnx")
-        return (("verify", big, _copy(big), "--dim", "batch=1000000000000"),
+        return (("verify", big, _copy(big), "--dim", "batch=10000000000"),
                 ["needs", "GiB available", "smaller --dim"], None)
     if kind == "measure: huge dim":
         big = save(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [("x", ["batch", 1024])],
                               [("y", ["batch", 1024])]), tmp_path / "d.onnx")
-        return (("measure", big, "--strategy", "none", "--dim", "batch=1000000000000"),
+        return (("measure", big, "--strategy", "none", "--dim", "batch=10000000000"),
                 ["cannot measure", "needs", "GiB available", "smaller --dim"], None)
     flag_cases = {  # --input-value rows: (flag, needles)
         "value without =": ("x", ["--input-value x:", "NAME=VALUE"]),

@@ -29,6 +29,7 @@ rewritten; node names stay unique (a rewritten node keeps its name).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -448,14 +449,15 @@ def _complete_one(node: ir.Node, opset: int) -> int:
     from fusesearch.ir._from_ir import captured_values
 
     values = {v.name: v for v in list(node.inputs) + captured_values(node) if v is not None}
-    feeds = {}
-    for name, v in values.items():
-        const, shape = _const(v), static_shape(v)
-        if const is None and (shape is None or v.dtype is None):
-            return 0
-        feeds[name] = const if const is not None else np.zeros(shape, dtype=v.dtype.numpy())
-    if sum(f.size for f in feeds.values()) > COMPLETE_LIMIT_ELEMENTS:
+    consts = {name: _const(v) for name, v in values.items()}
+    shapes = {name: static_shape(v) for name, v in values.items() if consts[name] is None}
+    if any(shape is None or values[name].dtype is None for name, shape in shapes.items()):
         return 0
+    size = sum(math.prod(s) for s in shapes.values()) + sum(c.size for c in consts.values() if c is not None)
+    if size > COMPLETE_LIMIT_ELEMENTS:  # counted before the zeros are allocated
+        return 0
+    feeds = {name: np.zeros(shapes[name], dtype=v.dtype.numpy()) if name in shapes else consts[name]
+             for name, v in values.items()}
     proto = ir.serde.serialize_node(node)
     try:
         results = ReferenceEvaluator(proto, opsets={"": opset}).run(None, feeds)

@@ -4,23 +4,32 @@ Problem: exported models carry dynamic dims — named (`batch`, `p2o.DynamicDime
 (`?`, -1, 0) — and everything downstream (costs, kernels) needs static shapes.
 Approach: parse the flags into a frozen `ShapeBindings`; `bind_inputs` rewrites the graph inputs'
 shapes of a ModelProto in place before shape inference. `--input-shape` sets a whole input;
-`--dim` sets every occurrence of a named dim.
+`--dim` sets every occurrence of a named dim. A dim named `?` or '' (as -1, the exporters'
+"unknown") is anonymous: it ties nothing, so only `--input-shape` of its own input binds it.
+After canonicalization `check_static_model` checks the model computes at the bound dims (strict
+shape inference with the constants folded, constant Gather indices inside their table).
 Messages name the bindings as the user wrote them: command-line flags by default, or a config
 file's keys (`Spelling`, which `fusesearch sweep` sets to its TOML keys).
 Invariants: after binding, every graph input dim is a positive int, or a `ShapeBindingError` names
 the input, the dim and the flag (or key) that fixes it. Bindings that name nothing in the model are
-errors too, and so are two bindings that give one named dim two values.
+errors too, and so are two bindings that give one named dim two values (or one flag given twice
+with two values). No tensor, input or intermediate, exceeds MAX_TENSOR_BYTES.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 import onnx
+import onnx_ir as ir
 
-from fusesearch.errors import ShapeBindingError
+from fusesearch.errors import ModelLoadError, ShapeBindingError
+from fusesearch.ir.canonicalize import static_shape
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,12 @@ class Spelling:
     dim_key: str = "--dim {name}"  # the binding of one named dim
     dim_fix: str = "--dim {name}=V"
     both: str = "--input-shape/--dim values"  # all of them, in a hint
+
+    def dim(self, name: str, value: int) -> str:
+        return f"{self.dim_key.format(name=name)}={value}"
+
+    def shape(self, name: str, shape: tuple[int, ...]) -> str:
+        return f"{self.shape_key.format(name=name)}={'x'.join(map(str, shape))}"
 
 
 FLAGS = Spelling()
@@ -46,8 +61,8 @@ class ShapeBindings:
 
     @classmethod
     def parse(cls, input_shapes: Iterable[str] = (), dims: Iterable[str] = ()) -> ShapeBindings:
-        shapes = dict(_parse_input_shape(flag) for flag in input_shapes)
-        named = dict(_parse_dim(flag) for flag in dims)
+        shapes = _once((_parse_input_shape(flag) for flag in input_shapes), FLAGS.shape)
+        named = _once((_parse_dim(flag) for flag in dims), FLAGS.dim)
         return cls(MappingProxyType(shapes), MappingProxyType(named))
 
     def with_defaults(self, defaults: Mapping[str, int]) -> ShapeBindings:
@@ -60,6 +75,23 @@ class ShapeBindings:
     def to_flags(self) -> list[str]:
         flags = [f"--input-shape {k}={'x'.join(map(str, v))}" for k, v in self.input_shapes.items()]
         return flags + [f"--dim {k}={v}" for k, v in self.dims.items()]
+
+    def given(self) -> str:
+        """The user's bindings as they wrote them (flags or config keys), for messages; '' if none."""
+        spell = self.spelling
+        return ", ".join([spell.shape(k, v) for k, v in self.input_shapes.items()]
+                         + [spell.dim(k, v) for k, v in self.dims.items()])
+
+
+def _once(pairs: Iterable[tuple[str, Any]], spell: Callable[[str, Any], str]) -> dict[str, Any]:
+    """A name given twice must get one value (`--dim batch=1 --dim batch=2` is refused)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if out.get(name, value) != value:
+            raise ShapeBindingError(f"{spell(name, value)} conflicts with {spell(name, out[name])}; "
+                                    f"give '{name}' one value")
+        out[name] = value
+    return out
 
 
 def _parse_input_shape(flag: str) -> tuple[str, tuple[int, ...]]:
@@ -90,14 +122,21 @@ def _parse_dim(flag: str) -> tuple[str, int]:
     return name, size
 
 
+ANONYMOUS = frozenset({"", "?"})  # dim_params exporters write for "unknown": they tie no two dims
+
+
 def _is_dynamic(dim: onnx.TensorShapeProto.Dimension) -> bool:
     return not dim.HasField("dim_value") or dim.dim_value <= 0
 
 
+def _name(dim: onnx.TensorShapeProto.Dimension) -> str | None:
+    """The dim's name if it has a real one (shared by every dim of that name), else None."""
+    return dim.dim_param if dim.HasField("dim_param") and dim.dim_param.strip() not in ANONYMOUS else None
+
+
 def _dim_label(dim: onnx.TensorShapeProto.Dimension, index: int) -> str:
-    if dim.HasField("dim_param") and dim.dim_param:
-        return f"dim {index} '{dim.dim_param}'"
-    return f"dim {index} (unnamed)"
+    name = _name(dim)
+    return f"dim {index} '{name}'" if name else f"dim {index} (unnamed)"
 
 
 def bind_inputs(graph: onnx.GraphProto, bindings: ShapeBindings, inputs: list[onnx.ValueInfoProto]) -> None:
@@ -109,7 +148,7 @@ def bind_inputs(graph: onnx.GraphProto, bindings: ShapeBindings, inputs: list[on
             raise ShapeBindingError(f"{spell.shape_key.format(name=name)}: unknown input '{name}'; "
                                     f"the model's inputs are: {', '.join(names)}")
     bindings = _with_implied_dims(bindings, inputs)
-    known = sorted({d.dim_param for vi in inputs for d in vi.type.tensor_type.shape.dim if d.dim_param})
+    known = sorted({_name(d) for vi in inputs for d in vi.type.tensor_type.shape.dim if _name(d)})
     used_dims = set()
     for vi in inputs:
         if not vi.type.HasField("tensor_type"):
@@ -124,23 +163,24 @@ def _with_implied_dims(bindings: ShapeBindings, inputs: list[onnx.ValueInfoProto
     """`--input-shape ids=1x64` on dims (batch, seq) also binds batch=1, seq=64 for other inputs;
     a flag that gives a named dim another value than `--dim` or another `--input-shape` is an error."""
     implied: dict[str, int] = {}
-    source: dict[str, str] = {k: bindings.spelling.dim_key.format(name=k) + f"={v}" for k, v in bindings.dims.items()}
+    source: dict[str, str] = {k: bindings.spelling.dim(k, v) for k, v in bindings.dims.items()}
     for vi in inputs:
         shape = bindings.input_shapes.get(vi.name)
         if shape is None or not vi.type.tensor_type.HasField("shape"):
             continue
-        flag = bindings.spelling.shape_key.format(name=vi.name) + f"={'x'.join(map(str, shape))}"
+        flag = bindings.spelling.shape(vi.name, shape)
         for i, (dim, value) in enumerate(zip(vi.type.tensor_type.shape.dim, shape, strict=False)):
-            if not dim.dim_param:
+            name = _name(dim)
+            if name is None:
                 continue
-            bound = bindings.dims.get(dim.dim_param, implied.get(dim.dim_param))
+            bound = bindings.dims.get(name, implied.get(name))
             if bound is not None and bound != value:
                 raise ShapeBindingError(
-                    f"{flag} gives dim {i} '{dim.dim_param}' of input '{vi.name}' the value {value}, "
-                    f"{source[dim.dim_param]} gives {bound}; make the two agree")
-            if dim.dim_param not in bindings.dims:
-                implied[dim.dim_param] = value
-                source.setdefault(dim.dim_param, flag)
+                    f"{flag} gives dim {i} '{name}' of input '{vi.name}' the value {value}, "
+                    f"{source[name]} gives {bound}; make the two agree")
+            if name not in bindings.dims:
+                implied[name] = value
+                source.setdefault(name, flag)
     return replace(bindings, defaults=MappingProxyType({**bindings.defaults, **implied}))
 
 
@@ -157,21 +197,19 @@ def _bind_one(vi: onnx.ValueInfoProto, bindings: ShapeBindings) -> set[str]:
     if not tensor_type.HasField("shape"):
         raise ShapeBindingError(f"input '{vi.name}' has no shape in the model; bind it with "
                                 f"{spell.shape_fix.format(name=vi.name)}")
-    used = set()
+    shape, used = [], {}
     for i, dim in enumerate(tensor_type.shape.dim):
-        if not _is_dynamic(dim):
-            continue
-        value = bindings.value_of(dim.dim_param) if dim.dim_param else None
-        if value is not None:
-            used.add(dim.dim_param)
-            dim.Clear()
-            dim.dim_value = value
-            continue
-        fix = (spell.dim_fix.format(name=dim.dim_param) if dim.dim_param
-               else spell.shape_fix.format(name=vi.name))
-        raise ShapeBindingError(
-            f"input '{vi.name}' has unbound dynamic {_dim_label(dim, i)}; bind it with {fix}")
-    return used
+        name = _name(dim)
+        value = dim.dim_value if not _is_dynamic(dim) else bindings.value_of(name) if name else None
+        if value is None:
+            fix = spell.dim_fix.format(name=name) if name else spell.shape_fix.format(name=vi.name)
+            raise ShapeBindingError(
+                f"input '{vi.name}' has unbound dynamic {_dim_label(dim, i)}; bind it with {fix}")
+        if _is_dynamic(dim):
+            used[name] = value
+        shape.append(value)
+    _write_shape(vi, shape, ", ".join(spell.dim(k, v) for k, v in used.items()))
+    return set(used)
 
 
 def _set_whole_shape(vi: onnx.ValueInfoProto, shape: tuple[int, ...], spell: Spelling) -> set[str]:
@@ -188,8 +226,116 @@ def _set_whole_shape(vi: onnx.ValueInfoProto, shape: tuple[int, ...], spell: Spe
                 raise ShapeBindingError(
                     f"{key}: dim {i} is fixed to {dim.dim_value} in the model, this gives {value}; "
                     f"use {dim.dim_value}")
-    used = {d.dim_param for d in tensor_type.shape.dim if d.dim_param}
+    used = {_name(d) for d in tensor_type.shape.dim if _name(d)}
+    _write_shape(vi, shape, spell.shape(vi.name, shape))
+    return used
+
+
+def _write_shape(vi: onnx.ValueInfoProto, shape: list[int] | tuple[int, ...], why: str) -> None:
+    """Give the input its static shape; `why`: the bindings that set it (for the size check)."""
+    tensor_type = vi.type.tensor_type
+    too_large = _oversize(shape, tensor_type.elem_type)
+    if too_large:
+        cause = f"{why} makes input '{vi.name}'" if why else f"input '{vi.name}' is"
+        raise ShapeBindingError(f"{cause} {too_large}; give smaller dims")
     tensor_type.ClearField("shape")
     for value in shape:
         tensor_type.shape.dim.add().dim_value = value
-    return used
+
+
+MAX_TENSOR_BYTES = 1 << 48  # 256 TiB: the virtual address space of x86-64 CPUs and of NVIDIA GPUs
+
+
+def _oversize(shape, elem_type: int) -> str | None:
+    """Words saying how a tensor is larger than any machine holds, or None if it is not. Such
+    sizes also overflow ONNX's int64 dims and the search's integer costs."""
+    try:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        itemsize, dtype_name = dtype.itemsize, dtype.name
+    except (KeyError, TypeError, ValueError):
+        itemsize, dtype_name = 1, "tensor"
+    size = math.prod(shape) * itemsize
+    if size <= MAX_TENSOR_BYTES:
+        return None
+    return (f"{'x'.join(map(str, shape))} {dtype_name} ({size / 2**40:,.0f} TiB), above the "
+            f"{MAX_TENSOR_BYTES / 2**40:.0f} TiB a tensor can have on any machine")
+
+
+# -- the model at the bound dims ---------------------------------------------------------------
+
+_INFERENCE_ERROR = re.compile(r"\(op_type:([^,]*), node name: ([^)]*)\): (?:\[\w+\] )?(.*)")
+
+
+def check_static_model(model: ir.Model, label: str, bindings: ShapeBindings) -> None:
+    """The canonical model (constants folded) computes at the bound dims: no tensor is larger than
+    any machine holds, no Gather reads past the end of a constant table, and onnx's strict shape
+    inference finds no node whose input shapes disagree (a 512-position table added to 1000
+    positions). Else a one-line BadInput naming the bindings, the node and the shapes."""
+    for node in model.graph:
+        for value in node.outputs:
+            shape = static_shape(value)
+            too_large = _oversize(shape, value.dtype.value) if shape and value.dtype is not None else None
+            if too_large:
+                _refuse(label, bindings, f"tensor '{value.name}' of node '{node.name}' ({node.op_type}) "
+                                         f"would be {too_large}")
+    for node in model.graph:
+        if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
+            _check_gather(node, label, bindings)
+    conflict = _strict_inference(model)
+    if conflict is not None:
+        _refuse(label, bindings, conflict)
+
+
+def _refuse(label: str, bindings: ShapeBindings, problem: str) -> None:
+    given = bindings.given()
+    if given:
+        raise ShapeBindingError(f"{label}: at {given}, {problem}; the model cannot take these dims: "
+                                f"give other {bindings.spelling.both}")
+    raise ModelLoadError(f"{label}: {problem}; fix the export")
+
+
+def _shape_text(value: ir.Value | None) -> str:
+    shape = static_shape(value)
+    return "none" if value is None else "x".join(map(str, shape)) if shape is not None else "?"
+
+
+def _strict_inference(model: ir.Model) -> str | None:
+    """Words naming the first node onnx's strict shape inference refuses, and its input shapes.
+    Without data propagation: the constants are folded by now, and it allocates for a large weight
+    that the call below turns into an input."""
+    from onnx_ir.passes.common import _c_api_utils  # takes large weights out for the C++ call
+
+    def infer(proto: onnx.ModelProto) -> None:
+        onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=False)
+
+    try:
+        _c_api_utils.call_onnx_api(infer, model)
+    except onnx.shape_inference.InferenceError as exc:
+        found = _INFERENCE_ERROR.search(str(exc))
+        if found is None:
+            return f"onnx's shape inference fails ({str(exc).strip().splitlines()[0]})"
+        op, name, why = found.group(1), found.group(2), found.group(3).strip()
+        node = next((n for n in model.graph if n.name == name), None)
+        shapes = ", ".join(_shape_text(v) for v in node.inputs) if node is not None else "?"
+        return f"node '{name}' ({op}) cannot take inputs of shapes {shapes} ({why})"
+    return None
+
+
+def _check_gather(node: ir.Node, label: str, bindings: ShapeBindings) -> None:
+    """A Gather with constant indices reads inside its data's axis (ONNX Runtime refuses the model)."""
+    data, indices = (list(node.inputs) + [None, None])[:2]
+    shape = static_shape(data)
+    if shape is None or indices is None or indices.const_value is None:
+        return
+    axis = node.attributes.get_int("axis", 0)
+    if not -len(shape) <= axis < len(shape):
+        return
+    count = shape[axis]
+    values = indices.const_value.numpy()
+    if values.size == 0:
+        return
+    bad = int(values.max()) if values.max() >= count else int(values.min())
+    if -count <= bad < count:
+        return
+    _refuse(label, bindings, f"node '{node.name}' (Gather) reads index {bad} of '{data.name}', whose axis {axis} "
+                             f"has {count} entries")

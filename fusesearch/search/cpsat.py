@@ -4,7 +4,9 @@ Problem: choose, among the enumerated candidate groups, a partition of the nodes
 predicted time whose quotient graph is acyclic — two convex groups can still form a cycle
 (p→q, r→s, p→s, r→q with groups {p, s} and {r, q}).
 Model (as the OR-Tools samples: data, model, variables, constraints, objective, solve, output):
-  data         candidates g with cost c_g in integer picoseconds (the only place ints are used)
+  data         candidates g with cost c_g in integer picoseconds (the only place ints are used),
+               or in a coarser unit where their sum would pass MAX_OBJECTIVE (huge shapes): CP-SAT
+               refuses an objective that may overflow int64 (MODEL_INVALID)
   variables    x_g ∈ {0,1} per candidate; rank r_v ∈ [0, n-1] per node
   constraints  Σ_{g ∋ v} x_g = 1 for every node v                          (exact partition)
                for every edge u→v, with y_uv = Σ_{g ∋ u,v} x_g (1 iff u, v share the chosen group):
@@ -24,18 +26,21 @@ Model (as the OR-Tools samples: data, model, variables, constraints, objective, 
                the re-solve is always feasible; its status is the `resolve_status` statistic.
 The candidate set always holds the rules and greedy groups, so the optimum is never worse than
 either. On a time-out the best plan found is returned with its gap to the bound; if CP-SAT
-found nothing the greedy plan is returned, never nothing.
+found nothing in time the greedy plan is returned, never nothing. A model CP-SAT calls invalid
+(or infeasible) is a bug, never read as a time-out: an internal error saying what CP-SAT found.
 Invariants: this is the only module that imports ortools.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from ortools.sat.python import cp_model
 
 from fusesearch.candidates.enumerate import CandidateSet, enumerate_candidates
+from fusesearch.errors import FusesearchError
 from fusesearch.search.greedy import greedy_partition
 from fusesearch.search.problem import SearchProblem, SolveResult
 from fusesearch.search.rules import rules_partition
@@ -43,6 +48,7 @@ from fusesearch.search.rules import rules_partition
 log = logging.getLogger(__name__)
 
 PS_PER_S = 1e12
+MAX_OBJECTIVE = 1 << 53  # Σ of all candidates' costs in solver units: int64-safe, exact in CP-SAT's doubles
 CANONICAL_DETERMINISTIC_TIME = 60.0  # CP-SAT's deterministic time units (~seconds), one worker
 MIN_SOLVE_S = 1.0  # CP-SAT always gets this long, even past the deadline (the hint is a plan)
 SAFETY_S = 0.5  # reading the solution back ...
@@ -67,8 +73,12 @@ class CpSatSolver:
                            time.perf_counter() - start, stats)
 
 
-def _costs_ps(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> list[int]:
-    return [round(problem.time_s(g) * PS_PER_S) for g in groups]
+def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[list[int], int]:
+    """Integer costs in units of `unit` picoseconds: 1 ps, or as coarse as keeps their sum within
+    MAX_OBJECTIVE (a model at huge dims costs up to 1e18 ps per candidate)."""
+    ps = [problem.time_s(g) * PS_PER_S for g in groups]
+    unit = max(1, math.ceil(sum(ps) / MAX_OBJECTIVE))
+    return [round(t / unit) for t in ps], unit
 
 
 def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[frozenset[int]],
@@ -88,7 +98,7 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
             model.add(rank[v] - rank[u] + together >= 1)
             if shared_with.get(v):
                 model.add(rank[v] - rank[u] + n * together <= n)
-    costs = _costs_ps(problem, candidates.groups)
+    costs, unit = _costs(problem, candidates.groups)
     objective = sum(c * xi for c, xi in zip(costs, x, strict=True))
     model.minimize(objective)
     _add_hint(model, candidates, x, rank, hint, graph)
@@ -96,15 +106,19 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
     remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S - SAFETY_PER_NODE_S * n)
     _configure(solver.parameters, problem.config.workers, remaining, seed)
     status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):  # UNKNOWN: a time-out
+        raise FusesearchError(f"cpsat: CP-SAT found the search model {solver.status_name(status)} "
+                              f"({model.validate() or 'no reason given'}) on {n} nodes; plan with "
+                              "--strategy greedy meanwhile and report this")
     resolve = None
     if status == cp_model.OPTIMAL:
-        model.add(objective <= _objective_ps(solver, costs, x))
+        model.add(objective <= _objective(solver, costs, x))
         solver, resolve = _deterministic_optimum(model, solver, deadline - SAFETY_PER_NODE_S * n)
-    return _result(problem, candidates, solver, status, x, costs, hint, resolve)
+    return _result(problem, candidates, solver, status, x, costs, unit, hint, resolve)
 
 
-def _objective_ps(solver, costs: list[int], x) -> int:
-    """The chosen plan's cost in exact integer picoseconds. CP-SAT reports `objective_value` as a
+def _objective(solver, costs: list[int], x) -> int:
+    """The chosen plan's cost in exact integer units. CP-SAT reports `objective_value` as a
     float that may fall just short of the integer (2179528.9999999995 for 2179529): truncated,
     it would bound the re-solve below the optimum and make it infeasible."""
     return sum(c for c, var in zip(costs, x, strict=True) if solver.value(var))
@@ -173,16 +187,16 @@ def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
         params.extra_subsolvers.extend(["max_lp", "core"])
 
 
-def _result(problem, candidates, solver, status, x, costs, hint, resolve: str | None) -> SolveResult:
+def _result(problem, candidates, solver, status, x, costs, unit: int, hint, resolve: str | None) -> SolveResult:
     name = solver.status_name(status)
     found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    bound_s = solver.best_objective_bound / PS_PER_S if found else None
+    bound_s = solver.best_objective_bound * unit / PS_PER_S if found else None
     stats = {"solver_status": name, "objective_ps": None, "conflicts": solver.num_conflicts,
              "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3),
              "resolve_status": resolve}
     if found:
         groups = tuple(g for g, var in zip(candidates.groups, x, strict=True) if solver.value(var))
-        stats["objective_ps"] = _objective_ps(solver, costs, x)
+        stats["objective_ps"] = _objective(solver, costs, x) * unit
     else:
         log.warning("cpsat found no solution in time (%s); returning the greedy plan", name)
         groups, name = tuple(hint), "FEASIBLE"
