@@ -39,7 +39,7 @@ import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 from onnx_ir.passes.common import ShapeInferencePass
 
-from fusesearch.ir.load import broadcasts_to
+from fusesearch.ir.shapes import broadcasts_to, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +95,6 @@ def _infer_shapes(model: ir.Model) -> None:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
-    if value is None or value.shape is None:
-        return None
-    dims = tuple(value.shape)
-    if all(isinstance(d, int) and d >= 0 for d in dims):
-        return tuple(int(d) for d in dims)
-    return None
-
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
     if value is None or value.const_value is None:

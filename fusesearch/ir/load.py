@@ -24,8 +24,8 @@ Approach, in order (each step raises a one-line `BadInput` naming the file/node/
      bind dynamic dims, run onnx shape inference (strict) with data propagation, then check per
      node what that inference does not and ONNX Runtime refuses on loading or on its first run:
      no negative inferred dim, Reshape keeps the element count, Conv/ConvTranspose have a
-     positive group and the channels their weight expects, constant Gather indices in range,
-     Gemm's bias and LayerNormalization's scale/bias broadcast, BatchNormalization's variance is
+     positive group and the channels their weight expects (constant Gather indices are checked
+     after canonicalization, at the bound dims: `shapes.check_static_model`), Gemm's bias and LayerNormalization's scale/bias broadcast, BatchNormalization's variance is
      not below -epsilon (NaN); and no Dropout zeroes values at random (training mode, ratio not 0);
   6. hand back an `onnx_ir.Model` whose external tensors are memory-mapped from the model's folder
      (so models above 2 GB load without copying their weights).
@@ -39,7 +39,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +49,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from fusesearch.errors import ModelLoadError, ShapeBindingError, UnsupportedModel
-from fusesearch.ir.shapes import ShapeBindings, bind_inputs
+from fusesearch.ir.shapes import ShapeBindings, bind_inputs, broadcasts_to
 
 log = logging.getLogger(__name__)
 
@@ -484,11 +484,6 @@ def _input(node: onnx.NodeProto, index: int) -> str:
     return node.input[index] if len(node.input) > index else ""
 
 
-def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
-    """`shape` broadcasts to `target` one way (numpy rules, `target` unchanged)."""
-    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
-
-
 def _negative_dim(node: onnx.NodeProto, shapes: Shapes) -> str | None:
     out = next((o for o in node.output if any(d < 0 for d in shapes.get(o, ()))), None)
     if out is None:
@@ -520,19 +515,6 @@ def _check_reshape(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -
     return (f"reshapes '{node.input[0]}' {x} ({np.prod(x, dtype=np.int64)} elements) to {y} "
             f"({np.prod(y, dtype=np.int64)} elements); a reshape keeps the element count: fix its shape "
             "input or the input shape")
-
-
-def _check_gather(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
-    data, indices = shapes.get(_input(node, 0)), _constant(_input(node, 1), constants)
-    axis = _attr(node, "axis", 0)
-    if data is None or indices is None or not -len(data) <= axis < len(data):
-        return None
-    size = data[axis]
-    wrong = indices[(indices < -size) | (indices >= size)]
-    if not wrong.size:
-        return None
-    return (f"reads index {wrong.flat[0]} of '{node.input[1]}' along axis {axis} of '{node.input[0]}' {data}, "
-            f"outside -{size}..{size - 1}; fix the indices or the input shape")
 
 
 def _check_gemm(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -> str | None:
@@ -583,7 +565,7 @@ def _check_dropout(node: onnx.NodeProto, shapes: Shapes, constants: Constants) -
 
 
 _NODE_CHECKS = {
-    "Conv": _check_conv, "ConvTranspose": _check_conv, "Reshape": _check_reshape, "Gather": _check_gather,
+    "Conv": _check_conv, "ConvTranspose": _check_conv, "Reshape": _check_reshape,
     "Gemm": _check_gemm, "LayerNormalization": _check_layer_norm, "BatchNormalization": _check_batch_norm,
     "Dropout": _check_dropout,
 }

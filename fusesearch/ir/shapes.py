@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -29,7 +29,21 @@ import onnx
 import onnx_ir as ir
 
 from fusesearch.errors import ModelLoadError, ShapeBindingError
-from fusesearch.ir.canonicalize import static_shape
+
+
+def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    """The value's dims where every one is a known int >= 0, else None."""
+    if value is None or value.shape is None:
+        return None
+    dims = tuple(value.shape)
+    if all(isinstance(d, int) and d >= 0 for d in dims):
+        return tuple(int(d) for d in dims)
+    return None
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """`shape` broadcasts to `target` one way (numpy rules, `target` unchanged)."""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
 
 
 @dataclass(frozen=True)
@@ -337,5 +351,5 @@ def _check_gather(node: ir.Node, label: str, bindings: ShapeBindings) -> None:
     bad = int(values.max()) if values.max() >= count else int(values.min())
     if -count <= bad < count:
         return
-    _refuse(label, bindings, f"node '{node.name}' (Gather) reads index {bad} of '{data.name}', whose axis {axis} "
-                             f"has {count} entries")
+    _refuse(label, bindings, f"node '{node.name}' (Gather) reads index {bad} of '{data.name}' (indices "
+                             f"'{indices.name}') along axis {axis}, which has {count} entries (-{count}..{count - 1})")
