@@ -314,12 +314,12 @@ def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, 
     only then write it: a model that failed verification never reaches the disk."""
     from fusesearch.export import fused_model, save_model
     from fusesearch.ir.canonicalize import to_proto
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
 
     fused = fused_model(to_proto(prep.canonical), prep.graph, groups)
     report = None
     if verify:
-        report = _verify(prep, fused, seed, tolerance(prep.dtype), 0.0, values, label=f"--emit {path}")
+        report = _verify(prep, fused, seed, prepared_tolerance(prep), 0.0, values, label=f"--emit {path}")
         if not report["ok"]:
             raise FusesearchError(f"--emit {path}: the fused model differs from the original, so it was not "
                                   f"written: {_verified_line(report)}; please report this plan")
@@ -421,12 +421,12 @@ def verify(
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
     if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
         raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
 
     prep = prepare(original, _bindings(input_shape, dim), keep_original=True, dtype=dtype)
     values = _input_values(input_value, prep)
     _check_verify_memory(prep, False)
-    rtol = tolerance(dtype) if rtol is None else rtol
+    rtol = prepared_tolerance(prep) if rtol is None else rtol
     report = _verify(prep, _read_fused(fused), seed, rtol, atol, values, label=str(fused), ours=False)
     if json_out:
         _emit_json(report)
@@ -817,14 +817,14 @@ def run(
         if resolve_device(device)[1].kind != "gpu":
             raise BadInput(f"--device {device}: a plan for a CPU fuses GEMMs and convs as C only (the packed "
                            f"skeleton), and --backend {backend} runs CUDA; give a GPU device (e.g. --device h200)")
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
 
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
-    rtol = max(tolerance(dtype), _plan_rtol(plan_)) if rtol is None else rtol
+    rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
         return

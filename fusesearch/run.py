@@ -671,13 +671,13 @@ def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_
     """Check the plan's CUDA program, run through the emulator (`HostDevice`), against ONNX
     Runtime: {"max_rel_err", "segments", "arena_peak_bytes", "cuda_graph", "kernels",
     "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
-    of the model's dtype (`ir.precision.tolerance`)."""
+    of the model's dtype (`ir.precision.prepared_tolerance`)."""
     from fusesearch.backends import emulate
     from fusesearch.ir.canonicalize import to_proto
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
     from fusesearch.verify import all_values, random_feeds
 
-    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
+    rtol = prepared_tolerance(prep) if rtol is None else rtol
     decision = emulate.available()
     if not decision:
         raise BadInput(f"--backend emulate: {decision.reason}")
@@ -827,11 +827,11 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
     step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events.
-    `rtol`: default the tolerance of the model's dtype (`ir.precision.tolerance`)."""
-    from fusesearch.ir.precision import tolerance
+    `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`)."""
+    from fusesearch.ir.precision import prepared_tolerance
 
     require_backend(backend)
-    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
+    rtol = prepared_tolerance(prep) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
                          input_values, progress, backend)

@@ -353,7 +353,8 @@ def module(kernels: Sequence[GeneratedKernel]) -> dict[str, Callable[[Sequence[i
                           for i, a in enumerate(params))
         text += (_LAUNCHER.replace("fs_args", f"fs_args_{n}").replace("fs_thread", f"fs_thread_{n}")
                  .replace("fs_launch", f"fs_launch_{n}")
-                 .format(nargs=max(1, len(params)), call=f"{module_namespace(k)}::{k.name}({casts});"))
+                 .format(nargs=max(1, len(params)),  # the casts name the kernel's own storage types (fs_half)
+                         call=f"using namespace {module_namespace(k)}; {k.name}({casts});"))
     lib = _load(text, entries=len(kernels))
     entries = [getattr(lib, f"fs_launch_{n}") for n in range(len(kernels))]
     return {k.name: (lambda pointers, k=k, fn=fn: _launch(k, fn, pointers)) for k, fn in zip(kernels, entries, strict=True)}
