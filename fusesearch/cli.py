@@ -371,7 +371,8 @@ def _verify(prep, candidate, seed: int, rtol: float, atol: float, values: dict, 
                        "`fusesearch plan --emit` or `export`, with the same --dim/--input-shape") from None
     diffs = compare(reference, candidate_out, rtol=rtol, atol=atol)
     return {"ok": all(d.ok for d in diffs) and bool(diffs), "seed": seed, "rtol": rtol, "atol": atol,
-            "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel, "ok": d.ok} for d in diffs]}
+            "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel, "ok": d.ok,
+                         **({"why": d.why} if d.why else {})} for d in diffs]}
 
 
 def _read_fused(path: Path):
@@ -391,7 +392,7 @@ def _verified_line(report: dict) -> str:
     worst_abs = max((o["max_abs"] for o in outs), default=0.0)
     worst_rel = max((o["max_rel"] for o in outs), default=0.0)
     verdict = "equal" if report["ok"] else "DIFFERENT"
-    bad = [o["name"] for o in outs if not o["ok"]]
+    bad = [o["name"] + (f" ({o['why']})" if o.get("why") else "") for o in outs if not o["ok"]]
     return (f"verified in ONNX Runtime: {len(outs)} outputs {verdict} (max abs err {worst_abs:.3g}, "
             f"max rel err {worst_rel:.3g}, seed {report['seed']})" + (f"; differing: {', '.join(bad)}" if bad else ""))
 
@@ -432,8 +433,9 @@ def verify(
         _emit_json(report)
     else:
         for o in report["outputs"]:
-            out.print(f"{o['name']}: max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g} "
-                      f"{'ok' if o['ok'] else 'MISMATCH'}")
+            out.print(f"{o['name']}: " + (o["why"] if o.get("why") else
+                                          f"max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g}")
+                      + f" {'ok' if o['ok'] else 'MISMATCH'}")
         out.print(_verified_line(report))
     if not report["ok"]:
         raise typer.Exit(1)

@@ -65,7 +65,7 @@ from fusesearch.backends.timing import PerfCounterClock, Timing, TimingCache, me
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
-from fusesearch.verify import all_values, random_feeds
+from fusesearch.verify import all_values, max_rel_err, random_feeds
 
 BACKENDS = ("cpu", "cupy")
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
@@ -467,18 +467,6 @@ def _none_if_nan(x: float | None) -> float | None:
 
 def _template(g) -> str:
     return "alias" if g.kernel.alias else g.kernel.template
-
-
-def max_rel_err(outputs: dict, values: dict) -> float:
-    """Largest |got - ref| / max(1, max|ref|) over the outputs (ref: ONNX Runtime's values)."""
-    worst = 0.0
-    for name, got in outputs.items():
-        ref = np.asarray(values[name], dtype=np.float64)
-        got = np.asarray(got, dtype=np.float64).reshape(ref.shape)
-        if ref.size:
-            scale = max(1.0, float(np.max(np.abs(ref))))
-            worst = max(worst, float(np.nanmax(np.abs(got - ref))) / scale)
-    return worst
 
 
 def device_label(backend: str) -> str:

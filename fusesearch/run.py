@@ -455,12 +455,6 @@ def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, pr
 
 # -- checking ---------------------------------------------------------------------------------
 
-def max_rel_err(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> float:
-    from fusesearch.measure import max_rel_err as worst
-
-    return worst(dict(got), dict(reference))
-
-
 def first_difference(graph, label: str, steps: Sequence[Step], produced: Mapping[str, np.ndarray],
                      reference: Mapping[str, np.ndarray], rtol: float) -> str | None:
     """'plan group g3 (...)' naming the first step whose output differs from ONNX Runtime's."""
@@ -483,7 +477,7 @@ def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: 
     """(the program with arena reuse, its max relative error) once its outputs equal ONNX
     Runtime's (`make(reuse)` builds it); Mismatch naming the first step that differs, found on a
     program without reuse (also the one checked throughout with `check_each`)."""
-    from fusesearch.verify import compare
+    from fusesearch.verify import compare, max_rel_err
 
     program = make(not check_each)
     got = program(feeds)
@@ -502,7 +496,7 @@ def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: 
         if check_each:  # the program that runs (and is timed) reuses its arena
             program = make(True)
             program(feeds)
-    return program, max_rel_err(wanted, got)
+    return program, max_rel_err(got, wanted)
 
 
 # -- the CUDA program --------------------------------------------------------------------------

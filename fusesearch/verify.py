@@ -14,8 +14,9 @@ optimization off (so ORT's own fusions cannot hide a difference). A verification
 that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
 there is the user's, exit 2 naming the op or the failing node and how to give values or skip
 verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
-largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|) (rtol
-per dtype: `ir.precision.tolerance`).
+largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max finite |a|)
+(rtol per dtype: `ir.precision.prepared_tolerance`), NaN equal to NaN and an infinity to the same
+infinity (`difference`, the one element comparison of verify, run and measure).
 Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
 (`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
 models above protobuf's 2 GiB pass their large weights to ONNX Runtime beside the proto.
@@ -47,8 +48,9 @@ class OutputDiff:
     name: str
     max_abs: float
     max_rel: float
-    scale: float  # max(1, max|reference|)
+    scale: float  # max(1, max finite |reference|)
     ok: bool
+    why: str = ""  # an output that cannot be compared: "missing", or its shape and the expected one
 
 
 class CandidateFailed(Exception):
@@ -379,30 +381,65 @@ def _numeric(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
 
 
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "a scalar"
+
+
+def difference(reference: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, float]:
+    """(|got - reference| per element as float64, flat, the scale max(1, max finite |reference|)): two
+    equal values give 0, NaN and NaN included (a NaN where ONNX Runtime has one is equal), +inf and
+    +inf too; NaN against anything else, or an infinity against another value, gives inf. Every
+    comparison of ours (`compare`, `max_rel_err`: verify, run, measure) is this one."""
+    a = _numeric(np.asarray(reference)).astype(np.float64).reshape(-1)
+    b = _numeric(np.asarray(got)).astype(np.float64).reshape(-1)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(a - b)
+    err[np.isnan(err)] = np.inf
+    err[same] = 0.0
+    finite = np.abs(a[np.isfinite(a)])
+    return err, max(1.0, float(finite.max())) if finite.size else 1.0
+
+
+def max_rel_err(outputs: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> float:
+    """Largest |got - ref| / max(1, max|ref|) over the outputs (ref: ONNX Runtime's `values`), by
+    `difference`."""
+    worst = 0.0
+    for name, got in outputs.items():
+        err, scale = difference(values[name], got)
+        if err.size:
+            worst = max(worst, float(err.max()) / scale)
+    return worst
+
+
 def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
             rtol: float = 1e-4, atol: float = 0.0) -> list[OutputDiff]:
+    """Per output of `reference`: its largest absolute and relative error in `candidate`
+    (`difference`) and whether |a - b| <= atol + rtol * scale everywhere; a missing output, or
+    one of another shape (both named in `why`), differs."""
     diffs = []
     for name, ref in reference.items():
         if name not in candidate:
-            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
+            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False, "missing"))
             continue
-        ref, got = _numeric(np.asarray(ref)), _numeric(np.asarray(candidate[name]))
+        ref, got = np.asarray(ref), np.asarray(candidate[name])
         if ref.shape != got.shape:
-            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
+            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False,
+                                    f"shape {_shape_text(got.shape)}, expected {_shape_text(ref.shape)}"))
             continue
-        if ref.dtype.kind not in "biufc" or got.dtype.kind not in "biufc":  # strings: equal or not
+        if _numeric(ref).dtype.kind not in "biufc" or _numeric(got).dtype.kind not in "biufc":  # strings
             same = bool(np.array_equal(ref, got))
             diffs.append(OutputDiff(name, 0.0 if same else float("inf"), 0.0 if same else float("inf"), 1.0, same))
             continue
-        a, b = ref.astype(np.float64), got.astype(np.float64)
-        scale = max(1.0, float(np.max(np.abs(a)))) if a.size else 1.0
-        err = np.abs(a - b)
-        max_abs = float(np.max(err)) if a.size else 0.0
-        max_rel = float(np.max(err / np.maximum(np.abs(a), 1e-12))) if a.size else 0.0
-        same_nan = bool(np.array_equal(np.isnan(a), np.isnan(b)))
-        finite = np.nan_to_num(err, nan=0.0)
-        ok = same_nan and bool(np.all(finite <= atol + rtol * scale))
-        diffs.append(OutputDiff(name, max_abs, max_rel, scale, ok))
+        err, scale = difference(ref, got)
+        if not err.size:
+            diffs.append(OutputDiff(name, 0.0, 0.0, scale, True))
+            continue
+        with np.errstate(invalid="ignore"):
+            rel = np.where(err == 0, 0.0, err / np.maximum(np.abs(_numeric(ref).astype(np.float64).reshape(-1)), 1e-12))
+        rel[np.isnan(rel)] = np.inf  # an infinite error at an infinite or NaN reference value
+        ok = bool(np.all(err <= atol + rtol * scale))
+        diffs.append(OutputDiff(name, float(err.max()), float(rel.max()), scale, ok))
     return diffs
 
 
