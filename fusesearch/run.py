@@ -455,6 +455,24 @@ def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, pr
 
 # -- checking ---------------------------------------------------------------------------------
 
+def check_static_shapes(graph, reference: Mapping[str, np.ndarray]) -> None:
+    """BadInput naming the node when ONNX Runtime's value of a tensor has another shape than the
+    one it was given before running (an op whose output shape depends on the values, as NonZero's
+    does): a program lays out every tensor before it runs."""
+    for node in graph.nodes:
+        for t in node.outputs:
+            info = graph.tensors.get(t) if t else None
+            if info is None or info.shape is None or t not in reference:
+                continue
+            got = tuple(np.shape(reference[t]))
+            if got != tuple(info.shape):
+                show = lambda s: "x".join(map(str, s)) or "a scalar"  # noqa: E731
+                raise BadInput(f"node '{node.name}' ({node.op_type}) makes '{t}' of shape {show(got)} on these "
+                               f"inputs, not the {show(info.shape)} known before running: its output shape depends "
+                               "on the values, and run lays out every tensor beforehand; run cannot execute this "
+                               "model (plan and verify can)")
+
+
 def first_difference(graph, label: str, steps: Sequence[Step], produced: Mapping[str, np.ndarray],
                      reference: Mapping[str, np.ndarray], rtol: float) -> str | None:
     """'plan group g3 (...)' naming the first step whose output differs from ONNX Runtime's."""
@@ -669,17 +687,19 @@ def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_
     from fusesearch.backends import emulate
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.ir.precision import prepared_tolerance
-    from fusesearch.verify import all_values, random_feeds
+    from fusesearch.verify import all_values, check_reference_dtypes, random_feeds
 
     rtol = prepared_tolerance(prep) if rtol is None else rtol
     decision = emulate.available()
     if not decision:
         raise BadInput(f"--backend emulate: {decision.reason}")
     check_args(1, 0, 1, rtol)
+    check_reference_dtypes(prep.graph, "plan", plan, "run")
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, seed, input_values)
     reference = all_values(canonical, feeds, list(input_values or ()))
+    check_static_shapes(prep.graph, reference)
     steps = plan_steps(prep.graph, plan)
     program, err = checked("plan (CUDA, emulated)",
                            lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, HostDevice(), 1, reuse=reuse),
@@ -839,16 +859,25 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
               progress, backend) -> RunReport:
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import all_values, random_feeds, session, session_feeds
+    from fusesearch.verify import (
+        all_values,
+        check_reference_dtypes,
+        random_feeds,
+        session,
+        session_feeds,
+    )
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
     graph = prep.graph
+    for label, p in (("plan", plan), ("unfused", unfused)):
+        check_reference_dtypes(graph, label, p, "run")
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, seed, input_values)
     say("reference")
     reference = all_values(canonical, feeds, list(input_values or ()))
+    check_static_shapes(graph, reference)
     device = None
     if backend == "cupy":
         from fusesearch.backends import cupy as gpu

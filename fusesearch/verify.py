@@ -43,6 +43,12 @@ PROTO_LIMIT = (1 << 31) - (1 << 24)  # larger models pass their big weights besi
 ASIDE_MIN_BYTES = 1 << 10  # weights at least this large go beside the proto then
 
 
+# what ONNX Runtime's Python API hands back as numpy arrays (not float8, int4, strings; bfloat16
+# through `session`'s widened copy, as ml_dtypes arrays)
+REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+                              "uint8", "uint16", "uint32", "uint64", "bool"})
+
+
 @dataclass(frozen=True)
 class OutputDiff:
     name: str
@@ -80,6 +86,22 @@ def _gather_rows(model: onnx.ModelProto) -> dict[str, int]:
     return rows
 
 
+def check_reference_dtypes(graph: Graph, label: str, plan, task: str) -> None:
+    """BadInput naming the group, node, op and dtype when a tensor has a dtype ONNX Runtime cannot
+    hand back to numpy (a string, a float8): no reference value, so nothing to run a kernel on or
+    check it against (`task`: the command, "measure" or "run")."""
+    for g in plan.groups:
+        for node in (graph.nodes[i] for i in g.nodes):
+            for t in (*node.inputs, *node.outputs):
+                info = graph.tensors.get(t) if t else None
+                if info is not None and info.dtype not in REFERENCE_DTYPES:
+                    dtype = "string" if info.dtype == "object" else info.dtype
+                    raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
+                                   f"{'reads' if t in node.inputs else 'makes'} '{t}' of dtype {dtype}, "
+                                   f"which ONNX Runtime cannot hand back to numpy; {task} cannot execute a model "
+                                   f"with {dtype} tensors (plan and verify can)")
+
+
 def random_feeds(model: onnx.ModelProto, seed: int = 0,
                  values: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Seeded valid inputs for every graph input; `values` (from `parse_input_values`) replace
@@ -91,6 +113,9 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0,
     for vi in model.graph.input:
         if vi.name in weights:
             continue
+        if vi.type.WhichOneof("value") != "tensor_type":
+            raise BadInput(f"input '{vi.name}' is a {vi.type.WhichOneof('value').removesuffix('_type')}, not a tensor: "
+                           "ONNX Runtime is run here on tensor inputs only; give a model whose inputs are tensors")
         dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
         shape = _shape(vi)
         if any(w in vi.name.lower() for w in MASK_WORDS):
