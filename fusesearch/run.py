@@ -206,15 +206,16 @@ def _cc(args: list[str], what: str) -> None:
 
 def _object(source: str, name: str, flags: list[str], folder: Path) -> Path:
     digest = hashlib.sha256("\0".join([source, *flags]).encode()).hexdigest()[:24]
-    target = folder / f"{digest}.o"
-    if not target.exists():
+
+    def build(target: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.c"
             src.write_text(source)
             out = Path(tmp) / "k.o"
             _cc([*flags, "-c", str(src), "-o", str(out)], f"kernel {name}")
             os.replace(out, target)
-    return target
+
+    return cpu.cached_file(folder / f"{digest}.o", build)
 
 
 def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDLL:
@@ -225,13 +226,14 @@ def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDL
         objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
     objects.append(_object(driver, "driver", compile_flags, folder))
     digest = hashlib.sha256("\0".join([*map(str, objects), *link_flags]).encode()).hexdigest()[:24]
-    target = folder / f"program-{digest}.so"
-    if not target.exists():
+
+    def link(target: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "program.so"
             _cc([*compile_flags, "-shared", *map(str, objects), "-o", str(out), *link_flags], "the program")
             os.replace(out, target)
-    return ctypes.CDLL(str(target))
+
+    return cpu.load_cached(folder / f"program-{digest}.so", link)
 
 
 # -- the program ------------------------------------------------------------------------------

@@ -215,6 +215,28 @@ def test_models_run_cannot_execute_exit_2_naming_the_node(run_cli, tmp_path, kin
     assert line.startswith("fusesearch: error: ") and all(n in line for n in needles), line
 
 
+def test_a_corrupt_cached_program_is_built_again(tmp_path):
+    """A cached program library or kernel object cut short (a full disk, a killed build) is built
+    again on the next run, not loaded (a fresh process: dlopen would reuse a loaded library)."""
+    import os
+    import subprocess
+    import sys
+
+    path = save(mlp(), tmp_path / "mlp.onnx")
+    env = {**os.environ, "FUSESEARCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.getcwd()}
+    command = [sys.executable, "-m", "fusesearch", "run", path, *FAST, "--device", "t4", "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    built = [p for p in (tmp_path / "cache" / "cpu").iterdir() if p.suffix in (".so", ".o")]
+    assert any(p.name.startswith("program-") for p in built)
+    for p in built:
+        p.write_bytes(p.read_bytes()[:100])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_rel_err"] <= 1e-4
+    assert all(p.stat().st_size > 100 for p in built)
+
+
 def test_existing_output_is_kept(run_cli, tmp_path):
     out = tmp_path / "rows.parquet"
     out.write_text("mine")
