@@ -404,3 +404,58 @@ def test_verify_names_both_shapes_of_an_output_that_differs_in_shape(run_cli, tm
     code, out, err = run_cli("verify", path, other)
     assert code == 1, err
     assert "y: shape 3x2, expected 2x3 MISMATCH" in out and "differing: y (shape 3x2, expected 2x3)" in out, out
+
+
+# -- models with external data, run from another folder -------------------------------------------
+
+def _external_model(folder) -> str:
+    """MatMul + Relu whose weight lives in m.onnx.data beside m.onnx, in `folder`."""
+    folder.mkdir()
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"), helper.make_node("Relu", ["a"], ["y"], name="relu")]
+    w = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32) / 8
+    model = make_model(nodes, [("x", [2, 32])], [("y", [2, 32])], [("w", w)])
+    onnx.save_model(model, str(folder / "m.onnx"), save_as_external_data=True, location="m.onnx.data",
+                    size_threshold=0)
+    assert (folder / "m.onnx.data").is_file()
+    return str(folder / "m.onnx")
+
+
+@pytest.mark.parametrize("command", ["plan --emit", "inspect --canonical", "verify", "run", "run emulate"])
+def test_external_data_is_read_beside_the_model_from_any_folder(run_cli, tmp_path, monkeypatch, command):
+    """The weights are read from the model's folder, not the working one, and the models written
+    elsewhere hold them (no data file beside them is needed, none of another model is read)."""
+    path = _external_model(tmp_path / "model")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    if command in ("plan --emit", "inspect --canonical", "verify"):
+        (tmp_path / "here" / "m.onnx.data").write_bytes(b"\0" * 8192)  # an unrelated file of that name
+        flag = "--emit" if command != "inspect --canonical" else "--canonical"
+        args = ("plan", path, *PLAN, "--emit", "out.onnx") if flag == "--emit" else ("inspect", path, flag, "out.onnx")
+        code, out, err = run_cli(*args)
+        assert code == 0, err
+        written = onnx.load("out.onnx", load_external_data=False)
+        assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in written.graph.initializer)
+        if command == "verify":
+            code, out, err = run_cli("verify", path, "out.onnx")
+            assert code == 0 and "1 outputs equal" in out, err
+        return
+    flags = ("--backend", "emulate", *PLAN) if command == "run emulate" else ("--strategy", "greedy", "--repeat",
+                                                                                "1", "--warmup", "0")
+    code, out, err = run_cli("run", path, *flags)
+    assert code == 0 and "equal to ONNX Runtime" in out, err
+
+
+def test_a_model_whose_weights_stay_in_its_data_file_is_not_written_elsewhere(run_cli, tmp_path, monkeypatch):
+    """Weights too large to read into memory stay in the original's data file: a fused model
+    written into another folder would point at a file that is not there, so it is refused."""
+    from fusesearch.ir import load
+
+    monkeypatch.setattr(load, "EMBED_EXTERNAL_BYTES", 0)
+    path = _external_model(tmp_path / "model")
+    out = tmp_path / "f.onnx"
+    code, _, err = run_cli("plan", path, *PLAN, "--emit", out, "--no-verify")
+    assert code == 2 and not out.exists(), err
+    line, = err.strip().splitlines()
+    assert "'m.onnx.data'" in line and "write --emit into the original model's folder" in line, line
+    code, _, err = run_cli("plan", path, *PLAN, "--emit", tmp_path / "model" / "f.onnx", "--no-verify")
+    assert code == 0, err
