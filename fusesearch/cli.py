@@ -1133,9 +1133,39 @@ def zoo_export(
 
 # -- entry point ------------------------------------------------------------------------------
 
+class _HeldWarnings(logging.Handler):
+    """Warnings (a kept opset, an op that stays opaque) wait until the command ends: printed to
+    stderr after a command that succeeds, dropped after one that fails (its error is one line,
+    which names what is wrong and the fix); other records pass at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.held: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.held.append(record)
+        else:
+            print(self.format(record), file=sys.stderr)
+
+    def end(self, succeeded: bool) -> None:
+        held, self.held = self.held, []
+        for record in held if succeeded else ():
+            print(self.format(record), file=sys.stderr)
+
+
+_HELD = _HeldWarnings()
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("FUSESEARCH_LOG", "WARNING").upper(),
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=os.environ.get("FUSESEARCH_LOG", "WARNING").upper(), handlers=[_HELD])
+    code = _main(argv)
+    _HELD.end(succeeded=code == 0)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         code = app(args=argv, prog_name="fusesearch", standalone_mode=False)
         if isinstance(code, int):  # click returns Exit's code instead of raising it here

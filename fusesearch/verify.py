@@ -95,11 +95,11 @@ def check_reference_dtypes(graph: Graph, label: str, plan, task: str) -> None:
             for t in (*node.inputs, *node.outputs):
                 info = graph.tensors.get(t) if t else None
                 if info is not None and info.dtype not in REFERENCE_DTYPES:
-                    dtype = "string" if info.dtype == "object" else info.dtype
+                    dtype = {"object": "dtype string", "unknown": "unknown dtype"}.get(info.dtype, f"dtype {info.dtype}")
                     raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
-                                   f"{'reads' if t in node.inputs else 'makes'} '{t}' of dtype {dtype}, "
-                                   f"which ONNX Runtime cannot hand back to numpy; {task} cannot execute a model "
-                                   f"with {dtype} tensors (plan and verify can)")
+                                   f"{'reads' if t in node.inputs else 'makes'} '{t}' of {dtype}, which ONNX "
+                                   f"Runtime cannot hand back to numpy as a reference; {task} cannot execute "
+                                   "this model")
 
 
 def random_feeds(model: onnx.ModelProto, seed: int = 0,

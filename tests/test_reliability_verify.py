@@ -459,3 +459,26 @@ def test_a_model_whose_weights_stay_in_its_data_file_is_not_written_elsewhere(ru
     assert "'m.onnx.data'" in line and "write --emit into the original model's folder" in line, line
     code, _, err = run_cli("plan", path, *PLAN, "--emit", tmp_path / "model" / "f.onnx", "--no-verify")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("command", ["run", "measure", "plan --emit", "inspect"])
+def test_a_failing_command_prints_one_line_and_no_loader_warning_before_it(tmp_path, command):
+    """The loader warns that an op is not an ONNX operator; a command that then fails prints its
+    one error line only, one that succeeds prints the warning (a real process: the CLI's logging)."""
+    import os
+    import subprocess
+    import sys
+
+    path = save(_with_op("FooBar"), tmp_path / "u.onnx")
+    args = {"run": ("run", path, "--repeat", "1", "--warmup", "0"), "measure": ("measure", path, "--no-cache"),
+            "plan --emit": ("plan", path, *PLAN, "--emit", tmp_path / "f.onnx"), "inspect": ("inspect", path)}[command]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "FUSESEARCH_CACHE": str(tmp_path / "cache")}
+    env.pop("FUSESEARCH_LOG", None)
+    done = subprocess.run([sys.executable, "-m", "fusesearch", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    if command == "inspect":
+        assert done.returncode == 0 and len(lines) == 1 and "is not an ONNX operator" in lines[0], done.stderr
+    else:
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith("fusesearch: error: ") and "odd" in lines[0], done.stderr
