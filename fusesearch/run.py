@@ -461,6 +461,8 @@ def check_static_shapes(graph, reference: Mapping[str, np.ndarray]) -> None:
     """BadInput naming the node when ONNX Runtime's value of a tensor has another shape than the
     one it was given before running (an op whose output shape depends on the values, as NonZero's
     does): a program lays out every tensor before it runs."""
+    from fusesearch.verify import shape_text
+
     for node in graph.nodes:
         for t in node.outputs:
             info = graph.tensors.get(t) if t else None
@@ -468,11 +470,27 @@ def check_static_shapes(graph, reference: Mapping[str, np.ndarray]) -> None:
                 continue
             got = tuple(np.shape(reference[t]))
             if got != tuple(info.shape):
-                show = lambda s: "x".join(map(str, s)) or "a scalar"  # noqa: E731
-                raise BadInput(f"node '{node.name}' ({node.op_type}) makes '{t}' of shape {show(got)} on these "
-                               f"inputs, not the {show(info.shape)} known before running: its output shape depends "
+                raise BadInput(f"node '{node.name}' ({node.op_type}) makes '{t}' of shape {shape_text(got)} on these "
+                               f"inputs, not the {shape_text(info.shape)} known before running: its output shape depends "
                                "on the values, and run lays out every tensor beforehand; run cannot execute this "
                                "model (plan and verify can)")
+
+
+def _reference(prep, plans: Mapping[str, object], seed: int, input_values):
+    """(the canonical model, its weights, the seeded inputs, ONNX Runtime's value of every tensor)
+    for running `plans` (label -> plan); BadInput, before anything is built, where a program
+    cannot hold a tensor (`verify.check_reference_dtypes`) or lay it out (`check_static_shapes`)."""
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.verify import all_values, check_reference_dtypes, random_feeds
+
+    for label, p in plans.items():
+        check_reference_dtypes(prep.graph, label, p, "run")
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    feeds = random_feeds(canonical, seed, input_values)
+    reference = all_values(canonical, feeds, list(input_values or ()))
+    check_static_shapes(prep.graph, reference)
+    return canonical, weights, feeds, reference
 
 
 def first_difference(graph, label: str, steps: Sequence[Step], produced: Mapping[str, np.ndarray],
@@ -687,21 +705,14 @@ def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_
     "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
     of the model's dtype (`ir.precision.prepared_tolerance`)."""
     from fusesearch.backends import emulate
-    from fusesearch.ir.canonicalize import to_proto
     from fusesearch.ir.precision import prepared_tolerance
-    from fusesearch.verify import all_values, check_reference_dtypes, random_feeds
 
     rtol = prepared_tolerance(prep) if rtol is None else rtol
     decision = emulate.available()
     if not decision:
         raise BadInput(f"--backend emulate: {decision.reason}")
     check_args(1, 0, 1, rtol)
-    check_reference_dtypes(prep.graph, "plan", plan, "run")
-    canonical = to_proto(prep.canonical)
-    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed, input_values)
-    reference = all_values(canonical, feeds, list(input_values or ()))
-    check_static_shapes(prep.graph, reference)
+    canonical, weights, feeds, reference = _reference(prep, {"plan": plan}, seed, input_values)
     steps = plan_steps(prep.graph, plan)
     program, err = checked("plan (CUDA, emulated)",
                            lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, HostDevice(), 1, reuse=reuse),
@@ -859,27 +870,14 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
               progress, backend) -> RunReport:
-    from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import (
-        all_values,
-        check_reference_dtypes,
-        random_feeds,
-        session,
-        session_feeds,
-    )
+    from fusesearch.verify import session, session_feeds
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
     graph = prep.graph
-    for label, p in (("plan", plan), ("unfused", unfused)):
-        check_reference_dtypes(graph, label, p, "run")
-    canonical = to_proto(prep.canonical)
-    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed, input_values)
     say("reference")
-    reference = all_values(canonical, feeds, list(input_values or ()))
-    check_static_shapes(graph, reference)
+    canonical, weights, feeds, reference = _reference(prep, {"plan": plan, "unfused": unfused}, seed, input_values)
     device = None
     if backend == "cupy":
         from fusesearch.backends import cupy as gpu

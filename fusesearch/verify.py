@@ -406,7 +406,7 @@ def _numeric(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
 
 
-def _shape_text(shape: tuple[int, ...]) -> str:
+def shape_text(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) if shape else "a scalar"
 
 
@@ -450,7 +450,7 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
         ref, got = np.asarray(ref), np.asarray(candidate[name])
         if ref.shape != got.shape:
             diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False,
-                                    f"shape {_shape_text(got.shape)}, expected {_shape_text(ref.shape)}"))
+                                    f"shape {shape_text(got.shape)}, expected {shape_text(ref.shape)}"))
             continue
         if _numeric(ref).dtype.kind not in "biufc" or _numeric(got).dtype.kind not in "biufc":  # strings
             same = bool(np.array_equal(ref, got))
@@ -460,7 +460,7 @@ def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
         if not err.size:
             diffs.append(OutputDiff(name, 0.0, 0.0, scale, True))
             continue
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):
             rel = np.where(err == 0, 0.0, err / np.maximum(np.abs(_numeric(ref).astype(np.float64).reshape(-1)), 1e-12))
         rel[np.isnan(rel)] = np.inf  # an infinite error at an infinite or NaN reference value
         ok = bool(np.all(err <= atol + rtol * scale))
