@@ -89,13 +89,15 @@ def _gather_rows(model: onnx.ModelProto) -> dict[str, int]:
 def check_reference_dtypes(graph: Graph, label: str, plan, task: str) -> None:
     """BadInput naming the group, node, op and dtype when a tensor has a dtype ONNX Runtime cannot
     hand back to numpy (a string, a float8): no reference value, so nothing to run a kernel on or
-    check it against (`task`: the command, "measure" or "run")."""
+    check it against (`task`: the command, "measure" or "run"). A tensor of unknown dtype (the
+    output of an op shape inference does not know) is left to ONNX Runtime, which names the op
+    when it has no kernel for it either."""
     for g in plan.groups:
         for node in (graph.nodes[i] for i in g.nodes):
             for t in (*node.inputs, *node.outputs):
                 info = graph.tensors.get(t) if t else None
-                if info is not None and info.dtype not in REFERENCE_DTYPES:
-                    dtype = {"object": "dtype string", "unknown": "unknown dtype"}.get(info.dtype, f"dtype {info.dtype}")
+                if info is not None and info.dtype not in REFERENCE_DTYPES and info.dtype != "unknown":
+                    dtype = "dtype string" if info.dtype == "object" else f"dtype {info.dtype}"
                     raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
                                    f"{'reads' if t in node.inputs else 'makes'} '{t}' of {dtype}, which ONNX "
                                    f"Runtime cannot hand back to numpy as a reference; {task} cannot execute "
