@@ -314,12 +314,12 @@ def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, 
     only then write it: a model that failed verification never reaches the disk."""
     from fusesearch.export import fused_model, save_model
     from fusesearch.ir.canonicalize import to_proto
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
 
     fused = fused_model(to_proto(prep.canonical), prep.graph, groups)
     report = None
     if verify:
-        report = _verify(prep, fused, seed, tolerance(prep.dtype), 0.0, values, label=f"--emit {path}")
+        report = _verify(prep, fused, seed, prepared_tolerance(prep), 0.0, values, label=f"--emit {path}")
         if not report["ok"]:
             raise FusesearchError(f"--emit {path}: the fused model differs from the original, so it was not "
                                   f"written: {_verified_line(report)}; please report this plan")
@@ -371,7 +371,8 @@ def _verify(prep, candidate, seed: int, rtol: float, atol: float, values: dict, 
                        "`fusesearch plan --emit` or `export`, with the same --dim/--input-shape") from None
     diffs = compare(reference, candidate_out, rtol=rtol, atol=atol)
     return {"ok": all(d.ok for d in diffs) and bool(diffs), "seed": seed, "rtol": rtol, "atol": atol,
-            "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel, "ok": d.ok} for d in diffs]}
+            "outputs": [{"name": d.name, "max_abs": d.max_abs, "max_rel": d.max_rel, "ok": d.ok,
+                         **({"why": d.why} if d.why else {})} for d in diffs]}
 
 
 def _read_fused(path: Path):
@@ -391,7 +392,7 @@ def _verified_line(report: dict) -> str:
     worst_abs = max((o["max_abs"] for o in outs), default=0.0)
     worst_rel = max((o["max_rel"] for o in outs), default=0.0)
     verdict = "equal" if report["ok"] else "DIFFERENT"
-    bad = [o["name"] for o in outs if not o["ok"]]
+    bad = [o["name"] + (f" ({o['why']})" if o.get("why") else "") for o in outs if not o["ok"]]
     return (f"verified in ONNX Runtime: {len(outs)} outputs {verdict} (max abs err {worst_abs:.3g}, "
             f"max rel err {worst_rel:.3g}, seed {report['seed']})" + (f"; differing: {', '.join(bad)}" if bad else ""))
 
@@ -421,19 +422,20 @@ def verify(
         raise BadInput(f"{fused}: no such file; give the fused .onnx written by `fusesearch plan --emit`")
     if _reads((original, "ORIGINAL")) and os.path.isfile(original) and os.path.samefile(original, fused):
         raise BadInput(f"{fused}: is ORIGINAL itself; give the fused .onnx written by `fusesearch plan --emit`")
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
 
     prep = prepare(original, _bindings(input_shape, dim), keep_original=True, dtype=dtype)
     values = _input_values(input_value, prep)
     _check_verify_memory(prep, False)
-    rtol = tolerance(dtype) if rtol is None else rtol
+    rtol = prepared_tolerance(prep) if rtol is None else rtol
     report = _verify(prep, _read_fused(fused), seed, rtol, atol, values, label=str(fused), ours=False)
     if json_out:
         _emit_json(report)
     else:
         for o in report["outputs"]:
-            out.print(f"{o['name']}: max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g} "
-                      f"{'ok' if o['ok'] else 'MISMATCH'}")
+            out.print(f"{o['name']}: " + (o["why"] if o.get("why") else
+                                          f"max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g}")
+                      + f" {'ok' if o['ok'] else 'MISMATCH'}")
         out.print(_verified_line(report))
     if not report["ok"]:
         raise typer.Exit(1)
@@ -817,14 +819,14 @@ def run(
         if resolve_device(device)[1].kind != "gpu":
             raise BadInput(f"--device {device}: a plan for a CPU fuses GEMMs and convs as C only (the packed "
                            f"skeleton), and --backend {backend} runs CUDA; give a GPU device (e.g. --device h200)")
-    from fusesearch.ir.precision import tolerance
+    from fusesearch.ir.precision import prepared_tolerance
 
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
-    rtol = max(tolerance(dtype), _plan_rtol(plan_)) if rtol is None else rtol
+    rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
         return
@@ -1131,9 +1133,39 @@ def zoo_export(
 
 # -- entry point ------------------------------------------------------------------------------
 
+class _HeldWarnings(logging.Handler):
+    """Warnings (a kept opset, an op that stays opaque) wait until the command ends: printed to
+    stderr after a command that succeeds, dropped after one that fails (its error is one line,
+    which names what is wrong and the fix); other records pass at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.held: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.held.append(record)
+        else:
+            print(self.format(record), file=sys.stderr)
+
+    def end(self, succeeded: bool) -> None:
+        held, self.held = self.held, []
+        for record in held if succeeded else ():
+            print(self.format(record), file=sys.stderr)
+
+
+_HELD = _HeldWarnings()
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("FUSESEARCH_LOG", "WARNING").upper(),
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=os.environ.get("FUSESEARCH_LOG", "WARNING").upper(), handlers=[_HELD])
+    code = _main(argv)
+    _HELD.end(succeeded=code == 0)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         code = app(args=argv, prog_name="fusesearch", standalone_mode=False)
         if isinstance(code, int):  # click returns Exit's code instead of raising it here

@@ -9,7 +9,9 @@ as is; a multi-node group becomes a FunctionProto `g<id>` in domain `fusesearch`
 group's nodes, whose inputs are the tensors the group reads from outside (weights included —
 functions cannot see the graph's initializers) and whose outputs are the tensors used outside
 it (multi-output kernels), called by one node named `g<id>`. value_info keeps every shape.
-`save_model` stages the file beside its destination and moves it into place in one step.
+`save_model` checks that every external data file the model names is beside its destination
+(weights too large to read into memory stay in the original's), stages the file beside it and moves
+it into place in one step.
 `plan_groups_from_json` maps a saved plan.json back onto a model, refusing a plan that does not
 fit it: a node it does not name, a group that is not connected, convex and in order, or a group that
 cannot be one kernel (the legality rules; without a device, those that need none: lowering's, such
@@ -114,6 +116,7 @@ def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str
 
     path = Path(path)
     check_output_path(path, overwrite, flag)
+    _check_data_files(model, path, flag)
     big = model.ByteSize() > PROTO_LIMIT
     data = path.with_name(path.name + ".data")
     if big:
@@ -128,6 +131,22 @@ def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str
             staged.write_bytes(model.SerializeToString())
         os.replace(staged, path)
     return path
+
+
+def _check_data_files(model: onnx.ModelProto, path: Path, flag: str) -> None:
+    """Refuse to write a model whose tensors still name an external data file (the weights of a
+    model too large to read into memory stay in its own folder's file) that is not beside `path`:
+    the written model would point at it in vain."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if not (path.parent / location).is_file():
+            raise BadInput(f"{flag} {path}: weight '{tensor.name}' stays in the original model's data file "
+                           f"'{location}', which is not beside {path.name}; write {flag} into the original "
+                           "model's folder")
 
 
 # -- plans from elsewhere ---------------------------------------------------------------------

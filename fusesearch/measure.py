@@ -65,17 +65,11 @@ from fusesearch.backends.timing import PerfCounterClock, Timing, TimingCache, me
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
-from fusesearch.verify import all_values, random_feeds
+from fusesearch.verify import all_values, check_reference_dtypes, max_rel_err, random_feeds
 
 BACKENDS = ("cpu", "cupy")
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
 PER_NODE = "library per node"  # how a group the generator refuses runs: each node alone, summed
-# what ONNX Runtime's Python API hands back as numpy arrays (not float8, int4, strings; bfloat16
-# through `verify.session`'s widened copy, as ml_dtypes arrays)
-REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
-                              "uint8", "uint16", "uint32", "uint64", "bool"})
-
-
 @dataclass(frozen=True)
 class KernelMeasurement:
     plan: str  # "plan" | "unfused"
@@ -194,7 +188,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     for label, p in (("plan", plan), ("unfused", unfused)):
-        _check_reference_dtypes(prep.graph, label, p)
+        check_reference_dtypes(prep.graph, label, p, "measure")
     runner = _Runner(prep, backend, budget_s, seed, cache, input_values)
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
@@ -286,20 +280,6 @@ class _Item:
     err: float = math.nan
     generated: object = None
     reason: str = ""
-
-
-def _check_reference_dtypes(graph, label: str, plan: Plan) -> None:
-    """BadInput naming the group, node, op and dtype when a tensor has a dtype ONNX Runtime cannot
-    hand back to numpy: no reference value, so nothing to run a kernel on or check it against."""
-    for g in plan.groups:
-        for node in (graph.nodes[i] for i in g.nodes):
-            for t in (*node.inputs, *node.outputs):
-                info = graph.tensors.get(t) if t else None
-                if info is not None and info.dtype not in REFERENCE_DTYPES:
-                    raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
-                                   f"{'reads' if t in node.inputs else 'makes'} '{t}' of dtype {info.dtype}, "
-                                   f"which ONNX Runtime cannot hand back to numpy; measure cannot time a model "
-                                   f"with {info.dtype} tensors")
 
 
 class _Runner:
@@ -467,18 +447,6 @@ def _none_if_nan(x: float | None) -> float | None:
 
 def _template(g) -> str:
     return "alias" if g.kernel.alias else g.kernel.template
-
-
-def max_rel_err(outputs: dict, values: dict) -> float:
-    """Largest |got - ref| / max(1, max|ref|) over the outputs (ref: ONNX Runtime's values)."""
-    worst = 0.0
-    for name, got in outputs.items():
-        ref = np.asarray(values[name], dtype=np.float64)
-        got = np.asarray(got, dtype=np.float64).reshape(ref.shape)
-        if ref.size:
-            scale = max(1.0, float(np.max(np.abs(ref))))
-            worst = max(worst, float(np.nanmax(np.abs(got - ref))) / scale)
-    return worst
 
 
 def device_label(backend: str) -> str:

@@ -206,15 +206,16 @@ def _cc(args: list[str], what: str) -> None:
 
 def _object(source: str, name: str, flags: list[str], folder: Path) -> Path:
     digest = hashlib.sha256("\0".join([source, *flags]).encode()).hexdigest()[:24]
-    target = folder / f"{digest}.o"
-    if not target.exists():
+
+    def build(target: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / f"{name}.c"
             src.write_text(source)
             out = Path(tmp) / "k.o"
             _cc([*flags, "-c", str(src), "-o", str(out)], f"kernel {name}")
             os.replace(out, target)
-    return target
+
+    return cpu.cached_file(folder / f"{digest}.o", build)
 
 
 def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDLL:
@@ -225,13 +226,14 @@ def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDL
         objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
     objects.append(_object(driver, "driver", compile_flags, folder))
     digest = hashlib.sha256("\0".join([*map(str, objects), *link_flags]).encode()).hexdigest()[:24]
-    target = folder / f"program-{digest}.so"
-    if not target.exists():
+
+    def link(target: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "program.so"
             _cc([*compile_flags, "-shared", *map(str, objects), "-o", str(out), *link_flags], "the program")
             os.replace(out, target)
-    return ctypes.CDLL(str(target))
+
+    return cpu.load_cached(folder / f"program-{digest}.so", link)
 
 
 # -- the program ------------------------------------------------------------------------------
@@ -455,10 +457,40 @@ def library_session(canonical: onnx.ModelProto, graph, s: Step, threads: int, pr
 
 # -- checking ---------------------------------------------------------------------------------
 
-def max_rel_err(reference: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> float:
-    from fusesearch.measure import max_rel_err as worst
+def check_static_shapes(graph, reference: Mapping[str, np.ndarray]) -> None:
+    """BadInput naming the node when ONNX Runtime's value of a tensor has another shape than the
+    one it was given before running (an op whose output shape depends on the values, as NonZero's
+    does): a program lays out every tensor before it runs."""
+    from fusesearch.verify import shape_text
 
-    return worst(dict(got), dict(reference))
+    for node in graph.nodes:
+        for t in node.outputs:
+            info = graph.tensors.get(t) if t else None
+            if info is None or info.shape is None or t not in reference:
+                continue
+            got = tuple(np.shape(reference[t]))
+            if got != tuple(info.shape):
+                raise BadInput(f"node '{node.name}' ({node.op_type}) makes '{t}' of shape {shape_text(got)} on these "
+                               f"inputs, not the {shape_text(info.shape)} known before running: its output shape depends "
+                               "on the values, and run lays out every tensor beforehand; run cannot execute this "
+                               "model (plan and verify can)")
+
+
+def _reference(prep, plans: Mapping[str, object], seed: int, input_values):
+    """(the canonical model, its weights, the seeded inputs, ONNX Runtime's value of every tensor)
+    for running `plans` (label -> plan); BadInput, before anything is built, where a program
+    cannot hold a tensor (`verify.check_reference_dtypes`) or lay it out (`check_static_shapes`)."""
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.verify import all_values, check_reference_dtypes, random_feeds
+
+    for label, p in plans.items():
+        check_reference_dtypes(prep.graph, label, p, "run")
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    feeds = random_feeds(canonical, seed, input_values)
+    reference = all_values(canonical, feeds, list(input_values or ()))
+    check_static_shapes(prep.graph, reference)
+    return canonical, weights, feeds, reference
 
 
 def first_difference(graph, label: str, steps: Sequence[Step], produced: Mapping[str, np.ndarray],
@@ -483,7 +515,7 @@ def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: 
     """(the program with arena reuse, its max relative error) once its outputs equal ONNX
     Runtime's (`make(reuse)` builds it); Mismatch naming the first step that differs, found on a
     program without reuse (also the one checked throughout with `check_each`)."""
-    from fusesearch.verify import compare
+    from fusesearch.verify import compare, max_rel_err
 
     program = make(not check_each)
     got = program(feeds)
@@ -502,7 +534,7 @@ def checked(label: str, make: Callable[[bool], Layout], feeds, reference, rtol: 
         if check_each:  # the program that runs (and is timed) reuses its arena
             program = make(True)
             program(feeds)
-    return program, max_rel_err(wanted, got)
+    return program, max_rel_err(got, wanted)
 
 
 # -- the CUDA program --------------------------------------------------------------------------
@@ -671,21 +703,16 @@ def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_
     """Check the plan's CUDA program, run through the emulator (`HostDevice`), against ONNX
     Runtime: {"max_rel_err", "segments", "arena_peak_bytes", "cuda_graph", "kernels",
     "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
-    of the model's dtype (`ir.precision.tolerance`)."""
+    of the model's dtype (`ir.precision.prepared_tolerance`)."""
     from fusesearch.backends import emulate
-    from fusesearch.ir.canonicalize import to_proto
-    from fusesearch.ir.precision import tolerance
-    from fusesearch.verify import all_values, random_feeds
+    from fusesearch.ir.precision import prepared_tolerance
 
-    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
+    rtol = prepared_tolerance(prep) if rtol is None else rtol
     decision = emulate.available()
     if not decision:
         raise BadInput(f"--backend emulate: {decision.reason}")
     check_args(1, 0, 1, rtol)
-    canonical = to_proto(prep.canonical)
-    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed, input_values)
-    reference = all_values(canonical, feeds, list(input_values or ()))
+    canonical, weights, feeds, reference = _reference(prep, {"plan": plan}, seed, input_values)
     steps = plan_steps(prep.graph, plan)
     program, err = checked("plan (CUDA, emulated)",
                            lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, HostDevice(), 1, reuse=reuse),
@@ -827,11 +854,11 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
     step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events.
-    `rtol`: default the tolerance of the model's dtype (`ir.precision.tolerance`)."""
-    from fusesearch.ir.precision import tolerance
+    `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`)."""
+    from fusesearch.ir.precision import prepared_tolerance
 
     require_backend(backend)
-    rtol = tolerance(getattr(prep, "dtype", "float32")) if rtol is None else rtol
+    rtol = prepared_tolerance(prep) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
                          input_values, progress, backend)
@@ -843,18 +870,14 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
               progress, backend) -> RunReport:
-    from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import activation_bytes
-    from fusesearch.verify import all_values, random_feeds, session, session_feeds
+    from fusesearch.verify import session, session_feeds
 
     check_args(repeat, warmup, threads, rtol)
     say = progress or (lambda _: None)
     graph = prep.graph
-    canonical = to_proto(prep.canonical)
-    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed, input_values)
     say("reference")
-    reference = all_values(canonical, feeds, list(input_values or ()))
+    canonical, weights, feeds, reference = _reference(prep, {"plan": plan, "unfused": unfused}, seed, input_values)
     device = None
     if backend == "cupy":
         from fusesearch.backends import cupy as gpu

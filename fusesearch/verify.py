@@ -14,8 +14,9 @@ optimization off (so ORT's own fusions cannot hide a difference). A verification
 that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
 there is the user's, exit 2 naming the op or the failing node and how to give values or skip
 verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
-largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max|a|) (rtol
-per dtype: `ir.precision.tolerance`).
+largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max finite |a|)
+(rtol per dtype: `ir.precision.prepared_tolerance`), NaN equal to NaN and an infinity to the same
+infinity (`difference`, the one element comparison of verify, run and measure).
 Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
 (`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
 models above protobuf's 2 GiB pass their large weights to ONNX Runtime beside the proto.
@@ -42,13 +43,20 @@ PROTO_LIMIT = (1 << 31) - (1 << 24)  # larger models pass their big weights besi
 ASIDE_MIN_BYTES = 1 << 10  # weights at least this large go beside the proto then
 
 
+# what ONNX Runtime's Python API hands back as numpy arrays (not float8, int4, strings; bfloat16
+# through `session`'s widened copy, as ml_dtypes arrays)
+REFERENCE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+                              "uint8", "uint16", "uint32", "uint64", "bool"})
+
+
 @dataclass(frozen=True)
 class OutputDiff:
     name: str
     max_abs: float
     max_rel: float
-    scale: float  # max(1, max|reference|)
+    scale: float  # max(1, max finite |reference|)
     ok: bool
+    why: str = ""  # an output that cannot be compared: "missing", or its shape and the expected one
 
 
 class CandidateFailed(Exception):
@@ -78,6 +86,24 @@ def _gather_rows(model: onnx.ModelProto) -> dict[str, int]:
     return rows
 
 
+def check_reference_dtypes(graph: Graph, label: str, plan, task: str) -> None:
+    """BadInput naming the group, node, op and dtype when a tensor has a dtype ONNX Runtime cannot
+    hand back to numpy (a string, a float8): no reference value, so nothing to run a kernel on or
+    check it against (`task`: the command, "measure" or "run"). A tensor of unknown dtype (the
+    output of an op shape inference does not know) is left to ONNX Runtime, which names the op
+    when it has no kernel for it either."""
+    for g in plan.groups:
+        for node in (graph.nodes[i] for i in g.nodes):
+            for t in (*node.inputs, *node.outputs):
+                info = graph.tensors.get(t) if t else None
+                if info is not None and info.dtype not in REFERENCE_DTYPES and info.dtype != "unknown":
+                    dtype = "dtype string" if info.dtype == "object" else f"dtype {info.dtype}"
+                    raise BadInput(f"{label} group g{g.id}: node '{node.name}' ({node.op_type}) "
+                                   f"{'reads' if t in node.inputs else 'makes'} '{t}' of {dtype}, which ONNX "
+                                   f"Runtime cannot hand back to numpy as a reference; {task} cannot execute "
+                                   "this model")
+
+
 def random_feeds(model: onnx.ModelProto, seed: int = 0,
                  values: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Seeded valid inputs for every graph input; `values` (from `parse_input_values`) replace
@@ -89,6 +115,9 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0,
     for vi in model.graph.input:
         if vi.name in weights:
             continue
+        if vi.type.WhichOneof("value") != "tensor_type":
+            raise BadInput(f"input '{vi.name}' is a {vi.type.WhichOneof('value').removesuffix('_type')}, not a tensor: "
+                           "ONNX Runtime is run here on tensor inputs only; give a model whose inputs are tensors")
         dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
         shape = _shape(vi)
         if any(w in vi.name.lower() for w in MASK_WORDS):
@@ -379,30 +408,65 @@ def _numeric(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
 
 
+def shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "a scalar"
+
+
+def difference(reference: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, float]:
+    """(|got - reference| per element as float64, flat, the scale max(1, max finite |reference|)): two
+    equal values give 0, NaN and NaN included (a NaN where ONNX Runtime has one is equal), +inf and
+    +inf too; NaN against anything else, or an infinity against another value, gives inf. Every
+    comparison of ours (`compare`, `max_rel_err`: verify, run, measure) is this one."""
+    a = _numeric(np.asarray(reference)).astype(np.float64).reshape(-1)
+    b = _numeric(np.asarray(got)).astype(np.float64).reshape(-1)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(a - b)
+    err[np.isnan(err)] = np.inf
+    err[same] = 0.0
+    finite = np.abs(a[np.isfinite(a)])
+    return err, max(1.0, float(finite.max())) if finite.size else 1.0
+
+
+def max_rel_err(outputs: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> float:
+    """Largest |got - ref| / max(1, max|ref|) over the outputs (ref: ONNX Runtime's `values`), by
+    `difference`."""
+    worst = 0.0
+    for name, got in outputs.items():
+        err, scale = difference(values[name], got)
+        if err.size:
+            worst = max(worst, float(err.max()) / scale)
+    return worst
+
+
 def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray],
             rtol: float = 1e-4, atol: float = 0.0) -> list[OutputDiff]:
+    """Per output of `reference`: its largest absolute and relative error in `candidate`
+    (`difference`) and whether |a - b| <= atol + rtol * scale everywhere; a missing output, or
+    one of another shape (both named in `why`), differs."""
     diffs = []
     for name, ref in reference.items():
         if name not in candidate:
-            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
+            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False, "missing"))
             continue
-        ref, got = _numeric(np.asarray(ref)), _numeric(np.asarray(candidate[name]))
+        ref, got = np.asarray(ref), np.asarray(candidate[name])
         if ref.shape != got.shape:
-            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False))
+            diffs.append(OutputDiff(name, float("inf"), float("inf"), 1.0, False,
+                                    f"shape {shape_text(got.shape)}, expected {shape_text(ref.shape)}"))
             continue
-        if ref.dtype.kind not in "biufc" or got.dtype.kind not in "biufc":  # strings: equal or not
+        if _numeric(ref).dtype.kind not in "biufc" or _numeric(got).dtype.kind not in "biufc":  # strings
             same = bool(np.array_equal(ref, got))
             diffs.append(OutputDiff(name, 0.0 if same else float("inf"), 0.0 if same else float("inf"), 1.0, same))
             continue
-        a, b = ref.astype(np.float64), got.astype(np.float64)
-        scale = max(1.0, float(np.max(np.abs(a)))) if a.size else 1.0
-        err = np.abs(a - b)
-        max_abs = float(np.max(err)) if a.size else 0.0
-        max_rel = float(np.max(err / np.maximum(np.abs(a), 1e-12))) if a.size else 0.0
-        same_nan = bool(np.array_equal(np.isnan(a), np.isnan(b)))
-        finite = np.nan_to_num(err, nan=0.0)
-        ok = same_nan and bool(np.all(finite <= atol + rtol * scale))
-        diffs.append(OutputDiff(name, max_abs, max_rel, scale, ok))
+        err, scale = difference(ref, got)
+        if not err.size:
+            diffs.append(OutputDiff(name, 0.0, 0.0, scale, True))
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            rel = np.where(err == 0, 0.0, err / np.maximum(np.abs(_numeric(ref).astype(np.float64).reshape(-1)), 1e-12))
+        rel[np.isnan(rel)] = np.inf  # an infinite error at an infinite or NaN reference value
+        ok = bool(np.all(err <= atol + rtol * scale))
+        diffs.append(OutputDiff(name, float(err.max()), float(rel.max()), scale, ok))
     return diffs
 
 

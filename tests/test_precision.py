@@ -266,6 +266,23 @@ def test_run_half_model_end_to_end(run_cli, models, kind, dtype):
     assert doc["rtol"] == tolerance(dtype) and doc["max_rel_err"] <= tolerance(dtype)
 
 
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_a_model_stored_in_float16_is_checked_at_float16s_tolerance(run_cli, tmp_path, command):
+    """No --dtype, but the model's own tensors are float16: its outputs are compared with float16's
+    rtol, the same one `--dtype float16` gives (decided once, `prepared_tolerance`)."""
+    if command == "run" and not cpu.available():
+        pytest.skip("no C compiler")
+    import json
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"), helper.make_node("Tanh", ["a"], ["y"], name="tanh")]
+    path = save(make_model(nodes, [("x", [4, 8], H)], [("y", [4, 8], H)]), tmp_path / "h.onnx")
+    args = (("--strategy", "greedy", "--repeat", "1", "--warmup", "0") if command == "run"
+            else (save(onnx.load(path), tmp_path / "copy.onnx"),))
+    code, out, err = run_cli(command, path, *args, "--json")
+    assert code == 0, err
+    assert json.loads(out)["rtol"] == tolerance("float16")
+
+
 def test_measure_half_model_checks_each_kernel(run_cli, models):
     if not cpu.available():
         pytest.skip("no C compiler")

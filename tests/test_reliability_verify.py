@@ -331,3 +331,154 @@ def test_a_model_above_the_limit_is_written_with_its_weights_beside_it_and_verif
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.onnx", "f.onnx.data", "m.onnx"]
     code, out, err = run_cli("verify", path, fused)
     assert code == 0 and "1 outputs equal" in out, err
+
+
+# -- NaN and infinities: one comparison for verify, run and measure -------------------------------
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("ref,got,equal", [
+    ([NAN, 1.0], [NAN, 1.0], True),  # NaN where ONNX Runtime has NaN
+    ([INF, -INF, 2.0], [INF, -INF, 2.0], True),
+    ([NAN, 1.0], [0.0, 1.0], False),  # NaN against a number, either way
+    ([0.0, 1.0], [NAN, 1.0], False),
+    ([INF, 1.0], [-INF, 1.0], False),
+    ([INF, 1.0], [1e30, 1.0], False),
+    ([INF, 1.0], [INF, 2.0], False),  # an infinity in the reference is no licence elsewhere
+    ([NAN, 1.0], [NAN, 2.0], False),
+])
+def test_nan_equals_nan_and_nothing_else_in_every_comparison(ref, got, equal):
+    ref, got = np.array(ref, np.float32), np.array(got, np.float32)
+    (diff,) = verify.compare({"y": ref}, {"y": got})  # verify's, and run's per output and per step
+    assert diff.ok is equal and (diff.max_abs == 0.0) is equal and (diff.max_rel == 0.0) is equal
+    worst = verify.max_rel_err({"y": got}, {"y": ref})  # run's and measure's error figure
+    assert (worst == 0.0) is equal and not np.isnan(worst)
+
+
+def _nan_model() -> onnx.ModelProto:
+    """y = sqrt(-(|x| + 1)): NaN everywhere; z = -log(0 * x): +inf everywhere."""
+    nodes = [helper.make_node("Abs", ["x"], ["a"], name="abs"), helper.make_node("Add", ["a", "one"], ["b"], name="add"),
+             helper.make_node("Neg", ["b"], ["c"], name="neg"), helper.make_node("Sqrt", ["c"], ["y"], name="sqrt"),
+             helper.make_node("Mul", ["x", "zero"], ["m"], name="mul"), helper.make_node("Log", ["m"], ["l"], name="log"),
+             helper.make_node("Neg", ["l"], ["z"], name="neg2")]
+    return make_model(nodes, [("x", [2, 3])], [("y", [2, 3]), ("z", [2, 3])],
+                      [("one", np.float32(1)), ("zero", np.float32(0))])
+
+
+@pytest.mark.parametrize("command", ["plan --emit", "verify", "run", "run emulate", "measure"])
+def test_outputs_that_are_nan_where_onnx_runtimes_are_equal(run_cli, tmp_path, command):
+    import json
+    import warnings
+
+    path = save(_nan_model(), tmp_path / "nan.onnx")
+    fused = tmp_path / "f.onnx"
+    args = {"plan --emit": ("plan", path, *PLAN, "--emit", fused),
+            "verify": ("verify", path, _copy(path)),
+            "run": ("run", path, "--strategy", "greedy", "--repeat", "1", "--warmup", "0"),
+            "run emulate": ("run", path, *PLAN, "--backend", "emulate"),
+            "measure": ("measure", path, "--strategy", "greedy", "--budget", "0.001", "--no-cache")}[command]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "invalid value" warnings would be stray stderr lines
+        code, out, err = run_cli(*args, "--json")
+    assert code == 0 and not err, err
+    doc = json.loads(out)
+    found = [v for k, v in _walk(doc) if k in ("max_abs", "max_rel", "max_rel_err", "unfused_max_rel_err")]
+    assert found and all(v == 0.0 for v in found), found
+
+
+def _walk(doc):
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from ([(k, v)] if not isinstance(v, dict | list) else _walk(v))
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _walk(v)
+
+
+def test_verify_names_both_shapes_of_an_output_that_differs_in_shape(run_cli, tmp_path):
+    path = save(_relu_neg(), tmp_path / "m.onnx")
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"), helper.make_node("Reshape", ["a", "s"], ["y"], name="r")]
+    other = save(make_model(nodes, [("x", [2, 3])], [("y", [3, 2])], [("s", np.array([3, 2], np.int64))]),
+                 tmp_path / "other.onnx")
+    code, out, err = run_cli("verify", path, other)
+    assert code == 1, err
+    assert "y: shape 3x2, expected 2x3 MISMATCH" in out and "differing: y (shape 3x2, expected 2x3)" in out, out
+
+
+# -- models with external data, run from another folder -------------------------------------------
+
+def _external_model(folder) -> str:
+    """MatMul + Relu whose weight lives in m.onnx.data beside m.onnx, in `folder`."""
+    folder.mkdir()
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"), helper.make_node("Relu", ["a"], ["y"], name="relu")]
+    w = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32) / 8
+    model = make_model(nodes, [("x", [2, 32])], [("y", [2, 32])], [("w", w)])
+    onnx.save_model(model, str(folder / "m.onnx"), save_as_external_data=True, location="m.onnx.data",
+                    size_threshold=0)
+    assert (folder / "m.onnx.data").is_file()
+    return str(folder / "m.onnx")
+
+
+@pytest.mark.parametrize("command", ["plan --emit", "inspect --canonical", "verify", "run", "run emulate"])
+def test_external_data_is_read_beside_the_model_from_any_folder(run_cli, tmp_path, monkeypatch, command):
+    """The weights are read from the model's folder, not the working one, and the models written
+    elsewhere hold them (no data file beside them is needed, none of another model is read)."""
+    path = _external_model(tmp_path / "model")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    if command in ("plan --emit", "inspect --canonical", "verify"):
+        (tmp_path / "here" / "m.onnx.data").write_bytes(b"\0" * 8192)  # an unrelated file of that name
+        flag = "--emit" if command != "inspect --canonical" else "--canonical"
+        args = ("plan", path, *PLAN, "--emit", "out.onnx") if flag == "--emit" else ("inspect", path, flag, "out.onnx")
+        code, out, err = run_cli(*args)
+        assert code == 0, err
+        written = onnx.load("out.onnx", load_external_data=False)
+        assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in written.graph.initializer)
+        if command == "verify":
+            code, out, err = run_cli("verify", path, "out.onnx")
+            assert code == 0 and "1 outputs equal" in out, err
+        return
+    flags = ("--backend", "emulate", *PLAN) if command == "run emulate" else ("--strategy", "greedy", "--repeat",
+                                                                                "1", "--warmup", "0")
+    code, out, err = run_cli("run", path, *flags)
+    assert code == 0 and "equal to ONNX Runtime" in out, err
+
+
+def test_a_model_whose_weights_stay_in_its_data_file_is_not_written_elsewhere(run_cli, tmp_path, monkeypatch):
+    """Weights too large to read into memory stay in the original's data file: a fused model
+    written into another folder would point at a file that is not there, so it is refused."""
+    from fusesearch.ir import load
+
+    monkeypatch.setattr(load, "EMBED_EXTERNAL_BYTES", 0)
+    path = _external_model(tmp_path / "model")
+    out = tmp_path / "f.onnx"
+    code, _, err = run_cli("plan", path, *PLAN, "--emit", out, "--no-verify")
+    assert code == 2 and not out.exists(), err
+    line, = err.strip().splitlines()
+    assert "'m.onnx.data'" in line and "write --emit into the original model's folder" in line, line
+    code, _, err = run_cli("plan", path, *PLAN, "--emit", tmp_path / "model" / "f.onnx", "--no-verify")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", ["run", "measure", "plan --emit", "inspect"])
+def test_a_failing_command_prints_one_line_and_no_loader_warning_before_it(tmp_path, command):
+    """The loader warns that an op is not an ONNX operator; a command that then fails prints its
+    one error line only, one that succeeds prints the warning (a real process: the CLI's logging)."""
+    import os
+    import subprocess
+    import sys
+
+    path = save(_with_op("FooBar"), tmp_path / "u.onnx")
+    args = {"run": ("run", path, "--repeat", "1", "--warmup", "0"), "measure": ("measure", path, "--no-cache"),
+            "plan --emit": ("plan", path, *PLAN, "--emit", tmp_path / "f.onnx"), "inspect": ("inspect", path)}[command]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "FUSESEARCH_CACHE": str(tmp_path / "cache")}
+    env.pop("FUSESEARCH_LOG", None)
+    done = subprocess.run([sys.executable, "-m", "fusesearch", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    if command == "inspect":
+        assert done.returncode == 0 and len(lines) == 1 and "is not an ONNX operator" in lines[0], done.stderr
+    else:
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith("fusesearch: error: ") and "odd" in lines[0], done.stderr

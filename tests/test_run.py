@@ -183,6 +183,60 @@ def test_bad_flags_exit_2_with_one_line(run_cli, tmp_path, flags, named):
     assert line.startswith("fusesearch: error: ") and named in line, line
 
 
+def _unrunnable(kind: str):
+    """Models `run` cannot execute: (model, needles of its one error line)."""
+    relu = helper.make_node("Relu", ["x"], ["a"], name="relu")
+    if kind == "string input":
+        nodes = [helper.make_node("Identity", ["s"], ["t"], name="pass"), relu]
+        return make_model(nodes, [("x", [2, 3]), ("s", [2], TensorProto.STRING)],
+                          [("a", [2, 3]), ("t", [2], TensorProto.STRING)]), ["node 'pass'", "'s'", "string"]
+    if kind == "NonZero":
+        nodes = [relu, helper.make_node("NonZero", ["a"], ["nz"], name="nonzero")]
+        return (make_model(nodes, [("x", [2, 3])], [("nz", None, TensorProto.INT64)]),
+                ["node 'nonzero' (NonZero)", "'nz' of shape 2x", "depends on the values"])
+    if kind == "float8 Cast":
+        nodes = [relu, helper.make_node("Cast", ["a"], ["c"], name="to8", to=TensorProto.FLOAT8E4M3FN),
+                 helper.make_node("Cast", ["c"], ["y"], name="back", to=TensorProto.FLOAT)]
+        return make_model(nodes, [("x", [2, 3])], [("y", [2, 3])], opset=19), ["node 'to8' (Cast)", "float8_e4m3fn"]
+    seq = helper.make_tensor_sequence_value_info("sq", TensorProto.FLOAT, [2, 3])
+    nodes = [helper.make_node("SequenceAt", ["sq", "i"], ["x"], name="at"), relu]
+    return (make_model(nodes, [seq], [("a", [2, 3])], [("i", np.array(0, np.int64))]),
+            ["input 'sq' is a sequence", "tensor inputs"])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulate"])
+@pytest.mark.parametrize("kind", ["string input", "NonZero", "float8 Cast", "sequence input"])
+def test_models_run_cannot_execute_exit_2_naming_the_node(run_cli, tmp_path, kind, backend):
+    model, needles = _unrunnable(kind)
+    code, stdout, stderr = run_cli("run", save(model, tmp_path / "m.onnx"), *FAST, "--device", "t4",
+                                   "--backend", backend)
+    assert code == 2 and stdout == "", stderr
+    line, = stderr.strip().splitlines()
+    assert line.startswith("fusesearch: error: ") and all(n in line for n in needles), line
+
+
+def test_a_corrupt_cached_program_is_built_again(tmp_path):
+    """A cached program library or kernel object cut short (a full disk, a killed build) is built
+    again on the next run, not loaded (a fresh process: dlopen would reuse a loaded library)."""
+    import os
+    import subprocess
+    import sys
+
+    path = save(mlp(), tmp_path / "mlp.onnx")
+    env = {**os.environ, "FUSESEARCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.getcwd()}
+    command = [sys.executable, "-m", "fusesearch", "run", path, *FAST, "--device", "t4", "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    built = [p for p in (tmp_path / "cache" / "cpu").iterdir() if p.suffix in (".so", ".o")]
+    assert any(p.name.startswith("program-") for p in built)
+    for p in built:
+        p.write_bytes(p.read_bytes()[:100])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_rel_err"] <= 1e-4
+    assert all(p.stat().st_size > 100 for p in built)
+
+
 def test_existing_output_is_kept(run_cli, tmp_path):
     out = tmp_path / "rows.parquet"
     out.write_text("mine")

@@ -134,10 +134,30 @@ def compile_kernel(kernel: GeneratedKernel) -> ctypes.CDLL:
 @lru_cache(maxsize=512)
 def _load(source: str, digest: str) -> ctypes.CDLL:
     flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags())).encode()).hexdigest()[:8]
-    target = cache_dir() / f"{digest[:24]}-{flags}.so"
-    if not target.exists():
-        _build(source, target)
-    return ctypes.CDLL(str(target))
+    return load_cached(cache_dir() / f"{digest[:24]}-{flags}.so", lambda target: _build(source, target))
+
+
+def cached_file(target: Path, build) -> Path:
+    """`target`, a file of the compile cache, built first by `build(target)` (which moves the
+    finished file into place atomically) when it is missing or is not the file that was built:
+    each build records the file's sha256 beside it, so a truncated or corrupt cached library or
+    object is built again instead of failing (or crashing) every later run."""
+    marker = target.with_name(target.name + ".sha256")
+    try:
+        intact = marker.read_text() == hashlib.sha256(target.read_bytes()).hexdigest()
+    except OSError:
+        intact = False
+    if not intact:
+        build(target)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False) as tmp:
+            tmp.write(hashlib.sha256(target.read_bytes()).hexdigest())
+        os.replace(tmp.name, marker)
+    return target
+
+
+def load_cached(target: Path, build) -> ctypes.CDLL:
+    """The shared library `cached_file` keeps at `target`, loaded."""
+    return ctypes.CDLL(str(cached_file(target, build)))
 
 
 def _build(source: str, target: Path) -> None:

@@ -301,30 +301,32 @@ def _stub_headers(tmp: Path) -> Path:
 def _load(text: str, entries: int = 0) -> ctypes.CDLL:
     """The compiled text (cached by hash); its launchers: `fs_launch`, or `fs_launch_0` ..
     `fs_launch_{entries - 1}` for a module."""
-    from fusesearch.backends.cpu import cache_dir
+    from fusesearch.backends.cpu import cache_dir, load_cached
 
     digest = hashlib.sha256(text.encode()).hexdigest()
     target = cache_dir().parent / "emulate" / f"{digest[:24]}.so"
     target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.exists():
-        cxx = compiler()
-        if cxx is None:
-            raise FusesearchError("no C++ compiler found (install g++ or set CXX)")
-        with tempfile.TemporaryDirectory() as tmp:
-            src, out = Path(tmp) / "kernel.cpp", Path(tmp) / "kernel.so"
-            src.write_text(text)
-            done = subprocess.run([cxx, *CXXFLAGS, f"-I{_stub_headers(Path(tmp))}", str(src), "-o", str(out)],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr[:300])
-                raise FusesearchError(f"the emulated CUDA kernel does not compile as C++: {first}")
-            os.replace(out, target)
-    lib = ctypes.CDLL(str(target))
+    lib = load_cached(target, lambda target: _build(text, target))
     for name in [f"fs_launch_{n}" for n in range(entries)] or ["fs_launch"]:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 6
     return lib
+
+
+def _build(text: str, target: Path) -> None:
+    cxx = compiler()
+    if cxx is None:
+        raise FusesearchError("no C++ compiler found (install g++ or set CXX)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "kernel.cpp", Path(tmp) / "kernel.so"
+        src.write_text(text)
+        done = subprocess.run([cxx, *CXXFLAGS, f"-I{_stub_headers(Path(tmp))}", str(src), "-o", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr[:300])
+            raise FusesearchError(f"the emulated CUDA kernel does not compile as C++: {first}")
+        os.replace(out, target)
 
 
 def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -353,7 +355,8 @@ def module(kernels: Sequence[GeneratedKernel]) -> dict[str, Callable[[Sequence[i
                           for i, a in enumerate(params))
         text += (_LAUNCHER.replace("fs_args", f"fs_args_{n}").replace("fs_thread", f"fs_thread_{n}")
                  .replace("fs_launch", f"fs_launch_{n}")
-                 .format(nargs=max(1, len(params)), call=f"{module_namespace(k)}::{k.name}({casts});"))
+                 .format(nargs=max(1, len(params)),  # the casts name the kernel's own storage types (fs_half)
+                         call=f"using namespace {module_namespace(k)}; {k.name}({casts});"))
     lib = _load(text, entries=len(kernels))
     entries = [getattr(lib, f"fs_launch_{n}") for n in range(len(kernels))]
     return {k.name: (lambda pointers, k=k, fn=fn: _launch(k, fn, pointers)) for k, fn in zip(kernels, entries, strict=True)}

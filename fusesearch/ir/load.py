@@ -25,10 +25,13 @@ Approach, in order (each step raises a one-line `BadInput` naming the file/node/
      node what that inference does not and ONNX Runtime refuses on loading or on its first run:
      no negative inferred dim, Reshape keeps the element count, Conv/ConvTranspose have a
      positive group and the channels their weight expects (constant Gather indices are checked
-     after canonicalization, at the bound dims: `shapes.check_static_model`), Gemm's bias and LayerNormalization's scale/bias broadcast, BatchNormalization's variance is
-     not below -epsilon (NaN); and no Dropout zeroes values at random (training mode, ratio not 0);
-  6. hand back an `onnx_ir.Model` whose external tensors are memory-mapped from the model's folder
-     (so models above 2 GB load without copying their weights).
+     after canonicalization, at the bound dims: `shapes.check_static_model`), Gemm's bias and
+     LayerNormalization's scale/bias broadcast, BatchNormalization's variance is not below
+     -epsilon (NaN); and no Dropout zeroes values at random (training mode, ratio not 0);
+  6. hand back an `onnx_ir.Model` whose external tensors are read from the model's folder (not
+     the working one): into memory up to `EMBED_EXTERNAL_BYTES`, so that every model made from it
+     is self-contained, memory-mapped above (so models above 2 GB load without copying their
+     weights).
 Invariants: the user's file is only read; the result has static graph-input shapes, unique node
 names, topological order, and opset >= TARGET_OPSET where the converter allowed it.
 """
@@ -57,6 +60,10 @@ MIN_OPSET = 7
 TARGET_OPSET = 21
 ZOO_PREFIX = "zoo:"
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+# external data up to this size is read into memory as the model loads: every proto made from the
+# model (for ONNX Runtime, a fused or canonical file) then holds its weights, wherever it is run
+# or written; above it, the weights stay memory-mapped from the model's folder
+EMBED_EXTERNAL_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ def load_model(model: str, bindings: ShapeBindings | None = None) -> LoadedModel
     ir_model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
         ir.external_data.set_base_dir(ir_model.graph, base_dir)
+        if _external_bytes(proto) <= EMBED_EXTERNAL_BYTES:  # self-contained, whatever the working folder
+            ir.external_data.load_to_model(ir_model)
     name = proto.graph.name or Path(model.removeprefix(ZOO_PREFIX)).stem
     return LoadedModel(ir_model, name, model, sha, nodes, opset, bindings)
 
@@ -204,6 +213,12 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: str | None, label: st
         if os.path.getsize(target) < needed:
             raise ModelLoadError(f"{where}: file is {os.path.getsize(target)} bytes, the tensor needs "
                                  f"{needed}; the data file is truncated: copy it again")
+
+
+def _external_bytes(proto: onnx.ModelProto) -> int:
+    """The bytes the model's tensors keep in external data files."""
+    return sum(int(next((e.value for e in t.external_data if e.key == "length"), 0) or 0)
+               for t in _all_tensors(proto.graph) if t.data_location == onnx.TensorProto.EXTERNAL)
 
 
 def _check_location(location: str, base_dir: str, where: str) -> None:

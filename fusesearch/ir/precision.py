@@ -72,6 +72,17 @@ def tolerance(dtype: str) -> float:
     return TOLERANCES.get(dtype, TOLERANCES["float32"])
 
 
+def prepared_tolerance(prep) -> float:
+    """The rtol every check of a prepared model applies (`verify`, `run`, `plan --emit`): that of
+    the half type it was converted to (`--dtype`) or, unconverted, of the half type its own
+    tensors hold (a float16 model), else float32's."""
+    dtype = getattr(prep, "dtype", "float32")
+    if dtype == "float32":
+        held = {info.dtype for info in prep.graph.tensors.values()}
+        dtype = next((d for d in ("bfloat16", "float16") if d in held), "float32")
+    return tolerance(dtype)
+
+
 def model_dtype(model: onnx.ModelProto) -> str:
     """'bfloat16' / 'float16' when the main graph holds tensors of that type (the first found,
     bfloat16 first), else 'float32'."""

@@ -352,3 +352,21 @@ def test_mma_half_model_gemm_bias_relu(tmp_path, dtype, skeleton):
     values = all_values(canonical, random_feeds(canonical, 0))
     gk = check(prep, values, range(len(prep.graph)), skeleton)
     assert {a.dtype for a in (*gk.inputs, *gk.outputs)} == {dtype}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "native float16"])
+def test_half_models_cuda_program_compiles_as_cpp_and_equals_onnx_runtime(tmp_path, run_cli, dtype):
+    """The CUDA program of a half model is one module of namespaced kernels whose launchers cast
+    to the kernels' own storage types: it compiles as C++ (the emulator) and equals ONNX Runtime
+    within the dtype's tolerance, whether the model was converted (`--dtype`) or is half itself."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Add", ["y", "b"], ["yb"], name="add"),
+             helper.make_node("Relu", ["yb"], ["r"], name="relu"), helper.make_node("Tanh", ["r"], ["out"], name="tanh")]
+    half = dtype == "native float16"
+    cast = (lambda a: a.astype(np.float16)) if half else (lambda a: a)
+    elem = 10 if half else 1  # TensorProto.FLOAT16 / FLOAT
+    path = save(make_model(nodes, [("x", [8, 16], elem)], [("out", [8, 32], elem)],
+                           [("w", cast(rand(16, 32) * 0.3)), ("b", cast(rand(32, seed=1)))]), tmp_path / "m.onnx")
+    flags = () if half else ("--dtype", dtype)
+    code, out, err = run_cli("run", path, "--device", "t4", "--strategy", "greedy", "--backend", "emulate", *flags)
+    assert code == 0 and "equal to ONNX Runtime" in out, err
+    assert f"rtol {0.05 if dtype == 'bfloat16' else 0.01:g}" in out, out
