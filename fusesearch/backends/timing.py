@@ -17,8 +17,9 @@ every sample and reports the median and the 20th/80th percentiles.
 
 Invariants: a `Timing` has at least one sample, every sample >= 0 s; the loop structure depends
 only on the arguments and elapsed time (no sleeps), read from `now` (`time.perf_counter`; a test
-passes a fake one with a fake `clock`, so the loop's logic is checked without wall time); a cache file is written whole (tmp file +
-os.replace) or not at all, and a corrupt or foreign cache file reads as missing, never a crash.
+passes a fake one with a fake `clock`, so the loop's logic is checked without wall time); a cache
+file is written whole (tmp file + os.replace) or not at all, and a corrupt or foreign cache file
+reads as missing, never a crash.
 """
 
 from __future__ import annotations

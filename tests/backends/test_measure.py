@@ -197,11 +197,30 @@ def test_library_baseline_runs_lone_anchors_through_the_library_and_compares_fus
     assert plan[plan["library_baseline_s"].isna()]["fused_loses"].isna().all()  # only anchor groups compare
 
 
-def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_baseline_says(run_cli, tmp_path):
-    """Regime: the host. A lone MatMul is planned as our C (`costing.priced_kernel`: the library
-    call, priced with the partial sums of its split K, is dearer), so the plan's group runs as
-    our kernel and is predicted as one, while the unfused graph's (--baseline library) runs through
-    ONNX Runtime, predicted at the library call's price (its plan made with `library_anchors`)."""
+@pytest.fixture
+def pinned_host(monkeypatch):
+    """The host with fixed figures (what the probes measured on a quiet 2-core EPYC VM) instead of
+    figures measured now: a busy machine measures half the FMA rate, and a test of which way a
+    price goes would depend on the load."""
+    from costmodels import devices
+    from costmodels.devices import MIB
+
+    figures = devices.HostFigures(dram_bytes_per_s=23.2e9, fma_flops_per_s_per_thread=56.3e9, launch_s=1.24e-6,
+                                  cache_curve=((1 * MIB, 89.2e9), (4 * MIB, 89.2e9), (8 * MIB, 87.4e9),
+                                               (16 * MIB, 64.1e9), (32 * MIB, 38.2e9)))
+    monkeypatch.setattr(devices, "host_figures", lambda *args, **kwargs: figures)
+    devices.host_cpu.cache_clear()
+    yield
+    devices.host_cpu.cache_clear()
+
+
+def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_baseline_says(run_cli, tmp_path,
+                                                                                           pinned_host):
+    """Regime: the host (fixed figures). A lone MatMul is planned as our C
+    (`costing.priced_kernel`: the library call, priced with the partial sums of its split K, is
+    dearer), so the plan's group runs as our kernel and is predicted as one, while the unfused
+    graph's (--baseline library) runs through ONNX Runtime, predicted at the library call's price
+    (its plan made with `library_anchors`)."""
     from costmodels import RooflineModel, host_cpu, host_params
     from fusesearch.candidates.group import FusionGroup
     from fusesearch.costing import kernel_cost
@@ -218,7 +237,7 @@ def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_ba
     ours, library = (kernel_cost(k, host_cpu(), RooflineModel(host_params())).time_s
                      for k in (try_lower(graph, mm, host=True), lower(graph, mm)))
     assert rows.loc["plan", "predicted_s"] == pytest.approx(ours, rel=1e-9)
-    assert rows.loc["unfused", "predicted_s"] == pytest.approx(library, rel=1e-9) and library > ours * 1.001
+    assert rows.loc["unfused", "predicted_s"] == pytest.approx(library, rel=1e-9) and library > ours
     assert max(rows["max_rel_err"]) < VERIFY_RTOL
     # set beside the same call through the library, measured in the same rounds
     (group,) = doc["groups"]
