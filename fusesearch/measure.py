@@ -176,13 +176,16 @@ class MeasureReport:
 def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: float = 0.2, seed: int = 0,
                  progress: Callable[[str], None] | None = None, cache: TimingCache | None = None,
                  ptxas_arch: str | None = None, flush_l2: bool = False,
-                 baseline: str = "library", input_values: dict[str, np.ndarray] | None = None) -> MeasureReport:
+                 baseline: str = "library", input_values: dict[str, np.ndarray] | None = None,
+                 sampler: Callable[..., list[Timing]] = measure_interleaved) -> MeasureReport:
     """`cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
     compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
     shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample;
     `baseline`: "library" runs the unfused graph's lone anchors through the library, "generated"
     as generated kernels (the plan's run as the plan says);
-    `input_values`: inputs given by the user (`verify.parse_input_values`), the rest drawn."""
+    `input_values`: inputs given by the user (`verify.parse_input_values`), the rest drawn;
+    `sampler`: times the runs (`measure_interleaved`'s arguments and result; a test passes fixed
+    samples, so what is taken off them is checked whatever the machine's speed)."""
     if backend not in BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     if baseline not in BASELINES:
@@ -211,8 +214,8 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
         from fusesearch.backends import cpu
 
         call = [cpu.null_runner()]
-    timings = measure_interleaved([it.run for it in todo] + nulls + call, clock=runner.clock, budget_s=budget_s,
-                                  rounds=ROUNDS, before_each=runner.before_each)
+    timings = sampler([it.run for it in todo] + nulls + call, clock=runner.clock, budget_s=budget_s,
+                      rounds=ROUNDS, before_each=runner.before_each)
     run_s = node_s = call_s = 0.0
     if nulls:
         from fusesearch.backends.library import run_costs

@@ -2,8 +2,9 @@
 
 The end-to-end test runs `fusesearch calibrate --backend cpu` in a subprocess (OMP_NUM_THREADS=1,
 so that the shared machine's load does not time the scheduler) on a small sample of bert-small
-and checks that fitting lowers the held-out MAPE, and that the profile it wrote predicts exactly
-what its report says.
+and checks that the profile it wrote predicts exactly what its report says. Whether fitting
+lowers the held-out MAPE is checked on the same kind of sample with fixed times (made by known
+parameters): measured times say how busy the machine was as much as how good the fit is.
 """
 
 from __future__ import annotations
@@ -283,44 +284,53 @@ def cpu_profile(tmp_path_factory):
     return folder, done.stdout
 
 
-def test_calibration_improves_held_out_mape_on_the_cpu(cpu_profile):
-    """Calibration: on kernels left out of the fit, fitted parameters beat the defaults (MAPE),
-    and the written profile predicts exactly what its report says."""
+def test_calibration_on_the_cpu_writes_a_profile_that_predicts_what_its_report_says(cpu_profile):
+    """Calibration end to end: the held-out and training kernels are split as reported, and the
+    written profile predicts exactly the held-out figures its report gives; where the shared terms
+    kept their defaults, the anchor-free kernels are predicted exactly as before the fit. How good
+    the fit is on measured times depends on the machine's load: checked on fixed times below."""
     folder, stdout = cpu_profile
     assert "held-out" in stdout and "profile written to" in stdout
     profile = load_profile(folder / "profile.json")
     held = profile.fit["heldout"]
     assert profile.fit["n_heldout"] >= 6 and profile.fit["n_train"] >= 14
-    # overall, the fit is no worse than the defaults beyond the machine's noise: the defaults now
-    # price the host's measured FMA peak and cache bandwidth, and its gemm kernels (kept at the
-    # defaults on these samples) swing the overall figure by 10-20% between runs
-    assert held["after"]["mape"] < 1.1 * held["before"]["mape"]
     frame = pd.read_parquet(folder / "measurements.parquet")
     rows = frame[frame["split"] == "heldout"]
+    assert len(rows) == profile.fit["n_heldout"] and (frame["split"] == "train").sum() == profile.fit["n_train"]
     specs = [KernelSpec.from_row(r) for r in rows.to_dict("records")]
     model = RooflineModel(profile.params)
     predicted = np.array([model.cost(s, profile.device).time_s for s in specs])
     assert cal.accuracy(predicted, rows["measured_s"])["mape"] == pytest.approx(held["after"]["mape"])
-    # the anchor-free kernels, which the roofline describes well, are predicted better after the
-    # fit than by the starting parameters (the CPU gemm's few held-out kernels swing the overall
-    # figure); an absolute bound would hold the test to the machine's load, not to the fit
     free = rows["template"].isin(["pointwise", "rowwise"]).to_numpy()
     assert free.sum() >= 4
-    measured = rows["measured_s"].to_numpy()[free]
-    after = cal.accuracy(predicted[free], measured)["mape"]
-    before = cal.accuracy(rows["predicted_before_s"].to_numpy()[free], measured)["mape"]
-    kept = profile.fit["kept_defaults"]
-    if cal.SHARED_TERMS in kept:
-        # the starting parameters predicted these kernels better (the defaults price the host's
-        # measured bandwidth): the fit keeps the whole first stage (the shared terms and the
-        # anchor-free templates' own efficiencies), says so, and predicts exactly what they did
-        assert after == pytest.approx(before), kept
+    if cal.SHARED_TERMS in profile.fit["kept_defaults"]:  # the whole first stage at its defaults, said so
+        assert predicted[free] == pytest.approx(rows["predicted_before_s"].to_numpy()[free], rel=1e-12)
         assert any("kept defaults" in line for line in stdout.splitlines())
-    else:  # the shared terms moved (whether or not a template then kept its own efficiencies)
-        assert after < before, (after, before, kept)
     assert (folder / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert profile.backend == "cpu" and profile.device.name == "host" and profile.device.sm_count == 1
     assert {"fusesearch", "numpy", "onnxruntime", "cc"} <= set(profile.versions)
+
+
+def test_calibration_lowers_held_out_mape_on_bert_small_kernels_timed_by_known_parameters():
+    """The fit on the kernels the CPU calibration samples from bert-small (28, seed 0), with times
+    made by known parameters (x 5% noise, seeded) in place of measured ones: the held-out MAPE
+    falls, overall and for each anchor-free template to about the noise."""
+    start = RooflineParams()
+    sample = cal.sample_candidates({"bert-small": prepare("zoo:bert-small")}, _CPU, start, 28, seed=0)
+    truth = start.with_updates(memory_efficiency={"pointwise": 0.3, "rowwise": 0.2, "gemm": 0.5},
+                               scalar_efficiency={"pointwise": 0.05, "rowwise": 0.03}, library_efficiency={"gemm": 0.3},
+                               launch_overhead_scale=3.0, transcendental_flops=40.0)
+    specs = [c.kernel.spec() for c in sample.candidates]
+    measured = cal.predict(specs, _CPU, truth) * np.random.default_rng(0).lognormal(0, 0.05, len(specs))
+    rows = [{**s.to_row(), "model": c.model, "group": c.key, "measured_s": float(m)}
+            for s, c, m in zip(specs, sample.candidates, measured, strict=True)]
+    result = cal.analyse(rows, _CPU, start, "cpu", 0)
+    held = result.report["heldout"]
+    assert result.report["n_heldout"] >= 6 and {"pointwise", "rowwise"} <= set(held["per_template"])
+    assert held["after"]["mape"] < 0.5 * held["before"]["mape"]
+    for template in ("pointwise", "rowwise"):
+        figures = held["per_template"][template]
+        assert figures["after"]["mape"] < 0.15 < figures["before"]["mape"], (template, figures)
 
 
 def test_library_calls_are_timed_through_the_library(cpu_profile):

@@ -16,8 +16,10 @@ every sample and reports the median and the 20th/80th percentiles.
     samples: before_each, [start run stop], ... until budget_s and n >= min_samples, or max
 
 Invariants: a `Timing` has at least one sample, every sample >= 0 s; the loop structure depends
-only on the arguments and elapsed time (no sleeps); a cache file is written whole (tmp file +
-os.replace) or not at all, and a corrupt or foreign cache file reads as missing, never a crash.
+only on the arguments and elapsed time (no sleeps), read from `now` (`time.perf_counter`; a test
+passes a fake one with a fake `clock`, so the loop's logic is checked without wall time); a cache
+file is written whole (tmp file + os.replace) or not at all, and a corrupt or foreign cache file
+reads as missing, never a crash.
 """
 
 from __future__ import annotations
@@ -126,18 +128,19 @@ class PerfCounterClock:
 
 def measure(run: Callable[[], None], *, clock: Clock | None = None, budget_s: float = 0.25,
             warmup_s: float = 0.05, min_samples: int = 5, max_samples: int = 1000,
-            before_each: Callable[[], None] | None = None) -> Timing:
-    """Warm `run` up for `warmup_s` (at least once), then sample it within `budget_s` of wall time."""
+            before_each: Callable[[], None] | None = None, now: Callable[[], float] = time.perf_counter) -> Timing:
+    """Warm `run` up for `warmup_s` (at least once), then sample it within `budget_s` of wall time
+    (as `now` reads it, in seconds)."""
     _check_measure_args(budget_s, warmup_s, min_samples, max_samples)
     clock = clock if clock is not None else PerfCounterClock()
-    warmup_runs = _warm_up(run, clock, warmup_s)
-    samples = _sample(run, clock, budget_s, min_samples, max_samples, before_each)
+    warmup_runs = _warm_up(run, clock, warmup_s, now)
+    samples = _sample(run, clock, budget_s, min_samples, max_samples, before_each, now)
     return Timing(samples_s=tuple(samples), warmup_runs=warmup_runs, clock=clock.name)
 
 
 def measure_interleaved(runs: list[Callable[[], None]], *, clock: Clock | None = None, budget_s: float = 0.25,
-                        rounds: int = 5, warmup_s: float = 0.05,
-                        before_each: Callable[[], None] | None = None) -> list[Timing]:
+                        rounds: int = 5, warmup_s: float = 0.05, before_each: Callable[[], None] | None = None,
+                        now: Callable[[], float] = time.perf_counter) -> list[Timing]:
     """One Timing per run of `runs`, sampled in `rounds` passes over all of them in order, each
     pass giving every run `budget_s / rounds` of wall time (at least one sample) after one warm-up
     run (the first pass warms up for `warmup_s`). What a shared machine does over minutes (another
@@ -152,8 +155,8 @@ def measure_interleaved(runs: list[Callable[[], None]], *, clock: Clock | None =
     warmups = [0] * len(runs)
     for r in range(rounds):
         for i, run in enumerate(runs):
-            warmups[i] += _warm_up(run, clock, warmup_s if r == 0 else 0.0)
-            samples[i] += _sample(run, clock, budget_s / rounds, 1, 1000, before_each)
+            warmups[i] += _warm_up(run, clock, warmup_s if r == 0 else 0.0, now)
+            samples[i] += _sample(run, clock, budget_s / rounds, 1, 1000, before_each, now)
     return [Timing(samples_s=tuple(s), warmup_runs=w, clock=clock.name) for s, w in zip(samples, warmups, strict=True)]
 
 
@@ -171,23 +174,23 @@ def _timed(run: Callable[[], None], clock: Clock) -> float:
     return max(0.0, float(clock.stop(token)))
 
 
-def _warm_up(run: Callable[[], None], clock: Clock, warmup_s: float) -> int:
+def _warm_up(run: Callable[[], None], clock: Clock, warmup_s: float, now: Callable[[], float]) -> int:
     """Run until `warmup_s` of wall time has passed, at least once; returns the run count."""
-    began_s = time.perf_counter()
+    began_s = now()
     runs = 0
-    while runs == 0 or time.perf_counter() - began_s < warmup_s:
+    while runs == 0 or now() - began_s < warmup_s:
         _timed(run, clock)  # through the clock, so a GPU clock synchronizes
         runs += 1
     return runs
 
 
 def _sample(run: Callable[[], None], clock: Clock, budget_s: float, min_samples: int,
-            max_samples: int, before_each: Callable[[], None] | None) -> list[float]:
+            max_samples: int, before_each: Callable[[], None] | None, now: Callable[[], float]) -> list[float]:
     """One sample per run, `before_each` untimed before each, until the budget or the cap."""
-    began_s = time.perf_counter()
+    began_s = now()
     samples: list[float] = []
     while len(samples) < max_samples:
-        if len(samples) >= min_samples and time.perf_counter() - began_s >= budget_s:
+        if len(samples) >= min_samples and now() - began_s >= budget_s:
             break
         if before_each is not None:
             before_each()

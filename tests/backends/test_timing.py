@@ -20,13 +20,39 @@ from fusesearch.backends.timing import (
 )
 from fusesearch.errors import FusesearchError
 
-SLEEP_S = 0.002
+RUN_S = 2.0 ** -9  # a fake run's seconds (about 2 ms), a power of two: sums of them are exact
 
 
-def sleeper(seconds: float):
-    def run() -> None:
-        time.sleep(seconds)
-    return run
+class FakeTime:
+    """Time that moves only when a fake run (or hook) says so: `now` is what the sampling loop
+    reads its budget from, and as a Clock it times each run exactly. The loop's logic is then
+    checked with exact counts, whatever the machine's speed or load."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def start(self) -> float:
+        return self.t
+
+    def stop(self, token: float) -> float:
+        return self.t - token
+
+    def run(self, seconds: float, log: list | None = None, tag: str = ""):
+        def go() -> None:
+            self.t += seconds
+            if log is not None:
+                log.append(tag)
+        return go
+
+
+def fake_measure(seconds: float, **kw):
+    fake = FakeTime()
+    return fake, measure(fake.run(seconds), clock=fake, now=fake.now, **kw)
 
 
 def nothing() -> None:
@@ -36,26 +62,26 @@ def nothing() -> None:
 # --- measure -----------------------------------------------------------------------------------
 
 
-def test_sleeping_kernel_median_is_its_sleep_and_budget_bounds_the_count():
-    began = time.perf_counter()
-    t = measure(sleeper(SLEEP_S), budget_s=0.04, warmup_s=0.0, min_samples=3)
-    wall_s = time.perf_counter() - began
-    assert t.clock == "perf_counter"
-    assert len(t.samples_s) == t.n
-    assert 3 <= t.n <= 0.04 / SLEEP_S + 1
-    assert SLEEP_S * 0.95 <= t.median_s <= SLEEP_S * 10
-    assert wall_s < 0.25  # the budget, one warm-up run and one last sample, with slack
+def test_samples_are_the_runs_times_and_the_budget_bounds_the_count():
+    """Each sample is one run's time; sampling stops at the first check at or past the budget, so
+    the wall time is the warm-up, the budget and at most one run beyond it."""
+    fake, t = fake_measure(RUN_S, budget_s=32 * RUN_S, warmup_s=0.0, min_samples=3)
+    assert t.clock == "fake" and t.warmup_runs == 1
+    assert t.samples_s == (RUN_S,) * 32 and t.n == 32
+    assert fake.t == 33 * RUN_S  # one warm-up run, then exactly the budget
+    fake, t = fake_measure(RUN_S, budget_s=31.5 * RUN_S, warmup_s=0.0, min_samples=3)
+    assert t.n == 32 and fake.t == 33 * RUN_S  # the last sample goes past the budget by part of a run
 
 
 def test_min_samples_wins_over_an_exhausted_budget():
-    t = measure(sleeper(SLEEP_S), budget_s=0.0, warmup_s=0.0, min_samples=4)
-    assert t.n == 4
-    assert all(s >= SLEEP_S * 0.95 for s in t.samples_s)
+    _, t = fake_measure(RUN_S, budget_s=0.0, warmup_s=0.0, min_samples=4)
+    assert t.samples_s == (RUN_S,) * 4
 
 
 def test_zero_cost_kernel_stops_at_max_samples():
-    t = measure(nothing, budget_s=10.0, warmup_s=0.0, min_samples=5, max_samples=50)
-    assert t.n == 50
+    """A run that takes no time never spends the budget: the cap ends the loop."""
+    _, t = fake_measure(0.0, budget_s=10.0, warmup_s=0.0, min_samples=5, max_samples=50)
+    assert t.n == 50 and t.samples_s == (0.0,) * 50
 
 
 def test_every_sample_is_kept_one_per_timed_run():
@@ -68,20 +94,23 @@ def test_every_sample_is_kept_one_per_timed_run():
 
 
 def test_warm_up_runs_at_least_once_and_is_sized_by_time():
-    calls = []
-    t = measure(lambda: (calls.append(1), time.sleep(SLEEP_S)), budget_s=0.0, warmup_s=0.012,
-                min_samples=2)
-    assert t.warmup_runs >= 2  # 12 ms of 2 ms runs, however slow the sleeps are: at least 2
-    assert t.warmup_runs <= 0.012 / SLEEP_S + 1
-    assert len(calls) == t.warmup_runs + t.n
-    assert measure(nothing, warmup_s=0.0, budget_s=0.0, min_samples=1).warmup_runs == 1
+    """Warm-up runs until warmup_s has passed: 6 runs fill 6 runs' time, a half run more takes a
+    seventh; no warm-up time still runs once. Warm-up runs are not samples."""
+    log: list[str] = []
+    fake = FakeTime()
+    t = measure(fake.run(RUN_S, log), clock=fake, now=fake.now, budget_s=0.0, warmup_s=6 * RUN_S, min_samples=2)
+    assert (t.warmup_runs, t.n, len(log)) == (6, 2, 8)
+    assert fake_measure(RUN_S, budget_s=0.0, warmup_s=6.5 * RUN_S, min_samples=1)[1].warmup_runs == 7
+    assert fake_measure(RUN_S, budget_s=0.0, warmup_s=0.0, min_samples=1)[1].warmup_runs == 1
 
 
-def test_before_each_is_not_timed():
-    t = measure(nothing, budget_s=0.0, warmup_s=0.0, min_samples=5,
-                before_each=sleeper(0.005))
-    assert t.n == 5
-    assert t.median_s < 0.001
+def test_before_each_is_not_timed_but_spends_the_budget():
+    """A hook before each sample (an L2 flush) is outside the timed run, inside the wall-time budget."""
+    fake = FakeTime()
+    t = measure(fake.run(RUN_S), clock=fake, now=fake.now, budget_s=12 * RUN_S, warmup_s=0.0, min_samples=1,
+                before_each=fake.run(5 * RUN_S))
+    assert t.samples_s == (RUN_S, RUN_S)  # 6 runs' wall time per sample: two fill the budget
+    assert fake.t == 13 * RUN_S
 
 
 def test_bad_arguments_are_refused():
@@ -117,9 +146,14 @@ def test_interleaved_rounds_alternate_the_runs_and_keep_every_sample():
 
 
 def test_interleaved_timings_measure_each_run_apart():
-    fast, slow = measure_interleaved([sleeper(0.001), sleeper(0.004)], budget_s=0.05, rounds=2, warmup_s=0.0)
-    assert 0.001 <= fast.median_s < 0.0035 <= 0.004 <= slow.median_s
-    assert fast.n >= 2 and slow.n >= 2
+    """Each run's samples are its own times; each pass gives every run budget_s / rounds."""
+    log: list[str] = []
+    fake = FakeTime()
+    fast, slow = measure_interleaved([fake.run(RUN_S, log, "f"), fake.run(4 * RUN_S, log, "s")], clock=fake,
+                                     now=fake.now, budget_s=16 * RUN_S, rounds=2, warmup_s=0.0)
+    assert fast.samples_s == (RUN_S,) * 16 and slow.samples_s == (4 * RUN_S,) * 4
+    assert (fast.warmup_runs, slow.warmup_runs) == (2, 2)
+    assert "".join(log) == ("f" * 9 + "s" * 3) * 2  # a warm-up run and a pass of samples, run by run
 
 
 def test_interleaved_refuses_no_rounds():
@@ -127,11 +161,11 @@ def test_interleaved_refuses_no_rounds():
         measure_interleaved([nothing], rounds=0)
 
 
-def test_perf_counter_clock_measures_seconds():
+def test_perf_counter_clock_measures_seconds(monkeypatch):
+    ticks = iter([1_000, 2_501_000])
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: next(ticks))
     clock = PerfCounterClock()
-    token = clock.start()
-    time.sleep(SLEEP_S)
-    assert SLEEP_S * 0.95 <= clock.stop(token) < 1.0
+    assert clock.stop(clock.start()) == pytest.approx(2.5e-3, rel=1e-12)
 
 
 # --- Timing ------------------------------------------------------------------------------------
@@ -141,8 +175,12 @@ def test_percentiles_are_ordered_and_linear():
     t = Timing(samples_s=(5.0, 1.0, 3.0, 2.0, 4.0), warmup_runs=2, clock="perf_counter")
     assert t.p20_s <= t.median_s <= t.p80_s
     assert (t.p20_s, t.median_s, t.p80_s) == pytest.approx((1.8, 3.0, 4.2))
-    measured = measure(sleeper(0.0005), budget_s=0.0, warmup_s=0.0, min_samples=9)
-    assert measured.p20_s <= measured.median_s <= measured.p80_s
+    times = iter(t * RUN_S for t in (3, 1, 4, 1, 5, 9, 2, 6, 5, 3))  # a warm-up run, then nine samples
+    fake = FakeTime()
+    measured = measure(lambda: setattr(fake, "t", fake.t + next(times)), clock=fake, now=fake.now, budget_s=0.0,
+                       warmup_s=0.0, min_samples=9)
+    assert measured.samples_s == tuple(t * RUN_S for t in (1, 4, 1, 5, 9, 2, 6, 5, 3))
+    assert (measured.p20_s, measured.median_s, measured.p80_s) == pytest.approx((1.6 * RUN_S, 4 * RUN_S, 5.4 * RUN_S))
 
 
 def test_to_row_keys_and_values():
@@ -307,6 +345,6 @@ def test_cuda_event_clock_times_a_tiny_kernel():
     t = measure(run, clock=CudaEventClock(), budget_s=0.05, warmup_s=0.01, min_samples=5,
                 before_each=l2_flusher(l2_bytes))
     assert t.clock == "cuda_event" and t.n >= 5
-    assert 0 < t.median_s < 0.01
+    assert t.median_s > 0  # how fast is for benchmarks/, not a test
     assert t.p20_s <= t.median_s <= t.p80_s
     assert float(x[0]) == t.warmup_runs + t.n

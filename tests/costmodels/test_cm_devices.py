@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
-import time
 
 import pytest
 
@@ -132,21 +132,19 @@ def test_device_spec_round_trips_and_validates():
         DeviceSpec.from_dict({**d.to_dict(), "hbm_stacks": 4})
 
 
-def test_host_cpu_is_measured_quickly(tmp_path, monkeypatch):
-    """Host CPU: positive cores and clock, measured DRAM and cache bandwidths and FMA peak, in
-    under 3 s on a machine seen for the first time (an empty cache folder)."""
+def test_host_cpu_is_measured_on_a_new_machine(tmp_path, monkeypatch):
+    """Host CPU: positive cores and clock, measured DRAM and cache bandwidths and FMA peak, on a
+    machine seen for the first time (an empty cache folder). How long the probes take is a
+    benchmark's figure (benchmarks/bench_load.py), not a test's."""
     monkeypatch.setenv("FUSESEARCH_CACHE", str(tmp_path))
     host_cpu.cache_clear()
     measure_copy_bandwidth.cache_clear()
     measure_fma_peak.cache_clear()
-    start = time.perf_counter()
     host = host_cpu()
-    elapsed_s = time.perf_counter() - start
     host_cpu.cache_clear()
-    assert elapsed_s < 3.0
     assert host.kind == "cpu" and host.name == "host"
     assert host.sm_count >= 1 and host.clock_hz > 0
-    assert 1e8 < host.dram_bytes_per_s < 1e13
+    assert math.isfinite(host.dram_bytes_per_s) and host.dram_bytes_per_s > 0
     # the cache curve: none, or rates above DRAM's at footprints up to the last-level cache
     assert all(rate > host.dram_bytes_per_s and 0 < size <= host.l2_bytes for size, rate in host.cache_curve)
     assert host.fp32_flops_per_s > 0 and host.warp_size in (4, 8, 16)
@@ -159,24 +157,77 @@ def test_host_cpu_is_measured_quickly(tmp_path, monkeypatch):
     assert measured or any("the probe could not run" in s for s in host.sources)
 
 
-def test_the_fma_probe_measures_a_plausible_peak():
-    """One thread's FMA rate (the C compiler the CPU backend needs is present): lanes x 2 flops x
-    2 ports x a clock between 0.5 and 6 GHz at most, and at least a tenth of it (a busy machine)."""
+class Ticks:
+    """A clock that moves STEP seconds each time it is read: every timed pass takes one STEP."""
+
+    STEP = 2.0 ** -10
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.reads * self.STEP
+
+
+def test_the_copy_probe_counts_read_and_write_bytes_of_its_best_pass_within_its_budget():
+    """A pass copies two 1 MiB arrays' worth PASS_BYTES / 2 MiB = 8 times: 16 MiB read and written
+    per pass of one STEP; the passes stop at the first check past the budget (three clock reads
+    per pass), at most 20."""
+    clock = Ticks()
+    rate = measure_copy_bandwidth.__wrapped__(MIB, 1, 10 * Ticks.STEP, clock)
+    assert rate == 2 * MIB * (probes.PASS_BYTES // (2 * MIB)) / Ticks.STEP
+    assert clock.reads == 1 + 3 * 4  # 4 passes: after the 4th, 12 steps have passed (> 10)
+    clock = Ticks()
+    measure_copy_bandwidth.__wrapped__(MIB, 1, 1e9, clock)
+    assert clock.reads == 1 + 3 * 20
+
+
+@pytest.mark.parametrize("output, expected", [
+    ("8 2.5e-02 123\n", (probes.FMA_ITERATIONS * probes.FMA_ACCUMULATORS * 8 * 2 / 2.5e-2, 8)),
+    ("16 1.0e-02 -1\n", (probes.FMA_ITERATIONS * probes.FMA_ACCUMULATORS * 16 * 2 / 1e-2, 16)),
+    ("8 0 1\n", (0.0, 0)), ("Segmentation fault", (0.0, 0)), (None, (0.0, 0)),
+])
+def test_the_fma_probe_reads_its_programs_best_pass(monkeypatch, output, expected):
+    """lanes x 2 flops x accumulators x iterations over the best pass's seconds, from what the
+    program prints; (0, 0) when it prints nothing usable or does not build."""
+    measure_fma_peak.cache_clear()
+    try:
+        monkeypatch.setattr(probes, "c_program_output", lambda *a, **k: output)
+        assert measure_fma_peak() == pytest.approx(expected, rel=1e-12)
+    finally:
+        measure_fma_peak.cache_clear()
+
+
+def test_the_fma_probe_builds_and_runs_here():
+    """The probe's program builds with the C compiler the CPU backend needs and reports its lanes."""
     flops, lanes = measure_fma_peak()
-    assert lanes in (4, 8, 16)
-    assert lanes * 2 * 2 * 0.05e9 < flops < lanes * 2 * 2 * 6e9
+    assert lanes in (4, 8, 16) and math.isfinite(flops) and flops > 0
 
 
-def test_the_launch_probe_times_an_openmp_region_and_reports_0_without_a_compiler(monkeypatch):
-    """A parallel region's call: more than a plain call (a nanosecond) and well under a
-    millisecond on one thread; a best batch beyond LAUNCH_MAX_S (a team that never ran together)
-    or no usable compiler makes the probe report 0 (the estimate is used), never a guess."""
-    one = measure_launch_overhead(1)
-    assert 1e-9 < one < 1e-4
+@pytest.mark.parametrize("output, expected", [
+    ("5.0e-07 63\n", 5e-7), (f"{LAUNCH_MAX_S:.9e} 63\n", LAUNCH_MAX_S),
+    ("2.0e-04 63\n", 0.0),  # slower than a believable region: a team that never ran together
+    ("0 63\n", 0.0), ("nan 63\n", 0.0), ("oops\n", 0.0), (None, 0.0),
+])
+def test_the_launch_probe_reports_its_best_batch_or_0(monkeypatch, output, expected):
+    """A parallel region's call as the program's best batch says; beyond LAUNCH_MAX_S (a machine
+    too busy for the team to run together), unusable output or no usable compiler: 0 (the
+    estimate is used), never a guess."""
     measure_launch_overhead.cache_clear()
     try:
-        monkeypatch.setattr(probes, "LAUNCH_MAX_S", one / 2)  # slower than a believable region: refused
-        assert measure_launch_overhead(1) == 0.0
+        monkeypatch.setattr(probes, "c_program_output", lambda *a, **k: output)
+        assert measure_launch_overhead(1) == pytest.approx(expected, rel=1e-9)
+    finally:
+        measure_launch_overhead.cache_clear()
+
+
+def test_the_launch_probe_runs_here_and_reports_0_without_a_compiler(monkeypatch):
+    """Here: a believable region's time, or 0 on a machine too busy to say; no compiler: 0."""
+    measure_launch_overhead.cache_clear()
+    try:
+        one = measure_launch_overhead(1)
+        assert one == 0.0 or 0 < one <= LAUNCH_MAX_S
         measure_launch_overhead.cache_clear()
         monkeypatch.setenv("CC", "/nonexistent/cc")
         assert measure_launch_overhead(1) == 0.0
