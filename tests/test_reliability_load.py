@@ -546,6 +546,18 @@ def test_anonymous_dims_of_two_inputs_take_two_values(run_cli, tmp_path):
     assert [i["shape"] for i in strict_json(out)["inputs"]] == [[2, 4], [3, 4]]
 
 
+@pytest.mark.parametrize("given", [0, -1])
+def test_a_dim_given_as_zero_or_minus_one_is_named_as_given(run_cli, tmp_path, given):
+    """Exporters write 0 or -1 for "unknown"; fusesearch holds no zero-size tensor, and says so."""
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="r")], [("x", [given, 4])], [("y", None)])
+    code, _, err = run_cli("inspect", save(model, tmp_path / "zero.onnx"))
+    one_line_error(code, err, "input 'x'", f"dim 0 (given as {given}", "zero-size tensors are not supported",
+                   "--input-shape x=")
+    code, out, err = run_cli("inspect", save(model, tmp_path / "zero.onnx"), "--input-shape", "x=2x4", "--json")
+    assert code == 0, err
+    assert strict_json(out)["inputs"][0]["shape"] == [2, 4]
+
+
 def _positions_past_the_table():
     """ids [batch, seq] -> word embeddings + position embeddings of Range(0, seq) from a 512-row
     table: at seq > 512 the position Gather reads past the table."""

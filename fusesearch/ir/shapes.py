@@ -150,7 +150,11 @@ def _name(dim: onnx.TensorShapeProto.Dimension) -> str | None:
 
 def _dim_label(dim: onnx.TensorShapeProto.Dimension, index: int) -> str:
     name = _name(dim)
-    return f"dim {index} '{name}'" if name else f"dim {index} (unnamed)"
+    if name:
+        return f"dim {index} '{name}'"
+    if dim.HasField("dim_value"):  # -1 or 0: exporters' "unknown"; no tensor here is zero-size
+        return f"dim {index} (given as {dim.dim_value}: read as unknown, zero-size tensors are not supported)"
+    return f"dim {index} (unnamed)"
 
 
 def bind_inputs(graph: onnx.GraphProto, bindings: ShapeBindings, inputs: list[onnx.ValueInfoProto]) -> None:

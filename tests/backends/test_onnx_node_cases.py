@@ -71,9 +71,10 @@ class Unsupported:
 DTYPE = Unsupported("a dtype outside the generator's C types (float32, float16, bfloat16, int32, int64, bool)",
                     r"^dtype \S+ has no C type in the generator")
 EMPTY_INPUT = Unsupported("a zero-size graph input (the expanded CastLike cases keep one that no node reads): the "
-                          "loader reads a 0 dim as an unbound one and asks for "
+                          "loader reads a 0 dim as an unknown one, says zero-size tensors are not supported and asks for "
                           "--input-shape (exported models have no empty tensors)",
-                          r"^the loader refuses the model: .*input '\S+' has unbound dynamic dim \d+ \(unnamed\); "
+                          r"^the loader refuses the model: .*input '\S+' has unbound dynamic dim \d+ \(given as 0: read as "
+                          r"unknown, zero-size tensors are not supported\); "
                           r"bind it with --input-shape ")
 OUTER_AXES = Unsupported("a reduction over outer axes: the rowwise template reduces the innermost axes only",
                          r"^not supported yet: .*reduces axes \[[-\d, ]+\], not the innermost ones")
