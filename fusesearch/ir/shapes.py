@@ -257,6 +257,7 @@ def _write_shape(vi: onnx.ValueInfoProto, shape: list[int] | tuple[int, ...], wh
         cause = f"{why} makes input '{vi.name}'" if why else f"input '{vi.name}' is"
         raise ShapeBindingError(f"{cause} {too_large}; give smaller dims")
     tensor_type.ClearField("shape")
+    tensor_type.shape.SetInParent()  # a scalar's shape is present with no dims, not unknown
     for value in shape:
         tensor_type.shape.dim.add().dim_value = value
 
