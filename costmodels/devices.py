@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodels import probes
-from costmodels.errors import InvalidSpec, UnknownDevice
+from costmodels.errors import CacheFolderError, InvalidSpec, UnknownDevice
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -41,6 +41,7 @@ TERA = 1e12
 GB_PER_S = 1e9  # datasheets use decimal gigabytes
 
 KINDS = ("gpu", "cpu")
+GPU_CAPABILITIES = (30, 129)  # compute capability x 10 of a GPU's arch: Kepler 3.0 to Blackwell's 12.x
 HOST_NAMES = ("host", "cpu")
 _NAME_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 
@@ -166,6 +167,10 @@ class DeviceSpec:
             raise InvalidSpec(f"device name {self.name!r} must be lowercase-hyphen, e.g. 'h100-sxm'")
         if self.kind not in KINDS:
             raise InvalidSpec(f"device {self.name}: kind {self.kind!r} must be one of {KINDS}")
+        if self.kind == "gpu" and not GPU_CAPABILITIES[0] <= self.compute_capability <= GPU_CAPABILITIES[1]:
+            raise InvalidSpec(f"device {self.name}: arch {self.arch!r} is not an NVIDIA GPU arch; expected sm_XY, "
+                              f"compute capability X.Y from {GPU_CAPABILITIES[0] / 10:.1f} to "
+                              f"{GPU_CAPABILITIES[1] / 10:.1f} (e.g. sm_90)")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "vendor", "kind", "arch", "sources", "cache_curve"):
@@ -605,9 +610,18 @@ def host_cpu() -> DeviceSpec:
 
 
 def cache_root() -> Path:
-    """The user cache folder: `$FUSESEARCH_CACHE` when set, else ~/.cache/fusesearch."""
+    """The user cache folder: `$FUSESEARCH_CACHE` when set, else ~/.cache/fusesearch. A variable
+    naming a file (or a path under one) is a CacheFolderError naming the variable: every cache
+    (compiled kernels, timings, host figures) would fail on it."""
     root = os.environ.get(CACHE_ENV)
-    return Path(root) if root else Path.home() / ".cache" / "fusesearch"
+    if not root:
+        return Path.home() / ".cache" / "fusesearch"
+    path = Path(root)
+    blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise CacheFolderError(f"{CACHE_ENV}={root}: {blocker} is a file, not a folder; point {CACHE_ENV} at a "
+                               "folder (it is created if missing), or unset it to use ~/.cache/fusesearch")
+    return path
 
 
 def host_cache_path() -> Path:

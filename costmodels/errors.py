@@ -27,3 +27,12 @@ class UnknownDevice(CostModelError, ValueError):
 
 class ProfileError(CostModelError, ValueError):
     """A profile.json cannot be read: missing, not JSON, wrong schema or bad fields."""
+
+
+class CacheFolderError(ValueError):
+    """$FUSESEARCH_CACHE names something that cannot be a folder (a file, or a path under one).
+    Not a CostModelError: it is the environment's fault, not the device's, so the callers that
+    turn a CostModelError into "--device NAME: ..." let it through."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))

@@ -82,9 +82,9 @@ class Profile:
             raise InvalidSpec(f"schema {data.get('schema')!r}, expected {SCHEMA!r}")
         if not isinstance(data.get("device"), Mapping):
             raise InvalidSpec("missing 'device' object")
-        params = data.get("params") or {}
+        params = data.get("params")
         if not isinstance(params, Mapping):
-            raise InvalidSpec("'params' is not an object")
+            raise InvalidSpec("missing 'params' object" if params is None else "'params' is not an object")
         fit = data.get("fit")
         if fit is not None and not isinstance(fit, Mapping):
             raise InvalidSpec("'fit' is not an object or null")
@@ -115,6 +115,8 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         raise ProfileError(f"{src}: no such file; {_FIX}") from None
     except OSError as exc:
         raise ProfileError(f"{src}: cannot read ({exc.strerror}); {_FIX}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{src}: not a text file (binary data); {_FIX}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

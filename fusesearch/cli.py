@@ -25,7 +25,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fusesearch.errors import BadInput, FusesearchError, check_output_path, check_outputs
+from fusesearch import values as rules
+from fusesearch.__main__ import INTERRUPTED, interrupted
+from fusesearch.errors import BadInput, FusesearchError, check_output_path, check_outputs, writing
 
 try:  # typer >= 0.20 vendors click
     from typer._click import exceptions as click_errors
@@ -64,23 +66,26 @@ DType = Annotated[str, typer.Option("--dtype", callback=_dtype_option, help="flo
 
 # -- option checks: one validator per kind of value, attached to the option in every command -----
 
-def _checked(test, expected: str):
-    """A typer callback that refuses (exit 2, naming the option) a value failing `test`; None
-    (an option left unset) passes. Runs while the command line is parsed, before any work."""
+def _checked(rule):
+    """A typer callback that refuses (exit 2, naming the option) a value `rule` (`fusesearch.values`)
+    says is wrong; None (an option left unset) passes. Runs while the command line is parsed,
+    before any work."""
     def callback(ctx, param, value):
-        if value is not None and not test(value):
+        problem = None if value is None else rule(value)
+        if problem:
             shown = f"{value:g}" if isinstance(value, float) else value  # as typed: 0, nan, inf
-            raise BadInput(f"{max(param.opts, key=len)} {shown}: give {expected}")
+            raise BadInput(f"{max(param.opts, key=len)} {shown}: give {problem}")
         return value
     return callback
 
 
-SECONDS = _checked(lambda v: math.isfinite(v) and v > 0, "a positive, finite number of seconds")
-TOLERANCE = _checked(lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-COUNT = _checked(lambda v: v >= 1, "a positive whole number")
-SEED = _checked(lambda v: 0 <= v < 2**31, "a whole number from 0 to 2147483647")
+SECONDS = _checked(rules.seconds)
+TOLERANCE = _checked(rules.tolerance)
+COUNT = _checked(rules.count)
+CPUS = _checked(rules.cpus)
+SEED = _checked(rules.seed)
 MIN_SAMPLES = 4
-SAMPLES = _checked(lambda v: v >= MIN_SAMPLES, f"at least {MIN_SAMPLES} (a few hundred for a useful fit)")
+SAMPLES = _checked(lambda v: None if v >= MIN_SAMPLES else f"at least {MIN_SAMPLES} (a few hundred for a useful fit)")
 
 
 def _bindings(input_shape: list[str] | None, dim: list[str] | None):
@@ -89,9 +94,21 @@ def _bindings(input_shape: list[str] | None, dim: list[str] | None):
     return ShapeBindings.parse(input_shape or [], dim or [])
 
 
-def _reads(*paths) -> list[tuple[str, str]]:
-    """(path, what) of the files a command reads, for `check_outputs` (zoo models are no file)."""
-    return [(str(p), what) for p, what in paths if p is not None and not str(p).startswith("zoo:")]
+def _reads(*paths, device: str | None = None) -> list[tuple[str, str]]:
+    """(path, what) of every file a command reads, for `check_outputs`: its model (a zoo model is
+    no file), plan, and device profiles (`--device`: a device name is no file)."""
+    found = [(str(p), what) for p, what in paths if p is not None and not str(p).startswith("zoo:")]
+    devices = [device, *device.split(",")] if device else []
+    return found + [(d, "device profile") for d in dict.fromkeys(d.strip() for d in devices) if os.path.isfile(d)]
+
+
+def _plan_file(_ctx, param, value):
+    """A plan.json argument or option must be a file (exit 2 for a folder or a missing path)."""
+    if value is not None and not value.is_file():
+        flag = f"{max(param.opts, key=len)} " if param.param_type_name == "option" else ""
+        problem = "is a folder" if value.is_dir() else "no such file"
+        raise BadInput(f"{flag}{value}: {problem}; give a plan.json written by `fusesearch plan -o`")
+    return value
 
 
 def _input_values(flags: list[str] | None, prep) -> dict:
@@ -147,13 +164,14 @@ def inspect(
     from fusesearch.pipeline import prepare, summarize, write_canonical
 
     devices = _devices(device) if device else []
-    check_outputs([(canonical, "--canonical")], force, _reads((model, "model")))
+    check_outputs([(canonical, "--canonical")], force, _reads((model, "model"), device=device))
     prep = prepare(model, _bindings(input_shape, dim))
     summary = summarize(prep)
     if devices:
         summary["devices"] = [_figures(prep.graph, name, spec, params) for name, spec, params in devices]
     if canonical is not None:
-        summary["canonical_path"] = str(write_canonical(prep, canonical, overwrite=force))
+        with writing(canonical, "--canonical"):
+            summary["canonical_path"] = str(write_canonical(prep, canonical, overwrite=force))
     if json_out:
         _emit_json(summary)
         return
@@ -234,7 +252,7 @@ TimeLimit = Annotated[float, typer.Option("--time-limit", callback=SECONDS,
                                            help="Solver time limit in seconds (cpsat).")]
 MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help="Most ops in one kernel.")]
 Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
-Workers = Annotated[int | None, typer.Option("--workers", callback=COUNT,
+Workers = Annotated[int | None, typer.Option("--workers", callback=CPUS,
                                              help="CP-SAT workers (default: cores, at most 8).")]
 
 
@@ -275,7 +293,7 @@ def plan(
     if strategy not in STRATEGIES:
         raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
-                  _reads((model, "model")))
+                  _reads((model, "model"), device=device))
     config = _config(time_limit, max_group_size, seed, workers)
     verifying = emit is not None and not no_verify
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
@@ -293,7 +311,8 @@ def plan(
         for line in explain_lines(result, legality):
             print(line, file=sys.stderr)
     if output is not None:
-        output.write_text(result.to_json())
+        with writing(output, "-o"):
+            output.write_text(result.to_json())
     if json_out:
         doc = result.to_dict()
         doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
@@ -323,7 +342,8 @@ def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, 
         if not report["ok"]:
             raise FusesearchError(f"--emit {path}: the fused model differs from the original, so it was not "
                                   f"written: {_verified_line(report)}; please report this plan")
-    save_model(fused, path, overwrite=force)
+    with writing(path, "--emit"):
+        save_model(fused, path, overwrite=force)
     return report
 
 
@@ -331,9 +351,11 @@ def _draw(plan_, svg: Path | None, html_out: Path | None) -> None:
     from fusesearch.pictures import plan_html, plan_svg
 
     if svg is not None:
-        svg.write_text(plan_svg(plan_))
+        with writing(svg, "--svg"):
+            svg.write_text(plan_svg(plan_))
     if html_out is not None:
-        html_out.write_text(plan_html(plan_))
+        with writing(html_out, "--html"):
+            html_out.write_text(plan_html(plan_))
 
 
 def _check_verify_memory(prep, can_skip: bool) -> None:
@@ -443,7 +465,8 @@ def verify(
 
 @app.command()
 def export(
-    plan_json: Annotated[Path, typer.Argument(help="plan.json written by `fusesearch plan -o`")],
+    plan_json: Annotated[Path, typer.Argument(help="plan.json written by `fusesearch plan -o`",
+                                              callback=_plan_file)],
     model: Annotated[str, typer.Argument(help="the model it plans: path or zoo:NAME")],
     emit: Annotated[Path, typer.Option("--emit", help="Write the fused ONNX model here.")],
     input_shape: InputShape = None,
@@ -452,6 +475,7 @@ def export(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking it in ONNX Runtime.")] = False,
     input_value: InputValue = None,
     dtype: DType = "float32",
+    json_out: JsonFlag = False,
 ) -> None:
     """Rebuild the fused model from a saved plan (refusing a plan that does not fit the model)."""
     from fusesearch.export import plan_groups_from_json
@@ -464,8 +488,12 @@ def export(
     if not no_verify:
         _check_verify_memory(prep, True)
     report = _emit_fused(prep, groups, emit, force, not no_verify, 0, values)
-    out.print(f"fused model written to {emit} ({len(groups)} nodes, "
-              f"{sum(len(g) > 1 for g in groups)} functions)")
+    functions = sum(len(g) > 1 for g in groups)
+    if json_out:
+        _emit_json({"plan": str(plan_json), "model": prep.loaded.name, "emit": str(emit), "nodes": len(groups),
+                    "functions": functions, "verified": report})
+        return
+    out.print(f"fused model written to {emit} ({len(groups)} nodes, {functions} functions)")
     if report is not None:
         out.print(_verified_line(report))
 
@@ -587,7 +615,8 @@ def _print_compare(doc: dict) -> None:
 def measure(
     model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
     backend: Annotated[str, typer.Option("--backend", help="cpu (generated C) or cupy (generated CUDA)")] = "cpu",
-    plan_json: Annotated[Path | None, typer.Option("--plan", help="Measure this plan.json (default: plan now).")] = None,
+    plan_json: Annotated[Path | None, typer.Option("--plan", callback=_plan_file,
+                                                   help="Measure this plan.json (default: plan now).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Cost model device (default: host on cpu, "
                                                "h200 on cupy) or profile.json.")] = None,
     strategy: Strategy = "cpsat",
@@ -631,7 +660,7 @@ def measure(
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     if end_to_end and backend != "cpu":
         raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
-    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
+    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
     _check_profile_backend(device, backend)
     device = device or ("host" if backend == "cpu" else "h200")
     config = _config(time_limit, 16, seed, None)
@@ -651,7 +680,8 @@ def measure(
         rows = report.to_pandas()
         if whole is not None:  # the run's figures, the same on every row
             rows = rows.assign(**whole.columns())
-        rows.to_parquet(output, index=False)
+        with writing(output, "-o"):
+            rows.to_parquet(output, index=False)
     if json_out:
         _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
         return
@@ -764,7 +794,8 @@ def _print_versus(versus: dict, baseline: str) -> None:
 @app.command()
 def run(
     model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
-    plan_json: Annotated[Path | None, typer.Option("--plan", help="Run this plan.json (default: plan now).")] = None,
+    plan_json: Annotated[Path | None, typer.Option("--plan", callback=_plan_file,
+                                                   help="Run this plan.json (default: plan now).")] = None,
     strategy: Strategy = "cpsat",
     device: Annotated[str | None, typer.Option("--device", help="Cost model device the plan is made for, "
                                                "or profile.json (default: host for --backend cpu, else "
@@ -777,9 +808,9 @@ def run(
     input_shape: InputShape = None,
     dim: Dim = None,
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
-    warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: v >= 0, "0 or more runs"),
+    warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: None if v >= 0 else "0 or more runs"),
                                         help="Untimed runs before them.")] = 3,
-    threads: Annotated[int, typer.Option("--threads", callback=COUNT, help="OpenMP threads of the kernels and "
+    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the kernels and "
                                          "ONNX Runtime's intra-op threads.")] = 1,
     time_limit: TimeLimit = 60.0,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
@@ -805,9 +836,7 @@ def run(
     emulated = backend == "emulate"
     if not emulated:
         require_backend(backend)
-    if plan_json is not None and not plan_json.is_file():
-        raise BadInput(f"--plan {plan_json}: no such file; give a plan.json written by `fusesearch plan -o`")
-    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan")))
+    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
     if emulated and output is not None:
         raise BadInput("-o: --backend emulate checks correctness only and has no timings to write; drop -o")
     device = device or ("host" if backend == "cpu" else "h200")
@@ -836,7 +865,8 @@ def run(
                           progress=status.update if status else None, backend=backend)
     report.model = prep.loaded.name
     if output is not None:
-        report.to_pandas().to_parquet(output, index=False)
+        with writing(output, "-o"):
+            report.to_pandas().to_parquet(output, index=False)
     if json_out:
         _emit_json(report.to_dict())
         return
@@ -921,7 +951,7 @@ def _print_run(report, output: Path | None) -> None:
 @app.command()
 def sweep(
     config: Annotated[Path, typer.Argument(help="the sweep's TOML config (see experiments/*.toml)")],
-    workers: Annotated[int | None, typer.Option("--workers", callback=COUNT, help="Local Dask worker processes "
+    workers: Annotated[int | None, typer.Option("--workers", callback=CPUS, help="Local Dask worker processes "
                                                 "(default: one per core).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Address of a running Dask "
                                                   "scheduler, e.g. tcp://HOST:8786.")] = None,
@@ -1019,9 +1049,14 @@ def calibrate(
 
     if backend not in cal.BACKENDS:
         raise BadInput(f"--backend {backend}: choose one of {', '.join(cal.BACKENDS)}")
-    check_outputs([(output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
-                   (output.parent / "calibration.png", "-o (beside it)")], force)
     names = [m.strip().removeprefix("zoo:") for m in (models or "").split(",") if m.strip()] or None
+    if models is not None and not names:
+        raise BadInput(f"--models {models!r}: names no model; give zoo names or .onnx paths, comma-separated "
+                       "(or leave --models out for the default set)")
+    model_files = [(m, "model") for m in names or () if m.endswith(".onnx")]  # calibrate's rule: else a zoo name
+    check_outputs([(output, "-o"), (output.parent / "measurements.parquet", "-o (beside it)"),
+                   (output.parent / "calibration.png", "-o (beside it)")], force,
+                  _reads(*model_files, device=device))
     bindings = _bindings(input_shape, dim)
     bar = Progress(console=err, transient=True, disable=not err.is_terminal)  # no bar, no blank line
     tasks: list = []
@@ -1038,7 +1073,8 @@ def calibrate(
     finally:
         if tasks:
             bar.stop()
-    paths = cal.write_outputs(result, output)
+    with writing(output, "-o"):
+        paths = cal.write_outputs(result, output)
     if json_out:
         _emit_json({"profile": str(paths["profile"]), "measurements": str(paths["measurements"]),
                     "plot": str(paths["plot"]), "fit": result.profile.to_dict()["fit"],
@@ -1127,7 +1163,8 @@ def zoo_export(
 
     check_output_path(output, force, "-o")
     proto = zoo.build_model(name.removeprefix("zoo:"))
-    output.write_bytes(proto.SerializeToString())
+    with writing(output, "-o"):
+        output.write_bytes(proto.SerializeToString())
     err.print(f"wrote {output} ({len(proto.graph.node)} nodes, {_fmt_bytes(output.stat().st_size)})")
 
 
@@ -1168,6 +1205,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         code = app(args=argv, prog_name="fusesearch", standalone_mode=False)
+        if code == INTERRUPTED:  # typer turns Ctrl-C in a command into Exit(130), returned here
+            return interrupted()
         if isinstance(code, int):  # click returns Exit's code instead of raising it here
             return code
     except FusesearchError as exc:
@@ -1185,8 +1224,13 @@ def _main(argv: list[str] | None) -> int:
         print("fusesearch: aborted", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted()
     except Exception as exc:  # an internal error: one line, the traceback only on request
+        from costmodels.errors import CacheFolderError
+
+        if isinstance(exc, CacheFolderError):  # $FUSESEARCH_CACHE, met wherever a cache is first used
+            print(f"fusesearch: error: {exc}", file=sys.stderr)
+            return BadInput.exit_code
         if os.environ.get("FUSESEARCH_DEBUG"):
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
@@ -1196,9 +1240,7 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _entry() -> None:
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    _entry()
+    from fusesearch.__main__ import entry
+
+    entry()

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
-from fusesearch.errors import BadInput, check_output_path
+from fusesearch.errors import BadInput, check_outputs, writing
 
 STRATEGY_ORDER = ("none", "rules", "greedy", "cpsat")
 PLOTS = ("speedup", "solver_time", "devices", "measured")
@@ -535,7 +535,7 @@ def render(frame, name: str, plots: Iterable[str] = ()) -> str:
 
 def write_report(results_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> list[Path]:
     """Write report.md and its PNGs (beside it); returns [report, *plots]."""
-    from fusesearch.sweep import MANIFEST, RESULTS, load_results
+    from fusesearch.sweep import RESULTS, load_results, read_manifest, results_reads
 
     results_dir, output = Path(results_dir), Path(output)
     if results_dir.is_file():  # e.g. its results.parquet: the report reads the whole folder
@@ -544,11 +544,10 @@ def write_report(results_dir: str | Path, output: str | Path, *, overwrite: bool
     frame = load_results(results_dir)
     if frame.empty or "model" not in frame:
         raise BadInput(f"{results_dir}: the sweep has no finished cells yet; run it first")
-    targets = [output] + [output.parent / f"{p}.png" for p in PLOTS]
-    for path in targets:
-        check_output_path(path, overwrite, "-o" if path == output else "-o (plot)")
-    manifest = results_dir / MANIFEST
-    name = json.loads(manifest.read_text())["name"] if manifest.is_file() else results_dir.name
-    made = [p for p in PLOTS if PLOTTERS[p](frame, output.parent / f"{p}.png")]
-    output.write_text(render(frame, name, made))
+    targets = [(output, "-o")] + [(output.parent / f"{p}.png", "-o (plot)") for p in PLOTS]
+    check_outputs(targets, overwrite, results_reads(results_dir))
+    name = (read_manifest(results_dir) or {}).get("name", results_dir.name)
+    with writing(output, "-o"):
+        made = [p for p in PLOTS if PLOTTERS[p](frame, output.parent / f"{p}.png")]
+        output.write_text(render(frame, name, made))
     return [output] + [output.parent / f"{p}.png" for p in made]

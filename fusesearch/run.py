@@ -223,7 +223,11 @@ def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDL
     compile_flags, link_flags = _flags()
     folder = cpu.cache_dir()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
+        try:
+            objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
+        except BaseException:  # Ctrl-C or a failed compile: start no further compiles
+            pool.shutdown(cancel_futures=True)
+            raise
     objects.append(_object(driver, "driver", compile_flags, folder))
     digest = hashlib.sha256("\0".join([*map(str, objects), *link_flags]).encode()).hexdigest()[:24]
 

@@ -51,12 +51,14 @@ import time
 import tomllib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from fusesearch.errors import BadInput, FusesearchError
+from fusesearch import values
+from fusesearch.errors import BadInput, FusesearchError, check_not_read, writing
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ SCHEMA = "fusesearch.sweep/1"
 CELLS_DIR = "cells"
 RESULTS = "results.parquet"
 MANIFEST = "sweep.json"
+LOCK = ".lock"  # held (flock) by the sweep writing the folder
 STRATEGIES = ("none", "rules", "greedy", "cpsat")
 BACKENDS = ("cpu", "cupy")
 PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0}
@@ -141,6 +144,12 @@ class SweepConfig:
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(self.normalized(), sort_keys=True).encode()).hexdigest()
 
+    def reads(self) -> list[tuple[str, str]]:
+        """(path, what) of the files the sweep reads: the config, model files, device profiles."""
+        models = [(m.path, f"model of models[{m.entry}]") for m in self.models if m.path]
+        profiles = [(d, "device profile") for d in self.devices if os.path.isfile(d)]
+        return [(self.source, "sweep config"), *models, *profiles]
+
 
 def load_config(path: str | Path) -> SweepConfig:
     path = Path(path)
@@ -166,11 +175,11 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
     backend = doc.get("backend")
     if backend is not None and backend not in BACKENDS:
         raise BadInput(f"{where}: backend = {backend!r}; choose one of {', '.join(BACKENDS)} or leave it out")
-    budget = _positive(doc.get("measure_budget_s", 0.05), where, "measure_budget_s", float)
-    workers = _positive(doc.get("solver_workers", 1), where, "solver_workers", int)
+    budget = _number(doc.get("measure_budget_s", 0.05), where, "measure_budget_s", float, values.seconds)
+    workers = _number(doc.get("solver_workers", 1), where, "solver_workers", int, values.cpus)
     measure = _measure_keys(doc, backend, where)
-    threads = _positive(doc.get("threads", 1), where, "threads", int)
-    repeat = _positive(doc.get("repeat", 20), where, "repeat", int)
+    threads = _number(doc.get("threads", 1), where, "threads", int, values.cpus)
+    repeat = _number(doc.get("repeat", 20), where, "repeat", int)
     name = doc.get("name", path.stem)
     if not isinstance(name, str) or not name:
         raise BadInput(f"{where}: name must be a non-empty string")
@@ -342,7 +351,11 @@ def _strings(raw, where: str, key: str, allowed: Iterable[str]) -> tuple[str, ..
     return tuple(raw)
 
 
+PARAM_RULES = {"max_group_size": values.count, "time_limit_s": values.seconds, "seed": values.seed}
+
+
 def _params(raw, where: str) -> dict[str, tuple]:
+    """The [params] lists, each value checked by the rule its CLI option has (`fusesearch.values`)."""
     if not isinstance(raw, dict):
         raise BadInput(f"{where}: [params] must be a table of max_group_size, time_limit_s, seed")
     unknown = sorted(set(raw) - set(PARAM_DEFAULTS))
@@ -350,27 +363,23 @@ def _params(raw, where: str) -> dict[str, tuple]:
         raise BadInput(f"{where}: params.{unknown[0]}: unknown; allowed: {', '.join(PARAM_DEFAULTS)}")
     out = {}
     for key, default in PARAM_DEFAULTS.items():
-        values = raw.get(key, default)
-        values = values if isinstance(values, list) else [values]
+        given = raw.get(key, default)
         kind = float if key == "time_limit_s" else int
-        checked = []
-        for v in values:
-            ok = isinstance(v, int | float) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
-            if not ok or v < (0 if key == "seed" else 1e-9):
-                raise BadInput(f"{where}: params.{key} = {raw.get(key)!r}; give "
-                               f"{'a non-negative' if key == 'seed' else 'a positive'} "
-                               f"{'number' if kind is float else 'integer'} or a list of them")
-            checked.append(kind(v))
+        checked = [_number(v, where, f"params.{key}", kind, PARAM_RULES[key])
+                   for v in (given if isinstance(given, list) else [given])]
         if not checked or len(set(checked)) != len(checked):
             raise BadInput(f"{where}: params.{key}: give at least one value, each once")
         out[key] = tuple(checked)
     return out
 
 
-def _positive(value, where: str, key: str, kind):
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
-            kind is int and not isinstance(value, int)):
-        raise BadInput(f"{where}: {key} = {value!r}; give a positive {'integer' if kind is int else 'number'}")
+def _number(value, where: str, key: str, kind, rule=values.count):
+    """VALUE of KEY as `kind` (an int never from a float), or a BadInput naming the file and key."""
+    typed = isinstance(value, int | float) and not isinstance(value, bool) and (
+        kind is float or isinstance(value, int))
+    problem = rule(value) if typed else f"{'an integer' if kind is int else 'a number'}"
+    if problem:
+        raise BadInput(f"{where}: {key} = {value!r}; give {problem}")
     return kind(value)
 
 
@@ -663,10 +672,13 @@ class SweepStore:
         cell file of an earlier grid, from before a profile was recalibrated or RESULTS_VERSION
         moved, stays on disk but is no longer one of this sweep's results), load the cells done."""
         manifest = self.out / MANIFEST
-        if self.out.exists() and not self.out.is_dir():
-            raise BadInput(f"--out {self.out}: is a file; give a folder for the sweep's results")
-        if manifest.is_file():
-            old = json.loads(manifest.read_text())
+        try:
+            old = read_manifest(self.out)
+        except BadInput:
+            if not force:
+                raise
+            old = {}  # unreadable: discarded as a different sweep's
+        if old is not None:
             if old.get("config_sha256") != config.sha256():
                 if not force:
                     raise BadInput(f"--out {self.out}: holds the results of a different sweep "
@@ -691,6 +703,35 @@ class SweepStore:
         if not self.finished and (self.out / RESULTS).is_file():  # a committed results.parquet, no cells
             for row in _parquet_rows(self.out / RESULTS):
                 self.write(row)
+
+    @contextmanager
+    def locked(self):
+        """Hold OUT for this process while the sweep runs: a second sweep into OUT (the same
+        grid would compute every cell twice; another would discard this one's results) is
+        refused at once, naming the folder, rather than left waiting for hours."""
+        import fcntl
+
+        if self.out.exists() and not self.out.is_dir():
+            raise BadInput(f"--out {self.out}: is a file; give a folder for the sweep's results")
+        with writing(self.out, "--out"):
+            self.out.mkdir(parents=True, exist_ok=True)
+            handle = open(self.out / LOCK, "a+")
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise BadInput(f"--out {self.out}: is in use by another sweep running now; wait for it to "
+                               "finish (then run this one again to add what it lacks), or give another --out") from None
+            try:
+                yield self
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def writes(self) -> list[tuple[Path, str]]:
+        """(path, flag) of what the sweep writes or may discard in OUT (any file in its cells folder)."""
+        cells = sorted(self.cells_dir.iterdir()) if self.cells_dir.is_dir() else []
+        return [(self.out / name, "--out") for name in (MANIFEST, RESULTS, "config.toml")] + [
+            (path, "--out") for path in cells]
 
     def discard(self) -> None:
         for name in (MANIFEST, RESULTS, "config.toml"):
@@ -774,8 +815,7 @@ def load_results(out: str | Path):
     if not out.is_dir():
         raise BadInput(f"{out}: no such folder; give the --out folder of a `fusesearch sweep` run")
     rows = read_cells(out)
-    manifest = out / MANIFEST
-    grid = json.loads(manifest.read_text()).get("cell_ids") if manifest.is_file() else None
+    grid = (read_manifest(out) or {}).get("cell_ids")
     if grid:  # this grid's cells only: files of an earlier grid (another profile's) are not its results
         rows = [r for r in rows if r.get("cell_id") in set(grid)]
     if rows:
@@ -784,6 +824,30 @@ def load_results(out: str | Path):
         return _read_parquet(out / RESULTS)
     raise BadInput(f"{out}: holds no sweep results ({CELLS_DIR}/*.json or {RESULTS}); "
                    "run `fusesearch sweep CONFIG.toml --out DIR` first")
+
+
+def read_manifest(out: Path) -> dict | None:
+    """OUT/sweep.json as a dict, None when there is none; a BadInput naming it when unreadable."""
+    path = Path(out) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = exc
+    if not isinstance(doc, dict):
+        reason = doc if isinstance(doc, Exception) else f"a JSON {type(doc).__name__}, not an object"
+        raise BadInput(f"{path}: not a readable sweep manifest ({reason}); run the sweep again with --force to "
+                       "start this folder afresh, or give another folder")
+    return doc
+
+
+def results_reads(out: Path) -> list[tuple[Path, str]]:
+    """What a command reading the results folder OUT reads, for `errors.check_outputs`: its
+    manifest, results file and every cell file (the cells folder)."""
+    out = Path(out)
+    return [(out / MANIFEST, "sweep manifest"), (out / RESULTS, "sweep's results"),
+            (out / CELLS_DIR, "sweep's cell files")]
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -825,20 +889,25 @@ def run_sweep(config: SweepConfig, out: str | Path, *, workers: int | None = Non
         raise BadInput("--workers and --scheduler: give one (N local processes, or a scheduler address)")
     if workers is not None and workers < 1:
         raise BadInput(f"--workers {workers}: give a positive number of worker processes")
+    if scheduler is not None:
+        check_scheduler(scheduler)
     start = time.perf_counter()
     store = SweepStore(Path(out))
+    check_not_read(store.writes(), config.reads())
     cells = expand(config)
-    store.open(config, force=force, cells=cells)
-    todo = [c for c in cells if not store.done(c.cell_id)]
-    skipped = len(cells) - len(todo)
-    failed = 0
-    if progress:
-        progress(skipped, len(cells), None)
-    try:
-        if todo:
-            failed = _run_on_dask(todo, store, workers, scheduler, skipped, len(cells), progress, on_client)
-    finally:
-        results = store.rebuild(cells)
+    with store.locked():
+        with writing(store.out, "--out"):
+            store.open(config, force=force, cells=cells)
+        todo = [c for c in cells if not store.done(c.cell_id)]
+        skipped = len(cells) - len(todo)
+        failed = 0
+        if progress:
+            progress(skipped, len(cells), None)
+        try:
+            if todo:
+                failed = _run_on_dask(todo, store, workers, scheduler, skipped, len(cells), progress, on_client)
+        finally:
+            results = store.rebuild(cells)
     first_error = next((store.finished[c.cell_id].get("error") for c in cells
                         if c.cell_id in store.finished and not store.done(c.cell_id)), None)
     return SweepSummary(store.out, len(cells), skipped, len(todo), failed, time.perf_counter() - start, results,
@@ -907,6 +976,24 @@ def _run_on_dask(todo: list[Cell], store: SweepStore, workers, scheduler, skippe
     return failed
 
 
+def check_scheduler(address: str) -> None:
+    """A Dask scheduler address must parse as one (scheme://HOST:PORT, a known scheme, a port),
+    before the results folder is touched; whether it answers is `_connect`'s to find out."""
+    try:
+        from distributed.comm import registry
+        from distributed.comm.addressing import parse_address, parse_host_port
+    except ImportError:
+        return  # `_run_on_dask` says how to install it
+    try:
+        scheme, location = parse_address(address)
+        registry.get_backend(scheme)
+        if scheme in ("tcp", "tls") and not 0 < parse_host_port(location)[1] < 65536:
+            raise ValueError("the port is not from 1 to 65535")
+    except ValueError as exc:
+        raise BadInput(f"--scheduler {address}: not a scheduler address ({exc}); give one such as "
+                       "tcp://HOST:8786") from None
+
+
 def _connect(client_cls, address: str):
     try:
         return client_cls(address, timeout="20s")
@@ -926,4 +1013,4 @@ def _collect(future, cell: Cell) -> dict:
 
 
 def default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return values.usable_cpus()

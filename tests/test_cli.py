@@ -1,12 +1,19 @@
-"""The command line contract: `inspect` (text, --json, --canonical), `zoo list|export`."""
+"""The command line contract: `inspect` (text, --json, --canonical), `zoo list|export`; bad command
+lines (outputs over inputs, counts beyond the CPUs, unreadable profiles, unwritable outputs) exit 2
+with one line; `export --json`; Ctrl-C exits 130."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import stat
 import subprocess
 import sys
+import time
 
 import onnx
+import pytest
 
 from fusesearch.verify import compare, random_feeds, run
 
@@ -137,3 +144,161 @@ def test_canonicalization_keeps_results_for_a_model_file(tmp_path):
     canonical = onnx.load(str(out))
     feeds = random_feeds(canonical, seed=5)
     assert all(d.ok for d in compare(run(str(src), feeds), run(str(out), feeds)))
+
+
+# -- bad input on the command line: exit 2, one line, nothing the user had is touched -------------
+
+def _relu(tmp_path) -> str:
+    from onnx import helper
+
+    from tests.conftest import make_model, save
+
+    return save(make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [("x", [2, 3])], [("y", [2, 3])]),
+                tmp_path / "m.onnx")
+
+
+def _profile(tmp_path, name="t4.json", edit=None) -> str:
+    """A device profile of the t4 (as `calibrate` writes one), `edit` applied to its JSON."""
+    from costmodels import DEVICES
+    from costmodels.profile import Profile, save_profile
+
+    path = save_profile(Profile(DEVICES["t4"]), tmp_path / name)
+    if edit is not None:
+        doc = json.loads(path.read_text())
+        edit(doc)
+        path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _plan_file(tmp_path) -> str:
+    from fusesearch.cli import main
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", _relu(tmp_path), "--device", "t4", "--strategy", "none", "-o", str(path)]) == 0
+    return str(path)
+
+
+def _pipe(tmp_path) -> str:
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+    return str(path)
+
+
+def _binary(tmp_path) -> str:
+    path = tmp_path / "profile.json"
+    path.write_bytes(bytes(range(256)) * 4)
+    return str(path)
+
+
+def _drop_params(doc):
+    del doc["params"]
+
+
+def _arch(doc):
+    doc["device"]["arch"] = "sm_1000"
+
+
+READS = "is a file this command reads"
+CPUS = "(the CPUs this machine lets fusesearch use)"
+# (id, args from tmp_path, needles of the one stderr line)
+CLI_BAD = [
+    ("plan -o over its device profile", lambda t: ("plan", _relu(t), "--device", (p := _profile(t)), "-o", p, "--force"),
+     ["-o", "t4.json", READS, "(the device profile)"]),
+    ("inspect --canonical over a profile of its list",
+     lambda t: ("inspect", _relu(t), "--device", f"h100-sxm,{(p := _profile(t))}", "--canonical", p, "--force"),
+     ["--canonical", READS, "(the device profile)"]),
+    ("run -o over its device profile",
+     lambda t: ("run", _relu(t), "--device", (p := _profile(t)), "-o", p, "--force"), [READS, "(the device profile)"]),
+    ("calibrate -o over its model", lambda t: ("calibrate", "--backend", "cpu", "--models", (m := _relu(t)), "-o", m,
+                                               "--force"), ["-o", "m.onnx", READS, "(the model)"]),
+    ("calibrate -o over its device profile",
+     lambda t: ("calibrate", "--backend", "cpu", "--device", (p := _profile(t)), "-o", p, "--force"),
+     ["-o", READS, "(the device profile)"]),
+    ("calibrate --models names none", lambda t: ("calibrate", "--backend", "cpu", "--models", ",", "-o", t / "p.json"),
+     ["--models ','", "names no model"]),
+    ("run --threads beyond the CPUs", lambda t: ("run", _relu(t), "--threads", "100000"), ["--threads 100000", CPUS]),
+    ("plan --workers beyond the CPUs", lambda t: ("plan", _relu(t), "--device", "t4", "--workers", "5000"),
+     ["--workers 5000", CPUS]),
+    ("sweep --workers beyond the CPUs", lambda t: ("sweep", t / "none.toml", "--workers", "100000"),
+     ["--workers 100000", CPUS]),
+    ("device profile of binary data", lambda t: ("plan", _relu(t), "--device", _binary(t)),
+     ["--device", "profile.json", "not a text file"]),
+    ("device profile without params", lambda t: ("plan", _relu(t), "--device", _profile(t, edit=_drop_params)),
+     ["t4.json", "missing 'params'"]),
+    ("device profile of arch sm_1000", lambda t: ("plan", _relu(t), "--device", _profile(t, edit=_arch)),
+     ["t4.json", "arch 'sm_1000'", "sm_90"]),
+    ("measure --plan a folder", lambda t: ("measure", _relu(t), "--plan", t), ["--plan", "is a folder", "plan.json"]),
+    ("run --plan a folder", lambda t: ("run", _relu(t), "--plan", t), ["--plan", "is a folder", "plan.json"]),
+    ("export of a folder", lambda t: ("export", t, _relu(t), "--emit", t / "f.onnx"), ["is a folder", "plan.json"]),
+    ("-o in /proc", lambda t: ("plan", _relu(t), "--device", "t4", "-o", "/proc/x.json"),
+     ["-o /proc/x.json: cannot write it"]),
+    ("--emit in /proc", lambda t: ("export", _plan_file(t), _relu(t), "--emit", "/proc/x.onnx"),
+     ["--emit /proc/x.onnx: cannot write it"]),
+    ("zoo export in /proc", lambda t: ("zoo", "export", "resnet18", "-o", "/proc/x.onnx"),
+     ["-o /proc/x.onnx: cannot write it"]),
+    ("--svg onto /dev/full", lambda t: ("plan", _relu(t), "--device", "t4", "--svg", "/dev/full", "--force"),
+     ["--svg /dev/full", "not a plain file"]),
+    ("--emit onto a pipe", lambda t: ("plan", _relu(t), "--device", "t4", "--emit", _pipe(t), "--force"),
+     ["--emit", "pipe", "not a plain file"]),
+]
+
+
+@pytest.mark.parametrize("build, needles", [row[1:] for row in CLI_BAD], ids=[row[0] for row in CLI_BAD])
+def test_bad_command_lines_exit_2_with_one_line_and_touch_nothing(run_cli, tmp_path, build, needles):
+    args = build(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, out, err = run_cli(*args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("fusesearch: error: ") and "internal error" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert ".tmp" not in err and "/." not in err  # the user's path, never a staged name
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_a_cache_variable_naming_a_file_is_bad_input(run_cli, tmp_path, monkeypatch):
+    """$FUSESEARCH_CACHE on a file (or under one): exit 2 naming the variable, in a command that
+    compiles kernels and in one that reads the host's figures."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    for value in (blocker, blocker / "sub"):
+        monkeypatch.setenv("FUSESEARCH_CACHE", str(value))
+        for args in (("run", _relu(tmp_path), "--strategy", "none"), ("devices",)):
+            code, _, err = run_cli(*args)
+            assert code == 2 and len(err.strip().splitlines()) == 1, err
+            assert f"FUSESEARCH_CACHE={value}: {blocker} is a file, not a folder" in err and "--device" not in err
+    assert blocker.read_text() == "not a folder"
+
+
+def test_export_json_is_one_document(run_cli, tmp_path, capsys):
+    plan = _plan_file(tmp_path)
+    capsys.readouterr()
+    code, out, err = run_cli("export", plan, tmp_path / "m.onnx", "--emit", tmp_path / "f.onnx", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["emit"] == str(tmp_path / "f.onnx") and doc["nodes"] == 1 and doc["verified"]["ok"] is True
+
+
+def _interrupt(args: list[str], ready: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run `python -m fusesearch ARGS`, send SIGINT once READY (a path) exists, i.e. once the
+    command is working, and return how it ended."""
+    env = {**os.environ, "FUSESEARCH_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "fusesearch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 240
+    while not any(tmp_path.glob(ready)) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("command", ["run", "measure"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path, command):
+    """SIGINT while the command compiles its kernels (a compiler child running, its cache
+    folder just made): exit 130 and one stderr line, never a death by signal (-2)."""
+    done = _interrupt([command, "zoo:resnet18", "--strategy", "greedy"], "cache/cpu", tmp_path)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr.strip() == "fusesearch: interrupted"
+

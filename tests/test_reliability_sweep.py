@@ -1,11 +1,17 @@
 """Sweeps on bad input: a config whose models cannot be made static fails when it is read (exit 2,
 one line naming the TOML file and key, before any cell runs); a sweep whose every cell fails exits
-1 and says so; a damaged results.parquet is named with its fix."""
+1 and says so; a damaged results.parquet or sweep.json is named with its fix; config values follow
+the CLI options' rules; nothing a sweep or a report reads is written over; one sweep at a time
+writes a folder."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -153,3 +159,123 @@ def test_the_load_config_api_raises_bad_input_for_the_same_configs(tmp_path):
     config.write_text('models = ["dyn.onnx"]\ndevices = ["t4"]\n')
     with pytest.raises(BadInput, match=r"sweep\.toml: .*dyn\.onnx: input 'x' has unbound"):
         load_config(config)
+
+
+# -- values the CLI refuses are refused in the config too (one rule each: fusesearch.values) -----
+
+CPUS = "(the CPUs this machine lets fusesearch use)"
+BAD_VALUES = [  # (id, TOML lines after models/devices, needles)
+    ("seed above CP-SAT's", "[params]\nseed = 4294967296", ["params.seed = 4294967296", "from 0 to 2147483647"]),
+    ("time limit nan", "[params]\ntime_limit_s = nan", ["params.time_limit_s = nan", "positive, finite"]),
+    ("time limit inf", "[params]\ntime_limit_s = [5, inf]", ["params.time_limit_s = inf", "positive, finite"]),
+    ("threads beyond the CPUs", 'backend = "cpu"\nthreads = 100000', ["threads = 100000", CPUS]),
+    ("solver workers beyond the CPUs", "solver_workers = 5000", ["solver_workers = 5000", CPUS]),
+    ("budget inf", 'backend = "cpu"\nmeasure_budget_s = inf', ["measure_budget_s = inf", "positive, finite"]),
+]
+
+
+@pytest.mark.parametrize("lines, needles", [row[1:] for row in BAD_VALUES], ids=[row[0] for row in BAD_VALUES])
+def test_config_values_follow_the_cli_options_rules(tmp_path, run_cli, lines, needles):
+    config = tmp_path / "sweep.toml"
+    config.write_text(f'models = ["zoo:rnn-control"]\ndevices = ["t4"]\nstrategies = ["cpsat"]\n{lines}\n')
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("sweep", config, "--workers", "1", "--out", out)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("fusesearch: error: "), err
+    for needle in [str(config), *needles]:
+        assert needle in err, (needle, err)
+    assert not out.exists() and stdout == ""
+
+
+def test_a_scheduler_address_that_is_none_is_bad_input(tmp_path, run_cli):
+    config = tmp_path / "sweep.toml"
+    config.write_text('models = ["zoo:rnn-control"]\ndevices = ["t4"]\nstrategies = ["none"]\n')
+    for address, needle in (("not a url", "missing port"), ("tcp://host:99999", "port"), ("foo://host:1", "scheme")):
+        code, _, err = run_cli("sweep", config, "--scheduler", address, "--out", tmp_path / "out")
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"--scheduler {address}: not a scheduler address" in err and needle in err and "tcp://HOST:8786" in err
+    assert not (tmp_path / "out").exists()
+
+
+# -- a finished sweep's folder: what report and sweep read is never written over ----------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A folder with one finished sweep (two cells), its config beside it."""
+    from fusesearch.cli import main
+
+    base = tmp_path_factory.mktemp("finished")
+    config = base / "sweep.toml"
+    config.write_text('models = ["zoo:rnn-control"]\ndevices = ["t4"]\nstrategies = ["none", "greedy"]\n')
+    assert main(["sweep", str(config), "--workers", "1", "--out", str(base / "out")]) == 0
+    return config, base / "out"
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("target, what", [("results.parquet", "sweep's results"), ("sweep.json", "sweep manifest"),
+                                          ("cells/FIRST", "sweep's cell files")], ids=["results", "manifest", "cell"])
+def test_report_never_writes_over_what_it_reads(finished, run_cli, target, what):
+    _, out = finished
+    first = sorted((out / "cells").glob("*.json"))[0].name
+    path = out / target.replace("FIRST", first)
+    before = _snapshot(out)
+    code, _, err = run_cli("report", out, "-o", path, "--force")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"-o {path}: is a file this command reads (the {what})" in err
+    assert _snapshot(out) == before
+
+
+def test_a_sweep_never_writes_over_its_own_config(finished, run_cli, tmp_path):
+    """A config (or a model, a profile) inside --out where the sweep writes: exit 2, kept."""
+    config, _ = finished
+    out = tmp_path / "out"
+    out.mkdir()
+    inside = out / "config.toml"
+    inside.write_text(config.read_text())
+    code, _, err = run_cli("sweep", inside, "--workers", "1", "--out", out, "--force")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {inside}: is a file this command reads (the sweep config)" in err
+    assert inside.read_text() == config.read_text() and not (out / "sweep.json").exists()
+
+
+def test_a_corrupt_manifest_is_named_and_force_starts_afresh(finished, run_cli, tmp_path):
+    config, done = finished
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    manifest = out / "sweep.json"
+    manifest.write_text("{not json")
+    for args in (("sweep", config, "--workers", "1", "--out", out), ("report", out)):
+        code, _, err = run_cli(*args)
+        assert code == 2 and err.count("\n") == 1, (args, err)
+        assert f"{manifest}: not a readable sweep manifest" in err and "--force" in err and "internal" not in err
+    assert manifest.read_text() == "{not json"
+    code, stdout, err = run_cli("sweep", config, "--workers", "1", "--out", out, "--force", "--json")
+    assert code == 0 and json.loads(stdout)["ran"] == 2, err
+    assert json.loads(manifest.read_text())["name"] == "sweep"
+
+
+def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path, run_cli):
+    """Two sweeps into one folder at once: the second exits 2 at once naming the folder (it would
+    compute every cell again, or discard the first one's); once the first is done it runs, with
+    nothing left to compute."""
+    config = tmp_path / "sweep.toml"
+    config.write_text('models = ["zoo:rnn-control", "zoo:yolo-neck"]\ndevices = ["t4", "h200"]\n'
+                      'strategies = ["none", "greedy"]\n')
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-m", "fusesearch", "sweep", str(config), "--workers", "1",
+                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "sweep.json").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the manifest is written under the lock
+        assert first.poll() is None, first.stderr.read()
+        code, _, err = run_cli("sweep", config, "--workers", "1", "--out", out)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"--out {out}: is in use by another sweep running now" in err
+    finally:
+        _, first_err = first.communicate(timeout=600)
+    assert first.returncode == 0, first_err
+    code, stdout, err = run_cli("sweep", config, "--workers", "1", "--out", out, "--json")
+    assert code == 0 and json.loads(stdout)["ran"] == 0 and json.loads(stdout)["skipped"] == 8, err

@@ -89,7 +89,7 @@ def _case(tmp_path, kind):
     if kind == "emit over the model through a link":
         link = tmp_path / "link.onnx"
         link.symlink_to(tmp_path / "m.onnx")
-        return ("plan", m, *PLAN, "--emit", link, "--force"), ["--emit", "link.onnx", "is the model"], None
+        return ("plan", m, *PLAN, "--emit", link, "--force"), ["--emit", "link.onnx", "(the model)"], None
     if kind == "original fails on generated inputs":
         m = save(_branch_on_rate(), tmp_path / "b.onnx")
         return (("plan", m, *PLAN, "--emit", out),
@@ -106,16 +106,16 @@ def _case(tmp_path, kind):
         return (("measure", m, "--strategy", "none", "--budget", "0.001"),
                 ["the model fails in ONNX Runtime", "--input-value sr=V"], None)
     if kind == "emit over the model":
-        return ("plan", m, *PLAN, "--emit", m, "--force"), ["--emit", "m.onnx", "is the model"], None
+        return ("plan", m, *PLAN, "--emit", m, "--force"), ["--emit", "m.onnx", "(the model)"], None
     if kind == "emit over the model, another spelling":
-        return ("plan", m, *PLAN, "--emit", tmp_path / "sub" / ".." / "m.onnx"), ["is the model"], None
+        return ("plan", m, *PLAN, "--emit", tmp_path / "sub" / ".." / "m.onnx"), ["(the model)"], None
     if kind == "canonical over the model":
-        return ("inspect", m, "--canonical", m, "--force"), ["--canonical", "is the model"], None
+        return ("inspect", m, "--canonical", m, "--force"), ["--canonical", "(the model)"], None
     if kind == "export over its plan":
         plan = _plan_json(tmp_path, m)
-        return ("export", plan, m, "--emit", plan, "--force"), ["--emit", "is the plan"], None
+        return ("export", plan, m, "--emit", plan, "--force"), ["--emit", "(the plan)"], None
     if kind == "measure -o over the model":
-        return ("measure", m, "-o", m, "--force"), ["-o", "is the model"], None
+        return ("measure", m, "-o", m, "--force"), ["-o", "(the model)"], None
     if kind == "-o and --emit on one path":
         same = tmp_path / "same.out"
         return ("plan", m, *PLAN, "-o", same, "--emit", same), ["--emit", "-o writes to the same path"], same
@@ -291,7 +291,7 @@ def test_emit_over_the_model_is_refused_and_the_model_kept(run_cli, tmp_path):
     path = save(_relu_neg(), tmp_path / "m.onnx")
     data = (tmp_path / "m.onnx").read_bytes()
     code, out, err = run_cli("plan", path, *PLAN, "--emit", path, "--force")
-    assert code == 2 and "is the model" in err and "verified" not in out
+    assert code == 2 and "(the model)" in err and "verified" not in out
     assert (tmp_path / "m.onnx").read_bytes() == data
 
 

@@ -73,7 +73,7 @@ def _rows(out: Path) -> pd.DataFrame:
      "list drawn from kernels, end_to_end"),
     ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cupy'\nmeasure = ['end_to_end']",
      "end to end on backend = \"cpu\" only"),
-    ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cpu'\nthreads = 0", "threads = 0; give a positive integer"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cpu'\nthreads = 0", "threads = 0; give a whole number from 1 to"),
 ])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, needle):
     path = _config(tmp_path, text)

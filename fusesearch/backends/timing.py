@@ -199,9 +199,11 @@ def _sample(run: Callable[[], None], clock: Clock, budget_s: float, min_samples:
 
 
 def default_cache_dir() -> Path:
-    """`$FUSESEARCH_CACHE` when set, else `~/.cache/fusesearch/timings`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "fusesearch" / "timings"
+    """`$FUSESEARCH_CACHE` when set (checked by `cache_root`: a folder), else
+    `~/.cache/fusesearch/timings`."""
+    from costmodels.devices import cache_root
+
+    return cache_root() if os.environ.get(CACHE_ENV) else cache_root() / "timings"
 
 
 @dataclass(frozen=True)
