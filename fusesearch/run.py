@@ -317,10 +317,6 @@ class Layout:
         self.run()
         return self.outputs()
 
-    def produced(self) -> dict[str, np.ndarray]:
-        """Every tensor a step writes (meaningful after a run of a program without reuse)."""
-        return {t: self.view(t).copy() for s in self.steps if s.how != "alias" for t in s.outputs}
-
     def _set_pointer(self, t: str, a: np.ndarray) -> None:
         """A program with a pointer table updates it here."""
 
@@ -728,8 +724,8 @@ class HostDevice:
 def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_each: bool = False,
                  input_values: Mapping[str, np.ndarray] | None = None) -> dict:
     """Check the plan's CUDA program, run through the emulator (`HostDevice`), against ONNX
-    Runtime: {"max_rel_err", "amplified_err" (as `RunReport`'s), "segments", "arena_peak_bytes", "cuda_graph", "kernels",
-    "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
+    Runtime: {"max_rel_err", "amplified_err" (as `RunReport`'s), "segments", "arena_peak_bytes",
+    "cuda_graph", "kernels", "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
     of the model's dtype (`ir.precision.prepared_tolerance`)."""
     from fusesearch.backends import emulate
     from fusesearch.ir.precision import prepared_tolerance
@@ -745,7 +741,8 @@ def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_
         "plan (CUDA, emulated)", lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, HostDevice(), 1,
                                                            reuse=reuse),
         canonical, feeds, reference, rtol, check_each)
-    return {"max_rel_err": err, "amplified_err": amplified.max_abs if amplified else None, "segments": program.segment_counts, "arena_peak_bytes": program.peak_bytes,
+    return {"max_rel_err": err, "amplified_err": amplified.max_abs if amplified else None,
+            "segments": program.segment_counts, "arena_peak_bytes": program.peak_bytes,
             "cuda_graph": program.cuda_graph, "kernels": sum(s.how == "generated" for s in steps),
             "library_steps": sum(s.how == "library" for s in steps)}
 
