@@ -316,7 +316,7 @@ def _largest_output(graph: Graph, nodes: list[Node]) -> int:
 def _live_values(graph: Graph, nodes: list[Node]) -> int:
     """Register-pressure proxy for elementwise work: index math plus one value per op and per
     external input held at once (a fused chain keeps its intermediates in registers)."""
-    return 4 + len(nodes) + len(_external_inputs(graph, nodes))
+    return 4 + len(nodes) + len(external_inputs(graph, nodes))
 
 
 def _lower_pointwise(graph: Graph, nodes: list[Node]) -> Kernel:
@@ -324,7 +324,7 @@ def _lower_pointwise(graph: Graph, nodes: list[Node]) -> Kernel:
     written = max((graph.tensors[t].size for t in outputs), default=1)  # the loop covers every output
     if len(nodes) == 1 and nodes[0].op_type in VIEW_OPS:
         schedule = ALIAS
-    elif vectorizable(graph, ids, _external_inputs(graph, nodes), outputs):
+    elif vectorizable(graph, ids, external_inputs(graph, nodes), outputs):
         schedule = Schedule("generated", "vectorized", "cuda-core", grid=(stride_blocks(written // 4), 1, 1))
     else:
         schedule = grid_stride(written)
@@ -488,7 +488,7 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: b
         tm, tn, tk = mma_tile(m, n_dim)
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
         if max(grid[1:]) <= MAX_GRID_YZ:  # double-buffered when an operand is a plain copy of an input
-            stages = 2 if set(anchor.inputs[:2]) & set(_external_inputs(graph, nodes)) else 1
+            stages = 2 if set(anchor.inputs[:2]) & set(external_inputs(graph, nodes)) else 1
             live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
             return _build(graph, nodes, template, anchor.id, out_size, k, live, mma(skeleton, (tm, tn, tk), stages, grid))
     tm, tn, tk = _tile(m, n_dim)
@@ -564,7 +564,7 @@ def _row_epilogue(graph: Graph, n: Node, anchor: Node) -> int | FusionDecision:
 
 # -- numbers ----------------------------------------------------------------------------------
 
-def _external_inputs(graph: Graph, nodes: Iterable[Node]) -> list[str]:
+def external_inputs(graph: Graph, nodes: Iterable[Node]) -> list[str]:
     nodes = list(nodes)
     produced = {t for n in nodes for t in n.outputs}
     seen: dict[str, None] = {}
@@ -588,7 +588,7 @@ def _external_outputs(graph: Graph, nodes: list[Node]) -> list[str]:
 def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, iteration: int,
            reduction: int, live: int, schedule: Schedule, *, reload_tile: tuple[int, ...] | None = None,
            host: bool = False) -> Kernel:
-    inputs = _external_inputs(graph, nodes)
+    inputs = external_inputs(graph, nodes)
     outputs = _external_outputs(graph, nodes)
     alias = schedule.impl == "alias"
     reloads = _prologue_reloads(graph, nodes, anchor, schedule.tile if reload_tile is None else reload_tile,

@@ -39,17 +39,20 @@ def _value_info(graph: Graph, name: str) -> onnx.ValueInfoProto:
 
 
 def node_model(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel) -> onnx.ModelProto:
-    """The kernel's one node as a model: the canonical model's weights it reads as initializers,
-    its other inputs as graph inputs."""
-    if len(kernel.nodes) != 1:
-        raise ValueError("a library call runs exactly one node")
-    (node_id,) = kernel.nodes
-    node = canonical.graph.node[node_id]
-    weights = {t.name: t for t in canonical.graph.initializer if t.name in kernel.inputs}
-    model_graph = helper.make_graph([node], f"lib_{node.name}",
-                                    [_value_info(graph, t) for t in kernel.inputs if t not in weights],
+    """The kernel's nodes (one for a library call; a plan group's, in canonical order, for `run`'s
+    check of one step) as a model: the canonical model's weights they read as initializers, their
+    other inputs (the outer-scope values their subgraphs read included) as graph inputs, the
+    kernel's outputs as its outputs. `kernel`: anything with `nodes` and `outputs` (a run's step)."""
+    from fusesearch.lowering import external_inputs
+
+    ids = sorted(kernel.nodes)
+    inputs = external_inputs(graph, [graph.nodes[i] for i in ids])
+    nodes = [canonical.graph.node[i] for i in ids]
+    weights = {t.name: t for t in canonical.graph.initializer if t.name in inputs}
+    model_graph = helper.make_graph(nodes, f"lib_{nodes[0].name}",
+                                    [_value_info(graph, t) for t in inputs if t not in weights],
                                     [_value_info(graph, t) for t in kernel.outputs],
-                                    [weights[t] for t in kernel.inputs if t in weights])
+                                    [weights[t] for t in inputs if t in weights])
     model = helper.make_model(model_graph, opset_imports=list(canonical.opset_import), ir_version=canonical.ir_version)
     model.functions.extend(canonical.functions)
     return model
