@@ -23,6 +23,7 @@ from onnx import helper
 from costmodels import host_cpu, load_device
 from costmodels.devices import CPU_LAUNCH_OVERHEAD_S, host_cache_path
 from costmodels.probes import measure_copy_bandwidth
+from fusesearch.values import usable_cpus
 from tests.conftest import make_model, save
 
 # -- option validators ------------------------------------------------------------------------
@@ -31,19 +32,21 @@ SECONDS = ("a positive, finite number of seconds", ["0", "-1", "nan", "inf", "-i
 TOLERANCE = ("a finite number >= 0", ["-1", "nan", "inf"])
 COUNT = ("a positive whole number", ["0", "-1"])
 SEED = ("a whole number from 0 to 2147483647", ["-1", "2147483648"])
+CPUS = (f"a whole number from 1 to {usable_cpus()} (the CPUs this machine lets fusesearch use)",
+        ["0", "-1", str(usable_cpus() + 1)])
 SAMPLES = ("at least 4 (a few hundred for a useful fit)", ["3", "0"])
 
 # command (its required arguments; {m} a model, {o} an output path) -> option -> kind
 COMMANDS = {
     "plan": (["plan", "{m}", "--device", "h100-sxm"],
-             {"--time-limit": SECONDS, "--max-group-size": COUNT, "--workers": COUNT, "--seed": SEED}),
+             {"--time-limit": SECONDS, "--max-group-size": COUNT, "--workers": CPUS, "--seed": SEED}),
     "compare": (["compare", "{m}", "--device", "h100-sxm,t4"],
-                {"--time-limit": SECONDS, "--max-group-size": COUNT, "--workers": COUNT, "--seed": SEED}),
+                {"--time-limit": SECONDS, "--max-group-size": COUNT, "--workers": CPUS, "--seed": SEED}),
     "measure": (["measure", "{m}"], {"--time-limit": SECONDS, "--budget": SECONDS, "--seed": SEED}),
     "verify": (["verify", "{m}", "{m}"], {"--rtol": TOLERANCE, "--atol": TOLERANCE, "--seed": SEED}),
     "calibrate": (["calibrate", "--backend", "cpu", "-o", "{o}"],
                   {"--budget": SECONDS, "--rounds": COUNT, "--samples": SAMPLES, "--seed": SEED}),
-    "sweep": (["sweep", "{o}"], {"--workers": COUNT}),
+    "sweep": (["sweep", "{o}"], {"--workers": CPUS}),
 }
 BAD_OPTIONS = [(cmd, option, value, kind[0]) for cmd, (_, options) in COMMANDS.items()
                for option, kind in options.items() for value in kind[1]]
