@@ -9,9 +9,9 @@ as is; a multi-node group becomes a FunctionProto `g<id>` in domain `fusesearch`
 group's nodes, whose inputs are the tensors the group reads from outside (weights included —
 functions cannot see the graph's initializers) and whose outputs are the tensors used outside
 it (multi-output kernels), called by one node named `g<id>`. value_info keeps every shape.
-`save_model` checks that every external data file the model names is beside its destination
-(weights too large to read into memory stay in the original's), stages the file beside it and moves
-it into place in one step.
+`save_model` writes the weights still in the original's data file (too large to read into memory)
+and, above 2 GiB, the large ones into the model's own data file beside it, stages both beside the
+destination and moves them into place.
 `plan_groups_from_json` maps a saved plan.json back onto a model, refusing a plan that does not
 fit it: a node it does not name, a group that is not connected, convex and in order, or a group that
 cannot be one kernel (the legality rules; without a device, those that need none: lowering's, such
@@ -38,6 +38,8 @@ from fusesearch.plans import order_groups, validate_plan
 
 DOMAIN = "fusesearch"
 FUNCTION_OPSET = 1
+DATA_ALIGN = 4096  # weights start on page boundaries in a written data file (ONNX Runtime maps them)
+COPY_CHUNK = 1 << 24  # weights are copied from a data file this many bytes at a time
 
 
 def fused_model(canonical: onnx.ModelProto, graph: Graph, groups: Sequence[Sequence[int]],
@@ -110,43 +112,83 @@ def _np_dtype(name: str):
 
 
 def save_model(model: onnx.ModelProto, path: Path, *, overwrite: bool, flag: str = "--emit") -> Path:
-    """Write `model` (weights beside it above 2 GiB) all at once: staged in a hidden folder next
-    to `path` and moved into place, so a failed or interrupted write leaves nothing behind."""
+    """Write `model` all at once: staged in a hidden folder next to `path` and moved into place, so
+    a failed or interrupted write leaves nothing behind. Weights go into its own data file beside
+    it, `path`.data: those that stay in the original's data file (too large to read into memory,
+    copied from it in chunks) and, above protobuf's 2 GiB, the large ones the proto holds. The
+    moved weights of `model` then name that file (it is written last, not used after)."""
     from fusesearch.verify import PROTO_LIMIT
 
     path = Path(path)
     check_output_path(path, overwrite, flag)
-    _check_data_files(model, path, flag)
-    big = model.ByteSize() > PROTO_LIMIT
+    moved = _weights_to_move(model, model.ByteSize() > PROTO_LIMIT)
     data = path.with_name(path.name + ".data")
-    if big:
+    if moved:
         check_output_path(data, overwrite, f"{flag} (its weights)")
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         staged = Path(tmp) / path.name
-        if big:
-            onnx.save_model(model, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data.name, size_threshold=1024)
+        if moved:
+            _write_weights(moved, staged.with_name(data.name), f"{flag} {path}")
+        staged.write_bytes(model.SerializeToString())
+        if moved:
             os.replace(staged.with_name(data.name), data)
-        else:
-            staged.write_bytes(model.SerializeToString())
         os.replace(staged, path)
     return path
 
 
-def _check_data_files(model: onnx.ModelProto, path: Path, flag: str) -> None:
-    """Refuse to write a model whose tensors still name an external data file (the weights of a
-    model too large to read into memory stay in its own folder's file) that is not beside `path`:
-    the written model would point at it in vain."""
-    from onnx.external_data_helper import _get_all_tensors
+def _weights_to_move(model: onnx.ModelProto, big: bool) -> list[onnx.TensorProto]:
+    """The tensors of `model` that go into a data file: those in a data file now and, when `big`,
+    the initializers holding at least `ASIDE_MIN_BYTES`."""
+    from onnx.external_data_helper import _get_all_tensors, _get_initializer_tensors
 
-    for tensor in _get_all_tensors(model):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        if not (path.parent / location).is_file():
-            raise BadInput(f"{flag} {path}: weight '{tensor.name}' stays in the original model's data file "
-                           f"'{location}', which is not beside {path.name}; write {flag} into the original "
-                           "model's folder")
+    from fusesearch.ir.canonicalize import data_file
+    from fusesearch.verify import ASIDE_MIN_BYTES
+
+    moved = [t for t in _get_all_tensors(model) if data_file(t)]
+    if big:
+        moved += [t for t in _get_initializer_tensors(model)
+                  if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= ASIDE_MIN_BYTES]
+    return moved
+
+
+def _write_weights(tensors: list[onnx.TensorProto], data: Path, label: str) -> None:
+    """Write the bytes of `tensors` into `data`, each at a page-aligned offset, from their data file
+    in chunks or from the proto, and make each name `data`'s file name; BadInput when a data file
+    holds fewer bytes than its tensor (it changed since the model was read)."""
+    from fusesearch.ir.canonicalize import data_file
+
+    with open(data, "wb") as out:
+        for t in tensors:
+            out.seek(-out.tell() % DATA_ALIGN, os.SEEK_CUR)
+            offset, file = out.tell(), data_file(t)
+            if file:
+                info = {e.key: e.value for e in t.external_data}
+                want = int(info["length"]) if "length" in info else -1
+                with open(file, "rb") as src:
+                    src.seek(int(info.get("offset", 0)))
+                    length = _copy(src, out, want)
+                if want >= 0 and length != want:
+                    raise BadInput(f"{label}: weight '{t.name}' holds {want} bytes in {file}, which now has "
+                                   f"{length} of them; the file changed since the model was read: run again")
+            else:
+                length = out.write(t.raw_data)
+                t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            for key, value in (("location", data.name), ("offset", offset), ("length", length)):
+                t.external_data.add(key=key, value=str(value))
+
+
+def _copy(src, out, length: int) -> int:
+    """Copy `length` bytes (all that is left when -1) from `src` to `out`, a chunk at a time; the
+    bytes copied."""
+    copied = 0
+    while length < 0 or copied < length:
+        chunk = src.read(COPY_CHUNK if length < 0 else min(COPY_CHUNK, length - copied))
+        if not chunk:
+            break
+        copied += out.write(chunk)
+    return copied
 
 
 # -- plans from elsewhere ---------------------------------------------------------------------

@@ -118,12 +118,14 @@ def activation_bytes(g: Graph) -> int:
 def write_canonical(prep: Prepared, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write the canonical model (weights external above 1 GiB) and return the path."""
     from fusesearch.errors import check_output_path
+    from fusesearch.export import save_model
 
     path = Path(path)
-    check_output_path(path, overwrite, "--canonical")
-    if weight_bytes(prep.graph) > LARGE_MODEL_BYTES:  # weights stream from the IR, never one proto
-        prep.canonical.ir_version = lowest_ir_version(prep.canonical)
-        ir.save(prep.canonical, path, external_data=path.with_suffix(path.suffix + ".data").name)
-    else:
-        path.write_bytes(to_proto(prep.canonical).SerializeToString())
+    if weight_bytes(prep.graph) <= LARGE_MODEL_BYTES:
+        return save_model(to_proto(prep.canonical), path, overwrite=overwrite, flag="--canonical")
+    check_output_path(path, overwrite, "--canonical")  # weights stream from the IR, never one proto
+    data = path.with_name(path.name + ".data")
+    check_output_path(data, overwrite, "--canonical (its weights)")
+    prep.canonical.ir_version = lowest_ir_version(prep.canonical)
+    ir.save(prep.canonical, path, external_data=data.name)
     return path

@@ -485,13 +485,13 @@ def _reference(prep, plans: Mapping[str, object], seed: int, input_values):
     """(the canonical model, its weights, the seeded inputs, ONNX Runtime's value of every tensor)
     for running `plans` (label -> plan); BadInput, before anything is built, where a program
     cannot hold a tensor (`verify.check_reference_dtypes`) or lay it out (`check_static_shapes`)."""
-    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.canonicalize import to_proto, weight_array
     from fusesearch.verify import all_values, check_reference_dtypes, random_feeds
 
     for label, p in plans.items():
         check_reference_dtypes(prep.graph, label, p, "run")
     canonical = to_proto(prep.canonical)
-    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    weights = {t.name: weight_array(t) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, seed, input_values)
     reference = all_values(canonical, feeds, list(input_values or ()))
     check_static_shapes(prep.graph, reference)

@@ -19,7 +19,8 @@ largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, 
 infinity (`difference`, the one element comparison of verify, run and measure).
 Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
 (`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
-models above protobuf's 2 GiB pass their large weights to ONNX Runtime beside the proto.
+weights left in a data file (memory-mapped) and, in models above protobuf's 2 GiB, the large ones
+reach ONNX Runtime beside the proto, never through a path it resolves itself.
 """
 
 from __future__ import annotations
@@ -247,8 +248,7 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
     opts.log_severity_level = ORT_LOG_SEVERITY
     opts.intra_op_num_threads = omp_threads() if threads is None else threads
     aside: list[np.ndarray] = []
-    if model.ByteSize() > PROTO_LIMIT:
-        model = _weights_aside(model, opts, aside)
+    model = _weights_aside(model, opts, aside)
     saved = model.ir_version
     model.ir_version = runnable_ir_version(model)
     try:
@@ -262,21 +262,31 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
 
 
 def _weights_aside(model: onnx.ModelProto, opts, arrays: list[np.ndarray]) -> onnx.ModelProto:
-    """A copy of `model` whose large main-graph weights ONNX Runtime takes from `opts` instead
-    of the proto (which protobuf cannot serialize above 2 GiB); `arrays` keeps their memory."""
+    """`model`, or a copy of it whose main-graph weights ONNX Runtime takes from `opts` instead of
+    the proto: every weight in a data file, memory-mapped (not copied; ONNX Runtime would resolve
+    a relative location against the working folder and refuses an absolute one: `to_proto` names
+    a mapped weight's file absolutely), and above protobuf's 2 GiB the large ones the proto holds
+    (it cannot serialize them); `arrays` keeps their memory as long as the session."""
+    from fusesearch.ir.canonicalize import data_file, weight_array
+
     ort = _ort()
+    big = model.ByteSize() > PROTO_LIMIT
+    picked = [i for i, t in enumerate(model.graph.initializer)
+              if data_file(t) or (big and t.data_location != onnx.TensorProto.EXTERNAL
+                                   and len(t.raw_data) >= ASIDE_MIN_BYTES)]
+    if not picked:
+        return model
     slim = onnx.ModelProto()
     slim.CopyFrom(model)
     names, values = [], []
-    for t in slim.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= ASIDE_MIN_BYTES:
-            names.append(t.name)
-            arrays.append(np.ascontiguousarray(onnx.numpy_helper.to_array(t)))
-            values.append(ort.OrtValue.ortvalue_from_numpy(arrays[-1]))
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
-            del t.external_data[:]
-            t.external_data.add(key="location", value="in-memory")
+    for t in (slim.graph.initializer[i] for i in picked):
+        names.append(t.name)
+        arrays.append(weight_array(t))
+        values.append(ort.OrtValue.ortvalue_from_numpy(arrays[-1]))
+        t.ClearField("raw_data")
+        t.data_location = onnx.TensorProto.EXTERNAL
+        del t.external_data[:]
+        t.external_data.add(key="location", value="in-memory")
     opts.add_external_initializers(names, values)
     return slim
 
@@ -488,8 +498,10 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
     except ort_errors() as exc:  # e.g. a --dtype model with an op ONNX Runtime has no kernel for
         raise BadInput(f"cannot compute the reference values: {_cannot_load(model, exc)}") from None
     values = _run_original(sess, feeds, given, None, "the model")
+    from fusesearch.ir.canonicalize import weight_array
+
     for t in model.graph.initializer:
-        values[t.name] = onnx.numpy_helper.to_array(t)
+        values[t.name] = weight_array(t)
     values.update(feeds)
     return values
 

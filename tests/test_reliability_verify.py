@@ -420,24 +420,71 @@ def _external_model(folder) -> str:
     return str(folder / "m.onnx")
 
 
-@pytest.mark.parametrize("command", ["plan --emit", "inspect --canonical", "verify", "run", "run emulate"])
-def test_external_data_is_read_beside_the_model_from_any_folder(run_cli, tmp_path, monkeypatch, command):
-    """The weights are read from the model's folder, not the working one, and the models written
-    elsewhere hold them (no data file beside them is needed, none of another model is read)."""
+def _ort_outputs(path: str) -> list[np.ndarray]:
+    """ONNX Runtime's outputs of the model file at `path` (its data files read beside it), on seeded x."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    dtype = np.float16 if sess.get_inputs()[0].type == "tensor(float16)" else np.float32
+    x = np.random.default_rng(1).standard_normal((2, 32)).astype(dtype)
+    return [y.astype(np.float32) for y in sess.run(None, {"x": x})]
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.INT4], ids=["float", "int4 packed"])
+def test_a_weight_left_in_its_data_file_is_read_from_it(tmp_path, dtype):
+    """A weight that names its data file absolutely (as `to_proto` leaves a memory-mapped one) is
+    mapped from it, or read where its bytes are packed, and equals the weight held in the proto."""
+    from fusesearch.ir.canonicalize import weight_array
+
+    values = np.arange(-4, 4).reshape(2, 4).astype(helper.tensor_dtype_to_np_dtype(dtype))
+    tensor = numpy_helper.from_array(values, "w")
+    model = make_model([helper.make_node("Identity", ["w"], ["y"], name="i")], [], [("y", [2, 4])], [])
+    model.graph.initializer.append(tensor)
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.onnx.data",
+                    size_threshold=0)
+    stored = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False).graph.initializer[0]
+    location = next(e for e in stored.external_data if e.key == "location")
+    location.value = str(tmp_path / location.value)
+    got = weight_array(stored)
+    assert isinstance(got, np.memmap) == (dtype == TensorProto.FLOAT)
+    np.testing.assert_array_equal(got, numpy_helper.to_array(tensor))
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["in-memory", "memory-mapped"])
+@pytest.mark.parametrize("command", ["plan --emit", "plan --emit --dtype float16", "inspect --canonical",
+                                     "inspect --canonical large", "verify", "run", "run emulate"])
+def test_external_data_is_read_beside_the_model_from_any_folder(run_cli, tmp_path, monkeypatch, command, mapped):
+    """The weights are read from the model's folder, not the working one, whether read into memory
+    or left memory-mapped in the model's data file (`mapped`: the path of models too large to read);
+    the models written elsewhere hold them or carry their own data file beside them, and run from
+    a third folder with ONNX Runtime's outputs on the original."""
+    from fusesearch import pipeline
+    from fusesearch.ir import load
+
+    if mapped:
+        monkeypatch.setattr(load, "EMBED_EXTERNAL_BYTES", 0)
+    if command.endswith("large"):
+        monkeypatch.setattr(pipeline, "LARGE_MODEL_BYTES", 0)
     path = _external_model(tmp_path / "model")
-    (tmp_path / "here").mkdir()
+    for folder in ("here", "there"):
+        (tmp_path / folder).mkdir()
     monkeypatch.chdir(tmp_path / "here")
-    if command in ("plan --emit", "inspect --canonical", "verify"):
+    if not command.startswith("run"):
         (tmp_path / "here" / "m.onnx.data").write_bytes(b"\0" * 8192)  # an unrelated file of that name
-        flag = "--emit" if command != "inspect --canonical" else "--canonical"
-        args = ("plan", path, *PLAN, "--emit", "out.onnx") if flag == "--emit" else ("inspect", path, flag, "out.onnx")
+        args = ("inspect", path, "--canonical", "out.onnx") if command.startswith("inspect") else \
+            ("plan", path, *PLAN, "--emit", "out.onnx", *command.split()[2:])
         code, out, err = run_cli(*args)
         assert code == 0, err
         written = onnx.load("out.onnx", load_external_data=False)
-        assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in written.graph.initializer)
+        locations = {e.value for t in written.graph.initializer for e in t.external_data if e.key == "location"}
+        assert locations <= {"out.onnx.data"}, locations  # its own data file, beside it
         if command == "verify":
             code, out, err = run_cli("verify", path, "out.onnx")
             assert code == 0 and "1 outputs equal" in out, err
+        monkeypatch.chdir(tmp_path / "there")
+        got, want = _ort_outputs(str(tmp_path / "here" / "out.onnx")), _ort_outputs(path)
+        tol = 2e-2 if "float16" in command else 1e-5
+        np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
         return
     flags = ("--backend", "emulate", *PLAN) if command == "run emulate" else ("--strategy", "greedy", "--repeat",
                                                                                 "1", "--warmup", "0")
@@ -445,20 +492,26 @@ def test_external_data_is_read_beside_the_model_from_any_folder(run_cli, tmp_pat
     assert code == 0 and "equal to ONNX Runtime" in out, err
 
 
-def test_a_model_whose_weights_stay_in_its_data_file_is_not_written_elsewhere(run_cli, tmp_path, monkeypatch):
-    """Weights too large to read into memory stay in the original's data file: a fused model
-    written into another folder would point at a file that is not there, so it is refused."""
+@pytest.mark.parametrize("command", ["plan --emit", "inspect --canonical large"])
+def test_a_data_file_in_the_way_of_the_written_weights_is_kept_unless_forced(run_cli, tmp_path, monkeypatch, command):
+    """The written model's own data file is checked like the model: an existing one is overwritten
+    only with --force."""
+    from fusesearch import pipeline
     from fusesearch.ir import load
 
     monkeypatch.setattr(load, "EMBED_EXTERNAL_BYTES", 0)
+    monkeypatch.setattr(pipeline, "LARGE_MODEL_BYTES", 0)
     path = _external_model(tmp_path / "model")
-    out = tmp_path / "f.onnx"
-    code, _, err = run_cli("plan", path, *PLAN, "--emit", out, "--no-verify")
-    assert code == 2 and not out.exists(), err
+    out = tmp_path / "out.onnx"
+    (tmp_path / "out.onnx.data").write_bytes(b"keep")
+    args = ("plan", path, *PLAN, "--emit", out) if command == "plan --emit" else ("inspect", path, "--canonical", out)
+    code, _, err = run_cli(*args)
     line, = err.strip().splitlines()
-    assert "'m.onnx.data'" in line and "write --emit into the original model's folder" in line, line
-    code, _, err = run_cli("plan", path, *PLAN, "--emit", tmp_path / "model" / "f.onnx", "--no-verify")
+    assert code == 2 and not out.exists() and (tmp_path / "out.onnx.data").read_bytes() == b"keep", err
+    assert line.startswith("fusesearch: error: ") and "(its weights)" in line and "--force" in line, line
+    code, _, err = run_cli(*args, "--force")
     assert code == 0, err
+    np.testing.assert_allclose(_ort_outputs(str(out))[0], _ort_outputs(path)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("command", ["run", "measure", "plan --emit", "inspect"])

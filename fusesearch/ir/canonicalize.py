@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -475,6 +476,50 @@ def ir_version_for(opset_imports: Mapping[str, int], functions: bool = False) ->
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """The model as a proto. A weight left memory-mapped in its model's data file (too large to
+    read into memory) stays external there, named by its file's absolute path: whoever reads the
+    proto (ONNX Runtime through `verify.session`, `export.save_model`) finds it from any working
+    folder, and none takes it for a file beside itself."""
     proto = ir.serde.serialize_model(model)
     proto.ir_version = lowest_ir_version(model)
+    files = {str(t.location): os.path.abspath(t.path)
+             for t in ir.external_data._all_tensors(model.graph, include_attributes=True)
+             if isinstance(t, ir.ExternalTensor)}
+    if files:
+        from onnx.external_data_helper import _get_all_tensors
+
+        for tensor in _get_all_tensors(proto):
+            for entry in tensor.external_data:
+                if entry.key == "location" and entry.value in files:
+                    entry.value = files[entry.value]
     return proto
+
+
+def data_file(tensor: onnx.TensorProto) -> str | None:
+    """The data file of a weight `to_proto` left in it (an absolute location of a readable file)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    return location if os.path.isabs(location) and os.path.isfile(location) else None
+
+
+def weight_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """A weight of a `to_proto` model as an array: memory-mapped from its data file, not copied,
+    when it is there (read from it when its bytes do not map one to one, as packed 4-bit types),
+    else decoded from the proto."""
+    file = data_file(tensor)
+    if file is None:
+        return np.ascontiguousarray(onnx.numpy_helper.to_array(tensor))
+    info = {e.key: e.value for e in tensor.external_data}
+    offset, length = int(info.get("offset", 0)), int(info["length"]) if "length" in info else -1
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    if length > 0 and length == math.prod(tensor.dims) * dtype.itemsize:
+        return np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=tuple(tensor.dims))
+    inline = onnx.TensorProto()
+    inline.CopyFrom(tensor)
+    del inline.external_data[:]
+    inline.data_location = onnx.TensorProto.DEFAULT
+    with open(file, "rb") as f:
+        f.seek(offset)
+        inline.raw_data = f.read(length)
+    return np.ascontiguousarray(onnx.numpy_helper.to_array(inline))

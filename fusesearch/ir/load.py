@@ -62,7 +62,8 @@ ZOO_PREFIX = "zoo:"
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 # external data up to this size is read into memory as the model loads: every proto made from the
 # model (for ONNX Runtime, a fused or canonical file) then holds its weights, wherever it is run
-# or written; above it, the weights stay memory-mapped from the model's folder
+# or written; above it, the weights stay memory-mapped from the model's folder (`to_proto` names
+# that file absolutely; `export.save_model` copies them into the written model's own data file)
 EMBED_EXTERNAL_BYTES = 1 << 30
 
 

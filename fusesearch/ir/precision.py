@@ -42,6 +42,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from fusesearch.errors import BadInput
+from fusesearch.ir.canonicalize import weight_array
 from fusesearch.ir.load import _outer_reads, _restore_weights, _strip_weights
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -155,7 +156,7 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
 def _to_half_tensor(tensor: onnx.TensorProto, half: int, name: str | None = None) -> onnx.TensorProto:
     """The tensor in `half`; finite values beyond the half's range are clamped to its largest finite
     value (a -1e9 attention mask stays finite), as mixed-precision converters do."""
-    array = numpy_helper.to_array(tensor).astype(np.float32, copy=False)
+    array = weight_array(tensor).astype(np.float32, copy=False)
     limit = 65504.0 if half == TensorProto.FLOAT16 else 3.3895313892515355e38
     if array.size and max(-float(array.min()), float(array.max())) > limit:  # (inf and nan pass through)
         array = np.where(np.isfinite(array), np.clip(array, -limit, limit), array)
@@ -232,7 +233,7 @@ def to_half(model: onnx.ModelProto, dtype: str) -> tuple[onnx.ModelProto, int]:
             if FLOAT in kinds:
                 copy = _unique(name + SUFFIX32, taken)
                 g.initializer.append(numpy_helper.from_array(
-                    numpy_helper.to_array(model.graph.initializer[_index(model.graph.initializer, name)]), copy))
+                    weight_array(model.graph.initializer[_index(model.graph.initializer, name)]), copy))
                 weight_name[(name, FLOAT)] = copy
         else:
             weight_name[(name, FLOAT)] = name
@@ -361,7 +362,7 @@ def widened(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.dtype
               if vi.type.tensor_type.elem_type == bf16}
     for t in g.initializer:
         if t.data_type == bf16:
-            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+            t.CopyFrom(numpy_helper.from_array(weight_array(t).astype(np.float32), t.name))
     for vi in (*g.input, *g.output, *g.value_info):
         if vi.type.tensor_type.elem_type == bf16:
             vi.type.tensor_type.elem_type = FLOAT
