@@ -69,7 +69,7 @@ def gelu_at_offsets(budget: float) -> None:
 def plan_by_alignment(runs: int, budget: float) -> None:
     prep = prepare("zoo:bert-small")
     plan = make_plan("zoo:bert-small", device="host", strategy="cpsat", prepared=prep)
-    none = make_plan("zoo:bert-small", device="host", strategy="none", prepared=prep, library_anchors=True)
+    none = make_plan("zoo:bert-small", device="host", strategy="none", prepared=prep, lone_anchors="library")
     page, line = cpu.alignment, (lambda nbytes: cpu.ALIGN)
     found: dict[str, list[tuple[float, float, float]]] = {"page": [], "cache line": []}
     try:

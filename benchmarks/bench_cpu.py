@@ -476,7 +476,7 @@ def section_plans(models: list[str], budget: float, sections: set[str], runs: in
         prep = prepare(f"zoo:{name}")
         p = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep)
         none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep,
-                         library_anchors=True)  # the unfused graph as ONNX Runtime runs it
+                         lone_anchors="library")  # the unfused graph as ONNX Runtime runs it
         report = measure_plan(prep, p, none, "cpu", budget_s=budget)
         t = report.totals()
         versus = {g: v for g, v in report.library_comparison().items() if v["fused_loses"] is not None}

@@ -77,7 +77,7 @@ def zoo(models: list[str], budget_s: float) -> None:
     for name in models:
         prep = prepare(f"zoo:{name}")
         p = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep)
-        none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep, library_anchors=True)
+        none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep, lone_anchors="library")
         report = measure_plan(prep, p, none, "cpu", budget_s=budget_s)
         t = report.totals()
         print(f"{name} cpsat plan on CPU: {p.kernels} kernels measured {t['measured_s'] * 1e3:.1f} ms vs unfused "

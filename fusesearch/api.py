@@ -54,11 +54,12 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
-         library_anchors: bool = False) -> Plan:
+         lone_anchors: str = "priced") -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
-    False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `library_anchors`: every lone
-    anchor a library call, also on a CPU (with strategy none: the unfused graph as ONNX Runtime
-    runs it node by node, `measure --baseline library`'s reference)."""
+    False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
+    gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
+    strategy none: the unfused graph as ONNX Runtime runs it node by node, `measure --baseline
+    library`'s reference), "generated" our kernel, "priced" whichever is cheaper."""
     from costmodels import RooflineModel
     from fusesearch.pipeline import prepare
     from fusesearch.search import search
@@ -69,6 +70,6 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     label, spec, params, profile = resolve_device(device)
     prep, params = for_device(prepared or prepare(model, bindings, dtype=dtype, tf32=tf32), spec, params)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
-                          library_anchors=library_anchors, **({"workers": workers} if workers else {}))
+                          lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))
     return search(prep.graph, spec, RooflineModel(params), strategy, config=config, device_label=label,
                   profile=profile, model_info=model_info(prep))

@@ -667,7 +667,7 @@ def measure(
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, library_anchors=baseline == "library")
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline)
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
@@ -698,9 +698,9 @@ def _ptxas_arch(device: str) -> str:
     return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
-def _measure_plans(prep, device, strategy, config, plan_json, library_anchors: bool = False):
-    """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors library
-    calls with `library_anchors` (`measure --baseline library`), else as the device runs them."""
+def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced"):
+    """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors as
+    `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves)."""
     import dataclasses
 
     from fusesearch.api import model_info, resolve_device
@@ -708,10 +708,10 @@ def _measure_plans(prep, device, strategy, config, plan_json, library_anchors: b
 
     model = prep.loaded.source
     plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep)
-    unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, library_anchors=library_anchors),
+    unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
                         prep)[0]
     if plan_json is not None:
-        none = _run_plan(model, None, device, "none", config, prep)[0] if library_anchors else unfused
+        none = _run_plan(model, None, device, "none", config, prep)[0] if lone_anchors != "priced" else unfused
         from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 

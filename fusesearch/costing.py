@@ -4,9 +4,9 @@ Problem: plans are compared against two references — every node its own kernel
 the physics (nothing can beat reading the inputs and weights once, writing the outputs once and
 running every FLOP at peak in one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
-`priced_kernel` picks, for a fused anchor group, the faster of its tensor-core and CUDA-core
-schedules on a GPU (the search's choice), its `packed` C form on a CPU, and for a lone anchor on
-a CPU the faster of that C and the library call (ties ours);
+`cheapest` prices a group's choices (`device_choices`: every schedule lowering gives it on the
+device) and keeps the fastest that fits, ties the earlier (the search's choice: which tile, tensor
+or CUDA cores, our kernel or the library call);
 `unfused_time_s` sums single-node kernels (lone anchors as library calls: the unfused graph as
 ONNX Runtime runs it; a plan's own reference is strategy none's time, `search.search`);
 `lower_bound_s` applies the roofline at 100% efficiency to the whole graph as one kernel with
@@ -17,13 +17,15 @@ functions are pure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
 from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
+from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import Kernel, lower, try_lower
+from fusesearch.lowering import Kernel, choices, lower
 
 
 def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> KernelCost:
@@ -34,35 +36,25 @@ def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> Ker
     return model.cost(kernel.spec(), device)
 
 
-def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel, *,
-                  ours_alone: bool = False) -> tuple[Kernel, KernelCost]:
-    """The kernel as it runs on `device`: on a CPU, a fused gemm/conv is the C backend's `packed`
-    form (`try_lower(..., host=True)`), and a lone one whose C the backend writes (`ours_alone`:
-    the caller asks the generator) is priced both as that C and as the library call, the faster
-    kept, ties ours (our C measured at or above MLAS's at the zoo's shapes, a depthwise conv far
-    above: so a CPU plan calls the library only where a profile prices it faster, and `run`
-    executes what the plan prices); on a GPU, a fused group that lowering put on tensor cores
-    is also priced on the CUDA-core skeleton (`try_lower(..., tensor_cores=False)`), and the
-    faster of the two that fits is kept (ties keep the tensor cores); the tensor-core skeleton
-    needs sm_80, and TF32 is no faster than FP32 on some parts. Other kernels have one schedule."""
-    alone = ours_alone and kernel.impl == "library" and len(kernel.nodes) == 1
-    if device.kind != "gpu" and kernel.anchor is not None and (alone or kernel.impl == "generated" and len(kernel.nodes) > 1):
-        host = try_lower(graph, FusionGroup(frozenset(kernel.nodes)), host=True)
-        if not isinstance(host, Kernel):
-            return kernel, kernel_cost(kernel, device, model)
-        ours = kernel_cost(host, device, model)
-        if alone:
-            library = kernel_cost(kernel, device, model)
-            if library.feasible and (not ours.feasible or library.time_s < ours.time_s):
-                return kernel, library
-        return host, ours
-    options = [kernel]
-    if kernel.impl == "generated" and kernel.schedule.unit == "tensor-core":
-        cuda_cores = try_lower(graph, FusionGroup(frozenset(kernel.nodes)), tensor_cores=False)
-        if isinstance(cuda_cores, Kernel):
-            options.append(cuda_cores)
-    priced = [(k, kernel_cost(k, device, model)) for k in options]
+def cheapest(kernels: Sequence[Kernel], device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:
+    """The choice that runs fastest on `device` among those that fit (all infeasible: the first,
+    with its reason); ties keep the earlier (`lowering.choices` puts the default first)."""
+    priced = [(k, kernel_cost(k, device, model)) for k in kernels]
     return min(priced, key=lambda kc: (not kc[1].feasible, kc[1].time_s if kc[1].feasible else 0.0))
+
+
+def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec) -> tuple[Kernel, ...] | FusionDecision:
+    """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU)."""
+    return choices(graph, group, host=device.kind != "gpu")
+
+
+def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:
+    """The cheapest choice on `device` of the group `kernel` was lowered from, every choice
+    allowed (a search restricts a lone anchor's: `rules.FitsDevice`)."""
+    options = device_choices(graph, FusionGroup(frozenset(kernel.nodes)), device)
+    if isinstance(options, FusionDecision):
+        return kernel, kernel_cost(kernel, device, model)
+    return cheapest(options, device, model)
 
 
 def unfused_kernels(graph: Graph) -> list[Kernel]:

@@ -67,7 +67,6 @@ from fusesearch.schedule import (
     LIBRARY,
     MAX_GRID_YZ,
     MMA_THREADS,
-    MMA_TILES,
     PACKED,
     THREADS,
     VIEW_OPS,
@@ -79,18 +78,18 @@ from fusesearch.schedule import (
     disjoint_windows,
     folded_scale,
     gelu_chains,
+    gemm_tiles,
     grid_stride,
     has_gemm_view,
     mma,
+    mma_tiles,
+    split_k,
     stride_blocks,
     tensor_core_skeleton,
     thread_layout,
     vectorizable,
 )
 
-THREADS_PER_BLOCK = THREADS
-TILE_K = 32
-TARGET_BLOCKS = 256  # enough blocks for two waves on the largest GPUs (132 SMs)
 MAX_ROW_TILE = 8192  # a Softmax epilogue row longer than this cannot be one tile
 # Only these: a LayerNorm (whole or decomposed) over a projection's rows was tried as a row
 # epilogue on the CPU (the product over packed weights into a buffer, then the row loops) and
@@ -175,45 +174,57 @@ class Kernel:
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
-    """The group's Kernel, or `CannotLower` carrying the refusal's reason."""
+    """The group's default Kernel (`try_lower`), or `CannotLower` carrying the refusal's reason."""
     result = try_lower(graph, group)
     if isinstance(result, FusionDecision):
         raise CannotLower(result)
     return result
 
 
-def try_lower(graph: Graph, group: FusionGroup, *, tensor_cores: bool = True, host: bool = False) -> Kernel | FusionDecision:
-    """`tensor_cores`: False lowers a fused anchor group to the CUDA-core skeleton even where its
-    operands have a tensor-core one (the search prices both and keeps the faster, see
-    `candidates.rules.FitsDevice`). `host`: an anchor group, fused or alone, as the CPU writes it (`packed`,
-    C only), for a CPU device; every other group lowers the same either way."""
+def try_lower(graph: Graph, group: FusionGroup, *, host: bool = False) -> Kernel | FusionDecision:
+    """The group's default choice (the first of `choices`: a library's heuristic tile, tensor
+    cores where the operands have them; on a CPU a gemm/conv's C), or the refusal. A plan's kernel
+    is the cheapest choice on its device (`costing.priced_kernel`), not necessarily this one."""
+    result = choices(graph, group, host=host)
+    return result if isinstance(result, FusionDecision) else result[0]
+
+
+def choices(graph: Graph, group: FusionGroup, *, host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+    """Every schedule the group can run as, each a Kernel the cost model prices and the generator
+    writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
+    or alone, as the C backend's `packed`/`depthwise`, a lone one also as the library call); else
+    as a GPU does: a fused gemm/conv at each tensor-core tile (`schedule.mma_tiles`, where its
+    operands have tensor cores) and each CUDA-core tile (`schedule.gemm_tiles`), or `direct`
+    where no tile applies; a lone one as the library call (its split-K) and then as those
+    generated forms. Every other group has one schedule. A lone op without a template runs as a
+    library call."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, tensor_cores, host)
+    result = _lower_checked(graph, nodes, host)
     if isinstance(result, FusionDecision) and len(nodes) == 1:
-        return _lower_opaque(graph, nodes)  # a lone op without a template runs as a library call
+        return (_lower_opaque(graph, nodes),)
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node], tensor_cores: bool = True,
-                   host: bool = False) -> Kernel | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
-    return _lower_template(graph, nodes, tensor_cores, host)
+    return _lower_template(graph, nodes, host)
 
 
-def _lower_template(graph: Graph, nodes: list[Node], tensor_cores: bool = True,
-                    host: bool = False) -> Kernel | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
-        return _lower_anchor(graph, nodes, anchors[0], tensor_cores, host)
+        return _anchor_choices(graph, nodes, anchors[0], host)
     if any(n.kind == OpKind.REDUCE for n in nodes):
-        return _lower_rowwise(graph, nodes)
-    if nodes[0].kind == OpKind.OPAQUE:
-        return _lower_opaque(graph, nodes)
-    return _lower_pointwise(graph, nodes)
+        result = _lower_rowwise(graph, nodes)
+    elif nodes[0].kind == OpKind.OPAQUE:
+        result = _lower_opaque(graph, nodes)
+    else:
+        result = _lower_pointwise(graph, nodes)
+    return result if isinstance(result, FusionDecision) else (result,)
 
 
 def lower_as_library(graph: Graph, group: FusionGroup) -> Kernel:
@@ -393,7 +404,7 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     decision = _row_outputs_fit(graph, nodes, rows, row_len)
     if not decision:
         return decision
-    live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS_PER_BLOCK))
+    live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS))
     return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, live,
                   block_per_row(graph, [n.id for n in nodes], rows, row_len))
 
@@ -444,24 +455,7 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
     return 1, m
 
 
-TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))
-
-
-def _tile(m: int, n: int) -> tuple[int, int, int]:
-    """Block tile (M, N, K): the largest that still gives TARGET_BLOCKS output tiles (as a
-    library's heuristic picks), else the smallest; skinny M (GEMV-like) gets M rounded up to a
-    power of two."""
-    if m < 32:
-        tm = 1 << max(0, (m - 1).bit_length())
-        return tm, 128 if n >= 128 else max(32, 1 << max(0, (n - 1).bit_length())), TILE_K
-    for tm, tn in TILE_CHOICES:
-        if math.ceil(m / tm) * math.ceil(n / tn) >= TARGET_BLOCKS:
-            return tm, tn, TILE_K
-    return TILE_CHOICES[-1] + (TILE_K,)
-
-
-def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: bool = True,
-                  host: bool = False) -> Kernel | FusionDecision:
+def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node, host: bool) -> tuple[Kernel, ...] | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -474,67 +468,79 @@ def _lower_anchor(graph: Graph, nodes: list[Node], anchor: Node, tensor_cores: b
     template = anchor_template(graph, anchor)
     ids = [n.id for n in nodes]
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
-        # conv's loop over its planes (each prologue element once); a lone anchor the same C
-        return _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
+        # conv's loop over its planes (each prologue element once); a lone anchor also the library's
+        ours = _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                       DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
+        return (ours,) if len(nodes) > 1 else (ours, _library_anchor(graph, nodes, anchor, m, n_dim, k))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
-        return _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
-    z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
-    # a lone anchor is the library's; a fused one on tensor cores where its operands have them
-    skeleton = tensor_core_skeleton(graph, anchor) if len(nodes) > 1 and tensor_cores else None
-    if skeleton and has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None:
-        tm, tn, tk = mma_tile(m, n_dim)
-        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
-        if max(grid[1:]) <= MAX_GRID_YZ:  # double-buffered when an operand is a plain copy of an input
-            stages = 2 if set(anchor.inputs[:2]) & set(external_inputs(graph, nodes)) else 1
-            live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
-            return _build(graph, nodes, template, anchor.id, out_size, k, live, mma(skeleton, (tm, tn, tk), stages, grid))
-    tm, tn, tk = _tile(m, n_dim)
-    live = tm * tn // THREADS_PER_BLOCK + (tm + tn) // 16 + 2 * (len(nodes) - 1)
-    smem = (tm * tk + tk * tn) * 4  # the tile: A and B staged once per K step, as float
-    threads = min(THREADS_PER_BLOCK, tm * tn)  # a thread per output at most
-    grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
-    if (has_gemm_view(graph, anchor) and anchor_derived(graph, ids, anchor) is not None
-            and max(grid[1:]) <= MAX_GRID_YZ and thread_layout(tm, tn) is not None):
-        own = Schedule("generated", "tiled", "cuda-core", (tm, tn, tk), threads=threads, grid=grid, smem_bytes=smem)
-    else:  # `direct`: a thread per output element with its dot product inline (an epilogue that
-        # moves elements, ConvTranspose, 1-D operands): no tile, each operand element re-read (and
-        # its prologue recomputed) once per output that uses it
-        own = replace(grid_stride(max(graph.tensors[t].size for t in _external_outputs(graph, nodes))),
-                      skeleton="direct")
-        live = 4 + 2 * len(nodes)
+        return (_build(graph, nodes, template, anchor.id, out_size, k, live, schedule),)
+    generated = _tensor_core_choices(graph, nodes, anchor, template) + _cuda_core_choices(graph, nodes, anchor, template)
     if len(nodes) > 1:
-        return _build(graph, nodes, template, anchor.id, out_size, k, live, own,
-                      reload_tile=(1, 1, k) if own.skeleton == "direct" else None)
-    # a lone anchor is a library call; split-K is the library's (cuBLAS splits skinny GEMMs)
-    split = _split_k(m, n_dim, k, tm, tn, tk)
-    schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=threads,
-                        smem_bytes=smem, fallback=own)
-    kernel = _build(graph, nodes, template, anchor.id, out_size * split, k, live, schedule)
+        return generated
+    return (_library_anchor(graph, nodes, anchor, m, n_dim, k), *generated)
+
+
+def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
+    """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` whose grid fits, where
+    its operands have a tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
+    skeleton = tensor_core_skeleton(graph, anchor)
+    if not skeleton or not has_gemm_view(graph, anchor) or anchor_derived(graph, [n.id for n in nodes], anchor) is None:
+        return ()
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    z, m_z = _tile_batches(graph, anchor)  # the grid: tiles of each batch (MatMul) or group (Conv)
+    out_size = graph.tensors[anchor.outputs[0]].size
+    stages = 2 if set(anchor.inputs[:2]) & set(external_inputs(graph, nodes)) else 1  # double-buffered when
+    kernels = []  # an operand is a plain copy of an input
+    for tm, tn, tk in mma_tiles(m, n_dim):
+        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+        if max(grid[1:]) <= MAX_GRID_YZ:
+            live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
+            kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
+                                  mma(skeleton, (tm, tn, tk), stages, grid)))
+    return tuple(kernels)
+
+
+def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
+    """The anchor group on CUDA cores: `tiled`, one Kernel per tile of `gemm_tiles` with a thread
+    layout and a grid that fits, where a tile applies; else `direct` (an epilogue that moves
+    elements, ConvTranspose, 1-D operands): a thread per output element with its dot product
+    inline, no tile, each operand element re-read (and its prologue recomputed) once per output
+    that uses it."""
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    z, m_z = _tile_batches(graph, anchor)
+    out_size = graph.tensors[anchor.outputs[0]].size
+    kernels = []
+    if has_gemm_view(graph, anchor) and anchor_derived(graph, [n.id for n in nodes], anchor) is not None:
+        for tm, tn, tk in gemm_tiles(m, n_dim):
+            grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+            if max(grid[1:]) > MAX_GRID_YZ or thread_layout(tm, tn) is None:
+                continue
+            live = tm * tn // THREADS + (tm + tn) // 16 + 2 * (len(nodes) - 1)
+            own = Schedule("generated", "tiled", "cuda-core", (tm, tn, tk), threads=min(THREADS, tm * tn), grid=grid,
+                           smem_bytes=(tm * tk + tk * tn) * 4)  # A and B staged once per K step, as float
+            kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live, own))
+    if kernels:
+        return tuple(kernels)
+    own = replace(grid_stride(max(graph.tensors[t].size for t in _external_outputs(graph, nodes))), skeleton="direct")
+    return (_build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes), own, reload_tile=(1, 1, k)),)
+
+
+def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim: int, k: int) -> Kernel:
+    """A lone anchor as the library's call: its heuristic tile, and split-K where the output has
+    few tiles (cuBLAS splits skinny GEMMs), paying the fp32 partial sums' round trip."""
+    tm, tn, tk = gemm_tiles(m, n_dim)[0]
+    split = split_k(m, n_dim, k, (tm, tn, tk))
+    schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=min(THREADS, tm * tn),
+                        smem_bytes=(tm * tk + tk * tn) * 4)
+    out_size = graph.tensors[anchor.outputs[0]].size
+    live = tm * tn // THREADS + (tm + tn) // 16
+    kernel = _build(graph, nodes, anchor_template(graph, anchor), anchor.id, out_size * split, k, live, schedule)
     if split == 1:
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
     return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
-
-
-def mma_tile(m: int, n: int) -> tuple[int, int, int]:
-    """Block tile (M, N, K) of the tensor-core skeleton: the largest of MMA_TILES that still gives
-    TARGET_BLOCKS output tiles, else the smallest; K steps of TILE_K."""
-    for tm, tn in MMA_TILES:
-        if math.ceil(m / tm) * math.ceil(n / tn) >= TARGET_BLOCKS:
-            return tm, tn, TILE_K
-    return MMA_TILES[-1] + (TILE_K,)
-
-
-def _split_k(m: int, n: int, k: int, tm: int, tn: int, tk: int) -> int:
-    """Split K across blocks (as cuBLAS / CUTLASS split-K) when the output has fewer tiles than
-    TARGET_BLOCKS, keeping at least 4 K-steps per block."""
-    tiles = max(1, math.ceil(m / tm) * math.ceil(n / tn))
-    if tiles >= TARGET_BLOCKS:
-        return 1
-    return max(1, min(math.ceil(TARGET_BLOCKS / tiles), k // (4 * tk)))
 
 
 def anchor_template(graph: Graph, anchor: Node) -> str:

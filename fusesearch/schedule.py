@@ -78,6 +78,12 @@ SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "
 CPU_SKELETONS = frozenset({"packed", "depthwise"})  # written in C only: no CUDA source, launch or shared memory
 
 
+TILE_K = 32  # K step of every GEMM tile
+TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs): the library-style default
+TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
+SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
+
+
 @dataclass(frozen=True)
 class Schedule:
     impl: str
@@ -90,17 +96,10 @@ class Schedule:
     grid: tuple[int, ...] = ()
     smem_bytes: int = 0
     row_cache: tuple[str, ...] = ()
-    fallback: Schedule | None = None  # a library call's own generated form (see `generated`)
 
     def __post_init__(self) -> None:
         if self.skeleton not in SKELETONS or self.unit not in UNITS:
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r}")
-
-    @property
-    def generated(self) -> Schedule | None:
-        """The schedule the generator writes: this one, or a library call's own generated form
-        (a lone anchor measured as our kernel: `measure --baseline generated`, calibration)."""
-        return self.fallback if self.impl == "library" else self
 
     @property
     def blocks(self) -> int:
@@ -311,6 +310,40 @@ def tensor_core_skeleton(graph: Graph, anchor: Node) -> str | None:
     dtypes = {graph.tensors[t].dtype for t in anchor.inputs[:2]}
     skeleton = MMA_SKELETONS.get(dtypes.pop()) if len(dtypes) == 1 else None
     return None if skeleton == "mma-tf32" and not graph.allow_tf32 else skeleton
+
+
+# -- tiles: every configuration a GEMM view can run as, the library-style default first --------
+
+def _default_first(tiles: Sequence[tuple[int, int]], m: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """The tiles as (BM, BN, TILE_K), the default first: the largest that still gives TARGET_BLOCKS
+    output tiles (as a library's heuristic picks), else the smallest; the rest in table order."""
+    default = next((t for t in tiles if math.ceil(m / t[0]) * math.ceil(n / t[1]) >= TARGET_BLOCKS), tiles[-1])
+    return tuple((tm, tn, TILE_K) for tm, tn in (default, *(t for t in tiles if t != default)))
+
+
+def gemm_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """CUDA-core block tiles (BM, BN, BK) for an M x N output, the default first (`_default_first`);
+    a skinny M (GEMV-like, under SKINNY_M) has one tile, M rounded up to a power of two."""
+    if m < SKINNY_M:
+        tm = 1 << max(0, (m - 1).bit_length())
+        return ((tm, 128 if n >= 128 else max(32, 1 << max(0, (n - 1).bit_length())), TILE_K),)
+    return _default_first(TILE_CHOICES, m, n)
+
+
+def mma_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """Tensor-core block tiles (BM, BN, BK) of MMA_TILES, the default first (`_default_first`)."""
+    return _default_first(MMA_TILES, m, n)
+
+
+def split_k(m: int, n: int, k: int, tile: tuple[int, ...]) -> int:
+    """K split across blocks (as cuBLAS / CUTLASS split-K) when the output has fewer tiles than
+    TARGET_BLOCKS, keeping at least 4 K-steps per block; the library's (a generated kernel never
+    splits K)."""
+    tm, tn, tk = tile
+    tiles = max(1, math.ceil(m / tm) * math.ceil(n / tn))
+    if tiles >= TARGET_BLOCKS:
+        return 1
+    return max(1, min(math.ceil(TARGET_BLOCKS / tiles), k // (4 * tk)))
 
 
 def mma_pad(element_bytes: int) -> int:

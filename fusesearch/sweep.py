@@ -593,7 +593,7 @@ def _measure(cell: Cell, prep, p) -> dict:
     unfused = api_plan(cell.model.model, cell.device, "none", prepared=prep)
     row: dict = {"measured_on": device_label(cell.backend)}
     if "kernels" in cell.measure:  # against the unfused graph as ONNX Runtime runs it node by node
-        library = api_plan(cell.model.model, cell.device, "none", prepared=prep, library_anchors=True)
+        library = api_plan(cell.model.model, cell.device, "none", prepared=prep, lone_anchors="library")
         report = measure_plan(prep, p, library, cell.backend, budget_s=cell.measure_budget_s or 0.05,
                               seed=cell.seed or 0, cache=TimingCache())
         t = report.totals()

@@ -35,7 +35,7 @@ def test_every_variant_still_edits_its_group(path):
     for model, nodes in AB.groups(spec):
         _, kernel, base = AB.group_kernel(model, nodes)
         assert kernel.anchor is not None  # a fused product, as on the host: packed, or a depthwise conv's loop
-        assert kernel.schedule.generated.skeleton == ("depthwise" if kernel.template == "depthwise" else "packed")
+        assert kernel.schedule.skeleton == ("depthwise" if kernel.template == "depthwise" else "packed")
         for label, edits in spec["VARIANTS"].items():
             source = AB.edited(base.c_source, edits, label)
             assert source != base.c_source, (model, nodes, label)

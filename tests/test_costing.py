@@ -85,7 +85,7 @@ def test_tensor_core_skeleton_needs_sm80_and_the_search_prices_both_units():
     on_t4, cost_t4 = priced_kernel(g, fused, T4, MODEL)
     assert on_t4.schedule.skeleton == "tiled" and cost_t4.feasible and cost_t4.compute_unit == "fp32-cuda-core"
     on_a100, cost_a100 = priced_kernel(g, fused, A100, MODEL)
-    assert on_a100 is fused and cost_a100.compute_unit == "fp16-tensor-core"
+    assert on_a100 == fused and cost_a100.compute_unit == "fp16-tensor-core"
 
 
 def test_softmax_epilogue_is_priced_as_the_row_kernel_generated():

@@ -32,7 +32,7 @@ from costmodels import DeviceSpec, KernelCost, RooflineModel
 from fusesearch.backends.codegen import cpu_fusable, generatable
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.group import FusionGroup
-from fusesearch.costing import kernel_cost, priced_kernel
+from fusesearch.costing import cheapest, device_choices, kernel_cost
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, lower_as_library, try_lower
 
@@ -100,29 +100,50 @@ class Generatable:
         return generatable(legality.graph, kernel)
 
 
+LONE_ANCHORS = ("priced", "library", "generated")
+"""How a lone gemm/conv may run: "priced" (the library call or our kernel, whichever is cheaper),
+"library" (the unfused reference as a user of ONNX Runtime runs it: `measure --baseline library`),
+"generated" (our kernel, priced as itself: `measure --baseline generated`)."""
+
+
 @dataclass(frozen=True)
 class FitsDevice:
     """The cost model accepts the kernel on the device (shared memory, registers, threads, the
-    architecture its code needs), its compute unit a priced choice (`costing.priced_kernel`: a
-    fused anchor group on tensor cores or CUDA cores, whichever is faster there; on a CPU a lone
-    anchor as our C or the library call, where the C backend writes it: `cpu_fusable` and
-    `generatable`, as for a fused group). A lone op that does not fit runs as a library call
-    instead: every single node stays a candidate."""
+    architecture its code needs), and the group runs as its cheapest choice there
+    (`costing.cheapest` over `costing.device_choices`: each tile, tensor or CUDA cores; a lone
+    anchor the library call or, where the generator writes it (`cpu_fusable` on a CPU and
+    `generatable`, as for a fused group), our kernel, as `Legality.lone_anchors` allows). A lone
+    op that does not fit runs as a library call instead: every single node stays a candidate."""
 
     name: str = "fits-device"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-        graph = legality.graph
-        ours_alone = (legality.device.kind == "cpu" and not legality.library_anchors and len(nodes) == 1
-                      and kernel.anchor is not None
-                      and bool(cpu_fusable(graph, kernel)) and bool(generatable(graph, kernel)))
-        kernel, cost = priced_kernel(graph, kernel, legality.device, legality.model, ours_alone=ours_alone)
+        graph, group = legality.graph, FusionGroup(nodes)
+        options = device_choices(graph, group, legality.device)
+        if isinstance(options, FusionDecision):
+            return options
+        if len(nodes) == 1 and kernel.anchor is not None:
+            options = _lone_anchor_choices(legality, options)
+        kernel, cost = cheapest(options, legality.device, legality.model)
         if not cost.feasible and len(nodes) == 1:
-            kernel = lower_as_library(legality.graph, FusionGroup(nodes))
+            kernel = lower_as_library(graph, group)
             cost = kernel_cost(kernel, legality.device, legality.model)
         if not cost.feasible:
             return Verdict(FusionDecision.refuse(cost.reason), kernel, cost)
         return Verdict(FusionDecision.accept(), kernel, cost)
+
+
+def _lone_anchor_choices(legality: Legality, options: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
+    """A lone anchor's choices as `legality.lone_anchors` allows: our kernels only where the
+    generator writes them well (else, and under "library", the library call alone)."""
+    graph, kernel = legality.graph, options[0]
+    ours_ok = (legality.lone_anchors != "library" and bool(generatable(graph, kernel))
+               and (legality.device.kind == "gpu" or bool(cpu_fusable(graph, kernel))))
+    ours = tuple(k for k in options if k.impl == "generated")
+    library = tuple(k for k in options if k.impl == "library")
+    if not ours_ok or not ours:
+        return library or options
+    return ours if legality.lone_anchors == "generated" else options
 
 
 DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), Generatable(), FitsDevice())
@@ -137,9 +158,7 @@ class Legality:
     model: RooflineModel
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
-    # every lone anchor a library call, also on a CPU: the unfused reference as a user of ONNX
-    # Runtime runs it (`measure --baseline library`), not a plan's choice
-    library_anchors: bool = False
+    lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
 
     def check(self, nodes: Iterable[int]) -> Verdict:

@@ -34,7 +34,7 @@ class SearchConfig:
     workers: int = field(default_factory=default_workers)
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     budget_per_seed: int = DEFAULT_BUDGET_PER_SEED
-    library_anchors: bool = False  # every lone anchor a library call (`Legality.library_anchors`)
+    lone_anchors: str = "priced"  # how a lone gemm/conv may run (`rules.LONE_ANCHORS`)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SearchProblem:
               config: SearchConfig | None = None) -> SearchProblem:
         config = config or SearchConfig()
         return cls(graph, Legality(graph, device, model, config.max_group_size,
-                                   library_anchors=config.library_anchors), config)
+                                   lone_anchors=config.lone_anchors), config)
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.legality.time_s(nodes)

@@ -377,7 +377,7 @@ def test_a_softmax_over_constant_weights_reads_them_packed_once(tmp_path, blas, 
     # planned for a CPU the group is priced as `packed`, and that schedule writes the same product
     prep = prepare(str(tmp_path / "m.onnx"))
     host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
-    assert host.schedule.generated.skeleton == "packed"
+    assert host.schedule.skeleton == "packed"
     hk = generate(prep.graph, host, gk.name)
     assert [p.arg.tensor for p in hk.packed] == ["w"] and hk.cuda_source == ""
     assert "fs_gemm_rows(" in hk.c_source and "FS_BLAS_SGEMM(" not in hk.c_source[hk.c_source.index(f"\nvoid {gk.name}("):]
@@ -444,7 +444,7 @@ def test_a_gelu_epilogue_runs_on_the_registers(tmp_path, m, n, bias):
     # planned for a CPU the group is priced `packed` (outputs written once, no block round trip), and
     # that schedule writes the tile epilogue
     host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
-    assert host.schedule.generated.skeleton == "packed"
+    assert host.schedule.skeleton == "packed"
     assert host.write_bytes == m * n * 4 and "fs_gemm_rows_epi(" in generate(prep.graph, host, gk.name).c_source
 
 

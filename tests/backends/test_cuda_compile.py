@@ -9,7 +9,9 @@ made with TF32 allowed (the default: fused gemm and conv groups on tensor cores 
 model prices them faster than on CUDA cores, which the test re-prices), for the CUDA-core skeleton
 without (NO_TF32's models), for HALF's models in float16 (FP16 tensor cores), and for the T4
 (sm_75, compiled for sm_75), where the tensor-core skeleton (sm_80+) is never planned.
-Distinct kernels (by source hash) are compiled once, several to an NVRTC program (each kernel in
+For bert-small every choice of every planned group is compiled (each tile configuration, tensor
+or CUDA cores, our forms of a lone anchor: `lowering.choices`), and every planned kernel is its
+group's cheapest choice. Distinct kernels (by source hash) are compiled once, several to an NVRTC program (each kernel in
 its own namespace, its `#include` lines first: `cuda_module`)."""
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from costmodels import RooflineModel
 from costmodels.resources import grid_blocks
 from fusesearch.api import for_device, resolve_device
 from fusesearch.api import plan as make_plan
-from fusesearch.backends.codegen import CodegenRefused, cuda_module, generate
+from fusesearch.backends.codegen import cuda_module, generate
 from fusesearch.candidates.group import FusionGroup
 from fusesearch.costing import priced_kernel
-from fusesearch.lowering import lower
+from fusesearch.lowering import choices, lower
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES
 from fusesearch.zoo import ZOO
@@ -50,6 +52,10 @@ HALF = tuple(ZOO)  # every zoo model converted to float16: FP16 tensor-core kern
 FAST_HALF = ("bert-small", "resnet18", "mobilenetv2")  # float16 by default; the other models' under -m slow
 
 
+EVERY_CHOICE = ("bert-small",)  # every choice of every planned group compiled (each tile, tensor or CUDA cores,
+# our forms of a lone anchor); the other models' planned kernels
+
+
 @pytest.mark.parametrize("name,tf32,dtype", [pytest.param(name, True, "float32", marks=pytest.mark.slow if name in SCALED_TWINS else ())
                                               for name in ZOO]
                          + [(name, False, "float32") for name in NO_TF32]
@@ -58,24 +64,25 @@ FAST_HALF = ("bert-small", "resnet18", "mobilenetv2")  # float16 by default; the
                          ids=[*ZOO, *(f"{name}-no-tf32" for name in NO_TF32), *(f"{name}-float16" for name in HALF)])
 def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
     prep = prepare(f"zoo:{name}", tf32=tf32, dtype=dtype)
-    distinct, refused = {}, 0
+    distinct, refused, planned = {}, 0, []
     for strategy in STRATEGIES:
         p = make_plan(f"zoo:{name}", device="h100-sxm", strategy=strategy, prepared=prep, time_limit_s=20)
+        planned += p.groups
         for g in p.groups:
             if g.kernel.alias:
                 continue
-            try:
-                gk = generate(prep.graph, g.kernel, name="k")  # one name: equal kernels hash equal
-            except CodegenRefused:
+            if g.kernel.impl == "library" and g.kernel.template == "opaque":
                 refused += 1
-                assert g.kernel.template == "opaque", (name, strategy, g.id)
                 continue
-            distinct.setdefault(gk.source_hash, g)
-    kernels = [generate(prep.graph, g.kernel, name=f"k{i}") for i, g in enumerate(distinct.values())]
-    by_name = {f"k{i}": g.kernel for i, g in enumerate(distinct.values())}
+            options = choices(prep.graph, FusionGroup(frozenset(g.nodes))) if name in EVERY_CHOICE else (g.kernel,)
+            for kernel in [k for k in options if k.impl == "generated"]:
+                gk = generate(prep.graph, kernel, name="k")  # one name: equal kernels hash equal
+                distinct.setdefault(gk.source_hash, kernel)
+    kernels = [generate(prep.graph, k, name=f"k{i}") for i, k in enumerate(distinct.values())]
+    by_name = {f"k{i}": k for i, k in enumerate(distinct.values())}
     for gk in kernels:  # the launch the cost model priced is the launch written
         kernel = by_name[gk.name]
-        schedule = kernel.schedule.generated  # a library call's own form where it is generated
+        schedule = kernel.schedule
         assert gk.skeleton == schedule.skeleton, (name, gk.name)
         assert gk.block == (schedule.threads, 1, 1) and gk.grid == schedule.grid, (name, gk.name, gk.skeleton)
         tensor_cores = schedule.skeleton.startswith("mma")
@@ -83,8 +90,7 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
             name, gk.name, schedule)
         assert not tensor_cores or tf32 or dtype != "float32", (name, gk.name)  # float32 needs TF32
         assert gk.skeleton not in ("mma-tf32", "mma-bf16") or dtype == "float32", (name, gk.name)
-        if kernel.impl == "generated":
-            assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
+        assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)
     skeletons: dict[str, int] = {}
     registers: dict[str, list[int]] = {}
     for start in range(0, len(kernels), BUNDLE):
@@ -100,7 +106,7 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
                     assert 0 < res.smem_bytes <= STATIC_SMEM_LIMIT, (name, gk.name, arch, res)
                 if gk.skeleton.startswith("mma"):
                     registers.setdefault(arch, []).append(res.registers)
-                schedule = by_name[gk.name].schedule.generated
+                schedule = by_name[gk.name].schedule
                 assert res.smem_bytes == schedule.smem_bytes, (name, gk.name, gk.skeleton, arch, res, schedule)
         for gk in chunk:
             skeletons[gk.skeleton] = skeletons.get(gk.skeleton, 0) + 1
@@ -108,13 +114,13 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
     print(f"{name}: {len(kernels)} distinct kernels compiled for {', '.join(nvrtc.ARCHES)} "
           f"({skeletons}); {refused} opaque groups run as library calls; tensor-core kernels' registers "
           f"{ {arch: (min(r), max(r)) for arch, r in registers.items()} }")
-    # a fused group on CUDA cores where its operands have tensor cores is there because the cost
-    # model prices it faster on this device: lowering it again and pricing both gives the same
+    # every plan's kernel is its group's cheapest choice on this device (the tile, tensor or CUDA
+    # cores, ours or the library's): pricing the choices again gives the same
     _, spec, params, _ = resolve_device("h100-sxm")
     device_prep, params = for_device(prep, spec, params)
     graph = device_prep.graph
-    for g in distinct.values():
-        if g.kernel.schedule.skeleton == "tiled" and (tf32 or dtype != "float32"):
+    for g in planned:
+        if g.kernel.anchor is not None and g.kernel.impl == "generated":
             chosen, _ = priced_kernel(graph, lower(graph, FusionGroup(frozenset(g.nodes))), spec, RooflineModel(params))
             assert chosen.schedule == g.kernel.schedule, (name, g.id)
 

@@ -121,12 +121,16 @@ def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...
 
 def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     """The kernel's C and CUDA sources; CodegenRefused (with a FusionDecision) if not generated.
-    The skeleton, tile, block, grid and shared memory are the kernel's schedule (for a library
-    call, its own generated form): decided by lowering, written here as given. A CPU schedule
-    (`packed`, `depthwise`) has C only: its `cuda_source` is empty."""
-    schedule = kernel.schedule.generated
-    if kernel.template not in SUPPORTED_TEMPLATES or schedule is None:
+    The skeleton, tile, block, grid and shared memory are the kernel's schedule: decided by
+    lowering, written here as given. A library call has none (its generated forms are other
+    choices of the same group: `lowering.choices`). A CPU schedule (`packed`, `depthwise`) has C
+    only: its `cuda_source` is empty."""
+    schedule = kernel.schedule
+    if kernel.template not in SUPPORTED_TEMPLATES:
         raise CodegenRefused(f"template {kernel.template} is not generated yet (runs as a library call)")
+    if schedule.impl == "library":
+        raise CodegenRefused(f"{kernel.template}: a library call is not generated (its generated forms are the "
+                             "group's other choices)")
     ins, outs = _args(graph, kernel)
     name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
     args = {a.tensor: a for a in ins}

@@ -67,7 +67,7 @@ _PLAIN_LOAD = re.compile(r"float (v\d+) = (in\d+\[.*\]);")
 def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     """CUDA for a gemm/conv group whose schedule is `mma-*`: its tile, stages, threads and grid as
     the schedule gives them (lowering checked that a tile applies)."""
-    schedule = kernel.schedule.generated
+    schedule = kernel.schedule
     skeleton = schedule.skeleton
     if skeleton not in _PRECISION:
         raise CodegenRefused(f"{skeleton}: not a tensor-core skeleton (the schedule and the generator disagree)")

@@ -93,7 +93,7 @@ def _row_plan(graph, kernel, args, outs, materialized=frozenset(), read_side=Fal
     and scaled per score element costs more than the scores' Softmax)."""
     nodes = [graph.nodes[i] for i in kernel.nodes]
     rows, length = _row_shape(graph, nodes)
-    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.generated.row_cache)
+    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.row_cache)
     if any(streams(o) for o in outs if o.size == rows * length):
         # the first reduction, reading the inputs, prefetches them: the hardware's prefetcher no
         # longer sees the lines a plain store would have read (a LayerNorm over 8192x768: 15%

@@ -25,7 +25,7 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
     conflict-free shared reads), and the epilogue runs on the registers before the one store.
     Tile, threads and grid are the schedule's (lowering checked that the skeleton applies); split-K
     is never generated."""
-    schedule = kernel.schedule.generated
+    schedule = kernel.schedule
     layout = thread_layout(*schedule.tile[:2])
     if layout is None:
         raise CodegenRefused(f"no thread layout for the tile {schedule.tile} (the schedule and the generator disagree)")
