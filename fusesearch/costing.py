@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
 from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, lower, try_lower
 

@@ -11,7 +11,9 @@ rule of `DEFAULT_RULES` accepts it, cheapest first:
                       dtype (float32 may join one half dtype), connected, convex, reductions over inner axes sharing one row count, a
                       Softmax epilogue over the anchor's last axis (see fusesearch.lowering)
     Generatable       a fused group: the generator has code for every op and a C type for every
-                      tensor (a kernel we cannot write is not a candidate; a lone op always is)
+                      tensor (a kernel we cannot write is not a candidate; a lone op always is),
+                      as the generator describes itself (`Legality.capabilities`: legality never
+                      imports the generator)
     FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
                       threads within the device's limits; its form a priced choice (tensor or
                       CUDA cores; on a CPU a lone anchor as our C or the library call)
@@ -29,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
-from fusesearch.backends.codegen import cpu_fusable, generatable
-from fusesearch.candidates.decision import FusionDecision
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.candidates.capabilities import Capabilities
 from fusesearch.costing import kernel_cost, priced_kernel
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, lower_as_library, try_lower
 
@@ -84,9 +85,10 @@ class Lowerable:
 @dataclass(frozen=True)
 class Generatable:
     """A fused group is one generated kernel, so the generator must have code for each of its ops
-    and a C type for each of its tensors (`codegen.generatable`), and on a CPU a group the C
-    backend writes well (`codegen.cpu_fusable`); a lone op stays a candidate whatever it is (it runs as
-    a library call where it is not generated)."""
+    and a C type for each of its tensors (`Capabilities.generatable`), and on a CPU be a group the
+    C backend writes well (`Capabilities.cpu_fusable`): both read from `legality.capabilities`,
+    the generator's own description; a lone op stays a candidate whatever it is (it runs as a
+    library call where it is not generated)."""
 
     name: str = "generatable"
 
@@ -94,10 +96,10 @@ class Generatable:
         if len(nodes) == 1:
             return FusionDecision.accept()
         if legality.device.kind == "cpu":
-            decision = cpu_fusable(legality.graph, kernel)
+            decision = legality.capabilities.cpu_fusable(legality.graph, kernel)
             if not decision:
                 return decision
-        return generatable(legality.graph, kernel)
+        return legality.capabilities.generatable(legality.graph, kernel)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class FitsDevice:
         graph = legality.graph
         ours_alone = (legality.device.kind == "cpu" and not legality.library_anchors and len(nodes) == 1
                       and kernel.anchor is not None
-                      and bool(cpu_fusable(graph, kernel)) and bool(generatable(graph, kernel)))
+                      and bool(legality.capabilities.cpu_fusable(graph, kernel))
+                      and bool(legality.capabilities.generatable(graph, kernel)))
         kernel, cost = priced_kernel(graph, kernel, legality.device, legality.model, ours_alone=ours_alone)
         if not cost.feasible and len(nodes) == 1:
             kernel = lower_as_library(legality.graph, FusionGroup(nodes))
@@ -130,11 +133,13 @@ DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), Generatabl
 
 @dataclass
 class Legality:
-    """The rules bound to one graph, device and cost model, with a memo of every verdict."""
+    """The rules bound to one graph, device, cost model and code generator (what it writes:
+    `codegen.CAPABILITIES`), with a memo of every verdict."""
 
     graph: Graph
     device: DeviceSpec
     model: RooflineModel
+    capabilities: Capabilities
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
     # every lone anchor a library call, also on a CPU: the unfused reference as a user of ONNX
