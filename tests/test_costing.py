@@ -3,6 +3,8 @@ figures (unfused time, physical lower bound)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -141,6 +143,22 @@ def test_unfused_time_counts_every_node():
     singles = sum(kernel_cost(lower(g, group(g, n)), H100, MODEL).time_s for n in ("n0", "n1"))
     assert np.isclose(f.unfused_time_s, singles)
     assert f.unfused_kernels == 2
+
+
+def test_legality_fuses_what_the_capabilities_it_is_given_say_the_generator_writes():
+    """Legality reads the generator from the value it is bound to: the same Relu→Neg→Abs chain is
+    a candidate under the generator's own capabilities, refused (naming the op, or the tensor's
+    dtype) under ones without Neg or without float32, and each op alone stays a candidate."""
+    g = chain_graph(1024)
+    chain = frozenset(group(g, "n0", "n1", "n2").nodes)
+    assert Legality(g, H100, MODEL, CAPABILITIES).check(chain).decision
+    no_neg = Legality(g, H100, MODEL, dataclasses.replace(CAPABILITIES, ops=CAPABILITIES.ops - {"Neg"}))
+    refused = no_neg.check(chain).decision
+    assert not refused and "n1(Neg) has no code generator" in refused.reason
+    assert all(no_neg.check({i}).decision for i in chain)
+    no_float = dataclasses.replace(CAPABILITIES, dtypes=CAPABILITIES.dtypes - {"float32"})
+    refused = Legality(g, host_cpu(), MODEL, no_float).check(chain).decision
+    assert not refused and "dtype float32 of 'x' is not generated" in refused.reason
 
 
 def test_a_fused_conv_transpose_is_refused_on_the_cpu_and_kept_on_a_gpu():
