@@ -37,7 +37,7 @@ import numpy as np
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.timing import measure_interleaved
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import Kernel, try_lower
 from fusesearch.measure import max_rel_err

@@ -53,7 +53,7 @@ from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.library import host_binding, null_runs, run_costs
 from fusesearch.backends.timing import measure, measure_interleaved
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 

@@ -27,7 +27,7 @@ from fusesearch.api import plan as make_plan  # noqa: E402
 from fusesearch.backends import cupy as gpu  # noqa: E402
 from fusesearch.backends.codegen import generate  # noqa: E402
 from fusesearch.backends.timing import measure  # noqa: E402
-from fusesearch.candidates.group import FusionGroup  # noqa: E402
+from fusesearch.groups import FusionGroup  # noqa: E402
 from fusesearch.lowering import _gemm_dims, lower  # noqa: E402
 from fusesearch.pipeline import prepare  # noqa: E402
 

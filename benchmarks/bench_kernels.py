@@ -25,7 +25,7 @@ from fusesearch.api import plan as make_plan
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.timing import measure
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.lowering import lower
 from fusesearch.measure import measure_plan
 from fusesearch.pipeline import prepare

@@ -22,6 +22,7 @@ import pandas as pd
 
 from costmodels import RooflineModel
 from fusesearch.api import for_device, resolve_device
+from fusesearch.backends.codegen import CAPABILITIES
 from fusesearch.candidates.rules import Legality
 from fusesearch.pipeline import prepare
 
@@ -40,7 +41,7 @@ def cost_on(prep, groups, device: str, max_group_size: int) -> tuple[float, list
     the sweep prices it: TF32 only where the device has it (`fusesearch.api.for_device`)."""
     _, spec, params, _ = resolve_device(device)
     prep, params = for_device(prep, spec, params)
-    legality = Legality(prep.graph, spec, RooflineModel(params), max_group_size)
+    legality = Legality(prep.graph, spec, RooflineModel(params), CAPABILITIES, max_group_size)
     refused = [legality.check(g).decision.reason for g in groups if not legality.check(g).decision]
     return sum(legality.time_s(g) for g in groups), refused
 

@@ -93,8 +93,8 @@ from costmodels.calibration import (
     spearman,
 )
 from costmodels.profile import default_versions, installed_versions
-from fusesearch.candidates.group import FusionGroup
 from fusesearch.errors import BadInput
+from fusesearch.groups import FusionGroup
 from fusesearch.lowering import lower
 from fusesearch.measure import CALL_FLOOR_S, gpu_library_call, max_rel_err
 
@@ -157,13 +157,14 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
     runs it as our C (`costing.priced_kernel` chooses by both efficiencies): `library_efficiency`
     is fitted on those calls, the generated efficiencies on the fused groups, whose C is the same
     product with a prologue and an epilogue."""
+    from fusesearch.backends.codegen import CAPABILITIES
     from fusesearch.candidates.enumerate import enumerate_candidates
     from fusesearch.candidates.rules import Legality
 
     wanted = set(templates)
     pool = []
     for name, prep in preps.items():
-        legality = Legality(prep.graph, device, RooflineModel(params))
+        legality = Legality(prep.graph, device, RooflineModel(params), CAPABILITIES)
         for nodes in enumerate_candidates(legality).groups:
             verdict = legality.check(nodes)
             kernel = verdict.kernel

@@ -716,7 +716,8 @@ def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str 
         from fusesearch.export import plan_groups_from_json
 
         # the file's groups are checked on this device; their size is the file's (no search limit)
-        legality = Legality(prep.graph, legality.device, legality.model, max_group_size=len(prep.graph))
+        legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
+                            max_group_size=len(prep.graph))
         groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
         label = resolve_device(device)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,

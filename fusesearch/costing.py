@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
 from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
-from fusesearch.candidates.decision import FusionDecision
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, choices, lower
 

@@ -233,8 +233,9 @@ def _check_groups(path: Path, graph: Graph, doc: dict, groups: list[list[int]]) 
 
 def _check_kernels(path: Path, graph: Graph, doc: dict, groups: list[list[int]],
                    legality: Legality | None) -> None:
-    if legality is None:  # no device: only the rules that need none (the device fields go unread)
-        legality = Legality(graph, device=None, model=None, max_group_size=len(graph), rules=(Lowerable(),))
+    if legality is None:  # no device: only the rules that need none (the device and generator fields go unread)
+        legality = Legality(graph, device=None, model=None, capabilities=None, max_group_size=len(graph),
+                            rules=(Lowerable(),))
     for g, members in zip(doc["groups"], groups, strict=True):
         decision = legality.check(members).decision
         if not decision:

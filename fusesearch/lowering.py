@@ -55,9 +55,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from costmodels import DTYPE_BYTES, KernelSpec
-from fusesearch.candidates.decision import FusionDecision
-from fusesearch.candidates.group import FusionGroup
 from fusesearch.errors import FusesearchError
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 from fusesearch.ir.pool import POOL_OPS, pool_window

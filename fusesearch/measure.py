@@ -372,7 +372,7 @@ class _Runner:
         """The kernel itself when it is one node, else one library Kernel per node."""
         if len(kernel.nodes) == 1:
             return [kernel]
-        from fusesearch.candidates.group import FusionGroup
+        from fusesearch.groups import FusionGroup
         from fusesearch.lowering import lower_as_library
 
         return [lower_as_library(self.prep.graph, FusionGroup.single(i)) for i in kernel.nodes]

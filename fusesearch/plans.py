@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodels import KernelCost
-from fusesearch.candidates.decision import FusionDecision
 from fusesearch.candidates.rules import Legality
 from fusesearch.errors import FusesearchError
+from fusesearch.groups import FusionDecision
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
 

@@ -105,7 +105,7 @@ def plan_steps(graph, plan) -> list[Step]:
     lone group the plan runs as a library call, `impl` library — a GPU plan's lone anchor, a CPU
     plan's where the library is priced faster, a ConvTranspose on a CPU, an opaque op —: a
     library step, as the plan priced it)."""
-    from fusesearch.candidates.group import FusionGroup
+    from fusesearch.groups import FusionGroup
     from fusesearch.lowering import lower_as_library
 
     steps: list[Step] = []

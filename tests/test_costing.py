@@ -3,11 +3,14 @@ figures (unfused time, physical lower bound)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, get_device, host_cpu
+from fusesearch.backends.codegen import CAPABILITIES
 from fusesearch.candidates.rules import Legality
 from fusesearch.costing import graph_figures, kernel_cost, priced_kernel
 from fusesearch.lowering import lower
@@ -142,6 +145,22 @@ def test_unfused_time_counts_every_node():
     assert f.unfused_kernels == 2
 
 
+def test_legality_fuses_what_the_capabilities_it_is_given_say_the_generator_writes():
+    """Legality reads the generator from the value it is bound to: the same Relu→Neg→Abs chain is
+    a candidate under the generator's own capabilities, refused (naming the op, or the tensor's
+    dtype) under ones without Neg or without float32, and each op alone stays a candidate."""
+    g = chain_graph(1024)
+    chain = frozenset(group(g, "n0", "n1", "n2").nodes)
+    assert Legality(g, H100, MODEL, CAPABILITIES).check(chain).decision
+    no_neg = Legality(g, H100, MODEL, dataclasses.replace(CAPABILITIES, ops=CAPABILITIES.ops - {"Neg"}))
+    refused = no_neg.check(chain).decision
+    assert not refused and "n1(Neg) has no code generator" in refused.reason
+    assert all(no_neg.check({i}).decision for i in chain)
+    no_float = dataclasses.replace(CAPABILITIES, dtypes=CAPABILITIES.dtypes - {"float32"})
+    refused = Legality(g, host_cpu(), MODEL, no_float).check(chain).decision
+    assert not refused and "dtype float32 of 'x' is not generated" in refused.reason
+
+
 def test_a_fused_conv_transpose_is_refused_on_the_cpu_and_kept_on_a_gpu():
     """ConvTranspose + Relu: on a GPU a fusion candidate (the direct skeleton); on the CPU refused
     with the reason (the C backend writes it only as a per-output gather loop), so the host plan
@@ -151,8 +170,8 @@ def test_a_fused_conv_transpose_is_refused_on_the_cpu_and_kept_on_a_gpu():
     g = graph_of(nodes, [("x", [1, 16, 8, 8], TensorProto.FLOAT), ("w", [16, 8, 2, 2], TensorProto.FLOAT)],
                  [("r", None, TensorProto.FLOAT)])
     both = frozenset(group(g, "ct", "relu").nodes)
-    assert Legality(g, H100, MODEL).check(both).decision
-    refused = Legality(g, host_cpu(), MODEL).check(both).decision
+    assert Legality(g, H100, MODEL, CAPABILITIES).check(both).decision
+    refused = Legality(g, host_cpu(), MODEL, CAPABILITIES).check(both).decision
     assert not refused and "no packed ConvTranspose" in refused.reason and "ct(ConvTranspose)" in refused.reason
 
 
@@ -166,10 +185,10 @@ def test_a_pool_in_front_of_a_conv_is_refused_on_the_cpu_and_kept_on_a_gpu():
     g = graph_of(nodes, [("x", [1, 16, 16, 16], TensorProto.FLOAT), ("w", [16, 16, 1, 1], TensorProto.FLOAT)],
                  [("z", None, TensorProto.FLOAT)])
     before = frozenset(group(g, "pool", "conv").nodes)
-    assert Legality(g, H100, MODEL).check(before).decision
-    refused = Legality(g, host_cpu(), MODEL).check(before).decision
+    assert Legality(g, H100, MODEL, CAPABILITIES).check(before).decision
+    refused = Legality(g, host_cpu(), MODEL, CAPABILITIES).check(before).decision
     assert not refused and "pool(MaxPool) before conv(Conv)" in refused.reason
-    assert Legality(g, host_cpu(), MODEL).check(frozenset(group(g, "conv", "pool2").nodes)).decision
+    assert Legality(g, host_cpu(), MODEL, CAPABILITIES).check(frozenset(group(g, "conv", "pool2").nodes)).decision
 
 
 def test_a_fused_gemm_on_the_cpu_is_priced_as_the_packed_c_skeleton():
@@ -191,7 +210,7 @@ def test_a_fused_gemm_on_the_cpu_is_priced_as_the_packed_c_skeleton():
     assert host_kernel.transcendentals == 512 * 256  # each Tanh once
     assert host_kernel.scalar_flops == 512 * 1024 + 512 * 256  # the Relu, each Tanh once; a Transpose moves
     assert gpu_kernel.schedule.skeleton != "packed" and gpu_kernel.transcendentals > host_kernel.transcendentals
-    assert Legality(g, host_cpu(), MODEL).check(ids).kernel.schedule.skeleton == "packed"
+    assert Legality(g, host_cpu(), MODEL, CAPABILITIES).check(ids).kernel.schedule.skeleton == "packed"
 
 
 def test_a_conv_prologue_on_the_cpu_counts_once_per_tap_and_a_pool_after_it_never_recomputes_the_conv():
@@ -310,15 +329,15 @@ def test_a_lone_anchor_on_the_cpu_is_our_c_unless_the_library_is_priced_faster()
                  [("y", None, TensorProto.FLOAT), ("ct", None, TensorProto.FLOAT)],
                  [("w", np.ones((512, 512), np.float32)), ("wt", np.ones((16, 8, 2, 2), np.float32))])
     mm, ct = (frozenset(group(g, name).nodes) for name in ("mm", "ct"))
-    ours = Legality(g, host_cpu(), MODEL).check(mm)
+    ours = Legality(g, host_cpu(), MODEL, CAPABILITIES).check(mm)
     assert ours.kernel.impl == "generated" and ours.kernel.schedule.skeleton == "packed"
     library = lower(g, group(g, "mm"))
     assert library.impl == "library" and ours.cost.time_s <= kernel_cost(library, host_cpu(), MODEL).time_s
     fast = RooflineModel(MODEL.params.with_updates(**{"library_efficiency.gemm": 0.95, "tc_efficiency.gemm": 0.2}))
-    called = Legality(g, host_cpu(), fast).check(mm)
+    called = Legality(g, host_cpu(), fast, CAPABILITIES).check(mm)
     assert called.kernel.impl == "library" and called.cost.time_s < kernel_cost(ours.kernel, host_cpu(), fast).time_s
-    assert Legality(g, host_cpu(), MODEL).check(ct).kernel.impl == "library"
-    assert Legality(g, H100, MODEL).check(mm).kernel.impl == "library"
+    assert Legality(g, host_cpu(), MODEL, CAPABILITIES).check(ct).kernel.impl == "library"
+    assert Legality(g, H100, MODEL, CAPABILITIES).check(mm).kernel.impl == "library"
     dw = _depthwise_graph()
-    lone = Legality(dw, host_cpu(), MODEL).check(frozenset(group(dw, "conv").nodes)).kernel
+    lone = Legality(dw, host_cpu(), MODEL, CAPABILITIES).check(frozenset(group(dw, "conv").nodes)).kernel
     assert lone.impl == "generated" and lone.schedule.skeleton == "depthwise"

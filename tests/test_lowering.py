@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from fusesearch.candidates.decision import FusionDecision
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir._from_ir import graph_from_ir
 from fusesearch.ir.canonicalize import canonicalize
 from fusesearch.ir.graph import Graph

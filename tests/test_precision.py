@@ -19,7 +19,7 @@ from fusesearch import zoo
 from fusesearch.api import plan as make_plan
 from fusesearch.backends import cpu, emulate
 from fusesearch.backends.codegen import generate
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.precision import KEEP_FLOAT32, SUFFIX32, to_half, tolerance, widened
 from fusesearch.ir.shapes import ShapeBindings

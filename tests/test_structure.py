@@ -1,13 +1,39 @@
-"""The package's import graph runs one way: no module of fusesearch or costmodels imports, at
-module level, a module that imports it back (directly or through others), and costmodels never
-imports fusesearch. Read from the sources (ast), so the check costs no imports."""
+"""The package's import graph runs one way: every module-level import of a fusesearch or
+costmodels module goes to the importer's own layer or a lower one (`LAYERS`), so no module imports
+one that imports it back and costmodels never imports fusesearch. Read from the sources (ast), so
+the check costs no imports; two checks import a leaf in a fresh interpreter to see what it pulls."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The layers, lowest first. A module is in the layer of the longest entry that is the module itself
+# or a package holding it; a fusesearch module no entry names falls, through the root package's
+# entry, to the leaves, so it may import no other layer until it is placed here.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("cost model", ("costmodels",)),  # hardware and kernels, never graphs
+    ("leaves", ("fusesearch", "fusesearch.errors", "fusesearch.values", "fusesearch.zoo")),
+    ("graph", ("fusesearch.ir",)),
+    ("groups", ("fusesearch.groups",)),  # FusionGroup, FusionDecision
+    ("schedule", ("fusesearch.schedule",)),
+    ("lowering", ("fusesearch.lowering",)),
+    ("costing", ("fusesearch.costing",)),
+    ("candidates", ("fusesearch.candidates",)),  # legality reads the generator's Capabilities as a value
+    ("plans", ("fusesearch.plans",)),
+    ("code generator", ("fusesearch.backends.codegen",)),
+    ("execution", ("fusesearch.backends", "fusesearch.verify")),  # runners, ONNX Runtime as the oracle
+    ("search", ("fusesearch.search",)),
+    ("commands", ("fusesearch.pipeline", "fusesearch.api", "fusesearch.measure", "fusesearch.run",
+                  "fusesearch.calibrate", "fusesearch.sweep", "fusesearch.export", "fusesearch.explain",
+                  "fusesearch.pictures", "fusesearch.report")),
+    ("command line", ("fusesearch.cli", "fusesearch.__main__")),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -86,9 +112,56 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _layer(module: str) -> int:
+    entries = [(len(entry), index) for index, (_, names) in enumerate(LAYERS) for entry in names
+               if module == entry or module.startswith(entry + ".")]
+    assert entries, f"{module} is in no layer: add it to LAYERS"
+    return max(entries)[1]
+
+
+def _upward(edges: dict[str, set[str]]) -> list[str]:
+    """Every import that runs to a higher layer, as 'importer (layer) -> imported (layer)'."""
+    def named(m: str) -> str:
+        return f"{m} ({LAYERS[_layer(m)][0]})"
+
+    return [f"{named(m)} -> {named(t)}" for m in sorted(edges) for t in sorted(edges[m]) if _layer(t) > _layer(m)]
+
+
+def test_every_import_points_to_its_own_layer_or_a_lower_one():
+    assert _upward(_edges(_modules())) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert _upward({"fusesearch.lowering": {"fusesearch.candidates.rules"},
+                    "fusesearch.candidates.rules": {"fusesearch.lowering", "fusesearch.groups"}}) == [
+        "fusesearch.lowering (lowering) -> fusesearch.candidates.rules (candidates)"]
+    assert _upward({"fusesearch.candidates.rules": {"fusesearch.backends.codegen"}}) != []
+    assert _layer("fusesearch.backends.codegen.base") < _layer("fusesearch.backends.cpu")
+    assert _layer("fusesearch.unplaced") == _layer("fusesearch.errors")
+
+
+def _imported_by(module: str) -> set[str]:
+    """The fusesearch modules a fresh interpreter holds after importing `module`."""
+    code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.split('.')[0] == 'fusesearch'))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    return set(out.stdout.split())
+
+
+def test_the_group_types_load_nothing_else():
+    assert _imported_by("fusesearch.groups") == {"fusesearch", "fusesearch.groups"}
+
+
+def test_legality_loads_no_code_generator():
+    """What the generator writes reaches legality as a value (`Legality.capabilities`)."""
+    loaded = _imported_by("fusesearch.candidates.rules")
+    assert "fusesearch.lowering" in loaded
+    assert not {m for m in loaded if m.startswith("fusesearch.backends")}
+
+
 def test_leaf_types_import_nothing_of_fusesearch_that_imports_them():
-    """The shared types sit in leaves: the decision, the tensor, the schedule."""
+    """The shared types sit in leaves: the groups and decisions, the tensor, the schedule."""
     edges = _edges(_modules())
-    assert edges["fusesearch.candidates.decision"] == set()
+    assert edges["fusesearch.groups"] == set()
     assert edges["fusesearch.ir.tensor"] <= {"costmodels", "costmodels.kernel"}
     assert edges["fusesearch.schedule"] <= {"fusesearch.ir.graph", "fusesearch.ir.op_kind", "costmodels.kernel"}

@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fusesearch.candidates.decision import FusionDecision
+from fusesearch.groups import FusionDecision
 
 Attrs = Mapping[str, Any]
 

@@ -35,8 +35,8 @@ import numpy as np
 
 from costmodels.devices import cache_root
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
-from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
+from fusesearch.groups import FusionDecision
 
 ALIGN = 64  # bytes: every buffer a kernel reads or writes starts on a cache line
 PAGE = 4096  # bytes: and one of at least this many on a page, so any two such start alike modulo 4 KiB

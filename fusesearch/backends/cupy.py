@@ -27,8 +27,8 @@ from typing import Any
 
 from fusesearch.backends.codegen.base import require_cuda
 from fusesearch.backends.library import taken_inputs
-from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
+from fusesearch.groups import FusionDecision
 
 INSTALL_HINT = "cupy is not installed: pip install 'fusesearch[gpu]'"
 MS_PER_S = 1e3

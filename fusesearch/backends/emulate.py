@@ -44,8 +44,8 @@ import numpy as np
 
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel, cuda_module, module_namespace
 from fusesearch.backends.codegen.base import require_cuda
-from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
+from fusesearch.groups import FusionDecision
 
 CXXFLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
 

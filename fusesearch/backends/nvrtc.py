@@ -49,8 +49,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import BadInput, FusesearchError
+from fusesearch.groups import FusionDecision
 
 logger = logging.getLogger(__name__)
 

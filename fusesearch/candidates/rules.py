@@ -11,7 +11,9 @@ rule of `DEFAULT_RULES` accepts it, cheapest first:
                       dtype (float32 may join one half dtype), connected, convex, reductions over inner axes sharing one row count, a
                       Softmax epilogue over the anchor's last axis (see fusesearch.lowering)
     Generatable       a fused group: the generator has code for every op and a C type for every
-                      tensor (a kernel we cannot write is not a candidate; a lone op always is)
+                      tensor (a kernel we cannot write is not a candidate; a lone op always is),
+                      as the generator describes itself (`Legality.capabilities`: legality never
+                      imports the generator)
     FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
                       threads within the device's limits; its form a priced choice (tensor or
                       CUDA cores; on a CPU a lone anchor as our C or the library call)
@@ -29,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
-from fusesearch.backends.codegen import cpu_fusable, generatable
-from fusesearch.candidates.decision import FusionDecision
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.candidates.capabilities import Capabilities
 from fusesearch.costing import cheapest, device_choices, kernel_cost
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, lower_as_library, try_lower
 
@@ -84,9 +85,10 @@ class Lowerable:
 @dataclass(frozen=True)
 class Generatable:
     """A fused group is one generated kernel, so the generator must have code for each of its ops
-    and a C type for each of its tensors (`codegen.generatable`), and on a CPU a group the C
-    backend writes well (`codegen.cpu_fusable`); a lone op stays a candidate whatever it is (it runs as
-    a library call where it is not generated)."""
+    and a C type for each of its tensors (`Capabilities.generatable`), and on a CPU be a group the
+    C backend writes well (`Capabilities.cpu_fusable`): both read from `legality.capabilities`,
+    the generator's own description; a lone op stays a candidate whatever it is (it runs as a
+    library call where it is not generated)."""
 
     name: str = "generatable"
 
@@ -94,10 +96,10 @@ class Generatable:
         if len(nodes) == 1:
             return FusionDecision.accept()
         if legality.device.kind == "cpu":
-            decision = cpu_fusable(legality.graph, kernel)
+            decision = legality.capabilities.cpu_fusable(legality.graph, kernel)
             if not decision:
                 return decision
-        return generatable(legality.graph, kernel)
+        return legality.capabilities.generatable(legality.graph, kernel)
 
 
 LONE_ANCHORS = ("priced", "library", "generated")
@@ -137,8 +139,9 @@ def _lone_anchor_choices(legality: Legality, options: tuple[Kernel, ...]) -> tup
     """A lone anchor's choices as `legality.lone_anchors` allows: our kernels only where the
     generator writes them well (else, and under "library", the library call alone)."""
     graph, kernel = legality.graph, options[0]
-    ours_ok = (legality.lone_anchors != "library" and bool(generatable(graph, kernel))
-               and (legality.device.kind == "gpu" or bool(cpu_fusable(graph, kernel))))
+    able = legality.capabilities
+    ours_ok = (legality.lone_anchors != "library" and bool(able.generatable(graph, kernel))
+               and (legality.device.kind == "gpu" or bool(able.cpu_fusable(graph, kernel))))
     ours = tuple(k for k in options if k.impl == "generated")
     library = tuple(k for k in options if k.impl == "library")
     if not ours_ok or not ours:
@@ -151,11 +154,13 @@ DEFAULT_RULES: tuple[FusionRule, ...] = (MaxGroupSize(), Lowerable(), Generatabl
 
 @dataclass
 class Legality:
-    """The rules bound to one graph, device and cost model, with a memo of every verdict."""
+    """The rules bound to one graph, device, cost model and code generator (what it writes:
+    `codegen.CAPABILITIES`), with a memo of every verdict."""
 
     graph: Graph
     device: DeviceSpec
     model: RooflineModel
+    capabilities: Capabilities
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
     lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run

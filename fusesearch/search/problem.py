@@ -2,8 +2,8 @@
 
 Problem: four strategies (none, rules, greedy, cpsat) must be interchangeable behind one call and
 compared on the same costs.
-Approach: a `SearchProblem` bundles the graph, the legality rules bound to a device and cost model
-(with their memo of verdicts), and the configuration (time limit, seed, workers, max group
+Approach: a `SearchProblem` bundles the graph, the legality rules bound to a device, a cost model
+and what the code generator writes (`codegen.CAPABILITIES`; with their memo of verdicts), and the configuration (time limit, seed, workers, max group
 size, enumeration budget). A solver returns a `SolveResult`: a partition of the nodes into groups,
 its predicted time, a status and, for exact solvers, a bound.
 Invariants: a SolveResult's groups partition the graph's nodes (checked by `validate_plan`
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from costmodels import DeviceSpec, RooflineModel
+from fusesearch.backends.codegen import CAPABILITIES
 from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
 from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality
 from fusesearch.ir.graph import Graph
@@ -47,7 +48,7 @@ class SearchProblem:
     def build(cls, graph: Graph, device: DeviceSpec, model: RooflineModel,
               config: SearchConfig | None = None) -> SearchProblem:
         config = config or SearchConfig()
-        return cls(graph, Legality(graph, device, model, config.max_group_size,
+        return cls(graph, Legality(graph, device, model, CAPABILITIES, config.max_group_size,
                                    lone_anchors=config.lone_anchors), config)
 
     def time_s(self, nodes: Iterable[int]) -> float:

@@ -12,9 +12,9 @@ from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, load_device
 from fusesearch.backends import cpu, emulate
-from fusesearch.backends.codegen import GENERATED_OPS, cuda_module, generate
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.backends.codegen import CAPABILITIES, GENERATED_OPS, cuda_module, generate
 from fusesearch.candidates.rules import Legality
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.op_kind import OP_KINDS, OpKind
 from fusesearch.lowering import lower
@@ -319,7 +319,7 @@ def test_legality_accepts_the_fused_group(tmp_path, case):
     """Lowering and the legality rules take these groups whole, so a plan can fuse them."""
     prep, _ = _prepared(tmp_path, *FUSED[case])
     device, params = load_device("h100-sxm")
-    verdict = Legality(prep.graph, device, RooflineModel(params)).check(range(len(prep.graph)))
+    verdict = Legality(prep.graph, device, RooflineModel(params), CAPABILITIES).check(range(len(prep.graph)))
     assert verdict.decision, verdict.decision.reason
     assert lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))).template != "opaque"
 
@@ -387,7 +387,7 @@ def test_a_group_the_generator_cannot_write_is_not_a_candidate(tmp_path):
                        [("x", [4, 8])], [("y", None)], opset=17)
     prep = prepare(str(save(model, tmp_path / "prod.onnx")))
     device, params = load_device("h100-sxm")
-    legality = Legality(prep.graph, device, RooflineModel(params))
+    legality = Legality(prep.graph, device, RooflineModel(params), CAPABILITIES)
     verdict = legality.check({0, 1})
     assert not verdict.decision and "ReduceProd" in verdict.decision.reason and "no code generator" in verdict.decision.reason
     assert legality.check({0}).decision and legality.check({1}).decision

@@ -11,8 +11,7 @@ from onnx import TensorProto, helper
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CodegenRefused, generate, try_generate
-from fusesearch.candidates.decision import FusionDecision
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.op_kind import node_flops
 from fusesearch.lowering import lower

@@ -12,9 +12,9 @@ from onnx import TensorProto, helper
 
 from costmodels import RooflineModel, load_device
 from fusesearch.backends import cpu, emulate
-from fusesearch.backends.codegen import GENERATED_OPS, generate
-from fusesearch.candidates.group import FusionGroup
-from fusesearch.candidates.rules import FusionDecision, Legality
+from fusesearch.backends.codegen import CAPABILITIES, GENERATED_OPS, generate
+from fusesearch.candidates.rules import Legality
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.op_kind import OpKind, kind_of, node_flops
 from fusesearch.ir.pool import pool_window
 from fusesearch.lowering import lower, try_lower
@@ -191,7 +191,7 @@ def test_the_stem_group_is_legal_and_prices_the_conv_recomputed_per_tap(tmp_path
     prep = _prepared(tmp_path, nodes, inputs, inits)
     graph = prep.graph
     device, params = load_device("h100-sxm")
-    verdict = Legality(graph, device, RooflineModel(params)).check(range(len(graph)))
+    verdict = Legality(graph, device, RooflineModel(params), CAPABILITIES).check(range(len(graph)))
     assert verdict.decision, verdict.decision.reason
     kernel = verdict.kernel
     conv, relu, pool = graph.nodes

@@ -14,7 +14,7 @@ from onnx import helper
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import cpu_conv, generate
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower, try_lower
 from fusesearch.pipeline import prepare

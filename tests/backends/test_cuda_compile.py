@@ -25,8 +25,8 @@ from costmodels.resources import grid_blocks
 from fusesearch.api import for_device, resolve_device
 from fusesearch.api import plan as make_plan
 from fusesearch.backends.codegen import cuda_module, generate
-from fusesearch.candidates.group import FusionGroup
 from fusesearch.costing import priced_kernel
+from fusesearch.groups import FusionGroup
 from fusesearch.lowering import choices, lower
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES

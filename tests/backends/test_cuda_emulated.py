@@ -22,7 +22,7 @@ from fusesearch.backends import emulate
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.codegen.base import Arg, GeneratedKernel
 from fusesearch.backends.codegen.mma import TOLERANCE  # else 1e-4 (see above)
-from fusesearch.candidates.group import FusionGroup
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare

@@ -222,8 +222,8 @@ def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_ba
     graph's (--baseline library) runs through ONNX Runtime, predicted at the library call's price
     (its plan made with `library_anchors`)."""
     from costmodels import RooflineModel, host_cpu, host_params
-    from fusesearch.candidates.group import FusionGroup
     from fusesearch.costing import kernel_cost
+    from fusesearch.groups import FusionGroup
     from fusesearch.lowering import lower, try_lower
     from fusesearch.pipeline import prepare
 
@@ -434,7 +434,7 @@ def test_a_library_node_reads_the_models_weights_as_initializers(tmp_path):
     once, as in the whole model) and takes only the activations as inputs; the runner writes into
     the same arrays every call, equal to ONNX Runtime's run of the whole model."""
     from fusesearch.backends.library import library_runner, node_model
-    from fusesearch.candidates.group import FusionGroup
+    from fusesearch.groups import FusionGroup
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.lowering import lower_as_library
     from fusesearch.pipeline import prepare

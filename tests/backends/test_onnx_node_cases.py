@@ -36,8 +36,8 @@ from onnx import numpy_helper
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CTYPES, GENERATED_OPS, CodegenRefused, generate
-from fusesearch.candidates.group import FusionGroup
 from fusesearch.errors import BadInput
+from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.load import MIN_OPSET, TARGET_OPSET
 from fusesearch.lowering import _lower_checked, lower, reduced_rows

@@ -58,8 +58,9 @@ emitted statements are the same text in both languages; only the skeleton around
                the group a row kernel, above.)
 
 The opaque template is not generated (`generate` refuses it with a reason: a library call).
-What may be fused at all is asked before a group is priced: `generatable` (every op has code here,
-every tensor a C type) and, on a CPU, `cpu_fusable` (what the C backend writes too slowly to be
+What may be fused at all is asked before a group is priced, through `CAPABILITIES` (the value
+legality receives): `generatable` (every op has code here, every tensor a C type) and, on a CPU,
+`cpu_fusable` (what the C backend writes too slowly to be
 worth fusing: a ConvTranspose, a pool in front of an anchor).
 C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
 the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call log/tanh's vector variants
@@ -97,15 +98,16 @@ from fusesearch.backends.codegen.pointwise import _pointwise
 from fusesearch.backends.codegen.rowwise import ROW_OPS, _rowwise
 from fusesearch.backends.codegen.tiled import _tiled
 from fusesearch.backends.codegen.vectorized import _vectorized
-from fusesearch.candidates.decision import FusionDecision
+from fusesearch.candidates.capabilities import Capabilities
+from fusesearch.groups import FusionDecision
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import CPU_SKELETONS, grid_stride
 
-__all__ = ["CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel", "cuda_module",
-           "generatable", "generate", "module_namespace", "try_generate"]
+__all__ = ["CAPABILITIES", "CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel",
+           "cpu_fusable", "cuda_module", "generate", "module_namespace", "try_generate"]
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
@@ -179,20 +181,6 @@ def try_generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKerne
         return exc.decision
 
 
-def generatable(graph: Graph, kernel: Kernel) -> FusionDecision:
-    """Whether the generator can write the kernel at all, decided from its ops and dtypes alone
-    (cheap enough for every candidate): each op has code here and each tensor a C type. A group
-    that passes may still be refused by an op's attributes (`generate` says which)."""
-    for i in kernel.nodes:
-        n = graph.nodes[i]
-        if n.op_type not in GENERATED_OPS:
-            return FusionDecision.refuse(f"{n.name}({n.op_type}) has no code generator: it runs alone")
-    for t in (*kernel.inputs, *kernel.outputs):
-        if graph.tensors[t].dtype not in CTYPES:
-            return FusionDecision.refuse(f"dtype {graph.tensors[t].dtype} of '{t}' is not generated: its ops run alone")
-    return FusionDecision.accept()
-
-
 # Anchors the C backend writes only as a per-output gather loop (no packed or BLAS path), so a
 # fused group holding one loses to the library by far more than any fusion saves: on a CPU they
 # stay alone, library calls (legality refuses them fused; `run` runs them in ONNX Runtime)
@@ -224,3 +212,6 @@ def cpu_fusable(graph: Graph, kernel: Kernel) -> FusionDecision:
 
 GENERATED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_VARIADIC) | frozenset(_HANDLERS) | ROW_OPS
 """Every op the generator has code for (its tables and handlers, and the row reductions)."""
+
+CAPABILITIES = Capabilities(GENERATED_OPS, frozenset(CTYPES), cpu_fusable)
+"""What this generator writes, as legality reads it (`Legality.capabilities`)."""

@@ -33,7 +33,7 @@ from fusesearch.backends.codegen.c_prelude import (
     WIDE_CALLS,
 )
 from fusesearch.backends.codegen.hoist import hoist_loop_invariants
-from fusesearch.candidates.decision import FusionDecision
+from fusesearch.groups import FusionDecision
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char",
           "float16": "fs_half", "bfloat16": "fs_bfloat16"}  # storage types (pointers, arguments)
