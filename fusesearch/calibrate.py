@@ -154,7 +154,7 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
                    templates: Iterable[str] = TEMPLATES) -> list[tuple[str, frozenset[int], object]]:
     """Every legal, non-alias candidate of each model whose template is generated: (model, nodes,
     kernel), in a deterministic order. A lone anchor is its library call, also where a CPU plan
-    runs it as our C (`costing.priced_kernel` chooses by both efficiencies): `library_efficiency`
+    runs it as our C (`costing.cheapest` chooses by both efficiencies): `library_efficiency`
     is fitted on those calls, the generated efficiencies on the fused groups, whose C is the same
     product with a prologue and an epilogue."""
     from fusesearch.backends.codegen import CAPABILITIES

@@ -18,23 +18,26 @@ Approach: checks first (each refusal is a `FusionDecision` with its reason), the
 
 Traffic is compulsory traffic: each external input (weights included) read once, each tensor
 used outside the group (or a graph output) written once. How the kernel runs is decided here,
-once, as its `Schedule` (fusesearch/schedule.py), which the generator writes as given: a BM×BN tile
-with A and B staged once per K step as float (`tiled`, where the anchor is a GEMM view and the
-epilogue keeps positions; for a fused group whose operands have tensor cores — float32 as TF32
-while `Graph.allow_tf32`, float16, bfloat16 — `mma-*` instead: 4 warps, a tile of MMA_TILES,
-1 or 2 stages, `mma_smem_bytes`; `try_lower(..., tensor_cores=False)` gives the CUDA-core form, and
-the search keeps whichever the device runs faster: `costing.priced_kernel`), else a thread per output with its dot product inline (`direct`); under
+as its `Schedule` (fusesearch/schedule.py), which the generator writes as given. A group may have
+several: `choices` lists them all, default first, and the search keeps the cheapest on its device
+(`costing.cheapest`). A gemm/conv group on a GPU: a BM×BN tile with A and B staged once per K step
+as float (`tiled`, one choice per tile of `schedule.gemm_tiles`, where the anchor is a GEMM view and
+the epilogue keeps positions; where its operands have tensor cores — float32 as TF32 while
+`Graph.allow_tf32`, float16, bfloat16 — also `mma-*`, 4 warps, one choice per tile of
+`schedule.mma_tiles`, 1 or 2 stages, `mma_smem_bytes`), else a thread per output with its dot
+product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
-a CPU device (`try_lower(..., host=True)`, asked by `costing.priced_kernel`) a gemm/conv, fused or
+a CPU device (`choices(..., host=True)`, asked by `costing.device_choices`) a gemm/conv, fused or
 alone, is `packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
 scale, folded into the product, not at all: `schedule.folded_scale`; on any device a GELU's
 x / sqrt 2 and + 1, folded into its one call, not at all either: `schedule.gelu_chains`),
-the product materialized once under a pool or a reordering epilogue. A lone gemm/conv (a library call) whose
-output has fewer than TARGET_BLOCKS tiles splits K across blocks (split-K, as cuBLAS does for
-skinny problems) and pays the fp32 partial sums' round trip; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
+the product materialized once under a pool or a reordering epilogue. A lone gemm/conv is first the
+library call (on a GPU, with fewer than TARGET_BLOCKS output tiles, it splits K across blocks as
+cuBLAS does for skinny problems and pays the fp32 partial sums' round trip: `schedule.split_k`),
+then our generated forms, each priced as itself; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
 tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free; an op
 upstream of a MaxPool/AveragePool in the group is charged once per window tap that reads its
@@ -183,7 +186,7 @@ def lower(graph: Graph, group: FusionGroup) -> Kernel:
 def try_lower(graph: Graph, group: FusionGroup, *, host: bool = False) -> Kernel | FusionDecision:
     """The group's default choice (the first of `choices`: a library's heuristic tile, tensor
     cores where the operands have them; on a CPU a gemm/conv's C), or the refusal. A plan's kernel
-    is the cheapest choice on its device (`costing.priced_kernel`), not necessarily this one."""
+    is the cheapest choice on its device (`costing.cheapest`), not necessarily this one."""
     result = choices(graph, group, host=host)
     return result if isinstance(result, FusionDecision) else result[0]
 

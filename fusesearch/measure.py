@@ -23,7 +23,7 @@ its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library 
     anything else ................................ the generated kernel
 
 The plan runs as it is priced (a CPU plan runs a lone anchor as our C unless the library is
-priced faster: `costing.priced_kernel`); the baseline says how the unfused graph's lone anchors
+priced faster: `costing.cheapest`); the baseline says how the unfused graph's lone anchors
 run, the library's (the reference a user of ONNX Runtime knows) or ours. A CPU library call
 runs as ONNX Runtime runs the node inside the whole model (`backends.library`: its weights
 initializers, pre-packed; IO binding, no output allocation), and ONNX Runtime's fixed cost of

@@ -14,7 +14,7 @@ from fusesearch.backends.codegen import CodegenRefused, generate, try_generate
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.op_kind import node_flops
-from fusesearch.lowering import lower
+from fusesearch.lowering import lower, try_lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
 from tests.conftest import make_model, save
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
 
 def check_group(prep, values, node_ids) -> None:
-    kernel = lower(prep.graph, FusionGroup(frozenset(node_ids)))
+    kernel = try_lower(prep.graph, FusionGroup(frozenset(node_ids)), host=True)  # as the CPU runs it
     gk = generate(prep.graph, kernel)
     out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
     for a in gk.outputs:
@@ -320,7 +320,7 @@ def test_gelu_and_softmax_use_the_inline_math(tmp_path):
              helper.make_node("Mul", ["c", "s"], ["g"]), helper.make_node("Softmax", ["g"], ["y"], axis=-1)]
     inits = [("rs2", np.float32(2.5)), ("one", np.float32(1.0)), ("s", np.float32(30.0))]  # erf up to ~10
     prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [6, 40])], [("y", None), ("g", None)], inits)
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    gk = generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True))
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     assert "erff(" not in body.replace("fs_erff(", "") and "expf(" not in body.replace("fs_expf(", "")
     rows = 2 if "r_1 = r_0 + 1" in body else 1  # the rows of 40 run in pairs: each statement per row
@@ -372,7 +372,7 @@ def test_a_cached_row_is_read_back_by_every_later_pass(tmp_path, one_row_at_a_ti
              ("pos", np.random.default_rng(1).standard_normal((6, 24)).astype(np.float32)),
              ("eps", np.float32(1e-5))]
     prep = whole_graph_as_one_group(tmp_path, nodes, [("ids", [6], TensorProto.INT64)], [("y", None)], inits)
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    gk = generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True))
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     passes = body.split("for (long long j = 0;")[1:]
     assert len(passes) == 3 and "rb0[j] = " in passes[0]
@@ -384,7 +384,7 @@ def test_a_row_over_several_dims_is_indexed_without_division(tmp_path):
     column, so the loop holds no division or modulo the compiler must keep. Equal to ONNX Runtime."""
     nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["y"])]
     prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 5, 7])], [("y", None)])
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    gk = generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True))
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     loads = [line for line in body.splitlines() if "in0[" in line]
     assert loads and all("/" not in x and "%" not in x for x in loads)
@@ -420,7 +420,7 @@ def test_per_row_values_are_hoisted_out_of_the_element_loops(tmp_path, one_row_a
              ("eps", np.float32(1e-5)), ("gamma", rng.standard_normal(24).astype(np.float32)),
              ("beta", rng.standard_normal(24).astype(np.float32))]
     prep = whole_graph_as_one_group(tmp_path, nodes, [("ids", [6], TensorProto.INT64)], [("y", None)], inits)
-    gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+    gk = generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True))
     body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
     ids = next(a.name for a in gk.inputs if a.tensor == "ids")
     loops = _loop_bodies(body, "j")
@@ -458,7 +458,7 @@ def test_long_row_reductions_keep_partial_results(tmp_path, one_row_at_a_time):
         inits = [("g", rng.standard_normal(length).astype(np.float32)),
                  ("b", rng.standard_normal(length).astype(np.float32)), ("s", np.float32(8.0))]
         prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [5, length])], [("y", None)], inits)
-        gk = generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph))))))
+        gk = generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True))
         body = gk.c_source[gk.c_source.index(f"void {gk.name}("):]
         assert body.count(f"[{C_PARTIALS}];") == (4 if partial else 0)  # mean, variance, max, sum
         if partial:  # the tail, then each reduction's partials folded by the prelude's tree
@@ -467,7 +467,7 @@ def test_long_row_reductions_keep_partial_results(tmp_path, one_row_at_a_time):
 
 
 def _source(prep) -> str:
-    return generate(prep.graph, lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))).c_source
+    return generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)).c_source
 
 
 def _body(prep) -> str:
