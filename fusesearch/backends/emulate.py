@@ -20,7 +20,9 @@ tensor core reads them (TF32: 10 mantissa bits); cp.async is a synchronous copy;
 executable model of the CUDA programming model, good for correctness (every thread, barrier and
 shuffle happens), useless for timing.
 `module` does the same for many kernels at once: the CUDA program's one module
-(`codegen.cuda_module`), one launcher per kernel.
+(`codegen.cuda_module`), one launcher per kernel; `HostDevice` is the CUDA program's device on
+host memory (`run.CudaProgram` on the emulate backend's `program_device`), with the methods of
+`cupy.Device`.
 Invariants: the source is compiled byte for byte as `kernel_runner` (or the CUDA program's
 module) would send it to NVRTC (only the header is prepended, the launchers appended); a
 barrier that some thread never reaches (it skipped a `__syncthreads` or a warp-collective
