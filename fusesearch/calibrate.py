@@ -93,14 +93,14 @@ from costmodels.calibration import (
     spearman,
 )
 from costmodels.profile import default_versions, installed_versions
+from fusesearch.backends.registry import Backend, get_backend, table_name_for_gpu
 from fusesearch.errors import BadInput
 from fusesearch.groups import FusionGroup
 from fusesearch.lowering import lower
-from fusesearch.measure import CALL_FLOOR_S, gpu_library_call, max_rel_err
+from fusesearch.verify import max_rel_err
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("cpu", "cupy")
 DEFAULT_MODELS = {"cpu": ("bert-small", "resnet18", "mobilenetv2", "vit-small"),
                   "cupy": ("bert-base", "resnet50", "mobilenetv2", "vit-base", "gpt2", "yolo-neck",
                            "unet")}
@@ -253,52 +253,20 @@ def runs_through_library(kernel) -> bool:
     return kernel.schedule.impl == "library"
 
 
-def backend_device_name(backend: str) -> str:
+def backend_device_name(backend: Backend | str) -> str:
     """The cost-model device a backend measures: 'host' on cpu; on cupy the table entry that
     matches the visible GPU (BadInput when there is no GPU, or when it matches no entry)."""
-    if backend == "cpu":
-        return "host"
-    from fusesearch.backends import cupy as gpu
-
-    decision = gpu.available()
-    if not decision:
-        raise BadInput(f"--backend cupy: {decision.reason}; no GPU here, use --backend cpu")
-    cuda_name = gpu.device_name()
-    name = table_name_for_gpu(cuda_name)
-    if name is None:
-        raise BadInput(f"--backend cupy: the GPU '{cuda_name}' matches no built-in device; "
-                       "pass --device NAME for the closest entry of `fusesearch devices`")
-    return name
+    return get_backend(backend).cost_device()
 
 
-def table_name_for_gpu(cuda_name: str) -> str | None:
-    """The DEVICES entry for a CUDA device name ('NVIDIA H200' -> 'h200'), None if unknown."""
-    text = cuda_name.lower().replace("geforce", "").replace("nvidia", "").replace("tesla", "")
-    tokens = text.replace("-", " ").split()
-    joined = "".join(tokens)
-    if "h200" in joined:
-        return "h200"
-    if "h100" in joined:
-        return "h100-pcie" if "pcie" in joined else "h100-sxm"
-    if "a100" in joined:
-        big = "80gb" in joined
-        pcie = "pcie" in joined
-        return ("a100-80gb" if big else "a100-40gb") + ("-pcie" if pcie else "")
-    for name in ("l40s", "l4", "a10", "t4", "v100"):
-        if name in tokens or joined.startswith(name):
-            return "v100-sxm2" if name == "v100" else name
-    for name in ("rtx3090", "rtx4090"):
-        if name in joined:
-            return name[:3] + "-" + name[3:]
-    return None
-
-
-def check_profile_for_backend(device_arg: str | None, backend: str, *, measured: str | None = None) -> None:
+def check_profile_for_backend(device_arg: str | None, backend: Backend | str, *,
+                              measured: str | None = None) -> None:
     """A profile (a .json --device) may only be used where its device is the one measured:
     its `backend` must be this backend and its device name the backend's device ('host' on cpu,
     the visible GPU's table entry on cupy, or `measured` when given). BadInput otherwise."""
     if not device_arg:
         return
+    backend = get_backend(backend).name
     from costmodels import CostModelError, load_profile
     from costmodels.profile import load_device
 
@@ -321,7 +289,7 @@ def check_profile_for_backend(device_arg: str | None, backend: str, *, measured:
         raise BadInput(f"--device {text}: this profile is for device '{profile.device.name}', but "
                        f"--backend {backend} measures '{expected}'; calibrate a profile for "
                        f"'{expected}' or drop --device")
-    if backend == "cpu":
+    if expected == "host":
         _check_same_host(text, profile.device)
 
 
@@ -340,7 +308,7 @@ def _check_same_host(text: str, device: DeviceSpec) -> None:
                        f"{device.sm_count} (or calibrate again with this setting)")
 
 
-def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, object], backend: str,
+def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, object], backend: Backend | str,
                        device: DeviceSpec, params: RooflineParams, *, seed: int = 0,
                        budget_s: float | None = None, max_kernel_s: float | None = None,
                        progress: Callable[[Candidate], None] | None = None,
@@ -351,14 +319,13 @@ def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, obje
     (KernelSpec fields, how it ran, model prediction, measured time, ptxas registers of a generated
     kernel). `progress` is called once per candidate and round. Returns (rows, counts of skipped
     kernels by reason)."""
-    rounds = ROUNDS[backend] if rounds is None else rounds
-    if backend not in BACKENDS:
-        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
-    budget_s = BUDGET_S[backend] if budget_s is None else budget_s
-    max_kernel_s = MAX_KERNEL_S[backend] if max_kernel_s is None else max_kernel_s
-    runner = _CpuRunner() if backend == "cpu" else _GpuRunner()
+    backend = get_backend(backend)
+    rounds = ROUNDS[backend.name] if rounds is None else rounds
+    budget_s = BUDGET_S[backend.name] if budget_s is None else budget_s
+    max_kernel_s = MAX_KERNEL_S[backend.name] if max_kernel_s is None else max_kernel_s
+    runner = _Runner(backend)
     reg_ok = registers and _register_toolchain()
-    with _openmp_threads(device.sm_count if backend == "cpu" else 0):
+    with _openmp_threads(device.sm_count if device.kind == "cpu" else 0):
         return _measure_all(candidates, preps, runner, RooflineModel(params), device, seed, budget_s,
                             max_kernel_s, progress, reg_ok, rounds)
 
@@ -393,14 +360,14 @@ def _measure_all(candidates, preps, runner, model, device, seed, budget_s, max_k
             data[cand.model] = _model_data(preps[cand.model], seed)
         row = _first_round(cand, data[cand.model], runner, budget_s, max_kernel_s, skipped)
         if row is not None:
-            row["timings"] = [runner.net(row["how"], t, costs) for t in row["timings"]]
+            row["timings"] = [costs.net(row["how"], t) for t in row["timings"]]
             kept.append((cand, row))
         if progress:
             progress(cand)
     for _ in range(rounds - 1):  # later rounds, minutes apart for the same kernel
         costs = runner.call_costs(budget_s)
         for cand, row in kept:
-            row["timings"].append(runner.net(row["how"], _time_round(cand, data[cand.model], runner, budget_s), costs))
+            row["timings"].append(costs.net(row["how"], _time_round(cand, data[cand.model], runner, budget_s)))
             if progress:
                 progress(cand)
     rows = []
@@ -484,88 +451,38 @@ def _library_label(graph, kernel) -> str:
     return f"library:{node.op_type}:{shapes}"
 
 
-class _CpuRunner:
-    """Candidates on the host: a generated kernel through ctypes (`cpu.runner`), a library call as
-    ONNX Runtime runs the node inside a model (`library.library_runner`: IO binding, its weights
-    initializers). Each round's samples are net of what the calling path adds and a plan's program
-    never pays per kernel, as in `measure`: a C call that does nothing for a generated kernel, ONNX
-    Runtime's fixed cost of one Run (from `library.null_runs`) for a library call."""
+class _Runner:
+    """Candidates on a backend, as `measure` runs them: a generated kernel through the backend's
+    `runner`, a library call through its `library_call` (ONNX Runtime as inside a model on the
+    CPU, the array library with CuPy on a GPU: None where it has no kernel), each timed by the
+    backend's clock with its L2 flush (a GPU's) before each sample. Each round's samples are net
+    of what the calling path adds and a plan's program never pays per kernel (the backend's
+    `null_calls`, timed between rounds: a C call that does nothing, ONNX Runtime's fixed cost of
+    one Run; none on a GPU, whose events time the device's work alone)."""
 
-    def prepare(self, cand: Candidate, md: _ModelData) -> _Call:
-        from fusesearch.backends.timing import PerfCounterClock
-
-        kernel, graph = cand.kernel, md.prep.graph
-        inputs = {t: md.values[t] for t in kernel.inputs}
-        if runs_through_library(kernel):
-            from fusesearch.backends.library import library_runner
-
-            go, _ = library_runner(md.canonical, graph, kernel, inputs)
-            state: dict = {}
-
-            def run() -> None:
-                state.update(go())
-
-            return _Call("library", run, lambda: state, PerfCounterClock(), None, _library_label(graph, kernel))
-        from fusesearch.backends import cpu
-        from fusesearch.backends.codegen import generate
-
-        generated = generate(graph, kernel)
-        go = cpu.runner(generated, inputs)
-        outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
-        return _Call("generated", go, lambda: outputs, PerfCounterClock(), None, generated.source_hash)
-
-    def call_costs(self, budget_s: float) -> tuple[float, float, float]:
-        """(a null C call, ONNX Runtime's Run, one trivial node inside a Run), seconds: medians
-        timed now, between the rounds they are taken off."""
-        from fusesearch.backends import cpu
-        from fusesearch.backends.library import null_runs, run_costs
-        from fusesearch.backends.timing import PerfCounterClock
-        from fusesearch.verify import omp_threads
-
-        clock = PerfCounterClock()
-        call_s = _timed(cpu.null_runner(), clock, None, budget_s).median_s
-        one, chain = (_timed(r, clock, None, budget_s).median_s for r in null_runs(omp_threads()))
-        return (call_s, *run_costs(one, chain))
-
-    @staticmethod
-    def net(how: str, timing, costs: tuple[float, float, float]):
-        call_s, run_s, node_s = costs
-        return timing.less(call_s, CALL_FLOOR_S) if how == "generated" else timing.less(run_s, node_s)
-
-
-class _GpuRunner:
-    """Candidates on the visible GPU: a generated kernel through CuPy, a library call through the
-    array library (cuBLAS for a GEMM), each timed by CUDA events with an L2 flush before each
-    sample; nothing is taken off (the events time the device's work alone)."""
-
-    def __init__(self) -> None:
-        from fusesearch.backends import cupy as gpu
-
-        self.clock = gpu.CudaEventClock()
-        self.flush = gpu.l2_flusher(max(1, gpu.l2_bytes()))
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.clock = backend.clock()
+        self.flush = backend.flusher()
 
     def prepare(self, cand: Candidate, md: _ModelData) -> _Call | None:
-        from fusesearch.backends import cupy as gpu
-
         kernel, graph = cand.kernel, md.prep.graph
         if runs_through_library(kernel):
-            call, _ = gpu_library_call(graph.nodes[kernel.nodes[0]], md.values)
+            call, _ = self.backend.library_call(md.canonical, graph, kernel, md.values)
             if call is None:
                 return None
             return _Call("library", *call, self.clock, self.flush, _library_label(graph, kernel))
         from fusesearch.backends.codegen import generate
 
         generated = generate(graph, kernel)
-        launch, fetch = gpu.kernel_runner(generated, {t: md.values[t] for t in kernel.inputs})
-        return _Call("generated", launch, fetch, self.clock, self.flush, generated.source_hash)
+        run, fetch = self.backend.runner(generated, {t: md.values[t] for t in kernel.inputs})
+        return _Call("generated", run, fetch, self.clock, self.flush, generated.source_hash)
 
-    @staticmethod
-    def call_costs(budget_s: float) -> tuple[float, float, float]:
-        return 0.0, 0.0, 0.0
-
-    @staticmethod
-    def net(how: str, timing, costs):
-        return timing
+    def call_costs(self, budget_s: float):
+        """The backend's CallCosts: its null calls' medians, timed now, between the rounds they
+        are taken off."""
+        nulls = self.backend.null_calls(library=True, generated=True)
+        return nulls.costs([_timed(r, self.clock, None, budget_s).median_s for r in nulls.runs])
 
 
 def _prediction_row(cand: Candidate, model: RooflineModel, device: DeviceSpec) -> dict:
@@ -738,40 +655,22 @@ def _report_block(frame) -> dict:
     return block
 
 
-def versions(backend: str) -> dict[str, str]:
+def versions(backend: Backend | str) -> dict[str, str]:
     out = dict(default_versions())
-    extra = ("onnx", "onnxruntime", "pandas", "pyarrow") + (() if backend == "cpu" else ("cupy-cuda13x",))
-    out.update({("cupy" if k == "cupy-cuda13x" else k): v for k, v in installed_versions(extra).items() if v})
+    out.update({k: v for k, v in installed_versions(("onnx", "onnxruntime", "pandas", "pyarrow")).items() if v})
     out["platform"] = platform.platform()
-    if backend == "cpu":
-        out["cc"] = _cc_version()
+    out.update(get_backend(backend).versions())
     return out
 
 
-def _cc_version() -> str:
-    import subprocess
-
-    from fusesearch.backends import cpu
-
-    cc = cpu.compiler()
-    if cc is None:
-        return "none"
-    try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return cc
-    return (done.stdout.splitlines() or [cc])[0]
-
-
-def resolve_calibration_device(backend: str, device_arg: str | None) -> tuple[DeviceSpec, RooflineParams]:
+def resolve_calibration_device(backend: Backend | str, device_arg: str | None) -> tuple[DeviceSpec, RooflineParams]:
     """The device the backend measures, with starting parameters. `--device` may name it (it must
     be the measured one: 'host' on cpu, the visible GPU on cupy) or give a profile of it (its
     parameters are the starting point). BadInput for any mismatch."""
     from costmodels import CostModelError, load_device
 
-    if backend not in BACKENDS:
-        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
-    measured = backend_device_name(backend)
+    backend = get_backend(backend)
+    measured = backend.cost_device()
     if device_arg is None:
         spec, params = load_device(measured)
         return spec, params
@@ -782,16 +681,16 @@ def resolve_calibration_device(backend: str, device_arg: str | None) -> tuple[De
         raise BadInput(f"--device {text}: {exc}") from None
     check_profile_for_backend(text, backend, measured=measured)
     if spec.name != measured:
-        raise BadInput(f"--device {text}: --backend {backend} measures '{measured}', not "
+        raise BadInput(f"--device {text}: --backend {backend.name} measures '{measured}', not "
                        f"'{spec.name}'; calibrate on a machine with that device, or drop --device")
-    if backend == "cpu" and spec.name == "host":
+    if spec.name == "host":
         from costmodels import host_cpu
 
         spec = host_cpu()  # this machine's figures, even when the profile came from another run
     return spec, params
 
 
-def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] | None = None,
+def calibrate(backend: Backend | str, *, device: str | None = None, models: Sequence[str] | None = None,
               samples: int = 240, seed: int = 0, budget_s: float | None = None,
               rounds: int | None = None, bindings=None,
               progress: Callable[[str, int, int], None] | None = None) -> Calibration:
@@ -800,16 +699,17 @@ def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] 
     from fusesearch.api import for_device
     from fusesearch.pipeline import prepare
 
+    backend = get_backend(backend)
     if samples < 4:
         raise BadInput(f"--samples {samples}: give at least 4 (a few hundred for a useful fit)")
     spec, start = resolve_calibration_device(backend, device)
-    names = list(models or DEFAULT_MODELS[backend])
+    names = list(models or DEFAULT_MODELS[backend.name])
     preps = {}
     for name in names:
         source = name if (name.startswith("zoo:") or name.endswith(".onnx")) else f"zoo:{name}"
         preps[name] = for_device(prepare(source, bindings), spec, start)[0]  # TF32 where the device has it
     sample = sample_candidates(preps, spec, start, samples, seed)
-    total = len(sample.candidates) * (ROUNDS[backend] if rounds is None else rounds)
+    total = len(sample.candidates) * (ROUNDS[backend.name] if rounds is None else rounds)
     if progress:
         progress("sampled", 0, total)
     done = [0]
@@ -821,13 +721,13 @@ def calibrate(backend: str, *, device: str | None = None, models: Sequence[str] 
 
     rows, skipped = measure_candidates(sample.candidates, preps, backend, spec, start, seed=seed,
                                        budget_s=budget_s, progress=step, rounds=rounds)
-    extra = {"backend": backend, "device": spec.name, "models": names, "samples_requested": samples,
+    extra = {"backend": backend.name, "device": spec.name, "models": names, "samples_requested": samples,
              "sampled": len(sample.candidates), "measured": len(rows), "skipped": skipped,
              "sampling": dict(sample.counts),
-             "budget_s": BUDGET_S[backend] if budget_s is None else budget_s,
-             "rounds": ROUNDS[backend] if rounds is None else rounds,
-             "statistic": "least of the rounds' medians", "threads": spec.sm_count if backend == "cpu" else None}
-    return analyse(rows, spec, start, backend, seed, extra=extra)
+             "budget_s": BUDGET_S[backend.name] if budget_s is None else budget_s,
+             "rounds": ROUNDS[backend.name] if rounds is None else rounds,
+             "statistic": "least of the rounds' medians", "threads": spec.sm_count if spec.kind == "cpu" else None}
+    return analyse(rows, spec, start, backend.name, seed, extra=extra)
 
 
 # -- outputs ----------------------------------------------------------------------------------
@@ -934,7 +834,7 @@ def _num(x: float, digits: int = 3) -> str:
     return f"{x:5.{digits}f}"
 
 
-__all__ = ["BACKENDS", "Calibration", "Candidate", "FitResult", "accuracy", "analyse", "calibrate",
+__all__ = ["Calibration", "Candidate", "FitResult", "accuracy", "analyse", "calibrate",
            "check_profile_for_backend", "fit", "fit_registers", "fit_staged", "free_parameters",
            "keep_start", "kendall", "measure_candidates", "part_of", "plot", "predict", "report_lines",
            "runs_through_library",

@@ -649,20 +649,20 @@ def measure(
     and each fused anchor group vs its library anchor plus separate kernels."""
     from rich.progress import Progress
 
+    from fusesearch.backends.registry import get_backend
     from fusesearch.backends.timing import TimingCache
-    from fusesearch.measure import BACKENDS, BASELINES, measure_plan
+    from fusesearch.measure import BASELINES, measure_plan
     from fusesearch.pipeline import prepare
     from fusesearch.verify import check_memory
 
-    if backend not in BACKENDS:
-        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    runs_on = get_backend(backend)
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    if end_to_end and backend != "cpu":
+    if end_to_end and not runs_on.end_to_end:
         raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
-    _check_profile_backend(device, backend)
-    device = device or ("host" if backend == "cpu" else "h200")
+    _check_profile_backend(device, runs_on)
+    device = device or runs_on.default_device
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
@@ -671,9 +671,9 @@ def measure(
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
-        report = measure_plan(prep, plan_, unfused, backend, budget_s=budget, seed=seed,
+        report = measure_plan(prep, plan_, unfused, runs_on, budget_s=budget, seed=seed,
                               progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
-                              ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else backend == "cupy")
+                              ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda)
                               else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
     whole = _end_to_end(prep, plan_, unfused, seed, values) if end_to_end else None
     if output is not None:
@@ -830,20 +830,21 @@ def run(
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
+    from fusesearch.backends.registry import get_backend
     from fusesearch.pipeline import prepare
-    from fusesearch.run import require_backend, run_plan
+    from fusesearch.run import run_plan
     from fusesearch.verify import check_memory
 
-    emulated = backend == "emulate"
-    if not emulated:
-        require_backend(backend)
+    runs_on = get_backend(backend, timing=False)
+    runs_on.require(timing=False)
+    emulated = not runs_on.timed  # the CUDA program checked, not timed
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
     if emulated and output is not None:
-        raise BadInput("-o: --backend emulate checks correctness only and has no timings to write; drop -o")
-    device = device or ("host" if backend == "cpu" else "h200")
+        raise BadInput(f"-o: --backend {backend} checks correctness only and has no timings to write; drop -o")
+    device = device or runs_on.default_device
     if not emulated:
-        _check_profile_backend(device, backend)
-    if backend != "cpu":
+        _check_profile_backend(device, runs_on)
+    if runs_on.cuda:
         from fusesearch.api import resolve_device
 
         if resolve_device(device)[1].kind != "gpu":
@@ -863,7 +864,7 @@ def run(
     with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
         report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
                           check_each=check_each, input_values=values,
-                          progress=status.update if status else None, backend=backend)
+                          progress=status.update if status else None, backend=runs_on)
     report.model = prep.loaded.name
     if output is not None:
         with writing(output, "-o"):
@@ -885,11 +886,12 @@ def _plan_rtol(plan_) -> float:
 
 def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:
     """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
+    from fusesearch.backends.registry import EMULATE
     from fusesearch.pipeline import activation_bytes
     from fusesearch.run import run_emulated
 
     result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=values)
-    doc = {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": "emulate", **result, "rtol": rtol,
+    doc = {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": EMULATE.name, **result, "rtol": rtol,
            "activation_bytes": activation_bytes(prep.graph)}
     if json_out:
         _emit_json(doc)
@@ -922,8 +924,8 @@ def _nothing():
 
 
 def _print_run(report, output: Path | None) -> None:
-    where = "cpu" if report.backend == "cpu" else (
-        f"cupy ({'one CUDA graph' if report.cuda_graph else 'kernels launched one by one'}, CUDA events; "
+    where = report.backend if report.cuda_graph is None else (  # a host C program, or a CUDA program
+        f"{report.backend} ({'one CUDA graph' if report.cuda_graph else 'kernels launched one by one'}, CUDA events; "
         f"ONNX Runtime on {report.ort_provider})")
     table = Table(title=f"{report.model}: end to end on {where}, {report.threads} thread"
                         f"{'s' if report.threads != 1 else ''}, {report.repeat} runs", title_justify="left")
@@ -1047,9 +1049,9 @@ def calibrate(
     from rich.progress import Progress
 
     from fusesearch import calibrate as cal
+    from fusesearch.backends.registry import get_backend
 
-    if backend not in cal.BACKENDS:
-        raise BadInput(f"--backend {backend}: choose one of {', '.join(cal.BACKENDS)}")
+    get_backend(backend)
     names = [m.strip().removeprefix("zoo:") for m in (models or "").split(",") if m.strip()] or None
     if models is not None and not names:
         raise BadInput(f"--models {models!r}: names no model; give zoo names or .onnx paths, comma-separated "
@@ -1090,7 +1092,7 @@ def calibrate(
               f"plot to {paths['plot']}")
 
 
-def _check_profile_backend(device: str | None, backend: str) -> None:
+def _check_profile_backend(device: str | None, backend) -> None:
     """A profile given to `measure` must be of the device the backend measures (exit 2 if not)."""
     from fusesearch.calibrate import check_profile_for_backend
 

@@ -33,8 +33,12 @@ sample never falls below that share. Likewise a generated CPU kernel is timed th
 call from Python (about 1.5 us here) that a plan's program, one C call per segment of kernels,
 never pays per kernel: a C function that does nothing (`cpu.null_runner`) is timed in the same
 rounds and its median taken off each generated sample (at least CALL_FLOOR_S), so a plan of 32
-kernels is not credited with the calls of the 120 it replaces. Every kernel of both is prepared (generated, compiled, run once and checked) first, then all
-are timed together by `backends.timing.measure_interleaved` (perf_counter on CPU, CUDA events on
+kernels is not credited with the calls of the 120 it replaces (these are the CPU backend's
+`null_calls`, read by `registry.NullCalls.costs` and taken off by `CallCosts.net`; a GPU has
+none). Everything that differs between backends (runner, library call, clock, L2 flush, null
+calls, device name) is the `registry.Backend`'s. Every kernel of both is prepared (generated,
+compiled, run once and checked) first, then all are timed together by
+`backends.timing.measure_interleaved` (the backend's clock: perf_counter on CPU, CUDA events on
 GPU) in ROUNDS passes, each plan group next to the unfused kernels of its nodes: on a shared
 machine whose speed drifts over minutes, a fused kernel and what it replaces are still compared
 under the same conditions. Generated kernels' timings are cached by (source hash, shapes,
@@ -54,20 +58,19 @@ is NaN / None, never a guess.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fusesearch.backends.codegen import CodegenRefused, generate
-from fusesearch.backends.timing import PerfCounterClock, Timing, TimingCache, measure_interleaved
+from fusesearch.backends.registry import Backend, get_backend
+from fusesearch.backends.timing import Timing, TimingCache, measure_interleaved
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
 from fusesearch.verify import all_values, check_reference_dtypes, max_rel_err, random_feeds
 
-BACKENDS = ("cpu", "cupy")
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
 PER_NODE = "library per node"  # how a group the generator refuses runs: each node alone, summed
 @dataclass(frozen=True)
@@ -173,12 +176,12 @@ class MeasureReport:
         return pd.DataFrame(rows)
 
 
-def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: float = 0.2, seed: int = 0,
+def measure_plan(prep, plan: Plan, unfused: Plan, backend: Backend | str, *, budget_s: float = 0.2, seed: int = 0,
                  progress: Callable[[str], None] | None = None, cache: TimingCache | None = None,
                  ptxas_arch: str | None = None, flush_l2: bool = False,
                  baseline: str = "library", input_values: dict[str, np.ndarray] | None = None,
                  sampler: Callable[..., list[Timing]] = measure_interleaved) -> MeasureReport:
-    """`cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
+    """`backend`: a registered backend that times, or its name; `cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
     compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
     shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample;
     `baseline`: "library" runs the unfused graph's lone anchors through the library, "generated"
@@ -186,8 +189,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     `input_values`: inputs given by the user (`verify.parse_input_values`), the rest drawn;
     `sampler`: times the runs (`measure_interleaved`'s arguments and result; a test passes fixed
     samples, so what is taken off them is checked whatever the machine's speed)."""
-    if backend not in BACKENDS:
-        raise BadInput(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+    backend = get_backend(backend)
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     for label, p in (("plan", plan), ("unfused", unfused)):
@@ -195,7 +197,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
     runner = _Runner(prep, backend, budget_s, seed, cache, input_values)
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
-    runner.before_each = _l2_flush() if flush_l2 and backend == "cupy" else None
+    runner.before_each = backend.flusher() if flush_l2 else None
     items = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         for g in p.groups:
@@ -203,54 +205,22 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: str, *, budget_s: flo
             if progress:
                 progress(label)
     todo = [it for it in _paired_order(plan, unfused, items) if it.run is not None and it.timing is None]
-    nulls = []  # ONNX Runtime's Runs that compute nothing, timed among the rest where a library call is
-    if backend == "cpu" and any(it.how in ("library", PER_NODE) for it in todo):
-        from fusesearch.backends.library import null_runs
-        from fusesearch.verify import omp_threads
-
-        nulls = list(null_runs(omp_threads()))
-    call = []  # a C call that does nothing, where a generated kernel is timed through ctypes
-    if backend == "cpu" and any(it.how == "generated" for it in todo):
-        from fusesearch.backends import cpu
-
-        call = [cpu.null_runner()]
-    timings = sampler([it.run for it in todo] + nulls + call, clock=runner.clock, budget_s=budget_s,
+    # what the calling path adds and a program never pays (a ctypes call, ONNX Runtime's Run),
+    # timed among the rest where a kernel of that kind is
+    nulls = backend.null_calls(library=any(it.how in ("library", PER_NODE) for it in todo),
+                               generated=any(it.how == "generated" for it in todo))
+    timings = sampler([it.run for it in todo] + list(nulls.runs), clock=runner.clock, budget_s=budget_s,
                       rounds=ROUNDS, before_each=runner.before_each)
-    run_s = node_s = call_s = 0.0
-    if nulls:
-        from fusesearch.backends.library import run_costs
-
-        run_s, node_s = run_costs(*(t.median_s for t in timings[len(todo):len(todo) + 2]))
-    if call:
-        call_s = timings[-1].median_s
+    costs = nulls.costs([t.median_s for t in timings[len(todo):]])
     for it, timing in zip(todo, timings[:len(todo)], strict=True):
-        if it.how == "generated":  # the Python and ctypes cost of the call, which a program never pays
-            it.timing = timing.less(call_s, CALL_FLOOR_S)
-        else:
-            calls = len(it.group.kernel.nodes) if it.how in ("library", PER_NODE) and nulls else 0  # one Run each
-            it.timing = timing.less(run_s * calls, node_s * calls)
+        it.timing = costs.net(it.how, timing, len(it.group.kernel.nodes))  # one Run per library call
         if runner.cache and it.key:
             runner.cache.put(it.key, it.timing)
     done = [tuple(runner.finish(items[label, g.id]) for g in p.groups) for label, p in (("plan", plan), ("unfused", unfused))]
-    return MeasureReport(backend, runner.device, done[0], done[1], baseline)
-
-
-def gpu_library_call(node, values: dict):
-    """((launch, fetch), "") of one node through `arraylib` with cupy on its values (the array
-    library's kernel: cuBLAS for a GEMM), or (None, why) where the array library has none."""
-    from fusesearch.backends import arraylib
-
-    outputs = [t for t in node.outputs if t]
-    decision = arraylib.supports(node.op_type, node.attrs, len(outputs))
-    if not decision:
-        return None, f"no GPU library kernel for {node.name}({node.op_type}): {decision.reason}"
-    from fusesearch.backends import cupy as gpu
-
-    return gpu.library_runner(node.op_type, node.attrs, [values[t] if t else None for t in node.inputs], outputs), ""
+    return MeasureReport(backend.name, runner.device, done[0], done[1], baseline)
 
 
 ROUNDS = 5  # passes over every kernel; each gets budget_s / ROUNDS per pass
-CALL_FLOOR_S = 1e-8  # a generated CPU kernel's sample net of the ctypes call: at least a C call
 
 
 def _paired_order(plan: Plan, unfused: Plan, items: dict) -> list[_Item]:
@@ -286,14 +256,14 @@ class _Item:
 
 
 class _Runner:
-    def __init__(self, prep, backend: str, budget_s: float, seed: int, cache: TimingCache | None,
+    def __init__(self, prep, backend: Backend, budget_s: float, seed: int, cache: TimingCache | None,
                  input_values: dict[str, np.ndarray] | None = None) -> None:
         self.prep, self.backend, self.budget_s, self.cache = prep, backend, budget_s, cache
         self.canonical = to_proto(prep.canonical)
         self.values = all_values(self.canonical, random_feeds(self.canonical, seed, input_values),
                                  list(input_values or ()))
-        self.device = device_label(backend)
-        self.clock = PerfCounterClock() if backend == "cpu" else _gpu_clock()
+        self.device = backend.device_label()
+        self.clock = backend.clock()
         self.ptxas_arch: str | None = None
         self.before_each = None
         self.baseline = "library"
@@ -339,24 +309,16 @@ class _Runner:
         group in errors."""
         inputs = {t: self.values[t] for t in kernel.inputs}
         shapes = [list(self.values[t].shape) for t in kernel.inputs]
-        if generated is not None and self.backend == "cpu":
-            from fusesearch.backends import cpu
-
-            go = cpu.runner(generated, inputs)
-            outputs = dict(zip((a.tensor for a in generated.outputs), go.buffers[len(generated.inputs):], strict=True))
-            return go, lambda: outputs, "generated", self._key(generated, shapes), ""
         if generated is not None:
-            from fusesearch.backends import cupy as gpu
-
-            launch, fetch = gpu.kernel_runner(generated, inputs)
-            return launch, fetch, "generated", self._key(generated, shapes), ""
+            run, fetch = self.backend.runner(generated, inputs)
+            return run, fetch, "generated", self._key(generated, shapes), ""
         how = "library" if len(kernel.nodes) == 1 else PER_NODE
-        if self.backend == "cpu":
-            calls = [self._cpu_library(part, where) for part in self._parts(kernel)]
-        else:
-            calls, why = self._gpu_library(kernel)
-            if calls is None:
+        calls = []
+        for part in self._parts(kernel):
+            call, why = self._library(part, where)
+            if call is None:
                 return None, None, "not measured", None, why
+            calls.append(call)
 
         def run() -> None:  # each node on its reference inputs, one after another
             for launch, _ in calls:
@@ -377,44 +339,30 @@ class _Runner:
 
         return [lower_as_library(self.prep.graph, FusionGroup.single(i)) for i in kernel.nodes]
 
-    def _cpu_library(self, part, where: str):
-        """(run, fetch) of one node through ONNX Runtime, tried once; BadInput naming the group,
-        the op and the dtypes when ONNX Runtime cannot run it alone."""
-        from fusesearch.backends.library import library_runner
-
-        state: dict = {}
+    def _library(self, part, where: str):
+        """((run, fetch), "") of one node through the backend's library, run once, or (None, why)
+        where the library has no kernel for it; where the library runs every op (ONNX Runtime),
+        its refusal is the model's: BadInput naming the group, the op and the dtypes."""
         try:
-            go, _ = library_runner(self.canonical, self.prep.graph, part, {t: self.values[t] for t in part.inputs})
-            state.update(go())
+            call, why = self.backend.library_call(self.canonical, self.prep.graph, part, self.values)
+            if call is not None:
+                call[0]()
         except Exception as exc:  # ONNX Runtime's refusal (or a dtype numpy lacks): the user's model
+            if not self.backend.library_has_every_op:
+                raise
             graph = self.prep.graph
             node = graph.nodes[part.nodes[0]]
             dtypes = [",".join(dict.fromkeys(graph.tensors[t].dtype for t in ts if t in graph.tensors)) or "-"
                       for ts in (node.inputs, node.outputs)]
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise BadInput(f"{where}: node '{node.name}' ({node.op_type}, {dtypes[0]} -> {dtypes[1]}) has no "
-                           f"generated kernel and cannot run alone through ONNX Runtime ({first}); measure "
-                           "cannot time this model on --backend cpu") from None
-
-        def run() -> None:
-            state.update(go())
-
-        return run, lambda: state
-
-    def _gpu_library(self, kernel):
-        """((launch, fetch) per node through `arraylib` with cupy, "") or (None, why not measured)."""
-        calls = []
-        for part in self._parts(kernel):
-            call, why = gpu_library_call(self.prep.graph.nodes[part.nodes[0]], self.values)
-            if call is None:
-                return None, why
-            calls.append(call)
-        return calls, ""
+                           f"generated kernel and cannot run alone through {self.backend.library} ({first}); "
+                           f"measure cannot time this model on --backend {self.backend.name}") from None
+        return call, why
 
     def _key(self, generated, shapes) -> str:
         extra = f"budget={self.budget_s};flush={self.before_each is not None};net of the call"
-        if self.backend == "cpu":  # OpenMP's thread count changes a CPU kernel's time
-            extra += f";omp_threads={os.environ.get('OMP_NUM_THREADS', '')}"
+        extra += self.backend.timing_key()
         return TimingCache.key(generated.source_hash, shapes, self.device, extra)
 
     def _ptxas(self, generated) -> dict:
@@ -435,7 +383,7 @@ class _Runner:
                **g.kernel.spec().to_row(), "predicted_s": g.cost.time_s, "predicted_bound": g.cost.bound,
                "predicted_occupancy": g.cost.occupancy, "predicted_regs_per_thread": g.cost.regs_per_thread,
                "predicted_spill_bytes": g.cost.spill_bytes, "compute_unit": g.cost.compute_unit,
-               "max_rel_err": err, "backend": self.backend,
+               "max_rel_err": err, "backend": self.backend.name,
                "device": self.device, "source_hash": generated.source_hash if generated else None,
                "skeleton": generated.skeleton if generated else None,
                "cuda_grid": "x".join(map(str, generated.grid)) if generated else None}
@@ -450,28 +398,3 @@ def _none_if_nan(x: float | None) -> float | None:
 
 def _template(g) -> str:
     return "alias" if g.kernel.alias else g.kernel.template
-
-
-def device_label(backend: str) -> str:
-    if backend == "cpu":
-        from costmodels import host_cpu
-
-        return host_cpu().name
-    from fusesearch.backends import cupy as gpu
-
-    decision = gpu.available()
-    if not decision:
-        raise BadInput(f"--backend cupy: {decision.reason}; use --backend cpu on this machine")
-    return gpu.device_name()
-
-
-def _l2_flush():
-    from fusesearch.backends import cupy as gpu
-
-    return gpu.l2_flusher(gpu.l2_bytes())
-
-
-def _gpu_clock():
-    from fusesearch.backends.cupy import CudaEventClock
-
-    return CudaEventClock()

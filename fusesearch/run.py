@@ -42,9 +42,10 @@ with cupy (cuBLAS) and other library steps through ONNX Runtime on the device's 
 program captured once as a CUDA graph and replayed when every segment is generated; the
 programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
 CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
-report). `CudaProgram` only orchestrates; its device (`backends.cupy.Device`, or `HostDevice`:
-the CUDA emulator on host memory, `run_emulated`, correctness only) allocates, copies, launches
-and captures, so the emulator's tests run the GPU's orchestration.
+report). `CudaProgram` only orchestrates; its device (the backend's `program_device`:
+`backends.cupy.Device`, or `backends.emulate.HostDevice`: the CUDA emulator on host memory,
+`run_emulated`, correctness only) allocates, copies, launches and captures, so the emulator's
+tests run the GPU's orchestration.
 Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
 written by a step that reads a tensor at the same address; inputs and weights are never written;
 every kernel name in one library or module is unique; a CUDA graph is captured only
@@ -73,7 +74,9 @@ import onnx
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CodegenRefused, GeneratedKernel, generate
 from fusesearch.backends.cpu import aligned_array, aligned_empty, alignment
+from fusesearch.backends.cupy import CUDA_EP
 from fusesearch.backends.library import host_binding, node_model
+from fusesearch.backends.registry import Backend, get_backend
 from fusesearch.backends.timing import Timing
 from fusesearch.errors import BadInput, FusesearchError
 
@@ -584,7 +587,7 @@ def _array_library_call(graph, step: Step):
 
 class CudaProgram(Layout):
     """The plan as one CUDA program on a `device` — `backends.cupy.Device` (a GPU) or
-    `HostDevice` (the CUDA emulator on host memory): one device allocation for the arena at
+    `backends.emulate.HostDevice` (the CUDA emulator on host memory): one device allocation for the arena at
     `plan_arena`'s offsets, weights uploaded once, an input buffer per model input (so every
     pointer is fixed), every generated kernel in one module (`codegen.cuda_module`) launched in
     plan order with its own grid and block, a lone anchor the plan runs as a library call through
@@ -651,98 +654,22 @@ class CudaProgram(Layout):
             self._launch_all()
 
 
-class HostDevice:
-    """The CUDA program's device, emulated on the host (correctness only, never timing): memory
-    is numpy, the module is `emulate.module` (the same concatenated CUDA source, compiled as
-    C++), a launch runs every CUDA thread of the kernel's grid on host threads, a library step
-    runs in ONNX Runtime on the CPU bound to the host buffers, and a capture records the launches
-    in order for `replay` (as a CUDA graph replays its kernels)."""
-
-    name = "emulate"
-
-    def __init__(self) -> None:
-        self._recording: list[Callable[[], None]] | None = None
-
-    def module(self, kernels):
-        from fusesearch.backends import emulate
-
-        return emulate.module(kernels)
-
-    def alloc(self, nbytes: int) -> np.ndarray:
-        out = aligned_empty(nbytes)
-        out[...] = 0
-        return out
-
-    def upload(self, array: np.ndarray) -> np.ndarray:
-        return np.array(array, copy=True, order="C")
-
-    @staticmethod
-    def view(base: np.ndarray, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return base.reshape(-1).view(np.uint8)[offset:offset + nbytes].view(dtype).reshape(shape)
-
-    @staticmethod
-    def copy_in(buffer: np.ndarray, array: np.ndarray) -> None:
-        buffer[...] = array.reshape(buffer.shape)
-
-    @staticmethod
-    def copy_out(buffer: np.ndarray) -> np.ndarray:
-        return buffer.copy()
-
-    def launcher(self, fn, kernel, args) -> Callable[[], None]:
-        pointers = [a.ctypes.data for a in args]
-        return self._recorded(lambda: fn(pointers))
-
-    def library(self, make_session, inputs, outputs) -> Callable[[], None]:
-        return self._recorded(host_binding(make_session(None), [(t, lambda b=b: b) for t, b in inputs], outputs))
-
-    def array_library(self, op_type: str, attrs, inputs, outputs) -> Callable[[], None]:
-        """`arraylib`'s function for the node with numpy over the host buffers (None: an omitted
-        optional input), its results copied into the outputs' buffers."""
-        from fusesearch.backends import arraylib
-
-        return self._recorded(lambda: arraylib.run_into(np, op_type, attrs, inputs, outputs))
-
-    def _recorded(self, go: Callable[[], None]) -> Callable[[], None]:
-        def launch() -> None:
-            if self._recording is not None:
-                self._recording.append(go)
-            else:
-                go()
-        return launch
-
-    def capture(self, launch_all: Callable[[], None]) -> list[Callable[[], None]]:
-        self._recording = []
-        try:
-            launch_all()
-            return self._recording
-        finally:
-            self._recording = None
-
-    @staticmethod
-    def replay(graph: list[Callable[[], None]]) -> None:
-        for go in graph:
-            go()
-
-
 def run_emulated(prep, plan, *, seed: int = 0, rtol: float | None = None, check_each: bool = False,
                  input_values: Mapping[str, np.ndarray] | None = None) -> dict:
-    """Check the plan's CUDA program, run through the emulator (`HostDevice`), against ONNX
+    """Check the plan's CUDA program, run through the emulator (`emulate.HostDevice`), against ONNX
     Runtime: {"max_rel_err", "amplified_err" (as `RunReport`'s), "segments", "arena_peak_bytes",
     "cuda_graph", "kernels", "library_steps"}; Mismatch naming the first step that differs. `rtol`: default the tolerance
     of the model's dtype (`ir.precision.prepared_tolerance`)."""
-    from fusesearch.backends import emulate
     from fusesearch.ir.precision import prepared_tolerance
 
     rtol = prepared_tolerance(prep) if rtol is None else rtol
-    decision = emulate.available()
-    if not decision:
-        raise BadInput(f"--backend emulate: {decision.reason}")
+    backend = get_backend("emulate", timing=False)
+    backend.require(timing=False)
     check_args(1, 0, 1, rtol)
     canonical, weights, feeds, reference = _reference(prep, {"plan": plan}, seed, input_values)
     steps = plan_steps(prep.graph, plan)
     program, err, amplified = checked(
-        "plan (CUDA, emulated)", lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, HostDevice(), 1,
+        "plan (CUDA, emulated)", lambda reuse: CudaProgram(prep.graph, canonical, steps, weights, backend.program_device(1), 1,
                                                            reuse=reuse),
         canonical, feeds, reference, rtol, check_each)
     return {"max_rel_err": err, "amplified_err": amplified.max_abs if amplified else None,
@@ -802,7 +729,7 @@ class RunReport:
                            "plan_vs_unfused": self.ratio("plan", "unfused")},
                 "backend": self.backend, "ort_provider": self.ort_provider,
                 **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
-                   if self.backend == "cupy" else {})}
+                   if self.cuda_graph is not None else {})}
 
     def columns(self, prefix: str = "end_to_end_") -> dict:
         """The JSON document (less model and strategy) as one row's scalar columns, each named by
@@ -865,35 +792,20 @@ def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
         raise BadInput(f"--rtol {rtol}: give a tolerance >= 0")
 
 
-BACKENDS = ("cpu", "cupy")
-
-
-def require_backend(backend: str) -> None:
-    """BadInput (one line, with what to do instead) unless `run_plan` can run on `backend`."""
-    if backend not in BACKENDS:
-        raise BadInput(f"--backend {backend}: run executes on cpu or cupy (or checks the CUDA program with "
-                       "emulate); use one of them")
-    if backend == "cupy":
-        from fusesearch.backends import cupy as gpu
-
-        decision = gpu.available()
-        if not decision:
-            raise BadInput(f"--backend cupy: no GPU/CuPy available ({decision.reason}); use --backend cpu to run "
-                           "here, or --backend emulate to check the CUDA program without a GPU")
-
-
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
              rtol: float | None = None, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
-             progress: Callable[[str], None] | None = None, backend: str = "cpu") -> RunReport:
+             progress: Callable[[str], None] | None = None, backend: Backend | str = "cpu") -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
-    step. `backend` "cupy": the programs are `CudaProgram`s on the GPU, timed with CUDA events.
-    `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`)."""
+    step. `backend` (a registered one that times, or its name) with a `program_device` (cupy):
+    the programs are `CudaProgram`s on it, timed with its clock (CUDA events); else the host's C
+    programs. `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`)."""
     from fusesearch.ir.precision import prepared_tolerance
 
-    require_backend(backend)
+    backend = get_backend(backend)
+    backend.require()
     rtol = prepared_tolerance(prep) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
@@ -914,11 +826,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     graph = prep.graph
     say("reference")
     canonical, weights, feeds, reference = _reference(prep, {"plan": plan, "unfused": unfused}, seed, input_values)
-    device = None
-    if backend == "cupy":
-        from fusesearch.backends import cupy as gpu
-
-        device = gpu.Device(threads)
+    device = backend.program_device(threads)
     programs: dict[str, Layout] = {}
     errors: dict[str, float] = {}
     amplified: dict[str, float | None] = {}
@@ -938,7 +846,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         clocks = {label: device.clock() for label in runs}
         for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
             runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
-            if ort_provider == gpu.CUDA_EP:
+            if ort_provider == CUDA_EP:
                 clocks[key] = device.clock()
         say("timing")
         timings = _timed(runs, warmup, repeat, clocks)
@@ -963,7 +871,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         unfused_arena_peak_bytes=programs["unfused"].peak_bytes, activation_bytes=activation_bytes(graph),
         max_rel_err=errors["plan"], unfused_max_rel_err=errors["unfused"], segments=programs["plan"].segment_counts,
         unfused_segments=programs["unfused"].segment_counts, kernels=sum(s.how == "generated" for s in steps),
-        library_steps=sum(s.how == "library" for s in steps), backend=backend,
+        library_steps=sum(s.how == "library" for s in steps), backend=backend.name,
         cuda_graph=getattr(programs["plan"], "cuda_graph", None),
         unfused_cuda_graph=getattr(programs["unfused"], "cuda_graph", None), ort_provider=ort_provider,
         amplified_err=amplified["plan"], unfused_amplified_err=amplified["unfused"])

@@ -58,6 +58,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fusesearch import values
+from fusesearch.backends.registry import backend_names, get_backend
 from fusesearch.errors import BadInput, FusesearchError, check_not_read, writing
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,11 @@ RESULTS = "results.parquet"
 MANIFEST = "sweep.json"
 LOCK = ".lock"  # held (flock) by the sweep writing the folder
 STRATEGIES = ("none", "rules", "greedy", "cpsat")
-BACKENDS = ("cpu", "cupy")
 PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0}
 CPSAT_ONLY = ("time_limit_s", "seed")
 TOP_KEYS = {"name", "models", "devices", "strategies", "params", "backend", "measure_budget_s",
             "solver_workers", "measure", "threads", "repeat"}
 MEASURES = ("kernels", "end_to_end")  # what a sweep with a backend times: each kernel alone, the whole plan
-DEFAULT_MEASURE = {"cpu": ("kernels", "end_to_end"), "cupy": ("kernels",)}
 MODEL_KEYS = {"model", "label", "input_shapes", "dims", "zoo"}
 PREPARED_CACHE = 2  # prepared models kept per worker process (a 48-layer BERT is ~1.5 GB)
 
@@ -173,8 +172,8 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
     strategies = _strings(doc.get("strategies", list(STRATEGIES)), where, "strategies", STRATEGIES)
     params = _params(doc.get("params", {}), where)
     backend = doc.get("backend")
-    if backend is not None and backend not in BACKENDS:
-        raise BadInput(f"{where}: backend = {backend!r}; choose one of {', '.join(BACKENDS)} or leave it out")
+    if backend is not None:
+        backend = get_backend(backend, named=f"{where}: backend = {backend!r}", optional=True).name
     budget = _number(doc.get("measure_budget_s", 0.05), where, "measure_budget_s", float, values.seconds)
     workers = _number(doc.get("solver_workers", 1), where, "solver_workers", int, values.cpus)
     measure = _measure_keys(doc, backend, where)
@@ -196,12 +195,14 @@ def _measure_keys(doc: Mapping[str, Any], backend: str | None, where: str) -> tu
             raise BadInput(f"{where}: {given[0]} only applies to a sweep that measures; add backend = \"cpu\" "
                            f"or remove {given[0]}")
         return ()
-    if "measure" not in doc:
-        return DEFAULT_MEASURE[backend]
+    runs = get_backend(backend)
+    if "measure" not in doc:  # each kernel, and the whole plan where the backend runs it end to end
+        return MEASURES if runs.end_to_end else ("kernels",)
     measure = _strings(doc["measure"], where, "measure", MEASURES)
-    if "end_to_end" in measure and backend != "cpu":
-        raise BadInput(f"{where}: measure = {list(measure)!r}: whole plans run end to end on backend = \"cpu\" "
-                       "only so far; use measure = [\"kernels\"] or backend = \"cpu\"")
+    if "end_to_end" in measure and not runs.end_to_end:
+        ends = " or ".join(f'backend = "{n}"' for n in backend_names() if get_backend(n).end_to_end)
+        raise BadInput(f"{where}: measure = {list(measure)!r}: whole plans run end to end on {ends} "
+                       f"only so far; use measure = [\"kernels\"] or {ends}")
     return measure
 
 
@@ -587,21 +588,22 @@ def _measure(cell: Cell, prep, p) -> dict:
     Runtime ("end_to_end": `RunReport.columns`, end_to_end_*)."""
     from fusesearch.api import plan as api_plan
     from fusesearch.backends.timing import TimingCache
-    from fusesearch.measure import device_label, measure_plan
+    from fusesearch.measure import measure_plan
     from fusesearch.run import run_plan
 
+    backend = get_backend(cell.backend)
     unfused = api_plan(cell.model.model, cell.device, "none", prepared=prep)
-    row: dict = {"measured_on": device_label(cell.backend)}
+    row: dict = {"measured_on": backend.device_label()}
     if "kernels" in cell.measure:  # against the unfused graph as ONNX Runtime runs it node by node
         library = api_plan(cell.model.model, cell.device, "none", prepared=prep, lone_anchors="library")
-        report = measure_plan(prep, p, library, cell.backend, budget_s=cell.measure_budget_s or 0.05,
+        report = measure_plan(prep, p, library, backend, budget_s=cell.measure_budget_s or 0.05,
                               seed=cell.seed or 0, cache=TimingCache())
         t = report.totals()
         row.update({"measured_s": t["measured_s"], "unfused_measured_s": t["unfused_measured_s"],
                     "measured_speedup": t["speedup"], "not_measured": t["not_measured"]})
     if "end_to_end" in cell.measure:
         row.update(run_plan(prep, p, unfused, threads=cell.threads or 1, repeat=cell.repeat or 20,
-                            seed=cell.seed or 0).columns())
+                            seed=cell.seed or 0, backend=backend).columns())
     return row
 
 

@@ -33,6 +33,7 @@ from costmodels import (
 )
 from costmodels import calibration as cmcal
 from fusesearch import calibrate as cal
+from fusesearch.backends.registry import get_backend
 from fusesearch.pipeline import prepare
 from tests.conftest import gpu_available
 
@@ -350,7 +351,7 @@ def test_library_calls_are_timed_through_the_library(cpu_profile):
 
 
 def test_the_library_runs_what_the_generated_fallback_would_compute():
-    """`_CpuRunner.prepare` on a lone anchor runs ONNX Runtime's node (no generated source) and
+    """The calibration runner on the cpu backend, on a lone anchor, runs ONNX Runtime's node (no generated source) and
     hands back the same values as the model; a fused group runs its generated kernel."""
     prep = prepare("zoo:bert-small")
     md = cal._model_data(prep, 0)
@@ -359,7 +360,7 @@ def test_the_library_runs_what_the_generated_fallback_would_compute():
     fused = [c for c in sample.candidates if not cal.runs_through_library(c.kernel)]
     assert lone and fused
     for cand, how in ((lone[0], "library"), (fused[0], "generated")):
-        call = cal._CpuRunner().prepare(cand, md)
+        call = cal._Runner(get_backend("cpu")).prepare(cand, md)
         assert call.how == how and call.source_hash.startswith("library:") == (how == "library")
         call.run()
         got = call.fetch()

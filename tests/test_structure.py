@@ -165,3 +165,52 @@ def test_leaf_types_import_nothing_of_fusesearch_that_imports_them():
     assert edges["fusesearch.groups"] == set()
     assert edges["fusesearch.ir.tensor"] <= {"costmodels", "costmodels.kernel"}
     assert edges["fusesearch.schedule"] <= {"fusesearch.ir.graph", "fusesearch.ir.op_kind", "costmodels.kernel"}
+
+
+BACKEND_NAMES = {"cpu", "cupy", "emulate"}
+ONLY_BACKENDS = {"cupy", "emulate"}  # "cpu" is also a device kind (DeviceSpec.kind)
+
+
+def _backend_choices(tree: ast.AST) -> list[str]:
+    """What decides on a backend by its name: a `BACKENDS` assignment, a literal tuple, list or
+    set of two or more backend names, and a comparison with a backend's name — "cupy" or
+    "emulate" anywhere, "cpu" with an operand whose text names a backend."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "BACKENDS" for t in targets):
+                found.append(f"line {node.lineno}: BACKENDS =")
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in BACKEND_NAMES]
+            if len(names) >= 2:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            named = {o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)}
+            about_backend = any("backend" in ast.unparse(o).lower() for o in operands
+                                if not isinstance(o, ast.Constant))
+            if named & ONLY_BACKENDS or ("cpu" in named and about_backend):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_registry_names_backends():
+    """Backends are objects from `backends.registry`: no other module keeps a list of their names
+    or branches on one (`backend == "cupy"`); a capability is a field of the Backend."""
+    modules = _modules()
+    registry = modules.pop("fusesearch.backends.registry")
+    found = {name: hits for name, path in sorted(modules.items())
+             if (hits := _backend_choices(ast.parse(path.read_text())))}
+    assert found == {}
+    assert _backend_choices(ast.parse(registry.read_text()))  # the registry is where they are
+
+
+def test_the_backend_check_finds_names_and_branches():
+    source = ('BACKENDS = ("cpu", "cupy")\n'
+              'clock = Perf() if backend == "cpu" else Cuda()\n'
+              'if self.backend != "cupy": pass\n'
+              'ok = spec.kind == "cpu"\n'  # a device kind, not a backend
+              'if name in ("cpu", "emulate"): pass\n')
+    assert sorted(hit.split(":")[0] for hit in _backend_choices(ast.parse(source))) == [
+        "line 1", "line 1", "line 2", "line 3", "line 5"]

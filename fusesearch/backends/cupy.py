@@ -199,7 +199,7 @@ def ort_has_cuda() -> bool:
 
 class Device:
     """The CUDA program's device on the GPU (`run.CudaProgram` calls only these methods; the
-    emulator's `run.HostDevice` has the same ones). Every copy, launch, capture and ONNX Runtime
+    emulator's `emulate.HostDevice` has the same ones). Every copy, launch, capture and ONNX Runtime
     call is ordered on one non-default stream, so a program needs no synchronization but the
     copy of its outputs back to the host."""
 

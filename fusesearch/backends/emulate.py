@@ -20,7 +20,9 @@ tensor core reads them (TF32: 10 mantissa bits); cp.async is a synchronous copy;
 executable model of the CUDA programming model, good for correctness (every thread, barrier and
 shuffle happens), useless for timing.
 `module` does the same for many kernels at once: the CUDA program's one module
-(`codegen.cuda_module`), one launcher per kernel.
+(`codegen.cuda_module`), one launcher per kernel; `HostDevice` is the CUDA program's device on
+host memory (`run.CudaProgram` on the emulate backend's `program_device`), with the methods of
+`cupy.Device`.
 Invariants: the source is compiled byte for byte as `kernel_runner` (or the CUDA program's
 module) would send it to NVRTC (only the header is prepended, the launchers appended); a
 barrier that some thread never reaches (it skipped a `__syncthreads` or a warp-collective
@@ -329,6 +331,12 @@ def _build(text: str, target: Path) -> None:
         os.replace(out, target)
 
 
+def compile_kernel(kernel: GeneratedKernel) -> ctypes.CDLL:
+    """The kernel's translation unit (`source`) compiled and loaded (cached by hash); its
+    launcher is `fs_launch`."""
+    return _load(source(kernel))
+
+
 def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run the CUDA source on host threads with the kernel's launch geometry; outputs by tensor."""
     arrays = [np.ascontiguousarray(inputs[a.tensor], dtype=NP_DTYPES[a.dtype]).reshape(a.shape)
@@ -341,7 +349,7 @@ def run(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]) -> dict[str, np.
 
 def launch(kernel: GeneratedKernel, pointers: list[int]) -> None:
     """One launch on host memory: `pointers` are the kernel's arguments (inputs, then outputs)."""
-    _launch(kernel, _load(source(kernel)).fs_launch, pointers)
+    _launch(kernel, compile_kernel(kernel).fs_launch, pointers)
 
 
 def module(kernels: Sequence[GeneratedKernel]) -> dict[str, Callable[[Sequence[int]], None]]:
@@ -374,3 +382,79 @@ def _launch(kernel: GeneratedKernel, fn, pointers: Sequence[int]) -> None:
     if rc != 0:
         raise FusesearchError(f"{kernel.name}: a barrier was never reached by all its threads "
                               "(a thread skipped __syncthreads or a warp-collective operation: divergent barrier)")
+
+
+class HostDevice:
+    """The CUDA program's device, emulated on the host (correctness only, never timing): memory
+    is numpy, the module is `emulate.module` (the same concatenated CUDA source, compiled as
+    C++), a launch runs every CUDA thread of the kernel's grid on host threads, a library step
+    runs in ONNX Runtime on the CPU bound to the host buffers, and a capture records the launches
+    in order for `replay` (as a CUDA graph replays its kernels)."""
+
+    name = "emulate"
+
+    def __init__(self) -> None:
+        self._recording: list[Callable[[], None]] | None = None
+
+    def module(self, kernels):
+        return module(kernels)
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        from fusesearch.backends.cpu import aligned_empty
+
+        out = aligned_empty(nbytes)
+        out[...] = 0
+        return out
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.array(array, copy=True, order="C")
+
+    @staticmethod
+    def view(base: np.ndarray, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return base.reshape(-1).view(np.uint8)[offset:offset + nbytes].view(dtype).reshape(shape)
+
+    @staticmethod
+    def copy_in(buffer: np.ndarray, array: np.ndarray) -> None:
+        buffer[...] = array.reshape(buffer.shape)
+
+    @staticmethod
+    def copy_out(buffer: np.ndarray) -> np.ndarray:
+        return buffer.copy()
+
+    def launcher(self, fn, kernel, args) -> Callable[[], None]:
+        pointers = [a.ctypes.data for a in args]
+        return self._recorded(lambda: fn(pointers))
+
+    def library(self, make_session, inputs, outputs) -> Callable[[], None]:
+        from fusesearch.backends.library import host_binding
+
+        return self._recorded(host_binding(make_session(None), [(t, lambda b=b: b) for t, b in inputs], outputs))
+
+    def array_library(self, op_type: str, attrs, inputs, outputs) -> Callable[[], None]:
+        """`arraylib`'s function for the node with numpy over the host buffers (None: an omitted
+        optional input), its results copied into the outputs' buffers."""
+        from fusesearch.backends import arraylib
+
+        return self._recorded(lambda: arraylib.run_into(np, op_type, attrs, inputs, outputs))
+
+    def _recorded(self, go: Callable[[], None]) -> Callable[[], None]:
+        def launch() -> None:
+            if self._recording is not None:
+                self._recording.append(go)
+            else:
+                go()
+        return launch
+
+    def capture(self, launch_all: Callable[[], None]) -> list[Callable[[], None]]:
+        self._recording = []
+        try:
+            launch_all()
+            return self._recording
+        finally:
+            self._recording = None
+
+    @staticmethod
+    def replay(graph: list[Callable[[], None]]) -> None:
+        for go in graph:
+            go()

@@ -220,7 +220,7 @@ def test_the_plan_runs_its_lone_anchor_as_priced_and_the_unfused_graph_as_the_ba
     (`costing.priced_kernel`: the library call, priced with the partial sums of its split K, is
     dearer), so the plan's group runs as our kernel and is predicted as one, while the unfused
     graph's (--baseline library) runs through ONNX Runtime, predicted at the library call's price
-    (its plan made with `library_anchors`)."""
+    (its plan made with `lone_anchors="library"`)."""
     from costmodels import RooflineModel, host_cpu, host_params
     from fusesearch.costing import kernel_cost
     from fusesearch.groups import FusionGroup
@@ -386,7 +386,7 @@ def test_library_samples_are_taken_off_onnx_runtimes_fixed_run_cost(small_model,
     one trivial node's share; generated kernels lose only the null C call's median. Under baseline
     "generated" the unfused MatMul runs as our kernel and the 1-D MaxPool alone pays the Run."""
     from fusesearch.backends.library import CHAIN, run_costs
-    from fusesearch.measure import CALL_FLOOR_S
+    from fusesearch.backends.registry import CALL_FLOOR_S
 
     run_s, node_s = run_costs(NULL_ONE_S, NULL_ONE_S + CHAIN * NODE_S)
     assert (run_s, node_s) == pytest.approx((NULL_ONE_S - NODE_S, NODE_S), rel=1e-9)
@@ -409,7 +409,7 @@ def test_generated_samples_are_taken_off_the_cost_of_a_ctypes_call(small_model, 
     (`cpu.null_runner`, timed in the same rounds): a program calls its kernels from C, never
     through ctypes one by one; a sample below it sits at CALL_FLOOR_S. Library rows lose the Run,
     never the call. A plan whose every kernel is generated times no null Run."""
-    from fusesearch.measure import CALL_FLOOR_S
+    from fusesearch.backends.registry import CALL_FLOOR_S
 
     report, got = _measure_with_fixed_samples(small_model, monkeypatch)
     call_s = float(np.median(CALL_SAMPLES))
