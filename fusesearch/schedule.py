@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from costmodels.kernel import UNITS
 from fusesearch.ir.graph import Graph, Node
@@ -73,9 +74,28 @@ MMA_THREADS = 128
 MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
 MMA_PAD_BYTES = 16
 MMA_MIN_ARCH = 80  # cp.async staging and TF32 / BF16 wmma fragments: sm_80 and later
-SKELETONS = ("library", "alias", "grid-stride", "vectorized", "block-per-row", "tiled", "direct",
-             *MMA_ELEMENT_BYTES, "packed", "depthwise")
-CPU_SKELETONS = frozenset({"packed", "depthwise"})  # written in C only: no CUDA source, launch or shared memory
+
+
+class Skeleton(StrEnum):
+    """The code shape a schedule names; the generator dispatches on it (a table, never a string
+    test). Members compare equal to their names as strings, which plan.json records."""
+
+    LIBRARY = "library"
+    ALIAS = "alias"
+    GRID_STRIDE = "grid-stride"
+    VECTORIZED = "vectorized"
+    BLOCK_PER_ROW = "block-per-row"
+    TILED = "tiled"
+    DIRECT = "direct"
+    MMA_TF32 = "mma-tf32"
+    MMA_F16 = "mma-f16"
+    MMA_BF16 = "mma-bf16"
+    PACKED = "packed"
+    DEPTHWISE = "depthwise"
+
+
+SKELETONS = tuple(s.value for s in Skeleton)
+CPU_SKELETONS = frozenset({Skeleton.PACKED, Skeleton.DEPTHWISE})  # C only: no CUDA source, launch or shared memory
 
 
 TILE_K = 32  # K step of every GEMM tile
@@ -87,7 +107,7 @@ SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power
 @dataclass(frozen=True)
 class Schedule:
     impl: str
-    skeleton: str
+    skeleton: Skeleton  # a name is taken too (coerced)
     unit: str
     tile: tuple[int, ...] = ()
     stages: int = 1
@@ -100,10 +120,11 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.skeleton not in SKELETONS or self.unit not in UNITS:
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r}")
+        object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
     def to_dict(self) -> dict[str, object]:
         """The schedule as plan.json records it (every field but the row cache's keys: its count)."""
-        return {"skeleton": self.skeleton, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
+        return {"skeleton": self.skeleton.value, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache)}
 

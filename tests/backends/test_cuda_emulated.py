@@ -24,7 +24,7 @@ from fusesearch.backends.codegen.base import Arg, GeneratedKernel
 from fusesearch.backends.codegen.mma import TOLERANCE  # else 1e-4 (see above)
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.lowering import lower
+from fusesearch.lowering import choices, lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
 from fusesearch.zoo import ZOO
@@ -36,9 +36,10 @@ pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler
 
 
 def check(prep, values, node_ids, skeleton: str | None = None, schedule=None):
-    """Lower, generate (with `schedule` instead of lowering's, e.g. another tile), emulate, and
-    compare every output with ONNX Runtime's."""
-    kernel = lower(prep.graph, FusionGroup(frozenset(node_ids)))
+    """Lower (the group's first generated choice: a lone anchor's default is the library call),
+    generate (with `schedule` instead of lowering's, e.g. another tile), emulate, and compare every
+    output with ONNX Runtime's."""
+    kernel = next(k for k in choices(prep.graph, FusionGroup(frozenset(node_ids))) if k.impl == "generated")
     gk = generate(prep.graph, replace(kernel, schedule=schedule) if schedule else kernel)
     if skeleton:
         assert gk.skeleton == skeleton, (gk.skeleton, gk.cuda_source)
@@ -213,7 +214,7 @@ def test_zoo_groups_run_emulated(name, dims, count, tf32, gemm_skeleton):
     p = make_plan(f"zoo:{name}", device="h100-sxm", strategy="cpsat", prepared=prep)
     distinct = {}
     for g in p.groups:
-        if g.kernel.template == "opaque" or g.kernel.alias:
+        if g.kernel.impl == "library" or g.kernel.alias:
             continue
         gk = generate(prep.graph, g.kernel, name=f"g{g.id}")
         distinct.setdefault(gk.source_hash, (g.kernel.iteration_size * max(1, g.kernel.reduction_length), g))
@@ -276,6 +277,25 @@ def tf32(x: np.ndarray) -> np.ndarray:
     """Round float32 to TF32 as cvt.rna.tf32.f32 does: nearest, ties away, 10 mantissa bits."""
     u = x.astype(np.float32).view(np.uint32)
     return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_every_choice_of_a_fused_gemm_runs_emulated(tmp_path, tf32):
+    """Each choice lowering lists for a fused GEMM + bias + ReLU (every tensor-core
+    tile with TF32, every CUDA-core tile, partial tiles along M, N and K) is written as its
+    schedule says and matches ONNX Runtime emulated: the search may pick any of them."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["q"]),
+             helper.make_node("Relu", ["q"], ["y"])]
+    path = save(make_model(nodes, [("x", [70, 45])], [("y", None)], [("w", rand(45, 130)), ("b", rand(130, seed=1))]),
+                tmp_path / "m.onnx")
+    prep = prepare(path, tf32=tf32)
+    values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
+    group = range(len(prep.graph))
+    options = choices(prep.graph, FusionGroup(frozenset(group)))
+    assert {k.schedule.skeleton for k in options} == ({"mma-tf32", "tiled"} if tf32 else {"tiled"})
+    assert len({(k.schedule.skeleton, k.tile) for k in options}) == len(options) >= 4
+    for kernel in options:
+        check(prep, values, group, kernel.schedule.skeleton, kernel.schedule)
 
 
 def test_mma_tf32_batched_matmul_rounds_operands_as_a_tensor_core(tmp_path):

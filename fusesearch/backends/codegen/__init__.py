@@ -104,7 +104,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import CPU_SKELETONS, grid_stride
+from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride
 
 __all__ = ["CAPABILITIES", "CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel",
            "cpu_fusable", "cuda_module", "generate", "module_namespace", "try_generate"]
@@ -140,20 +140,16 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
     packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
     defs: list[str] = []  # file-scope C the packed GEMM calls (a tile epilogue)
-    if skeleton == "block-per-row" or (skeleton in CPU_SKELETONS and row_epilogue):
+    if skeleton is Skeleton.BLOCK_PER_ROW or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
         c_body = _anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None else None
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()),
                                                  "".join(defs))
-        if skeleton == "tiled":
-            cu_src = _tiled(graph, kernel, name, ins, outs, args)
-        elif skeleton.startswith("mma"):  # tensor cores
-            cu_src = _mma(graph, kernel, name, ins, outs, args)
-        elif skeleton == "vectorized":
-            cu_src = _vectorized(graph, kernel, name, ins, outs, args)
-        elif skeleton == "alias":  # a lone view run as a kernel (a copy), where one is asked for
-            skeleton, grid = "grid-stride", grid_stride(max(a.size for a in outs)).grid
+        if skeleton in _CUDA_WRITERS:
+            cu_src = _CUDA_WRITERS[skeleton](graph, kernel, name, ins, outs, args)
+        elif skeleton is Skeleton.ALIAS:  # a lone view run as a kernel (a copy), where one is asked for
+            skeleton, grid = Skeleton.GRID_STRIDE, grid_stride(max(a.size for a in outs)).grid
     if skeleton in CPU_SKELETONS:  # a CPU schedule: C only
         cu_src = ""
     members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
@@ -165,6 +161,11 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton,
                            packed=tuple(packs.values()))
+
+
+_CUDA_WRITERS = {Skeleton.TILED: _tiled, Skeleton.VECTORIZED: _vectorized,
+                 **dict.fromkeys((Skeleton.MMA_TF32, Skeleton.MMA_F16, Skeleton.MMA_BF16), _mma)}
+"""The skeletons whose CUDA has its own writer; the others' is the pointwise or row kernel's."""
 
 
 def _with_half(src: str, dtypes, cuda: bool) -> str:

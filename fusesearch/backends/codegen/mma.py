@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from fusesearch.backends.codegen.base import CodegenRefused, _indent, _signature
+from fusesearch.backends.codegen.base import CodegenRefused, _indent, cuda_entry
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.contraction import tile_parts
 from fusesearch.backends.codegen.tiled import _side_loops
@@ -219,6 +219,5 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         *side_lines,
     ]
     includes = "".join(f"#include <{h}>\n" for h in _HEADERS[skeleton])
-    src = (f"{_CU_PRELUDE}{includes}{_CP_ASYNC}\nextern \"C\" __global__ void "
-           f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
+    src = f"{_CU_PRELUDE}{includes}{_CP_ASYNC}\n{cuda_entry(name, ins, outs)} {{\n{_indent(body, 1)}\n}}\n"
     return src

@@ -13,8 +13,8 @@ from fusesearch.backends.codegen.base import (
     Arg,
     _flat_loop,
     _indent,
-    _signature,
     c_function,
+    cuda_entry,
     parallel_rows,
     store,
     streamed_loop,
@@ -33,7 +33,7 @@ def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = 
     if c_body is not None:
         c_loops = c_body
     c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "")
-    cu_src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+    cu_src = (f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n"
               + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0
 

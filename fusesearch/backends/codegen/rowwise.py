@@ -21,9 +21,9 @@ from fusesearch.backends.codegen.base import (
     _flat_loop,
     _indent,
     _lit,
-    _signature,
     c_function,
     compute_dtype,
+    cuda_entry,
     parallel_rows,
     scratch,
     store,
@@ -166,7 +166,7 @@ def _rowwise(graph, kernel, name, ins, outs, args, packs: dict):
         c_body = loops if own else f"#ifdef FS_BLAS_SGEMM\n{loops}#else\n{c_body}#endif\n"
     c_src = c_function(name, ins, outs, tuple(packs.values()), c_body)
     arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
-    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+    cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\n{cuda_entry(name, ins, outs)} {{\n"
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length

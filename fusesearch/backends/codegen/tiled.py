@@ -8,7 +8,7 @@ exactly what the cost model prices.
 
 from __future__ import annotations
 
-from fusesearch.backends.codegen.base import CodegenRefused, _indent, _signature, store
+from fusesearch.backends.codegen.base import CodegenRefused, _indent, cuda_entry, store
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.contraction import tile_parts
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -97,8 +97,7 @@ def _tiled(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
         "}",
         *side_lines,
     ]
-    src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void "
-           f"{name}({_signature(ins, outs, '__restrict__')}) {{\n{_indent(body, 1)}\n}}\n")
+    src = f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n{_indent(body, 1)}\n}}\n"
     return src
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from fusesearch.backends.codegen.base import _indent, _signature
+from fusesearch.backends.codegen.base import _indent, cuda_entry
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.graph import Graph
@@ -42,6 +42,6 @@ def _vectorized(graph: Graph, kernel: Kernel, name: str, ins, outs, args):
         vals = results[o.name]
         body.append(f"    reinterpret_cast<float4*>({o.name})[q] = make_float4({', '.join(vals)});")
     body.append("}")
-    src = (f"{_CU_PRELUDE}\nextern \"C\" __global__ void {name}({_signature(ins, outs, '__restrict__')}) {{\n"
+    src = (f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n"
            f"{_indent(body, 1)}\n}}\n")
     return src
