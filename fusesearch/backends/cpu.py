@@ -35,6 +35,7 @@ import numpy as np
 
 from costmodels.devices import cache_root
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
+from fusesearch.backends.codegen.c_runtime import C_RUNTIME
 from fusesearch.candidates.decision import FusionDecision
 from fusesearch.errors import FusesearchError
 
@@ -133,8 +134,9 @@ def compile_kernel(kernel: GeneratedKernel) -> ctypes.CDLL:
 
 @lru_cache(maxsize=512)
 def _load(source: str, digest: str) -> ctypes.CDLL:
-    flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags())).encode()).hexdigest()[:8]
-    return load_cached(cache_dir() / f"{digest[:24]}-{flags}.so", lambda target: _build(source, target))
+    flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags(), runtime_name())).encode()).hexdigest()[:8]
+    linked = runtime()  # built (or found intact) before any library that links it is loaded
+    return load_cached(cache_dir() / f"{digest[:24]}-{flags}.so", lambda target: _build(source, target, linked))
 
 
 def cached_file(target: Path, build) -> Path:
@@ -160,7 +162,9 @@ def load_cached(target: Path, build) -> ctypes.CDLL:
     return ctypes.CDLL(str(cached_file(target, build)))
 
 
-def _build(source: str, target: Path) -> None:
+def _build(source: str, target: Path, linked: Path | None = None, extra: tuple[str, ...] = ()) -> None:
+    """`source` compiled into the shared library `target` (moved into place atomically), linked
+    with the runtime at `linked` where given, `extra` flags after the sources."""
     cc = compiler()
     if cc is None:
         raise FusesearchError("no C compiler found (install gcc or set CC)")
@@ -168,12 +172,50 @@ def _build(source: str, target: Path) -> None:
         src = Path(tmp) / "kernel.c"
         src.write_text(source)
         out = Path(tmp) / "kernel.so"
-        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), *link_flags(), CFLAGS[-1]],
+        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), *extra, *link_flags(),
+                               *(runtime_link_flags(linked) if linked else ()), CFLAGS[-1]],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[:200])
             raise FusesearchError(f"the C compiler rejected a generated kernel: {first}")
         os.replace(out, target)  # atomic: concurrent builders of the same source agree
+
+
+# -- the shared C runtime -----------------------------------------------------------------------
+
+RUNTIME_PREFIX = "libfsrt-"
+
+
+@lru_cache(maxsize=8)
+def _compiler_version(cc: str) -> str:
+    done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+    return done.stdout.splitlines()[0] if done.stdout else ""
+
+
+def runtime_name() -> str:
+    """The runtime library's file name: `libfsrt-<hash>.so`, the hash of its source, the compiler
+    (path and version) and every flag it and the kernels are compiled with (-march=native
+    included, so a machine's cache holds the runtime of its own CPU), so a change of any one
+    builds another runtime, and the kernels (whose cache keys hold this name) link that one."""
+    cc = compiler() or ""
+    key = "\0".join([C_RUNTIME, cc, _compiler_version(cc) if cc else "", *CFLAGS, *link_flags()])
+    return f"{RUNTIME_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def runtime() -> Path:
+    """The shared C runtime (`codegen.c_runtime.C_RUNTIME`) in the cache folder, compiled once per
+    machine, compiler and flags with the kernels' flags (its soname its file name), built first
+    when missing, or when its file is not the one that was built (`cached_file`'s sha256, as for
+    every cached library); concurrent builders each move a finished file into place."""
+    name = runtime_name()
+    return cached_file(cache_dir() / name, lambda target: _build(C_RUNTIME, target, extra=(f"-Wl,-soname,{name}",)))
+
+
+def runtime_link_flags(linked: Path) -> tuple[str, ...]:
+    """The flags that link a kernel library or program in the cache folder with the runtime at
+    `linked` (beside it): found again through its soname in the library's own folder ($ORIGIN),
+    wherever the cache folder is."""
+    return (str(linked), "-Wl,-rpath,$ORIGIN")
 
 
 NULL_ARGS = 8  # the null kernel's pointer arguments (a generated kernel's typical count)

@@ -88,7 +88,8 @@ from fusesearch.backends.codegen.base import (
     half_prelude,
     source_digest,
 )
-from fusesearch.backends.codegen.c_prelude import _C_PRELUDE, _CU_PRELUDE
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
+from fusesearch.backends.codegen.c_runtime import C_HEADER
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
@@ -162,9 +163,9 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
 
 
 def _with_half(src: str, dtypes, cuda: bool) -> str:
-    prelude = _CU_PRELUDE if cuda else _C_PRELUDE
+    prelude = _CU_PRELUDE if cuda else C_HEADER
     if not src.startswith(prelude):
-        raise CodegenRefused("a skeleton without the common prelude cannot take half tensors")
+        raise CodegenRefused("a skeleton without the common header cannot take half tensors")
     return prelude + half_prelude(dtypes, cuda) + src[len(prelude):]
 
 
