@@ -4,8 +4,11 @@ Problem: every C kernel needs the same helpers (vectorizable exp and erf, a per-
 arena, streamed stores for outputs beyond the last-level cache, the fold of a row reduction's
 partial results) and every CUDA kernel the same few macros; written once, so each skeleton and the
 packed GEMM read one definition.
-Approach: the helpers are C source strings joined into `_C_PRELUDE` / `_CU_PRELUDE`; their
-parameters (the scratch slots, the streaming thresholds, the fold width, erf's fit) are Python
+Approach: the helpers are C source strings joined into `_C_PRELUDE` / `_CU_PRELUDE`; in C, those
+that must inline into a kernel's loops (exp, erf, GELU, the scratch arena, the folds, prefetches)
+are defined there, inline and without <immintrin.h>, the rest (streamed stores, the split by column
+parity) only declared, defined in `_C_STREAM_DEFS`, which the shared C runtime compiles once
+(`c_runtime`); their parameters (the scratch slots, the streaming thresholds, the fold width, erf's fit) are Python
 constants the emitters read too, so the C and the code that calls it cannot disagree.
 Invariants: this module imports nothing of the generator; the text is a pure function of these
 constants (it is part of every kernel's source hash).
