@@ -6,7 +6,8 @@ time it is seen on a machine; that time is what a user waits for before anything
 Approach: the plan for `host` (cpsat, or `--strategy`) is made once, its kernels generated, then
 `run.build_library` is timed `--rounds` times, each round in a fresh, empty cache folder
 (`FUSESEARCH_CACHE` set per round, so the shared C runtime is built again too), reporting each
-round's seconds and the median. Run under `taskset -c 0` for one compiler at a time.
+round's seconds (wall, and the compilers' CPU time, which the machine's other load changes less)
+and the medians. Run under `taskset -c 0` for one compiler at a time.
 
     FUSESEARCH_CACHE=/tmp/x taskset -c 0 .venv/bin/python benchmarks/bench_compile.py --model bert-base
         [--strategy cpsat] [--rounds 3]
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -43,16 +45,20 @@ def main() -> None:
     runs = [run for kind, run in segments(steps) if kind == "generated"]
     kernels = [s.kernel for run in runs for s in run if s.kernel is not None]
     driver = Program.driver(_Layout(prep.graph, canonical, steps, weights), runs)
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as cache:
             os.environ["FUSESEARCH_CACHE"] = cache
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
             build_library(kernels, driver)
             seconds.append(time.perf_counter() - t0)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu_seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         print(f"  {args.model}: {len(kernels)} kernels ({len({k.c_source for k in kernels})} distinct sources) "
-              f"compiled and linked in {seconds[-1]:.2f} s", flush=True)
-    print(f"{args.model} ({args.strategy}, host): median {statistics.median(seconds):.2f} s over {args.rounds} cold rounds")
+              f"compiled and linked in {seconds[-1]:.2f} s ({cpu_seconds[-1]:.2f} s of compiler CPU)", flush=True)
+    print(f"{args.model} ({args.strategy}, host): median {statistics.median(seconds):.2f} s "
+          f"({statistics.median(cpu_seconds):.2f} s of compiler CPU) over {args.rounds} cold rounds")
 
 
 class _Layout(Program):

@@ -226,14 +226,16 @@ def _object(source: str, name: str, flags: list[str], folder: Path) -> Path:
 
 def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDLL:
     """Compile every kernel (objects cached) and the driver, link them into one shared library
-    with the shared C runtime (`cpu.runtime`, built beside the kernels where missing)."""
+    with the shared C runtime and the kernels' units (`cpu.libraries`: each distinct unit once,
+    built beside the kernels where missing)."""
     compile_flags, link_flags = _flags()
     folder = cpu.cache_dir()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         try:
-            linked = pool.submit(cpu.runtime)
+            units = tuple(dict.fromkeys(u for k in kernels for u in k.c_units))  # each distinct one once
+            linked = pool.submit(cpu.libraries, units)
             objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
-            link_flags += cpu.runtime_link_flags(linked.result())
+            link_flags += cpu.link_libraries(linked.result())
         except BaseException:  # Ctrl-C or a failed compile: start no further compiles
             pool.shutdown(cancel_futures=True)
             raise

@@ -129,13 +129,13 @@ def cache_dir() -> Path:
 
 
 def compile_kernel(kernel: GeneratedKernel) -> ctypes.CDLL:
-    return _load(kernel.c_source, kernel.source_hash)
+    return _load(kernel.c_source, kernel.source_hash, kernel.c_units)
 
 
 @lru_cache(maxsize=512)
-def _load(source: str, digest: str) -> ctypes.CDLL:
+def _load(source: str, digest: str, units: tuple[str, ...] = ()) -> ctypes.CDLL:
     flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags(), runtime_name())).encode()).hexdigest()[:8]
-    linked = runtime()  # built (or found intact) before any library that links it is loaded
+    linked = libraries(units)  # built (or found intact) before any library that links them is loaded
     return load_cached(cache_dir() / f"{digest[:24]}-{flags}.so", lambda target: _build(source, target, linked))
 
 
@@ -162,9 +162,10 @@ def load_cached(target: Path, build) -> ctypes.CDLL:
     return ctypes.CDLL(str(cached_file(target, build)))
 
 
-def _build(source: str, target: Path, linked: Path | None = None, extra: tuple[str, ...] = ()) -> None:
+def _build(source: str, target: Path, linked: tuple[Path, ...] = (), extra: tuple[str, ...] = ()) -> None:
     """`source` compiled into the shared library `target` (moved into place atomically), linked
-    with the runtime at `linked` where given, `extra` flags after the sources."""
+    with the shared libraries `linked` (the runtime and units, `libraries`), `extra` flags after
+    the sources."""
     cc = compiler()
     if cc is None:
         raise FusesearchError("no C compiler found (install gcc or set CC)")
@@ -173,7 +174,7 @@ def _build(source: str, target: Path, linked: Path | None = None, extra: tuple[s
         src.write_text(source)
         out = Path(tmp) / "kernel.so"
         done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), *extra, *link_flags(),
-                               *(runtime_link_flags(linked) if linked else ()), CFLAGS[-1]],
+                               *link_libraries(linked), CFLAGS[-1]],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[:200])
@@ -183,7 +184,8 @@ def _build(source: str, target: Path, linked: Path | None = None, extra: tuple[s
 
 # -- the shared C runtime -----------------------------------------------------------------------
 
-RUNTIME_PREFIX = "libfsrt-"
+RUNTIME_PREFIX = "libfsrt-"  # the shared C runtime's file name
+UNIT_PREFIX = "libfsunit-"  # a kernel's C unit's (`GeneratedKernel.c_units`)
 
 
 @lru_cache(maxsize=8)
@@ -192,30 +194,47 @@ def _compiler_version(cc: str) -> str:
     return done.stdout.splitlines()[0] if done.stdout else ""
 
 
-def runtime_name() -> str:
-    """The runtime library's file name: `libfsrt-<hash>.so`, the hash of its source, the compiler
-    (path and version) and every flag it and the kernels are compiled with (-march=native
-    included, so a machine's cache holds the runtime of its own CPU), so a change of any one
-    builds another runtime, and the kernels (whose cache keys hold this name) link that one."""
+def library_name(source: str, prefix: str) -> str:
+    """`<prefix><hash>.so`: the file name of C `source` compiled once into a shared library, the
+    hash of the source, the compiler (path and version) and every flag it and the kernels are
+    compiled with (-march=native included, so a machine's cache holds its own CPU's), so a change
+    of any one builds another library, and the kernels (whose cache keys hold the runtime's name
+    and their units' sources) link that one."""
     cc = compiler() or ""
-    key = "\0".join([C_RUNTIME, cc, _compiler_version(cc) if cc else "", *CFLAGS, *link_flags()])
-    return f"{RUNTIME_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    key = "\0".join([source, cc, _compiler_version(cc) if cc else "", *CFLAGS, *link_flags()])
+    return f"{prefix}{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def runtime_name() -> str:
+    """The shared C runtime's file name (`library_name` of `codegen.c_runtime.C_RUNTIME`)."""
+    return library_name(C_RUNTIME, RUNTIME_PREFIX)
+
+
+def shared_library(source: str, prefix: str) -> Path:
+    """C `source` compiled once per machine, compiler and flags, with the kernels' flags, into the
+    shared library `library_name(source, prefix)` in the cache folder (its soname its file name),
+    built first when missing, or when its file is not the one that was built (`cached_file`'s
+    sha256, as for every cached library); concurrent builders each move a finished file into place."""
+    name = library_name(source, prefix)
+    return cached_file(cache_dir() / name, lambda target: _build(source, target, extra=(f"-Wl,-soname,{name}",)))
 
 
 def runtime() -> Path:
-    """The shared C runtime (`codegen.c_runtime.C_RUNTIME`) in the cache folder, compiled once per
-    machine, compiler and flags with the kernels' flags (its soname its file name), built first
-    when missing, or when its file is not the one that was built (`cached_file`'s sha256, as for
-    every cached library); concurrent builders each move a finished file into place."""
-    name = runtime_name()
-    return cached_file(cache_dir() / name, lambda target: _build(C_RUNTIME, target, extra=(f"-Wl,-soname,{name}",)))
+    """The shared C runtime (`codegen.c_runtime.C_RUNTIME`: the helpers and packed GEMM that every
+    kernel's header declares), built once per machine, compiler and flags (`shared_library`)."""
+    return shared_library(C_RUNTIME, RUNTIME_PREFIX)
 
 
-def runtime_link_flags(linked: Path) -> tuple[str, ...]:
-    """The flags that link a kernel library or program in the cache folder with the runtime at
-    `linked` (beside it): found again through its soname in the library's own folder ($ORIGIN),
-    wherever the cache folder is."""
-    return (str(linked), "-Wl,-rpath,$ORIGIN")
+def libraries(units: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    """The shared libraries a kernel with C `units` links: the runtime, then each unit's."""
+    return (runtime(), *(shared_library(u, UNIT_PREFIX) for u in units))
+
+
+def link_libraries(linked) -> tuple[str, ...]:
+    """The flags that link a kernel library or program in the cache folder with the shared
+    libraries `linked` (beside it, `libraries`): each found again through its soname in the
+    linking library's own folder ($ORIGIN), wherever the cache folder is."""
+    return (*map(str, linked), "-Wl,-rpath,$ORIGIN") if linked else ()
 
 
 NULL_ARGS = 8  # the null kernel's pointer arguments (a generated kernel's typical count)

@@ -79,33 +79,43 @@ def cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("act", ["Tanh", "gelu"])
 def test_a_kernels_source_holds_the_header_and_its_own_code_only(tmp_path, act):
     """A GEMM kernel with packed weights calls the runtime's packed GEMM (`fs_gemm_rows`, `fs_pack_b`)
-    and defines none of the runtime's functions: its source is the header (declarations and the
-    inline math) and its own code, with no <immintrin.h> unless it has a tile epilogue, whose tile
-    kernels it compiles itself (the epilogue inlined on their registers). The runtime's source
-    defines every function the header declares."""
+    and defines none of the runtime's functions nor any micro-kernel: its source is the header
+    (declarations and the inline math, no <immintrin.h>) and its own code. With a tile epilogue
+    (GELU) the tile kernels with the epilogue inlined are a unit it links (`c_units`), which
+    defines the `fs_gemm_rows_epi` its source declares. The runtime defines every function the
+    header declares."""
     gk, _ = _kernel(tmp_path, act)
     assert gk.c_source.startswith(C_HEADER) and "fs_gemm_rows" in gk.c_source[len(C_HEADER):]
     assert RUNTIME_FUNCTIONS and all(_defines(C_RUNTIME, f) and not _defines(gk.c_source, f) for f in RUNTIME_FUNCTIONS)
-    assert _defines(gk.c_source, "fs_gemm_rows_epi") == (act == "gelu") == ("fs_micro_x2" in gk.c_source)
-    assert ("immintrin" in gk.c_source) == (act == "gelu") and "immintrin" not in C_HEADER
+    assert "immintrin" not in gk.c_source and "fs_micro" not in gk.c_source and not _defines(gk.c_source, "fs_gemm_rows_epi")
+    assert len(gk.c_units) == (act == "gelu")
+    if act == "gelu":
+        assert "fs_gemm_rows_epi(" in gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+        assert _defines(gk.c_units[0], "fs_gemm_rows_epi") and "fs_micro_x2(" in gk.c_units[0]
 
 
-def test_the_runtime_is_built_once_for_two_kernels(tmp_path, cache):
-    """Two kernels compiled into an empty cache: the first builds the runtime (`libfsrt-<hash>.so`,
-    its sha256 beside it), the second links the same file without building it again, and each
-    kernel library finds it through its soname; both equal ONNX Runtime."""
+def test_the_runtime_is_built_once_for_two_kernels_and_a_unit_once_for_its_epilogue(tmp_path, cache):
+    """Three kernels compiled into an empty cache: the first builds the runtime (`libfsrt-<hash>.so`,
+    its sha256 beside it), the others link the same file without building it again; the two with
+    the same GELU tile epilogue (different shapes) share one unit library; each kernel library finds
+    what it links through its soname; all equal ONNX Runtime."""
     gk, values = _kernel(tmp_path, "Tanh")
     _runs_right(gk, values)
     runtime = cache / cpu.runtime_name()
     first = runtime.stat()
-    other, other_values = _kernel(tmp_path, "Relu", 40)
-    _runs_right(other, other_values)
+    gelus = [_kernel(tmp_path, "gelu", n) for n in (64, 96)]
+    assert gelus[0][0].c_units == gelus[1][0].c_units and gelus[0][0].c_source != gelus[1][0].c_source
+    for other, other_values in gelus:
+        _runs_right(other, other_values)
     again = runtime.stat()
     assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
     assert sorted(p.name for p in cache.glob(f"{cpu.RUNTIME_PREFIX}*")) == [runtime.name, runtime.name + ".sha256"]
-    kernels = [str(p) for p in cache.glob("*.so") if not p.name.startswith(cpu.RUNTIME_PREFIX)]
+    unit = cpu.library_name(gelus[0][0].c_units[0], cpu.UNIT_PREFIX)
+    assert sorted(p.name for p in cache.glob(f"{cpu.UNIT_PREFIX}*")) == [unit, unit + ".sha256"]
+    kernels = [str(p) for p in cache.glob("*.so") if not p.name.startswith((cpu.RUNTIME_PREFIX, cpu.UNIT_PREFIX))]
     needed = subprocess.run(["readelf", "-d", *kernels], capture_output=True, text=True).stdout
-    assert len(kernels) == 2 and needed.count(f"Shared library: [{runtime.name}]") == 2
+    assert len(kernels) == 3 and needed.count(f"Shared library: [{runtime.name}]") == 3
+    assert needed.count(f"Shared library: [{unit}]") == 2
 
 
 def test_a_corrupt_runtime_is_built_again(tmp_path, cache):

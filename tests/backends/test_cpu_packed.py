@@ -435,7 +435,8 @@ def test_a_gelu_epilogue_runs_on_the_registers(tmp_path, m, n, bias):
         assert "fs_gemm_rows_epi(" not in body and "FS_TILE_EPI" not in gk.c_source
         return
     b = next((a.name for a in gk.inputs if a.tensor == "b"), "0")
-    assert "fs_gemm_rows_epi(" in body and f", {n}LL, {b});" in body and "static inline __m512 fs_tile_epi(" in gk.c_source
+    assert "fs_gemm_rows_epi(" in body and f", {n}LL, {b});" in body
+    assert "static inline __m512 fs_tile_epi(" in gk.c_units[0]  # the tile kernels' unit, with the epilogue
     prep = prepare(str(tmp_path / "m.onnx"))
     values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
     feeds = {a.tensor: values[a.tensor] for a in gk.inputs}

@@ -81,16 +81,19 @@ class GeneratedKernel:
     skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct;
     # CPU only (`cuda_source` empty): packed
     packed: tuple[PackedWeight, ...] = ()  # C: weights the kernel reads packed (after its outputs)
+    # C: translation units the kernel links besides the runtime, each compiled once into a shared
+    # library of its own whatever kernels link it (a tile epilogue's tile kernels: `c_runtime.tile_kernels`)
+    c_units: tuple[str, ...] = ()
 
     def with_c_source(self, c_source: str) -> GeneratedKernel:
         """The same kernel with another C source (an edit of this one: `benchmarks/ab_group.py`),
         hashed as `generate` hashes a source."""
-        return replace(self, c_source=c_source, source_hash=source_digest(c_source, self.cuda_source))
+        return replace(self, c_source=c_source, source_hash=source_digest(c_source, self.cuda_source, self.c_units))
 
 
-def source_digest(c_source: str, cuda_source: str) -> str:
-    """A generated kernel's `source_hash`: its two sources (the compile caches' key)."""
-    return hashlib.sha256((c_source + "\0" + cuda_source).encode()).hexdigest()
+def source_digest(c_source: str, cuda_source: str, c_units: tuple[str, ...] = ()) -> str:
+    """A generated kernel's `source_hash`: its sources and C units (the compile caches' key)."""
+    return hashlib.sha256("\0".join((c_source, cuda_source, *c_units)).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ tile or a row added at the store where given) and, with AVX-512, the 6 or 12 x 3
 B panels (`fs_micro_x2`), `fs_gemm_rows` (A by rows in place, C row-major, B's columns in blocks
 that stay in L2: MatMul/Gemm), `fs_gemm_packed` (A packed, C transposed: conv), the band and 1x1
 convs over them; `tile_epilogue` turns a group's scalar epilogue into the function the
-micro-kernel applies to its registers before the one store, followed by the tile kernels
-themselves (`_C_GEMM_ROWS`, static in the runtime too), so a kernel with one inlines it.
+micro-kernel applies to its registers before the one store, compiled with the tile kernels
+(`_C_TILE_GEMM`: `_C_GEMM_ROWS`, static in the runtime too) into a unit of its own, once per
+distinct epilogue (`c_runtime.tile_kernels`).
 Invariants: imports only `c_prelude` (the scratch slots, erf's vector form); FS_NR and FS_MR are
 the one definition of the panel width and tile height that the emitters size buffers by.
 """
@@ -662,13 +663,16 @@ void fs_conv_1x1(long long M, long long N, long long K, const float* F, long lon
 }}
 """
 
-# C: what a kernel with a tile epilogue compiles itself (the tile kernels with its epilogue inlined,
-# where FS_TILE_EPI is defined, AVX-512 only): _C_GEMM_ROWS and `fs_gemm_rows_epi`
+# C: the tile kernels with a tile epilogue inlined on their registers, where FS_TILE_EPI is defined
+# (with AVX-512, `_TILE_EPI_ON`): _C_GEMM_ROWS and `fs_gemm_rows_epi`, compiled once per distinct
+# epilogue into a unit of its own (`c_runtime.tile_kernels`) after the epilogue's definitions
+_TILE_EPI_ON = "#if defined(__AVX512F__)\n#define FS_TILE_EPI 1\n#endif\n"
+_GEMM_ROWS_EPI = ("void fs_gemm_rows_epi(long long M, long long N, long long K, const float* A, long long lda, "
+                  "const float* Bp, float* C, long long ldc, const float* R0)")
 _C_TILE_GEMM = ("#ifdef FS_TILE_EPI\n" + _C_GEMM_ROWS
                 + """/* fs_gemm_rows with the kernel's tile epilogue on the product plus R0 (a bias row) before the one
    store: no block of the product kept and no second pass (`tile_epilogue`) */
-static void fs_gemm_rows_epi(long long M, long long N, long long K, const float* A, long long lda,
-                             const float* Bp, float* C, long long ldc, const float* R0) {
+""" + _GEMM_ROWS_EPI + """ {
     fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, 0, 0, R0, 1);
 }
 #endif
@@ -698,8 +702,8 @@ def tile_epilogue(lines: list[str], result: str) -> str | None:
     `fs_tile_epi1` (a float) and, with AVX-512, `fs_tile_epi` (16 floats in a zmm: the same
     statements, erf by `fs_erf16`, the GELU by `fs_gelu2_16`), which `fs_gemm_rows_epi` applies to each tile before its one
     store; FS_TILE_EPI is defined only with AVX-512 (elsewhere the kernel keeps its block epilogue).
-    The tile kernels follow (`_C_TILE_GEMM`): the epilogue is inlined on their registers, so a
-    kernel with one compiles them itself instead of calling the runtime's `fs_gemm_rows`.
+    The tile kernels are compiled after these definitions, once per distinct epilogue, in a unit the
+    kernel links (`c_runtime.tile_kernels`): the epilogue is inlined on their registers.
     None when a statement holds anything else (a load, an index, a select, another call)."""
     statements = [_TILE_STATEMENT.fullmatch(line) for line in lines]
     if any(m is None or not _tile_expression(m.group(2)) for m in statements) or not _tile_expression(result):
@@ -707,7 +711,6 @@ def tile_epilogue(lines: list[str], result: str) -> str | None:
     scalar = "".join(f"    {line}\n" for line in lines)
     vector = "".join(f"    __m512 {m.group(1)} = {m.group(2).replace('fs_erff(', 'fs_erf16(').replace('fs_gelu2f(', 'fs_gelu2_16(')};\n"
                      for m in statements)
-    return ("#if defined(__AVX512F__)\n#include <immintrin.h>\n#define FS_TILE_EPI 1\n" + _erf_avx512() + gelu_avx512()
+    return (_TILE_EPI_ON + "#ifdef FS_TILE_EPI\n#include <immintrin.h>\n" + _erf_avx512() + gelu_avx512()
             + f"static inline float fs_tile_epi1(float v) {{\n{scalar}    return {result};\n}}\n"
-            + f"static inline __m512 fs_tile_epi(__m512 v) {{\n{vector}    return {result};\n}}\n#endif\n"
-            + _C_TILE_GEMM)
+            + f"static inline __m512 fs_tile_epi(__m512 v) {{\n{vector}    return {result};\n}}\n#endif\n")
