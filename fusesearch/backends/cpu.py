@@ -5,7 +5,10 @@ bodies as the CUDA version, inside a C/OpenMP loop nest.
 Approach: `cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC` (plus glibc's vector math
 library where it links, so `omp simd` loops with logf/tanhf vectorize; exp and erf are the C
 prelude's own inline polynomials) into a cache folder keyed by the source's hash and the flags
-(compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every array as a
+(compiled once per machine), linked with the shared C runtime (`runtime`: the helpers and packed
+GEMM every kernel's header declares, `libfsrt-<hash>.so` in the same folder, compiled once per
+machine, compiler and flags, found through $ORIGIN) and the kernel's C units (`libraries`: a tile
+epilogue's tile kernels, compiled once per distinct epilogue), loaded with ctypes; `run` allocates the outputs, passes every array as a
 contiguous pointer of its C type, and returns the outputs as numpy arrays; every buffer a kernel is
 given starts on a cache line (`aligned_empty`, as in a plan's arena and ONNX Runtime's allocator:
 numpy's own large arrays start 16 bytes past a page, which splits every other 32-byte vector
@@ -17,7 +20,10 @@ slower there, and the unfused graph's 120 kernels 2% slower in all with numpy's 
 a kernel that reads
 weights packed (`GeneratedKernel.packed`) gets them packed by its `<name>_pack` when its runner is
 made, once, and passed after its outputs.
-Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
+Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written; every
+cached library (kernel, program, runtime, unit) is moved into place whole and checked against the
+sha256 recorded when it was built (`cached_file`), so a concurrent or interrupted build never
+leaves a file that loads wrong.
 """
 
 from __future__ import annotations
