@@ -232,8 +232,10 @@ def runtime() -> Path:
 
 
 def libraries(units: tuple[str, ...] = ()) -> tuple[Path, ...]:
-    """The shared libraries a kernel with C `units` links: the runtime, then each unit's."""
-    return (runtime(), *(shared_library(u, UNIT_PREFIX) for u in units))
+    """The shared libraries a kernel with C `units` links: each unit's, then the runtime, in that
+    order, so a unit that defines a runtime function (an edited runtime, `benchmarks/ab_group.py`)
+    is the one the kernel calls."""
+    return (*(shared_library(u, UNIT_PREFIX) for u in units), runtime())
 
 
 def link_libraries(linked) -> tuple[str, ...]:

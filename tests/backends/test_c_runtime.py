@@ -145,3 +145,18 @@ def test_two_processes_building_the_runtime_at_once_both_get_it(tmp_path):
     assert all(p.returncode == 0 for p in procs) and len(paths) == 1
     runtime = Path(paths.pop())
     assert (runtime.parent / (runtime.name + ".sha256")).read_text() == hashlib.sha256(runtime.read_bytes()).hexdigest()
+
+
+def test_a_unit_that_defines_a_runtime_function_is_the_one_the_kernel_calls(tmp_path, cache):
+    """A kernel's units are linked ahead of the runtime (`cpu.libraries`): a unit holding an edited
+    runtime (as `benchmarks/ab_group.py` links a variant's) replaces the shared one's functions for
+    that kernel only: here a `fs_gemm_rows` that writes a zero product, so Tanh gives zeros, while
+    the same kernel without the unit still equals ONNX Runtime."""
+    gk, values = _kernel(tmp_path, "Tanh")
+    call = "fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, C0, ldc0, R0, 0);"
+    zero = "for (long long i = 0; i < M; ++i) for (long long j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;"
+    assert C_RUNTIME.count(call) == 1
+    zeroed = gk.with_c_source(gk.c_source, (C_RUNTIME.replace(call, zero),))
+    out = cpu.run(zeroed, {a.tensor: values[a.tensor] for a in gk.inputs})["out"]
+    assert not out.any() and values["out"].any()
+    _runs_right(gk, values)

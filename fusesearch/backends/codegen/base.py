@@ -85,10 +85,11 @@ class GeneratedKernel:
     # library of its own whatever kernels link it (a tile epilogue's tile kernels: `c_runtime.tile_kernels`)
     c_units: tuple[str, ...] = ()
 
-    def with_c_source(self, c_source: str) -> GeneratedKernel:
-        """The same kernel with another C source (an edit of this one: `benchmarks/ab_group.py`),
-        hashed as `generate` hashes a source."""
-        return replace(self, c_source=c_source, source_hash=source_digest(c_source, self.cuda_source, self.c_units))
+    def with_c_source(self, c_source: str, c_units: tuple[str, ...] | None = None) -> GeneratedKernel:
+        """The same kernel with another C source, and other C units where given (an edit of this
+        one: `benchmarks/ab_group.py`), hashed as `generate` hashes a source."""
+        units = self.c_units if c_units is None else c_units
+        return replace(self, c_source=c_source, c_units=units, source_hash=source_digest(c_source, self.cuda_source, units))
 
 
 def source_digest(c_source: str, cuda_source: str, c_units: tuple[str, ...] = ()) -> str:
