@@ -9,8 +9,10 @@ nodes' names (NODES: the group a one-thread cpsat plan for the host takes, lower
 plan lowers it, `packed`; named rather than planned, because the host's plan moves with its
 measured figures and thread count; or GROUPS, a list of (model, nodes) pairs, each run in turn
 against the same variants), and variants, each a list of (regular expression,
-replacement) edits of the group's generated C source; every edit must match (a generator change
-that moved the text fails loudly, never a silent no-op). The
+replacement) edits of the group's C texts (`texts`: its generated source, the shared C runtime's,
+its units', each edited wherever a pattern matches; an edited runtime is linked as a unit of the
+variant, ahead of the shared one); every edit must match one of them (a generator change that
+moved the text fails loudly, never a silent no-op). The
 base and each variant are compiled, run once, checked against ONNX Runtime's values of the
 group's outputs (the variants named in BOUNDS compute something else on purpose — a part taken
 out — so their error is printed, not checked), then timed in ROUNDS interleaved rounds of
@@ -36,6 +38,7 @@ import numpy as np
 
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
+from fusesearch.backends.codegen.c_runtime import C_RUNTIME
 from fusesearch.backends.timing import measure_interleaved
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
@@ -80,20 +83,34 @@ def group_kernel(model: str, nodes):
     return prep, kernel, generate(prep.graph, kernel, name="ab_group")
 
 
-def edited(source: str, edits, label: str) -> str:
-    """`source` with every (pattern, replacement) edit applied; each must match."""
+def texts(kernel) -> tuple[str, ...]:
+    """The C a generated kernel runs: its source, the shared runtime's, then its units'."""
+    return (kernel.c_source, C_RUNTIME, *kernel.c_units)
+
+
+def edited(sources: tuple[str, ...], edits, label: str) -> tuple[str, ...]:
+    """`sources` with every (pattern, replacement) edit applied wherever it matches; each must
+    match in one of them at least."""
     for pattern, replacement in edits:
-        source, count = re.subn(pattern, replacement, source)
-        if count == 0:
+        done = [re.subn(pattern, replacement, source) for source in sources]
+        if not any(count for _, count in done):
             raise VariantError(f"variant '{label}': the pattern {pattern!r} is not in the group's source "
                                "(the generator changed: update the variant file)")
-    return source
+        sources = tuple(source for source, _ in done)
+    return sources
+
+
+def variant(kernel, sources: tuple[str, ...]):
+    """The kernel running `sources` (edited `texts`): its source, and its units after the runtime
+    where that was edited (linked ahead of the shared one: `cpu.libraries`)."""
+    source, runtime, *units = sources
+    return kernel.with_c_source(source, ((runtime,) if runtime != C_RUNTIME else ()) + tuple(units))
 
 
 def run_group(spec: dict, model: str, nodes, args) -> None:
     """One group against the variants: checked against ONNX Runtime, then timed interleaved."""
     prep, kernel, base = group_kernel(model, nodes)
-    sources = {label: edited(base.c_source, edits, label) for label, edits in spec["VARIANTS"].items()}
+    sources = {label: edited(texts(base), edits, label) for label, edits in spec["VARIANTS"].items()}
     ops = "+".join(prep.graph.nodes[i].op_type for i in kernel.nodes)
     if args.check:
         print(f"{model} {ops}: the {len(sources)} variants apply")
@@ -104,7 +121,7 @@ def run_group(spec: dict, model: str, nodes, args) -> None:
     labels, runs = ["base"], [cpu.runner(base, inputs)]
     for label, source in sources.items():
         labels.append(label)
-        runs.append(cpu.runner(base.with_c_source(source), inputs))
+        runs.append(cpu.runner(variant(base, source), inputs))
     bounds = set(spec.get("BOUNDS", ()))
     print(f"{model} {ops}: {len(labels) - 1} variants, {args.rounds} rounds"
           + (f", a {args.flush} MiB buffer summed before every sample" if args.flush > 0 else ""))

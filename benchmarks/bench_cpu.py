@@ -197,13 +197,13 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     the BLAS (cpu_conv.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
     import ctypes
 
-    from fusesearch.backends.codegen import c_gemm, c_prelude, cpu_conv
+    from fusesearch.backends.codegen import c_gemm, c_runtime, cpu_conv
 
     flags = cpu.blas_flags()
     if not flags:
         print("1b. skipped: no BLAS to compare with (pip install scipy-openblas32)")
         return
-    driver = (c_prelude._C_PRELUDE + c_gemm._C_PACKED_GEMM
+    driver = (c_runtime.C_RUNTIME
               + "void own_pack_b(int K, int N, const float* B, float* Bp) { fs_pack_b(K, N, B, N, 1, Bp); }\n"
               "void own_rows(int M, int N, int K, const float* A, const float* Bp, float* C) "
               "{ fs_gemm_rows(M, N, K, A, K, Bp, C, N, 0, 0, 0); }\n"

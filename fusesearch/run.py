@@ -15,7 +15,8 @@ Approach: the plan's groups, in plan order, become steps:
                                      (a bfloat16 node: through float32 copies)
 
 Maximal runs of generated steps are segments: every kernel's C source is compiled on its own
-(its object cached by source hash and flags) and linked with a generated driver into one shared
+(its object cached by source hash and flags) and linked with a generated driver and the shared C
+runtime (`cpu.runtime`: the helpers and packed GEMM every kernel calls, compiled once) into one shared
 library that has one entry function per segment, calling its kernels in order with pointers into
 one arena and a table of external pointers (weights, loaded once; the model's inputs; the weights
 kernels read packed, packed once by the driver's `fs_pack` when the program is built) — one
@@ -227,12 +228,17 @@ def _object(source: str, name: str, flags: list[str], folder: Path) -> Path:
 
 
 def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDLL:
-    """Compile every kernel (objects cached) and the driver, link them into one shared library."""
+    """Compile every kernel (objects cached) and the driver, link them into one shared library
+    with the shared C runtime and the kernels' units (`cpu.libraries`: each distinct unit once,
+    built beside the kernels where missing)."""
     compile_flags, link_flags = _flags()
     folder = cpu.cache_dir()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         try:
+            units = tuple(dict.fromkeys(u for k in kernels for u in k.c_units))  # each distinct one once
+            linked = pool.submit(cpu.libraries, units)
             objects = list(pool.map(lambda k: _object(k.c_source, k.name, compile_flags, folder), kernels))
+            link_flags += cpu.link_libraries(linked.result())
         except BaseException:  # Ctrl-C or a failed compile: start no further compiles
             pool.shutdown(cancel_futures=True)
             raise

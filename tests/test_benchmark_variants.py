@@ -1,6 +1,7 @@
 """The README's "what a part costs" and "measured and not kept" figures come from
 `benchmarks/ab_group.py` over the variant files in `benchmarks/variants/`: each variant is a set of
-edits of a group's generated C source (the group named by its nodes, or several groups), so a generator change that
+edits of a group's C texts (its generated source, the shared C runtime's and its units'; the group
+named by its nodes, or several groups), so a generator change that
 moves the edited text would break those commands. Each file's group must still lower to one packed
 kernel and every edit must still match."""
 
@@ -37,11 +38,11 @@ def test_every_variant_still_edits_its_group(path):
         assert kernel.anchor is not None  # a fused product, as on the host: packed, or a depthwise conv's loop
         assert kernel.schedule.skeleton == ("depthwise" if kernel.template == "depthwise" else "packed")
         for label, edits in spec["VARIANTS"].items():
-            source = AB.edited(base.c_source, edits, label)
-            assert source != base.c_source, (model, nodes, label)
+            sources = AB.edited(AB.texts(base), edits, label)
+            assert sources != AB.texts(base), (model, nodes, label)
     assert set(spec.get("BOUNDS", ())) <= set(spec["VARIANTS"])
 
 
 def test_an_edit_that_no_longer_matches_is_refused():
     with pytest.raises(AB.VariantError, match="the generator changed"):
-        AB.edited("int x;", [(r"fs_erff\(", "(")], "erf taken out")
+        AB.edited(("int x;", "int y;"), [(r"fs_erff\(", "(")], "erf taken out")

@@ -5,7 +5,10 @@ bodies as the CUDA version, inside a C/OpenMP loop nest.
 Approach: `cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC` (plus glibc's vector math
 library where it links, so `omp simd` loops with logf/tanhf vectorize; exp and erf are the C
 prelude's own inline polynomials) into a cache folder keyed by the source's hash and the flags
-(compiled once per machine), loaded with ctypes; `run` allocates the outputs, passes every array as a
+(compiled once per machine), linked with the shared C runtime (`runtime`: the helpers and packed
+GEMM every kernel's header declares, `libfsrt-<hash>.so` in the same folder, compiled once per
+machine, compiler and flags, found through $ORIGIN) and the kernel's C units (`libraries`: a tile
+epilogue's tile kernels, compiled once per distinct epilogue), loaded with ctypes; `run` allocates the outputs, passes every array as a
 contiguous pointer of its C type, and returns the outputs as numpy arrays; every buffer a kernel is
 given starts on a cache line (`aligned_empty`, as in a plan's arena and ONNX Runtime's allocator:
 numpy's own large arrays start 16 bytes past a page, which splits every other 32-byte vector
@@ -17,7 +20,10 @@ slower there, and the unfused graph's 120 kernels 2% slower in all with numpy's 
 a kernel that reads
 weights packed (`GeneratedKernel.packed`) gets them packed by its `<name>_pack` when its runner is
 made, once, and passed after its outputs.
-Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written.
+Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written; every
+cached library (kernel, program, runtime, unit) is moved into place whole and checked against the
+sha256 recorded when it was built (`cached_file`), so a concurrent or interrupted build never
+leaves a file that loads wrong.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 
 from costmodels.devices import cache_root
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
+from fusesearch.backends.codegen.c_runtime import C_RUNTIME
 from fusesearch.errors import FusesearchError
 from fusesearch.groups import FusionDecision
 
@@ -128,13 +135,14 @@ def cache_dir() -> Path:
 
 
 def compile_kernel(kernel: GeneratedKernel) -> ctypes.CDLL:
-    return _load(kernel.c_source, kernel.source_hash)
+    return _load(kernel.c_source, kernel.source_hash, kernel.c_units)
 
 
 @lru_cache(maxsize=512)
-def _load(source: str, digest: str) -> ctypes.CDLL:
-    flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags())).encode()).hexdigest()[:8]
-    return load_cached(cache_dir() / f"{digest[:24]}-{flags}.so", lambda target: _build(source, target))
+def _load(source: str, digest: str, units: tuple[str, ...] = ()) -> ctypes.CDLL:
+    flags = hashlib.sha256(" ".join((*CFLAGS, *link_flags(), runtime_name())).encode()).hexdigest()[:8]
+    linked = libraries(units)  # built (or found intact) before any library that links them is loaded
+    return load_cached(cache_dir() / f"{digest[:24]}-{flags}.so", lambda target: _build(source, target, linked))
 
 
 def cached_file(target: Path, build) -> Path:
@@ -160,7 +168,10 @@ def load_cached(target: Path, build) -> ctypes.CDLL:
     return ctypes.CDLL(str(cached_file(target, build)))
 
 
-def _build(source: str, target: Path) -> None:
+def _build(source: str, target: Path, linked: tuple[Path, ...] = (), extra: tuple[str, ...] = ()) -> None:
+    """`source` compiled into the shared library `target` (moved into place atomically), linked
+    with the shared libraries `linked` (the runtime and units, `libraries`), `extra` flags after
+    the sources."""
     cc = compiler()
     if cc is None:
         raise FusesearchError("no C compiler found (install gcc or set CC)")
@@ -168,12 +179,70 @@ def _build(source: str, target: Path) -> None:
         src = Path(tmp) / "kernel.c"
         src.write_text(source)
         out = Path(tmp) / "kernel.so"
-        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), *link_flags(), CFLAGS[-1]],
+        done = subprocess.run([cc, *CFLAGS[:-1], str(src), "-o", str(out), *extra, *link_flags(),
+                               *link_libraries(linked), CFLAGS[-1]],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr[:200])
             raise FusesearchError(f"the C compiler rejected a generated kernel: {first}")
         os.replace(out, target)  # atomic: concurrent builders of the same source agree
+
+
+# -- the shared C runtime -----------------------------------------------------------------------
+
+RUNTIME_PREFIX = "libfsrt-"  # the shared C runtime's file name
+UNIT_PREFIX = "libfsunit-"  # a kernel's C unit's (`GeneratedKernel.c_units`)
+
+
+@lru_cache(maxsize=8)
+def _compiler_version(cc: str) -> str:
+    done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+    return done.stdout.splitlines()[0] if done.stdout else ""
+
+
+def library_name(source: str, prefix: str) -> str:
+    """`<prefix><hash>.so`: the file name of C `source` compiled once into a shared library, the
+    hash of the source, the compiler (path and version) and every flag it and the kernels are
+    compiled with (-march=native included, so a machine's cache holds its own CPU's), so a change
+    of any one builds another library, and the kernels (whose cache keys hold the runtime's name
+    and their units' sources) link that one."""
+    cc = compiler() or ""
+    key = "\0".join([source, cc, _compiler_version(cc) if cc else "", *CFLAGS, *link_flags()])
+    return f"{prefix}{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def runtime_name() -> str:
+    """The shared C runtime's file name (`library_name` of `codegen.c_runtime.C_RUNTIME`)."""
+    return library_name(C_RUNTIME, RUNTIME_PREFIX)
+
+
+def shared_library(source: str, prefix: str) -> Path:
+    """C `source` compiled once per machine, compiler and flags, with the kernels' flags, into the
+    shared library `library_name(source, prefix)` in the cache folder (its soname its file name),
+    built first when missing, or when its file is not the one that was built (`cached_file`'s
+    sha256, as for every cached library); concurrent builders each move a finished file into place."""
+    name = library_name(source, prefix)
+    return cached_file(cache_dir() / name, lambda target: _build(source, target, extra=(f"-Wl,-soname,{name}",)))
+
+
+def runtime() -> Path:
+    """The shared C runtime (`codegen.c_runtime.C_RUNTIME`: the helpers and packed GEMM that every
+    kernel's header declares), built once per machine, compiler and flags (`shared_library`)."""
+    return shared_library(C_RUNTIME, RUNTIME_PREFIX)
+
+
+def libraries(units: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    """The shared libraries a kernel with C `units` links: each unit's, then the runtime, in that
+    order, so a unit that defines a runtime function (an edited runtime, `benchmarks/ab_group.py`)
+    is the one the kernel calls."""
+    return (*(shared_library(u, UNIT_PREFIX) for u in units), runtime())
+
+
+def link_libraries(linked) -> tuple[str, ...]:
+    """The flags that link a kernel library or program in the cache folder with the shared
+    libraries `linked` (beside it, `libraries`): each found again through its soname in the
+    linking library's own folder ($ORIGIN), wherever the cache folder is."""
+    return (*map(str, linked), "-Wl,-rpath,$ORIGIN") if linked else ()
 
 
 NULL_ARGS = 8  # the null kernel's pointer arguments (a generated kernel's typical count)

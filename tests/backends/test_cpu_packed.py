@@ -435,7 +435,8 @@ def test_a_gelu_epilogue_runs_on_the_registers(tmp_path, m, n, bias):
         assert "fs_gemm_rows_epi(" not in body and "FS_TILE_EPI" not in gk.c_source
         return
     b = next((a.name for a in gk.inputs if a.tensor == "b"), "0")
-    assert "fs_gemm_rows_epi(" in body and f", {n}LL, {b});" in body and "static inline __m512 fs_tile_epi(" in gk.c_source
+    assert "fs_gemm_rows_epi(" in body and f", {n}LL, {b});" in body
+    assert "static inline __m512 fs_tile_epi(" in gk.c_units[0]  # the tile kernels' unit, with the epilogue
     prep = prepare(str(tmp_path / "m.onnx"))
     values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
     feeds = {a.tensor: values[a.tensor] for a in gk.inputs}
@@ -778,7 +779,26 @@ static inline fs_v16 _mm512_permutex2var_ps(fs_v16 a, fs_i16 idx, fs_v16 b) {
 static inline fs_v16 _mm512_maskz_loadu_ps(__mmask16 m, const float* p) {
     fs_v16 r; for (int i = 0; i < 16; ++i) r.v[i] = m >> i & 1 ? p[i] : 0.0f; return r; }
 static inline void _mm512_mask_storeu_ps(float* p, __mmask16 m, fs_v16 a) { for (int i = 0; i < 16; ++i) if (m >> i & 1) p[i] = a.v[i]; }
+static inline void _mm512_stream_ps(float* p, fs_v16 a) { _mm512_storeu_ps(p, a); }
+static inline void _mm_sfence(void) {}
 """
+
+
+def _shared_library(tmp_path, sources: list[str], flags: list[str], stand_in: bool) -> ctypes.CDLL:
+    """`sources` (translation units: the runtime's, a kernel's) compiled with `flags` into one shared
+    library, as a kernel and the runtime it links are; `stand_in`: each with the AVX-512 intrinsics
+    replaced by plain C (`_AVX512_STAND_IN`, its call counter defined in the first)."""
+    paths = []
+    for i, source in enumerate(sources):
+        if stand_in:
+            head = _AVX512_STAND_IN if i == 0 else _AVX512_STAND_IN.replace("long long fs_stand_in_calls = 0;",
+                                                                            "extern long long fs_stand_in_calls;")
+            source = head + source.replace("#include <immintrin.h>\n", "")
+        paths.append(tmp_path / f"unit{i}.c")
+        paths[-1].write_text(source)
+    lib = tmp_path / "units.so"
+    subprocess.run([cpu.compiler(), *flags, *map(str, paths), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
 
 
 @pytest.mark.parametrize("branch", ["native", "portable", "avx512"])
@@ -793,7 +813,7 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     AVX-512, whichever it has), the portable loops (no vector ISA named), and the
     AVX-512 branch with its intrinsics replaced by plain C (`_AVX512_STAND_IN`), so its indexing is
     checked on a CPU without AVX-512 (and compiled with the real ones to zmm FMAs)."""
-    from fusesearch.backends.codegen import c_gemm, c_prelude
+    from fusesearch.backends.codegen import c_gemm, c_runtime
 
     driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
               "         float* R, float* S, const float* T, const float* bias, float* E) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
@@ -805,19 +825,17 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     epilogue = ("#define FS_TILE_EPI 1\nstatic inline float fs_tile_epi1(float v) { return (v + v) + 1.0f; }\n"
                 "#if defined(__AVX512F__)\n#include <immintrin.h>\nstatic inline __m512 fs_tile_epi(__m512 v) {\n"
                 "    return _mm512_add_ps(_mm512_add_ps(v, v), _mm512_set1_ps(1.0f));\n}\n#endif\n")
-    source = c_prelude._C_PRELUDE + epilogue + c_gemm._C_PACKED_GEMM + driver
+    # the runtime, and a kernel with a tile epilogue (the tile kernels compiled into it) calling it
+    sources = [c_runtime.C_RUNTIME, c_runtime.C_HEADER + epilogue + c_gemm._C_TILE_GEMM + driver]
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     if branch == "native":
         flags = list(cpu.CFLAGS[:-1])
     elif branch == "avx512":  # the real intrinsics compile (to zmm FMAs); the stand-in runs
-        asm = subprocess.run([cpu.compiler(), "-O2", "-mavx512f", "-mfma", "-std=c11", "-x", "c", "-S", "-", "-o", "-"],
-                             input=source, check=True, capture_output=True, text=True).stdout
-        assert "vfmadd" in asm and "zmm" in asm
-        source = _AVX512_STAND_IN + source.replace("#include <immintrin.h>\n", "")
-    src, lib = tmp_path / "gemm.c", tmp_path / "gemm.so"
-    src.write_text(source)
-    subprocess.run([cpu.compiler(), *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib))
+        for source in sources:
+            asm = subprocess.run([cpu.compiler(), "-O2", "-mavx512f", "-mfma", "-std=c11", "-x", "c", "-S", "-", "-o", "-"],
+                                 input=source, check=True, capture_output=True, text=True).stdout
+            assert "vfmadd" in asm and "zmm" in asm
+    fn = _shared_library(tmp_path, sources, flags, branch == "avx512")
     rng = np.random.default_rng(1)
     for m, n, k in [(25, 30, 37), (6, 16, 1), (13, 40, 64), (9, 33, 5), (23, 64, 19)]:
         a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
@@ -879,17 +897,12 @@ def test_split2_splits_a_row_by_column_parity_at_every_length(tmp_path, branch):
     with AVX-512, an odd length's one more even column), never writing past either plane: as this
     CPU compiles it, as the portable loop, and the AVX-512 branch with its intrinsics replaced by
     plain C (`_AVX512_STAND_IN`: its permutes and masks checked on a CPU without AVX-512)."""
-    from fusesearch.backends.codegen import c_prelude
+    from fusesearch.backends.codegen import c_runtime
 
-    source = c_prelude._C_PRELUDE + ("void split(const float* src, float* even, float* odd, long long ne, long long no) {\n"
-                                     "    fs_split2(src, even, odd, ne, no);\n}\n")
+    sources = [c_runtime.C_RUNTIME, c_runtime.C_HEADER + ("void split(const float* src, float* even, float* odd, long long ne, "
+                                                          "long long no) {\n    fs_split2(src, even, odd, ne, no);\n}\n")]
     flags = list(cpu.CFLAGS[:-1]) if branch == "native" else ["-O2", "-shared", "-fPIC", "-std=c11"]
-    if branch == "avx512":
-        source = _AVX512_STAND_IN + source.replace("#include <immintrin.h>\n", "")
-    src, lib = tmp_path / "split.c", tmp_path / "split.so"
-    src.write_text(source)
-    subprocess.run([cpu.compiler(), *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib))
+    fn = _shared_library(tmp_path, sources, flags, branch == "avx512")
     ptr = ctypes.c_void_p
     for width in range(82):
         row = np.arange(1, width + 1, dtype=np.float32)

@@ -89,7 +89,8 @@ from fusesearch.backends.codegen.base import (
     half_prelude,
     source_digest,
 )
-from fusesearch.backends.codegen.c_prelude import _C_PRELUDE, _CU_PRELUDE
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
+from fusesearch.backends.codegen.c_runtime import C_HEADER, tile_kernels
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
@@ -140,12 +141,15 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
     packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
     defs: list[str] = []  # file-scope C the packed GEMM calls (a tile epilogue)
+    units: tuple[str, ...] = ()  # C units the kernel links (the tile kernels with that epilogue)
     if skeleton is Skeleton.BLOCK_PER_ROW or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
         c_body = _anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None else None
+        tiles = [tile_kernels(d) for d in defs]  # the kernel's declarations, the units it links
+        units = tuple(unit for _, unit in tiles)
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()),
-                                                 "".join(defs))
+                                                 "".join(declared for declared, _ in tiles))
         if skeleton in _CUDA_WRITERS:
             cu_src = _CUDA_WRITERS[skeleton](graph, kernel, name, ins, outs, args)
         elif skeleton is Skeleton.ALIAS:  # a lone view run as a kernel (a copy), where one is asked for
@@ -157,10 +161,10 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     if halves:  # the half types and conversions, right after the prelude (float32 sources unchanged)
         c_src = _with_half(c_src, halves, False)
         cu_src = _with_half(cu_src, halves, True) if cu_src else cu_src
-    digest = source_digest(c_src, cu_src)
+    digest = source_digest(c_src, cu_src, units)
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton,
-                           packed=tuple(packs.values()))
+                           packed=tuple(packs.values()), c_units=units)
 
 
 _CUDA_WRITERS = {Skeleton.TILED: _tiled, Skeleton.VECTORIZED: _vectorized,
@@ -169,9 +173,9 @@ _CUDA_WRITERS = {Skeleton.TILED: _tiled, Skeleton.VECTORIZED: _vectorized,
 
 
 def _with_half(src: str, dtypes, cuda: bool) -> str:
-    prelude = _CU_PRELUDE if cuda else _C_PRELUDE
+    prelude = _CU_PRELUDE if cuda else C_HEADER
     if not src.startswith(prelude):
-        raise CodegenRefused("a skeleton without the common prelude cannot take half tensors")
+        raise CodegenRefused("a skeleton without the common header cannot take half tensors")
     return prelude + half_prelude(dtypes, cuda) + src[len(prelude):]
 
 

@@ -1,7 +1,7 @@
 """Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal, and
-`c_function`, which joins a C kernel's body to the text every kernel starts with (`c_prelude`:
-exp, erf, the scratch arena, streamed stores, folds), the packed GEMM where the kernel packs
-(`c_gemm`) and its loops' invariants hoisted (`hoist`).
+`c_function`, which joins a C kernel's body to the header every kernel starts with
+(`c_runtime.C_HEADER`: exp, erf, the scratch arena and folds inline, the declarations of the shared
+C runtime's streamed stores and packed GEMM) with its loops' invariants hoisted (`hoist`).
 
 Half precision (float16, bfloat16) is a storage type only: arithmetic is float32. A half value is
 widened where it is loaded (`load_expr`) and rounded to nearest even where it is stored
@@ -12,7 +12,7 @@ by bit manipulation for bfloat16 (the CUDA emulator defines the float16 pair on 
 FS_HOST_HALF). Every skeleton (and any new one, such as a tensor-core tile loading half operands)
 calls these; a float32-only kernel's source does not change.
 Invariants: this module imports of the generator only its C text leaves (`c_prelude`, `c_gemm`,
-`hoist`); a dtype has a C type here or is refused (`CodegenRefused`, carrying a `FusionDecision`).
+`c_runtime`, `hoist`); a dtype has a C type here or is refused (`CodegenRefused`, carrying a `FusionDecision`).
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ import ml_dtypes
 import numpy as np
 
 from fusesearch.backends.codegen import c_prelude
-from fusesearch.backends.codegen.c_gemm import _C_PACKED_GEMM, FS_NR
+from fusesearch.backends.codegen.c_gemm import FS_NR
 from fusesearch.backends.codegen.c_prelude import (
-    _C_PRELUDE,
     _WIDE_OFF,
     _WIDE_ON,
     SCRATCH_SLOTS,
     WIDE_CALLS,
 )
+from fusesearch.backends.codegen.c_runtime import C_HEADER
 from fusesearch.backends.codegen.hoist import hoist_loop_invariants
 from fusesearch.groups import FusionDecision
 
@@ -81,16 +81,20 @@ class GeneratedKernel:
     skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct;
     # CPU only (`cuda_source` empty): packed
     packed: tuple[PackedWeight, ...] = ()  # C: weights the kernel reads packed (after its outputs)
+    # C: translation units the kernel links besides the runtime, each compiled once into a shared
+    # library of its own whatever kernels link it (a tile epilogue's tile kernels: `c_runtime.tile_kernels`)
+    c_units: tuple[str, ...] = ()
 
-    def with_c_source(self, c_source: str) -> GeneratedKernel:
-        """The same kernel with another C source (an edit of this one: `benchmarks/ab_group.py`),
-        hashed as `generate` hashes a source."""
-        return replace(self, c_source=c_source, source_hash=source_digest(c_source, self.cuda_source))
+    def with_c_source(self, c_source: str, c_units: tuple[str, ...] | None = None) -> GeneratedKernel:
+        """The same kernel with another C source, and other C units where given (an edit of this
+        one: `benchmarks/ab_group.py`), hashed as `generate` hashes a source."""
+        units = self.c_units if c_units is None else c_units
+        return replace(self, c_source=c_source, c_units=units, source_hash=source_digest(c_source, self.cuda_source, units))
 
 
-def source_digest(c_source: str, cuda_source: str) -> str:
-    """A generated kernel's `source_hash`: its two sources (the compile caches' key)."""
-    return hashlib.sha256((c_source + "\0" + cuda_source).encode()).hexdigest()
+def source_digest(c_source: str, cuda_source: str, c_units: tuple[str, ...] = ()) -> str:
+    """A generated kernel's `source_hash`: its sources and C units (the compile caches' key)."""
+    return hashlib.sha256("\0".join((c_source, cuda_source, *c_units)).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -274,14 +278,14 @@ def c_pack_params(ins, packed, named: bool = True) -> list[str]:
 
 
 def c_function(name: str, ins, outs, packed, body: str, defs: str = "") -> str:
-    """A C kernel's source: the prelude, `defs` (file-scope definitions the packed GEMM calls: a tile
-    epilogue, `tile_epilogue`), the packed GEMM where weights are packed or the body packs an
-    operand per call, the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
+    """A C kernel's source: the runtime's header (`c_runtime.C_HEADER`: the inline helpers and the
+    declarations of what the shared runtime defines, the packed GEMM included), `defs` (file-scope
+    definitions of the kernel's own: a tile epilogue with the tile kernels it is inlined into,
+    `tile_epilogue`), the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
     invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
-    gemm = packed or any(f in body for f in ("fs_pack_b(", "fs_conv_1x1(", "fs_band_chunk("))
     body = hoist_loop_invariants(body)
     wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
-    src = (f"{_C_PRELUDE}{defs}{_C_PACKED_GEMM if gemm else ''}{_WIDE_ON if wide else ''}\n"
+    src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}\n"
            f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n{_WIDE_OFF if wide else ''}")
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"

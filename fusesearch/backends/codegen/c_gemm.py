@@ -1,8 +1,9 @@
-"""The packed GEMM a C kernel with packed weights includes, and the tile epilogue it applies.
+"""The packed GEMM of the C runtime that kernels with packed weights call, and the tile epilogue.
 
 Problem: a GEMM or conv group on the CPU must run its product near the core's FMA peak with its
 prologue and epilogue fused, its weights (constants) packed once.
-Approach: C source (`_C_PACKED_GEMM`): `fs_pack_b` (B in FS_NR-wide panels; B stored transposed,
+Approach: C source, compiled once into the shared C runtime (`c_runtime`) that every kernel links
+(kernels see only the declarations, `_C_GEMM_DECLS`): `fs_pack_b` (B in FS_NR-wide panels; B stored transposed,
 as attention's keys are, by 8 x 8 AVX2 transposes: an element-wise gather there cost 7% of a
 bert-small score kernel), the FS_MR x FS_NR micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or
 portable loops, by what the compiler targets; A by two strides, the tile at a row stride, plus a
@@ -10,7 +11,9 @@ tile or a row added at the store where given) and, with AVX-512, the 6 or 12 x 3
 B panels (`fs_micro_x2`), `fs_gemm_rows` (A by rows in place, C row-major, B's columns in blocks
 that stay in L2: MatMul/Gemm), `fs_gemm_packed` (A packed, C transposed: conv), the band and 1x1
 convs over them; `tile_epilogue` turns a group's scalar epilogue into the function the
-micro-kernel applies to its registers before the one store.
+micro-kernel applies to its registers before the one store, compiled with the tile kernels
+(`_C_TILE_GEMM`: `_C_GEMM_ROWS`, static in the runtime too) into a unit of its own, once per
+distinct epilogue (`c_runtime.tile_kernels`).
 Invariants: imports only `c_prelude` (the scratch slots, erf's vector form); FS_NR and FS_MR are
 the one definition of the panel width and tile height that the emitters size buffers by.
 """
@@ -49,75 +52,31 @@ from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS, _erf_avx512, ge
 
 FS_NR = 16  # B panel width: packed floats = ceil(N / FS_NR) * FS_NR * K
 FS_MR = 6  # rows of A per micro-kernel tile (FS_MR x FS_NR accumulators in registers)
-_C_PACKED_GEMM = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+
+# C: what a kernel sees of the packed GEMM: the runtime's functions (their comments at their
+# definitions below), declared in every kernel's header (`c_runtime.C_HEADER`)
+_C_GEMM_DECLS = ("void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp);\n"
+                 "void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp);\n"
+                 "void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda, const float* Bp, "
+                 "float* C, long long ldc, const float* C0, long long ldc0, const float* R0);\n"
+                 "void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak, "
+                 "const float* Bp, float* C, long long ldc);\n"
+                 "long long fs_band_chunk(void);\n"
+                 "void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs, "
+                 "const float* band, const int* off, const float* Bp, float* C, long long ldc);\n"
+                 "void fs_conv_1x1(long long M, long long N, long long K, const float* F, long long lda, const float* X, "
+                 "long long ldx, float* C, long long ldc, int in_place);\n")
+
+# C: the tile kernels behind `fs_gemm_rows` (C row-major, A read by rows in place): compiled into
+# the runtime (`c_runtime`) and, where a kernel has a tile epilogue (`tile_epilogue`), into that
+# kernel too, since the epilogue is inlined on the registers of every tile (`fs_gemm_rows_epi`).
+# Every function here is static: the runtime exports only what C_GEMM_DECLS declares.
+_C_GEMM_ROWS = f"""#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#if defined(__unix__) || defined(__APPLE__)
-#include <unistd.h>
-#endif
 enum {{ FS_MR = {FS_MR}, FS_NR = {FS_NR} }};
-#if defined(__AVX2__)
-/* dst[k * FS_NR + j] = src[j * sn + k] for an 8 x 8 block: eight rows of B^T in, eight panel rows out */
-static inline void fs_transpose8(const float* src, long long sn, float* dst) {{
-    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + sn), r2 = _mm256_loadu_ps(src + 2 * sn);
-    __m256 r3 = _mm256_loadu_ps(src + 3 * sn), r4 = _mm256_loadu_ps(src + 4 * sn), r5 = _mm256_loadu_ps(src + 5 * sn);
-    __m256 r6 = _mm256_loadu_ps(src + 6 * sn), r7 = _mm256_loadu_ps(src + 7 * sn);
-    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
-    __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(dst + FS_NR, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(dst + 2 * FS_NR, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(dst + 3 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(dst + 4 * FS_NR, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(dst + 5 * FS_NR, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(dst + 6 * FS_NR, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(dst + 7 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
-}}
-#endif
-static void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
-    for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
-        float* dst = Bp + n0 * K;
-        long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
-        long long k0 = 0;
-#if defined(__AVX2__)
-        if (sk == 1 && nr == FS_NR)  /* B stored transposed (attention's keys): 8 x 8 blocks */
-            for (; k0 + 8 <= K; k0 += 8)
-                for (long long j0 = 0; j0 < FS_NR; j0 += 8) fs_transpose8(B + k0 + (n0 + j0) * sn, sn, dst + k0 * FS_NR + j0);
-#endif
-        for (long long k = k0; k < K; ++k) {{
-            long long j = 0;
-            for (; j < nr; ++j) dst[k * FS_NR + j] = B[k * sk + (n0 + j) * sn];
-            for (; j < FS_NR; ++j) dst[k * FS_NR + j] = 0.0f;
-        }}
-    }}
-}}
-/* fs_pack_b for a B with contiguous columns read in place from memory (a 1x1 conv's input): per
-   FS_PACK_ROWS rows, every whole panel's part of them in turn, so B is read as that many streams in
-   order, not down a column of rows a stride apart, each read on a new page (a 1x1 conv's rows are
-   a feature map apart), which no prefetcher follows: mobilenetv2's 1x1 144->24 conv at 56x56 + Add
-   1.5x faster (`benchmarks/variants/pack_rows.py`); a panel the kernel wrote itself (in cache)
-   packs faster column by column (`fs_pack_b`: 1.01-1.04x) */
-enum {{ FS_PACK_ROWS = 8 }};
-/* panels of w adjacent floats per row (w a constant where inlined): panel p's row k, at
-   dst + (p * K + k) * w, is src + p * w + k * sk, copied FS_PACK_ROWS rows of every panel in turn */
-static inline __attribute__((always_inline)) void fs_pack_rows(long long K, long long panels, long long w,
-                                                               const float* src, long long sk, float* dst) {{
-    for (long long k0 = 0; k0 < K; k0 += FS_PACK_ROWS) {{
-        long long k1 = k0 + FS_PACK_ROWS < K ? k0 + FS_PACK_ROWS : K;
-        for (long long p = 0; p < panels; ++p)
-            for (long long k = k0; k < k1; ++k) memcpy(dst + (p * K + k) * w, src + p * w + k * sk, sizeof(float) * w);
-    }}
-}}
-static void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp) {{
-    long long whole = N / FS_NR * FS_NR;
-    fs_pack_rows(K, whole / FS_NR, FS_NR, B, sk, Bp);
-    if (whole < N) fs_pack_b(K, N - whole, B + whole, sk, 1, Bp + whole * K);
-}}
+typedef float fs_v8 __attribute__((vector_size(32)));
+_Static_assert(FS_NR == 16, "fs_micro_rows holds a tile row in two 8-float vectors");
 /* tile[i * ldt + j] = sum_k a[i * as + k * ak] * b[k * FS_NR + j] over a FS_MR x FS_NR tile, plus
    r0[j] where r0 is given (a bias row), then plus c0[i * ldc0 + j] where c0 is given (the tile
    itself, a residual): A packed (as 1, ak FS_AP) or read in place by rows (as lda, ak 1) */
@@ -278,6 +237,173 @@ static void fs_micro_rows2(int rows, long long K, const float* a, const float* a
     default: fs_micro_x2(12, K, a, ahi, as, ak, b, tile, ldt, c0, ldc0, r0, epi); break;
     }}
 }}
+#else
+enum {{ FS_PANELS = 1, FS_AP = FS_MR }};
+#endif
+/* the last R < FS_MR rows of A by rows (row stride as) times a packed B micro-panel: R x FS_NR
+   sums into tile (row stride FS_NR), R FMAs per k pair rather than a zero-padded full tile's FS_MR
+   (a GNU C vector type: the compiler's widest registers; R a constant where it is inlined) */
+static inline __attribute__((always_inline)) void fs_micro_rows(int R, long long K, const float* a, long long as,
+                                                                const float* b, float* tile) {{
+    fs_v8 lo[FS_MR - 1], hi[FS_MR - 1];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = (fs_v8){{0}};
+    for (long long k = 0; k < K; ++k, b += FS_NR) {{
+        fs_v8 b0, b1;
+        memcpy(&b0, b, sizeof b0);
+        memcpy(&b1, b + 8, sizeof b1);
+        for (int i = 0; i < R; ++i) {{
+            float x = a[i * as + k];
+            lo[i] += x * b0;
+            hi[i] += x * b1;
+        }}
+    }}
+    for (int i = 0; i < R; ++i) {{
+        memcpy(tile + i * FS_NR, &lo[i], sizeof lo[i]);
+        memcpy(tile + i * FS_NR + 8, &hi[i], sizeof hi[i]);
+    }}
+}}
+static void fs_micro_tail(int R, long long K, const float* a, long long as, const float* b, float* tile) {{
+    switch (R) {{
+    case 1: fs_micro_rows(1, K, a, as, b, tile); break;
+    case 2: fs_micro_rows(2, K, a, as, b, tile); break;
+    case 3: fs_micro_rows(3, K, a, as, b, tile); break;
+    case 4: fs_micro_rows(4, K, a, as, b, tile); break;
+    default: fs_micro_rows(5, K, a, as, b, tile); break;
+    }}
+}}
+/* fs_gemm_rows' tile of mr <= FS_MR rows (a, row stride lda) by one B micro-panel b, nr <= FS_NR of
+   its columns stored at c (plus r0 and c0 where given, then through the tile epilogue where epi is
+   set): a full tile with no epilogue straight into C, the others through `tile` (the last
+   M % FS_MR rows by `fs_micro_tail`, which computes only them) */
+static inline void fs_rows_tile(long long mr, long long nr, long long K, const float* a, long long lda, const float* b,
+                                float* c, long long ldc, const float* c0, long long ldc0, const float* r0, int epi) {{
+    float tile[FS_MR * FS_NR];
+    if (mr == FS_MR && nr == FS_NR && !epi) {{
+        fs_micro(K, a, lda, 1, b, c, ldc, c0, ldc0, r0);
+        return;
+    }}
+    if (mr == FS_MR)
+        fs_micro(K, a, lda, 1, b, tile, FS_NR, 0, 0, 0);
+    else
+        fs_micro_tail((int)mr, K, a, lda, b, tile);
+    for (long long i = 0; i < mr; ++i)
+        for (long long j = 0; j < nr; ++j) {{
+            float v = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
+#ifdef FS_TILE_EPI
+            if (epi) v = fs_tile_epi1(v);
+#endif
+            c[i * ldc + j] = v;
+        }}
+}}
+/* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
+   plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
+   itself: the product added onto it; a residual): per block of B's columns (their micro-panels
+   within FS_ROWS_B_BLOCK floats, in L2), per FS_PANELS panels of FS_MR rows of A (in L1; the last
+   M % (FS_PANELS FS_MR) rows together), every B micro-panel of the block in turn: with AVX-512 two
+   at a time where whole ones remain (`fs_micro_rows2`, the tile stored straight into C), else
+   one (`fs_rows_tile`, per FS_MR rows); with `epi` every tile goes through the kernel's tile
+   epilogue after R0 and C0 (`fs_tile_epi` on the registers, `fs_tile_epi1` on a partial tile) */
+enum {{ FS_ROWS_B_BLOCK = 65536 }};
+static inline __attribute__((always_inline)) void fs_gemm_rows_at(long long M, long long N, long long K, const float* A,
+        long long lda, const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0, int epi) {{
+    long long nc = FS_ROWS_B_BLOCK / K / (FS_PANELS * FS_NR) * (FS_PANELS * FS_NR);
+    nc = nc < FS_PANELS * FS_NR ? FS_PANELS * FS_NR : nc;
+    for (long long nb = 0; nb < N; nb += nc) {{
+        long long ne = N - nb < nc ? N : nb + nc;
+        for (long long i0 = 0; i0 < M; ) {{
+            long long rows = M - i0 < FS_PANELS * FS_MR ? M - i0 : FS_PANELS * FS_MR;  /* 12 rows with AVX-512 */
+            const float* a = A + i0 * lda;
+            for (long long n0 = nb; n0 < ne; ) {{
+                float* c = C + i0 * ldc + n0;
+                const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
+#if defined(__AVX512F__)
+                if (ne - n0 >= FS_PANELS * FS_NR) {{
+                    fs_micro_rows2((int)rows, K, a, rows > FS_MR ? a + FS_MR * lda : a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0,
+                                   epi);
+                    n0 += FS_PANELS * FS_NR;
+                    continue;
+                }}
+#endif
+                long long nr = ne - n0 < FS_NR ? ne - n0 : FS_NR;
+                for (long long h = 0; h < rows; h += FS_MR)
+                    fs_rows_tile(rows - h < FS_MR ? rows - h : FS_MR, nr, K, a + h * lda, lda, Bp + n0 * K, c + h * ldc, ldc,
+                                 c0 ? c0 + h * ldc0 : 0, ldc0, r0, epi);
+                n0 += FS_NR;
+            }}
+            i0 += rows;
+        }}
+    }}
+}}
+"""
+
+# C: the rest of the packed GEMM, in the runtime only (`c_runtime`): B packing, the packed-A and
+# band convs, `fs_gemm_rows` itself and the 1x1 conv.
+_C_PACKED_GEMM = f"""#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+#if defined(__AVX2__)
+/* dst[k * FS_NR + j] = src[j * sn + k] for an 8 x 8 block: eight rows of B^T in, eight panel rows out */
+static inline void fs_transpose8(const float* src, long long sn, float* dst) {{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + sn), r2 = _mm256_loadu_ps(src + 2 * sn);
+    __m256 r3 = _mm256_loadu_ps(src + 3 * sn), r4 = _mm256_loadu_ps(src + 4 * sn), r5 = _mm256_loadu_ps(src + 5 * sn);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * sn), r7 = _mm256_loadu_ps(src + 7 * sn);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+    __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + FS_NR, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * FS_NR, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * FS_NR, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * FS_NR, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * FS_NR, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
+}}
+#endif
+void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
+    for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
+        float* dst = Bp + n0 * K;
+        long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
+        long long k0 = 0;
+#if defined(__AVX2__)
+        if (sk == 1 && nr == FS_NR)  /* B stored transposed (attention's keys): 8 x 8 blocks */
+            for (; k0 + 8 <= K; k0 += 8)
+                for (long long j0 = 0; j0 < FS_NR; j0 += 8) fs_transpose8(B + k0 + (n0 + j0) * sn, sn, dst + k0 * FS_NR + j0);
+#endif
+        for (long long k = k0; k < K; ++k) {{
+            long long j = 0;
+            for (; j < nr; ++j) dst[k * FS_NR + j] = B[k * sk + (n0 + j) * sn];
+            for (; j < FS_NR; ++j) dst[k * FS_NR + j] = 0.0f;
+        }}
+    }}
+}}
+/* fs_pack_b for a B with contiguous columns read in place from memory (a 1x1 conv's input): per
+   FS_PACK_ROWS rows, every whole panel's part of them in turn, so B is read as that many streams in
+   order, not down a column of rows a stride apart, each read on a new page (a 1x1 conv's rows are
+   a feature map apart), which no prefetcher follows: mobilenetv2's 1x1 144->24 conv at 56x56 + Add
+   1.5x faster (`benchmarks/variants/pack_rows.py`); a panel the kernel wrote itself (in cache)
+   packs faster column by column (`fs_pack_b`: 1.01-1.04x) */
+enum {{ FS_PACK_ROWS = 8 }};
+/* panels of w adjacent floats per row (w a constant where inlined): panel p's row k, at
+   dst + (p * K + k) * w, is src + p * w + k * sk, copied FS_PACK_ROWS rows of every panel in turn */
+static inline __attribute__((always_inline)) void fs_pack_rows(long long K, long long panels, long long w,
+                                                               const float* src, long long sk, float* dst) {{
+    for (long long k0 = 0; k0 < K; k0 += FS_PACK_ROWS) {{
+        long long k1 = k0 + FS_PACK_ROWS < K ? k0 + FS_PACK_ROWS : K;
+        for (long long p = 0; p < panels; ++p)
+            for (long long k = k0; k < k1; ++k) memcpy(dst + (p * K + k) * w, src + p * w + k * sk, sizeof(float) * w);
+    }}
+}}
+void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp) {{
+    long long whole = N / FS_NR * FS_NR;
+    fs_pack_rows(K, whole / FS_NR, FS_NR, B, sk, Bp);
+    if (whole < N) fs_pack_b(K, N - whole, B + whole, sk, 1, Bp + whole * K);
+}}
+#if defined(__AVX512F__)
 /* rows (1 to 12, a constant where inlined) pixels of a conv's band, pixel i of tap k at
    x[off[k] + i * cs] (read in place: no packed copy of the taps), times one B micro-panel b or,
    where `pair` is set, two (b, b + bs; row k at k * FS_NR) over K taps: the rows x 16 or 32 sums
@@ -332,8 +458,6 @@ static void fs_micro_taps_rows(int rows, int pair, long long K, const float* x, 
         switch (rows) {{ FS_TAPS_CASES(0) }}
     }}
 }}
-#else
-enum {{ FS_PANELS = 1, FS_AP = FS_MR }};
 #endif
 /* C[n * ldc + i] = sum_k A[i][k] B[k][n] for M rows of A packed in FS_AP-row panels (ap: panel p
    at ap + p * FS_AP * K, its row i at k * FS_AP + i, zero padded or repeating its last row; 12
@@ -367,40 +491,7 @@ static void fs_packed_panels(long long M, long long N, long long K, const float*
         n0 += panels * FS_NR;
     }}
 }}
-/* the last R < FS_MR rows of A by rows (row stride as) times a packed B micro-panel: R x FS_NR
-   sums into tile (row stride FS_NR), R FMAs per k pair rather than a zero-padded full tile's FS_MR
-   (a GNU C vector type: the compiler's widest registers; R a constant where it is inlined) */
-typedef float fs_v8 __attribute__((vector_size(32)));
-_Static_assert(FS_NR == 16, "fs_micro_rows holds a tile row in two 8-float vectors");
-static inline __attribute__((always_inline)) void fs_micro_rows(int R, long long K, const float* a, long long as,
-                                                                const float* b, float* tile) {{
-    fs_v8 lo[FS_MR - 1], hi[FS_MR - 1];
-    for (int i = 0; i < R; ++i) lo[i] = hi[i] = (fs_v8){{0}};
-    for (long long k = 0; k < K; ++k, b += FS_NR) {{
-        fs_v8 b0, b1;
-        memcpy(&b0, b, sizeof b0);
-        memcpy(&b1, b + 8, sizeof b1);
-        for (int i = 0; i < R; ++i) {{
-            float x = a[i * as + k];
-            lo[i] += x * b0;
-            hi[i] += x * b1;
-        }}
-    }}
-    for (int i = 0; i < R; ++i) {{
-        memcpy(tile + i * FS_NR, &lo[i], sizeof lo[i]);
-        memcpy(tile + i * FS_NR + 8, &hi[i], sizeof hi[i]);
-    }}
-}}
-static void fs_micro_tail(int R, long long K, const float* a, long long as, const float* b, float* tile) {{
-    switch (R) {{
-    case 1: fs_micro_rows(1, K, a, as, b, tile); break;
-    case 2: fs_micro_rows(2, K, a, as, b, tile); break;
-    case 3: fs_micro_rows(3, K, a, as, b, tile); break;
-    case 4: fs_micro_rows(4, K, a, as, b, tile); break;
-    default: fs_micro_rows(5, K, a, as, b, tile); break;
-    }}
-}}
-static void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
+void fs_gemm_packed(long long M, long long N, long long K, const float* A, long long am, long long ak,
                            const float* Bp, float* C, long long ldc) {{
     float* ap = fs_scratch({SCRATCH_SLOTS.index("apk")}, sizeof(float) * ((M + FS_AP - 1) / FS_AP * FS_AP) * K);
     /* rows of A adjacent (a conv's pixels): FS_PACK_ROWS taps of every whole panel in turn, one
@@ -466,11 +557,11 @@ static long long fs_l2_floats(void) {{
     }}
     return floats;
 }}
-static long long fs_band_chunk(void) {{
+long long fs_band_chunk(void) {{
     long long share = fs_l2_floats() / 2;
     return share > FS_BAND_CHUNK ? share : FS_BAND_CHUNK;
 }}
-static void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs,
+void fs_conv_band(long long M, long long N, long long K, long long ow, long long rs, long long cs,
                          const float* band, const int* off, const float* Bp, float* C, long long ldc) {{
 #if defined(__AVX512F__)
     long long per = (ow + FS_AP - 1) / FS_AP, panels = M / ow * per, base = ow / per, longer = per - ow % per;
@@ -547,87 +638,16 @@ static void fs_conv_band(long long M, long long N, long long K, long long ow, lo
     }}
 #endif
 }}
-/* fs_gemm_rows' tile of mr <= FS_MR rows (a, row stride lda) by one B micro-panel b, nr <= FS_NR of
-   its columns stored at c (plus r0 and c0 where given, then through the tile epilogue where epi is
-   set): a full tile with no epilogue straight into C, the others through `tile` (the last
-   M % FS_MR rows by `fs_micro_tail`, which computes only them) */
-static inline void fs_rows_tile(long long mr, long long nr, long long K, const float* a, long long lda, const float* b,
-                                float* c, long long ldc, const float* c0, long long ldc0, const float* r0, int epi) {{
-    float tile[FS_MR * FS_NR];
-    if (mr == FS_MR && nr == FS_NR && !epi) {{
-        fs_micro(K, a, lda, 1, b, c, ldc, c0, ldc0, r0);
-        return;
-    }}
-    if (mr == FS_MR)
-        fs_micro(K, a, lda, 1, b, tile, FS_NR, 0, 0, 0);
-    else
-        fs_micro_tail((int)mr, K, a, lda, b, tile);
-    for (long long i = 0; i < mr; ++i)
-        for (long long j = 0; j < nr; ++j) {{
-            float v = (tile[i * FS_NR + j] + (r0 ? r0[j] : 0.0f)) + (c0 ? c0[i * ldc0 + j] : 0.0f);
-#ifdef FS_TILE_EPI
-            if (epi) v = fs_tile_epi1(v);
-#endif
-            c[i * ldc + j] = v;
-        }}
-}}
-/* C[M x N] (row stride ldc) = A[M x K] (row stride lda, read in place) x B packed once (fs_pack_b),
-   plus the row R0[N] where given (a bias), then plus C0[M x N] at row stride ldc0 where given (C
-   itself: the product added onto it; a residual): per block of B's columns (their micro-panels
-   within FS_ROWS_B_BLOCK floats, in L2), per FS_PANELS panels of FS_MR rows of A (in L1; the last
-   M % (FS_PANELS FS_MR) rows together), every B micro-panel of the block in turn: with AVX-512 two
-   at a time where whole ones remain (`fs_micro_rows2`, the tile stored straight into C), else
-   one (`fs_rows_tile`, per FS_MR rows); with `epi` every tile goes through the kernel's tile
-   epilogue after R0 and C0 (`fs_tile_epi` on the registers, `fs_tile_epi1` on a partial tile) */
-enum {{ FS_ROWS_B_BLOCK = 65536 }};
-static inline __attribute__((always_inline)) void fs_gemm_rows_at(long long M, long long N, long long K, const float* A,
-        long long lda, const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0, int epi) {{
-    long long nc = FS_ROWS_B_BLOCK / K / (FS_PANELS * FS_NR) * (FS_PANELS * FS_NR);
-    nc = nc < FS_PANELS * FS_NR ? FS_PANELS * FS_NR : nc;
-    for (long long nb = 0; nb < N; nb += nc) {{
-        long long ne = N - nb < nc ? N : nb + nc;
-        for (long long i0 = 0; i0 < M; ) {{
-            long long rows = M - i0 < FS_PANELS * FS_MR ? M - i0 : FS_PANELS * FS_MR;  /* 12 rows with AVX-512 */
-            const float* a = A + i0 * lda;
-            for (long long n0 = nb; n0 < ne; ) {{
-                float* c = C + i0 * ldc + n0;
-                const float *c0 = C0 ? C0 + i0 * ldc0 + n0 : 0, *r0 = R0 ? R0 + n0 : 0;
-#if defined(__AVX512F__)
-                if (ne - n0 >= FS_PANELS * FS_NR) {{
-                    fs_micro_rows2((int)rows, K, a, rows > FS_MR ? a + FS_MR * lda : a, lda, 1, Bp + n0 * K, c, ldc, c0, ldc0, r0,
-                                   epi);
-                    n0 += FS_PANELS * FS_NR;
-                    continue;
-                }}
-#endif
-                long long nr = ne - n0 < FS_NR ? ne - n0 : FS_NR;
-                for (long long h = 0; h < rows; h += FS_MR)
-                    fs_rows_tile(rows - h < FS_MR ? rows - h : FS_MR, nr, K, a + h * lda, lda, Bp + n0 * K, c + h * ldc, ldc,
-                                 c0 ? c0 + h * ldc0 : 0, ldc0, r0, epi);
-                n0 += FS_NR;
-            }}
-            i0 += rows;
-        }}
-    }}
-}}
-static void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
+void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda,
                          const float* Bp, float* C, long long ldc, const float* C0, long long ldc0, const float* R0) {{
     fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, C0, ldc0, R0, 0);
 }}
-#ifdef FS_TILE_EPI
-/* fs_gemm_rows with the kernel's tile epilogue on the product plus R0 (a bias row) before the one
-   store: no block of the product kept and no second pass (`tile_epilogue`) */
-static void fs_gemm_rows_epi(long long M, long long N, long long K, const float* A, long long lda,
-                             const float* Bp, float* C, long long ldc, const float* R0) {{
-    fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, 0, 0, R0, 1);
-}}
-#endif
 /* a 1x1 conv's product C[M x N] (row stride ldc) = F[M x K] (filters, row stride lda, read in
    place) x X[K x N] (the input's pixels, row stride ldx): per chunk of pixels (its K x chunk
    panel within FS_BAND_CHUNK floats, in L2) X packed into FS_NR-wide panels (`bbuf`: by
    `fs_pack_b_rows` where X is the kernel's input read `in_place`, else, a prologue's panel in
    cache, by `fs_pack_b`), then `fs_gemm_rows` stores every tile straight into C's rows */
-static void fs_conv_1x1(long long M, long long N, long long K, const float* F, long long lda, const float* X,
+void fs_conv_1x1(long long M, long long N, long long K, const float* F, long long lda, const float* X,
                         long long ldx, float* C, long long ldc, int in_place) {{
     long long nc = FS_BAND_CHUNK / K / FS_NR * FS_NR;
     nc = nc < FS_NR ? FS_NR : nc;
@@ -642,6 +662,21 @@ static void fs_conv_1x1(long long M, long long N, long long K, const float* F, l
     }}
 }}
 """
+
+# C: the tile kernels with a tile epilogue inlined on their registers, where FS_TILE_EPI is defined
+# (with AVX-512, `_TILE_EPI_ON`): _C_GEMM_ROWS and `fs_gemm_rows_epi`, compiled once per distinct
+# epilogue into a unit of its own (`c_runtime.tile_kernels`) after the epilogue's definitions
+_TILE_EPI_ON = "#if defined(__AVX512F__)\n#define FS_TILE_EPI 1\n#endif\n"
+_GEMM_ROWS_EPI = ("void fs_gemm_rows_epi(long long M, long long N, long long K, const float* A, long long lda, "
+                  "const float* Bp, float* C, long long ldc, const float* R0)")
+_C_TILE_GEMM = ("#ifdef FS_TILE_EPI\n" + _C_GEMM_ROWS
+                + """/* fs_gemm_rows with the kernel's tile epilogue on the product plus R0 (a bias row) before the one
+   store: no block of the product kept and no second pass (`tile_epilogue`) */
+""" + _GEMM_ROWS_EPI + """ {
+    fs_gemm_rows_at(M, N, K, A, lda, Bp, C, ldc, 0, 0, R0, 1);
+}
+#endif
+""")
 
 
 # a tile epilogue's statements (`tile_epilogue`): temporaries, the argument v, float literals, the
@@ -667,6 +702,8 @@ def tile_epilogue(lines: list[str], result: str) -> str | None:
     `fs_tile_epi1` (a float) and, with AVX-512, `fs_tile_epi` (16 floats in a zmm: the same
     statements, erf by `fs_erf16`, the GELU by `fs_gelu2_16`), which `fs_gemm_rows_epi` applies to each tile before its one
     store; FS_TILE_EPI is defined only with AVX-512 (elsewhere the kernel keeps its block epilogue).
+    The tile kernels are compiled after these definitions, once per distinct epilogue, in a unit the
+    kernel links (`c_runtime.tile_kernels`): the epilogue is inlined on their registers.
     None when a statement holds anything else (a load, an index, a select, another call)."""
     statements = [_TILE_STATEMENT.fullmatch(line) for line in lines]
     if any(m is None or not _tile_expression(m.group(2)) for m in statements) or not _tile_expression(result):
@@ -674,6 +711,6 @@ def tile_epilogue(lines: list[str], result: str) -> str | None:
     scalar = "".join(f"    {line}\n" for line in lines)
     vector = "".join(f"    __m512 {m.group(1)} = {m.group(2).replace('fs_erff(', 'fs_erf16(').replace('fs_gelu2f(', 'fs_gelu2_16(')};\n"
                      for m in statements)
-    return ("#if defined(__AVX512F__)\n#include <immintrin.h>\n#define FS_TILE_EPI 1\n" + _erf_avx512() + gelu_avx512()
+    return (_TILE_EPI_ON + "#ifdef FS_TILE_EPI\n#include <immintrin.h>\n" + _erf_avx512() + gelu_avx512()
             + f"static inline float fs_tile_epi1(float v) {{\n{scalar}    return {result};\n}}\n"
             + f"static inline __m512 fs_tile_epi(__m512 v) {{\n{vector}    return {result};\n}}\n#endif\n")

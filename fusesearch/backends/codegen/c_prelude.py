@@ -4,8 +4,11 @@ Problem: every C kernel needs the same helpers (vectorizable exp and erf, a per-
 arena, streamed stores for outputs beyond the last-level cache, the fold of a row reduction's
 partial results) and every CUDA kernel the same few macros; written once, so each skeleton and the
 packed GEMM read one definition.
-Approach: the helpers are C source strings joined into `_C_PRELUDE` / `_CU_PRELUDE`; their
-parameters (the scratch slots, the streaming thresholds, the fold width, erf's fit) are Python
+Approach: the helpers are C source strings joined into `_C_PRELUDE` / `_CU_PRELUDE`; in C, those
+that must inline into a kernel's loops (exp, erf, GELU, the scratch arena, the folds, prefetches)
+are defined there, inline and without <immintrin.h>, the rest (streamed stores, the split by column
+parity) only declared, defined in `_C_STREAM_DEFS`, which the shared C runtime compiles once
+(`c_runtime`); their parameters (the scratch slots, the streaming thresholds, the fold width, erf's fit) are Python
 constants the emitters read too, so the C and the code that calls it cannot disagree.
 Invariants: this module imports nothing of the generator; the text is a pure function of these
 constants (it is part of every kernel's source hash).
@@ -183,63 +186,68 @@ _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
 STREAM_MIN_BYTES = 16 * 2**20
 STREAM_CHUNK = 256
 STREAM_AHEAD = 1024
-_C_STREAM = f"""#if defined(__AVX512F__) || defined(__AVX__)
+_C_STREAM = f"""enum {{ FS_STREAM_CHUNK = {STREAM_CHUNK}, FS_STREAM_AHEAD = {STREAM_AHEAD} }};
+/* the n floats at p + FS_STREAM_AHEAD into the cache, a prefetch per 64-byte line */
+static inline void fs_prefetch_ahead(const float* p, long long n) {{
+    for (long long i = 0; i < n; i += 16) __builtin_prefetch(p + FS_STREAM_AHEAD + i);
+}}
+void fs_stream(float* restrict dst, const float* restrict src, long long n);
+void fs_stream_fence(void);
+void fs_split2(const float* restrict src, float* restrict even, float* restrict odd, long long ne, long long no);
+"""
+# the runtime's definitions of the three functions declared above (`c_runtime`: compiled once, not
+# per kernel: a call per chunk of FS_STREAM_CHUNK floats, per thread, per row)
+_C_STREAM_DEFS = """#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
-enum {{ FS_STREAM_CHUNK = {STREAM_CHUNK}, FS_STREAM_AHEAD = {STREAM_AHEAD} }};
 /* dst[0, n) = src[0, n): whole 64-byte lines of dst non-temporal, its partial first and last plain */
-static inline void fs_stream(float* restrict dst, const float* restrict src, long long n) {{
+void fs_stream(float* restrict dst, const float* restrict src, long long n) {
     long long i = 0;
 #if defined(__AVX512F__) || defined(__AVX__)
     long long head = (long long)(((64 - ((uintptr_t)dst & 63)) & 63) / sizeof(float));
     for (; i < head && i < n; ++i) dst[i] = src[i];
     if (((uintptr_t)(dst + i) & 63) == 0)
-        for (; i + 16 <= n; i += 16) {{
+        for (; i + 16 <= n; i += 16) {
 #if defined(__AVX512F__)
             _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
 #else
             _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
             _mm256_stream_ps(dst + i + 8, _mm256_loadu_ps(src + i + 8));
 #endif
-        }}
+        }
 #endif
     for (; i < n; ++i) dst[i] = src[i];
-}}
-/* the n floats at p + FS_STREAM_AHEAD into the cache, a prefetch per 64-byte line */
-static inline void fs_prefetch_ahead(const float* p, long long n) {{
-    for (long long i = 0; i < n; i += 16) __builtin_prefetch(p + FS_STREAM_AHEAD + i);
-}}
-static inline void fs_stream_fence(void) {{
+}
+void fs_stream_fence(void) {
 #if defined(__AVX512F__) || defined(__AVX__)
     _mm_sfence();
 #endif
-}}
+}
 /* even[j] = src[2 j] for j < ne, odd[j] = src[2 j + 1] for j < no (no <= ne <= no + 1): a stride-2
    depthwise conv's input row, its prologue applied, split by column parity into its two planes;
    with AVX-512 two permutes per 32 floats and a masked last step */
-static inline void fs_split2(const float* restrict src, float* restrict even, float* restrict odd, long long ne,
-                             long long no) {{
+void fs_split2(const float* restrict src, float* restrict even, float* restrict odd, long long ne, long long no) {
     long long j = 0;
 #if defined(__AVX512F__)
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    for (; j + 16 <= no; j += 16) {{
+    for (; j + 16 <= no; j += 16) {
         __m512 a = _mm512_loadu_ps(src + 2 * j), b = _mm512_loadu_ps(src + 2 * j + 16);
         _mm512_storeu_ps(even + j, _mm512_permutex2var_ps(a, ie, b));
         _mm512_storeu_ps(odd + j, _mm512_permutex2var_ps(a, io, b));
-    }}
-    if (j < no) {{
+    }
+    if (j < no) {
         unsigned long long m = (1ULL << (2 * (no - j))) - 1;  /* the 2 (no - j) floats left */
         __m512 a = _mm512_maskz_loadu_ps((__mmask16)m, src + 2 * j), b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), src + 2 * j + 16);
         __mmask16 s = (__mmask16)((1u << (no - j)) - 1);
         _mm512_mask_storeu_ps(even + j, s, _mm512_permutex2var_ps(a, ie, b));
         _mm512_mask_storeu_ps(odd + j, s, _mm512_permutex2var_ps(a, io, b));
         j = no;
-    }}
+    }
 #endif
     for (long long k = j; k < no; ++k) odd[k] = src[2 * k + 1];
     for (long long k = j; k < ne; ++k) even[k] = src[2 * k];
-}}
+}
 """
 
 
@@ -252,16 +260,24 @@ static inline void fs_split2(const float* restrict src, float* restrict even, fl
 FOLDED = 32  # the partial results the fold takes (the C helpers' FS_FOLDED; a multiple of 8)
 
 
-def _c_fold(name: str, op: str, init: str, step: str) -> str:
-    """The C helper folding FS_FOLDED partials by `op` (`add`/`max`): four ymm then halves, or a
+def _c_fold(name: str, wide: str, half: str, pair: str, init: str, step: str) -> str:
+    """The C helper folding FS_FOLDED partials: with AVX, four 8-float vectors by `wide`, their
+    halves by `half`, then the four lanes by `pair` (each a format of `{a}` and `{b}`), paired as
+    _mm_movehl_ps and _mm_movehdup_ps pair them; GCC's vector types and x86 builtins, so the
+    header needs no <immintrin.h> (whose parsing was a third of a row kernel's compile time); a
     plain loop of `step` (acc `s`, partial `p[q]`) without AVX."""
     return f"""static inline float {name}(const float* p) {{
 #if defined(__AVX__)
-    __m256 v = _mm256_loadu_ps(p);
-    for (int q = 8; q < FS_FOLDED; q += 8) v = _mm256_{op}_ps(v, _mm256_loadu_ps(p + q));
-    __m128 h = _mm_{op}_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_{op}_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_{op}_ss(h, _mm_movehdup_ps(h)));
+    union {{ fs_f32x8 v; fs_f32x4 h[2]; }} u;
+    fs_f32x8 w;
+    memcpy(&u.v, p, sizeof u.v);
+    for (int q = 8; q < FS_FOLDED; q += 8) {{
+        memcpy(&w, p + q, sizeof w);
+        u.v = {wide.format(a="u.v", b="w")};
+    }}
+    fs_f32x4 h = {half.format(a="u.h[0]", b="u.h[1]")};
+    float lo = {pair.format(a="h[0]", b="h[2]")}, hi = {pair.format(a="h[1]", b="h[3]")};
+    return {pair.format(a="lo", b="hi")};
 #else
     float s = {init};
     for (int q = 0; q < FS_FOLDED; ++q) {step};
@@ -272,8 +288,11 @@ def _c_fold(name: str, op: str, init: str, step: str) -> str:
 
 
 _C_FOLD = (f"enum {{ FS_FOLDED = {FOLDED} }};  /* a multiple of 8 */\n"
-           + _c_fold("fs_fold_sum", "add", "0.0f", "s += p[q]")
-           + _c_fold("fs_fold_max", "max", "-INFINITY", "s = p[q] > s ? p[q] : s"))
+           "typedef float fs_f32x8 __attribute__((vector_size(32)));\n"
+           "typedef float fs_f32x4 __attribute__((vector_size(16)));\n"
+           + _c_fold("fs_fold_sum", "{a} + {b}", "{a} + {b}", "{a} + {b}", "0.0f", "s += p[q]")
+           + _c_fold("fs_fold_max", "__builtin_ia32_maxps256({a}, {b})", "__builtin_ia32_maxps({a}, {b})",
+                     "{a} > {b} ? {a} : {b}", "-INFINITY", "s = p[q] > s ? p[q] : s"))
 
 
 # A kernel that streams, or whose loops evaluate erf, exp or a vector-math function, is compiled for
