@@ -979,6 +979,50 @@ def _print_run(report, output: Path | None) -> None:
         out.print(f"timings written to {output}")
 
 
+# -- regret -----------------------------------------------------------------------------------
+
+@app.command()
+def regret(
+    model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
+    device: Annotated[str, typer.Option("--device", help="The CPU device the plans are made for (host or a "
+                                        "host profile.json).")] = "host",
+    strategy: Strategy = "cpsat",
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
+    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the kernels.")] = 1,
+    time_limit: TimeLimit = 60.0,
+    seed: Seed = 0,
+    json_out: JsonFlag = False,
+) -> None:
+    """What the cost model's error costs: the plan chosen by predicted costs and the one chosen by
+    measured costs, each run end to end on this CPU (interleaved), their difference and its noise."""
+    from fusesearch.pipeline import prepare
+    from fusesearch.regret import regret as find_regret
+
+    check_outputs([], False, _reads((model, "model"), device=device))
+    prep = prepare(model, _bindings(input_shape, dim))
+    with err.status("planning and running", spinner="dots") if err.is_terminal else _nothing():
+        result = find_regret(model, device, strategy, prepared=prep, threads=threads, repeat=repeat, seed=seed,
+                             time_limit_s=time_limit)
+    doc = result.to_dict()
+    if json_out:
+        _emit_json(doc)
+        return
+    table = Table(title=f"{doc['model']} on {doc['device']}, strategy {doc['strategy']}: end to end, "
+                        f"{doc['threads']} thread{'s' if doc['threads'] != 1 else ''}, {doc['repeat']} runs",
+                  title_justify="left")
+    for col in ("costs", "kernels", "groups measured", "plan's own time", "median", "p20-p80"):
+        table.add_column(col, justify="left" if col == "costs" else "right")
+    for label, p in doc["plans"].items():
+        table.add_row(label, str(p["kernels"]), str(p["measured_groups"]), _fmt_time(p["model_s"]),
+                      _fmt_time(p["median_s"]), f"{_fmt_time(p['p20_s'])}-{_fmt_time(p['p80_s'])}")
+    out.print(table)
+    same = " (the same plan)" if doc["same_plan"] else ""
+    out.print(f"regret (predicted - measured): {_fmt_time(doc['regret_s'])} ({doc['regret_ratio']:.3f}x), "
+              f"noise {_fmt_time(doc['noise_s'])}: {doc['verdict']}{same}")
+
+
 # -- sweep / report ---------------------------------------------------------------------------
 
 @app.command()

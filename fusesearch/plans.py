@@ -149,6 +149,8 @@ class Plan:
     unfused_time_s: float
     lower_bound_s: float
     costs: str = "predicted"  # what priced the choices: predicted | measured | hybrid (`--costs`)
+    # what measuring the choices cost (`autotune.TuneStats.to_dict`; wall time, so not in plan.json)
+    tuning: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
     def build(cls, legality: Legality, partition: Sequence[frozenset[int]], *, strategy: str,

@@ -137,3 +137,38 @@ def test_a_measured_plan_runs_equal_to_onnx_runtime(tmp_path, run_cli):
                                 "--json")
     assert code == 0, err
     assert json.loads(stdout)["max_rel_err"] <= 1e-4
+
+
+def test_regret_runs_both_plans_and_reports_the_difference(tmp_path, run_cli):
+    """Real runs: the structure of the table and the document, no assertion on the times."""
+    path = _matmul(tmp_path)
+    code, stdout, err = run_cli("regret", path, "--strategy", "greedy", "--repeat", 2, "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert set(doc["plans"]) == {"predicted", "measured"}
+    for p in doc["plans"].values():
+        assert p["kernels"] == 1 and p["p20_s"] <= p["median_s"] <= p["p80_s"]
+    assert doc["regret_s"] == pytest.approx(doc["plans"]["predicted"]["median_s"] - doc["plans"]["measured"]["median_s"])
+    assert doc["verdict"] in ("not distinguishable", "measured plan faster", "predicted plan faster")
+    assert doc["tuning"]["costs"] == "measured" and doc["tuning"]["choices"] == 2
+    code, stdout, _ = run_cli("regret", path, "--strategy", "greedy", "--repeat", 2)
+    assert code == 0 and "regret (predicted - measured)" in stdout and "noise" in stdout
+
+
+def test_regret_refuses_a_gpu_device(tmp_path, run_cli):
+    code, _, err = run_cli("regret", _matmul(tmp_path), "--device", "h100-sxm")
+    assert code == 2 and err.strip().startswith("fusesearch: error: --device h100-sxm: regret runs")
+
+
+def test_a_sweep_file_takes_costs_and_checks_it(tmp_path):
+    from fusesearch.sweep import expand, parse_config
+
+    base = {"models": [{"model": "zoo:bert-small"}], "devices": ["host"], "strategies": ["greedy"]}
+    predicted = expand(parse_config(base, tmp_path / "s.toml"))[0]
+    measured = expand(parse_config({**base, "costs": "measured"}, tmp_path / "s.toml"))[0]
+    assert predicted.costs == "predicted" and "costs" not in predicted.params()  # ids as before
+    assert measured.costs == "measured" and measured.cell_id != predicted.cell_id
+    from fusesearch.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"costs = fastest: choose one of predicted, measured, hybrid"):
+        parse_config({**base, "costs": "fastest"}, tmp_path / "s.toml")
