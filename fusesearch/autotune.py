@@ -71,6 +71,9 @@ def timing_backend(costs: str, spec) -> Backend | None:
         raise BadInput(f"--costs {costs}: timing the choices for --device {spec.name} needs {needs} here "
                        f"({decision.reason}); use --costs predicted"
                        + (", or --device host to measure on this CPU" if gpu else ""))
+    if gpu and backend.cost_device() != spec.name:  # times of another GPU would price this one
+        raise BadInput(f"--costs {costs}: the GPU here is {backend.device_label()}, not --device {spec.name}; "
+                       f"plan for --device {backend.cost_device()} or use --costs predicted")
     return backend
 
 
