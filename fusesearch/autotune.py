@@ -101,16 +101,20 @@ class TuneStats:
     measured: int = 0
     cached: int = 0
     predicted: int = 0
+    refused: int = 0  # computed other outputs than ONNX Runtime's
     wall_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"costs": self.mode, "band": self.band, "choices": self.choices, "measured": self.measured,
-                "from_database": self.cached, "kept_predicted": self.predicted, "wall_s": round(self.wall_s, 3)}
+                "from_database": self.cached, "kept_predicted": self.predicted, "refused": self.refused,
+                "wall_s": round(self.wall_s, 3)}
 
     def line(self) -> str:
         band = f" (band {self.band:.2f}x)" if self.band is not None else ""
         return (f"costs {self.mode}{band}: {self.choices} choices, {self.measured} measured, {self.cached} from the "
-                f"timing database, {self.predicted} kept predicted; measuring took {self.wall_s:.1f} s")
+                f"timing database, {self.predicted} kept predicted"
+                + (f", {self.refused} refused (wrong outputs)" if self.refused else "")
+                + f"; measuring took {self.wall_s:.1f} s")
 
 
 class _Run:
@@ -251,8 +255,8 @@ class Autotuner:
             for choice, why in zip(batch, built, strict=True):
                 run = why or self._ready(choice)
                 if isinstance(run, str):
-                    self._known[choice.key] = (None, run)
-                    self._count(("key", choice.key), None)
+                    self._known.setdefault(choice.key, (None, run))
+                    self._count(("key", choice.key), "refused" if self._known[choice.key][0] == math.inf else None)
                 else:
                     ready.append((choice, run))
             if ready:
@@ -274,18 +278,33 @@ class Autotuner:
         values = self.values()
         try:
             if choice.how == "generated":
-                run, _ = self.backend.runner(choice.generated, {t: values[t] for t in choice.kernel.inputs})
+                run, fetch = self.backend.runner(choice.generated, {t: values[t] for t in choice.kernel.inputs})
             else:
                 call, why = self.backend.library_call(self.canonical(), self.graph, choice.kernel, values)
                 if call is None:
                     return f"not measured: {why}"
                 run = call[0]
             run()
+            wrong = self._wrong(choice, fetch) if choice.how == "generated" else ""
         except Exception as exc:  # the library refusing a node alone, a runner failing: priced instead
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
             return f"not measured: {self.backend.library if choice.how == 'library' else 'the kernel'} " \
                    f"cannot run it alone ({first})"
+        if wrong:
+            self._known[choice.key] = (math.inf, wrong)
+            return wrong
         return _Run(run, choice.kernel, choice.how)
+
+    def _wrong(self, choice: _Choice, fetch) -> str:
+        """Why the kernel's outputs are not ONNX Runtime's within the model's tolerance (a tensor-core
+        skeleton's where it has one), "" when they are: a wrong choice is refused, never priced."""
+        from fusesearch.backends.codegen.mma import TOLERANCE
+        from fusesearch.ir.precision import prepared_tolerance
+        from fusesearch.verify import max_rel_err
+
+        rtol = max(prepared_tolerance(self.prep), TOLERANCE.get(choice.kernel.schedule.skeleton, 0.0))
+        err = max_rel_err(fetch(), self.values())
+        return "" if err <= rtol else f"refused: its outputs differ from ONNX Runtime's (max rel err {err:.2g} > {rtol:g})"
 
     def _sample(self, ready: list[tuple[_Choice, _Run]]) -> None:
         nulls = self.backend.null_calls(library=any(c.how == "library" for c, _ in ready),

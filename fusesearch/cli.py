@@ -1000,7 +1000,6 @@ def regret(
     from fusesearch.pipeline import prepare
     from fusesearch.regret import regret as find_regret
 
-    check_outputs([], False, _reads((model, "model"), device=device))
     prep = prepare(model, _bindings(input_shape, dim))
     with err.status("planning and running", spinner="dots") if err.is_terminal else _nothing():
         result = find_regret(model, device, strategy, prepared=prep, threads=threads, repeat=repeat, seed=seed,

@@ -172,3 +172,28 @@ def test_a_sweep_file_takes_costs_and_checks_it(tmp_path):
 
     with pytest.raises(BadInput, match=r"costs = fastest: choose one of predicted, measured, hybrid"):
         parse_config({**base, "costs": "fastest"}, tmp_path / "s.toml")
+
+
+class _Wrong:
+    """A measurer that finds every generated choice computing wrongly (as a kernel whose outputs
+    differ from ONNX Runtime's is reported) and times the library's."""
+
+    mode = "measured"
+
+    def times(self, kernels, costs):
+        import math
+
+        return [(math.inf, "refused: wrong outputs") if k.impl == "generated" else (FAST_S, "") for k in kernels]
+
+
+def test_a_choice_that_computes_wrongly_is_refused_not_priced(tmp_path):
+    w = np.ones((16, 16), np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["r"], name="relu")],
+                       [("x", [16, 16])], [("r", [16, 16])], [("w", w)])
+    prep = prepare(save(model, tmp_path / "m.onnx"))
+    spec, params = load_device("host")
+    legality = SearchProblem.build(prep.graph, spec, RooflineModel(params), measurer=_Wrong()).legality
+    fused, lone = legality.check({0, 1}), legality.check({0})
+    assert not fused.decision and "wrong outputs" in fused.decision.reason  # no other choice: not a candidate
+    assert lone.decision and lone.kernel.impl == "library" and lone.time_s == FAST_S

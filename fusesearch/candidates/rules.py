@@ -28,6 +28,7 @@ whichever caller asks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -60,7 +61,8 @@ class Verdict:
 class Measurer(Protocol):
     """Times a group's choices (`--costs measured|hybrid`), handed to `Legality` as data (legality
     never imports a backend): for each choice its measured seconds, or None and why it keeps its
-    predicted cost (out of the error band, codegen refused, no library kernel)."""
+    predicted cost (out of the error band, codegen refused, no library kernel), or math.inf and
+    why it is refused (its outputs differ from ONNX Runtime's)."""
 
     mode: str  # "measured" | "hybrid"
 
@@ -138,9 +140,11 @@ class FitsDevice:
         if isinstance(options, FusionDecision):
             return options
         verdict = legality.choose(options)
-        if not verdict.cost.feasible and len(nodes) == 1:
+        if not (verdict.decision and verdict.cost.feasible) and len(nodes) == 1:
             kernel = lower_as_library(legality.graph, FusionGroup(nodes))
-            verdict = Verdict(verdict.decision, kernel, kernel_cost(kernel, legality.device, legality.model))
+            verdict = Verdict(FusionDecision.accept(), kernel, kernel_cost(kernel, legality.device, legality.model))
+        if not verdict.decision:
+            return verdict
         if not verdict.cost.feasible:
             return replace(verdict, decision=FusionDecision.refuse(verdict.cost.reason))
         return verdict
@@ -209,16 +213,19 @@ class Legality:
     def choose(self, options: Sequence[Kernel]) -> Verdict:
         """The choice the group runs as: the cheapest predicted (`costing.cheapest`) or, with a
         measurer, the fastest of the feasible choices at their measured times (a choice not
-        measured at its predicted one), ties the earlier; the verdict says what priced it."""
+        measured at its predicted one; one that computed wrongly refused), ties the earlier; the
+        verdict says what priced it."""
         kernel, cost = cheapest(options, self.device, self.model)
         if self.measurer is None or not cost.feasible:
             return Verdict(FusionDecision.accept(), kernel, cost)
         fits = self.priced(options)
         timed = self.measurer.times([k for k, _ in fits], [c for _, c in fits])
-        verdicts = [Verdict(FusionDecision.accept(), k, replace(c, time_s=t), "measured") if t is not None
+        verdicts = [Verdict(FusionDecision.refuse(why), k, c, "measured", why) if t == math.inf
+                    else Verdict(FusionDecision.accept(), k, replace(c, time_s=t), "measured") if t is not None
                     else Verdict(FusionDecision.accept(), k, c, "predicted", why)
                     for (k, c), (t, why) in zip(fits, timed, strict=True)]
-        return min(verdicts, key=lambda v: v.time_s)
+        usable = [v for v in verdicts if v.decision]
+        return min(usable, key=lambda v: v.time_s) if usable else verdicts[0]
 
     def priced(self, options: Sequence[Kernel]) -> list[tuple[Kernel, KernelCost]]:
         """The choices that fit the device, each with its predicted cost (what a measurer times)."""
