@@ -45,7 +45,7 @@ from fusesearch.errors import BadInput, FusesearchError
 COSTS = ("predicted", "measured", "hybrid")
 DEFAULT_BAND = 1.5  # hybrid: measure choices predicted within this factor of the group's best
 BUDGET_S = 0.01  # seconds of samples per choice, over ROUNDS passes
-WARMUP_S = 0.002
+WARMUP_S = 0.02  # the first pass: long enough to wake an OpenMP pool (0.002 s left 20 ms samples)
 ROUNDS = 3
 BATCH = 48  # choices sampled in one interleaved call (their buffers and libraries alive together)
 KERNEL_NAME = "fs_choice"  # one name for every choice: the same kernel is the same source anywhere
