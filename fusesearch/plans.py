@@ -208,7 +208,7 @@ class Plan:
             "smem_bytes": int(g.cost.smem_bytes), "regs_per_thread": int(g.cost.regs_per_thread),
             "occupancy": _r(g.cost.occupancy), "bound": g.cost.bound,
             "impl": "alias" if g.kernel.alias else g.kernel.impl, "compute_unit": g.cost.compute_unit,
-            **self._source(g),
+            "schedule": g.kernel.schedule.to_dict(), **self._source(g),
         }
 
     def _source(self, g: PlannedGroup) -> dict[str, str]:

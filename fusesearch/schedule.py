@@ -101,6 +101,12 @@ class Schedule:
         if self.skeleton not in SKELETONS or self.unit not in UNITS:
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r}")
 
+    def to_dict(self) -> dict[str, object]:
+        """The schedule as plan.json records it (every field but the row cache's keys: its count)."""
+        return {"skeleton": self.skeleton, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
+                "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
+                "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache)}
+
     @property
     def blocks(self) -> int:
         """Blocks in the launch grid; 0 when the grid is the library's (from the iteration space)."""

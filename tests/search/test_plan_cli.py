@@ -23,6 +23,27 @@ def test_plan_summary_and_output_file(run_cli, tmp_path):
     assert code == 2 and "exists" in err
 
 
+def test_plan_json_records_each_groups_chosen_schedule(run_cli, tmp_path):
+    """Which choice priced a group (tile, skeleton, grid...) is in plan.json: the schedule of the
+    kernel the plan runs, equal to the priced kernel's; the schema's skeletons are the schedule's."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.schedule import SKELETONS
+
+    groups = SCHEMA["properties"]["groups"]["items"]["properties"]
+    assert tuple(groups["schedule"]["properties"]["skeleton"]["enum"]) == SKELETONS
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli("plan", "zoo:bert-small", "--device", "h100-sxm", "--strategy", "greedy", "-o", out)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    plan = make_plan("zoo:bert-small", device="h100-sxm", strategy="greedy")
+    for g, row in zip(plan.groups, doc["groups"], strict=True):
+        s = g.kernel.schedule
+        assert row["schedule"]["skeleton"] == s.skeleton and tuple(row["schedule"]["tile"]) == s.tile
+        assert tuple(row["schedule"]["grid"]) == s.grid and row["schedule"]["split_k"] == s.split_k
+    assert {"mma-tf32", "library", "block-per-row"} <= {row["schedule"]["skeleton"] for row in doc["groups"]}
+
+
 def test_plan_json_stdout_has_plan_and_run(run_cli):
     code, stdout, err = run_cli("plan", "zoo:bert-small", "--device", "t4", "--strategy", "cpsat", "--json")
     assert code == 0, err
