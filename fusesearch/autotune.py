@@ -182,12 +182,12 @@ class Autotuner:
             for kernel, cost in zip(kernels, costs, strict=True):
                 if self.band is not None and cost.time_s > best * self.band:
                     self._count(("band", kernel.nodes, kernel.schedule), None)
-                    row.append((None, f"predicted {cost.time_s / best:.2f}x the group's best, outside hybrid's "
-                                      f"{self.band:.2f}x band"))
+                    row.append((None, f"predicted {cost.time_s / best if best else math.inf:.2f}x the group's best, "
+                                      f"outside hybrid's {self.band:.2f}x band"))
                     continue
                 choice, why = self._choice(kernel)
                 if choice is None:
-                    self._count(("refused", kernel.nodes, kernel.schedule), None)
+                    self._count(("unmeasurable", kernel.nodes, kernel.schedule), None)
                     row.append((None, why))
                     continue
                 row.append(choice.key)
