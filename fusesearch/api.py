@@ -54,15 +54,21 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
-         lone_anchors: str = "priced") -> Plan:
+         lone_anchors: str = "priced", costs: str = "predicted") -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
     False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
     gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
     strategy none: the unfused graph as ONNX Runtime runs it node by node, `measure --baseline
-    library`'s reference), "generated" our kernel, "priced" whichever is cheaper."""
+    library`'s reference), "generated" our kernel, "priced" whichever is cheaper; `costs`: what
+    prices each group's choices (`autotune`): "predicted" (the cost model), "measured" (each timed
+    on this machine: the CPU for host, CuPy for a GPU; kept in the timing database) or "hybrid"
+    (only the choices predicted within the model's error band of the group's best)."""
     from costmodels import RooflineModel
+    from fusesearch.autotune import build_problem, check_costs
     from fusesearch.pipeline import prepare
     from fusesearch.search import search
+
+    check_costs(costs)
 
     bindings = ShapeBindings.parse(
         [f"{k}={'x'.join(map(str, v))}" for k, v in (input_shapes or {}).items()],
@@ -71,5 +77,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     prep, params = for_device(prepared or prepare(model, bindings, dtype=dtype, tf32=tf32), spec, params)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))
-    return search(prep.graph, spec, RooflineModel(params), strategy, config=config, device_label=label,
-                  profile=profile, model_info=model_info(prep))
+    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
+    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
+                    profile=profile, model_info=model_info(prep), problem=problem)
+    return result if tuner is None else dataclasses.replace(result, tuning=tuner.stats.to_dict())

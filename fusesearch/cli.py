@@ -254,6 +254,17 @@ MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help=
 Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
 Workers = Annotated[int | None, typer.Option("--workers", callback=CPUS,
                                              help="CP-SAT workers (default: cores, at most 8).")]
+Costs = Annotated[str, typer.Option("--costs", help="What prices each group's choices: predicted (the cost model), "
+                                    "measured (each timed on this machine's CPU for host, its GPU for a GPU "
+                                    "device; kept in the timing database), or hybrid (only the choices "
+                                    "predicted within the model's error band of the group's best).")]
+
+
+def check_costs(costs: str) -> None:
+    """`--costs`: checked before anything is loaded (`autotune.check_costs`)."""
+    from fusesearch.autotune import check_costs as check
+
+    check(costs)
 
 
 def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None):
@@ -284,6 +295,7 @@ def plan(
     input_value: InputValue = None,
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
+    costs: Costs = "predicted",
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -292,6 +304,7 @@ def plan(
 
     if strategy not in STRATEGIES:
         raise BadInput(f"--strategy {strategy}: unknown; choose one of {', '.join(STRATEGIES)}")
+    check_costs(costs)
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
     config = _config(time_limit, max_group_size, seed, workers)
@@ -300,7 +313,7 @@ def plan(
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
-    result, legality, prep = _run_plan(model, None, device, strategy, config, prep)
+    result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs)
     verified = None
     if emit is not None:
         verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
@@ -317,7 +330,7 @@ def plan(
         doc = result.to_dict()
         doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
                       "output": str(output) if output else None, "emit": str(emit) if emit else None,
-                      "verified": verified}
+                      "verified": verified, **_tuned(legality)}
         _emit_json(doc)
         return
     _print_plan(result, output)
@@ -498,18 +511,27 @@ def export(
         out.print(_verified_line(report))
 
 
-def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None):
+def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None, costs: str = "predicted"):
+    """(plan, legality, prep); `costs` other than predicted also prints what measuring cost (stderr)."""
     from costmodels import RooflineModel
     from fusesearch.api import for_device, model_info, resolve_device
+    from fusesearch.autotune import build_problem
     from fusesearch.pipeline import prepare
-    from fusesearch.search import SearchProblem, search
+    from fusesearch.search import search
 
     label, spec, params, profile = resolve_device(device)
     prep, params = for_device(prep or prepare(model, bindings), spec, params)
-    problem = SearchProblem.build(prep.graph, spec, RooflineModel(params), config)
+    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
     result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
                     profile=profile, model_info=model_info(prep), problem=problem)
+    if tuner is not None:
+        print(f"fusesearch: {tuner.stats.line()}", file=sys.stderr)
     return result, problem.legality, prep
+
+
+def _tuned(legality) -> dict:
+    """What measuring the choices cost, for a --json document ({} with predicted costs)."""
+    return {} if legality.measurer is None else {"costs": legality.measurer.stats.to_dict()}
 
 
 def _print_plan(p, output: Path | None) -> None:
@@ -643,6 +665,7 @@ def measure(
                                              "as whole programs beside ONNX Runtime (as `run`; cpu).")] = False,
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
+    costs: Costs = "predicted",
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -656,6 +679,7 @@ def measure(
     from fusesearch.verify import check_memory
 
     runs_on = get_backend(backend)
+    check_costs(costs)
     if baseline not in BASELINES:
         raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
     if end_to_end and not runs_on.end_to_end:
@@ -667,7 +691,8 @@ def measure(
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline)
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline,
+                                          costs=costs)
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
@@ -698,16 +723,19 @@ def _ptxas_arch(device: str) -> str:
     return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
-def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced"):
+def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced", costs: str = "predicted"):
     """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors as
-    `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves)."""
+    `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves);
+    the plan's choices (a --plan file's groups too) priced as `costs` says, the unfused graph's
+    predicted."""
     import dataclasses
 
     from fusesearch.api import model_info, resolve_device
     from fusesearch.plans import Plan, SolverInfo
 
     model = prep.loaded.source
-    plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep)
+    plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep,
+                                      costs)
     unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
                         prep)[0]
     if plan_json is not None:
@@ -717,7 +745,7 @@ def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str 
 
         # the file's groups are checked on this device; their size is the file's (no search limit)
         legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
-                            max_group_size=len(prep.graph))
+                            max_group_size=len(prep.graph), measurer=legality.measurer)
         groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
         label = resolve_device(device)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
@@ -826,6 +854,7 @@ def run(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
+    costs: Costs = "predicted",
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
@@ -836,6 +865,7 @@ def run(
     from fusesearch.verify import check_memory
 
     runs_on = get_backend(backend, timing=False)
+    check_costs(costs)
     runs_on.require(timing=False)
     emulated = not runs_on.timed  # the CUDA program checked, not timed
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
@@ -856,7 +886,7 @@ def run(
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json)
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, costs=costs)
     rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
@@ -947,6 +977,50 @@ def _print_run(report, output: Path | None) -> None:
               f"rtol {report.rtol:g}")
     if output is not None:
         out.print(f"timings written to {output}")
+
+
+# -- regret -----------------------------------------------------------------------------------
+
+@app.command()
+def regret(
+    model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
+    device: Annotated[str, typer.Option("--device", help="The CPU device the plans are made for (host or a "
+                                        "host profile.json).")] = "host",
+    strategy: Strategy = "cpsat",
+    input_shape: InputShape = None,
+    dim: Dim = None,
+    repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
+    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the programs (the "
+                                         "choices are timed at OMP_NUM_THREADS: set it to the same).")] = 1,
+    time_limit: TimeLimit = 60.0,
+    seed: Seed = 0,
+    json_out: JsonFlag = False,
+) -> None:
+    """What the cost model's error costs: the plan chosen by predicted costs and the one chosen by
+    measured costs, each run end to end on this CPU (interleaved), their difference and its noise."""
+    from fusesearch.pipeline import prepare
+    from fusesearch.regret import regret as find_regret
+
+    prep = prepare(model, _bindings(input_shape, dim))
+    with err.status("planning and running", spinner="dots") if err.is_terminal else _nothing():
+        result = find_regret(model, device, strategy, prepared=prep, threads=threads, repeat=repeat, seed=seed,
+                             time_limit_s=time_limit)
+    doc = result.to_dict()
+    if json_out:
+        _emit_json(doc)
+        return
+    table = Table(title=f"{doc['model']} on {doc['device']}, strategy {doc['strategy']}: end to end, "
+                        f"{doc['threads']} thread{'s' if doc['threads'] != 1 else ''}, {doc['repeat']} runs",
+                  title_justify="left")
+    for col in ("costs", "kernels", "groups measured", "plan's own time", "median", "p20-p80"):
+        table.add_column(col, justify="left" if col == "costs" else "right")
+    for label, p in doc["plans"].items():
+        table.add_row(label, str(p["kernels"]), str(p["measured_groups"]), _fmt_time(p["model_s"]),
+                      _fmt_time(p["median_s"]), f"{_fmt_time(p['p20_s'])}-{_fmt_time(p['p80_s'])}")
+    out.print(table)
+    same = " (the same plan)" if doc["same_plan"] else ""
+    out.print(f"regret (predicted - measured): {_fmt_time(doc['regret_s'])} ({doc['regret_ratio']:.3f}x), "
+              f"noise {_fmt_time(doc['noise_s'])}: {doc['verdict']}{same}")
 
 
 # -- sweep / report ---------------------------------------------------------------------------

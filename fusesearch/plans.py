@@ -109,6 +109,8 @@ class PlannedGroup:
     nodes: tuple[int, ...]
     kernel: Kernel
     cost: KernelCost
+    source: str = "predicted"  # what priced it: "predicted" or "measured" (`Verdict.source`)
+    note: str = ""  # why a measured plan kept its predicted cost
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,9 @@ class Plan:
     model: ModelInfo
     unfused_time_s: float
     lower_bound_s: float
+    costs: str = "predicted"  # what priced the choices: predicted | measured | hybrid (`--costs`)
+    # what measuring the choices cost (`autotune.TuneStats.to_dict`; wall time, so not in plan.json)
+    tuning: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
     def build(cls, legality: Legality, partition: Sequence[frozenset[int]], *, strategy: str,
@@ -160,9 +165,10 @@ class Plan:
             verdict = legality.check(partition[gi])
             if not verdict.decision:
                 raise InvalidPlan(f"strategy {strategy} chose an illegal group: {verdict.decision.reason}")
-            groups.append(PlannedGroup(new_id, tuple(sorted(partition[gi])), verdict.kernel, verdict.cost))
+            groups.append(PlannedGroup(new_id, tuple(sorted(partition[gi])), verdict.kernel, verdict.cost,
+                                       verdict.source, verdict.note))
         return cls(legality.graph, tuple(groups), strategy, device, profile, solver, model,
-                   unfused_time_s, lower_bound_s)
+                   unfused_time_s, lower_bound_s, legality.costs)
 
     # -- figures --------------------------------------------------------------------------------
 
@@ -202,8 +208,15 @@ class Plan:
             "smem_bytes": int(g.cost.smem_bytes), "regs_per_thread": int(g.cost.regs_per_thread),
             "occupancy": _r(g.cost.occupancy), "bound": g.cost.bound,
             "impl": "alias" if g.kernel.alias else g.kernel.impl, "compute_unit": g.cost.compute_unit,
-            "schedule": g.kernel.schedule.to_dict(),
+            "schedule": g.kernel.schedule.to_dict(), **self._source(g),
         }
+
+    def _source(self, g: PlannedGroup) -> dict[str, str]:
+        """A measured or hybrid plan says what priced each group (a predicted plan's are all the
+        model's: nothing added, so its plan.json is what it was)."""
+        if self.costs == "predicted":
+            return {}
+        return {"cost_source": g.source, **({"cost_note": g.note} if g.note else {})}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -212,6 +225,7 @@ class Plan:
                       "canonical_nodes": self.model.canonical_nodes},
             "device": {"name": self.device, "profile": self.profile},
             "strategy": self.strategy,
+            **({"costs": self.costs} if self.costs != "predicted" else {}),
             "solver": {"status": self.solver.status, "objective_s": _r(self.solver.objective_s),
                        "bound_s": _r(self.solver.bound_s) if self.solver.bound_s is not None else None},
             "groups": [self.group_dict(g) for g in self.groups],

@@ -20,7 +20,9 @@ Approach:
 With a `backend`, each cell also measures its plan against the unfused graph (strategy none), as
 `measure` lists: "kernels" (each kernel alone, summed: measured_s) and, on the cpu only,
 "end_to_end" (the plan as one program beside ONNX Runtime, `run.run_plan` at `threads` and
-`repeat`: end_to_end_* columns); by default the cpu does both, cupy "kernels".
+`repeat`: end_to_end_* columns); by default the cpu does both, cupy "kernels". `costs` ("predicted" by default, "measured" or
+"hybrid": `autotune`) prices each cell's choices; measured cells share the timing database, so a
+kernel timed for one cell is read by the next.
 
 When OUT holds results.parquet but no cells/ (results committed without their cell files), the
 cells are restored from it first. Time limit and seed only matter to cpsat: for the other strategies they are dropped from the cell,
@@ -72,7 +74,7 @@ STRATEGIES = ("none", "rules", "greedy", "cpsat")
 PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0}
 CPSAT_ONLY = ("time_limit_s", "seed")
 TOP_KEYS = {"name", "models", "devices", "strategies", "params", "backend", "measure_budget_s",
-            "solver_workers", "measure", "threads", "repeat"}
+            "solver_workers", "measure", "threads", "repeat", "costs"}
 MEASURES = ("kernels", "end_to_end")  # what a sweep with a backend times: each kernel alone, the whole plan
 MODEL_KEYS = {"model", "label", "input_shapes", "dims", "zoo"}
 PREPARED_CACHE = 2  # prepared models kept per worker process (a 48-layer BERT is ~1.5 GB)
@@ -128,6 +130,7 @@ class SweepConfig:
     measure: tuple[str, ...] = ()  # with a backend: "kernels" and/or "end_to_end"
     threads: int = 1  # end_to_end: the programs' and ONNX Runtime's thread count
     repeat: int = 20  # end_to_end: timed runs of each program
+    costs: str = "predicted"  # what prices the groups' choices (`autotune.COSTS`)
 
     def normalized(self) -> dict:
         """What defines the sweep's results (its identity in OUT/sweep.json)."""
@@ -138,7 +141,8 @@ class SweepConfig:
                 "solver_workers": self.solver_workers, "backend": self.backend,
                 "measure_budget_s": self.measure_budget_s if "kernels" in self.measure else None,
                 "measure": list(self.measure) or None, "threads": self.threads if timed else None,
-                "repeat": self.repeat if timed else None}
+                "repeat": self.repeat if timed else None,
+                **({"costs": self.costs} if self.costs != "predicted" else {})}
 
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(self.normalized(), sort_keys=True).encode()).hexdigest()
@@ -179,12 +183,16 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
     measure = _measure_keys(doc, backend, where)
     threads = _number(doc.get("threads", 1), where, "threads", int, values.cpus)
     repeat = _number(doc.get("repeat", 20), where, "repeat", int)
+    from fusesearch.autotune import check_costs
+
+    costs = doc.get("costs", "predicted")
+    check_costs(costs if isinstance(costs, str) else repr(costs), named=f"{where}: costs =")
     name = doc.get("name", path.stem)
     if not isinstance(name, str) or not name:
         raise BadInput(f"{where}: name must be a non-empty string")
     _check_bindings(models, where)
     return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget,
-                       measure, threads, repeat)
+                       measure, threads, repeat, costs)
 
 
 def _measure_keys(doc: Mapping[str, Any], backend: str | None, where: str) -> tuple[str, ...]:
@@ -404,9 +412,12 @@ class Cell:
     measure: tuple[str, ...] = ()
     threads: int | None = None
     repeat: int | None = None
+    costs: str = "predicted"
 
     def params(self) -> dict:
-        return {"model": self.model.key(), "device": self.device_label, "strategy": self.strategy,
+        """What decides the cell's result; `costs` only where not predicted (so a predicted
+        sweep's cells keep their ids)."""
+        return {**({"costs": self.costs} if self.costs != "predicted" else {}),"model": self.model.key(), "device": self.device_label, "strategy": self.strategy,
                 "max_group_size": self.max_group_size, "time_limit_s": self.time_limit_s,
                 "seed": self.seed, "solver_workers": self.solver_workers if self.strategy == "cpsat" else None,
                 "backend": self.backend, "measure_budget_s": self.measure_budget_s,
@@ -452,7 +463,7 @@ def expand(config: SweepConfig) -> list[Cell]:
         cell = Cell(0, "", config.name, model, device, label, strategy, size, limit if exact else None,
                     seed if exact else None, config.solver_workers, config.backend,
                     config.measure_budget_s if "kernels" in config.measure else None, config.measure,
-                    config.threads if timed else None, config.repeat if timed else None)
+                    config.threads if timed else None, config.repeat if timed else None, config.costs)
         cid = cell_id(cell.params(), device)
         if cid in seen:
             continue
@@ -523,7 +534,7 @@ def base_row(cell: Cell) -> dict:
             "device": cell.device_label, "strategy": cell.strategy, "max_group_size": cell.max_group_size,
             "time_limit_s": cell.time_limit_s, "seed": cell.seed,
             "solver_workers": cell.solver_workers if cell.strategy == "cpsat" else None,
-            "backend": cell.backend, "status": None, "error": None,
+            "backend": cell.backend, "costs": cell.costs, "status": None, "error": None,
             "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "git_rev": git_revision(), "versions": json.dumps(package_versions(), sort_keys=True)}
 
@@ -533,7 +544,7 @@ def _plan_row(cell: Cell) -> dict:
 
     prep, prepare_s = prepared_model(cell.model)
     kwargs = {"max_group_size": cell.max_group_size, "seed": cell.seed or 0, "prepared": prep,
-              "workers": cell.solver_workers}
+              "workers": cell.solver_workers, "costs": cell.costs}
     if cell.time_limit_s is not None:
         kwargs["time_limit_s"] = cell.time_limit_s
     p = api_plan(cell.model.model, cell.device, cell.strategy, **kwargs)
@@ -553,7 +564,8 @@ def _plan_row(cell: Cell) -> dict:
            "bounds": json.dumps(_count(g.cost.bound for g in p.groups if not g.kernel.alias)),
            "bound_time_s": json.dumps(_sum_by(p.groups, lambda g: g.cost.bound)),
            "template_time_s": json.dumps(_sum_by(p.groups, lambda g: "alias" if g.kernel.alias else g.kernel.template)),
-           "plan_sha": _plan_sha(p), "fused_groups": json.dumps(_fused_groups(p))}
+           "plan_sha": _plan_sha(p), "fused_groups": json.dumps(_fused_groups(p)),
+           "measured_groups": sum(g.source == "measured" for g in p.groups)}
     if cell.backend:
         row.update(_measure(cell, prep, p))
     return row

@@ -16,7 +16,9 @@ rule of `DEFAULT_RULES` accepts it, cheapest first:
                       imports the generator)
     FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
                       threads within the device's limits; its form a priced choice (tensor or
-                      CUDA cores; on a CPU a lone anchor as our C or the library call)
+                      CUDA cores; on a CPU a lone anchor as our C or the library call), the
+                      cheapest predicted or, with a `Measurer` (`--costs measured|hybrid`), the
+                      fastest measured (`Legality.choose`: the one place a choice is made)
 
 `Legality.check` memoizes (node set → decision, kernel, cost), so each group is lowered and
 costed once per search.
@@ -26,8 +28,9 @@ whichever caller asks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
@@ -47,10 +50,23 @@ class Verdict:
     decision: FusionDecision
     kernel: Kernel | None = None
     cost: KernelCost | None = None
+    source: str = "predicted"  # what priced the cost: "predicted" (the model) or "measured"
+    note: str = ""  # why a measured search kept the predicted cost (not measurable, out of band)
 
     @property
     def time_s(self) -> float:
         return self.cost.time_s if self.cost is not None else float("inf")
+
+
+class Measurer(Protocol):
+    """Times a group's choices (`--costs measured|hybrid`), handed to `Legality` as data (legality
+    never imports a backend): for each choice its measured seconds, or None and why it keeps its
+    predicted cost (out of the error band, codegen refused, no library kernel), or math.inf and
+    why it is refused (its outputs differ from ONNX Runtime's)."""
+
+    mode: str  # "measured" | "hybrid"
+
+    def times(self, kernels: Sequence[Kernel], costs: Sequence[KernelCost]) -> list[tuple[float | None, str]]: ...
 
 
 class FusionRule(Protocol):
@@ -120,19 +136,18 @@ class FitsDevice:
     name: str = "fits-device"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-        graph, group = legality.graph, FusionGroup(nodes)
-        options = device_choices(graph, group, legality.device)
+        options = legality.options(nodes, kernel)
         if isinstance(options, FusionDecision):
             return options
-        if len(nodes) == 1 and kernel.anchor is not None:
-            options = _lone_anchor_choices(legality, options)
-        kernel, cost = cheapest(options, legality.device, legality.model)
-        if not cost.feasible and len(nodes) == 1:
-            kernel = lower_as_library(graph, group)
-            cost = kernel_cost(kernel, legality.device, legality.model)
-        if not cost.feasible:
-            return Verdict(FusionDecision.refuse(cost.reason), kernel, cost)
-        return Verdict(FusionDecision.accept(), kernel, cost)
+        verdict = legality.choose(options)
+        if not (verdict.decision and verdict.cost.feasible) and len(nodes) == 1:
+            kernel = lower_as_library(legality.graph, FusionGroup(nodes))
+            verdict = Verdict(FusionDecision.accept(), kernel, kernel_cost(kernel, legality.device, legality.model))
+        if not verdict.decision:
+            return verdict
+        if not verdict.cost.feasible:
+            return replace(verdict, decision=FusionDecision.refuse(verdict.cost.reason))
+        return verdict
 
 
 def _lone_anchor_choices(legality: Legality, options: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
@@ -164,6 +179,7 @@ class Legality:
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
     lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run
+    measurer: Measurer | None = None  # None: predicted costs; else the choices' measured times
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
 
     def check(self, nodes: Iterable[int]) -> Verdict:
@@ -183,8 +199,42 @@ class Legality:
                 continue
             if not result.decision:
                 return result
-            verdict = Verdict(result.decision, result.kernel, result.cost if result.cost else verdict.cost)
+            verdict = replace(result, cost=result.cost if result.cost else verdict.cost)
         return verdict
+
+    def options(self, nodes: frozenset[int], kernel: Kernel | None) -> tuple[Kernel, ...] | FusionDecision:
+        """The group's choices on the device (`costing.device_choices`; a lone anchor's as
+        `lone_anchors` allows), or why it has none."""
+        options = device_choices(self.graph, FusionGroup(nodes), self.device)
+        if isinstance(options, FusionDecision) or not (len(nodes) == 1 and kernel.anchor is not None):
+            return options
+        return _lone_anchor_choices(self, options)
+
+    def choose(self, options: Sequence[Kernel]) -> Verdict:
+        """The choice the group runs as: the cheapest predicted (`costing.cheapest`) or, with a
+        measurer, the fastest of the feasible choices at their measured times (a choice not
+        measured at its predicted one; one that computed wrongly refused), ties the earlier; the
+        verdict says what priced it."""
+        kernel, cost = cheapest(options, self.device, self.model)
+        if self.measurer is None or not cost.feasible:
+            return Verdict(FusionDecision.accept(), kernel, cost)
+        fits = self.priced(options)
+        timed = self.measurer.times([k for k, _ in fits], [c for _, c in fits])
+        verdicts = [Verdict(FusionDecision.refuse(why), k, c, "measured", why) if t == math.inf
+                    else Verdict(FusionDecision.accept(), k, replace(c, time_s=t), "measured") if t is not None
+                    else Verdict(FusionDecision.accept(), k, c, "predicted", why)
+                    for (k, c), (t, why) in zip(fits, timed, strict=True)]
+        usable = [v for v in verdicts if v.decision]
+        return min(usable, key=lambda v: v.time_s) if usable else verdicts[0]
+
+    def priced(self, options: Sequence[Kernel]) -> list[tuple[Kernel, KernelCost]]:
+        """The choices that fit the device, each with its predicted cost (what a measurer times)."""
+        return [(k, c) for k in options if (c := kernel_cost(k, self.device, self.model)).feasible]
+
+    @property
+    def costs(self) -> str:
+        """What prices the choices: "predicted", or the measurer's mode."""
+        return "predicted" if self.measurer is None else self.measurer.mode
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.check(nodes).time_s

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from costmodels import DeviceSpec, RooflineModel
 from fusesearch.backends.codegen import CAPABILITIES
 from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
-from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality
+from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality, Measurer
 from fusesearch.ir.graph import Graph
 
 
@@ -46,10 +46,12 @@ class SearchProblem:
 
     @classmethod
     def build(cls, graph: Graph, device: DeviceSpec, model: RooflineModel,
-              config: SearchConfig | None = None) -> SearchProblem:
+              config: SearchConfig | None = None, measurer: Measurer | None = None) -> SearchProblem:
+        """`measurer`: the groups' choices priced by their measured times (`autotune`), else
+        by the cost model."""
         config = config or SearchConfig()
         return cls(graph, Legality(graph, device, model, CAPABILITIES, config.max_group_size,
-                                   lone_anchors=config.lone_anchors), config)
+                                   lone_anchors=config.lone_anchors, measurer=measurer), config)
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.legality.time_s(nodes)

@@ -1,0 +1,199 @@
+"""Measured costs (`--costs measured|hybrid`, `fusesearch.autotune`): the search picks by measured
+times where they differ from the model's, hybrid measures only the choices in its band, the timing
+database is read back, and a bad or impossible `--costs` is one line, exit 2. Samples are fixed
+(an injected sampler): no assertion depends on the machine's speed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from costmodels import RooflineModel, load_device
+from fusesearch.autotune import Autotuner, build_problem
+from fusesearch.backends.registry import CPU
+from fusesearch.backends.timing import Timing, TimingCache
+from fusesearch.pipeline import prepare
+from fusesearch.search import search
+from fusesearch.search.problem import SearchConfig, SearchProblem
+from tests.conftest import make_model, save
+
+pytestmark = pytest.mark.skipif(not CPU.available(), reason="needs a C compiler")
+
+SLOW_S, FAST_S = 1e-3, 1e-5
+
+
+def _matmul(tmp_path) -> str:
+    """A lone MatMul with a constant B: on the host our C (predicted the faster) or the library."""
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["a", "w"], ["y"], name="mm")],
+                       [("a", [128, 256])], [("y", [128, 256])], [("w", w)])
+    return save(model, tmp_path / "mm.onnx")
+
+
+def _library_fastest(calls: list):
+    """A sampler whose fixed samples make the library call the fastest choice (null runs: 0 s);
+    `calls` collects the runs it was given."""
+    def sampler(runs, **_):
+        calls.append(list(runs))
+        return [Timing((0.0,) * 3, 1, "fixed") if not hasattr(r, "how")
+                else Timing(((FAST_S if r.how == "library" else SLOW_S),) * 3, 1, "fixed") for r in runs]
+    return sampler
+
+
+def _problem(path, cache, sampler, costs="measured"):
+    prep = prepare(path)
+    spec, params = load_device("host")
+    problem, tuner = build_problem(prep, spec, RooflineModel(params), SearchConfig(workers=1), costs,
+                                   cache=cache, sampler=sampler)
+    return prep, spec, problem, tuner
+
+
+def test_measured_costs_choose_the_measured_fastest_choice(tmp_path):
+    path = _matmul(tmp_path)
+    prep, spec, problem, tuner = _problem(path, TimingCache(tmp_path / "db"), _library_fastest([]))
+    predicted = search(prep.graph, spec, problem.legality.model, "greedy")
+    measured = search(prep.graph, spec, problem.legality.model, "greedy", problem=problem)
+    assert [g.kernel.impl for g in predicted.groups] == ["generated"]  # the model's choice: our C
+    assert [g.kernel.impl for g in measured.groups] == ["library"]  # the measured fastest
+    assert measured.groups[0].cost.time_s == pytest.approx(FAST_S)
+    doc = measured.to_dict()
+    assert doc["costs"] == "measured" and doc["groups"][0]["cost_source"] == "measured"
+    assert "costs" not in predicted.to_dict() and "cost_source" not in predicted.to_dict()["groups"][0]
+    assert tuner.stats.measured == 2 and tuner.stats.cached == 0
+
+
+def test_the_timing_database_is_read_back(tmp_path):
+    path, cache = _matmul(tmp_path), TimingCache(tmp_path / "db")
+    first = _problem(path, cache, _library_fastest([]))[3]
+    calls: list = []
+    _, spec, problem, second = _problem(path, cache, _library_fastest(calls))
+    plan = search(problem.graph, spec, problem.legality.model, "greedy", problem=problem)
+    assert first.stats.measured == 2
+    assert (second.stats.measured, second.stats.cached) == (0, 2) and calls == []
+    assert plan.groups[0].kernel.impl == "library"  # the same database, the same plan
+
+
+def test_hybrid_measures_only_the_choices_in_its_band(tmp_path):
+    prep = prepare(_matmul(tmp_path))
+    spec, params = load_device("host")
+    plain = SearchProblem.build(prep.graph, spec, RooflineModel(params)).legality
+    options = plain.options(frozenset({0}), plain.check({0}).kernel)
+    times = sorted(c.time_s for _, c in plain.priced(options))
+    assert len(times) == 2 and times[1] > times[0]
+    band = (1 + times[1] / times[0]) / 2  # the best inside, the other outside
+    calls: list = []
+    tuner = Autotuner(prep, CPU, "hybrid", band=band, cache=TimingCache(tmp_path / "db"),
+                      sampler=_library_fastest(calls))
+    verdict = SearchProblem.build(prep.graph, spec, RooflineModel(params), measurer=tuner).legality.check({0})
+    assert (tuner.stats.choices, tuner.stats.measured, tuner.stats.predicted) == (2, 1, 1)
+    assert len([r for r in calls[0] if hasattr(r, "how")]) == 1
+    # measured 10x slower than the library is predicted: the library, at its predicted cost, and why
+    assert verdict.kernel.impl == "library" and verdict.source == "predicted" and "band" in verdict.note
+
+
+@pytest.mark.parametrize("command", ["plan", "measure", "run"])
+def test_a_bad_costs_value_is_one_line_exit_2(tmp_path, run_cli, command):
+    code, _, err = run_cli(command, _matmul(tmp_path), *(["--device", "host"] if command == "plan" else []),
+                           "--costs", "fastest")
+    assert code == 2
+    assert err.strip().splitlines() == ["fusesearch: error: --costs fastest: choose one of predicted, measured, "
+                                        "hybrid"]
+
+
+def test_measured_costs_for_a_gpu_without_one_is_one_line_exit_2(tmp_path, run_cli):
+    from tests.conftest import gpu_state
+
+    if gpu_state()[0] == "ready":
+        pytest.skip("a GPU is here: measured costs run on it")
+    code, _, err = run_cli("plan", _matmul(tmp_path), "--device", "h100-sxm", "--costs", "measured")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fusesearch: error: --costs measured: ")
+    assert "--device h100-sxm" in lines[0] and "GPU" in lines[0]
+
+
+def test_a_measured_plan_runs_equal_to_onnx_runtime(tmp_path, run_cli):
+    """Real timings, no assertion on them: the plan is valid, says what priced it, and runs."""
+    from jsonschema import validate
+
+    from fusesearch.plans import plan_schema
+
+    a = np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["r"], name="relu"),
+                        helper.make_node("Add", ["r", "x"], ["z"], name="add")],
+                       [("x", [32, 32])], [("z", [32, 32])], [("w", a)])
+    path, out = save(model, tmp_path / "m.onnx"), tmp_path / "plan.json"
+    code, _, err = run_cli("plan", path, "--device", "host", "--costs", "measured", "-o", out)
+    assert code == 0, err
+    assert "choices" in err and "measured" in err
+    doc = json.loads(out.read_text())
+    validate(doc, plan_schema())
+    assert doc["costs"] == "measured" and {g["cost_source"] for g in doc["groups"]} <= {"measured", "predicted"}
+    code, stdout, err = run_cli("run", path, "--plan", out, "--costs", "measured", "--repeat", 1, "--warmup", 0,
+                                "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["max_rel_err"] <= 1e-4
+
+
+def test_regret_runs_both_plans_and_reports_the_difference(tmp_path, run_cli):
+    """Real runs: the structure of the table and the document, no assertion on the times."""
+    path = _matmul(tmp_path)
+    code, stdout, err = run_cli("regret", path, "--strategy", "greedy", "--repeat", 2, "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert set(doc["plans"]) == {"predicted", "measured"}
+    for p in doc["plans"].values():
+        assert p["kernels"] == 1 and p["p20_s"] <= p["median_s"] <= p["p80_s"]
+    assert doc["regret_s"] == pytest.approx(doc["plans"]["predicted"]["median_s"] - doc["plans"]["measured"]["median_s"])
+    assert doc["verdict"] in ("not distinguishable", "measured plan faster", "predicted plan faster")
+    assert doc["tuning"]["costs"] == "measured" and doc["tuning"]["choices"] == 2
+    code, stdout, _ = run_cli("regret", path, "--strategy", "greedy", "--repeat", 2)
+    assert code == 0 and "regret (predicted - measured)" in stdout and "noise" in stdout
+
+
+def test_regret_refuses_a_gpu_device(tmp_path, run_cli):
+    code, _, err = run_cli("regret", _matmul(tmp_path), "--device", "h100-sxm")
+    assert code == 2 and err.strip().startswith("fusesearch: error: --device h100-sxm: regret runs")
+
+
+def test_a_sweep_file_takes_costs_and_checks_it(tmp_path):
+    from fusesearch.sweep import expand, parse_config
+
+    base = {"models": [{"model": "zoo:bert-small"}], "devices": ["host"], "strategies": ["greedy"]}
+    predicted = expand(parse_config(base, tmp_path / "s.toml"))[0]
+    measured = expand(parse_config({**base, "costs": "measured"}, tmp_path / "s.toml"))[0]
+    assert predicted.costs == "predicted" and "costs" not in predicted.params()  # ids as before
+    assert measured.costs == "measured" and measured.cell_id != predicted.cell_id
+    from fusesearch.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"costs = fastest: choose one of predicted, measured, hybrid"):
+        parse_config({**base, "costs": "fastest"}, tmp_path / "s.toml")
+
+
+class _Wrong:
+    """A measurer that finds every generated choice computing wrongly (as a kernel whose outputs
+    differ from ONNX Runtime's is reported) and times the library's."""
+
+    mode = "measured"
+
+    def times(self, kernels, costs):
+        import math
+
+        return [(math.inf, "refused: wrong outputs") if k.impl == "generated" else (FAST_S, "") for k in kernels]
+
+
+def test_a_choice_that_computes_wrongly_is_refused_not_priced(tmp_path):
+    w = np.ones((16, 16), np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["r"], name="relu")],
+                       [("x", [16, 16])], [("r", [16, 16])], [("w", w)])
+    prep = prepare(save(model, tmp_path / "m.onnx"))
+    spec, params = load_device("host")
+    legality = SearchProblem.build(prep.graph, spec, RooflineModel(params), measurer=_Wrong()).legality
+    fused, lone = legality.check({0, 1}), legality.check({0})
+    assert not fused.decision and "wrong outputs" in fused.decision.reason  # no other choice: not a candidate
+    assert lone.decision and lone.kernel.impl == "library" and lone.time_s == FAST_S
