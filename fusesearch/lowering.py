@@ -72,10 +72,12 @@ from fusesearch.schedule import (
     PACKED,
     THREADS,
     VIEW_OPS,
+    CpuTarget,
     Schedule,
     anchor_derived,
     block_per_row,
     conv_reads_band,
+    cpu_products,
     depthwise_conv,
     disjoint_windows,
     folded_scale,
@@ -172,7 +174,7 @@ class Kernel:
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
             divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
-            min_arch=self.schedule.min_arch)
+            min_arch=self.schedule.min_arch, product=self.schedule.product)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -183,7 +185,7 @@ def lower(graph: Graph, group: FusionGroup) -> Kernel:
     return result
 
 
-def try_lower(graph: Graph, group: FusionGroup, *, host: bool = False) -> Kernel | FusionDecision:
+def try_lower(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> Kernel | FusionDecision:
     """The group's default choice (the first of `choices`: a library's heuristic tile, tensor
     cores where the operands have them; on a CPU a gemm/conv's C), or the refusal. A plan's kernel
     is the cheapest choice on its device (`costing.cheapest`), not necessarily this one."""
@@ -191,7 +193,7 @@ def try_lower(graph: Graph, group: FusionGroup, *, host: bool = False) -> Kernel
     return result if isinstance(result, FusionDecision) else result[0]
 
 
-def choices(graph: Graph, group: FusionGroup, *, host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> tuple[Kernel, ...] | FusionDecision:
     """Every schedule the group can run as, each a Kernel the cost model prices and the generator
     writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
     or alone, as the C backend's `packed`/`depthwise`, a lone one also as the library call); else
@@ -201,13 +203,13 @@ def choices(graph: Graph, group: FusionGroup, *, host: bool = False) -> tuple[Ke
     generated forms. Every other group has one schedule. A lone op without a template runs as a
     library call."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, host)
+    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None)
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return (_lower_opaque(graph, nodes),)
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node], host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
@@ -216,7 +218,7 @@ def _lower_checked(graph: Graph, nodes: list[Node], host: bool = False) -> tuple
     return _lower_template(graph, nodes, host)
 
 
-def _lower_template(graph: Graph, nodes: list[Node], host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
         return _anchor_choices(graph, nodes, anchors[0], host)
@@ -457,7 +459,8 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
     return 1, m
 
 
-def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node, host: bool) -> tuple[Kernel, ...] | FusionDecision:
+def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
+                    host: CpuTarget | None) -> tuple[Kernel, ...] | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -470,10 +473,13 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node, host: bool) -
     template = anchor_template(graph, anchor)
     ids = [n.id for n in nodes]
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
-        # conv's loop over its planes (each prologue element once); a lone anchor also the library's
+        # conv's loop over its planes (each prologue element once), one choice per product the
+        # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         ours = _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                       DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
-        return (ours,) if len(nodes) > 1 else (ours, _library_anchor(graph, nodes, anchor, m, n_dim, k))
+        products = tuple(replace(ours, schedule=replace(ours.schedule, product=p))
+                         for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile)))
+        return products if len(nodes) > 1 else (*products, _library_anchor(graph, nodes, anchor, m, n_dim, k))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))

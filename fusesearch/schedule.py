@@ -35,6 +35,17 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
     row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
     fallback    a library call's own generated schedule, for where our kernel runs it instead
                 (`measure --baseline generated`, calibration samples); priced as the library
+    product     on a CPU, how a gemm/conv's product runs (`CPU_PRODUCTS`, "" elsewhere): "own" (our
+                micro-kernel over B packed once or per block, `fs_gemm_rows`), "blas" (a BLAS sgemm per
+                block of rows, the per-row loops under `#else` where the backend compiles without a
+                BLAS), "loops" (per-row loops, no BLAS: where neither applies, or the anchor is
+                computed inline); for convs "band" (a k x k conv over a zero-bordered band of its input,
+                `fs_conv_band`), "packed" (im2col panels times the filters packed once,
+                `fs_gemm_packed`), "rows" (a 1x1 conv's pixels packed per chunk, the filters read in
+                place, `fs_conv_1x1`), "im2col" (im2col panels through the BLAS) and "depthwise" (its
+                loop over zero-bordered planes). `gemm_products` / `conv_products` list a group's
+                applicable ones, today's measured default first; the generator writes the one named,
+                the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
     min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
                 80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
@@ -50,7 +61,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from costmodels.kernel import UNITS
+from costmodels.kernel import CPU_PRODUCTS, UNITS
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind
 
@@ -96,10 +107,11 @@ class Schedule:
     grid: tuple[int, ...] = ()
     smem_bytes: int = 0
     row_cache: tuple[str, ...] = ()
+    product: str = ""
 
     def __post_init__(self) -> None:
-        if self.skeleton not in SKELETONS or self.unit not in UNITS:
-            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r}")
+        if self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS):
+            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}")
 
     @property
     def blocks(self) -> int:
@@ -203,6 +215,58 @@ def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[st
     if not folded or graph.tensors[t].dtype != "float32" or not math.isfinite(scale) or scale == 0.0:
         return None
     return t, scale, frozenset(folded)
+
+
+# -- the CPU product: which code path a gemm/conv's C runs ----------------------------------------
+
+CPU_MICRO_TILE = (6, 16)  # rows x columns of the C micro-kernel's smallest tile (`c_gemm.FS_MR`, `FS_NR`)
+# Our micro-kernel over B packed (`fs_gemm_rows`, B's columns in blocks kept in L2) applies where
+# K <= ROWS_MAX_K (a pair of B micro-panels, 2 x FS_NR x K floats, 512 KiB at most, stays in L2
+# while the row panels of A run over it), B has at most ROWS_MAX_B_FLOATS and the product at least
+# one full tile (below it the kernel would compute padding). ROWS_MAX_K was 2048 until the AVX-512
+# tiles and the column blocks: on one Ice Lake core bert-base's 128x3072x768 down-projection group
+# (GELU prologue, bias, residual) ran 1.28x faster through ours than through the BLAS (6.37 against
+# 8.31 ms, 5.32 against 6.80, interleaved medians); `codegen.cpu_gemm`'s note has the other figures.
+ROWS_MAX_K = 4096
+ROWS_MAX_B_FLOATS = 1 << 22
+_C_FLOATS = frozenset({"float32", "float16", "bfloat16"})  # computed in float32 by the C product
+
+
+def gemm_products(graph: Graph, anchor: Node, blas: bool = True) -> tuple[str, ...]:
+    """The C products a MatMul/Gemm can run as (`Schedule.product`), the default first: "own"
+    (our micro-kernel: within ROWS_MAX_K and ROWS_MAX_B_FLOATS, from one full CPU_MICRO_TILE),
+    then "blas" where the backend has a BLAS (`blas`); "loops" alone where neither applies (a
+    1-D operand, a product or B not computed in float32)."""
+    a, b, y = (graph.tensors[t] for t in (*anchor.inputs[:2], anchor.outputs[0]))
+    if (anchor.op_type not in ("MatMul", "Gemm") or len(a.shape) < 2 or len(b.shape) < 2
+            or b.dtype not in _C_FLOATS or y.dtype not in _C_FLOATS):
+        return ("loops",)
+    trans_a = anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))
+    k, m, n = a.shape[0] if trans_a else a.shape[-1], y.shape[-2], y.shape[-1]
+    own = k <= ROWS_MAX_K and k * n <= ROWS_MAX_B_FLOATS and m >= CPU_MICRO_TILE[0] and n >= CPU_MICRO_TILE[1]
+    return (*(("own",) if own else ()), *(("blas",) if blas else ())) or ("loops",)
+
+
+@dataclass(frozen=True)
+class CpuTarget:
+    """What the C backend builds a CPU kernel with, as lowering lists its products: `blas`, whether
+    it links a BLAS (the "blas" and "im2col" products exist only then; the C backend links
+    scipy-openblas32, a dependency, unless FUSESEARCH_NO_BLAS turns it off, so a source that
+    calls the BLAS still carries its per-row loops under `#else`)."""
+
+    blas: bool = True
+
+
+def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),
+                 row_epilogue: bool = False) -> tuple[str, ...]:
+    """The C products of a gemm/conv group on a CPU, the default first: a MatMul/Gemm's
+    (`gemm_products`), a depthwise conv's loop, else a conv's own; under a row epilogue (a
+    Softmax) a conv is computed inline by the row loops ("loops")."""
+    if anchor.op_type in ("MatMul", "Gemm"):
+        return gemm_products(graph, anchor, target.blas)
+    if depthwise_conv(graph, anchor):
+        return ("depthwise",)
+    return ("",)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,138 @@
+"""A CPU gemm's code path is a schedule choice: lowering lists every product that applies (our
+micro-kernel, a BLAS call per block, the per-row loops), each choice's C contains exactly its path
+and equals ONNX Runtime, and no code generator learns what it wrote by searching its output."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from fusesearch.backends import cpu
+from fusesearch.backends.codegen import generate
+from fusesearch.groups import FusionGroup
+from fusesearch.ir.canonicalize import to_proto
+from fusesearch.lowering import choices
+from fusesearch.pipeline import prepare
+from fusesearch.schedule import ROWS_MAX_K, CpuTarget
+from fusesearch.verify import all_values, random_feeds
+from tests.conftest import make_model, save
+
+OWN, BLAS = "fs_gemm_rows(", "FS_BLAS_SGEMM("
+CODEGEN = Path(__file__).resolve().parents[2] / "fusesearch" / "backends" / "codegen"
+
+needs_cc = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+
+
+def _graph(tmp_path, nodes, inputs, outputs, inits):
+    prep = prepare(save(make_model(nodes, inputs, outputs, inits), tmp_path / "m.onnx"))
+    canonical = to_proto(prep.canonical)
+    return prep.graph, all_values(canonical, random_feeds(canonical, 0))
+
+
+def _whole(graph) -> FusionGroup:
+    return FusionGroup(frozenset(range(len(graph))))
+
+
+def _body(gk) -> str:
+    """A generated kernel's own function: the calls it makes, not the prelude's definitions."""
+    return gk.c_source[gk.c_source.index(f"void {gk.name}("):]
+
+
+def _runs_equal(graph, kernel, values) -> str:
+    """The kernel generated, run on the CPU and compared with ONNX Runtime; its body."""
+    gk = generate(graph, kernel)
+    out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+    for a in gk.outputs:
+        ref = values[a.tensor].astype(np.float64)
+        scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
+        np.testing.assert_allclose(out[a.tensor], ref, rtol=0, atol=1e-4 * scale, err_msg=a.tensor)
+    return _body(gk)
+
+
+def _written_path(body: str) -> str:
+    """Which product a kernel body runs, read from its calls (the test's view, never codegen's)."""
+    own, blas = OWN in body, BLAS in body
+    assert not (own and blas), "one product per kernel"
+    return "own" if own else "blas" if blas else "loops"
+
+
+def _w(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.3
+
+
+@needs_cc
+@pytest.mark.parametrize("k,listed", [(64, ("own", "blas")), (ROWS_MAX_K + 8, ("blas",))])
+def test_a_fused_gemm_lists_its_products_and_each_writes_exactly_its_path(tmp_path, k, listed):
+    """K within ROWS_MAX_K: our micro-kernel first (today's default), then the BLAS; beyond it the
+    BLAS alone. Each choice's body calls its product and not the other, and equals ONNX Runtime."""
+    graph, values = _graph(tmp_path, *_matmul_relu_parts(k))
+    kernels = choices(graph, _whole(graph), host=True)
+    assert tuple(kn.schedule.product for kn in kernels) == listed
+    assert all(kn.schedule.skeleton == "packed" and kn.spec().product == kn.schedule.product for kn in kernels)
+    for kernel in kernels:
+        body = _runs_equal(graph, kernel, values)
+        assert _written_path(body) == kernel.schedule.product
+        assert ("#ifdef FS_BLAS_SGEMM" in body) == (kernel.schedule.product == "blas")  # the fallback: BLAS only
+
+
+def _matmul_relu_parts(k: int):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Relu", ["y"], ["out"], name="r")]
+    return nodes, [("x", [13, k])], [("out", None)], [("w", _w([k, 20]))]
+
+
+@needs_cc
+@pytest.mark.parametrize("k,listed", [(64, ("own",)), (ROWS_MAX_K + 8, ("loops",))])
+def test_without_a_blas_the_products_are_ours_or_the_loops(tmp_path, k, listed):
+    """A target without a BLAS lists no "blas" product; where ours does not apply the per-row loops
+    are the one choice, written with no BLAS call and no `#ifdef`."""
+    graph, values = _graph(tmp_path, *_matmul_relu_parts(k))
+    kernels = choices(graph, _whole(graph), host=CpuTarget(blas=False))
+    assert tuple(kn.schedule.product for kn in kernels) == listed
+    body = _runs_equal(graph, kernels[0], values)
+    assert _written_path(body) == listed[0] and "FS_BLAS_SGEMM" not in body
+
+
+@needs_cc
+def test_a_lone_gemm_lists_ours_the_blas_and_the_library_call(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["out"], name="mm")]
+    graph, values = _graph(tmp_path, nodes, [("x", [13, 64])], [("out", None)], [("w", _w([64, 20]))])
+    kernels = choices(graph, _whole(graph), host=True)
+    assert [(kn.impl, kn.schedule.product) for kn in kernels] == [("generated", "own"), ("generated", "blas"),
+                                                                   ("library", "")]
+    for kernel in kernels[:2]:
+        assert _written_path(_runs_equal(graph, kernel, values)) == kernel.schedule.product
+
+
+@needs_cc
+def test_a_product_stored_through_a_head_merge_and_under_a_softmax_writes_its_path(tmp_path):
+    """The product's other skeletons follow the schedule too: stored at a Transpose's strides
+    (attention's head merge) and into a row kernel's buffer under a Softmax."""
+    merge = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             helper.make_node("Transpose", ["y"], ["out"], name="t", perm=[1, 0, 2])]
+    softmax = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+               helper.make_node("Softmax", ["y"], ["out"], name="s", axis=-1)]
+    for i, nodes in enumerate((merge, softmax)):
+        (tmp_path / str(i)).mkdir()
+        graph, values = _graph(tmp_path / str(i), nodes, [("x", [2, 12, 16])], [("out", None)], [("w", _w([16, 32]))])
+        kernels = choices(graph, _whole(graph), host=True)
+        assert tuple(kn.schedule.product for kn in kernels) == ("own", "blas")
+        for kernel in kernels:
+            assert _written_path(_runs_equal(graph, kernel, values)) == kernel.schedule.product
+
+
+# a generated line searched for a call name: `x in "".join(lines)`, `"CALL(" in text`, `... not in text`
+_SEARCHES_OUTPUT = re.compile(r'\bin\s+"[^"]*"\.join\(|\bnot\s+in\s+(text|src|source|body|c_src|loops)\b'
+                              r'|"(FS_BLAS_SGEMM|fs_gemm_rows|fs_gemm_rows_epi|fs_conv_band|fs_gemm_packed|fs_conv_1x1)\(?"'
+                              r'\s+(not\s+)?in\b')
+
+
+def test_no_code_generator_decides_a_product_by_searching_its_own_output():
+    """The generator writes the product its schedule names; none of its modules learns what it
+    wrote by searching the generated text for a call name."""
+    found = [f"{path.name}:{n}: {line.strip()}" for path in sorted(CODEGEN.glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if _SEARCHES_OUTPUT.search(line)]
+    assert not found, found
