@@ -247,6 +247,120 @@ def gemm_products(graph: Graph, anchor: Node, blas: bool = True) -> tuple[str, .
     return (*(("own",) if own else ()), *(("blas",) if blas else ())) or ("loops",)
 
 
+# C conv (the products of `conv_products`): the im2col panel per block (1 MiB), whole output rows
+CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+
+# C conv: filters of at least this many floats (4 MiB), at least twice as many as a block has
+# pixels, are packed once (`PackedWeight`) and multiplied by our own micro-kernel
+# (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
+# the figures from `benchmarks/bench_cpu.py --sections 1b`)
+PACK_FILTER_FLOATS = 1 << 20
+
+# ... and so are those of a conv over at least PACK_MIN_TAPS taps whose blocks have at most
+# PACK_MAX_PIXELS pixels (14 x 14): each activation element then meets many filters, and the
+# filters packed again per BLAS call cost more than our panel of pixels packed per block. On one
+# Ice Lake core (AVX-512), fused 1x1 convs generated both ways and timed interleaved, the time
+# packed over the BLAS's: mobilenetv2's 0.66-0.91x at 7 x 7 (160 to 960 taps), 0.90-1.02x at
+# 14 x 14 (96 to 576 taps; 0.87x summed over its 16), resnet50's 14 x 14 0.71-0.97x (0.85x
+# summed), yolo-neck's 10 x 10 0.79-1.01x (0.86x); over 64 taps 1.13-1.39x and at 28 x 28
+# 1.18-1.22x, where the BLAS stays (on Zen 3, below the first rule, the two were within noise:
+# 0.86-1.05x)
+PACK_MIN_TAPS = 96
+
+PACK_MAX_PIXELS = 196
+
+# C conv: a 1x1 stride-1 unpadded conv runs `fs_gemm_rows` over its filters in place, its pixels
+# (the input read in place, or the prologue's panel) packed per chunk (`fs_conv_1x1`), each tile
+# stored straight into the block's channels x pixels, where its blocks have at least
+# ROWS_1X1_MIN_PIXELS pixels (14 x 14) and it has at least two row panels of filters (2 FS_MR),
+# unless its filters would be packed (`packs_filters`) over more than ROWS_1X1_PACKED_TAPS taps;
+# and, at any size, where it reads its input in place over at most ROWS_1X1_MAX_TAPS input
+# channels with at least twice as many filters. On one Ice Lake core (AVX-512), fused 1x1 convs
+# generated both ways and timed interleaved, its time over the BLAS's at 20 x 20 and above:
+# yolo-neck's 0.77-0.93x (0.88x summed), resnet50's 0.76-0.89x at 28 x 28 and 56 x 56,
+# mobilenetv2's 0.82-0.98x at 28 x 28 to 112 x 112 (one 1.14x), but 1.26x at U-Net's head (2
+# filters); over the packed filters (`fs_gemm_packed`, which stores each pixels x filters tile
+# transposed) at 14 x 14: mobilenetv2's 0.87-0.96x up to 384 taps, 1.02-1.09x at 576, resnet50's
+# 0.98-1.03x at 256 taps, 0.98-1.09x at 1024 (a tile's 12 filter rows of 576 or more taps fill
+# L1 beside the pixel panels); at 7 x 7 and 10 x 10 1.05-1.67x, where the packed filters stay.
+# On Zen 3 the in-place rule measured 1.10-1.18x the BLAS at mobilenetv2's expansions.
+ROWS_1X1_MIN_PIXELS = 196
+
+ROWS_1X1_PACKED_TAPS = 384
+
+ROWS_1X1_MAX_TAPS = 64
+
+
+def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
+    """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
+    are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
+    return ((filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels)
+            or (taps >= PACK_MIN_TAPS and block_pixels <= PACK_MAX_PIXELS))
+
+
+def rows_1x1(filters: int, taps: int, block_pixels: int, in_place: bool) -> bool:
+    """Whether a 1x1 stride-1 unpadded conv (its input read `in_place`, else a prologue's panel)
+    runs through `fs_conv_1x1`."""
+    if block_pixels >= ROWS_1X1_MIN_PIXELS and filters >= 2 * CPU_MICRO_TILE[0]:
+        return taps <= ROWS_1X1_PACKED_TAPS or not packs_filters(filters, taps, block_pixels)
+    return in_place and taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
+
+
+def conv_block_rows(filters: int, taps: int, width: int) -> int:
+    """Output rows per conv block at most: the im2col panel within CONV_PATCH_FLOATS, or within
+    the filters' size when they are larger (a BLAS call packs all the filters again per block: a
+    512x4608 filter set is 9 MiB)."""
+    return max(1, max(CONV_PATCH_FLOATS, filters * taps) // max(1, taps * width))
+
+
+def _conv_pixel_wise(anchor: Node, kern: tuple[int, ...]) -> bool:
+    """Whether a 2-D conv is 1x1, stride 1, with no leading padding: output pixel p reads input pixel p."""
+    strides = tuple(anchor.attrs.get("strides") or (1, 1))
+    pads = tuple(anchor.attrs.get("pads") or (0, 0, 0, 0))[:2]
+    return kern == (1, 1) and strides == (1, 1) and not any(pads)
+
+
+def _read_as_stored(graph: Graph, nodes: Collection[int], x: str) -> bool:
+    """Whether a float32 conv input is read as it lies in memory: a kernel input, or an output the
+    kernel writes first (computed in the group, used outside it)."""
+    if graph.tensors[x].dtype != "float32":
+        return False
+    return (graph.producer(x) not in nodes or graph.is_output(x)
+            or any(c not in nodes for c in graph.consumers(x)))
+
+
+def conv_products(graph: Graph, nodes: Collection[int], anchor: Node, blas: bool = True) -> tuple[str, ...]:
+    """The C products a Conv can run as (`Schedule.product`), the measured default first (the
+    module notes of `codegen.cpu_conv` have the figures): a depthwise conv's loop ("depthwise"); for
+    a 2-D conv with filters read as a kernel input, not depthwise-like: "band" where it reads a
+    band (`conv_reads_band`), "rows" for a 1x1 stride-1 conv (the first where `rows_1x1`), "packed"
+    where its filters are a float32 constant (the first where `packs_filters`), "im2col" where the
+    backend has a BLAS (the first where nothing else is); "loops" alone where none applies."""
+    x, w = (graph.tensors[t] for t in anchor.inputs[:2])
+    computed_w = graph.producer(anchor.inputs[1]) in nodes or w.dtype not in _C_FLOATS
+    if depthwise_conv(graph, anchor):
+        return ("loops",) if computed_w else ("depthwise",)
+    if computed_w or len(x.shape) != 4 or anchor.op_type != "Conv":
+        return ("loops",)
+    group = int(anchor.attrs.get("group", 1))
+    y = graph.tensors[anchor.outputs[0]]
+    cout_g = y.shape[1] // group
+    if depthwise_like(x.shape[1] // group, cout_g):
+        return ("loops",)
+    kern = tuple(anchor.attrs.get("kernel_shape") or w.shape[2:])
+    taps, (ho, wo) = x.shape[1] // group * math.prod(kern), y.shape[2:]
+    block_pixels = min(ho * wo, conv_block_rows(cout_g, taps, wo) * wo)
+    pixel_wise = _conv_pixel_wise(anchor, kern)
+    rows = pixel_wise and rows_1x1(cout_g, taps, block_pixels, _read_as_stored(graph, nodes, anchor.inputs[0]))
+    packable = w.constant and w.dtype == "float32"
+    band = conv_reads_band(graph, anchor)
+    default = ("band" if band else "rows" if rows else
+               "packed" if packable and packs_filters(cout_g, taps, block_pixels) else "im2col")
+    applicable = {"band": band, "rows": pixel_wise, "packed": packable, "im2col": blas}
+    ordered = (default, *(p for p in applicable if p != default))
+    return tuple(p for p in ordered if applicable[p]) or ("loops",)
+
+
 @dataclass(frozen=True)
 class CpuTarget:
     """What the C backend builds a CPU kernel with, as lowering lists its products: `blas`, whether
@@ -260,13 +374,13 @@ class CpuTarget:
 def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),
                  row_epilogue: bool = False) -> tuple[str, ...]:
     """The C products of a gemm/conv group on a CPU, the default first: a MatMul/Gemm's
-    (`gemm_products`), a depthwise conv's loop, else a conv's own; under a row epilogue (a
-    Softmax) a conv is computed inline by the row loops ("loops")."""
+    (`gemm_products`), a conv's (`conv_products`); under a row epilogue (a Softmax) a conv is
+    computed inline by the row loops ("loops"); any other anchor (a ConvTranspose) by loops."""
     if anchor.op_type in ("MatMul", "Gemm"):
         return gemm_products(graph, anchor, target.blas)
-    if depthwise_conv(graph, anchor):
-        return ("depthwise",)
-    return ("",)
+    if anchor.op_type != "Conv" or row_epilogue:
+        return ("loops",)
+    return conv_products(graph, nodes, anchor, target.blas)
 
 
 @dataclass(frozen=True)

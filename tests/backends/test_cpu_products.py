@@ -1,6 +1,7 @@
-"""A CPU gemm's code path is a schedule choice: lowering lists every product that applies (our
-micro-kernel, a BLAS call per block, the per-row loops), each choice's C contains exactly its path
-and equals ONNX Runtime, and no code generator learns what it wrote by searching its output."""
+"""A CPU gemm's or conv's code path is a schedule choice: lowering lists every product that applies
+(our micro-kernel, a BLAS call per block, the per-row loops; a conv's band, packed filters, a 1x1's
+pixels, im2col through the BLAS, the depthwise loop), each choice's C contains exactly its path and
+equals ONNX Runtime, and no code generator learns what it wrote by searching its output."""
 
 from __future__ import annotations
 
@@ -53,11 +54,15 @@ def _runs_equal(graph, kernel, values) -> str:
     return _body(gk)
 
 
-def _written_path(body: str) -> str:
+CALLS = {"own": OWN, "blas": BLAS, "band": "fs_conv_band(", "packed": "fs_gemm_packed(", "rows": "fs_conv_1x1(",
+         "im2col": BLAS}
+
+
+def _written_path(body: str, conv: bool = False) -> str:
     """Which product a kernel body runs, read from its calls (the test's view, never codegen's)."""
-    own, blas = OWN in body, BLAS in body
-    assert not (own and blas), "one product per kernel"
-    return "own" if own else "blas" if blas else "loops"
+    found = [p for p, call in CALLS.items() if call in body and (p in ("band", "packed", "rows", "im2col")) == conv]
+    assert len(found) <= 1, f"one product per kernel, found {found}"
+    return found[0] if found else "depthwise" if conv and "nc = 0; nc <" in body else "loops"
 
 
 def _w(shape, seed=0):
@@ -122,6 +127,44 @@ def test_a_product_stored_through_a_head_merge_and_under_a_softmax_writes_its_pa
         assert tuple(kn.schedule.product for kn in kernels) == ("own", "blas")
         for kernel in kernels:
             assert _written_path(_runs_equal(graph, kernel, values)) == kernel.schedule.product
+
+
+CONVS = {  # name: (x shape, filters shape, stride, products listed with a BLAS, without one)
+    "3x3": ([1, 8, 10, 10], [24, 8, 3, 3], 1, ("band", "packed", "im2col"), ("band", "packed")),
+    "1x1 in place": ([1, 16, 14, 14], [64, 16, 1, 1], 1, ("rows", "packed", "im2col"), ("rows", "packed")),
+    "1x1 stride 2": ([1, 16, 8, 8], [24, 16, 1, 1], 2, ("im2col", "packed"), ("packed",)),
+    "depthwise": ([1, 8, 9, 9], [8, 1, 3, 3], 1, ("depthwise",), ("depthwise",)),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_a_conv_lists_its_products_and_each_writes_exactly_its_path(tmp_path, name):
+    """Conv + bias + Relu: the band first for a k x k conv, `fs_conv_1x1` first for a 1x1 over
+    14 x 14 pixels (`rows_1x1`), im2col first where neither applies and the filters are small
+    (`packs_filters`), the depthwise loop alone for a depthwise conv; without a BLAS no im2col. Each
+    choice's body calls its product alone and equals ONNX Runtime."""
+    xs, ws, stride, listed, no_blas = CONVS[name]
+    k, group = ws[2], xs[1] // ws[1]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
+                              pads=[k // 2] * 4, group=group),
+             helper.make_node("Relu", ["y"], ["out"])]
+    graph, values = _graph(tmp_path, nodes, [("x", xs)], [("out", None)], [("w", _w(ws)), ("b", _w([ws[0]], 1))])
+    kernels = choices(graph, _whole(graph), host=True)
+    assert tuple(kn.schedule.product for kn in kernels) == listed
+    assert tuple(kn.schedule.product for kn in choices(graph, _whole(graph), host=CpuTarget(blas=False))) == no_blas
+    for kernel in kernels:
+        body = _runs_equal(graph, kernel, values)
+        assert _written_path(body, conv=True) == kernel.schedule.product
+        assert ("#ifdef FS_BLAS_SGEMM" in body) == (kernel.schedule.product == "im2col")
+
+
+def test_the_schedule_knows_the_micro_kernels_tile():
+    """The smallest tile our products need (`schedule.CPU_MICRO_TILE`) is the C micro-kernel's."""
+    from fusesearch.backends.codegen import c_gemm
+    from fusesearch.schedule import CPU_MICRO_TILE
+
+    assert CPU_MICRO_TILE == (c_gemm.FS_MR, c_gemm.FS_NR)
 
 
 # a generated line searched for a call name: `x in "".join(lines)`, `"CALL(" in text`, `... not in text`
