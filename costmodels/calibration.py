@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodels.devices import DeviceSpec
-from costmodels.kernel import CPU_PRODUCTS, KernelSpec
+from costmodels.kernel import CPU_PRODUCTS, TEMPLATE_PRODUCTS, KernelSpec
 from costmodels.resources import estimate_registers
 from costmodels.roofline import RooflineModel, RooflineParams
 
@@ -297,12 +297,15 @@ def part_of(spec: KernelSpec) -> str:
 
 def keep_start(params: RooflineParams, start: RooflineParams, part: str) -> RooflineParams:
     """`params` with the part's own parameters set back to their values in `start`: a template's
-    (`part_of`) efficiencies and occupancy knee but its library efficiency, or for
+    (`part_of`) efficiencies, occupancy knee and its C products' factors (`TEMPLATE_PRODUCTS`) but
+    its library efficiency, or for
     `template/library` that library efficiency alone; the shared terms stay as fitted."""
     template = part.removesuffix(LIBRARY_PART)
     tables = (("library_efficiency",) if part.endswith(LIBRARY_PART)
               else tuple(t for t in _OWN if t != "library_efficiency"))
-    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in tables})
+    products = () if part.endswith(LIBRARY_PART) else TEMPLATE_PRODUCTS.get(template, ())
+    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in tables},
+                               **{f"product_efficiency.{p}": start.get("product_efficiency", p) for p in products})
 
 
 def keep_shared(params: RooflineParams, start: RooflineParams) -> RooflineParams:

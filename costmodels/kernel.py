@@ -25,6 +25,8 @@ IMPLS = ("generated", "library")  # our generated kernel, or a vendor library ca
 UNITS = ("tensor-core", "cuda-core", "cpu-simd", "none")  # the main loop's instruction class (cpu-simd: C only)
 # how a generated gemm/conv's product runs in C (`fusesearch.schedule.Schedule.product`)
 CPU_PRODUCTS = ("own", "blas", "loops", "band", "packed", "rows", "im2col", "depthwise")
+TEMPLATE_PRODUCTS = {"gemm": ("own", "blas", "loops"), "conv": ("band", "packed", "rows", "im2col", "loops"),
+                     "conv_disjoint": ("band", "packed", "rows", "im2col", "loops"), "depthwise": ("depthwise", "loops")}
 
 DTYPE_BYTES: Mapping[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
