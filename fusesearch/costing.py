@@ -6,7 +6,7 @@ running every FLOP at peak in one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
 `cheapest` prices a group's choices (`device_choices`: every schedule lowering gives it on the
 device) and keeps the fastest that fits, ties the earlier (the search's choice: which tile, tensor
-or CUDA cores, our kernel or the library call);
+or CUDA cores, our kernel or the library call, on a CPU which C product);
 `unfused_time_s` sums single-node kernels (lone anchors as library calls: the unfused graph as
 ONNX Runtime runs it; a plan's own reference is strategy none's time, `search.search`);
 `lower_bound_s` applies the roofline at 100% efficiency to the whole graph as one kernel with

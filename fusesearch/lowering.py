@@ -29,7 +29,9 @@ product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
 a CPU device (`choices(..., host=True)`, asked by `costing.device_choices`) a gemm/conv, fused or
-alone, is `packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
+alone, is `packed`, the C backend's form, one choice per product its C can run as (our micro-kernel
+or a BLAS call per block; a conv's band, packed filters, 1x1 rows or im2col: `schedule.cpu_products`,
+`Schedule.product`) (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
 scale, folded into the product, not at all: `schedule.folded_scale`; on any device a GELU's
@@ -196,7 +198,9 @@ def try_lower(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = Fals
 def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> tuple[Kernel, ...] | FusionDecision:
     """Every schedule the group can run as, each a Kernel the cost model prices and the generator
     writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
-    or alone, as the C backend's `packed`/`depthwise`, a lone one also as the library call); else
+    or alone, as the C backend's `packed`/`depthwise`, once per C product it can run as,
+    `schedule.cpu_products` for the `CpuTarget` given (True: one that links a BLAS, as the C
+    backend does), a lone one also as the library call); else
     as a GPU does: a fused gemm/conv at each tensor-core tile (`schedule.mma_tiles`, where its
     operands have tensor cores) and each CUDA-core tile (`schedule.gemm_tiles`), or `direct`
     where no tile applies; a lone one as the library call (its split-K) and then as those

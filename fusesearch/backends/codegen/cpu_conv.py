@@ -37,8 +37,11 @@ A conv's prologue fills only the image interior of its panel or band, one tap lo
 channel Concat. Blocks are whole output rows, the panel within CONV_PATCH_FLOATS; where the
 filters are small, fewer rows, so that the block's panel and product stay in the core's L2
 (`CONV_FIT_SHARE`: yolo-neck's Concat + 1x1 conv groups no longer behind library + rest).
-Invariants: as `cpu_gemm`'s — every BLAS path under `#ifdef FS_BLAS_SGEMM` beside a loop
-fallback (the packed-filter and band paths need none), float32 constant filters packed once per
+Which of these paths a conv runs is its schedule's product (`schedule.conv_products` lists the
+applicable ones, the measured default first, by the rules named above, which live there:
+`conv_reads_band`, `rows_1x1`, `packs_filters`); this module writes the one named.
+Invariants: as `cpu_gemm`'s — the BLAS path (im2col) under `#ifdef FS_BLAS_SGEMM` beside a loop
+fallback (the band, packed-filter and 1x1 rows paths need none), float32 constant filters packed once per
 runner or program, blocks in parallel, scratch from the per-thread arena.
 """
 
