@@ -25,6 +25,7 @@ from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, choices, lower
+from fusesearch.schedule import CpuTarget
 
 
 def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> KernelCost:
@@ -43,8 +44,9 @@ def cheapest(kernels: Sequence[Kernel], device: DeviceSpec, model: RooflineModel
 
 
 def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec) -> tuple[Kernel, ...] | FusionDecision:
-    """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU)."""
-    return choices(graph, group, host=device.kind != "gpu")
+    """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU, for
+    its vectors: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes)."""
+    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(lanes=device.warp_size))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

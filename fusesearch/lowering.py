@@ -82,6 +82,7 @@ from fusesearch.schedule import (
     cpu_products,
     depthwise_conv,
     disjoint_windows,
+    epilogues,
     folded_scale,
     gelu_chains,
     gemm_tiles,
@@ -481,8 +482,9 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         ours = _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                       DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
-        products = tuple(replace(ours, schedule=replace(ours.schedule, product=p))
-                         for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile)))
+        products = tuple(replace(ours, schedule=replace(ours.schedule, product=p, epilogue=where))
+                         for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
+                         for where in epilogues(graph, ids, anchor, p, host.lanes))
         return products if len(nodes) > 1 else (*products, _library_anchor(graph, nodes, anchor, m, n_dim, k))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice

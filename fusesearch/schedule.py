@@ -46,6 +46,9 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 loop over zero-bordered planes). `gemm_products` / `conv_products` list a group's
                 applicable ones, today's measured default first; the generator writes the one named,
                 the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
+    epilogue    with the "own" product, where its epilogue runs: "tile" (on the micro-kernel's
+                registers before the one store, `fs_gemm_rows_epi`, where the target has AVX-512:
+                `epilogues`) or "block" (a pass over the block's product in cache); "" elsewhere
     min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
                 80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
@@ -60,6 +63,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from costmodels.kernel import CPU_PRODUCTS, UNITS
 from fusesearch.ir.graph import Graph, Node
@@ -108,9 +113,11 @@ class Schedule:
     smem_bytes: int = 0
     row_cache: tuple[str, ...] = ()
     product: str = ""
+    epilogue: str = ""
 
     def __post_init__(self) -> None:
-        if self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS):
+        if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
+                or self.epilogue not in ("", "tile", "block")):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}")
 
     @property
@@ -361,14 +368,81 @@ def conv_products(graph: Graph, nodes: Collection[int], anchor: Node, blas: bool
     return tuple(p for p in ordered if applicable[p]) or ("loops",)
 
 
+TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)
+_TILE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Identity"})  # and views
+
+
+def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
+    """Whether a MatMul/Gemm group's epilogue can run on our micro-kernel's registers before the one
+    store (`fs_gemm_rows_epi`, the "own" product): the group's one output at the product's
+    positions is computed from the product, plus at most a float32 bias row read as an input (a
+    Gemm's C with beta 1, or the first Add), by Add, Sub, Mul, Div (with finite scalar constants or
+    values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
+    Add; no other output
+    of the group is at the product's positions, and the group has no row reduction. (The product
+    alone, or plus a bias, is stored in place instead.)"""
+    if anchor.op_type not in ("MatMul", "Gemm") or any(graph.nodes[i].kind == OpKind.REDUCE for i in nodes):
+        return False
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+
+    def row(t: str) -> bool:  # a float32 input along N: a bias row
+        info = graph.tensors[t]
+        return (graph.producer(t) not in nodes and info.dtype == "float32" and info.shape is not None
+                and tuple(info.shape[-1:]) == tuple(yshape[-1:]) and math.prod(info.shape[:-1]) == 1)
+
+    def scalar(t: str) -> bool:
+        c = graph.constant_value(t)
+        return c is not None and c.size == 1 and bool(np.isfinite(c).all())
+
+    bias = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
+    if anchor.op_type == "Gemm" and (float(anchor.attrs.get("alpha", 1.0)) != 1.0 or bias and not (
+            row(anchor.inputs[2]) and float(anchor.attrs.get("beta", 1.0)) == 1.0)):
+        return False
+    computed, after_bias, outs = {y}, False, []  # after_bias: an op that is not an Add (the product
+    # plus terms alone is stored in place)
+    for n in (graph.nodes[i] for i in sorted(nodes)):
+        if not any(t in computed for t in n.inputs):
+            continue
+        view = n.op_type in VIEW_OPS  # the same elements in the same order
+        if not (view or n.op_type in _TILE_OPS) or any(
+                graph.tensors[t].dtype != "float32" or (graph.tensors[t].size if view else graph.tensors[t].shape)
+                != (graph.tensors[y].size if view else yshape) for t in n.outputs):
+            return False
+        others = [t for t in n.inputs[1:] if t not in computed] if view else [t for t in n.inputs if t not in computed]
+        if (not bias and not after_bias and n.op_type == "Add" and n.inputs.count(y) == 1 and len(others) == 1
+                and row(others[0])):
+            bias = True  # the bias row, added by the micro-kernel
+        elif view or all(scalar(t) for t in others):
+            after_bias = after_bias or n.op_type != "Add"
+        else:
+            return False
+        computed.update(n.outputs)
+        outs += [t for t in n.outputs if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t))]
+    return after_bias and len(outs) == 1 and not (graph.is_output(y) or any(c not in nodes for c in graph.consumers(y)))
+
+
+def epilogues(graph: Graph, nodes: Collection[int], anchor: Node, product: str, lanes: int) -> tuple[str, ...]:
+    """Where a group's epilogue runs (`Schedule.epilogue`), the default first: "tile" (on the
+    micro-kernel's registers, `tile_epilogue`, where the target's vectors hold TILE_EPILOGUE_LANES
+    floats) then "block" (a pass over the block's product in cache); "" where there is no choice
+    (another product, or an epilogue the registers cannot run)."""
+    if product != "own" or lanes < TILE_EPILOGUE_LANES or not tile_epilogue(graph, nodes, anchor):
+        return ("",)
+    return ("tile", "block")
+
+
 @dataclass(frozen=True)
 class CpuTarget:
     """What the C backend builds a CPU kernel with, as lowering lists its products: `blas`, whether
     it links a BLAS (the "blas" and "im2col" products exist only then; the C backend links
     scipy-openblas32, a dependency, unless FUSESEARCH_NO_BLAS turns it off, so a source that
-    calls the BLAS still carries its per-row loops under `#else`)."""
+    calls the BLAS still carries its per-row loops under `#else`); `lanes`, the float32 lanes of
+    the machine's vectors (the device's `warp_size` on a CPU, read from its flags: 16 with
+    AVX-512, where the tile epilogue exists; 0 where unknown)."""
 
     blas: bool = True
+    lanes: int = 0
 
 
 def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),

@@ -167,6 +167,47 @@ def test_the_schedule_knows_the_micro_kernels_tile():
     assert CPU_MICRO_TILE == (c_gemm.FS_MR, c_gemm.FS_NR)
 
 
+def _gelu_parts():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["h"]),
+             helper.make_node("Div", ["h", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["g"]),
+             helper.make_node("Mul", ["g", "half"], ["out"])]
+    inits = [("w", _w([48, 64])), ("b", _w([64], 1)), ("sqrt2", np.float32(1.4142135)), ("one", np.float32(1.0)),
+             ("half", np.float32(0.5))]
+    return nodes, [("x", [30, 48])], [("out", None)], inits
+
+
+@needs_cc
+@pytest.mark.parametrize("lanes,listed", [(16, [("own", "tile"), ("own", "block"), ("blas", "")]),
+                                          (8, [("own", ""), ("blas", "")])])
+def test_the_epilogue_on_the_registers_is_a_choice_where_the_vectors_hold_16_floats(tmp_path, lanes, listed):
+    """MatMul + bias + GELU: with AVX-512's 16 lanes our product is listed with its epilogue on the
+    registers ("tile", `fs_gemm_rows_epi`) and with a block pass ("block"); with 8 lanes the tile
+    epilogue is no choice. Each choice writes its own form and equals ONNX Runtime."""
+    graph, values = _graph(tmp_path, *_gelu_parts())
+    kernels = choices(graph, _whole(graph), host=CpuTarget(lanes=lanes))
+    assert [(kn.schedule.product, kn.schedule.epilogue) for kn in kernels] == listed
+    for kernel in kernels:
+        body = _runs_equal(graph, kernel, values)
+        assert _written_path(body) == kernel.schedule.product
+        assert ("fs_gemm_rows_epi(" in body) == (kernel.schedule.epilogue == "tile")
+
+
+def test_a_cpu_device_lists_the_tile_epilogue_by_its_lanes():
+    """`costing.device_choices` reads the CPU's vector width from the device (`warp_size`: its
+    float32 lanes) and lists the tile epilogue only from 16."""
+    from dataclasses import replace as with_
+
+    from costmodels import DEVICES
+    from fusesearch.costing import device_choices
+    from tests.test_lowering import graph_of
+
+    graph = graph_of(*_gelu_parts())
+    for lanes, tile in ((16, True), (8, False)):
+        device = with_(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=lanes)
+        assert any(k.schedule.epilogue == "tile" for k in device_choices(graph, _whole(graph), device)) == tile
+
+
 # a generated line searched for a call name: `x in "".join(lines)`, `"CALL(" in text`, `... not in text`
 _SEARCHES_OUTPUT = re.compile(r'\bin\s+"[^"]*"\.join\(|\bnot\s+in\s+(text|src|source|body|c_src|loops)\b'
                               r'|"(FS_BLAS_SGEMM|fs_gemm_rows|fs_gemm_rows_epi|fs_conv_band|fs_gemm_packed|fs_conv_1x1)\(?"'

@@ -193,8 +193,12 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     if product == "loops":  # the per-row loops alone (no store through strides: they write the outputs)
         return None if store is not None or max(k_extent, n_extent) > MAX_HOIST else rows_loop
     written = {o.tensor: o for o in side} if store is None else {}  # computed by c_side before the blocks
-    tile = (_tile_epilogue(graph, kernel, args, anchor, main[0], yshape)
-            if product == "own" and defs is not None and store is None and not direct and len(main) == 1 else None)
+    tile = None
+    if kernel.schedule.epilogue == "tile":  # on the registers (`schedule.tile_epilogue` said it can)
+        tile = (_tile_epilogue(graph, kernel, args, anchor, main[0], yshape)
+                if product == "own" and defs is not None and store is None and not direct and len(main) == 1 else None)
+        if tile is None:
+            raise CodegenRefused(f"{anchor.name}({anchor.op_type}): its epilogue has no tile form")
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
                         packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own")
     if tile is not None:  # our micro-kernel applies it on the registers where FS_TILE_EPI is defined
