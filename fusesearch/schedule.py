@@ -53,7 +53,9 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
 
-Invariants: this module imports only the graph types (and the units the cost model knows); the generated launch (grid, block, shared
+Invariants: this module imports only the graph types, numpy (a constant's value) and the units and
+CPU products the cost model knows; a CPU schedule's product and epilogue are pure functions of graph
+facts and the `CpuTarget` (its BLAS, its vector lanes); the generated launch (grid, block, shared
 memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
 checks it against ptxas for every zoo kernel).
 """
