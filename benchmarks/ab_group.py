@@ -45,6 +45,7 @@ from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import Kernel, try_lower
 from fusesearch.measure import max_rel_err
 from fusesearch.pipeline import prepare
+from fusesearch.schedule import TILE_EPILOGUE_LANES, CpuTarget
 from fusesearch.verify import all_values, random_feeds
 
 CHECK = 1e-4  # a variant that is not a bound must match ONNX Runtime as the base does (max_rel_err)
@@ -71,13 +72,16 @@ def groups(spec: dict) -> list:
 
 
 def group_kernel(model: str, nodes):
-    """(prepared model, the group of these nodes' Kernel as the host lowers it, its generated kernel)."""
+    """(prepared model, the group of these nodes' Kernel as the host lowers it, its generated kernel):
+    its default choice for a CPU with AVX-512's vectors, whose source's tile epilogue sits under
+    `#ifdef FS_TILE_EPI`, so that it runs as this machine's compiler allows."""
     prep = prepare(f"zoo:{model}")
     ids = {node.name: node.id for node in prep.graph.nodes}
     missing = [name for name in nodes if name not in ids]
     if missing:
         raise VariantError(f"{model} has no node {missing[0]} (NODES or GROUPS names the group's nodes)")
-    kernel = try_lower(prep.graph, FusionGroup(frozenset(ids[name] for name in nodes)), host=True)
+    kernel = try_lower(prep.graph, FusionGroup(frozenset(ids[name] for name in nodes)),
+                       host=CpuTarget(lanes=TILE_EPILOGUE_LANES))
     if not isinstance(kernel, Kernel):
         raise VariantError(f"the group of NODES is not one kernel: {kernel.reason}")
     return prep, kernel, generate(prep.graph, kernel, name="ab_group")

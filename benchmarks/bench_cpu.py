@@ -54,7 +54,7 @@ from fusesearch.backends.codegen import generate
 from fusesearch.backends.library import host_binding, null_runs, run_costs
 from fusesearch.backends.timing import measure, measure_interleaved
 from fusesearch.groups import FusionGroup
-from fusesearch.lowering import lower
+from fusesearch.lowering import choices, lower
 from fusesearch.pipeline import prepare
 
 RNG = np.random.default_rng(0)
@@ -194,10 +194,10 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
     `fs_pack_b` before timing, as a constant weight is) against the BLAS the CPU backend calls per
     block (scipy-openblas32, which packs B inside every call), same shapes, same call path
     (ctypes); then generated convs with their filters packed once against the same convs through
-    the BLAS (cpu_conv.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
+    the BLAS (schedule.PACK_FILTER_FLOATS, the threshold this decides), timed interleaved."""
     import ctypes
 
-    from fusesearch.backends.codegen import c_gemm, c_runtime, cpu_conv
+    from fusesearch.backends.codegen import c_gemm, c_runtime
 
     flags = cpu.blas_flags()
     if not flags:
@@ -267,14 +267,10 @@ def section_micro_kernel(budget: float, repeats: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             onnx.save(model, str(Path(tmp) / "m.onnx"))
             g = prepare(str(Path(tmp) / "m.onnx")).graph
-        kernel = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
-        body = kernel.c_source[kernel.c_source.index(f"void {kernel.name}("):]
-        chosen = ("band" if "fs_conv_band(" in body else "packed" if "fs_gemm_packed(" in body
-                  else "rows" if "fs_conv_1x1(" in body else "BLAS")
-        rules = cpu_conv.conv_reads_band, cpu_conv.packs_filters, cpu_conv.rows_1x1
-        cpu_conv.conv_reads_band = cpu_conv.packs_filters = cpu_conv.rows_1x1 = lambda *_: False
-        im2col = generate(g, lower(g, FusionGroup(frozenset(range(len(g))))))
-        cpu_conv.conv_reads_band, cpu_conv.packs_filters, cpu_conv.rows_1x1 = rules
+        options = choices(g, FusionGroup(frozenset(range(len(g)))), host=True)  # the default first
+        chosen = options[0].schedule.product
+        kernel = generate(g, options[0])
+        im2col = generate(g, next(k for k in options if k.schedule.product == "im2col"))
         x = RNG.standard_normal((1, cin, h, h)).astype(np.float32)
         pairs.append((label, 2.0 * cout * ho * ho * cin * kk * kk, [cpu.runner(k, {"x": x, "w": w}) for k in (kernel, im2col)],
                       chosen))

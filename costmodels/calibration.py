@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodels.devices import DeviceSpec
-from costmodels.kernel import KernelSpec
+from costmodels.kernel import CPU_PRODUCTS, TEMPLATE_PRODUCTS, KernelSpec
 from costmodels.resources import estimate_registers
 from costmodels.roofline import RooflineModel, RooflineParams
 
@@ -55,7 +55,7 @@ _BOUNDS = {"tc_efficiency": _EFFICIENCY, "library_efficiency": _EFFICIENCY, "mma
            "launch_overhead_scale": (1e-3, 1e3),
            "index_division_flops": (1e-3, 1e3), "read_traffic_factor": (1e-2, 2.0), "division_flops": (1e-2, 1e3),
            "transcendental_flops": (0.1, 1e4), "overlap": (1e-3, 1 - 1e-3),
-           "occupancy_knee": (1e-3, 1.0)}
+           "occupancy_knee": (1e-3, 1.0), "product_efficiency": (1e-2, 1e2)}
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -140,11 +140,15 @@ def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str
     present (the main loop's where its FLOPs exist, the generated kernels' and the library
     calls' apart, scalar where scalar or
     transcendental FLOPs exist), overlap, launch overhead, the transcendental weight when
-    transcendentals occur, and the occupancy knees on a GPU."""
+    transcendentals occur, and the occupancy knees on a GPU; on a CPU, where a template's generated
+    kernels ran two or more products (`KernelSpec.product`), each product's factor but the most
+    sampled one's (which the template's efficiency carries: `product_factors`)."""
     present = sorted({s.template for s in specs})
     names = []
     for t in present:
         rows = [s for s in specs if s.template == t]
+        if device.kind != "gpu":
+            names += product_factors(rows)
         if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit != "tensor-core" for s in rows):
             names.append(f"tc_efficiency.{t}")
         if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit == "tensor-core" for s in rows):
@@ -162,6 +166,20 @@ def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str
     if any(s.transcendentals > 0 for s in specs):
         names.append("transcendental_flops")
     return names
+
+
+def product_factors(specs: Sequence[KernelSpec]) -> list[str]:
+    """The `product_efficiency` names a fit can see in one template's kernels: every product its
+    generated kernels ran but the most sampled (ties: the first in CPU_PRODUCTS), whose factor stays
+    put so that the template's efficiency and the factors are not one degree of freedom."""
+    counts: dict[str, int] = {}
+    for s in specs:
+        if s.impl == "generated" and s.tc_flops > 0 and s.product:
+            counts[s.product] = counts.get(s.product, 0) + 1
+    if len(counts) < 2:
+        return []
+    ordered = sorted(counts, key=lambda p: (-counts[p], CPU_PRODUCTS.index(p)))
+    return [f"product_efficiency.{p}" for p in ordered[1:]]
 
 
 def _coord(name: str) -> tuple[str, float, float]:
@@ -279,12 +297,15 @@ def part_of(spec: KernelSpec) -> str:
 
 def keep_start(params: RooflineParams, start: RooflineParams, part: str) -> RooflineParams:
     """`params` with the part's own parameters set back to their values in `start`: a template's
-    (`part_of`) efficiencies and occupancy knee but its library efficiency, or for
+    (`part_of`) efficiencies, occupancy knee and its C products' factors (`TEMPLATE_PRODUCTS`) but
+    its library efficiency, or for
     `template/library` that library efficiency alone; the shared terms stay as fitted."""
     template = part.removesuffix(LIBRARY_PART)
     tables = (("library_efficiency",) if part.endswith(LIBRARY_PART)
               else tuple(t for t in _OWN if t != "library_efficiency"))
-    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in tables})
+    products = () if part.endswith(LIBRARY_PART) else TEMPLATE_PRODUCTS.get(template, ())
+    return params.with_updates(**{f"{table}.{template}": start.get(table, template) for table in tables},
+                               **{f"product_efficiency.{p}": start.get("product_efficiency", p) for p in products})
 
 
 def keep_shared(params: RooflineParams, start: RooflineParams) -> RooflineParams:

@@ -23,6 +23,10 @@ from costmodels.errors import InvalidSpec
 TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "conv_disjoint", "depthwise", "opaque")
 IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
 UNITS = ("tensor-core", "cuda-core", "cpu-simd", "none")  # the main loop's instruction class (cpu-simd: C only)
+# how a generated gemm/conv's product runs in C (`fusesearch.schedule.Schedule.product`)
+CPU_PRODUCTS = ("own", "blas", "loops", "band", "packed", "rows", "im2col", "depthwise")
+TEMPLATE_PRODUCTS = {"gemm": ("own", "blas", "loops"), "conv": ("band", "packed", "rows", "im2col", "loops"),
+                     "conv_disjoint": ("band", "packed", "rows", "im2col", "loops"), "depthwise": ("depthwise", "loops")}
 
 DTYPE_BYTES: Mapping[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -79,6 +83,9 @@ class KernelSpec:
       tile per batch or group, a block per row); 0 derives them from the iteration space.
     - `min_arch`: the oldest GPU architecture (compute capability x 10, e.g. 80 for sm_80) the
       kernel's code runs on; 0 for any. On an older GPU the kernel is infeasible.
+    - `product`: on a CPU, the code path of a generated gemm/conv's product (one of
+      CPU_PRODUCTS: our micro-kernel, a BLAS call per block, a conv's band...), priced at its own
+      efficiency (`RooflineParams.product_efficiency`); "" for any other kernel.
     """
 
     template: str
@@ -102,6 +109,7 @@ class KernelSpec:
     blocks: int = 0
     unit: str = ""
     min_arch: int = 0
+    product: str = ""
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -110,6 +118,8 @@ class KernelSpec:
             raise InvalidSpec(f"KernelSpec.impl {self.impl!r}, expected one of {IMPLS}")
         if self.unit and self.unit not in UNITS:
             raise InvalidSpec(f"KernelSpec.unit {self.unit!r}, expected one of {UNITS} or empty")
+        if self.product and self.product not in CPU_PRODUCTS:
+            raise InvalidSpec(f"KernelSpec.product {self.product!r}, expected one of {CPU_PRODUCTS} or empty")
         if self.dtype not in DTYPE_BYTES:
             raise InvalidSpec(
                 f"KernelSpec.dtype {self.dtype!r}, expected one of {', '.join(DTYPE_BYTES)}"

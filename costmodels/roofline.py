@@ -48,9 +48,10 @@ from typing import Any
 from costmodels import resources
 from costmodels.devices import KIB, DeviceSpec
 from costmodels.errors import InvalidSpec
-from costmodels.kernel import TEMPLATES, KernelSpec
+from costmodels.kernel import CPU_PRODUCTS, TEMPLATES, KernelSpec
 
 PerTemplate = tuple[tuple[str, float], ...]
+PerProduct = tuple[tuple[str, float], ...]
 
 
 # A template whose values, where a table gives none for it, are another's: the defaults, and a
@@ -138,6 +139,21 @@ DEFAULT_READ_TRAFFIC_FACTOR = 1.0
 # 0 for the datasheet model (OpKind counts them as one flop); calibration fits it.
 DEFAULT_DIVISION_FLOPS = 0.0
 
+# A generated CPU gemm/conv's product path (`KernelSpec.product`: our micro-kernel, a BLAS call per
+# block, a conv's band...) runs at its template's `tc_efficiency` times its own factor here: 1 for
+# every path until a calibration that timed the paths apart fits them (then the paths of one
+# template rank by their measured rates, not by one shared "packed" efficiency).
+DEFAULT_PRODUCT_EFFICIENCY: PerProduct = tuple((p, 1.0) for p in CPU_PRODUCTS)
+
+
+def per_product(values: Mapping[str, float]) -> PerProduct:
+    """A frozen per-product table in CPU_PRODUCTS order, a missing product at 1."""
+    unknown = sorted(set(values) - set(CPU_PRODUCTS))
+    if unknown:
+        raise InvalidSpec(f"product_efficiency: unknown products {unknown}; known: {', '.join(CPU_PRODUCTS)}")
+    return tuple((p, _number(f"product_efficiency.{p}", values.get(p, 1.0))) for p in CPU_PRODUCTS)
+
+
 _TABLE_FIELDS = ("tc_efficiency", "library_efficiency", "mma_efficiency", "scalar_efficiency",
                  "memory_efficiency", "occupancy_knee")
 
@@ -162,8 +178,17 @@ class RooflineParams:
     regs_base: float = resources.DEFAULT_REGS_BASE
     regs_per_live_value: float = resources.DEFAULT_REGS_PER_LIVE_VALUE
     float32_uses_tf32: bool = True
+    product_efficiency: PerProduct = DEFAULT_PRODUCT_EFFICIENCY
 
     def __post_init__(self) -> None:
+        try:
+            products = per_product(dict(self.product_efficiency))
+        except (TypeError, ValueError) as exc:
+            raise InvalidSpec("RooflineParams.product_efficiency: expected {product: factor}") from exc
+        object.__setattr__(self, "product_efficiency", products)
+        for product, value in products:
+            if not (value > 0 and math.isfinite(value)):
+                raise InvalidSpec(f"RooflineParams.product_efficiency[{product}] = {value}, out of range")
         for name in _TABLE_FIELDS:
             try:
                 table = dict(getattr(self, name))
@@ -198,12 +223,15 @@ class RooflineParams:
         `with_updates(overlap=0.8, memory_efficiency={"gemm": 0.7})` or
         `with_updates(**{"memory_efficiency.gemm": 0.7})`."""
         tables = {name: dict(getattr(self, name)) for name in _TABLE_FIELDS}
+        products = dict(self.product_efficiency)
         scalars: dict[str, Any] = {}
         known = {f.name for f in fields(self)}
         for key, value in updates.items():
             table, _, template = key.partition(".")
             if template and table in tables and template in TEMPLATES:
                 tables[table][template] = value
+            elif table == "product_efficiency" and (template in CPU_PRODUCTS or not template and isinstance(value, Mapping)):
+                products.update({template: value} if template else value)
             elif key in tables and isinstance(value, Mapping):
                 tables[key].update(value)
             elif key in known and not template:
@@ -214,6 +242,7 @@ class RooflineParams:
                     "float32_uses_tf32")
         merged = {name: per_template(tables[name]) for name in _TABLE_FIELDS}
         merged.update(scalars)
+        merged["product_efficiency"] = per_product(products)
         return replace(self, **merged)
 
     def flat(self) -> dict[str, float]:
@@ -221,7 +250,7 @@ class RooflineParams:
         out: dict[str, float] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in _TABLE_FIELDS:
+            if f.name in (*_TABLE_FIELDS, "product_efficiency"):
                 out.update({f"{f.name}.{t}": v for t, v in value})
             elif not isinstance(value, bool):
                 out[f.name] = float(value)
@@ -230,7 +259,7 @@ class RooflineParams:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; tables become {template: value}."""
         out = asdict(self)
-        for name in _TABLE_FIELDS:
+        for name in (*_TABLE_FIELDS, "product_efficiency"):
             out[name] = dict(getattr(self, name))
         return out
 
@@ -373,7 +402,7 @@ class RooflineModel:
                 else scalar_peak_flops_per_s(device, "float32"))
         table = ("library_efficiency" if spec.impl == "library" else
                  "mma_efficiency" if unit.endswith("tensor-core") else "tc_efficiency")
-        tc_rate = peak * p.get(table, spec.template)
+        tc_rate = peak * p.get(table, spec.template) * (p.get("product_efficiency", spec.product) if spec.product else 1.0)
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
                        * p.get("scalar_efficiency", spec.template))
         scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops

@@ -94,6 +94,7 @@ from costmodels.calibration import (
 )
 from costmodels.profile import default_versions, installed_versions
 from fusesearch.backends.registry import Backend, get_backend, table_name_for_gpu
+from fusesearch.costing import device_choices
 from fusesearch.errors import BadInput
 from fusesearch.groups import FusionGroup
 from fusesearch.lowering import lower
@@ -156,7 +157,10 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
     kernel), in a deterministic order. A lone anchor is its library call, also where a CPU plan
     runs it as our C (`costing.cheapest` chooses by both efficiencies): `library_efficiency`
     is fitted on those calls, the generated efficiencies on the fused groups, whose C is the same
-    product with a prologue and an epilogue."""
+    product with a prologue and an epilogue. On a CPU a fused gemm/conv is there once per C
+    product it can run as (`costing.device_choices`), not only as its cheapest, so that a
+    template's sample holds its products and the fit sees each one's rate
+    (`RooflineParams.product_efficiency`)."""
     from fusesearch.backends.codegen import CAPABILITIES
     from fusesearch.candidates.enumerate import enumerate_candidates
     from fusesearch.candidates.rules import Legality
@@ -173,6 +177,9 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
             if kernel.anchor is not None and len(nodes) == 1 and kernel.impl == "generated":
                 kernel = lower(prep.graph, FusionGroup(nodes))  # a lone anchor: its library call
             pool.append((name, nodes, kernel))
+            if kernel.schedule.product and len(nodes) > 1:  # a CPU product: the group's other products too
+                pool += [(name, nodes, k) for k in device_choices(prep.graph, FusionGroup(nodes), device)
+                         if k.schedule.product not in ("", kernel.schedule.product)]
     return pool
 
 

@@ -6,7 +6,7 @@ running every FLOP at peak in one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
 `cheapest` prices a group's choices (`device_choices`: every schedule lowering gives it on the
 device) and keeps the fastest that fits, ties the earlier (the search's choice: which tile, tensor
-or CUDA cores, our kernel or the library call);
+or CUDA cores, our kernel or the library call, on a CPU which C product);
 `unfused_time_s` sums single-node kernels (lone anchors as library calls: the unfused graph as
 ONNX Runtime runs it; a plan's own reference is strategy none's time, `search.search`);
 `lower_bound_s` applies the roofline at 100% efficiency to the whole graph as one kernel with
@@ -25,6 +25,7 @@ from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, choices, lower
+from fusesearch.schedule import CpuTarget
 
 
 def kernel_cost(kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> KernelCost:
@@ -43,8 +44,9 @@ def cheapest(kernels: Sequence[Kernel], device: DeviceSpec, model: RooflineModel
 
 
 def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec) -> tuple[Kernel, ...] | FusionDecision:
-    """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU)."""
-    return choices(graph, group, host=device.kind != "gpu")
+    """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU, for
+    its vectors: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes)."""
+    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(lanes=device.warp_size))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

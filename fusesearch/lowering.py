@@ -29,7 +29,9 @@ product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
 a CPU device (`choices(..., host=True)`, asked by `costing.device_choices`) a gemm/conv, fused or
-alone, is `packed`, the C backend's form (a depthwise conv `depthwise`, its loop over zero-bordered planes,
+alone, is `packed`, the C backend's form, one choice per product its C can run as (our micro-kernel
+or a BLAS call per block; a conv's band, packed filters, 1x1 rows or im2col: `schedule.cpu_products`,
+`Schedule.product`) (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
 scale, folded into the product, not at all: `schedule.folded_scale`; on any device a GELU's
@@ -72,12 +74,15 @@ from fusesearch.schedule import (
     PACKED,
     THREADS,
     VIEW_OPS,
+    CpuTarget,
     Schedule,
     anchor_derived,
     block_per_row,
     conv_reads_band,
+    cpu_products,
     depthwise_conv,
     disjoint_windows,
+    epilogues,
     folded_scale,
     gelu_chains,
     gemm_tiles,
@@ -172,7 +177,7 @@ class Kernel:
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
             divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
-            min_arch=self.schedule.min_arch)
+            min_arch=self.schedule.min_arch, product=self.schedule.product)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -183,7 +188,7 @@ def lower(graph: Graph, group: FusionGroup) -> Kernel:
     return result
 
 
-def try_lower(graph: Graph, group: FusionGroup, *, host: bool = False) -> Kernel | FusionDecision:
+def try_lower(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> Kernel | FusionDecision:
     """The group's default choice (the first of `choices`: a library's heuristic tile, tensor
     cores where the operands have them; on a CPU a gemm/conv's C), or the refusal. A plan's kernel
     is the cheapest choice on its device (`costing.cheapest`), not necessarily this one."""
@@ -191,23 +196,25 @@ def try_lower(graph: Graph, group: FusionGroup, *, host: bool = False) -> Kernel
     return result if isinstance(result, FusionDecision) else result[0]
 
 
-def choices(graph: Graph, group: FusionGroup, *, host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> tuple[Kernel, ...] | FusionDecision:
     """Every schedule the group can run as, each a Kernel the cost model prices and the generator
     writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
-    or alone, as the C backend's `packed`/`depthwise`, a lone one also as the library call); else
+    or alone, as the C backend's `packed`/`depthwise`, once per C product it can run as,
+    `schedule.cpu_products` for the `CpuTarget` given (True: one that links a BLAS, as the C
+    backend does), a lone one also as the library call); else
     as a GPU does: a fused gemm/conv at each tensor-core tile (`schedule.mma_tiles`, where its
     operands have tensor cores) and each CUDA-core tile (`schedule.gemm_tiles`), or `direct`
     where no tile applies; a lone one as the library call (its split-K) and then as those
     generated forms. Every other group has one schedule. A lone op without a template runs as a
     library call."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, host)
+    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None)
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return (_lower_opaque(graph, nodes),)
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node], host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
@@ -216,7 +223,7 @@ def _lower_checked(graph: Graph, nodes: list[Node], host: bool = False) -> tuple
     return _lower_template(graph, nodes, host)
 
 
-def _lower_template(graph: Graph, nodes: list[Node], host: bool = False) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
         return _anchor_choices(graph, nodes, anchors[0], host)
@@ -457,7 +464,8 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
     return 1, m
 
 
-def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node, host: bool) -> tuple[Kernel, ...] | FusionDecision:
+def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
+                    host: CpuTarget | None) -> tuple[Kernel, ...] | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -470,10 +478,14 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node, host: bool) -
     template = anchor_template(graph, anchor)
     ids = [n.id for n in nodes]
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
-        # conv's loop over its planes (each prologue element once); a lone anchor also the library's
+        # conv's loop over its planes (each prologue element once), one choice per product the
+        # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         ours = _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                       DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
-        return (ours,) if len(nodes) > 1 else (ours, _library_anchor(graph, nodes, anchor, m, n_dim, k))
+        products = tuple(replace(ours, schedule=replace(ours.schedule, product=p, epilogue=where))
+                         for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
+                         for where in epilogues(graph, ids, anchor, p, host.lanes))
+        return products if len(nodes) > 1 else (*products, _library_anchor(graph, nodes, anchor, m, n_dim, k))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))

@@ -35,11 +35,27 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
     row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
     fallback    a library call's own generated schedule, for where our kernel runs it instead
                 (`measure --baseline generated`, calibration samples); priced as the library
+    product     on a CPU, how a gemm/conv's product runs (`CPU_PRODUCTS`, "" elsewhere): "own" (our
+                micro-kernel over B packed once or per block, `fs_gemm_rows`), "blas" (a BLAS sgemm per
+                block of rows, the per-row loops under `#else` where the backend compiles without a
+                BLAS), "loops" (per-row loops, no BLAS: where neither applies, or the anchor is
+                computed inline); for convs "band" (a k x k conv over a zero-bordered band of its input,
+                `fs_conv_band`), "packed" (im2col panels times the filters packed once,
+                `fs_gemm_packed`), "rows" (a 1x1 conv's pixels packed per chunk, the filters read in
+                place, `fs_conv_1x1`), "im2col" (im2col panels through the BLAS) and "depthwise" (its
+                loop over zero-bordered planes). `gemm_products` / `conv_products` list a group's
+                applicable ones, today's measured default first; the generator writes the one named,
+                the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
+    epilogue    with the "own" product, where its epilogue runs: "tile" (on the micro-kernel's
+                registers before the one store, `fs_gemm_rows_epi`, where the target has AVX-512:
+                `epilogues`) or "block" (a pass over the block's product in cache); "" elsewhere
     min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
                 80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
 
-Invariants: this module imports only the graph types (and the units the cost model knows); the generated launch (grid, block, shared
+Invariants: this module imports only the graph types, numpy (a constant's value) and the units and
+CPU products the cost model knows; a CPU schedule's product and epilogue are pure functions of graph
+facts and the `CpuTarget` (its BLAS, its vector lanes); the generated launch (grid, block, shared
 memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
 checks it against ptxas for every zoo kernel).
 """
@@ -51,7 +67,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from costmodels.kernel import UNITS
+import numpy as np
+
+from costmodels.kernel import CPU_PRODUCTS, UNITS
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind
 
@@ -116,17 +134,21 @@ class Schedule:
     grid: tuple[int, ...] = ()
     smem_bytes: int = 0
     row_cache: tuple[str, ...] = ()
+    product: str = ""
+    epilogue: str = ""
 
     def __post_init__(self) -> None:
-        if self.skeleton not in SKELETONS or self.unit not in UNITS:
-            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r}")
+        if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
+                or self.epilogue not in ("", "tile", "block")):
+            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
     def to_dict(self) -> dict[str, object]:
         """The schedule as plan.json records it (every field but the row cache's keys: its count)."""
         return {"skeleton": self.skeleton.value, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
-                "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache)}
+                "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
+                "epilogue": self.epilogue}
 
     @property
     def blocks(self) -> int:
@@ -230,6 +252,239 @@ def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[st
     if not folded or graph.tensors[t].dtype != "float32" or not math.isfinite(scale) or scale == 0.0:
         return None
     return t, scale, frozenset(folded)
+
+
+# -- the CPU product: which code path a gemm/conv's C runs ----------------------------------------
+
+CPU_MICRO_TILE = (6, 16)  # rows x columns of the C micro-kernel's smallest tile (`c_gemm.FS_MR`, `FS_NR`)
+# Our micro-kernel over B packed (`fs_gemm_rows`, B's columns in blocks kept in L2) applies where
+# K <= ROWS_MAX_K (a pair of B micro-panels, 2 x FS_NR x K floats, 512 KiB at most, stays in L2
+# while the row panels of A run over it), B has at most ROWS_MAX_B_FLOATS and the product at least
+# one full tile (below it the kernel would compute padding). ROWS_MAX_K was 2048 until the AVX-512
+# tiles and the column blocks: on one Ice Lake core bert-base's 128x3072x768 down-projection group
+# (GELU prologue, bias, residual) ran 1.28x faster through ours than through the BLAS (6.37 against
+# 8.31 ms, 5.32 against 6.80, interleaved medians); `codegen.cpu_gemm`'s note has the other figures.
+ROWS_MAX_K = 4096
+ROWS_MAX_B_FLOATS = 1 << 22
+_C_FLOATS = frozenset({"float32", "float16", "bfloat16"})  # computed in float32 by the C product
+
+
+def gemm_products(graph: Graph, anchor: Node, blas: bool = True) -> tuple[str, ...]:
+    """The C products a MatMul/Gemm can run as (`Schedule.product`), the default first: "own"
+    (our micro-kernel: within ROWS_MAX_K and ROWS_MAX_B_FLOATS, from one full CPU_MICRO_TILE),
+    then "blas" where the backend has a BLAS (`blas`); "loops" alone where neither applies (a
+    1-D operand, a product or B not computed in float32)."""
+    a, b, y = (graph.tensors[t] for t in (*anchor.inputs[:2], anchor.outputs[0]))
+    if (anchor.op_type not in ("MatMul", "Gemm") or len(a.shape) < 2 or len(b.shape) < 2
+            or b.dtype not in _C_FLOATS or y.dtype not in _C_FLOATS):
+        return ("loops",)
+    trans_a = anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0))
+    k, m, n = a.shape[0] if trans_a else a.shape[-1], y.shape[-2], y.shape[-1]
+    own = k <= ROWS_MAX_K and k * n <= ROWS_MAX_B_FLOATS and m >= CPU_MICRO_TILE[0] and n >= CPU_MICRO_TILE[1]
+    return (*(("own",) if own else ()), *(("blas",) if blas else ())) or ("loops",)
+
+
+# C conv (the products of `conv_products`): the im2col panel per block (1 MiB), whole output rows
+CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
+
+# C conv: filters of at least this many floats (4 MiB), at least twice as many as a block has
+# pixels, are packed once (`PackedWeight`) and multiplied by our own micro-kernel
+# (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
+# the figures from `benchmarks/bench_cpu.py --sections 1b`)
+PACK_FILTER_FLOATS = 1 << 20
+
+# ... and so are those of a conv over at least PACK_MIN_TAPS taps whose blocks have at most
+# PACK_MAX_PIXELS pixels (14 x 14): each activation element then meets many filters, and the
+# filters packed again per BLAS call cost more than our panel of pixels packed per block. On one
+# Ice Lake core (AVX-512), fused 1x1 convs generated both ways and timed interleaved, the time
+# packed over the BLAS's: mobilenetv2's 0.66-0.91x at 7 x 7 (160 to 960 taps), 0.90-1.02x at
+# 14 x 14 (96 to 576 taps; 0.87x summed over its 16), resnet50's 14 x 14 0.71-0.97x (0.85x
+# summed), yolo-neck's 10 x 10 0.79-1.01x (0.86x); over 64 taps 1.13-1.39x and at 28 x 28
+# 1.18-1.22x, where the BLAS stays (on Zen 3, below the first rule, the two were within noise:
+# 0.86-1.05x)
+PACK_MIN_TAPS = 96
+
+PACK_MAX_PIXELS = 196
+
+# C conv: a 1x1 stride-1 unpadded conv runs `fs_gemm_rows` over its filters in place, its pixels
+# (the input read in place, or the prologue's panel) packed per chunk (`fs_conv_1x1`), each tile
+# stored straight into the block's channels x pixels, where its blocks have at least
+# ROWS_1X1_MIN_PIXELS pixels (14 x 14) and it has at least two row panels of filters (2 FS_MR),
+# unless its filters would be packed (`packs_filters`) over more than ROWS_1X1_PACKED_TAPS taps;
+# and, at any size, where it reads its input in place over at most ROWS_1X1_MAX_TAPS input
+# channels with at least twice as many filters. On one Ice Lake core (AVX-512), fused 1x1 convs
+# generated both ways and timed interleaved, its time over the BLAS's at 20 x 20 and above:
+# yolo-neck's 0.77-0.93x (0.88x summed), resnet50's 0.76-0.89x at 28 x 28 and 56 x 56,
+# mobilenetv2's 0.82-0.98x at 28 x 28 to 112 x 112 (one 1.14x), but 1.26x at U-Net's head (2
+# filters); over the packed filters (`fs_gemm_packed`, which stores each pixels x filters tile
+# transposed) at 14 x 14: mobilenetv2's 0.87-0.96x up to 384 taps, 1.02-1.09x at 576, resnet50's
+# 0.98-1.03x at 256 taps, 0.98-1.09x at 1024 (a tile's 12 filter rows of 576 or more taps fill
+# L1 beside the pixel panels); at 7 x 7 and 10 x 10 1.05-1.67x, where the packed filters stay.
+# On Zen 3 the in-place rule measured 1.10-1.18x the BLAS at mobilenetv2's expansions.
+ROWS_1X1_MIN_PIXELS = 196
+
+ROWS_1X1_PACKED_TAPS = 384
+
+ROWS_1X1_MAX_TAPS = 64
+
+
+def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
+    """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
+    are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
+    return ((filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels)
+            or (taps >= PACK_MIN_TAPS and block_pixels <= PACK_MAX_PIXELS))
+
+
+def rows_1x1(filters: int, taps: int, block_pixels: int, in_place: bool) -> bool:
+    """Whether a 1x1 stride-1 unpadded conv (its input read `in_place`, else a prologue's panel)
+    runs through `fs_conv_1x1`."""
+    if block_pixels >= ROWS_1X1_MIN_PIXELS and filters >= 2 * CPU_MICRO_TILE[0]:
+        return taps <= ROWS_1X1_PACKED_TAPS or not packs_filters(filters, taps, block_pixels)
+    return in_place and taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
+
+
+def conv_block_rows(filters: int, taps: int, width: int) -> int:
+    """Output rows per conv block at most: the im2col panel within CONV_PATCH_FLOATS, or within
+    the filters' size when they are larger (a BLAS call packs all the filters again per block: a
+    512x4608 filter set is 9 MiB)."""
+    return max(1, max(CONV_PATCH_FLOATS, filters * taps) // max(1, taps * width))
+
+
+def _conv_pixel_wise(anchor: Node, kern: tuple[int, ...]) -> bool:
+    """Whether a 2-D conv is 1x1, stride 1, with no leading padding: output pixel p reads input pixel p."""
+    strides = tuple(anchor.attrs.get("strides") or (1, 1))
+    pads = tuple(anchor.attrs.get("pads") or (0, 0, 0, 0))[:2]
+    return kern == (1, 1) and strides == (1, 1) and not any(pads)
+
+
+def _read_as_stored(graph: Graph, nodes: Collection[int], x: str) -> bool:
+    """Whether a float32 conv input is read as it lies in memory: a kernel input, or an output the
+    kernel writes first (computed in the group, used outside it)."""
+    if graph.tensors[x].dtype != "float32":
+        return False
+    return (graph.producer(x) not in nodes or graph.is_output(x)
+            or any(c not in nodes for c in graph.consumers(x)))
+
+
+def conv_products(graph: Graph, nodes: Collection[int], anchor: Node, blas: bool = True) -> tuple[str, ...]:
+    """The C products a Conv can run as (`Schedule.product`), the measured default first (the
+    module notes of `codegen.cpu_conv` have the figures): a depthwise conv's loop ("depthwise"); for
+    a 2-D conv with filters read as a kernel input, not depthwise-like: "band" where it reads a
+    band (`conv_reads_band`), "rows" for a 1x1 stride-1 conv (the first where `rows_1x1`), "packed"
+    where its filters are a float32 constant (the first where `packs_filters`), "im2col" where the
+    backend has a BLAS (the first where nothing else is); "loops" alone where none applies."""
+    x, w = (graph.tensors[t] for t in anchor.inputs[:2])
+    computed_w = graph.producer(anchor.inputs[1]) in nodes or w.dtype not in _C_FLOATS
+    if depthwise_conv(graph, anchor):
+        return ("loops",) if computed_w else ("depthwise",)
+    if computed_w or len(x.shape) != 4 or anchor.op_type != "Conv":
+        return ("loops",)
+    group = int(anchor.attrs.get("group", 1))
+    y = graph.tensors[anchor.outputs[0]]
+    cout_g = y.shape[1] // group
+    if depthwise_like(x.shape[1] // group, cout_g):
+        return ("loops",)
+    kern = tuple(anchor.attrs.get("kernel_shape") or w.shape[2:])
+    taps, (ho, wo) = x.shape[1] // group * math.prod(kern), y.shape[2:]
+    block_pixels = min(ho * wo, conv_block_rows(cout_g, taps, wo) * wo)
+    pixel_wise = _conv_pixel_wise(anchor, kern)
+    rows = pixel_wise and rows_1x1(cout_g, taps, block_pixels, _read_as_stored(graph, nodes, anchor.inputs[0]))
+    packable = w.constant and w.dtype == "float32"
+    band = conv_reads_band(graph, anchor)
+    default = ("band" if band else "rows" if rows else
+               "packed" if packable and packs_filters(cout_g, taps, block_pixels) else "im2col")
+    applicable = {"band": band, "rows": pixel_wise, "packed": packable, "im2col": blas}
+    ordered = (default, *(p for p in applicable if p != default))
+    return tuple(p for p in ordered if applicable[p]) or ("loops",)
+
+
+TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)
+_TILE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Identity"})  # and views
+
+
+def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
+    """Whether a MatMul/Gemm group's epilogue can run on our micro-kernel's registers before the one
+    store (`fs_gemm_rows_epi`, the "own" product): the group's one output at the product's
+    positions is computed from the product, plus at most a float32 bias row read as an input (a
+    Gemm's C with beta 1, or the first Add), by Add, Sub, Mul, Div (with finite scalar constants or
+    values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
+    Add; no other output
+    of the group is at the product's positions, and the group has no row reduction. (The product
+    alone, or plus a bias, is stored in place instead.)"""
+    if anchor.op_type not in ("MatMul", "Gemm") or any(graph.nodes[i].kind == OpKind.REDUCE for i in nodes):
+        return False
+    y = anchor.outputs[0]
+    yshape = graph.tensors[y].shape
+
+    def row(t: str) -> bool:  # a float32 input along N: a bias row
+        info = graph.tensors[t]
+        return (graph.producer(t) not in nodes and info.dtype == "float32" and info.shape is not None
+                and tuple(info.shape[-1:]) == tuple(yshape[-1:]) and math.prod(info.shape[:-1]) == 1)
+
+    def scalar(t: str) -> bool:
+        c = graph.constant_value(t)
+        return c is not None and c.size == 1 and bool(np.isfinite(c).all())
+
+    bias = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
+    if anchor.op_type == "Gemm" and (float(anchor.attrs.get("alpha", 1.0)) != 1.0 or bias and not (
+            row(anchor.inputs[2]) and float(anchor.attrs.get("beta", 1.0)) == 1.0)):
+        return False
+    computed, after_bias, outs = {y}, False, []  # after_bias: an op that is not an Add (the product
+    # plus terms alone is stored in place)
+    for n in (graph.nodes[i] for i in sorted(nodes)):
+        if not any(t in computed for t in n.inputs):
+            continue
+        view = n.op_type in VIEW_OPS  # the same elements in the same order
+        if not (view or n.op_type in _TILE_OPS) or any(
+                graph.tensors[t].dtype != "float32" or (graph.tensors[t].size if view else graph.tensors[t].shape)
+                != (graph.tensors[y].size if view else yshape) for t in n.outputs):
+            return False
+        others = [t for t in n.inputs[1:] if t not in computed] if view else [t for t in n.inputs if t not in computed]
+        if (not bias and not after_bias and n.op_type == "Add" and n.inputs.count(y) == 1 and len(others) == 1
+                and row(others[0])):
+            bias = True  # the bias row, added by the micro-kernel
+        elif view or all(scalar(t) for t in others):
+            after_bias = after_bias or n.op_type != "Add"
+        else:
+            return False
+        computed.update(n.outputs)
+        outs += [t for t in n.outputs if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t))]
+    return after_bias and len(outs) == 1 and not (graph.is_output(y) or any(c not in nodes for c in graph.consumers(y)))
+
+
+def epilogues(graph: Graph, nodes: Collection[int], anchor: Node, product: str, lanes: int) -> tuple[str, ...]:
+    """Where a group's epilogue runs (`Schedule.epilogue`), the default first: "tile" (on the
+    micro-kernel's registers, `tile_epilogue`, where the target's vectors hold TILE_EPILOGUE_LANES
+    floats) then "block" (a pass over the block's product in cache); "" where there is no choice
+    (another product, or an epilogue the registers cannot run)."""
+    if product != "own" or lanes < TILE_EPILOGUE_LANES or not tile_epilogue(graph, nodes, anchor):
+        return ("",)
+    return ("tile", "block")
+
+
+@dataclass(frozen=True)
+class CpuTarget:
+    """What the C backend builds a CPU kernel with, as lowering lists its products: `blas`, whether
+    it links a BLAS (the "blas" and "im2col" products exist only then; the C backend links
+    scipy-openblas32, a dependency, unless FUSESEARCH_NO_BLAS turns it off, so a source that
+    calls the BLAS still carries its per-row loops under `#else`); `lanes`, the float32 lanes of
+    the machine's vectors (the device's `warp_size` on a CPU, read from its flags: 16 with
+    AVX-512, where the tile epilogue exists; 0 where unknown)."""
+
+    blas: bool = True
+    lanes: int = 0
+
+
+def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),
+                 row_epilogue: bool = False) -> tuple[str, ...]:
+    """The C products of a gemm/conv group on a CPU, the default first: a MatMul/Gemm's
+    (`gemm_products`), a conv's (`conv_products`); under a row epilogue (a Softmax) a conv is
+    computed inline by the row loops ("loops"); any other anchor (a ConvTranspose) by loops."""
+    if anchor.op_type in ("MatMul", "Gemm"):
+        return gemm_products(graph, anchor, target.blas)
+    if anchor.op_type != "Conv" or row_epilogue:
+        return ("loops",)
+    return conv_products(graph, nodes, anchor, target.blas)
 
 
 @dataclass(frozen=True)

@@ -491,3 +491,45 @@ def test_a_templates_library_calls_keep_their_defaults_apart():
     assert generated.get("library_efficiency", "conv") == 0.3
     assert generated.get("tc_efficiency", "conv") == start.get("tc_efficiency", "conv")
     assert generated.get("memory_efficiency", "conv") == start.get("memory_efficiency", "conv")
+
+
+def test_the_fit_separates_two_products_of_one_template():
+    """Gemm kernels timed on a CPU through our micro-kernel and through the BLAS, the BLAS at 0.6x
+    our rate: the fit keeps the most sampled product's factor at 1 (the template's efficiency
+    carries it) and recovers the other's."""
+    device = replace(DEVICES["t4"], name="pinned-cpu", kind="cpu")
+    truth = RooflineParams().with_updates(**{"tc_efficiency.gemm": 0.3, "product_efficiency.blas": 0.6})
+    specs = [KernelSpec("gemm", tc_flops=2.0 * n ** 3, dram_read_bytes=8.0 * n * n, dram_write_bytes=4.0 * n * n,
+                        iteration_size=n * n, reduction_length=n, product=product)
+             for n in (256, 384, 512, 768, 1024) for product in ("own", "own", "blas")]
+    names = cmcal.free_parameters(specs, device)
+    assert "product_efficiency.blas" in names and "product_efficiency.own" not in names
+    result = cmcal.fit(specs, cmcal.predict(specs, device, truth), device)
+    assert result.params.get("product_efficiency", "own") == 1.0
+    assert result.params.get("product_efficiency", "blas") == pytest.approx(0.6, rel=0.05)
+    assert result.params.get("tc_efficiency", "gemm") == pytest.approx(0.3, rel=0.05)
+
+
+def test_on_a_cpu_each_gemm_product_is_in_the_sampling_pool():
+    """On a CPU a fused gemm group is in the pool once per C product it can run as: bert-small's
+    sample holds gemm kernels through our micro-kernel and through the BLAS."""
+    preps = {"bert-small": prepare("zoo:bert-small")}
+    device = replace(DEVICES["t4"], name="pinned-cpu", kind="cpu")
+    sample = cal.sample_candidates(preps, device, RooflineParams(), 24, seed=1)
+    assert {c.kernel.schedule.product for c in sample.candidates if c.kernel.impl == "generated"
+            and c.template == "gemm"} == {"own", "blas"}
+    pool = cal.enumerate_pool(preps, device, RooflineParams(), ("gemm",))
+    products: dict[frozenset, set] = {}
+    for _, nodes, kernel in pool:
+        products.setdefault(nodes, set()).add(kernel.schedule.product)
+    assert any(p == {"own", "blas"} for p in products.values())
+    assert all(len(p) == 1 for nodes, p in products.items() if len(nodes) == 1)  # a lone anchor: its library call
+
+
+def test_a_part_kept_at_its_start_keeps_its_products_factors_too():
+    start = RooflineParams()
+    fitted = start.with_updates(**{"tc_efficiency.gemm": 0.2, "product_efficiency.blas": 0.5,
+                                   "product_efficiency.band": 0.7})
+    kept = cmcal.keep_start(fitted, start, "gemm")
+    assert kept.get("tc_efficiency", "gemm") == start.get("tc_efficiency", "gemm")
+    assert kept.get("product_efficiency", "blas") == 1.0 and kept.get("product_efficiency", "band") == 0.7

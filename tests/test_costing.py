@@ -12,8 +12,8 @@ from onnx import TensorProto, helper
 from costmodels import RooflineModel, get_device, host_cpu
 from fusesearch.backends.codegen import CAPABILITIES
 from fusesearch.candidates.rules import Legality
-from fusesearch.costing import graph_figures, kernel_cost, priced_kernel
-from fusesearch.lowering import lower
+from fusesearch.costing import cheapest, graph_figures, kernel_cost, priced_kernel
+from fusesearch.lowering import choices, lower
 from fusesearch.pipeline import prepare
 from tests.test_lowering import conv_relu_graph, gemm_softmax_graph, graph_of, group
 
@@ -341,3 +341,22 @@ def test_a_lone_anchor_on_the_cpu_is_our_c_unless_the_library_is_priced_faster()
     dw = _depthwise_graph()
     lone = Legality(dw, host_cpu(), MODEL, CAPABILITIES).check(frozenset(group(dw, "conv").nodes)).kernel
     assert lone.impl == "generated" and lone.schedule.skeleton == "depthwise"
+
+
+def test_each_cpu_product_is_priced_at_its_own_efficiency():
+    """A lone MatMul on a CPU: our micro-kernel and the BLAS per block are two choices. Under the
+    default factors (1: the one efficiency every product had) they tie and the first, ours, is kept;
+    a profile whose BLAS factor is 2 prices the BLAS's main loop at twice the rate and picks it.
+    A GPU kernel has no product: the factors leave it alone."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+    g = graph_of(nodes, [("x", [64, 64])], [("y", None)], [("W", np.ones((64, 64), np.float32))])
+    cpu = dataclasses.replace(T4, name="pinned-cpu", kind="cpu")
+    own, blas = (k for k in choices(g, group(g, "mm"), host=True) if k.impl == "generated")
+    assert (own.schedule.product, blas.schedule.product) == ("own", "blas") and blas.scalar_flops == 0
+    assert kernel_cost(own, cpu, MODEL).time_s == kernel_cost(blas, cpu, MODEL).time_s
+    assert cheapest((own, blas), cpu, MODEL)[0] is own
+    faster = RooflineModel(MODEL.params.with_updates(**{"product_efficiency.blas": 2.0}))
+    assert cheapest((own, blas), cpu, faster)[0] is blas
+    assert kernel_cost(blas, cpu, faster).compute_s == pytest.approx(kernel_cost(blas, cpu, MODEL).compute_s / 2)
+    gpu_kernel = lower(g, group(g, "mm"))
+    assert gpu_kernel.schedule.product == "" and kernel_cost(gpu_kernel, H100, faster) == kernel_cost(gpu_kernel, H100, MODEL)

@@ -398,14 +398,13 @@ def test_zoo_bert_small_equals_ort_step_by_step(run_cli):
     assert doc["arena_peak_bytes"] <= 0.6 * doc["activation_bytes"]
 
 
-def test_a_plan_whose_convs_read_packed_filters_equals_ort(run_cli, tmp_path, monkeypatch):
-    """Fused convs whose filters are packed once (`packs_filters` forced so the model stays
-    small): the program packs them when it is built (the driver's fs_pack), every call reads the
-    packed copy, and the whole plan equals ONNX Runtime."""
+def test_a_plan_whose_convs_read_packed_filters_equals_ort(run_cli, tmp_path):
+    """Fused convs whose filters are packed once (3x3 convs: their band product packs them): the
+    program packs them when it is built (the driver's fs_pack), every call reads the packed copy,
+    and the whole plan equals ONNX Runtime."""
     import fusesearch
-    from fusesearch.backends.codegen import cpu_conv, generate
+    from fusesearch.backends.codegen import generate
 
-    monkeypatch.setattr(cpu_conv, "packs_filters", lambda *_: True)
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1] * 4, strides=[2, 2]),

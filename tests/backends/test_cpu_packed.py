@@ -12,16 +12,18 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from fusesearch import schedule
 from fusesearch.backends import cpu
-from fusesearch.backends.codegen import cpu_conv, generate
+from fusesearch.backends.codegen import generate
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.lowering import lower, try_lower
+from fusesearch.lowering import choices, lower, try_lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, random_feeds
 from tests.conftest import make_model, save
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+AVX512 = schedule.CpuTarget(lanes=schedule.TILE_EPILOGUE_LANES)  # a target with the tile epilogue
 
 
 @pytest.fixture(params=["blas", "no-blas"])
@@ -38,12 +40,15 @@ def blas(request, monkeypatch):
     cpu._load.cache_clear()
 
 
-def one_kernel(tmp_path, nodes, inputs, outputs, inits=(), expect=None):
-    """The whole graph as one group, generated, run on the CPU and compared with ONNX Runtime."""
+def one_kernel(tmp_path, nodes, inputs, outputs, inits=(), expect=None, product=None):
+    """The whole graph as one group, generated, run on the CPU and compared with ONNX Runtime: its
+    default choice on a CPU (one with AVX-512's vectors: the tile epilogue's source compiles and
+    runs anywhere, its block epilogue under `#else`), or the choice whose schedule names `product`."""
     prep = prepare(save(make_model(nodes, inputs, outputs, inits), tmp_path / "m.onnx"))
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
-    gk = generate(prep.graph, try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True))
+    options = choices(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=AVX512)
+    gk = generate(prep.graph, next(k for k in options if k.schedule.product == product) if product else options[0])
     if expect is not None:
         assert expect in _body(gk), f"the {expect} skeleton was not chosen"
     out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
@@ -297,7 +302,7 @@ def test_conv_prologue_bias_residual(tmp_path, blas, name, prologue):
         assert "fs_conv_band(" in body and "FS_BLAS_SGEMM(101" not in body and body.count("float* dst = patch") == 1
     else:  # a 1x1 over many pixels, or over few input channels read in place: its pixels packed, our
         # micro-kernel over the filters; else implicit GEMM through the BLAS
-        rows = stride == 1 and cpu_conv.rows_1x1(cout, xs[1], ho * wo, not prologue)
+        rows = stride == 1 and schedule.rows_1x1(cout, xs[1], ho * wo, not prologue)
         body = _body(gk)
         assert ("fs_conv_1x1(" in body) == rows and ("FS_BLAS_SGEMM(101" in body) != rows
 
@@ -444,8 +449,8 @@ def test_a_gelu_epilogue_runs_on_the_registers(tmp_path, m, n, bias):
     np.testing.assert_array_equal(tiles, block)
     # planned for a CPU the group is priced `packed` (outputs written once, no block round trip), and
     # that schedule writes the tile epilogue
-    host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
-    assert host.schedule.skeleton == "packed"
+    host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=AVX512)
+    assert host.schedule.skeleton == "packed" and host.schedule.epilogue == "tile"
     assert host.write_bytes == m * n * 4 and "fs_gemm_rows_epi(" in generate(prep.graph, host, gk.name).c_source
 
 
@@ -599,12 +604,12 @@ PACKED_CONVS = {  # name: (x shape, C_out, kernel, stride, pad, group, dilation)
 
 
 @pytest.mark.parametrize("name", sorted(PACKED_CONVS))
-def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
-    """Filters the rule packs (`packs_filters`, forced here so the cases stay small) are packed once by the
-    kernel's `_pack` function and multiplied by our own micro-kernel, product transposed: equal to
-    ONNX Runtime at partial tiles, a long K over many pixels, a 1x1 input read in place, groups, strides
-    and dilations, with a prologue and a residual epilogue; with or without a BLAS (it needs none)."""
-    monkeypatch.setattr(cpu_conv, "packs_filters", lambda *_: True)
+def test_conv_with_its_filters_packed_once(tmp_path, blas, name):
+    """Filters packed once by the kernel's `_pack` function (the "packed" product, chosen here so the
+    cases stay small; a k x k conv's default, its band, packs them too) and multiplied by our own
+    micro-kernel, product transposed: equal to ONNX Runtime at partial tiles, a long K over many
+    pixels, a 1x1 input read in place, groups, strides and dilations, with a prologue and a residual
+    epilogue; with or without a BLAS (it needs none)."""
     xs, cout, k, stride, pad, group, dil = PACKED_CONVS[name]
     ho = (xs[2] + 2 * pad - dil * (k - 1) - 1) // stride + 1
     wo = (xs[3] + 2 * pad - dil * (k - 1) - 1) // stride + 1
@@ -615,7 +620,7 @@ def test_conv_with_its_filters_packed_once(tmp_path, blas, monkeypatch, name):
              helper.make_node("Add", ["y", "r"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", xs), ("r", [xs[0], cout, ho, wo])], [("out", None)],
                     [("w", _w([cout, xs[1] // group, k, k])), ("b", _w([cout], 3))],
-                    expect="fs_conv_band(" if k > 1 else "fs_gemm_packed(")
+                    expect="fs_conv_band(" if k > 1 else "fs_gemm_packed(", product="band" if k > 1 else "packed")
     (packed,) = gk.packed
     assert packed.arg.tensor == "w" and packed.groups == group and "FS_BLAS_SGEMM(101" not in gk.c_source
     assert packed.arg.size == group * -(-(cout // group) // 16) * 16 * (xs[1] // group) * k * k
@@ -644,12 +649,9 @@ def test_band_conv_reads_its_taps_from_the_band(tmp_path, name):
                [("w", _w([cout, xs[1], k, k])), ("b", _w([cout], 3))], expect="fs_conv_band(")
 
 
-def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path, monkeypatch):
+def test_packed_filters_are_packed_once_per_runner_not_per_call(tmp_path):
     """The runner packs the weights when it is made: a call reads the packed copy, so changing the
     weight's buffer afterwards changes nothing (it is a constant), while a new runner sees it."""
-    from fusesearch.backends.codegen import cpu_conv
-
-    monkeypatch.setattr(cpu_conv, "packs_filters", lambda *_: True)
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("Relu", ["y"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [1, 4, 3, 3])], [("out", None)], [("w", _w([20, 4, 3, 3]))])

@@ -277,3 +277,28 @@ def test_generated_tensor_core_gemm_is_priced_at_tensor_core_rates():
     assert cost.compute_unit == "fp32-cuda-core"
     assert cost.compute_s == pytest.approx(2 * n**3 / (h100.fp32_flops_per_s * PARAMS.get("tc_efficiency", "gemm")),
                                            rel=1e-12)
+
+
+def test_each_cpu_product_has_its_own_factor_default_one():
+    """`product_efficiency`: one factor per CPU product on its template's efficiency, 1 unless a
+    profile sets it (a profile written before the table loads at 1); dotted and table updates
+    round-trip; an unknown product or a factor out of range is refused; the factor prices a CPU
+    gemm's main loop (`KernelSpec.product`), nothing else."""
+    assert dict(PARAMS.product_efficiency) == dict.fromkeys(dict(PARAMS.product_efficiency), 1.0)
+    p = PARAMS.with_updates(**{"product_efficiency.blas": 0.8}, product_efficiency={"band": 1.2})
+    assert p.get("product_efficiency", "blas") == 0.8 and p.get("product_efficiency", "band") == 1.2
+    assert p.flat()["product_efficiency.blas"] == 0.8
+    assert RooflineParams.from_dict(p.to_dict()) == p
+    old = {k: v for k, v in p.to_dict().items() if k != "product_efficiency"}
+    assert RooflineParams.from_dict(old).get("product_efficiency", "blas") == 1.0
+    with pytest.raises(InvalidSpec, match="unknown products"):
+        PARAMS.with_updates(product_efficiency={"cublas": 1.0})
+    with pytest.raises(InvalidSpec, match="product_efficiency"):
+        PARAMS.with_updates(**{"product_efficiency.own": 0.0})
+    with pytest.raises(InvalidSpec, match="product"):
+        KernelSpec("gemm", product="cublas")
+    cpu = dataclasses.replace(DEVICES["t4"], name="pinned-cpu", kind="cpu")
+    own, blas = (dataclasses.replace(square_gemm(512, "float32"), product=q) for q in ("own", "blas"))
+    model = RooflineModel(p)
+    assert model.cost(blas, cpu).compute_s == pytest.approx(MODEL.cost(blas, cpu).compute_s / 0.8)
+    assert model.cost(own, cpu).compute_s == MODEL.cost(own, cpu).compute_s

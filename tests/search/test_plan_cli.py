@@ -26,11 +26,13 @@ def test_plan_summary_and_output_file(run_cli, tmp_path):
 def test_plan_json_records_each_groups_chosen_schedule(run_cli, tmp_path):
     """Which choice priced a group (tile, skeleton, grid...) is in plan.json: the schedule of the
     kernel the plan runs, equal to the priced kernel's; the schema's skeletons are the schedule's."""
+    from costmodels.kernel import CPU_PRODUCTS
     from fusesearch.api import plan as make_plan
     from fusesearch.schedule import SKELETONS
 
     groups = SCHEMA["properties"]["groups"]["items"]["properties"]
     assert tuple(groups["schedule"]["properties"]["skeleton"]["enum"]) == SKELETONS
+    assert tuple(groups["schedule"]["properties"]["product"]["enum"]) == ("", *CPU_PRODUCTS)
     out = tmp_path / "plan.json"
     code, _, err = run_cli("plan", "zoo:bert-small", "--device", "h100-sxm", "--strategy", "greedy", "-o", out)
     assert code == 0, err

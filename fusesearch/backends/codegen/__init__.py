@@ -40,7 +40,10 @@ emitted statements are the same text in both languages; only the skeleton around
                a CPU) in their own loop (each channel into zero-bordered planes, then a vectorized
                row of output pixels, taps unrolled, no bounds checks); a conv whose filters dwarf its
                activations reads them packed once (`PackedWeight`, the kernel's `<name>_pack`)
-               through our own micro-kernel instead of the BLAS. Without a BLAS (`#else`): per output
+               through our own micro-kernel instead of the BLAS. Which of these a kernel runs is its
+               schedule's product (`Schedule.product`, listed by `schedule.cpu_products`), and
+               where its epilogue runs its `epilogue`: written as named, never inferred from the
+               text written. Without a BLAS (`#else`, under the "blas" / "im2col" products): per output
                row, the activation operand's row (prologue applied) into a buffer, then i-k-j
                accumulation and the epilogue per column. Blocks run in parallel (OpenMP), the BLAS
                single-threaded inside each; panels and tiles live in a per-thread scratch arena

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fusesearch.backends.codegen.base import Arg, compute_dtype, scratch
 from fusesearch.backends.codegen.cpu_conv import _conv_loops
-from fusesearch.backends.codegen.cpu_gemm import _OWN, _matmul_row_loops, _view_strides
+from fusesearch.backends.codegen.cpu_gemm import _matmul_row_loops, _view_strides, gemm_product
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel
@@ -47,9 +47,10 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, 
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     strides = _view_strides(graph, kernel, outs, y) if anchor.op_type == "MatMul" else None
+    own = anchor.op_type != "Conv" and gemm_product(graph, kernel, anchor) == "own"
     stored = (_matmul_row_loops(graph, kernel, args, [buffer], anchor, store=(outs[0].name, strides), packs=packs)
               if strides else None)
-    if stored and _OWN in "".join(stored):  # our micro-kernel stores the product in place: no BLAS needed
+    if stored and own:  # our micro-kernel stores the product in place: no BLAS needed
         return stored
     product = (_conv_loops(graph, kernel, args, [buffer], anchor, packs) if anchor.op_type == "Conv"
                else _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs))

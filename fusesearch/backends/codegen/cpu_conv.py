@@ -37,8 +37,11 @@ A conv's prologue fills only the image interior of its panel or band, one tap lo
 channel Concat. Blocks are whole output rows, the panel within CONV_PATCH_FLOATS; where the
 filters are small, fewer rows, so that the block's panel and product stay in the core's L2
 (`CONV_FIT_SHARE`: yolo-neck's Concat + 1x1 conv groups no longer behind library + rest).
-Invariants: as `cpu_gemm`'s — every BLAS path under `#ifdef FS_BLAS_SGEMM` beside a loop
-fallback (the packed-filter and band paths need none), float32 constant filters packed once per
+Which of these paths a conv runs is its schedule's product (`schedule.conv_products` lists the
+applicable ones, the measured default first, by the rules named above, which live there:
+`conv_reads_band`, `rows_1x1`, `packs_filters`); this module writes the one named.
+Invariants: as `cpu_gemm`'s — the BLAS path (im2col) under `#ifdef FS_BLAS_SGEMM` beside a loop
+fallback (the band, packed-filter and 1x1 rows paths need none), float32 constant filters packed once per
 runner or program, blocks in parallel, scratch from the per-thread arena.
 """
 
@@ -48,13 +51,13 @@ import math
 
 from fusesearch.backends.codegen.base import (
     Arg,
+    CodegenRefused,
     _flat_loop,
     _indent,
     compute_dtype,
     load_expr,
     scratch,
 )
-from fusesearch.backends.codegen.c_gemm import FS_MR
 from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS
 from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _packed, _split_outputs, _write
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -63,27 +66,33 @@ from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import conv_reads_band, depthwise_like
+from fusesearch.schedule import conv_block_rows, conv_products
+
+
+def conv_product(graph: Graph, kernel: Kernel, anchor: Node) -> str:
+    """The product the kernel's schedule names (`Schedule.product`); a kernel lowered for a GPU
+    names none, and its C form takes the CPU's default, the first of `schedule.conv_products`."""
+    return kernel.schedule.product or conv_products(graph, kernel.nodes, anchor)[0]
 
 
 def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
-    """C conv: the depthwise loop (a depthwise conv's: its template, decided by lowering), or the
-    BLAS blocks with the per-pixel row loops as fallback."""
-    depthwise = _depthwise_loops(graph, kernel, args, outs, anchor) if kernel.template == "depthwise" else None
-    if depthwise is not None:
-        return depthwise
+    """C conv as the schedule's product names it (`conv_product`): the depthwise loop, the
+    per-pixel row loops ("loops"), or blocks of output rows (`_conv_blas_blocks`): over a band,
+    packed filters or a 1x1's pixels by our own micro-kernel, which need no BLAS, or im2col panels
+    through the BLAS, with the row loops under `#else` for a build without one."""
+    product = conv_product(graph, kernel, anchor)
+    if product == "depthwise":
+        return _depthwise_loops(graph, kernel, args, outs, anchor)
     hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)
-    used: dict = {}  # the weights packed, kept only when this path is taken
-    blas = _conv_blas_blocks(graph, kernel, args, outs, anchor, used)
-    if used:  # our own packed GEMM: no BLAS needed
-        packs.update(used)
-        return blas
-    if blas is None or hoisted is None:
+    if product == "loops":
         return hoisted
-    return ["#ifdef FS_BLAS_SGEMM", *blas, "#else", *hoisted, "#endif"]
+    blocks = _conv_blas_blocks(graph, kernel, args, outs, anchor, packs, product)
+    if product != "im2col":
+        return blocks
+    fallback = hoisted if hoisted is not None else _pointwise_loops(graph, kernel, args, outs)[0]  # a patch too long
+    return ["#ifdef FS_BLAS_SGEMM", *blocks, "#else", *fallback, "#endif"]  # to hoist: the generic loops
 
 
-CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole output rows
 # ... and fewer rows where the filters are small (at most 1/CONV_FIT_SHARE of the budget): the
 # block's panel and product within 1/CONV_FIT_SHARE of `fs_band_chunk()` floats (half the core's
 # L2, read at run time), so the prologue's panel, the product and the epilogue's pass over it stay
@@ -95,75 +104,12 @@ CONV_PATCH_FLOATS = 1 << 18  # C conv: im2col panel per block (1 MiB), whole out
 # each streaming 1 MiB of filters).
 CONV_FIT_SHARE = 4
 
-# C conv: filters of at least this many floats (4 MiB), at least twice as many as a block has
-# pixels, are packed once (`PackedWeight`) and multiplied by our own micro-kernel
-# (`fs_gemm_packed`) instead of a BLAS call that packs them again per block (see the module note;
-# the figures from `benchmarks/bench_cpu.py --sections 1b`)
-PACK_FILTER_FLOATS = 1 << 20
-
-# ... and so are those of a conv over at least PACK_MIN_TAPS taps whose blocks have at most
-# PACK_MAX_PIXELS pixels (14 x 14): each activation element then meets many filters, and the
-# filters packed again per BLAS call cost more than our panel of pixels packed per block. On one
-# Ice Lake core (AVX-512), fused 1x1 convs generated both ways and timed interleaved, the time
-# packed over the BLAS's: mobilenetv2's 0.66-0.91x at 7 x 7 (160 to 960 taps), 0.90-1.02x at
-# 14 x 14 (96 to 576 taps; 0.87x summed over its 16), resnet50's 14 x 14 0.71-0.97x (0.85x
-# summed), yolo-neck's 10 x 10 0.79-1.01x (0.86x); over 64 taps 1.13-1.39x and at 28 x 28
-# 1.18-1.22x, where the BLAS stays (on Zen 3, below the first rule, the two were within noise:
-# 0.86-1.05x)
-PACK_MIN_TAPS = 96
-
-PACK_MAX_PIXELS = 196
-
-# C conv: a 1x1 stride-1 unpadded conv runs `fs_gemm_rows` over its filters in place, its pixels
-# (the input read in place, or the prologue's panel) packed per chunk (`fs_conv_1x1`), each tile
-# stored straight into the block's channels x pixels, where its blocks have at least
-# ROWS_1X1_MIN_PIXELS pixels (14 x 14) and it has at least two row panels of filters (2 FS_MR),
-# unless its filters would be packed (`packs_filters`) over more than ROWS_1X1_PACKED_TAPS taps;
-# and, at any size, where it reads its input in place over at most ROWS_1X1_MAX_TAPS input
-# channels with at least twice as many filters. On one Ice Lake core (AVX-512), fused 1x1 convs
-# generated both ways and timed interleaved, its time over the BLAS's at 20 x 20 and above:
-# yolo-neck's 0.77-0.93x (0.88x summed), resnet50's 0.76-0.89x at 28 x 28 and 56 x 56,
-# mobilenetv2's 0.82-0.98x at 28 x 28 to 112 x 112 (one 1.14x), but 1.26x at U-Net's head (2
-# filters); over the packed filters (`fs_gemm_packed`, which stores each pixels x filters tile
-# transposed) at 14 x 14: mobilenetv2's 0.87-0.96x up to 384 taps, 1.02-1.09x at 576, resnet50's
-# 0.98-1.03x at 256 taps, 0.98-1.09x at 1024 (a tile's 12 filter rows of 576 or more taps fill
-# L1 beside the pixel panels); at 7 x 7 and 10 x 10 1.05-1.67x, where the packed filters stay.
-# On Zen 3 the in-place rule measured 1.10-1.18x the BLAS at mobilenetv2's expansions.
-ROWS_1X1_MIN_PIXELS = 196
-
-ROWS_1X1_PACKED_TAPS = 384
-
-ROWS_1X1_MAX_TAPS = 64
-
-
-def packs_filters(filters: int, taps: int, block_pixels: int) -> bool:
-    """Whether a conv's filters (filters x taps floats, a block of `block_pixels` output pixels)
-    are packed once and multiplied by our own micro-kernel rather than through the BLAS."""
-    return ((filters * taps >= PACK_FILTER_FLOATS and filters >= 2 * block_pixels)
-            or (taps >= PACK_MIN_TAPS and block_pixels <= PACK_MAX_PIXELS))
-
-
-def rows_1x1(filters: int, taps: int, block_pixels: int, in_place: bool) -> bool:
-    """Whether a 1x1 stride-1 unpadded conv (its input read `in_place`, else a prologue's panel)
-    runs through `fs_conv_1x1`."""
-    if block_pixels >= ROWS_1X1_MIN_PIXELS and filters >= 2 * FS_MR:
-        return taps <= ROWS_1X1_PACKED_TAPS or not packs_filters(filters, taps, block_pixels)
-    return in_place and taps <= ROWS_1X1_MAX_TAPS and filters >= 2 * taps
-
-
 def _pixel_wise(kern, strides, pads) -> bool:
     """Whether a conv's geometry is 1x1, stride 1, unpadded: output pixel p reads input pixel p."""
     return tuple(kern) == (1, 1) and tuple(strides) == (1, 1) and not any(pads)
 
 
-def conv_block_rows(filters: int, taps: int, width: int) -> int:
-    """Output rows per conv block at most: the im2col panel within CONV_PATCH_FLOATS, or within
-    the filters' size when they are larger (a BLAS call packs all the filters again per block: a
-    512x4608 filter set is 9 MiB)."""
-    return max(1, max(CONV_PATCH_FLOATS, filters * taps) // max(1, taps * width))
-
-
-def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict) -> list[str] | None:
+def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: dict, product: str) -> list[str]:
     """C conv as implicit GEMM through a BLAS sgemm per block of whole output rows of one image
     and group (as many rows as give every OpenMP thread a block, the panel within CONV_PATCH_FLOATS
     or the filters' size, blocks of even size): the block's input patches (prologue applied, zero
@@ -178,12 +124,10 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     computed filters; a conv with few output channels over many input channels (a segmentation
     head's 1x1 to 2 classes) stays here: its row loop was 3-8x slower than ONNX Runtime."""
     found = _conv_2d(graph, kernel, args, outs, anchor)
-    if found is None:
-        return None
+    if found is None:  # `schedule.conv_products` lists "loops" alone
+        raise CodegenRefused(f"{anchor.name}(Conv): no {product} blocks for its filters or outputs")
     x, w, xs, ws, ys, group, main, side = found
     cin_g, cout_g = xs[1] // group, ys[1] // group
-    if depthwise_like(cin_g, cout_g):  # its own loop
-        return None
     e = _Emitter(graph, kernel, args)
     spatial, kern, strides, dilations, pads = _conv_geometry(e, anchor, xs, ws, ys, False)
     taps = [cin_g, *kern]
@@ -199,7 +143,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
     one_by_one = _pixel_wise(kern, strides, pads)
     direct = stored is not None and one_by_one
     idx = ("nb", "co", "oh", "ow")
-    band = conv_reads_band(graph, anchor)  # constant float32 filters: `_packed` below packs them
+    band = product == "band"  # constant float32 filters: `_packed` below packs them
     if band:
         fill, band_size = _band_fill(e, x, stored, xs, cin_g, (kern, strides, pads, dilations), wo)
         panel = ldb = None
@@ -212,10 +156,9 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
         fill = _im2col_prologue(e, x, xs, cin_g, (kern, strides, pads, dilations), wo)
         panel, ldb = "patch", "(int)pn"
     filters, widen = f"{args[w].name} + gq * {cout_g * kt}LL", []
-    block_pixels = min(pixels, cap * wo)  # one thread's block
-    rows = one_by_one and rows_1x1(cout_g, kt, block_pixels, direct)
+    rows = product == "rows"
     packed = (_packed(packs, graph, args, w, (kt, cout_g, 1, kt), group, cout_g * kt)
-              if band or (not rows and packs_filters(cout_g, kt, block_pixels)) else None)
+              if product in ("band", "packed") else None)
     if args[w].dtype != "float32":  # half filters: the group's widened into a float panel per block
         filters = "wbuf"
         widen = [scratch("wbuf", f"{cout_g * kt}LL"),

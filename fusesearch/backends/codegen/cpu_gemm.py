@@ -33,7 +33,10 @@ QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection
 read in place, within noise of the BLAS inside bert-base's kernel; on an Ice Lake core, with
 the AVX-512 tiles and B's columns blocked in L2, 1.28x faster than the BLAS, so `ROWS_MAX_K` is
 now 4096). The BLAS stays beyond `ROWS_MAX_K` and `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding)
-and for B computed in the group. Attention's keys (B transposed by strides) ran 0.98-1.01x the
+and for B computed in the group. Which of the two a kernel runs is its schedule's product
+(`schedule.gemm_products` lists the applicable ones, ours first where it applies; the cost model
+prices each, `RooflineParams.product_efficiency`): this module writes the one named and never reads
+its own output to learn what it wrote. Attention's keys (B transposed by strides) ran 0.98-1.01x the
 BLAS with the k loop rolled; unrolled, the score groups (scale, mask and Softmax on the product)
 run 1.11-1.17x faster than through the BLAS at bert-small's, bert-base's, vit-small's and gpt2's
 shapes (interleaved medians), so they are packed per head too.
@@ -72,13 +75,13 @@ from fusesearch.backends.codegen.base import (
     scratch,
     store,
 )
-from fusesearch.backends.codegen.c_gemm import FS_MR, FS_NR, tile_epilogue
+from fusesearch.backends.codegen.c_gemm import FS_NR, tile_epilogue
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived, folded_scale
+from fusesearch.schedule import anchor_derived, folded_scale, gemm_products
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
@@ -118,11 +121,12 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
                       defs: list[str] | None = None) -> list[str] | None:
     """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
     into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
-    epilogue per column reading acc[n]. `store` (the output's name and its strides per product
-    axis): only the BLAS blocks, each storing its tile there (None without a BLAS path). `packs`
-    (where the kernel can take packed weights): a constant B packed once, or attention's values
-    packed per block, multiplied by our own micro-kernel (`fs_gemm_rows`), which needs no BLAS.
-    `defs` (where the kernel can take file-scope definitions): an epilogue that is a function of
+    epilogue per column reading acc[n]. The product the kernel's schedule names (`gemm_product`)
+    is written as given: "loops" those loops alone; "own" blocks multiplied by our own
+    micro-kernel (`fs_gemm_rows`: a constant B packed once into `packs`, or attention's values
+    packed per block), which needs no BLAS; "blas" a BLAS call per block, the loops under `#else`
+    for a build without one. `store` (the output's name and its strides per product axis): only
+    the blocks, each storing its tile there (None for "loops"). `defs` (where the kernel can take file-scope definitions): an epilogue that is a function of
     the product plus a bias row alone becomes a tile epilogue there (`_tile_epilogue`), applied by
     the micro-kernel to each tile before its one store where the CPU has AVX-512."""
     a, b = anchor.inputs[0], anchor.inputs[1]
@@ -185,19 +189,24 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         e.acc_value = ""
         e.pop()
         init = _terms_in_place(args, anchor, ([anchor.inputs[2]] if gemm_c else []) + terms, yshape)
+    product = gemm_product(graph, kernel, anchor)
+    if product == "loops":  # the per-row loops alone (no store through strides: they write the outputs)
+        return None if store is not None or max(k_extent, n_extent) > MAX_HOIST else rows_loop
     written = {o.tensor: o for o in side} if store is None else {}  # computed by c_side before the blocks
-    tile = (_tile_epilogue(graph, kernel, args, anchor, main[0], yshape)
-            if defs is not None and store is None and not direct and len(main) == 1 else None)
+    tile = None
+    if kernel.schedule.epilogue == "tile":  # on the registers (`schedule.tile_epilogue` said it can)
+        tile = (_tile_epilogue(graph, kernel, args, anchor, main[0], yshape)
+                if product == "own" and defs is not None and store is None and not direct and len(main) == 1 else None)
+        if tile is None:
+            raise CodegenRefused(f"{anchor.name}({anchor.op_type}): its epilogue has no tile form")
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
-                        packs, init, written, (main[0].name, tile[1]) if tile else None)
-    if tile is not None and blas is not None and _TILE_CALL in "".join(blas):
+                        packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own")
+    if tile is not None:  # our micro-kernel applies it on the registers where FS_TILE_EPI is defined
         defs.append(tile[0])
-    if blas is not None and _OWN in "".join(blas):  # our micro-kernel over B packed once: no BLAS needed
+    if product == "own":  # our micro-kernel over B packed: no BLAS needed
         return [*c_side, *blas] if store is None else blas
     if store is not None:  # only the BLAS blocks, storing through the given strides
         return blas
-    if blas is None:
-        return rows_loop if max(k_extent, n_extent) <= MAX_HOIST else None
     return ["#ifdef FS_BLAS_SGEMM", *c_side, *blas, "#else", *rows_loop, "#endif"]
 
 
@@ -206,24 +215,22 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
 # 113 + 15 rows (a 1 MiB cap) at 72 and 64 + 64 at 79 (one Zen 3 core, scipy-openblas32;
 # `benchmarks/bench_cpu.py --sections 1b` times the three)
 BLAS_TILE_FLOATS = 1 << 21
-# C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`,
-# B's columns in blocks kept in L2) where K <= ROWS_MAX_K (a pair of B micro-panels, 2 x FS_NR x K
-# floats, 512 KiB at most, stays in L2 while the row panels of A run over it) and B has at most
-# ROWS_MAX_B_FLOATS. ROWS_MAX_K was 2048 until the AVX-512 tiles and the column blocks: on one
-# Ice Lake core bert-base's 128x3072x768 down-projection group (GELU prologue, bias, residual) ran
-# 1.28x faster through ours than through the BLAS (6.37 against 8.31 ms, 5.32 against 6.80,
-# interleaved medians, `bench_cpu.py` section 3 had listed it losing to ONNX Runtime's MLAS by
-# more than 10% in every layer), so it is 4096; the Zen 3 figures below are from before. Generated both ways and timed interleaved (one Zen 3 core; the
-# gpt2 figures each beside an A/A pair of the same two kernels): vit-small's 197x1536x384 FFN down-projection with its
-# GELU prologue 1.08x faster than through the BLAS (which packs its 2.4 MiB B again per call),
-# gpt2's 768x2304 QKV + Split 1.03-1.04x, its 768x3072 up-projection + bias 0.91-1.05x (within
-# the A/A spread of a later, busier run); at K = 3072
-# (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, and within noise with GELU's
-# x 0.5 folded (`schedule.folded_scale`, the activation read in place)
-ROWS_MAX_K = 4096
-ROWS_MAX_B_FLOATS = 1 << 22
-_OWN = "fs_gemm_rows("  # the call of our micro-kernel in generated blocks
-_TILE_CALL = "fs_gemm_rows_epi("  # ... with the kernel's tile epilogue before the one store
+# C gemm with a constant B (or attention's values): our micro-kernel over B packed (`fs_gemm_rows`)
+# is the "own" product where `schedule.gemm_products` lists it (its ROWS_MAX_K and ROWS_MAX_B_FLOATS;
+# the later figures there). Zen 3 figures from before the AVX-512 tiles, generated both ways and
+# timed interleaved (one Zen 3 core; the gpt2 figures each beside an A/A pair of the same two
+# kernels): vit-small's 197x1536x384 FFN down-projection with its GELU prologue 1.08x faster than
+# through the BLAS (which packs its 2.4 MiB B again per call), gpt2's 768x2304 QKV + Split
+# 1.03-1.04x, its 768x3072 up-projection + bias 0.91-1.05x (within the A/A spread of a later, busier
+# run); at K = 3072 (the 3072x768 down-projection with its GELU prologue) 0.90-0.97x, and within
+# noise with GELU's x 0.5 folded (`schedule.folded_scale`, the activation read in place)
+
+
+def gemm_product(graph: Graph, kernel: Kernel, anchor: Node) -> str:
+    """The product the kernel's schedule names (`Schedule.product`); a kernel lowered for a GPU
+    names none, and its C form (run where no GPU is) takes the CPU's default, the first of
+    `schedule.gemm_products`."""
+    return kernel.schedule.product or gemm_products(graph, anchor)[0]
 
 
 def _tile_epilogue(graph: Graph, kernel: Kernel, args, anchor: Node, out: Arg, yshape) -> tuple[str, str | None] | None:
@@ -369,7 +376,8 @@ def _strided_a(graph: Graph, e: _Emitter, a: str, z_idx, sa, k_extent: int) -> t
 def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fill, body,
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
                  packs: dict | None = None, init: tuple[str, str] | None = None,
-                 written: dict | None = None, tile: tuple[str, str | None] | None = None) -> list[str] | None:
+                 written: dict | None = None, tile: tuple[str, str | None] | None = None,
+                 own: bool = False) -> list[str]:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -383,9 +391,9 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     BLAS stores the block there and there is no epilogue pass; with `prefill` (the output's value
     with the product taken as 0: a bias, a residual) the block is first filled with it and the
     BLAS adds the product (beta = 1), so a MatMul + Add keeps no tile and makes no second pass
-    (bert-small's 128x128 projections 2-5% faster). With `packs`, within ROWS_MAX_K and
-    ROWS_MAX_B_FLOATS and from one full tile, a constant float32 B is packed once (registered
-    there), or a B that is a view of an input along N (attention's values) is packed per block,
+    (bert-small's 128x128 projections 2-5% faster). With `own` (the schedule's product "own",
+    which `schedule.gemm_products` lists within its bounds), a constant float32 B is packed once
+    (registered in `packs`), or a B that is a view of an input along N (attention's values) is packed per block,
     or a B the group computes (the values with their bias) is packed per block from its panel
     (`bpk`), and each block multiplied by `fs_gemm_rows` instead of the BLAS (see the module note); there a
     prefill of terms read in place (`init`: a residual's and a bias row's arguments,
@@ -395,11 +403,11 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     prologue not computed twice. With `tile` (the one output's argument and the bias row's, or None:
     `_tile_epilogue`) and our micro-kernel, the block runs `fs_gemm_rows_epi` straight into the
     output where the kernel defines FS_TILE_EPI (AVX-512), the block epilogue elsewhere.
-    None where B is not float32 or half (half B is widened into the packed panel)."""
+    Refused where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
-    if compute_dtype(graph.tensors[b].dtype) != "float32":
-        return None
+    if compute_dtype(graph.tensors[b].dtype) != "float32":  # `schedule.gemm_products` lists "loops" alone
+        raise CodegenRefused(f"{anchor.name}({anchor.op_type}): B of dtype {graph.tensors[b].dtype} has no GEMM blocks")
     packed_b = (b not in e.args or graph.producer(b) in e.members  # computed in the group: packed per block
                 or graph.tensors[b].dtype != "float32")  # half: widened into the panel
     sb = graph.tensors[b].shape
@@ -454,8 +462,6 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         at = [f"({i}) * {s_}LL" for i, s_ in zip(z_idx, st[:-2], strict=True) if s_] + [f"m0 * {st[-2]}LL"]
         c_ptr, ldc = f"{name} + ({' + '.join(at)})", st[-2]
     beta = "1.0f" if prefill else "0.0f"  # prefilled: the BLAS adds the product to the block
-    own = (packs is not None and k_extent <= ROWS_MAX_K and k_extent * n_extent <= ROWS_MAX_B_FLOATS
-           and m_extent >= FS_MR and n_extent >= FS_NR and anchor.op_type in ("MatMul", "Gemm"))
     pk = None
     if own and packed_b:  # B computed in the group (attention's values with their bias): its panel
         # above, with the prologue applied, packed from there per block
@@ -476,9 +482,9 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, {alpha}, {a_ptr}, "
              f"{lda}, {b_ptr}, {ldb}, {beta}, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
-    if pk is not None:  # our micro-kernel over B packed (once per plan, or per block), A's rows read in place
+    if own:  # our micro-kernel over B packed (once per plan, or per block), A's rows read in place
         c0 = (f"{init[0]}, {init[1]}" if init is not None else f"{c_ptr}, {ldc}LL, 0" if prefill else "0, 0LL, 0")
-        sgemm = f"{_OWN}mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {c_ptr}, {ldc}LL, {c0});"
+        sgemm = f"fs_gemm_rows(mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {c_ptr}, {ldc}LL, {c0});"
         prefill = None if init is not None else prefill  # the term is added at the store
     epilogue = [] if direct else [
         "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
@@ -487,10 +493,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         *(["        #pragma omp simd"] if _flat_loop(body) else []),
         f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
         "    }"]
-    if tile is not None and pk is not None and not direct:  # the epilogue on the registers, with AVX-512
+    if tile is not None:  # the epilogue on the registers, with AVX-512
         at = f"{tile[0]} + (z * {m_extent * n_extent}LL + m0 * {n_extent}LL)"
         epilogue = ["#ifdef FS_TILE_EPI",
-                    f"    {_TILE_CALL}mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {at}, {n_extent}LL, {tile[1] or 0});",
+                    f"    fs_gemm_rows_epi(mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {at}, {n_extent}LL, {tile[1] or 0});",
                     "#else", *epilogue, "#endif"]
     block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
              "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",

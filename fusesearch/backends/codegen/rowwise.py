@@ -31,7 +31,7 @@ from fusesearch.backends.codegen.base import (
     streams,
 )
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE, FOLDED
-from fusesearch.backends.codegen.cpu_gemm import _OWN, MAX_HOIST, _matmul_row_loops
+from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _matmul_row_loops, gemm_product
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.hoist import hoist_invariants
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
@@ -177,9 +177,9 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     Softmax): the product, prologue applied, into a scratch buffer through the GEMM
     blocks (our micro-kernel over weights packed once into `packs` or keys packed per head, else
     the BLAS), then the row loops reading it (each row's dot products are one tile instead of a
-    dot per element); with whether it runs without a BLAS (our micro-kernel alone: no `#ifdef`).
-    None without an anchor, or where the product is not float32 or not generated through the GEMM
-    blocks."""
+    dot per element); with whether it runs without a BLAS (the schedule's product is "own", our
+    micro-kernel: no `#ifdef`). None without an anchor, where the product is not float32, or where
+    the schedule's product is "loops" (the row loops compute it inline)."""
     if kernel.anchor is None or graph.nodes[kernel.anchor].op_type not in ("MatMul", "Gemm"):
         return None
     anchor = graph.nodes[kernel.anchor]
@@ -187,14 +187,14 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     info = graph.tensors[y]
     if compute_dtype(info.dtype) != "float32" or not info.shape:
         return None
+    product = gemm_product(graph, kernel, anchor)
+    if product == "loops":  # the row loops compute the product inline
+        return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
-    text = "".join(loops) if loops is not None else ""
-    if not any(call in text for call in ("FS_BLAS_SGEMM(", _OWN)):
-        return None
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
     return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
-            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), "FS_BLAS_SGEMM" not in text
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), product == "own"
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
