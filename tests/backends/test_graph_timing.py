@@ -196,3 +196,16 @@ def test_cupy_matmul_per_launch_from_a_graph_is_below_the_host_bound_figure():
     assert 0 < warm.median_s < 20e-6
     assert 0 < warm.launch_s < 10e-6
     cupy.testing.assert_allclose(state["y"], a @ b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_empty_and_flush_kernels_compile_without_spills(arch):
+    from fusesearch.backends import nvrtc
+    from fusesearch.backends.cupy import TIMER_SOURCE
+
+    if not nvrtc.toolchain_available():
+        pytest.skip("no CUDA compiler (NVRTC or nvcc)")
+    result = nvrtc.compile_cuda(TIMER_SOURCE, arch=arch)
+    for name in ("fs_empty", "fs_flush"):
+        r = result.resource(name)
+        assert r.spill_store_bytes == r.spill_load_bytes == 0 and r.smem_bytes == 0
