@@ -6,8 +6,8 @@ model cannot be better than its measurements, and nothing measured the alternati
 Approach: an `Autotuner` is the `rules.Measurer` that `Legality.choose` asks: each choice of a
 group runs on the backend of the plan's device (the CPU for `host`, CuPy for a GPU), generated
 under one kernel name so that the same kernel in another layer or model is the same source; a
-group's choices are sampled in the same rounds (`measure_interleaved`), with the backend's null
-calls among them and taken off as `measure` does (`NullCalls`, `CallCosts.net`), and each
+group's choices are sampled in the same rounds (the backend's `sample`: on a GPU per launch from
+CUDA-graph replays, L2 flushed), with the backend's null calls among them and taken off as `measure` does (`NullCalls`, `CallCosts.net`), and each
 median is kept in the timing database (`TimingCache`, the cache folder) under the kernel's
 source hash (a library call: the node's signature), its input shapes, the device and its
 threads, so any later plan, run or sweep reads it instead of timing it again. Before a search
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.registry import CPU, CUPY, Backend
-from fusesearch.backends.timing import Timing, TimingCache, measure_interleaved
+from fusesearch.backends.timing import Timing, TimingCache
 from fusesearch.errors import BadInput, FusesearchError
 
 COSTS = ("predicted", "measured", "hybrid")
@@ -140,11 +140,11 @@ class Autotuner:
 
     def __init__(self, prep, backend: Backend, mode: str, *, band: float = DEFAULT_BAND,
                  cache: TimingCache | None = None, budget_s: float = BUDGET_S, seed: int = 0,
-                 sampler: Callable[..., list[Timing]] = measure_interleaved) -> None:
+                 sampler: Callable[..., list[Timing]] | None = None) -> None:
         self.prep, self.graph, self.backend, self.mode = prep, prep.graph, backend, check_costs(mode)
         self.band = band if mode == "hybrid" else None
         self.cache = cache if cache is not None else TimingCache()
-        self.budget_s, self.seed, self.sampler = budget_s, seed, sampler
+        self.budget_s, self.seed, self.sampler = budget_s, seed, sampler or backend.sample
         self.stats = TuneStats(mode, self.band)
         self._known: dict[str, tuple[float | None, str]] = {}
         self._seen: set[tuple] = set()
@@ -309,9 +309,8 @@ class Autotuner:
     def _sample(self, ready: list[tuple[_Choice, _Run]]) -> None:
         nulls = self.backend.null_calls(library=any(c.how == "library" for c, _ in ready),
                                         generated=any(c.how == "generated" for c, _ in ready))
-        timings = self.sampler([r for _, r in ready] + list(nulls.runs), clock=self.backend.clock(),
-                               budget_s=self.budget_s, rounds=ROUNDS, warmup_s=WARMUP_S,
-                               before_each=self.backend.flusher())
+        timings = self.sampler([r for _, r in ready] + list(nulls.runs), budget_s=self.budget_s, rounds=ROUNDS,
+                               warmup_s=WARMUP_S, flush=True)
         costs = nulls.costs([t.median_s for t in timings[len(ready):]])
         for (choice, _), timing in zip(ready, timings, strict=False):
             net = costs.net(choice.how, timing)
@@ -337,7 +336,7 @@ class Autotuner:
 
 
 def tuner_for(costs: str, prep, spec, profile: str | None = None, *, cache: TimingCache | None = None,
-              seed: int = 0, sampler: Callable[..., list[Timing]] = measure_interleaved) -> Autotuner | None:
+              seed: int = 0, sampler: Callable[..., list[Timing]] | None = None) -> Autotuner | None:
     """The Autotuner `--costs` asks for on `spec` (None for predicted); BadInput where it cannot
     time here."""
     backend = timing_backend(costs, spec)
@@ -347,7 +346,7 @@ def tuner_for(costs: str, prep, spec, profile: str | None = None, *, cache: Timi
 
 
 def build_problem(prep, spec, model, config, costs: str = "predicted", profile: str | None = None, *,
-                  cache: TimingCache | None = None, sampler: Callable[..., list[Timing]] = measure_interleaved):
+                  cache: TimingCache | None = None, sampler: Callable[..., list[Timing]] | None = None):
     """(SearchProblem, Autotuner or None): the search priced as `costs` says; with measured or
     hybrid costs the enumerated candidates' choices are measured first, as one batch."""
     from fusesearch.search.problem import SearchProblem

@@ -60,7 +60,7 @@ import platform
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -405,32 +405,30 @@ def _first_round(cand: Candidate, md: _ModelData, runner, budget_s: float, max_k
         skipped["too_slow"] += 1
         return None
     err = max_rel_err(outputs, md.values)
-    timing = _timed(call.run, call.clock, call.before_each, budget_s)
+    timing = call.timed(budget_s)
     return {"model": cand.model, "group": cand.key, "size_bin": cand.size_bin, "how": call.how,
             "source_hash": call.source_hash, "max_rel_err": err, "timings": [timing]}
 
 
 def _time_round(cand: Candidate, md: _ModelData, runner, budget_s: float):
     call = runner.prepare(cand, md)
-    return _timed(call.run, call.clock, call.before_each, budget_s)
+    return call.timed(budget_s)
 
 
-def _timed(run, clock, before_each, budget_s: float):
-    from fusesearch.backends.timing import measure
-
-    return measure(run, clock=clock, budget_s=budget_s, warmup_s=min(0.01, budget_s),
-                   min_samples=5, max_samples=2000, before_each=before_each)
+def _timed(backend: Backend, run, budget_s: float, *, flush: bool):
+    """`run` alone, warmed up then sampled for `budget_s` (5 to 2000 samples), by the backend's
+    `sample`: on a GPU per launch from CUDA-graph replays, `flush` an L2 flush kernel before
+    each launch (the rows' `cache` "flushed")."""
+    return backend.sample([run], budget_s=budget_s, rounds=1, warmup_s=min(0.01, budget_s), flush=flush,
+                          min_samples=5, max_samples=2000)[0]
 
 
 def _finish_row(row: dict, *, rows_model: RooflineModel, cand: Candidate, device: DeviceSpec) -> dict:
     """measured_s = the least of the rounds' medians (contention only ever adds time, so the
     quietest round is the best estimate of the kernel's own median); all samples summarized too."""
-    from fusesearch.backends.timing import Timing
-
     timings = row.pop("timings")
     medians = [t.median_s for t in timings]
-    pooled = Timing(tuple(s for t in timings for s in t.samples_s), timings[0].warmup_runs,
-                    timings[0].clock)
+    pooled = replace(timings[0], samples_s=tuple(s for t in timings for s in t.samples_s))  # timer, cache kept
     row.update(pooled.to_row())
     row.update({"rounds": len(timings), "round_medians_s": ",".join(f"{m:.4e}" for m in medians),
                 "measured_s": min(medians)})
@@ -441,14 +439,17 @@ def _finish_row(row: dict, *, rows_model: RooflineModel, cand: Candidate, device
 @dataclass(frozen=True)
 class _Call:
     """One candidate ready to time: how it runs ("generated" or "library"), the run, its outputs,
-    the clock and the untimed hook before each sample, and what identifies its code."""
+    the backend that times it, and what identifies its code."""
 
     how: str
     run: Callable[[], None]
     fetch: Callable[[], dict]
-    clock: object
-    before_each: Callable[[], None] | None
+    backend: Backend
     source_hash: str
+
+    def timed(self, budget_s: float):
+        """The run's Timing, L2 flushed before each sample (each launch on a GPU)."""
+        return _timed(self.backend, self.run, budget_s, flush=True)
 
 
 def _library_label(graph, kernel) -> str:
@@ -462,15 +463,14 @@ class _Runner:
     """Candidates on a backend, as `measure` runs them: a generated kernel through the backend's
     `runner`, a library call through its `library_call` (ONNX Runtime as inside a model on the
     CPU, the array library with CuPy on a GPU: None where it has no kernel), each timed by the
-    backend's clock with its L2 flush (a GPU's) before each sample. Each round's samples are net
+    backend's `sample` with L2 flushed (a GPU: per launch from CUDA-graph replays, a flush kernel
+    before each launch in the graph; the rows say `timer` and `cache`). Each round's samples are net
     of what the calling path adds and a plan's program never pays per kernel (the backend's
     `null_calls`, timed between rounds: a C call that does nothing, ONNX Runtime's fixed cost of
     one Run; none on a GPU, whose events time the device's work alone)."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.clock = backend.clock()
-        self.flush = backend.flusher()
 
     def prepare(self, cand: Candidate, md: _ModelData) -> _Call | None:
         kernel, graph = cand.kernel, md.prep.graph
@@ -478,18 +478,18 @@ class _Runner:
             call, _ = self.backend.library_call(md.canonical, graph, kernel, md.values)
             if call is None:
                 return None
-            return _Call("library", *call, self.clock, self.flush, _library_label(graph, kernel))
+            return _Call("library", *call, self.backend, _library_label(graph, kernel))
         from fusesearch.backends.codegen import generate
 
         generated = generate(graph, kernel)
         run, fetch = self.backend.runner(generated, {t: md.values[t] for t in kernel.inputs})
-        return _Call("generated", run, fetch, self.clock, self.flush, generated.source_hash)
+        return _Call("generated", run, fetch, self.backend, generated.source_hash)
 
     def call_costs(self, budget_s: float):
         """The backend's CallCosts: its null calls' medians, timed now, between the rounds they
         are taken off."""
         nulls = self.backend.null_calls(library=True, generated=True)
-        return nulls.costs([_timed(r, self.clock, None, budget_s).median_s for r in nulls.runs])
+        return nulls.costs([_timed(self.backend, r, budget_s, flush=False).median_s for r in nulls.runs])
 
 
 def _prediction_row(cand: Candidate, model: RooflineModel, device: DeviceSpec) -> dict:

@@ -658,7 +658,7 @@ def measure(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Re-time kernels even if cached.")] = False,
     ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
                                                "of each CUDA kernel (default: on for cupy).")] = None,
-    flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict L2 before every GPU sample.")] = False,
+    flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict L2 before every GPU launch (a flush kernel in the timing graph); else warm.")] = False,
     baseline: Annotated[str, typer.Option("--baseline", help="How the unfused graph's lone anchors (MatMul, Gemm, "
                                           "Conv) run: library (ONNX Runtime on cpu, cuBLAS/CuPy on "
                                           "cupy) or generated (ours); the plan runs as priced.")] = "library",

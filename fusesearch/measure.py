@@ -38,8 +38,9 @@ kernels is not credited with the calls of the 120 it replaces (these are the CPU
 none). Everything that differs between backends (runner, library call, clock, L2 flush, null
 calls, device name) is the `registry.Backend`'s. Every kernel of both is prepared (generated,
 compiled, run once and checked) first, then all are timed together by
-`backends.timing.measure_interleaved` (the backend's clock: perf_counter on CPU, CUDA events on
-GPU) in ROUNDS passes, each plan group next to the unfused kernels of its nodes: on a shared
+the backend's `sample` in ROUNDS interleaved passes (on the CPU `backends.timing.measure_interleaved`
+on perf_counter, one run per sample; on a GPU `timing.graph_timing`: per launch from CUDA-graph
+replays of N launches, no host launch cost, the rows' `timer`, `cache` and `launch_s` say how), each plan group next to the unfused kernels of its nodes: on a shared
 machine whose speed drifts over minutes, a fused kernel and what it replaces are still compared
 under the same conditions. Generated kernels' timings are cached by (source hash, shapes,
 device). The unfused plan has
@@ -65,7 +66,7 @@ import numpy as np
 
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.registry import Backend, get_backend
-from fusesearch.backends.timing import Timing, TimingCache, measure_interleaved
+from fusesearch.backends.timing import Timing, TimingCache
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
@@ -153,7 +154,7 @@ class MeasureReport:
                    "p80_s": m.timing.p80_s if m.timing else math.nan, "max_rel_err": m.max_rel_err,
                    "library_baseline_s": _none_if_nan(versus.get(m.group, {}).get("library_baseline_s")),
                    "fused_loses": versus.get(m.group, {}).get("fused_loses"),
-                   **({"reason": m.reason} if m.reason else {})}
+                   **(m.timing.how_timed() if m.timing else {}), **({"reason": m.reason} if m.reason else {})}
                   for m in self.plan]
         fused = [v for v in versus.values() if not v["alone"]]
         compared = [v for v in fused if v["fused_loses"] is not None]
@@ -180,14 +181,15 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: Backend | str, *, bud
                  progress: Callable[[str], None] | None = None, cache: TimingCache | None = None,
                  ptxas_arch: str | None = None, flush_l2: bool = False,
                  baseline: str = "library", input_values: dict[str, np.ndarray] | None = None,
-                 sampler: Callable[..., list[Timing]] = measure_interleaved) -> MeasureReport:
+                 sampler: Callable[..., list[Timing]] | None = None) -> MeasureReport:
     """`backend`: a registered backend that times, or its name; `cache`: reuse timings keyed by (source hash, shapes, device, budget); `ptxas_arch`: also
     compile each generated CUDA kernel for this arch and record ptxas's registers, spills and
-    shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every GPU sample;
+    shared memory beside the cost model's estimate; `flush_l2`: evict L2 before every launch
+    (a GPU's rows say `cache` "flushed", else "warm", for the plan and the unfused graph alike);
     `baseline`: "library" runs the unfused graph's lone anchors through the library, "generated"
     as generated kernels (the plan's run as the plan says);
     `input_values`: inputs given by the user (`verify.parse_input_values`), the rest drawn;
-    `sampler`: times the runs (`measure_interleaved`'s arguments and result; a test passes fixed
+    `sampler`: times the runs (default `backend.sample`: its arguments and result; a test passes fixed
     samples, so what is taken off them is checked whatever the machine's speed)."""
     backend = get_backend(backend)
     if baseline not in BASELINES:
@@ -197,7 +199,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: Backend | str, *, bud
     runner = _Runner(prep, backend, budget_s, seed, cache, input_values)
     runner.baseline = baseline
     runner.ptxas_arch = ptxas_arch
-    runner.before_each = backend.flusher() if flush_l2 else None
+    runner.flush_l2 = flush_l2
     items = {}
     for label, p in (("plan", plan), ("unfused", unfused)):
         for g in p.groups:
@@ -209,8 +211,8 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: Backend | str, *, bud
     # timed among the rest where a kernel of that kind is
     nulls = backend.null_calls(library=any(it.how in ("library", PER_NODE) for it in todo),
                                generated=any(it.how == "generated" for it in todo))
-    timings = sampler([it.run for it in todo] + list(nulls.runs), clock=runner.clock, budget_s=budget_s,
-                      rounds=ROUNDS, before_each=runner.before_each)
+    timings = (sampler or backend.sample)([it.run for it in todo] + list(nulls.runs), budget_s=budget_s,
+                                          rounds=ROUNDS, flush=flush_l2)
     costs = nulls.costs([t.median_s for t in timings[len(todo):]])
     for it, timing in zip(todo, timings[:len(todo)], strict=True):
         it.timing = costs.net(it.how, timing, len(it.group.kernel.nodes))  # one Run per library call
@@ -263,9 +265,8 @@ class _Runner:
         self.values = all_values(self.canonical, random_feeds(self.canonical, seed, input_values),
                                  list(input_values or ()))
         self.device = backend.device_label()
-        self.clock = backend.clock()
         self.ptxas_arch: str | None = None
-        self.before_each = None
+        self.flush_l2 = False
         self.baseline = "library"
 
     def prepare(self, label: str, g) -> _Item:
@@ -361,7 +362,7 @@ class _Runner:
         return call, why
 
     def _key(self, generated, shapes) -> str:
-        extra = f"budget={self.budget_s};flush={self.before_each is not None};net of the call"
+        extra = f"budget={self.budget_s};flush={self.flush_l2};net of the call"
         extra += self.backend.timing_key()
         return TimingCache.key(generated.source_hash, shapes, self.device, extra)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Calibrate the cost model on an H200 (issue "Calibration"): at least 300 sampled candidate groups
-# of the default GPU models, generated CUDA kernels timed with CUDA events (L2 flushed before each
-# sample), fitted and reported on held-out groups; ptxas registers compared with the model's.
+# of the default GPU models, generated CUDA kernels and library calls timed per launch from CUDA-graph
+# replays bracketed by CUDA events (an L2 flush kernel before each launch in the graph, a graph of as
+# many flushes alone taken off; the rows' timer, cache and launch_s say so), fitted and reported on held-out groups; ptxas registers compared with the model's.
 # Outputs in $OUT (default ./gpu_out): h200.json (the profile, with its fit report),
 # measurements.parquet, calibration.png, calibrate.log. Commit the profile afterwards with
 #   cp gpu_out/h200.json costmodels/profiles/h200.json

@@ -4,7 +4,10 @@
 # whole plan as one CUDA program beside ONNX Runtime) on bert-small, and the tensor-core kernels of
 # a few zoo shapes timed beside the CUDA-core skeleton and `cupy.matmul` with TF32 allowed
 # (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
-# Runtime's CUDA provider does and as the cost model prices them). Figures and logs go to $OUT
+# Runtime's CUDA provider does and as the cost model prices them). Every kernel figure of measure
+# and the benchmark is per launch from CUDA-graph replays (the cupy backend's graph timer): each
+# says its timer ("graph", or "events" where a call could not be captured), its cache state (warm
+# here) and an empty kernel's launch cost in a graph, printed below. Figures and logs go to $OUT
 # (default ./gpu_out). It installs nothing from the network: packages missing on the GPU machine travel
 # as wheels in .whl/, installed into .gpusite/ (scripts/gpu_env.sh). Fetch them here first (Python
 # 3.12, x86_64); on an image with CuPy 14, numpy, onnx, onnx-ir, onnxscript, onnxruntime, pandas,
@@ -67,7 +70,16 @@ for model in bert-small resnet18; do
   $PY - "$OUT/measure_$model.json" <<'PY'
 import json, sys
 try:
-    t = json.load(open(sys.argv[1]))["totals"]
+    doc = json.load(open(sys.argv[1]))
+    t = doc["totals"]
+    how = {}
+    for g in doc["groups"]:
+        if "timer" in g:
+            key = f"{g['timer']}/{g['cache']}"
+            how[key] = how.get(key, 0) + 1
+    launch = [g["launch_s"] for g in doc["groups"] if g.get("launch_s")]
+    print(f"  timer/cache of the plan's figures: {how or 'none'}; empty kernel in a graph "
+          f"{launch[0] * 1e6 if launch else float('nan'):.2f} us per launch (reported apart)")
     print(f"  plan measured {t['measured_s'] * 1e6:.1f} us (predicted {t['predicted_s'] * 1e6:.1f} us), "
           f"unfused measured {t['unfused_measured_s'] * 1e6:.1f} us, speedup {t['speedup']:.2f}x, "
           f"not measured {t['not_measured']}, fused loses to library+rest in {t.get('fused_loses')} of "

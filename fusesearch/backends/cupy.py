@@ -7,7 +7,10 @@ Approach: this is the only module that imports cupy, and only lazily inside func
 `available()` answers with a `FusionDecision` ("cupy is not installed: ..." / "no CUDA device:
 ...") and never raises; `gpu_count()` is 0 whenever CuPy or the CUDA runtime fails.
 `CudaEventClock` times device work with a pair of CUDA events on the current stream;
-`l2_flusher` overwrites a 2×L2 device buffer between samples; `compile_module` builds an NVRTC
+`l2_flusher` overwrites a 2×L2 device buffer between samples; `GraphTimer` is the device
+`timing.graph_timing` times kernels on (N launches captured in one CUDA graph on its stream, an
+empty kernel, an L2 flush kernel that can be captured, cuBLAS given a workspace so its calls
+capture too; `graph_timer()` makes one per process); `compile_module` builds an NVRTC
 `cupy.RawModule`; `kernel_runner` launches a generated kernel; `library_runner` runs one node
 through `backends.arraylib` with `xp = cupy` (cuBLAS via `cupy.matmul`: the GPU vendor path for
 lone anchors and pooling). `Device` is the device of `run.CudaProgram` (`fusesearch run
@@ -318,6 +321,11 @@ class Device:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def enqueue(self, fn: Callable[[], None]) -> None:
+        """`fn`'s launches (kernels and library calls on the current stream) on this stream."""
+        with self.stream:
+            fn()
+
     def ort_runner(self, model, feeds: dict, *, optimize: bool) -> tuple[Callable[[], object], str]:
         """(one run of the whole model in ONNX Runtime, the provider that runs it): on the GPU
         with the inputs in device memory and the outputs left there (IO binding) when the CUDA
@@ -342,3 +350,89 @@ class Device:
             sess.run_with_iobinding(binding)
 
         return go, CUDA_EP
+
+
+TIMER_SOURCE = r"""
+extern "C" __global__ void fs_empty() {}
+
+extern "C" __global__ void fs_flush(unsigned int* buf, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        buf[i] += 1u;
+}
+"""
+FLUSH_BLOCK = 256
+FLUSH_GRID = 4096  # blocks of the grid-stride flush: enough to fill any GPU's SMs
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # cuBLAS's own advice for Hopper; a set workspace lets its calls be captured
+
+
+class GraphTimer(Device):
+    """The GPU as `timing.graph_timing` times it (`GraphDevice`): launches captured on the
+    device's stream (kernels and cuBLAS calls on the current stream) into one CUDA graph, each
+    capture with its own memory pool, kept with the graph, so a buffer a captured call allocates
+    is never handed to another array while the graph can still write it; an empty kernel and an
+    L2 flush kernel (read and write a 2×L2 buffer: every line of L2 is evicted), compiled once."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        cupy = self.cupy
+        module = compile_module(TIMER_SOURCE)
+        self._empty, self._flush = module.get_function("fs_empty"), module.get_function("fs_flush")
+        words = max(1, 2 * l2_bytes()) // 4 + 1
+        with self.stream:
+            self._buffer = cupy.zeros(words, dtype=cupy.uint32)
+        self._flush_args = (self._buffer, cupy.uint64(words))
+        self.workspace = _cublas_workspace(cupy, self.stream)
+
+    def empty(self) -> None:
+        self._empty((1,), (1,), ())
+
+    def flush(self) -> None:
+        self._flush((FLUSH_GRID,), (FLUSH_BLOCK,), self._flush_args)
+
+    def capture(self, launches: Callable[[], None]):
+        """`launches` as one graph: run twice first on a fresh pool (its buffers then cached in
+        that pool, so the capture allocates nothing new), then captured with that pool."""
+        cupy = self.cupy
+        pool = cupy.cuda.MemoryPool()
+        with cupy.cuda.using_allocator(pool.malloc):
+            self.enqueue(launches)
+            self.enqueue(launches)
+            graph = Device.capture(self, launches)
+        return _Captured(graph, pool)
+
+    def replay(self, graph) -> None:
+        graph.graph.launch(stream=self.stream)
+
+
+class _Captured:
+    """A captured graph and the memory pool its launches' buffers came from (alive with it)."""
+
+    def __init__(self, graph, pool) -> None:
+        self.graph, self.pool = graph, pool
+
+
+def _cublas_workspace(cupy, stream):
+    """A cuBLAS workspace for the current device's handle, so cuBLAS calls can be captured
+    (without one cuBLAS allocates inside the call); None where this CuPy cannot set one (its
+    calls then may not capture: `graph_timing` times them between events)."""
+    try:
+        from cupy_backends.cuda.libs import cublas
+
+        handle = cupy.cuda.device.get_cublas_handle()
+        with stream:
+            workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=cupy.uint8)
+        cublas.setWorkspace(handle, workspace.data.ptr, CUBLAS_WORKSPACE_BYTES)
+    except Exception:  # an older binding without setWorkspace: calls are still timed, marked "events"
+        return None
+    return workspace
+
+
+_TIMER: list[GraphTimer] = []
+
+
+def graph_timer() -> GraphTimer:
+    """The process's GraphTimer (made at the first call: kernels compiled, buffers allocated)."""
+    if not _TIMER:
+        _TIMER.append(GraphTimer())
+    return _TIMER[0]

@@ -16,7 +16,12 @@ Approach: a `Backend` holds everything one place to run kernels offers, and ever
                        GPU (cuBLAS for a GEMM) or with numpy in the emulator; None and why where
                        the library has no kernel for the op
     clock()            perf_counter on the host, CUDA events on a GPU
-    flusher()          the untimed L2 eviction before each GPU sample (None on the host)
+    flusher()          the untimed L2 eviction before each sample (None on the host)
+    sample(runs, ...)  the runs timed in interleaved rounds, all in one cache state: on the host
+                       one run per sample (`timing.measure_interleaved`); on a GPU per launch
+                       from replays of N launches in one CUDA graph (`timing.graph_timing`: no
+                       host launch cost, an empty kernel's launch reported apart, `flush` an L2
+                       flush kernel before each launch inside the graph, else warm)
     null_calls(...)    runs that compute nothing, timed among the kernels: what the calling path
                        adds to each sample and a plan's program never pays per kernel (a ctypes
                        call, ONNX Runtime's fixed cost of one Run); `NullCalls.costs` reads
@@ -38,7 +43,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fusesearch.backends.timing import Clock, PerfCounterClock, Timing
+from fusesearch.backends.timing import Clock, PerfCounterClock, Timing, measure_interleaved
 from fusesearch.errors import BadInput
 from fusesearch.groups import FusionDecision
 
@@ -150,6 +155,14 @@ class Backend:
     def null_calls(self, *, library: bool, generated: bool) -> NullCalls:
         return NullCalls()
 
+    def sample(self, runs: Sequence[Run], *, budget_s: float, rounds: int = 5, warmup_s: float = 0.05,
+               flush: bool = False, min_samples: int = 1, max_samples: int = 1000) -> list[Timing]:
+        """One Timing per run, the runs sampled in `rounds` interleaved passes (`measure_interleaved`'s
+        arguments), every run in the same cache state (`flush`: the flusher before each sample)."""
+        return measure_interleaved(list(runs), clock=self.clock(), budget_s=budget_s, rounds=rounds,
+                                   warmup_s=warmup_s, before_each=self.flusher() if flush else None,
+                                   min_samples=min_samples, max_samples=max_samples)
+
     def timing_key(self) -> str:
         """What besides the source and shapes changes a kernel's time here (a timing cache key)."""
         return ""
@@ -247,7 +260,7 @@ class _Cpu(Backend):
 @dataclass(frozen=True)
 class _Cupy(Backend):
     """Generated CUDA compiled by NVRTC through CuPy on the visible GPU; lone nodes through
-    `arraylib` with CuPy (cuBLAS); CUDA events; an L2 flush before each sample."""
+    `arraylib` with CuPy (cuBLAS); timed per launch from CUDA-graph replays (`sample`)."""
 
     def available(self) -> FusionDecision:
         from fusesearch.backends import cupy as gpu
@@ -302,6 +315,21 @@ class _Cupy(Backend):
         from fusesearch.backends import cupy as gpu
 
         return gpu.l2_flusher(max(1, gpu.l2_bytes()))
+
+    def sample(self, runs: Sequence[Run], *, budget_s: float, rounds: int = 5, warmup_s: float = 0.05,
+               flush: bool = False, min_samples: int = 1, max_samples: int = 1000) -> list[Timing]:
+        """Seconds per launch from CUDA-graph replays of N launches (`timing.graph_timing` on the
+        process's `cupy.GraphTimer`): `flush` "flushed" (an L2 flush kernel before each launch in
+        the graph, N flushes alone taken off), else "warm"; each Timing says its timer ("graph", or
+        "events" where a call cannot be captured), cache state and an empty kernel's launch_s."""
+        from fusesearch.backends import cupy as gpu
+        from fusesearch.backends.timing import graph_timing
+
+        return graph_timing(list(runs), gpu.graph_timer(), budget_s=budget_s, rounds=rounds, warmup_s=warmup_s,
+                            flush=flush, min_samples=min_samples, max_samples=max_samples)
+
+    def timing_key(self) -> str:
+        return ";timer=graph"  # per launch from graph replays: never a one-launch sample cached before
 
     def program_device(self, threads: int):
         from fusesearch.backends import cupy as gpu

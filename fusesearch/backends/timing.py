@@ -15,6 +15,22 @@ every sample and reports the median and the 20th/80th percentiles.
     warm-up: run, run, ... until warmup_s       (not sampled, no before_each)
     samples: before_each, [start run stop], ... until budget_s and n >= min_samples, or max
 
+On a GPU a sample of one launch from Python carries the host's launch cost (20-30 us), more than
+many kernels take. `graph_timing` times each run instead as N back-to-back launches captured in
+one CUDA graph (a `GraphDevice` captures and replays), each replay bracketed by the device's
+event clock; a sample is the replay's time / N, N chosen from a first estimate so one replay
+lasts at least `target_s`. The cache state is one choice for every run timed together: "warm"
+(launch after launch, as a kernel in a program reads its producer's output from L2) or
+"flushed" (an L2 flush kernel before each launch, inside the graph; a graph of N flushes alone
+is timed in the same rounds and its median taken off, so the figure is the kernel's own time
+from cold memory). An empty kernel's graph, timed in the same rounds, gives the launch cost of
+one kernel in a graph (`launch_s`), reported apart and never taken off. A run that cannot be
+captured (a library call that allocates or synchronizes) is timed as the same N launches
+enqueued back to back, without a host synchronization, between two events: `timer` "events"
+instead of "graph" says so.
+
+    graph:  [start replay(flush? run, flush? run, ... N) stop] / N   (less N flushes, flushed)
+
 Invariants: a `Timing` has at least one sample, every sample >= 0 s; the loop structure depends
 only on the arguments and elapsed time (no sleeps), read from `now` (`time.perf_counter`; a test
 passes a fake one with a fake `clock`, so the loop's logic is checked without wall time); a cache
@@ -54,6 +70,10 @@ class Timing:
     samples_s: tuple[float, ...]
     warmup_runs: int
     clock: str  # "perf_counter" | "cuda_event"
+    timer: str = ""  # "graph" | "events" on a GPU (`graph_timing`); "" for one run per sample
+    cache: str = ""  # "flushed" | "warm" where the timer says (GPU)
+    launch_s: float | None = None  # an empty kernel's launch in a graph, reported apart (GPU)
+    launches: int = 0  # N launches per timed replay (GPU)
 
     def __post_init__(self) -> None:
         if not self.samples_s:
@@ -91,17 +111,26 @@ class Timing:
     def to_row(self) -> dict[str, Any]:
         """The summary: one row of a measurements table."""
         return {"median_s": self.median_s, "p20_s": self.p20_s, "p80_s": self.p80_s,
-                "n": self.n, "warmup_runs": self.warmup_runs, "clock": self.clock}
+                "n": self.n, "warmup_runs": self.warmup_runs, "clock": self.clock, **self.how_timed()}
+
+    def how_timed(self) -> dict[str, Any]:
+        """How a GPU figure was taken (timer, cache state, launch cost, N); {} for one run per sample."""
+        if not self.timer:
+            return {}
+        return {"timer": self.timer, "cache": self.cache, "launch_s": self.launch_s, "launches": self.launches}
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, samples included (what the cache stores)."""
         return {"samples_s": list(self.samples_s), "warmup_runs": self.warmup_runs,
-                "clock": self.clock}
+                "clock": self.clock, **self.how_timed()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Timing:
+        launch_s = data.get("launch_s")
         return cls(samples_s=tuple(float(s) for s in data["samples_s"]),
-                   warmup_runs=int(data["warmup_runs"]), clock=str(data["clock"]))
+                   warmup_runs=int(data["warmup_runs"]), clock=str(data["clock"]),
+                   timer=str(data.get("timer", "")), cache=str(data.get("cache", "")),
+                   launch_s=None if launch_s is None else float(launch_s), launches=int(data.get("launches", 0)))
 
 
 class Clock(Protocol):
@@ -140,24 +169,136 @@ def measure(run: Callable[[], None], *, clock: Clock | None = None, budget_s: fl
 
 def measure_interleaved(runs: list[Callable[[], None]], *, clock: Clock | None = None, budget_s: float = 0.25,
                         rounds: int = 5, warmup_s: float = 0.05, before_each: Callable[[], None] | None = None,
-                        now: Callable[[], float] = time.perf_counter) -> list[Timing]:
+                        now: Callable[[], float] = time.perf_counter, min_samples: int = 1,
+                        max_samples: int = 1000) -> list[Timing]:
     """One Timing per run of `runs`, sampled in `rounds` passes over all of them in order, each
     pass giving every run `budget_s / rounds` of wall time (at least one sample) after one warm-up
     run (the first pass warms up for `warmup_s`). What a shared machine does over minutes (another
     tenant, a frequency change) then falls on every run alike, and runs listed next to each other
     (a fused kernel and the kernels it replaces) are sampled seconds apart, so their ratio holds
-    even where each one's absolute time drifts."""
+    even where each one's absolute time drifts. `min_samples`/`max_samples` bound each pass's
+    samples of each run (one run in one round is `measure`)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    _check_measure_args(budget_s, warmup_s, 1, 1)
+    _check_measure_args(budget_s, warmup_s, min_samples, max_samples)
     clock = clock if clock is not None else PerfCounterClock()
     samples: list[list[float]] = [[] for _ in runs]
     warmups = [0] * len(runs)
     for r in range(rounds):
         for i, run in enumerate(runs):
             warmups[i] += _warm_up(run, clock, warmup_s if r == 0 else 0.0, now)
-            samples[i] += _sample(run, clock, budget_s / rounds, 1, 1000, before_each, now)
+            samples[i] += _sample(run, clock, budget_s / rounds, min_samples, max_samples, before_each, now)
     return [Timing(samples_s=tuple(s), warmup_runs=w, clock=clock.name) for s, w in zip(samples, warmups, strict=True)]
+
+
+TARGET_S = 1e-3  # one replay lasts at least this long (from the first estimate), so events' resolution and
+# the replay's own launch are small beside it
+MAX_LAUNCHES = 1000  # launches per graph at most (capture time and graph size)
+EST_FLOOR_S = 1e-7  # an estimate never below this (an empty kernel on a fast clock)
+CACHE_STATES = ("warm", "flushed")
+
+
+class GraphDevice(Protocol):
+    """What `graph_timing` asks of a GPU (`cupy.GraphTimer`; a test passes a fake one): `clock()`
+    brackets work on the device's stream; `enqueue(fn)` runs `fn`'s launches on that stream;
+    `capture(fn)` returns those launches as a replayable graph (raises where they cannot be
+    captured); `replay(graph)` launches it on the stream; `empty()` and `flush()` launch the
+    empty kernel and the L2 flush kernel (both capturable)."""
+
+    def clock(self) -> Clock: ...
+
+    def enqueue(self, fn: Callable[[], None]) -> None: ...
+
+    def capture(self, fn: Callable[[], None]) -> object: ...
+
+    def replay(self, graph: object) -> None: ...
+
+    def empty(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Program:
+    """N launches of one run (each after a flush where asked), ready to time: `go` replays the
+    graph ("graph") or enqueues the launches back to back ("events")."""
+
+    go: Callable[[], None]
+    launches: int
+    timer: str
+
+
+def launches_for(estimate_s: float, target_s: float = TARGET_S, max_launches: int = MAX_LAUNCHES) -> int:
+    """N launches so N x `estimate_s` lasts at least `target_s`: 1 <= N <= `max_launches`."""
+    if max_launches < 1 or not target_s > 0:
+        raise ValueError(f"need max_launches >= 1 and target_s > 0, got {max_launches}, {target_s}")
+    return max(1, min(max_launches, math.ceil(target_s / max(estimate_s, EST_FLOOR_S))))
+
+
+def graph_timing(runs: list[Callable[[], None]], device: GraphDevice, *, budget_s: float = 0.25, rounds: int = 5,
+                 warmup_s: float = 0.05, flush: bool = False, target_s: float = TARGET_S,
+                 max_launches: int = MAX_LAUNCHES, now: Callable[[], float] = time.perf_counter,
+                 min_samples: int = 1, max_samples: int = 1000) -> list[Timing]:
+    """One Timing per run of `runs` (each enqueues its launches on the current stream): samples
+    are seconds per launch, taken from replays of a graph of N launches (module note).
+
+    `flush`: an L2 flush kernel before each launch inside the graph ("flushed"); a graph of N
+    flushes alone, timed in the same rounds, is taken off each replay, so a sample is the
+    kernel's own time from cold memory (at least 0); else "warm", launch after launch. Every run
+    is timed in the same cache state, so figures compared with each other were taken alike.
+    N per run: `launches_for` one event-timed launch (after one untimed launch). The runs, then
+    the empty kernel's graph, then the flush graphs, are replayed in `rounds` interleaved passes
+    (`measure_interleaved`: A, B, A, B ...). `launch_s` is the empty kernel's time per launch in
+    its graph, reported beside each figure and not taken off it. `min_samples`/`max_samples`:
+    replays per run per pass."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    before = device.flush if flush else None
+    clock = device.clock()
+    programs = [_program(device, clock, run, before, target_s, max_launches) for run in runs]
+    empty = _program(device, clock, device.empty, None, target_s, max_launches)
+    flushes = {n: _program(device, clock, device.flush, None, target_s, max_launches, n)
+               for n in sorted({p.launches for p in programs})} if flush else {}
+    timed = [*programs, empty, *flushes.values()]
+    timings = measure_interleaved([p.go for p in timed], clock=clock, budget_s=budget_s, rounds=rounds,
+                                  warmup_s=warmup_s, now=now, min_samples=min_samples, max_samples=max_samples)
+    by_program = dict(zip(map(id, timed), timings, strict=True))
+    launch_s = by_program[id(empty)].median_s / empty.launches
+    cache = "flushed" if flush else "warm"
+    out = []
+    for p in programs:
+        t = by_program[id(p)]
+        flush_s = by_program[id(flushes[p.launches])].median_s if flush else 0.0
+        out.append(Timing(tuple(max(0.0, s - flush_s) / p.launches for s in t.samples_s), t.warmup_runs, t.clock,
+                          timer=p.timer, cache=cache, launch_s=launch_s, launches=p.launches))
+    return out
+
+
+def _program(device: GraphDevice, clock: Clock, run: Callable[[], None], before: Callable[[], None] | None, target_s: float,
+             max_launches: int, launches: int | None = None) -> _Program:
+    """`run` N times (`before` ahead of each) as one graph, or as launches enqueued back to back
+    where capture fails; N from `launches_for` one timed launch unless given."""
+    def once() -> None:
+        if before is not None:
+            before()
+        run()
+
+    if launches is None:
+        device.enqueue(once)  # untimed: a first launch compiles, allocates, picks an algorithm
+        token = clock.start()
+        device.enqueue(once)
+        launches = launches_for(float(clock.stop(token)), target_s, max_launches)
+
+    def body(n: int = launches) -> None:
+        for _ in range(n):
+            once()
+
+    try:
+        graph = device.capture(body)
+    except Exception as exc:  # not capturable (a library call that allocates or synchronizes)
+        log.info("timing %d launches between events: capture failed: %s", launches, exc)
+        return _Program(lambda: device.enqueue(body), launches, "events")
+    return _Program(lambda: device.replay(graph), launches, "graph")
 
 
 def _check_measure_args(budget_s: float, warmup_s: float, min_samples: int,

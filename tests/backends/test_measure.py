@@ -106,6 +106,8 @@ def test_measure_json_and_parquet(run_cli, tmp_path, small_model):
         assert row["tile"] == "x".join(map(str, spec.tile))
     generated = table[table["how"] == "generated"]
     assert set(generated["skeleton"]) <= {"grid-stride", "vectorized", "block-per-row", "packed"}
+    # host rows: one run per sample, no GPU timer columns
+    assert not {"timer", "cache", "launch_s"} & set(table.columns) and all("timer" not in g for g in doc["groups"])
     # on the host a fused gemm/conv is priced as the C backend writes it: no CUDA form
     assert (generated[generated["template"].isin(["gemm", "conv"])]["skeleton"] == "packed").all()
 
@@ -312,6 +314,38 @@ def test_gpu_library_baseline_runs_anchors_through_cupy(run_cli, tmp_path):
     assert {"Conv", "Gemm"} <= set(library["op_types"]) and "MaxPool" not in set(library["op_types"])
     assert any("MaxPool" in ops.split(",") for ops in table[table["how"] == "generated"]["op_types"])
     assert doc["totals"]["anchor_groups_compared"] == doc["totals"]["anchor_groups"] > 0
+    timed = table[table["how"].isin(["generated", "library"])]
+    assert set(timed["timer"]) <= {"graph", "events"} and set(timed["cache"]) == {"warm"}  # no --flush-l2
+    assert (timed["launch_s"] > 0).all() and (timed["launches"] >= 1).all()
+    assert all(g["cache"] == "warm" for g in doc["groups"] if g["how"] in ("generated", "library"))
+
+
+def test_gpu_timer_fields_reach_the_json_and_the_table_and_one_cache_state_for_all(small_model):
+    """What the GPU timer says of each figure (timer, cache state, an empty kernel's launch_s, N)
+    goes to the JSON groups and the table rows; every run of plan and unfused graph is sampled in
+    one call with one cache state (--flush-l2's)."""
+    import fusesearch
+    from fusesearch.backends.timing import Timing
+    from fusesearch.measure import measure_plan
+    from fusesearch.pipeline import prepare
+
+    prep = prepare(small_model)
+    plan = fusesearch.plan(small_model, device="host", strategy="greedy", prepared=prep)
+    unfused = fusesearch.plan(small_model, device="host", strategy="none", prepared=prep)
+    calls = []
+
+    def sampler(runs, *, flush, **_):
+        calls.append(flush)
+        return [Timing((2e-6,) * 3, 1, "cuda_event", timer="graph", cache="flushed" if flush else "warm",
+                       launch_s=1.5e-6, launches=400) for _ in runs]
+
+    report = measure_plan(prep, plan, unfused, "cpu", budget_s=0.01, flush_l2=True, sampler=sampler)
+    assert calls == [True]
+    doc, table = report.to_dict(), report.to_pandas()
+    timed = [g for g in doc["groups"] if g["how"] != "alias"]
+    assert timed and all((g["timer"], g["cache"], g["launch_s"]) == ("graph", "flushed", 1.5e-6) for g in timed)
+    rows = table[table["how"] != "alias"]
+    assert set(rows["cache"]) == {"flushed"} and set(rows["launches"]) == {400}
 
 
 def test_each_plan_group_is_timed_beside_the_unfused_kernels_it_replaces(small_model):
