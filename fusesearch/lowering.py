@@ -410,9 +410,10 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
     if len({r for r, _ in shapes}) > 1:
         return FusionDecision.refuse(f"reductions over different row counts {sorted(shapes)}")
     rows, row_len = max(shapes, key=lambda s: s[1])
-    decision = _row_outputs_fit(graph, nodes, rows, row_len)
-    if not decision:
-        return decision
+    for check in (_row_outputs_fit, _rows_stay_rows):
+        decision = check(graph, nodes, rows, row_len)
+        if not decision:
+            return decision
     live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS))
     return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, live,
                   block_per_row(graph, [n.id for n in nodes], rows, row_len))
@@ -429,6 +430,52 @@ def _row_outputs_fit(graph: Graph, nodes: list[Node], rows: int, row_len: int) -
             return FusionDecision.refuse(f"output '{t}' ({size} values) is neither one per row ({rows}) "
                                          f"nor one per element ({rows * row_len}) of the rows")
     return FusionDecision.accept()
+
+
+def _rows_stay_rows(graph: Graph, nodes: list[Node], rows: int, row_len: int) -> FusionDecision:
+    """Every value computed from a reduction keeps its row. The generator writes row r's elements
+    from row r's reduced scalars, so each node reading a value after a reduction must read it at
+    its own row: a view (Reshape, Flatten, Squeeze, Unsqueeze: the flat position stays) or a
+    pointwise op whose reduction-dependent operands span the output's row axes (a per-row mean
+    broadcast along the row). A node that moves elements (Gather, Transpose, Slice, Concat, ...)
+    or a broadcast that lays per-row values along another axis would combine another row's
+    elements with this row's scalars; refused, naming the node, even where its output happens to
+    hold one value per row (BERT's pooler Gather of the first token after the final LayerNorm,
+    seq = hidden)."""
+    sizes = {rows, rows * row_len}
+    after: set[str] = set()  # tensors computed from a reduction
+    for n in nodes:
+        read = [t for t in n.inputs if t in after]
+        if n.kind == OpKind.REDUCE:
+            moved = [t for t in read if t != n.inputs[0]]
+        elif read:
+            moved = _moved_rows(graph, n, read, rows, sizes)
+        else:
+            continue
+        if moved:
+            return FusionDecision.refuse(f"{_label(n)} reads '{moved[0]}' (computed from a reduction) at another "
+                                         f"row's position: a row kernel writes each row from its own reductions")
+        after.update(t for t in n.outputs if t)
+    return FusionDecision.accept()
+
+
+def _moved_rows(graph: Graph, n: Node, read: list[str], rows: int, sizes: set[int]) -> list[str]:
+    """The reduction-dependent inputs `read` that `n` (not a reduction) reads away from their row."""
+    out = graph.tensors[n.outputs[0]].shape
+    if any(graph.tensors[t].size not in sizes for t in n.outputs if t):
+        return read
+    if n.op_type in VIEW_OPS or n.op_type == "Identity":
+        return []
+    if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST):
+        return read
+    splits = [s for s in range(len(out) + 1) if math.prod(out[:s]) == rows]
+
+    def kept(t: str) -> bool:
+        shape = graph.tensors[t].shape
+        padded = (1,) * (len(out) - len(shape)) + tuple(shape)
+        return padded == tuple(out) or any(padded[:s] == tuple(out[:s]) for s in splits)
+
+    return [t for t in read if not kept(t)]
 
 
 def _gemm_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:

@@ -95,6 +95,61 @@ def test_rowwise_softmax_layernorm_and_reductions(tmp_path):
     whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 16])], [("y", None), ("mean", None)], inits, opset=18)
 
 
+def _norm_rows_then(mover: list, inputs=(("x", [1, 8, 8]),)):
+    """A LayerNorm over 8 rows of 8 (rows = row length, so a moved tensor still has one value per
+    row or per element) followed by `mover`, whose output is the graph's."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1), *mover]
+    inits = [("g", np.linspace(0.5, 1.5, 8, dtype=np.float32)), ("b", np.float32(np.arange(8) / 10)),
+             ("zero", np.int64(0))]
+    return nodes, list(inputs), inits
+
+
+MOVES_ROWS = {  # graph → the node that reads a reduction's result at another row's position
+    # BERT's pooler: the first token's 8 values after the final LayerNorm (8 = rows, by chance)
+    "gather-first-token": (*_norm_rows_then([helper.make_node("Gather", ["n", "zero"], ["y"], axis=1)]), "Gather"),
+    "transpose": (*_norm_rows_then([helper.make_node("Transpose", ["n"], ["y"], perm=[0, 2, 1])]), "Transpose"),
+    # a per-row mean without its kept axis broadcasts along the row: y[r, j] = x[r, j] - mean[j]
+    "mean-along-the-row": ([helper.make_node("ReduceMean", ["x", "axes"], ["m"], keepdims=0),
+                            helper.make_node("Sub", ["x", "m"], ["y"])], [("x", [8, 8])],
+                           [("axes", np.int64([-1]))], "Sub"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOVES_ROWS))
+def test_a_row_kernel_refuses_a_node_reading_another_rows_reduction(tmp_path, case):
+    """A row kernel writes row r from row r's reduced scalars: a node after the reduction that
+    reads another row's element (a Gather of the first token, a Transpose, a per-row value
+    broadcast along the row) would mix rows, even where its output has one value per row or per
+    element. Lowering refuses the group naming that node; the reduction fused without it and the
+    node alone equal ONNX Runtime."""
+    nodes, inputs, inits, op = MOVES_ROWS[case]
+    path = save(make_model(nodes, inputs, [("y", None)], inits, opset=18), tmp_path / "m.onnx")
+    prep = prepare(path)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    mover = next(n for n in prep.graph.nodes if n.op_type == op)
+    decision = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
+    assert isinstance(decision, FusionDecision), f"{case}: fused as {decision.template}"
+    assert f"{mover.name}({op})" in decision.reason and "another row" in decision.reason, decision.reason
+    check_group(prep, values, [n.id for n in prep.graph.nodes if n.id != mover.id])
+    check_group(prep, values, [mover.id])
+
+
+def test_a_row_kernel_keeps_values_read_at_their_own_row(tmp_path):
+    """Per-row values reshaped (the flat position stays), broadcast along their own row, and an
+    embedding Gather before the reduction all fuse into one row kernel equal to ONNX Runtime."""
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]), helper.make_node("Add", ["e", "x"], ["h"]),
+             helper.make_node("ReduceMean", ["h", "axes"], ["m"], keepdims=0),
+             helper.make_node("Unsqueeze", ["m", "axes"], ["mu"]), helper.make_node("Sub", ["h", "mu"], ["d"]),
+             helper.make_node("LayerNormalization", ["d", "g", "b"], ["y"], axis=-1),
+             helper.make_node("Reshape", ["m", "flat"], ["mf"])]
+    inits = [("table", np.random.default_rng(0).standard_normal((20, 8)).astype(np.float32)),
+             ("ids", np.int64([3, 1, 4, 1, 5, 9, 2, 6])), ("axes", np.int64([-1])), ("flat", np.int64([8])),
+             ("g", np.linspace(0.5, 1.5, 8, dtype=np.float32)), ("b", np.float32(np.arange(8) / 10))]
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("x", [8, 8])], [("y", None), ("mf", None)], inits, opset=18)
+    assert try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True).template == "rowwise"
+
+
 def test_global_average_pool(tmp_path):
     nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["y"])]
     whole_graph_as_one_group(tmp_path, nodes, [("x", [2, 3, 5, 5])], [("y", None)])

@@ -189,6 +189,24 @@ def test_rowwise_softmax_and_layernorm_use_block_reductions(tmp_path):
               skeleton="block-per-row")
 
 
+def test_a_row_kernel_never_reads_another_rows_reduction(tmp_path):
+    """BERT's pooler after the final LayerNorm: the Gather of the first token has 8 values, one
+    per row only by number (8 rows of 8). The block-per-row kernel would write block r's value
+    from row r's moments but token 0's elements; lowering refuses the group naming the Gather,
+    and the LayerNorm without it runs emulated equal to ONNX Runtime."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1),
+             helper.make_node("Gather", ["n", "zero"], ["y"], axis=1)]
+    path = save(make_model(nodes, [("x", [1, 8, 8])], [("y", None), ("n", None)],
+                           [("g", rand(8)), ("b", rand(8, seed=5)), ("zero", np.int64(0))]), tmp_path / "m.onnx")
+    prep = prepare(path)
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    gather = next(n for n in prep.graph.nodes if n.op_type == "Gather")
+    decision = choices(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
+    assert not isinstance(decision, tuple) and f"{gather.name}(Gather)" in decision.reason, decision
+    check(prep, values, [n.id for n in prep.graph.nodes if n is not gather], skeleton="block-per-row")
+
+
 def test_gemm_with_softmax_epilogue(tmp_path):
     """Scores = Q·Kᵀ / 8 with a Softmax over the row: a rowwise kernel whose row values come from
     the dot products."""

@@ -24,6 +24,11 @@ library node once per (op, attributes, input shapes).
 Dims: the text models run at batch 1, seq 32 (zoo default 128) so the plain C loop nests of the
 large GEMMs (gpt2's tied 50257-wide LM head) stay within the CI budget; the image models run at
 their fixed 224×224 (batch 1).
+
+Candidates: plans choose few of the groups the search may choose (a measured-cost plan or another
+device may choose any); every candidate group of resnet18 (and, under -m slow, bert-small at its
+default seq 128) runs each generated host choice the same way, and every candidate holding
+bert-small's pooler Gather does in the fast run.
 """
 
 from __future__ import annotations
@@ -33,15 +38,21 @@ import functools
 import numpy as np
 import pytest
 
+from costmodels import RooflineModel
 from fusesearch import zoo
+from fusesearch.api import for_device, resolve_device
 from fusesearch.api import plan as make_plan
 from fusesearch.backends import arraylib, cpu
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.library import library_runner
+from fusesearch.candidates.enumerate import enumerate_candidates
+from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.shapes import ShapeBindings
+from fusesearch.lowering import choices
 from fusesearch.pipeline import prepare
 from fusesearch.search import STRATEGIES
+from fusesearch.search.problem import SearchProblem
 from fusesearch.verify import all_values, compare, random_feeds
 from tests.conftest import zoo_params
 
@@ -58,8 +69,8 @@ KNOWN_REFUSED: dict[tuple[str, tuple[str, ...]], str] = {
 
 
 @functools.lru_cache(maxsize=1)
-def _model(name: str):
-    dims = {"seq": TEXT_SEQ} if "seq" in zoo.ZOO[name].default_dims else {}
+def _model(name: str, seq: int = TEXT_SEQ):
+    dims = {"seq": seq} if "seq" in zoo.ZOO[name].default_dims else {}
     prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=[f"{k}={v}" for k, v in dims.items()]))
     canonical = to_proto(prep.canonical)
     return prep, canonical, all_values(canonical, random_feeds(canonical, 0))
@@ -148,6 +159,66 @@ def test_every_group_of_every_zoo_plan_matches_ort_on_the_cpu_backend(name, reco
     assert count["generated_run"] > 0
     stale = sorted(ops for model, ops in KNOWN_REFUSED if model == name and ops not in refused)
     assert not stale, f"no {name} plan has a refused {stale} group any more: remove it from KNOWN_REFUSED"
+
+
+def _check_candidates(prep, values, touching: int | None = None) -> int:
+    """Every candidate group the host search enumerates (only those holding node `touching` when
+    given), each generated choice as the CPU runs it (`lowering.choices(host=True)`, as `autotune`
+    times them), against ONNX Runtime; the number of distinct kernels run."""
+    graph = prep.graph
+    seen = set()
+    for group in enumerate_candidates(_host_legality(prep)).groups:
+        if touching is not None and touching not in group:
+            continue
+        kernels = choices(graph, FusionGroup(group), host=True)
+        assert not isinstance(kernels, FusionDecision), (sorted(group), kernels)
+        for kernel in kernels:
+            if kernel.alias or kernel.impl != "generated":
+                continue
+            try:
+                gk = generate(graph, kernel, name="fs_candidate")
+            except CodegenRefused:
+                continue
+            key = (gk.source_hash, tuple(a.shape for a in gk.inputs))
+            if key not in seen:
+                seen.add(key)
+                out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+                _assert_matches(values, out, f"candidate {'+'.join(graph.nodes[i].name for i in sorted(group))}")
+    return len(seen)
+
+
+def _host_legality(prep):
+    """The legality rules the search applies for `--device host`."""
+    _, spec, params, _ = resolve_device("host")
+    prep, params = for_device(prep, spec, params)
+    return SearchProblem.build(prep.graph, spec, RooflineModel(params)).legality
+
+
+def test_every_candidate_with_bert_smalls_pooler_gather_matches_ort():
+    """bert-small at seq 128: the pooler's Gather of the first token after the final LayerNorm
+    has 128 values, as many as the LayerNorm's rows (hidden = seq = 128). Every candidate group
+    holding it, each generated choice, equals ONNX Runtime; the LayerNorm's variance pass through
+    the Gather as one row kernel is refused, naming the Gather (it read token 0's elements with
+    each row's moments: max rel err 0.26)."""
+    prep, _, values = _model("bert-small", seq=128)
+    graph = prep.graph
+    gather = [n for n in graph.nodes if n.op_type == "Gather"][-1]
+    assert graph.tensors[gather.inputs[0]].shape == (1, 128, 128) and graph.tensors[gather.outputs[0]].size == 128
+    assert _check_candidates(prep, values, gather.id) >= 5
+    variance = max(n.id for n in graph.nodes if n.op_type == "ReduceMean" and n.id < gather.id)
+    decision = _host_legality(prep).check(frozenset(range(variance, gather.id + 1))).decision
+    assert not decision and f"{gather.name}(Gather)" in decision.reason, decision
+
+
+@pytest.mark.parametrize("name", [pytest.param("bert-small", marks=pytest.mark.slow), "resnet18"])
+def test_every_candidate_group_matches_ort(name):
+    """Every candidate group the host search may choose, not only the plans' groups, at the zoo's
+    default dims (bert-small's seq 128 = hidden is where its pooler Gather has one value per row).
+    resnet18: about 30 s from a cold compiler cache on one core; bert-small (over 1000 kernels):
+    about 2-3 minutes, so under -m slow."""
+    dims = zoo.ZOO[name].default_dims
+    prep, _, values = _model(name, seq=dims.get("seq", TEXT_SEQ))
+    assert _check_candidates(prep, values) > 0
 
 
 def test_known_refused_names_zoo_models():
