@@ -161,14 +161,14 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
     product it can run as (`costing.device_choices`), not only as its cheapest, so that a
     template's sample holds its products and the fit sees each one's rate
     (`RooflineParams.product_efficiency`)."""
-    from fusesearch.backends.codegen import CAPABILITIES
+    from fusesearch.backends import cpu
     from fusesearch.candidates.enumerate import enumerate_candidates
     from fusesearch.candidates.rules import Legality
 
     wanted = set(templates)
     pool = []
     for name, prep in preps.items():
-        legality = Legality(prep.graph, device, RooflineModel(params), CAPABILITIES)
+        legality = Legality(prep.graph, device, RooflineModel(params), cpu.capabilities())
         for nodes in enumerate_candidates(legality).groups:
             verdict = legality.check(nodes)
             kernel = verdict.kernel
@@ -178,7 +178,8 @@ def enumerate_pool(preps: Mapping[str, object], device: DeviceSpec, params: Roof
                 kernel = lower(prep.graph, FusionGroup(nodes))  # a lone anchor: its library call
             pool.append((name, nodes, kernel))
             if kernel.schedule.product and len(nodes) > 1:  # a CPU product: the group's other products too
-                pool += [(name, nodes, k) for k in device_choices(prep.graph, FusionGroup(nodes), device)
+                pool += [(name, nodes, k) for k in device_choices(prep.graph, FusionGroup(nodes), device,
+                                                                  legality.capabilities.blas)
                          if k.schedule.product not in ("", kernel.schedule.product)]
     return pool
 

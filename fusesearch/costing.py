@@ -43,10 +43,11 @@ def cheapest(kernels: Sequence[Kernel], device: DeviceSpec, model: RooflineModel
     return min(priced, key=lambda kc: (not kc[1].feasible, kc[1].time_s if kc[1].feasible else 0.0))
 
 
-def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec) -> tuple[Kernel, ...] | FusionDecision:
+def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec,
+                   blas: bool = True) -> tuple[Kernel, ...] | FusionDecision:
     """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU, for
     its vectors: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes)."""
-    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(lanes=device.warp_size))
+    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(blas=blas, lanes=device.warp_size))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

@@ -86,6 +86,16 @@ def available() -> FusionDecision:
     return FusionDecision.accept(compiler())
 
 
+def capabilities():
+    """What the code generator writes (`codegen.CAPABILITIES`), with whether the C programs built
+    here link a BLAS (`blas_flags`): without one no choice is a BLAS call."""
+    from dataclasses import replace
+
+    from fusesearch.backends.codegen import CAPABILITIES
+
+    return replace(CAPABILITIES, blas=bool(blas_flags()))
+
+
 @lru_cache(maxsize=1)
 def blas_flags() -> tuple[str, ...]:
     """Compile and link flags for the BLAS that gemm kernels call per row block (scipy-openblas32,

@@ -31,6 +31,7 @@ class Capabilities:
     ops: frozenset[str]  # op types the generator has code for
     dtypes: frozenset[str]  # tensor dtypes it has a C type for
     cpu_fusable: Callable[[Graph, Kernel], FusionDecision]  # a fused group the C backend writes well
+    blas: bool = True  # a CPU program links a BLAS: the "blas" and "im2col" products exist only then
 
     def generatable(self, graph: Graph, kernel: Kernel) -> FusionDecision:
         """Whether the generator can write the kernel at all: each op has code and each tensor a

@@ -205,7 +205,7 @@ class Legality:
     def options(self, nodes: frozenset[int], kernel: Kernel | None) -> tuple[Kernel, ...] | FusionDecision:
         """The group's choices on the device (`costing.device_choices`; a lone anchor's as
         `lone_anchors` allows), or why it has none."""
-        options = device_choices(self.graph, FusionGroup(nodes), self.device)
+        options = device_choices(self.graph, FusionGroup(nodes), self.device, self.capabilities.blas)
         if isinstance(options, FusionDecision) or not (len(nodes) == 1 and kernel.anchor is not None):
             return options
         return _lone_anchor_choices(self, options)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from costmodels import DeviceSpec, RooflineModel
-from fusesearch.backends.codegen import CAPABILITIES
+from fusesearch.backends import cpu
 from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
 from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality, Measurer
 from fusesearch.ir.graph import Graph
@@ -50,7 +50,7 @@ class SearchProblem:
         """`measurer`: the groups' choices priced by their measured times (`autotune`), else
         by the cost model."""
         config = config or SearchConfig()
-        return cls(graph, Legality(graph, device, model, CAPABILITIES, config.max_group_size,
+        return cls(graph, Legality(graph, device, model, cpu.capabilities(), config.max_group_size,
                                    lone_anchors=config.lone_anchors, measurer=measurer), config)
 
     def time_s(self, nodes: Iterable[int]) -> float:

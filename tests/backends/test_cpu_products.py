@@ -101,6 +101,27 @@ def test_without_a_blas_the_products_are_ours_or_the_loops(tmp_path, k, listed):
     assert _written_path(body) == listed[0] and "FS_BLAS_SGEMM" not in body
 
 
+@pytest.mark.parametrize("no_blas", ["", "1"])
+def test_a_search_on_the_host_lists_the_blas_only_where_programs_link_one(tmp_path, monkeypatch, no_blas):
+    """The search problem's capabilities say whether this machine's C programs link a BLAS
+    (`cpu.blas_flags`: FUSESEARCH_NO_BLAS turns it off), and a group's choices follow them."""
+    from costmodels import RooflineModel, load_device
+    from fusesearch.search.problem import SearchProblem
+
+    monkeypatch.setenv("FUSESEARCH_NO_BLAS", no_blas)
+    cpu.blas_flags.cache_clear()
+    try:
+        graph, _ = _graph(tmp_path, *_matmul_relu_parts(64))
+        spec, params = load_device("host")
+        legality = SearchProblem.build(graph, spec, RooflineModel(params)).legality
+        products = {k.schedule.product for k in legality.options(frozenset(range(len(graph))), None)}
+        linked = bool(cpu.blas_flags())
+        assert legality.capabilities.blas == linked and ("blas" in products) == linked
+        assert not (no_blas and linked)  # with the variable set, never a BLAS
+    finally:
+        cpu.blas_flags.cache_clear()
+
+
 @needs_cc
 def test_a_lone_gemm_lists_ours_the_blas_and_the_library_call(tmp_path):
     nodes = [helper.make_node("MatMul", ["x", "w"], ["out"], name="mm")]
