@@ -673,7 +673,7 @@ _CACHES_INPUT = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "GlobalAverag
 row can be kept for the later passes."""
 _TWO_PASSES = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "MeanVarianceNormalization",
                          "InstanceNormalization", "ReduceLogSumExp"})
-_ARG_OPS = frozenset({"ArgMax", "ArgMin", "Hardmax"})
+ARG_OPS = frozenset({"ArgMax", "ArgMin", "Hardmax"})  # a row kernel combines their (value, index) pairs
 
 
 def exp_row(softmax_output: str) -> str:
@@ -708,8 +708,8 @@ def row_smem(graph: Graph, nodes: Sequence[int], cache: Sequence[str], length: i
     """Shared memory of a row kernel: its cached rows, the block reduction's partials (any pass
     that sums or maximizes), ArgMax/ArgMin's block combine."""
     ops = {graph.nodes[i].op_type for i in nodes if graph.nodes[i].kind == OpKind.REDUCE}
-    return (4 * length * len(cache) + (ROW_REDUCE_SMEM if ops - _ARG_OPS else 0)
-            + (ARGBEST_SMEM if ops & _ARG_OPS else 0))
+    return (4 * length * len(cache) + (ROW_REDUCE_SMEM if ops - ARG_OPS else 0)
+            + (ARGBEST_SMEM if ops & ARG_OPS else 0))
 
 
 def block_per_row(graph: Graph, nodes: Sequence[int], rows: int, length: int,

@@ -37,7 +37,7 @@ from fusesearch.backends.codegen.hoist import hoist_invariants
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel, reduced_rows
-from fusesearch.schedule import THREADS, exp_row
+from fusesearch.schedule import ARG_OPS, THREADS, exp_row
 
 # -- rowwise ----------------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ def _rowwise(graph, kernel, name, ins, outs, args, packs: dict):
         loops, own = product
         c_body = loops if own else f"#ifdef FS_BLAS_SGEMM\n{loops}#else\n{c_body}#endif\n"
     c_src = c_function(name, ins, outs, tuple(packs.values()), c_body)
-    arg = _CU_BLOCK_ARGBEST if "block_argbest(" in cu_body else ""
+    arg = _CU_BLOCK_ARGBEST if any(graph.nodes[i].op_type in ARG_OPS for i in kernel.nodes) else ""
     cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\n{cuda_entry(name, ins, outs)} {{\n"
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
