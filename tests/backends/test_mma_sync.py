@@ -12,6 +12,8 @@ accumulators."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from fusesearch.backends import emulate
 from fusesearch.backends.codegen.base import Arg, GeneratedKernel
 from fusesearch.backends.codegen.ptx import MMA_SYNC
 from fusesearch.errors import FusesearchError
+from tests.backends.test_cuda_emulated import tf32
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler")
 
@@ -83,12 +86,6 @@ def tile_kernel(kind: str) -> GeneratedKernel:
 def tile_smem_bytes(kind: str) -> int:
     elem, _, _, _, lda, (_, b_elems), _ = _KINDS[kind]
     return (M * lda + b_elems) * (4 if elem == "float" else 2)
-
-
-def tf32(x: np.ndarray) -> np.ndarray:
-    """cvt.rna.tf32.f32: nearest, ties away from zero, 10 mantissa bits."""
-    u = x.astype(np.float32).view(np.uint32)
-    return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 ROUND = {"tf32": tf32, "f16": lambda x: x.astype(np.float16), "bf16": lambda x: x.astype(ml_dtypes.bfloat16)}
@@ -170,8 +167,9 @@ def test_misaligned_ldmatrix_row_fails_the_launch():
 
 def test_mma_sync_skipped_by_some_lanes_fails_the_launch():
     """mma.sync is warp-collective: lanes that skip it leave the others at a barrier that never completes."""
-    src = tile_kernel("tf32").cuda_source.replace("for (int j = 0; j < 2; ++j) fs_mma_", "for (int j = 0; j < 2; ++j) if (lane < 16) fs_mma_")
-    kernel = GeneratedKernel(**{**tile_kernel("tf32").__dict__, "cuda_source": src})
+    tile = tile_kernel("tf32")
+    kernel = replace(tile, cuda_source=tile.cuda_source.replace(") fs_mma_", ") if (lane < 16) fs_mma_"))
+    assert kernel.cuda_source != tile.cuda_source
     with pytest.raises(FusesearchError, match="never reached by all its threads"):
         emulate.run(kernel, {"a": np.zeros((M, K), np.float32), "b": np.zeros((K, N), np.float32)})
 
