@@ -15,7 +15,10 @@ through a per-warp slot array between two warp barriers; half storage converts o
 (`FS_HOST_HALF`: float16 through `_Float16`; bfloat16's bit manipulation is the kernel's own);
 the wmma subset of the tensor-core skeletons works on warp-replicated fragments (each lane holds
 and computes the warp's whole 16x16 tile; lane 0 stores it) with the operands rounded as a
-tensor core reads them (TF32: 10 mantissa bits); cp.async is a synchronous copy; and
+tensor core reads them (TF32: 10 mantissa bits); `mma.sync` (m16n8k8 TF32, m16n8k16 FP16 / BF16)
+and `ldmatrix` (`codegen.ptx`'s device functions) are warp-collective: every lane publishes its
+registers (or row address) between two warp barriers and reads what the instruction gives it in
+the PTX ISA's per-lane layout; cp.async is a synchronous copy; and
 `#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>` find empty stand-ins. This is an
 executable model of the CUDA programming model, good for correctness (every thread, barrier and
 shuffle happens), useless for timing.
@@ -27,7 +30,8 @@ Invariants: the source is compiled byte for byte as `kernel_runner` (or the CUDA
 module) would send it to NVRTC (only the header is prepended, the launchers appended); a
 barrier that some thread never reaches (it skipped a `__syncthreads` or a warp-collective
 operation, as a divergent barrier would on a GPU) fails the launch as soon as no thread can run,
-instead of hanging; inputs are never written.
+instead of hanging; an ldmatrix row address off a 16-byte boundary fails it (the GPU faults);
+inputs are never written.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ static float fs_slots[FS_MAX_THREADS];
 static ucontext_t fs_sched, fs_ctx[FS_MAX_THREADS];
 static unsigned fs_cur, fs_queue[FS_MAX_THREADS], fs_head, fs_tail, fs_ended;
 static char* fs_stacks;
+static bool fs_misaligned;  // a lane gave ldmatrix a row address that is not 16-byte aligned
 static void fs_barrier_init(fs_barrier* b, unsigned count) { b->count = count; b->waiting = 0; }
 static inline void fs_ready(unsigned t) { fs_queue[fs_tail++ % FS_MAX_THREADS] = t; }
 static void fs_wait(fs_barrier* b) {
@@ -116,6 +121,7 @@ static int fs_run(void (*body)(void), unsigned gx, unsigned gy, unsigned gz, uns
         if (p == MAP_FAILED) return -3;
         fs_stacks = (char*)p;
     }
+    fs_misaligned = false;
     gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = bx; blockDim.y = by; blockDim.z = bz;
     fs_body = body;
     fs_barrier_init(&fs_block, n);
@@ -139,6 +145,7 @@ static int fs_run(void (*body)(void), unsigned gx, unsigned gy, unsigned gz, uns
                     threadIdx.x = t % bx; threadIdx.y = (t / bx) % by; threadIdx.z = t / (bx * by);
                     swapcontext(&fs_sched, &fs_ctx[t]);
                 }
+                if (fs_misaligned) return -4;  // a GPU faults on it
                 if (fs_ended != n) return -2;  // some barrier can never complete
             }
     return 0;
@@ -256,6 +263,72 @@ static inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const frag
     for (int i = 0; i < M * N; ++i) d.x[i] = out[i];
 }
 } }
+
+// mma.sync and ldmatrix (`codegen.ptx`: the GPU's inline PTX) as warp-collective operations: each
+// lane publishes its registers (or its row address), a warp barrier, each lane reads what the
+// instruction gives it in the PTX ISA's per-lane layout (g = lane >> 2, t = lane % 4), a second
+// warp barrier before the published values may change. mma gathers the warp's A and B from every
+// lane's fragments, with the operands as the tensor core reads them (a TF32 operand's top 19 bits,
+// half / bfloat16 exact), and each lane computes its own four accumulators in float, in K order.
+// An ldmatrix row address that is not 16-byte aligned (a GPU's misaligned-address fault) fails
+// the launch.
+static unsigned fs_lane_words[FS_MAX_THREADS][6];
+static const void* fs_lane_rows[FS_MAX_THREADS];
+static inline unsigned fs_tf32(float x) { return (unsigned)__float_as_int(nvcuda::wmma::__float_to_tf32(x)); }
+enum fs_operand_kind { FS_TF32, FS_F16, FS_BF16 };
+static inline float fs_mma_element(unsigned word, int half, fs_operand_kind kind) {
+    if (kind == FS_TF32) return nvcuda::wmma::fs_operand_tf32(__int_as_float((int)word));
+    unsigned short h = (unsigned short)(word >> (16 * half));
+    return kind == FS_F16 ? fs_float16_load(h) : __int_as_float((int)((unsigned)h << 16));
+}
+template <int K, fs_operand_kind KIND>
+static inline void fs_mma_m16n8(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    enum { E = K / 8 };  // elements per register: 1 (TF32), 2 (b16 pairs)
+    const unsigned t = fs_tid(), w0 = t & ~31u, lane = t & 31u;
+    for (int i = 0; i < 4; ++i) fs_lane_words[t][i] = a[i];
+    fs_lane_words[t][4] = b[0]; fs_lane_words[t][5] = b[1];
+    fs_wait(&fs_warps[t >> 5]);
+    float A[16][K], B[K][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l >> 2, q = l & 3u;
+        const unsigned* w = fs_lane_words[w0 + l];
+        for (int i = 0; i < 4; ++i)  // a[i]: rows +8 for odd i, columns +K/2 from i = 2
+            for (int h = 0; h < E; ++h) A[g + 8 * (i & 1)][E * q + h + K / 2 * (i >> 1)] = fs_mma_element(w[i], h, KIND);
+        for (int i = 0; i < 2; ++i)  // b[i]: rows (K) +K/2 for i = 1
+            for (int h = 0; h < E; ++h) B[E * q + h + K / 2 * i][g] = fs_mma_element(w[4 + i], h, KIND);
+    }
+    float out[4];
+    for (int i = 0; i < 4; ++i) {  // c[i], d[i]: row g (+8 from i = 2), column 2t + (i & 1)
+        const unsigned row = (lane >> 2) + 8 * (i >> 1), col = 2 * (lane & 3u) + (i & 1);
+        float s = c[i];
+        for (int k = 0; k < K; ++k) s += A[row][k] * B[k][col];
+        out[i] = s;
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+    fs_wait(&fs_warps[t >> 5]);
+}
+static inline void fs_mma_m16n8k8_tf32(float* d, const unsigned* a, const unsigned* b, const float* c) { fs_mma_m16n8<8, FS_TF32>(d, a, b, c); }
+static inline void fs_mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b, const float* c) { fs_mma_m16n8<16, FS_F16>(d, a, b, c); }
+static inline void fs_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b, const float* c) { fs_mma_m16n8<16, FS_BF16>(d, a, b, c); }
+template <int N, bool TRANS>
+static inline void fs_ldmatrix(unsigned* r, const void* p) {
+    const unsigned t = fs_tid(), w0 = t & ~31u, lane = t & 31u, g = lane >> 2, q = lane & 3u;
+    if ((uintptr_t)p % 16) fs_misaligned = true;
+    fs_lane_rows[t] = p;
+    fs_wait(&fs_warps[t >> 5]);
+    for (int j = 0; j < N; ++j) {  // matrix j's rows: the addresses of lanes 8j .. 8j + 7
+        const unsigned short* const* rows = (const unsigned short* const*)&fs_lane_rows[w0 + 8 * j];
+        unsigned lo = TRANS ? rows[2 * q][g] : rows[g][2 * q], hi = TRANS ? rows[2 * q + 1][g] : rows[g][2 * q + 1];
+        r[j] = lo | hi << 16;
+    }
+    fs_wait(&fs_warps[t >> 5]);
+}
+static inline void fs_ldmatrix_x1(unsigned* r, const void* p) { fs_ldmatrix<1, false>(r, p); }
+static inline void fs_ldmatrix_x2(unsigned* r, const void* p) { fs_ldmatrix<2, false>(r, p); }
+static inline void fs_ldmatrix_x4(unsigned* r, const void* p) { fs_ldmatrix<4, false>(r, p); }
+static inline void fs_ldmatrix_x1_trans(unsigned* r, const void* p) { fs_ldmatrix<1, true>(r, p); }
+static inline void fs_ldmatrix_x2_trans(unsigned* r, const void* p) { fs_ldmatrix<2, true>(r, p); }
+static inline void fs_ldmatrix_x4_trans(unsigned* r, const void* p) { fs_ldmatrix<4, true>(r, p); }
 """
 
 _LAUNCHER = r"""
@@ -379,6 +452,9 @@ def _launch(kernel: GeneratedKernel, fn, pointers: Sequence[int]) -> None:
         raise FusesearchError(f"{kernel.name}: block {block} is not a whole number of warps (<= 1024 threads)")
     if rc == -3:
         raise FusesearchError(f"{kernel.name}: no memory for the emulated threads' stacks")
+    if rc == -4:
+        raise FusesearchError(f"{kernel.name}: an ldmatrix row address is not 16-byte aligned (a misaligned-address "
+                              "fault on the GPU)")
     if rc != 0:
         raise FusesearchError(f"{kernel.name}: a barrier was never reached by all its threads "
                               "(a thread skipped __syncthreads or a warp-collective operation: divergent barrier)")
