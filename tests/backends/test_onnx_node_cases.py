@@ -40,7 +40,7 @@ from fusesearch.errors import BadInput
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.ir.load import MIN_OPSET, TARGET_OPSET
-from fusesearch.lowering import _lower_checked, lower, reduced_rows
+from fusesearch.lowering import _lower_checked, reduced_rows, try_lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values
 
@@ -454,7 +454,7 @@ def _run_data_set(case: NodeCase, inputs, outputs, folder: Path) -> None:
     except BadInput as exc:  # the loader's one-line refusal of the model (bad input)
         raise Refused(f"the loader refuses the model: {exc}") from None
     _check_graph(prep)
-    kernel = lower(prep.graph, FusionGroup(frozenset({prep.graph.nodes[0].id})))
+    kernel = try_lower(prep.graph, FusionGroup(frozenset({prep.graph.nodes[0].id})), host=True)  # as the CPU runs it
     if kernel.template == "opaque":
         refused = _lower_checked(prep.graph, list(prep.graph.nodes))
         raise Refused(f"not supported yet: lowered as a library call ({refused.reason})")
