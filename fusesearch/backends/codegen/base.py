@@ -298,7 +298,9 @@ def c_function(name: str, ins, outs, packed, body: str, defs: str = "") -> str:
     declarations of what the shared runtime defines, the packed GEMM included), `defs` (file-scope
     definitions of the kernel's own: a tile epilogue with the tile kernels it is inlined into,
     `tile_epilogue`), the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
-    invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
+    invariant temporaries hoisted: `hoist_loop_invariants`) in one OpenMP parallel region, whose
+    worksharing loops (`OMP_FOR`) share the work — one team per call, as the cost model prices a
+    host kernel's launch — and its `<name>_pack`."""
     body = hoist_loop_invariants(body)
     wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
     src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}\n"
