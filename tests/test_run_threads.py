@@ -105,3 +105,24 @@ def test_every_zoo_program_equals_ort_at_two_and_three_threads(name, tmp_path):
     for threads in THREADS:  # Mismatch names the first step that differs
         report = run_plan(prep, plan, unfused, threads=threads, time_it=False)
         assert report.threads == threads and report.kernels >= 1
+
+
+def test_a_kernel_sharing_a_product_buffer_equals_ort_at_two_and_three_threads(tmp_path):
+    """Attention's scores as one kernel (product into a shared buffer, then scaled, masked Softmax
+    rows reading it, both worksharing loops of the kernel's one OpenMP region): at 2 and 3 threads,
+    every thread reads the product the others wrote into the one buffer."""
+    from tests.conftest import make_model
+
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Mul", ["s", "c"], ["sc"]),
+             helper.make_node("Add", ["sc", "m"], ["sm"]), helper.make_node("Softmax", ["sm"], ["y"], axis=-1)]
+    inits = [("c", np.array(0.125, dtype=np.float32)), ("m", rng.standard_normal((1, 1, 1, 48)).astype(np.float32))]
+    path = save(make_model(nodes, [("q", [1, 2, 48, 16]), ("k", [1, 2, 16, 48])], [("y", None)], inits),
+                tmp_path / "scores.onnx")
+    prep = prepare(str(path))
+    plan = make_plan(str(path), device="host", prepared=prep)
+    unfused = make_plan(str(path), device="host", strategy="none", prepared=prep)
+    assert any(len(g.nodes) == len(prep.graph) for g in plan.groups)
+    for threads in THREADS:
+        report = run_plan(prep, plan, unfused, threads=threads, time_it=False)
+        assert report.threads == threads and report.kernels >= 1

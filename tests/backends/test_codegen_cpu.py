@@ -649,3 +649,22 @@ def test_paired_rows_keep_each_pragma_on_its_own_rows_loop():
         assert out[at + 2].strip().startswith("float v2 = ")  # block-local: not renamed
         store = out.index(f"for (long long j = 0; j < 4LL; ++j) out0[r_{u} * 4LL + j] = s1_{u};")
         assert out[store - 1] == "#pragma omp simd"
+
+
+def test_a_kernel_runs_its_loops_in_one_parallel_region(tmp_path):
+    """Attention's scores: the product into a buffer, then the scaled, masked Softmax rows over it.
+    The kernel opens one OpenMP region, its loops are worksharing loops of it (the barrier between
+    the product and the rows that read it is the first loop's own), and the product's buffer is one
+    that every thread of the region shares (one thread takes it, the others get its pointer)."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Mul", ["s", "c"], ["sc"]),
+             helper.make_node("Add", ["sc", "m"], ["sm"]), helper.make_node("Softmax", ["sm"], ["y"], axis=-1)]
+    inits = [("c", np.array(0.125, dtype=np.float32)), ("m", rng.standard_normal((1, 1, 1, 32)).astype(np.float32))]
+    prep = whole_graph_as_one_group(tmp_path, nodes, [("q", [1, 2, 32, 16]), ("k", [1, 2, 16, 32])],
+                                    [("y", None)], inits)
+    kernel = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
+    source = generate(prep.graph, kernel).c_source
+    assert source.count("#pragma omp parallel") == 1
+    assert "#pragma omp parallel for" not in source
+    assert source.count("#pragma omp for") >= 2
+    assert "#pragma omp single copyprivate(ybuf)" in source

@@ -15,7 +15,8 @@ every op with code (a test holds it to every op OpKind calls fusible, less a lis
 emitted statements are the same text in both languages; only the skeleton around them differs:
 
     pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
-               C: `#pragma omp parallel for` (a pool's output in separable row passes,
+               C: `#pragma omp for`, a worksharing loop of the kernel's one OpenMP region
+               (`base.c_function`; a pool's output in separable row passes,
                `pool_rows`; under another pool, the columns split into the border, with
                clamped taps, and the branch-free interior) · CUDA: a grid-stride loop, or, when every op is
                elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four

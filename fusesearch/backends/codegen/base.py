@@ -246,19 +246,35 @@ def streamed_loop(out: Arg, base: str, extent: int, body: list[str], value: str,
             "}", "}"]
 
 
+# C: every loop a kernel shares among threads is a worksharing loop of the one parallel region the
+# kernel's body runs in (`c_function`): one team per kernel call, not one per loop, with the loop's
+# implicit barrier between a loop and the next that reads what it wrote.
+OMP_FOR = "#pragma omp for schedule(static)"
+
+
 def parallel_rows(var: str, rows: int, body: list[str], fence: bool) -> str:
-    """`for (var in [0, rows)) body` parallel over OpenMP threads (static); `fence`: each thread
-    fences its streamed stores once, after its last row (`fs_stream_fence`)."""
+    """`for (var in [0, rows)) body` shared among the kernel's OpenMP threads (static); `fence`:
+    each thread fences its streamed stores once, after its last row (`fs_stream_fence`), before
+    the barrier."""
     loop = [f"for (long long {var} = 0; {var} < {rows}LL; ++{var}) {{", *["    " + x for x in body], "}"]
     if not fence:
-        return "    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)
-    return ("    #pragma omp parallel\n    {\n        #pragma omp for schedule(static) nowait\n" + _indent(loop, 2)
-            + "\n        fs_stream_fence();\n    }")
+        return f"    {OMP_FOR}\n" + _indent(loop, 1)
+    return (f"    {OMP_FOR} nowait\n" + _indent(loop, 1)
+            + "\n    fs_stream_fence();\n    #pragma omp barrier")
 
 
 def scratch(name: str, floats: str) -> str:
-    """The C declaration of scratch buffer `name` (one of SCRATCH_SLOTS) of `floats` floats."""
+    """The C declaration of scratch buffer `name` (one of SCRATCH_SLOTS) of `floats` floats, the
+    calling thread's own."""
     return f"float* {name} = fs_scratch({SCRATCH_SLOTS.index(name)}, sizeof(float) * ({floats}));"
+
+
+def shared_scratch(name: str, floats: str) -> str:
+    """The C declaration of scratch buffer `name` that every thread of the kernel's region shares
+    (a materialized product: written by one loop, read by the next): one thread's buffer, its
+    pointer copied to the others."""
+    return (f"float* {name};\n    #pragma omp single copyprivate({name})\n    "
+            f"{name} = fs_scratch({SCRATCH_SLOTS.index(name)}, sizeof(float) * ({floats}));")
 
 
 def _c_param(ctype: str, a: Arg, named: bool) -> str:
@@ -282,11 +298,14 @@ def c_function(name: str, ins, outs, packed, body: str, defs: str = "") -> str:
     declarations of what the shared runtime defines, the packed GEMM included), `defs` (file-scope
     definitions of the kernel's own: a tile epilogue with the tile kernels it is inlined into,
     `tile_epilogue`), the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
-    invariant temporaries hoisted: `hoist_loop_invariants`), and its `<name>_pack`."""
+    invariant temporaries hoisted: `hoist_loop_invariants`) in one OpenMP parallel region, whose
+    worksharing loops (`OMP_FOR`) share the work — one team per call, as the cost model prices a
+    host kernel's launch — and its `<name>_pack`."""
     body = hoist_loop_invariants(body)
     wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
     src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}\n"
-           f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n{body}}}\n{_WIDE_OFF if wide else ''}")
+           f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n    #pragma omp parallel\n    {{\n{body}    }}\n}}\n"
+           f"{_WIDE_OFF if wide else ''}")
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"
                 + "".join(f"    {p.pack_call()}\n" for p in packed) + "}\n")

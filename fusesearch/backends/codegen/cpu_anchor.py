@@ -9,7 +9,7 @@ generic loops); the choice reads only the graph and the kernel, so the source is
 
 from __future__ import annotations
 
-from fusesearch.backends.codegen.base import Arg, compute_dtype, scratch
+from fusesearch.backends.codegen.base import Arg, compute_dtype, shared_scratch
 from fusesearch.backends.codegen.cpu_conv import _conv_loops
 from fusesearch.backends.codegen.cpu_gemm import _matmul_row_loops, _view_strides, gemm_product
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
@@ -57,5 +57,5 @@ def _materialized_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, 
     if product is None:
         return None
     c_loops, _ = _pointwise_loops(graph, kernel, {**args, y: buffer}, outs, materialized=frozenset({y}))
-    whole = ["    " + scratch("ybuf", f"{max(1, buffer.size)}LL"), *product, *c_loops]
+    whole = ["    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL"), *product, *c_loops]
     return ["#ifdef FS_BLAS_SGEMM", *stored, "#else", *whole, "#endif"] if stored else whole

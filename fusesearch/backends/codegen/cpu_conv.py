@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 
 from fusesearch.backends.codegen.base import (
+    OMP_FOR,
     Arg,
     CodegenRefused,
     _flat_loop,
@@ -207,7 +208,7 @@ def _conv_blas_blocks(graph: Graph, kernel: Kernel, args, outs, anchor: Node, pa
              f"long long rb = ({ho}LL + split - 1) / split;", f"if (rb > {cap}LL) rb = {cap}LL;", *fit,
              f"long long blocks = ({ho}LL + rb - 1) / rb;",
              f"rb = ({ho}LL + blocks - 1) / blocks;")  # even blocks: a short last one costs a whole filter packing
-    return c_side + ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n"
+    return c_side + ["    {", *["    " + x for x in split], f"    {OMP_FOR}\n"
                      + _indent(block, 1), "    }"]
 
 
@@ -489,7 +490,7 @@ def _depthwise_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> 
              f"        for (long long ow = 0; ow < {ow_n}LL; ++ow) {{", *["            " + x_ for x_ in body], "        }",
              "    }", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
-    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(block, 1)]
+    return c_side + [f"    {OMP_FOR}\n" + _indent(block, 1)]
 
 
 def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> list[str] | None:
@@ -527,7 +528,7 @@ def _conv_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node) -> l
     loop += [f"    for (long long {col} = 0; {col} < {yshape[inner_axis]}LL; ++{col}) {{"]
     loop += ["        " + x for x in fill_lines + body] + ["    }", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
-    return c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    return c_side + [f"    {OMP_FOR}\n" + _indent(loop, 1)]
 
 
 def _fill_conv(graph: Graph, anchor: Node):

@@ -65,6 +65,7 @@ import math
 import numpy as np
 
 from fusesearch.backends.codegen.base import (
+    OMP_FOR,
     Arg,
     CodegenRefused,
     PackedWeight,
@@ -170,7 +171,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
             *["    " + x for x in fill + mac],
             f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
     c_side, _ = _pointwise_loops(graph, kernel, args, side)
-    rows_loop = c_side + ["    #pragma omp parallel for schedule(static)\n" + _indent(loop, 1)]
+    rows_loop = c_side + [f"    {OMP_FOR}\n" + _indent(loop, 1)]
     if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
         rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
     # a Gemm's C operand is a term without the product (its alpha must be 1: the product is added as is)
@@ -516,7 +517,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
              f"long long blocks = ({m_extent}LL + mb - 1) / mb;",
              f"mb = ({m_extent}LL + blocks - 1) / blocks;")  # even blocks: a short last call costs a whole B packing
-    return ["    {", *["    " + x for x in split], "    #pragma omp parallel for schedule(static)\n" + _indent(block, 1), "    }"]
+    return ["    {", *["    " + x for x in split], f"    {OMP_FOR}\n" + _indent(block, 1), "    }"]
 
 
 def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, scale: float, alpha: str) -> list[str]:

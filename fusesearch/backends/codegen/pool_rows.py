@@ -16,7 +16,7 @@ MAX_ROW floats on the stack; the result equals `ops._pool`'s (same taps, same or
 
 from __future__ import annotations
 
-from fusesearch.backends.codegen.base import Arg, _flat_loop, _indent, _lit
+from fusesearch.backends.codegen.base import OMP_FOR, Arg, _flat_loop, _indent, _lit
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.ir.pool import POOL_OPS, pool_window
 
@@ -96,4 +96,4 @@ def _pool_rows(graph, kernel, args, out: Arg, materialized) -> str | None:
             f"    for (long long c = 0; c < {aw.extent}LL; ++c) {{", *["        " + s for s in vertical], "    }",
             *(["    #pragma omp simd"] if _flat_loop(horizontal) else []),
             f"    for (long long j = 0; j < {aw.out}LL; ++j) {{", *["        " + s for s in horizontal], "    }", "}"]
-    return "\n".join(["    " + t for t in tables] + ["    #pragma omp parallel for schedule(static)", _indent(loop, 1)])
+    return "\n".join(["    " + t for t in tables] + [f"    {OMP_FOR}", _indent(loop, 1)])

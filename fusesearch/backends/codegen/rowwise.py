@@ -25,7 +25,7 @@ from fusesearch.backends.codegen.base import (
     compute_dtype,
     cuda_entry,
     parallel_rows,
-    scratch,
+    shared_scratch,
     store,
     streamed_loop,
     streams,
@@ -193,7 +193,7 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
-    return ("    " + scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
+    return ("    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
             + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), product == "own"
 
 
