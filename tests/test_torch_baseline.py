@@ -134,14 +134,12 @@ def test_a_computed_shape_input_is_refused_by_name():
 @pytest.mark.parametrize("name", ["bert-small", "resnet18"])
 def test_zoo_models_equal_onnx_runtime_eager(name):
     pytest.importorskip("torch")
-    from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import prepare
-    from fusesearch.verify import all_values, random_feeds
+    from fusesearch.run import _reference
 
-    canonical = to_proto(prepare(f"zoo:{name}").canonical)
-    feeds = random_feeds(canonical, 0, None)
-    reference = all_values(canonical, feeds, [])
-    runs, clocks, info = baselines(canonical, {}, feeds, reference, 1e-4, modes={})
+    # the model, weights (a scalar among them as one element), inputs and outputs `run` has
+    canonical, weights, feeds, reference = _reference(prepare(f"zoo:{name}"), {}, 0, None)
+    runs, clocks, info = baselines(canonical, weights, feeds, reference, 1e-4, modes={})
     assert list(runs) == ["torch_eager"] and clocks == {} and "failed" not in info
     assert info["device"] == "cpu" and info["torch"]
 

@@ -374,10 +374,11 @@ def convert(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = N
     first node it cannot take."""
     torch = load_torch()
     graph = model.graph
-    consts = dict(weights) if weights is not None else {}
-    for t in graph.initializer:
-        if t.name not in consts:
-            consts[t.name] = numpy_helper.to_array(t)
+    weights = weights or {}
+    consts = {}
+    for t in graph.initializer:  # at the initializer's own shape (a scalar may come as one element)
+        consts[t.name] = (np.asarray(weights[t.name]).reshape(tuple(t.dims)) if t.name in weights
+                          else numpy_helper.to_array(t))
     shapes = _shapes(onnx.shape_inference.infer_shapes(model) if not graph.value_info else model)
     table = _converters(torch)
     steps = []
@@ -396,6 +397,15 @@ def convert(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = N
                    [o.name for o in graph.output])
 
 
+def _tensor(torch, value: np.ndarray, what: str):
+    """`value` as a tensor sharing its memory; Unconvertible for a dtype torch cannot take from
+    numpy (bfloat16 has no numpy dtype of its own)."""
+    try:
+        return torch.from_numpy(np.asarray(value))
+    except TypeError as exc:
+        raise Unconvertible(f"{what} of dtype {np.asarray(value).dtype}: torch cannot take it ({exc})") from None
+
+
 def _module_class(torch):
     class Module(torch.nn.Module):
         """The converted graph: `forward` runs each node's function in topological order."""
@@ -407,7 +417,7 @@ def _module_class(torch):
             self.names = {}
             for i, t in enumerate(sorted(read)):
                 self.names[t] = f"c{i}"
-                self.register_buffer(f"c{i}", torch.from_numpy(np.array(consts[t], copy=True)))
+                self.register_buffer(f"c{i}", _tensor(torch, np.array(consts[t], copy=True), f"constant '{t}'"))
 
         def forward(self, *args):
             values = {t: getattr(self, b) for t, b in self.names.items()}
@@ -509,17 +519,16 @@ def baselines(model: onnx.ModelProto, weights: Mapping[str, np.ndarray], feeds: 
         return {}, {}, NOT_INSTALLED
     info: dict = {**versions(), "converter": "fusesearch (canonical ONNX, static shapes, constants folded)",
                   "inductor": {"freezing": True, "inference_mode": True}, "device": "cuda" if cuda else "cpu"}
+    device = "cuda" if cuda else "cpu"
     try:
-        module = convert(model, weights)
+        module = convert(model, weights).to(device)
+        args = [_tensor(torch, feeds[n], f"input '{n}'").to(device) for n in module.inputs]
     except Unconvertible as exc:
         return {}, {}, {**info, "refused": str(exc)}
     from fusesearch.verify import compare
 
-    device = "cuda" if cuda else "cpu"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    module = module.to(device)
-    args = [torch.from_numpy(np.asarray(feeds[n])).to(device) for n in module.inputs]
     expected = {t: reference[t] for t in module.outputs}
     runs, failed, notes = {}, {}, {}
     for name, mode in {"torch_eager": None, **modes}.items():
