@@ -43,7 +43,12 @@ with cupy (cuBLAS) and other library steps through ONNX Runtime on the device's 
 program captured once as a CUDA graph and replayed when every segment is generated; the
 programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
 CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
-report). `CudaProgram` only orchestrates; its device (the backend's `program_device`:
+report). With `baselines=("torch",)` (`run --baselines torch`), and always on a GPU, PyTorch
+eager and torch.compile (Inductor, frozen weights: default and max-autotune) over the same
+canonical model (`backends.torch_baseline`, our converter) are checked equal to ONNX Runtime's
+outputs and timed in the same rounds (CUDA events on torch's stream on a GPU); without torch the
+report says "not installed", and a model or variant left out is named with its reason.
+`CudaProgram` only orchestrates; its device (the backend's `program_device`:
 `backends.cupy.Device`, or `backends.emulate.HostDevice`: the CUDA emulator on host memory,
 `run_emulated`, correctness only) allocates, copies, launches and captures, so the emulator's
 tests run the GPU's orchestration.
@@ -867,30 +872,30 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
     timings: dict[str, Timing] = {}
     ort_provider = "CPUExecutionProvider"
     torch_info = None
-    if time_it and device is not None:  # the programs on their inputs, resident since the check
-        runs = {label: programs[label].run for label in ("plan", "unfused")}
-        clocks = {label: device.clock() for label in runs}
-        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
-            runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
-            if ort_provider == CUDA_EP:
-                clocks[key] = device.clock()
-        torch_info = _with_torch(runs, clocks, say, canonical, weights, feeds, reference, rtol, threads,
-                                 graph.allow_tf32, cuda=True) if with_torch else None
-        say("timing")
-        with torch_threads(threads):
-            timings = _timed(runs, warmup, repeat, clocks)
-    elif time_it:
-        runs: dict[str, Callable[[], object]] = {}
-        for label in ("plan", "unfused"):
-            runs[label] = lambda program=programs[label]: program(feeds)
-        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
-            sess = session(canonical, threads=threads, optimize=level)
-            names = [o.name for o in sess.get_outputs()]
-            ort_feeds = session_feeds(sess, feeds)
-            runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
-        clocks = {}
-        torch_info = _with_torch(runs, clocks, say, canonical, weights, feeds, reference, rtol, threads,
-                                 graph.allow_tf32, cuda=False) if with_torch else None
+    if time_it:
+        if device is not None:  # the programs on their inputs, resident since the check
+            runs = {label: programs[label].run for label in ("plan", "unfused")}
+            clocks = {label: device.clock() for label in runs}
+            for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+                runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
+                if ort_provider == CUDA_EP:
+                    clocks[key] = device.clock()
+        else:
+            runs, clocks = {}, {}
+            for label in ("plan", "unfused"):
+                runs[label] = lambda program=programs[label]: program(feeds)
+            for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+                sess = session(canonical, threads=threads, optimize=level)
+                names = [o.name for o in sess.get_outputs()]
+                ort_feeds = session_feeds(sess, feeds)
+                runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
+        if with_torch:  # PyTorch eager and torch.compile, each checked equal to ONNX Runtime first
+            say("converting to PyTorch and compiling")
+            with torch_threads(threads):
+                more, more_clocks, torch_info = baselines(canonical, weights, feeds, reference, rtol,
+                                                          cuda=device is not None, tf32=graph.allow_tf32)
+            runs.update(more)
+            clocks.update(more_clocks)
         say("timing")
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
             if isinstance(program, Program) and program.library is not None:
@@ -909,14 +914,3 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         unfused_cuda_graph=getattr(programs["unfused"], "cuda_graph", None), ort_provider=ort_provider,
         amplified_err=amplified["plan"], unfused_amplified_err=amplified["unfused"], torch=torch_info)
 
-
-def _with_torch(runs: dict, clocks: dict, say, canonical, weights, feeds, reference, rtol: float, threads: int,
-                tf32: bool, *, cuda: bool):
-    """Add PyTorch eager and torch.compile to `runs` (and their clocks), each checked equal to
-    ONNX Runtime first; returns the report's "torch" entry."""
-    say("converting to PyTorch and compiling")
-    with torch_threads(threads):
-        more, more_clocks, info = baselines(canonical, weights, feeds, reference, rtol, cuda=cuda, tf32=tf32)
-    runs.update(more)
-    clocks.update(more_clocks)
-    return info

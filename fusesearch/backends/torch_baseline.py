@@ -462,8 +462,12 @@ def _first_compile(module, mode: str, args, say_retry: Callable[[str], None]):
 
     for i, options in enumerate(RETRIES):
         fn = compiled(module, mode)
+        if options:  # every call under the options it compiled with: Dynamo recompiles otherwise
+            def fn(*a, fn=fn, options=options):
+                with inductor.patch(options):
+                    return fn(*a)
         try:
-            with inductor.patch(options), torch.inference_mode():
+            with torch.inference_mode():
                 return fn, fn(*args)
         except Exception as exc:  # noqa: BLE001 -- the compiler's own errors, retried then reported
             if i == len(RETRIES) - 1:
