@@ -199,3 +199,24 @@ def test_run_times_torch_eager_and_compile_beside_the_plan(run_cli, tmp_path):
         assert doc["ratios"][f"plan_vs_{key}"] > 0
     assert doc["torch"]["torch"] and doc["torch"]["inductor"] == {"freezing": True, "inference_mode": True}
     assert "failed" not in doc["torch"]
+
+
+def test_a_failed_compile_is_retried_and_keeps_its_options(monkeypatch):
+    """A compiler that fails with the pattern matcher on (as Inductor's attention rewrite does on
+    some masked attention) is tried again without it, and every later call runs without it too."""
+    pytest.importorskip("torch")
+    import torch._inductor.config as inductor
+
+    def fake_compiled(module, mode):
+        def run(*args):
+            if inductor.pattern_matcher:
+                raise RuntimeError("Attempting to broadcast a dimension of length 128")
+            return module(*args)
+        return run
+
+    monkeypatch.setattr(torch_baseline, "compiled", fake_compiled)
+    heard = []
+    fn, got = torch_baseline._first_compile(lambda x: x + 1, "default", [1], heard.append)
+    assert got == 2 and fn(2) == 3 and inductor.pattern_matcher
+    assert heard == ["RuntimeError: Attempting to broadcast a dimension of length 128; "
+                     "compiled with pattern_matcher=False"]
