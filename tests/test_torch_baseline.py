@@ -116,11 +116,30 @@ def test_attention_pieces_equal_onnx_runtime():
 def test_a_node_without_converter_is_named():
     pytest.importorskip("torch")
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Resize", ["r", "", "sc"], ["y"], name="up", mode="nearest")]
+             helper.make_node("Hardmax", ["r"], ["y"], name="hard")]
+    model = make_model(nodes, [("x", [1, 2, 4, 4])], [("y", [1, 2, 4, 4])], opset=21)
+    with pytest.raises(Unconvertible, match=r"node 'hard' \(Hardmax\): no converter"):
+        convert(model)
+    nodes[1] = helper.make_node("Resize", ["r", "", "sc"], ["y"], name="up", mode="cubic")
     model = make_model(nodes, [("x", [1, 2, 4, 4])], [("y", [1, 2, 8, 8])],
                        [("sc", np.array([1, 1, 2, 2], np.float32))], opset=21)
-    with pytest.raises(Unconvertible, match=r"node 'up' \(Resize\): no converter"):
+    with pytest.raises(Unconvertible, match=r"node 'up' \(Resize\): mode cubic .*not converted"):
         convert(model)
+
+
+def test_upsampling_equals_onnx_runtime():
+    """ConvTranspose (stride 2, pads, output_padding), Resize nearest (asymmetric, floor) by
+    scales and Resize linear (half_pixel) to sizes."""
+    mk = helper.make_node
+    nodes = [mk("ConvTranspose", ["x", "w"], ["t"], name="up", strides=[2, 2], pads=[1, 1, 1, 1],
+                output_padding=[1, 1]),
+             mk("Resize", ["t", "", "sc"], ["n"], name="nearest", mode="nearest",
+                coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+             mk("Resize", ["n", "", "", "sz"], ["y"], name="linear", mode="linear")]
+    model = make_model(nodes, [("x", [1, 3, 5, 4])], [("y", [1, 2, 15, 13])],
+                       [_w("w", 3, 2, 3, 3), ("sc", np.array([1, 1, 2, 2], np.float32)), _i("sz", [1, 2, 15, 13])],
+                       opset=21)
+    _check_equal(model, {"x": RNG.standard_normal((1, 3, 5, 4)).astype(np.float32)})
 
 
 def test_a_computed_shape_input_is_refused_by_name():

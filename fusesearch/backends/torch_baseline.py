@@ -12,6 +12,9 @@ topological order over a dict of values, which Dynamo unrolls into one straight-
 `compiled` wraps it in `torch.compile` with Inductor's inference settings (`freezing`: weights
 folded as constants, under `inference_mode`), default mode or `max-autotune` (CUDA graphs on a
 GPU). Every variant is checked equal to ONNX Runtime by the caller before it is timed.
+It takes every zoo model but rnn-control (Loop, If: no converter). An Inductor compile that fails
+is tried again with the options in `RETRIES` (its attention rewrite fails on bert's masked
+attention on the CPU), and the report says so.
 torch is optional (the `torch` extra) and imported here only, lazily (`load_torch`); a node with
 no converter raises `Unconvertible` naming it, and the run reports that reason.
 Invariants: the module never changes a constant; a converter reads only the node's attributes,
@@ -154,6 +157,29 @@ def _converters(torch) -> dict[str, Callable[[_Node], Callable]]:
         if begin == end:
             return lambda x, w, b=None: fn(x, w, b, padding=begin, **kw)
         return lambda x, w, b=None: fn(F.pad(x, flat), w, b, **kw)
+
+    def conv_transpose(n):
+        spatial = len(n.shape(1)) - 2
+        begin, end, _ = pads_of(n, spatial)
+        if begin != end or n.attr("output_shape") is not None:
+            raise n.refuse("asymmetric pads or output_shape: not converted")
+        fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
+        kw = {"stride": n.attr("strides", [1] * spatial), "dilation": n.attr("dilations", [1] * spatial),
+              "groups": n.attr("group", 1), "padding": begin,
+              "output_padding": n.attr("output_padding", [0] * spatial)}
+        return lambda x, w, b=None: fn(x, w, b, **kw)
+
+    def resize(n):
+        """The two forms torch's interpolate has: nearest (asymmetric, floor) and (bi)linear
+        (half_pixel, or align_corners), to the output's static size."""
+        mode, where = n.attr("mode", "nearest"), n.attr("coordinate_transformation_mode", "half_pixel")
+        size = tuple(n._shapes[n.node.output[0]][2:])
+        if mode == "nearest" and where == "asymmetric" and n.attr("nearest_mode", "round_prefer_floor") == "floor":
+            return lambda x, *_: F.interpolate(x, size=size, mode="nearest")
+        if mode == "linear" and where in ("half_pixel", "pytorch_half_pixel", "align_corners") and len(size) == 2:
+            return lambda x, *_: F.interpolate(x, size=size, mode="bilinear",
+                                               align_corners=where == "align_corners")
+        raise n.refuse(f"mode {mode} with coordinate_transformation_mode {where}: not converted")
 
     def pool(n, kind: str):
         kernel = n.attr("kernel_shape")
@@ -335,7 +361,7 @@ def _converters(torch) -> dict[str, Callable[[_Node], Callable]]:
         "Ceil": unary(torch.ceil), "Sin": unary(torch.sin), "Cos": unary(torch.cos),
         "Softplus": unary(F.softplus), "HardSwish": unary(F.hardswish), "LeakyRelu": leaky,
         "HardSigmoid": hard_sigmoid, "Identity": identity, "Cast": cast, "MatMul": binary(torch.matmul),
-        "Gemm": gemm, "Conv": conv, "MaxPool": lambda n: pool(n, "max"), "AveragePool": lambda n: pool(n, "avg"),
+        "Gemm": gemm, "Conv": conv, "ConvTranspose": conv_transpose, "Resize": resize, "MaxPool": lambda n: pool(n, "max"), "AveragePool": lambda n: pool(n, "avg"),
         "GlobalAveragePool": lambda n: global_pool(n, "avg"), "GlobalMaxPool": lambda n: global_pool(n, "max"),
         "Reshape": reshape, "Flatten": flatten, "Transpose": transpose, "Gather": gather, "Concat": concat,
         "Slice": slice_, "Unsqueeze": unsqueeze, "Squeeze": squeeze, "Split": split, "Softmax": softmax,
