@@ -859,15 +859,21 @@ def run(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    baselines: Annotated[list[str] | None, typer.Option("--baselines", help="Also time these beside the plan, "
+                                                        "each checked equal to ONNX Runtime first: torch (PyTorch "
+                                                        "eager and torch.compile, default and max-autotune, over the "
+                                                        "same model; always with --backend cupy). Needs the torch "
+                                                        "extra; without it the report says 'not installed'.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
     from fusesearch.backends.registry import get_backend
     from fusesearch.pipeline import prepare
-    from fusesearch.run import run_plan
+    from fusesearch.run import check_baselines, run_plan
     from fusesearch.verify import check_memory
 
+    check_baselines(baselines or ())
     runs_on = get_backend(backend, timing=False)
     check_costs(costs)
     runs_on.require(timing=False)
@@ -898,7 +904,8 @@ def run(
     with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
         report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
                           check_each=check_each, input_values=values,
-                          progress=status.update if status else None, backend=runs_on)
+                          progress=status.update if status else None, backend=runs_on,
+                          baselines=tuple(baselines or ()))
     report.model = prep.loaded.name
     if output is not None:
         with writing(output, "-o"):
@@ -966,7 +973,9 @@ def _print_run(report, output: Path | None) -> None:
     for col in ("program", "median", "p20-p80", "vs ORT ENABLE_ALL", "vs ORT DISABLE_ALL"):
         table.add_column(col, justify="left" if col == "program" else "right")
     names = {"plan": f"plan ({report.strategy})", "unfused": "unfused (none)",
-             "ort_enable_all": "ONNX Runtime ENABLE_ALL", "ort_disable_all": "ONNX Runtime DISABLE_ALL"}
+             "ort_enable_all": "ONNX Runtime ENABLE_ALL", "ort_disable_all": "ONNX Runtime DISABLE_ALL",
+             "torch_eager": "PyTorch eager", "torch_compile": "torch.compile (Inductor, frozen)",
+             "torch_compile_max_autotune": "torch.compile max-autotune"}
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
                       f"{report.ratio(key, 'ort_enable_all'):.2f}x", f"{report.ratio(key, 'ort_disable_all'):.2f}x")
@@ -979,8 +988,23 @@ def _print_run(report, output: Path | None) -> None:
               f"{report.ratio('plan', 'unfused'):.2f}x")
     out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
               f"rtol {report.rtol:g}")
+    _print_torch(report.torch)
     if output is not None:
         out.print(f"timings written to {output}")
+
+
+def _print_torch(info) -> None:
+    """The PyTorch baselines' versions, or why they (or some of them) were not timed."""
+    if info is None:
+        return
+    if isinstance(info, str):
+        out.print(f"PyTorch: {info} (install the torch extra to time it beside the plan)")
+        return
+    out.print(f"PyTorch {info['torch']} on {info['device']}, converted by {info['converter']}")
+    if "refused" in info:
+        out.print(f"PyTorch not timed: {info['refused']}")
+    for name, why in info.get("failed", {}).items():
+        out.print(f"{name} not timed: {why}")
 
 
 # -- regret -----------------------------------------------------------------------------------

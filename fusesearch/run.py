@@ -43,7 +43,12 @@ with cupy (cuBLAS) and other library steps through ONNX Runtime on the device's 
 program captured once as a CUDA graph and replayed when every segment is generated; the
 programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
 CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
-report). `CudaProgram` only orchestrates; its device (the backend's `program_device`:
+report). With `baselines=("torch",)` (`run --baselines torch`), and always on a GPU, PyTorch
+eager and torch.compile (Inductor, frozen weights: default and max-autotune) over the same
+canonical model (`backends.torch_baseline`, our converter) are checked equal to ONNX Runtime's
+outputs and timed in the same rounds (CUDA events on torch's stream on a GPU); without torch the
+report says "not installed", and a model or variant left out is named with its reason.
+`CudaProgram` only orchestrates; its device (the backend's `program_device`:
 `backends.cupy.Device`, or `backends.emulate.HostDevice`: the CUDA emulator on host memory,
 `run_emulated`, correctness only) allocates, copies, launches and captures, so the emulator's
 tests run the GPU's orchestration.
@@ -79,10 +84,13 @@ from fusesearch.backends.cupy import CUDA_EP
 from fusesearch.backends.library import host_binding, node_model
 from fusesearch.backends.registry import Backend, get_backend
 from fusesearch.backends.timing import Timing
+from fusesearch.backends.torch_baseline import baselines, torch_threads
 from fusesearch.errors import BadInput, FusesearchError
 
 log = logging.getLogger(__name__)
 TIMED = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
+TORCH_RUNS = ("torch_eager", "torch_compile", "torch_compile_max_autotune")  # `baselines=("torch",)`
+BASELINES = ("torch",)
 _THREADS: dict = {}  # "before": (a loaded program library, OpenMP's thread count before any program set it)
 
 
@@ -712,6 +720,9 @@ class RunReport:
     # inputs (float32 rounding the model amplifies: `checked`), else None
     amplified_err: float | None = None
     unfused_amplified_err: float | None = None
+    # the PyTorch baselines (`run_plan(baselines=...)`): versions and converter, the reason a model
+    # or a variant is left out; "not installed" without torch; None when not asked for
+    torch: dict | str | None = None
 
     def ratio(self, a: str, b: str) -> float:
         if a not in self.timings or b not in self.timings or not self.timings[b].median_s:
@@ -732,8 +743,10 @@ class RunReport:
                 "kernels": self.kernels, "library_steps": self.library_steps,
                 "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
                            "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
-                           "plan_vs_unfused": self.ratio("plan", "unfused")},
+                           "plan_vs_unfused": self.ratio("plan", "unfused"),
+                           **{f"plan_vs_{k}": self.ratio("plan", k) for k in TORCH_RUNS if k in self.timings}},
                 "backend": self.backend, "ort_provider": self.ort_provider,
+                **({"torch": self.torch} if self.torch is not None else {}),
                 **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
                    if self.cuda_graph is not None else {})}
 
@@ -798,24 +811,35 @@ def check_args(repeat: int, warmup: int, threads: int, rtol: float) -> None:
         raise BadInput(f"--rtol {rtol}: give a tolerance >= 0")
 
 
+def check_baselines(names: Sequence[str]) -> None:
+    """BadInput naming the first of `names` (`run --baselines`) that is not a baseline."""
+    for b in names:
+        if b not in BASELINES:
+            raise BadInput(f"--baselines {b}: choose among {', '.join(BASELINES)}")
+
+
 def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup: int = 3, seed: int = 0,
              rtol: float | None = None, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
-             progress: Callable[[str], None] | None = None, backend: Backend | str = "cpu") -> RunReport:
+             progress: Callable[[str], None] | None = None, backend: Backend | str = "cpu",
+             baselines: Sequence[str] = ()) -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
     step. `backend` (a registered one that times, or its name) with a `program_device` (cupy):
     the programs are `CudaProgram`s on it, timed with its clock (CUDA events); else the host's C
-    programs. `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`)."""
+    programs. `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`).
+    `baselines` ("torch"; always on a CUDA backend): PyTorch eager and torch.compile over the same
+    model, checked equal to ONNX Runtime and timed in the same rounds (`backends.torch_baseline`)."""
     from fusesearch.ir.precision import prepared_tolerance
 
     backend = get_backend(backend)
     backend.require()
+    check_baselines(baselines)
     rtol = prepared_tolerance(prep) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
-                         input_values, progress, backend)
+                         input_values, progress, backend, "torch" in baselines or backend.cuda)
     finally:  # the caller's OpenMP thread count again
         if "before" in _THREADS:
             lib, before = _THREADS.pop("before")
@@ -823,7 +847,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
 
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
-              progress, backend) -> RunReport:
+              progress, backend, with_torch: bool) -> RunReport:
     from fusesearch.pipeline import activation_bytes
     from fusesearch.verify import session, session_feeds
 
@@ -847,29 +871,37 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         amplified[label] = bad.max_abs if bad else None
     timings: dict[str, Timing] = {}
     ort_provider = "CPUExecutionProvider"
-    if time_it and device is not None:  # the programs on their inputs, resident since the check
-        runs = {label: programs[label].run for label in ("plan", "unfused")}
-        clocks = {label: device.clock() for label in runs}
-        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
-            runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
-            if ort_provider == CUDA_EP:
-                clocks[key] = device.clock()
-        say("timing")
-        timings = _timed(runs, warmup, repeat, clocks)
-    elif time_it:
-        runs: dict[str, Callable[[], object]] = {}
-        for label in ("plan", "unfused"):
-            runs[label] = lambda program=programs[label]: program(feeds)
-        for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
-            sess = session(canonical, threads=threads, optimize=level)
-            names = [o.name for o in sess.get_outputs()]
-            ort_feeds = session_feeds(sess, feeds)
-            runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
+    torch_info = None
+    if time_it:
+        if device is not None:  # the programs on their inputs, resident since the check
+            runs = {label: programs[label].run for label in ("plan", "unfused")}
+            clocks = {label: device.clock() for label in runs}
+            for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+                runs[key], ort_provider = device.ort_runner(canonical, feeds, optimize=level)
+                if ort_provider == CUDA_EP:
+                    clocks[key] = device.clock()
+        else:
+            runs, clocks = {}, {}
+            for label in ("plan", "unfused"):
+                runs[label] = lambda program=programs[label]: program(feeds)
+            for level, key in ((True, "ort_enable_all"), (False, "ort_disable_all")):
+                sess = session(canonical, threads=threads, optimize=level)
+                names = [o.name for o in sess.get_outputs()]
+                ort_feeds = session_feeds(sess, feeds)
+                runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)
+        if with_torch:  # PyTorch eager and torch.compile, each checked equal to ONNX Runtime first
+            say("converting to PyTorch and compiling")
+            with torch_threads(threads):
+                more, more_clocks, torch_info = baselines(canonical, weights, feeds, reference, rtol,
+                                                          cuda=device is not None, tf32=graph.allow_tf32)
+            runs.update(more)
+            clocks.update(more_clocks)
         say("timing")
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
             if isinstance(program, Program) and program.library is not None:
                 program.library.fs_set_threads(threads)
-        timings = _timed(runs, warmup, repeat)
+        with torch_threads(threads):
+            timings = _timed(runs, warmup, repeat, clocks)
     steps = programs["plan"].steps
     return RunReport(
         model=getattr(plan.model, "name", ""), strategy=plan.strategy, threads=threads, repeat=repeat, warmup=warmup,
@@ -880,4 +912,5 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         library_steps=sum(s.how == "library" for s in steps), backend=backend.name,
         cuda_graph=getattr(programs["plan"], "cuda_graph", None),
         unfused_cuda_graph=getattr(programs["unfused"], "cuda_graph", None), ort_provider=ort_provider,
-        amplified_err=amplified["plan"], unfused_amplified_err=amplified["unfused"])
+        amplified_err=amplified["plan"], unfused_amplified_err=amplified["unfused"], torch=torch_info)
+

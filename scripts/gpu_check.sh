@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for a machine with an NVIDIA GPU and CuPy 14 (CUDA 13): the gpu-marked tests,
 # `fusesearch measure --backend cupy` on two zoo models, `fusesearch run --backend cupy` (the
-# whole plan as one CUDA program beside ONNX Runtime) on bert-small, and the tensor-core kernels of
+# whole plan as one CUDA program beside ONNX Runtime, PyTorch eager and torch.compile, default and
+# max-autotune with CUDA graphs, over the same model) on bert-small, and the tensor-core kernels of
 # a few zoo shapes timed beside the CUDA-core skeleton and `cupy.matmul` with TF32 allowed
 # (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
 # Runtime's CUDA provider does and as the cost model prices them). Every kernel figure of measure
@@ -98,6 +99,13 @@ try:
     print(f"run bert-small --backend cupy: plan {d['plan']['median_s'] * 1e6:.1f} us (cuda graph {d['cuda_graph']}), "
           f"unfused {d['unfused']['median_s'] * 1e6:.1f} us, ONNX Runtime ENABLE_ALL "
           f"{d['ort_enable_all']['median_s'] * 1e6:.1f} us on {d['ort_provider']}, max rel err {d['max_rel_err']:.2g}")
+    torch = d.get("torch")  # PyTorch eager and torch.compile, each checked equal to ONNX Runtime first
+    print("  torch:", torch if isinstance(torch, str) else
+          {k: v for k, v in torch.items() if k in ("torch", "triton", "refused", "failed", "retried")})
+    for key in ("torch_eager", "torch_compile", "torch_compile_max_autotune"):
+        if key in d:
+            print(f"  {key}: {d[key]['median_s'] * 1e6:.1f} us (p20 {d[key]['p20_s'] * 1e6:.1f}, "
+                  f"p80 {d[key]['p80_s'] * 1e6:.1f}); plan / {key} {d['ratios']['plan_vs_' + key]:.2f}x")
 except Exception as exc:  # the .err file says why
     print("run bert-small --backend cupy: no result:", exc)
 PY

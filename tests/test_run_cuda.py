@@ -170,6 +170,11 @@ def test_cupy_program_equals_ort_and_is_timed(run_cli, tmp_path, build, graph):
         t = doc[key]
         assert 0 < t["p20_s"] <= t["median_s"] <= t["p80_s"], (key, t)
     assert doc["ort_provider"] in ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert "torch" in doc  # the PyTorch baselines run beside every CUDA program, or it says why not
+    if doc["torch"] != "not installed":
+        assert doc["torch"]["device"] == "cuda" and "failed" not in doc["torch"], doc["torch"]
+        for key in ("torch_eager", "torch_compile", "torch_compile_max_autotune"):
+            assert 0 < doc[key]["p20_s"] <= doc[key]["median_s"] <= doc[key]["p80_s"], (key, doc[key])
 
 
 def test_emulated_program_with_tensor_core_kernels(run_cli, tmp_path):

@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("candidates", ("fusesearch.candidates",)),  # legality reads the generator's Capabilities as a value
     ("plans", ("fusesearch.plans",)),
     ("code generator", ("fusesearch.backends.codegen",)),
-    ("execution", ("fusesearch.backends", "fusesearch.verify")),  # runners, ONNX Runtime as the oracle
+    ("execution", ("fusesearch.backends", "fusesearch.verify",  # runners, ONNX Runtime as the oracle
+                   "fusesearch.backends.torch_baseline")),  # PyTorch, the optional baseline
     ("search", ("fusesearch.search",)),
     ("commands", ("fusesearch.pipeline", "fusesearch.api", "fusesearch.measure", "fusesearch.run",
                   "fusesearch.calibrate", "fusesearch.sweep", "fusesearch.export", "fusesearch.explain",
@@ -214,3 +215,26 @@ def test_the_backend_check_finds_names_and_branches():
               'if name in ("cpu", "emulate"): pass\n')
     assert sorted(hit.split(":")[0] for hit in _backend_choices(ast.parse(source))) == [
         "line 1", "line 1", "line 2", "line 3", "line 5"]
+
+
+def _imports_of(tree: ast.AST, package: str) -> list[tuple[int, bool]]:
+    """(line, at module level) of every import of `package` or a module in it."""
+    top = {id(n) for n in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        if any(n == package or n.startswith(package + ".") for n in names):
+            found.append((node.lineno, id(node) in top))
+    return found
+
+
+def test_torch_is_imported_lazily_and_in_one_module():
+    """torch is an optional extra: one module imports it, inside functions, so that every other
+    command runs without it."""
+    found = {name: hits for name, path in _modules().items()
+             if (hits := _imports_of(ast.parse(path.read_text()), "torch"))}
+    assert set(found) == {"fusesearch.backends.torch_baseline"}
+    assert not [line for line, top in found["fusesearch.backends.torch_baseline"] if top]
+    assert _imports_of(ast.parse("import torch\ndef f():\n    import torch._inductor.config"), "torch") == [
+        (1, True), (3, False)]
