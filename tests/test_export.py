@@ -98,7 +98,7 @@ def test_plan_emit_verify_and_export_round_trip(run_cli, tmp_path, saved_plan):
                   f"predicted {_fmt_time(t['time_s'])}", f"unfused {_fmt_time(t['unfused_time_s'])}",
                   f"speedup {t['unfused_time_s'] / t['time_s']:.2f}x", f"lower bound {_fmt_time(t['lower_bound_s'])}"):
         assert piece in lines[1], (piece, lines[1])
-    assert t["kernels"] == 24 and doc["model"]["canonical_nodes"] == 49  # resnet18's 20 convs absorb their Relus/Sums
+    assert t["kernels"] == 23 and doc["model"]["canonical_nodes"] == 49  # the convs absorb their Relus/Sums; on the T4 a lone 1x1 conv priced as our tile, not the library
     rows = _table_rows(out, "slowest kernels")
     by_id = {f"g{g['id']}": g for g in doc["groups"]}
     assert len(rows) == 10
