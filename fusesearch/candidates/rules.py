@@ -38,7 +38,7 @@ from fusesearch.candidates.capabilities import Capabilities
 from fusesearch.costing import cheapest, device_choices, kernel_cost
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import Kernel, lower_as_library, try_lower
+from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
 
@@ -92,10 +92,10 @@ class Lowerable:
     name: str = "lowerable"
 
     def check(self, legality: Legality, nodes: frozenset[int], kernel: Kernel | None) -> FusionDecision | Verdict:
-        result = try_lower(legality.graph, FusionGroup(nodes))
+        result = legality.lowered(nodes)  # the group's choices, lowered once for every rule
         if isinstance(result, FusionDecision):
             return result
-        return Verdict(FusionDecision.accept(), result)
+        return Verdict(FusionDecision.accept(), result[0])
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,7 @@ class Legality:
     lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run
     measurer: Measurer | None = None  # None: predicted costs; else the choices' measured times
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
+    _last: tuple = field(default=(), repr=False)  # (node set, its choices): the set being checked
 
     def check(self, nodes: Iterable[int]) -> Verdict:
         key = frozenset(nodes)
@@ -202,10 +203,20 @@ class Legality:
             verdict = replace(result, cost=result.cost if result.cost else verdict.cost)
         return verdict
 
+    def lowered(self, nodes: frozenset[int]) -> tuple[Kernel, ...] | FusionDecision:
+        """Every choice of the group on the device (`costing.device_choices`; without a device,
+        lowering's), or why it has none; kept for the node set being checked, so the rules lower
+        it once."""
+        if not self._last or self._last[0] != nodes:
+            group = FusionGroup(nodes)
+            self._last = (nodes, choices(self.graph, group) if self.device is None else
+                          device_choices(self.graph, group, self.device, self.capabilities.blas))
+        return self._last[1]
+
     def options(self, nodes: frozenset[int], kernel: Kernel | None) -> tuple[Kernel, ...] | FusionDecision:
-        """The group's choices on the device (`costing.device_choices`; a lone anchor's as
-        `lone_anchors` allows), or why it has none."""
-        options = device_choices(self.graph, FusionGroup(nodes), self.device, self.capabilities.blas)
+        """The group's choices on the device (`lowered`; a lone anchor's as `lone_anchors`
+        allows), or why it has none."""
+        options = self.lowered(nodes)
         if isinstance(options, FusionDecision) or not (len(nodes) == 1 and kernel.anchor is not None):
             return options
         return _lone_anchor_choices(self, options)
