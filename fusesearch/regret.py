@@ -62,7 +62,7 @@ def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepare
     """Plan `model` with predicted and with measured costs and run both end to end (module note)."""
     from fusesearch.api import plan, resolve_device
     from fusesearch.pipeline import prepare
-    from fusesearch.run import Mismatch, run_plan
+    from fusesearch.run import run_plan
     from fusesearch.search import STRATEGIES
 
     if strategy not in STRATEGIES:
@@ -75,22 +75,13 @@ def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepare
     kwargs = {"prepared": prep, "seed": seed, "time_limit_s": time_limit_s}
     predicted = plan(model, device, strategy, **kwargs)
     measured = plan(model, device, strategy, costs="measured", **kwargs)
-    try:  # run_plan's two programs: "plan" is the predicted-cost plan, "unfused" the measured-cost one
-        report = run_plan(prep, predicted, measured, threads=threads, repeat=repeat, warmup=warmup, seed=seed)
-    except Mismatch as exc:
-        raise Mismatch(_named(str(exc))) from None
+    # run_plan's two programs: "plan" is the predicted-cost plan, "unfused" the measured-cost one
+    report = run_plan(prep, predicted, measured, threads=threads, repeat=repeat, warmup=warmup, seed=seed,
+                      names={"plan": "predicted-cost plan's", "unfused": "measured-cost plan's"})
     plans = {label: _figures(p, report.timings[key]) for label, p, key in
              (("predicted", predicted, "plan"), ("measured", measured, "unfused"))}
     return Regret(prep.loaded.name, predicted.device, strategy, threads, repeat, plans,
                   _choices(predicted) == _choices(measured), dict(measured.tuning or {}))
-
-
-def _named(message: str) -> str:
-    """run_plan's message with its programs named as regret runs them."""
-    for old, new in (("the unfused program", "the measured-cost plan's program"), ("unfused group", "measured-cost group"),
-                     ("the plan program", "the predicted-cost plan's program"), ("plan group", "predicted-cost group")):
-        message = message.replace(old, new)
-    return message
 
 
 def _choices(p) -> list:

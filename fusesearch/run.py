@@ -822,7 +822,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
              rtol: float | None = None, check_each: bool = False, time_it: bool = True,
              input_values: Mapping[str, np.ndarray] | None = None,
              progress: Callable[[str], None] | None = None, backend: Backend | str = "cpu",
-             baselines: Sequence[str] = ()) -> RunReport:
+             baselines: Sequence[str] = (), names: Mapping[str, str] | None = None) -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
     them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
@@ -830,7 +830,8 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     the programs are `CudaProgram`s on it, timed with its clock (CUDA events); else the host's C
     programs. `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`).
     `baselines` ("torch"; always on a CUDA backend): PyTorch eager and torch.compile over the same
-    model, checked equal to ONNX Runtime and timed in the same rounds (`backends.torch_baseline`)."""
+    model, checked equal to ONNX Runtime and timed in the same rounds (`backends.torch_baseline`).
+    `names`: what errors call the two programs ("plan", "unfused" by default)."""
     from fusesearch.ir.precision import prepared_tolerance
 
     backend = get_backend(backend)
@@ -839,7 +840,8 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
     rtol = prepared_tolerance(prep) if rtol is None else rtol
     try:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
-                         input_values, progress, backend, "torch" in baselines or backend.cuda)
+                         input_values, progress, backend, "torch" in baselines or backend.cuda,
+                         {"plan": "plan", "unfused": "unfused", **(names or {})})
     finally:  # the caller's OpenMP thread count again
         if "before" in _THREADS:
             lib, before = _THREADS.pop("before")
@@ -847,7 +849,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
 
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,
-              progress, backend, with_torch: bool) -> RunReport:
+              progress, backend, with_torch: bool, names: Mapping[str, str]) -> RunReport:
     from fusesearch.pipeline import activation_bytes
     from fusesearch.verify import session, session_feeds
 
@@ -864,7 +866,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         say(f"compiling {label}")
         steps = plan_steps(graph, p)
         programs[label], errors[label], bad = checked(
-            label, lambda reuse, steps=steps: (
+            names[label], lambda reuse, steps=steps: (
                 Program(graph, canonical, steps, weights, threads, reuse=reuse) if device is None
                 else CudaProgram(graph, canonical, steps, weights, device, threads, reuse=reuse)),
             canonical, feeds, reference, rtol, check_each)
