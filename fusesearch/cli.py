@@ -330,7 +330,8 @@ def plan(
         doc = result.to_dict()
         doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
                       "output": str(output) if output else None, "emit": str(emit) if emit else None,
-                      "verified": verified, **_tuned(legality)}
+                      "verified": verified, "opaque_ops": [name for _, name in _opaque_ops(result.graph)],
+                      **_tuned(legality)}
         _emit_json(doc)
         return
     _print_plan(result, output)
@@ -534,6 +535,17 @@ def _tuned(legality) -> dict:
     return {} if legality.measurer is None else {"costs": legality.measurer.stats.to_dict()}
 
 
+OPAQUE_SHOWN = 5
+
+
+def _opaque_ops(graph) -> list[tuple[str, str]]:
+    """The ops no template fuses or prices by its work (control flow, unknown ops, an Einsum that is
+    not a matrix product): each runs alone, priced as a library call."""
+    from fusesearch.ir.op_kind import OpKind
+
+    return [(n.op_type, n.name) for n in graph.nodes if n.kind == OpKind.OPAQUE]
+
+
 def _print_plan(p, output: Path | None) -> None:
     s = p.solver
     status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {s.gap:.2%}" if s.bound_s is not None else "")
@@ -547,6 +559,10 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
+    if opaque := _opaque_ops(p.graph):
+        shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])
+        more = f" and {len(opaque) - OPAQUE_SHOWN} more" if len(opaque) > OPAQUE_SHOWN else ""
+        out.print(f"{len(opaque)} opaque op{'s' if len(opaque) > 1 else ''} priced as library calls: {shown}{more}")
     table = Table(title="slowest kernels", title_justify="left")
     for col in ("group", "template", "ops", "runs as", "time", "bound", "occupancy"):
         table.add_column(col, justify="right" if col in ("time", "occupancy") else "left")
