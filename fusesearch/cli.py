@@ -44,6 +44,11 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per mess
 
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
 Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim (repeatable)")]
+PlanDim = Annotated[list[str], typer.Option(
+    "--dim", help="DIM=V binds a named dynamic dim (repeatable); DIM=LO..HI or DIM=V1,V2,... plans one grouping "
+                  "for all those values (the ends and the powers of two between them)")]
+DimWeights = Annotated[list[str], typer.Option(
+    "--dim-weights", help="DIM=W1,W2,...: how often each value of a --dim range or list is served (default equal)")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
@@ -279,7 +284,8 @@ def plan(
     model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
     device: Annotated[str, typer.Option("--device", help="GPU name (see `fusesearch devices`) or profile.json")],
     input_shape: InputShape = None,
-    dim: Dim = None,
+    dim: PlanDim = None,
+    dim_weights: DimWeights = None,
     strategy: Strategy = "cpsat",
     time_limit: TimeLimit = 60.0,
     max_group_size: MaxGroup = 16,
@@ -299,6 +305,7 @@ def plan(
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
+    from fusesearch.buckets import plan_buckets, split_dims
     from fusesearch.pipeline import prepare
     from fusesearch.search import STRATEGIES
 
@@ -308,6 +315,27 @@ def plan(
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
     config = _config(time_limit, max_group_size, seed, workers)
+    fixed, buckets = split_dims(dim or [], dim_weights or [])
+    if buckets is not None:
+        refused = [flag for flag, given in (("--emit", emit), (f"--costs {costs}", costs != "predicted"),
+                                            ("--input-value", input_value), ("--explain", explain)) if given]
+        if refused:
+            raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a plan "
+                           f"over buckets; give --dim {buckets.dim} one value to use it")
+        preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
+                 for v in buckets.values]
+        result, figures = plan_buckets(preps, buckets, device, strategy, config)
+        _draw(result, svg, html_out)
+        if output is not None:
+            with writing(output, "-o"):
+                output.write_text(result.to_json())
+        if json_out:
+            _emit_json({**result.to_dict(), "run": {"wall_s": round(result.solver.wall_s, 3),
+                                                    "output": str(output) if output else None}})
+            return
+        _print_plan(result, output)
+        _print_buckets(buckets, figures)
+        return
     verifying = emit is not None and not no_verify
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
@@ -340,6 +368,20 @@ def plan(
             out.print(f"{what} written to {path}")
     if verified is not None:
         out.print(_verified_line(verified))
+
+
+def _print_buckets(buckets, figures) -> None:
+    """Each bucket's time under the one plan beside its own optimal plan's (the price of one plan)."""
+    table = Table(title=f"one plan for {buckets.dim} = {', '.join(map(str, buckets.values))} "
+                        f"(times above: weighted by how often each is served)", title_justify="left")
+    for col in (buckets.dim, "weight", "one plan", "own plan", "own kernels", "price of one plan"):
+        table.add_column(col, justify="right")
+    for f in figures:
+        table.add_row(str(f.value), f"{f.weight:.2f}", _fmt_time(f.time_s), _fmt_time(f.own_time_s),
+                      str(f.own_kernels), f"{f.price:.3f}x")
+    out.print(table)
+    worst = max(figures, key=lambda f: f.price)
+    out.print(f"worst bucket {buckets.dim}={worst.value}: {100 * (worst.price - 1):.1f}% over its own plan")
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
