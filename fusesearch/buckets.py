@@ -152,6 +152,9 @@ class BucketFigure:
     time_s: float
     own_time_s: float
     own_kernels: int
+    # why the bucket's own groups are not in the one plan: "at DIM=V: reason" for each of its own
+    # groups another bucket refuses (the first refusal of each, distinct, in plan order)
+    why: tuple[str, ...] = ()
 
     @property
     def price(self) -> float:
@@ -160,11 +163,25 @@ class BucketFigure:
 
     def to_dict(self) -> dict:
         return {"value": self.value, "weight": round(self.weight, 6), "time_s": _r(self.time_s),
-                "own_time_s": _r(self.own_time_s), "own_kernels": self.own_kernels, "price": round(self.price, 6)}
+                "own_time_s": _r(self.own_time_s), "own_kernels": self.own_kernels, "price": round(self.price, 6),
+                "why": list(self.why)}
 
 
 def _r(x: float) -> float:
     return float(f"{x:.6g}")
+
+
+def refusals(legality: BucketLegality, buckets: Buckets, groups: Iterable[frozenset[int]]) -> tuple[str, ...]:
+    """Why groups of one bucket's own plan cannot be in a plan for all buckets: for each group some
+    bucket refuses, that bucket and its reason (distinct reasons, in the groups' order)."""
+    found: dict[str, None] = {}
+    for group in groups:
+        for value, bucket in zip(buckets.values, legality.buckets, strict=True):
+            verdict = bucket.check(group)
+            if not verdict.decision:
+                found.setdefault(f"at {buckets.dim}={value}: {verdict.decision.reason}")
+                break
+    return tuple(found)
 
 
 def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, config):
@@ -191,7 +208,8 @@ def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, 
     figures = []
     for value, weight, time_s, (prep, problem) in zip(buckets.values, buckets.weights, times, problems, strict=True):
         own = search(prep.graph, spec, problem.legality.model, strategy, config=config, problem=problem)
-        figures.append(BucketFigure(value, weight, time_s, own.time_s, own.kernels))
+        why = refusals(legality, buckets, [g.nodes for g in own.groups])
+        figures.append(BucketFigure(value, weight, time_s, own.time_s, own.kernels, why))
     bound = sum(w * graph_figures(prep.graph, spec, problem.legality.model).lower_bound_s
                 for w, (prep, problem) in zip(buckets.weights, problems, strict=True))
     report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures]}

@@ -370,6 +370,9 @@ def plan(
         out.print(_verified_line(verified))
 
 
+BUCKET_REASONS = 3  # refusals shown per bucket
+
+
 def _print_buckets(buckets, figures) -> None:
     """Each bucket's time under the one plan beside its own optimal plan's (the price of one plan)."""
     table = Table(title=f"one plan for {buckets.dim} = {', '.join(map(str, buckets.values))} "
@@ -382,6 +385,9 @@ def _print_buckets(buckets, figures) -> None:
     out.print(table)
     worst = max(figures, key=lambda f: f.price)
     out.print(f"worst bucket {buckets.dim}={worst.value}: {100 * (worst.price - 1):.1f}% over its own plan")
+    for f in figures:
+        for line in f.why[:BUCKET_REASONS]:
+            out.print(f"  {buckets.dim}={f.value}'s own groups refused {line}")
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
