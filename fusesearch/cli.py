@@ -317,7 +317,7 @@ def plan(
     config = _config(time_limit, max_group_size, seed, workers)
     fixed, buckets = split_dims(dim or [], dim_weights or [])
     if buckets is not None:
-        refused = [flag for flag, given in (("--emit", emit), (f"--costs {costs}", costs != "predicted"),
+        refused = [flag for flag, given in ((f"--costs {costs}", costs != "predicted"),
                                             ("--input-value", input_value), ("--explain", explain)) if given]
         if refused:
             raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a plan "
@@ -325,16 +325,26 @@ def plan(
         preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
                  for v in buckets.values]
         result, figures = plan_buckets(preps, buckets, device, strategy, config)
+        verified = None
+        if emit is not None:
+            verified = _emit_dynamic(preps, result, buckets, emit, force, seed, None if no_verify else
+                                     lambda v: prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]),
+                                                       keep_original=True, dtype=dtype, tf32=not no_tf32))
         _draw(result, svg, html_out)
         if output is not None:
             with writing(output, "-o"):
                 output.write_text(result.to_json())
         if json_out:
-            _emit_json({**result.to_dict(), "run": {"wall_s": round(result.solver.wall_s, 3),
-                                                    "output": str(output) if output else None}})
+            _emit_json({**result.to_dict(), "run": {"wall_s": round(result.solver.wall_s, 3), "verified": verified,
+                                                    "output": str(output) if output else None,
+                                                    "emit": str(emit) if emit else None}})
             return
         _print_plan(result, output)
         _print_buckets(buckets, figures)
+        if emit is not None:
+            out.print(f"fused model written to {emit}, {buckets.dim} dynamic")
+        for report in verified or ():
+            out.print(f"at {buckets.dim}={report['at']}: {_verified_line(report)}")
         return
     verifying = emit is not None and not no_verify
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
@@ -388,6 +398,35 @@ def _print_buckets(buckets, figures) -> None:
     for f in figures:
         for line in f.why[:BUCKET_REASONS]:
             out.print(f"  {buckets.dim}={f.value}'s own groups refused {line}")
+
+
+def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, prepare_at) -> list[dict] | None:
+    """The plan over buckets as one fused model that keeps the dim dynamic (`dynamic.dynamic_model`),
+    verified against the original at the smallest, a middle, the largest bucket and a value
+    between buckets (`prepare_at(value)` prepares the model there; None: --no-verify), then written."""
+    from fusesearch.dynamic import check_values, dynamic_model
+    from fusesearch.export import fused_model, save_model
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import prepared_tolerance
+
+    canonicals = [to_proto(p.canonical) for p in preps]
+    fused = fused_model(canonicals[-1], preps[-1].graph, [g.nodes for g in plan_.groups])
+    dynamic = dynamic_model(fused, canonicals, buckets.values, buckets.dim)
+    reports = None
+    if prepare_at is not None:
+        reports = []
+        for value in check_values(buckets.values, seed):
+            prep = prepare_at(value)
+            report = _verify(prep, dynamic, seed, prepared_tolerance(prep), 0.0, {},
+                             label=f"--emit {path} at {buckets.dim}={value}")
+            if not report["ok"]:
+                raise FusesearchError(f"--emit {path}: at {buckets.dim}={value} the fused model differs from the "
+                                      f"original, so it was not written: {_verified_line(report)}; please report "
+                                      f"this plan")
+            reports.append({"at": value, **report})
+    with writing(path, "--emit"):
+        save_model(dynamic, path, overwrite=force)
+    return reports
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:

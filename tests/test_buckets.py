@@ -104,7 +104,7 @@ def test_the_plan_schema_takes_the_buckets(tmp_path, run_cli):
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["--emit", "f.onnx"], "--emit with --dim n over several values"),
+    (["--explain"], "--explain with --dim n over several values"),
     (["--costs", "measured"], "--costs measured with --dim n over several values"),
 ])
 def test_what_a_bucketed_plan_cannot_do_exits_2(tmp_path, run_cli, extra, says):
@@ -124,3 +124,53 @@ def test_buckets_whose_graphs_differ_are_refused(tmp_path):
 
 def test_buckets_type_reports_itself():
     assert Buckets("n", (8, 64), (0.5, 0.5)).to_dict() == {"dim": "n", "values": [8, 64], "weights": [0.5, 0.5]}
+
+
+def shape_chain_model(tmp_path, scaled: bool = False) -> str:
+    """x (n x 8): reshaped through targets read from its Shape, plus rows of a position table sliced
+    to n (a folded constant per bucket); `scaled`: times 1/n, a constant no rule generalizes."""
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["n1"]),
+             helper.make_node("Concat", ["n1", "tail"], ["t"], axis=0),
+             helper.make_node("Reshape", ["x", "t"], ["r"]),
+             helper.make_node("Relu", ["r"], ["rr"]),
+             helper.make_node("Reshape", ["rr", "s"], ["back"]),
+             helper.make_node("Slice", ["table", "zero", "n1", "zero"], ["pos"]),
+             helper.make_node("Add", ["back", "pos"], ["y0"])]
+    if scaled:
+        nodes += [helper.make_node("Cast", ["n1"], ["nf"], to=1), helper.make_node("Div", ["y0", "nf"], ["y"])]
+    else:
+        nodes += [helper.make_node("Sigmoid", ["y0"], ["y"])]
+    table = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    inits = [("zero", i64(0)), ("one", i64(1)), ("tail", i64(2, 4)), ("table", table)]
+    return save(make_model(nodes, [("x", ["n", 8])], [("y", None)], inits), tmp_path / f"chain{int(scaled)}.onnx")
+
+
+def test_a_bucketed_plan_emits_one_fused_model_that_keeps_the_dim(tmp_path, run_cli):
+    import onnx
+    import onnxruntime as ort
+
+    path = shape_chain_model(tmp_path)
+    code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--dim", "n=4..32", "--emit", tmp_path / "f.onnx",
+                             "--json")
+    assert code == 0, err
+    checked = [r["at"] for r in json.loads(out)["run"]["verified"]]
+    assert {4, 32} <= set(checked) and len(checked) == 4 and all(r["ok"] for r in json.loads(out)["run"]["verified"])
+    fused = onnx.load(str(tmp_path / "f.onnx"))
+    assert fused.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "n"
+    assert any(f.domain == "fusesearch" for f in fused.functions)
+    sess = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
+    table = onnx.numpy_helper.to_array(next(t for t in onnx.load(path).graph.initializer if t.name == "table"))
+    for n in (5, 17, 32):  # values that are no bucket too
+        x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+        want = 1 / (1 + np.exp(-(np.maximum(x, 0) + table[:n])))
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_constant_no_rule_keeps_dynamic_is_refused_by_name(tmp_path, run_cli):
+    code, out, err = run_cli("plan", shape_chain_model(tmp_path, scaled=True), "--device", "h100-sxm",
+                             "--dim", "n=4..32", "--emit", tmp_path / "f.onnx")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--dim n: constant 'nf' (read by Div" in err and "give --dim n one value" in err
+    assert not (tmp_path / "f.onnx").exists()
