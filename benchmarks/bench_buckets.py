@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{f.time_s * 1e6:8.1f}us {f.own_time_s * 1e6:8.1f}us {f.price:6.3f}x{flag}")
                 for why in f.why[:3] if f.price > TARGET else ():
                     print(f"{'':<34}own groups refused {why}")
+                if f.price > TARGET and f.own_weighted_s is not None:
+                    print(f"{'':<34}its own plan served at every bucket: {f.own_weighted_s * 1e6:.1f}us weighted, "
+                          f"the one plan {plan.time_s * 1e6:.1f}us")
             worst = max(figures, key=lambda f: f.price)
             print(f"{name:<11} {device:<9} one plan: {plan.kernels} kernels, solver {plan.solver.status}, "
                   f"worst {buckets.dim}={worst.value} {worst.price:.3f}x, {wall:.0f} s")

@@ -17,6 +17,7 @@ normalised to sum 1; the plan's kernels (plan.json's schedules) are those of the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -155,6 +156,9 @@ class BucketFigure:
     # why the bucket's own groups are not in the one plan: "at DIM=V: reason" for each of its own
     # groups another bucket refuses (the first refusal of each, distinct, in plan order)
     why: tuple[str, ...] = ()
+    # the bucket's own plan served at every bucket, weighted as the one plan is (None: a bucket
+    # refuses one of its groups): above the one plan's weighted time, it says the one plan is a trade
+    own_weighted_s: float | None = None
 
     @property
     def price(self) -> float:
@@ -164,7 +168,8 @@ class BucketFigure:
     def to_dict(self) -> dict:
         return {"value": self.value, "weight": round(self.weight, 6), "time_s": _r(self.time_s),
                 "own_time_s": _r(self.own_time_s), "own_kernels": self.own_kernels, "price": round(self.price, 6),
-                "why": list(self.why)}
+                "why": list(self.why),
+                "own_weighted_s": None if self.own_weighted_s is None else _r(self.own_weighted_s)}
 
 
 def _r(x: float) -> float:
@@ -209,7 +214,9 @@ def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, 
     for value, weight, time_s, (prep, problem) in zip(buckets.values, buckets.weights, times, problems, strict=True):
         own = search(prep.graph, spec, problem.legality.model, strategy, config=config, problem=problem)
         why = refusals(legality, buckets, [g.nodes for g in own.groups])
-        figures.append(BucketFigure(value, weight, time_s, own.time_s, own.kernels, why))
+        served = sum(legality.time_s(g.nodes) for g in own.groups)
+        figures.append(BucketFigure(value, weight, time_s, own.time_s, own.kernels, why,
+                                    served if math.isfinite(served) else None))
     bound = sum(w * graph_figures(prep.graph, spec, problem.legality.model).lower_bound_s
                 for w, (prep, problem) in zip(buckets.weights, problems, strict=True))
     report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures]}

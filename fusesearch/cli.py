@@ -340,7 +340,7 @@ def plan(
                                                     "emit": str(emit) if emit else None}})
             return
         _print_plan(result, output)
-        _print_buckets(buckets, figures)
+        _print_buckets(buckets, figures, result.time_s)
         if emit is not None:
             out.print(f"fused model written to {emit}, {buckets.dim} dynamic")
         for report in verified or ():
@@ -381,9 +381,10 @@ def plan(
 
 
 BUCKET_REASONS = 3  # refusals shown per bucket
+BUCKET_NOTE = 0.05  # a bucket paying more than this over its own plan says why
 
 
-def _print_buckets(buckets, figures) -> None:
+def _print_buckets(buckets, figures, plan_time_s: float) -> None:
     """Each bucket's time under the one plan beside its own optimal plan's (the price of one plan)."""
     table = Table(title=f"one plan for {buckets.dim} = {', '.join(map(str, buckets.values))} "
                         f"(times above: weighted by how often each is served)", title_justify="left")
@@ -398,6 +399,9 @@ def _print_buckets(buckets, figures) -> None:
     for f in figures:
         for line in f.why[:BUCKET_REASONS]:
             out.print(f"  {buckets.dim}={f.value}'s own groups refused {line}")
+        if f.own_weighted_s is not None and f.price > 1 + BUCKET_NOTE:
+            out.print(f"  {buckets.dim}={f.value}'s own plan, served at every bucket: {_fmt_time(f.own_weighted_s)} "
+                      f"weighted, against the one plan's {_fmt_time(plan_time_s)}")
 
 
 def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, prepare_at) -> list[dict] | None:

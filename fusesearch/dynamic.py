@@ -39,11 +39,11 @@ def dynamic_model(fused: onnx.ModelProto, canonicals: Sequence[onnx.ModelProto],
     _check_attributes(canonicals, dim)
     source = _dim_source(canonicals, values, dim)
     consumers = _consumers(canonicals[-1])
-    tables = [{t.name: t for t in c.graph.initializer} for c in canonicals]
+    per_bucket = _bucket_constants(canonicals, dim)
     new_nodes: list[onnx.NodeProto] = []
     for index, tensor in list(enumerate(graph.initializer)):  # _sliced appends: walk the model's own
-        arrays = [numpy_helper.to_array(t[tensor.name]) for t in tables]
-        if all(a.shape == arrays[-1].shape and np.array_equal(a, arrays[-1]) for a in arrays):
+        arrays = per_bucket.get(tensor.name)
+        if arrays is None or all(a.shape == arrays[-1].shape and np.array_equal(a, arrays[-1]) for a in arrays):
             continue
         users = consumers.get(tensor.name, [])
         target = _reshape_target(arrays, values, users)
@@ -63,6 +63,27 @@ def dynamic_model(fused: onnx.ModelProto, canonicals: Sequence[onnx.ModelProto],
     _symbolic_io(graph, canonicals, dim)
     del graph.value_info[:]
     return model
+
+
+def _bucket_constants(canonicals: Sequence[onnx.ModelProto], dim: str) -> dict[str, list[np.ndarray]]:
+    """Each constant the largest bucket's nodes read, as every bucket's node reads it at the same
+    input (a bucket may name its folded constant otherwise); a bucket that reads a computed tensor
+    where the largest reads a constant is refused, naming the node."""
+    tables = [{t.name: t for t in c.graph.initializer} for c in canonicals]
+    found: dict[str, list[np.ndarray]] = {}
+    for position, node in enumerate(canonicals[-1].graph.node):
+        for slot, name in enumerate(node.input):
+            if name not in tables[-1] or name in found:
+                continue
+            arrays = []
+            for canonical, table in zip(canonicals, tables, strict=True):
+                other = canonical.graph.node[position].input
+                if slot >= len(other) or other[slot] not in table:
+                    raise BadInput(f"--dim {dim}: node '{node.name}' ({node.op_type}) reads a constant at one {dim} "
+                                   f"and a computed tensor at another; give --dim {dim} one value to emit it")
+                arrays.append(numpy_helper.to_array(table[other[slot]]))
+            found[name] = arrays
+    return found
 
 
 def _consumers(model: onnx.ModelProto) -> dict[str, list[tuple[str, str]]]:
