@@ -173,8 +173,20 @@ def cached_file(target: Path, build) -> Path:
     return target
 
 
+# libgomp's threads spin after a parallel region (up to GOMP_SPINCOUNT pauses, milliseconds)
+# before they sleep; with several threads that spinning takes the cores from ONNX Runtime timed
+# next in the same round (mobilenetv2 at 2 threads on 2 cores: ONNX Runtime 8.2 ms beside the
+# program, 2-3 ms alone). Passive: a thread sleeps as soon as its region ends. libgomp reads its
+# environment once, when it loads: with the first compiled library (`load_cached`); a value the
+# user set is kept.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def load_cached(target: Path, build) -> ctypes.CDLL:
-    """The shared library `cached_file` keeps at `target`, loaded."""
+    """The shared library `cached_file` keeps at `target`, loaded (libgomp with it the first time,
+    under `OPENMP_ENV`)."""
+    for key, value in OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
     return ctypes.CDLL(str(cached_file(target, build)))
 
 
