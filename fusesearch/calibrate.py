@@ -51,8 +51,6 @@ predicts exactly what its report says; a profile is only used for the device it 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -333,28 +331,11 @@ def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, obje
     max_kernel_s = MAX_KERNEL_S[backend.name] if max_kernel_s is None else max_kernel_s
     runner = _Runner(backend)
     reg_ok = registers and _register_toolchain()
-    with _openmp_threads(device.sm_count if device.kind == "cpu" else 0):
+    from fusesearch.backends.cpu import openmp_threads
+
+    with openmp_threads(device.sm_count if device.kind == "cpu" else 0):
         return _measure_all(candidates, preps, runner, RooflineModel(params), device, seed, budget_s,
                             max_kernel_s, progress, reg_ok, rounds)
-
-
-@contextlib.contextmanager
-def _openmp_threads(threads: int):
-    """Run the OpenMP kernels with `threads` threads (the device's CPUs) while inside, whatever
-    libgomp read from the environment when it was first loaded; restored afterwards."""
-    try:
-        gomp = ctypes.CDLL("libgomp.so.1") if threads > 0 else None
-    except OSError:  # another OpenMP runtime: it reads OMP_NUM_THREADS, as host_cpu() does
-        gomp = None
-    if gomp is None:
-        yield
-        return
-    before = gomp.omp_get_max_threads()
-    gomp.omp_set_num_threads(threads)
-    try:
-        yield
-    finally:
-        gomp.omp_set_num_threads(before)
 
 
 def _measure_all(candidates, preps, runner, model, device, seed, budget_s, max_kernel_s, progress,
