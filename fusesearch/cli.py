@@ -725,7 +725,7 @@ def measure(
     if json_out:
         _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
         return
-    _print_measure(report, output)
+    _print_measure(report, output, None if runs_on.cuda else threads)
     if whole is not None:
         _print_run(whole, None)
 
@@ -793,24 +793,32 @@ def _warn_threads(plan_json: Path, threads: int) -> None:
             f"{threads}: its choices may not be the best at this count (plan again with --threads {threads})")
 
 
-def _print_measure(report, output) -> None:
+def _print_measure(report, output, threads: int | None) -> None:
     t = report.totals()
     versus = report.library_comparison()
-    table = Table(title=f"measured on {report.backend} ({report.device}), the unfused graph's lone anchors: "
-                                f"{report.baseline}",
+    at = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    table = Table(title=f"measured on {report.backend} ({report.device}{at}), each kernel alone, median of n "
+                        f"samples; the unfused graph's lone anchors: {report.baseline}",
                   title_justify="left")
-    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err", "library+rest"):
+    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "n", "max rel err", "library+rest"):
         table.add_column(col, justify="left" if col in ("group", "template", "how") else "right")
     for m in report.plan:
         spread = f"{_fmt_time(m.timing.p20_s)}-{_fmt_time(m.timing.p80_s)}" if m.timing else "-"
         table.add_row(f"g{m.group}", m.template, m.how, _fmt_time(m.predicted_s),
-                      _fmt_time(m.measured_s) if m.timing else "-", spread, f"{m.max_rel_err:.2g}",
+                      _fmt_time(m.measured_s) if m.timing else "-", spread, str(m.timing.n) if m.timing else "-",
+                      f"{m.max_rel_err:.2g}",
                       _fmt_versus(versus.get(m.group)))
     out.print(table)
-    out.print(f"plan: predicted {_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])}   "
-              f"unfused: predicted {_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])}"
-              f"   measured speedup {t['speedup']:.2f}x" + (f"   ({t['not_measured']} kernels not measured)"
-                                                           if t["not_measured"] else ""))
+    same = ", not distinguishable" if t["speedup_verdict"] == "not distinguishable" else ""
+    out.print(f"sums of kernels, each timed alone (median; sums of p20-p80): plan predicted "
+              f"{_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])} "
+              f"({_fmt_time(t['measured_p20_s'])}-{_fmt_time(t['measured_p80_s'])})   unfused predicted "
+              f"{_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])} "
+              f"({_fmt_time(t['unfused_measured_p20_s'])}-{_fmt_time(t['unfused_measured_p80_s'])})"
+              f"   speedup of the sums {t['speedup']:.2f}x{same}" + (f"   ({t['not_measured']} kernels not measured)"
+                                                                     if t["not_measured"] else ""))
+    out.print("a sum of kernels is not the program's time: `fusesearch run` (or measure --end-to-end) times the "
+              "plan end to end beside ONNX Runtime")
     for m in [*report.plan, *report.unfused]:
         if m.reason:
             how = "not measured" if m.timing is None else m.how

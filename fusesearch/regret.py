@@ -44,10 +44,11 @@ class Regret:
 
     @property
     def verdict(self) -> str:
-        a, b = self.plans["predicted"], self.plans["measured"]
-        if a["p80_s"] >= b["p20_s"] and b["p80_s"] >= a["p20_s"]:
-            return "not distinguishable"
-        return "measured plan faster" if self.regret_s > 0 else "predicted plan faster"
+        """`timing.compared` on the two programs' p20-p80 ranges."""
+        from fusesearch.backends.timing import compared
+
+        a, b = ((p["p20_s"], p["p80_s"]) for p in (self.plans["predicted"], self.plans["measured"]))
+        return compared(a, b, "predicted plan faster", "measured plan faster")
 
     def to_dict(self) -> dict:
         fast = self.plans["measured"]["median_s"]
