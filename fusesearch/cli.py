@@ -699,7 +699,7 @@ def measure(
     if end_to_end and not runs_on.end_to_end:
         raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
-    _check_profile_backend(device, runs_on)
+    _check_profile_backend(device, runs_on, threads)
     device = device or runs_on.default_device
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
@@ -925,7 +925,7 @@ def run(
         raise BadInput(f"-o: --backend {backend} checks correctness only and has no timings to write; drop -o")
     device = device or runs_on.default_device
     if not emulated:
-        _check_profile_backend(device, runs_on)
+        _check_profile_backend(device, runs_on, threads)
     if runs_on.cuda:
         from fusesearch.api import resolve_device
 
@@ -1267,11 +1267,12 @@ def calibrate(
               f"plot to {paths['plot']}")
 
 
-def _check_profile_backend(device: str | None, backend) -> None:
-    """A profile given to `measure` must be of the device the backend measures (exit 2 if not)."""
+def _check_profile_backend(device: str | None, backend, threads: int) -> None:
+    """A profile given to `measure` or `run` must be of the device the backend measures, a host
+    profile calibrated at `threads` (--threads) (exit 2 if not)."""
     from fusesearch.calibrate import check_profile_for_backend
 
-    check_profile_for_backend(device, backend)
+    check_profile_for_backend(device, backend, threads=threads)
 
 
 # -- devices ----------------------------------------------------------------------------------
