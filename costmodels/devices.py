@@ -372,7 +372,7 @@ def get_device(name: str, threads: int | None = None) -> DeviceSpec:
     threads: `host_cpu`); UnknownDevice otherwise."""
     key = name.strip().lower()
     if key in HOST_NAMES:
-        return host_cpu(threads)
+        return host_cpu() if threads is None else host_cpu(threads)  # one cached spec per call form
     if key in DEVICES:
         return DEVICES[key]
     close = difflib.get_close_matches(key, list(DEVICES), n=1)
