@@ -179,3 +179,19 @@ def test_the_report_gives_each_correlation_its_n_and_the_noise_floor():
     sentence = rank_sentence(r)
     assert "a ρ = 1.00 (n = 2); b ρ = -1.00 (n = 2)" in sentence and "(n = 4)" in sentence
     assert "differ by up to 4.0% (median 3.0%, n = 2 cells)" in sentence and "mean over" not in sentence
+
+
+def test_measure_sums_its_kernels_ranges_and_says_when_the_sums_overlap():
+    from fusesearch.measure import KernelMeasurement, MeasureReport
+
+    def kernel(label: str, group: int, *samples: float) -> KernelMeasurement:
+        return KernelMeasurement(label, group, "pointwise", "generated", 1e-6, timing(*samples), 0.0)
+
+    plan = (kernel("plan", 0, 1.0, 2.0, 3.0),)
+    close = MeasureReport("cpu", "host", plan, (kernel("unfused", 0, 1.0, 1.0, 2.0), kernel("unfused", 1, 1.0, 1.0, 2.0)))
+    t = close.totals()
+    assert (t["measured_p20_s"], t["measured_p80_s"]) == pytest.approx((1.4, 2.6))
+    assert (t["unfused_measured_p20_s"], t["unfused_measured_p80_s"]) == pytest.approx((2.0, 3.2))
+    assert t["speedup_verdict"] == NOT_DISTINGUISHABLE and t["speedup"] == pytest.approx(1.0)
+    far = MeasureReport("cpu", "host", plan, (kernel("unfused", 0, 5.0, 5.0, 5.0),)).totals()
+    assert far["speedup_verdict"] == "plan faster"
