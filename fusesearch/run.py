@@ -33,9 +33,14 @@ mismatch each step is checked against ONNX Runtime's run of its nodes alone on t
 program gave it, naming the first that differs (where none does, the outputs' error is float32
 rounding the model amplifies, as a Softmax of large logits does: the run passes, with a warning
 and `amplified_err` in its report), then times both and ONNX Runtime at
-ORT_ENABLE_ALL and ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's for
-the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each in
-turn per round, so that the machine's load changes fall on all four alike.
+ORT_ENABLE_ALL — on the model as the user gave it (`original_model`: the file, its dynamic dims
+bound by the feeds; a zoo model's export; checked equal to the canonical model first), and on the
+canonical one — and at ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's
+for the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each
+in turn per round, so that the machine's load changes fall on all alike; every ratio against
+ENABLE_ALL is against ONNX Runtime's faster figure (`RunReport.ort_baseline`). With several
+threads neither pool spins while the other runs: every session stops spinning as its Run returns
+(`verify.NO_SPINNING_AFTER_RUN`) and libgomp waits passively (`cpu.OPENMP_ENV`).
 On a GPU (`backend="cupy"`) the same steps and arena become a `CudaProgram`: one device
 allocation at the same offsets, every kernel's CUDA source in one module, launched in plan order
 on one non-default stream, a lone anchor the plan prices as the library's call through `arraylib`
