@@ -93,3 +93,20 @@ def test_run_warns_once_when_the_plan_was_priced_for_another_thread_count(run_cl
     assert len(lines) == 1 and "priced for 2 threads" in lines[0] and "--threads 1" in lines[0], lines
     assert "\n" not in lines[0]
     assert warned("2") == []
+
+
+def test_a_sweeps_cpu_cells_are_priced_for_its_threads(tmp_path):
+    """A host cell carries the sweep's threads (its plans are priced for them, so they are part of
+    its identity) with or without a backend; a GPU cell none; `sweep --threads` replaces them."""
+    import dataclasses
+
+    from fusesearch.sweep import expand, load_config
+
+    path = tmp_path / "s.toml"
+    path.write_text('models = ["zoo:rnn-control"]\ndevices = ["host", "t4"]\nstrategies = ["none"]\nthreads = 2\n')
+    cfg = load_config(path)
+    host, gpu = expand(cfg)
+    assert (host.device, host.threads, gpu.device, gpu.threads) == ("host", 2, "t4", None)
+    again = expand(dataclasses.replace(cfg, threads=1))[0]
+    assert again.threads == 1 and again.cell_id != host.cell_id
+    assert cfg.normalized()["threads"] == 2
