@@ -110,3 +110,10 @@ def test_a_sweeps_cpu_cells_are_priced_for_its_threads(tmp_path):
     again = expand(dataclasses.replace(cfg, threads=1))[0]
     assert again.threads == 1 and again.cell_id != host.cell_id
     assert cfg.normalized()["threads"] == 2
+
+
+@pytest.mark.parametrize("command", ["plan", "measure", "run"])
+def test_a_bad_thread_count_exits_2_with_one_line_naming_the_option(run_cli, tmp_path, command):
+    code, _, stderr = run_cli(command, chain(tmp_path), "--dim", "batch=8", "--device", "host", "--threads", "0")
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fusesearch: error: ") and "--threads" in lines[0]
