@@ -833,9 +833,9 @@ def original_model(prep) -> onnx.ModelProto | str | None:
 
 def check_original(model, threads: int, feeds: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
                    rtol: float):
-    """ONNX Runtime's ENABLE_ALL session of the model as given (on the CPU), once its outputs on `feeds` equal the canonical model's
-    (`reference`); Mismatch naming the output where they differ, BadInput where the canonical
-    model's inputs do not feed it."""
+    """ONNX Runtime's ENABLE_ALL session of the model as given (on the CPU), once its outputs on
+    `feeds` equal the canonical model's (`reference`); Mismatch naming the output where they
+    differ, BadInput where the canonical model's inputs do not feed it."""
     from fusesearch.verify import _run_session, compare, session
 
     sess = session(model, threads=threads, optimize=True)
