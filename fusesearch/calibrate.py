@@ -779,7 +779,7 @@ def known_device_names() -> list[str]:
 
 
 def report_lines(report: Mapping) -> list[str]:
-    """The held-out report as plain lines (what the CLI prints and the README quotes)."""
+    """The held-out report as plain lines (what the CLI prints and docs/calibration.md quotes)."""
     lines = []
     for label, key in (("held-out", "heldout"), ("train", "train")):
         block = report[key]

@@ -44,6 +44,11 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per mess
 
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
 Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim (repeatable)")]
+PlanDim = Annotated[list[str], typer.Option(
+    "--dim", help="DIM=V binds a named dynamic dim (repeatable); DIM=LO..HI or DIM=V1,V2,... plans one grouping "
+                  "for all those values (the ends and the powers of two between them)")]
+DimWeights = Annotated[list[str], typer.Option(
+    "--dim-weights", help="DIM=W1,W2,...: how often each value of a --dim range or list is served (default equal)")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
@@ -282,7 +287,8 @@ def plan(
     model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
     device: Annotated[str, typer.Option("--device", help="GPU name (see `fusesearch devices`) or profile.json")],
     input_shape: InputShape = None,
-    dim: Dim = None,
+    dim: PlanDim = None,
+    dim_weights: DimWeights = None,
     strategy: Strategy = "cpsat",
     time_limit: TimeLimit = 60.0,
     max_group_size: MaxGroup = 16,
@@ -303,6 +309,7 @@ def plan(
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
+    from fusesearch.buckets import plan_buckets, split_dims
     from fusesearch.pipeline import prepare
     from fusesearch.search import STRATEGIES
 
@@ -312,6 +319,37 @@ def plan(
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
     config = _config(time_limit, max_group_size, seed, workers)
+    fixed, buckets = split_dims(dim or [], dim_weights or [])
+    if buckets is not None:
+        refused = [flag for flag, given in ((f"--costs {costs}", costs != "predicted"),
+                                            ("--input-value", input_value), ("--explain", explain)) if given]
+        if refused:
+            raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a plan "
+                           f"over buckets; give --dim {buckets.dim} one value to use it")
+        preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
+                 for v in buckets.values]
+        result, figures = plan_buckets(preps, buckets, device, strategy, config, threads)
+        verified = None
+        if emit is not None:
+            verified = _emit_dynamic(preps, result, buckets, emit, force, seed, None if no_verify else
+                                     lambda v: prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]),
+                                                       keep_original=True, dtype=dtype, tf32=not no_tf32))
+        _draw(result, svg, html_out)
+        if output is not None:
+            with writing(output, "-o"):
+                output.write_text(result.to_json())
+        if json_out:
+            _emit_json({**result.to_dict(), "run": {"wall_s": round(result.solver.wall_s, 3), "verified": verified,
+                                                    "output": str(output) if output else None,
+                                                    "emit": str(emit) if emit else None}})
+            return
+        _print_plan(result, output)
+        _print_buckets(buckets, figures)
+        if emit is not None:
+            out.print(f"fused model written to {emit}, {buckets.dim} dynamic")
+        for report in verified or ():
+            out.print(f"at {buckets.dim}={report['at']}: {_verified_line(report)}")
+        return
     verifying = emit is not None and not no_verify
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
@@ -334,7 +372,8 @@ def plan(
         doc = result.to_dict()
         doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
                       "output": str(output) if output else None, "emit": str(emit) if emit else None,
-                      "verified": verified, **_tuned(legality)}
+                      "verified": verified, "opaque_ops": [name for _, name in _opaque_ops(result.graph)],
+                      **_tuned(legality)}
         _emit_json(doc)
         return
     _print_plan(result, output)
@@ -343,6 +382,55 @@ def plan(
             out.print(f"{what} written to {path}")
     if verified is not None:
         out.print(_verified_line(verified))
+
+
+BUCKET_REASONS = 3  # refusals shown per bucket
+
+
+def _print_buckets(buckets, figures) -> None:
+    """Each bucket's time under the one plan beside its own optimal plan's (the price of one plan)."""
+    table = Table(title=f"one plan for {buckets.dim} = {', '.join(map(str, buckets.values))} "
+                        f"(times above: weighted by how often each is served)", title_justify="left")
+    for col in (buckets.dim, "weight", "one plan", "own plan", "own kernels", "price of one plan"):
+        table.add_column(col, justify="right")
+    for f in figures:
+        table.add_row(str(f.value), f"{f.weight:.2f}", _fmt_time(f.time_s), _fmt_time(f.own_time_s),
+                      str(f.own_kernels), f"{f.price:.3f}x")
+    out.print(table)
+    worst = max(figures, key=lambda f: f.price)
+    out.print(f"worst bucket {buckets.dim}={worst.value}: {100 * (worst.price - 1):.1f}% over its own plan")
+    for f in figures:
+        for line in f.why[:BUCKET_REASONS]:
+            out.print(f"  {buckets.dim}={f.value}'s own groups refused {line}")
+
+
+def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, prepare_at) -> list[dict] | None:
+    """The plan over buckets as one fused model that keeps the dim dynamic (`dynamic.dynamic_model`),
+    verified against the original at the smallest, a middle, the largest bucket and a value
+    between buckets (`prepare_at(value)` prepares the model there; None: --no-verify), then written."""
+    from fusesearch.dynamic import check_values, dynamic_model
+    from fusesearch.export import fused_model, save_model
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import prepared_tolerance
+
+    canonicals = [to_proto(p.canonical) for p in preps]
+    fused = fused_model(canonicals[-1], preps[-1].graph, [g.nodes for g in plan_.groups])
+    dynamic = dynamic_model(fused, canonicals, buckets.values, buckets.dim)
+    reports = None
+    if prepare_at is not None:
+        reports = []
+        for value in check_values(buckets.values, seed):
+            prep = prepare_at(value)
+            report = _verify(prep, dynamic, seed, prepared_tolerance(prep), 0.0, {},
+                             label=f"--emit {path} at {buckets.dim}={value}")
+            if not report["ok"]:
+                raise FusesearchError(f"--emit {path}: at {buckets.dim}={value} the fused model differs from the "
+                                      f"original, so it was not written: {_verified_line(report)}; please report "
+                                      f"this plan")
+            reports.append({"at": value, **report})
+    with writing(path, "--emit"):
+        save_model(dynamic, path, overwrite=force)
+    return reports
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
@@ -541,6 +629,17 @@ def _tuned(legality) -> dict:
     return {} if legality.measurer is None else {"costs": legality.measurer.stats.to_dict()}
 
 
+OPAQUE_SHOWN = 5
+
+
+def _opaque_ops(graph) -> list[tuple[str, str]]:
+    """The ops no template fuses or prices by its work (control flow, unknown ops, an Einsum that is
+    not a matrix product): each runs alone, priced as a library call."""
+    from fusesearch.ir.op_kind import OpKind
+
+    return [(n.op_type, n.name) for n in graph.nodes if n.kind == OpKind.OPAQUE]
+
+
 def _print_plan(p, output: Path | None) -> None:
     s = p.solver
     status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {s.gap:.2%}" if s.bound_s is not None else "")
@@ -556,6 +655,10 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
+    if opaque := _opaque_ops(p.graph):
+        shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])
+        more = f" and {len(opaque) - OPAQUE_SHOWN} more" if len(opaque) > OPAQUE_SHOWN else ""
+        out.print(f"{len(opaque)} opaque op{'s' if len(opaque) > 1 else ''} priced as library calls: {shown}{more}")
     table = Table(title="slowest kernels", title_justify="left")
     for col in ("group", "template", "ops", "runs as", "time", "bound", "occupancy"):
         table.add_column(col, justify="right" if col in ("time", "occupancy") else "left")

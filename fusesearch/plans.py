@@ -151,6 +151,9 @@ class Plan:
     costs: str = "predicted"  # what priced the choices: predicted | measured | hybrid (`--costs`)
     # what measuring the choices cost (`autotune.TuneStats.to_dict`; wall time, so not in plan.json)
     tuning: Mapping[str, Any] | None = field(default=None, compare=False)
+    # a plan over several values of one dim (`buckets.plan_buckets`): the dim, values, weights and
+    # each bucket's time beside its own optimum; None for a plan of one shape
+    buckets: Mapping[str, Any] | None = None
     # what priced it beyond the device's name (`costmodels.profile.priced_by`: a CPU's threads and
     # measured figures, a profile's sha256), written under "device" in plan.json
     priced: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -235,6 +238,7 @@ class Plan:
             "totals": {"kernels": self.kernels, "time_s": _r(self.time_s),
                        "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),
                        "dram_bytes": _r(self.dram_bytes), "flops": _r(self.flops)},
+            **({"buckets": self.buckets} if self.buckets is not None else {}),
         }
 
     def to_json(self) -> str:
