@@ -1185,8 +1185,7 @@ def regret(
     input_shape: InputShape = None,
     dim: Dim = None,
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
-    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the programs (the "
-                                         "choices are timed at OMP_NUM_THREADS: set it to the same).")] = 1,
+    threads: Threads = 1,
     time_limit: TimeLimit = 60.0,
     seed: Seed = 0,
     json_out: JsonFlag = False,
