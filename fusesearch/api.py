@@ -20,9 +20,11 @@ from fusesearch.plans import ModelInfo, Plan
 from fusesearch.search.problem import SearchConfig
 
 
-def resolve_device(name_or_path: str):
-    """(label, DeviceSpec, RooflineParams, profile path or None); BadInput for an unknown name or a
-    list of several (one command, one device: `compare` takes lists)."""
+def resolve_device(name_or_path: str, threads: int | None = None):
+    """(label, DeviceSpec, RooflineParams, profile path or None); `threads`: the OpenMP threads
+    `host` is described with (its figures are this machine's at that count: `costmodels.host_cpu`);
+    BadInput for an unknown name or a list of several (one command, one device: `compare` takes
+    lists)."""
     from costmodels import CostModelError, load_device
 
     text = str(name_or_path)
@@ -30,7 +32,7 @@ def resolve_device(name_or_path: str):
         raise BadInput(f"--device {text}: give one device here (a name or a profile.json); to set several "
                        f"devices side by side run `fusesearch compare MODEL --device {text}`")
     try:
-        spec, params = load_device(name_or_path)
+        spec, params = load_device(name_or_path, threads)
     except CostModelError as exc:
         raise BadInput(f"--device {name_or_path}: {exc}") from None
     is_profile = str(name_or_path).endswith(".json") or Path(str(name_or_path)).is_file()
@@ -54,7 +56,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
-         lone_anchors: str = "priced", costs: str = "predicted") -> Plan:
+         lone_anchors: str = "priced", costs: str = "predicted", threads: int = 1) -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
     False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
     gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
@@ -62,7 +64,8 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     library`'s reference), "generated" our kernel, "priced" whichever is cheaper; `costs`: what
     prices each group's choices (`autotune`): "predicted" (the cost model), "measured" (each timed
     on this machine: the CPU for host, CuPy for a GPU; kept in the timing database) or "hybrid"
-    (only the choices predicted within the model's error band of the group's best)."""
+    (only the choices predicted within the model's error band of the group's best); `threads`: the
+    OpenMP threads a CPU plan is priced for (`--threads`, recorded in plan.json)."""
     from costmodels import RooflineModel
     from fusesearch.autotune import build_problem, check_costs
     from fusesearch.pipeline import prepare
@@ -73,7 +76,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     bindings = ShapeBindings.parse(
         [f"{k}={'x'.join(map(str, v))}" for k, v in (input_shapes or {}).items()],
         [f"{k}={v}" for k, v in (dims or {}).items()])
-    label, spec, params, profile = resolve_device(device)
+    label, spec, params, profile = resolve_device(device, threads)
     prep, params = for_device(prepared or prepare(model, bindings, dtype=dtype, tf32=tf32), spec, params)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))

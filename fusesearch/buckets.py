@@ -189,16 +189,17 @@ def refusals(legality: BucketLegality, buckets: Buckets, groups: Iterable[frozen
     return tuple(found)
 
 
-def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, config):
+def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, config, threads: int = 1):
     """One plan over every bucket (each prepared model one bucket's), with each bucket's figure.
-    The plan's time is the weighted sum of the buckets' times; its lower bound likewise."""
+    The plan's time is the weighted sum of the buckets' times; its lower bound likewise. A CPU
+    is priced at `threads` OpenMP threads (`--threads`)."""
     from costmodels import RooflineModel
     from fusesearch.api import for_device, model_info, resolve_device
     from fusesearch.costing import graph_figures
     from fusesearch.search import search
     from fusesearch.search.problem import SearchProblem
 
-    label, spec, params, profile = resolve_device(device)
+    label, spec, params, profile = resolve_device(device, threads)
     problems = []
     for prep in preps:
         prep, bucket_params = for_device(prep, spec, params)

@@ -259,6 +259,9 @@ MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help=
 Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
 Workers = Annotated[int | None, typer.Option("--workers", callback=CPUS,
                                              help="CP-SAT workers (default: cores, at most 8).")]
+Threads = Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the generated kernels "
+                                      "(and ONNX Runtime's intra-op threads where it is timed beside them); a "
+                                      "host plan is priced for this count and plan.json records it.")]
 Costs = Annotated[str, typer.Option("--costs", help="What prices each group's choices: predicted (the cost model), "
                                     "measured (each timed on this machine's CPU for host, its GPU for a GPU "
                                     "device; kept in the timing database), or hybrid (only the choices "
@@ -302,6 +305,7 @@ def plan(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    threads: Threads = 1,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -324,7 +328,7 @@ def plan(
                            f"over buckets; give --dim {buckets.dim} one value to use it")
         preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
                  for v in buckets.values]
-        result, figures = plan_buckets(preps, buckets, device, strategy, config)
+        result, figures = plan_buckets(preps, buckets, device, strategy, config, threads)
         verified = None
         if emit is not None:
             verified = _emit_dynamic(preps, result, buckets, emit, force, seed, None if no_verify else
@@ -351,7 +355,7 @@ def plan(
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
-    result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs)
+    result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs, threads)
     verified = None
     if emit is not None:
         verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
@@ -603,19 +607,22 @@ def export(
         out.print(_verified_line(report))
 
 
-def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None, costs: str = "predicted"):
-    """(plan, legality, prep); `costs` other than predicted also prints what measuring cost (stderr)."""
+def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None, costs: str = "predicted",
+              threads: int = 1):
+    """(plan, legality, prep), a CPU's plan priced for `threads` OpenMP threads; `costs` other than
+    predicted also prints what measuring cost (stderr)."""
     from costmodels import RooflineModel
     from fusesearch.api import for_device, model_info, resolve_device
     from fusesearch.autotune import build_problem
     from fusesearch.pipeline import prepare
     from fusesearch.search import search
 
-    label, spec, params, profile = resolve_device(device)
+    label, spec, params, profile = resolve_device(device, threads)
     prep, params = for_device(prep or prepare(model, bindings), spec, params)
-    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                    profile=profile, model_info=model_info(prep), problem=problem)
+    with _threads(threads if spec.kind == "cpu" else 0):  # choices measured (--costs) at that count
+        problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
+        result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
+                        profile=profile, model_info=model_info(prep), problem=problem)
     if tuner is not None:
         print(f"fusesearch: {tuner.stats.line()}", file=sys.stderr)
     return result, problem.legality, prep
@@ -640,7 +647,9 @@ def _opaque_ops(graph) -> list[tuple[str, str]]:
 def _print_plan(p, output: Path | None) -> None:
     s = p.solver
     status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {s.gap:.2%}" if s.bound_s is not None else "")
-    out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold], strategy {p.strategy} "
+    threads = p.priced.get("threads")
+    at = f" at {threads} thread{'s' if threads != 1 else ''} (--threads)" if threads else ""
+    out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold]{at}, strategy {p.strategy} "
               f"({status}; {s.wall_s:.2f} s)")
     # the bound is the model's roofline; under measured costs the plan's time is the sum of timed
     # kernels, which a low peak in the model can put below it: the ratio would compare two sources
@@ -777,6 +786,7 @@ def measure(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    threads: Threads = 1,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -796,22 +806,23 @@ def measure(
     if end_to_end and not runs_on.end_to_end:
         raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
-    _check_profile_backend(device, runs_on)
+    _check_profile_backend(device, runs_on, threads)
     device = device or runs_on.default_device
     config = _config(time_limit, 16, seed, None)
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline,
-                                          costs=costs)
-    total = len(plan_.groups) + len(unfused.groups)
-    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
-        task = bar.add_task(f"measuring on {backend}", total=total)
-        report = measure_plan(prep, plan_, unfused, runs_on, budget_s=budget, seed=seed,
-                              progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
-                              ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda)
-                              else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
-    whole = _end_to_end(prep, plan_, unfused, seed, values) if end_to_end else None
+    with _threads(0 if runs_on.cuda else threads):
+        plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline,
+                                              costs=costs, threads=threads)
+        total = len(plan_.groups) + len(unfused.groups)
+        with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
+            task = bar.add_task(f"measuring on {backend}", total=total)
+            report = measure_plan(prep, plan_, unfused, runs_on, budget_s=budget, seed=seed,
+                                  progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
+                                  ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda)
+                                  else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
+    whole = _end_to_end(prep, plan_, unfused, seed, values, threads) if end_to_end else None
     if output is not None:
         rows = report.to_pandas()
         if whole is not None:  # the run's figures, the same on every row
@@ -821,7 +832,7 @@ def measure(
     if json_out:
         _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
         return
-    _print_measure(report, output)
+    _print_measure(report, output, None if runs_on.cuda else threads)
     if whole is not None:
         _print_run(whole, None)
 
@@ -834,11 +845,12 @@ def _ptxas_arch(device: str) -> str:
     return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
-def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced", costs: str = "predicted"):
+def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced", costs: str = "predicted",
+                   threads: int = 1):
     """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors as
     `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves);
     the plan's choices (a --plan file's groups too) priced as `costs` says, the unfused graph's
-    predicted."""
+    predicted, a CPU's for `threads` (a --plan file priced for another count: a warning)."""
     import dataclasses
 
     from fusesearch.api import model_info, resolve_device
@@ -846,11 +858,13 @@ def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str 
 
     model = prep.loaded.source
     plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep,
-                                      costs)
+                                      costs, threads)
     unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
-                        prep)[0]
+                        prep, threads=threads)[0]
     if plan_json is not None:
-        none = _run_plan(model, None, device, "none", config, prep)[0] if lone_anchors != "priced" else unfused
+        _warn_threads(plan_json, threads)
+        none = (_run_plan(model, None, device, "none", config, prep, threads=threads)[0] if lone_anchors != "priced"
+                else unfused)
         from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 
@@ -858,31 +872,60 @@ def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str 
         legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
                             max_group_size=len(prep.graph), measurer=legality.measurer)
         groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
-        label = resolve_device(device)[0]
+        label = resolve_device(device, threads)[0]
         plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
                            solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
-                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s)
+                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,
+                           priced=none.priced)
     return plan_, unfused, prep
 
 
-def _print_measure(report, output) -> None:
+def _threads(threads: int):
+    """The OpenMP kernels (and ONNX Runtime's sessions that follow them) at `threads` threads while
+    inside (`cpu.openmp_threads`; 0: as they are)."""
+    from fusesearch.backends.cpu import openmp_threads
+
+    return openmp_threads(threads)
+
+
+def _warn_threads(plan_json: Path, threads: int) -> None:
+    """One warning line when plan.json records a CPU plan priced for another thread count."""
+    try:
+        priced = json.loads(plan_json.read_text()).get("device", {}).get("threads")
+    except (OSError, ValueError, AttributeError):
+        return  # the file's own errors are reported where its groups are read
+    if isinstance(priced, int) and priced != threads:
+        logging.getLogger("fusesearch").warning(
+            f"{plan_json} was priced for {priced} thread{'s' if priced != 1 else ''}; it runs with --threads "
+            f"{threads}: its choices may not be the best at this count (plan again with --threads {threads})")
+
+
+def _print_measure(report, output, threads: int | None) -> None:
     t = report.totals()
     versus = report.library_comparison()
-    table = Table(title=f"measured on {report.backend} ({report.device}), the unfused graph's lone anchors: "
-                                f"{report.baseline}",
+    at = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    table = Table(title=f"measured on {report.backend} ({report.device}{at}), each kernel alone, median of n "
+                        f"samples; the unfused graph's lone anchors: {report.baseline}",
                   title_justify="left")
-    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err", "library+rest"):
+    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "n", "max rel err", "library+rest"):
         table.add_column(col, justify="left" if col in ("group", "template", "how") else "right")
     for m in report.plan:
         spread = f"{_fmt_time(m.timing.p20_s)}-{_fmt_time(m.timing.p80_s)}" if m.timing else "-"
         table.add_row(f"g{m.group}", m.template, m.how, _fmt_time(m.predicted_s),
-                      _fmt_time(m.measured_s) if m.timing else "-", spread, f"{m.max_rel_err:.2g}",
+                      _fmt_time(m.measured_s) if m.timing else "-", spread, str(m.timing.n) if m.timing else "-",
+                      f"{m.max_rel_err:.2g}",
                       _fmt_versus(versus.get(m.group)))
     out.print(table)
-    out.print(f"plan: predicted {_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])}   "
-              f"unfused: predicted {_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])}"
-              f"   measured speedup {t['speedup']:.2f}x" + (f"   ({t['not_measured']} kernels not measured)"
-                                                           if t["not_measured"] else ""))
+    same = ", not distinguishable" if t["speedup_verdict"] == "not distinguishable" else ""
+    out.print(f"sums of kernels, each timed alone (median; sums of p20-p80): plan predicted "
+              f"{_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])} "
+              f"({_fmt_time(t['measured_p20_s'])}-{_fmt_time(t['measured_p80_s'])})   unfused predicted "
+              f"{_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])} "
+              f"({_fmt_time(t['unfused_measured_p20_s'])}-{_fmt_time(t['unfused_measured_p80_s'])})"
+              f"   speedup of the sums {t['speedup']:.2f}x{same}" + (f"   ({t['not_measured']} kernels not measured)"
+                                                                     if t["not_measured"] else ""))
+    out.print("a sum of kernels is not the program's time: `fusesearch run` (or measure --end-to-end) times the "
+              "plan end to end beside ONNX Runtime")
     for m in [*report.plan, *report.unfused]:
         if m.reason:
             how = "not measured" if m.timing is None else m.how
@@ -950,8 +993,7 @@ def run(
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: None if v >= 0 else "0 or more runs"),
                                         help="Untimed runs before them.")] = 3,
-    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the kernels and "
-                                         "ONNX Runtime's intra-op threads.")] = 1,
+    threads: Threads = 1,
     time_limit: TimeLimit = 60.0,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
                                       "inputs.")] = 0,
@@ -990,7 +1032,7 @@ def run(
         raise BadInput(f"-o: --backend {backend} checks correctness only and has no timings to write; drop -o")
     device = device or runs_on.default_device
     if not emulated:
-        _check_profile_backend(device, runs_on)
+        _check_profile_backend(device, runs_on, threads)
     if runs_on.cuda:
         from fusesearch.api import resolve_device
 
@@ -1003,7 +1045,7 @@ def run(
     prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, costs=costs)
+    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, costs=costs, threads=threads)
     rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
@@ -1053,14 +1095,11 @@ def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values,
     out.print(f"equal to ONNX Runtime: max rel err {doc['max_rel_err']:.2g}, rtol {rtol:g}")
 
 
-def _end_to_end(prep, plan_, unfused, seed: int, values):
-    """`run`'s figures for measure --end-to-end, on the kernels' thread count (OMP_NUM_THREADS,
-    else one per core)."""
+def _end_to_end(prep, plan_, unfused, seed: int, values, threads: int):
+    """`run`'s figures for measure --end-to-end, at `threads` (--threads)."""
     from fusesearch.run import run_plan
-    from fusesearch.verify import omp_threads
 
-    report = run_plan(prep, plan_, unfused, threads=omp_threads() or os.cpu_count() or 1, seed=seed,
-                      input_values=values)
+    report = run_plan(prep, plan_, unfused, threads=threads, seed=seed, input_values=values)
     report.model = prep.loaded.name
     return report
 
@@ -1071,28 +1110,53 @@ def _nothing():
     return nullcontext()
 
 
+RUN_NAMES = {"plan": "plan", "unfused": "unfused (none)", "ort_enable_all": "ONNX Runtime ENABLE_ALL",
+             "ort_enable_all_canonical": "ONNX Runtime ENABLE_ALL, canonical model",
+             "ort_disable_all": "ONNX Runtime DISABLE_ALL, canonical model", "torch_eager": "PyTorch eager",
+             "torch_compile": "torch.compile (Inductor, frozen)",
+             "torch_compile_max_autotune": "torch.compile max-autotune"}
+
+
+def _versus(report, key: str, base: str) -> str:
+    """'0.82x', or '0.98x, not distinguishable' where the two p20-p80 ranges overlap."""
+    from fusesearch.backends.timing import distinguishable, spread
+
+    ratio = report.ratio(key, base)
+    base = report.ort_baseline() if base == "ort_enable_all" else base
+    if key == base or key not in report.timings or base not in report.timings:
+        return f"{ratio:.2f}x"
+    same = not distinguishable(spread(report.timings[key]), spread(report.timings[base]))
+    return f"{ratio:.2f}x" + (", not distinguishable" if same else "")
+
+
 def _print_run(report, output: Path | None) -> None:
     where = report.backend if report.cuda_graph is None else (  # a host C program, or a CUDA program
         f"{report.backend} ({'one CUDA graph' if report.cuda_graph else 'kernels launched one by one'}, CUDA events; "
         f"ONNX Runtime on {report.ort_provider})")
     table = Table(title=f"{report.model}: end to end on {where}, {report.threads} thread"
-                        f"{'s' if report.threads != 1 else ''}, {report.repeat} runs", title_justify="left")
+                        f"{'s' if report.threads != 1 else ''}, median of n={report.repeat} runs each",
+                  title_justify="left")
     for col in ("program", "median", "p20-p80", "vs ORT ENABLE_ALL", "vs ORT DISABLE_ALL"):
         table.add_column(col, justify="left" if col == "program" else "right")
-    names = {"plan": f"plan ({report.strategy})", "unfused": "unfused (none)",
-             "ort_enable_all": "ONNX Runtime ENABLE_ALL", "ort_disable_all": "ONNX Runtime DISABLE_ALL",
-             "torch_eager": "PyTorch eager", "torch_compile": "torch.compile (Inductor, frozen)",
-             "torch_compile_max_autotune": "torch.compile max-autotune"}
+    names = {**RUN_NAMES, "plan": f"plan ({report.strategy})"}
+    if "ort_enable_all_canonical" in report.timings:
+        names["ort_enable_all"] = "ONNX Runtime ENABLE_ALL, model as given"
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
-                      f"{report.ratio(key, 'ort_enable_all'):.2f}x", f"{report.ratio(key, 'ort_disable_all'):.2f}x")
+                      _versus(report, key, "ort_enable_all"), _versus(report, key, "ort_disable_all"))
     out.print(table)
+    if "ort_enable_all_canonical" in report.timings:
+        which = "model as given" if report.ort_baseline() == "ort_enable_all" else "canonical model"
+        out.print(f"vs ORT ENABLE_ALL: against ONNX Runtime's faster ENABLE_ALL figure, the {which}'s")
+    elif report.timings:
+        out.print("vs ORT ENABLE_ALL: ONNX Runtime on the canonical model (the plan's model is another precision "
+                  "than the model as given)")
     seg = report.segments
     out.print(f"plan: {report.kernels} generated kernels in {seg['generated']} segments, {report.library_steps} "
               f"ONNX Runtime nodes in {seg['library']} segments; arena {_fmt_bytes(report.arena_peak_bytes)} of "
               f"{_fmt_bytes(report.activation_bytes)} activations "
               f"({report.arena_peak_bytes / max(1, report.activation_bytes):.0%}); plan vs unfused "
-              f"{report.ratio('plan', 'unfused'):.2f}x")
+              f"{_versus(report, 'plan', 'unfused')}")
     out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
               f"rtol {report.rtol:g}")
     _print_torch(report.torch)
@@ -1125,8 +1189,7 @@ def regret(
     input_shape: InputShape = None,
     dim: Dim = None,
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
-    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the programs (the "
-                                         "choices are timed at OMP_NUM_THREADS: set it to the same).")] = 1,
+    threads: Threads = 1,
     time_limit: TimeLimit = 60.0,
     seed: Seed = 0,
     json_out: JsonFlag = False,
@@ -1170,14 +1233,21 @@ def sweep(
     out_dir: Annotated[Path | None, typer.Option("--out", help="Results folder (default: beside CONFIG, "
                                                  "named after it).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Discard the results of a different sweep in --out.")] = False,
+    threads: Annotated[int | None, typer.Option("--threads", callback=CPUS, help="OpenMP threads a CPU device's "
+                                                "cells are priced for and run with (default: the config's "
+                                                "threads, else 1).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a TOML grid of models × devices × strategies × parameters on Dask; resumable."""
+    import dataclasses
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fusesearch.sweep import load_config, run_sweep
 
     cfg = load_config(config)
+    if threads is not None:
+        cfg = dataclasses.replace(cfg, threads=threads)
     out_dir = out_dir or config.parent / config.stem
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[last]}"))
@@ -1195,13 +1265,15 @@ def sweep(
     finally:
         if bar.live.is_started:
             bar.stop()
-    doc = {"sweep": cfg.name, "out": str(summary.out), "cells": summary.cells, "skipped": summary.skipped,
+    doc = {"sweep": cfg.name, "threads": cfg.threads, "out": str(summary.out), "cells": summary.cells,
+           "skipped": summary.skipped,
            "ran": summary.ran, "failed": summary.failed, "wall_s": round(summary.wall_s, 1),
            "results": str(summary.results)}
     if json_out:
         _emit_json(doc)
     else:
-        out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
+        out.print(f"sweep {cfg.name} ({cfg.threads} thread{'s' if cfg.threads != 1 else ''} on a CPU): "
+                  f"{summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
                   f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
         if summary.failed and not summary.all_failed:
             out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")
@@ -1301,11 +1373,12 @@ def calibrate(
               f"plot to {paths['plot']}")
 
 
-def _check_profile_backend(device: str | None, backend) -> None:
-    """A profile given to `measure` must be of the device the backend measures (exit 2 if not)."""
+def _check_profile_backend(device: str | None, backend, threads: int) -> None:
+    """A profile given to `measure` or `run` must be of the device the backend measures, a host
+    profile calibrated at `threads` (--threads) (exit 2 if not)."""
     from fusesearch.calibrate import check_profile_for_backend
 
-    check_profile_for_backend(device, backend)
+    check_profile_for_backend(device, backend, threads=threads)
 
 
 # -- devices ----------------------------------------------------------------------------------
