@@ -540,7 +540,11 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
                          for where in epilogues(graph, ids, anchor, p, host.lanes)
                          for split in cpu_splits(graph, ids, anchor, p, host, row_epilogue=bool(row_tile)))
-        return products if len(nodes) > 1 else (*products, _library_anchor(graph, nodes, anchor, m, n_dim, k))
+        if len(nodes) > 1:
+            return products
+        # the library's threads share the same work in tiles as well: priced at our best split's balance
+        library = _library_anchor(graph, nodes, anchor, m, n_dim, k)
+        return (*products, replace(library, imbalance=min(kn.imbalance for kn in products)))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
