@@ -44,8 +44,9 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 loop over zero-bordered planes). `gemm_products` / `conv_products` list a group's
                 applicable ones, today's measured default first; the generator writes the one named,
                 the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
-    split       on a CPU, how a gemm's OpenMP threads share its output (`CPU_SPLITS`, "" elsewhere):
-                "rows" (blocks of rows, one per thread of a batch), "tiles" (row blocks of at least
+    split       on a CPU, how a packed kernel's OpenMP threads share its output (`CPU_SPLITS`, ""
+                elsewhere): "rows" (blocks of rows, a conv's of output rows, one per thread of a
+                batch), and for a gemm over a constant B "tiles" (row blocks of at least
                 SPLIT_TILE_ROWS rows, the columns split among the rest), "cols" (blocks of columns);
                 `cpu_splits` lists a group's, `split_blocks` gives the blocks (the C computes the
                 same from the threads it runs with), `split_imbalance` their price
