@@ -46,8 +46,8 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
     split       on a CPU, how a packed kernel's OpenMP threads share its output (`CPU_SPLITS`, ""
                 elsewhere): "rows" (blocks of rows, a conv's of output rows, one per thread of a
-                batch), and for a gemm over a constant B "tiles" (row blocks of at least
-                SPLIT_TILE_ROWS rows, the columns split among the rest), "cols" (blocks of columns);
+                batch), and for a gemm over a constant B "cols" (blocks of columns) and "tiles"
+                (row blocks of at least SPLIT_TILE_ROWS rows, the columns split among the rest);
                 `cpu_splits` lists a group's, `split_blocks` gives the blocks (the C computes the
                 same from the threads it runs with), `split_imbalance` their price
     epilogue    with the "own" product, where its epilogue runs: "tile" (on the micro-kernel's
@@ -124,7 +124,7 @@ TILE_K = 32  # K step of every GEMM tile
 TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs): the library-style default
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
 SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
-CPU_SPLITS = ("rows", "tiles", "cols")  # how a CPU gemm's threads share its output (`Schedule.split`)
+CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its output (`Schedule.split`)
 
 
 @dataclass(frozen=True)
@@ -573,7 +573,8 @@ def cpu_splits(graph: Graph, nodes: Collection[int], anchor: Node, product: str,
     a MatMul/Gemm whose product is ours or the BLAS's, with no row epilogue and a 2-D float32
     constant B (packed once, or read in place: a column block reads its slice), also "tiles" and
     "cols" where they make other blocks than the earlier ones at the target's threads; every
-    other group "rows" alone (its blocks of rows, or of output rows of a conv)."""
+    other group "rows" alone (its blocks of rows, or of output rows of a conv). A split that makes
+    the blocks of an earlier one is left out (over fewer than 24 rows "tiles" is "cols")."""
     b = graph.tensors[anchor.inputs[1]] if len(anchor.inputs) > 1 else None
     if (product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm") or row_epilogue or b is None
             or not b.constant or b.dtype != "float32" or b.shape is None or len(b.shape) != 2

@@ -96,7 +96,7 @@ def _cpu(threads: int, lanes: int = 16):
 
 
 def test_a_gemm_lists_each_split_and_one_thread_lists_rows_alone():
-    """At 16 threads every product is listed over rows, tiles and columns, "rows" first; at one
+    """At 16 threads every product is listed over rows, columns and tiles, "rows" first; at one
     thread every split makes the same one block, so "rows" alone is listed, as before the splits."""
     from tests.test_lowering import graph_of
 
