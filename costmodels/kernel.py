@@ -86,6 +86,9 @@ class KernelSpec:
     - `product`: on a CPU, the code path of a generated gemm/conv's product (one of
       CPU_PRODUCTS: our micro-kernel, a BLAS call per block, a conv's band...), priced at its own
       efficiency (`RooflineParams.product_efficiency`); "" for any other kernel.
+    - `imbalance`: on a CPU, how much longer a generated gemm's product runs than its work shared
+      evenly among the threads (>= 1: blocks fewer than the threads, or below the micro-kernel's
+      tile; `fusesearch.schedule.split_imbalance`); the product's rate is divided by it.
     """
 
     template: str
@@ -110,6 +113,7 @@ class KernelSpec:
     unit: str = ""
     min_arch: int = 0
     product: str = ""
+    imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -126,6 +130,9 @@ class KernelSpec:
             )
         for name in _FLOAT_FIELDS:
             object.__setattr__(self, name, _count(name, getattr(self, name)))
+        object.__setattr__(self, "imbalance", _count("imbalance", self.imbalance))
+        if self.imbalance < 1.0:
+            raise InvalidSpec(f"KernelSpec.imbalance = {self.imbalance}, expected >= 1")
         for name in _INT_FIELDS:
             object.__setattr__(self, name, _int_count(name, getattr(self, name)))
         if self.threads_per_block < 1:

@@ -402,7 +402,8 @@ class RooflineModel:
                 else scalar_peak_flops_per_s(device, "float32"))
         table = ("library_efficiency" if spec.impl == "library" else
                  "mma_efficiency" if unit.endswith("tensor-core") else "tc_efficiency")
-        tc_rate = peak * p.get(table, spec.template) * (p.get("product_efficiency", spec.product) if spec.product else 1.0)
+        tc_rate = (peak * p.get(table, spec.template) * (p.get("product_efficiency", spec.product) if spec.product else 1.0)
+                   / spec.imbalance)
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)
                        * p.get("scalar_efficiency", spec.template))
         scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops

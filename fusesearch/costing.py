@@ -6,7 +6,7 @@ running every FLOP at peak in one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
 `cheapest` prices a group's choices (`device_choices`: every schedule lowering gives it on the
 device) and keeps the fastest that fits, ties the earlier (the search's choice: which tile, tensor
-or CUDA cores, our kernel or the library call, on a CPU which C product);
+or CUDA cores, our kernel or the library call, on a CPU which C product and thread split);
 `unfused_time_s` sums single-node kernels (lone anchors as library calls: the unfused graph as
 ONNX Runtime runs it; a plan's own reference is strategy none's time, `search.search`);
 `lower_bound_s` applies the roofline at 100% efficiency to the whole graph as one kernel with
@@ -46,8 +46,10 @@ def cheapest(kernels: Sequence[Kernel], device: DeviceSpec, model: RooflineModel
 def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec,
                    blas: bool = True) -> tuple[Kernel, ...] | FusionDecision:
     """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU, for
-    its vectors: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes)."""
-    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(blas=blas, lanes=device.warp_size))
+    its vectors and threads: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes, and
+    `CpuTarget.threads` its `sm_count`, the OpenMP threads its figures were measured with)."""
+    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(blas=blas, lanes=device.warp_size,
+                                                                       threads=max(1, device.sm_count)))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

@@ -31,7 +31,8 @@ memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointw
 a CPU device (`choices(..., host=True)`, asked by `costing.device_choices`) a gemm/conv, fused or
 alone, is `packed`, the C backend's form, one choice per product its C can run as (our micro-kernel
 or a BLAS call per block; a conv's band, packed filters, 1x1 rows or im2col: `schedule.cpu_products`,
-`Schedule.product`) (a depthwise conv `depthwise`, its loop over zero-bordered planes,
+`Schedule.product`; a gemm's threads over blocks of rows, of columns or both: `schedule.cpu_splits`,
+priced by `schedule.split_imbalance`) (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
 scale, folded into the product, not at all: `schedule.folded_scale`; on any device a GELU's
@@ -80,16 +81,20 @@ from fusesearch.schedule import (
     block_per_row,
     conv_reads_band,
     cpu_products,
+    cpu_splits,
     depthwise_conv,
     disjoint_windows,
     epilogues,
     folded_scale,
     gelu_chains,
+    gemm_blocks_dims,
     gemm_tiles,
     grid_stride,
     has_gemm_view,
     mma,
     mma_tiles,
+    split_blocks,
+    split_imbalance,
     split_k,
     stride_blocks,
     tensor_core_skeleton,
@@ -134,6 +139,7 @@ class Kernel:
     schedule: Schedule
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
+    imbalance: float = 1.0  # a CPU gemm: its busiest thread's work over an even share (`schedule.split_imbalance`)
 
     # how it runs: the schedule's, decided once (see fusesearch.schedule)
     @property
@@ -177,7 +183,7 @@ class Kernel:
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
             divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
-            min_arch=self.schedule.min_arch, product=self.schedule.product)
+            min_arch=self.schedule.min_arch, product=self.schedule.product, imbalance=self.imbalance)
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -529,10 +535,16 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         ours = _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                       DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
-        products = tuple(replace(ours, schedule=replace(ours.schedule, product=p, epilogue=where))
+        products = tuple(_cpu_split(graph, nodes, anchor, replace(ours, schedule=replace(
+                             ours.schedule, product=p, epilogue=where, split=split)), host)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
-                         for where in epilogues(graph, ids, anchor, p, host.lanes))
-        return products if len(nodes) > 1 else (*products, _library_anchor(graph, nodes, anchor, m, n_dim, k))
+                         for where in epilogues(graph, ids, anchor, p, host.lanes)
+                         for split in cpu_splits(graph, ids, anchor, p, host, row_epilogue=bool(row_tile)))
+        if len(nodes) > 1:
+            return products
+        # the library's threads share the same work in tiles as well: priced at our best split's balance
+        library = _library_anchor(graph, nodes, anchor, m, n_dim, k)
+        return (*products, replace(library, imbalance=min(kn.imbalance for kn in products)))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
@@ -541,6 +553,22 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     if len(nodes) > 1:
         return generated
     return (_library_anchor(graph, nodes, anchor, m, n_dim, k), *generated)
+
+
+def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:
+    """A CPU gemm choice priced for its thread split: its imbalance (`schedule.split_imbalance`),
+    and, where the split makes column blocks, its activation's prologue recomputed once per column
+    block (each packs its rows of A again); a conv or the per-row loops as they are."""
+    if kernel.schedule.product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm"):
+        return kernel
+    batches, m, n = gemm_blocks_dims(graph, anchor)
+    split = kernel.schedule.split
+    _, _, cols, nb = split_blocks(split, batches, m, n, max(1, host.threads))
+    if cols > 1:
+        kernel = replace(_build(graph, nodes, kernel.template, anchor.id, kernel.iteration_size, kernel.reduction_length,
+                                kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
+                                host=True), schedule=kernel.schedule)
+    return replace(kernel, imbalance=split_imbalance(split, batches, m, n, host))
 
 
 def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:

@@ -33,8 +33,6 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
     threads     threads per block; `grid` the launch grid ((): derived from the iteration space, for
                 library calls); `smem_bytes` the static shared memory the kernel declares
     row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
-    fallback    a library call's own generated schedule, for where our kernel runs it instead
-                (`measure --baseline generated`, calibration samples); priced as the library
     product     on a CPU, how a gemm/conv's product runs (`CPU_PRODUCTS`, "" elsewhere): "own" (our
                 micro-kernel over B packed once or per block, `fs_gemm_rows`), "blas" (a BLAS sgemm per
                 block of rows, the per-row loops under `#else` where the backend compiles without a
@@ -46,6 +44,12 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 loop over zero-bordered planes). `gemm_products` / `conv_products` list a group's
                 applicable ones, today's measured default first; the generator writes the one named,
                 the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
+    split       on a CPU, how a packed kernel's OpenMP threads share its output (`CPU_SPLITS`, ""
+                elsewhere): "rows" (blocks of rows, a conv's of output rows, one per thread of a
+                batch), and for a gemm over a constant B "cols" (blocks of columns) and "tiles"
+                (row blocks of at least SPLIT_TILE_ROWS rows, the columns split among the rest);
+                `cpu_splits` lists a group's, `split_blocks` gives the blocks (the C computes the
+                same from the threads it runs with), `split_imbalance` their price
     epilogue    with the "own" product, where its epilogue runs: "tile" (on the micro-kernel's
                 registers before the one store, `fs_gemm_rows_epi`, where the target has AVX-512:
                 `epilogues`) or "block" (a pass over the block's product in cache); "" elsewhere
@@ -54,8 +58,8 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
 
 Invariants: this module imports only the graph types, numpy (a constant's value) and the units and
-CPU products the cost model knows; a CPU schedule's product and epilogue are pure functions of graph
-facts and the `CpuTarget` (its BLAS, its vector lanes); the generated launch (grid, block, shared
+CPU products the cost model knows; a CPU schedule's product, epilogue and split are pure functions of
+graph facts and the `CpuTarget` (its BLAS, its vector lanes, its threads); the generated launch (grid, block, shared
 memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
 checks it against ptxas for every zoo kernel).
 """
@@ -120,6 +124,7 @@ TILE_K = 32  # K step of every GEMM tile
 TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs): the library-style default
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
 SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
+CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its output (`Schedule.split`)
 
 
 @dataclass(frozen=True)
@@ -136,11 +141,13 @@ class Schedule:
     row_cache: tuple[str, ...] = ()
     product: str = ""
     epilogue: str = ""
+    split: str = ""
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
-                or self.epilogue not in ("", "tile", "block")):
-            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}")
+                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)):
+            raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
+                             f" / split {self.split!r}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
     def to_dict(self) -> dict[str, object]:
@@ -148,7 +155,7 @@ class Schedule:
         return {"skeleton": self.skeleton.value, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue}
+                "epilogue": self.epilogue, "split": self.split}
 
     @property
     def blocks(self) -> int:
@@ -469,10 +476,13 @@ class CpuTarget:
     scipy-openblas32, a dependency, unless FUSESEARCH_NO_BLAS turns it off, so a source that
     calls the BLAS still carries its per-row loops under `#else`); `lanes`, the float32 lanes of
     the machine's vectors (the device's `warp_size` on a CPU, read from its flags: 16 with
-    AVX-512, where the tile epilogue exists; 0 where unknown)."""
+    AVX-512, where the tile epilogue exists; 0 where unknown); `threads`, the OpenMP threads the
+    plan is priced for (the device's `sm_count` on a CPU: its usable CPUs, capped by
+    OMP_NUM_THREADS), which `cpu_splits` and `split_imbalance` share the work among."""
 
     blas: bool = True
     lanes: int = 0
+    threads: int = 1
 
 
 def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),
@@ -485,6 +495,97 @@ def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: Cpu
     if anchor.op_type != "Conv" or row_epilogue:
         return ("loops",)
     return conv_products(graph, nodes, anchor, target.blas)
+
+
+# -- the thread split: how a CPU gemm's OpenMP threads share its output ---------------------------
+
+SPLIT_TILE_ROWS = 12  # "tiles" keeps a row block at least this tall: 2 FS_MR, the AVX-512 tile's rows
+SPLIT_COL_ALIGN = 32  # a column block starts at a multiple of 2 FS_NR (a pair of packed B panels)
+
+
+def gemm_blocks_dims(graph: Graph, anchor: Node) -> tuple[int, int, int]:
+    """(batches, M, N) of a MatMul/Gemm's output as the C blocks it: its leading dims, the rows of
+    one batch, the columns."""
+    y = graph.tensors[anchor.outputs[0]].shape
+    return math.prod(y[:-2]), (y[-2] if len(y) > 1 else 1), y[-1]
+
+
+def split_row_limit(split: str, m: int) -> int:
+    """The most row blocks per batch a split makes of M rows ("rows": M, "tiles": one per
+    SPLIT_TILE_ROWS rows, "cols": 1); the C writes it as a constant."""
+    return {"rows": m, "tiles": max(1, m // SPLIT_TILE_ROWS), "cols": 1}[split]
+
+
+def split_blocks(split: str, batches: int, m: int, n: int, threads: int) -> tuple[int, int, int, int]:
+    """(row blocks per batch, rows per block, column blocks, columns per block) of a gemm's C at
+    `threads` threads, as its C computes them at run time (`codegen.cpu_gemm._blas_blocks`): each
+    batch gets p = ceil(threads / batches) blocks; "rows" makes them all row blocks (p, at most M);
+    "tiles" and "cols" take r row blocks, the largest divisor of p within `split_row_limit`, and
+    ceil(p / r) column blocks, each a multiple of SPLIT_COL_ALIGN columns; rows then columns are
+    evened out (a short last block costs as much as a full one). The BLAS's cap on a block's
+    product (`cpu_gemm.BLAS_TILE_FLOATS`, which adds row blocks past 8 MiB) is left out."""
+    p = math.ceil(threads / max(1, batches))
+    rows, cols = p, 1
+    if split != "rows":
+        rows = min(p, split_row_limit(split, m))
+        while p % rows:
+            rows -= 1
+        cols = math.ceil(p / rows)
+    mb = math.ceil(m / rows)
+    rows = math.ceil(m / mb)
+    mb = math.ceil(m / rows)
+    nb = n if split == "rows" else math.ceil(math.ceil(n / cols) / SPLIT_COL_ALIGN) * SPLIT_COL_ALIGN
+    return rows, mb, math.ceil(n / nb), min(nb, n)
+
+
+def cpu_tile(lanes: int) -> tuple[int, int]:
+    """The rows x columns our micro-kernel computes at once: 12 x 32 with AVX-512 (two FS_MR-row
+    panels times two FS_NR-column B panels), else CPU_MICRO_TILE."""
+    return (2 * CPU_MICRO_TILE[0], 2 * CPU_MICRO_TILE[1]) if lanes >= TILE_EPILOGUE_LANES else CPU_MICRO_TILE
+
+
+def split_imbalance(split: str, batches: int, m: int, n: int, target: CpuTarget) -> float:
+    """How much longer a gemm's product runs than its work shared evenly among the target's
+    threads (>= 1; the cost model divides the product's rate by it, `KernelSpec.imbalance`). With
+    (R, mb, C, nb) = `split_blocks`, T threads, the micro-kernel's tile (tr, tc) = `cpu_tile`, and a
+    block's work counted in whole tiles, w(r, c) = ceil(r / tr) tr x ceil(c / tc) tc:
+
+        busiest = ceil(batches R C / T) x w(mb, nb)      (OpenMP's static schedule: whole blocks)
+        even    = batches x w(M, N) / T
+        imbalance = max(1, busiest / even)
+
+    so fewer blocks than threads, blocks below the tile (16 threads over 96 rows: blocks of 6, half
+    a 12-row tile) and uneven block counts all pay; at one thread it is 1."""
+    threads = max(1, target.threads)
+    rows, mb, cols, nb = split_blocks(split, batches, m, n, threads)
+    tr, tc = cpu_tile(target.lanes)
+
+    def work(r: int, c: int) -> int:
+        return math.ceil(r / tr) * tr * math.ceil(c / tc) * tc
+
+    busiest = math.ceil(batches * rows * cols / threads) * work(mb, nb)
+    return max(1.0, busiest * threads / (batches * work(m, n)))
+
+
+def cpu_splits(graph: Graph, nodes: Collection[int], anchor: Node, product: str, target: CpuTarget,
+               row_epilogue: bool = False) -> tuple[str, ...]:
+    """The thread splits of a gemm/conv group's C (`Schedule.split`), "rows" (the default) first:
+    a MatMul/Gemm whose product is ours or the BLAS's, with no row epilogue and a 2-D float32
+    constant B (packed once, or read in place: a column block reads its slice), also "tiles" and
+    "cols" where they make other blocks than the earlier ones at the target's threads; every
+    other group "rows" alone (its blocks of rows, or of output rows of a conv). A split that makes
+    the blocks of an earlier one is left out (over fewer than 24 rows "tiles" is "cols")."""
+    b = graph.tensors[anchor.inputs[1]] if len(anchor.inputs) > 1 else None
+    if (product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm") or row_epilogue or b is None
+            or not b.constant or b.dtype != "float32" or b.shape is None or len(b.shape) != 2
+            or graph.producer(anchor.inputs[1]) in nodes):
+        return ("rows",)
+    batches, m, n = gemm_blocks_dims(graph, anchor)
+    seen: dict[tuple[int, int], str] = {}
+    for split in CPU_SPLITS:
+        rows, _, cols, _ = split_blocks(split, batches, m, n, max(1, target.threads))
+        seen.setdefault((rows, cols), split)
+    return tuple(seen.values())
 
 
 @dataclass(frozen=True)

@@ -229,15 +229,56 @@ def test_a_cpu_device_lists_the_tile_epilogue_by_its_lanes():
         assert any(k.schedule.epilogue == "tile" for k in device_choices(graph, _whole(graph), device)) == tile
 
 
-# a generated line searched for a call name: `x in "".join(lines)`, `"CALL(" in text`, `... not in text`
+# a generated line searched for a call name: `x in "".join(lines)`, `"CALL(" in text`, `... not in text`,
+# any call's name, literal or formatted, tested for membership (`"fs_stream(" in body`, `f"{f}(" in body`)
 _SEARCHES_OUTPUT = re.compile(r'\bin\s+"[^"]*"\.join\(|\bnot\s+in\s+(text|src|source|body|c_src|loops)\b'
                               r'|"(FS_BLAS_SGEMM|fs_gemm_rows|fs_gemm_rows_epi|fs_conv_band|fs_gemm_packed|fs_conv_1x1)\(?"'
-                              r'\s+(not\s+)?in\b')
+                              r'\s+(not\s+)?in\b|\bf?"[^"]*\("\s+(not\s+)?in\b')
 
 
-def test_no_code_generator_decides_a_product_by_searching_its_own_output():
-    """The generator writes the product its schedule names; none of its modules learns what it
-    wrote by searching the generated text for a call name."""
-    found = [f"{path.name}:{n}: {line.strip()}" for path in sorted(CODEGEN.glob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if _SEARCHES_OUTPUT.search(line)]
+def _searches_output(text: str) -> list[str]:
+    return [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if _SEARCHES_OUTPUT.search(line)]
+
+
+def test_no_code_generator_decides_by_searching_its_own_output():
+    """The generator writes the product its schedule names, and compiles a kernel for wide vectors
+    where its caller says so (`base.wide_kernel`, from the kernel's ops); none of its modules learns
+    what it wrote by searching the generated text for a call name."""
+    found = [f"{path.name}:{hit}" for path in sorted(CODEGEN.glob("*.py")) for hit in _searches_output(path.read_text())]
     assert not found, found
+
+
+def test_the_output_search_check_finds_the_searches_it_forbids():
+    searches = ('wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)\n'
+                'if _OWN in "".join(blas):\n'
+                'if "FS_BLAS_SGEMM" not in text:\n')
+    assert [hit.split(":")[0] for hit in _searches_output(searches)] == ["1", "2", "3"]
+    assert not _searches_output('call = f"fs_gemm_rows(mc, {n}LL);"\nif op in WIDE_OPS:\n')
+
+
+WIDE_CASES = {  # op: (attributes, wide): the ops whose C evaluates erf, exp or vector math, and some that do not
+    **{op: ({}, True) for op in ("Exp", "Log", "Erf", "Tanh", "Sigmoid", "Sin", "Cos", "Elu", "Selu", "Celu", "Softplus",
+                                 "Mish", "Softmax", "LogSoftmax")},
+    "Gelu": ({}, True), "ReduceLogSumExp": ({"axes": [1]}, True), "ReduceLogSum": ({"axes": [1]}, True),
+    **{op: ({}, False) for op in ("Relu", "Sqrt", "Abs", "Asin", "Atanh", "Acos", "HardSigmoid")},
+    "ReduceSum": ({"keepdims": 1}, False), "LayerNormalization": ({}, False),
+}
+
+
+@pytest.mark.parametrize("op", sorted(WIDE_CASES))
+def test_a_kernel_is_wide_where_its_ops_evaluate_erf_exp_or_vector_math(tmp_path, op):
+    """The 512-bit pragma is decided from the kernel's ops (`base.wide_kernel`): a kernel gets it
+    where its body calls erf, exp or a vector-math function (`c_prelude.WIDE_CALLS`, read here from
+    the source as a token: asinf is no sinf, as a search of the text once took it), and not elsewhere."""
+    from fusesearch.backends.codegen.c_prelude import _WIDE_ON, WIDE_CALLS
+
+    attrs, wide = WIDE_CASES[op]
+    extra = [("scale", np.ones(64, np.float32))] if op == "LayerNormalization" else []
+    inputs = ["x", "scale"] if extra else ["x"]
+    node = helper.make_node(op, inputs, ["out"], **attrs)
+    prep = prepare(save(make_model([node], [("x", [4, 64])], [("out", None)], extra, opset=20 if op == "Gelu" else 17),
+                        tmp_path / "m.onnx"))
+    gk = generate(prep.graph, choices(prep.graph, _whole(prep.graph), host=True)[0])
+    head, body = gk.c_source.split(f"\nvoid {gk.name}(", 1)
+    calls = re.findall(r"\b(" + "|".join(WIDE_CALLS) + r")\(", body)
+    assert (_WIDE_ON in head) == bool(calls) == wide, (op, calls)

@@ -29,7 +29,7 @@ from fusesearch.backends.codegen.c_prelude import (
     _WIDE_OFF,
     _WIDE_ON,
     SCRATCH_SLOTS,
-    WIDE_CALLS,
+    WIDE_OPS,
 )
 from fusesearch.backends.codegen.c_runtime import C_HEADER
 from fusesearch.backends.codegen.hoist import hoist_loop_invariants
@@ -293,16 +293,24 @@ def c_pack_params(ins, packed, named: bool = True) -> list[str]:
     return [_c_param(f"const {a.ctype}", a, named) for a in ins] + [_c_param("float", p.arg, named) for p in packed]
 
 
-def c_function(name: str, ins, outs, packed, body: str, defs: str = "") -> str:
+def wide_kernel(ops, outs) -> bool:
+    """Whether a C kernel is compiled for 512-bit vectors (`c_prelude._WIDE_ON`, where the core has
+    them), decided from what it computes: one of its `ops` (the kernel's op types) evaluates erf,
+    exp or vector math (`c_prelude.WIDE_OPS`), or one of its outputs `outs` is large enough to
+    stream its stores (`streams`)."""
+    return any(op in WIDE_OPS for op in ops) or any(streams(o) for o in outs)
+
+
+def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bool = False) -> str:
     """A C kernel's source: the runtime's header (`c_runtime.C_HEADER`: the inline helpers and the
     declarations of what the shared runtime defines, the packed GEMM included), `defs` (file-scope
     definitions of the kernel's own: a tile epilogue with the tile kernels it is inlined into,
     `tile_epilogue`), the kernel `name(inputs, outputs, packed weights)` running `body` (its loops'
     invariant temporaries hoisted: `hoist_loop_invariants`) in one OpenMP parallel region, whose
     worksharing loops (`OMP_FOR`) share the work — one team per call, as the cost model prices a
-    host kernel's launch — and its `<name>_pack`."""
+    host kernel's launch — and its `<name>_pack`. `wide` (the caller's decision, `wide_kernel`):
+    the kernel compiled for 512-bit vectors."""
     body = hoist_loop_invariants(body)
-    wide = "fs_stream(" in body or any(f"{f}(" in body for f in WIDE_CALLS)
     src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}\n"
            f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n    #pragma omp parallel\n    {{\n{body}    }}\n}}\n"
            f"{_WIDE_OFF if wide else ''}")

@@ -305,6 +305,10 @@ _C_FOLD = (f"enum {{ FS_FOLDED = {FOLDED} }};  /* a multiple of 8 */\n"
 _WIDE_ON = ('#if defined(__AVX512F__) && !defined(__clang__)\n#pragma GCC push_options\n'
             '#pragma GCC target("prefer-vector-width=512")\n#endif\n')
 WIDE_CALLS = ("fs_erff", "fs_gelu2f", "fs_expf", "fs_expf_le", *_VECTOR_MATH)  # the calls that make a C kernel wide
+# the ops whose C evaluates one of WIDE_CALLS (`ops`' forms, `rowwise`'s Softmax and log-sum-exp): a
+# kernel holding one is wide (`base.wide_kernel`), decided from its ops, never from its text
+WIDE_OPS = frozenset({"Exp", "Log", "Erf", "Tanh", "Sigmoid", "Sin", "Cos", "Elu", "Selu", "Celu", "Gelu", "Swish",
+                      "Softplus", "Mish", "Softmax", "LogSoftmax", "ReduceLogSumExp", "ReduceLogSum"})
 _WIDE_OFF = "#if defined(__AVX512F__) && !defined(__clang__)\n#pragma GCC pop_options\n#endif\n"
 
 

@@ -82,7 +82,13 @@ from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived, folded_scale, gemm_products
+from fusesearch.schedule import (
+    SPLIT_COL_ALIGN,
+    anchor_derived,
+    folded_scale,
+    gemm_products,
+    split_row_limit,
+)
 
 MAX_HOIST = 16384  # floats of the activation operand kept per row (64 KiB of stack)
 
@@ -189,7 +195,8 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         prefill = e.lines + [_write(e, main[0], idx, yshape)]
         e.acc_value = ""
         e.pop()
-        init = _terms_in_place(args, anchor, ([anchor.inputs[2]] if gemm_c else []) + terms, yshape)
+        init = _terms_in_place(args, anchor, ([anchor.inputs[2]] if gemm_c else []) + terms, yshape,
+                               cols=gemm_split(kernel) != "rows")
     product = gemm_product(graph, kernel, anchor)
     if product == "loops":  # the per-row loops alone (no store through strides: they write the outputs)
         return None if store is not None or max(k_extent, n_extent) > MAX_HOIST else rows_loop
@@ -201,7 +208,8 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         if tile is None:
             raise CodegenRefused(f"{anchor.name}({anchor.op_type}): its epilogue has no tile form")
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
-                        packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own")
+                        packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own",
+                        split=gemm_split(kernel))
     if tile is not None:  # our micro-kernel applies it on the registers where FS_TILE_EPI is defined
         defs.append(tile[0])
     if product == "own":  # our micro-kernel over B packed: no BLAS needed
@@ -232,6 +240,12 @@ def gemm_product(graph: Graph, kernel: Kernel, anchor: Node) -> str:
     names none, and its C form (run where no GPU is) takes the CPU's default, the first of
     `schedule.gemm_products`."""
     return kernel.schedule.product or gemm_products(graph, anchor)[0]
+
+
+def gemm_split(kernel: Kernel) -> str:
+    """The thread split the kernel's schedule names (`Schedule.split`); a kernel lowered for a GPU
+    names none, and its C form splits rows."""
+    return kernel.schedule.split or "rows"
 
 
 def _tile_epilogue(graph: Graph, kernel: Kernel, args, anchor: Node, out: Arg, yshape) -> tuple[str, str | None] | None:
@@ -378,7 +392,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
                  packs: dict | None = None, init: tuple[str, str] | None = None,
                  written: dict | None = None, tile: tuple[str, str | None] | None = None,
-                 own: bool = False) -> list[str]:
+                 own: bool = False, split: str = "rows") -> list[str]:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -404,8 +418,13 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     prologue not computed twice. With `tile` (the one output's argument and the bias row's, or None:
     `_tile_epilogue`) and our micro-kernel, the block runs `fs_gemm_rows_epi` straight into the
     output where the kernel defines FS_TILE_EPI (AVX-512), the block epilogue elsewhere.
+    The threads share the blocks as the schedule's `split` names (`schedule.split_blocks` computes
+    the same): "rows", blocks of rows alone; "tiles" and "cols", blocks of rows and of columns,
+    block (z, m0, n0) multiplying its rows by B's columns [n0, n0 + nc) and storing those alone.
     Refused where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
+    cols = split != "rows"
+    nx = "(int)nc" if cols else f"{n_extent}"  # the block's columns, as the BLAS takes them
     b = anchor.inputs[1]
     if compute_dtype(graph.tensors[b].dtype) != "float32":  # `schedule.gemm_products` lists "loops" alone
         raise CodegenRefused(f"{anchor.name}({anchor.op_type}): B of dtype {graph.tensors[b].dtype} has no GEMM blocks")
@@ -462,6 +481,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         name, st = direct
         at = [f"({i}) * {s_}LL" for i, s_ in zip(z_idx, st[:-2], strict=True) if s_] + [f"m0 * {st[-2]}LL"]
         c_ptr, ldc = f"{name} + ({' + '.join(at)})", st[-2]
+    if cols:  # the block's columns of C (of the block's scratch rows, or of the output)
+        c_ptr = f"{c_ptr} + n0"
     beta = "1.0f" if prefill else "0.0f"  # prefilled: the BLAS adds the product to the block
     pk = None
     if own and packed_b:  # B computed in the group (attention's values with their bias): its panel
@@ -477,31 +498,43 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         # transposed keys, a batched constant): packed per block
         z_lines += _pack_per_block("bbuf", b_ptr, k_extent, n_extent, ldb, b_trans, scale, alpha)
         pk = "bbuf"
-    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
+    if cols:  # the block's columns of B: along a row (K x N), or its rows (N x K)
+        b_ptr = f"{b_ptr} + n0" if b_trans == 111 else f"{b_ptr} + n0 * {ldb}LL"
+    gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {nx}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
-            f"FS_BLAS_SGEMV(101, 111, {n_extent}, {k_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);")
-    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {n_extent}, {k_extent}, {alpha}, {a_ptr}, "
+            f"FS_BLAS_SGEMV(101, 111, {nx}, {k_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);")
+    sgemm = (f"FS_BLAS_SGEMM(101, 111, {b_trans}, (int)mc, {nx}, {k_extent}, {alpha}, {a_ptr}, "
              f"{lda}, {b_ptr}, {ldb}, {beta}, {c_ptr}, {ldc});")
     sgemm = f"FS_GEMV_OR({gemv}) {sgemm}" if m_extent == 1 else sgemm
+    if cols and pk is not None:  # the block's B panels (FS_NR columns each, K deep)
+        pk = f"{pk} + n0 * {k_extent}LL"
+    n_rows = "nc" if cols else f"{n_extent}LL"  # the block's columns, as our micro-kernel takes them
     if own:  # our micro-kernel over B packed (once per plan, or per block), A's rows read in place
         c0 = (f"{init[0]}, {init[1]}" if init is not None else f"{c_ptr}, {ldc}LL, 0" if prefill else "0, 0LL, 0")
-        sgemm = f"fs_gemm_rows(mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {c_ptr}, {ldc}LL, {c0});"
+        sgemm = f"fs_gemm_rows(mc, {n_rows}, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {c_ptr}, {ldc}LL, {c0});"
         prefill = None if init is not None else prefill  # the term is added at the store
+    col_loop = ("for (long long col = n0; col < n0 + nc; ++col)" if cols
+                else f"for (long long col = 0; col < {n_extent}LL; ++col)")
     epilogue = [] if direct else [
         "    " + scratch("cbuf", f"mc * {n_extent}LL"), "    " + sgemm,
         "    for (long long i = 0; i < mc; ++i) {",
         *["        " + x for x in row], f"        const float* acc = cbuf + i * {n_extent}LL;",
         *(["        #pragma omp simd"] if _flat_loop(body) else []),
-        f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in body], "        }",
+        f"        {col_loop} {{", *["            " + x for x in body], "        }",
         "    }"]
     if tile is not None:  # the epilogue on the registers, with AVX-512
-        at = f"{tile[0]} + (z * {m_extent * n_extent}LL + m0 * {n_extent}LL)"
+        at = f"{tile[0]} + (z * {m_extent * n_extent}LL + m0 * {n_extent}LL{' + n0' if cols else ''})"
+        bias = f"{tile[1]}{' + n0' if cols else ''}" if tile[1] else "0"
         epilogue = ["#ifdef FS_TILE_EPI",
-                    f"    fs_gemm_rows_epi(mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {at}, {n_extent}LL, {tile[1] or 0});",
+                    f"    fs_gemm_rows_epi(mc, {n_rows}, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {at}, {n_extent}LL, {bias});",
                     "#else", *epilogue, "#endif"]
-    block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
-             "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
-             f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
+    where = (["    long long z = blk / (blocks * cblocks), m0 = blk / cblocks % blocks * mb, n0 = blk % cblocks * nb;",
+              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
+              f"    long long nc = {n_extent}LL - n0 < nb ? {n_extent}LL - n0 : nb;"] if cols else
+             ["    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
+              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;"])
+    block = [f"for (long long blk = 0; blk < {batches}LL * blocks{' * cblocks' if cols else ''}; ++blk) {{",
+             *where,
              *["    " + x for x in z_lines],
              *([] if a_in_place else ["    " + scratch("abuf", f"mc * {k_extent}LL")]),
              *([] if a_in_place else ["    for (long long i = 0; i < mc; ++i) {",
@@ -509,15 +542,33 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                                       *["        " + x for x in fill], "    }"]),
              *(["    for (long long i = 0; i < mc; ++i) {", *["        " + x for x in row],
                 *(["        #pragma omp simd"] if _flat_loop(prefill) else []),
-                f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in prefill],
+                f"        {col_loop} {{", *["            " + x for x in prefill],
                 "        }", "    }"] if prefill else []),
              *(["    " + sgemm] if direct else epilogue),
              "}"]
-    split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
-             f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",
-             f"long long blocks = ({m_extent}LL + mb - 1) / mb;",
-             f"mb = ({m_extent}LL + blocks - 1) / blocks;")  # even blocks: a short last call costs a whole B packing
-    return ["    {", *["    " + x for x in split], f"    {OMP_FOR}\n" + _indent(block, 1), "    }"]
+    return ["    {", *["    " + x for x in _split_lines(split, batches, m_extent, n_extent, cap)],
+            f"    {OMP_FOR}\n" + _indent(block, 1), "    }"]
+
+
+def _split_lines(split: str, batches: int, m: int, n: int, cap: int) -> list[str]:
+    """C computing a gemm's blocks from the threads it runs with, as `schedule.split_blocks` does:
+    p blocks per batch; "rows" p blocks of rows (`mb` rows, `blocks` of them); "tiles" and "cols"
+    the largest divisor of p within the split's row limit as row blocks, the rest as blocks of
+    `nb` columns (`cblocks` of them, a multiple of SPLIT_COL_ALIGN). Rows and columns evened out:
+    a short last BLAS call costs a whole B packing."""
+    lines = [f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;"]  # blocks per batch
+    rows = "split"
+    if split != "rows":
+        lines += [f"long long rsplit = split < {split_row_limit(split, m)}LL ? split : {split_row_limit(split, m)}LL;",
+                  "while (split % rsplit) --rsplit;", "long long csplit = (split + rsplit - 1) / rsplit;"]
+        rows = "rsplit"
+    lines += [f"long long mb = ({m}LL + {rows} - 1) / {rows};", f"if (mb > {cap}LL) mb = {cap}LL;",
+              f"long long blocks = ({m}LL + mb - 1) / mb;", f"mb = ({m}LL + blocks - 1) / blocks;"]
+    if split != "rows":
+        lines += [f"long long nb = ({n}LL + csplit - 1) / csplit;",
+                  f"nb = (nb + {SPLIT_COL_ALIGN - 1}LL) / {SPLIT_COL_ALIGN}LL * {SPLIT_COL_ALIGN}LL;",
+                  f"long long cblocks = ({n}LL + nb - 1) / nb;"]
+    return lines
 
 
 def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, scale: float, alpha: str) -> list[str]:
@@ -554,11 +605,13 @@ def _additive_terms(graph: Graph, kernel: Kernel, y: str, out: str) -> list[str]
     return terms
 
 
-def _terms_in_place(args, anchor: Node, terms: list[str], yshape) -> tuple[str, str] | None:
+def _terms_in_place(args, anchor: Node, terms: list[str], yshape, cols: bool = False) -> tuple[str, str] | None:
     """For an output that is the product plus `terms` (`_additive_terms`, a Gemm's C first): when
     every term is a float32 kernel input (a Gemm's C with beta 1), at most one of the product's
     shape (a residual) and at most one a row along N (a bias), `fs_gemm_rows`'s C0 and R0
-    arguments for the block of rows at (z, m0), each "0, 0LL" / "0" when absent; else None."""
+    arguments for the block of rows at (z, m0) (and of columns at n0 where the blocks split
+    columns: `cols`), each "0, 0LL" / "0" when absent; else None."""
+    col = " + n0" if cols else ""
     if anchor.op_type == "Gemm" and float(anchor.attrs.get("beta", 1.0)) != 1.0:  # beta * C: the prefill scales it
         return None
     m_extent, n_extent = (yshape[-2] if len(yshape) > 1 else 1), yshape[-1]
@@ -568,9 +621,9 @@ def _terms_in_place(args, anchor: Node, terms: list[str], yshape) -> tuple[str, 
             return None
         shape = (1,) * (len(yshape) - len(args[term].shape)) + tuple(args[term].shape)
         if shape[-1] == n_extent and math.prod(shape[:-1]) == 1:
-            row.append(args[term].name)
+            row.append(f"{args[term].name}{col}")
         elif shape == tuple(yshape):
-            matrix.append(f"{args[term].name} + (z * {m_extent * n_extent}LL + m0 * {n_extent}LL), {n_extent}LL")
+            matrix.append(f"{args[term].name} + (z * {m_extent * n_extent}LL + m0 * {n_extent}LL{col}), {n_extent}LL")
         else:
             return None
     if len(matrix) > 1 or len(row) > 1:

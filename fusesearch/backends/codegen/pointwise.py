@@ -19,6 +19,7 @@ from fusesearch.backends.codegen.base import (
     store,
     streamed_loop,
     streams,
+    wide_kernel,
 )
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.emitter import _Emitter
@@ -32,7 +33,8 @@ def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = 
     c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
     if c_body is not None:
         c_loops = c_body
-    c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "")
+    c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "",
+                       wide=wide_kernel(kernel.ops, outs))
     cu_src = (f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n"
               + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0
