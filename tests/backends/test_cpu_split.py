@@ -19,7 +19,7 @@ from costmodels.roofline import host_params
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.codegen.cpu_gemm import _split_lines
-from fusesearch.calibrate import _openmp_threads
+from fusesearch.backends.cpu import openmp_threads
 from fusesearch.costing import cheapest, device_choices
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
@@ -174,7 +174,7 @@ def test_every_split_equals_onnx_runtime_at_any_thread_count(tmp_path, name):
             assert limits and {int(x) for x in limits} == {split_row_limit(split, 24)}
             assert re.search(r"blk < \d+LL \* blocks \* cblocks;", body)
         for threads in (1, 2, 4):
-            with _openmp_threads(threads):
+            with openmp_threads(threads):
                 out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
             for a in gk.outputs:
                 ref = values[a.tensor].astype(np.float64)
