@@ -48,6 +48,10 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
 NO_VERIFY = "--no-verify"
+Dump = Annotated[Path | None, typer.Option("--dump", help="Write each group's C and CUDA source, its schedule "
+                                           "(JSON) and launch configuration into this folder, named by group "
+                                           "(g7.c, g7.cu, g7.json) with an index.json; a folder with files in it "
+                                           "needs --force.")]
 NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
                                       "generated kernels accumulate with fmaf on CUDA cores and library calls "
                                       "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
@@ -286,7 +290,7 @@ def plan(
     seed: Seed = 0,
     workers: Workers = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.json here.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Log every fusion accepted or refused.")] = False,
     emit: Annotated[Path | None, typer.Option("--emit", help="Write the fused ONNX model here.")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking --emit in ONNX Runtime.")] = False,
@@ -296,6 +300,7 @@ def plan(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -307,6 +312,7 @@ def plan(
     check_costs(costs)
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
+    _check_dump(dump, force)
     config = _config(time_limit, max_group_size, seed, workers)
     verifying = emit is not None and not no_verify
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
@@ -318,6 +324,7 @@ def plan(
     if emit is not None:
         verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
     _draw(result, svg, html_out)
+    _dump(result, dump, force)
     if explain:
         from fusesearch.explain import explain_lines
 
@@ -339,6 +346,23 @@ def plan(
             out.print(f"{what} written to {path}")
     if verified is not None:
         out.print(_verified_line(verified))
+
+
+def _check_dump(dump: Path | None, force: bool) -> None:
+    """--dump: checked before any work (`dump.check_dump_dir`)."""
+    from fusesearch.dump import check_dump_dir
+
+    if dump is not None:
+        check_dump_dir(dump, force)
+
+
+def _dump(plan_, dump: Path | None, force: bool) -> None:
+    """--dump: the plan's sources, schedules and launches, one file each per group (stderr says where)."""
+    from fusesearch.dump import write_dump
+
+    if dump is not None:
+        written = write_dump(plan_, dump, force)
+        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups written to {dump}", file=sys.stderr)
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
@@ -654,7 +678,7 @@ def measure(
     seed: Seed = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet): a row per kernel; with --end-to-end also "
                                                 "the run's figures as end_to_end_* columns.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Re-time kernels even if cached.")] = False,
     ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
                                                "of each CUDA kernel (default: on for cupy).")] = None,
@@ -670,6 +694,7 @@ def measure(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
@@ -689,6 +714,7 @@ def measure(
     if end_to_end and not runs_on.end_to_end:
         raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
+    _check_dump(dump, force)
     _check_profile_backend(device, runs_on)
     device = device or runs_on.default_device
     config = _config(time_limit, 16, seed, None)
@@ -697,6 +723,7 @@ def measure(
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline,
                                           costs=costs)
+    _dump(plan_, dump, force)
     total = len(plan_.groups) + len(unfused.groups)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=total)
@@ -855,7 +882,7 @@ def run(
                                              "ONNX Runtime's, not only the outputs.")] = False,
     input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
@@ -864,6 +891,10 @@ def run(
                                                         "eager and torch.compile, default and max-autotune, over the "
                                                         "same model; always with --backend cupy). Needs the torch "
                                                         "extra; without it the report says 'not installed'.")] = None,
+    dump: Dump = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Also run the plan step by step for --repeat rounds "
+                                               "and write a Chrome trace (JSON) of every kernel and library "
+                                               "step in each round, for Perfetto or chrome://tracing.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
@@ -878,9 +909,13 @@ def run(
     check_costs(costs)
     runs_on.require(timing=False)
     emulated = not runs_on.timed  # the CUDA program checked, not timed
-    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
-    if emulated and output is not None:
-        raise BadInput(f"-o: --backend {backend} checks correctness only and has no timings to write; drop -o")
+    check_outputs([(output, "-o"), (trace, "--trace")], force,
+                  _reads((model, "model"), (plan_json, "plan"), device=device))
+    _check_dump(dump, force)
+    for path, flag in ((output, "-o"), (trace, "--trace")):
+        if emulated and path is not None:
+            raise BadInput(f"{flag}: --backend {backend} checks correctness only and has no timings to write; "
+                           f"drop {flag}")
     device = device or runs_on.default_device
     if not emulated:
         _check_profile_backend(device, runs_on)
@@ -898,6 +933,7 @@ def run(
     check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
     plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, costs=costs)
     rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
+    _dump(plan_, dump, force)
     if emulated:
         _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
         return
@@ -910,10 +946,23 @@ def run(
     if output is not None:
         with writing(output, "-o"):
             report.to_pandas().to_parquet(output, index=False)
+    if trace is not None:
+        _trace(prep, plan_, trace, runs_on, threads, repeat, warmup, seed, values)
     if json_out:
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
+
+
+def _trace(prep, plan_, path: Path, backend, threads: int, repeat: int, warmup: int, seed: int, values) -> None:
+    """`run --trace`: the plan run step by step (`fusesearch.trace`), written as a Chrome trace."""
+    from fusesearch.trace import trace_plan, write_trace
+
+    doc = trace_plan(prep, plan_, backend=backend, threads=threads, rounds=repeat, warmup=warmup, seed=seed,
+                     input_values=values)
+    with writing(path, "--trace"):
+        write_trace(doc, path)
+    print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
 
 
 def _plan_rtol(plan_) -> float:
