@@ -32,7 +32,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("search", ("fusesearch.search",)),
     ("commands", ("fusesearch.pipeline", "fusesearch.api", "fusesearch.measure", "fusesearch.run",
                   "fusesearch.calibrate", "fusesearch.sweep", "fusesearch.export", "fusesearch.explain",
-                  "fusesearch.pictures", "fusesearch.report", "fusesearch.autotune", "fusesearch.regret")),
+                  "fusesearch.pictures", "fusesearch.report", "fusesearch.autotune", "fusesearch.regret",
+                  "fusesearch.dump", "fusesearch.trace")),
     ("command line", ("fusesearch.cli", "fusesearch.__main__")),
 )
 
