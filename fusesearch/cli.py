@@ -537,20 +537,18 @@ def export(
 
 def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None, costs: str = "predicted"):
     """(plan, legality, prep); `costs` other than predicted also prints what measuring cost (stderr)."""
-    from costmodels import RooflineModel
-    from fusesearch.api import for_device, model_info, resolve_device
-    from fusesearch.autotune import build_problem
+    from fusesearch.api import search_prepared
     from fusesearch.pipeline import prepare
-    from fusesearch.search import search
 
-    label, spec, params, profile = resolve_device(device)
-    prep, params = for_device(prep or prepare(model, bindings), spec, params)
-    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                    profile=profile, model_info=model_info(prep), problem=problem)
+    result, legality, prep, tuner = search_prepared(prep or prepare(model, bindings), device, strategy, config, costs)
     if tuner is not None:
-        print(f"fusesearch: {tuner.stats.line()}", file=sys.stderr)
-    return result, problem.legality, prep
+        _say(tuner.stats.line())
+    return result, legality, prep
+
+
+def _say(line: str) -> None:
+    """A line of progress or cost on stderr (never stdout: --json keeps it one document)."""
+    print(f"fusesearch: {line}", file=sys.stderr)
 
 
 def _tuned(legality) -> dict:
@@ -598,42 +596,14 @@ def compare(
     json_out: JsonFlag = False,
 ) -> None:
     """Run strategies side by side on one or more devices; show where the plans differ."""
-    from fusesearch.pipeline import prepare
-    from fusesearch.search import STRATEGIES
+    from fusesearch.api import compare as compare_plans
 
-    names = [s.strip() for s in strategies.split(",") if s.strip()]
-    bad = [s for s in names if s not in STRATEGIES]
-    if bad or not names:
-        raise BadInput(f"--strategies {strategies}: unknown {', '.join(bad) or 'empty'}; choose from "
-                       f"{', '.join(STRATEGIES)}")
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    if not devices:
-        raise BadInput("--device: give at least one device name (see `fusesearch devices`)")
-    config = _config(time_limit, max_group_size, seed, workers)
-    prep = prepare(model, _bindings(input_shape, dim))
-    plans = {(d, s): _run_plan(model, None, d, s, config, prep)[0] for d in devices for s in names}
-    doc = _compare_doc(prep, plans, devices, names)
+    doc = compare_plans(model, device, strategies, time_limit_s=time_limit, max_group_size=max_group_size, seed=seed,
+                        workers=workers, shape_bindings=_bindings(input_shape, dim)).to_dict()
     if json_out:
         _emit_json(doc)
         return
     _print_compare(doc)
-
-
-def _compare_doc(prep, plans, devices, names) -> dict:
-    rows = [{"device": d, "strategy": s, "kernels": p.kernels, "time_s": p.time_s,
-             "unfused_time_s": p.unfused_time_s, "lower_bound_s": p.lower_bound_s, "speedup": p.speedup,
-             "status": p.solver.status, "wall_s": round(p.solver.wall_s, 3)} for (d, s), p in plans.items()]
-    diffs = []
-    for s in names:
-        for i, a in enumerate(devices):
-            for b in devices[i + 1:]:
-                pa, pb = set(plans[(a, s)].partition()), set(plans[(b, s)].partition())
-                label = lambda g: "+".join(prep.graph.nodes[v].name for v in sorted(g))  # noqa: E731
-                diffs.append({"strategy": s, "devices": [a, b], "same": pa == pb,
-                              "only_in_a": sorted(label(g) for g in pa - pb if len(g) > 1),
-                              "only_in_b": sorted(label(g) for g in pb - pa if len(g) > 1)})
-    return {"model": prep.loaded.name, "canonical_nodes": len(prep.graph), "results": rows,
-            "differences": diffs}
 
 
 def _print_compare(doc: dict) -> None:
@@ -701,88 +671,32 @@ def measure(
     and each fused anchor group vs its library anchor plus separate kernels."""
     from rich.progress import Progress
 
-    from fusesearch.backends.registry import get_backend
-    from fusesearch.backends.timing import TimingCache
-    from fusesearch.measure import BASELINES, measure_plan
-    from fusesearch.pipeline import prepare
-    from fusesearch.verify import check_memory
+    from fusesearch.api import backend_device, check_measure, measure_planned, plans_for
 
-    runs_on = get_backend(backend)
-    check_costs(costs)
-    if baseline not in BASELINES:
-        raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    if end_to_end and not runs_on.end_to_end:
-        raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
+    runs_on = check_measure(backend, baseline, end_to_end, costs)
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
     _check_dump(dump, force)
-    _check_profile_backend(device, runs_on)
-    device = device or runs_on.default_device
-    config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
-    values = _input_values(input_value, prep)
-    check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline,
-                                          costs=costs)
-    _dump(plan_, dump, force)
-    total = len(plan_.groups) + len(unfused.groups)
+    device = backend_device(device, runs_on)
+    planned = plans_for(model, device, strategy, command="measure", plan_file=plan_json,
+                        shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
+                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, lone_anchors=baseline, costs=costs,
+                        say=_say)
+    _dump(planned.plan, dump, force)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
-        task = bar.add_task(f"measuring on {backend}", total=total)
-        report = measure_plan(prep, plan_, unfused, runs_on, budget_s=budget, seed=seed,
-                              progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
-                              ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda)
-                              else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
-    whole = _end_to_end(prep, plan_, unfused, seed, values) if end_to_end else None
+        task = bar.add_task(f"measuring on {backend}", total=None)
+        result = measure_planned(planned, runs_on, device, budget_s=budget, seed=seed, cache=not no_cache, ptxas=ptxas,
+                                 flush_l2=flush_l2, baseline=baseline, end_to_end=end_to_end,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
     if output is not None:
-        rows = report.to_pandas()
-        if whole is not None:  # the run's figures, the same on every row
-            rows = rows.assign(**whole.columns())
+        rows = result.to_pandas()  # with --end-to-end the run's figures, the same on every row
         with writing(output, "-o"):
             rows.to_parquet(output, index=False)
     if json_out:
-        _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
+        _emit_json(result.to_dict())
         return
-    _print_measure(report, output)
-    if whole is not None:
-        _print_run(whole, None)
-
-
-def _ptxas_arch(device: str) -> str:
-    """The cost-model device's arch when it is a GPU (sm_80 / sm_90 compile here), else sm_90."""
-    from fusesearch.api import resolve_device
-
-    arch = resolve_device(device)[1].arch
-    return arch if arch in ("sm_80", "sm_90") else "sm_90"
-
-
-def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced", costs: str = "predicted"):
-    """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors as
-    `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves);
-    the plan's choices (a --plan file's groups too) priced as `costs` says, the unfused graph's
-    predicted."""
-    import dataclasses
-
-    from fusesearch.api import model_info, resolve_device
-    from fusesearch.plans import Plan, SolverInfo
-
-    model = prep.loaded.source
-    plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep,
-                                      costs)
-    unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
-                        prep)[0]
-    if plan_json is not None:
-        none = _run_plan(model, None, device, "none", config, prep)[0] if lone_anchors != "priced" else unfused
-        from fusesearch.candidates.rules import Legality
-        from fusesearch.export import plan_groups_from_json
-
-        # the file's groups are checked on this device; their size is the file's (no search limit)
-        legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
-                            max_group_size=len(prep.graph), measurer=legality.measurer)
-        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
-        label = resolve_device(device)[0]
-        plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
-                           solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
-                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s)
-    return plan_, unfused, prep
+    _print_measure(result.report, output)
+    if result.end_to_end is not None:
+        _print_run(result.end_to_end, None)
 
 
 def _print_measure(report, output) -> None:
@@ -899,15 +813,9 @@ def run(
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
-    from fusesearch.backends.registry import get_backend
-    from fusesearch.pipeline import prepare
-    from fusesearch.run import check_baselines, run_plan
-    from fusesearch.verify import check_memory
+    from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
 
-    check_baselines(baselines or ())
-    runs_on = get_backend(backend, timing=False)
-    check_costs(costs)
-    runs_on.require(timing=False)
+    runs_on = check_run(backend, baselines or (), costs)
     emulated = not runs_on.timed  # the CUDA program checked, not timed
     check_outputs([(output, "-o"), (trace, "--trace")], force,
                   _reads((model, "model"), (plan_json, "plan"), device=device))
@@ -916,71 +824,48 @@ def run(
         if emulated and path is not None:
             raise BadInput(f"{flag}: --backend {backend} checks correctness only and has no timings to write; "
                            f"drop {flag}")
-    device = device or runs_on.default_device
-    if not emulated:
-        _check_profile_backend(device, runs_on)
-    if runs_on.cuda:
-        from fusesearch.api import resolve_device
-
-        if resolve_device(device)[1].kind != "gpu":
-            raise BadInput(f"--device {device}: a plan for a CPU fuses GEMMs and convs as C only (the packed "
-                           f"skeleton), and --backend {backend} runs CUDA; give a GPU device (e.g. --device h200)")
-    from fusesearch.ir.precision import prepared_tolerance
-
-    config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
-    values = _input_values(input_value, prep)
-    check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, costs=costs)
-    rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
-    _dump(plan_, dump, force)
+    device = backend_device(device, runs_on, program=True)
+    planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
+                        shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
+                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, say=_say)
+    _dump(planned.plan, dump, force)
     if emulated:
-        _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
+        _run_emulated(planned, seed, run_tolerance(planned, rtol), check_each, json_out)
         return
     with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
-        report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
-                          check_each=check_each, input_values=values,
-                          progress=status.update if status else None, backend=runs_on,
-                          baselines=tuple(baselines or ()))
-    report.model = prep.loaded.name
+        report = run_planned(planned, runs_on, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
+                             check_each=check_each, baselines=baselines or (),
+                             progress=status.update if status else None).report
     if output is not None:
         with writing(output, "-o"):
             report.to_pandas().to_parquet(output, index=False)
     if trace is not None:
-        _trace(prep, plan_, trace, runs_on, threads, repeat, warmup, seed, values)
+        _trace(planned, trace, runs_on, threads, repeat, warmup, seed)
     if json_out:
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
 
 
-def _trace(prep, plan_, path: Path, backend, threads: int, repeat: int, warmup: int, seed: int, values) -> None:
+def _trace(planned, path: Path, backend, threads: int, repeat: int, warmup: int, seed: int) -> None:
     """`run --trace`: the plan run step by step (`fusesearch.trace`), written as a Chrome trace."""
     from fusesearch.trace import trace_plan, write_trace
 
-    doc = trace_plan(prep, plan_, backend=backend, threads=threads, rounds=repeat, warmup=warmup, seed=seed,
-                     input_values=values)
+    doc = trace_plan(planned.prep, planned.plan, backend=backend, threads=threads, rounds=repeat, warmup=warmup,
+                     seed=seed, input_values=planned.values)
     with writing(path, "--trace"):
         write_trace(doc, path)
     print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
 
 
-def _plan_rtol(plan_) -> float:
-    """The tolerance the plan's tensor-core kernels need (their operands keep fewer mantissa bits:
-    `codegen.mma.TOLERANCE`), 0 without any; `run` takes the larger of it and the dtype's."""
-    from fusesearch.backends.codegen.mma import TOLERANCE as TENSOR_CORE
-
-    return max([0.0] + [TENSOR_CORE[g.kernel.schedule.skeleton] for g in plan_.groups
-                        if g.kernel.schedule.skeleton in TENSOR_CORE])
-
-
-def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:
+def _run_emulated(planned, seed: int, rtol: float, check_each: bool, json_out: bool) -> None:
     """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
     from fusesearch.backends.registry import EMULATE
     from fusesearch.pipeline import activation_bytes
     from fusesearch.run import run_emulated
 
-    result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=values)
+    prep, plan_ = planned.prep, planned.plan
+    result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=planned.values)
     doc = {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": EMULATE.name, **result, "rtol": rtol,
            "activation_bytes": activation_bytes(prep.graph)}
     if json_out:
@@ -993,18 +878,6 @@ def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values,
               f"{'one CUDA graph' if doc['cuda_graph'] else 'launched one by one (no CUDA graph)'}; arena "
               f"{_fmt_bytes(doc['arena_peak_bytes'])} of {_fmt_bytes(doc['activation_bytes'])} activations")
     out.print(f"equal to ONNX Runtime: max rel err {doc['max_rel_err']:.2g}, rtol {rtol:g}")
-
-
-def _end_to_end(prep, plan_, unfused, seed: int, values):
-    """`run`'s figures for measure --end-to-end, on the kernels' thread count (OMP_NUM_THREADS,
-    else one per core)."""
-    from fusesearch.run import run_plan
-    from fusesearch.verify import omp_threads
-
-    report = run_plan(prep, plan_, unfused, threads=omp_threads() or os.cpu_count() or 1, seed=seed,
-                      input_values=values)
-    report.model = prep.loaded.name
-    return report
 
 
 def _nothing():
@@ -1241,13 +1114,6 @@ def calibrate(
         out.print(line)
     out.print(f"profile written to {paths['profile']}; measurements to {paths['measurements']}; "
               f"plot to {paths['plot']}")
-
-
-def _check_profile_backend(device: str | None, backend) -> None:
-    """A profile given to `measure` must be of the device the backend measures (exit 2 if not)."""
-    from fusesearch.calibrate import check_profile_for_backend
-
-    check_profile_for_backend(device, backend)
 
 
 # -- devices ----------------------------------------------------------------------------------
