@@ -384,7 +384,7 @@ class Compared:
         return pd.DataFrame(self.doc["results"])
 
 
-def compare(model: str, devices: str | Sequence[str] = "h100-sxm", strategies: str | Sequence[str] =
+def compare(model: str, devices: str | Sequence[str], strategies: str | Sequence[str] =
             ("none", "rules", "greedy", "cpsat"), *, input_shapes: Mapping[str, Iterable[int]] | None = None,
             dims: Mapping[str, int] | None = None, time_limit_s: float = 60.0, max_group_size: int = 16,
             seed: int = 0, workers: int | None = None, shape_bindings=None) -> Compared:

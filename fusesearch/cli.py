@@ -990,6 +990,7 @@ def sweep(
     """Run a TOML grid of models × devices × strategies × parameters on Dask; resumable."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from fusesearch.api import Swept
     from fusesearch.sweep import load_config, run_sweep
 
     cfg = load_config(config)
@@ -1010,9 +1011,7 @@ def sweep(
     finally:
         if bar.live.is_started:
             bar.stop()
-    doc = {"sweep": cfg.name, "out": str(summary.out), "cells": summary.cells, "skipped": summary.skipped,
-           "ran": summary.ran, "failed": summary.failed, "wall_s": round(summary.wall_s, 1),
-           "results": str(summary.results)}
+    doc = Swept(cfg.name, summary).to_dict()
     if json_out:
         _emit_json(doc)
     else:
