@@ -1158,17 +1158,26 @@ def zoo_list(json_out: JsonFlag = False) -> None:
     """List the built-in models."""
     from fusesearch import zoo
 
-    rows = [{"name": e.name, "description": e.description, "default_dims": dict(e.default_dims)}
-            for e in zoo.list_models()]
+    rows = [{"name": e.name, "description": e.description, "default_dims": dict(e.default_dims),
+             "sizes": [f"--{p.replace('_', '-')}" for p in e.params()]} for e in zoo.list_models()]
     if json_out:
         _emit_json({"models": rows})
         return
     table = Table()
-    for col in ("name", "default dims", "description"):
+    for col in ("name", "default dims", "sizes (zoo export)", "description"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"], " ".join(f"{k}={v}" for k, v in r["default_dims"].items()), r["description"])
+        table.add_row(r["name"], " ".join(f"{k}={v}" for k, v in r["default_dims"].items()), " ".join(r["sizes"]),
+                      r["description"])
     out.print(table)
+
+
+def _zoo_size(option: str, what: str):
+    return Annotated[int | None, typer.Option(option, callback=COUNT, help=f"{what}; default: the model's "
+                                              "(`zoo list` names each model's sizes).")]
+
+
+ZOO_SIZES = ("layers", "hidden", "heads", "intermediate", "vocab", "n_positions")  # the builders' parameters
 
 
 @zoo_app.command("export")
@@ -1176,12 +1185,27 @@ def zoo_export(
     name: Annotated[str, typer.Argument(help="zoo model name (see `fusesearch zoo list`)")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the .onnx file.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    layers: _zoo_size("--layers", "Transformer layers") = None,
+    hidden: _zoo_size("--hidden", "Hidden size (a multiple of --heads)") = None,
+    heads: _zoo_size("--heads", "Attention heads") = None,
+    intermediate: _zoo_size("--intermediate", "Feed-forward size (BERT)") = None,
+    vocab: _zoo_size("--vocab", "Vocabulary size") = None,
+    n_positions: _zoo_size("--n-positions", "Positions of the position embedding (GPT-2)") = None,
 ) -> None:
-    """Write a zoo model (dynamic dims kept) to an .onnx file."""
+    """Write a zoo model (dynamic dims kept) to an .onnx file, at its builder's sizes or those given."""
     from fusesearch import zoo
 
     check_output_path(output, force, "-o")
-    proto = zoo.build_model(name.removeprefix("zoo:"))
+    name = name.removeprefix("zoo:")
+    given = dict(zip(ZOO_SIZES, (layers, hidden, heads, intermediate, vocab, n_positions), strict=True))
+    sizes = {k: v for k, v in given.items() if v is not None}
+    if name in zoo.ZOO:
+        takes = zoo.ZOO[name].params()
+        for k, v in sizes.items():
+            if k not in takes:
+                options = ", ".join(f"--{p.replace('_', '-')}" for p in takes) or "none"
+                raise BadInput(f"--{k.replace('_', '-')} {v}: zoo model {name} has no such size; its sizes: {options}")
+    proto = zoo.build_model(name, **sizes)
     with writing(output, "-o"):
         output.write_bytes(proto.SerializeToString())
     err.print(f"wrote {output} ({len(proto.graph.node)} nodes, {_fmt_bytes(output.stat().st_size)})")
