@@ -86,12 +86,9 @@ def traced_steps(graph, plan, steps, program) -> list[TracedStep]:
     """The program's calls (one per step with code, `run.one_by_one`) named for the trace."""
     from fusesearch.run import one_by_one
 
-    calls = program.calls if hasattr(program, "calls") else program.launches
-    parts = one_by_one(steps)
-    if len(parts) != len(calls):
-        raise AssertionError(f"{len(calls)} calls for {len(parts)} steps")
+    calls = program.launches if hasattr(program, "launches") else program.calls  # CudaProgram, Program
     traced = []
-    for (how, [s]), call in zip(parts, calls, strict=True):
+    for (how, [s]), call in zip(one_by_one(steps), calls, strict=True):
         ops = "+".join(graph.nodes[i].op_type for i in s.nodes)
         label = s.kernel.name if s.kernel is not None else f"{ops} ({graph.nodes[s.nodes[0]].name})"
         skeleton = plan.groups[s.group].kernel.schedule.skeleton.value

@@ -224,3 +224,45 @@ def test_run_trace_refuses_an_existing_file_and_the_emulator(run_cli, tmp_path):
     assert code == 2 and f"--trace {trace}: file exists" in err and trace.read_text() == "mine"
     code, _, err = run_cli("run", path, *FAST, "--backend", "emulate", "--device", "t4", "--trace", tmp_path / "t2")
     assert code == 2 and err.startswith("fusesearch: error: --trace: --backend emulate checks correctness only")
+
+
+@pytest.mark.parametrize("on", ["cpu", "cuda-emulated"])
+def test_a_program_run_step_by_step_gives_the_programs_outputs(tmp_path, on):
+    """The trace's calls are the program's, one per step with code, in order: run once each they
+    compute what ONNX Runtime computes (on the CPU a C entry point per kernel; the CUDA program's
+    launches one by one, here on the emulator's host device)."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.backends import emulate
+    from fusesearch.backends.timing import PerfCounterClock
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import (
+        CudaProgram,
+        Program,
+        one_by_one,
+        plan_steps,
+        program_inputs,
+        restore_threads,
+    )
+    from fusesearch.trace import traced_steps
+    from fusesearch.verify import all_values, compare
+
+    if not (cpu.available() if on == "cpu" else emulate.available()):
+        pytest.skip(f"no compiler for {on}")
+    path = save(with_if(), tmp_path / "m.onnx")
+    prep = prepare(path)
+    plan = make_plan(path, device="host" if on == "cpu" else "t4", strategy="greedy", prepared=prep)
+    canonical, weights, feeds = program_inputs(prep, 0, None)
+    steps = plan_steps(prep.graph, plan)
+    try:
+        program = (Program(prep.graph, canonical, steps, weights, 1, split=one_by_one) if on == "cpu"
+                   else CudaProgram(prep.graph, canonical, steps, weights, emulate.HostDevice(), 1))
+        program.set_inputs(feeds)
+        traced = traced_steps(prep.graph, plan, steps, program)
+        events = trace_rounds(traced, 1, PerfCounterClock())
+    finally:
+        restore_threads()
+    assert [(e["name"].split()[0], e["cat"]) for e in events[:-1]] == [
+        (f"g{s.group}", how) for how, [s] in one_by_one(steps)]
+    wanted = all_values(canonical, feeds, [])
+    diffs = compare({t: wanted[t] for t in prep.graph.outputs}, program.outputs(), rtol=1e-4)
+    assert diffs and all(d.ok for d in diffs)
