@@ -1,5 +1,5 @@
 """One generated group against variants of its own C source, timed interleaved (figures printed,
-never asserted): how the README's "measured and not kept" and "what a part costs" figures are made.
+never asserted): how docs/benchmarks.md's "measured and not kept" and "what a part costs" figures are made.
 
 Problem: a fused kernel's time is the sum of parts no profiler on a shared 2-core VM separates
 well (the product, a prologue, an erf epilogue, a Softmax pass), and a tried code change is only

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -366,11 +367,12 @@ _TABLE: tuple[DeviceSpec, ...] = (
 DEVICES: Mapping[str, DeviceSpec] = {d.name: d for d in _TABLE}
 
 
-def get_device(name: str) -> DeviceSpec:
-    """The built-in spec for `name` ('host' / 'cpu': this machine); UnknownDevice otherwise."""
+def get_device(name: str, threads: int | None = None) -> DeviceSpec:
+    """The built-in spec for `name` ('host' / 'cpu': this machine, run with `threads` OpenMP
+    threads: `host_cpu`); UnknownDevice otherwise."""
     key = name.strip().lower()
     if key in HOST_NAMES:
-        return host_cpu()
+        return host_cpu() if threads is None else host_cpu(threads)  # one cached spec per call form
     if key in DEVICES:
         return DEVICES[key]
     close = difflib.get_close_matches(key, list(DEVICES), n=1)
@@ -467,9 +469,12 @@ def _cpuinfo() -> dict[str, str]:
     return info
 
 
-def _openmp_threads(cpus: int) -> int:
-    """Threads the generated OpenMP kernels run with: OMP_NUM_THREADS (its first level) when set
-    and smaller, else every usable CPU (libgomp's default)."""
+def _openmp_threads(cpus: int, threads: int | None = None) -> int:
+    """Threads the generated OpenMP kernels run with: `threads` when given (at most `cpus`), else
+    OMP_NUM_THREADS (its first level) when set and smaller, else every usable CPU (libgomp's
+    default)."""
+    if threads is not None:
+        return max(1, min(cpus, threads))
     text = os.environ.get(OMP_THREADS_ENV, "").split(",")[0].strip()
     if text.isdigit() and int(text) > 0:
         return min(cpus, int(text))
@@ -530,8 +535,8 @@ def _cache_bytes_by_level() -> dict[int, int]:
     return {k: v for k, v in sizes.items() if v > 0}
 
 
-@functools.lru_cache(maxsize=1)
-def host_cpu() -> DeviceSpec:
+@functools.lru_cache(maxsize=8)
+def host_cpu(threads: int | None = None) -> DeviceSpec:
     """This machine as a DeviceSpec (measured once per machine, ~1-2 s, then read from the cache
     file; cached in the process).
 
@@ -542,14 +547,15 @@ def host_cpu() -> DeviceSpec:
     (tensor-core rates 0, so the model uses the FP32 rate); registers and thread limits keep GPU
     nominal values (64 K regs, 255 per thread, 2048 threads, 32 blocks) so the shared register
     model only flags gross pressure. "Usable CPUs" are those the OpenMP kernels use: the affinity
-    mask, capped by OMP_NUM_THREADS when set (read at the first call). FP32 peak = physical cores x
+    mask, capped by `threads` when given (the commands' --threads), else by OMP_NUM_THREADS when set
+    (read at the first call). FP32 peak = physical cores x
     the FMA probe's rate on one thread (each core runs its own; an SMT sibling shares the core's
     FMA units); where the probe cannot run, physical cores x clock x lanes x 2 (FMA) x
     CPU_FMA_PORTS, an estimate.
     """
     info = _cpuinfo()
     flags = set(info.get("flags", info.get("Features", "")).split())
-    cpus = _openmp_threads(probes.usable_cpus())
+    cpus = _openmp_threads(probes.usable_cpus(), threads)
     cores = max(1, cpus // _threads_per_core())
     lanes = _simd_fp32_lanes(flags)
     fma = 2 if ("fma" in flags or "asimd" in flags or platform.machine() == "arm64") else 1
@@ -622,6 +628,17 @@ def cache_root() -> Path:
         raise CacheFolderError(f"{CACHE_ENV}={root}: {blocker} is a file, not a folder; point {CACHE_ENV} at a "
                                "folder (it is created if missing), or unset it to use ~/.cache/fusesearch")
     return path
+
+
+def host_record(spec: DeviceSpec) -> dict[str, Any]:
+    """What priced a plan for a CPU, for its plan.json: the OpenMP threads, the measured figures
+    the cost model read (bandwidths, cache curve, FMA peak, a parallel region's cost), their
+    sha256, and the file `host_cpu` keeps them in (delete it to measure again)."""
+    figures = {"dram_bytes_per_s": spec.dram_bytes_per_s, "cache_curve": [list(p) for p in spec.cache_curve],
+               "fp32_flops_per_s": spec.fp32_flops_per_s, "launch_overhead_s": spec.launch_overhead_s}
+    text = json.dumps(figures, sort_keys=True)
+    return {"threads": spec.sm_count, "figures": figures, "figures_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "figures_file": str(host_cache_path())}
 
 
 def host_cache_path() -> Path:

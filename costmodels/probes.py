@@ -51,7 +51,7 @@ KIB = 1024
 MIB = 1024 * KIB
 # Part of the key a machine's figures are kept under: raised when a probe changes what it
 # measures, so that figures an older probe kept are measured again.
-PROBES_VERSION = 5
+PROBES_VERSION = 6  # 6: the parallel region's cost with its threads waiting passively
 
 # Copy used to measure DRAM bandwidth: each array is 2x the last-level cache (a streaming working
 # set larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
@@ -285,10 +285,12 @@ int main(int argc, char **argv) {
 @functools.lru_cache(maxsize=16)
 def measure_launch_overhead(threads: int) -> float:
     """Seconds one call of a kernel that is an OpenMP parallel region over a few floats takes,
-    with `threads` OpenMP threads; 0.0 when no C compiler with OpenMP builds the probe, its
-    output is unusable, or the machine is too busy for its team to run together (LAUNCH_MAX_S)."""
+    with `threads` OpenMP threads waiting passively between regions (as the CPU backend loads
+    libgomp, so another program's threads keep their cores); 0.0 when no C compiler with OpenMP
+    builds the probe, its output is unusable, or the machine is too busy for its team to run
+    together (LAUNCH_MAX_S)."""
     out = c_program_output(_LAUNCH_SOURCE, ["-O2", "-fopenmp"], [LAUNCH_BATCH, LAUNCH_PASS_S, LAUNCH_PASSES],
-                           {"OMP_NUM_THREADS": str(max(1, threads))})
+                           {"OMP_NUM_THREADS": str(max(1, threads)), "OMP_WAIT_POLICY": "PASSIVE"})
     if out is None:
         return 0.0
     m = re.fullmatch(r"(\S+) \S+\s*", out)

@@ -12,6 +12,7 @@ is a `ProfileError` that names the file and the problem.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from costmodels.devices import DEVICES, HOST_NAMES, DeviceSpec, get_device
+from costmodels.devices import DEVICES, HOST_NAMES, DeviceSpec, get_device, host_record
 from costmodels.errors import InvalidSpec, ProfileError
 from costmodels.roofline import RooflineParams, host_params
 
@@ -128,17 +129,29 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         raise ProfileError(f"{src}: {exc}; {_FIX}") from None
 
 
-def load_device(name_or_path: str | os.PathLike[str]) -> tuple[DeviceSpec, RooflineParams]:
-    """A table name ('h100-sxm', 'host') -> (spec, default params: `host_params()` for a CPU); a profile path (ends in
-    .json, contains a path separator, or names an existing file) -> (its device, its params)."""
+def load_device(name_or_path: str | os.PathLike[str], threads: int | None = None) -> tuple[DeviceSpec, RooflineParams]:
+    """A table name ('h100-sxm', 'host': this machine at `threads` OpenMP threads) -> (spec, default
+    params: `host_params()` for a CPU); a profile path (ends in .json, contains a path separator,
+    or names an existing file) -> (its device, its params)."""
     text = os.fspath(name_or_path)
     looks_like_path = text.lower().endswith(".json") or "/" in text or os.sep in text
     is_name = text.strip().lower() in DEVICES or text.strip().lower() in HOST_NAMES
     if looks_like_path or (not is_name and Path(text).is_file()):
         profile = load_profile(text)
         return profile.device, profile.params
-    spec = get_device(text)
+    spec = get_device(text, threads)
     return spec, (host_params() if spec.kind == "cpu" else RooflineParams())
+
+
+def priced_by(spec: DeviceSpec, profile: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """What priced a plan beyond its device's name, for plan.json: on a CPU its threads and the
+    measured figures (`host_record`; a profile's own, not the cache file's, where one was
+    given), and a profile's sha256; {} for a GPU of the table."""
+    record = host_record(spec) if spec.kind == "cpu" else {}
+    if profile is not None:
+        record.pop("figures_file", None)
+        record["profile_sha256"] = hashlib.sha256(Path(profile).read_bytes()).hexdigest()
+    return record
 
 
 def _json_safe(value: Any) -> Any:

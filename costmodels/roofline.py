@@ -95,7 +95,7 @@ DEFAULT_TC_EFFICIENCY = per_template(
 DEFAULT_LIBRARY_EFFICIENCY = per_template(
     {"pointwise": 0.5, "rowwise": 0.5, "gemm": 0.75, "conv": 0.6, "opaque": 0.4})
 # On a CPU the library is MLAS through ONNX Runtime, and calibration on two CPUs (a Sapphire
-# Rapids-class Xeon, a Zen 4-class EPYC: README, Calibration) agreed where the defaults above do
+# Rapids-class Xeon, a Zen 4-class EPYC: docs/calibration.md) agreed where the defaults above do
 # not: its convs over overlapping windows (im2col) run at 1/1.2 of our C's rate (fitted 0.785
 # against our 0.944; 0.74 ours against the kept 0.6 on the Xeon), its depthwise convs (NCHWc
 # reorders around each) at 0.03-0.06 of the peak; its GEMMs and disjoint-window convs within 2%

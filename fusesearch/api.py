@@ -27,9 +27,11 @@ from fusesearch.plans import ModelInfo, Plan
 from fusesearch.search.problem import SearchConfig
 
 
-def resolve_device(name_or_path: str):
-    """(label, DeviceSpec, RooflineParams, profile path or None); BadInput for an unknown name or a
-    list of several (one command, one device: `compare` takes lists)."""
+def resolve_device(name_or_path: str, threads: int | None = None):
+    """(label, DeviceSpec, RooflineParams, profile path or None); `threads`: the OpenMP threads
+    `host` is described with (its figures are this machine's at that count: `costmodels.host_cpu`);
+    BadInput for an unknown name or a list of several (one command, one device: `compare` takes
+    lists)."""
     from costmodels import CostModelError, load_device
 
     text = str(name_or_path)
@@ -37,7 +39,7 @@ def resolve_device(name_or_path: str):
         raise BadInput(f"--device {text}: give one device here (a name or a profile.json); to set several "
                        f"devices side by side run `fusesearch compare MODEL --device {text}`")
     try:
-        spec, params = load_device(name_or_path)
+        spec, params = load_device(name_or_path, threads)
     except CostModelError as exc:
         raise BadInput(f"--device {name_or_path}: {exc}") from None
     is_profile = str(name_or_path).endswith(".json") or Path(str(name_or_path)).is_file()
@@ -63,17 +65,21 @@ def bindings(input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapp
                                [f"{k}={v}" for k, v in (dims or {}).items()])
 
 
-def search_prepared(prep, device: str, strategy: str, config: SearchConfig, costs: str = "predicted"):
-    """(plan, legality, prepared model for the device, tuner or None): the search every command runs."""
+def search_prepared(prep, device: str, strategy: str, config: SearchConfig, costs: str = "predicted",
+                    threads: int = 1):
+    """(plan, legality, prepared model for the device, tuner or None): the search every command
+    runs, a CPU's plan priced (and its choices measured, `costs`) for `threads` OpenMP threads."""
     from costmodels import RooflineModel
     from fusesearch.autotune import build_problem
+    from fusesearch.backends.cpu import openmp_threads
     from fusesearch.search import search
 
-    label, spec, params, profile = resolve_device(device)
+    label, spec, params, profile = resolve_device(device, threads)
     prep, params = for_device(prep, spec, params)
-    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                    profile=profile, model_info=model_info(prep), problem=problem)
+    with openmp_threads(threads if spec.kind == "cpu" else 0):
+        problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
+        result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
+                        profile=profile, model_info=model_info(prep), problem=problem)
     return result, problem.legality, prep, tuner
 
 
@@ -81,7 +87,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
-         lone_anchors: str = "priced", costs: str = "predicted") -> Plan:
+         lone_anchors: str = "priced", costs: str = "predicted", threads: int = 1) -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
     False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
     gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
@@ -89,16 +95,17 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     library`'s reference), "generated" our kernel, "priced" whichever is cheaper; `costs`: what
     prices each group's choices (`autotune`): "predicted" (the cost model), "measured" (each timed
     on this machine: the CPU for host, CuPy for a GPU; kept in the timing database) or "hybrid"
-    (only the choices predicted within the model's error band of the group's best)."""
+    (only the choices predicted within the model's error band of the group's best); `threads`: the
+    OpenMP threads a CPU plan is priced for (`--threads`, recorded in plan.json)."""
     from fusesearch.autotune import check_costs
     from fusesearch.pipeline import prepare
 
     check_costs(costs)
-    resolve_device(device)  # a bad device before any loading
+    resolve_device(device, threads)  # a bad device before any loading
     prep = prepared or prepare(model, bindings(input_shapes, dims), dtype=dtype, tf32=tf32)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))
-    result, _, _, tuner = search_prepared(prep, device, strategy, config, costs)
+    result, _, _, tuner = search_prepared(prep, device, strategy, config, costs, threads)
     return result if tuner is None else dataclasses.replace(result, tuning=tuner.stats.to_dict())
 
 
@@ -118,7 +125,7 @@ class Planned:
 def plans_for(model: str, device: str, strategy: str, *, command: str, plan_file: str | Path | None = None,
               shape_bindings=None, value_flags: Sequence[str] = (), dtype: str = "float32", tf32: bool = True,
               time_limit_s: float = 60.0, seed: int = 0, lone_anchors: str = "priced", costs: str = "predicted",
-              say: Callable[[str], None] | None = None) -> Planned:
+              threads: int = 1, say: Callable[[str], None] | None = None) -> Planned:
     """Prepare MODEL, read the input values (`--input-value` flags), refuse a graph too large for
     memory, then plan it (or take `plan_file`'s groups) and the unfused graph: `measure_plans`."""
     from fusesearch.pipeline import prepare
@@ -128,25 +135,29 @@ def plans_for(model: str, device: str, strategy: str, *, command: str, plan_file
     prep = prepare(model, shape_bindings or bindings(), dtype=dtype, tf32=tf32)
     values = parse_input_values(list(value_flags), prep.graph)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", command)
-    plan_, unfused, prep = measure_plans(prep, device, strategy, config, plan_file, lone_anchors, costs, say)
+    plan_, unfused, prep = measure_plans(prep, device, strategy, config, plan_file, lone_anchors, costs, threads, say)
     return Planned(prep, values, plan_, unfused)
 
 
 def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: str = "priced",
-                  costs: str = "predicted", say: Callable[[str], None] | None = None):
+                  costs: str = "predicted", threads: int = 1, say: Callable[[str], None] | None = None):
     """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors as
     `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves);
     the plan's choices (a --plan file's groups too) priced as `costs` says, the unfused graph's
-    predicted. `say`: told what measuring the choices cost (with costs other than predicted)."""
+    predicted, a CPU's for `threads` (a --plan file priced for another count: a warning). `say`:
+    told what measuring the choices cost (with costs other than predicted)."""
     from fusesearch.plans import SolverInfo
 
     plan_, legality, prep, tuner = search_prepared(prep, device, strategy if plan_file is None else "none", config,
-                                                   costs)
+                                                   costs, threads)
     if tuner is not None and say is not None:
         say(tuner.stats.line())
-    unfused = search_prepared(prep, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors))[0]
+    unfused = search_prepared(prep, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
+                              threads=threads)[0]
     if plan_file is not None:
-        none = search_prepared(prep, device, "none", config)[0] if lone_anchors != "priced" else unfused
+        warn_threads(plan_file, threads)
+        none = (search_prepared(prep, device, "none", config, threads=threads)[0] if lone_anchors != "priced"
+                else unfused)
         from fusesearch.candidates.rules import Legality
         from fusesearch.export import plan_groups_from_json
 
@@ -154,10 +165,25 @@ def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: 
         legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
                             max_group_size=len(prep.graph), measurer=legality.measurer)
         groups = [frozenset(g) for g in plan_groups_from_json(plan_file, prep.graph, legality)]
-        plan_ = Plan.build(legality, groups, strategy="file", device=resolve_device(device)[0], profile=None,
-                           solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
-                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s)
+        plan_ = Plan.build(legality, groups, strategy="file", device=resolve_device(device, threads)[0],
+                           profile=None, solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
+                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,
+                           priced=none.priced)
     return plan_, unfused, prep
+
+
+def warn_threads(plan_file: str | Path, threads: int) -> None:
+    """One warning when plan.json records a CPU plan priced for another thread count."""
+    import logging
+
+    try:
+        priced = json.loads(Path(plan_file).read_text()).get("device", {}).get("threads")
+    except (OSError, ValueError, AttributeError):
+        return  # the file's own errors are reported where its groups are read
+    if isinstance(priced, int) and priced != threads:
+        logging.getLogger("fusesearch").warning(
+            f"{plan_file} was priced for {priced} thread{'s' if priced != 1 else ''}; it runs with --threads "
+            f"{threads}: its choices may not be the best at this count (plan again with --threads {threads})")
 
 
 def value_flags(input_values: Mapping[str, Any] | None) -> list[str]:
@@ -192,18 +218,21 @@ def measure(model: str, backend: str = "cpu", *, plan_file: str | Path | None = 
             dims: Mapping[str, int] | None = None, time_limit_s: float = 60.0, budget_s: float = 0.2, seed: int = 0,
             cache: bool = True, ptxas: bool | None = None, flush_l2: bool = False, baseline: str = "library",
             input_values: Mapping[str, Any] | None = None, end_to_end: bool = False, dtype: str = "float32",
-            tf32: bool = True, costs: str = "predicted", shape_bindings=None, value_strings: Sequence[str] = (),
-            progress: Callable[[int, int], None] | None = None, say: Callable[[str], None] | None = None) -> Measured:
+            tf32: bool = True, costs: str = "predicted", threads: int = 1, shape_bindings=None,
+            value_strings: Sequence[str] = (), progress: Callable[[int, int], None] | None = None,
+            say: Callable[[str], None] | None = None) -> Measured:
     """`fusesearch measure`: every kernel of the plan (planned now, or `plan_file`'s) and of the
-    unfused graph timed on `backend` on real data; `progress(done, total)` after each kernel."""
+    unfused graph timed on `backend` on real data, a CPU's at `threads` OpenMP threads;
+    `progress(done, total)` after each kernel."""
     runs_on = check_measure(backend, baseline, end_to_end, costs)
-    device = backend_device(device, runs_on)
+    device = backend_device(device, runs_on, threads)
     p = plans_for(model, device, strategy, command="measure", plan_file=plan_file,
                   shape_bindings=shape_bindings or bindings(input_shapes, dims),
                   value_flags=[*value_strings, *value_flags(input_values)], dtype=dtype, tf32=tf32,
-                  time_limit_s=time_limit_s, seed=seed, lone_anchors=baseline, costs=costs, say=say)
+                  time_limit_s=time_limit_s, seed=seed, lone_anchors=baseline, costs=costs, threads=threads, say=say)
     return measure_planned(p, runs_on, device, budget_s=budget_s, seed=seed, cache=cache, ptxas=ptxas,
-                           flush_l2=flush_l2, baseline=baseline, end_to_end=end_to_end, progress=progress)
+                           flush_l2=flush_l2, baseline=baseline, end_to_end=end_to_end, threads=threads,
+                           progress=progress)
 
 
 def check_measure(backend: str, baseline: str, end_to_end: bool, costs: str):
@@ -223,8 +252,11 @@ def check_measure(backend: str, baseline: str, end_to_end: bool, costs: str):
 
 def measure_planned(p: Planned, runs_on, device: str, *, budget_s: float = 0.2, seed: int = 0, cache: bool = True,
                     ptxas: bool | None = None, flush_l2: bool = False, baseline: str = "library",
-                    end_to_end: bool = False, progress: Callable[[int, int], None] | None = None) -> Measured:
-    """`measure` of plans made (`plans_for`): every kernel timed, and with `end_to_end` the run."""
+                    end_to_end: bool = False, threads: int = 1,
+                    progress: Callable[[int, int], None] | None = None) -> Measured:
+    """`measure` of plans made (`plans_for`): every kernel timed (a CPU's at `threads`), and with
+    `end_to_end` the run."""
+    from fusesearch.backends.cpu import openmp_threads
     from fusesearch.backends.timing import TimingCache
     from fusesearch.measure import measure_plan
 
@@ -235,11 +267,12 @@ def measure_planned(p: Planned, runs_on, device: str, *, budget_s: float = 0.2, 
         if progress is not None:
             progress(done[0], total)
 
-    report = measure_plan(p.prep, p.plan, p.unfused, runs_on, budget_s=budget_s, seed=seed, progress=advance,
-                          cache=TimingCache() if cache else None,
-                          ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda) else None,
-                          flush_l2=flush_l2, baseline=baseline, input_values=p.values)
-    whole = _end_to_end(p, seed) if end_to_end else None
+    with openmp_threads(0 if runs_on.cuda else threads):
+        report = measure_plan(p.prep, p.plan, p.unfused, runs_on, budget_s=budget_s, seed=seed, progress=advance,
+                              cache=TimingCache() if cache else None,
+                              ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda)
+                              else None, flush_l2=flush_l2, baseline=baseline, input_values=p.values)
+    whole = _end_to_end(p, seed, threads) if end_to_end else None
     return Measured(report, p.plan, whole)
 
 
@@ -249,16 +282,11 @@ def _ptxas_arch(device: str) -> str:
     return arch if arch in ("sm_80", "sm_90") else "sm_90"
 
 
-def _end_to_end(p: Planned, seed: int):
-    """`run`'s figures for measure --end-to-end, on the kernels' thread count (OMP_NUM_THREADS,
-    else one per core)."""
-    import os
-
+def _end_to_end(p: Planned, seed: int, threads: int):
+    """`run`'s figures for measure --end-to-end, at `threads` (--threads)."""
     from fusesearch.run import run_plan
-    from fusesearch.verify import omp_threads
 
-    report = run_plan(p.prep, p.plan, p.unfused, threads=omp_threads() or os.cpu_count() or 1,
-                      seed=seed, input_values=p.values)
+    report = run_plan(p.prep, p.plan, p.unfused, threads=threads, seed=seed, input_values=p.values)
     report.model = p.prep.loaded.name
     return report
 
@@ -300,15 +328,15 @@ def run_tolerance(p: Planned, rtol: float | None) -> float:
     return max(prepared_tolerance(p.prep), plan_rtol(p.plan)) if rtol is None else rtol
 
 
-def backend_device(device: str | None, backend, *, program: bool = False) -> str:
+def backend_device(device: str | None, backend, threads: int, *, program: bool = False) -> str:
     """The cost-model device (default: the backend's) of a plan timed on BACKEND: a profile must
-    be of the device it measures, and a whole program (`program`) on CUDA needs a GPU device
-    (exit 2)."""
+    be of the device it measures (a host one calibrated at `threads`), and a whole program
+    (`program`) on CUDA needs a GPU device (exit 2)."""
     from fusesearch.calibrate import check_profile_for_backend
 
     device = device or backend.default_device
     if backend.timed:
-        check_profile_for_backend(device, backend)
+        check_profile_for_backend(device, backend, threads=threads)
     if program and backend.cuda and resolve_device(device)[1].kind != "gpu":
         raise BadInput(f"--device {device}: a plan for a CPU fuses GEMMs and convs as C only (the packed "
                        f"skeleton), and --backend {backend.name} runs CUDA; give a GPU device (e.g. --device h200)")
@@ -329,11 +357,11 @@ def run(model: str, *, plan_file: str | Path | None = None, strategy: str = "cps
 
     get_backend(backend)  # one that times
     runs_on = check_run(backend, baselines, costs)
-    device = backend_device(device, runs_on, program=True)
+    device = backend_device(device, runs_on, threads, program=True)
     p = plans_for(model, device, strategy, command="run", plan_file=plan_file,
                   shape_bindings=shape_bindings or bindings(input_shapes, dims),
                   value_flags=[*value_strings, *value_flags(input_values)], dtype=dtype, tf32=tf32,
-                  time_limit_s=time_limit_s, seed=seed, costs=costs, say=say)
+                  time_limit_s=time_limit_s, seed=seed, costs=costs, threads=threads, say=say)
     return run_planned(p, runs_on, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
                        check_each=check_each, baselines=baselines, progress=progress)
 
@@ -428,15 +456,16 @@ def compare_doc(prep, plans, devices, names) -> dict:
 
 @dataclass
 class Swept:
-    """`sweep`'s result: the sweep's name and the run's summary (`sweep.SweepSummary`)."""
+    """`sweep`'s result: the sweep's name and threads, and the run's summary (`sweep.SweepSummary`)."""
 
     name: str
+    threads: int
     summary: Any
 
     def to_dict(self) -> dict:
         """`sweep --json`'s document."""
         s = self.summary
-        return {"sweep": self.name, "out": str(s.out), "cells": s.cells, "skipped": s.skipped, "ran": s.ran, "failed": s.failed,
+        return {"sweep": self.name, "threads": self.threads, "out": str(s.out), "cells": s.cells, "skipped": s.skipped, "ran": s.ran, "failed": s.failed,
                 "wall_s": round(s.wall_s, 1), "results": str(s.results)}
 
     def to_pandas(self):
@@ -447,14 +476,17 @@ class Swept:
 
 
 def sweep(config: str | Path, out: str | Path | None = None, *, workers: int | None = None,
-          scheduler: str | None = None, force: bool = False,
+          scheduler: str | None = None, force: bool = False, threads: int | None = None,
           progress: Callable[[int, int, dict | None], None] | None = None) -> Swept:
     """`fusesearch sweep`: every unfinished cell of the TOML grid CONFIG on Dask, results in `out`
-    (default: beside CONFIG, named after it). From a script, call it under
-    `if __name__ == "__main__":` (local workers are spawned)."""
+    (default: beside CONFIG, named after it); `threads`: a CPU device's cells' (default: the
+    config's). From a script, call it under `if __name__ == "__main__":` (local workers are
+    spawned)."""
     from fusesearch.sweep import load_config, run_sweep
 
     config = Path(config)
     cfg = load_config(config)
-    return Swept(cfg.name, run_sweep(cfg, Path(out) if out is not None else config.parent / config.stem, workers=workers,
+    if threads is not None:
+        cfg = dataclasses.replace(cfg, threads=threads)
+    return Swept(cfg.name, cfg.threads, run_sweep(cfg, Path(out) if out is not None else config.parent / config.stem, workers=workers,
                            scheduler=scheduler, force=force, progress=progress))

@@ -51,8 +51,6 @@ predicts exactly what its report says; a profile is only used for the device it 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -268,10 +266,11 @@ def backend_device_name(backend: Backend | str) -> str:
 
 
 def check_profile_for_backend(device_arg: str | None, backend: Backend | str, *,
-                              measured: str | None = None) -> None:
+                              measured: str | None = None, threads: int | None = None) -> None:
     """A profile (a .json --device) may only be used where its device is the one measured:
     its `backend` must be this backend and its device name the backend's device ('host' on cpu,
-    the visible GPU's table entry on cupy, or `measured` when given). BadInput otherwise."""
+    the visible GPU's table entry on cupy, or `measured` when given), a host profile's OpenMP
+    threads the run's (`threads`: --threads; else OMP_NUM_THREADS). BadInput otherwise."""
     if not device_arg:
         return
     backend = get_backend(backend).name
@@ -298,22 +297,23 @@ def check_profile_for_backend(device_arg: str | None, backend: Backend | str, *,
                        f"--backend {backend} measures '{expected}'; calibrate a profile for "
                        f"'{expected}' or drop --device")
     if expected == "host":
-        _check_same_host(text, profile.device)
+        _check_same_host(text, profile.device, threads)
 
 
-def _check_same_host(text: str, device: DeviceSpec) -> None:
-    """A host profile fits only the same CPU model run with the same number of OpenMP threads."""
+def _check_same_host(text: str, device: DeviceSpec, threads: int | None = None) -> None:
+    """A host profile fits only the same CPU model run with the same number of OpenMP threads
+    (`threads`, else OMP_NUM_THREADS's)."""
     from costmodels import host_cpu
 
-    here = host_cpu()
+    here = host_cpu(threads)
     cpu_of = lambda spec: (spec.sources[0].split(";")[0] if spec.sources else "")  # noqa: E731
     if cpu_of(device) and cpu_of(device) != cpu_of(here):
         raise BadInput(f"--device {text}: this profile is for another CPU ({cpu_of(device)}), this "
                        f"machine is {cpu_of(here)}; calibrate a profile here")
     if device.sm_count != here.sm_count:
+        fix = f"--threads {device.sm_count}" if threads is not None else f"set OMP_NUM_THREADS={device.sm_count}"
         raise BadInput(f"--device {text}: this profile was calibrated with {device.sm_count} OpenMP "
-                       f"thread(s), this run uses {here.sm_count}; set OMP_NUM_THREADS="
-                       f"{device.sm_count} (or calibrate again with this setting)")
+                       f"thread(s), this run uses {here.sm_count}; {fix} (or calibrate again with this setting)")
 
 
 def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, object], backend: Backend | str,
@@ -333,28 +333,11 @@ def measure_candidates(candidates: Sequence[Candidate], preps: Mapping[str, obje
     max_kernel_s = MAX_KERNEL_S[backend.name] if max_kernel_s is None else max_kernel_s
     runner = _Runner(backend)
     reg_ok = registers and _register_toolchain()
-    with _openmp_threads(device.sm_count if device.kind == "cpu" else 0):
+    from fusesearch.backends.cpu import openmp_threads
+
+    with openmp_threads(device.sm_count if device.kind == "cpu" else 0):
         return _measure_all(candidates, preps, runner, RooflineModel(params), device, seed, budget_s,
                             max_kernel_s, progress, reg_ok, rounds)
-
-
-@contextlib.contextmanager
-def _openmp_threads(threads: int):
-    """Run the OpenMP kernels with `threads` threads (the device's CPUs) while inside, whatever
-    libgomp read from the environment when it was first loaded; restored afterwards."""
-    try:
-        gomp = ctypes.CDLL("libgomp.so.1") if threads > 0 else None
-    except OSError:  # another OpenMP runtime: it reads OMP_NUM_THREADS, as host_cpu() does
-        gomp = None
-    if gomp is None:
-        yield
-        return
-    before = gomp.omp_get_max_threads()
-    gomp.omp_set_num_threads(threads)
-    try:
-        yield
-    finally:
-        gomp.omp_set_num_threads(before)
 
 
 def _measure_all(candidates, preps, runner, model, device, seed, budget_s, max_kernel_s, progress,
@@ -796,7 +779,7 @@ def known_device_names() -> list[str]:
 
 
 def report_lines(report: Mapping) -> list[str]:
-    """The held-out report as plain lines (what the CLI prints and the README quotes)."""
+    """The held-out report as plain lines (what the CLI prints and docs/calibration.md quotes)."""
     lines = []
     for label, key in (("held-out", "heldout"), ("train", "train")):
         block = report[key]

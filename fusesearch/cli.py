@@ -44,6 +44,11 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per mess
 
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
 Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynamic dim (repeatable)")]
+PlanDim = Annotated[list[str], typer.Option(
+    "--dim", help="DIM=V binds a named dynamic dim (repeatable); DIM=LO..HI or DIM=V1,V2,... plans one grouping "
+                  "for all those values (the ends and the powers of two between them)")]
+DimWeights = Annotated[list[str], typer.Option(
+    "--dim-weights", help="DIM=W1,W2,...: how often each value of a --dim range or list is served (default equal)")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
@@ -258,6 +263,9 @@ MaxGroup = Annotated[int, typer.Option("--max-group-size", callback=COUNT, help=
 Seed = Annotated[int, typer.Option("--seed", callback=SEED, help="Solver seed.")]
 Workers = Annotated[int | None, typer.Option("--workers", callback=CPUS,
                                              help="CP-SAT workers (default: cores, at most 8).")]
+Threads = Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the generated kernels "
+                                      "(and ONNX Runtime's intra-op threads where it is timed beside them); a "
+                                      "host plan is priced for this count and plan.json records it.")]
 Costs = Annotated[str, typer.Option("--costs", help="What prices each group's choices: predicted (the cost model), "
                                     "measured (each timed on this machine's CPU for host, its GPU for a GPU "
                                     "device; kept in the timing database), or hybrid (only the choices "
@@ -283,7 +291,8 @@ def plan(
     model: Annotated[str, typer.Argument(help="path/to/model.onnx or zoo:NAME")],
     device: Annotated[str, typer.Option("--device", help="GPU name (see `fusesearch devices`) or profile.json")],
     input_shape: InputShape = None,
-    dim: Dim = None,
+    dim: PlanDim = None,
+    dim_weights: DimWeights = None,
     strategy: Strategy = "cpsat",
     time_limit: TimeLimit = 60.0,
     max_group_size: MaxGroup = 16,
@@ -300,10 +309,12 @@ def plan(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    threads: Threads = 1,
     dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
+    from fusesearch.buckets import plan_buckets, split_dims
     from fusesearch.pipeline import prepare
     from fusesearch.search import STRATEGIES
 
@@ -314,12 +325,44 @@ def plan(
                   _reads((model, "model"), device=device))
     _check_dump(dump, force)
     config = _config(time_limit, max_group_size, seed, workers)
+    fixed, buckets = split_dims(dim or [], dim_weights or [])
+    if buckets is not None:
+        refused = [flag for flag, given in ((f"--costs {costs}", costs != "predicted"),
+                                            ("--input-value", input_value), ("--explain", explain)) if given]
+        if refused:
+            raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a plan "
+                           f"over buckets; give --dim {buckets.dim} one value to use it")
+        preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
+                 for v in buckets.values]
+        result, figures = plan_buckets(preps, buckets, device, strategy, config, threads)
+        verified = None
+        if emit is not None:
+            verified = _emit_dynamic(preps, result, buckets, emit, force, seed, None if no_verify else
+                                     lambda v: prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]),
+                                                       keep_original=True, dtype=dtype, tf32=not no_tf32))
+        _draw(result, svg, html_out)
+        _dump(result, dump, force)
+        if output is not None:
+            with writing(output, "-o"):
+                output.write_text(result.to_json())
+        if json_out:
+            _emit_json({**result.to_dict(), "run": {"wall_s": round(result.solver.wall_s, 3), "verified": verified,
+                                                    "output": str(output) if output else None,
+                                                    "emit": str(emit) if emit else None}})
+            return
+        _print_plan(result, output)
+        _print_buckets(buckets, figures, result.time_s)
+        if emit is not None:
+            out.print(f"fused model written to {emit}, {buckets.dim} dynamic")
+        for report in verified or ():
+            out.print(f"at {buckets.dim}={report['at']}: {_verified_line(report)}")
+        return
     verifying = emit is not None and not no_verify
     prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
-    result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs)
+    result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs, threads)
     verified = None
     if emit is not None:
         verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
@@ -337,7 +380,8 @@ def plan(
         doc = result.to_dict()
         doc["run"] = {"wall_s": round(result.solver.wall_s, 3), "stats": dict(result.solver.stats),
                       "output": str(output) if output else None, "emit": str(emit) if emit else None,
-                      "verified": verified, **_tuned(legality)}
+                      "verified": verified, "opaque_ops": [name for _, name in _opaque_ops(result.graph)],
+                      **_tuned(legality)}
         _emit_json(doc)
         return
     _print_plan(result, output)
@@ -346,6 +390,59 @@ def plan(
             out.print(f"{what} written to {path}")
     if verified is not None:
         out.print(_verified_line(verified))
+
+
+BUCKET_REASONS = 3  # refusals shown per bucket
+BUCKET_NOTE = 0.05  # a bucket paying more than this over its own plan says why
+
+
+def _print_buckets(buckets, figures, plan_time_s: float) -> None:
+    """Each bucket's time under the one plan beside its own optimal plan's (the price of one plan)."""
+    table = Table(title=f"one plan for {buckets.dim} = {', '.join(map(str, buckets.values))} "
+                        f"(times above: weighted by how often each is served)", title_justify="left")
+    for col in (buckets.dim, "weight", "one plan", "own plan", "own kernels", "price of one plan"):
+        table.add_column(col, justify="right")
+    for f in figures:
+        table.add_row(str(f.value), f"{f.weight:.2f}", _fmt_time(f.time_s), _fmt_time(f.own_time_s),
+                      str(f.own_kernels), f"{f.price:.3f}x")
+    out.print(table)
+    worst = max(figures, key=lambda f: f.price)
+    out.print(f"worst bucket {buckets.dim}={worst.value}: {100 * (worst.price - 1):.1f}% over its own plan")
+    for f in figures:
+        for line in f.why[:BUCKET_REASONS]:
+            out.print(f"  {buckets.dim}={f.value}'s own groups refused {line}")
+        if f.own_weighted_s is not None and f.price > 1 + BUCKET_NOTE:
+            out.print(f"  {buckets.dim}={f.value}'s own plan, served at every bucket: {_fmt_time(f.own_weighted_s)} "
+                      f"weighted, against the one plan's {_fmt_time(plan_time_s)}")
+
+
+def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, prepare_at) -> list[dict] | None:
+    """The plan over buckets as one fused model that keeps the dim dynamic (`dynamic.dynamic_model`),
+    verified against the original at the smallest, a middle, the largest bucket and a value
+    between buckets (`prepare_at(value)` prepares the model there; None: --no-verify), then written."""
+    from fusesearch.dynamic import check_values, dynamic_model
+    from fusesearch.export import fused_model, save_model
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.ir.precision import prepared_tolerance
+
+    canonicals = [to_proto(p.canonical) for p in preps]
+    fused = fused_model(canonicals[-1], preps[-1].graph, [g.nodes for g in plan_.groups])
+    dynamic = dynamic_model(fused, canonicals, buckets.values, buckets.dim)
+    reports = None
+    if prepare_at is not None:
+        reports = []
+        for value in check_values(buckets.values, seed):
+            prep = prepare_at(value)
+            report = _verify(prep, dynamic, seed, prepared_tolerance(prep), 0.0, {},
+                             label=f"--emit {path} at {buckets.dim}={value}")
+            if not report["ok"]:
+                raise FusesearchError(f"--emit {path}: at {buckets.dim}={value} the fused model differs from the "
+                                      f"original, so it was not written: {_verified_line(report)}; please report "
+                                      f"this plan")
+            reports.append({"at": value, **report})
+    with writing(path, "--emit"):
+        save_model(dynamic, path, overwrite=force)
+    return reports
 
 
 def _check_dump(dump: Path | None, force: bool) -> None:
@@ -535,12 +632,15 @@ def export(
         out.print(_verified_line(report))
 
 
-def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None, costs: str = "predicted"):
-    """(plan, legality, prep); `costs` other than predicted also prints what measuring cost (stderr)."""
+def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=None, costs: str = "predicted",
+              threads: int = 1):
+    """(plan, legality, prep), a CPU's plan priced for `threads` OpenMP threads; `costs` other than
+    predicted also prints what measuring cost (stderr)."""
     from fusesearch.api import search_prepared
     from fusesearch.pipeline import prepare
 
-    result, legality, prep, tuner = search_prepared(prep or prepare(model, bindings), device, strategy, config, costs)
+    result, legality, prep, tuner = search_prepared(prep or prepare(model, bindings), device, strategy, config, costs,
+                                                    threads)
     if tuner is not None:
         _say(tuner.stats.line())
     return result, legality, prep
@@ -556,10 +656,23 @@ def _tuned(legality) -> dict:
     return {} if legality.measurer is None else {"costs": legality.measurer.stats.to_dict()}
 
 
+OPAQUE_SHOWN = 5
+
+
+def _opaque_ops(graph) -> list[tuple[str, str]]:
+    """The ops no template fuses or prices by its work (control flow, unknown ops, an Einsum that is
+    not a matrix product): each runs alone, priced as a library call."""
+    from fusesearch.ir.op_kind import OpKind
+
+    return [(n.op_type, n.name) for n in graph.nodes if n.kind == OpKind.OPAQUE]
+
+
 def _print_plan(p, output: Path | None) -> None:
     s = p.solver
     status = s.status + (f", bound {_fmt_time(s.bound_s)}, gap {s.gap:.2%}" if s.bound_s is not None else "")
-    out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold], strategy {p.strategy} "
+    threads = p.priced.get("threads")
+    at = f" at {threads} thread{'s' if threads != 1 else ''} (--threads)" if threads else ""
+    out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold]{at}, strategy {p.strategy} "
               f"({status}; {s.wall_s:.2f} s)")
     # the bound is the model's roofline; under measured costs the plan's time is the sum of timed
     # kernels, which a low peak in the model can put below it: the ratio would compare two sources
@@ -569,6 +682,10 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
+    if opaque := _opaque_ops(p.graph):
+        shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])
+        more = f" and {len(opaque) - OPAQUE_SHOWN} more" if len(opaque) > OPAQUE_SHOWN else ""
+        out.print(f"{len(opaque)} opaque op{'s' if len(opaque) > 1 else ''} priced as library calls: {shown}{more}")
     table = Table(title="slowest kernels", title_justify="left")
     for col in ("group", "template", "ops", "runs as", "time", "bound", "occupancy"):
         table.add_column(col, justify="right" if col in ("time", "occupancy") else "left")
@@ -664,6 +781,7 @@ def measure(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    threads: Threads = 1,
     dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -676,16 +794,16 @@ def measure(
     runs_on = check_measure(backend, baseline, end_to_end, costs)
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
     _check_dump(dump, force)
-    device = backend_device(device, runs_on)
+    device = backend_device(device, runs_on, threads)
     planned = plans_for(model, device, strategy, command="measure", plan_file=plan_json,
                         shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
                         tf32=not no_tf32, time_limit_s=time_limit, seed=seed, lone_anchors=baseline, costs=costs,
-                        say=_say)
+                        threads=threads, say=_say)
     _dump(planned.plan, dump, force)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
         task = bar.add_task(f"measuring on {backend}", total=None)
         result = measure_planned(planned, runs_on, device, budget_s=budget, seed=seed, cache=not no_cache, ptxas=ptxas,
-                                 flush_l2=flush_l2, baseline=baseline, end_to_end=end_to_end,
+                                 flush_l2=flush_l2, baseline=baseline, end_to_end=end_to_end, threads=threads,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
     if output is not None:
         rows = result.to_pandas()  # with --end-to-end the run's figures, the same on every row
@@ -694,29 +812,37 @@ def measure(
     if json_out:
         _emit_json(result.to_dict())
         return
-    _print_measure(result.report, output)
+    _print_measure(result.report, output, None if runs_on.cuda else threads)
     if result.end_to_end is not None:
         _print_run(result.end_to_end, None)
 
 
-def _print_measure(report, output) -> None:
+def _print_measure(report, output, threads: int | None) -> None:
     t = report.totals()
     versus = report.library_comparison()
-    table = Table(title=f"measured on {report.backend} ({report.device}), the unfused graph's lone anchors: "
-                                f"{report.baseline}",
+    at = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    table = Table(title=f"measured on {report.backend} ({report.device}{at}), each kernel alone, median of n "
+                        f"samples; the unfused graph's lone anchors: {report.baseline}",
                   title_justify="left")
-    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "max rel err", "library+rest"):
+    for col in ("group", "template", "how", "predicted", "measured", "p20-p80", "n", "max rel err", "library+rest"):
         table.add_column(col, justify="left" if col in ("group", "template", "how") else "right")
     for m in report.plan:
         spread = f"{_fmt_time(m.timing.p20_s)}-{_fmt_time(m.timing.p80_s)}" if m.timing else "-"
         table.add_row(f"g{m.group}", m.template, m.how, _fmt_time(m.predicted_s),
-                      _fmt_time(m.measured_s) if m.timing else "-", spread, f"{m.max_rel_err:.2g}",
+                      _fmt_time(m.measured_s) if m.timing else "-", spread, str(m.timing.n) if m.timing else "-",
+                      f"{m.max_rel_err:.2g}",
                       _fmt_versus(versus.get(m.group)))
     out.print(table)
-    out.print(f"plan: predicted {_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])}   "
-              f"unfused: predicted {_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])}"
-              f"   measured speedup {t['speedup']:.2f}x" + (f"   ({t['not_measured']} kernels not measured)"
-                                                           if t["not_measured"] else ""))
+    same = ", not distinguishable" if t["speedup_verdict"] == "not distinguishable" else ""
+    out.print(f"sums of kernels, each timed alone (median; sums of p20-p80): plan predicted "
+              f"{_fmt_time(t['predicted_s'])}, measured {_fmt_time(t['measured_s'])} "
+              f"({_fmt_time(t['measured_p20_s'])}-{_fmt_time(t['measured_p80_s'])})   unfused predicted "
+              f"{_fmt_time(t['unfused_predicted_s'])}, measured {_fmt_time(t['unfused_measured_s'])} "
+              f"({_fmt_time(t['unfused_measured_p20_s'])}-{_fmt_time(t['unfused_measured_p80_s'])})"
+              f"   speedup of the sums {t['speedup']:.2f}x{same}" + (f"   ({t['not_measured']} kernels not measured)"
+                                                                     if t["not_measured"] else ""))
+    out.print("a sum of kernels is not the program's time: `fusesearch run` (or measure --end-to-end) times the "
+              "plan end to end beside ONNX Runtime")
     for m in [*report.plan, *report.unfused]:
         if m.reason:
             how = "not measured" if m.timing is None else m.how
@@ -784,8 +910,7 @@ def run(
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: None if v >= 0 else "0 or more runs"),
                                         help="Untimed runs before them.")] = 3,
-    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the kernels and "
-                                         "ONNX Runtime's intra-op threads.")] = 1,
+    threads: Threads = 1,
     time_limit: TimeLimit = 60.0,
     seed: Annotated[int, typer.Option("--seed", callback=SEED, help="Seed of the solver and of the random "
                                       "inputs.")] = 0,
@@ -824,10 +949,10 @@ def run(
         if emulated and path is not None:
             raise BadInput(f"{flag}: --backend {backend} checks correctness only and has no timings to write; "
                            f"drop {flag}")
-    device = backend_device(device, runs_on, program=True)
+    device = backend_device(device, runs_on, threads, program=True)
     planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
                         shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
-                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, say=_say)
+                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, threads=threads, say=_say)
     _dump(planned.plan, dump, force)
     if emulated:
         _run_emulated(planned, seed, run_tolerance(planned, rtol), check_each, json_out)
@@ -858,6 +983,8 @@ def _trace(planned, path: Path, backend, threads: int, repeat: int, warmup: int,
     print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
 
 
+
+
 def _run_emulated(planned, seed: int, rtol: float, check_each: bool, json_out: bool) -> None:
     """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
     from fusesearch.backends.registry import EMULATE
@@ -886,28 +1013,53 @@ def _nothing():
     return nullcontext()
 
 
+RUN_NAMES = {"plan": "plan", "unfused": "unfused (none)", "ort_enable_all": "ONNX Runtime ENABLE_ALL",
+             "ort_enable_all_canonical": "ONNX Runtime ENABLE_ALL, canonical model",
+             "ort_disable_all": "ONNX Runtime DISABLE_ALL, canonical model", "torch_eager": "PyTorch eager",
+             "torch_compile": "torch.compile (Inductor, frozen)",
+             "torch_compile_max_autotune": "torch.compile max-autotune"}
+
+
+def _versus(report, key: str, base: str) -> str:
+    """'0.82x', or '0.98x, not distinguishable' where the two p20-p80 ranges overlap."""
+    from fusesearch.backends.timing import distinguishable, spread
+
+    ratio = report.ratio(key, base)
+    base = report.ort_baseline() if base == "ort_enable_all" else base
+    if key == base or key not in report.timings or base not in report.timings:
+        return f"{ratio:.2f}x"
+    same = not distinguishable(spread(report.timings[key]), spread(report.timings[base]))
+    return f"{ratio:.2f}x" + (", not distinguishable" if same else "")
+
+
 def _print_run(report, output: Path | None) -> None:
     where = report.backend if report.cuda_graph is None else (  # a host C program, or a CUDA program
         f"{report.backend} ({'one CUDA graph' if report.cuda_graph else 'kernels launched one by one'}, CUDA events; "
         f"ONNX Runtime on {report.ort_provider})")
     table = Table(title=f"{report.model}: end to end on {where}, {report.threads} thread"
-                        f"{'s' if report.threads != 1 else ''}, {report.repeat} runs", title_justify="left")
+                        f"{'s' if report.threads != 1 else ''}, median of n={report.repeat} runs each",
+                  title_justify="left")
     for col in ("program", "median", "p20-p80", "vs ORT ENABLE_ALL", "vs ORT DISABLE_ALL"):
         table.add_column(col, justify="left" if col == "program" else "right")
-    names = {"plan": f"plan ({report.strategy})", "unfused": "unfused (none)",
-             "ort_enable_all": "ONNX Runtime ENABLE_ALL", "ort_disable_all": "ONNX Runtime DISABLE_ALL",
-             "torch_eager": "PyTorch eager", "torch_compile": "torch.compile (Inductor, frozen)",
-             "torch_compile_max_autotune": "torch.compile max-autotune"}
+    names = {**RUN_NAMES, "plan": f"plan ({report.strategy})"}
+    if "ort_enable_all_canonical" in report.timings:
+        names["ort_enable_all"] = "ONNX Runtime ENABLE_ALL, model as given"
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
-                      f"{report.ratio(key, 'ort_enable_all'):.2f}x", f"{report.ratio(key, 'ort_disable_all'):.2f}x")
+                      _versus(report, key, "ort_enable_all"), _versus(report, key, "ort_disable_all"))
     out.print(table)
+    if "ort_enable_all_canonical" in report.timings:
+        which = "model as given" if report.ort_baseline() == "ort_enable_all" else "canonical model"
+        out.print(f"vs ORT ENABLE_ALL: against ONNX Runtime's faster ENABLE_ALL figure, the {which}'s")
+    elif report.timings:
+        out.print("vs ORT ENABLE_ALL: ONNX Runtime on the canonical model (the plan's model is another precision "
+                  "than the model as given)")
     seg = report.segments
     out.print(f"plan: {report.kernels} generated kernels in {seg['generated']} segments, {report.library_steps} "
               f"ONNX Runtime nodes in {seg['library']} segments; arena {_fmt_bytes(report.arena_peak_bytes)} of "
               f"{_fmt_bytes(report.activation_bytes)} activations "
               f"({report.arena_peak_bytes / max(1, report.activation_bytes):.0%}); plan vs unfused "
-              f"{report.ratio('plan', 'unfused'):.2f}x")
+              f"{_versus(report, 'plan', 'unfused')}")
     out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
               f"rtol {report.rtol:g}")
     _print_torch(report.torch)
@@ -940,8 +1092,7 @@ def regret(
     input_shape: InputShape = None,
     dim: Dim = None,
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
-    threads: Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP threads of the programs (the "
-                                         "choices are timed at OMP_NUM_THREADS: set it to the same).")] = 1,
+    threads: Threads = 1,
     time_limit: TimeLimit = 60.0,
     seed: Seed = 0,
     json_out: JsonFlag = False,
@@ -985,15 +1136,22 @@ def sweep(
     out_dir: Annotated[Path | None, typer.Option("--out", help="Results folder (default: beside CONFIG, "
                                                  "named after it).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Discard the results of a different sweep in --out.")] = False,
+    threads: Annotated[int | None, typer.Option("--threads", callback=CPUS, help="OpenMP threads a CPU device's "
+                                                "cells are priced for and run with (default: the config's "
+                                                "threads, else 1).")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a TOML grid of models × devices × strategies × parameters on Dask; resumable."""
+    import dataclasses
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fusesearch.api import Swept
     from fusesearch.sweep import load_config, run_sweep
 
     cfg = load_config(config)
+    if threads is not None:
+        cfg = dataclasses.replace(cfg, threads=threads)
     out_dir = out_dir or config.parent / config.stem
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[last]}"))
@@ -1011,11 +1169,12 @@ def sweep(
     finally:
         if bar.live.is_started:
             bar.stop()
-    doc = Swept(cfg.name, summary).to_dict()
+    doc = Swept(cfg.name, cfg.threads, summary).to_dict()
     if json_out:
         _emit_json(doc)
     else:
-        out.print(f"sweep {cfg.name}: {summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
+        out.print(f"sweep {cfg.name} ({cfg.threads} thread{'s' if cfg.threads != 1 else ''} on a CPU): "
+                  f"{summary.cells} cells ({summary.skipped} already done, {summary.ran} run, "
                   f"{summary.failed} failed) in {summary.wall_s:.1f} s; results in {summary.results}")
         if summary.failed and not summary.all_failed:
             out.print(f"{summary.failed} cells failed (see the error column); run the same command again to retry them")

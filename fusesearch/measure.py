@@ -66,7 +66,7 @@ import numpy as np
 
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.registry import Backend, get_backend
-from fusesearch.backends.timing import Timing, TimingCache
+from fusesearch.backends.timing import Timing, TimingCache, warn_if_loaded
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
@@ -105,12 +105,28 @@ class MeasureReport:
     def _total(items, attr) -> float:
         return math.fsum(getattr(m, attr) for m in items if m.timing is not None)
 
+    @staticmethod
+    def _spread(items) -> tuple[float, float]:
+        """The sum of the kernels' p20s and of their p80s: the range their summed median moves in."""
+        timed = [m.timing for m in items if m.timing is not None]
+        return math.fsum(t.p20_s for t in timed), math.fsum(t.p80_s for t in timed)
+
     def totals(self) -> dict:
+        """Sums over the kernels, each timed alone (`measured_s`: the sum of medians, with the sums
+        of their p20s and p80s; not a run of the whole program, which `run` times), and
+        `speedup_verdict`: "not distinguishable" where the two sums' ranges overlap
+        (`timing.compared`)."""
+        from fusesearch.backends.timing import compared
+
         measured = self._total(self.plan, "measured_s")
         unfused = self._total(self.unfused, "measured_s")
+        spread, unfused_spread = self._spread(self.plan), self._spread(self.unfused)
         return {"predicted_s": self._total(self.plan, "predicted_s"), "measured_s": measured,
+                "measured_p20_s": spread[0], "measured_p80_s": spread[1],
                 "unfused_predicted_s": self._total(self.unfused, "predicted_s"), "unfused_measured_s": unfused,
+                "unfused_measured_p20_s": unfused_spread[0], "unfused_measured_p80_s": unfused_spread[1],
                 "speedup": unfused / measured if measured else math.nan,
+                "speedup_verdict": compared(spread, unfused_spread, "plan faster", "unfused faster"),
                 "not_measured": sum(m.timing is None for m in (*self.plan, *self.unfused))}
 
     def library_comparison(self) -> dict[int, dict]:
@@ -211,6 +227,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: Backend | str, *, bud
     # timed among the rest where a kernel of that kind is
     nulls = backend.null_calls(library=any(it.how in ("library", PER_NODE) for it in todo),
                                generated=any(it.how == "generated" for it in todo))
+    warn_if_loaded()
     timings = (sampler or backend.sample)([it.run for it in todo] + list(nulls.runs), budget_s=budget_s,
                                           rounds=ROUNDS, flush=flush_l2)
     costs = nulls.costs([t.median_s for t in timings[len(todo):]])

@@ -151,11 +151,17 @@ class Plan:
     costs: str = "predicted"  # what priced the choices: predicted | measured | hybrid (`--costs`)
     # what measuring the choices cost (`autotune.TuneStats.to_dict`; wall time, so not in plan.json)
     tuning: Mapping[str, Any] | None = field(default=None, compare=False)
+    # a plan over several values of one dim (`buckets.plan_buckets`): the dim, values, weights and
+    # each bucket's time beside its own optimum; None for a plan of one shape
+    buckets: Mapping[str, Any] | None = None
+    # what priced it beyond the device's name (`costmodels.profile.priced_by`: a CPU's threads and
+    # measured figures, a profile's sha256), written under "device" in plan.json
+    priced: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, legality: Legality, partition: Sequence[frozenset[int]], *, strategy: str,
               device: str, profile: str | None, solver: SolverInfo, model: ModelInfo,
-              unfused_time_s: float, lower_bound_s: float) -> Plan:
+              unfused_time_s: float, lower_bound_s: float, priced: Mapping[str, Any] | None = None) -> Plan:
         decision = validate_plan(legality.graph, partition)
         if not decision:
             raise InvalidPlan(f"strategy {strategy} produced an invalid plan: {decision.reason}")
@@ -168,7 +174,7 @@ class Plan:
             groups.append(PlannedGroup(new_id, tuple(sorted(partition[gi])), verdict.kernel, verdict.cost,
                                        verdict.source, verdict.note))
         return cls(legality.graph, tuple(groups), strategy, device, profile, solver, model,
-                   unfused_time_s, lower_bound_s, legality.costs)
+                   unfused_time_s, lower_bound_s, legality.costs, priced=dict(priced or {}))
 
     # -- figures --------------------------------------------------------------------------------
 
@@ -223,7 +229,7 @@ class Plan:
             "schema": SCHEMA,
             "model": {"name": self.model.name, "sha256": self.model.sha256, "nodes": self.model.nodes,
                       "canonical_nodes": self.model.canonical_nodes},
-            "device": {"name": self.device, "profile": self.profile},
+            "device": {"name": self.device, "profile": self.profile, **self.priced},
             "strategy": self.strategy,
             **({"costs": self.costs} if self.costs != "predicted" else {}),
             "solver": {"status": self.solver.status, "objective_s": _r(self.solver.objective_s),
@@ -232,6 +238,7 @@ class Plan:
             "totals": {"kernels": self.kernels, "time_s": _r(self.time_s),
                        "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),
                        "dram_bytes": _r(self.dram_bytes), "flops": _r(self.flops)},
+            **({"buckets": self.buckets} if self.buckets is not None else {}),
         }
 
     def to_json(self) -> str:

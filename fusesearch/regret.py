@@ -44,10 +44,11 @@ class Regret:
 
     @property
     def verdict(self) -> str:
-        a, b = self.plans["predicted"], self.plans["measured"]
-        if a["p80_s"] >= b["p20_s"] and b["p80_s"] >= a["p20_s"]:
-            return "not distinguishable"
-        return "measured plan faster" if self.regret_s > 0 else "predicted plan faster"
+        """`timing.compared` on the two programs' p20-p80 ranges."""
+        from fusesearch.backends.timing import compared
+
+        a, b = ((p["p20_s"], p["p80_s"]) for p in (self.plans["predicted"], self.plans["measured"]))
+        return compared(a, b, "predicted plan faster", "measured plan faster")
 
     def to_dict(self) -> dict:
         fast = self.plans["measured"]["median_s"]
@@ -61,6 +62,7 @@ def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepare
            repeat: int = 20, warmup: int = 3, seed: int = 0, time_limit_s: float = 60.0) -> Regret:
     """Plan `model` with predicted and with measured costs and run both end to end (module note)."""
     from fusesearch.api import plan, resolve_device
+    from fusesearch.backends.cpu import openmp_threads
     from fusesearch.pipeline import prepare
     from fusesearch.run import run_plan
     from fusesearch.search import STRATEGIES
@@ -72,9 +74,10 @@ def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepare
         raise BadInput(f"--device {device}: regret runs both plans as C programs on this CPU; give a CPU device "
                        "(--device host)")
     prep = prepared or prepare(model)
-    kwargs = {"prepared": prep, "seed": seed, "time_limit_s": time_limit_s}
-    predicted = plan(model, device, strategy, **kwargs)
-    measured = plan(model, device, strategy, costs="measured", **kwargs)
+    kwargs = {"prepared": prep, "seed": seed, "time_limit_s": time_limit_s, "threads": threads}
+    with openmp_threads(threads):  # priced, and the choices measured, at the programs' thread count
+        predicted = plan(model, device, strategy, **kwargs)
+        measured = plan(model, device, strategy, costs="measured", **kwargs)
     # run_plan's two programs: "plan" is the predicted-cost plan, "unfused" the measured-cost one
     report = run_plan(prep, predicted, measured, threads=threads, repeat=repeat, warmup=warmup, seed=seed,
                       names={"plan": "predicted-cost plan's", "unfused": "measured-cost plan's"})

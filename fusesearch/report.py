@@ -284,33 +284,55 @@ E2E = "end_to_end_"  # the columns of a cell run end to end (`RunReport.columns`
 
 def _end_to_end(frame):
     """The ok cells that ran end to end, with measured_speedup_e2e (unfused program / plan
-    program, the same run) and plan_vs_ort (plan / ONNX Runtime ENABLE_ALL)."""
+    program, the same run), ort_median_s (ONNX Runtime's faster ENABLE_ALL figure: the model as
+    given or its canonical form, as `run` takes it), plan_vs_ort (plan / that), and
+    speedup_distinguishable (the plan's and the unfused program's p20-p80 ranges apart:
+    `timing.distinguishable`)."""
+    from fusesearch.backends.timing import distinguishable
+
     ok = _ok(frame)
     column = f"{E2E}plan_median_s"
     if column not in ok or ok[column].dropna().empty:
         return None
     sub = ok.dropna(subset=[column]).copy()
     sub["measured_speedup_e2e"] = sub[f"{E2E}unfused_median_s"] / sub[column]
-    sub["plan_vs_ort"] = sub[column] / sub[f"{E2E}ort_enable_all_median_s"]
+    ort = [f"{E2E}{k}_median_s" for k in ("ort_enable_all", "ort_enable_all_canonical") if f"{E2E}{k}_median_s" in sub]
+    sub["ort_median_s"] = sub[ort].min(axis=1)
+    sub["plan_vs_ort"] = sub[column] / sub["ort_median_s"]
+    sub["speedup_distinguishable"] = [
+        distinguishable((c[f"{E2E}plan_p20_s"], c[f"{E2E}plan_p80_s"]), (c[f"{E2E}unfused_p20_s"], c[f"{E2E}unfused_p80_s"]))
+        for _, c in sub.iterrows()]
     return sub
 
 
+def noise_floor(sub) -> dict:
+    """From the cells of strategy none, whose plan and unfused program are the same program timed
+    twice in one run: `n` cells and the largest and median |plan / unfused - 1|, the difference
+    the machine's noise alone makes ({} without such cells)."""
+    none = sub[sub["strategy"] == "none"] if sub is not None else []
+    if len(none) == 0:
+        return {}
+    gaps = sorted(abs(c[f"{E2E}plan_median_s"] / c[f"{E2E}unfused_median_s"] - 1) for _, c in none.iterrows())
+    return {"n": len(gaps), "max": gaps[-1], "median": gaps[len(gaps) // 2] if len(gaps) % 2 else
+            (gaps[len(gaps) // 2 - 1] + gaps[len(gaps) // 2]) / 2}
+
+
 def rank_correlations(frame) -> dict:
-    """Spearman's rank correlation (ties averaged) between predicted and measured end to end:
-    `times` of the plans across cells; `speedups` over strategy none across cells (the models'
-    sizes factored out); `within_models`: the mean over models of the correlation of their
-    strategies' plan times (models where either side ties throughout are left out), with `models`
-    counting those kept."""
+    """Spearman's rank correlation (ties averaged) between predicted and measured end to end,
+    each with its sample size: `times` of the plans across the `cells`; `speedups` over strategy
+    none across cells (the models' sizes factored out); `within_models`: per model, (model, ρ of
+    its strategies' plan times, n), models where either side ties throughout left out — never
+    averaged, as a mean of +1 and -1 would read as no correlation; `noise` (`noise_floor`)."""
     from costmodels.calibration import spearman
 
     sub = _end_to_end(frame)
     if sub is None:
         return {}
-    within = [spearman(part["time_s"], part[f"{E2E}plan_median_s"]) for _, part in sub.groupby("model")]
-    within = [r for r in within if not math.isnan(r)]
+    within = [(str(model), spearman(part["time_s"], part[f"{E2E}plan_median_s"]), len(part))
+              for model, part in sub.groupby("model", sort=False)]
     return {"cells": len(sub), "times": spearman(sub["time_s"], sub[f"{E2E}plan_median_s"]),
             "speedups": spearman(sub["speedup"], sub["measured_speedup_e2e"]),
-            "within_models": sum(within) / len(within) if within else math.nan, "models": len(within)}
+            "within_models": [w for w in within if not math.isnan(w[1])], "noise": noise_floor(sub)}
 
 
 def end_to_end_section(frame) -> list[str]:
@@ -323,8 +345,10 @@ def end_to_end_section(frame) -> list[str]:
              f"Each plan compiled into one program and run whole ({', '.join(map(str, threads))} thread"
              f"{'s' if threads != [1] else ''}{', on ' + ', '.join(on) if on else ''}), beside the unfused "
              "program (strategy none, every node its own kernel) and ONNX Runtime at ENABLE_ALL, timed in "
-             "turn in the same run; medians. Predicted: the roofline model for the cell's device. "
-             "Speedups are over strategy none; plan / ORT = plan latency / ONNX Runtime ENABLE_ALL.", ""]
+             "turn in the same run; medians with p20–p80 and n. Predicted: the roofline model for the cell's "
+             "device. Speedups are over strategy none (\"not distinguishable\" where the plan's and the unfused "
+             "program's p20–p80 overlap); plan / ORT = plan latency / ONNX Runtime ENABLE_ALL, the faster of "
+             "the model as given and its canonical form.", ""]
     rows = []
     for s in _strategies(sub):
         part = sub[sub["strategy"] == s]
@@ -339,21 +363,32 @@ def end_to_end_section(frame) -> list[str]:
     for model in _ordered(sub, "model"):
         for s in _strategies(sub[sub["model"] == model]):
             for _, c in sub[(sub["model"] == model) & (sub["strategy"] == s)].iterrows():
+                same = "" if c["speedup_distinguishable"] else ", not distinguishable"
                 rows.append([model, s, int(c["kernels"]), fmt_time(c["time_s"]), fmt_time(c[f"{E2E}plan_median_s"]),
                              f"{fmt_time(c[f'{E2E}plan_p20_s'])}–{fmt_time(c[f'{E2E}plan_p80_s'])}",
-                             fmt_time(c[f"{E2E}ort_enable_all_median_s"]), f"{c['speedup']:.2f}x",
-                             f"{c['measured_speedup_e2e']:.2f}x", f"{c['plan_vs_ort']:.2f}x"])
-    lines += _table(["model", "strategy", "kernels", "predicted", "measured", "p20–p80", "ORT ENABLE_ALL",
-                     "predicted speedup", "measured speedup", "plan / ORT"], rows, right=range(2, 10))
+                             _int(c.get(f"{E2E}plan_n")), fmt_time(c["ort_median_s"]), f"{c['speedup']:.2f}x",
+                             f"{c['measured_speedup_e2e']:.2f}x{same}", f"{c['plan_vs_ort']:.2f}x"])
+    lines += _table(["model", "strategy", "kernels", "predicted", "measured", "p20–p80", "n", "ORT ENABLE_ALL",
+                     "predicted speedup", "measured speedup", "plan / ORT"], rows, right=range(2, 11))
     return lines + [""]
 
 
 def rank_sentence(r: dict) -> str:
-    """`rank_correlations` in words (the report's line, and what `fusesearch report` prints)."""
+    """`rank_correlations` in words, each ρ with its n (the report's line, and what `fusesearch
+    report` prints), then the noise floor."""
+    within = "; ".join(f"{model} {_rho(rho)} (n = {n})" for model, rho, n in r["within_models"]) or "-"
     return (f"Spearman rank correlation, predicted against measured end to end: plan times across the "
-            f"{r['cells']} cells {_rho(r['times'])}; speedups over strategy none across cells "
-            f"{_rho(r['speedups'])}; the strategies' plan times within a model {_rho(r['within_models'])} "
-            f"(mean over {r['models']} models).")
+            f"{r['cells']} cells {_rho(r['times'])} (n = {r['cells']}); speedups over strategy none across cells "
+            f"{_rho(r['speedups'])} (n = {r['cells']}); the strategies' plan times within each model: {within}. "
+            + noise_sentence(r["noise"]))
+
+
+def noise_sentence(noise: dict) -> str:
+    if not noise:
+        return "Noise floor: no strategy-none cell ran end to end, so the machine's noise is not known."
+    return (f"Noise floor: strategy none's plan and unfused program are the same program, yet their medians "
+            f"differ by up to {noise['max']:.1%} (median {noise['median']:.1%}, n = {noise['n']} cells); "
+            "a measured speedup within that is not distinguishable from noise.")
 
 
 def _rho(value: float) -> str:

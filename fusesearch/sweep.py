@@ -128,7 +128,7 @@ class SweepConfig:
     backend: str | None = None
     measure_budget_s: float = 0.05
     measure: tuple[str, ...] = ()  # with a backend: "kernels" and/or "end_to_end"
-    threads: int = 1  # end_to_end: the programs' and ONNX Runtime's thread count
+    threads: int = 1  # a CPU device's OpenMP threads: what its plans are priced for, what they run with
     repeat: int = 20  # end_to_end: timed runs of each program
     costs: str = "predicted"  # what prices the groups' choices (`autotune.COSTS`)
 
@@ -140,7 +140,8 @@ class SweepConfig:
                 "params": {k: list(v) for k, v in sorted(self.params.items())},
                 "solver_workers": self.solver_workers, "backend": self.backend,
                 "measure_budget_s": self.measure_budget_s if "kernels" in self.measure else None,
-                "measure": list(self.measure) or None, "threads": self.threads if timed else None,
+                "measure": list(self.measure) or None,
+                "threads": self.threads if timed or any(map(_on_cpu, self.devices)) else None,
                 "repeat": self.repeat if timed else None,
                 **({"costs": self.costs} if self.costs != "predicted" else {})}
 
@@ -198,7 +199,7 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
 def _measure_keys(doc: Mapping[str, Any], backend: str | None, where: str) -> tuple[str, ...]:
     """What the cells time: `measure` as written, else the backend's default; nothing without one."""
     if backend is None:
-        given = sorted(k for k in ("measure", "threads", "repeat") if k in doc)
+        given = sorted(k for k in ("measure", "repeat") if k in doc)
         if given:
             raise BadInput(f"{where}: {given[0]} only applies to a sweep that measures; add backend = \"cpu\" "
                            f"or remove {given[0]}")
@@ -450,6 +451,17 @@ def _content_digest(device: str) -> str:
     return device
 
 
+def _on_cpu(device: str) -> bool:
+    """Whether a cell's device is a CPU (host, or a host profile): its plans are priced for the
+    sweep's threads."""
+    from costmodels import load_profile
+    from costmodels.devices import HOST_NAMES
+
+    if device.strip().lower() in HOST_NAMES:
+        return True
+    return device.endswith(".json") and Path(device).is_file() and load_profile(device).device.kind == "cpu"
+
+
 def expand(config: SweepConfig) -> list[Cell]:
     """Every distinct cell, in grid order (model, device, strategy, group size, time limit, seed)."""
     cells: list[Cell] = []
@@ -463,7 +475,8 @@ def expand(config: SweepConfig) -> list[Cell]:
         cell = Cell(0, "", config.name, model, device, label, strategy, size, limit if exact else None,
                     seed if exact else None, config.solver_workers, config.backend,
                     config.measure_budget_s if "kernels" in config.measure else None, config.measure,
-                    config.threads if timed else None, config.repeat if timed else None, config.costs)
+                    config.threads if timed or _on_cpu(device) else None, config.repeat if timed else None,
+                    config.costs)
         cid = cell_id(cell.params(), device)
         if cid in seen:
             continue
@@ -544,7 +557,7 @@ def _plan_row(cell: Cell) -> dict:
 
     prep, prepare_s = prepared_model(cell.model)
     kwargs = {"max_group_size": cell.max_group_size, "seed": cell.seed or 0, "prepared": prep,
-              "workers": cell.solver_workers, "costs": cell.costs}
+              "workers": cell.solver_workers, "costs": cell.costs, "threads": cell.threads or 1}
     if cell.time_limit_s is not None:
         kwargs["time_limit_s"] = cell.time_limit_s
     p = api_plan(cell.model.model, cell.device, cell.strategy, **kwargs)
@@ -599,22 +612,26 @@ def _measure(cell: Cell, prep, p) -> dict:
     kernel alone ("kernels": measured_s, the sum) and the whole plan as one program beside ONNX
     Runtime ("end_to_end": `RunReport.columns`, end_to_end_*)."""
     from fusesearch.api import plan as api_plan
+    from fusesearch.backends.cpu import openmp_threads
     from fusesearch.backends.timing import TimingCache
     from fusesearch.measure import measure_plan
     from fusesearch.run import run_plan
 
     backend = get_backend(cell.backend)
-    unfused = api_plan(cell.model.model, cell.device, "none", prepared=prep)
+    threads = cell.threads or 1
+    unfused = api_plan(cell.model.model, cell.device, "none", prepared=prep, threads=threads)
     row: dict = {"measured_on": backend.device_label()}
     if "kernels" in cell.measure:  # against the unfused graph as ONNX Runtime runs it node by node
-        library = api_plan(cell.model.model, cell.device, "none", prepared=prep, lone_anchors="library")
-        report = measure_plan(prep, p, library, backend, budget_s=cell.measure_budget_s or 0.05,
-                              seed=cell.seed or 0, cache=TimingCache())
+        library = api_plan(cell.model.model, cell.device, "none", prepared=prep, lone_anchors="library",
+                           threads=threads)
+        with openmp_threads(0 if backend.cuda else threads):
+            report = measure_plan(prep, p, library, backend, budget_s=cell.measure_budget_s or 0.05,
+                                  seed=cell.seed or 0, cache=TimingCache())
         t = report.totals()
         row.update({"measured_s": t["measured_s"], "unfused_measured_s": t["unfused_measured_s"],
                     "measured_speedup": t["speedup"], "not_measured": t["not_measured"]})
     if "end_to_end" in cell.measure:
-        row.update(run_plan(prep, p, unfused, threads=cell.threads or 1, repeat=cell.repeat or 20,
+        row.update(run_plan(prep, p, unfused, threads=threads, repeat=cell.repeat or 20,
                             seed=cell.seed or 0, backend=backend).columns())
     return row
 

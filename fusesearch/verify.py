@@ -228,12 +228,20 @@ def omp_threads() -> int:
     return int(value) if value.isdigit() else 0
 
 
+# ONNX Runtime's intra-op threads spin while waiting for work, inside a Run and after it; with
+# several threads, a pool spinning after its Run takes the cores from the program timed next in
+# the same round (the OpenMP kernels: `cpu.OPENMP_ENV`). Every session stops spinning as its Run
+# returns (it still spins between the parallel sections inside one Run, so its time is its own).
+NO_SPINNING_AFTER_RUN = {"session.force_spinning_stop": "1"}
+
+
 def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool = False,
             providers: list | None = None):
     """A CPU session of `model` (a path is read into memory first) with graph optimizations off
     (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
-    intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`);
-    `providers`: ONNX Runtime's execution providers instead (the CUDA program's)."""
+    intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`), whose
+    threads stop spinning when a Run returns (`NO_SPINNING_AFTER_RUN`); `providers`: ONNX
+    Runtime's execution providers instead (the CUDA program's)."""
     from fusesearch.ir.precision import model_dtype, widened
 
     ort = _ort()
@@ -247,6 +255,8 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
     opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
     opts.log_severity_level = ORT_LOG_SEVERITY
     opts.intra_op_num_threads = omp_threads() if threads is None else threads
+    for key, value in NO_SPINNING_AFTER_RUN.items():
+        opts.add_session_config_entry(key, value)
     aside: list[np.ndarray] = []
     model = _weights_aside(model, opts, aside)
     saved = model.ir_version

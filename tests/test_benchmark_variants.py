@@ -1,4 +1,4 @@
-"""The README's "what a part costs" and "measured and not kept" figures come from
+"""docs/benchmarks.md's "what a part costs" and "measured and not kept" figures come from
 `benchmarks/ab_group.py` over the variant files in `benchmarks/variants/`: each variant is a set of
 edits of a group's C texts (its generated source, the shared C runtime's and its units'; the group
 named by its nodes, or several groups), so a generator change that

@@ -9,12 +9,14 @@ parameters): measured times say how busy the machine was as much as how good the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -388,7 +390,10 @@ def test_plan_and_compare_accept_a_profile_and_record_it(cpu_profile, run_cli, t
                            "-o", tmp_path / "plan.json")
     assert code == 0, err
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert doc["device"] == {"name": "host", "profile": path}
+    device = doc["device"]
+    assert (device["name"], device["profile"], device["threads"]) == ("host", path, 1)  # calibrated at 1 thread
+    assert device["profile_sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    assert "figures_file" not in device  # the profile's figures, not this machine's cache
     code, out, err = run_cli("compare", "zoo:bert-small", "--device", f"h100-sxm,{path}",
                              "--strategies", "none,greedy", "--json")
     assert code == 0, err
@@ -398,7 +403,7 @@ def test_plan_and_compare_accept_a_profile_and_record_it(cpu_profile, run_cli, t
 # -- a profile cannot silently be used as another device ----------------------------------------
 
 def _host_profile(tmp_path, **changes) -> str:
-    device = replace(host_cpu(), **changes)
+    device = replace(host_cpu(1), **changes)
     return str(save_profile(Profile(device, RooflineParams(), backend="cpu"), tmp_path / "host.json"))
 
 
@@ -426,19 +431,19 @@ def test_measure_uses_a_profile_of_this_host(run_cli, tmp_path):
              helper.make_node("Softmax", ["r"], ["y"], axis=-1, name="sm")]
     model = save(make_model(nodes, [("x", [8, 64])], [("y", None)]), tmp_path / "m.onnx")
     slow = RooflineParams().with_updates(launch_overhead_scale=1000.0)
-    path = str(save_profile(Profile(host_cpu(), slow, backend="cpu"), tmp_path / "host.json"))
+    path = str(save_profile(Profile(host_cpu(1), slow, backend="cpu"), tmp_path / "host.json"))
     code, out, err = run_cli("measure", model, "--backend", "cpu", "--device", path, "--strategy", "none",
                              "--budget", "0.005", "--no-cache", "--json")
     assert code == 0, err
-    launch = host_cpu().launch_overhead_s * 1000.0
+    launch = host_cpu(1).launch_overhead_s * 1000.0
     assert all(g["predicted_s"] >= launch for g in json.loads(out)["groups"])
 
 
 def test_a_host_profile_needs_the_same_thread_count(run_cli, tmp_path):
     """Name check, host: a profile calibrated with another OpenMP thread count is refused."""
-    path = _host_profile(tmp_path, sm_count=host_cpu().sm_count + 3)
+    path = _host_profile(tmp_path, sm_count=host_cpu(1).sm_count + 3)
     code, _, err = run_cli("measure", "zoo:bert-small", "--backend", "cpu", "--device", path)
-    assert code == 2 and "OMP_NUM_THREADS" in err and "thread(s)" in err
+    assert code == 2 and "--threads 4" in err and "this run uses 1" in err  # --threads: 1 by default
 
 
 def test_calibrate_refuses_bad_input_with_one_line(run_cli, tmp_path):

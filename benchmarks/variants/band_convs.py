@@ -2,7 +2,7 @@
 each group as the host plans it: the taps read in place from the band by the micro-kernel (with
 AVX-512) against the taps copied first into packed panels, as the path without AVX-512 does (8
 floats per 6 adjacent pixels). The change itself was measured against 16-float copies of 12
-adjacent pixels, a branch since deleted (figures in the README, from this file at the commit
+adjacent pixels, a branch since deleted (figures in docs/benchmarks.md, from this file at the commit
 that added it)."""
 GROUPS = [
     ("resnet18", ("conv_1", "relu_1")),  # 64->64 at 56x56

@@ -28,6 +28,7 @@ leaves a file that loads wrong.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -173,8 +174,53 @@ def cached_file(target: Path, build) -> Path:
     return target
 
 
+# libgomp's threads spin after a parallel region (up to GOMP_SPINCOUNT pauses, milliseconds)
+# before they sleep; with several threads that spinning takes the cores from ONNX Runtime timed
+# next in the same round (mobilenetv2 at 2 threads on 2 cores: ONNX Runtime 8.2 ms beside the
+# program, 2-3 ms alone). Passive: a thread sleeps as soon as its region ends. libgomp reads its
+# environment once, when it loads: with the first compiled library (`load_cached`); a value the
+# user set is kept.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _set_openmp_env() -> None:
+    for key, value in OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def openmp_threads(threads: int):
+    """Run the OpenMP kernels, and the ONNX Runtime sessions that default to their count
+    (`verify.omp_threads`), with `threads` threads while inside, whatever libgomp read from the
+    environment when it was first loaded; both restored afterwards. 0: leave them as they are."""
+    if threads <= 0:
+        yield
+        return
+    _set_openmp_env()
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")
+    except OSError:  # another OpenMP runtime: it reads OMP_NUM_THREADS when it loads
+        gomp = None
+    before_env = os.environ.get("OMP_NUM_THREADS")
+    before = gomp.omp_get_max_threads() if gomp is not None else 0
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if gomp is not None:
+        gomp.omp_set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if gomp is not None:
+            gomp.omp_set_num_threads(before)
+        if before_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before_env
+
+
 def load_cached(target: Path, build) -> ctypes.CDLL:
-    """The shared library `cached_file` keeps at `target`, loaded."""
+    """The shared library `cached_file` keeps at `target`, loaded (libgomp with it the first time,
+    under `OPENMP_ENV`)."""
+    _set_openmp_env()
     return ctypes.CDLL(str(cached_file(target, build)))
 
 

@@ -133,6 +133,53 @@ class Timing:
                    launch_s=None if launch_s is None else float(launch_s), launches=int(data.get("launches", 0)))
 
 
+NOT_DISTINGUISHABLE = "not distinguishable"
+
+
+def distinguishable(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two measured figures, each given as its (p20, p80) range, differ beyond their
+    noise: the ranges do not overlap. Every comparison of measured figures is decided here."""
+    return a[1] < b[0] or b[1] < a[0]
+
+
+def spread(t: Timing) -> tuple[float, float]:
+    return (t.p20_s, t.p80_s)
+
+
+def compared(a: tuple[float, float], b: tuple[float, float], a_faster: str, b_faster: str) -> str:
+    """`a_faster` where a's range lies below b's, `b_faster` where above, else "not distinguishable"."""
+    if not distinguishable(a, b):
+        return NOT_DISTINGUISHABLE
+    return a_faster if a[1] < b[0] else b_faster
+
+
+LOAD_WARNING = ("load average {load:.2f} over the last minute on {cpus} CPU{s}: the machine is busy while "
+                "timing, so the figures are noisier (see each one's p20-p80)")
+
+
+def load_warning(load: float | None = None, cpus: int | None = None) -> str | None:
+    """A warning line when the 1-minute load average is above half the usable CPUs (`load`,
+    `cpus`: the machine's unless given), else None."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available on this system
+            return None
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cpus = os.cpu_count() or 1
+    return LOAD_WARNING.format(load=load, cpus=cpus, s="s" if cpus != 1 else "") if load > cpus / 2 else None
+
+
+def warn_if_loaded() -> None:
+    """Log `load_warning`'s line, if any, before timing."""
+    line = load_warning()
+    if line:
+        log.warning(line)
+
+
 class Clock(Protocol):
     """Times one run: `stop(start())` is the seconds elapsed between the two calls."""
 

@@ -7,7 +7,7 @@ Constant/ConstantOfShape nodes). Fusion and costs must see the graph a good comp
 Approach: a loop over the main graph of an `onnx_ir.Model` until no pass changes anything:
 
     identity ─ dropout ─ noop_cast ─ noop_reshape ─ constant_folding ─ batchnorm_folding
-        ─ matmul_add_to_gemm ─ dead_nodes ─► shape inference ─► shape completion ─► again if
+        ─ einsum_to_matmul ─ matmul_add_to_gemm ─ dead_nodes ─► shape inference ─► shape completion ─► again if
         anything changed
 
 Shape completion fills values onnx's inference left unknown by running the node once on zeros
@@ -64,7 +64,7 @@ def canonicalize(model: ir.Model) -> tuple[ir.Model, dict[str, int]]:
     opset = model.opset_imports.get("", 21)
     passes: list[Callable[[ir.Graph, int], int]] = [
         remove_identity, remove_dropout, remove_noop_cast, remove_noop_reshape,
-        fold_constants, fold_batchnorm, matmul_add_to_gemm, remove_dead_nodes,
+        fold_constants, fold_batchnorm, einsum_to_matmul, matmul_add_to_gemm, remove_dead_nodes,
     ]
     counts["shapes_completed"] += complete_shapes(model.graph, opset)
     for iteration in range(MAX_ITERATIONS):
@@ -86,7 +86,8 @@ def _pass_name(run: Callable) -> str:
     return {
         "remove_identity": "identity", "remove_dropout": "dropout", "remove_noop_cast": "noop_cast",
         "remove_noop_reshape": "noop_reshape", "fold_constants": "constant_folding",
-        "fold_batchnorm": "batchnorm_folding", "matmul_add_to_gemm": "matmul_add_to_gemm",
+        "fold_batchnorm": "batchnorm_folding", "einsum_to_matmul": "einsum_to_matmul",
+        "matmul_add_to_gemm": "matmul_add_to_gemm",
         "remove_dead_nodes": "dead_nodes",
     }[run.__name__]
 
@@ -420,6 +421,72 @@ def _gemm_from(graph: ir.Graph, matmul: ir.Node) -> int:
         return 0
     _remove(graph, add)
     _remove(graph, matmul)
+    return 1
+
+
+def einsum_to_matmul(graph: ir.Graph, opset: int) -> int:
+    """An Einsum of two operands that is a (batched) matrix product becomes Transposes around a
+    MatMul, which the cost model prices and the generators write; any other Einsum stays opaque."""
+    return sum(_matmul_from(graph, n) for n in _main_nodes(graph, "Einsum"))
+
+
+def einsum_as_matmul(equation: str, ranks: tuple[int, int]) -> tuple[list[int], list[int], list[int]] | None:
+    """For a two-operand `equation` that is a batched matrix product (each index once per operand,
+    exactly one summed index, at most one index of each operand's own, batch indices in both
+    operands and the output), the permutations that bring A to (batch..., M, K) and B to
+    (batch..., K, N), and the one that brings MatMul's (batch..., M, N) to the output's order;
+    else None."""
+    spec = equation.replace(" ", "")
+    if "->" not in spec or "." in spec:
+        return None
+    lhs, out = spec.split("->")
+    operands = lhs.split(",")
+    if len(operands) != 2 or tuple(len(o) for o in operands) != ranks:
+        return None
+    a, b = operands
+    if any(len(set(x)) != len(x) for x in (a, b, out)) or not set(out) <= set(a) | set(b):
+        return None
+    batch = [c for c in out if c in a and c in b]
+    summed = [c for c in a if c in b and c not in out]
+    m = [c for c in a if c not in b]
+    n = [c for c in b if c not in a]
+    if len(summed) != 1 or len(m) != 1 or len(n) != 1 or not set(m + n) <= set(out):
+        return None
+    a_order, b_order, mm = batch + m + summed, batch + summed + n, batch + m + n
+    return ([a.index(c) for c in a_order], [b.index(c) for c in b_order], [mm.index(c) for c in out])
+
+
+def _matmul_from(graph: ir.Graph, einsum: ir.Node) -> int:
+    if len(einsum.inputs) != 2 or any(v is None or static_shape(v) is None for v in einsum.inputs):
+        return 0
+    x, y = einsum.inputs
+    perms = einsum_as_matmul(str(_attr(einsum, "equation", "")), (len(static_shape(x)), len(static_shape(y))))
+    if perms is None:
+        return 0
+    a_perm, b_perm, out_perm = perms
+    name, out = einsum.name, einsum.outputs[0]
+    made: list[ir.Node] = []
+
+    def transpose(value: ir.Value, perm: list[int], label: str) -> ir.Value:
+        if perm == sorted(perm):
+            return value
+        node = ir.Node("", "Transpose", [value], attributes=[ir.AttrInt64s("perm", perm)], name=f"{name}_{label}")
+        node.outputs[0].name = f"{name}_{label}_out"
+        node.outputs[0].type = value.type
+        made.append(node)
+        return node.outputs[0]
+
+    matmul = ir.Node("", "MatMul", [transpose(x, a_perm, "a"), transpose(y, b_perm, "b")], name=f"{name}_matmul")
+    matmul.outputs[0].name = f"{name}_matmul_out"
+    matmul.outputs[0].type = out.type
+    made.append(matmul)
+    result = transpose(matmul.outputs[0], out_perm, "out")
+    graph.insert_before(einsum, made)
+    if not _bypass(graph, out, result):
+        for node in reversed(made):
+            graph.remove(node)
+        return 0
+    _remove(graph, einsum)
     return 1
 
 

@@ -10,6 +10,7 @@ imported only when asked for, so the rest works without ortools).
 from __future__ import annotations
 
 from costmodels import DeviceSpec, RooflineModel
+from costmodels.profile import priced_by
 from fusesearch.costing import graph_figures
 from fusesearch.errors import BadInput
 from fusesearch.ir.graph import Graph
@@ -52,7 +53,8 @@ def search(graph: Graph, device: DeviceSpec, model: RooflineModel, strategy: str
     model_info = model_info or ModelInfo(graph.name, "", len(graph), len(graph))
     return Plan.build(problem.legality, list(result.groups), strategy=strategy,
                       device=device_label or device.name, profile=profile, solver=info, model=model_info,
-                      unfused_time_s=unfused_s, lower_bound_s=figures.lower_bound_s)
+                      unfused_time_s=unfused_s, lower_bound_s=figures.lower_bound_s,
+                      priced=priced_by(device, profile))
 
 
 __all__ = ["SOLVERS", "STRATEGIES", "SearchConfig", "SearchProblem", "SolveResult", "Solver", "get_solver",

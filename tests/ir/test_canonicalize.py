@@ -176,3 +176,54 @@ def test_dead_nodes_removed_and_fixed_point_reached():
     once, _ = canonicalize(loaded.model)
     _, again = canonicalize(once)
     assert sum(v for k, v in again.items() if k != "shapes_completed") == 0
+
+
+EINSUMS = [  # equation, shapes, the ops it becomes
+    ("ij,jk->ik", [[3, 4], [4, 5]], ["MatMul"]),
+    ("bij,bjk->bik", [[2, 3, 4], [2, 4, 5]], ["MatMul"]),
+    ("bhqd,bhkd->bhqk", [[1, 2, 3, 4], [1, 2, 5, 4]], ["Transpose", "MatMul"]),  # attention scores: K^T
+    ("bhqk,bkhd->bqhd", [[1, 2, 3, 5], [1, 5, 2, 4]], ["Transpose", "MatMul", "Transpose"]),
+    ("jk,ij->ki", [[4, 5], [3, 4]], ["Transpose", "Transpose", "MatMul"]),  # (BA)^T as A^T B^T
+]
+
+
+@pytest.mark.parametrize(("equation", "shapes", "ops"), EINSUMS, ids=[e[0] for e in EINSUMS])
+def test_einsum_matrix_products_become_matmul(equation, shapes, ops):
+    nodes = [helper.make_node("Einsum", ["a", "b"], ["y"], equation=equation)]
+    model = make_model(nodes, [("a", shapes[0]), ("b", shapes[1])], [("y", None)])
+    got, counts, proto = canon(model)
+    assert got == ops and counts["einsum_to_matmul"] == 1
+    assert [o.name for o in proto.graph.output] == ["y"]
+
+
+@pytest.mark.parametrize(("equation", "shapes"), [
+    ("ii->i", [[3, 3]]),  # a diagonal
+    ("ij,ij->ij", [[3, 4], [3, 4]]),  # elementwise: nothing summed
+    ("ibh,hnd->ibnd", [[3, 2, 4], [4, 2, 5]]),  # two free indices on each side
+    ("ij,jk,kl->il", [[2, 3], [3, 4], [4, 5]]),  # three operands
+    ("...ij,...jk->...ik", [[2, 3, 4], [2, 4, 5]]),  # an ellipsis
+    ("ij,jk", [[3, 4], [4, 5]]),  # an implicit output
+])
+def test_other_einsums_stay_opaque(equation, shapes):
+    names = "abc"[:len(shapes)]
+    nodes = [helper.make_node("Einsum", list(names), ["y"], equation=equation)]
+    model = make_model(nodes, [(n, s) for n, s in zip(names, shapes, strict=True)], [("y", None)])
+    got, counts, _ = canon(model)
+    assert got == ["Einsum"] and counts["einsum_to_matmul"] == 0
+
+
+@pytest.mark.parametrize(("equation", "opaque"), [("ibh,hnd->ibnd", True), ("bij,bjk->bik", False)])
+def test_plan_names_the_opaque_ops_it_prices_as_library_calls(tmp_path, run_cli, equation, opaque):
+    import json
+
+    from tests.conftest import save
+
+    shapes = {"ibh,hnd->ibnd": ([3, 2, 4], [4, 2, 5]), "bij,bjk->bik": ([2, 3, 4], [2, 4, 5])}[equation]
+    nodes = [helper.make_node("Einsum", ["a", "b"], ["e"], equation=equation, name="mix"),
+             helper.make_node("Relu", ["e"], ["y"])]
+    path = save(make_model(nodes, [("a", shapes[0]), ("b", shapes[1])], [("y", None)]), tmp_path / "m.onnx")
+    code, out, err = run_cli("plan", path, "--device", "h100-sxm")
+    assert code == 0, err
+    assert ("1 opaque op priced as library calls: Einsum 'mix'" in out) == opaque
+    code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--json")
+    assert json.loads(out)["run"]["opaque_ops"] == (["mix"] if opaque else [])

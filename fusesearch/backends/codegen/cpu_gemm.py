@@ -24,7 +24,7 @@ loop 0.98-1.06x the BLAS at bert-small's and vit-small's shapes (two runs) and 1
 over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at attention's context
 products with the values packed per head (against
 ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fused groups are
-within a few percent of library + rest: the README's benchmark table). It had no K or N blocking
+within a few percent of library + rest: docs/benchmarks.md). It had no K or N blocking
 then (blocks of B's columns kept in L2 measured no faster inside the kernels on Zen 3; they
 took 1b's bert-base shapes from 0.67x to 0.88x the BLAS on Ice Lake, so they are in); at gpt2's 768x2304
 QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x

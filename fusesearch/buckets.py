@@ -1,0 +1,224 @@
+"""One plan for a range of shapes: a dim served at several values (buckets), planned together.
+
+Problem: a plan made for seq 128 says nothing about seq 512, and a server sees both. Planning each
+shape alone gives plans that disagree on the grouping; a user wants one grouping that holds across
+the shapes served, and to know what it costs against each shape's own best.
+Approach: `--dim seq=16..512` (the ends and the powers of two between them) or `--dim
+seq=32,128,512`, weighted by `--dim-weights seq=0.2,0.5,0.3` (how often each is served; equal by
+default). The model is prepared once per bucket; every bucket must give the same canonical graph
+(the same nodes, only the shapes differ). `BucketLegality` holds one `Legality` per bucket: a group
+is legal where it is legal at every bucket, and costs the weighted sum of its times, each bucket
+pricing its own cheapest choice (its tile: a program picks the schedule per bucket by shape). Any
+strategy then minimises the weighted sum unchanged; CP-SAT proves it optimal. `bucket_report`
+prices the plan at each bucket beside that bucket's own optimum (the price of one plan).
+Invariants: one varying dim; 2 to MAX_BUCKETS values, ascending, positive; weights positive,
+normalised to sum 1; the plan's kernels (plan.json's schedules) are those of the heaviest bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from fusesearch.candidates.rules import Legality, Verdict
+from fusesearch.errors import BadInput
+from fusesearch.ir.graph import Graph
+
+MAX_BUCKETS = 16
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The varying dim, its values (ascending) and how often each is served (sum 1)."""
+
+    dim: str
+    values: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def heaviest(self) -> int:
+        """The index of the bucket served most (the first of equals): its kernels are the plan's."""
+        return max(range(len(self.values)), key=lambda i: (self.weights[i], -i))
+
+    def to_dict(self) -> dict:
+        return {"dim": self.dim, "values": list(self.values), "weights": [round(w, 6) for w in self.weights]}
+
+
+def split_dims(dims: Iterable[str], weights: Iterable[str] = ()) -> tuple[list[str], Buckets | None]:
+    """`--dim` flags as (the fixed ones, the one range or list of values as Buckets, or None)."""
+    fixed, ranged = [], []
+    for flag in dims:
+        name, sep, value = flag.partition("=")
+        (ranged if sep and (".." in value or "," in value) else fixed).append((flag, name, value))
+    weight_flags = {name: value for name, _, value in (w.partition("=") for w in weights)}
+    if len(ranged) > 1:
+        raise BadInput(f"--dim {ranged[0][1]} and --dim {ranged[1][1]} both give several values; "
+                       f"vary one dim per plan and bind the other with one value")
+    for name in weight_flags:
+        if not ranged or name != ranged[0][1]:
+            raise BadInput(f"--dim-weights {name}: '{name}' is not a dim given as a range or list; "
+                           f"give --dim {name}=LO..HI or --dim {name}=V1,V2,...")
+    if not ranged:
+        return [flag for flag, _, _ in fixed], None
+    _, name, value = ranged[0]
+    values = _values(name, value)
+    return [flag for flag, _, _ in fixed], Buckets(name, values, _weights(name, weight_flags.get(name), len(values)))
+
+
+def _values(name: str, spec: str) -> tuple[int, ...]:
+    fix = f"give --dim {name}=LO..HI (e.g. 16..512) or --dim {name}=V1,V2,... with positive integers"
+    try:
+        if ".." in spec:
+            lo, hi = (int(v) for v in spec.split(".."))
+            if lo <= 0 or hi <= lo:
+                raise BadInput(f"--dim {name}={spec}: the range must go up from a positive value; {fix}")
+            values = tuple(sorted({lo, hi, *(1 << p for p in range(hi.bit_length()) if lo < 1 << p < hi)}))
+        else:
+            values = tuple(int(v) for v in spec.split(","))
+    except ValueError:
+        raise BadInput(f"--dim {name}={spec}: not a range or a list of integers; {fix}") from None
+    if any(v <= 0 for v in values) or list(values) != sorted(set(values)) or len(values) < 2:
+        raise BadInput(f"--dim {name}={spec}: values must be positive, distinct and ascending; {fix}")
+    if len(values) > MAX_BUCKETS:
+        raise BadInput(f"--dim {name}={spec}: {len(values)} buckets, at most {MAX_BUCKETS}; "
+                       f"give a narrower range or a list")
+    return values
+
+
+def _weights(name: str, spec: str | None, count: int) -> tuple[float, ...]:
+    if spec is None:
+        return (1.0 / count,) * count
+    try:
+        weights = tuple(float(w) for w in spec.split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) != count or any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise BadInput(f"--dim-weights {name}={spec}: give {count} non-negative numbers, one per bucket "
+                       f"of --dim {name}, not all 0")
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+def check_same_graph(graphs: Sequence[Graph], buckets: Buckets) -> None:
+    """Every bucket must canonicalize to the same nodes (a shape may change only the shapes)."""
+    first = [(n.name, n.op_type) for n in graphs[0].nodes]
+    for value, graph in zip(buckets.values[1:], graphs[1:], strict=True):
+        nodes = [(n.name, n.op_type) for n in graph.nodes]
+        if nodes != first:
+            where = next((f"node {a[0]!r} ({a[1]}) against {b[0]!r} ({b[1]})"
+                          for a, b in zip(first, nodes, strict=False) if a != b),
+                         f"{len(first)} nodes against {len(nodes)}")
+            raise BadInput(f"--dim {buckets.dim}: at {buckets.dim}={value} the canonical graph differs from "
+                           f"{buckets.dim}={buckets.values[0]} ({where}); plan those values apart")
+
+
+@dataclass
+class BucketLegality(Legality):
+    """The rules at every bucket: legal where every bucket's legality accepts; the cost is the
+    heaviest bucket's kernel with the weighted sum of every bucket's time."""
+
+    buckets: tuple[Legality, ...] = ()
+    weights: tuple[float, ...] = ()
+    primary: int = 0
+
+    @classmethod
+    def over(cls, legalities: Sequence[Legality], buckets: Buckets) -> BucketLegality:
+        main = legalities[buckets.heaviest]
+        return cls(main.graph, main.device, main.model, main.capabilities, main.max_group_size,
+                   main.rules, main.lone_anchors, main.measurer, buckets=tuple(legalities),
+                   weights=buckets.weights, primary=buckets.heaviest)
+
+    def _check(self, nodes: frozenset[int]) -> Verdict:
+        verdicts = [legality.check(nodes) for legality in self.buckets]
+        refused = next((v for v in verdicts if not v.decision), None)
+        if refused is not None:
+            return refused
+        main = verdicts[self.primary]
+        weighted = sum(w * v.time_s for w, v in zip(self.weights, verdicts, strict=True))
+        return replace(main, cost=replace(main.cost, time_s=weighted))
+
+    def bucket_times(self, groups: Iterable[Iterable[int]]) -> list[float]:
+        """Each bucket's time of a partition, each group at that bucket's cheapest choice."""
+        groups = [frozenset(g) for g in groups]
+        return [sum(legality.time_s(g) for g in groups) for legality in self.buckets]
+
+
+@dataclass(frozen=True)
+class BucketFigure:
+    """One bucket's time under the one plan and under its own optimal plan (the same strategy)."""
+
+    value: int
+    weight: float
+    time_s: float
+    own_time_s: float
+    own_kernels: int
+    # why the bucket's own groups are not in the one plan: "at DIM=V: reason" for each of its own
+    # groups another bucket refuses (the first refusal of each, distinct, in plan order)
+    why: tuple[str, ...] = ()
+    # the bucket's own plan served at every bucket, weighted as the one plan is (None: a bucket
+    # refuses one of its groups): above the one plan's weighted time, it says the one plan is a trade
+    own_weighted_s: float | None = None
+
+    @property
+    def price(self) -> float:
+        """What serving this bucket with the one plan costs over its own plan (1.0: nothing)."""
+        return self.time_s / self.own_time_s if self.own_time_s else 1.0
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "weight": round(self.weight, 6), "time_s": _r(self.time_s),
+                "own_time_s": _r(self.own_time_s), "own_kernels": self.own_kernels, "price": round(self.price, 6),
+                "why": list(self.why),
+                "own_weighted_s": None if self.own_weighted_s is None else _r(self.own_weighted_s)}
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def refusals(legality: BucketLegality, buckets: Buckets, groups: Iterable[frozenset[int]]) -> tuple[str, ...]:
+    """Why groups of one bucket's own plan cannot be in a plan for all buckets: for each group some
+    bucket refuses, that bucket and its reason (distinct reasons, in the groups' order)."""
+    found: dict[str, None] = {}
+    for group in groups:
+        for value, bucket in zip(buckets.values, legality.buckets, strict=True):
+            verdict = bucket.check(group)
+            if not verdict.decision:
+                found.setdefault(f"at {buckets.dim}={value}: {verdict.decision.reason}")
+                break
+    return tuple(found)
+
+
+def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, config, threads: int = 1):
+    """One plan over every bucket (each prepared model one bucket's), with each bucket's figure.
+    The plan's time is the weighted sum of the buckets' times; its lower bound likewise. A CPU
+    is priced at `threads` OpenMP threads (`--threads`)."""
+    from costmodels import RooflineModel
+    from fusesearch.api import for_device, model_info, resolve_device
+    from fusesearch.costing import graph_figures
+    from fusesearch.search import search
+    from fusesearch.search.problem import SearchProblem
+
+    label, spec, params, profile = resolve_device(device, threads)
+    problems = []
+    for prep in preps:
+        prep, bucket_params = for_device(prep, spec, params)
+        problems.append((prep, SearchProblem.build(prep.graph, spec, RooflineModel(bucket_params), config)))
+    check_same_graph([prep.graph for prep, _ in problems], buckets)
+    legality = BucketLegality.over([problem.legality for _, problem in problems], buckets)
+    main_prep, main_problem = problems[buckets.heaviest]
+    joint = SearchProblem(main_prep.graph, legality, config)
+    plan = search(main_prep.graph, spec, main_problem.legality.model, strategy, config=config,
+                  device_label=label, profile=profile, model_info=model_info(main_prep), problem=joint)
+    times = legality.bucket_times(g.nodes for g in plan.groups)
+    figures = []
+    for value, weight, time_s, (prep, problem) in zip(buckets.values, buckets.weights, times, problems, strict=True):
+        own = search(prep.graph, spec, problem.legality.model, strategy, config=config, problem=problem)
+        why = refusals(legality, buckets, [g.nodes for g in own.groups])
+        served = sum(legality.time_s(g.nodes) for g in own.groups)
+        figures.append(BucketFigure(value, weight, time_s, own.time_s, own.kernels, why,
+                                    served if math.isfinite(served) else None))
+    bound = sum(w * graph_figures(prep.graph, spec, problem.legality.model).lower_bound_s
+                for w, (prep, problem) in zip(buckets.weights, problems, strict=True))
+    report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures]}
+    return replace(plan, lower_bound_s=bound, buckets=report), figures
