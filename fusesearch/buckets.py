@@ -222,3 +222,28 @@ def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, 
                 for w, (prep, problem) in zip(buckets.weights, problems, strict=True))
     report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures]}
     return replace(plan, lower_bound_s=bound, buckets=report), figures
+
+
+def bucket_programs(preps: Sequence, buckets: Buckets, plan, device: str, config, threads: int = 1) -> list:
+    """The one plan on each bucket's graph, with that bucket's unfused graph: [(prep, plan, unfused)].
+    The groups are the one plan's; each bucket's kernels are its own cheapest choices, specialized
+    to its shapes (a program per bucket, picked by the input's shape)."""
+    from costmodels import RooflineModel
+    from fusesearch.api import for_device, model_info, resolve_device
+    from fusesearch.plans import Plan
+    from fusesearch.search import search
+    from fusesearch.search.problem import SearchProblem
+
+    label, spec, params, profile = resolve_device(device, threads)
+    groups = [frozenset(g.nodes) for g in plan.groups]
+    programs = []
+    for prep in preps:
+        prep, bucket_params = for_device(prep, spec, params)
+        problem = SearchProblem.build(prep.graph, spec, RooflineModel(bucket_params), config)
+        unfused = search(prep.graph, spec, problem.legality.model, "none", config=config, device_label=label,
+                         profile=profile, model_info=model_info(prep), problem=problem)
+        ours = Plan.build(problem.legality, groups, strategy=plan.strategy, device=label, profile=profile,
+                          solver=plan.solver, model=model_info(prep), unfused_time_s=unfused.time_s,
+                          lower_bound_s=unfused.lower_bound_s, priced=unfused.priced)
+        programs.append((prep, ours, unfused))
+    return programs

@@ -939,6 +939,9 @@ def run(
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
     from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
+    from fusesearch.buckets import split_dims
+    from fusesearch.pipeline import prepare
+    from fusesearch.verify import check_memory
 
     runs_on = check_run(backend, baselines or (), costs)
     emulated = not runs_on.timed  # the CUDA program checked, not timed
@@ -950,6 +953,22 @@ def run(
             raise BadInput(f"{flag}: --backend {backend} checks correctness only and has no timings to write; "
                            f"drop {flag}")
     device = backend_device(device, runs_on, threads, program=True)
+    fixed, buckets = split_dims(dim or [])
+    if buckets is not None:
+        refused = [flag for flag, given in (("--plan", plan_json), (f"--costs {costs}", costs != "predicted"),
+                                            ("--input-value", input_value), ("-o", output), ("--baselines", baselines),
+                                            ("--dump", dump), ("--trace", trace),
+                                            (f"--backend {backend}", emulated or runs_on.cuda)) if given]
+        if refused:
+            raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a run "
+                           f"over buckets; give --dim {buckets.dim} one value to use it")
+        preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
+                 for v in buckets.values]
+        for prep in preps:
+            check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
+        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None), threads, repeat, warmup,
+                     seed, rtol, check_each, json_out)
+        return
     planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
                         shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
                         tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, threads=threads, say=_say)
@@ -983,6 +1002,41 @@ def _trace(planned, path: Path, backend, threads: int, repeat: int, warmup: int,
     print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
 
 
+def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warmup, seed, rtol, check_each,
+                 json_out) -> None:
+    """`run --dim seq=LO..HI`: one plan over the buckets, then each bucket's program (the same
+    groups, kernels specialized to its shapes) checked against ONNX Runtime and timed beside it."""
+    from fusesearch.api import plan_rtol
+    from fusesearch.buckets import bucket_programs, plan_buckets
+    from fusesearch.ir.precision import prepared_tolerance
+    from fusesearch.run import run_plan
+
+    plan_, figures = plan_buckets(preps, buckets, device, strategy, config, threads)
+    reports = []
+    for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(preps, buckets, plan_, device, config,
+                                                                             threads), strict=True):
+        tolerance = max(prepared_tolerance(prep), plan_rtol(ours)) if rtol is None else rtol
+        report = run_plan(prep, ours, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed,
+                          rtol=tolerance, check_each=check_each)
+        report.model = prep.loaded.name
+        reports.append((value, report))
+    if json_out:
+        _emit_json({"model": preps[0].loaded.name, "strategy": plan_.strategy, "buckets": plan_.buckets,
+                    "runs": [{buckets.dim: value, **report.to_dict()} for value, report in reports]})
+        return
+    table = Table(title=f"{preps[0].loaded.name}: one plan ({plan_.strategy}, {plan_.kernels} kernels) for "
+                        f"{buckets.dim} = {', '.join(map(str, buckets.values))}, each bucket's program end to end, "
+                        f"{threads} thread{'s' if threads != 1 else ''}, median of n={repeat}", title_justify="left")
+    for col in (buckets.dim, "plan", "unfused", "ONNX Runtime", "plan vs ORT", "max rel err"):
+        table.add_column(col, justify="right")
+    for value, report in reports:
+        base = report.ort_baseline()
+        table.add_row(str(value), _fmt_time(report.timings["plan"].median_s),
+                      _fmt_time(report.timings["unfused"].median_s), _fmt_time(report.timings[base].median_s),
+                      _versus(report, "plan", "ort_enable_all"), f"{report.max_rel_err:.2g}")
+    out.print(table)
+    out.print("ONNX Runtime: its faster ENABLE_ALL figure (the model as given or the canonical one), timed in the "
+              "same rounds; every bucket's program equals ONNX Runtime")
 
 
 def _run_emulated(planned, seed: int, rtol: float, check_each: bool, json_out: bool) -> None:
@@ -1390,8 +1444,8 @@ class _HeldWarnings(logging.Handler):
 
     def end(self, succeeded: bool) -> None:
         held, self.held = self.held, []
-        for record in held if succeeded else ():
-            print(self.format(record), file=sys.stderr)
+        for line in dict.fromkeys(self.format(record) for record in held) if succeeded else ():  # each once
+            print(line, file=sys.stderr)
 
 
 _HELD = _HeldWarnings()

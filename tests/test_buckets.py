@@ -176,3 +176,20 @@ def test_a_constant_no_rule_keeps_dynamic_is_refused_by_name(tmp_path, run_cli):
     assert code == 2 and err.count("\n") == 1, err
     assert "--dim n: constant 'nf' (read by Div" in err and "give --dim n one value" in err
     assert not (tmp_path / "f.onnx").exists()
+
+
+def test_run_over_buckets_runs_each_buckets_program_beside_onnx_runtime(tmp_path, run_cli):
+    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--repeat", "2", "--warmup", "0", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [r["n"] for r in doc["runs"]] == [8, 32] and doc["buckets"]["values"] == [8, 32]
+    for run in doc["runs"]:
+        assert run["max_rel_err"] <= 1e-4
+        assert {"plan", "unfused", "ort_enable_all"} <= set(run) and run["ratios"]["plan_vs_ort_enable_all"] > 0
+    # one grouping: every bucket's program has the plan's kernels
+    assert len({r["kernels"] for r in doc["runs"]}) == 1
+
+
+def test_run_over_buckets_refuses_what_it_cannot_do(tmp_path, run_cli):
+    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--backend", "emulate")
+    assert code == 2 and "--backend emulate with --dim n over several values" in err and err.count("\n") == 1

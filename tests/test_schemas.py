@@ -86,6 +86,17 @@ def test_measure_run_and_regret(run_cli, model):
     assert set(doc["plans"]) == {"predicted", "measured"}
 
 
+@needs_cc
+def test_a_run_over_buckets(run_cli, tmp_path):
+    from tests.test_buckets import rows_model
+
+    doc = valid("run", _json(run_cli, "run", rows_model(tmp_path), "--dim", "n=8,32", "--repeat", "2", "--warmup",
+                             "0"))
+    assert [r["n"] for r in doc["runs"]] == [8, 32]
+    code, _, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--dump", tmp_path / "d")
+    assert code == 2 and "--dump with --dim n over several values" in err
+
+
 @pytest.mark.skipif(not emulate.available(), reason="no C++ compiler for the CUDA emulator")
 def test_an_emulated_run(run_cli, model):
     doc = valid("run", _json(run_cli, "run", model, "--backend", "emulate", "--device", "t4", "--strategy", "greedy"))
