@@ -93,6 +93,9 @@ def test_a_run_over_buckets(run_cli, tmp_path):
     doc = valid("run", _json(run_cli, "run", rows_model(tmp_path), "--dim", "n=8,32", "--repeat", "2", "--warmup",
                              "0"))
     assert [r["n"] for r in doc["runs"]] == [8, 32]
+    doc = valid("plan", _json(run_cli, "plan", rows_model(tmp_path), "--device", "host", "--dim", "n=8,32",
+                              "--strategy", "greedy"))
+    assert doc["buckets"]["values"] == [8, 32]
     code, _, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--dump", tmp_path / "d")
     assert code == 2 and "--dump with --dim n over several values" in err
 
