@@ -1377,17 +1377,16 @@ def zoo_list(json_out: JsonFlag = False) -> None:
         _emit_json({"models": rows})
         return
     table = Table()
-    for col in ("name", "default dims", "sizes (zoo export)", "description"):
+    for col in ("name", "default dims", "description"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"], " ".join(f"{k}={v}" for k, v in r["default_dims"].items()), " ".join(r["sizes"]),
-                      r["description"])
+        table.add_row(r["name"], " ".join(f"{k}={v}" for k, v in r["default_dims"].items()), r["description"])
     out.print(table)
 
 
 def _zoo_size(option: str, what: str):
     return Annotated[int | None, typer.Option(option, callback=COUNT, help=f"{what}; default: the model's "
-                                              "(`zoo list` names each model's sizes).")]
+                                              "(`zoo list --json` names each model's sizes).")]
 
 
 ZOO_SIZES = ("layers", "hidden", "heads", "intermediate", "vocab", "n_positions")  # the builders' parameters
