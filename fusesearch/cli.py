@@ -53,6 +53,10 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: the value of an input instead of "
                                                "a random one, e.g. sr=16000 or x=[1,2,3] (repeatable)")]
 NO_VERIFY = "--no-verify"
+Dump = Annotated[Path | None, typer.Option("--dump", help="Write each group's C and CUDA source, its schedule "
+                                           "(JSON) and launch configuration into this folder, named by group "
+                                           "(g7.c, g7.cu, g7.json) with an index.json; a folder with files in it "
+                                           "needs --force.")]
 NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
                                       "generated kernels accumulate with fmaf on CUDA cores and library calls "
                                       "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
@@ -295,7 +299,7 @@ def plan(
     seed: Seed = 0,
     workers: Workers = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.json here.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Log every fusion accepted or refused.")] = False,
     emit: Annotated[Path | None, typer.Option("--emit", help="Write the fused ONNX model here.")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip checking --emit in ONNX Runtime.")] = False,
@@ -306,6 +310,7 @@ def plan(
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
     threads: Threads = 1,
+    dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Find a fusion plan for MODEL on a device and print its summary (or write plan.json)."""
@@ -318,6 +323,7 @@ def plan(
     check_costs(costs)
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
+    _check_dump(dump, force)
     config = _config(time_limit, max_group_size, seed, workers)
     fixed, buckets = split_dims(dim or [], dim_weights or [])
     if buckets is not None:
@@ -335,6 +341,7 @@ def plan(
                                      lambda v: prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]),
                                                        keep_original=True, dtype=dtype, tf32=not no_tf32))
         _draw(result, svg, html_out)
+        _dump(result, dump, force)
         if output is not None:
             with writing(output, "-o"):
                 output.write_text(result.to_json())
@@ -360,6 +367,7 @@ def plan(
     if emit is not None:
         verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
     _draw(result, svg, html_out)
+    _dump(result, dump, force)
     if explain:
         from fusesearch.explain import explain_lines
 
@@ -435,6 +443,23 @@ def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, pre
     with writing(path, "--emit"):
         save_model(dynamic, path, overwrite=force)
     return reports
+
+
+def _check_dump(dump: Path | None, force: bool) -> None:
+    """--dump: checked before any work (`dump.check_dump_dir`)."""
+    from fusesearch.dump import check_dump_dir
+
+    if dump is not None:
+        check_dump_dir(dump, force)
+
+
+def _dump(plan_, dump: Path | None, force: bool) -> None:
+    """--dump: the plan's sources, schedules and launches, one file each per group (stderr says where)."""
+    from fusesearch.dump import write_dump
+
+    if dump is not None:
+        written = write_dump(plan_, dump, force)
+        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups written to {dump}", file=sys.stderr)
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
@@ -611,21 +636,19 @@ def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=Non
               threads: int = 1):
     """(plan, legality, prep), a CPU's plan priced for `threads` OpenMP threads; `costs` other than
     predicted also prints what measuring cost (stderr)."""
-    from costmodels import RooflineModel
-    from fusesearch.api import for_device, model_info, resolve_device
-    from fusesearch.autotune import build_problem
+    from fusesearch.api import search_prepared
     from fusesearch.pipeline import prepare
-    from fusesearch.search import search
 
-    label, spec, params, profile = resolve_device(device, threads)
-    prep, params = for_device(prep or prepare(model, bindings), spec, params)
-    with _threads(threads if spec.kind == "cpu" else 0):  # choices measured (--costs) at that count
-        problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-        result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                        profile=profile, model_info=model_info(prep), problem=problem)
+    result, legality, prep, tuner = search_prepared(prep or prepare(model, bindings), device, strategy, config, costs,
+                                                    threads)
     if tuner is not None:
-        print(f"fusesearch: {tuner.stats.line()}", file=sys.stderr)
-    return result, problem.legality, prep
+        _say(tuner.stats.line())
+    return result, legality, prep
+
+
+def _say(line: str) -> None:
+    """A line of progress or cost on stderr (never stdout: --json keeps it one document)."""
+    print(f"fusesearch: {line}", file=sys.stderr)
 
 
 def _tuned(legality) -> dict:
@@ -690,42 +713,14 @@ def compare(
     json_out: JsonFlag = False,
 ) -> None:
     """Run strategies side by side on one or more devices; show where the plans differ."""
-    from fusesearch.pipeline import prepare
-    from fusesearch.search import STRATEGIES
+    from fusesearch.api import compare as compare_plans
 
-    names = [s.strip() for s in strategies.split(",") if s.strip()]
-    bad = [s for s in names if s not in STRATEGIES]
-    if bad or not names:
-        raise BadInput(f"--strategies {strategies}: unknown {', '.join(bad) or 'empty'}; choose from "
-                       f"{', '.join(STRATEGIES)}")
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    if not devices:
-        raise BadInput("--device: give at least one device name (see `fusesearch devices`)")
-    config = _config(time_limit, max_group_size, seed, workers)
-    prep = prepare(model, _bindings(input_shape, dim))
-    plans = {(d, s): _run_plan(model, None, d, s, config, prep)[0] for d in devices for s in names}
-    doc = _compare_doc(prep, plans, devices, names)
+    doc = compare_plans(model, device, strategies, time_limit_s=time_limit, max_group_size=max_group_size, seed=seed,
+                        workers=workers, shape_bindings=_bindings(input_shape, dim)).to_dict()
     if json_out:
         _emit_json(doc)
         return
     _print_compare(doc)
-
-
-def _compare_doc(prep, plans, devices, names) -> dict:
-    rows = [{"device": d, "strategy": s, "kernels": p.kernels, "time_s": p.time_s,
-             "unfused_time_s": p.unfused_time_s, "lower_bound_s": p.lower_bound_s, "speedup": p.speedup,
-             "status": p.solver.status, "wall_s": round(p.solver.wall_s, 3)} for (d, s), p in plans.items()]
-    diffs = []
-    for s in names:
-        for i, a in enumerate(devices):
-            for b in devices[i + 1:]:
-                pa, pb = set(plans[(a, s)].partition()), set(plans[(b, s)].partition())
-                label = lambda g: "+".join(prep.graph.nodes[v].name for v in sorted(g))  # noqa: E731
-                diffs.append({"strategy": s, "devices": [a, b], "same": pa == pb,
-                              "only_in_a": sorted(label(g) for g in pa - pb if len(g) > 1),
-                              "only_in_b": sorted(label(g) for g in pb - pa if len(g) > 1)})
-    return {"model": prep.loaded.name, "canonical_nodes": len(prep.graph), "results": rows,
-            "differences": diffs}
 
 
 def _print_compare(doc: dict) -> None:
@@ -770,7 +765,7 @@ def measure(
     seed: Seed = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the measurements (Parquet): a row per kernel; with --end-to-end also "
                                                 "the run's figures as end_to_end_* columns.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Re-time kernels even if cached.")] = False,
     ptxas: Annotated[bool | None, typer.Option("--ptxas/--no-ptxas", help="Record ptxas registers/spills/smem "
                                                "of each CUDA kernel (default: on for cupy).")] = None,
@@ -787,117 +782,39 @@ def measure(
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
     threads: Threads = 1,
+    dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run every kernel of a plan and of the unfused graph on real data: measured vs predicted,
     and each fused anchor group vs its library anchor plus separate kernels."""
     from rich.progress import Progress
 
-    from fusesearch.backends.registry import get_backend
-    from fusesearch.backends.timing import TimingCache
-    from fusesearch.measure import BASELINES, measure_plan
-    from fusesearch.pipeline import prepare
-    from fusesearch.verify import check_memory
+    from fusesearch.api import backend_device, check_measure, measure_planned, plans_for
 
-    runs_on = get_backend(backend)
-    check_costs(costs)
-    if baseline not in BASELINES:
-        raise BadInput(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
-    if end_to_end and not runs_on.end_to_end:
-        raise BadInput("--end-to-end: whole programs run on cpu only so far; drop it or use --backend cpu")
+    runs_on = check_measure(backend, baseline, end_to_end, costs)
     check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
-    _check_profile_backend(device, runs_on, threads)
-    device = device or runs_on.default_device
-    config = _config(time_limit, 16, seed, None)
-    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
-    values = _input_values(input_value, prep)
-    check_memory(prep.graph, "give a smaller --dim or --input-shape", "measure")
-    with _threads(0 if runs_on.cuda else threads):
-        plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, lone_anchors=baseline,
-                                              costs=costs, threads=threads)
-        total = len(plan_.groups) + len(unfused.groups)
-        with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
-            task = bar.add_task(f"measuring on {backend}", total=total)
-            report = measure_plan(prep, plan_, unfused, runs_on, budget_s=budget, seed=seed,
-                                  progress=lambda _: bar.advance(task), cache=None if no_cache else TimingCache(),
-                                  ptxas_arch=_ptxas_arch(device) if (ptxas if ptxas is not None else runs_on.cuda)
-                                  else None, flush_l2=flush_l2, baseline=baseline, input_values=values)
-    whole = _end_to_end(prep, plan_, unfused, seed, values, threads) if end_to_end else None
+    _check_dump(dump, force)
+    device = backend_device(device, runs_on, threads)
+    planned = plans_for(model, device, strategy, command="measure", plan_file=plan_json,
+                        shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
+                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, lone_anchors=baseline, costs=costs,
+                        threads=threads, say=_say)
+    _dump(planned.plan, dump, force)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:  # no bar, no blank line
+        task = bar.add_task(f"measuring on {backend}", total=None)
+        result = measure_planned(planned, runs_on, device, budget_s=budget, seed=seed, cache=not no_cache, ptxas=ptxas,
+                                 flush_l2=flush_l2, baseline=baseline, end_to_end=end_to_end, threads=threads,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
     if output is not None:
-        rows = report.to_pandas()
-        if whole is not None:  # the run's figures, the same on every row
-            rows = rows.assign(**whole.columns())
+        rows = result.to_pandas()  # with --end-to-end the run's figures, the same on every row
         with writing(output, "-o"):
             rows.to_parquet(output, index=False)
     if json_out:
-        _emit_json({**report.to_dict(), **({"end_to_end": whole.to_dict()} if whole else {})})
+        _emit_json(result.to_dict())
         return
-    _print_measure(report, output, None if runs_on.cuda else threads)
-    if whole is not None:
-        _print_run(whole, None)
-
-
-def _ptxas_arch(device: str) -> str:
-    """The cost-model device's arch when it is a GPU (sm_80 / sm_90 compile here), else sm_90."""
-    from fusesearch.api import resolve_device
-
-    arch = resolve_device(device)[1].arch
-    return arch if arch in ("sm_80", "sm_90") else "sm_90"
-
-
-def _measure_plans(prep, device, strategy, config, plan_json, lone_anchors: str = "priced", costs: str = "predicted",
-                   threads: int = 1):
-    """(plan, unfused, prep): the unfused graph is strategy none's plan, its lone anchors as
-    `lone_anchors` says (`measure --baseline`: library calls, or our kernels priced as themselves);
-    the plan's choices (a --plan file's groups too) priced as `costs` says, the unfused graph's
-    predicted, a CPU's for `threads` (a --plan file priced for another count: a warning)."""
-    import dataclasses
-
-    from fusesearch.api import model_info, resolve_device
-    from fusesearch.plans import Plan, SolverInfo
-
-    model = prep.loaded.source
-    plan_, legality, prep = _run_plan(model, None, device, strategy if plan_json is None else "none", config, prep,
-                                      costs, threads)
-    unfused = _run_plan(model, None, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
-                        prep, threads=threads)[0]
-    if plan_json is not None:
-        _warn_threads(plan_json, threads)
-        none = (_run_plan(model, None, device, "none", config, prep, threads=threads)[0] if lone_anchors != "priced"
-                else unfused)
-        from fusesearch.candidates.rules import Legality
-        from fusesearch.export import plan_groups_from_json
-
-        # the file's groups are checked on this device; their size is the file's (no search limit)
-        legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
-                            max_group_size=len(prep.graph), measurer=legality.measurer)
-        groups = [frozenset(g) for g in plan_groups_from_json(plan_json, prep.graph, legality)]
-        label = resolve_device(device, threads)[0]
-        plan_ = Plan.build(legality, groups, strategy="file", device=label, profile=None,
-                           solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
-                           model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,
-                           priced=none.priced)
-    return plan_, unfused, prep
-
-
-def _threads(threads: int):
-    """The OpenMP kernels (and ONNX Runtime's sessions that follow them) at `threads` threads while
-    inside (`cpu.openmp_threads`; 0: as they are)."""
-    from fusesearch.backends.cpu import openmp_threads
-
-    return openmp_threads(threads)
-
-
-def _warn_threads(plan_json: Path, threads: int) -> None:
-    """One warning line when plan.json records a CPU plan priced for another thread count."""
-    try:
-        priced = json.loads(plan_json.read_text()).get("device", {}).get("threads")
-    except (OSError, ValueError, AttributeError):
-        return  # the file's own errors are reported where its groups are read
-    if isinstance(priced, int) and priced != threads:
-        logging.getLogger("fusesearch").warning(
-            f"{plan_json} was priced for {priced} thread{'s' if priced != 1 else ''}; it runs with --threads "
-            f"{threads}: its choices may not be the best at this count (plan again with --threads {threads})")
+    _print_measure(result.report, output, None if runs_on.cuda else threads)
+    if result.end_to_end is not None:
+        _print_run(result.end_to_end, None)
 
 
 def _print_measure(report, output, threads: int | None) -> None:
@@ -1004,7 +921,7 @@ def run(
                                              "ONNX Runtime's, not only the outputs.")] = False,
     input_value: InputValue = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the timings (Parquet).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
@@ -1013,40 +930,34 @@ def run(
                                                         "eager and torch.compile, default and max-autotune, over the "
                                                         "same model; always with --backend cupy). Needs the torch "
                                                         "extra; without it the report says 'not installed'.")] = None,
+    dump: Dump = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Also run the plan step by step for --repeat rounds "
+                                               "and write a Chrome trace (JSON) of every kernel and library "
+                                               "step in each round, for Perfetto or chrome://tracing.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
-    from fusesearch.backends.registry import get_backend
+    from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
     from fusesearch.buckets import split_dims
     from fusesearch.pipeline import prepare
-    from fusesearch.run import check_baselines, run_plan
     from fusesearch.verify import check_memory
 
-    check_baselines(baselines or ())
-    runs_on = get_backend(backend, timing=False)
-    check_costs(costs)
-    runs_on.require(timing=False)
+    runs_on = check_run(backend, baselines or (), costs)
     emulated = not runs_on.timed  # the CUDA program checked, not timed
-    check_outputs([(output, "-o")], force, _reads((model, "model"), (plan_json, "plan"), device=device))
-    if emulated and output is not None:
-        raise BadInput(f"-o: --backend {backend} checks correctness only and has no timings to write; drop -o")
-    device = device or runs_on.default_device
-    if not emulated:
-        _check_profile_backend(device, runs_on, threads)
-    if runs_on.cuda:
-        from fusesearch.api import resolve_device
-
-        if resolve_device(device)[1].kind != "gpu":
-            raise BadInput(f"--device {device}: a plan for a CPU fuses GEMMs and convs as C only (the packed "
-                           f"skeleton), and --backend {backend} runs CUDA; give a GPU device (e.g. --device h200)")
-    from fusesearch.ir.precision import prepared_tolerance
-
-    config = _config(time_limit, 16, seed, None)
+    check_outputs([(output, "-o"), (trace, "--trace")], force,
+                  _reads((model, "model"), (plan_json, "plan"), device=device))
+    _check_dump(dump, force)
+    for path, flag in ((output, "-o"), (trace, "--trace")):
+        if emulated and path is not None:
+            raise BadInput(f"{flag}: --backend {backend} checks correctness only and has no timings to write; "
+                           f"drop {flag}")
+    device = backend_device(device, runs_on, threads, program=True)
     fixed, buckets = split_dims(dim or [])
     if buckets is not None:
         refused = [flag for flag, given in (("--plan", plan_json), (f"--costs {costs}", costs != "predicted"),
                                             ("--input-value", input_value), ("-o", output), ("--baselines", baselines),
+                                            ("--dump", dump), ("--trace", trace),
                                             (f"--backend {backend}", emulated or runs_on.cuda)) if given]
         if refused:
             raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a run "
@@ -1055,36 +966,47 @@ def run(
                  for v in buckets.values]
         for prep in preps:
             check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-        _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warmup, seed, rtol, check_each,
-                     json_out)
+        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None), threads, repeat, warmup,
+                     seed, rtol, check_each, json_out)
         return
-    prep = prepare(model, _bindings(input_shape, dim), dtype=dtype, tf32=not no_tf32)
-    values = _input_values(input_value, prep)
-    check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-    plan_, unfused, prep = _measure_plans(prep, device, strategy, config, plan_json, costs=costs, threads=threads)
-    rtol = max(prepared_tolerance(prep), _plan_rtol(plan_)) if rtol is None else rtol
+    planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
+                        shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
+                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, threads=threads, say=_say)
+    _dump(planned.plan, dump, force)
     if emulated:
-        _run_emulated(prep, plan_, seed, rtol, check_each, values, json_out)
+        _run_emulated(planned, seed, run_tolerance(planned, rtol), check_each, json_out)
         return
     with err.status("running", spinner="dots") if err.is_terminal else _nothing() as status:
-        report = run_plan(prep, plan_, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
-                          check_each=check_each, input_values=values,
-                          progress=status.update if status else None, backend=runs_on,
-                          baselines=tuple(baselines or ()))
-    report.model = prep.loaded.name
+        report = run_planned(planned, runs_on, threads=threads, repeat=repeat, warmup=warmup, seed=seed, rtol=rtol,
+                             check_each=check_each, baselines=baselines or (),
+                             progress=status.update if status else None).report
     if output is not None:
         with writing(output, "-o"):
             report.to_pandas().to_parquet(output, index=False)
+    if trace is not None:
+        _trace(planned, trace, runs_on, threads, repeat, warmup, seed)
     if json_out:
         _emit_json(report.to_dict())
         return
     _print_run(report, output)
 
 
+def _trace(planned, path: Path, backend, threads: int, repeat: int, warmup: int, seed: int) -> None:
+    """`run --trace`: the plan run step by step (`fusesearch.trace`), written as a Chrome trace."""
+    from fusesearch.trace import trace_plan, write_trace
+
+    doc = trace_plan(planned.prep, planned.plan, backend=backend, threads=threads, rounds=repeat, warmup=warmup,
+                     seed=seed, input_values=planned.values)
+    with writing(path, "--trace"):
+        write_trace(doc, path)
+    print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
+
+
 def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warmup, seed, rtol, check_each,
                  json_out) -> None:
     """`run --dim seq=LO..HI`: one plan over the buckets, then each bucket's program (the same
     groups, kernels specialized to its shapes) checked against ONNX Runtime and timed beside it."""
+    from fusesearch.api import plan_rtol
     from fusesearch.buckets import bucket_programs, plan_buckets
     from fusesearch.ir.precision import prepared_tolerance
     from fusesearch.run import run_plan
@@ -1093,7 +1015,7 @@ def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warm
     reports = []
     for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(preps, buckets, plan_, device, config,
                                                                              threads), strict=True):
-        tolerance = max(prepared_tolerance(prep), _plan_rtol(ours)) if rtol is None else rtol
+        tolerance = max(prepared_tolerance(prep), plan_rtol(ours)) if rtol is None else rtol
         report = run_plan(prep, ours, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed,
                           rtol=tolerance, check_each=check_each)
         report.model = prep.loaded.name
@@ -1117,22 +1039,14 @@ def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warm
               "same rounds; every bucket's program equals ONNX Runtime")
 
 
-def _plan_rtol(plan_) -> float:
-    """The tolerance the plan's tensor-core kernels need (their operands keep fewer mantissa bits:
-    `codegen.mma.TOLERANCE`), 0 without any; `run` takes the larger of it and the dtype's."""
-    from fusesearch.backends.codegen.mma import TOLERANCE as TENSOR_CORE
-
-    return max([0.0] + [TENSOR_CORE[g.kernel.schedule.skeleton] for g in plan_.groups
-                        if g.kernel.schedule.skeleton in TENSOR_CORE])
-
-
-def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values, json_out: bool) -> None:
+def _run_emulated(planned, seed: int, rtol: float, check_each: bool, json_out: bool) -> None:
     """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
     from fusesearch.backends.registry import EMULATE
     from fusesearch.pipeline import activation_bytes
     from fusesearch.run import run_emulated
 
-    result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=values)
+    prep, plan_ = planned.prep, planned.plan
+    result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=planned.values)
     doc = {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": EMULATE.name, **result, "rtol": rtol,
            "activation_bytes": activation_bytes(prep.graph)}
     if json_out:
@@ -1145,15 +1059,6 @@ def _run_emulated(prep, plan_, seed: int, rtol: float, check_each: bool, values,
               f"{'one CUDA graph' if doc['cuda_graph'] else 'launched one by one (no CUDA graph)'}; arena "
               f"{_fmt_bytes(doc['arena_peak_bytes'])} of {_fmt_bytes(doc['activation_bytes'])} activations")
     out.print(f"equal to ONNX Runtime: max rel err {doc['max_rel_err']:.2g}, rtol {rtol:g}")
-
-
-def _end_to_end(prep, plan_, unfused, seed: int, values, threads: int):
-    """`run`'s figures for measure --end-to-end, at `threads` (--threads)."""
-    from fusesearch.run import run_plan
-
-    report = run_plan(prep, plan_, unfused, threads=threads, seed=seed, input_values=values)
-    report.model = prep.loaded.name
-    return report
 
 
 def _nothing():
@@ -1295,6 +1200,7 @@ def sweep(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from fusesearch.api import Swept
     from fusesearch.sweep import load_config, run_sweep
 
     cfg = load_config(config)
@@ -1317,10 +1223,7 @@ def sweep(
     finally:
         if bar.live.is_started:
             bar.stop()
-    doc = {"sweep": cfg.name, "threads": cfg.threads, "out": str(summary.out), "cells": summary.cells,
-           "skipped": summary.skipped,
-           "ran": summary.ran, "failed": summary.failed, "wall_s": round(summary.wall_s, 1),
-           "results": str(summary.results)}
+    doc = Swept(cfg.name, cfg.threads, summary).to_dict()
     if json_out:
         _emit_json(doc)
     else:
@@ -1425,14 +1328,6 @@ def calibrate(
               f"plot to {paths['plot']}")
 
 
-def _check_profile_backend(device: str | None, backend, threads: int) -> None:
-    """A profile given to `measure` or `run` must be of the device the backend measures, a host
-    profile calibrated at `threads` (--threads) (exit 2 if not)."""
-    from fusesearch.calibrate import check_profile_for_backend
-
-    check_profile_for_backend(device, backend, threads=threads)
-
-
 # -- devices ----------------------------------------------------------------------------------
 
 @app.command()
@@ -1476,8 +1371,8 @@ def zoo_list(json_out: JsonFlag = False) -> None:
     """List the built-in models."""
     from fusesearch import zoo
 
-    rows = [{"name": e.name, "description": e.description, "default_dims": dict(e.default_dims)}
-            for e in zoo.list_models()]
+    rows = [{"name": e.name, "description": e.description, "default_dims": dict(e.default_dims),
+             "sizes": [f"--{p.replace('_', '-')}" for p in e.params()]} for e in zoo.list_models()]
     if json_out:
         _emit_json({"models": rows})
         return
@@ -1489,17 +1384,40 @@ def zoo_list(json_out: JsonFlag = False) -> None:
     out.print(table)
 
 
+def _zoo_size(option: str, what: str):
+    return Annotated[int | None, typer.Option(option, callback=COUNT, help=f"{what}; default: the model's "
+                                              "(`zoo list --json` names each model's sizes).")]
+
+
+ZOO_SIZES = ("layers", "hidden", "heads", "intermediate", "vocab", "n_positions")  # the builders' parameters
+
+
 @zoo_app.command("export")
 def zoo_export(
     name: Annotated[str, typer.Argument(help="zoo model name (see `fusesearch zoo list`)")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the .onnx file.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    layers: _zoo_size("--layers", "Transformer layers") = None,
+    hidden: _zoo_size("--hidden", "Hidden size (a multiple of --heads)") = None,
+    heads: _zoo_size("--heads", "Attention heads") = None,
+    intermediate: _zoo_size("--intermediate", "Feed-forward size (BERT)") = None,
+    vocab: _zoo_size("--vocab", "Vocabulary size") = None,
+    n_positions: _zoo_size("--n-positions", "Positions of the position embedding (GPT-2)") = None,
 ) -> None:
-    """Write a zoo model (dynamic dims kept) to an .onnx file."""
+    """Write a zoo model (dynamic dims kept) to an .onnx file, at its builder's sizes or those given."""
     from fusesearch import zoo
 
     check_output_path(output, force, "-o")
-    proto = zoo.build_model(name.removeprefix("zoo:"))
+    name = name.removeprefix("zoo:")
+    given = dict(zip(ZOO_SIZES, (layers, hidden, heads, intermediate, vocab, n_positions), strict=True))
+    sizes = {k: v for k, v in given.items() if v is not None}
+    if name in zoo.ZOO:
+        takes = zoo.ZOO[name].params()
+        for k, v in sizes.items():
+            if k not in takes:
+                options = ", ".join(f"--{p.replace('_', '-')}" for p in takes) or "none"
+                raise BadInput(f"--{k.replace('_', '-')} {v}: zoo model {name} has no such size; its sizes: {options}")
+    proto = zoo.build_model(name, **sizes)
     with writing(output, "-o"):
         output.write_bytes(proto.SerializeToString())
     err.print(f"wrote {output} ({len(proto.graph.node)} nodes, {_fmt_bytes(output.stat().st_size)})")

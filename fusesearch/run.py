@@ -155,6 +155,12 @@ def plan_steps(graph, plan) -> list[Step]:
     return steps
 
 
+def one_by_one(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
+    """Every step with code as a segment of its own (a program built so runs one call per step:
+    a trace times each); aliases have no code and are in none."""
+    return [(s.how, [s]) for s in steps if s.how != "alias"]
+
+
 def segments(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
     """Maximal runs of steps: ("generated", steps) for kernels, ("library", steps) for ONNX
     Runtime nodes. An alias has no code: it joins the run before it (one at the start is in
@@ -355,9 +361,9 @@ class Program(Layout):
     """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
 
     def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
-                 threads: int, *, reuse: bool = True, profile: bool = False) -> None:
+                 threads: int, *, reuse: bool = True, profile: bool = False, split=segments) -> None:
         super().__init__(graph, steps, weights, reuse=reuse)
-        self.threads, self.profile = threads, profile
+        self.threads, self.profile, self.split = threads, profile, split
         self._allocate(weights)
         # the weights kernels read packed: a buffer each after the external arrays, packed once below
         self.packed = {(s.kernel.name, p.arg.name): aligned_array(p.arg.shape, np.float32)
@@ -416,7 +422,8 @@ class Program(Layout):
         return "\n".join(lines) + "\n"
 
     def _calls(self, canonical: onnx.ModelProto) -> list[Callable[[], None]]:
-        parts = segments(self.steps)
+        """A call per part of `split` (`segments`: maximal runs; `one_by_one`: a call per step)."""
+        parts = self.split(self.steps)
         runs = [run for kind, run in parts if kind == "generated"]
         self.segment_counts = {"generated": len(runs), "library": sum(kind == "library" for kind, _ in parts)}
         kernels = [s.kernel for run in runs for s in run if s.kernel is not None]
@@ -508,17 +515,24 @@ def _reference(prep, plans: Mapping[str, object], seed: int, input_values):
     """(the canonical model, its weights, the seeded inputs, ONNX Runtime's value of every tensor)
     for running `plans` (label -> plan); BadInput, before anything is built, where a program
     cannot hold a tensor (`verify.check_reference_dtypes`) or lay it out (`check_static_shapes`)."""
-    from fusesearch.ir.canonicalize import to_proto, weight_array
-    from fusesearch.verify import all_values, check_reference_dtypes, random_feeds
+    from fusesearch.verify import all_values, check_reference_dtypes
 
     for label, p in plans.items():
         check_reference_dtypes(prep.graph, label, p, "run")
-    canonical = to_proto(prep.canonical)
-    weights = {t.name: weight_array(t) for t in canonical.graph.initializer}
-    feeds = random_feeds(canonical, seed, input_values)
+    canonical, weights, feeds = program_inputs(prep, seed, input_values)
     reference = all_values(canonical, feeds, list(input_values or ()))
     check_static_shapes(prep.graph, reference)
     return canonical, weights, feeds, reference
+
+
+def program_inputs(prep, seed: int, input_values):
+    """(the canonical model, its weights, the seeded inputs) a program is built from and runs on."""
+    from fusesearch.ir.canonicalize import to_proto, weight_array
+    from fusesearch.verify import random_feeds
+
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: weight_array(t) for t in canonical.graph.initializer}
+    return canonical, weights, random_feeds(canonical, seed, input_values)
 
 
 def first_difference(graph, canonical: onnx.ModelProto, label: str, steps: Sequence[Step], program: Layout,
@@ -894,10 +908,15 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
         return _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it,
                          input_values, progress, backend, "torch" in baselines or backend.cuda,
                          {"plan": "plan", "unfused": "unfused", **(names or {})})
-    finally:  # the caller's OpenMP thread count again
-        if "before" in _THREADS:
-            lib, before = _THREADS.pop("before")
-            lib.fs_set_threads(before)
+    finally:
+        restore_threads()
+
+
+def restore_threads() -> None:
+    """The caller's OpenMP thread count again, as before the first program set it."""
+    if "before" in _THREADS:
+        lib, before = _THREADS.pop("before")
+        lib.fs_set_threads(before)
 
 
 def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_each, time_it, input_values,

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("commands", ("fusesearch.pipeline", "fusesearch.api", "fusesearch.measure", "fusesearch.run",
                   "fusesearch.calibrate", "fusesearch.sweep", "fusesearch.export", "fusesearch.explain",
                   "fusesearch.pictures", "fusesearch.report", "fusesearch.autotune", "fusesearch.regret",
-                  "fusesearch.buckets", "fusesearch.dynamic")),
+                  "fusesearch.buckets", "fusesearch.dynamic", "fusesearch.dump", "fusesearch.trace")),
     ("command line", ("fusesearch.cli", "fusesearch.__main__")),
 )
 

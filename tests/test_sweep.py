@@ -104,9 +104,12 @@ def test_expand_is_stable_and_runs_time_limits_only_for_cpsat(tmp_path):
 def test_cell_ids_follow_a_profiles_content_and_the_results_version(tmp_path, monkeypatch):
     """A profile recalibrated in place, or a change that alters results (RESULTS_VERSION), gives
     new cell ids, so a rerun recomputes instead of keeping stale rows; the path alone does not."""
-    import fusesearch.sweep as sweep_module
+    import importlib
+
     from costmodels import DEVICES
     from costmodels.profile import Profile, save_profile
+
+    sweep_module = importlib.import_module("fusesearch.sweep")
 
     profile = tmp_path / "p.json"
     save_profile(Profile(DEVICES["t4"]), profile)

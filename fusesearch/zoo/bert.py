@@ -45,7 +45,8 @@ class BertConfig:
         if min(self.layers, self.hidden, self.heads, self.intermediate, self.vocab) < 1:
             raise BadInput(f"bert: every size must be >= 1, got {self}")
         if self.hidden % self.heads:
-            raise BadInput(f"bert: hidden={self.hidden} must be a multiple of heads={self.heads}")
+            raise BadInput(f"bert: hidden={self.hidden} must be a multiple of heads={self.heads}; give heads "
+                           "(--heads) that divide hidden (--hidden)")
 
 
 def layer_norm_decomposed(b: GraphBuilder, x: str, dim: int, eps: float = LN_EPS) -> str:

@@ -36,7 +36,8 @@ class GPT2Config:
         if min(self.layers, self.hidden, self.heads, self.vocab, self.n_positions) < 1:
             raise BadInput(f"gpt2: every size must be >= 1, got {self}")
         if self.hidden % self.heads:
-            raise BadInput(f"gpt2: hidden={self.hidden} must be a multiple of heads={self.heads}")
+            raise BadInput(f"gpt2: hidden={self.hidden} must be a multiple of heads={self.heads}; give heads "
+                           "(--heads) that divide hidden (--hidden)")
 
 
 def gelu_tanh(b: GraphBuilder, x: str) -> str:
