@@ -24,7 +24,9 @@ several: `choices` lists them all, default first, and the search keeps the cheap
 as float (`tiled`, one choice per tile of `schedule.gemm_tiles`, where the anchor is a GEMM view and
 the epilogue keeps positions; where its operands have tensor cores — float32 as TF32 while
 `Graph.allow_tf32`, float16, bfloat16 — also `mma-*`, 4 warps, one choice per tile of
-`schedule.mma_tiles`, 1 or 2 stages, `mma_smem_bytes`), else a thread per output with its dot
+`schedule.mma_tiles`, 1 or 2 stages, `mma_smem_bytes`; and `mma-sync-*`, one choice per
+configuration of `schedule.mma_sync_tiles`: block and warp tiles, 3-4 stages, `mma_sync_smem_bytes`),
+else a thread per output with its dot
 product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
@@ -70,6 +72,7 @@ from fusesearch.schedule import (
     DEPTHWISE,
     LIBRARY,
     MAX_GRID_YZ,
+    MMA_SYNC_SKELETONS,
     MMA_THREADS,
     PACKED,
     THREADS,
@@ -89,6 +92,8 @@ from fusesearch.schedule import (
     grid_stride,
     has_gemm_view,
     mma,
+    mma_sync,
+    mma_sync_tiles,
     mma_tiles,
     split_k,
     stride_blocks,
@@ -544,8 +549,9 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
 
 
 def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
-    """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` whose grid fits, where
-    its operands have a tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
+    """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` (wmma) and then one per
+    configuration of `mma_sync_tiles` (mma.sync) whose grid fits, where its operands have a
+    tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
     skeleton = tensor_core_skeleton(graph, anchor)
     if not skeleton or not has_gemm_view(graph, anchor) or anchor_derived(graph, [n.id for n in nodes], anchor) is None:
         return ()
@@ -560,6 +566,13 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
             live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
             kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
                                   mma(skeleton, (tm, tn, tk), stages, grid)))
+    for config in mma_sync_tiles(m, n_dim):
+        tm, tn, wm, wn, _ = config
+        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+        if max(grid[1:]) <= MAX_GRID_YZ:  # a lane's accumulators, its A and B fragments, addressing
+            live = wm * wn // 32 + 4 * (wm // 16) + 2 * (wn // 8) + 16 + 2 * (len(nodes) - 1)
+            kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
+                                  mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid)))
     return tuple(kernels)
 
 
