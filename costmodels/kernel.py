@@ -86,6 +86,9 @@ class KernelSpec:
     - `product`: on a CPU, the code path of a generated gemm/conv's product (one of
       CPU_PRODUCTS: our micro-kernel, a BLAS call per block, a conv's band...), priced at its own
       efficiency (`RooflineParams.product_efficiency`); "" for any other kernel.
+    - `mma_sync`: a generated tensor-core kernel written with `mma.sync` (ldmatrix, swizzled
+      shared memory, a multistage cp.async pipeline), priced at `RooflineParams.mma_sync_efficiency`
+      instead of the wmma kernels' `mma_efficiency`.
     """
 
     template: str
@@ -110,6 +113,7 @@ class KernelSpec:
     unit: str = ""
     min_arch: int = 0
     product: str = ""
+    mma_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:

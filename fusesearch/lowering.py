@@ -182,7 +182,8 @@ class Kernel:
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
             divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
-            min_arch=self.schedule.min_arch, product=self.schedule.product)
+            min_arch=self.schedule.min_arch, product=self.schedule.product,
+            mma_sync=self.schedule.skeleton in MMA_SYNC_SKELETONS.values())
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
