@@ -41,7 +41,9 @@ x / sqrt 2 and + 1, folded into its one call, not at all either: `schedule.gelu_
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv is first the
 library call (on a GPU, with fewer than TARGET_BLOCKS output tiles, it splits K across blocks as
 cuBLAS does for skinny problems and pays the fp32 partial sums' round trip: `schedule.split_k`),
-then our generated forms, each priced as itself; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
+then our generated forms, each priced as itself; a generated kernel splits K only on mma.sync
+tiles, where the output has fewer than TARGET_BLOCKS tiles (`schedule.mma_sync_split`: one more
+choice per configuration, its partial sums' round trip priced as the library's). A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
 tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free; an op
 upstream of a MaxPool/AveragePool in the group is charged once per window tap that reads its
@@ -93,6 +95,7 @@ from fusesearch.schedule import (
     has_gemm_view,
     mma,
     mma_sync,
+    mma_sync_split,
     mma_sync_tiles,
     mma_tiles,
     split_k,
@@ -570,10 +573,18 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
     for config in mma_sync_tiles(m, n_dim):
         tm, tn, wm, wn, _ = config
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
-        if max(grid[1:]) <= MAX_GRID_YZ:  # a lane's accumulators, its A and B fragments, addressing
+        split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid).tile, z)
+        for ways in dict.fromkeys((1, split)):  # unsplit, and split where the output has few tiles
+            schedule = mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid, ways)
+            if max(schedule.grid[1:]) > MAX_GRID_YZ:
+                continue  # a lane's accumulators, its A and B fragments, addressing
             live = wm * wn // 32 + 4 * (wm // 16) + 2 * (wn // 8) + 16 + 2 * (len(nodes) - 1)
-            kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
-                                  mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid)))
+            kernel = _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
+            # fp32 partial tiles, whole tiles whatever the edge: each block writes its own, the
+            # last block of a tile reads them all back
+            partials = math.prod(schedule.grid) * tm * tn * 4 if ways > 1 else 0
+            kernels.append(replace(kernel, read_bytes=kernel.read_bytes + partials,
+                                   write_bytes=kernel.write_bytes + partials))
     return tuple(kernels)
 
 

@@ -34,7 +34,11 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
     warp        (WM, WN): each warp's share of the block tile (`mma-sync-*` only, else ()); the
                 block has (BM / WM) x (BN / WN) warps
     stages      shared-memory pipeline stages of the tile loop (1: single-buffered)
-    split_k     K split across blocks (a library's skinny GEMM); always 1 when generated
+    split_k     K split across blocks (a library's skinny GEMM; an `mma-sync-*` kernel of a small
+                M x N, `mma_sync_split`): each split a block on grid z, its partial tile written
+                to the kernel's workspace, and the last block of a tile to arrive adds the
+                partials in split order and runs the epilogue (serial split-K, one kernel); 1
+                for every other generated kernel
     threads     threads per block; `grid` the launch grid ((): derived from the iteration space, for
                 library calls); `smem_bytes` the shared memory the kernel declares (static, or for
                 `mma-sync-*`, whose stages pass the 48 KiB of static shared memory, dynamic: the
@@ -646,10 +650,16 @@ def mma_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
 
 def split_k(m: int, n: int, k: int, tile: tuple[int, ...]) -> int:
     """K split across blocks (as cuBLAS / CUTLASS split-K) when the output has fewer tiles than
-    TARGET_BLOCKS, keeping at least 4 K-steps per block; the library's (a generated kernel never
-    splits K)."""
+    TARGET_BLOCKS, keeping at least 4 K-steps per block; the library's (a generated kernel splits
+    K only on mma.sync tiles: `mma_sync_split`)."""
     tm, tn, tk = tile
-    tiles = max(1, math.ceil(m / tm) * math.ceil(n / tn))
+    return _split(math.ceil(m / tm) * math.ceil(n / tn), k, tk)
+
+
+def _split(tiles: int, k: int, tk: int) -> int:
+    """Splits of K for an output of `tiles` tiles: enough for TARGET_BLOCKS blocks, at least 4
+    K steps of `tk` each; 1 where the tiles alone reach TARGET_BLOCKS."""
+    tiles = max(1, tiles)
     if tiles >= TARGET_BLOCKS:
         return 1
     return max(1, min(math.ceil(TARGET_BLOCKS / tiles), k // (4 * tk)))
@@ -702,13 +712,21 @@ def mma_sync_smem_bytes(tile: Sequence[int], stages: int, element_bytes: int) ->
     return stages * (tm + tn) * tk * element_bytes
 
 
-def mma_sync(skeleton: str, config: Sequence[int], grid: tuple[int, ...]) -> Schedule:
-    """The schedule of an mma.sync configuration (BM, BN, WM, WN, stages) of MMA_SYNC_TILES."""
+def mma_sync(skeleton: str, config: Sequence[int], grid: tuple[int, ...], split: int = 1) -> Schedule:
+    """The schedule of an mma.sync configuration (BM, BN, WM, WN, stages) of MMA_SYNC_TILES over
+    `grid` (output tiles along N, M, z), K split `split` ways (grid z times `split`)."""
     tm, tn, wm, wn, stages = config
     tile = (tm, tn, mma_sync_k(MMA_ELEMENT_BYTES[skeleton]))
-    return Schedule("generated", skeleton, "tensor-core", tile, warp=(wm, wn), stages=stages,
-                    threads=mma_sync_threads(tile, (wm, wn)), grid=grid,
+    return Schedule("generated", skeleton, "tensor-core", tile, warp=(wm, wn), stages=stages, split_k=split,
+                    threads=mma_sync_threads(tile, (wm, wn)), grid=(*grid[:2], grid[2] * split),
                     smem_bytes=mma_sync_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]))
+
+
+def mma_sync_split(m: int, n: int, k: int, tile: Sequence[int], z: int = 1) -> int:
+    """K split of an mma.sync tile where its z x M x N output has fewer tiles than TARGET_BLOCKS
+    (`split_k`'s rule: up to TARGET_BLOCKS blocks, at least 4 K steps per split); 1 elsewhere."""
+    tm, tn, tk = tile
+    return _split(z * math.ceil(m / tm) * math.ceil(n / tn), k, tk)
 
 
 def vectorizable(graph: Graph, nodes: Sequence[int], inputs: Sequence[str], outputs: Sequence[str]) -> bool:

@@ -1,7 +1,7 @@
 """Every generated CUDA kernel of every zoo plan (all strategies) compiles for sm_80 and sm_90 with
 NVRTC (or nvcc), without a GPU, and ptxas's report is parsed: registers, shared memory, no spills.
 The price is the kernel: for every distinct kernel, the skeleton, block and grid written are the
-schedule's (lowering's), split-K is 1, the main loop is on tensor cores exactly for the `mma-*`
+schedule's (lowering's), split-K is 1 but on mma.sync tiles, the main loop is on tensor cores exactly for the `mma-*`
 skeletons, the grid the cost model counts is the grid launched, and ptxas's shared memory equals
 the schedule's bytes (for the mma.sync kernels, whose stages pass the 48 KiB of static shared
 memory, ptxas reports none and the launch's dynamic shared memory is the schedule's); a tiled or
@@ -110,8 +110,8 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
         assert gk.skeleton == schedule.skeleton, (name, gk.name)
         assert gk.block == (schedule.threads, 1, 1) and gk.grid == schedule.grid, (name, gk.name, gk.skeleton)
         tensor_cores = schedule.skeleton.startswith("mma")
-        assert schedule.split_k == 1 and schedule.unit == ("tensor-core" if tensor_cores else "cuda-core"), (
-            name, gk.name, schedule)
+        assert schedule.split_k == 1 or schedule.skeleton.startswith("mma-sync"), (name, gk.name, schedule)
+        assert schedule.unit == ("tensor-core" if tensor_cores else "cuda-core"), (name, gk.name, schedule)
         assert not tensor_cores or tf32 or dtype != "float32", (name, gk.name)  # float32 needs TF32
         assert gk.skeleton not in ("mma-tf32", "mma-bf16") or dtype == "float32", (name, gk.name)
         assert math.prod(gk.grid) == grid_blocks(kernel.spec()), (name, gk.name, gk.skeleton, gk.grid)

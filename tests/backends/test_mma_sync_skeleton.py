@@ -1,15 +1,16 @@
 """The mma.sync skeletons (`mma-sync-tf32`, `mma-sync-f16`, `mma-sync-bf16`): every tile
 configuration lowering lists (`schedule.MMA_SYNC_TILES`) is one schedule, written as given,
 emulated equal to ONNX Runtime (GELU prologue staged, bias epilogue on the accumulators, M, N and
-K not multiples of the tile, fewer K steps than stages), compiled by NVRTC for sm_80 and sm_90
-without spills and with the schedule's shared memory, its swizzle free of bank conflicts, and
-chosen by the cost model for a large GEMM on an H100."""
+K not multiples of the tile, fewer K steps than stages; split-K for a small output), compiled by
+NVRTC for sm_80 and sm_90 without spills and with the schedule's shared memory, its swizzle free of
+bank conflicts, and chosen by the cost model for a large GEMM on an H100 (split-K for a skinny one)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from onnx import helper
 
@@ -50,13 +51,13 @@ def gelu_gemm_bias(tmp_path, m: int, n: int, k: int):
     return save(make_model(nodes, [("x", [m, k])], [("out", None)], inits), tmp_path / "m.onnx")
 
 
-def run_config(path, skeleton: str, config, **prepare_args):
+def run_config(path, skeleton: str, config, split: int = 1, **prepare_args):
     prep = prepare(path, tf32=True, **prepare_args)
     values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
     group = range(len(prep.graph))
     anchor = lower(prep.graph, FusionGroup(frozenset(group))).anchor
     out = prep.graph.tensors[prep.graph.nodes[anchor].outputs[0]].shape  # [M, N]: one GEMM
-    schedule = mma_sync(skeleton, config, (math.ceil(out[1] / config[1]), math.ceil(out[0] / config[0]), 1))
+    schedule = mma_sync(skeleton, config, (math.ceil(out[1] / config[1]), math.ceil(out[0] / config[0]), 1), split)
     return check(prep, values, group, skeleton, schedule)
 
 
@@ -114,6 +115,45 @@ def test_half_model_every_configuration(tmp_path, dtype, skeleton):
         assert {a.dtype for a in (*gk.inputs, *gk.outputs)} == {dtype}
 
 
+@emulated
+@pytest.mark.parametrize("skeleton", SKELETONS)
+def test_split_k_sums_the_partials_in_one_kernel(tmp_path, skeleton):
+    """M = 37, N = 70, K = 300 split 4 ways (19 or 10 K steps, the last split shorter): the last
+    block of each tile sums the partials and applies the epilogue, equal to ONNX Runtime; a second
+    launch of the same module (its arrival counters reset by the first) gives identical bits."""
+    path = gelu_gemm_bias(tmp_path, 37, 70, 300)
+    gk = run_config(path, skeleton, MMA_SYNC_TILES[-1], split=4)
+    assert "atomicAdd(&fs_arrivals[tile], 1u) == 3u" in gk.cuda_source and gk.grid[2] == 4
+    feeds = {a.tensor: rand(*a.shape, seed=9) for a in gk.inputs}
+    first, second = (emulate.run(gk, feeds)[gk.outputs[0].tensor] for _ in range(2))
+    assert np.array_equal(first, second) and np.isfinite(first).all()
+
+
+def test_split_k_is_a_priced_choice_for_a_skinny_gemm(tmp_path):
+    """A skinny fused GEMM (8 x 768 x 3072, FP16) has fewer output tiles than TARGET_BLOCKS: each
+    mma.sync configuration is listed unsplit and split (`mma_sync_split`), the split one with its
+    partial tiles' round trip in its traffic, and on h100-sxm a split mma.sync kernel is the cheapest."""
+    path = gelu_gemm_bias(tmp_path, 8, 768, 3072)
+    _, spec, params, _ = resolve_device("h100-sxm")
+    prep, params = for_device(prepare(path, tf32=True, dtype="float16"), spec, params)
+    group = FusionGroup(frozenset(range(len(prep.graph))))
+    sync = [k for k in choices(prep.graph, group) if k.schedule.skeleton == "mma-sync-f16"]
+    def config(k):
+        return k.tile, k.schedule.warp, k.schedule.stages
+
+    unsplit = {config(k): k for k in sync if k.schedule.split_k == 1}
+    split = [k for k in sync if k.schedule.split_k > 1]
+    assert len(unsplit) == len(split) == len(MMA_SYNC_TILES)
+    for k in split:
+        s = k.schedule
+        assert s.grid[2] == s.split_k and 4 * s.split_k * s.tile[2] <= 3072
+        extra = math.prod(s.grid) * s.tile[0] * s.tile[1] * 4
+        alone = unsplit[config(k)]
+        assert k.write_bytes == alone.write_bytes + extra and k.read_bytes == alone.read_bytes + extra
+    chosen, _ = priced_kernel(prep.graph, lower(prep.graph, group), spec, RooflineModel(params))
+    assert chosen.schedule.skeleton == "mma-sync-f16" and chosen.schedule.split_k > 1, chosen.schedule
+
+
 def test_swizzle_is_a_permutation_without_bank_conflicts():
     """In a staged buffer (64-byte rows: BK = 16 floats or 32 halves) each row's elements stay in
     the row, and for every 16-byte column chunk the 8 rows an ldmatrix phase (or a TF32 fragment's
@@ -134,10 +174,11 @@ def test_swizzle_is_a_permutation_without_bank_conflicts():
 def test_lowering_lists_every_configuration_as_one_schedule(tmp_path):
     """A fused GEMM group's choices hold one `mma-sync-tf32` kernel per configuration: its block
     tile, warp tile, stages, a warp per warp tile, the shared memory `mma_sync_smem_bytes` gives;
-    the default first is the largest tile that still fills TARGET_BLOCKS tiles."""
+    the default first is the largest tile that still fills TARGET_BLOCKS tiles (those that leave
+    fewer are listed split-K too: `test_split_k_is_a_priced_choice_for_a_skinny_gemm`)."""
     prep = prepare(gelu_gemm_bias(tmp_path, 2048, 1024, 256), tf32=True)
     options = [k for k in choices(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
-               if k.schedule.skeleton == "mma-sync-tf32"]
+               if k.schedule.skeleton == "mma-sync-tf32" and k.schedule.split_k == 1]
     got = [(*k.tile[:2], *k.schedule.warp, k.schedule.stages) for k in options]
     assert sorted(got) == sorted(MMA_SYNC_TILES) and got[0] == (64, 128, 32, 64, 4)  # 32 x 8 = 256 tiles
     for k in options:
@@ -162,7 +203,7 @@ def test_a_large_fused_gemm_on_h100_runs_mma_sync(tmp_path, dtype, skeleton):
 
 
 def test_every_configuration_compiles_for_sm80_and_sm90_without_spills(tmp_path):
-    """Every configuration in every precision, NVRTC for sm_80 and sm_90: no spills, no static
+    """Every configuration in every precision, unsplit and split-K, NVRTC for sm_80 and sm_90: no spills, no static
     shared memory, and the dynamic shared memory the launch asks for is the schedule's."""
     nvrtc = pytest.importorskip("fusesearch.backends.nvrtc")
     if not nvrtc.toolchain_available():
@@ -172,10 +213,11 @@ def test_every_configuration_compiles_for_sm80_and_sm90_without_spills(tmp_path)
     kernels, schedules = [], {}
     for skeleton in SKELETONS:
         for config in MMA_SYNC_TILES:
-            schedule = mma_sync(skeleton, config, (math.ceil(500 / config[1]), math.ceil(300 / config[0]), 1))
-            name = f"k{len(kernels)}"
-            kernels.append(generate(prep.graph, replace(kernel, schedule=schedule), name=name))
-            schedules[name] = schedule
+            for split in (1, 3):
+                schedule = mma_sync(skeleton, config, (math.ceil(500 / config[1]), math.ceil(300 / config[0]), 1), split)
+                name = f"k{len(kernels)}"
+                kernels.append(generate(prep.graph, replace(kernel, schedule=schedule), name=name))
+                schedules[name] = schedule
     for arch in nvrtc.ARCHES:
         result = nvrtc.compile_cuda(cuda_module(kernels), arch=arch)
         for gk in kernels:

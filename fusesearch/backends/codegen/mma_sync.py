@@ -26,14 +26,28 @@ m16n8k8 (TF32) or m16n8k16 (FP16 / BF16) into float accumulators held in registe
     epilogue  on the accumulators: each lane's four values per m16n8 block at their (row, column)
               (`ptx` module: row g + 8 (i >> 1), column 2t + (i & 1)), the epilogue applied and
               the one store, no shared memory
+    split-K   (`split_k` > 1: a small M x N, `schedule.mma_sync_split`) grid z holds z x splits
+              blocks, each multiplying its share of the K steps; each writes its partial tile to
+              the kernel's workspace (`__device__` arrays of the module, sized by the schedule),
+              fences, and counts itself on the tile's arrival counter; the last block to arrive
+              sums every split's partial in split order (the result does not depend on arrival
+              order), resets the counter to 0 for the next launch and runs the epilogue. One
+              kernel, no second launch and no buffer for the program to plan; chosen over atomics
+              on the output, which would need the output zeroed first and could not apply a
+              nonlinear epilogue, and over a second reduction kernel, which would be a launch and a
+              workspace outside the schedule
 
 Invariants: the tile, warp tile, stages, threads, grid and shared memory are the schedule's
 (lowering's: `schedule.mma_sync`, `mma_sync_smem_bytes`), the shared memory dynamic (a launch asks
-for `GeneratedKernel.dynamic_smem` bytes, exactly the schedule's); no split-K; the same text runs in
+for `GeneratedKernel.dynamic_smem` bytes, exactly the schedule's); a split-K kernel's launches run
+one after another (one stream, as the CUDA program's), its arrival counters back at 0 after each;
+the same text runs in
 the emulator (FS_EMULATED: the shared memory a static array, the ptx helpers warp-collective C++).
 """
 
 from __future__ import annotations
+
+import math
 
 from fusesearch.backends.codegen.base import CodegenRefused, _indent, cuda_entry
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
@@ -142,29 +156,35 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         "    }",
         "};",
     ]
-    steps = f"{-(-c.k // tk)}LL"
+    steps = -(-c.k // tk)
+    split = schedule.split_k
+    per_split = -(-steps // split)  # K steps of each split (the last may have fewer)
     loop = [
+        f"const long long kt0 = (long long)ks * {per_split}, kt1 = kt0 + {per_split} < {steps}LL ? kt0 + {per_split} "
+        f": {steps}LL;",
         "#pragma unroll",
         f"for (int s = 0; s < {stages - 1}; ++s) {{  // the first stages - 1 K steps in flight",
-        f"    if (s < {steps}) stage((long long)s * {tk}, s);",
+        f"    if (kt0 + s < kt1) stage((kt0 + s) * {tk}, s);",
         "    fs_cp_async_commit();",
         "}",
-        f"for (long long kt = 0; kt < {steps}; ++kt) {{",
+        "for (long long kt = kt0; kt < kt1; ++kt) {",
         f"    fs_cp_async_wait<{stages - 2}>();  // step kt has landed (this thread's copies)",
         "    __syncthreads();  // everyone's copies and stores; the buffer of step kt - 1 is free",
         f"    const long long next = kt + {stages - 1};",
-        f"    if (next < {steps}) stage(next * {tk}, (int)(next % {stages}));",
+        f"    if (next < kt1) stage(next * {tk}, (int)((next - kt0) % {stages}));",
         "    fs_cp_async_commit();",
-        f"    multiply((int)(kt % {stages}));",
+        f"    multiply((int)((kt - kt0) % {stages}));",
         "}",
     ]
+    each = ["#pragma unroll",
+            f"for (int i = 0; i < {fm}; ++i)",
+            "    #pragma unroll",
+            f"    for (int j = 0; j < {fn}; ++j)",
+            "        #pragma unroll",
+            "        for (int r = 0; r < 4; ++r)"]
     epilogue = [
         "const int g = lane >> 2, q = lane & 3;",
-        "#pragma unroll",
-        f"for (int i = 0; i < {fm}; ++i)",
-        "    #pragma unroll",
-        f"    for (int j = 0; j < {fn}; ++j)",
-        "        #pragma unroll",
+        *each[:-1],
         "        for (int r = 0; r < 4; ++r) {",
         f"            const int mm = wy * {wm} + i * 16 + g + 8 * (r >> 1), nn = wx * {wn} + j * 8 + 2 * q + (r & 1);",
         "            const long long gm = m0 + mm, gn = n0 + nn;",
@@ -173,6 +193,29 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         "            }",
         "        }",
     ]
+    workspace, tiles = [], math.prod(schedule.grid) // split
+    if split > 1:  # serial split-K: every split's partial tile to the workspace; the last to arrive sums them
+        slot = f"((i * {fn} + j) * 4 + r) * {threads} + tid"  # coalesced: a register index, then the thread
+        workspace = [f"__device__ float fs_partials[{tiles * split * tm * tn}];  // per tile, split, register, thread",
+                     f"__device__ unsigned fs_arrivals[{tiles}];  // per tile: splits done (0 between launches)"]
+        epilogue = [
+            "{",
+            f"    float* const mine = fs_partials + (tile * {split} + ks) * {tm * tn}LL;",
+            *["    " + x for x in each], f"                mine[{slot}] = acc[i][j][r];",
+            "    __threadfence();  // the partial is visible device-wide before this block counts itself",
+            "    __syncthreads();",
+            f"    const bool last = __syncthreads_or(tid == 0 && atomicAdd(&fs_arrivals[tile], 1u) == {split - 1}u);",
+            "    if (!last) return;",
+            "    __threadfence();",
+            "    if (tid == 0) fs_arrivals[tile] = 0u;  // every split has arrived: ready for the next launch",
+            *["    " + x for x in each], "                acc[i][j][r] = 0.0f;",
+            f"    for (int o = 0; o < {split}; ++o) {{  // in split order, whichever block came last",
+            f"        const float* const part = fs_partials + (tile * {split} + o) * {tm * tn}LL;",
+            *["        " + x for x in each], f"                    acc[i][j][r] += __ldcg(part + {slot});",
+            "    }",
+            "}",
+            *epilogue,
+        ]
     body = [
         "#ifdef FS_EMULATED",
         f"static __align__(128) unsigned char fs_smem[{smem}];",
@@ -183,7 +226,11 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         f"{elem}* const As = reinterpret_cast<{elem}*>(fs_smem);",
         f"{elem}* const Bs = As + {stages * a_stage};",
         f"const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wy = warp / {tn // wn}, wx = warp % {tn // wn};",
-        f"const long long m0 = (long long)blockIdx.y * {tm}, n0 = (long long)blockIdx.x * {tn}, gz = blockIdx.z;",
+        f"const long long m0 = (long long)blockIdx.y * {tm}, n0 = (long long)blockIdx.x * {tn}, "
+        f"gz = blockIdx.z / {split};",
+        f"const int ks = blockIdx.z % {split};  // this block's share of K",
+        *([f"const long long tile = blockIdx.x + {schedule.grid[0]}LL * (blockIdx.y + {schedule.grid[1]}LL * gz);"]
+          if split > 1 else []),
         *parts.setup,
         f"float acc[{fm}][{fn}][4];",
         "#pragma unroll",
@@ -195,8 +242,8 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         *stage_fn,
         *multiply,
         *loop,
+        *_side_loops(graph, kernel, args, parts.side),  # every block, before the non-last splits leave
         *epilogue,
-        *_side_loops(graph, kernel, args, parts.side),
     ]
-    return (f"{_CU_PRELUDE}{staging_headers(skeleton)}{MMA_SYNC}\n{cuda_entry(name, ins, outs)} {{\n"
-            f"{_indent(body, 1)}\n}}\n")
+    return (f"{_CU_PRELUDE}{staging_headers(skeleton)}{MMA_SYNC}{''.join(x + chr(10) for x in workspace)}\n"
+            f"{cuda_entry(name, ins, outs)} {{\n{_indent(body, 1)}\n}}\n")
