@@ -47,9 +47,11 @@ CV_FOLDS = 3
 # fraction of its peak (tensor-core or scalar FLOP/s, DRAM bytes/s): never above 1.
 _UNIT_INTERVAL = ("overlap", "occupancy_knee")
 _EFFICIENCY = (1e-4, 1.0)
-_OWN = ("tc_efficiency", "library_efficiency", "mma_efficiency", "scalar_efficiency", "memory_efficiency",
+_OWN = ("tc_efficiency", "library_efficiency", "mma_efficiency", "mma_sync_efficiency", "scalar_efficiency",
+        "memory_efficiency",
         "occupancy_knee")  # per template
 _BOUNDS = {"tc_efficiency": _EFFICIENCY, "library_efficiency": _EFFICIENCY, "mma_efficiency": _EFFICIENCY,
+           "mma_sync_efficiency": _EFFICIENCY,
            "scalar_efficiency": _EFFICIENCY,
            "memory_efficiency": _EFFICIENCY,
            "launch_overhead_scale": (1e-3, 1e3),
@@ -151,8 +153,10 @@ def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str
             names += product_factors(rows)
         if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit != "tensor-core" for s in rows):
             names.append(f"tc_efficiency.{t}")
-        if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit == "tensor-core" for s in rows):
-            names.append(f"mma_efficiency.{t}")
+        for sync, table in ((False, "mma_efficiency"), (True, "mma_sync_efficiency")):
+            if any(s.tc_flops > 0 and s.impl == "generated" and s.main_unit == "tensor-core" and s.mma_sync == sync
+                   for s in rows):
+                names.append(f"{table}.{t}")
         if any(s.tc_flops > 0 and s.impl == "library" for s in rows):  # fitted apart: another kernel
             names.append(f"library_efficiency.{t}")
         if any(s.scalar_flops + s.transcendentals > 0 for s in rows):

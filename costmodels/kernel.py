@@ -89,6 +89,9 @@ class KernelSpec:
     - `imbalance`: on a CPU, how much longer a generated gemm's product runs than its work shared
       evenly among the threads (>= 1: blocks fewer than the threads, or below the micro-kernel's
       tile; `fusesearch.schedule.split_imbalance`); the product's rate is divided by it.
+    - `mma_sync`: a generated tensor-core kernel written with `mma.sync` (ldmatrix, swizzled
+      shared memory, a multistage cp.async pipeline), priced at `RooflineParams.mma_sync_efficiency`
+      instead of the wmma kernels' `mma_efficiency`.
     """
 
     template: str
@@ -114,6 +117,7 @@ class KernelSpec:
     min_arch: int = 0
     product: str = ""
     imbalance: float = 1.0
+    mma_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:

@@ -29,7 +29,8 @@ price library calls (impl "library": a lone anchor through cuBLAS / cuDNN) and g
 whose schedule's unit is "tensor-core" (the `mma-*` skeletons, wmma fragments); any other generated
 kernel's main loop runs on the FP32 CUDA cores, as the `tiled` skeleton's fmaf does, whatever the
 dtype: one kernel, one price (`compute_unit` names the unit and plan.json records it; eff[t, impl]
-is `library_efficiency`, `mma_efficiency` (generated, tensor cores) or `tc_efficiency`
+is `library_efficiency`, `mma_efficiency` (generated, tensor cores: wmma), `mma_sync_efficiency`
+(generated, tensor cores: the mma.sync kernels, `KernelSpec.mma_sync`) or `tc_efficiency`
 (generated, CUDA cores)). Scalar peak:
 half2 for float16 where the device lists one, else FP32.
 Invariants: pure and deterministic; a kernel that cannot launch (shared memory over the per-block
@@ -106,6 +107,12 @@ HOST_LIBRARY_EFFICIENCY = per_template(
 # tensor-core peak: well below cuBLAS's hand-tuned kernels (no ldmatrix swizzles, small tiles).
 DEFAULT_MMA_EFFICIENCY = per_template(
     {"pointwise": 0.3, "rowwise": 0.3, "gemm": 0.4, "conv": 0.3, "opaque": 0.3})
+# A generated mma.sync kernel (`mma-sync-*`: ldmatrix from swizzled shared memory, a 3-4 stage
+# cp.async pipeline, up to 64x64 warp and 128x256 block tiles), as CUTLASS's multistage kernels are
+# written: priced just under the library's (its staging is per element, prologue included, where
+# a library moves 16-byte vectors), until a GPU profile fits it.
+DEFAULT_MMA_SYNC_EFFICIENCY = per_template(
+    {"pointwise": 0.3, "rowwise": 0.3, "gemm": 0.6, "conv": 0.45, "opaque": 0.3})
 # Scalar efficiency: peaks count an FMA as 2 flops, while most elementwise ops issue one
 # 1-flop instruction per slot, so ~0.5 of peak is the practical ceiling.
 DEFAULT_SCALAR_EFFICIENCY = per_template(
@@ -154,7 +161,7 @@ def per_product(values: Mapping[str, float]) -> PerProduct:
     return tuple((p, _number(f"product_efficiency.{p}", values.get(p, 1.0))) for p in CPU_PRODUCTS)
 
 
-_TABLE_FIELDS = ("tc_efficiency", "library_efficiency", "mma_efficiency", "scalar_efficiency",
+_TABLE_FIELDS = ("tc_efficiency", "library_efficiency", "mma_efficiency", "mma_sync_efficiency", "scalar_efficiency",
                  "memory_efficiency", "occupancy_knee")
 
 
@@ -165,6 +172,7 @@ class RooflineParams:
     tc_efficiency: PerTemplate = DEFAULT_TC_EFFICIENCY
     library_efficiency: PerTemplate = DEFAULT_LIBRARY_EFFICIENCY
     mma_efficiency: PerTemplate = DEFAULT_MMA_EFFICIENCY
+    mma_sync_efficiency: PerTemplate = DEFAULT_MMA_SYNC_EFFICIENCY
     scalar_efficiency: PerTemplate = DEFAULT_SCALAR_EFFICIENCY
     memory_efficiency: PerTemplate = DEFAULT_MEMORY_EFFICIENCY
     occupancy_knee: PerTemplate = DEFAULT_OCCUPANCY_KNEE
@@ -401,7 +409,8 @@ class RooflineModel:
         peak = (tensor_peak_flops_per_s(device, spec.dtype, p.float32_uses_tf32) if unit.endswith("tensor-core")
                 else scalar_peak_flops_per_s(device, "float32"))
         table = ("library_efficiency" if spec.impl == "library" else
-                 "mma_efficiency" if unit.endswith("tensor-core") else "tc_efficiency")
+                 ("mma_sync_efficiency" if spec.mma_sync else "mma_efficiency") if unit.endswith("tensor-core")
+                 else "tc_efficiency")
         tc_rate = (peak * p.get(table, spec.template) * (p.get("product_efficiency", spec.product) if spec.product else 1.0)
                    / spec.imbalance)
         scalar_rate = (scalar_peak_flops_per_s(device, spec.dtype)

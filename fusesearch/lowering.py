@@ -24,7 +24,9 @@ several: `choices` lists them all, default first, and the search keeps the cheap
 as float (`tiled`, one choice per tile of `schedule.gemm_tiles`, where the anchor is a GEMM view and
 the epilogue keeps positions; where its operands have tensor cores — float32 as TF32 while
 `Graph.allow_tf32`, float16, bfloat16 — also `mma-*`, 4 warps, one choice per tile of
-`schedule.mma_tiles`, 1 or 2 stages, `mma_smem_bytes`), else a thread per output with its dot
+`schedule.mma_tiles`, 1 or 2 stages, `mma_smem_bytes`; and `mma-sync-*`, one choice per
+configuration of `schedule.mma_sync_tiles`: block and warp tiles, 3-4 stages, `mma_sync_smem_bytes`),
+else a thread per output with its dot
 product inline (`direct`); under
 a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
 memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
@@ -40,7 +42,9 @@ x / sqrt 2 and + 1, folded into its one call, not at all either: `schedule.gelu_
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv is first the
 library call (on a GPU, with fewer than TARGET_BLOCKS output tiles, it splits K across blocks as
 cuBLAS does for skinny problems and pays the fp32 partial sums' round trip: `schedule.split_k`),
-then our generated forms, each priced as itself; a generated kernel never splits K. A table read only through Gather (an embedding) costs the rows
+then our generated forms, each priced as itself; a generated kernel splits K only on mma.sync
+tiles, where the output has fewer than TARGET_BLOCKS tiles (`schedule.mma_sync_split`: one more
+choice per configuration, its partial sums' round trip priced as the library's). A table read only through Gather (an embedding) costs the rows
 gathered, not the whole table. A prologue op is charged once per reload of its operand in a
 tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free; an op
 upstream of a MaxPool/AveragePool in the group is charged once per window tap that reads its
@@ -71,6 +75,7 @@ from fusesearch.schedule import (
     DEPTHWISE,
     LIBRARY,
     MAX_GRID_YZ,
+    MMA_SYNC_SKELETONS,
     MMA_THREADS,
     PACKED,
     THREADS,
@@ -92,6 +97,9 @@ from fusesearch.schedule import (
     grid_stride,
     has_gemm_view,
     mma,
+    mma_sync,
+    mma_sync_split,
+    mma_sync_tiles,
     mma_tiles,
     split_blocks,
     split_imbalance,
@@ -183,7 +191,8 @@ class Kernel:
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
             divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
-            min_arch=self.schedule.min_arch, product=self.schedule.product, imbalance=self.imbalance)
+            min_arch=self.schedule.min_arch, product=self.schedule.product, imbalance=self.imbalance,
+            mma_sync=self.schedule.skeleton in MMA_SYNC_SKELETONS.values())
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -572,8 +581,9 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
 
 
 def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
-    """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` whose grid fits, where
-    its operands have a tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
+    """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` (wmma) and then one per
+    configuration of `mma_sync_tiles` (mma.sync) whose grid fits, where its operands have a
+    tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
     skeleton = tensor_core_skeleton(graph, anchor)
     if not skeleton or not has_gemm_view(graph, anchor) or anchor_derived(graph, [n.id for n in nodes], anchor) is None:
         return ()
@@ -588,6 +598,21 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
             live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
             kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
                                   mma(skeleton, (tm, tn, tk), stages, grid)))
+    for config in mma_sync_tiles(m, n_dim):
+        tm, tn, wm, wn, _ = config
+        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
+        split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid).tile, z)
+        for ways in dict.fromkeys((1, split)):  # unsplit, and split where the output has few tiles
+            schedule = mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid, ways)
+            if max(schedule.grid[1:]) > MAX_GRID_YZ:
+                continue  # a lane's accumulators, its A and B fragments, addressing
+            live = wm * wn // 32 + 4 * (wm // 16) + 2 * (wn // 8) + 16 + 2 * (len(nodes) - 1)
+            kernel = _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
+            # fp32 partial tiles, whole tiles whatever the edge: each block writes its own, the
+            # last block of a tile reads them all back
+            partials = math.prod(schedule.grid) * tm * tn * 4 if ways > 1 else 0
+            kernels.append(replace(kernel, read_bytes=kernel.read_bytes + partials,
+                                   write_bytes=kernel.write_bytes + partials))
     return tuple(kernels)
 
 

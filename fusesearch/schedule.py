@@ -13,7 +13,10 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 "alias" (a lone view: no kernel)
     skeleton    the CUDA skeleton: "library" | "alias" | "grid-stride" | "vectorized" (float4) |
                 "block-per-row" | "tiled" | "direct" (a thread per output, its dot product inline)
-                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+);
+                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+)
+                | "mma-sync-tf32" | "mma-sync-f16" | "mma-sync-bf16" (tensor cores as a
+                performance engineer writes them: `mma.sync` fed by `ldmatrix` from XOR-swizzled
+                shared memory, a cp.async pipeline of `stages` >= 3, warp tiles `warp`; sm_80+);
                 on a CPU device a fused gemm/conv is "packed" (C only, no CUDA form): the C
                 backend's BLAS blocks over packed panels, each prologue element computed once
                 per panel (a conv's once per filter tap of its im2col panel, or once where it
@@ -28,10 +31,18 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 for a device and dtype (`costmodels.compute_unit`)
     tile        (BM, BN, BK) of a tiled or library GEMM/conv, (1, row, K) of a row kernel over a
                 product, else ()
+    warp        (WM, WN): each warp's share of the block tile (`mma-sync-*` only, else ()); the
+                block has (BM / WM) x (BN / WN) warps
     stages      shared-memory pipeline stages of the tile loop (1: single-buffered)
-    split_k     K split across blocks (a library's skinny GEMM); always 1 when generated
+    split_k     K split across blocks (a library's skinny GEMM; an `mma-sync-*` kernel of a small
+                M x N, `mma_sync_split`): each split a block on grid z, its partial tile written
+                to the kernel's workspace, and the last block of a tile to arrive adds the
+                partials in split order and runs the epilogue (serial split-K, one kernel); 1
+                for every other generated kernel
     threads     threads per block; `grid` the launch grid ((): derived from the iteration space, for
-                library calls); `smem_bytes` the static shared memory the kernel declares
+                library calls); `smem_bytes` the shared memory the kernel declares (static, or for
+                `mma-sync-*`, whose stages pass the 48 KiB of static shared memory, dynamic: the
+                launch asks for exactly these bytes, `GeneratedKernel.dynamic_smem`)
     row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
     product     on a CPU, how a gemm/conv's product runs (`CPU_PRODUCTS`, "" elsewhere): "own" (our
                 micro-kernel over B packed once or per block, `fs_gemm_rows`), "blas" (a BLAS sgemm per
@@ -54,7 +65,7 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
                 registers before the one store, `fs_gemm_rows_epi`, where the target has AVX-512:
                 `epilogues`) or "block" (a pass over the block's product in cache); "" elsewhere
     min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
-                80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
+                80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma, mma.sync), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
 
 Invariants: this module imports only the graph types, numpy (a constant's value) and the units and
@@ -91,11 +102,26 @@ VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # accumulator fragments), the tiles lowering picks from, each staged row's padding (wmma's leading
 # dimension must be a multiple of 16 bytes; the padding also spreads shared-memory banks)
 MMA_SKELETONS = {"float32": "mma-tf32", "float16": "mma-f16", "bfloat16": "mma-bf16"}
-MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2}
+MMA_ELEMENT_BYTES = {"mma-tf32": 4, "mma-f16": 2, "mma-bf16": 2, "mma-sync-tf32": 4, "mma-sync-f16": 2,
+                     "mma-sync-bf16": 2}
 MMA_THREADS = 128
 MMA_TILES = ((64, 64), (64, 32), (32, 64), (32, 32))
 MMA_PAD_BYTES = 16
 MMA_MIN_ARCH = 80  # cp.async staging and TF32 / BF16 wmma fragments: sm_80 and later
+# mma.sync tiles: the skeleton per wmma skeleton (same operand dtypes), the block tiles (BM, BN),
+# warp tiles (WM, WN) and pipeline stages lowering picks from, largest first; each staged row of
+# A (BM x BK) and B (BN x BK, both K-contiguous in shared memory) is MMA_SYNC_ROW_BYTES, so BK is
+# 32 halves or 16 floats (two mma K steps of FP16/BF16 m16n8k16, two of TF32 m16n8k8)
+MMA_SYNC_SKELETONS = {"mma-tf32": "mma-sync-tf32", "mma-f16": "mma-sync-f16", "mma-bf16": "mma-sync-bf16"}
+MMA_SYNC_TILES = (  # (BM, BN, WM, WN, stages)
+    (128, 256, 64, 64, 3),
+    (128, 128, 64, 64, 4),
+    (128, 128, 64, 32, 3),
+    (64, 128, 32, 64, 4),
+    (64, 64, 32, 32, 4),
+    (32, 64, 32, 32, 3),
+)
+MMA_SYNC_ROW_BYTES = 64
 
 
 class Skeleton(StrEnum):
@@ -112,6 +138,9 @@ class Skeleton(StrEnum):
     MMA_TF32 = "mma-tf32"
     MMA_F16 = "mma-f16"
     MMA_BF16 = "mma-bf16"
+    MMA_SYNC_TF32 = "mma-sync-tf32"
+    MMA_SYNC_F16 = "mma-sync-f16"
+    MMA_SYNC_BF16 = "mma-sync-bf16"
     PACKED = "packed"
     DEPTHWISE = "depthwise"
 
@@ -133,6 +162,7 @@ class Schedule:
     skeleton: Skeleton  # a name is taken too (coerced)
     unit: str
     tile: tuple[int, ...] = ()
+    warp: tuple[int, ...] = ()
     stages: int = 1
     split_k: int = 1
     threads: int = THREADS
@@ -152,7 +182,8 @@ class Schedule:
 
     def to_dict(self) -> dict[str, object]:
         """The schedule as plan.json records it (every field but the row cache's keys: its count)."""
-        return {"skeleton": self.skeleton.value, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
+        return {"skeleton": self.skeleton.value, "unit": self.unit, "tile": list(self.tile), "warp": list(self.warp),
+                "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
                 "epilogue": self.epilogue, "split": self.split}
@@ -720,10 +751,16 @@ def mma_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
 
 def split_k(m: int, n: int, k: int, tile: tuple[int, ...]) -> int:
     """K split across blocks (as cuBLAS / CUTLASS split-K) when the output has fewer tiles than
-    TARGET_BLOCKS, keeping at least 4 K-steps per block; the library's (a generated kernel never
-    splits K)."""
+    TARGET_BLOCKS, keeping at least 4 K-steps per block; the library's (a generated kernel splits
+    K only on mma.sync tiles: `mma_sync_split`)."""
     tm, tn, tk = tile
-    tiles = max(1, math.ceil(m / tm) * math.ceil(n / tn))
+    return _split(math.ceil(m / tm) * math.ceil(n / tn), k, tk)
+
+
+def _split(tiles: int, k: int, tk: int) -> int:
+    """Splits of K for an output of `tiles` tiles: enough for TARGET_BLOCKS blocks, at least 4
+    K steps of `tk` each; 1 where the tiles alone reach TARGET_BLOCKS."""
+    tiles = max(1, tiles)
     if tiles >= TARGET_BLOCKS:
         return 1
     return max(1, min(math.ceil(TARGET_BLOCKS / tiles), k // (4 * tk)))
@@ -747,6 +784,50 @@ def mma_smem_bytes(tile: tuple[int, ...], stages: int, element_bytes: int) -> in
 def mma(skeleton: str, tile: tuple[int, int, int], stages: int, grid: tuple[int, ...]) -> Schedule:
     return Schedule("generated", skeleton, "tensor-core", tile, stages=stages, threads=MMA_THREADS, grid=grid,
                     smem_bytes=mma_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]))
+
+
+def mma_sync_k(element_bytes: int) -> int:
+    """BK of an mma.sync tile: MMA_SYNC_ROW_BYTES of K per staged row (32 halves, 16 floats)."""
+    return MMA_SYNC_ROW_BYTES // element_bytes
+
+
+def mma_sync_tiles(m: int, n: int) -> tuple[tuple[int, ...], ...]:
+    """The mma.sync configurations (BM, BN, WM, WN, stages) for an M x N output, the default first:
+    the largest block tile that still gives TARGET_BLOCKS output tiles (`_default_first`'s rule),
+    else the smallest; the rest in table order."""
+    default = next((t for t in MMA_SYNC_TILES if math.ceil(m / t[0]) * math.ceil(n / t[1]) >= TARGET_BLOCKS),
+                   MMA_SYNC_TILES[-1])
+    return (default, *(t for t in MMA_SYNC_TILES if t != default))
+
+
+def mma_sync_threads(tile: Sequence[int], warp: Sequence[int]) -> int:
+    """Threads of an mma.sync block: a warp per WM x WN share of the BM x BN tile."""
+    return (tile[0] // warp[0]) * (tile[1] // warp[1]) * 32
+
+
+def mma_sync_smem_bytes(tile: Sequence[int], stages: int, element_bytes: int) -> int:
+    """Shared memory of an mma.sync kernel, exactly what it asks for: per stage A (BM x BK) and B
+    (BN x BK) as the operand type, XOR-swizzled in place (no padding); the epilogue runs on the
+    accumulators, so nothing more."""
+    tm, tn, tk = tile
+    return stages * (tm + tn) * tk * element_bytes
+
+
+def mma_sync(skeleton: str, config: Sequence[int], grid: tuple[int, ...], split: int = 1) -> Schedule:
+    """The schedule of an mma.sync configuration (BM, BN, WM, WN, stages) of MMA_SYNC_TILES over
+    `grid` (output tiles along N, M, z), K split `split` ways (grid z times `split`)."""
+    tm, tn, wm, wn, stages = config
+    tile = (tm, tn, mma_sync_k(MMA_ELEMENT_BYTES[skeleton]))
+    return Schedule("generated", skeleton, "tensor-core", tile, warp=(wm, wn), stages=stages, split_k=split,
+                    threads=mma_sync_threads(tile, (wm, wn)), grid=(*grid[:2], grid[2] * split),
+                    smem_bytes=mma_sync_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]))
+
+
+def mma_sync_split(m: int, n: int, k: int, tile: Sequence[int], z: int = 1) -> int:
+    """K split of an mma.sync tile where its z x M x N output has fewer tiles than TARGET_BLOCKS
+    (`split_k`'s rule: up to TARGET_BLOCKS blocks, at least 4 K steps per split); 1 elsewhere."""
+    tm, tn, tk = tile
+    return _split(z * math.ceil(m / tm) * math.ceil(n / tn), k, tk)
 
 
 def vectorizable(graph: Graph, nodes: Sequence[int], inputs: Sequence[str], outputs: Sequence[str]) -> bool:

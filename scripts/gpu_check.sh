@@ -3,7 +3,8 @@
 # `fusesearch measure --backend cupy` on two zoo models, `fusesearch run --backend cupy` (the
 # whole plan as one CUDA program beside ONNX Runtime, PyTorch eager and torch.compile, default and
 # max-autotune with CUDA graphs, over the same model) on bert-small, and the tensor-core kernels of
-# a few zoo shapes timed beside the CUDA-core skeleton and `cupy.matmul` with TF32 allowed
+# a few zoo shapes (each group's wmma and mma.sync kernels) timed beside the CUDA-core skeleton and
+# `cupy.matmul` (cuBLAS), TF32 allowed, in float32 and float16
 # (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
 # Runtime's CUDA provider does and as the cost model prices them). Every kernel figure of measure
 # and the benchmark is per launch from CUDA-graph replays (the cupy backend's graph timer): each
@@ -109,11 +110,14 @@ try:
 except Exception as exc:  # the .err file says why
     print("run bert-small --backend cupy: no result:", exc)
 PY
-$PY benchmarks/bench_gpu_mma.py --out "$OUT/bench_gpu_mma.json" 2>&1 | tee "$OUT/bench_gpu_mma.log"
-if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-  echo "gpu_check: benchmarks/bench_gpu_mma.py failed: $(grep -m1 -E 'NOT EQUAL|Error|error' "$OUT/bench_gpu_mma.log")" >&2
-  status=1
-fi
+for dtype in float32 float16; do
+  bench="bench_gpu_mma_$dtype"
+  $PY benchmarks/bench_gpu_mma.py --dtype "$dtype" --out "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    echo "gpu_check: benchmarks/bench_gpu_mma.py --dtype $dtype failed: $(grep -m1 -E 'NOT EQUAL|Error|error' "$OUT/$bench.log")" >&2
+    status=1
+  fi
+done
 if [ "$ran_status" -ne 0 ]; then
   echo "gpu_check: $ran" >&2
 fi

@@ -77,7 +77,8 @@ def test_conv_relu_fused_moves_fewer_bytes_and_is_faster():
 def test_tensor_core_skeleton_needs_sm80_and_the_search_prices_both_units():
     """Regime: compute-bound fused GEMM + ReLU in float16 (1024^3). Our tensor-core skeleton is
     refused on the T4 (sm_75: cp.async, wmma as written need sm_80) with the reason; the priced
-    choice falls back to the CUDA-core skeleton there and keeps tensor cores on the A100."""
+    choice falls back to the CUDA-core skeleton there and keeps tensor cores on the A100 (the
+    mma.sync skeleton: sm_80 too)."""
     nodes = [helper.make_node("MatMul", ["a", "b"], ["y"], name="mm"), helper.make_node("Relu", ["y"], ["r"], name="relu")]
     g = graph_of(nodes, [("a", [1024, 1024], TensorProto.FLOAT16), ("b", [1024, 1024], TensorProto.FLOAT16)],
                  [("r", None, TensorProto.FLOAT16)])
@@ -87,8 +88,8 @@ def test_tensor_core_skeleton_needs_sm80_and_the_search_prices_both_units():
     assert not refused.feasible and "needs sm_80 or later; t4 is sm_75" in refused.reason
     on_t4, cost_t4 = priced_kernel(g, fused, T4, MODEL)
     assert on_t4.schedule.skeleton == "tiled" and cost_t4.feasible and cost_t4.compute_unit == "fp32-cuda-core"
-    on_a100, cost_a100 = priced_kernel(g, fused, A100, MODEL)
-    assert on_a100 == fused and cost_a100.compute_unit == "fp16-tensor-core"
+    on_a100, cost_a100 = priced_kernel(g, fused, A100, MODEL)  # the mma.sync tiles, priced above wmma's
+    assert on_a100.schedule.skeleton == "mma-sync-f16" and cost_a100.compute_unit == "fp16-tensor-core"
 
 
 def test_softmax_epilogue_is_priced_as_the_row_kernel_generated():

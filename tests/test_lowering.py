@@ -195,7 +195,7 @@ def test_gemm_skeleton_tensor_cores_when_tf32_is_allowed():
     assert no_tf32.cost(k.spec(), h100).compute_unit == "fp32-cuda-core"  # no TF32 rate without TF32
     lone = choices(g, group(g, "conv"))  # the library call first, then our kernels, each its own choice
     assert lone[0].impl == "library" and {k.impl for k in lone[1:]} == {"generated"}
-    assert {k.schedule.skeleton for k in lone[1:]} == {"mma-tf32", "tiled"}
+    assert {k.schedule.skeleton for k in lone[1:]} == {"mma-tf32", "mma-sync-tf32", "tiled"}
 
 
 def test_gemm_skeleton_keeps_cuda_cores_where_no_tile_applies():

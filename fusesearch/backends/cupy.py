@@ -125,6 +125,19 @@ def compile_module(source: str, *, options: tuple[str, ...] = (),
                           name_expressions=names or None)
 
 
+def raw_launch(fn, kernel) -> Callable[[tuple], None]:
+    """A launch of the RawKernel `fn` with the generated kernel's grid, block and dynamic shared
+    memory (`GeneratedKernel.dynamic_smem`; past 48 KiB the function is opted in first, once)."""
+    grid, block, smem = tuple(kernel.grid), tuple(kernel.block), int(kernel.dynamic_smem)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+
+    def go(params: tuple) -> None:
+        fn(grid, block, params, shared_mem=smem)
+
+    return go
+
+
 def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable[[], dict]]:
     """(launch, fetch) for a GeneratedKernel on the GPU: inputs copied once to device buffers;
     `launch` runs the kernel (asynchronously), `fetch` copies the outputs back as numpy arrays.
@@ -144,8 +157,10 @@ def kernel_runner(generated, inputs: dict) -> tuple[Callable[[], None], Callable
     outs = [cupy.empty(a.shape, dtype=bits(a.dtype)) for a in generated.outputs]
     params = tuple(args + outs)
 
+    go = raw_launch(fn, generated)
+
     def launch() -> None:
-        fn(generated.grid, generated.block, params)
+        go(params)
 
     def fetch() -> dict:
         cupy.cuda.get_current_stream().synchronize()
@@ -248,12 +263,12 @@ class Device:
         return buffer.get(stream=self.stream)  # blocking: the stream's work before it is done
 
     def launcher(self, fn, kernel, args) -> Callable[[], None]:
-        grid, block, params = tuple(kernel.grid), tuple(kernel.block), tuple(args)
+        go, params = raw_launch(fn, kernel), tuple(args)
         stream = self.stream
 
         def launch() -> None:
             with stream:  # RawKernel launches on the current stream
-                fn(grid, block, params)
+                go(params)
 
         return launch
 

@@ -10,7 +10,9 @@ names a host meaning, and launch it with exactly the grid and block the GPU laun
 coroutines (ucontext) on one host thread, each running until it waits at a barrier or ends, so a
 barrier costs a context switch, not an OS wake-up. `threadIdx` is set on every switch, `blockIdx`
 per block; `__shared__` variables are statics (one copy per block, as blocks run in turn);
-`__syncthreads()` is a barrier of the block's threads; `__shfl_xor_sync` exchanges values
+`__syncthreads()` is a barrier of the block's threads (`__syncthreads_or` one that ORs their
+votes); `__device__` globals (a split-K workspace) are statics, atomics plain read-modify-writes
+(the threads never run at once), fences no-ops; `__shfl_xor_sync` exchanges values
 through a per-warp slot array between two warp barriers; half storage converts on the host
 (`FS_HOST_HALF`: float16 through `_Float16`; bfloat16's bit manipulation is the kernel's own);
 the wmma subset of the tensor-core skeletons works on warp-replicated fragments (each lane holds
@@ -154,6 +156,19 @@ static inline unsigned fs_tid() {
     return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
 static inline void __syncthreads() { fs_wait(&fs_block); }
+static int fs_votes[FS_MAX_THREADS];
+static inline int __syncthreads_or(int v) {  // a barrier that also ORs every thread's vote
+    const unsigned t = fs_tid(), n = blockDim.x * blockDim.y * blockDim.z;
+    fs_votes[t] = v != 0;
+    fs_wait(&fs_block);
+    int any = 0;
+    for (unsigned i = 0; i < n; ++i) any |= fs_votes[i];
+    fs_wait(&fs_block);
+    return any;
+}
+static inline void __threadfence() {}  // one host thread: every write is already visible
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned old = *p; *p = old + v; return old; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; fs_wait(&fs_warps[fs_tid() >> 5]); }
 static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
     (void)mask;

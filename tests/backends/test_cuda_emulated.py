@@ -300,7 +300,8 @@ def tf32(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("tf32", [True, False])
 def test_every_choice_of_a_fused_gemm_runs_emulated(tmp_path, tf32):
     """Each choice lowering lists for a fused GEMM + bias + ReLU (every tensor-core
-    tile with TF32, every CUDA-core tile, partial tiles along M, N and K) is written as its
+    tile with TF32, wmma and mma.sync, split-K or not, every CUDA-core tile, partial tiles along M,
+    N and K) is written as its
     schedule says and matches ONNX Runtime emulated: the search may pick any of them."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["q"]),
              helper.make_node("Relu", ["q"], ["y"])]
@@ -310,8 +311,9 @@ def test_every_choice_of_a_fused_gemm_runs_emulated(tmp_path, tf32):
     values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
     group = range(len(prep.graph))
     options = choices(prep.graph, FusionGroup(frozenset(group)))
-    assert {k.schedule.skeleton for k in options} == ({"mma-tf32", "tiled"} if tf32 else {"tiled"})
-    assert len({(k.schedule.skeleton, k.tile) for k in options}) == len(options) >= 4
+    assert {k.schedule.skeleton for k in options} == ({"mma-tf32", "mma-sync-tf32", "tiled"} if tf32 else {"tiled"})
+    assert len({(k.schedule.skeleton, k.tile, k.schedule.warp, k.schedule.stages, k.schedule.split_k)
+                for k in options}) == len(options) >= 4
     for kernel in options:
         check(prep, values, group, kernel.schedule.skeleton, kernel.schedule)
 

@@ -56,7 +56,9 @@ emitted statements are the same text in both languages; only the skeleton around
                while TF32 is allowed, `mma-f16`, `mma-bf16`: lowering's choice) the same tiles
                staged as the fragments' type (cp.async double buffering for plain copies), wmma
                fragments multiplied per warp, the accumulators through shared memory to the
-               epilogue and the one store. Epilogues that move elements (a Transpose
+               epilogue and the one store; or (`mma-sync-*`) as a performance engineer writes
+               them: warp tiles of `mma.sync` fed by `ldmatrix` from XOR-swizzled shared memory,
+               a cp.async pipeline of 3+ stages, the epilogue on the accumulator registers. Epilogues that move elements (a Transpose
                after the product), ConvTranspose and 1-D operands use the `direct` skeleton: a
                thread per output element with its dot product inline. (A Softmax epilogue makes
                the group a row kernel, above.)
@@ -97,6 +99,7 @@ from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.c_runtime import C_HEADER, tile_kernels
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
 from fusesearch.backends.codegen.mma import _mma
+from fusesearch.backends.codegen.mma_sync import _mma_sync
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
 from fusesearch.backends.codegen.ops import _BINARY, _HANDLERS, _UNARY, _VARIADIC
 from fusesearch.backends.codegen.pointwise import _pointwise
@@ -110,6 +113,10 @@ from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride
+
+DYNAMIC_SMEM = frozenset({Skeleton.MMA_SYNC_TF32, Skeleton.MMA_SYNC_F16, Skeleton.MMA_SYNC_BF16})
+"""The skeletons whose shared memory is dynamic (their stages pass the 48 KiB a block may declare
+statically): the launch asks for the schedule's bytes."""
 
 __all__ = ["CAPABILITIES", "CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "CodegenRefused", "GeneratedKernel",
            "cpu_fusable", "cuda_module", "generate", "module_namespace", "try_generate"]
@@ -168,11 +175,13 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     digest = source_digest(c_src, cu_src, units)
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton,
+                           dynamic_smem=schedule.smem_bytes if skeleton in DYNAMIC_SMEM else 0,
                            packed=tuple(packs.values()), c_units=units)
 
 
 _CUDA_WRITERS = {Skeleton.TILED: _tiled, Skeleton.VECTORIZED: _vectorized,
-                 **dict.fromkeys((Skeleton.MMA_TF32, Skeleton.MMA_F16, Skeleton.MMA_BF16), _mma)}
+                 **dict.fromkeys((Skeleton.MMA_TF32, Skeleton.MMA_F16, Skeleton.MMA_BF16), _mma),
+                 **dict.fromkeys((Skeleton.MMA_SYNC_TF32, Skeleton.MMA_SYNC_F16, Skeleton.MMA_SYNC_BF16), _mma_sync)}
 """The skeletons whose CUDA has its own writer; the others' is the pointwise or row kernel's."""
 
 

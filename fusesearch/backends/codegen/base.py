@@ -78,12 +78,15 @@ class GeneratedKernel:
     source_hash: str = field(default="")
     grid: tuple[int, int, int] = (1, 1, 1)  # the CUDA launch (CuPy and the emulator use it as is)
     block: tuple[int, int, int] = (256, 1, 1)
-    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma-tf32 | mma-f16 | mma-bf16 | direct;
+    skeleton: str = ""  # CUDA: grid-stride | vectorized | block-per-row | tiled | mma[-sync]-tf32/f16/bf16 | direct;
     # CPU only (`cuda_source` empty): packed
     packed: tuple[PackedWeight, ...] = ()  # C: weights the kernel reads packed (after its outputs)
     # C: translation units the kernel links besides the runtime, each compiled once into a shared
     # library of its own whatever kernels link it (a tile epilogue's tile kernels: `c_runtime.tile_kernels`)
     c_units: tuple[str, ...] = ()
+    # CUDA: bytes of dynamic shared memory the launch asks for (`extern __shared__`; the mma.sync
+    # skeletons, whose stages pass the 48 KiB of static shared memory), 0 for the others
+    dynamic_smem: int = 0
 
     def with_c_source(self, c_source: str, c_units: tuple[str, ...] | None = None) -> GeneratedKernel:
         """The same kernel with another C source, and other C units where given (an edit of this

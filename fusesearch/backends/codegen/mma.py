@@ -36,6 +36,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
     MMA_ELEMENT_BYTES,
+    MMA_SYNC_SKELETONS,
     MMA_THREADS,
     mma_pad,
     mma_smem_bytes,
@@ -52,6 +53,7 @@ _HEADERS = {"mma-tf32": ("mma.h",), "mma-f16": ("mma.h", "cuda_fp16.h"), "mma-bf
 # operands keep 10 (TF32, FP16) or 7 (BF16) mantissa bits, 2^-11 / 2^-8 relative each; float32
 # accumulation adds far less for K <= 4096. Kernels on CUDA cores are held to verify's 1e-4.
 TOLERANCE = {"mma-tf32": 2e-3, "mma-f16": 2e-3, "mma-bf16": 1.6e-2}
+TOLERANCE |= {sync: TOLERANCE[s] for s, sync in MMA_SYNC_SKELETONS.items()}  # the same operands
 WARPS_M, WARPS_N = 2, 2  # MMA_THREADS / 32 warps over the block tile
 _CP_ASYNC = """#ifndef FS_EMULATED
 __device__ __forceinline__ void fs_cp_async4(void* dst, const void* src) {
@@ -61,7 +63,24 @@ __device__ __forceinline__ void fs_cp_async_commit() { asm volatile("cp.async.co
 template <int N> __device__ __forceinline__ void fs_cp_async_wait() { asm volatile("cp.async.wait_group %0;\\n" :: "n"(N)); }
 #endif
 """
+_WMMA = {**{s: s for s in _PRECISION}, **{sync: s for s, sync in MMA_SYNC_SKELETONS.items()}}  # operand types
 _PLAIN_LOAD = re.compile(r"float (v\d+) = (in\d+\[.*\]);")
+
+
+def staged_element(skeleton: str, lines: list[str], value: str, dst: str) -> list[str]:
+    """The statements that put one operand element at `dst` in shared memory (the prologue's
+    `lines` and `value` from `tile_parts`): a 4-byte cp.async of a plain float load of a kernel
+    input where the operand is staged as float (TF32), else the value converted to the operand
+    type and stored."""
+    last = _PLAIN_LOAD.fullmatch(lines[-1]) if lines else None
+    if MMA_ELEMENT_BYTES[skeleton] == 4 and last and last[1] == value:
+        return [*lines[:-1], f"fs_cp_async4(&{dst}, &{last[2]});"]
+    return [*lines, f"{dst} = {_PRECISION[_WMMA[skeleton]][3].format(value)};"]
+
+
+def staging_headers(skeleton: str) -> str:
+    """The kernel's includes (the operand types' headers) and the cp.async helpers."""
+    return "".join(f"#include <{h}>\n" for h in _HEADERS[_WMMA[skeleton]]) + _CP_ASYNC
 
 
 def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
@@ -91,12 +110,7 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     smem = mma_smem_bytes(schedule.tile, stages, esize)
 
     def staged(lines: list[str], value: str, dst: str) -> list[str]:
-        """The statements that put one operand element at `dst`: a cp.async of a plain float load
-        of a kernel input (TF32), else the value (prologue applied) converted and stored."""
-        last = _PLAIN_LOAD.fullmatch(lines[-1]) if lines else None
-        if skeleton == "mma-tf32" and last and last[1] == value:
-            return [*lines[:-1], f"fs_cp_async4(&{dst}, &{last[2]});"]
-        return [*lines, f"{dst} = {convert.format(value)};"]
+        return staged_element(skeleton, lines, value, dst)
 
     side_lines = _side_loops(graph, kernel, args, side)
     zero = convert.format("0.0f")
@@ -218,6 +232,5 @@ def _mma(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         "}",
         *side_lines,
     ]
-    includes = "".join(f"#include <{h}>\n" for h in _HEADERS[skeleton])
-    src = f"{_CU_PRELUDE}{includes}{_CP_ASYNC}\n{cuda_entry(name, ins, outs)} {{\n{_indent(body, 1)}\n}}\n"
+    src = f"{_CU_PRELUDE}{staging_headers(skeleton)}\n{cuda_entry(name, ins, outs)} {{\n{_indent(body, 1)}\n}}\n"
     return src

@@ -1,0 +1,249 @@
+"""The CUDA tensor-core skeleton for gemm/conv as a performance engineer writes it (`mma-sync-tf32`,
+`mma-sync-f16`, `mma-sync-bf16`; sm_80 and later): the anchor as z GEMMs (`contraction`), a BM x BN
+output tile per block, a WM x WN tile per warp (the schedule's `tile` and `warp`), `mma.sync`
+m16n8k8 (TF32) or m16n8k16 (FP16 / BF16) into float accumulators held in registers.
+
+    staging   per K step of BK, A as BM rows and B as BN rows of BK elements each (both
+              K-contiguous: whatever the global layout, the staging loop writes each element where
+              the fragment loads want it), as the operand type, the prologue applied while staging
+              (`tile_parts`, as the wmma skeleton); a plain float load of a kernel input staged as
+              float (TF32) is a 4-byte cp.async, the rest (any prologue, or a conversion to half)
+              is computed and stored (`mma.staged_element`); threads walk A and B along whichever
+              of M / N or K is contiguous in global memory
+    swizzle   shared memory unpadded; each row's 16-byte chunks permuted by XOR with the row
+              (chunk c of row r at c ^ ((r / L) % S), L the rows per 128-byte line, S the chunks
+              per row up to 8), so the 8 rows an ldmatrix reads, or the 8 rows a lane group reads
+              for one column, fall in 8 distinct 16-byte bank groups: no bank conflict
+    pipeline  `stages` buffers; stages - 1 K steps in flight ahead (cp.async.commit_group per
+              step, an empty group past the end), cp.async.wait_group(stages - 2) and one
+              __syncthreads per step, then the next step is staged into the buffer read one step
+              before
+    fragments `ldmatrix.x4` for every operand and type: A a 16 x (K step) block per x4, B two
+              8-column blocks per x4 (B staged N x K is the "col" operand); TF32 too: a 32-bit
+              element is a pair of b16, so the 8 x 8 b16 matrices ldmatrix moves are 8 x 4 floats,
+              each lane receiving exactly the TF32 fragment's element (row g, column t), which
+              `fs_tf32` then rounds (cvt.rna)
+    epilogue  on the accumulators: each lane's four values per m16n8 block at their (row, column)
+              (`ptx` module: row g + 8 (i >> 1), column 2t + (i & 1)), the epilogue applied and
+              the one store, no shared memory
+    split-K   (`split_k` > 1: a small M x N, `schedule.mma_sync_split`) grid z holds z x splits
+              blocks, each multiplying its share of the K steps; each writes its partial tile to
+              the kernel's workspace (`__device__` arrays of the module, sized by the schedule),
+              fences, and counts itself on the tile's arrival counter; the last block to arrive
+              sums every split's partial in split order (the result does not depend on arrival
+              order), resets the counter to 0 for the next launch and runs the epilogue. One
+              kernel, no second launch and no buffer for the program to plan; chosen over atomics
+              on the output, which would need the output zeroed first and could not apply a
+              nonlinear epilogue, and over a second reduction kernel, which would be a launch and a
+              workspace outside the schedule
+
+Invariants: the tile, warp tile, stages, threads, grid and shared memory are the schedule's
+(lowering's: `schedule.mma_sync`, `mma_sync_smem_bytes`), the shared memory dynamic (a launch asks
+for `GeneratedKernel.dynamic_smem` bytes, exactly the schedule's); a split-K kernel's launches run
+one after another (one stream, as the CUDA program's), its arrival counters back at 0 after each;
+the same text runs in
+the emulator (FS_EMULATED: the shared memory a static array, the ptx helpers warp-collective C++).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fusesearch.backends.codegen.base import CodegenRefused, _indent, cuda_entry
+from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
+from fusesearch.backends.codegen.contraction import tile_parts
+from fusesearch.backends.codegen.mma import staged_element, staging_headers
+from fusesearch.backends.codegen.ptx import MMA_SYNC
+from fusesearch.backends.codegen.tiled import _side_loops
+from fusesearch.ir.graph import Graph
+from fusesearch.lowering import Kernel
+from fusesearch.schedule import MMA_ELEMENT_BYTES, mma_sync_smem_bytes
+
+# skeleton -> (shared-memory element type, the mma.sync function, its K, zero)
+_INSTRUCTION = {
+    "mma-sync-tf32": ("float", "fs_mma_m16n8k8_tf32", 8, "0.0f"),
+    "mma-sync-f16": ("__half", "fs_mma_m16n8k16_f16", 16, "__float2half(0.0f)"),
+    "mma-sync-bf16": ("__nv_bfloat16", "fs_mma_m16n8k16_bf16", 16, "__float2bfloat16(0.0f)"),
+}
+CHUNK = 16  # bytes: an ldmatrix row, the unit the swizzle permutes
+
+
+def swizzled(row: str, col: str, row_elems: int, esize: int) -> str:
+    """The element offset of (row, col) in a staged operand of `row_elems` elements per row: the
+    row's 16-byte chunks XOR-permuted (module docstring)."""
+    per_chunk = CHUNK // esize
+    chunks = row_elems // per_chunk
+    rows_per_line = max(1, 128 // (row_elems * esize))
+    spread = min(chunks, 8)
+    line = f"(({row}) >> {rows_per_line.bit_length() - 1})" if rows_per_line > 1 else f"({row})"
+    chunk = f"(((({col}) >> {per_chunk.bit_length() - 1}) ^ ({line} & {spread - 1})) << {per_chunk.bit_length() - 1})"
+    return f"({row}) * {row_elems} + {chunk} + (({col}) & {per_chunk - 1})"
+
+
+def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
+    """CUDA for a gemm/conv group whose schedule is `mma-sync-*`: its block tile, warp tile,
+    stages, threads and grid as the schedule gives them."""
+    schedule = kernel.schedule
+    skeleton = schedule.skeleton
+    if skeleton not in _INSTRUCTION:
+        raise CodegenRefused(f"{skeleton}: not an mma.sync skeleton (the schedule and the generator disagree)")
+    elem, instruction, ks, zero = _INSTRUCTION[skeleton]
+    esize = MMA_ELEMENT_BYTES[skeleton]
+    tm, tn, tk = schedule.tile
+    wm, wn = schedule.warp
+    stages, threads = schedule.stages, schedule.threads
+    fm, fn = wm // 16, wn // 8
+    per_chunk = CHUNK // esize
+    if (tm % wm or tn % wn or wm % 16 or wn % 16 or tk % ks or (tk * esize) % CHUNK or stages < 3
+            or threads != (tm // wm) * (tn // wn) * 32):
+        raise CodegenRefused(f"tile {schedule.tile} / warp {schedule.warp} / {stages} stages is not an mma.sync tiling")
+    parts = tile_parts(graph, kernel, args, outs, skeleton, "acc[i][j][r]")
+    c = parts.c
+    a_col, b_col = c.a_m_contiguous, c.b_k_contiguous
+    a_stage, b_stage = tm * tk, tn * tk
+    smem = mma_sync_smem_bytes(schedule.tile, stages, esize)
+
+    def at(row: str, col: str) -> str:
+        return swizzled(row, col, tk, esize)
+
+    stage_fn = [
+        "auto stage = [&](long long k0, int s) {",
+        f"    {elem}* a_dst = As + s * {a_stage};",
+        f"    {elem}* b_dst = Bs + s * {b_stage};",
+        f"    for (int l = tid; l < {tm * tk}; l += {threads}) {{",
+        (f"        const int kk = l / {tm}, mm = l % {tm};" if a_col else
+         f"        const int mm = l / {tk}, kk = l % {tk};"),
+        "        const long long gm = m0 + mm, gk = k0 + kk;",
+        f"        if (gm < {c.m}LL && gk < {c.k}LL) {{",
+        *["            " + x for x in staged_element(skeleton, parts.a_lines, parts.a_val, f"a_dst[{at('mm', 'kk')}]")],
+        f"        }} else a_dst[{at('mm', 'kk')}] = {zero};",
+        "    }",
+        f"    for (int l = tid; l < {tn * tk}; l += {threads}) {{",
+        (f"        const int nn = l / {tk}, kk = l % {tk};" if b_col else
+         f"        const int kk = l / {tn}, nn = l % {tn};"),
+        "        const long long gk = k0 + kk, gn = n0 + nn;",
+        f"        if (gk < {c.k}LL && gn < {c.n}LL) {{",
+        *["            " + x for x in staged_element(skeleton, parts.b_lines, parts.b_val, f"b_dst[{at('nn', 'kk')}]")],
+        f"        }} else b_dst[{at('nn', 'kk')}] = {zero};",
+        "    }",
+        "};",
+    ]
+    tf32 = skeleton == "mma-sync-tf32"
+    rounded = ["            #pragma unroll",
+               "            for (int r = 0; r < {n}; ++r) {v}[r] = fs_tf32(__int_as_float((int){v}[r]));"]
+    multiply = [
+        "auto multiply = [&](int s) {",
+        f"    const {elem}* a_s = As + s * {a_stage};",
+        f"    const {elem}* b_s = Bs + s * {b_stage};",
+        "    #pragma unroll",
+        f"    for (int kk = 0; kk < {tk}; kk += {ks}) {{",
+        f"        unsigned a[{fm}][4], b[{fn}][2];",
+        "        #pragma unroll",
+        f"        for (int i = 0; i < {fm}; ++i) {{",
+        f"            fs_ldmatrix_x4(a[i], a_s + {at(f'wy * {wm} + i * 16 + (lane & 15)', f'kk + (lane >> 4) * {per_chunk}')});",
+        *([x.format(n=4, v="a[i]") for x in rounded] if tf32 else []),
+        "        }",
+        "        #pragma unroll",
+        f"        for (int j = 0; j < {fn}; j += 2) {{",
+        f"            fs_ldmatrix_x4(&b[j][0], b_s + "
+        f"{at(f'wx * {wn} + j * 8 + (lane & 7) + ((lane >> 4) << 3)', f'kk + ((lane >> 3) & 1) * {per_chunk}')});",
+        *([x.format(n=4, v="(&b[j][0])") for x in rounded] if tf32 else []),
+        "        }",
+        "        #pragma unroll",
+        f"        for (int i = 0; i < {fm}; ++i)",
+        "            #pragma unroll",
+        f"            for (int j = 0; j < {fn}; ++j) {instruction}(acc[i][j], a[i], b[j], acc[i][j]);",
+        "    }",
+        "};",
+    ]
+    steps = -(-c.k // tk)
+    split = schedule.split_k
+    per_split = -(-steps // split)  # K steps of each split (the last may have fewer)
+    loop = [
+        f"const long long kt0 = (long long)ks * {per_split}, kt1 = kt0 + {per_split} < {steps}LL ? kt0 + {per_split} "
+        f": {steps}LL;",
+        "#pragma unroll",
+        f"for (int s = 0; s < {stages - 1}; ++s) {{  // the first stages - 1 K steps in flight",
+        f"    if (kt0 + s < kt1) stage((kt0 + s) * {tk}, s);",
+        "    fs_cp_async_commit();",
+        "}",
+        "for (long long kt = kt0; kt < kt1; ++kt) {",
+        f"    fs_cp_async_wait<{stages - 2}>();  // step kt has landed (this thread's copies)",
+        "    __syncthreads();  // everyone's copies and stores; the buffer of step kt - 1 is free",
+        f"    const long long next = kt + {stages - 1};",
+        f"    if (next < kt1) stage(next * {tk}, (int)((next - kt0) % {stages}));",
+        "    fs_cp_async_commit();",
+        f"    multiply((int)((kt - kt0) % {stages}));",
+        "}",
+    ]
+    each = ["#pragma unroll",
+            f"for (int i = 0; i < {fm}; ++i)",
+            "    #pragma unroll",
+            f"    for (int j = 0; j < {fn}; ++j)",
+            "        #pragma unroll",
+            "        for (int r = 0; r < 4; ++r)"]
+    epilogue = [
+        "const int g = lane >> 2, q = lane & 3;",
+        *each[:-1],
+        "        for (int r = 0; r < 4; ++r) {",
+        f"            const int mm = wy * {wm} + i * 16 + g + 8 * (r >> 1), nn = wx * {wn} + j * 8 + 2 * q + (r & 1);",
+        "            const long long gm = m0 + mm, gn = n0 + nn;",
+        f"            if (gm < {c.m}LL && gn < {c.n}LL) {{",
+        *["                " + x for x in parts.epilogue],
+        "            }",
+        "        }",
+    ]
+    workspace, tiles = [], math.prod(schedule.grid) // split
+    if split > 1:  # serial split-K: every split's partial tile to the workspace; the last to arrive sums them
+        slot = f"((i * {fn} + j) * 4 + r) * {threads} + tid"  # coalesced: a register index, then the thread
+        workspace = [f"__device__ float fs_partials[{tiles * split * tm * tn}];  // per tile, split, register, thread",
+                     f"__device__ unsigned fs_arrivals[{tiles}];  // per tile: splits done (0 between launches)"]
+        epilogue = [
+            "{",
+            f"    float* const mine = fs_partials + (tile * {split} + ks) * {tm * tn}LL;",
+            *["    " + x for x in each], f"                mine[{slot}] = acc[i][j][r];",
+            "    __threadfence();  // the partial is visible device-wide before this block counts itself",
+            "    __syncthreads();",
+            f"    const bool last = __syncthreads_or(tid == 0 && atomicAdd(&fs_arrivals[tile], 1u) == {split - 1}u);",
+            "    if (!last) return;",
+            "    __threadfence();",
+            "    if (tid == 0) fs_arrivals[tile] = 0u;  // every split has arrived: ready for the next launch",
+            *["    " + x for x in each], "                acc[i][j][r] = 0.0f;",
+            f"    for (int o = 0; o < {split}; ++o) {{  // in split order, whichever block came last",
+            f"        const float* const part = fs_partials + (tile * {split} + o) * {tm * tn}LL;",
+            *["        " + x for x in each], f"                    acc[i][j][r] += __ldcg(part + {slot});",
+            "    }",
+            "}",
+            *epilogue,
+        ]
+    body = [
+        "#ifdef FS_EMULATED",
+        f"static __align__(128) unsigned char fs_smem[{smem}];",
+        "#else",
+        "extern __shared__ __align__(128) unsigned char fs_smem[];  // the launch's dynamic shared memory: "
+        f"{smem} bytes",
+        "#endif",
+        f"{elem}* const As = reinterpret_cast<{elem}*>(fs_smem);",
+        f"{elem}* const Bs = As + {stages * a_stage};",
+        f"const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wy = warp / {tn // wn}, wx = warp % {tn // wn};",
+        f"const long long m0 = (long long)blockIdx.y * {tm}, n0 = (long long)blockIdx.x * {tn}, "
+        f"gz = blockIdx.z / {split};",
+        f"const int ks = blockIdx.z % {split};  // this block's share of K",
+        *([f"const long long tile = blockIdx.x + {schedule.grid[0]}LL * (blockIdx.y + {schedule.grid[1]}LL * gz);"]
+          if split > 1 else []),
+        *parts.setup,
+        f"float acc[{fm}][{fn}][4];",
+        "#pragma unroll",
+        f"for (int i = 0; i < {fm}; ++i)",
+        "    #pragma unroll",
+        f"    for (int j = 0; j < {fn}; ++j)",
+        "        #pragma unroll",
+        "        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;",
+        *stage_fn,
+        *multiply,
+        *loop,
+        *_side_loops(graph, kernel, args, parts.side),  # every block, before the non-last splits leave
+        *epilogue,
+    ]
+    return (f"{_CU_PRELUDE}{staging_headers(skeleton)}{MMA_SYNC}{''.join(x + chr(10) for x in workspace)}\n"
+            f"{cuda_entry(name, ins, outs)} {{\n{_indent(body, 1)}\n}}\n")
