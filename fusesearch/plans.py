@@ -74,15 +74,16 @@ def _connected_convex(graph: Graph, group: frozenset[int], gi: int) -> FusionDec
     return FusionDecision.accept()
 
 
-def order_groups(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int]:
-    """Topological order of the quotient graph (indices into `groups`); InvalidPlan on a cycle."""
+def order_groups(graph: Graph, groups: Sequence[frozenset[int]], *, part: bool = False) -> list[int]:
+    """Topological order of the quotient graph (indices into `groups`); InvalidPlan on a cycle.
+    `part`: the groups cover only some nodes (a piece of the search); edges to others are left out."""
     owner = {v: gi for gi, g in enumerate(groups) for v in g}
     succ: list[set[int]] = [set() for _ in groups]
     indegree = [0] * len(groups)
     for gi, group in enumerate(groups):
         for v in group:
             for w in graph.successors(v):
-                gj = owner[w]
+                gj = owner.get(w, gi) if part else owner[w]
                 if gj != gi and gj not in succ[gi]:
                     succ[gi].add(gj)
                     indegree[gj] += 1
