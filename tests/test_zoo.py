@@ -181,7 +181,7 @@ REQUIRED_OPS = {
     "llama-prefill": {"Gather", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Slice", "Neg", "Concat",
                       "Expand", "Trilu", "Where", "Sigmoid", "Softmax", "MatMul", "Range"},
     "llama-decode": {"Gather", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Slice", "Neg", "Concat",
-                     "Expand", "Sigmoid", "Softmax", "MatMul", "Range", "Shape"},
+                     "Expand", "Sigmoid", "Softmax", "MatMul", "Shape"},
     "unet": {"Conv", "BatchNormalization", "Relu", "MaxPool", "ConvTranspose", "Concat"},
     "yolo-neck": {"Sigmoid", "Mul", "Resize", "Concat", "Conv", "BatchNormalization"},
     "rnn-control": {"Loop", "If", "MatMul", "Add", "Tanh", "ReduceSum", "Greater"},

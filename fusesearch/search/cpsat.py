@@ -112,11 +112,14 @@ class CpSatSolver:
         for done, (key, sub) in enumerate(first.items()):
             share = max(0.0, deadline - time.perf_counter()) / (len(first) - done)
             inside = set(sub.nodes)
-            part = self._solve_part(problem, groups, sub.nodes, sub.candidates, costs,
-                                    [g for g in greedy if g <= inside], time.perf_counter() + share, seed)
+            hint = [g for g in greedy if g <= inside]
+            part = self._solve_part(problem, groups, sub.nodes, sub.candidates, costs, hint,
+                                    time.perf_counter() + share, seed)
             statuses[part.status] = statuses.get(part.status, 0) + 1
-            local = tuple(tuple(sorted(v - sub.start for v in groups[i])) for i in part.chosen)
-            solutions[key] = decompose.Solution(local, part.value, part.bound, part.status == "OPTIMAL")
+            chosen = part.chosen if part.chosen else _hinted(groups, sub, hint)  # none found in time
+            local = tuple(tuple(sorted(v - sub.start for v in groups[i])) for i in chosen)
+            value = sum(costs[i] for i in chosen)
+            solutions[key] = decompose.Solution(local, value, min(part.bound, value), part.status == "OPTIMAL")
         plan, value, bound, proven = decompose.join(chain, groups, costs, subs, lambda s: solutions[s.key])
         try:
             order_groups(problem.graph, plan)
@@ -133,6 +136,13 @@ class CpSatSolver:
         plan = tuple(sorted(plan, key=min))
         objective_s = problem.partition_time_s(plan)
         return _no_worse_than_greedy(problem, plan, status, objective_s, bound * unit / PS_PER_S, stats, greedy)
+
+
+def _hinted(groups, sub, hint) -> tuple[int, ...]:
+    """The hint's groups of a subproblem, its other nodes alone (every node is a candidate)."""
+    index = {groups[i]: i for i in sub.candidates}
+    covered = {v for g in hint for v in g}
+    return tuple(index[g] for g in (*hint, *(frozenset({v}) for v in sub.nodes if v not in covered)))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..errors import BadInput
-from ._builder import GraphBuilder, unsqueeze
+from ._builder import GraphBuilder, dim_of, unsqueeze
 
 OPSET = 17
 RMS_EPS = 1e-5
@@ -186,13 +186,13 @@ def build_llama(name: str, seed: int, cfg: LlamaConfig, *, decode: bool, weights
     b = GraphBuilder(name, seed, OPSET, shapes_only=shapes_only)
     ids = b.input("input_ids", ["batch", 1 if decode else "seq"], TensorProto.INT64)
     x = b.op("Gather", [b.weight("embed_tokens", (cfg.vocab, cfg.hidden), 1.0), ids], axis=0)
-    one = b.scalar(1, np.int64)
     if decode:
-        # the new token's position: the cache's length (the first block declares the input)
-        start = b.op("Gather", [b.op("Shape", ["past_key_values.0.key"]), b.scalar(2, np.int64)], axis=0)
-        positions = b.op("Range", [start, b.op("Add", [start, one]), one])
+        # the new token's position: the cache's length, as `past.size(2)` exports (the first
+        # block declares the input)
+        positions = dim_of(b, b.op("Shape", ["past_key_values.0.key"]), 2)
         causal = None
     else:
+        one = b.scalar(1, np.int64)
         seq = b.op("Gather", [b.op("Shape", [ids]), one], axis=0)
         positions = b.op("Range", [b.scalar(0, np.int64), seq, one])
         causal = _causal_mask(b, seq)
