@@ -45,7 +45,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
-SHAPE_LIKE = 64  # constants up to this size tell groups apart by value; larger ones (weights) by shape
+SHAPE_LIKE = 16  # constants up to this size tell groups apart by value (shapes, axes); larger ones (weights) by shape
 
 
 @dataclass(frozen=True)

@@ -115,3 +115,27 @@ def test_a_stopped_search_states_its_gap_and_the_greedy_fallback(run_cli, tmp_pa
     assert "not proven optimal, gap" in plan.solver.summary()
     doc = json.loads(plan.to_json())["solver"]
     assert doc["stopped"] == "time limit" and "gap" in doc
+
+
+def _zoo_problem(tmp_path, name: str, **sizes):
+    from fusesearch import zoo
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.pipeline import prepare
+
+    path = save(zoo.build_model(name, **sizes), tmp_path / f"{name}-{sizes['layers']}.onnx")
+    graph = prepare(path, ShapeBindings.parse([], []).with_defaults(zoo.ZOO[name].default_dims)).graph
+    return graph, SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1))
+
+
+def test_groups_of_one_structure_share_their_lowering_and_agree_with_their_own(tmp_path):
+    """Every candidate's shared decision and cost equal what lowering it itself gives, and a model
+    twice as deep lowers no more groups (its repeated blocks are lowered once)."""
+    lowered = {}
+    for layers in (3, 6):
+        graph, problem = _zoo_problem(tmp_path, "llama-decode", layers=layers)
+        candidates = enumerate_candidates(problem.legality).groups
+        own = SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1)).legality
+        for g in candidates:
+            assert own.check(g).decision and own.check(g).time_s == problem.time_s(g), sorted(g)
+        lowered[layers] = problem.legality.evaluated
+    assert lowered[6] == lowered[3]
