@@ -72,16 +72,16 @@ def test_random_dags_decomposed_equals_undivided(graph):
     assert pieces.stats["objective_ps"] == whole.stats["objective_ps"]
 
 
-def test_deep_chain_plan_json_says_how_it_was_decomposed(run_cli, tmp_path):
-    nodes, x = [], "x"
+def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path):
+    """From DECOMPOSE_FROM_NODES nodes on, `fusesearch plan` decomposes; plan.json says how, twice the same."""
+    import numpy as np
     from onnx import helper
 
-    for i in range(6):
+    nodes, x = [], "x"
+    for i in range(cpsat_module.DECOMPOSE_FROM_NODES // 3 + 1):
         nodes += [helper.make_node("MatMul", [x, "w"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"]),
                   helper.make_node("Add", [f"r{i}", x], [f"a{i}"])]
         x = f"a{i}"
-    import numpy as np
-
     model = make_model(nodes, [("x", [64, 64])], [(x, [64, 64])], [("w", np.eye(64, dtype=np.float32))])
     path = save(model, tmp_path / "chain.onnx")
     outs = []
@@ -93,12 +93,12 @@ def test_deep_chain_plan_json_says_how_it_was_decomposed(run_cli, tmp_path):
     assert outs[0] == outs[1]
     solver = json.loads(outs[0])["solver"]
     assert solver["status"] == "OPTIMAL" and "stopped" not in solver and "fallback" not in solver
-    assert solver["decomposition"]["proven_whole"] is True
-    assert solver["decomposition"]["distinct"] < solver["decomposition"]["subproblems"]
+    d = solver["decomposition"]
+    assert d["proven_whole"] is True and d["pieces"] > 100 and d["distinct"] < 20
     assert "optimum proven for the whole graph" in out
 
 
-def test_a_stopped_search_states_its_gap_and_the_greedy_fallback(run_cli, tmp_path, monkeypatch):
+def test_a_stopped_search_states_its_gap_and_the_greedy_fallback(monkeypatch):
     """CP-SAT given no time at all (its one-second floor lifted) stops before proving anything: the
     output and plan.json say it stopped, with the gap to the bound, and that greedy's plan came back."""
     monkeypatch.setattr(cpsat_module, "MIN_SOLVE_S", 0.0)
