@@ -4,7 +4,9 @@ identical blocks are solved once, and a search stopped at its limit says so."""
 from __future__ import annotations
 
 import json
+from importlib import resources
 
+import jsonschema
 from hypothesis import HealthCheck, given, settings
 
 from costmodels import RooflineModel, get_device
@@ -18,6 +20,7 @@ from tests.search.test_search import build, random_dags
 
 H100 = get_device("h100-sxm")
 MODEL = RooflineModel()
+SCHEMA = json.loads(resources.files("fusesearch").joinpath("schemas/plan.schema.json").read_text())
 
 
 def blocks(n: int) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -91,7 +94,9 @@ def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path)
         assert code == 0, err
         outs.append((tmp_path / f"p{k}.json").read_bytes())
     assert outs[0] == outs[1]
-    solver = json.loads(outs[0])["solver"]
+    doc = json.loads(outs[0])
+    jsonschema.validate(doc, SCHEMA)
+    solver = doc["solver"]
     assert solver["status"] == "OPTIMAL" and "stopped" not in solver and "fallback" not in solver
     d = solver["decomposition"]
     assert d["proven_whole"] is True and d["pieces"] > 100 and d["distinct"] < 20
@@ -113,8 +118,9 @@ def test_a_stopped_search_states_its_gap_and_the_greedy_fallback(monkeypatch):
     if plan.time_s == greedy.time_s:
         assert outcome["fallback"] == "greedy" and "greedy" in plan.solver.summary()
     assert "not proven optimal, gap" in plan.solver.summary()
-    doc = json.loads(plan.to_json())["solver"]
-    assert doc["stopped"] == "time limit" and "gap" in doc
+    doc = json.loads(plan.to_json())
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["solver"]["stopped"] == "time limit" and doc["solver"]["gap"] is not None
 
 
 def _zoo_problem(tmp_path, name: str, **sizes):
