@@ -124,8 +124,8 @@ class SolverInfo:
 
     @property
     def gap(self) -> float:
-        """(objective - bound) / objective; 0 without a bound."""
-        if not self.bound_s or not self.objective_s:
+        """(objective - bound) / objective; 0 without a bound (a bound of 0 is a gap of 100%)."""
+        if self.bound_s is None or not self.objective_s:
             return 0.0
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
