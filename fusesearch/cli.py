@@ -674,6 +674,8 @@ def _print_plan(p, output: Path | None) -> None:
     at = f" at {threads} thread{'s' if threads != 1 else ''} (--threads)" if threads else ""
     out.print(f"[bold]{p.model.name}[/bold] on [bold]{p.device}[/bold]{at}, strategy {p.strategy} "
               f"({status}; {s.wall_s:.2f} s)")
+    if s.summary():
+        out.print(f"solver: {s.summary()}", markup=False)
     # the bound is the model's roofline; under measured costs the plan's time is the sum of timed
     # kernels, which a low peak in the model can put below it: the ratio would compare two sources
     bound = (f"lower bound {_fmt_time(p.lower_bound_s)} ({p.time_s / p.lower_bound_s:.1f}x above it)"

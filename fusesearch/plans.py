@@ -74,15 +74,16 @@ def _connected_convex(graph: Graph, group: frozenset[int], gi: int) -> FusionDec
     return FusionDecision.accept()
 
 
-def order_groups(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int]:
-    """Topological order of the quotient graph (indices into `groups`); InvalidPlan on a cycle."""
+def order_groups(graph: Graph, groups: Sequence[frozenset[int]], *, part: bool = False) -> list[int]:
+    """Topological order of the quotient graph (indices into `groups`); InvalidPlan on a cycle.
+    `part`: the groups cover only some nodes (a piece of the search); edges to others are left out."""
     owner = {v: gi for gi, g in enumerate(groups) for v in g}
     succ: list[set[int]] = [set() for _ in groups]
     indegree = [0] * len(groups)
     for gi, group in enumerate(groups):
         for v in group:
             for w in graph.successors(v):
-                gj = owner[w]
+                gj = owner.get(w, gi) if part else owner[w]
                 if gj != gi and gj not in succ[gi]:
                     succ[gi].add(gj)
                     indegree[gj] += 1
@@ -123,10 +124,39 @@ class SolverInfo:
 
     @property
     def gap(self) -> float:
-        """(objective - bound) / objective; 0 without a bound."""
-        if not self.bound_s or not self.objective_s:
+        """(objective - bound) / objective; 0 without a bound (a bound of 0 is a gap of 100%)."""
+        if self.bound_s is None or not self.objective_s:
             return 0.0
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+    def outcome(self) -> dict[str, Any]:
+        """How an exact search ended, beyond its status: the gap where it stopped at its limit, the
+        greedy fallback and why, and how the graph was decomposed (empty for the heuristics)."""
+        out: dict[str, Any] = {}
+        if "stopped" in self.stats:
+            out["stopped"] = self.stats["stopped"]
+            out["gap"] = _r(self.gap) if self.bound_s is not None else None
+        for key in ("fallback", "fallback_reason", "decomposition"):
+            if key in self.stats:
+                out[key] = self.stats[key]
+        return out
+
+    def summary(self) -> str:
+        """One line for people: where the search stopped and what it returned ('' when proven)."""
+        o = self.outcome()
+        parts = []
+        if "stopped" in o:
+            bound = f"{self.bound_s * 1e6:.2f} us" if self.bound_s is not None else "none"
+            gap = f"{self.gap:.2%}" if self.bound_s is not None else "unknown"
+            parts.append(f"stopped at the {o['stopped']}: not proven optimal, gap {gap} to the bound {bound}")
+        if "fallback" in o:
+            parts.append(f"returned greedy's plan ({o['fallback_reason']})")
+        if "decomposition" in o:
+            d = o["decomposition"]
+            parts.append(f"decomposed into {d['pieces']} pieces, {d['distinct']} distinct subproblems solved of "
+                         f"{d['subproblems']}; optimum {'proven' if d['proven_whole'] else 'not proven'} "
+                         "for the whole graph")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -233,7 +263,8 @@ class Plan:
             "strategy": self.strategy,
             **({"costs": self.costs} if self.costs != "predicted" else {}),
             "solver": {"status": self.solver.status, "objective_s": _r(self.solver.objective_s),
-                       "bound_s": _r(self.solver.bound_s) if self.solver.bound_s is not None else None},
+                       "bound_s": _r(self.solver.bound_s) if self.solver.bound_s is not None else None,
+                       **self.solver.outcome()},
             "groups": [self.group_dict(g) for g in self.groups],
             "totals": {"kernels": self.kernels, "time_s": _r(self.time_s),
                        "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),

@@ -129,6 +129,8 @@ def test_inputs_have_symbolic_dims(zoo, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_runs_in_onnxruntime_with_finite_outputs(zoo, name):
     dims = dict(ZOO[name].default_dims)
+    if "past" in dims:  # a decode step's present keys and values hold the past and the new position
+        dims["total"] = dims["past"] + 1
     session = _session(zoo(name).data)
     outputs = session.run(None, _feeds(session, dims))
     for arg, value in zip(session.get_outputs(), outputs, strict=True):
@@ -176,6 +178,10 @@ REQUIRED_OPS = {
                    "Softmax", "Dropout", "Identity", "Erf", "Gemm", "Tanh", "MatMul", "Add"},
     "gpt2": {"LayerNormalization", "Trilu", "ConstantOfShape", "Where", "Split", "Pow", "Tanh",
              "Transpose", "MatMul", "Softmax"},
+    "llama-prefill": {"Gather", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Slice", "Neg", "Concat",
+                      "Expand", "Trilu", "Where", "Sigmoid", "Softmax", "MatMul", "Range"},
+    "llama-decode": {"Gather", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Slice", "Neg", "Concat",
+                     "Expand", "Sigmoid", "Softmax", "MatMul", "Shape"},
     "unet": {"Conv", "BatchNormalization", "Relu", "MaxPool", "ConvTranspose", "Concat"},
     "yolo-neck": {"Sigmoid", "Mul", "Resize", "Concat", "Conv", "BatchNormalization"},
     "rnn-control": {"Loop", "If", "MatMul", "Add", "Tanh", "ReduceSum", "Greater"},
@@ -183,7 +189,8 @@ REQUIRED_OPS = {
 REQUIRED_OPS["vit-base"] = REQUIRED_OPS["vit-small"]
 REQUIRED_OPS["bert-base"] = REQUIRED_OPS["bert-small"]
 OPSETS = {"resnet18": 9, "resnet50": 13, "mobilenetv2": 10, "vit-small": 17, "vit-base": 17,
-          "bert-base": 12, "bert-small": 12, "gpt2": 17, "unet": 13, "yolo-neck": 11,
+          "bert-base": 12, "bert-small": 12, "gpt2": 17, "llama-prefill": 17,
+          "llama-decode": 17, "unet": 13, "yolo-neck": 11,
           "rnn-control": 13}
 
 
@@ -313,6 +320,71 @@ def test_gpt2_mask_is_causal():
     a, b = (session.run(None, {"input_ids": x})[0] for x in (ids, changed))
     np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-5)
     assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+def _llama_io(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    return [v.name for v in model.graph.input], [v.name for v in model.graph.output]
+
+
+def test_llama_gqa_shapes_and_cache_interface():
+    sizes = {"layers": 3, "hidden": 96, "heads": 6, "kv_heads": 2, "intermediate": 128}
+    prefill, decode = build_model("llama-prefill", **sizes), build_model("llama-decode", **sizes)
+    caches = [f"{i}.{kv}" for i in range(3) for kv in ("key", "value")]
+    assert _llama_io(prefill) == (["input_ids"], [f"present.{c}" for c in caches] + ["logits"])
+    assert _llama_io(decode) == (["input_ids"] + [f"past_key_values.{c}" for c in caches],
+                                 [f"present.{c}" for c in caches] + ["logits"])
+    past = decode.graph.input[1].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "past", 16]  # kv_heads, head_dim
+    ops = collections.Counter(n.op_type for n in decode.graph.node)
+    assert ops["Expand"] == 2 * 3 and ops["Neg"] == 2 * 3 and ops["Trilu"] == 0  # 3 query heads per kv head
+    assert collections.Counter(n.op_type for n in prefill.graph.node)["Trilu"] == 1
+    weights = {t.name: t.dims for t in prefill.graph.initializer}
+    assert weights["matmul_1.weight"] == [96, 32]  # k_proj: kv_heads · head_dim
+
+
+def test_llama_decode_step_continues_the_prefill():
+    """Prefill of n tokens ends with the same logits as prefill of n-1 tokens followed by one decode
+    step fed its present keys and values: rotary positions, the cache and GQA agree."""
+    ids = np.random.default_rng(3).integers(0, 1000, (2, 9), dtype=np.int64)
+    prefill = _session(build_model("llama-prefill").SerializeToString())
+    decode = _session(build_model("llama-decode").SerializeToString())
+    names = [o.name for o in prefill.get_outputs()]
+    full = prefill.run(None, {"input_ids": ids})[-1]
+    cache = dict(zip(names, prefill.run(None, {"input_ids": ids[:, :-1]}), strict=True))
+    feeds = {"input_ids": ids[:, -1:]}
+    feeds.update({i.name: cache[i.name.replace("past_key_values", "present")]
+                  for i in decode.get_inputs() if i.name != "input_ids"})
+    step = dict(zip(names, decode.run(None, feeds), strict=True))
+    np.testing.assert_allclose(step["logits"][:, 0], full[:, -1], rtol=1e-4, atol=1e-4)
+    assert step["present.1.value"].shape == (2, 2, 9, 16)
+
+
+def test_llama_mask_is_causal():
+    session = _session(build_model("llama-prefill").SerializeToString())
+    ids = np.random.default_rng(4).integers(0, 1000, (1, 12), dtype=np.int64)
+    changed = ids.copy()
+    changed[0, 6:] = (changed[0, 6:] + 5) % 1000
+    a, b = (session.run(None, {"input_ids": x})[-1] for x in (ids, changed))
+    np.testing.assert_allclose(a[:, :6], b[:, :6], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_llama_full_size_is_shapes_only_unless_asked():
+    """7B-class shapes: no weight is drawn or stored (each is an input of its static shape)."""
+    from fusesearch.zoo.llama import LLAMA_8B
+
+    model = build_model("llama-decode", **{**LLAMA_8B, "layers": 1})
+    assert model.ByteSize() < 10_000_000  # the rotary tables (8 MB) only; the weights would be 32 GB
+    inputs = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+    assert inputs["matmul_0.weight"] == [4096, 4096] and inputs["embed_tokens"] == [128256, 4096]
+    assert all(t.name.startswith(("rope.", "scalar", "ints")) for t in model.graph.initializer)
+    drawn = build_model("llama-decode", layers=1, weights=1)
+    assert "matmul_0.weight" in {t.name for t in drawn.graph.initializer}
+    assert {v.name for v in build_model("llama-decode", layers=1, weights=0).graph.input} >= {"matmul_0.weight"}
+    with pytest.raises(BadInput, match="weights=2"):
+        build_model("llama-decode", weights=2)
+    with pytest.raises(BadInput, match="multiple of kv_heads"):
+        build_model("llama-prefill", heads=4, kv_heads=3)
 
 
 def test_bert_attention_mask_hides_padding():

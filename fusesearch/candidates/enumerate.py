@@ -80,7 +80,7 @@ def enumerate_candidates(legality: Legality, *, budget_per_seed: int = DEFAULT_B
             checked += _grow(legality, graph, nbrs, seed, budget_per_seed, found)
     for group in extra:
         group = frozenset(group)
-        if group not in found and legality.check(group).decision:
+        if group not in found and legality.outcome(group).decision:
             found.add(group)
     ordered = sorted(found, key=lambda g: (min(g), len(g), sorted(g)))
     return CandidateSet(tuple(ordered), checked)
@@ -101,7 +101,7 @@ def _grow(legality: Legality, graph: Graph, nbrs: list[tuple[int, ...]], seed: i
                 continue
             seen.add(grown)
             checks += 1
-            if legality.check(grown).decision:
+            if legality.outcome(grown).decision:
                 found.add(grown)
                 frontier.append(grown)
             if checks >= budget:

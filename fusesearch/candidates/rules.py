@@ -21,7 +21,11 @@ rule of `DEFAULT_RULES` accepts it, cheapest first:
                       fastest measured (`Legality.choose`: the one place a choice is made)
 
 `Legality.check` memoizes (node set → decision, kernel, cost), so each group is lowered and
-costed once per search.
+costed once per search. `Legality.outcome` (the decision and cost alone: what enumeration and the
+exact solver ask of every candidate) goes further: groups of the same `structure` (ops,
+attributes, shapes and dtypes, small constants' values, which inputs are shared, which outputs
+are read outside the group) get the same decision and cost, so a deep model's repeated blocks are
+lowered once per block shape, not once per block. With a `Measurer` every group is checked itself.
 Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
 whichever caller asks.
 """
@@ -41,6 +45,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
+SHAPE_LIKE = 16  # constants up to this size tell groups apart by value (shapes, axes); larger ones (weights) by shape
 
 
 @dataclass(frozen=True)
@@ -182,12 +187,26 @@ class Legality:
     measurer: Measurer | None = None  # None: predicted costs; else the choices' measured times
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
     _last: tuple = field(default=(), repr=False)  # (node set, its choices): the set being checked
+    _twins: dict[tuple, Verdict] = field(default_factory=dict, repr=False)  # structure → verdict
 
     def check(self, nodes: Iterable[int]) -> Verdict:
         key = frozenset(nodes)
         verdict = self._memo.get(key)
         if verdict is None:
             verdict = self._memo[key] = self._check(key)
+        return verdict
+
+    def outcome(self, nodes: Iterable[int]) -> Verdict:
+        """The group's decision and cost, shared with an earlier group of the same `structure` (its
+        kernel may be that group's: read a group's kernel through `check`)."""
+        key = frozenset(nodes)
+        verdict = self._memo.get(key)
+        if verdict is not None or self.measurer is not None:
+            return verdict or self.check(key)
+        shape = structure(self.graph, key)
+        verdict = self._twins.get(shape)
+        if verdict is None:
+            verdict = self._twins[shape] = self.check(key)
         return verdict
 
     def _check(self, nodes: frozenset[int]) -> Verdict:
@@ -248,8 +267,42 @@ class Legality:
         return "predicted" if self.measurer is None else self.measurer.mode
 
     def time_s(self, nodes: Iterable[int]) -> float:
-        return self.check(nodes).time_s
+        return self.outcome(nodes).time_s
 
     @property
     def evaluated(self) -> int:
         return len(self._memo)
+
+
+def structure(graph: Graph, nodes: frozenset[int]) -> tuple:
+    """What a group's lowering and cost depend on, without node ids or tensor names: per node (in
+    id order) its op, attributes, and for each input where it comes from (a member, by position
+    and output, or an outside tensor, numbered by first use so that shared inputs stay shared,
+    with its shape, dtype and, for constants of up to SHAPE_LIKE elements (shapes, axes, slice
+    bounds, scalars: what lowering reads), value), and for each output its shape, dtype
+    and whether anything outside the group (or the graph's output) reads it."""
+    order = sorted(nodes)
+    position = {v: i for i, v in enumerate(order)}
+    outside: dict[str, int] = {}
+    out = []
+    for v in order:
+        node = graph.nodes[v]
+        inputs = []
+        for t in node.inputs:
+            producer = graph.producer(t) if t else None
+            if producer in position:
+                inputs.append((position[producer], graph.nodes[producer].outputs.index(t)))
+                continue
+            info = graph.info(t) if t else None
+            value = graph.constant_value(t) if t else None
+            value = value if value is not None and value.size <= SHAPE_LIKE else None
+            inputs.append((outside.setdefault(t, len(outside)), None if info is None else (info.shape, info.dtype, info.constant),
+                           None if value is None else (value.dtype.str, value.shape, value.tobytes())))
+        outputs = []
+        for t in node.outputs:
+            info = graph.info(t)
+            read_outside = graph.is_output(t) or any(c not in position for c in graph.consumers(t))
+            outputs.append((None if info is None else (info.shape, info.dtype), read_outside))
+        attrs = tuple(sorted((k, repr(a)) for k, a in node.attrs.items()))
+        out.append((node.op_type, node.domain, attrs, tuple(inputs), tuple(outputs)))
+    return tuple(out)

@@ -19,14 +19,22 @@ Model (as the OR-Tools samples: data, model, variables, constraints, objective, 
                seed and workers from the config; with few workers the `max_lp` and `core`
                subsolvers are added, which is what proves optimality on 2 cores.
   determinism  parallel workers may prove the optimum with different, equally fast plans; a
-               second solve with one (deterministic) worker, Σ c_g x_g ≤ optimum added and the same
+               second solve (needless when the first had one worker) with one (deterministic) worker, Σ c_g x_g ≤ optimum added and the same
                greedy hint, returns the same plan on every run (a time-limited FEASIBLE result
                may still differ between runs). The optimum is summed in integers from the chosen
                x_g, never read from CP-SAT's float objective (which can fall just below it), so
                the re-solve is always feasible; its status is the `resolve_status` statistic.
 The candidate set always holds the rules and greedy groups, so the optimum is never worse than
-either. On a time-out the best plan found is returned with its gap to the bound; if CP-SAT
-found nothing in time the greedy plan is returned, never nothing. A model CP-SAT calls invalid
+either. On a time-out the best plan found is returned with its gap to the bound (the `stopped`
+statistic says so); if CP-SAT found nothing in time, or nothing better than the greedy plan, the
+greedy plan is returned and the `fallback` statistic says it is greedy's, never silently.
+decomposition  the candidates are enumerated on the whole graph, then `decompose.split` cuts the
+               node order into a chain of pieces joined exactly over the few candidates crossing
+               each cut; each distinct subproblem is one model as above (over its nodes and
+               candidates), solved once, and `decompose.join` picks the cheapest states; the
+               joined plan is the whole graph's optimum when every subproblem's is proven and it is
+               acyclic (else the whole graph is solved as one model). Each distinct subproblem gets
+               an equal share of the time left. Graphs from DECOMPOSE_FROM_NODES nodes on. A model CP-SAT calls invalid
 (or infeasible) is a bug, never read as a time-out: an internal error saying what CP-SAT found.
 Invariants: this is the only module that imports ortools.
 """
@@ -36,11 +44,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fusesearch.candidates.enumerate import CandidateSet, enumerate_candidates
+from fusesearch.candidates.enumerate import enumerate_candidates
 from fusesearch.errors import FusesearchError
+from fusesearch.plans import InvalidPlan, order_groups
+from fusesearch.search import decompose
 from fusesearch.search.greedy import greedy_partition
 from fusesearch.search.problem import SearchProblem, SolveResult
 from fusesearch.search.rules import rules_partition
@@ -54,10 +65,17 @@ MIN_SOLVE_S = 1.0  # CP-SAT always gets this long, even past the deadline (the h
 SAFETY_S = 0.5  # reading the solution back ...
 SAFETY_PER_NODE_S = 2e-4  # ... and building the validated plan (costs, unfused figures) after it
 FEW_WORKERS = 4
+# below this many nodes one model proves the optimum faster than the decomposition's many small ones
+# (BERT-base, 1 worker: 170 nodes in 2 s whole, 9 s decomposed; 1,220 nodes 38 s whole)
+DECOMPOSE_FROM_NODES = 500
 
 
 class CpSatSolver:
     name = "cpsat"
+
+    def __init__(self, decompose: bool | None = None) -> None:
+        self.decompose = decompose  # None: from DECOMPOSE_FROM_NODES nodes on
+        self.solves = 0  # CP-SAT models solved (subproblems with equal keys count once)
 
     def solve(self, problem: SearchProblem, *, time_limit_s: float, seed: int) -> SolveResult:
         start = time.perf_counter()
@@ -66,11 +84,82 @@ class CpSatSolver:
         candidates = enumerate_candidates(problem.legality, budget_per_seed=problem.config.budget_per_seed,
                                           extra=[*greedy, *rules])
         enumerated_s = time.perf_counter() - start
-        result = _solve_model(problem, candidates, greedy, start + time_limit_s, seed)
+        costs, unit = _costs(problem, candidates.groups)
+        deadline = start + time_limit_s
+        whole = not (self.decompose if self.decompose is not None else len(problem.graph) >= DECOMPOSE_FROM_NODES)
+        chain = None if whole else decompose.split(len(problem.graph), candidates.groups)
+        result = None
+        if chain is not None and chain.pieces > 1:
+            result = self._solve_chain(problem, candidates.groups, chain, costs, unit, greedy, deadline, seed)
+        if result is None:
+            part = self._solve_part(problem, candidates.groups, range(len(problem.graph)),
+                                    range(len(candidates)), costs, greedy, deadline, seed)
+            result = _result(problem, candidates.groups, part, unit, greedy)
         stats = {**result.stats, "candidates": len(candidates), "enumeration_checks": candidates.checked,
                  "enumeration_s": round(enumerated_s, 3)}
         return SolveResult(result.groups, result.status, result.objective_s, result.bound_s,
                            time.perf_counter() - start, stats)
+
+    def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed) -> _Part:
+        self.solves += 1
+        return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed)
+
+    def _solve_chain(self, problem, groups, chain, costs, unit, greedy, deadline, seed) -> SolveResult | None:
+        """The exact plan joined from the chain's subproblems (`decompose`), each distinct one solved
+        once; None when the joined plan has a cycle across pieces (the whole graph is solved then)."""
+        subs = decompose.subproblems(problem.graph, chain, groups, costs)
+        first: dict[tuple, decompose.Subproblem] = {}
+        for sub in subs:
+            first.setdefault(sub.key, sub)
+        solutions: dict[tuple, decompose.Solution] = {}
+        statuses: dict[str, int] = {}
+        solver_s = 0.0
+        for done, (key, sub) in enumerate(first.items()):
+            share = max(0.0, deadline - time.perf_counter()) / (len(first) - done)
+            inside = set(sub.nodes)
+            hint = [g for g in greedy if g <= inside]
+            part = self._solve_part(problem, groups, sub.nodes, sub.candidates, costs, hint,
+                                    time.perf_counter() + share, seed)
+            statuses[part.status] = statuses.get(part.status, 0) + 1
+            solver_s += part.stats["solver_wall_s"]
+            chosen = part.chosen if part.chosen else _hinted(groups, sub, hint)  # none found in time
+            local = tuple(tuple(sorted(v - sub.start for v in groups[i])) for i in chosen)
+            value = sum(costs[i] for i in chosen)
+            solutions[key] = decompose.Solution(local, value, min(part.bound, value), part.status == "OPTIMAL")
+        plan, value, bound, proven = decompose.join(chain, groups, costs, subs, lambda s: solutions[s.key])
+        try:
+            order_groups(problem.graph, plan)
+        except InvalidPlan:
+            log.warning("cpsat: the plan joined from %d pieces has a cycle across them; solving the whole "
+                        "graph instead", chain.pieces)
+            return None
+        status = "OPTIMAL" if proven else "FEASIBLE"
+        stats = {"solver_status": status, "objective_ps": value * unit, "solver_wall_s": round(solver_s, 3),
+                 "decomposition": {"pieces": chain.pieces, "subproblems": len(subs), "distinct": len(first),
+                                   "statuses": dict(sorted(statuses.items())), "proven_whole": proven}}
+        if not proven:
+            stats["stopped"] = "time limit"
+        plan = tuple(sorted(plan, key=min))
+        objective_s = problem.partition_time_s(plan)
+        return _no_worse_than_greedy(problem, plan, status, objective_s, bound * unit / PS_PER_S, stats, greedy)
+
+
+def _hinted(groups, sub, hint) -> tuple[int, ...]:
+    """The hint's groups of a subproblem, its other nodes alone (every node is a candidate)."""
+    index = {groups[i]: i for i in sub.candidates}
+    covered = {v for g in hint for v in g}
+    return tuple(index[g] for g in (*hint, *(frozenset({v}) for v in sub.nodes if v not in covered)))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One CP-SAT model's answer: chosen candidate indices, its cost and bound in solver units."""
+
+    chosen: tuple[int, ...]
+    status: str  # OPTIMAL | FEASIBLE | UNKNOWN (stopped before any plan)
+    value: int
+    bound: int
+    stats: dict
 
 
 def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[list[int], int]:
@@ -81,27 +170,36 @@ def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[
     return [round(t / unit) for t in ps], unit
 
 
-def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[frozenset[int]],
-                 deadline: float, seed: int) -> SolveResult:
+def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nodes, indices, costs: list[int],
+                 hint: list[frozenset[int]], deadline: float, seed: int) -> _Part:
+    """The model of the module docstring over `nodes` (a topologically ordered subset) and the
+    candidates `groups[i]` for i in `indices` (all inside `nodes`)."""
     graph = problem.graph
-    n = len(graph)
+    nodes, indices = list(nodes), list(indices)
+    local = {v: j for j, v in enumerate(nodes)}
+    n = len(nodes)
     model = cp_model.CpModel()
-    x = [model.new_bool_var(f"x{i}") for i in range(len(candidates))]
-    rank = [model.new_int_var(0, max(n - 1, 0), f"r{v}") for v in range(n)]
-    containing = candidates.containing()
-    for v in range(n):
-        model.add_exactly_one(x[i] for i in containing[v])
-    for u in range(n):
-        shared_with = _pairs(candidates, containing[u])
+    x = [model.new_bool_var(f"x{i}") for i in indices]
+    rank = [model.new_int_var(0, max(n - 1, 0), f"r{v}") for v in nodes]
+    containing: list[list[int]] = [[] for _ in nodes]
+    for k, i in enumerate(indices):
+        for v in groups[i]:
+            containing[local[v]].append(k)
+    for j in range(n):
+        model.add_exactly_one(x[k] for k in containing[j])
+    for j, u in enumerate(nodes):
+        shared_with = _pairs(groups, indices, containing[j])
         for v in graph.successors(u):
-            together = sum(x[i] for i in shared_with.get(v, ()))
-            model.add(rank[v] - rank[u] + together >= 1)
+            if v not in local:
+                continue
+            together = sum(x[k] for k in shared_with.get(v, ()))
+            model.add(rank[local[v]] - rank[j] + together >= 1)
             if shared_with.get(v):
-                model.add(rank[v] - rank[u] + n * together <= n)
-    costs, unit = _costs(problem, candidates.groups)
-    objective = sum(c * xi for c, xi in zip(costs, x, strict=True))
+                model.add(rank[local[v]] - rank[j] + n * together <= n)
+    part_costs = [costs[i] for i in indices]
+    objective = sum(c * xi for c, xi in zip(part_costs, x, strict=True))
     model.minimize(objective)
-    _add_hint(model, candidates, x, rank, hint, graph)
+    _add_hint(model, groups, indices, x, rank, local, hint, graph)
     solver = cp_model.CpSolver()
     remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S - SAFETY_PER_NODE_S * n)
     _configure(solver.parameters, problem.config.workers, remaining, seed)
@@ -111,10 +209,18 @@ def _solve_model(problem: SearchProblem, candidates: CandidateSet, hint: list[fr
                               f"({model.validate() or 'no reason given'}) on {n} nodes; plan with "
                               "--strategy greedy meanwhile and report this")
     resolve = None
-    if status == cp_model.OPTIMAL:
-        model.add(objective <= _objective(solver, costs, x))
+    if status == cp_model.OPTIMAL and problem.config.workers > 1:  # one worker is deterministic already
+        model.add(objective <= _objective(solver, part_costs, x))
         solver, resolve = _deterministic_optimum(model, solver, deadline - SAFETY_PER_NODE_S * n)
-    return _result(problem, candidates, solver, status, x, costs, unit, hint, resolve)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    stats = {"solver_status": solver.status_name(status), "conflicts": solver.num_conflicts,
+             "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3),
+             "resolve_status": resolve}
+    chosen = tuple(i for i, var in zip(indices, x, strict=True) if solver.value(var)) if found else ()
+    value = _objective(solver, part_costs, x) if found else 0
+    # every cost is >= 0, whatever LP bound came back; a stop before any plan keeps the bound it had
+    bound = max(0, math.ceil(solver.best_objective_bound - 1e-6)) if math.isfinite(solver.best_objective_bound) else 0
+    return _Part(chosen, solver.status_name(status), value, min(bound, value) if found else bound, stats)
 
 
 def _objective(solver, costs: list[int], x) -> int:
@@ -154,29 +260,23 @@ class _Combined:
         return self._second.value(var)
 
 
-def _pairs(candidates: CandidateSet, indices: list[int]) -> dict[int, list[int]]:
-    """For node u: other node v → candidates containing both u and v."""
+def _pairs(groups, indices: list[int], containing: list[int]) -> dict[int, list[int]]:
+    """For node u (the candidates `containing` it, positions in `indices`): other node v → the
+    positions of the candidates containing both u and v."""
     out: dict[int, list[int]] = {}
-    for i in indices:
-        for v in candidates.groups[i]:
-            out.setdefault(v, []).append(i)
+    for k in containing:
+        for v in groups[indices[k]]:
+            out.setdefault(v, []).append(k)
     return out
 
 
-def _add_hint(model, candidates, x, rank, hint, graph) -> None:
-    index = {g: i for i, g in enumerate(candidates.groups)}
-    chosen = {index[g] for g in hint if g in index}
-    for i, var in enumerate(x):
-        model.add_hint(var, i in chosen)
-    for r, group in enumerate(_topological_groups(graph, hint)):
-        for v in group:
-            model.add_hint(rank[v], r)
-
-
-def _topological_groups(graph, groups: list[frozenset[int]]) -> list[frozenset[int]]:
-    from fusesearch.plans import order_groups
-
-    return [groups[i] for i in order_groups(graph, groups)]
+def _add_hint(model, groups, indices, x, rank, local, hint, graph) -> None:
+    chosen = set(hint)
+    for i, var in zip(indices, x, strict=True):
+        model.add_hint(var, groups[i] in chosen)
+    for r, gi in enumerate(order_groups(graph, hint, part=len(local) < len(graph))):
+        for v in hint[gi]:
+            model.add_hint(rank[local[v]], r)
 
 
 def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
@@ -187,22 +287,35 @@ def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
         params.extra_subsolvers.extend(["max_lp", "core"])
 
 
-def _result(problem, candidates, solver, status, x, costs, unit: int, hint, resolve: str | None) -> SolveResult:
-    name = solver.status_name(status)
-    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    bound_s = solver.best_objective_bound * unit / PS_PER_S if found else None
-    stats = {"solver_status": name, "objective_ps": None, "conflicts": solver.num_conflicts,
-             "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3),
-             "resolve_status": resolve}
-    if found:
-        groups = tuple(g for g, var in zip(candidates.groups, x, strict=True) if solver.value(var))
-        stats["objective_ps"] = _objective(solver, costs, x) * unit
-    else:
-        log.warning("cpsat found no solution in time (%s); returning the greedy plan", name)
-        groups, name = tuple(hint), "FEASIBLE"
-        stats["fallback"] = "greedy"
-    groups = tuple(sorted(groups, key=min))
-    objective_s = problem.partition_time_s(groups)
-    if bound_s is not None:  # ps rounding above; and every cost is >= 0, whatever LP bound came back
-        bound_s = max(0.0, min(bound_s, objective_s))
-    return SolveResult(groups, name, objective_s, bound_s, 0.0, stats)
+def _result(problem, groups, part: _Part, unit: int, greedy) -> SolveResult:
+    """The whole graph's answer from one model's."""
+    found = part.status in ("OPTIMAL", "FEASIBLE")
+    stats = {**part.stats, "objective_ps": part.value * unit if found else None}
+    if not found:
+        log.warning("cpsat found no solution in time (%s); returning the greedy plan", part.status)
+        stats["stopped"] = "time limit"
+        return _fallback(problem, greedy, part.bound * unit / PS_PER_S, stats, "no plan found in time")
+    if part.status != "OPTIMAL":
+        stats["stopped"] = "time limit"
+    plan = tuple(sorted((groups[i] for i in part.chosen), key=min))
+    return _no_worse_than_greedy(problem, plan, part.status, problem.partition_time_s(plan),
+                                 part.bound * unit / PS_PER_S, stats, greedy)
+
+
+def _no_worse_than_greedy(problem, plan, status: str, objective_s: float, bound_s: float, stats: dict,
+                          greedy) -> SolveResult:
+    """The plan, or greedy's where a stopped solve found nothing faster (the `fallback` statistic
+    says so: CP-SAT starts from greedy's plan, so a stop that improved nothing returns it)."""
+    greedy_s = problem.partition_time_s(greedy)
+    if status != "OPTIMAL" and objective_s >= greedy_s:
+        why = "no faster plan found in time" if objective_s == greedy_s else "the plan found was slower"
+        return _fallback(problem, greedy, bound_s, stats, why)
+    # ps rounding above; and every cost is >= 0, whatever bound came back
+    return SolveResult(plan, status, objective_s, max(0.0, min(bound_s, objective_s)), 0.0, stats)
+
+
+def _fallback(problem, greedy, bound_s: float, stats: dict, why: str) -> SolveResult:
+    plan = tuple(sorted(greedy, key=min))
+    objective_s = problem.partition_time_s(plan)
+    return SolveResult(plan, "FEASIBLE", objective_s, max(0.0, min(bound_s, objective_s)), 0.0,
+                       {**stats, "fallback": "greedy", "fallback_reason": why})

@@ -22,6 +22,7 @@ import onnx
 from ..errors import BadInput
 from .bert import bert_base, bert_small
 from .gpt2 import gpt2
+from .llama import llama_decode, llama_prefill
 from .mobilenet import mobilenetv2
 from .recurrent import rnn_control
 from .resnet import resnet18, resnet50
@@ -48,6 +49,7 @@ class ZooEntry:
 
 _IMAGE = MappingProxyType({"batch": 1})
 _TEXT = MappingProxyType({"batch": 1, "seq": 128})
+_DECODE = MappingProxyType({"batch": 1, "past": 128})
 
 ZOO: dict[str, ZooEntry] = {
     e.name: e
@@ -68,6 +70,10 @@ ZOO: dict[str, ZooEntry] = {
                  bert_small, _TEXT),
         ZooEntry("gpt2", "GPT-2 small decoder, opset 17, in-graph causal mask, tied LM head",
                  gpt2, _TEXT),
+        ZooEntry("llama-prefill", "LLaMA-style decoder, prompt pass: RMSNorm, RoPE, SwiGLU, GQA, "
+                 "present KV outputs", llama_prefill, _TEXT),
+        ZooEntry("llama-decode", "LLaMA-style decoder, one decode step after `past` cached keys and "
+                 "values (inputs)", llama_decode, _DECODE),
         ZooEntry("unet", "U-Net, opset 13, 4 levels, ConvTranspose upsampling, Concat skips",
                  unet, _IMAGE),
         ZooEntry("yolo-neck", "YOLO-style CSP backbone + FPN/PAN neck, opset 11 Resize, SiLU",

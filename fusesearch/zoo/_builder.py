@@ -43,9 +43,13 @@ def _prefix(op_type: str) -> str:
 class GraphBuilder:
     """Collects one ONNX graph: nodes, initializers, inputs and outputs, named and seeded."""
 
-    def __init__(self, name: str, seed: int, opset: int, *, parent: GraphBuilder | None = None):
+    def __init__(self, name: str, seed: int, opset: int, *, parent: GraphBuilder | None = None,
+                 shapes_only: bool = False):
         self.name = name
         self.opset = opset
+        # shapes only: every drawn weight becomes a graph input of its static shape (nothing drawn
+        # or stored), for full-size models planned by shape alone
+        self.shapes_only = parent.shapes_only if parent else shapes_only
         self.rng = parent.rng if parent else np.random.default_rng(seed)
         self._counts: dict[str, int] = parent._counts if parent else {}
         self._scalars: dict[tuple[str, bytes], str] = {}
@@ -92,9 +96,13 @@ class GraphBuilder:
         return self.uniform(name, shape, -math.sqrt(3.0) * std, math.sqrt(3.0) * std)
 
     def normal(self, name: str, shape: Sequence[int], std: float) -> str:
+        if self.shapes_only:
+            return self.input(name, shape)
         return self.param(name, self.rng.standard_normal(tuple(shape), dtype=np.float32) * std)
 
     def uniform(self, name: str, shape: Sequence[int], low: float, high: float) -> str:
+        if self.shapes_only:
+            return self.input(name, shape)
         values = self.rng.random(tuple(shape), dtype=np.float32)
         values *= np.float32(high - low)
         values += np.float32(low)

@@ -1,0 +1,147 @@
+"""The decomposed exact search: cuts joined over crossing candidates give the undivided optimum,
+identical blocks are solved once, and a search stopped at its limit says so."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import jsonschema
+from hypothesis import HealthCheck, given, settings
+
+from costmodels import RooflineModel, get_device
+from fusesearch.candidates.enumerate import enumerate_candidates
+from fusesearch.search import SearchConfig, SearchProblem, search
+from fusesearch.search import cpsat as cpsat_module
+from fusesearch.search.cpsat import CpSatSolver
+from fusesearch.search.decompose import split
+from tests.conftest import make_model, save
+from tests.search.test_search import build, random_dags
+
+H100 = get_device("h100-sxm")
+MODEL = RooflineModel()
+SCHEMA = json.loads(resources.files("fusesearch").joinpath("schemas/plan.schema.json").read_text())
+
+
+def blocks(n: int) -> list[tuple[str, str, tuple[str, ...]]]:
+    """n identical residual blocks: y = x + relu(x·x)."""
+    spec, x = [], "x"
+    for i in range(n):
+        spec += [(f"mm{i}", "MatMul", (x, x)), (f"relu{i}", "Relu", (f"mm{i}",)), (f"add{i}", "Add", (x, f"relu{i}"))]
+        x = f"add{i}"
+    return spec
+
+
+def solve(graph, decompose: bool):
+    """cpsat, whole or decomposed; groups of up to 4 nodes keep the crossing candidates few."""
+    solver = CpSatSolver(decompose=decompose)
+    problem = SearchProblem.build(graph, H100, MODEL, SearchConfig(time_limit_s=30, workers=1, max_group_size=4))
+    return solver, solver.solve(problem, time_limit_s=30, seed=0)
+
+
+def test_repeated_blocks_decompose_to_the_undivided_optimum():
+    graph = build(blocks(4))
+    problem = SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1, max_group_size=4))
+    chain = split(len(graph), enumerate_candidates(problem.legality).groups)
+    assert chain.pieces > 4 and any(chain.crossing)  # cuts inside blocks, some crossed by candidates
+    _, whole = solve(graph, decompose=False)
+    solver, pieces = solve(graph, decompose=True)
+    assert "decomposition" not in whole.stats
+    assert pieces.stats["objective_ps"] == whole.stats["objective_ps"]
+    assert set(pieces.groups) == set(whole.groups)
+    assert pieces.status == whole.status == "OPTIMAL"
+    d = pieces.stats["decomposition"]
+    assert d["proven_whole"] and d["pieces"] == chain.pieces
+    assert solver.solves == d["distinct"] < d["subproblems"]
+
+
+def test_identical_blocks_are_solved_once():
+    """Twice the blocks, the same CP-SAT models: the first and last blocks differ from the rest (the
+    graph input, the graph output), every middle block is the same problem."""
+    solves = {}
+    for n in (4, 8):
+        solver, result = solve(build(blocks(n)), decompose=True)
+        solves[n] = (solver.solves, result.stats["decomposition"]["subproblems"])
+    assert solves[8][0] == solves[4][0]
+    assert solves[8][1] > solves[4][1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_dags())
+def test_random_dags_decomposed_equals_undivided(graph):
+    _, whole = solve(graph, decompose=False)
+    _, pieces = solve(graph, decompose=True)
+    assert whole.status == pieces.status == "OPTIMAL"
+    assert pieces.stats["objective_ps"] == whole.stats["objective_ps"]
+
+
+def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path):
+    """From DECOMPOSE_FROM_NODES nodes on, `fusesearch plan` decomposes; plan.json says how, twice the same."""
+    import numpy as np
+    from onnx import helper
+
+    nodes, x = [], "x"
+    for i in range(cpsat_module.DECOMPOSE_FROM_NODES // 3 + 1):
+        nodes += [helper.make_node("MatMul", [x, "w"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"]),
+                  helper.make_node("Add", [f"r{i}", x], [f"a{i}"])]
+        x = f"a{i}"
+    model = make_model(nodes, [("x", [64, 64])], [(x, [64, 64])], [("w", np.eye(64, dtype=np.float32))])
+    path = save(model, tmp_path / "chain.onnx")
+    outs = []
+    for k in range(2):
+        code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--workers", "1",
+                                 "-o", tmp_path / f"p{k}.json")
+        assert code == 0, err
+        outs.append((tmp_path / f"p{k}.json").read_bytes())
+    assert outs[0] == outs[1]
+    doc = json.loads(outs[0])
+    jsonschema.validate(doc, SCHEMA)
+    solver = doc["solver"]
+    assert solver["status"] == "OPTIMAL" and "stopped" not in solver and "fallback" not in solver
+    d = solver["decomposition"]
+    assert d["proven_whole"] is True and d["pieces"] > 100 and d["distinct"] < 20
+    assert "optimum proven for the whole graph" in out
+
+
+def test_a_stopped_search_states_its_gap_and_the_greedy_fallback(monkeypatch):
+    """CP-SAT given no time at all (its one-second floor lifted) stops before proving anything: the
+    output and plan.json say it stopped, with the gap to the bound, and that greedy's plan came back."""
+    monkeypatch.setattr(cpsat_module, "MIN_SOLVE_S", 0.0)
+    monkeypatch.setattr(cpsat_module, "SAFETY_S", 1e3)
+    graph = build(blocks(3))
+    problem = SearchProblem.build(graph, H100, MODEL, SearchConfig(time_limit_s=0.01, workers=1))
+    plan = search(graph, H100, MODEL, "cpsat", problem=problem)
+    greedy = search(graph, H100, MODEL, "greedy", problem=problem)
+    outcome = plan.solver.outcome()
+    assert plan.solver.status == "FEASIBLE" and outcome["stopped"] == "time limit"
+    assert plan.time_s <= greedy.time_s
+    if plan.time_s == greedy.time_s:
+        assert outcome["fallback"] == "greedy" and "greedy" in plan.solver.summary()
+    assert "not proven optimal, gap" in plan.solver.summary()
+    doc = json.loads(plan.to_json())
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["solver"]["stopped"] == "time limit" and doc["solver"]["gap"] is not None
+
+
+def _zoo_problem(tmp_path, name: str, **sizes):
+    from fusesearch import zoo
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.pipeline import prepare
+
+    path = save(zoo.build_model(name, **sizes), tmp_path / f"{name}-{sizes['layers']}.onnx")
+    graph = prepare(path, ShapeBindings.parse([], []).with_defaults(zoo.ZOO[name].default_dims)).graph
+    return graph, SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1))
+
+
+def test_groups_of_one_structure_share_their_lowering_and_agree_with_their_own(tmp_path):
+    """Every candidate's shared decision and cost equal what lowering it itself gives, and a model
+    twice as deep lowers no more groups (its repeated blocks are lowered once)."""
+    lowered = {}
+    for layers in (3, 6):
+        graph, problem = _zoo_problem(tmp_path, "llama-decode", layers=layers)
+        candidates = enumerate_candidates(problem.legality).groups
+        own = SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1)).legality
+        for g in candidates:
+            assert own.check(g).decision and own.check(g).time_s == problem.time_s(g), sorted(g)
+        lowered[layers] = problem.legality.evaluated
+    assert lowered[6] == lowered[3]
