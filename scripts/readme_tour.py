@@ -4,7 +4,8 @@
     python scripts/readme_tour.py --check     # rerun, fail where the output's shape differs
     python scripts/readme_tour.py --check --fast   # only the commands that plan (no compiling)
 
-A shown output ending in a `...` line keeps that many lines; the check compares the shown lines
+A shown output ending in a `...` line keeps that many first lines, one starting with `...` that
+many last lines (else the whole output is shown); the check compares the shown lines
 with the first lines of the real output, numbers and table rules ignored (figures move between
 runs and machines, the shape must not).
 """
@@ -25,15 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 HEAVY = frozenset({"run", "measure", "regret", "calibrate", "sweep"})  # compile or time kernels
 MORE = "..."
-DEFAULT_LINES = 16  # lines kept of a new command's output
 
 
 @dataclass
 class Command:
     line: int  # index of the `$ ` line in the README
     text: str
-    shown: list[str]  # the output lines shown, without the trailing `...`
-    truncated: bool
+    shown: list[str]  # the output lines shown, without the `...` line
+    truncated: bool  # a `...` line ends the shown output: the first lines shown
+    tail: bool = False  # a `...` line starts it: the last lines shown
 
     @property
     def heavy(self) -> bool:
@@ -53,7 +54,9 @@ def commands(lines: list[str]) -> list[Command]:
             current = Command(i, line[2:], [], False)
             found.append(current)
         elif current is not None and not current.truncated:
-            if line == MORE:
+            if line == MORE and not current.shown and not current.tail:
+                current.tail = True
+            elif line == MORE and not current.tail:
                 current.truncated = True
             else:
                 current.shown.append(line)
@@ -77,10 +80,18 @@ def shape(line: str) -> str:
     return " ".join(line.split())
 
 
+def _shown_part(command: Command, output: list[str]) -> list[str]:
+    """The part of `output` the README shows for `command`: its last lines, or its first."""
+    return output[-len(command.shown):] if command.tail else output[:len(command.shown)]
+
+
 def _replace(lines: list[str], command: Command, output: list[str]) -> None:
-    keep = len(command.shown) if command.truncated else DEFAULT_LINES
-    new = output[:keep] + ([MORE] if len(output) > keep else [])
-    end = command.line + 1 + len(command.shown) + (1 if command.truncated else 0)
+    if command.tail:
+        new = [MORE] + output[-len(command.shown):]
+    else:
+        keep = len(command.shown) if command.truncated else len(output)
+        new = output[:keep] + ([MORE] if len(output) > keep else [])
+    end = command.line + 1 + len(command.shown) + (1 if command.truncated or command.tail else 0)
     lines[command.line + 1:end] = new
 
 
@@ -102,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             output = outputs[command.line]
             if args.update:
                 _replace(lines, command, output)
-            elif [shape(x) for x in output[:len(command.shown)]] != [shape(x) for x in command.shown]:
+            elif [shape(x) for x in _shown_part(command, output)] != [shape(x) for x in command.shown]:
                 failures.append(command)
                 print(f"README output differs for: $ {command.text}", file=sys.stderr)
-                for want, got in zip(command.shown, output + [""] * len(command.shown), strict=False):
+                for want, got in zip(command.shown, _shown_part(command, output) + [""] * len(command.shown),
+                                     strict=False):
                     if shape(want) != shape(got):
                         print(f"  README: {want}\n  now:    {got}", file=sys.stderr)
                         break
