@@ -177,9 +177,11 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     # a Gemm's C operand is a term without the product (its alpha must be 1: the product is added as is)
     gemm_c = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
     alpha_one = anchor.op_type == "MatMul" or float(anchor.attrs.get("alpha", 1.0)) == 1.0
-    terms = _additive_terms(graph, kernel, y, main[0].tensor) if len(main) == 1 and (main[0].tensor != y or gemm_c) else None
+    held = e.scaled.tensor if e.scaled is not None else y  # what the product's store holds (its scale packed into B)
+    terms = (_additive_terms(graph, kernel, held, main[0].tensor) if len(main) == 1 and (main[0].tensor != held or gemm_c)
+             else None)
     additive = terms is not None
-    direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor == y or additive)
+    direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor in (y, held) or additive)
               and main[0].dtype == "float32" and alpha_one else None)  # the BLAS stores the output
     prefill = init = None
     if direct and additive:  # the output is the product plus terms without it: those first, then the BLAS adds
@@ -424,6 +426,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     by_rows = len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0)))
     a_in_place = by_rows and a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
     scale = fold[1] if fold and a_in_place else 1.0  # the BLAS's alpha, or B scaled as it is packed
+    scale *= e.scaled.scale if e.scaled is not None else 1.0  # the product's own scale, packed into B
     alpha = _lit(scale)
     stored_a = (written or {}).get(anchor.inputs[0])  # an output the side loops wrote before the blocks
     row_at = e.flat(e.broadcast(z_idx, sa[:-2]) + ("m0", "0"), sa)
@@ -466,7 +469,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     pk = None
     if own and packed_b:  # B computed in the group (attention's values with their bias): its panel
         # above, with the prologue applied, packed from there per block
-        z_lines += _pack_per_block("bpk", "bbuf", k_extent, n_extent, ldb, b_trans, scale, alpha)
+        z_lines += _pack_per_block("bpk", "bbuf", k_extent, n_extent, ldb, b_trans, alpha)
         pk = "bpk"
     if own and pk is None and strided is None and len(sb) == 2:  # a constant B: packed once per plan
         pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1),
@@ -475,7 +478,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         # a view of an input along N (attention's values) or along K (its keys, read transposed), or
         # a float32 input read in place that is not a 2-D constant (an unfused graph's values and
         # transposed keys, a batched constant): packed per block
-        z_lines += _pack_per_block("bbuf", b_ptr, k_extent, n_extent, ldb, b_trans, scale, alpha)
+        z_lines += _pack_per_block("bbuf", b_ptr, k_extent, n_extent, ldb, b_trans, alpha)
         pk = "bbuf"
     gemv = (f"FS_BLAS_SGEMV(101, 112, {k_extent}, {n_extent}, {alpha}, {b_ptr}, {ldb}, {a_ptr}, 1, {beta}, {c_ptr}, 1);"
             if b_trans == 111 else  # one row: y = B^T a (B is K x N), or y = B a (B is N x K)
@@ -520,16 +523,13 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     return ["    {", *["    " + x for x in split], f"    {OMP_FOR}\n" + _indent(block, 1), "    }"]
 
 
-def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, scale: float, alpha: str) -> list[str]:
+def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, alpha: str) -> list[str]:
     """C packing B into scratch `dst` for our micro-kernel, per block, from `src` (K x N with
-    leading dimension `ldb`, or N x K where `b_trans` is 112), scaled as it is packed where a
-    scalar scale folds into the product."""
+    leading dimension `ldb`, or N x K where `b_trans` is 112), times `alpha` (the product's folded
+    scale, 1 where none) as it is packed: no pass of its own."""
     floats = -(-n // FS_NR) * FS_NR * k
-    lines = [scratch(dst, f"{floats}LL"),
-             f"fs_pack_b({k}LL, {n}LL, {src}, " + (f"{ldb}LL, 1LL, {dst});" if b_trans == 111 else f"1LL, {ldb}LL, {dst});")]
-    if scale != 1.0:
-        lines.append(f"for (long long i = 0; i < {floats}LL; ++i) {dst}[i] *= {alpha};")
-    return lines
+    strides = f"{ldb}LL, 1LL" if b_trans == 111 else f"1LL, {ldb}LL"
+    return [scratch(dst, f"{floats}LL"), f"fs_pack_b({k}LL, {n}LL, {src}, {strides}, {alpha}, {dst});"]
 
 
 def _additive_terms(graph: Graph, kernel: Kernel, y: str, out: str) -> list[str] | None:
