@@ -5,7 +5,9 @@ fiction. Tile, threads, grid, shared memory, split-K, the skeleton and the compu
 decided in one place, priced from there and generated from there.
 Approach: `lowering` builds a frozen `Schedule` for every Kernel from the predicates below (which
 skeleton applies to a group, which computed rows a row kernel caches in shared memory; which ops
-the C product folds into itself, `folded_scale`, and which GELUs are one call, `gelu_chains`); the cost
+the C product folds into itself, `folded_scale` on its activation and `scaled_product` on its
+result, which GELUs are one call, `gelu_chains`, and how many product rows a CPU row kernel
+takes per strip, `product_strip`); the cost
 model prices `Kernel.spec()`, which reads it; the code generator dispatches on `skeleton` and
 writes its tile, block, grid and shared memory as given — it never re-decides them.
 

@@ -6,7 +6,10 @@ reduction over a long row keeps C_PARTIALS partial results (`_partial_sums`), it
 temporaries hoisted before the chunk loop. A full-size output past STREAM_MIN_BYTES streams its
 row (`base.streamed_loop`), the first reduction prefetching the inputs it reads. C rows of at most
 PAIR_MAX_LENGTH run two at a time, interleaved statement by statement (`_paired`); the row body is
-emitted for one row `r` and renamed per row, so both rows run the same statements.
+emitted for one row `r` and renamed per row, so both rows run the same statements. A C row kernel
+over a product (attention's scores under a Softmax) with a `Schedule.strip` runs the rows of each
+strip right after the strip's product, in the loop over the product's blocks (`_strip_rows`), so
+the scores are read back from L1 rather than after the whole product is stored.
 """
 
 from __future__ import annotations
