@@ -91,7 +91,6 @@ from fusesearch.schedule import (
     has_gemm_view,
     mma,
     mma_tiles,
-    product_strip,
     scaled_product,
     split_k,
     stride_blocks,
@@ -532,9 +531,7 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         skeleton = DEPTHWISE if template == "depthwise" else PACKED  # each product priced as itself
         products = tuple(_build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
-                                replace(skeleton, product=p, epilogue=where,
-                                        strip=product_strip(graph, ids, anchor, p) if row_tile else 0),
-                                reload_tile=(m, n_dim, k), host=True)
+                                replace(skeleton, product=p, epilogue=where), reload_tile=(m, n_dim, k), host=True)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
                          for where in epilogues(graph, ids, anchor, p, host.lanes))
         return products if len(nodes) > 1 else (*products, _library_anchor(graph, nodes, anchor, m, n_dim, k))

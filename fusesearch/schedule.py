@@ -6,8 +6,7 @@ decided in one place, priced from there and generated from there.
 Approach: `lowering` builds a frozen `Schedule` for every Kernel from the predicates below (which
 skeleton applies to a group, which computed rows a row kernel caches in shared memory; which ops
 the C product folds into itself, `folded_scale` on its activation and `scaled_product` on its
-result, which GELUs are one call, `gelu_chains`, and how many product rows a CPU row kernel
-takes per strip, `product_strip`); the cost
+result, and which GELUs are one call, `gelu_chains`); the cost
 model prices `Kernel.spec()`, which reads it; the code generator dispatches on `skeleton` and
 writes its tile, block, grid and shared memory as given — it never re-decides them.
 
@@ -51,11 +50,6 @@ writes its tile, block, grid and shared memory as given — it never re-decides 
     epilogue    with the "own" product, where its epilogue runs: "tile" (on the micro-kernel's
                 registers before the one store, `fs_gemm_rows_epi`, where the target has AVX-512:
                 `epilogues`) or "block" (a pass over the block's product in cache); "" elsewhere
-    strip       on a CPU, a row kernel over a MatMul (attention's scores under a Softmax): the
-                product's rows per strip (`product_strip`), each strip multiplied and then run
-                through the row passes while it is in L1, instead of the whole product stored
-                before the first pass reads it back; 0 elsewhere. No byte or flop changes
-                (the product never leaves the kernel either way): not priced
     min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
                 80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma), else 0; the cost
                 model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
@@ -143,11 +137,10 @@ class Schedule:
     row_cache: tuple[str, ...] = ()
     product: str = ""
     epilogue: str = ""
-    strip: int = 0
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
-                or self.epilogue not in ("", "tile", "block") or self.strip < 0):
+                or self.epilogue not in ("", "tile", "block")):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
@@ -156,7 +149,7 @@ class Schedule:
         return {"skeleton": self.skeleton.value, "unit": self.unit, "tile": list(self.tile), "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue, "strip": self.strip}
+                "epilogue": self.epilogue}
 
     @property
     def blocks(self) -> int:
@@ -510,40 +503,6 @@ def epilogues(graph: Graph, nodes: Collection[int], anchor: Node, product: str, 
             graph, nodes, anchor, scaled.nodes if scaled is not None else ()):
         return ("",)
     return ("tile", "block")
-
-
-STRIP_BYTES = 16384  # a strip of the product: half of a 32 KiB L1D (the rest: B's panel rows, the row buffers)
-STRIP_ROWS = 12  # strips of whole micro-kernel row tiles (AVX-512's 12 rows, two AVX2 tiles of 6)
-_STRIP_OPS = frozenset({OpKind.ELEMWISE, OpKind.BROADCAST})
-
-
-def product_strip(graph: Graph, nodes: Collection[int], anchor: Node, product: str) -> int:
-    """Rows per strip (`Schedule.strip`) of a CPU row kernel over a MatMul/Gemm ("own" or "blas":
-    the product through the GEMM blocks, not the row loops): the most whole STRIP_ROWS whose rows
-    fit STRIP_BYTES (one STRIP_ROWS at least), where every op after the anchor keeps the product's
-    shape, element for element (elementwise and broadcast ops: the scale, the mask) or along the
-    last axis (the Softmax), so that a row of the row passes is a row of the product; 0 elsewhere
-    (no row epilogue, a view or another reordering after the product)."""
-    if product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm"):
-        return 0
-    yshape = graph.tensors[anchor.outputs[0]].shape
-    derived, rows = {anchor.outputs[0]}, False
-    for n in (graph.nodes[i] for i in sorted(nodes)):
-        if not any(t in derived for t in n.inputs):
-            continue
-        if n.kind == OpKind.REDUCE:
-            axis = int(n.attrs.get("axis", -1))
-            if n.op_type not in ("Softmax", "LogSoftmax") or axis not in (-1, len(yshape) - 1):
-                return 0
-            rows = True
-        elif n.kind not in _STRIP_OPS:
-            return 0
-        if any(graph.tensors[t].shape != yshape for t in n.outputs):
-            return 0
-        derived.update(n.outputs)
-    if not rows or len(yshape) < 2:
-        return 0
-    return max(STRIP_ROWS, STRIP_BYTES // (4 * yshape[-1]) // STRIP_ROWS * STRIP_ROWS)
 
 
 @dataclass(frozen=True)

@@ -88,38 +88,3 @@ def test_product_scale_with_a_bias_is_stored_with_no_pass(tmp_path):
     assert gk.packed[0].scale == 0.25 and "0.25f, pk0 + g" in gk.c_source and "*=" not in gk.c_source
     body = _body(gk)
     assert "fs_gemm_rows(mc, 32LL, 24LL, in0 + (" in body and "cbuf" not in body and "0.25f" not in body
-
-
-@pytest.mark.parametrize("product", ["own", "blas"])
-@pytest.mark.parametrize("rows", [40, 7])
-def test_score_rows_run_strip_by_strip(tmp_path, product, rows):
-    """A row kernel over a product (scaled, masked scores under a Softmax) computes each block's
-    product strip by strip (`schedule.product_strip`: 200-float rows, 12 to a 16 KiB strip) and
-    runs the Softmax's passes on a strip's rows right after it, in the same loop as the product:
-    one OpenMP loop, no second one over the whole product. Equal to ONNX Runtime with a last
-    strip of 4 rows (40 = 3 x 12 + 4) and with one strip of an odd count (7)."""
-    nodes, inits = _scores("Mul", 0.125)
-    gk = one_kernel(tmp_path, nodes, [("q", [1, 2, rows, 16]), ("k", [1, 2, 200, 16]), ("mask", [1, 1, 1, 200])],
-                    [("out", None)], inits, expect="ybuf", product=product)
-    body = _body(gk)
-    product_c = body.split("#else")[0]  # the BLAS's blocks (our micro-kernel's: the whole body)
-    assert "s0 += 12LL" in product_c and product_c.count("#pragma omp for") == 1, body
-    assert f"r_0 = z * {rows}LL + m0 + 2 * rp" in product_c
-
-
-def test_strips_follow_the_schedule(tmp_path):
-    """The strip is the schedule's: rows of the product per 16 KiB (at least 12), for our product
-    and the BLAS's, 0 where a view reorders the product before the Softmax (its rows are not the
-    product's), and the kernel written then stores the whole product before the row passes."""
-    nodes, inits = _scores("Mul", 0.125)
-    prep = prepare(save(make_model(nodes, [("q", [1, 2, 40, 16]), ("k", [1, 2, 40, 16]), ("mask", [1, 1, 1, 40])],
-                                   [("out", None)], inits), tmp_path / "m.onnx"))
-    options = choices(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=AVX512)
-    assert {k.schedule.product: k.schedule.strip for k in options} == {"own": 96, "blas": 96}
-    assert options[0].schedule.to_dict()["strip"] == 96
-    moved = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Transpose", ["s"], ["t"], perm=[0, 2, 1]),
-             helper.make_node("Softmax", ["t"], ["out"], axis=-1)]
-    gk = one_kernel(tmp_path, moved, [("q", [2, 24, 16]), ("k", [2, 16, 24])], [("out", None)])
-    prep = prepare(str(tmp_path / "m.onnx"))
-    strips = {k.schedule.strip for k in choices(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=AVX512)}
-    assert strips == {0} and "s0 +=" not in _body(gk)

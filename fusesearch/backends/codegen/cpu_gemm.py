@@ -122,7 +122,7 @@ def _write(e: _Emitter, o: Arg, idx: tuple[str, ...], yshape) -> str:
 
 def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
                       store: tuple[str, tuple[int, ...]] | None = None, packs: dict | None = None,
-                      defs: list[str] | None = None, strip: list[str] | None = None) -> list[str] | None:
+                      defs: list[str] | None = None) -> list[str] | None:
     """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
     into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
     epilogue per column reading acc[n]. The product the kernel's schedule names (`gemm_product`)
@@ -132,9 +132,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     for a build without one. `store` (the output's name and its strides per product axis): only
     the blocks, each storing its tile there (None for "loops"). `defs` (where the kernel can take file-scope definitions): an epilogue that is a function of
     the product plus a bias row alone becomes a tile epilogue there (`_tile_epilogue`), applied by
-    the micro-kernel to each tile before its one store where the CPU has AVX-512. `strip` (with
-    the schedule's `strip` rows): C run on each strip's rows of a block (z, m0, mc) right after
-    the product of those rows (a row kernel's passes), `_blas_blocks`."""
+    the micro-kernel to each tile before its one store where the CPU has AVX-512."""
     a, b = anchor.inputs[0], anchor.inputs[1]
     sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
     y = anchor.outputs[0]
@@ -208,8 +206,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         if tile is None:
             raise CodegenRefused(f"{anchor.name}({anchor.op_type}): its epilogue has no tile form")
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
-                        packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own",
-                        strip=(kernel.schedule.strip, strip) if kernel.schedule.strip and strip is not None else None)
+                        packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own")
     if tile is not None:  # our micro-kernel applies it on the registers where FS_TILE_EPI is defined
         defs.append(tile[0])
     if product == "own":  # our micro-kernel over B packed: no BLAS needed
@@ -386,7 +383,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
                  packs: dict | None = None, init: tuple[str, str] | None = None,
                  written: dict | None = None, tile: tuple[str, str | None] | None = None,
-                 own: bool = False, strip: tuple[int, list[str]] | None = None) -> list[str]:
+                 own: bool = False) -> list[str]:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -411,10 +408,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     blocks, as a LayerNorm's value that a residual reads later) is read back from there, its
     prologue not computed twice. With `tile` (the one output's argument and the bias row's, or None:
     `_tile_epilogue`) and our micro-kernel, the block runs `fs_gemm_rows_epi` straight into the
-    output where the kernel defines FS_TILE_EPI (AVX-512), the block epilogue elsewhere. With
-    `strip` (rows per strip, C over a strip's rows): each block's product and what follows it
-    run strip by strip, the strip's rows named as a block's (m0, mc), then that C on them while
-    they are in L1 (`Schedule.strip`; B is packed once per block as before).
+    output where the kernel defines FS_TILE_EPI (AVX-512), the block epilogue elsewhere.
     Refused where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     b = anchor.inputs[1]
@@ -439,7 +433,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     alpha = _lit(scale)
     stored_a = (written or {}).get(anchor.inputs[0])  # an output the side loops wrote before the blocks
     row_at = e.flat(e.broadcast(z_idx, sa[:-2]) + ("m0", "0"), sa)
-    a_ptr, lda = ("abuf + s0 * " + f"{k_extent}LL" if strip else "abuf"), k_extent  # a strip's rows of the panel
+    a_ptr, lda = "abuf", k_extent
     if a_in_place:
         a_ptr = f"{e.args[a].name} + ({row_at})"
     elif by_rows and stored_a is not None and stored_a.dtype == "float32":
@@ -511,13 +505,6 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         epilogue = ["#ifdef FS_TILE_EPI",
                     f"    fs_gemm_rows_epi(mc, {n_extent}LL, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {at}, {n_extent}LL, {tile[1] or 0});",
                     "#else", *epilogue, "#endif"]
-    work = ["    " + sgemm] if direct else epilogue
-    if strip is not None:  # strip by strip, each strip's rows named as a block's, then its own C
-        rows, after = strip
-        work = [f"    for (long long s0 = 0; s0 < mc; s0 += {rows}LL) {{",
-                f"        long long sm0 = m0 + s0, smc = mc - s0 < {rows}LL ? mc - s0 : {rows}LL;",
-                "        {", "        long long m0 = sm0, mc = smc;", *["    " + x for x in work],
-                *["        " + x for x in after], "        }", "    }"]
     block = [f"for (long long blk = 0; blk < {batches}LL * blocks; ++blk) {{",
              "    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
@@ -530,7 +517,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                 *(["        #pragma omp simd"] if _flat_loop(prefill) else []),
                 f"        for (long long col = 0; col < {n_extent}LL; ++col) {{", *["            " + x for x in prefill],
                 "        }", "    }"] if prefill else []),
-             *work,
+             *(["    " + sgemm] if direct else epilogue),
              "}"]
     split = (f"long long split = (fs_threads() + {batches}LL - 1) / {batches}LL;",  # row blocks per batch
              f"long long mb = ({m_extent}LL + split - 1) / split;", f"if (mb > {cap}LL) mb = {cap}LL;",

@@ -6,10 +6,7 @@ reduction over a long row keeps C_PARTIALS partial results (`_partial_sums`), it
 temporaries hoisted before the chunk loop. A full-size output past STREAM_MIN_BYTES streams its
 row (`base.streamed_loop`), the first reduction prefetching the inputs it reads. C rows of at most
 PAIR_MAX_LENGTH run two at a time, interleaved statement by statement (`_paired`); the row body is
-emitted for one row `r` and renamed per row, so both rows run the same statements. A C row kernel
-over a product (attention's scores under a Softmax) with a `Schedule.strip` runs the rows of each
-strip right after the strip's product, in the loop over the product's blocks (`_strip_rows`), so
-the scores are read back from L1 rather than after the whole product is stored.
+emitted for one row `r` and renamed per row, so both rows run the same statements.
 """
 
 from __future__ import annotations
@@ -121,29 +118,17 @@ PAIR_MAX_LENGTH = 512  # C: rows up to this long run two at a time (`_paired`)
 def _c_rows(plan: _RowPlan, c_side: list[str]) -> str:
     side = "".join(x + "\n" for x in c_side)
     if plan.rows >= 2 and plan.length <= PAIR_MAX_LENGTH:
-        body = _paired(plan.c, f"{plan.rows}LL")
+        body = _paired(plan.c, plan.rows)
         return side + parallel_rows("rp", (plan.rows + 1) // 2, body, fence=plan.streamed) + "\n"
     return side + parallel_rows("r", plan.rows, plan.c, fence=plan.streamed) + "\n"
-
-
-def _strip_rows(plan: _RowPlan, m_extent: int) -> list[str]:
-    """The row passes over a strip of the product (`Schedule.strip`): rows z M + m0 to z M + m0 + mc
-    of batch z (the strip's, named as a block's: `cpu_gemm._blas_blocks`), two at a time where
-    rows are paired, in the thread that multiplied them."""
-    first = f"z * {m_extent}LL + m0"
-    if plan.length <= PAIR_MAX_LENGTH:
-        return ["for (long long rp = 0; rp < (mc + 1) / 2; ++rp) {", *["    " + x for x in _paired(plan.c, "mc", first)],
-                "}"]
-    return [f"for (long long r = {first}; r < {first} + mc; ++r) {{", *["    " + x for x in plan.c], "}"]
 
 
 _TOP_NAME = re.compile(r"^(?:const )?(?:float|double|int|long long|int64_t|int32_t|uint8_t|_Bool)\*? \**(\w+)\s*[\[=;]")
 
 
-def _paired(body: list[str], rows: str, first: str = "") -> list[str]:
-    """The row body `body` (over row `r`) for rows r_0 = `first` + 2 rp and r_1 = r_0 + 1 (r_0 again
-    past the last of the `rows` from `first`, C expressions: an odd count computes its last row
-    twice, storing the same values), statement by
+def _paired(body: list[str], rows: int) -> list[str]:
+    """The row body `body` (over row `r`) for rows r_0 = 2 rp and r_1 = r_0 + 1 (r_0 again past the
+    last row: an odd count computes its last row twice, storing the same values), statement by
     statement: each top-level statement for r_0, then for r_1, every name it declares at the top
     suffixed by its row. A short row's reductions are chains of dependent steps (the last partial
     sums folded, a reciprocal) that the other row's independent work now fills: a scaled, masked
@@ -161,8 +146,7 @@ def _paired(body: list[str], rows: str, first: str = "") -> list[str]:
         raise CodegenRefused("row body with an unbalanced statement")
     names = {"r"} | {m.group(1) for st in statements if (m := _TOP_NAME.match(st[0].strip()))}
     rename = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\b")
-    out = [f"long long r_0 = {first} + 2 * rp, r_1 = r_0 + 1 < {first} + {rows} ? r_0 + 1 : r_0;" if first
-           else f"long long r_0 = 2 * rp, r_1 = r_0 + 1 < {rows} ? r_0 + 1 : r_0;"]
+    out = [f"long long r_0 = 2 * rp, r_1 = r_0 + 1 < {rows}LL ? r_0 + 1 : r_0;"]
     for st in statements:
         for u in (0, 1):
             out += [rename.sub(lambda m, u=u: f"{m.group(1)}_{u}", line) for line in st]
@@ -207,15 +191,10 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     if product == "loops":  # the row loops compute the product inline
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
-    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
-    ybuf = "    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
-    if kernel.schedule.strip:  # the side loops, then each strip's product and its rows in one loop
-        strip = _strip_rows(plan, info.shape[-2])
-        loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs, strip=strip)
-        fence = "    fs_stream_fence();\n" if plan.streamed else ""
-        return ybuf + "".join(x + "\n" for x in [*c_side, *loops]) + fence, product == "own"
     loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
-    return ybuf + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side), product == "own"
+    plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
+    return ("    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), product == "own"
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
