@@ -37,7 +37,8 @@ or a BLAS call per block; a conv's band, packed filters, 1x1 rows or im2col: `sc
 priced by `schedule.split_imbalance`) (a depthwise conv `depthwise`, its loop over zero-bordered planes,
 each prologue element once): prologues computed once per packed panel (a conv's once per tap
 of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
-scale, folded into the product, not at all: `schedule.folded_scale`; on any device a GELU's
+scale, folded into the product, not at all: `schedule.folded_scale`; nor a scale of our
+micro-kernel's product, packed into B: `schedule.scaled_product`; on any device a GELU's
 x / sqrt 2 and + 1, folded into its one call, not at all either: `schedule.gelu_chains`),
 the product materialized once under a pool or a reordering epilogue. A lone gemm/conv is first the
 library call (on a GPU, with fewer than TARGET_BLOCKS output tiles, it splits K across blocks as
@@ -101,6 +102,7 @@ from fusesearch.schedule import (
     mma_sync_split,
     mma_sync_tiles,
     mma_tiles,
+    scaled_product,
     split_blocks,
     split_imbalance,
     split_k,
@@ -542,10 +544,11 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
         # conv's loop over its planes (each prologue element once), one choice per product the
         # group can run as (`schedule.cpu_products`); a lone anchor also the library's
-        ours = _build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
-                      DEPTHWISE if template == "depthwise" else PACKED, reload_tile=(m, n_dim, k), host=True)
-        products = tuple(_cpu_split(graph, nodes, anchor, replace(ours, schedule=replace(
-                             ours.schedule, product=p, epilogue=where, split=split)), host)
+        skeleton = DEPTHWISE if template == "depthwise" else PACKED  # each product priced as itself
+        products = tuple(_cpu_split(graph, nodes, anchor, _build(
+                             graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
+                             replace(skeleton, product=p, epilogue=where, split=split), reload_tile=(m, n_dim, k),
+                             host=True), host)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
                          for where in epilogues(graph, ids, anchor, p, host.lanes)
                          for split in cpu_splits(graph, ids, anchor, p, host, row_epilogue=bool(row_tile)))
@@ -718,11 +721,14 @@ def _build(graph: Graph, nodes: list[Node], template: str, anchor: int | None, i
     if host and anchor is not None:  # the C skeleton materializes the product: a pool after it
         # recomputes the epilogue per tap, never the anchor or its prologue
         per_tap = {i: f for i, f in per_tap.items() if i != anchor and not graph.reaches(i, anchor)}
-    fold = folded_scale(graph, {n.id for n in nodes}, graph.nodes[anchor]) if host and anchor is not None else None
-    silent = {i for c in gelu_chains(graph, {n.id for n in nodes}).values() for i in (c.scale, c.add)}
+    members = {n.id for n in nodes}
+    fold = folded_scale(graph, members, graph.nodes[anchor]) if host and anchor is not None else None
+    scaled = scaled_product(graph, members, graph.nodes[anchor], schedule.product) if anchor is not None else None
+    folded = (fold[2] if fold else frozenset()) | (scaled.nodes if scaled else frozenset())
+    silent = {i for c in gelu_chains(graph, members).values() for i in (c.scale, c.add)}
     tc = scalar = trans = divisions = 0
     for n in nodes:
-        if fold is not None and n.id in fold[2]:  # a scale the C product takes as its alpha: no op runs
+        if n.id in folded:  # a scale the C product takes as its alpha or packs into B: no op runs
             continue
         if n.id in silent:  # a GELU's scale and + 1, folded into its one call: no op runs
             continue

@@ -5,7 +5,8 @@ fiction. Tile, threads, grid, shared memory, split-K, the skeleton and the compu
 decided in one place, priced from there and generated from there.
 Approach: `lowering` builds a frozen `Schedule` for every Kernel from the predicates below (which
 skeleton applies to a group, which computed rows a row kernel caches in shared memory; which ops
-the C product folds into itself, `folded_scale`, and which GELUs are one call, `gelu_chains`); the cost
+the C product folds into itself, `folded_scale` on its activation and `scaled_product` on its
+result, and which GELUs are one call, `gelu_chains`); the cost
 model prices `Kernel.spec()`, which reads it; the code generator dispatches on `skeleton` and
 writes its tile, block, grid and shared memory as given — it never re-decides them.
 
@@ -292,6 +293,45 @@ def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[st
     return t, scale, frozenset(folded)
 
 
+@dataclass(frozen=True)
+class ScaledProduct:
+    """A fused MatMul's product read only as `tensor`, the product times `scale` (attention's
+    scores over sqrt(d)); `nodes` the Mul/Div ops that scale it (`scaled_product`)."""
+
+    tensor: str
+    scale: float
+    nodes: frozenset[int]
+
+
+def scaled_product(graph: Graph, nodes: Collection[int], anchor: Node, product: str) -> ScaledProduct | None:
+    """Where a fused float32 MatMul's product, with our micro-kernel ("own": B always packed by
+    us, per block or once), is read by one chain of Mul by / Div by finite nonzero scalar
+    constants (attention's score x 0.125 or / 8), each value before the last read by the next op
+    alone and not an output: the scale is multiplied into B as it is packed and the product
+    stored is the scaled tensor, so no op runs on it (the scores' Softmax reads them as they
+    are). None elsewhere (another product: the BLAS's `#else` loops would compute the product
+    unscaled; a Gemm, whose C term the scale must not touch)."""
+    if product != "own" or anchor.op_type != "MatMul":
+        return None
+    t, scale, folded = anchor.outputs[0], 1.0, []
+    while (len(users := graph.consumers(t)) == 1 and users[0] in nodes and not graph.is_output(t)
+           and graph.tensors[t].dtype == "float32"):
+        n = graph.nodes[users[0]]
+        c = next((i for i in ((1,) if n.op_type == "Div" else (1, 0)) if n.op_type in ("Mul", "Div")
+                  and len(n.inputs) == 2 and n.inputs[1 - i] == t
+                  and (v := graph.constant_value(n.inputs[i])) is not None and v.size == 1), None)
+        if c is None or graph.tensors[n.outputs[0]].shape != graph.tensors[t].shape:
+            break
+        v = float(graph.constant_value(n.inputs[c]).reshape(()))
+        if not math.isfinite(v) or v == 0.0 or not math.isfinite(step := scale / v if n.op_type == "Div" else scale * v):
+            break
+        scale, t = step, n.outputs[0]
+        folded.append(n.id)
+    if not folded or graph.tensors[t].dtype != "float32":
+        return None
+    return ScaledProduct(t, scale, frozenset(folded))
+
+
 # -- the CPU product: which code path a gemm/conv's C runs ----------------------------------------
 
 CPU_MICRO_TILE = (6, 16)  # rows x columns of the C micro-kernel's smallest tile (`c_gemm.FS_MR`, `FS_NR`)
@@ -440,7 +480,7 @@ TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats
 _TILE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Identity"})  # and views
 
 
-def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
+def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node, folded: Collection[int] = ()) -> bool:
     """Whether a MatMul/Gemm group's epilogue can run on our micro-kernel's registers before the one
     store (`fs_gemm_rows_epi`, the "own" product): the group's one output at the product's
     positions is computed from the product, plus at most a float32 bias row read as an input (a
@@ -448,7 +488,8 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
     values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
     Add; no other output
     of the group is at the product's positions, and the group has no row reduction. (The product
-    alone, or plus a bias, is stored in place instead.)"""
+    alone, or plus a bias, is stored in place instead.) `folded`: ops packed into the product
+    (`scaled_product`), which run nothing: read through as views."""
     if anchor.op_type not in ("MatMul", "Gemm") or any(graph.nodes[i].kind == OpKind.REDUCE for i in nodes):
         return False
     y = anchor.outputs[0]
@@ -472,7 +513,7 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
     for n in (graph.nodes[i] for i in sorted(nodes)):
         if not any(t in computed for t in n.inputs):
             continue
-        view = n.op_type in VIEW_OPS  # the same elements in the same order
+        view = n.op_type in VIEW_OPS or n.id in folded  # the same elements in the same order
         if not (view or n.op_type in _TILE_OPS) or any(
                 graph.tensors[t].dtype != "float32" or (graph.tensors[t].size if view else graph.tensors[t].shape)
                 != (graph.tensors[y].size if view else yshape) for t in n.outputs):
@@ -482,7 +523,7 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
                 and row(others[0])):
             bias = True  # the bias row, added by the micro-kernel
         elif view or all(scalar(t) for t in others):
-            after_bias = after_bias or n.op_type != "Add"
+            after_bias = after_bias or (n.op_type != "Add" and n.id not in folded)
         else:
             return False
         computed.update(n.outputs)
@@ -495,7 +536,9 @@ def epilogues(graph: Graph, nodes: Collection[int], anchor: Node, product: str, 
     micro-kernel's registers, `tile_epilogue`, where the target's vectors hold TILE_EPILOGUE_LANES
     floats) then "block" (a pass over the block's product in cache); "" where there is no choice
     (another product, or an epilogue the registers cannot run)."""
-    if product != "own" or lanes < TILE_EPILOGUE_LANES or not tile_epilogue(graph, nodes, anchor):
+    scaled = scaled_product(graph, nodes, anchor, product)
+    if product != "own" or lanes < TILE_EPILOGUE_LANES or not tile_epilogue(
+            graph, nodes, anchor, scaled.nodes if scaled is not None else ()):
         return ("",)
     return ("tile", "block")
 

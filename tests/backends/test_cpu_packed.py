@@ -139,10 +139,12 @@ def test_matmul_batch_broadcast_and_computed_b(tmp_path, blas, m):
                     [("c", np.float32(4.0))])
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
     if m >= 6:
-        assert "fs_pack_b(16LL, 70LL, in" in body and "1LL, 16LL, bbuf);" in body and "FS_BLAS_SGEMM(" not in body
+        # the division by 4, a multiplication by 0.25 packed into the keys: no op on the product
+        assert "fs_pack_b(16LL, 70LL, in" in body and "1LL, 16LL, 0.25f, bbuf);" in body and "FS_BLAS_SGEMM(" not in body
+        assert "cbuf" not in body and body.count("0.25f") == 1
     else:
         assert "FS_BLAS_SGEMM(101, 111, 112, (int)mc, 70, 16" in body and "bbuf" not in body
-    assert "0.25f" in body  # the division by 4 became a multiplication
+        assert "* 0.25f" in body  # the division by 4 became a multiplication
 
 
 @pytest.mark.parametrize("m", [5, 37])
@@ -157,7 +159,7 @@ def test_attention_values_read_by_strides_are_packed_per_block(tmp_path, blas, m
                     [("shape", np.int64([1, 70, 3, 16]))])
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
     if m >= 6:
-        assert "fs_pack_b(70LL, 16LL, in" in body and "48LL, 1LL, bbuf);" in body and "bbuf, out0 + (" in body
+        assert "fs_pack_b(70LL, 16LL, in" in body and "48LL, 1LL, 1.0f, bbuf);" in body and "bbuf, out0 + (" in body
         assert "FS_BLAS_SGEMM(" not in body and not gk.packed
     else:
         assert "FS_BLAS_SGEMM(101, 111, 111, (int)mc, 16, 70, 1.0f" in body and "fs_pack_b(" not in body
@@ -173,14 +175,14 @@ def test_b_read_in_place_is_packed_per_block(tmp_path, blas, case):
     if case == "gemm transB input":
         nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1, alpha=0.5), relu]
         gk = one_kernel(tmp_path, nodes, [("a", [37, 24]), ("b", [40, 24])], [("out", None)], [("c", _w([40], 2))])
-        packing = "1LL, 24LL, bbuf);"  # B is N x K: unit stride along K
+        packing = "1LL, 24LL, 1.0f, bbuf);"  # B is N x K: unit stride along K
     else:
         b_shape = {"batched input": [3, 24, 40], "broadcast input": [24, 40], "batched constant": [3, 24, 40]}[case]
         nodes = [helper.make_node("MatMul", ["a", "b"], ["y"]), relu]
         b = [("b", b_shape)] if case != "batched constant" else []
         gk = one_kernel(tmp_path, nodes, [("a", [3, 37, 24]), *b], [("out", None)],
                         [("b", _w(b_shape))] if case == "batched constant" else [])
-        packing = "40LL, 1LL, bbuf);"
+        packing = "40LL, 1LL, 1.0f, bbuf);"
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
     assert "fs_pack_b(24LL, 40LL, in" in body and packing in body and ROWS in body, body
     assert "FS_BLAS_SGEMM(" not in body and not gk.packed
@@ -243,7 +245,8 @@ def test_a_scalar_scale_on_the_activation_folds_into_the_product(tmp_path, blas,
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
     if blas == "blas":
         assert "abuf" not in body
-        folded = (gk.packed[0].scale == 0.125 and "*= 0.125f;" in gk.c_source) if path == ROWS else ", 0.125f, " in body
+        folded = ((gk.packed[0].scale == 0.125 and "1LL, 0.125f, pk0 + g" in gk.c_source and "*=" not in gk.c_source)
+                  if path == ROWS else ", 0.125f, " in body)
         assert folded
     prep = prepare(str(tmp_path / "m.onnx"))
     host = try_lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))), host=True)
@@ -364,7 +367,7 @@ def test_attention_scores_under_a_softmax(tmp_path, blas):
                     [("out", None)], [("c", np.float32(4.0))], expect="ybuf")
     assert gk.rows == 2 * 67
     body = gk.c_source[gk.c_source.index(f"\nvoid {gk.name}("):]
-    assert "1LL, 16LL, bbuf);" in body and "fs_gemm_rows(" in body and "FS_BLAS_SGEMM" not in body
+    assert "1LL, 16LL, 0.25f, bbuf);" in body and "fs_gemm_rows(" in body and "FS_BLAS_SGEMM" not in body
 
 
 @pytest.mark.parametrize("m", [6, 70])
@@ -818,11 +821,11 @@ def test_every_micro_kernel_branch_multiplies_exactly(tmp_path, branch):
     from fusesearch.backends.codegen import c_gemm, c_runtime
 
     driver = ("void run(long long M, long long N, long long K, const float* A, const float* B, float* Bp, float* C,\n"
-              "         float* R, float* S, const float* T, const float* bias, float* E) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
+              "         float* R, float* S, const float* T, const float* bias, float* E) {\n    fs_pack_b(K, N, B, N, 1, 1.0f, Bp);\n"
               "    fs_gemm_packed(M, N, K, A, K, 1, Bp, C, M);\n    fs_gemm_rows(M, N, K, A, K, Bp, R, N, R, N, 0);\n"
               "    fs_gemm_rows(M, N, K, A, K, Bp, S, N, T, N, bias);\n    fs_gemm_rows_epi(M, N, K, A, K, Bp, E, N, bias);\n}\n"
               "void band(long long M, long long N, long long K, long long ow, long long rs, long long cs, const float* X,\n"
-              "          const int* off, const float* B, float* Bp, float* C) {\n    fs_pack_b(K, N, B, N, 1, Bp);\n"
+              "          const int* off, const float* B, float* Bp, float* C) {\n    fs_pack_b(K, N, B, N, 1, 1.0f, Bp);\n"
               "    fs_conv_band(M, N, K, ow, rs, cs, X, off, Bp, C, M);\n}\n")
     epilogue = ("#define FS_TILE_EPI 1\nstatic inline float fs_tile_epi1(float v) { return (v + v) + 1.0f; }\n"
                 "#if defined(__AVX512F__)\n#include <immintrin.h>\nstatic inline __m512 fs_tile_epi(__m512 v) {\n"

@@ -114,19 +114,17 @@ class PackedWeight:
     sn: int
     groups: int = 1
     group_stride: int = 0
-    scale: float = 1.0  # the product's scalar scale, folded in (`schedule.folded_scale`)
+    scale: float = 1.0  # the product's scalar scale, multiplied in as it is packed (`schedule.folded_scale`)
 
     @property
     def group_floats(self) -> int:
         return -(-self.n // FS_NR) * FS_NR * self.k
 
     def pack_call(self) -> str:
-        """The C statement packing every group (in `<name>_pack`), scaled where a scale is folded."""
-        call = (f"for (long long g = 0; g < {self.groups}LL; ++g) fs_pack_b({self.k}LL, {self.n}LL, "
-                f"{self.source} + g * {self.group_stride}LL, {self.sk}LL, {self.sn}LL, {self.arg.name} + g * {self.group_floats}LL);")
-        if self.scale == 1.0:
-            return call
-        return f"{call} for (long long i = 0; i < {self.arg.shape[0]}LL; ++i) {self.arg.name}[i] *= {_lit(self.scale)};"
+        """The C statement packing every group (in `<name>_pack`), each element times the scale."""
+        return (f"for (long long g = 0; g < {self.groups}LL; ++g) fs_pack_b({self.k}LL, {self.n}LL, "
+                f"{self.source} + g * {self.group_stride}LL, {self.sk}LL, {self.sn}LL, {_lit(self.scale)}, "
+                f"{self.arg.name} + g * {self.group_floats}LL);")
 
 
 def require_cuda(kernel: GeneratedKernel) -> str:

@@ -55,7 +55,7 @@ FS_MR = 6  # rows of A per micro-kernel tile (FS_MR x FS_NR accumulators in regi
 
 # C: what a kernel sees of the packed GEMM: the runtime's functions (their comments at their
 # definitions below), declared in every kernel's header (`c_runtime.C_HEADER`)
-_C_GEMM_DECLS = ("void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp);\n"
+_C_GEMM_DECLS = ("void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float scale, float* Bp);\n"
                  "void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp);\n"
                  "void fs_gemm_rows(long long M, long long N, long long K, const float* A, long long lda, const float* Bp, "
                  "float* C, long long ldc, const float* C0, long long ldc0, const float* R0);\n"
@@ -342,11 +342,13 @@ _C_PACKED_GEMM = f"""#if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #endif
 #if defined(__AVX2__)
-/* dst[k * FS_NR + j] = src[j * sn + k] for an 8 x 8 block: eight rows of B^T in, eight panel rows out */
-static inline void fs_transpose8(const float* src, long long sn, float* dst) {{
-    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + sn), r2 = _mm256_loadu_ps(src + 2 * sn);
-    __m256 r3 = _mm256_loadu_ps(src + 3 * sn), r4 = _mm256_loadu_ps(src + 4 * sn), r5 = _mm256_loadu_ps(src + 5 * sn);
-    __m256 r6 = _mm256_loadu_ps(src + 6 * sn), r7 = _mm256_loadu_ps(src + 7 * sn);
+/* dst[k * FS_NR + j] = scale src[j * sn + k] for an 8 x 8 block: eight rows of B^T in, eight panel rows out */
+static inline void fs_transpose8(const float* src, long long sn, float scale, float* dst) {{
+    __m256 s = _mm256_set1_ps(scale);
+    __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(src), s), r1 = _mm256_mul_ps(_mm256_loadu_ps(src + sn), s);
+    __m256 r2 = _mm256_mul_ps(_mm256_loadu_ps(src + 2 * sn), s), r3 = _mm256_mul_ps(_mm256_loadu_ps(src + 3 * sn), s);
+    __m256 r4 = _mm256_mul_ps(_mm256_loadu_ps(src + 4 * sn), s), r5 = _mm256_mul_ps(_mm256_loadu_ps(src + 5 * sn), s);
+    __m256 r6 = _mm256_mul_ps(_mm256_loadu_ps(src + 6 * sn), s), r7 = _mm256_mul_ps(_mm256_loadu_ps(src + 7 * sn), s);
     __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
     __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
     __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
@@ -364,7 +366,7 @@ static inline void fs_transpose8(const float* src, long long sn, float* dst) {{
     _mm256_storeu_ps(dst + 7 * FS_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
 }}
 #endif
-void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float* Bp) {{
+void fs_pack_b(long long K, long long N, const float* B, long long sk, long long sn, float scale, float* Bp) {{
     for (long long n0 = 0; n0 < N; n0 += FS_NR) {{
         float* dst = Bp + n0 * K;
         long long nr = N - n0 < FS_NR ? N - n0 : FS_NR;
@@ -372,11 +374,11 @@ void fs_pack_b(long long K, long long N, const float* B, long long sk, long long
 #if defined(__AVX2__)
         if (sk == 1 && nr == FS_NR)  /* B stored transposed (attention's keys): 8 x 8 blocks */
             for (; k0 + 8 <= K; k0 += 8)
-                for (long long j0 = 0; j0 < FS_NR; j0 += 8) fs_transpose8(B + k0 + (n0 + j0) * sn, sn, dst + k0 * FS_NR + j0);
+                for (long long j0 = 0; j0 < FS_NR; j0 += 8) fs_transpose8(B + k0 + (n0 + j0) * sn, sn, scale, dst + k0 * FS_NR + j0);
 #endif
         for (long long k = k0; k < K; ++k) {{
             long long j = 0;
-            for (; j < nr; ++j) dst[k * FS_NR + j] = B[k * sk + (n0 + j) * sn];
+            for (; j < nr; ++j) dst[k * FS_NR + j] = scale * B[k * sk + (n0 + j) * sn];
             for (; j < FS_NR; ++j) dst[k * FS_NR + j] = 0.0f;
         }}
     }}
@@ -401,7 +403,7 @@ static inline __attribute__((always_inline)) void fs_pack_rows(long long K, long
 void fs_pack_b_rows(long long K, long long N, const float* B, long long sk, float* Bp) {{
     long long whole = N / FS_NR * FS_NR;
     fs_pack_rows(K, whole / FS_NR, FS_NR, B, sk, Bp);
-    if (whole < N) fs_pack_b(K, N - whole, B + whole, sk, 1, Bp + whole * K);
+    if (whole < N) fs_pack_b(K, N - whole, B + whole, sk, 1, 1.0f, Bp + whole * K);
 }}
 #if defined(__AVX512F__)
 /* rows (1 to 12, a constant where inlined) pixels of a conv's band, pixel i of tap k at
@@ -657,7 +659,7 @@ void fs_conv_1x1(long long M, long long N, long long K, const float* F, long lon
         if (in_place)
             fs_pack_b_rows(K, nn, X + n0, ldx, xp);
         else
-            fs_pack_b(K, nn, X + n0, ldx, 1, xp);
+            fs_pack_b(K, nn, X + n0, ldx, 1, 1.0f, xp);
         fs_gemm_rows(M, nn, K, F, lda, xp, C + n0, ldc, 0, 0, 0);
     }}
 }}

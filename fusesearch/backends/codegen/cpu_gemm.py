@@ -43,6 +43,9 @@ shapes (interleaved medians), so they are packed per head too.
 A scalar scale on a MatMul's activation (GELU's x 0.5 before a down-projection:
 `schedule.folded_scale`) is folded into the product, the weights scaled as they are packed or the
 BLAS's alpha, and the activation read in place: 194 -> 179 us at bert-small's 128x512x128.
+A scalar scale on our micro-kernel's product (attention's score x 0.125: `schedule.scaled_product`)
+is packed into B the same way; `fs_pack_b` multiplies as it packs, so no scale makes a pass of its
+own over a panel or the product.
 Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
 at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
 that heads merge into is stored at the output's row stride; computed panels are packed in the
@@ -183,9 +186,11 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     # a Gemm's C operand is a term without the product (its alpha must be 1: the product is added as is)
     gemm_c = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
     alpha_one = anchor.op_type == "MatMul" or float(anchor.attrs.get("alpha", 1.0)) == 1.0
-    terms = _additive_terms(graph, kernel, y, main[0].tensor) if len(main) == 1 and (main[0].tensor != y or gemm_c) else None
+    held = e.scaled.tensor if e.scaled is not None else y  # what the product's store holds (its scale packed into B)
+    terms = (_additive_terms(graph, kernel, held, main[0].tensor) if len(main) == 1 and (main[0].tensor != held or gemm_c)
+             else None)
     additive = terms is not None
-    direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor == y or additive)
+    direct = ((main[0].name, _row_major(yshape)) if len(main) == 1 and (main[0].tensor in (y, held) or additive)
               and main[0].dtype == "float32" and alpha_one else None)  # the BLAS stores the output
     prefill = init = None
     if direct and additive:  # the output is the product plus terms without it: those first, then the BLAS adds
@@ -443,6 +448,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     by_rows = len(sa) >= 2 and not (anchor.op_type == "Gemm" and int(anchor.attrs.get("transA", 0)))
     a_in_place = by_rows and a in e.args and graph.producer(a) not in e.members and graph.tensors[a].dtype == "float32"
     scale = fold[1] if fold and a_in_place else 1.0  # the BLAS's alpha, or B scaled as it is packed
+    scale *= e.scaled.scale if e.scaled is not None else 1.0  # the product's own scale, packed into B
     alpha = _lit(scale)
     stored_a = (written or {}).get(anchor.inputs[0])  # an output the side loops wrote before the blocks
     row_at = e.flat(e.broadcast(z_idx, sa[:-2]) + ("m0", "0"), sa)
@@ -487,7 +493,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     pk = None
     if own and packed_b:  # B computed in the group (attention's values with their bias): its panel
         # above, with the prologue applied, packed from there per block
-        z_lines += _pack_per_block("bpk", "bbuf", k_extent, n_extent, ldb, b_trans, scale, alpha)
+        z_lines += _pack_per_block("bpk", "bbuf", k_extent, n_extent, ldb, b_trans, alpha)
         pk = "bpk"
     if own and pk is None and strided is None and len(sb) == 2:  # a constant B: packed once per plan
         pk = _packed(packs, graph, e.args, b, (k_extent, n_extent, 1, k_extent) if trans_b else (k_extent, n_extent, n_extent, 1),
@@ -496,7 +502,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         # a view of an input along N (attention's values) or along K (its keys, read transposed), or
         # a float32 input read in place that is not a 2-D constant (an unfused graph's values and
         # transposed keys, a batched constant): packed per block
-        z_lines += _pack_per_block("bbuf", b_ptr, k_extent, n_extent, ldb, b_trans, scale, alpha)
+        z_lines += _pack_per_block("bbuf", b_ptr, k_extent, n_extent, ldb, b_trans, alpha)
         pk = "bbuf"
     if cols:  # the block's columns of B: along a row (K x N), or its rows (N x K)
         b_ptr = f"{b_ptr} + n0" if b_trans == 111 else f"{b_ptr} + n0 * {ldb}LL"
@@ -571,16 +577,13 @@ def _split_lines(split: str, batches: int, m: int, n: int, cap: int) -> list[str
     return lines
 
 
-def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, scale: float, alpha: str) -> list[str]:
+def _pack_per_block(dst: str, src: str, k: int, n: int, ldb, b_trans: int, alpha: str) -> list[str]:
     """C packing B into scratch `dst` for our micro-kernel, per block, from `src` (K x N with
-    leading dimension `ldb`, or N x K where `b_trans` is 112), scaled as it is packed where a
-    scalar scale folds into the product."""
+    leading dimension `ldb`, or N x K where `b_trans` is 112), times `alpha` (the product's folded
+    scale, 1 where none) as it is packed: no pass of its own."""
     floats = -(-n // FS_NR) * FS_NR * k
-    lines = [scratch(dst, f"{floats}LL"),
-             f"fs_pack_b({k}LL, {n}LL, {src}, " + (f"{ldb}LL, 1LL, {dst});" if b_trans == 111 else f"1LL, {ldb}LL, {dst});")]
-    if scale != 1.0:
-        lines.append(f"for (long long i = 0; i < {floats}LL; ++i) {dst}[i] *= {alpha};")
-    return lines
+    strides = f"{ldb}LL, 1LL" if b_trans == 111 else f"1LL, {ldb}LL"
+    return [scratch(dst, f"{floats}LL"), f"fs_pack_b({k}LL, {n}LL, {src}, {strides}, {alpha}, {dst});"]
 
 
 def _additive_terms(graph: Graph, kernel: Kernel, y: str, out: str) -> list[str] | None:

@@ -27,7 +27,7 @@ from fusesearch.backends.codegen.base import (
 from fusesearch.backends.codegen.ops import _op, reshape_blocks
 from fusesearch.ir.graph import Graph, Node, TensorInfo
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import gelu_chains
+from fusesearch.schedule import gelu_chains, scaled_product
 
 _TEMP = re.compile(r"\bv\d+\b")
 _DECL = re.compile(r"^long long (v\d+) = ")
@@ -38,6 +38,10 @@ class _Emitter:
         self.graph = graph
         self.members = set(kernel.nodes)
         self.gelus = gelu_chains(graph, self.members)  # the GELUs written as one call each
+        anchor = graph.nodes[kernel.anchor] if kernel.anchor is not None else None
+        # C: the product's scale packed into B, and the scaled tensor → the anchor's output, which holds it
+        self.scaled = scaled_product(graph, self.members, anchor, kernel.schedule.product) if anchor is not None else None
+        self.product_as = {self.scaled.tensor: anchor.outputs[0]} if self.scaled is not None else {}
         self.args = args
         self.lines: list[str] = []
         self.scopes: list[dict[tuple[str, tuple[str, ...]], str]] = [{}]
@@ -91,6 +95,7 @@ class _Emitter:
 
     # values
     def value(self, tensor: str, idx: tuple[str, ...]) -> str:
+        tensor = self.product_as.get(tensor, tensor)
         if tensor in self.row_scalars:
             return self.row_scalars[tensor]
         cached = self.row_cache.get(tensor)
