@@ -1,63 +1,18 @@
 """Lower a FusionGroup to a Kernel: one template, its ops in order, and the numbers a cost model needs.
 
-Problem: the cost model (package `costmodels`) knows kernels, not graphs. Something must decide
-what code shape a group becomes and count its work and traffic — once, the same way for the
-search, the reports and the code generator.
-Approach: checks first (each refusal is a `FusionDecision` with its reason), then the template:
-
-    any OPAQUE op ............ alone → `opaque` (a library call, costed, never fused)
-    one ANCHOR ............... Conv/ConvTranspose → `conv` (implicit GEMM), a depthwise Conv (in
-                               groups of one input channel: `schedule.depthwise_conv`) →
-                               `depthwise`, a Conv whose windows do not overlap (a 1x1 conv,
-                               a patch embedding: `schedule.disjoint_windows`) →
-                               `conv_disjoint`, MatMul/Gemm → `gemm`;
-                               elementwise/broadcast/injective prologue and epilogue, and a
-                               row Softmax epilogue over the output's last axis
-    REDUCE, no anchor ........ `rowwise`: reductions over inner axes sharing one row count
-    the rest ................. `pointwise`: one thread per output element
-
-Traffic is compulsory traffic: each external input (weights included) read once, each tensor
-used outside the group (or a graph output) written once. How the kernel runs is decided here,
-as its `Schedule` (fusesearch/schedule.py), which the generator writes as given. A group may have
-several: `choices` lists them all, default first, and the search keeps the cheapest on its device
-(`costing.cheapest`). A gemm/conv group on a GPU: a BM×BN tile with A and B staged once per K step
-as float (`tiled`, one choice per tile of `schedule.gemm_tiles`, where the anchor is a GEMM view and
-the epilogue keeps positions; where its operands have tensor cores — float32 as TF32 while
-`Graph.allow_tf32`, float16, bfloat16 — also `mma-*`, 4 warps, one choice per tile of
-`schedule.mma_tiles`, 1 or 2 stages, `mma_smem_bytes`; and `mma-sync-*`, one choice per
-configuration of `schedule.mma_sync_tiles`: block and warp tiles, 3-4 stages, `mma_sync_smem_bytes`),
-else a thread per output with its dot
-product inline (`direct`); under
-a Softmax epilogue, a block per row with the product's row (and the exponentials) cached in shared
-memory (`block-per-row`); float4 (`vectorized`) or a grid-stride loop for pointwise kernels. For
-a CPU device (`choices(..., host=True)`, asked by `costing.device_choices`) a gemm/conv, fused or
-alone, is `packed`, the C backend's form, one choice per product its C can run as (our micro-kernel
-or a BLAS call per block; a conv's band, packed filters, 1x1 rows or im2col: `schedule.cpu_products`,
-`Schedule.product`; a gemm's threads over blocks of rows, of columns or both: `schedule.cpu_splits`,
-priced by `schedule.split_imbalance`) (a depthwise conv `depthwise`, its loop over zero-bordered planes,
-each prologue element once): prologues computed once per packed panel (a conv's once per tap
-of its im2col panel, once where it reads a band: `schedule.conv_reads_band`; a MatMul's scalar
-scale, folded into the product, not at all: `schedule.folded_scale`; nor a scale of our
-micro-kernel's product, packed into B: `schedule.scaled_product`; on any device a GELU's
-x / sqrt 2 and + 1, folded into its one call, not at all either: `schedule.gelu_chains`),
-the product materialized once under a pool or a reordering epilogue. A lone gemm/conv is first the
-library call (on a GPU, with fewer than TARGET_BLOCKS output tiles, it splits K across blocks as
-cuBLAS does for skinny problems and pays the fp32 partial sums' round trip: `schedule.split_k`),
-then our generated forms, each priced as itself; a generated kernel splits K only on mma.sync
-tiles, where the output has fewer than TARGET_BLOCKS tiles (`schedule.mma_sync_split`: one more
-choice per configuration, its partial sums' round trip priced as the library's). A table read only through Gather (an embedding) costs the rows
-gathered, not the whole table. A prologue op is charged once per reload of its operand in a
-tiled kernel (see `_prologue_reloads`): fusing GELU in front of a MatMul is not free; an op
-upstream of a MaxPool/AveragePool in the group is charged once per window tap that reads its
-element (see `_window_recompute`), an anchor there on the CUDA cores (the `direct` skeleton
-recomputes its dot product per tap); a pool the generator does not take is refused (it runs alone,
-opaque). FLOPs come from the OpKind table:
-the anchor's are tensor-core eligible, the rest scalar. A lone view op (Reshape, Flatten,
-Squeeze, Unsqueeze) is an alias: metadata only, no kernel, zero cost (as ONNX Runtime and XLA
-treat bitcasts); inside a group it costs nothing extra either (its index math is in the loads).
+Problem: the cost model (`costmodels`) knows kernels, not graphs; one place decides a group's code
+shape and counts its work and traffic, the same for search, reports and the code generator.
+Approach: checks first (each refusal a `FusionDecision` with its reason), then the template: an
+OPAQUE op alone → `opaque` (a library call); one anchor → `conv`, `depthwise`, `conv_disjoint`
+(`schedule.depthwise_conv`, `schedule.disjoint_windows`) or `gemm`, with prologue/epilogue (a row
+Softmax included); REDUCE without anchor → `rowwise`; the rest `pointwise`. `choices` lists every
+`Schedule` (default first; `host=True` for CPU products and splits), the search keeps the cheapest
+(`costing.cheapest`). Traffic is compulsory (inputs read once, escaping tensors written once; a
+Gather table costs its rows); prologues are charged per reload (`_prologue_reloads`), ops under a
+pool per tap (`_window_recompute`); a lone view is a zero-cost alias.
 Invariants: a Kernel's `nodes` are in topological order; `inputs`/`outputs` are distinct and in
-first-use order; the same group always lowers to the same Kernel.
-"""
+first-use order; the same group always lowers to the same Kernel; a pool the generator does not
+take is refused (it runs alone, opaque)."""
 
 from __future__ import annotations
 

@@ -1,60 +1,18 @@
 """Measure a plan: run every kernel of the plan and of the unfused graph on real data.
 
-Problem: the cost model's predictions are only claims until each chosen kernel runs; a plan's
-worth is its measured speedup over running every node alone — and the unfused baseline a user
-of ONNX Runtime or XLA knows runs its anchors (MatMul, Gemm, Conv) through vendor libraries, so
-a fused generated kernel must also be compared with "library anchor + separate epilogue".
-Approach: real data first — ONNX Runtime runs the canonical model on seeded valid inputs and keeps
-every tensor (`verify.all_values`), so each kernel reads the inputs it would see in the model and
-its outputs are checked against ONNX Runtime's (max relative error). Each group runs either as
-its generated kernel (CPU: C/OpenMP via cc; GPU: CUDA via CuPy) or as a library call:
-
-    alias (a lone view) .......................... no kernel, 0 s
-    lone anchor of the unfused graph, baseline     library: ONNX Runtime (CPU) / arraylib with
-    "library" (default); of the plan, where the    cupy: cuBLAS matmul, im2col conv (GPU)
-    plan runs it as a library call (impl library)
-    codegen refused (opaque: Loop, If, TopK) ..... library, same; on the GPU only ops that
-                                                   `arraylib` implements, the rest "not measured"
-    codegen refused a fused group (a float16,      "library per node": each node alone through the
-    int8 or QDQ group, an op without a generator)  library, one after another, on its reference
-                                                   inputs; the sample is the sum, the row keeps
-                                                   the refusal as its reason (GPU: every node must
-                                                   be an `arraylib` op, else "not measured")
-    anything else ................................ the generated kernel
-
-The plan runs as it is priced (a CPU plan runs a lone anchor as our C unless the library is
-priced faster: `costing.cheapest`); the baseline says how the unfused graph's lone anchors
-run, the library's (the reference a user of ONNX Runtime knows) or ours. A CPU library call
-runs as ONNX Runtime runs the node inside the whole model (`backends.library`: its weights
-initializers, pre-packed; IO binding, no output allocation), and ONNX Runtime's fixed cost of
-one Run, which a whole-model run pays once, not per node, is taken off each of its samples: two null Runs (one Identity, a chain of them) are timed in the same
-rounds and `library.run_costs` reads the Run's cost and one trivial node's share from them; a
-sample never falls below that share. Likewise a generated CPU kernel is timed through a ctypes
-call from Python (about 1.5 us here) that a plan's program, one C call per segment of kernels,
-never pays per kernel: a C function that does nothing (`cpu.null_runner`) is timed in the same
-rounds and its median taken off each generated sample (at least CALL_FLOOR_S), so a plan of 32
-kernels is not credited with the calls of the 120 it replaces (these are the CPU backend's
-`null_calls`, read by `registry.NullCalls.costs` and taken off by `CallCosts.net`; a GPU has
-none). Everything that differs between backends (runner, library call, clock, L2 flush, null
-calls, device name) is the `registry.Backend`'s. Every kernel of both is prepared (generated,
-compiled, run once and checked) first, then all are timed together by
-the backend's `sample` in ROUNDS interleaved passes (on the CPU `backends.timing.measure_interleaved`
-on perf_counter, one run per sample; on a GPU `timing.graph_timing`: per launch from CUDA-graph
-replays of N launches, no host launch cost, the rows' `timer`, `cache` and `launch_s` say how), each plan group next to the unfused kernels of its nodes: on a shared
-machine whose speed drifts over minutes, a fused kernel and what it replaces are still compared
-under the same conditions. Generated kernels' timings are cached by (source hash, shapes,
-device). The unfused plan has
-every node its own kernel. `MeasureReport.library_comparison` then sets, for every plan group
-that fuses an anchor with other ops, its measured time beside the library baseline: the
-anchor's library time plus the unfused times of the group's other nodes, and flags the groups
-where the fused kernel loses. One row per kernel goes to a table (KernelSpec fields, prediction,
-measurement, ptxas resources where known, the library baseline) for Parquet and calibration.
-Invariants: nothing is written unless asked; a kernel that cannot run on the backend is reported
-as not measured with its reason, never silently timed as zero (on the CPU, where ONNX Runtime runs
-every node the model has, a node that cannot run alone is bad input naming group, op and dtype);
-a comparison with a missing measurement, or of a group that did not run as one generated kernel,
-is NaN / None, never a guess.
-"""
+Problem: predictions are claims until each kernel runs; a plan's worth is its measured speedup over
+every node alone, and a fused anchor must also beat "library anchor + separate epilogue".
+Approach: ONNX Runtime runs the canonical model on seeded inputs, keeping every tensor
+(`verify.all_values`); each kernel reads its real inputs and is checked against them. A group runs
+as alias (0 s), a library call (lone anchors per the baseline, refused opaque ops; a refused fused
+group as "library per node"), or its generated kernel. All are prepared first, then timed together
+by the `registry.Backend`'s `sample` in ROUNDS interleaved passes (CPU: `timing.measure_interleaved`;
+GPU: `timing.graph_timing`); ORT's Run cost (`library.run_costs`) and the ctypes call
+(`cpu.null_runner`, `registry.NullCalls`, `CallCosts.net`, at least CALL_FLOOR_S) are taken off.
+`MeasureReport.library_comparison` sets fused groups beside library + rest; rows feed calibration.
+Invariants: nothing is written unless asked; a kernel that cannot run is "not measured" with its
+reason, never timed as zero; a missing comparison is NaN / None, never a guess; timings are cached
+by (source hash, shapes, device)."""
 
 from __future__ import annotations
 

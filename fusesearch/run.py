@@ -1,69 +1,18 @@
 """Run a whole plan as one program and time it beside ONNX Runtime.
 
-Problem: a plan's per-kernel times, each taken alone with warm caches, are not what a user runs;
-what they compare with is ONNX Runtime's whole-model latency. A plan is only shown fast once it
-runs end to end, with every intermediate tensor in memory it must share, and gives ONNX Runtime's
-outputs.
-Approach: the plan's groups, in plan order, become steps:
-
-    alias (a lone view) ............ no code: its output is its input's storage
-    generated (the C generator) .... one call of the kernel's C function
-    library (opaque, refused, and on the CPU a lone group the plan runs as a library call)
-                                     each node alone in ONNX Runtime (its one-node model,
-                                     `backends.library.node_model`), reading and writing the
-                                     program's buffers through IO binding
-                                     (a bfloat16 node: through float32 copies)
-
-Maximal runs of generated steps are segments: every kernel's C source is compiled on its own
-(its object cached by source hash and flags) and linked with a generated driver and the shared C
-runtime (`cpu.runtime`: the helpers and packed GEMM every kernel calls, compiled once) into one shared
-library that has one entry function per segment, calling its kernels in order with pointers into
-one arena and a table of external pointers (weights, loaded once; the model's inputs; the weights
-kernels read packed, packed once by the driver's `fs_pack` when the program is built) — one
-ctypes call per segment, no Python between consecutive kernels (a program built with `profile`
-also times each kernel call in C: `Program.kernel_seconds`). Library steps between them run
-from Python. Every produced tensor has a lifetime [producing step, last reading step] (model
-outputs live to the end; an alias extends its source's); `plan_arena` places them greedily by
-size at the lowest offset that overlaps no placed tensor alive at the same time, a tensor of a
-page or more on a page (`cpu.alignment`: two such never fall 64-192 bytes apart modulo 4 KiB,
-where a kernel's stores are taken for its loads of the input a vector ahead).
-`run_plan` checks both programs (the plan and the unfused graph, every node its own kernel)
-against ONNX Runtime on seeded valid inputs (`verify.random_feeds`, `verify.compare`); on a
-mismatch each step is checked against ONNX Runtime's run of its nodes alone on the inputs the
-program gave it, naming the first that differs (where none does, the outputs' error is float32
-rounding the model amplifies, as a Softmax of large logits does: the run passes, with a warning
-and `amplified_err` in its report), then times both and ONNX Runtime at
-ORT_ENABLE_ALL — on the model as the user gave it (`original_model`: the file, its dynamic dims
-bound by the feeds; a zoo model's export; checked equal to the canonical model first), and on the
-canonical one — and at ORT_DISABLE_ALL on the same inputs with the same thread count (OpenMP's
-for the kernels, intra_op_num_threads for ONNX Runtime, library steps included), one run of each
-in turn per round, so that the machine's load changes fall on all alike; every ratio against
-ENABLE_ALL is against ONNX Runtime's faster figure (`RunReport.ort_baseline`). With several
-threads neither pool spins while the other runs: every session stops spinning as its Run returns
-(`verify.NO_SPINNING_AFTER_RUN`) and libgomp waits passively (`cpu.OPENMP_ENV`).
-On a GPU (`backend="cupy"`) the same steps and arena become a `CudaProgram`: one device
-allocation at the same offsets, every kernel's CUDA source in one module, launched in plan order
-on one non-default stream, a lone anchor the plan prices as the library's call through `arraylib`
-with cupy (cuBLAS) and other library steps through ONNX Runtime on the device's buffers, the whole
-program captured once as a CUDA graph and replayed when every segment is generated; the
-programs are timed with CUDA events on their inputs already on the device, ONNX Runtime with its
-CUDA provider on the same stream when onnxruntime-gpu has it (else on the CPU, said in the
-report). With `baselines=("torch",)` (`run --baselines torch`), and always on a GPU, PyTorch
-eager and torch.compile (Inductor, frozen weights: default and max-autotune) over the same
-canonical model (`backends.torch_baseline`, our converter) are checked equal to ONNX Runtime's
-outputs and timed in the same rounds (CUDA events on torch's stream on a GPU); without torch the
-report says "not installed", and a model or variant left out is named with its reason.
-`CudaProgram` only orchestrates; its device (the backend's `program_device`:
-`backends.cupy.Device`, or `backends.emulate.HostDevice`: the CUDA emulator on host memory,
-`run_emulated`, correctness only) allocates, copies, launches and captures, so the emulator's
-tests run the GPU's orchestration.
-Invariants: two tensors whose lifetimes overlap never share arena bytes; an output is never
-written by a step that reads a tensor at the same address; inputs and weights are never written;
-every kernel name in one library or module is unique; a CUDA graph is captured only
-when no library step runs between kernels; `--check-each` and the search for a differing step
-run a program without reuse (each tensor its own bytes), so every intermediate can be read back;
-after `run_plan`, OpenMP's thread count is the caller's again.
-"""
+Problem: per-kernel times taken alone are not what a user runs; a plan is shown fast only once it
+runs end to end, sharing memory, and gives ONNX Runtime's outputs.
+Approach: groups become steps (alias: no code; generated: one C call; library: the node alone in
+ONNX Runtime via IO binding). Runs of generated steps are segments: kernels compiled apart, linked
+with a driver and the shared runtime (`cpu.runtime`) into one library, one ctypes call per segment.
+`plan_arena` places tensors greedily by lifetime, page-aligned (`cpu.alignment`). `run_plan` checks
+plan and unfused programs against ONNX Runtime (`verify.random_feeds`, `verify.compare`), names the
+first differing step (or passes with `amplified_err`), then times them in interleaved rounds beside
+ORT (ENABLE_ALL on `original_model` and canonical, `RunReport.ort_baseline`; DISABLE_ALL) and torch
+baselines. On a GPU a `CudaProgram` (device: `backends.cupy.Device` or `emulate.HostDevice`).
+Invariants: overlapping lifetimes never share bytes; inputs and weights are never written; kernel
+names are unique; a CUDA graph only when no library step runs between kernels; `--check-each` runs
+without reuse; after `run_plan`, OpenMP's thread count is the caller's again."""
 
 from __future__ import annotations
 

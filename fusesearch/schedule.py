@@ -1,80 +1,18 @@
 """The schedule: everything about how one kernel runs, decided once by lowering.
 
 Problem: a cost model that prices one kernel while the generator writes another ranks plans by
-fiction. Tile, threads, grid, shared memory, split-K, the skeleton and the compute unit must be
-decided in one place, priced from there and generated from there.
-Approach: `lowering` builds a frozen `Schedule` for every Kernel from the predicates below (which
-skeleton applies to a group, which computed rows a row kernel caches in shared memory; which ops
-the C product folds into itself, `folded_scale` on its activation and `scaled_product` on its
-result, and which GELUs are one call, `gelu_chains`); the cost
-model prices `Kernel.spec()`, which reads it; the code generator dispatches on `skeleton` and
-writes its tile, block, grid and shared memory as given — it never re-decides them.
-
-    impl        "library" (a lone anchor or an opaque op: a vendor library call), "generated",
-                "alias" (a lone view: no kernel)
-    skeleton    the CUDA skeleton: "library" | "alias" | "grid-stride" | "vectorized" (float4) |
-                "block-per-row" | "tiled" | "direct" (a thread per output, its dot product inline)
-                | "mma-tf32" | "mma-f16" | "mma-bf16" (tensor cores: wmma fragments, sm_80+)
-                | "mma-sync-tf32" | "mma-sync-f16" | "mma-sync-bf16" (tensor cores as a
-                performance engineer writes them: `mma.sync` fed by `ldmatrix` from XOR-swizzled
-                shared memory, a cp.async pipeline of `stages` >= 3, warp tiles `warp`; sm_80+);
-                on a CPU device a fused gemm/conv is "packed" (C only, no CUDA form): the C
-                backend's BLAS blocks over packed panels, each prologue element computed once
-                per panel (a conv's once per filter tap of its im2col panel, or once where it
-                reads a band: `conv_reads_band`), a product that an
-                epilogue reorders or pools materialized once; a fused depthwise conv (template
-                "depthwise") is "depthwise" (C only): per channel its input, prologue applied
-                once per element, into zero-bordered planes, each output row one vectorized loop
-                with the taps unrolled: a loop nest, not a GEMM over packed panels
-    unit        the instruction class the main loop uses: "tensor-core" (the library's GEMM/conv,
-                the `mma-*` skeletons), "cuda-core" (every other generated CUDA kernel),
-                "cpu-simd" (`packed`, `depthwise`) or "none" (alias); the cost model turns it into a named unit
-                for a device and dtype (`costmodels.compute_unit`)
-    tile        (BM, BN, BK) of a tiled or library GEMM/conv, (1, row, K) of a row kernel over a
-                product, else ()
-    warp        (WM, WN): each warp's share of the block tile (`mma-sync-*` only, else ()); the
-                block has (BM / WM) x (BN / WN) warps
-    stages      shared-memory pipeline stages of the tile loop (1: single-buffered)
-    split_k     K split across blocks (a library's skinny GEMM; an `mma-sync-*` kernel of a small
-                M x N, `mma_sync_split`): each split a block on grid z, its partial tile written
-                to the kernel's workspace, and the last block of a tile to arrive adds the
-                partials in split order and runs the epilogue (serial split-K, one kernel); 1
-                for every other generated kernel
-    threads     threads per block; `grid` the launch grid ((): derived from the iteration space, for
-                library calls); `smem_bytes` the shared memory the kernel declares (static, or for
-                `mma-sync-*`, whose stages pass the 48 KiB of static shared memory, dynamic: the
-                launch asks for exactly these bytes, `GeneratedKernel.dynamic_smem`)
-    row_cache   a row kernel's computed rows kept in shared memory, in the order they are cached
-    product     on a CPU, how a gemm/conv's product runs (`CPU_PRODUCTS`, "" elsewhere): "own" (our
-                micro-kernel over B packed once or per block, `fs_gemm_rows`), "blas" (a BLAS sgemm per
-                block of rows, the per-row loops under `#else` where the backend compiles without a
-                BLAS), "loops" (per-row loops, no BLAS: where neither applies, or the anchor is
-                computed inline); for convs "band" (a k x k conv over a zero-bordered band of its input,
-                `fs_conv_band`), "packed" (im2col panels times the filters packed once,
-                `fs_gemm_packed`), "rows" (a 1x1 conv's pixels packed per chunk, the filters read in
-                place, `fs_conv_1x1`), "im2col" (im2col panels through the BLAS) and "depthwise" (its
-                loop over zero-bordered planes). `gemm_products` / `conv_products` list a group's
-                applicable ones, today's measured default first; the generator writes the one named,
-                the cost model prices each at its own efficiency (`RooflineParams.product_efficiency`)
-    split       on a CPU, how a packed kernel's OpenMP threads share its output (`CPU_SPLITS`, ""
-                elsewhere): "rows" (blocks of rows, a conv's of output rows, one per thread of a
-                batch), and for a gemm over a constant B "cols" (blocks of columns) and "tiles"
-                (row blocks of at least SPLIT_TILE_ROWS rows, the columns split among the rest);
-                `cpu_splits` lists a group's, `split_blocks` gives the blocks (the C computes the
-                same from the threads it runs with), `split_imbalance` their price
-    epilogue    with the "own" product, where its epilogue runs: "tile" (on the micro-kernel's
-                registers before the one store, `fs_gemm_rows_epi`, where the target has AVX-512:
-                `epilogues`) or "block" (a pass over the block's product in cache); "" elsewhere
-    min_arch    the oldest GPU architecture the written code runs on (compute capability x 10):
-                80 for the `mma-*` skeletons (cp.async, TF32 and BF16 wmma, mma.sync), else 0; the cost
-                model refuses the kernel on an older GPU (`KernelSpec.min_arch`)
-
-Invariants: this module imports only the graph types, numpy (a constant's value) and the units and
-CPU products the cost model knows; a CPU schedule's product, epilogue and split are pure functions of
-graph facts and the `CpuTarget` (its BLAS, its vector lanes, its threads); the generated launch (grid, block, shared
-memory, skeleton) equals the schedule's for every kernel (tests/backends/test_cuda_compile.py
-checks it against ptxas for every zoo kernel).
-"""
+fiction; tile, threads, grid, shared memory, split-K, skeleton and unit are decided here once.
+Approach: `lowering` builds a frozen `Schedule` per Kernel from this module's predicates (skeleton,
+row cache, `folded_scale`, `scaled_product`, `gelu_chains`, `conv_reads_band`); the cost model
+prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the rest as given. Fields:
+`impl` (library | generated | alias), `skeleton` (CUDA: grid-stride, vectorized, block-per-row,
+tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
+`split_k` (serial split-K, the last block adds the partials), `threads`/`grid`/`smem_bytes`,
+`row_cache`, and on a CPU `product` (`CPU_PRODUCTS`; `gemm_products`/`conv_products`, default
+first), `split` (`CPU_SPLITS`, `cpu_splits`, `split_blocks`) and `epilogue` (tile | block); `min_arch`.
+Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
+pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
+(tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""
 
 from __future__ import annotations
 

@@ -2,85 +2,17 @@
 
 Problem: every chosen group must become one real kernel that runs on real data, on a GPU (CUDA)
 and, so that everything but the launch skeleton is exercised without one, on the CPU (C).
-Approach (as TVM's compute inlining): the value of a tensor at a multi-index is an expression
-built from its producer inside the group — `value(t, idx)` recurses through elementwise and
-broadcast ops (same / broadcast index), injective ops (index remapping: Reshape via the flat
-index, Transpose, Slice, Gather/GatherND/GatherElements, Concat, Split, Expand, Tile,
-DepthToSpace/SpaceToDepth, ReverseSequence; guarded reads: Pad (constant / edge / reflect /
-wrap; negative pads crop), CenterCropPad, Trilu; Resize nearest, and linear as the weighted sum of
-its 2^axes neighbours; MaxPool / AveragePool as an unrolled reduction over their window's taps)
-down to loads of the kernel's inputs. Temporaries are memoized per
-(tensor, index) inside a scope, so a diamond computes its shared value once. `GENERATED_OPS` names
-every op with code (a test holds it to every op OpKind calls fusible, less a listed few). The
-emitted statements are the same text in both languages; only the skeleton around them differs:
-
-    pointwise  for every output O: for i in [0, |O|): O[i] = value(O, unflatten(i))
-               C: `#pragma omp for`, a worksharing loop of the kernel's one OpenMP region
-               (`base.c_function`; a pool's output in separable row passes,
-               `pool_rows`; under another pool, the columns split into the border, with
-               clamped taps, and the branch-free interior) · CUDA: a grid-stride loop, or, when every op is
-               elementwise/broadcast over float32 outputs of one shape with |S| % 4 == 0, four
-               elements per thread with float4 loads and stores (`vectorized`)
-    rowwise    for every row r: per-row scalars (sums / maxima over the row, each a loop over
-               j in [0, L)), then the outputs (row-sized ones once, full ones over j)
-               C: parallel over rows, plain j loops · CUDA: a block per row, j strided by
-               threads, block reductions (warp shuffles + shared memory); a computed row read by
-               several passes (a GEMM's output under a Softmax) is cached on its first pass (C: a
-               local buffer, CUDA: shared memory), so its dot products run once
-    gemm/conv  C, with a BLAS (`FS_BLAS_SGEMM`, scipy-openblas32; measured faster than our own
-               loops and within noise of ONNX Runtime's MLAS, benchmarks/bench_cpu.py): MatMul/Gemm
-               per block of output rows of one batch (a block per thread) — the A rows with the prologue
-               applied packed into a panel; B read in place by its strides when it is a view of an
-               input (the transposed keys of attention), else, when the group computes it, packed
-               in the order its source runs; one sgemm into a block tile, the epilogue over the
-               tile while it is in cache, before the one store (an epilogue that only adds terms
-               without the product is written first and the sgemm adds into it, beta 1); Conv as implicit GEMM per block of whole output
-               rows of one image and group — the im2col panel (prologue and zero padding applied;
-               a 1x1 stride-1 conv reads its input in place) times the group's filters, then the
-               epilogue; depthwise convs (template `depthwise`, skeleton `depthwise` when fused on
-               a CPU) in their own loop (each channel into zero-bordered planes, then a vectorized
-               row of output pixels, taps unrolled, no bounds checks); a conv whose filters dwarf its
-               activations reads them packed once (`PackedWeight`, the kernel's `<name>_pack`)
-               through our own micro-kernel instead of the BLAS. Which of these a kernel runs is its
-               schedule's product (`Schedule.product`, listed by `schedule.cpu_products`), and
-               where its epilogue runs its `epilogue`: written as named, never inferred from the
-               text written. Without a BLAS (`#else`, under the "blas" / "im2col" products): per output
-               row, the activation operand's row (prologue applied) into a buffer, then i-k-j
-               accumulation and the epilogue per column. Blocks run in parallel (OpenMP), the BLAS
-               single-threaded inside each; panels and tiles live in a per-thread scratch arena
-               kept between calls (`base.scratch`), never a malloc per call · CUDA (`tiled`): the anchor as
-               z independent GEMMs (MatMul batch, Conv group; Conv as implicit GEMM), a block per
-               BM×BN output tile, A and B staged per K step in shared memory with the prologue
-               applied in the tile loads, a register micro-tile per thread, the epilogue applied
-               to the registers before the one store; on tensor cores (`mma-tf32` for float32
-               while TF32 is allowed, `mma-f16`, `mma-bf16`: lowering's choice) the same tiles
-               staged as the fragments' type (cp.async double buffering for plain copies), wmma
-               fragments multiplied per warp, the accumulators through shared memory to the
-               epilogue and the one store; or (`mma-sync-*`) as a performance engineer writes
-               them: warp tiles of `mma.sync` fed by `ldmatrix` from XOR-swizzled shared memory,
-               a cp.async pipeline of 3+ stages, the epilogue on the accumulator registers. Epilogues that move elements (a Transpose
-               after the product), ConvTranspose and 1-D operands use the `direct` skeleton: a
-               thread per output element with its dot product inline. (A Softmax epilogue makes
-               the group a row kernel, above.)
-
-The opaque template is not generated (`generate` refuses it with a reason: a library call).
-What may be fused at all is asked before a group is priced, through `CAPABILITIES` (the value
-legality receives): `generatable` (every op has code here, every tensor a C type) and, on a CPU,
-`cpu_fusable` (what the C backend writes too slowly to be
-worth fusing: a ConvTranspose, a pool in front of an anchor).
-C loops carry `omp simd` (with reduction clauses for row reductions and dot products) and, where
-the C library has vector math (FS_VECTOR_MATH: glibc's libmvec), call log/tanh's vector variants
-(exp and erf are the C prelude's own inline polynomials, `fs_expf` / `fs_erff`, and GELU's
-x (1 + erf(x / sqrt 2)) one call, `fs_gelu2f`, wherever a group holds those four ops); one-element constants are literals in the source (Pow by 2, 3, 0.5 become products or a
-square root; division by a constant a multiplication by its reciprocal); the index of a row
-element is the row's (hoisted by the compiler) and the column's, with no per-element division.
-Invariants: the source is a pure function of (graph, kernel), so its hash keys every cache (the
-backend's flags select between its `#ifdef` paths and key its binary cache);
-arguments are the kernel's external inputs then outputs, in the Kernel's order (then, in C, its
-packed weights); compute is
-float32 (float tensors, half ones included: loads widen, stores round to nearest even, see
-`base.load_expr`/`store`), int64 (indices) or uint8 (bool).
-"""
+Approach (TVM's compute inlining): `value(t, idx)` builds a tensor's value at an index from its
+producer in the group (elementwise, broadcast, injective remaps, guarded Pad/Resize/pool reads) down
+to kernel-input loads, memoized per (tensor, index); `GENERATED_OPS` names every op with code. The
+statements are one text in both languages; skeletons differ: pointwise (C `omp for`, CUDA
+grid-stride or float4 `vectorized`), rowwise (C rows in parallel, CUDA a block per row), gemm/conv
+(C: `Schedule.product`/`epilogue` over packed panels or a BLAS, `base.scratch`; CUDA: `tiled`,
+`mma-*`, `mma-sync-*`, `direct`). `generate` refuses the opaque template (a library call);
+`CAPABILITIES` (`generatable`, `cpu_fusable`) says what may be fused before a group is priced.
+Invariants: the source is a pure function of (graph, kernel), its hash keys every cache; arguments
+are external inputs, then outputs (then packed weights, in C); compute is float32 (half tensors
+widen on load, round to nearest even on store), int64 (indices) or uint8 (bool)."""
 
 from __future__ import annotations
 

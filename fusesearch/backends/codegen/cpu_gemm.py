@@ -1,65 +1,18 @@
-"""The packed CPU skeleton for MatMul/Gemm (C only): blocks of output rows, each multiplied by
-our own micro-kernel over weights packed once or by a BLAS call, with the prologue packed into the
-activation panel and the epilogue on the tile in cache; the per-row loops without a BLAS
-(`#else`). The shared pieces of every product's skeleton live here too (packed weights, the split
-of a group's outputs, the store of one); convs build on them in `cpu_conv`.
+"""The packed CPU skeleton for MatMul/Gemm (C only): blocks of output rows, each by our micro-kernel.
 
-Our own micro-kernel or a BLAS call per block: `benchmarks/bench_cpu.py --sections 1b` times our
-micro-kernel (the C prelude's `fs_micro`, 6x16 with AVX2/FMA; with AVX-512 6 or 12 x 32 over two
-B panels, `fs_micro_x2`) over B packed once by `fs_pack_b`, against scipy-openblas32's sgemm
-(which packs B inside every call), at the zoo's GEMM shapes. The choices and figures below were
-made and measured on one Zen 3 core (AVX2); on an Ice Lake Xeon core (AVX-512) the same choices
-hold with a wider margin (`fs_gemm_rows` 1.15-1.25x the BLAS, the band convs 1.2-1.5x im2col +
-BLAS, the packed 1x1 convs 1.2-1.4x); the thresholds that leave the other 1x1 convs and the
-K = 3072 down-projections on the BLAS were not measured again there. MatMul/Gemm whose B is a constant float32 (packed
-once per plan) or a view of an input (attention's values along N and its keys along K, packed
-per block) or another float32 kernel input read in place (an unfused graph's values and
-transposed keys, a batched constant, packed per block: the lone context product 12x128x128x64
-went from 0.8x to 1.13x ONNX Runtime's MLAS) use ours
-(`fs_gemm_rows`: A read by rows in place, each tile stored straight into the output, at the merged
-heads' stride, plus a bias row and a residual read in place where the epilogue adds them, or
-added onto an output prefilled with other terms): in 1b's
-loop 0.98-1.06x the BLAS at bert-small's and vit-small's shapes (two runs) and 1.02x at bert-base's
-768x768; inside the generated kernels, interleaved with the same kernels through the BLAS, 1.04x
-over bert-small's gemm groups and 1.08x over vit-small's, and 1.06-1.10x at attention's context
-products with the values packed per head (against
-ONNX Runtime's MLAS with its weights pre-packed, as in the whole model, the fused groups are
-within a few percent of library + rest: docs/benchmarks.md). It had no K or N blocking
-then (blocks of B's columns kept in L2 measured no faster inside the kernels on Zen 3; they
-took 1b's bert-base shapes from 0.67x to 0.88x the BLAS on Ice Lake, so they are in); at gpt2's 768x2304
-QKV (B of 1.8M floats) it ran 1.03-1.04x the BLAS, at its 768x3072 up-projection 0.91-1.05x
-(as wide as an A/A pair's spread on this machine: no measured gain or loss), at K = 3072
-(the down-projections, GELU prologue) 0.90-0.97x (with GELU's x 0.5 folded and the activation
-read in place, within noise of the BLAS inside bert-base's kernel; on an Ice Lake core, with
-the AVX-512 tiles and B's columns blocked in L2, 1.28x faster than the BLAS, so `ROWS_MAX_K` is
-now 4096). The BLAS stays beyond `ROWS_MAX_K` and `ROWS_MAX_B_FLOATS`, below one full tile (FS_MR rows, FS_NR columns: it would compute padding)
-and for B computed in the group. Which of the two a kernel runs is its schedule's product
-(`schedule.gemm_products` lists the applicable ones, ours first where it applies; the cost model
-prices each, `RooflineParams.product_efficiency`): this module writes the one named and never reads
-its own output to learn what it wrote. Attention's keys (B transposed by strides) ran 0.98-1.01x the
-BLAS with the k loop rolled; unrolled, the score groups (scale, mask and Softmax on the product)
-run 1.11-1.17x faster than through the BLAS at bert-small's, bert-base's, vit-small's and gpt2's
-shapes (interleaved medians), so they are packed per head too.
-A scalar scale on a MatMul's activation (GELU's x 0.5 before a down-projection:
-`schedule.folded_scale`) is folded into the product, the weights scaled as they are packed or the
-BLAS's alpha, and the activation read in place: 194 -> 179 us at bert-small's 128x512x128.
-A scalar scale on our micro-kernel's product (attention's score x 0.125: `schedule.scaled_product`)
-is packed into B the same way; `fs_pack_b` multiplies as it packs, so no scale makes a pass of its
-own over a panel or the product.
-Operands go to the BLAS by strides wherever a view allows (found by probing the views' index maps
-at generation time: `_b_source`, `_view_strides`): attention's keys are read in place, a product
-that heads merge into is stored at the output's row stride; computed panels are packed in the
-order their source runs.
-An epilogue that is a function of the product plus a bias row alone (a GELU) runs on the
-micro-kernel's registers before the one store where the CPU has AVX-512 (`_tile_epilogue`,
-`base.tile_epilogue`; the block and a second pass elsewhere): bert-small's FFN-up group 1.06x
-slower through the block (`benchmarks/ab_group.py benchmarks/variants/gelu_epilogue.py`).
-Invariants: every BLAS path sits under `#ifdef FS_BLAS_SGEMM` with a loop fallback, so the same
-source compiles with and without a BLAS (a product over packed weights needs none: its path is
-unconditional); only float32 constants (initializers) are packed, once per runner or program,
-never per call; blocks run in parallel (OpenMP), each BLAS call alone;
-scratch comes from the per-thread arena (`base.scratch`), never a malloc per call.
-"""
+Problem: a fused gemm on a CPU must run at the BLAS's rate or better, with the prologue packed into
+the activation panel and the epilogue on the tile in cache. Shared pieces (packed weights, the split
+of a group's outputs, one output's store) live here too; convs build on them in `cpu_conv`.
+Approach: our micro-kernel (`fs_micro`, `fs_micro_x2` with AVX-512) over B packed once
+(`fs_pack_b`, which also multiplies in `schedule.scaled_product`'s scale) or per block, through
+`fs_gemm_rows` (A read by rows in place, bias/residual in the epilogue); else a BLAS sgemm per block,
+kept beyond `ROWS_MAX_K` / `ROWS_MAX_B_FLOATS`, below one FS_MR x FS_NR tile and for a computed B.
+`schedule.folded_scale` scales the weights or alpha; `_b_source`/`_view_strides` pass views by
+strides; `_tile_epilogue` runs a bias+GELU epilogue on registers (AVX-512). The schedule's product
+(`schedule.gemm_products`) is written as named, never inferred from the text written.
+Invariants: every BLAS path is under `#ifdef FS_BLAS_SGEMM` with a loop fallback (packed products
+need none); only float32 initializers are packed, once per runner or program; blocks run in
+parallel, each BLAS call alone; scratch from `base.scratch`, never a malloc per call."""
 
 from __future__ import annotations
 
