@@ -1,53 +1,18 @@
 """Calibration: fit the roofline model to measured kernels and report its held-out accuracy.
 
-Problem: a cost model is only as good as its error on kernels it has not seen. Default
-efficiencies are guesses; the device's real behaviour (an OpenMP fork/join on a CPU, index
-arithmetic in a scalar loop, a naive loop nest's fraction of peak) must be measured, fitted, and
-the fit judged on kernels left out of it.
-Approach:
-
-    models ─► prepare ─► enumerate candidates (Legality verdicts: kernel + cost)
-        │                 strata = (template, size bin: quantiles of log(FLOPs + bytes))
-        ▼                 seeded round-robin over strata; duplicate kernels (same KernelSpec) and
-    sample               the ones codegen refuses are skipped and counted
-        ▼
-    measure              real data (ORT's tensors for seeded valid inputs, `verify.all_values`),
-        │                each kernel as the plan runs it: the generated kernel on the backend
-        │                (C/OpenMP with the device's thread count, or CUDA with an L2 flush per
-        │                sample), a lone anchor through the library (MLAS in ONNX Runtime, cuBLAS),
-        │                so `library_efficiency` is fitted to the library, not to our fallback;
-        │                R rounds over all kernels, measured = the least of the rounds' medians
-        │                (load only adds time); on the CPU each round's samples net of what the
-        │                calling path adds (a null C call, ONNX Runtime's Run), as `measure` does
-        ▼
-    split by group       seeded per (seed, template): a fixed fraction of every template held out
-        ▼
-    fit (train)          least squares on log(predicted) - log(measured) over the RooflineParams
-        │                that move a prediction, in log / logit coordinates (bounds hold), with a
-        │                weak pull to the start: a coordinate search over each range (the
-        │                roofline's max() hides the non-binding side from gradients), then
-        │                Levenberg-Marquardt, from three starts. Two stages: shared terms
-        │                (launch, overlap, index arithmetic, transcendental weight) with the
-        │                anchor-free templates, then gemm / conv's own efficiencies; efficiencies
-        │                stay within 1 of their peak
-        ▼
-    keep or refit        per template: where its fitted parameters predict worse (MAPE) than its
-        │                starting ones — on left-out folds of a 3-fold cross-validation of the
-        │                training kernels (by group, seeded), else on the held-out kernels — its
-        │                starting parameters are kept, and the report says so ("kept_defaults")
-        ▼
-    report (held-out)    MAPE, median APE, Spearman, Kendall — before / after, overall and
-                         per template; register model vs ptxas (NVRTC, no GPU needed) fitted by
-                         weighted least squares and reported the same way
-
-The fitting and the metrics are pure and live in `costmodels.calibration`; this module samples,
-measures, splits, writes and checks profiles.
-
-Invariants: sampling, split and fit are deterministic for the same inputs and seed; the model
-evaluated is always `RooflineModel.cost` itself (never a re-implementation), so a profile
-predicts exactly what its report says; a profile is only used for the device it was fitted on
-(`check_profile_for_backend`).
-"""
+Problem: default efficiencies are guesses; the device's real behaviour must be measured, fitted,
+and the fit judged on kernels left out of it.
+Approach: enumerate candidates, sample seeded round-robin over strata (template, size bin), skipping
+duplicate KernelSpecs and refused kernels; measure each as the plan runs it (generated, or a lone
+anchor through the library, so `library_efficiency` fits the library) on real data
+(`verify.all_values`), the least of R rounds' medians, net of call costs as `measure` does; split
+held-out kernels per (seed, template) by group; fit RooflineParams in two stages (shared terms,
+then gemm/conv efficiencies); per template keep the defaults where the fit predicts worse on
+cross-validation ("kept_defaults"); report MAPE, median APE, Spearman, Kendall before/after, and
+the register model vs ptxas. The fit and metrics are pure, in `costmodels.calibration`.
+Invariants: sampling, split and fit are deterministic per seed; the model evaluated is always
+`RooflineModel.cost` itself; a profile is only used on the device it was fitted on
+(`check_profile_for_backend`)."""
 
 from __future__ import annotations
 

@@ -1,43 +1,17 @@
 """Strategy `cpsat`: exact set partitioning over the candidates with OR-Tools CP-SAT.
 
-Problem: choose, among the enumerated candidate groups, a partition of the nodes of least
-predicted time whose quotient graph is acyclic — two convex groups can still form a cycle
-(p→q, r→s, p→s, r→q with groups {p, s} and {r, q}).
-Model (as the OR-Tools samples: data, model, variables, constraints, objective, solve, output):
-  data         candidates g with cost c_g in integer picoseconds (the only place ints are used),
-               or in a coarser unit where their sum would pass MAX_OBJECTIVE (huge shapes): CP-SAT
-               refuses an objective that may overflow int64 (MODEL_INVALID)
-  variables    x_g ∈ {0,1} per candidate; rank r_v ∈ [0, n-1] per node
-  constraints  Σ_{g ∋ v} x_g = 1 for every node v                          (exact partition)
-               for every edge u→v, with y_uv = Σ_{g ∋ u,v} x_g (1 iff u, v share the chosen group):
-                 r_v − r_u + y_uv ≥ 1          (strictly later across groups)
-                 r_v − r_u + n·y_uv ≤ n        (same rank inside a group)
-               so ranks are equal inside a (connected) group and increase along every edge
-               between groups: the quotient graph has a topological order, hence no cycle.
-  objective    minimize Σ c_g x_g
-  search       hinted with the greedy plan (and its quotient's topological ranks); time limit,
-               seed and workers from the config; with few workers the `max_lp` and `core`
-               subsolvers are added, which is what proves optimality on 2 cores.
-  determinism  parallel workers may prove the optimum with different, equally fast plans; a
-               second solve (needless when the first had one worker) with one (deterministic) worker, Σ c_g x_g ≤ optimum added and the same
-               greedy hint, returns the same plan on every run (a time-limited FEASIBLE result
-               may still differ between runs). The optimum is summed in integers from the chosen
-               x_g, never read from CP-SAT's float objective (which can fall just below it), so
-               the re-solve is always feasible; its status is the `resolve_status` statistic.
-The candidate set always holds the rules and greedy groups, so the optimum is never worse than
-either. On a time-out the best plan found is returned with its gap to the bound (the `stopped`
-statistic says so); if CP-SAT found nothing in time, or nothing better than the greedy plan, the
-greedy plan is returned and the `fallback` statistic says it is greedy's, never silently.
-decomposition  the candidates are enumerated on the whole graph, then `decompose.split` cuts the
-               node order into a chain of pieces joined exactly over the few candidates crossing
-               each cut; each distinct subproblem is one model as above (over its nodes and
-               candidates), solved once, and `decompose.join` picks the cheapest states; the
-               joined plan is the whole graph's optimum when every subproblem's is proven and it is
-               acyclic (else the whole graph is solved as one model). Each distinct subproblem gets
-               an equal share of the time left. Graphs from DECOMPOSE_FROM_NODES nodes on. A model CP-SAT calls invalid
-(or infeasible) is a bug, never read as a time-out: an internal error saying what CP-SAT found.
-Invariants: this is the only module that imports ortools.
-"""
+Problem: choose a partition of the nodes into candidate groups of least predicted time whose
+quotient graph is acyclic (two convex groups can still form a cycle).
+Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE, or
+CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node; ranks r_v with r_v − r_u + y_uv ≥ 1 and
+r_v − r_u + n·y_uv ≤ n per edge make ranks equal inside a group and increasing between groups.
+Hinted with the greedy plan; with few workers `max_lp` and `core` are added. A second one-worker
+solve with Σ c_g x_g ≤ optimum (summed in integers) makes the plan deterministic
+(`resolve_status`). Graphs from DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each
+distinct subproblem solved once and joined by `decompose.join` (whole graph if not proven acyclic).
+Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
+best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
+model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
 
 from __future__ import annotations
 

@@ -1,49 +1,18 @@
-"""The packed CPU skeleton for Conv (C only): k x k convs over a zero-bordered band of their
-input, 1x1 convs through im2col panels or with their pixels packed per chunk, filters packed once
-where they dwarf the activations, each block's product by our micro-kernel or a BLAS call
-(`cpu_gemm`'s pieces) with the epilogue on the tile in cache; depthwise convs in their own loop;
-the per-pixel row loops without a BLAS (`#else`). The measured choices (figures from
-`benchmarks/bench_cpu.py --sections 1b`, interleaved, on one Zen 3 core unless an Ice Lake core
-is named; `cpu_gemm`'s note says how our micro-kernel and the BLAS compare on products):
-Every k x k conv with constant float32 filters (not depthwise-like: `schedule.conv_reads_band`)
-uses ours over a band: per block of output rows its input, prologue applied once per element,
-into a zero-bordered band, multiplied by the filters packed once (`fs_conv_band`, `_band_fill`):
-with AVX-512 the micro-kernel reads each tap's pixels from the band in place, panels within
-each output row (1.02-1.23x faster than packing the taps first, one Sapphire Rapids core; its
-note has the figures), else its taps are packed per chunk of pixels (within half the core's L2)
-into panels of a tile's rows (6 pixels; the 12-pixel panels, against 6-pixel ones in chunks of
-256 KiB, on a core with a 2 MiB L2: 1.02x at resnet's 3x3 convs at 56 and 28, 1.13x at 14, 1.21x
-at 7, 1.22x at the strided 256->512, outputs bit for bit equal). The packed band: against the
-im2col panel through the BLAS (written, then packed again by every sgemm), interleaved,
-1.07-1.15x at resnet's and U-Net's 3x3 stride-1 convs, 1.03-1.10x strided (the even floats of
-16 per tap), 0.91x at a 3-channel stem (27 taps: the transposed tile stores dominate). A 1x1
-stride-1 conv over blocks of at least 14 x 14 pixels, or over few input channels read in place
-(`rows_1x1`), packs its pixels per chunk (the input read in place or the prologue's panel) and
-runs `fs_gemm_rows` over the filters in place, each tile stored straight into the block's
-channels x pixels (`fs_conv_1x1`): 0.76-0.98x the BLAS's time at 20 x 20 and above (yolo-neck,
-resnet50, mobilenetv2), 0.87-0.96x the packed filters' at mobilenetv2's 14 x 14.
-1x1 convs whose filters dwarf their activations also use ours: with the filters packed once per plan
-(`PackedWeight`, packed by the kernel's `_pack` function before its first call) and the product
-computed as pixels x filters, each tile stored transposed into the channels x pixels block the
-epilogue reads (`fs_gemm_packed`), the convs of resnet's last stages (3x3 over 512 filters at
-7x7, the strided 3x3 to 512, resnet50's 1x1 512<->2048 at 7x7) ran 1.14-1.35x faster than through
-the BLAS, which packs up to 9 MiB of filters again per block; below PACK_FILTER_FLOATS, or with
-fewer than twice as many filters as a block has pixels, the two were within noise (0.86-1.05x;
-U-Net's 16x16 Concat+Conv over 256 filters 0.92x packed), so the BLAS stayed there; on an Ice
-Lake core, convs over at least 96 taps with blocks of at most 14 x 14 pixels ran 0.66-1.02x the
-BLAS's time packed (0.85-0.87x summed per model), so they are packed too (`packs_filters`),
-except the 1x1 convs over at most 384 taps at 14 x 14, which `fs_conv_1x1` runs faster still.
-A conv's prologue fills only the image interior of its panel or band, one tap loop per piece of a
-channel Concat. Blocks are whole output rows, the panel within CONV_PATCH_FLOATS; where the
-filters are small, fewer rows, so that the block's panel and product stay in the core's L2
-(`CONV_FIT_SHARE`: yolo-neck's Concat + 1x1 conv groups no longer behind library + rest).
-Which of these paths a conv runs is its schedule's product (`schedule.conv_products` lists the
-applicable ones, the measured default first, by the rules named above, which live there:
-`conv_reads_band`, `rows_1x1`, `packs_filters`); this module writes the one named.
-Invariants: as `cpu_gemm`'s — the BLAS path (im2col) under `#ifdef FS_BLAS_SGEMM` beside a loop
-fallback (the band, packed-filter and 1x1 rows paths need none), float32 constant filters packed once per
-runner or program, blocks in parallel, scratch from the per-thread arena.
-"""
+"""The packed CPU skeleton for Conv (C only), built on `cpu_gemm`'s pieces.
+
+Problem: a fused conv on a CPU must beat im2col + BLAS with its prologue computed once per element
+and its epilogue on the tile in cache.
+Approach: k x k convs with constant float32 filters read a zero-bordered band of their input
+(`fs_conv_band`, `_band_fill`; taps read in place with AVX-512, else packed per chunk); 1x1 convs
+pack pixels per chunk and read filters in place (`fs_conv_1x1`), or take filters packed once
+(`PackedWeight`, the kernel's `_pack`, `fs_gemm_packed`) where they dwarf the activations, else
+im2col panels through the BLAS; depthwise convs run their own loop over zero-bordered planes. A
+prologue fills only the image interior, one tap loop per piece of a channel Concat; blocks are
+whole output rows within CONV_PATCH_FLOATS, fewer where filters are small (`CONV_FIT_SHARE`).
+The path is the schedule's product (`schedule.conv_products`: `conv_reads_band`, `rows_1x1`,
+`packs_filters`); this module writes the one named.
+Invariants: as `cpu_gemm`'s: im2col's BLAS path under `#ifdef FS_BLAS_SGEMM` beside a loop fallback,
+float32 constant filters packed once per runner or program, blocks in parallel, per-thread scratch."""
 
 from __future__ import annotations
 

@@ -1,49 +1,18 @@
-"""The CUDA tensor-core skeleton for gemm/conv as a performance engineer writes it (`mma-sync-tf32`,
-`mma-sync-f16`, `mma-sync-bf16`; sm_80 and later): the anchor as z GEMMs (`contraction`), a BM x BN
-output tile per block, a WM x WN tile per warp (the schedule's `tile` and `warp`), `mma.sync`
-m16n8k8 (TF32) or m16n8k16 (FP16 / BF16) into float accumulators held in registers.
+"""The CUDA tensor-core skeleton for gemm/conv as a performance engineer writes it (`mma-sync-*`).
 
-    staging   per K step of BK, A as BM rows and B as BN rows of BK elements each (both
-              K-contiguous: whatever the global layout, the staging loop writes each element where
-              the fragment loads want it), as the operand type, the prologue applied while staging
-              (`tile_parts`, as the wmma skeleton); a plain float load of a kernel input staged as
-              float (TF32) is a 4-byte cp.async, the rest (any prologue, or a conversion to half)
-              is computed and stored (`mma.staged_element`); threads walk A and B along whichever
-              of M / N or K is contiguous in global memory
-    swizzle   shared memory unpadded; each row's 16-byte chunks permuted by XOR with the row
-              (chunk c of row r at c ^ ((r / L) % S), L the rows per 128-byte line, S the chunks
-              per row up to 8), so the 8 rows an ldmatrix reads, or the 8 rows a lane group reads
-              for one column, fall in 8 distinct 16-byte bank groups: no bank conflict
-    pipeline  `stages` buffers; stages - 1 K steps in flight ahead (cp.async.commit_group per
-              step, an empty group past the end), cp.async.wait_group(stages - 2) and one
-              __syncthreads per step, then the next step is staged into the buffer read one step
-              before
-    fragments `ldmatrix.x4` for every operand and type: A a 16 x (K step) block per x4, B two
-              8-column blocks per x4 (B staged N x K is the "col" operand); TF32 too: a 32-bit
-              element is a pair of b16, so the 8 x 8 b16 matrices ldmatrix moves are 8 x 4 floats,
-              each lane receiving exactly the TF32 fragment's element (row g, column t), which
-              `fs_tf32` then rounds (cvt.rna)
-    epilogue  on the accumulators: each lane's four values per m16n8 block at their (row, column)
-              (`ptx` module: row g + 8 (i >> 1), column 2t + (i & 1)), the epilogue applied and
-              the one store, no shared memory
-    split-K   (`split_k` > 1: a small M x N, `schedule.mma_sync_split`) grid z holds z x splits
-              blocks, each multiplying its share of the K steps; each writes its partial tile to
-              the kernel's workspace (`__device__` arrays of the module, sized by the schedule),
-              fences, and counts itself on the tile's arrival counter; the last block to arrive
-              sums every split's partial in split order (the result does not depend on arrival
-              order), resets the counter to 0 for the next launch and runs the epilogue. One
-              kernel, no second launch and no buffer for the program to plan; chosen over atomics
-              on the output, which would need the output zeroed first and could not apply a
-              nonlinear epilogue, and over a second reduction kernel, which would be a launch and a
-              workspace outside the schedule
-
-Invariants: the tile, warp tile, stages, threads, grid and shared memory are the schedule's
-(lowering's: `schedule.mma_sync`, `mma_sync_smem_bytes`), the shared memory dynamic (a launch asks
-for `GeneratedKernel.dynamic_smem` bytes, exactly the schedule's); a split-K kernel's launches run
-one after another (one stream, as the CUDA program's), its arrival counters back at 0 after each;
-the same text runs in
-the emulator (FS_EMULATED: the shared memory a static array, the ptx helpers warp-collective C++).
-"""
+Problem: wmma leaves tensor-core throughput unused; sm_80+ needs `mma.sync` fed well.
+Approach: the anchor as z GEMMs (`contraction`), a BM x BN tile per block, WM x WN per warp,
+`mma.sync` m16n8k8 (TF32) or m16n8k16 (FP16/BF16) into float registers. Staging: A and B
+K-contiguous per BK step, prologue applied (`tile_parts`, `mma.staged_element`), plain float loads
+by cp.async. Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
+`stages` buffers with stages - 1 steps in flight; `ldmatrix.x4` for every operand (TF32 as b16
+pairs, rounded by `fs_tf32`); the epilogue on the accumulators (`ptx` layout), one store. Split-K
+(`schedule.mma_sync_split`): each split writes its partial to the module's workspace and the last
+block on the tile's arrival counter sums partials in split order, resets it and runs the epilogue
+(one kernel: no zeroed output as atomics need, no second launch).
+Invariants: tile, warp, stages, threads, grid and dynamic shared memory are the schedule's
+(`schedule.mma_sync`, `mma_sync_smem_bytes`, `GeneratedKernel.dynamic_smem`); split-K launches run
+in order on one stream, counters back at 0; the same text runs in the emulator (FS_EMULATED)."""
 
 from __future__ import annotations
 
