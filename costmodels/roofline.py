@@ -2,41 +2,17 @@
 
 Problem: rank fusion choices by predicted kernel time, from counts alone, fast enough to score
 thousands of candidate groups, with every knob exposed for calibration.
-Approach (after XLA's gpu_performance_model, which knows nothing of the pass that calls it):
-
-    compute_s = tc_flops / (peak of the kernel's compute unit x eff[t, impl] x occ)
-              + (scalar_flops + transcendentals x w + divisions x d
-                 + iteration_size x index_divisions x e)
-                / (scalar peak(dtype) x scalar_eff[t] x occ)
-    memory_s  = (read x r + write + spill traffic) / (bandwidth x mem_eff[t] x occ)
+Approach (after XLA's gpu_performance_model):
+    compute_s = tc_flops / (unit peak x eff[t, impl] x occ) + (scalar_flops + transcendentals x w
+                + divisions x d + iteration_size x index_divisions x e) / (scalar peak x eff x occ)
+    memory_s  = (read x r + write + spill) / (`DeviceSpec.bandwidth_for(read + write)` x mem_eff x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
-
-where bandwidth is `DeviceSpec.bandwidth_for(read + write)`: DRAM's, or on a CPU with a
-measured cache curve the rate it reads at the kernel's footprint (GPUs: always DRAM's), t is
-the template, d the extra cost of a floating-point division or square root
-(`division_flops`: 0 by default, as OpKind counts one flop), r the share of reads that reach DRAM (`read_traffic_factor`: 1 by
-default; a CPU timing loop re-reads inputs from its last-level cache), e the cost of one index
-division in flops (`index_division_flops`: 0 by
-default, as a GPU hides it under memory traffic; a CPU's scalar loop nest pays it for every
-element; `KernelSpec.index_divisions` counts them), occ = min(1, achieved occupancy / knee[t]) on
-GPUs (1 on CPUs, which hide latency with out-of-order cores and prefetchers, not resident warps), and launch_s is the
-device's launch overhead x a scale. Tensor peak: float16 / bfloat16 use the FP16 / BF16 tensor
-cores; float32 uses TF32 tensor cores where the device has them and
-`RooflineParams.float32_uses_tf32` (the default of cuBLAS-backed inference: ONNX Runtime's CUDA EP
-`use_tf32=1`), else the FP32 CUDA-core peak; any dtype without a tensor-core rate on the device
-falls back to the FP32 CUDA-core peak (so float64 is optimistic on GeForce parts). Tensor cores
-price library calls (impl "library": a lone anchor through cuBLAS / cuDNN) and generated kernels
-whose schedule's unit is "tensor-core" (the `mma-*` skeletons, wmma fragments); any other generated
-kernel's main loop runs on the FP32 CUDA cores, as the `tiled` skeleton's fmaf does, whatever the
-dtype: one kernel, one price (`compute_unit` names the unit and plan.json records it; eff[t, impl]
-is `library_efficiency`, `mma_efficiency` (generated, tensor cores: wmma), `mma_sync_efficiency`
-(generated, tensor cores: the mma.sync kernels, `KernelSpec.mma_sync`) or `tc_efficiency`
-(generated, CUDA cores)). Scalar peak:
-half2 for float16 where the device lists one, else FP32.
-Invariants: pure and deterministic; a kernel that cannot launch (shared memory over the per-block
-maximum, too many threads, one block does not fit an SM) is infeasible with time_s = inf and a
-reason naming both numbers; `bound` names the largest of compute, memory and launch.
-"""
+occ = min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
+`float32_uses_tf32`) price library calls and "tensor-core" units; other generated kernels use the
+FP32 CUDA cores (`compute_unit` names it). eff is `library_efficiency`, `mma_efficiency`,
+`mma_sync_efficiency` or `tc_efficiency`.
+Invariants: pure and deterministic; a kernel that cannot launch is infeasible with time_s = inf and
+a reason naming both numbers; `bound` names the largest of compute, memory and launch."""
 
 from __future__ import annotations
 

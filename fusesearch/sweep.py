@@ -1,40 +1,17 @@
 """Experiment sweeps: a TOML grid of models × devices × strategies × parameters, run on Dask.
 
-Problem: researchers compare strategies over many models, GPUs and settings; a sweep takes hours,
-runs on several processes or a cluster, and must survive a killed worker or an interrupted run
-without losing or duplicating a result.
-Approach:
-
-    CONFIG.toml ─► SweepConfig (checked; every error names the file, the key and the fix; each
-        │              model's input_shapes / dims bound to its graph inputs, before any cell runs)
-        │ expand: models × devices × strategies × max_group_size × time_limit_s × seed
-        ▼
-    Cells, each with a stable id (sha256 of its parameters, RESULTS_VERSION and a profile's content)
-        ─► skip cells with an ok OUT/cells/<id>.json
-        │ dask.distributed: LocalCluster of N worker processes, or Client(ADDRESS); one task a cell
-        ▼ worker: prepared model cached per (model, shapes) per process → search → (measure) → row
-    client, as each cell finishes: OUT/cells/<id>.json written to a temp name, then os.replace
-        ▼
-    OUT/results.parquet rebuilt from the cell files (also atomically)
-
-With a `backend`, each cell also measures its plan against the unfused graph (strategy none), as
-`measure` lists: "kernels" (each kernel alone, summed: measured_s) and, on the cpu only,
-"end_to_end" (the plan as one program beside ONNX Runtime, `run.run_plan` at `threads` and
-`repeat`: end_to_end_* columns); by default the cpu does both, cupy "kernels". `costs` ("predicted" by default, "measured" or
-"hybrid": `autotune`) prices each cell's choices; measured cells share the timing database, so a
-kernel timed for one cell is read by the next.
-
-When OUT holds results.parquet but no cells/ (results committed without their cell files), the
-cells are restored from it first. Time limit and seed only matter to cpsat: for the other strategies they are dropped from the cell,
-so those cells run once. A cell that raises — or whose worker keeps dying — is recorded with
-`status = "error"` and its error text; the next run of the same sweep retries it (`fusesearch
-sweep` exits 1 when every cell failed). The results of a different config in OUT are never
-overwritten unless `force` is given; an unreadable results.parquet is a BadInput naming it.
-Invariants: a cell file is complete or absent; cell ids are unique, so the results hold one row
-per cell of the grid; rows are deterministic apart from wall times, timestamps and the worker
-(and cpsat cells stopped by their time limit, whose plan depends on how far the solver got).
-`import fusesearch.sweep` does not import dask; only `run_sweep` does.
-"""
+Problem: a sweep runs for hours over many processes or a cluster and must survive a killed worker
+or an interrupted run without losing or duplicating a result.
+Approach: CONFIG.toml → `SweepConfig` (checked, errors name file, key and fix) → cells, each with a
+stable id (sha256 of its parameters, RESULTS_VERSION and a profile's content); cells with an ok
+OUT/cells/<id>.json are skipped; the rest run on dask.distributed, one task a cell; each result is
+written atomically, and OUT/results.parquet rebuilt from the cell files. With a `backend`, cells
+also measure ("kernels", and on the cpu "end_to_end" via `run.run_plan`); `costs` picks predicted,
+measured or hybrid pricing (`autotune`). Cells are restored from results.parquet when cells/ is
+missing; time limit and seed are dropped for strategies other than cpsat. A failing cell is
+recorded with `status = "error"` and retried next run; another config's results need `force`.
+Invariants: a cell file is complete or absent; one row per cell; rows deterministic apart from wall
+times, timestamps, worker and time-limited cpsat cells; only `run_sweep` imports dask."""
 
 from __future__ import annotations
 

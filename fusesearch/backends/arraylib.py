@@ -1,37 +1,17 @@
 """Library kernels written once for any array module: `xp` is numpy (CPU tests) or cupy (GPU).
 
-Problem: on a GPU the unfused baseline of an anchor (MatMul, Gemm, Conv, ConvTranspose) and the
-opaque ops that have no generated kernel (MaxPool, AveragePool, ...) should run through vendor
-libraries (cuBLAS via `cupy.matmul`), so that `measure` can say when a fused generated kernel
-loses to a library kernel plus a separate epilogue. That code cannot run in CI (no GPU), yet
-its math must be checked there.
-Approach: each op is a short function of `xp` and the node's attributes, built only from array
-calls that numpy and cupy share (`pad`, strided slicing, `stack`, `matmul`, `max`, `sum`), so CI
-runs it with numpy against ONNX Runtime and a GPU runs the very same function with cupy:
-
-    MatMul / Gemm ........ xp.matmul (cuBLAS); Gemm: transA/transB, alpha, beta, bias C
-    Conv ................. im2col (one strided slice of the padded input per kernel tap) then
-                           one batched xp.matmul per group: (M/g, C/g·taps) @ (C/g·taps, P)
-    ConvTranspose ........ the equivalent Conv: stride-dilate the input (zeros in between), pad
-                           by d·(k-1)-pad (+ output_padding at the end), flip the kernel
-                           spatially and swap its channel axes per group
-    MaxPool / AveragePool  one strided slice per kernel tap of the padded input, reduced with
-                           max / sum (the average divides by the window's valid count, with or
-                           without padding, as ONNX Runtime does); ceil_mode drops a last window
-                           that would start in the end padding
-    GlobalAveragePool / GlobalMaxPool: mean / max over the spatial axes
-
-No cuDNN: CuPy 14 (the `gpu` extra's pin) removed its cuDNN bindings, so the GPU Conv baseline is
-im2col + cuBLAS, which pays the im2col buffer's traffic — a weaker baseline than cuDNN's own
-convolutions, and reported as what it is.
-
-`supports(op_type, attrs, n_outputs)` answers with a `FusionDecision` saying why not (an op
-outside the table, MaxPool's Indices output, ConvTranspose's output_shape); `run(xp, op_type,
-attrs, inputs, n_outputs)` returns the outputs.
-Invariants: no module-level import of cupy (this module never imports it; the caller passes
-`xp`); inputs are never written; outputs keep the input's dtype; an omitted optional input is
-None.
-"""
+Problem: on a GPU the unfused baseline of an anchor and the opaque ops without a generated kernel
+run through vendor libraries (cuBLAS via `cupy.matmul`), so `measure` can compare a fused kernel
+with library + epilogue; CI has no GPU, yet that math must be checked there.
+Approach: each op is a short function of `xp` and the node's attributes using only calls numpy and
+cupy share: MatMul/Gemm (`xp.matmul`), Conv (im2col, one batched matmul per group), ConvTranspose
+(as the equivalent Conv), MaxPool/AveragePool (a strided slice per tap, ONNX Runtime's counts and
+ceil_mode), the global pools. No cuDNN (CuPy 14 removed its bindings): the GPU Conv baseline is
+im2col + cuBLAS, weaker than cuDNN, reported as what it is. `supports(op_type, attrs, n_outputs)`
+answers with a `FusionDecision` saying why not; `run(xp, op_type, attrs, inputs, n_outputs)`
+returns the outputs.
+Invariants: no import of cupy (the caller passes `xp`); inputs are never written; outputs keep the
+input's dtype; an omitted optional input is None."""
 
 from __future__ import annotations
 

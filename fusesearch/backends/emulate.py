@@ -1,40 +1,18 @@
 """Run a generated CUDA kernel's own source on the CPU, every CUDA thread a coroutine.
 
-Problem: the CUDA skeletons (shared-memory tiles, barriers, warp shuffles, tensor-core fragments)
-are the part of a generated kernel that the C/OpenMP backend never exercises, and most machines
-that build and test this project have no GPU. A kernel that compiles (NVRTC) may still index a
-tile wrongly.
-Approach: compile the unchanged `cuda_source` as C++ with a small header that gives the CUDA
-names a host meaning, and launch it with exactly the grid and block the GPU launch uses
-(`GeneratedKernel.grid`/`.block`). Blocks run one after another; a block's threads are
-coroutines (ucontext) on one host thread, each running until it waits at a barrier or ends, so a
-barrier costs a context switch, not an OS wake-up. `threadIdx` is set on every switch, `blockIdx`
-per block; `__shared__` variables are statics (one copy per block, as blocks run in turn);
-`__syncthreads()` is a barrier of the block's threads (`__syncthreads_or` one that ORs their
-votes); `__device__` globals (a split-K workspace) are statics, atomics plain read-modify-writes
-(the threads never run at once), fences no-ops; `__shfl_xor_sync` exchanges values
-through a per-warp slot array between two warp barriers; half storage converts on the host
-(`FS_HOST_HALF`: float16 through `_Float16`; bfloat16's bit manipulation is the kernel's own);
-the wmma subset of the tensor-core skeletons works on warp-replicated fragments (each lane holds
-and computes the warp's whole 16x16 tile; lane 0 stores it) with the operands rounded as a
-tensor core reads them (TF32: 10 mantissa bits); `mma.sync` (m16n8k8 TF32, m16n8k16 FP16 / BF16)
-and `ldmatrix` (`codegen.ptx`'s device functions) are warp-collective: every lane publishes its
-registers (or row address) between two warp barriers and reads what the instruction gives it in
-the PTX ISA's per-lane layout; cp.async is a synchronous copy; and
-`#include <mma.h>` / `<cuda_fp16.h>` / `<cuda_bf16.h>` find empty stand-ins. This is an
-executable model of the CUDA programming model, good for correctness (every thread, barrier and
-shuffle happens), useless for timing.
-`module` does the same for many kernels at once: the CUDA program's one module
-(`codegen.cuda_module`), one launcher per kernel; `HostDevice` is the CUDA program's device on
-host memory (`run.CudaProgram` on the emulate backend's `program_device`), with the methods of
-`cupy.Device`.
-Invariants: the source is compiled byte for byte as `kernel_runner` (or the CUDA program's
-module) would send it to NVRTC (only the header is prepended, the launchers appended); a
-barrier that some thread never reaches (it skipped a `__syncthreads` or a warp-collective
-operation, as a divergent barrier would on a GPU) fails the launch as soon as no thread can run,
-instead of hanging; an ldmatrix row address off a 16-byte boundary fails it (the GPU faults);
-inputs are never written.
-"""
+Problem: the CUDA skeletons (tiles, barriers, shuffles, tensor-core fragments) are what the C
+backend never exercises, and most machines that test this project have no GPU.
+Approach: compile the unchanged `cuda_source` as C++ behind a header giving CUDA names a host
+meaning; launch with the GPU's grid and block (`GeneratedKernel.grid`/`.block`). Blocks run in
+turn, threads are ucontext coroutines switched at barriers; `__shared__` and `__device__` are
+statics, atomics plain, fences no-ops; shuffles, `mma.sync` and `ldmatrix` (`codegen.ptx`) are
+warp-collective through per-warp slots in the PTX per-lane layout; wmma fragments warp-replicated,
+operands rounded as tensor cores read them; cp.async a copy. Correct, useless for timing.
+`module` builds the CUDA program's one module; `HostDevice` is `run.CudaProgram`'s device on host
+memory, with `cupy.Device`'s methods.
+Invariants: the source is compiled byte for byte as sent to NVRTC (header prepended, launchers
+appended); a barrier some thread never reaches fails the launch instead of hanging; an ldmatrix
+row address off a 16-byte boundary fails it; inputs are never written."""
 
 from __future__ import annotations
 

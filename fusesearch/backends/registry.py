@@ -1,41 +1,18 @@
 """The backends kernels run on, by name: one registry of `Backend` objects.
 
-Problem: `measure`, `calibrate`, `run` and `sweep` each run generated kernels and library calls,
-time them and say which device they ran on; where each kept its own list of backend names and
-branched on them, the same choice (which runner, which clock, which null call, which library)
-was made in a dozen places, each a little differently.
-Approach: a `Backend` holds everything one place to run kernels offers, and every command asks it:
-
-    available()        whether it runs here, with the reason when not (no C compiler, no CUDA
-                       device, CuPy missing); `require` turns a refusal into a one-line BadInput
-    compile(kernel)    the generated kernel built for it (a loaded C library, an NVRTC function,
-                       the emulator's C++ library)
-    runner(kernel, x)  (run, fetch): the kernel on fixed inputs, run without copies, outputs read
-    library_call(...)  (run, fetch) of a lone node through the backend's library: ONNX Runtime on
-                       the CPU (as it runs the node inside the model), `arraylib` with CuPy on a
-                       GPU (cuBLAS for a GEMM) or with numpy in the emulator; None and why where
-                       the library has no kernel for the op
-    clock()            perf_counter on the host, CUDA events on a GPU
-    flusher()          the untimed L2 eviction before each sample (None on the host)
-    sample(runs, ...)  the runs timed in interleaved rounds, all in one cache state: on the host
-                       one run per sample (`timing.measure_interleaved`); on a GPU per launch
-                       from replays of N launches in one CUDA graph (`timing.graph_timing`: no
-                       host launch cost, an empty kernel's launch reported apart, `flush` an L2
-                       flush kernel before each launch inside the graph, else warm)
-    null_calls(...)    runs that compute nothing, timed among the kernels: what the calling path
-                       adds to each sample and a plan's program never pays per kernel (a ctypes
-                       call, ONNX Runtime's fixed cost of one Run); `NullCalls.costs` reads
-                       `CallCosts` from their medians, and `CallCosts.net` takes them off a sample
-    program_device(n)  the device a plan's CUDA program runs on (None: the host's C program)
-
-`get_backend(name)` is the one check of a backend's name, for every command's --backend and the
-sweep file's `backend` key: BadInput (exit 2) naming the option and the choices. `timing`
-commands (measure, calibrate, sweep) take the backends that time; `run` also takes `emulate`,
-which checks the CUDA program on the CPU and times nothing.
-Invariants: importing this module imports neither CuPy nor a compiler; each backend's own module
-(`cpu`, `cupy`, `emulate`, `library`) is imported only when a method needs it, so `cupy` stays
-the one module that imports cupy; a name not in the registry is bad input, never a KeyError.
-"""
+Problem: `measure`, `calibrate`, `run` and `sweep` all run kernels and library calls, time them
+and name the device; the choice of runner, clock, null call and library is made here once.
+Approach: a `Backend` offers `available()` (with the reason; `require` makes it a BadInput),
+`compile(kernel)`, `runner(kernel, x)` and `library_call(...)` (run, fetch pairs; ONNX Runtime on
+the CPU, `arraylib` with CuPy or numpy elsewhere), `clock()`, `flusher()`, `sample(runs, ...)`
+(`timing.measure_interleaved` on the host, `timing.graph_timing` on a GPU), `null_calls(...)`
+(what the calling path adds: `NullCalls.costs` → `CallCosts`, taken off by `CallCosts.net`) and
+`program_device(n)`. `get_backend(name)` is the one check of a backend's name for every
+--backend and the sweep file's `backend` key (BadInput, exit 2, naming the choices); timing
+commands take the backends that time, `run` also `emulate`.
+Invariants: importing this module imports neither CuPy nor a compiler; each backend's module
+(`cpu`, `cupy`, `emulate`, `library`) is imported when a method needs it, so `cupy` stays the one
+module importing cupy; an unknown name is bad input, never a KeyError."""
 
 from __future__ import annotations
 

@@ -1,42 +1,18 @@
 """Timing of kernels: warm-up, budgeted sampling, robust statistics and an on-disk cache.
 
-Problem: a kernel's run time is noisy (clock boosts, caches, other processes), a single sample
-says little, and measuring every kernel of every plan again on each sweep is wasted device time.
-Approach: `measure` runs the kernel until `warmup_s` has passed (at least once), then times one
-run at a time, with an untimed `before_each` hook (an L2 flush on a GPU) before each sample,
-until `budget_s` of wall time is spent — at least `min_samples`, at most `max_samples`. Each run
-is bracketed by a `Clock` (`PerfCounterClock` on the host here; `CudaEventClock` in
-`fusesearch.backends.cupy`), so a GPU clock's `stop` synchronizes and the wall-time budget is
-real. `measure_interleaved` samples several runs in rounds over all of them, so runs compared
-with each other (a fused kernel, the kernels it replaces) see the same machine. `Timing` keeps
-every sample and reports the median and the 20th/80th percentiles.
-`TimingCache` stores one JSON file per key (source hash, input shapes, device, extra).
-
-    warm-up: run, run, ... until warmup_s       (not sampled, no before_each)
-    samples: before_each, [start run stop], ... until budget_s and n >= min_samples, or max
-
-On a GPU a sample of one launch from Python carries the host's launch cost (20-30 us), more than
-many kernels take. `graph_timing` times each run instead as N back-to-back launches captured in
-one CUDA graph (a `GraphDevice` captures and replays), each replay bracketed by the device's
-event clock; a sample is the replay's time / N, N chosen from a first estimate so one replay
-lasts at least `target_s`. The cache state is one choice for every run timed together: "warm"
-(launch after launch, as a kernel in a program reads its producer's output from L2) or
-"flushed" (an L2 flush kernel before each launch, inside the graph; a graph of N flushes alone
-is timed in the same rounds and its median taken off, so the figure is the kernel's own time
-from cold memory). An empty kernel's graph, timed in the same rounds, gives the launch cost of
-one kernel in a graph (`launch_s`), reported apart and never taken off. A run that cannot be
-captured (a library call that allocates or synchronizes) is timed as the same N launches
-enqueued back to back, without a host synchronization, between two events: `timer` "events"
-instead of "graph" says so.
-
-    graph:  [start replay(flush? run, flush? run, ... N) stop] / N   (less N flushes, flushed)
-
-Invariants: a `Timing` has at least one sample, every sample >= 0 s; the loop structure depends
-only on the arguments and elapsed time (no sleeps), read from `now` (`time.perf_counter`; a test
-passes a fake one with a fake `clock`, so the loop's logic is checked without wall time); a cache
-file is written whole (tmp file + os.replace) or not at all, and a corrupt or foreign cache file
-reads as missing, never a crash.
-"""
+Problem: a kernel's time is noisy, one sample says little, and re-measuring every kernel on each
+sweep wastes device time.
+Approach: `measure` warms up for `warmup_s`, then times one run per sample (an untimed
+`before_each` first) by a `Clock` (`PerfCounterClock`, `CudaEventClock`) until `budget_s`, within
+`min_samples`..`max_samples`; `measure_interleaved` samples runs in rounds so compared runs see the
+same machine. `Timing` keeps every sample (median, 20th/80th percentiles); `TimingCache` one JSON
+file per key. On a GPU `graph_timing` times N launches in one CUDA graph (`GraphDevice`) per
+sample, cache state "warm" or "flushed" (flushes timed alone and taken off), an empty kernel's
+launch reported apart as `launch_s`; an uncapturable run is timed as enqueued launches (`timer`
+"events").
+Invariants: a `Timing` has at least one sample, each >= 0 s; the loop depends only on arguments and
+elapsed `now` (no sleeps; tests pass a fake clock); a cache file is written whole (os.replace) and a
+corrupt or foreign one reads as missing."""
 
 from __future__ import annotations
 

@@ -1,40 +1,18 @@
 """Read an ONNX model (a file or `zoo:NAME`), check it, and make it static and current.
 
-Problem: models in the wild are old (opset 7-9), unsorted, carry unnamed nodes, dynamic dims,
-external data, even cycles or dangling inputs. Downstream passes need one well-formed shape.
-Approach, in order (each step raises a one-line `BadInput` naming the file/node/option and the fix):
-  1. read the protobuf without external data (`onnx.load(load_external_data=False)`); its IR
-     version is one the installed onnx knows;
-  2. check external data locations: relative, inside the model's folder, present, long enough;
-  3. check the main graph: graph inputs have distinct names, every node has an op type, every
-     tensor one producer, every node input and graph output is produced, no cycle; sort it
-     topologically; give unnamed or duplicate-named nodes unique names (`<op>_<index>`); every
-     attribute of an ONNX operator (subgraphs included) has its schema's type and the required
-     ones are there, before any onnx C++ pass runs (the version converter crashes the
-     interpreter on a mistyped attribute, so the check comes first instead of isolating the
-     converter in a child process, which would cost a second interpreter on every load); every
-     stored tensor holds the data its dims need (counted, not decoded);
-  4. an initializer listed as a graph input is declared with its own type and dims; drop such
-     inputs (they are weights, as in ONNX Runtime; an input the user binds with --input-shape
-     stays an input instead) and raise IR < 4 to 4, where shape inference sees initializers that
-     are not inputs; every remaining input is a typed tensor (no sequence, map or optional);
-  5. upgrade the opset to `TARGET_OPSET` with onnx's version converter (kept as is, with a
-     one-line warning, where the converter has no adapter or an op is not an ONNX operator; a
-     linear Upsample / Resize-10 keeps its asymmetric coordinates, which the converter drops);
-     bind dynamic dims, run onnx shape inference (strict) with data propagation, then check per
-     node what that inference does not and ONNX Runtime refuses on loading or on its first run:
-     no negative inferred dim, Reshape keeps the element count, Conv/ConvTranspose have a
-     positive group and the channels their weight expects (constant Gather indices are checked
-     after canonicalization, at the bound dims: `shapes.check_static_model`), Gemm's bias and
-     LayerNormalization's scale/bias broadcast, BatchNormalization's variance is not below
-     -epsilon (NaN); and no Dropout zeroes values at random (training mode, ratio not 0);
-  6. hand back an `onnx_ir.Model` whose external tensors are read from the model's folder (not
-     the working one): into memory up to `EMBED_EXTERNAL_BYTES`, so that every model made from it
-     is self-contained, memory-mapped above (so models above 2 GB load without copying their
-     weights).
-Invariants: the user's file is only read; the result has static graph-input shapes, unique node
-names, topological order, and opset >= TARGET_OPSET where the converter allowed it.
-"""
+Problem: models in the wild are old, unsorted, carry unnamed nodes, dynamic dims, external data,
+even cycles or dangling inputs; downstream passes need one well-formed shape.
+Approach, in order, each step raising a one-line `BadInput` naming file/node/option and the fix:
+read without external data; check external data locations; check the graph (distinct inputs, one
+producer per tensor, no cycle), sort it, name nodes `<op>_<index>`, type-check attributes against
+their schemas before any onnx C++ pass (the version converter crashes on a mistyped one); drop
+initializers listed as inputs (IR raised to 4); upgrade to `TARGET_OPSET` (kept with a warning
+where no adapter exists); bind dims, run strict shape inference with data propagation and check
+what ONNX Runtime would refuse (negative dims, Reshape counts, Conv groups, broadcasts, random
+Dropout); return an `onnx_ir.Model` with external tensors embedded up to `EMBED_EXTERNAL_BYTES`,
+memory-mapped above.
+Invariants: the user's file is only read; the result has static input shapes, unique node names,
+topological order, and opset >= TARGET_OPSET where the converter allowed it."""
 
 from __future__ import annotations
 

@@ -1,39 +1,17 @@
 """Half precision: convert a float32 model to float16 or bfloat16 (`--dtype`), and run it in ONNX Runtime.
 
-Problem: FP16/BF16 inference is how GPUs run most models, and what their tensor cores are for; a
-plan must be made, priced, generated and checked for the half model, not the float32 one. The
-usual converter (onnxconverter-common) is not a dependency, and ONNX Runtime's CPU provider has no
-bfloat16 kernels for most ops.
-Approach: `to_half(model, dtype)`, an ONNX-to-ONNX pass over the canonical float32 model
-(`pipeline.prepare` runs it after canonicalization, so tensor names stay those of the float32
-canonical model). The rule, decided per node from its ONNX schema:
-  - a node computes in half when its op is not in `KEEP_FLOAT32` and the type parameter of its
-    float32 inputs/outputs admits the half type; its float32 weights become half, its float32
-    activations are half;
-  - numerically sensitive ops stay float32 (`KEEP_FLOAT32`: LayerNormalization and the other
-    normalizations, Softmax / LogSoftmax, and the reductions that compute statistics —
-    ReduceMean, ReduceSum, ReduceSumSquare, ReduceL2, ReduceLogSumExp), as mixed-precision
-    converters do: a Cast to float32 on each half input, a Cast to half on each output a half
-    node reads; their weights (LayerNorm's scale and bias) stay float32;
-  - so do nodes ONNX defines no schema for, nodes outside the default domain, nodes with a
-    subgraph (If, Loop, Scan: the outer values their bodies read get a float32 copy) and nodes
-    with a `dtype` attribute; inputs a schema types as tensor(float) (Resize's scales) too;
-  - every float32 graph input and output becomes half (an output written by a float32 node gets a
-    Cast, the node's own output renamed `<name>__float32`); a weight read in both precisions is
-    stored in both (`<name>__float32` is the float32 one), never cast at run time;
-  - each value is cast at most once per precision (one Cast node shared by its readers).
-Compute inside generated kernels stays float32 (loads widen, stores round: `backends.codegen`).
-Tolerances (`tolerance`): the relative error `verify.compare` allows against max(1, max|ref|):
-float32 1e-4, float16 1e-2, bfloat16 5e-2 (8 bits of mantissa: 2^-8 per rounding, a few
-roundings more or less than the reference per output).
-The reference is ONNX Runtime running the converted model: float16 as is (its CPU provider runs
-ops that lack float16 kernels in float32 through casts it inserts), bfloat16 through `widened`, a
-copy where every bfloat16 tensor is held in float32 and each node output that is bfloat16 in the
-model is rounded to bfloat16 (a Cast pair, round to nearest even) — the values a bfloat16 model
-stores; inside a fused function the body computes in float32, as the generated kernel does.
-Invariants: the input model is not modified; non-float32 tensors (indices, float64, bool) are
-untouched; the result passes onnx's strict shape inference; `to_half(m, "float32")` is `m`.
-"""
+Problem: a plan must be made, priced, generated and checked for the half model; onnxconverter-common
+is not a dependency and ONNX Runtime's CPU provider lacks bfloat16 kernels for most ops.
+Approach: `to_half(model, dtype)` over the canonical float32 model (run by `pipeline.prepare`): a
+node computes in half when its schema admits it and its op is not in `KEEP_FLOAT32` (normalizations,
+Softmax, statistic reductions: Casts around them); schema-less, non-default-domain, subgraph and
+`dtype`-attribute nodes stay float32; graph inputs/outputs become half; a weight read in both
+precisions is stored twice (`<name>__float32`); each value is cast at most once per precision.
+Kernels compute in float32. `tolerance`: float32 1e-4, float16 1e-2, bfloat16 5e-2 relative to
+max(1, max|ref|). The reference: ONNX Runtime on the converted model, bfloat16 through `widened`
+(float32 tensors rounded to bfloat16 at every node output).
+Invariants: the input model is not modified; non-float32 tensors are untouched; the result passes
+strict shape inference; `to_half(m, "float32")` is `m`."""
 
 from __future__ import annotations
 
