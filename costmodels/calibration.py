@@ -1,29 +1,17 @@
 """Fitting a cost model to measured kernels, and judging it: metrics, the fit, the register fit.
 
-Problem: `RooflineParams` start as informed guesses; measured kernels (KernelSpec + time) should
-set them, and the result must be judged by its error on kernels the fit did not see.
-Approach: `fit` is least squares on log(predicted) - log(measured) over the parameters that move a
-prediction (`free_parameters`), in log / logit coordinates so every bound holds, with a weak pull
-to the starting values (a parameter the data cannot see stays put). The roofline's max() hides the
-non-binding side from gradients, so a coarse coordinate search over each parameter's range comes
-first, then Levenberg-Marquardt with a forward-difference Jacobian of `RooflineModel.cost` itself
-(never a re-implementation), from three starts (efficiencies x 1, 0.1, 0.01). `fit_staged` fits
-the shared terms on the anchor-free kernels first, then each anchor template's own parameters.
-`cross_validate` refits on k folds of the training kernels (by group, seeded) and says whether
-the fitted first stage (shared terms, anchor-free templates) predicts the left-out folds worse
-(`error_factor`, over every kernel) than its starting values, then, per part, whether its own
-fitted parameters do; the caller keeps the starting values of such a part (`keep_shared`,
-`keep_start`). The judge is the error the fit minimizes, |log(predicted / measured)|, a factor off
-either way, not the APE: an APE caps a prediction too fast at 100% and leaves one too slow
-unbounded, so it kept a part's defaults that priced every depthwise conv 3-5x too fast (APE near
-80% each) over a fit within 1.5x either way.
-A part (`part_of`) is a template's generated kernels (their efficiencies and occupancy knee) or
-its library calls (`template/library`: its `library_efficiency`), judged apart: another kernel.
-`fit_registers` fits the register estimate to ptxas's counts. `accuracy` gives MAPE, median APE,
-Spearman and Kendall (tau-b) for the report.
-Invariants: pure and deterministic (numpy only; no graphs, no files); a FitResult's parameters
-pass RooflineParams validation, and the efficiencies it fits stay within (0, 1] of their peak.
-"""
+Problem: `RooflineParams` start as guesses; measured kernels should set them, judged by the error
+on kernels the fit did not see.
+Approach: `fit` is least squares on log(predicted) - log(measured) over `free_parameters`, in
+log/logit coordinates (bounds hold) with a weak pull to the start: a coordinate search, then
+Levenberg-Marquardt on `RooflineModel.cost` itself, from three starts. `fit_staged` fits shared
+terms on anchor-free kernels, then each anchor template's. `cross_validate` (k folds by group)
+says whether a part's fit predicts left-out kernels worse (`error_factor`, |log(pred/meas)|, not
+APE) than its start, so the caller keeps it (`keep_shared`, `keep_start`); a part (`part_of`) is a
+template's generated kernels or its library calls. `fit_registers` fits registers to ptxas;
+`accuracy` gives MAPE, median APE, Spearman and Kendall.
+Invariants: pure and deterministic (numpy only; no graphs, no files); fitted parameters pass
+RooflineParams validation, efficiencies within (0, 1] of their peak."""
 
 from __future__ import annotations
 

@@ -1,35 +1,17 @@
 """Measurements of this machine that `host_cpu()` turns into a DeviceSpec.
 
-Problem: a CPU's datasheet figures are not at hand (a VM reports its nominal clock, not the
-boost clock its FMA units run at; the last-level cache it reports is shared with neighbours), and
-the roofline prices every kernel from them, so a wrong figure skews every host plan.
-Approach: four short probes, each a lower bound on what the machine can do, taken as the best of
-a few timed passes:
-- `measure_copy_bandwidth(n, workers)`: a numpy copy of two n-byte arrays split across threads
-  (STREAM's convention: read + write bytes); DRAM when n is well beyond the last-level cache.
-- `measure_cache_curve(...)`: the same copy at footprints from half the threads' core caches
-  (L2) up to the last-level cache, doubling: the rate at each footprint, made non-increasing
-  (a footprint is credited the best rate of any larger one: noise only slows a pass), and cut
-  where it no longer beats DRAM by CACHE_MIN_SPEEDUP. One thread of a Sapphire Rapids VM copies
-  97 GB/s at 1 MiB, 59 at 2 MiB (its L2), 29-30 from 4 to 128 MiB (its share of a shared L3)
-  and 17 beyond; a kernel's memory time is read off this curve at its footprint
-  (`DeviceSpec.bandwidth_for`). Two regimes (the cache's rate up to one footprint, DRAM's
-  beyond) priced the 1.2-3.2 MB tensors of vit-small and resnet at DRAM's rate, 2.3-3.7x
-  slower than they ran.
-- `measure_fma_peak()`: a C loop of independent vector FMAs (GCC vector types, 12 accumulators,
-  the widest vector `-march=native` offers) on one thread, compiled with the system's C compiler;
-  0 when there is none. Where GCC prefers 256-bit vectors on an AVX-512 core (Ice Lake's
-  default) it keeps the 64-byte accumulators in memory, which halved the figure there, so the
-  probe asks for 512-bit vectors (`#pragma GCC target`).
-- `measure_launch_overhead(threads)`: what a generated kernel's OpenMP parallel region costs
-  beyond its work: a C loop calling a kernel whose `omp parallel for` covers a few floats, with
-  the threads the kernels run with (the fork and join of the team; a call that does nothing is
-  what `measure` already takes off every sample). 0.18 us at 1 thread and 0.8 us at 2 on a
-  Sapphire Rapids VM, where the fixed estimate it replaces charged 1.5 us to every kernel: the
-  unfused graph of a transformer at seq 128 has a hundred kernels of 1-5 us.
-Invariants: the probes are pure measurements (no files; `host_cpu()` keeps the figures); each
-stays within a fraction of a second; an unusable result is reported as 0, never guessed.
-"""
+Problem: a CPU's datasheet figures are not at hand (a VM reports its nominal clock; its last-level
+cache is shared), and the roofline prices every host kernel from them.
+Approach: short probes, each a lower bound taken as the best of a few passes:
+`measure_copy_bandwidth(n, workers)` (a threaded numpy copy, STREAM's read + write bytes; DRAM when
+n is beyond the last-level cache); `measure_cache_curve(...)` (the copy at doubling footprints from
+L2 to the last-level cache, made non-increasing and cut where it no longer beats DRAM by
+CACHE_MIN_SPEEDUP; read by `DeviceSpec.bandwidth_for`); `measure_fma_peak()` (a C loop of
+independent vector FMAs, 512-bit where the core has AVX-512 via `#pragma GCC target`; 0 without a
+compiler); `measure_launch_overhead(threads)` (an OpenMP region's fork and join around a trivial
+kernel, at the kernels' thread count).
+Invariants: pure measurements (no files; `host_cpu()` keeps the figures); each within a fraction
+of a second; an unusable result is 0, never guessed."""
 
 from __future__ import annotations
 

@@ -1,30 +1,17 @@
 """CPU backend: compile a generated kernel's C source with the system compiler and run it.
 
-Problem: generated kernels must run and be checked on machines without a GPU — the same kernel
+Problem: generated kernels must run and be checked on machines without a GPU: the same kernel
 bodies as the CUDA version, inside a C/OpenMP loop nest.
 Approach: `cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC` (plus glibc's vector math
-library where it links, so `omp simd` loops with logf/tanhf vectorize; exp and erf are the C
-prelude's own inline polynomials) into a cache folder keyed by the source's hash and the flags
-(compiled once per machine), linked with the shared C runtime (`runtime`: the helpers and packed
-GEMM every kernel's header declares, `libfsrt-<hash>.so` in the same folder, compiled once per
-machine, compiler and flags, found through $ORIGIN) and the kernel's C units (`libraries`: a tile
-epilogue's tile kernels, compiled once per distinct epilogue), loaded with ctypes; `run` allocates the outputs, passes every array as a
-contiguous pointer of its C type, and returns the outputs as numpy arrays; every buffer a kernel is
-given starts on a cache line (`aligned_empty`, as in a plan's arena and ONNX Runtime's allocator:
-numpy's own large arrays start 16 bytes past a page, which splits every other 32-byte vector
-access across two lines and cost a Softmax 4% here), and one of a page or more on a page (`PAGE`:
-an output that starts 64-192 bytes past an input modulo 4 KiB has its stores taken for the loads
-of the input a vector ahead, a false dependence the core resolves late: bert-small's GELU 5-9%
-slower there, and the unfused graph's 120 kernels 2% slower in all with numpy's placement,
-`benchmarks/bench_alignment.py`; two timings of one kernel differed by where its buffers fell);
-a kernel that reads
-weights packed (`GeneratedKernel.packed`) gets them packed by its `<name>_pack` when its runner is
-made, once, and passed after its outputs.
+where it links) into a cache keyed by source hash and flags, linked with the shared C runtime
+(`runtime`, `libfsrt-<hash>.so`, found through $ORIGIN) and the kernel's C units (`libraries`),
+loaded with ctypes. `run` allocates outputs and passes contiguous pointers of their C types;
+buffers start on a cache line (`aligned_empty`), those of a page or more on a page (`PAGE`,
+`alignment`); packed weights (`GeneratedKernel.packed`) are packed once by `<name>_pack` when the
+runner is made and passed after the outputs.
 Invariants: a missing compiler is a `FusionDecision`, not a crash; inputs are never written; every
-cached library (kernel, program, runtime, unit) is moved into place whole and checked against the
-sha256 recorded when it was built (`cached_file`), so a concurrent or interrupted build never
-leaves a file that loads wrong.
-"""
+cached library is moved into place whole and checked against its recorded sha256 (`cached_file`),
+so a concurrent or interrupted build never leaves a file that loads wrong."""
 
 from __future__ import annotations
 

@@ -1,36 +1,18 @@
 """Compile CUDA C++ to a cubin and read the kernels' ptxas resources, without a GPU.
 
-Problem: a generated CUDA kernel must be checked (does it compile? how many registers, how much
-static shared memory, does it spill?) on machines with no GPU — laptops, CI, sweep workers — and
-those figures must match what the GPU machine will load. A missing compiler is a decision the
-caller reports, not a crash.
-Approach: two compilers that both stop at a cubin and both run ptxas with `-v`:
-
-    compile_cuda(source, arch, options, compiler)
-        │  cache hit? (sha256(source), arch, options, compiler; auto reuses nvrtc's) ──► result
-        ├─ "nvrtc": libnvrtc through ctypes — the pip wheel (nvidia-cuda-nvrtc) first, then the
-        │           system CUDA (CUDA_HOME / CUDA_PATH / /usr/local/cuda / ldconfig); the cubin's
-        │           size comes from nvrtcGetCUBINSize (CuPy 14.2's getCUBIN drops the last byte)
-        ├─ "nvcc":  the source in a temp dir, `nvcc -cubin -arch=sm_XX -Xptxas=-v`, with a timeout
-        └─ "auto":  nvrtc, else nvcc when nvrtc is missing (a source error is not retried)
-        ▼
-    parse_ptxas_log(log) ──► one KernelResources per entry function
-
-The ptxas `-v` report (nvcc prints the second line indented, NVRTC prefixes it `ptxas .`):
-
-    ptxas info    : Compiling entry function 'k' for 'sm_90'
-    ptxas info    : Function properties for k
-        0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-    ptxas info    : Used 14 registers, used 1 barriers, 4096 bytes smem, 368 bytes cmem[0]
-
-Parsing is by name, not by position: the frame line belongs to the last `Function properties
-for X`, the `Used` line to the last `Compiling entry function` (or, without one, to the last
-`Function properties`). Non-entry (device) functions get no row.
-Invariants: a `CompileResult` holds the cubin exactly as the compiler sized it (an ELF file) and
-one `KernelResources` per entry function in log order; a failed compile raises `CompileError`
-with a one-line message naming the compiler, the arch and the log's first error line; a missing
-compiler raises `ToolchainMissing`, and `toolchain_available` turns that into a refusal.
-"""
+Problem: a generated CUDA kernel must be checked (compiles? registers, static shared memory,
+spills?) on machines with no GPU, with figures that match what the GPU will load; a missing
+compiler is a decision the caller reports, not a crash.
+Approach: `compile_cuda(source, arch, options, compiler)`, cached by (sha256(source), arch,
+options, compiler): "nvrtc" (libnvrtc through ctypes, the pip wheel then the system CUDA; the
+cubin sized by nvrtcGetCUBINSize, as CuPy 14.2's getCUBIN drops the last byte), "nvcc"
+(`nvcc -cubin -Xptxas=-v` with a timeout) or "auto" (nvrtc, else nvcc when nvrtc is missing).
+`parse_ptxas_log(log)` reads ptxas `-v` by name, not position: the frame line belongs to the last
+`Function properties for X`, the `Used` line to the last `Compiling entry function`; device
+functions get no row.
+Invariants: a `CompileResult` holds the cubin as the compiler sized it and one `KernelResources`
+per entry function in log order; a failed compile raises a one-line `CompileError` (compiler, arch,
+first error); a missing compiler raises `ToolchainMissing` (`toolchain_available` refuses)."""
 
 from __future__ import annotations
 

@@ -1,34 +1,16 @@
 """Legality rules: may this set of nodes be one kernel on this device? Every answer has a reason.
 
-Problem: enumeration, the greedy merger, the pattern baseline and plan validation must all agree
-on what one kernel may hold, and a user reading `--explain` must see why two ops were not fused
-(which node, which limit), not a bare False.
-Approach: as onnxscript's rewriter, a failed check returns its reason. A group is legal when each
-rule of `DEFAULT_RULES` accepts it, cheapest first:
-
-    MaxGroupSize      at most K ops (default 16)
-    Lowerable         lowering's checks: OPAQUE ops alone, one anchor, static shapes, one float
-                      dtype (float32 may join one half dtype), connected, convex, reductions over inner axes sharing one row count, a
-                      Softmax epilogue over the anchor's last axis (see fusesearch.lowering)
-    Generatable       a fused group: the generator has code for every op and a C type for every
-                      tensor (a kernel we cannot write is not a candidate; a lone op always is),
-                      as the generator describes itself (`Legality.capabilities`: legality never
-                      imports the generator)
-    FitsDevice        the cost model accepts the kernel: shared memory per block, registers and
-                      threads within the device's limits; its form a priced choice (tensor or
-                      CUDA cores; on a CPU a lone anchor as our C or the library call), the
-                      cheapest predicted or, with a `Measurer` (`--costs measured|hybrid`), the
-                      fastest measured (`Legality.choose`: the one place a choice is made)
-
-`Legality.check` memoizes (node set → decision, kernel, cost), so each group is lowered and
-costed once per search. `Legality.outcome` (the decision and cost alone: what enumeration and the
-exact solver ask of every candidate) goes further: groups of the same `structure` (ops,
-attributes, shapes and dtypes, small constants' values, which inputs are shared, which outputs
-are read outside the group) get the same decision and cost, so a deep model's repeated blocks are
-lowered once per block shape, not once per block. With a `Measurer` every group is checked itself.
+Problem: enumeration, the greedy merger, the pattern baseline and plan validation must agree on
+what one kernel may hold, and `--explain` must show why two ops were not fused, not a bare False.
+Approach: as onnxscript's rewriter, a failed check returns its reason. `DEFAULT_RULES`, cheapest
+first: `MaxGroupSize` (default 16), `Lowerable` (lowering's checks), `Generatable` (a fused group
+has code for every op, from `Legality.capabilities`: legality never imports the generator) and
+`FitsDevice` (the cost model accepts it; `Legality.choose` is the one place a form is chosen,
+cheapest predicted or, with a `Measurer`, fastest measured). `Legality.check` memoizes per node
+set; `Legality.outcome` also shares decisions between groups of the same `structure`, so repeated
+blocks are lowered once per block shape (not with a `Measurer`).
 Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
-whichever caller asks.
-"""
+whichever caller asks."""
 
 from __future__ import annotations
 

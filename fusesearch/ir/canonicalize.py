@@ -1,30 +1,17 @@
 """Canonicalize a loaded model to a fixed point, counting what each pass did.
 
-Problem: exporters leave work that no GPU kernel should do (Identity, inference Dropout, Shape
-chains over static shapes, BatchNormalization after a convolution, weights computed at run time by
-Constant/ConstantOfShape nodes). Fusion and costs must see the graph a good compiler would run.
-
-Approach: a loop over the main graph of an `onnx_ir.Model` until no pass changes anything:
-
-    identity ─ dropout ─ noop_cast ─ noop_reshape ─ constant_folding ─ batchnorm_folding
-        ─ einsum_to_matmul ─ matmul_add_to_gemm ─ dead_nodes ─► shape inference ─► shape completion ─► again if
-        anything changed
-
-Shape completion fills values onnx's inference left unknown by running the node once on zeros
-(control flow included; for an If this takes the shape of the branch zeros select).
-Which library does what:
-  - onnx-ir: the IR, graph surgery, memory-mapped external data, and shape inference
-    (`ShapeInferencePass`, which strips weights so models over 2 GB work).
-  - onnx's reference evaluator computes folded constants (exact ONNX semantics for every opset).
-  - ours: the passes themselves. onnxscript's optimizer folds inside If/Loop bodies, inlines Ifs
-    with constant conditions and stops at a size limit meant for small constants (weights computed
-    by ConstantOfShape must fold whatever their size); it also has no per-pass counts. Our BN
-    folding computes in float64 and checks that the producer has no other consumer; our
-    MatMul+Add→Gemm only fires where Gemm's 2-D semantics are exact.
-Invariants: results never change (tests compare ONNX Runtime outputs before/after on every zoo
-model); graph input and output names are kept; If/Loop/Scan nodes and their bodies are never
-rewritten; node names stay unique (a rewritten node keeps its name).
-"""
+Problem: exporters leave work no kernel should do (Identity, inference Dropout, static Shape
+chains, BatchNormalization after a conv, weights computed at run time); fusion and costs must see
+the graph a good compiler would run.
+Approach: loop over an `onnx_ir.Model`'s main graph until nothing changes: identity, dropout,
+noop_cast, noop_reshape, constant_folding, batchnorm_folding, einsum_to_matmul, matmul_add_to_gemm,
+dead_nodes, then shape inference (`ShapeInferencePass`) and shape completion (running a node once
+on zeros). onnx's reference evaluator computes folded constants; the passes are ours (onnxscript's
+optimizer rewrites inside If/Loop and stops at a size limit, and has no per-pass counts): BN
+folding in float64 where the producer has no other consumer, MatMul+Add→Gemm only where exact.
+Invariants: results never change (tests compare ONNX Runtime outputs on every zoo model); graph
+input and output names are kept; If/Loop/Scan and their bodies are never rewritten; node names
+stay unique."""
 
 from __future__ import annotations
 

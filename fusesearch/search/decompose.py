@@ -1,31 +1,16 @@
 """Split the exact search at cuts no candidate crosses, and find the pieces that are the same problem.
 
-Problem: CP-SAT's time grows much faster than the graph; a transformer is a chain of identical
-blocks, and planning it whole stops at the time limit from about 30 layers on.
-Approach: node ids are a topological order, so cutting the order at position k splits the nodes
-into a prefix [0, k) and a suffix [k, n) with every edge between them going forward. The
-candidates crossing k (min(g) < k <= max(g)) are few at the seams of a model (a chain of fusible
-ops crosses every position, so cuts with none are rare) and, where they all share a node, at most
-one of them is in any plan: that choice (one of them, or none) is the cut's state. `split` takes
-cuts left to right where the crossing candidates are at most MAX_STATES, pairwise overlapping and
-cross no earlier cut; between two cuts lies a piece. For each piece and each pair of states at its
-two cuts, the subproblem is the piece without the states' nodes, over the piece's own candidates
-that avoid them; a dynamic program over the chain of cuts picks the states of least total cost:
-    f_j(s) = min over states r at the previous cut, disjoint from s, of
-             f_{j-1}(r) + opt(piece j | r, s) + cost(s)
-Every plan of the whole graph is one such choice, so the sum is a lower bound of the whole
-optimum; the cuts are forward-only, but a cycle of the quotient graph may still pass through a
-crossing group and groups of both pieces, which no subproblem sees: the joined plan is checked
-whole, and if it is acyclic (the usual case) it is the exact optimum of the whole graph. Each
-piece gets a signature: its nodes' op types, attributes, input and output shapes and dtypes, its
-internal edges, and its candidates as piece-local node sets with their exact costs; a subproblem's
-key is its piece's signature with the removed nodes in local ids. Subproblems with equal keys are
-the same optimisation problem up to shifting node ids, so one is solved and its plan shifted onto
-the others (a transformer's identical blocks are solved once).
+Problem: CP-SAT's time grows much faster than the graph, and a transformer is a chain of identical
+blocks.
+Approach: node ids are a topological order; at a cut k the few candidates crossing it, pairwise
+overlapping, give its states (one of them, or none). `split` takes cuts left to right (at most
+MAX_STATES, crossing no earlier cut); each piece and pair of states is a subproblem, and a dynamic
+program (`join`): f_j(s) = min_r f_{j-1}(r) + opt(piece j | r, s) + cost(s). The joined plan is the
+exact optimum when it is acyclic (checked whole: a quotient cycle can pass through a crossing
+group). Subproblems keyed by signature (op types, attributes, shapes, dtypes, edges, local
+candidates with costs, removed nodes) are solved once and shifted onto equal ones.
 Invariants: pieces are contiguous, in order, cover 0..n-1; every candidate lies inside one piece
-or crosses exactly one cut, into the two pieces beside it; keys compare whole tuples (no hash
-collision can merge two different problems).
-"""
+or crosses exactly one cut; keys compare whole tuples (no hash collision merges two problems)."""
 
 from __future__ import annotations
 

@@ -1,31 +1,17 @@
-"""The warp-level tensor-core instructions a CUDA kernel calls as device functions (a leaf of the
-generator): `mma.sync` m16n8k8 TF32 and m16n8k16 FP16 / BF16 (float accumulators) and `ldmatrix`
-of one, two or four 8x8 b16 matrices, plain or transposed.
+"""The warp-level tensor-core instructions a CUDA kernel calls as device functions (a generator leaf).
 
-Problem: a tile written with `mma.sync` holds each operand as registers spread over the warp's
-32 lanes in the layout the PTX ISA fixes per shape; the kernel text must be the same on the GPU
-and in the emulator (`backends.emulate`), which has no inline PTX.
-Approach: `MMA_SYNC` is CUDA text for the GPU, inside `#ifndef FS_EMULATED`; the emulator's
-header defines the same names as warp-collective C++ (every lane publishes its registers, a warp
-barrier, each lane reads what the instruction would give it). The functions, per lane
-(g = lane >> 2, t = lane % 4; a register of b16 pairs holds the lower index in its low half):
-
-    fs_tf32(x)                    x rounded to TF32 (cvt.rna: nearest, ties away), as bits
-    fs_mma_m16n8k8_tf32(d, a, b, c)   d[4] = A(16x8) B(8x8) + c[4]
-        a[i] = A[g + 8 (i & 1)][t + 4 (i >> 1)]      b[i] = B[t + 4 i][g]
-    fs_mma_m16n8k16_f16 / _bf16(d, a, b, c)           d[4] = A(16x16) B(16x8) + c[4]
-        a[i] = A[g + 8 (i & 1)][2t + 8 (i >> 1) + {0, 1}]   b[i] = B[2t + 8 i + {0, 1}][g]
-    c[i], d[i] = C[g + 8 (i >> 1)][2t + (i & 1)]
-    fs_ldmatrix_x{1,2,4}(r, p)    lanes 8j .. 8j+7 give the 16-byte rows of matrix j (shared
-        memory, 16-byte aligned); r[j] = M_j[g][2t + {0, 1}]
-    fs_ldmatrix_x{1,2,4}_trans(r, p)                  r[j] = M_j[2t + {0, 1}][g]
-
-A TF32 operand is read by the tensor core from its top 19 bits (the emulator truncates the low 13
-bits), so a float must be rounded with `fs_tf32` first; ldmatrix moves b16 only, so TF32 fragments
-are loaded with plain shared-memory loads in the layout above.
-Invariants: every function is warp-collective (all 32 lanes call it, converged); the text is a
-pure constant (part of the source hash of every kernel that includes it).
-"""
+Problem: `mma.sync` operands live in registers spread over 32 lanes in the PTX ISA's per-shape
+layout; the kernel text must be the same on the GPU and in the emulator, which has no inline PTX.
+Approach: `MMA_SYNC` is CUDA text inside `#ifndef FS_EMULATED`; the emulator defines the same names
+as warp-collective C++. Per lane (g = lane >> 2, t = lane % 4): `fs_tf32` (cvt.rna),
+`fs_mma_m16n8k8_tf32` (a[i] = A[g + 8 (i & 1)][t + 4 (i >> 1)], b[i] = B[t + 4 i][g]),
+`fs_mma_m16n8k16_f16` / `_bf16` (a[i] = A[g + 8 (i & 1)][2t + 8 (i >> 1) + {0,1}],
+b[i] = B[2t + 8 i + {0,1}][g]), c[i], d[i] = C[g + 8 (i >> 1)][2t + (i & 1)];
+`fs_ldmatrix_x{1,2,4}` (lanes 8j..8j+7 give matrix j's 16-byte rows; r[j] = M_j[g][2t + {0,1}])
+and `_trans` (r[j] = M_j[2t + {0,1}][g]). A TF32 operand is read from its top 19 bits, so round
+with `fs_tf32` first.
+Invariants: every function is warp-collective (all 32 lanes, converged); the text is a pure
+constant (part of the source hash of every kernel that includes it)."""
 
 from __future__ import annotations
 
