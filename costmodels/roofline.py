@@ -1,18 +1,18 @@
 """Roofline cost of one kernel on one device: `RooflineModel.cost(spec, device) -> KernelCost`.
 
-Problem: rank fusion choices by predicted kernel time, from counts alone, fast enough to score
-thousands of candidate groups, with every knob exposed for calibration.
+Problem: rank fusion choices by predicted time from counts alone, fast, every knob calibratable.
 Approach (after XLA's gpu_performance_model):
     compute_s = tc_flops / (unit peak x eff[t, impl] x occ) + (scalar_flops + transcendentals x w
                 + divisions x d + iteration_size x index_divisions x e) / (scalar peak x eff x occ)
     memory_s  = (read x r + write + spill) / (`DeviceSpec.bandwidth_for(read + write)` x mem_eff x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
-occ = min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
-`float32_uses_tf32`) price library calls and "tensor-core" units; other generated kernels use the
-FP32 CUDA cores (`compute_unit` names it). eff is `library_efficiency`, `mma_efficiency`,
-`mma_sync_efficiency` or `tc_efficiency`.
-Invariants: pure and deterministic; a kernel that cannot launch is infeasible with time_s = inf and
-a reason naming both numbers; `bound` names the largest of compute, memory and launch."""
+d `division_flops`, r `read_traffic_factor`, e `index_division_flops` (defaults 0, 1, 0); occ =
+min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
+`float32_uses_tf32`; no tensor rate: FP32) price library calls and "tensor-core" units, other
+kernels the FP32 CUDA cores (`compute_unit`); eff[t, impl] is `library_efficiency`,
+`mma_efficiency`, `mma_sync_efficiency` or `tc_efficiency`.
+Invariants: pure and deterministic; an unlaunchable kernel is infeasible (time_s = inf, a reason
+naming both numbers); `bound` names the largest of compute, memory and launch."""
 
 from __future__ import annotations
 
