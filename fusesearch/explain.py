@@ -1,11 +1,9 @@
 """`--explain`: one grep-able line per fusion accepted or refused, with its cost delta and reason.
 
-Problem: a plan is a list of groups; a user wants to know why each fusion happened and why the
-neighbours were not fused — the smem limit, a cycle, no gain.
-Approach: for each multi-node group, `[fuse]` with the time saved against running its ops apart;
-for each pair of adjacent groups (an edge of the quotient graph), what merging them would do:
-`[refuse]` with the legality reason or the cycle it would close, `[skip]` when legal but left out
-(with the predicted delta). Formats:
+Problem: a user wants to know why each fusion happened and why neighbours were not fused.
+Approach: per multi-node group a `[fuse]` line with the time saved; per anchor group an `[impl]`
+line (generated kernel vs library anchor + the rest apart, each with its compute unit); per edge
+of the quotient graph `[refuse]` (legality reason or the cycle) or `[skip]` (legal, no gain):
 
     [fuse] conv_23(Conv)+relu_24(Relu) -> g12: -4.1 us
     [impl] g12: generated (fp32-cuda-core) 41.0 us vs library conv_23 (tf32-tensor-core) 30.2 us
@@ -13,12 +11,7 @@ for each pair of adjacent groups (an edge of the quotient graph), what merging t
     [refuse] g7+g8: smem 72.0 KiB > 64.0 KiB per block on t4
     [skip] g3+g4: +0.8 us (no gain)
 
-Every group that fuses an anchor gets an `[impl]` line: the library-vs-generated decision the
-solver priced (the fused generated kernel against the anchor alone through the library plus the
-group's other ops as separate kernels), each with the compute unit it runs on.
-
-Invariants: lines are deterministic and in group order; deltas are predicted microseconds.
-"""
+Invariants: lines are deterministic and in group order; deltas are predicted microseconds."""
 
 from __future__ import annotations
 

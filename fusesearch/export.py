@@ -1,24 +1,16 @@
 """Fused ONNX export: each multi-node group becomes one node calling a model-local function.
 
-Problem: a plan is only a claim until it runs. The fused model must be valid ONNX that ONNX
-Runtime executes (so `verify` can prove it equal to the original) and that Netron shows with one
-box per kernel.
-Approach: start from the canonical model (the graph the plan's node names refer to). Walk the plan's
-groups in its order (a topological order of the quotient graph): a single-node group is copied
-as is; a multi-node group becomes a FunctionProto `g<id>` in domain `fusesearch` whose body is the
-group's nodes, whose inputs are the tensors the group reads from outside (weights included —
-functions cannot see the graph's initializers) and whose outputs are the tensors used outside
-it (multi-output kernels), called by one node named `g<id>`. value_info keeps every shape.
-`save_model` writes the weights still in the original's data file (too large to read into memory)
-and, above 2 GiB, the large ones into the model's own data file beside it, stages both beside the
-destination and moves them into place.
-`plan_groups_from_json` maps a saved plan.json back onto a model, refusing a plan that does not
-fit it: a node it does not name, a group that is not connected, convex and in order, or a group that
-cannot be one kernel (the legality rules; without a device, those that need none: lowering's, such
-as one anchor per kernel). `export` and `measure --plan` both read plans through it.
-Invariants: the main graph has exactly one node per group, in a valid topological order; graph
-inputs, outputs and initializers keep their names; If/Loop bodies are copied untouched.
-"""
+Problem: the fused model must be valid ONNX that ONNX Runtime runs (so `verify` can prove it equal)
+and Netron shows with one box per kernel.
+Approach: from the canonical model, walk the plan's groups in order: a single node is copied; a
+multi-node group becomes FunctionProto `g<id>` (domain `fusesearch`) over its nodes, inputs the
+tensors read from outside (weights included), outputs those used outside, called by node `g<id>`.
+`save_model` keeps external weights in the original data file (large ones, above 2 GiB, in its
+own), staged and moved into place. `plan_groups_from_json` maps a plan.json onto a model, refusing
+unknown nodes, groups not connected, convex and in order, or illegal kernels; `export` and
+`measure --plan` read plans through it.
+Invariants: the main graph has one node per group in topological order; graph inputs, outputs and
+initializers keep their names; If/Loop bodies are copied untouched."""
 
 from __future__ import annotations
 

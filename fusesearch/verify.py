@@ -1,27 +1,17 @@
 """ONNX Runtime as the numerical oracle: valid inputs, runs, and output comparison.
 
-Problem: a rewrite (canonicalization, a fused model) is only trusted once ONNX Runtime gives the
-same outputs before and after, on inputs the model accepts — and a verifier must never compare a
-model with itself, crash on a model that loads, or fill the terminal with ONNX Runtime's logs.
-Approach: `random_feeds` draws seeded inputs that are valid for the model — integer inputs that
-index a Gather get ids below that table's row count, inputs named like a mask get ones, floats
-are standard normal, strings short words — and the user's `--input-value NAME=V` values
-(`parse_input_values`, checked against the input's dtype and shape) replace drawn ones; `run`
-executes a model held in memory (a bfloat16 one through `ir.precision.widened`, ONNX Runtime's CPU
-provider having almost no bfloat16 kernels: feeds and outputs cross as float32, outputs come back
-as bfloat16) (never a file that may have been overwritten) with every graph
-optimization off (so ORT's own fusions cannot hide a difference). A verification first checks
-that the run fits in memory (`check_memory`), runs the reference (`reference_outputs`: a failure
-there is the user's, exit 2 naming the op or the failing node and how to give values or skip
-verification), then the candidate (`candidate_outputs`), and `compare` reports, per output, the
-largest absolute and relative error and whether |a - b| <= atol + rtol * max(1, max finite |a|)
-(rtol per dtype: `ir.precision.prepared_tolerance`), NaN equal to NaN and an infinity to the same
-infinity (`difference`, the one element comparison of verify, run and measure).
-Invariants: the same model, seed and values give the same feeds; onnxruntime is imported here only
-(`_ort`, which silences its logger once: its errors come back as exceptions, turned into one line);
-weights left in a data file (memory-mapped) and, in models above protobuf's 2 GiB, the large ones
-reach ONNX Runtime beside the proto, never through a path it resolves itself.
-"""
+Problem: a rewrite is trusted only once ONNX Runtime gives the same outputs before and after on
+inputs the model accepts, without comparing a model with itself, crashing, or flooding logs.
+Approach: `random_feeds` draws seeded valid inputs (Gather indices within range, masks of ones),
+overridden by `--input-value` (`parse_input_values`); `run` executes an in-memory model with every
+ORT optimization off (bfloat16 through `ir.precision.widened`). A verification checks memory
+(`check_memory`), runs the reference (`reference_outputs`: a failure is the user's, exit 2), then
+the candidate (`candidate_outputs`); `compare` reports per output the largest errors and whether
+|a - b| <= atol + rtol * max(1, max finite |a|) (`ir.precision.prepared_tolerance`), NaN equal to
+NaN (`difference`, the one element comparison of verify, run and measure).
+Invariants: same model, seed and values give the same feeds; onnxruntime is imported only here
+(`_ort`, logger silenced, errors as one line); external and >2 GiB weights reach ONNX Runtime
+beside the proto, never through a path it resolves itself."""
 
 from __future__ import annotations
 

@@ -1,27 +1,17 @@
 """CuPy: the project's one door to an NVIDIA GPU (availability, event timing, L2 flush, NVRTC).
 
-Problem: generated kernels must be compiled and timed on a real GPU, yet `import fusesearch`
-must work on machines with neither CuPy nor a GPU, and a missing GPU must read as a reason,
-not a traceback.
-Approach: this is the only module that imports cupy, and only lazily inside functions.
-`available()` answers with a `FusionDecision` ("cupy is not installed: ..." / "no CUDA device:
-...") and never raises; `gpu_count()` is 0 whenever CuPy or the CUDA runtime fails.
-`CudaEventClock` times device work with a pair of CUDA events on the current stream;
-`l2_flusher` overwrites a 2×L2 device buffer between samples; `GraphTimer` is the device
-`timing.graph_timing` times kernels on (N launches captured in one CUDA graph on its stream, an
-empty kernel, an L2 flush kernel that can be captured, cuBLAS given a workspace so its calls
-capture too; `graph_timer()` makes one per process); `compile_module` builds an NVRTC
-`cupy.RawModule`; `kernel_runner` launches a generated kernel; `library_runner` runs one node
-through `backends.arraylib` with `xp = cupy` (cuBLAS via `cupy.matmul`: the GPU vendor path for
-lone anchors and pooling). `Device` is the device of `run.CudaProgram` (`fusesearch run
---backend cupy`): memory, one RawModule for all kernels, launches and graph capture on one
-non-default stream, library steps and whole-model timing through ONNX Runtime — its
-CUDAExecutionProvider on the program's stream (`user_compute_stream`) with IO binding on device
-memory when onnxruntime-gpu provides it, else ONNX Runtime on the CPU, the step's tensors copied
-to the host and back.
+Problem: kernels must be compiled and timed on a real GPU, yet `import fusesearch` must work
+without CuPy or a GPU, and a missing GPU must read as a reason, not a traceback.
+Approach: cupy is imported only here, lazily. `available()` answers with a `FusionDecision`, never
+raises; `gpu_count()` is 0 on any failure. `CudaEventClock` times with CUDA events; `l2_flusher`
+overwrites a 2×L2 buffer; `GraphTimer` (`graph_timer()`, one per process) is the device of
+`timing.graph_timing`; `compile_module` builds an NVRTC `cupy.RawModule`; `kernel_runner` and
+`library_runner` (`backends.arraylib` with `xp = cupy`) run kernels and lone nodes. `Device` is
+`run.CudaProgram`'s device: memory, one RawModule, launches and graph capture on one non-default
+stream, library steps through ONNX Runtime's CUDA provider on that stream (`user_compute_stream`,
+IO binding) when present, else on the CPU with host copies.
 Invariants: importing this module never imports cupy; every function that needs cupy raises a
-`FusesearchError` naming the fix when it is missing.
-"""
+`FusesearchError` naming the fix when it is missing."""
 
 from __future__ import annotations
 

@@ -1,25 +1,16 @@
 """PyTorch eager and torch.compile over the same ONNX model: the baselines a PyTorch user has.
 
-Problem: a plan is only shown fast beside what its user would run instead, and on a GPU that is
-PyTorch, eager or through `torch.compile` (Inductor). Off-the-shelf converters cannot take the
-canonical models: they have no converters at opset 21 and build shapes from runtime values
-(ConstantOfShape from a Shape) that `torch.compile` cannot trace.
-Approach: our own converter from the canonical model (static shapes, every shape-like input an
-initializer or a Constant) to an `nn.Module`: each node becomes one closure over torch ops, its
-shape-like inputs (Reshape's shape, Slice's starts, Unsqueeze's axes, ...) read at conversion
-time as Python ints, its tensor constants buffers; `forward` runs the closures in the model's
-topological order over a dict of values, which Dynamo unrolls into one straight-line graph.
-`compiled` wraps it in `torch.compile` with Inductor's inference settings (`freezing`: weights
-folded as constants, under `inference_mode`), default mode or `max-autotune` (CUDA graphs on a
-GPU). Every variant is checked equal to ONNX Runtime by the caller before it is timed.
-It takes every zoo model but rnn-control (Loop, If: no converter). An Inductor compile that fails
-is tried again with the options in `RETRIES` (its attention rewrite fails on bert's masked
-attention on the CPU), and the report says so.
-torch is optional (the `torch` extra) and imported here only, lazily (`load_torch`); a node with
-no converter raises `Unconvertible` naming it, and the run reports that reason.
+Problem: a plan is only shown fast beside what its user would run instead (PyTorch eager or
+`torch.compile`); off-the-shelf converters lack opset 21 and build shapes Dynamo cannot trace.
+Approach: our converter from the canonical model to an `nn.Module`: each node one closure over torch
+ops, shape-like inputs read at conversion time as ints, constants buffers; `forward` runs them in
+topological order (one straight-line graph for Dynamo). `compiled` wraps it in `torch.compile`
+(Inductor, `freezing`, `inference_mode`; default or `max-autotune`); a failing compile is retried
+with `RETRIES` and reported. The caller checks every variant against ONNX Runtime before timing.
+torch is optional (the `torch` extra), imported only here, lazily (`load_torch`); a node without a
+converter raises `Unconvertible` naming it (rnn-control's Loop, If).
 Invariants: the module never changes a constant; a converter reads only the node's attributes,
-its constant inputs and its tensor inputs.
-"""
+its constant inputs and its tensor inputs."""
 
 from __future__ import annotations
 

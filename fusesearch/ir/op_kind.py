@@ -1,27 +1,16 @@
 """Operator kinds and per-node cost figures (FLOPs, transcendentals, DRAM bytes).
 
-Problem: fusion legality and the cost model need two facts about every ONNX operator: how its
-output elements depend on its inputs (its *kind*), and how much work one node does. Both must be
-known for every standard op, and an op we do not know must be safe, not an error.
-
-Approach: `OpKind` is ordered like TVM's `OpPatternKind`, so legality reads as comparisons
-(`kind <= INJECTIVE` may join any group, `kind == ANCHOR` owns one):
-
-    ELEMWISE(0) < BROADCAST(1) < INJECTIVE(2) < REDUCE(3) < ANCHOR(4) < OPAQUE(8)
-    out[i]=f(in[i])   in broadcast   out[i]=in[g(i)]   rows → 1   Conv/MatMul   anything else
-
-`OP_KINDS` is an explicit table of every op of the default ONNX domain in opsets 7-21 (plus the
-newer ones onnx 1.23 knows), one literal grouped by kind; nothing falls through a catch-all.
-`kind_of` looks it up; another domain or an unknown op is OPAQUE, logged once at INFO.
-`node_flops`, `node_transcendentals` and `node_bytes` are pure functions of op type, attributes
-and `TensorInfo`s, with small per-op weight tables documented next to their values.
-
-Invariants: the table is immutable and built once at import; every cost function returns a
-non-negative int and never raises: an unknown shape (None, or a negative dim) gives 0.
-Counting conventions (as XLA's HloCostAnalysis): a multiply-add is 2 FLOPs; a math-library
-function (exp, erf, sqrt, ...) counts as 1 FLOP *and* 1 transcendental, so the cost model can
-charge its extra latency separately; comparisons, selects and casts count 1.
-"""
+Problem: legality and the cost model need, for every ONNX op, how outputs depend on inputs (its
+kind) and how much work a node does; an unknown op must be safe, not an error.
+Approach: `OpKind` is ordered like TVM's `OpPatternKind`: ELEMWISE(0) < BROADCAST(1) <
+INJECTIVE(2) < REDUCE(3) < ANCHOR(4) < OPAQUE(8), so legality reads as comparisons. `OP_KINDS`
+lists every default-domain op of opsets 7-21 (and onnx 1.23's newer ones) explicitly; `kind_of`
+looks it up, another domain or unknown op is OPAQUE (logged once). `node_flops`,
+`node_transcendentals`, `node_bytes` are pure functions of op, attributes and `TensorInfo`s.
+Counting (as XLA's HloCostAnalysis): a multiply-add is 2 FLOPs; a math-library function is 1 FLOP
+and 1 transcendental; comparisons, selects and casts 1.
+Invariants: the table is immutable, built once at import; every cost function returns a
+non-negative int and never raises (an unknown shape gives 0)."""
 
 from __future__ import annotations
 

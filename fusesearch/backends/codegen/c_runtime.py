@@ -1,26 +1,17 @@
 """The C runtime: the header every C kernel starts with, and the one translation unit, compiled once
 per machine, compiler and flags, that defines the functions the header declares.
 
-Problem: the prelude (exp, erf, the scratch arena, streamed stores, folds) and the packed GEMM
-(about 750 lines, with <immintrin.h>) were pasted into every kernel's source and compiled with each:
-0.4-0.8 s a GEMM kernel, 0.2 s a row kernel (a third of it parsing <immintrin.h>), so a plan's
-compile time grew with its kernels by far more than their own code.
-Approach: `C_HEADER` holds the includes, the declarations and only the small helpers that must
-inline into a kernel's loops (exp, erf, GELU, the scratch arena, the folds of a row reduction's
-partials, prefetches), none of them needing <immintrin.h>; `C_RUNTIME` is that header followed by
-the definitions of what it declares (`RUNTIME_FUNCTIONS`: streamed stores, the split of a row by
-column parity, B packing, the packed GEMMs and convs with their micro-kernels, all per call or per
-tile). The CPU backend compiles `C_RUNTIME` once with the kernels' own flags (-march included)
-into `libfsrt-<hash>.so` in the kernel cache (`backends.cpu.runtime`), and every kernel library
-and program links it. A tile epilogue, inlined on the registers of the tile kernels, makes a unit
-of its own with them (`tile_kernels`), compiled once per distinct epilogue, which the kernels
-with that epilogue link (`GeneratedKernel.c_units`).
-Invariants: this module imports only the C text leaves (`c_prelude`, `c_gemm`); a kernel's source
-is `C_HEADER` plus its own code and declarations, and defines no function of RUNTIME_FUNCTIONS nor
-any tile kernel; the runtime's
-helpers that are not declared in the header stay static (the runtime exports RUNTIME_FUNCTIONS
-only, so a kernel's static helpers never collide with it).
-"""
+Problem: the prelude and packed GEMM pasted into every kernel made compile time grow far beyond
+the kernels' own code.
+Approach: `C_HEADER` holds includes, declarations and only the small helpers that must inline into
+a kernel's loops (exp, erf, GELU, the scratch arena, row folds, prefetches), none needing
+<immintrin.h>; `C_RUNTIME` adds the definitions of `RUNTIME_FUNCTIONS` (streamed stores, B
+packing, packed GEMMs and convs with their micro-kernels). The CPU backend compiles it once into
+`libfsrt-<hash>.so` (`backends.cpu.runtime`), which every kernel and program links. A tile
+epilogue makes a unit with its tile kernels (`tile_kernels`, `GeneratedKernel.c_units`).
+Invariants: imports only the C text leaves (`c_prelude`, `c_gemm`); a kernel's source is `C_HEADER`
+plus its own code and defines no RUNTIME_FUNCTIONS nor tile kernel; undeclared runtime helpers stay
+static, so only RUNTIME_FUNCTIONS are exported."""
 
 from __future__ import annotations
 

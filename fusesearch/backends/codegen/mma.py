@@ -1,28 +1,17 @@
-"""The CUDA tensor-core skeleton for gemm/conv (`mma-tf32`, `mma-f16`, `mma-bf16`; sm_80 and later):
-the anchor as z GEMMs (`contraction`), a BM×BN output tile per block of 4 warps (2×2), each warp a
-grid of 16×16 `nvcuda::wmma` accumulator fragments (float).
+"""The CUDA tensor-core skeleton for gemm/conv (`mma-tf32`, `mma-f16`, `mma-bf16`; sm_80 and later).
 
-    staging   per K step of BK, A and B tiles in shared memory as the fragment's element type
-              (float for TF32, __half / __nv_bfloat16), the prologue applied while staging (as
-              `tiled`); an operand element that is a plain float load of a kernel input is copied
-              with `cp.async` (TF32 only: cp.async moves 4 bytes at least, and half operands,
-              float32 or half-stored, go through float on the way); with 2 stages
-              (lowering's `stages`) the next K step is staged while this one is multiplied
-    layout    A row-major (K contiguous) or column-major (M contiguous: Conv pixels, Gemm transA),
-              B row-major (N contiguous) or column-major (K contiguous: Conv filters, Gemm transB),
-              so that neighbouring threads read neighbouring global addresses
-    main loop wmma::load_matrix_sync of A and B fragments (TF32: each element rounded with
-              wmma::__float_to_tf32, round to nearest, 10-bit mantissa), wmma::mma_sync m16n16k8
-              (TF32) or m16n16k16 (FP16/BF16) into float accumulators
-    epilogue  the accumulators stored to shared memory (reusing the staging bytes), then each
-              thread takes elements of the tile (consecutive along N), applies the epilogue with
-              the product read from shared memory and does the one store with its coordinates
-
-Invariants: the tile, stages, threads, grid and shared memory are the schedule's (lowering's:
-`schedule.mma`, MMA_THREADS, `mma_smem_bytes`), so the declared shared memory is exactly what the
-cost model prices; no split-K; the source runs unchanged in the emulator (FS_EMULATED replaces the
-inline-PTX cp.async helpers; its header gives the wmma subset used here a host meaning).
-"""
+Problem: a fused gemm/conv on a GPU should use the tensor cores with its prologue and epilogue
+inside the one kernel.
+Approach: the anchor as z GEMMs (`contraction`), a BM×BN tile per block of 4 warps (2×2), each warp
+a grid of 16×16 `nvcuda::wmma` float accumulators. Per BK step A and B are staged in shared memory
+as the fragment type, prologue applied (as `tiled`); plain float loads go by `cp.async` (TF32 only),
+and with 2 `stages` the next step is staged during this one. A and B are row- or column-major so
+neighbouring threads read neighbouring addresses; `load_matrix_sync` (TF32 rounded by
+`__float_to_tf32`), `mma_sync` m16n16k8 (TF32) or m16n16k16 (FP16/BF16). The epilogue stores the
+accumulators to shared memory (reusing staging bytes), each thread applies it and does the one store.
+Invariants: tile, stages, threads, grid and shared memory are the schedule's (`schedule.mma`,
+MMA_THREADS, `mma_smem_bytes`), exactly what the cost model prices; no split-K; the source runs
+unchanged in the emulator (FS_EMULATED replaces the cp.async helpers)."""
 
 from __future__ import annotations
 
