@@ -1,21 +1,15 @@
 """Hardware descriptions: `DeviceSpec`, the built-in GPU table and `host_cpu()`.
 
-Problem: a cost model needs a GPU's peak rates and per-SM limits, and every figure must be
-traceable to a public source so that a plan for "h100-sxm" means the same thing to every reader.
-Approach: per-SM limits come from one table keyed by compute capability (CUDA C++ Programming
-Guide, "Technical Specifications per Compute Capability"); per-product figures (SM count, boost
-clock, peak FLOP/s, DRAM bandwidth, L2) come from NVIDIA whitepapers and datasheets, cited next to
-each entry. Tensor-core figures are DENSE (datasheets print the 2:4-sparse figure, twice as large,
-with an asterisk); 0 means the device has no tensor-core path for that type.
-`host_cpu()` describes the machine it runs on with the same fields: counts and caches read from
-/proc and /sys; the DRAM and cache copy bandwidths and the FMA peak measured by `probes`. The
-figures are measured once per machine (CPU model, OpenMP threads, probe size) and kept in a small
-JSON file in the user cache folder, so `host` means the same figures, and plans for it the same
-plan.json, on every run.
+Problem: a cost model needs a device's peak rates and limits, each traceable to a public source, so
+a plan for "h100-sxm" means the same thing to every reader.
+Approach: per-SM limits from one table keyed by compute capability (CUDA C++ Programming Guide);
+per-product figures from NVIDIA whitepapers and datasheets, cited per entry; tensor-core figures
+DENSE (not the 2:4-sparse ones), 0 where a type has no tensor-core path. `host_cpu()` fills the
+same fields for this machine from /proc and /sys and `probes`, measured once per (CPU model,
+OpenMP threads, probe size) and kept as JSON in the user cache folder, so `host` gives the same
+plan.json on every run.
 Invariants: specs are frozen; every rate and size is positive (tensor-core rates and the cache
-regime may be 0);
-names are lowercase-hyphen; the table never changes at run time.
-"""
+regime may be 0); names are lowercase-hyphen; the table never changes at run time."""
 
 from __future__ import annotations
 

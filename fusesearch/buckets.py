@@ -1,19 +1,14 @@
 """One plan for a range of shapes: a dim served at several values (buckets), planned together.
 
-Problem: a plan made for seq 128 says nothing about seq 512, and a server sees both. Planning each
-shape alone gives plans that disagree on the grouping; a user wants one grouping that holds across
-the shapes served, and to know what it costs against each shape's own best.
-Approach: `--dim seq=16..512` (the ends and the powers of two between them) or `--dim
-seq=32,128,512`, weighted by `--dim-weights seq=0.2,0.5,0.3` (how often each is served; equal by
-default). The model is prepared once per bucket; every bucket must give the same canonical graph
-(the same nodes, only the shapes differ). `BucketLegality` holds one `Legality` per bucket: a group
-is legal where it is legal at every bucket, and costs the weighted sum of its times, each bucket
-pricing its own cheapest choice (its tile: a program picks the schedule per bucket by shape). Any
-strategy then minimises the weighted sum unchanged; CP-SAT proves it optimal. `bucket_report`
-prices the plan at each bucket beside that bucket's own optimum (the price of one plan).
-Invariants: one varying dim; 2 to MAX_BUCKETS values, ascending, positive; weights positive,
-normalised to sum 1; the plan's kernels (plan.json's schedules) are those of the heaviest bucket.
-"""
+Problem: a plan for seq 128 says nothing about seq 512; a server sees both and wants one grouping
+that holds across them, and its price against each shape's own best.
+Approach: `--dim seq=16..512` (ends and powers of two between) or `--dim seq=32,128,512`, weighted
+by `--dim-weights` (equal by default). The model is prepared per bucket; all must give the same
+canonical graph. `BucketLegality` holds a `Legality` per bucket: a group is legal where legal at
+every bucket and costs the weighted sum of each bucket's cheapest choice, so any strategy minimises
+it unchanged. `bucket_report` prices the plan at each bucket beside that bucket's optimum.
+Invariants: one varying dim; 2 to MAX_BUCKETS ascending positive values; weights positive,
+normalised to sum 1; the plan's kernels (plan.json's schedules) are those of the heaviest bucket."""
 
 from __future__ import annotations
 

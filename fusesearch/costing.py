@@ -1,19 +1,14 @@
 """Kernel and graph-level costs: a Kernel on a device, the unfused graph, the physical lower bound.
 
-Problem: plans are compared against two references — every node its own kernel (unfused), and
-the physics (nothing can beat reading the inputs and weights once, writing the outputs once and
-running every FLOP at peak in one launch).
+Problem: plans are compared against every node its own kernel (unfused) and against the physics
+(inputs read once, outputs written once, every FLOP at peak, one launch).
 Approach: `kernel_cost` hands `Kernel.spec()` to the roofline model (aliases cost nothing);
-`cheapest` prices a group's choices (`device_choices`: every schedule lowering gives it on the
-device) and keeps the fastest that fits, ties the earlier (the search's choice: which tile, tensor
-or CUDA cores, our kernel or the library call, on a CPU which C product and thread split);
-`unfused_time_s` sums single-node kernels (lone anchors as library calls: the unfused graph as
-ONNX Runtime runs it; a plan's own reference is strategy none's time, `search.search`);
-`lower_bound_s` applies the roofline at 100% efficiency to the whole graph as one kernel with
-full overlap.
+`cheapest` prices a group's `device_choices` and keeps the fastest that fits, ties the earlier
+(tile, tensor or CUDA cores, ours or the library, a CPU's product and split); `unfused_time_s` sums
+single-node kernels (lone anchors as library calls, as ONNX Runtime runs them); `lower_bound_s`
+prices the whole graph as one kernel at 100% efficiency with full overlap.
 Invariants: lower_bound_s <= the time of any valid plan under default efficiencies <= 1;
-functions are pure.
-"""
+functions are pure."""
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """`--dump DIR`: the code a plan runs, one file per group, for reading (as XLA's dump folder).
 
-Problem: the kernel cache keeps compiled objects only; a researcher who wants to read, diff or
-hand-edit what a plan runs has no source to look at.
-Approach: the plan's groups become the steps `run` compiles (`run.plan_steps`: the same
-generated kernels, named as in the program), and each group's files are written by group id:
-
-    g7.c     the C source (the kernel's function; gN.unitK.c: a C unit it links, if any)
-    g7.cu    the CUDA source, where the schedule has one (a CPU-only skeleton has none)
-    g7.json  the group: nodes, ops, how it runs (generated / library / alias, and why), its
-             schedule as plan.json records it, and its launch (C function and arguments; CUDA
-             grid, block, shared memory)
-    index.json  the model, device, strategy and every group's files
-
-`check_dump_dir` is the one check every command's --dump passes before any work.
+Problem: the kernel cache keeps compiled objects only; a reader wanting to read, diff or hand-edit
+what a plan runs has no source to look at.
+Approach: the plan's groups become `run`'s steps (`run.plan_steps`), each written by group id:
+`g7.c` (C source; `gN.unitK.c` its linked C units), `g7.cu` (CUDA source where the schedule has
+one), `g7.json` (nodes, ops, how it runs and why, its schedule as plan.json records it, its
+launch), and `index.json` (model, device, strategy, every group's files). `check_dump_dir` is the
+one check every command's --dump passes before any work.
 Invariants: a folder that holds files is written into only with --force, and then only the
-files named above are replaced; nothing else in it is touched.
-"""
+files named above are replaced; nothing else in it is touched."""
 
 from __future__ import annotations
 

@@ -1,22 +1,15 @@
 """A fused ONNX model that keeps a dynamic dim: one model for every bucket of a plan over buckets.
 
-Problem: canonicalization binds every dim, so the canonical model (and the fused model made from
-it) is specialized to one shape: constants folded from Shape chains hold the bound size. A plan
-over `--dim seq=16..512` needs one fused model that ONNX Runtime runs at any seq in the range.
-Approach: the buckets' canonical models have the same nodes (`buckets.check_same_graph`); they
-differ only in shapes and in folded constants. Fuse the largest bucket's canonical model, then
-generalize what differs, comparing the buckets (every difference must follow one of two rules):
-  - a Reshape's target whose one differing entry is the bucket's value becomes -1 there;
-  - a constant whose every bucket is the largest's leading slice along the axes whose size is the
-    bucket's value (position embeddings, a causal mask, a broadcast class token) is kept at the
-    largest size and sliced at run time to the dim read from the graph input that carries it.
-The graph inputs and outputs get the dim back by name where their sizes vary; the main graph's
-value_info is dropped (ONNX Runtime infers the shapes at each run). Anything else that varies (an attribute, a constant of
-another kind) is refused, naming the node and the tensor.
-Invariants: the dynamic model equals the original at every bucket and at any value between the
-smallest and the largest (checked by ONNX Runtime where it is emitted: `verify_dynamic`); values
-above the largest bucket are outside the range the plan was made for.
-"""
+Problem: canonicalization binds every dim, so a fused model is specialized to one shape; a plan
+over `--dim seq=16..512` needs one fused model ONNX Runtime runs at any seq in the range.
+Approach: the buckets' canonical models have the same nodes (`buckets.check_same_graph`). Fuse the
+largest bucket's, then generalize what differs: a Reshape target's one differing entry becomes -1;
+a constant that is the largest's leading slice along the varying axes (position embeddings, a
+causal mask) is sliced at run time to the dim read from its graph input. Graph inputs and outputs
+get the dim back by name; main-graph value_info is dropped. Anything else that varies is refused,
+naming the node and the tensor.
+Invariants: the dynamic model equals the original at every bucket and any value between smallest
+and largest (checked by ONNX Runtime: `verify_dynamic`); values above the largest are out of range."""
 
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """Reports of a sweep: Markdown tables and PNG plots from a results folder.
 
-Problem: a sweep leaves one row per cell; a researcher wants the comparison — how each strategy
-does on each model and GPU, how the solver scales, how plans move between GPUs, and whether
-measurements agree with predictions — as tables to paste and pictures to look at.
-Approach: `load_results` (the cell files, else results.parquet) → a pandas frame, ordered as the
-grid was (models, devices in config order; strategies none, rules, greedy, cpsat) → one Markdown
-section per question, and one matplotlib figure (Agg backend, no display) per question that the
-data can answer (no device plot for a one-device sweep, no measured plot without measurements).
-Cells run end to end (end_to_end_* columns) get their own section: per cell and per strategy the
-predicted and measured speedup over strategy none (the unfused program timed in the same run),
-the plan's latency over ONNX Runtime's, and Spearman's rank correlation (ties averaged) between
-predicted and measured plan times — across cells, of speedups, and within each model.
-Invariants: the report reads only the results folder and writes only `report.md` and its PNGs (all
-checked before any is written; nothing is overwritten unless asked); every figure in it is a
-number from the rows — cost-model predictions unless a column says measured.
-"""
+Problem: a sweep leaves one row per cell; a researcher wants the comparisons (strategy by model and
+GPU, solver scaling, plans across GPUs, measured against predicted) as tables and pictures.
+Approach: `load_results` (cell files, else results.parquet) → a pandas frame in grid order → one
+Markdown section and one matplotlib figure (Agg) per question the data can answer. End-to-end
+cells get their own section: predicted and measured speedup over strategy none, latency over ONNX
+Runtime's, and Spearman's rank correlation of predicted and measured plan times.
+Invariants: reads only the results folder, writes only `report.md` and its PNGs (all checked
+before any is written; nothing overwritten unless asked); every figure is a number from the rows,
+a cost-model prediction unless a column says measured."""
 
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
 """`run --trace FILE`: a Chrome trace of a plan's program, one event per step per round.
 
-Problem: `run` gives a program's whole time; which kernel or library step takes it, and whether
-one step is noisy across rounds, needs a per-step timeline (as ONNX Runtime's profiler gives),
-readable in a standard viewer (Perfetto, chrome://tracing).
-Approach: the plan's steps (`run.plan_steps`) are built as one program whose every step is its
-own call (`run.one_by_one`: on the CPU a C entry point per kernel, on a GPU the program's
-launches one by one, never its CUDA graph), and run `rounds` times after `warmup` untimed
-rounds. Each step is bracketed by the backend's clock (`Backend.clock`: perf_counter on the
-host, CUDA events on a GPU) for its duration and stamped by `now` (the host's perf_counter) for
-its start; each round is an enclosing event. The Trace Event Format's complete ("X") events
-carry ts/dur in microseconds, pid/tid, the name (group and kernel, or group and library node)
-and args (group id, how it runs, schedule skeleton, ops, round).
-Invariants: every step with code has exactly one event per round, each inside its round's event;
+Problem: `run` gives a program's whole time; which step takes it, and which is noisy across
+rounds, needs a per-step timeline readable in Perfetto or chrome://tracing.
+Approach: the plan's steps (`run.plan_steps`) become one program whose every step is its own call
+(`run.one_by_one`: never the CUDA graph), run `rounds` times after `warmup`; each step bracketed by
+`Backend.clock` for its duration and stamped by `now` for its start, each round an enclosing event.
+Complete ("X") events carry ts/dur in microseconds, pid/tid, the name and args (group id, how it
+runs, skeleton, ops, round).
+Invariants: every step with code has exactly one event per round, inside its round's event;
 durations are >= 0; `trace_rounds` reads time only from the clock and `now` it is given (a test
-passes fake ones).
-"""
+passes fake ones)."""
 
 from __future__ import annotations
 

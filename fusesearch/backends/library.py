@@ -1,23 +1,15 @@
 """Library calls: run one node through ONNX Runtime (the CPU "vendor path").
 
-Problem: OPAQUE ops (If, Loop, TopK, LpPool, ...) have no generated kernel, and a lone anchor
-(MatMul, Gemm, Conv) runs through a library in `measure`'s default baseline, so that the report
-can say when a fused generated kernel loses to a library kernel plus a separate epilogue; a fused
-group the generator refuses (float16, int8, an op without a generator) runs one node at a time
-here. (The GPU's library path is `arraylib` with cupy; this module is the CPU's.) A node timed
-alone must cost what it costs inside ONNX Runtime's run of the whole model, not more.
-Approach: cut the node out of the canonical model into a one-node model — its explicit inputs and
-the outer-scope values its subgraphs capture become graph inputs, except the model's weights,
-which stay initializers (so ONNX Runtime pre-packs them once, as it does in the whole model), its
-outputs the graph outputs, value types from the Graph — and run it in ONNX Runtime on one thread
-with graph optimizations off, through IO binding into arrays allocated once (`host_binding`: no
-output allocation or conversion per call). ONNX Runtime's fixed cost of one Run (the Python
-binding and the executor's setup, paid once per model in a whole-model run) is timed by
-`measure` on one-element Identity models (`null_runs`, `run_costs`) among its other runs, and
-taken off each library sample, which never falls below what one trivial node costs inside a run.
+Problem: OPAQUE ops have no generated kernel, `measure`'s default baseline runs lone anchors
+through a library, and a fused group the generator refuses runs node by node here (the GPU's path
+is `arraylib`); a node timed alone must cost what it costs inside ONNX Runtime's whole-model run.
+Approach: cut the node into a one-node model (its inputs and captured outer values as graph inputs,
+the model's weights kept as initializers so ONNX Runtime pre-packs them), run on one thread with
+optimizations off through IO binding into arrays allocated once (`host_binding`). ONNX Runtime's
+fixed cost of one Run is timed by `measure` on Identity models (`null_runs`, `run_costs`) and taken
+off each sample, never below one trivial node's share.
 Invariants: the node is copied unchanged (control-flow bodies included); a weight is never bound
-as an input; onnxruntime is imported only through fusesearch.verify.
-"""
+as an input; onnxruntime is imported only through fusesearch.verify."""
 
 from __future__ import annotations
 

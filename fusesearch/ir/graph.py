@@ -1,21 +1,18 @@
 """Frozen analysis view of a canonical ONNX graph: nodes, tensors, producers, reachability.
 
-Problem: enumeration, legality checks, costs and plan validation ask the same questions millions
-of times (who produces this tensor, who reads it, does node a reach node b) and must not mutate
-the model while asking.
-Approach: `ir._from_ir.graph_from_ir` copies the main graph of an `onnx_ir.Model` into frozen dataclasses:
-nodes in topological order with integer ids 0..n-1, a `TensorInfo` per value, and per node the
-bitsets (Python ints) of all nodes reachable from it and of all nodes that reach it, built in
-one sweep each way:
+Problem: enumeration, legality, costs and plan validation ask the same questions millions of times
+(who produces or reads a tensor, does a reach b) and must not mutate the model while asking.
+Approach: `ir._from_ir.graph_from_ir` copies an `onnx_ir.Model`'s main graph into frozen
+dataclasses: nodes in topological order with ids 0..n-1, a `TensorInfo` per value, and per node
+bitsets (Python ints) of its descendants and ancestors, one sweep each way:
 
     desc[i] = OR over successors j of (1 << j | desc[j])        O(edges) big-int ORs
     anc[i]  = OR over predecessors j of (1 << j | anc[j])
 
-so `reaches(a, b)` is one shift-and-mask, and a group S is convex iff no node outside S is both
-reached from S and reaches into S: (OR desc) & (OR anc) & ~S == 0, O(|S|) big-int ops.
+so `reaches(a, b)` is one shift-and-mask, and a group S is convex iff (OR desc) & (OR anc) & ~S
+== 0, O(|S|) big-int ops.
 Invariants: node ids equal positions in topological order; every edge goes from a lower to a
-higher id; the view never changes after construction (transforms build a new Graph).
-"""
+higher id; the view never changes after construction (transforms build a new Graph)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
 """Pool windows: the geometry of a 2-D MaxPool / AveragePool, decided once for lowering (legality,
 recompute pricing) and the code generator (the unrolled window).
 
-Problem: a pool output element is a reduction over a window of its input; which input positions a
-window covers, which of them are padding, and what an average divides by depend on kernel_shape,
-strides, pads, dilations, ceil_mode, count_include_pad and auto_pad, and must agree with ONNX
-Runtime (the oracle) everywhere they are used.
-Approach: `pool_window` turns a node's attributes and shapes into one `PoolAxis` per spatial axis
-(kernel, stride, dilation, begin pad, input extent, output extent, and the bound a window is
-clipped to when padding counts), as ONNX Runtime's CPU pools compute them: auto_pad SAME pads
-(stride·⌈in/stride⌉ - stride + kernel - in) split head/tail by UPPER/LOWER with the undilated
-kernel; a window starts at o·stride - pad; its taps at start + k·dilation; a tap outside the
-input is not read (MaxPool ignores it; AveragePool counts it only under count_include_pad, and
-then only up to input + tail pad: a ceil_mode window past that is clipped). The output extents are
-the graph's (shape inference), never recomputed here.
-Invariants: a pool that is not generated gets a reason (str) instead of a window: not 2-D NCHW
-float32, MaxPool's Indices output, a dilated AveragePool, more than MAX_TAPS taps, a window
-wholly in the padding (no input to reduce), or shapes that are unknown. `reads` is exact: the number of in-bounds input reads of all windows.
-"""
+Problem: which input positions a window covers, which are padding and what an average divides by
+depend on every pool attribute, and must agree with ONNX Runtime everywhere they are used.
+Approach: `pool_window` gives one `PoolAxis` per spatial axis (kernel, stride, dilation, begin pad,
+extents, the clip bound under count_include_pad) as ONNX Runtime's CPU pools compute them: SAME
+pads split by UPPER/LOWER, window start o·stride - pad, taps at start + k·dilation, taps outside
+the input not read (AveragePool counts them only under count_include_pad, up to input + tail pad).
+Output extents are the graph's, never recomputed here.
+Invariants: a pool that is not generated gets a reason (str) instead of a window (not 2-D NCHW
+float32, Indices output, dilated AveragePool, over MAX_TAPS taps, a window wholly in padding,
+unknown shapes); `reads` is exactly the number of in-bounds input reads of all windows."""
 
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
 """Dynamic-dim bindings from `--input-shape NAME=1x3x224x224` and `--dim NAME=V`.
 
-Problem: exported models carry dynamic dims — named (`batch`, `p2o.DynamicDimension.0`) or unnamed
-(`?`, -1, 0) — and everything downstream (costs, kernels) needs static shapes.
-Approach: parse the flags into a frozen `ShapeBindings`; `bind_inputs` rewrites the graph inputs'
-shapes of a ModelProto in place before shape inference. `--input-shape` sets a whole input;
-`--dim` sets every occurrence of a named dim. A dim named `?` or '' (as -1, the exporters'
-"unknown") is anonymous: it ties nothing, so only `--input-shape` of its own input binds it.
-After canonicalization `check_static_model` checks the model computes at the bound dims (strict
-shape inference with the constants folded, constant Gather indices inside their table).
-Messages name the bindings as the user wrote them: command-line flags by default, or a config
-file's keys (`Spelling`, which `fusesearch sweep` sets to its TOML keys).
-Invariants: after binding, every graph input dim is a positive int, or a `ShapeBindingError` names
-the input, the dim and the flag (or key) that fixes it. Bindings that name nothing in the model are
-errors too, and so are two bindings that give one named dim two values (or one flag given twice
-with two values). No tensor, input or intermediate, exceeds MAX_TENSOR_BYTES.
-"""
+Problem: exported models carry dynamic dims, named or unnamed (`?`, -1, 0), and everything
+downstream needs static shapes.
+Approach: the flags parse into a frozen `ShapeBindings`; `bind_inputs` rewrites a ModelProto's
+graph-input shapes in place before shape inference: `--input-shape` sets a whole input, `--dim`
+every occurrence of a named dim; an anonymous dim (`?`, '') ties nothing. After canonicalization
+`check_static_model` checks the model computes at the bound dims (strict inference, constant
+Gather indices in range). Messages name bindings as the user wrote them (`Spelling`: flags, or the
+sweep's TOML keys).
+Invariants: after binding every graph-input dim is a positive int, or a `ShapeBindingError` names
+input, dim and the fixing flag; bindings naming nothing, or giving one dim two values, are errors;
+no tensor exceeds MAX_TENSOR_BYTES."""
 
 from __future__ import annotations
 

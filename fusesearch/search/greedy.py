@@ -1,23 +1,14 @@
 """Strategy `greedy`: priority merging by predicted time saved, as XLA's priority fusion.
 
 Problem: a fast heuristic that fuses what the cost model says pays, on graphs of 10,000 nodes.
-Approach: start from singletons; every quotient edge A→B whose union is legal gets the priority
-
-    saving(A, B) = time(A) + time(B) − time(A ∪ B)            (XLA: time unfused − time fused)
-
-kept in a max-heap with lazy invalidation (a version per group). Pop the best positive saving,
-skip it if stale or if merging would close a cycle in the quotient graph (another path A → C → … → B),
-merge, and re-score the merged group's edges. Stop when no positive saving is left.
-The cycle test searches only between A and B in a topological order of the quotient kept from
-merge to merge (`ord`; node ids at the start): every group on a path A → C → … → B lies strictly
-between them. A merge then moves the groups in that window that reach B (found backwards) in
-front of the merged group and those A reaches (found forwards) after it, in the window's own
-positions, each set in its old order (the Pearce-Kelly reordering), so the order stays
-topological and each test stays local. Node ids alone are not such an order once groups hold
-several nodes: a group of later nodes can reach a group of earlier ones through a third group.
+Approach: from singletons, every legal quotient edge A→B gets saving(A, B) = time(A) + time(B) −
+time(A ∪ B) in a max-heap with lazy invalidation (a version per group); pop the best positive
+saving, skip it if stale or if merging closes a cycle, merge, re-score the merged group's edges.
+The cycle test searches only between A and B in a topological order of the quotient kept across
+merges (`ord`), which a merge repairs by the Pearce-Kelly reordering of that window (node ids alone
+are no such order once groups hold several nodes).
 Invariants: after every merge the groups partition the nodes and the quotient graph is acyclic;
-ties break by the smallest node id, so the result is deterministic.
-"""
+ties break by the smallest node id, so the result is deterministic."""
 
 from __future__ import annotations
 

@@ -1,19 +1,17 @@
 """Strategy `rules`: the classic fixed patterns of OpenPPL and ONNX Runtime — the baseline.
 
 Problem: researchers compare against what production runtimes do today.
-Approach: one pass in topological order (a fixed point: the patterns cannot chain), each anchor
-not yet taken tries, longest first:
+Approach: one pass in topological order; each anchor not yet taken tries, longest first:
 
     Conv  [+ Add (residual)] [+ activation]        activation ∈ Relu, Clip, LeakyRelu,
     ConvTranspose [+ activation]                               Sigmoid, HardSwish
     Gemm  [+ activation]
     MatMul [+ Add (constant bias)] [+ activation]
 
-A link is taken only when the tensor between the two ops has exactly one consumer and is not a
-graph output (ONNX Runtime's condition), and the group passes the same legality rules as every
-other strategy (a refused pattern is cut back to its longest legal prefix).
-Invariants: groups are disjoint; every node not in a pattern stays alone.
-"""
+A link is taken only when the tensor between has one consumer and is no graph output (ONNX
+Runtime's condition) and the group passes the common legality rules (else cut to its longest legal
+prefix).
+Invariants: groups are disjoint; every node not in a pattern stays alone."""
 
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
-"""LLaMA-style decoder (Touvron et al., "LLaMA: Open and Efficient Foundation Language Models",
-2023; grouped-query attention from Ainslie et al., "GQA", 2023), in the two graphs an inference
-export writes: prefill (the prompt, sequence `seq`) and one decode step (sequence 1 after `past`
-cached positions).
+"""LLaMA-style decoder (Touvron et al., 2023; grouped-query attention, Ainslie et al., 2023) in the two
+graphs an inference export writes: prefill (sequence `seq`) and one decode step (after `past`).
 
-Idioms (opset 17, as the PyTorch exporter writes Hugging Face's `LlamaForCausalLM`): pre-norm
-blocks with RMSNorm node by node (Pow → ReduceMean → Add ε → Sqrt → Reciprocal → Mul, then Mul by
-the weight); bias-free projections (MatMul); rotary position embeddings from cos/sin tables
-(`Gather` by the position ids) with `rotate_half` written as two `Slice`s, `Neg` and `Concat`;
-grouped-query attention, each key/value head repeated for its query heads by Unsqueeze → `Expand`
-→ Reshape; a causal mask built in-graph (Trilu of a ConstantOfShape, applied by `Where`) in
-prefill; the KV cache as graph inputs `past_key_values.{i}.key/value` [batch, kv_heads, past,
-head_dim] (decode) joined by `Concat` to the new position, and `present.{i}.key/value` outputs
-(both idioms); a SwiGLU MLP, down(SiLU(gate(x)) · up(x)) with SiLU as x · Sigmoid(x); an untied
-LM head.
-Weights: drawn from the builder's seeded generator up to `DRAWN_WEIGHTS_LIMIT` values; above it
-(7B-class shapes, `LLAMA_8B`) every weight is a graph input of its static shape instead, so that
-nothing large is drawn or written unless `weights=1` asks for it (`weights=0` forces shapes only).
-"""
+Problem: the zoo needs a modern decoder in the idioms the PyTorch exporter writes (opset 17, Hugging
+Face's `LlamaForCausalLM`).
+Approach: pre-norm blocks with RMSNorm node by node (Pow → ReduceMean → Add ε → Sqrt → Reciprocal
+→ Mul, Mul by weight); bias-free MatMul projections; rotary embeddings from cos/sin tables
+(`Gather` by position ids, `rotate_half` as two Slices, Neg, Concat); GQA with key/value heads
+repeated by Unsqueeze → `Expand` → Reshape; an in-graph causal mask (Trilu, `Where`) in prefill;
+the KV cache as inputs `past_key_values.{i}.key/value` joined by `Concat`, outputs
+`present.{i}.key/value`; a SwiGLU MLP (SiLU as x · Sigmoid(x)); an untied LM head.
+Invariants: weights are drawn from the seeded generator up to `DRAWN_WEIGHTS_LIMIT` values; above
+it (`LLAMA_8B`) every weight is a graph input of its static shape unless `weights=1` asks for them
+(`weights=0` forces shapes only)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
-"""Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal, and
-`c_function`, which joins a C kernel's body to the header every kernel starts with
-(`c_runtime.C_HEADER`: exp, erf, the scratch arena and folds inline, the declarations of the shared
-C runtime's streamed stores and packed GEMM) with its loops' invariants hoisted (`hoist`).
+"""Shared leaf of the code generator: C types, kernel arguments, the result type, the refusal.
 
-Half precision (float16, bfloat16) is a storage type only: arithmetic is float32. A half value is
-widened where it is loaded (`load_expr`) and rounded to nearest even where it is stored
-(`store_expr`, `store`); `half_prelude` defines the types and the four conversions a source uses:
-C: `_Float16` for float16 (gcc's conversions), `uint16_t` bits for bfloat16; CUDA: 16-bit storage
-(`unsigned short`; NVRTC's pip package ships no cuda_fp16.h) converted by `cvt` PTX for float16 and
-by bit manipulation for bfloat16 (the CUDA emulator defines the float16 pair on the host, under
-FS_HOST_HALF). Every skeleton (and any new one, such as a tensor-core tile loading half operands)
-calls these; a float32-only kernel's source does not change.
-Invariants: this module imports of the generator only its C text leaves (`c_prelude`, `c_gemm`,
-`c_runtime`, `hoist`); a dtype has a C type here or is refused (`CodegenRefused`, carrying a `FusionDecision`).
-"""
+Problem: every skeleton needs the same types, argument lists, half-precision conversions and a C
+function wrapper, written once.
+Approach: `c_function` joins a C kernel's body to `c_runtime.C_HEADER` with loop invariants hoisted
+(`hoist`). Half precision is storage only, arithmetic float32: `load_expr` widens, `store_expr` /
+`store` round to nearest even; `half_prelude` defines the types and conversions (C: `_Float16`,
+`uint16_t` bits for bfloat16; CUDA: `unsigned short` via `cvt` PTX or bit manipulation, as NVRTC's
+pip package ships no cuda_fp16.h; FS_HOST_HALF in the emulator). Every skeleton calls these; a
+float32-only kernel's source does not change.
+Invariants: imports of the generator only its C text leaves (`c_prelude`, `c_gemm`, `c_runtime`,
+`hoist`); a dtype has a C type here or is refused (`CodegenRefused`, carrying a `FusionDecision`)."""
 from __future__ import annotations
 
 import hashlib

@@ -2,21 +2,15 @@
 
 Problem: a GEMM or conv group on the CPU must run its product near the core's FMA peak with its
 prologue and epilogue fused, its weights (constants) packed once.
-Approach: C source, compiled once into the shared C runtime (`c_runtime`) that every kernel links
-(kernels see only the declarations, `_C_GEMM_DECLS`): `fs_pack_b` (B in FS_NR-wide panels; B stored transposed,
-as attention's keys are, by 8 x 8 AVX2 transposes: an element-wise gather there cost 7% of a
-bert-small score kernel), the FS_MR x FS_NR micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or
-portable loops, by what the compiler targets; A by two strides, the tile at a row stride, plus a
-tile or a row added at the store where given) and, with AVX-512, the 6 or 12 x 32 tiles over two
-B panels (`fs_micro_x2`), `fs_gemm_rows` (A by rows in place, C row-major, B's columns in blocks
-that stay in L2: MatMul/Gemm), `fs_gemm_packed` (A packed, C transposed: conv), the band and 1x1
-convs over them; `tile_epilogue` turns a group's scalar epilogue into the function the
-micro-kernel applies to its registers before the one store, compiled with the tile kernels
-(`_C_TILE_GEMM`: `_C_GEMM_ROWS`, static in the runtime too) into a unit of its own, once per
-distinct epilogue (`c_runtime.tile_kernels`).
-Invariants: imports only `c_prelude` (the scratch slots, erf's vector form); FS_NR and FS_MR are
-the one definition of the panel width and tile height that the emitters size buffers by.
-"""
+Approach: C source compiled once into the shared runtime (`c_runtime`; kernels see `_C_GEMM_DECLS`):
+`fs_pack_b` (FS_NR-wide panels, transposed B by 8 x 8 AVX2 transposes), the FS_MR x FS_NR
+micro-kernel `fs_micro` (AVX-512, AVX2 + FMA or portable loops) and `fs_micro_x2` (AVX-512),
+`fs_gemm_rows` (A by rows in place, B's columns blocked in L2: MatMul/Gemm), `fs_gemm_packed`
+(C transposed: conv), the band and 1x1 convs. `tile_epilogue` turns a scalar epilogue into a
+function on the micro-kernel's registers, compiled with the tile kernels (`_C_TILE_GEMM`,
+`_C_GEMM_ROWS`) into a unit per distinct epilogue (`c_runtime.tile_kernels`).
+Invariants: imports only `c_prelude`; FS_NR and FS_MR are the one definition of the panel width
+and tile height that the emitters size buffers by."""
 
 from __future__ import annotations
 
