@@ -62,11 +62,11 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     library`'s reference), "generated" our kernel, "priced" whichever is cheaper; `costs`: what
     prices each group's choices (`autotune`): "predicted" (the cost model), "measured" (each timed
     on this machine: the CPU for host, CuPy for a GPU; kept in the timing database) or "hybrid"
-    (only the choices predicted within the model's error band of the group's best)."""
+    (the model's plan, then the choices of the groups each plan uses, searched again until the
+    plan uses only measured groups)."""
     from costmodels import RooflineModel
-    from fusesearch.autotune import build_problem, check_costs
+    from fusesearch.autotune import check_costs, tuned_search
     from fusesearch.pipeline import prepare
-    from fusesearch.search import search
 
     check_costs(costs)
 
@@ -77,7 +77,5 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     prep, params = for_device(prepared or prepare(model, bindings, dtype=dtype, tf32=tf32), spec, params)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))
-    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                    profile=profile, model_info=model_info(prep), problem=problem)
-    return result if tuner is None else dataclasses.replace(result, tuning=tuner.stats.to_dict())
+    return tuned_search(prep, spec, RooflineModel(params), strategy, config, costs, profile, device_label=label,
+                        model_info=model_info(prep))[0]

@@ -515,17 +515,15 @@ def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=Non
     """(plan, legality, prep); `costs` other than predicted also prints what measuring cost (stderr)."""
     from costmodels import RooflineModel
     from fusesearch.api import for_device, model_info, resolve_device
-    from fusesearch.autotune import build_problem
+    from fusesearch.autotune import tuned_search
     from fusesearch.pipeline import prepare
-    from fusesearch.search import search
 
     label, spec, params, profile = resolve_device(device)
     prep, params = for_device(prep or prepare(model, bindings), spec, params)
-    problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-    result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                    profile=profile, model_info=model_info(prep), problem=problem)
-    if tuner is not None:
-        print(f"fusesearch: {tuner.stats.line()}", file=sys.stderr)
+    result, problem = tuned_search(prep, spec, RooflineModel(params), strategy, config, costs, profile,
+                                   device_label=label, model_info=model_info(prep))
+    if result.tuning is not None:
+        print(f"fusesearch: {problem.legality.measurer.stats.line()}", file=sys.stderr)
     return result, problem.legality, prep
 
 

@@ -1,18 +1,20 @@
 """Measured costs (`--costs measured|hybrid`, `fusesearch.autotune`): the search picks by measured
-times where they differ from the model's, hybrid measures only the choices in its band, the timing
+times where they differ from the model's, hybrid measures only the choices of the groups its plans use, within
+its band, the timing
 database is read back, and a bad or impossible `--costs` is one line, exit 2. Samples are fixed
 (an injected sampler): no assertion depends on the machine's speed."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 from onnx import helper
 
 from costmodels import RooflineModel, load_device
-from fusesearch.autotune import Autotuner, build_problem
+from fusesearch.autotune import build_problem
 from fusesearch.backends.registry import CPU
 from fusesearch.backends.timing import Timing, TimingCache
 from fusesearch.pipeline import prepare
@@ -84,21 +86,106 @@ def test_the_timing_database_is_read_back(tmp_path):
     assert plan.groups[0].kernel.impl == "library"  # the same database, the same plan
 
 
-def test_hybrid_measures_only_the_choices_in_its_band(tmp_path):
-    prep = prepare(_matmul(tmp_path))
+def _fixed(seconds, calls: list):
+    """A sampler whose fixed samples are `seconds(run)` for each choice's run (null runs: 0 s);
+    `calls` collects the choices (node set, impl, product) it was given, one list per call."""
+    def sampler(runs, **_):
+        calls.append([(r.kernel.nodes, r.how, r.kernel.schedule.product) for r in runs if hasattr(r, "how")])
+        return [Timing((seconds(r) if hasattr(r, "how") else 0.0,) * 3, 1, "fixed") for r in runs]
+    return sampler
+
+
+def _hybrid(path, sampler, band=None):
+    """(plan, its problem, the tuner): `cpsat` with hybrid costs over fixed samples; `band`: the
+    held-out error factor of a calibrated profile (None: no profile)."""
+    from pathlib import Path
+
+    from fusesearch.autotune import tuned_search
+
+    folder, profile = Path(path).parent, None
+    if band is not None:
+        profile = folder / "profile.json"
+        profile.write_text(json.dumps({"fit": {"heldout": {"after": {"error_factor": band}}}}))
     spec, params = load_device("host")
-    times = sorted(c.time_s for _, c in _choices(prep))
-    assert len(times) >= 2 and times[-1] > times[0]
-    band = (1 + times[-1] / times[0]) / 2  # the best inside, the slowest (the library call) outside
-    inside = sum(t <= band * times[0] for t in times)
+    plan, problem = tuned_search(prepare(path), spec, RooflineModel(params), "cpsat", SearchConfig(workers=1),
+                                 "hybrid", profile and str(profile), cache=TimingCache(folder / "db"),
+                                 sampler=sampler)
+    return plan, problem, problem.legality.measurer
+
+
+def _matmul_relu(tmp_path):
+    """MatMul (constant B) then Relu: the model fuses them; the lone MatMul has three choices
+    (our C with its own product or BLAS, the library call), the lone Relu one."""
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["a", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["r"], name="relu")],
+                       [("a", [128, 256])], [("r", [128, 256])], [("w", w)])
+    return save(model, tmp_path / "mmr.onnx")
+
+
+def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
+    """The model's plan is one fused kernel: hybrid times its two choices and nothing else (not
+    the lone MatMul's three, not the single-choice Relu), searches again, keeps the plan, and
+    prices what it did not measure at the predicted cost on the measured clock."""
     calls: list = []
-    tuner = Autotuner(prep, CPU, "hybrid", band=band, cache=TimingCache(tmp_path / "db"),
-                      sampler=_library_fastest(calls))
-    verdict = SearchProblem.build(prep.graph, spec, RooflineModel(params), measurer=tuner).legality.check({0})
-    assert (tuner.stats.choices, tuner.stats.measured, tuner.stats.predicted) == (len(times), inside, len(times) - inside)
-    assert 0 < inside < len(times) and len([r for r in calls[0] if hasattr(r, "how")]) == inside
-    # measured 10x slower than the library is predicted: the library, at its predicted cost, and why
-    assert verdict.kernel.impl == "library" and verdict.source == "predicted" and "band" in verdict.note
+    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls))
+    assert [g.nodes for g in plan.groups] == [(0, 1)] and plan.groups[0].source == "measured"
+    assert calls == [[((0, 1), "generated", "own"), ((0, 1), "generated", "blas")]]
+    s = tuner.stats
+    assert (s.choices, s.measured, s.cached, s.predicted, s.rounds) == (6, 2, 0, 4, 2)
+    fused = [c.time_s for _, c in _choices_of(problem.legality, {0, 1})]
+    assert tuner.scale == pytest.approx(2e-4 / fused[0])  # measured / predicted, the median
+    relu = problem.legality.check({1})
+    predicted_relu = _choices_of(problem.legality, {1})[0][1].time_s
+    assert relu.source == "predicted" and "no plan used" in relu.note
+    assert relu.time_s == pytest.approx(predicted_relu * tuner.scale)
+    doc = plan.to_dict()
+    assert doc["tuning"]["choices"] == 6 and doc["tuning"]["measured"] == 2 and doc["tuning"]["rounds"] == 2
+    assert doc["tuning"]["timed_fraction"] == pytest.approx(2 / 6, abs=1e-4)
+
+
+def _choices_of(legality, nodes):
+    nodes = frozenset(nodes)
+    return legality.priced(legality.options(nodes, legality.check(nodes).kernel))
+
+
+def test_hybrid_picks_the_measured_best_within_its_band(tmp_path):
+    """A lone MatMul: the model's best is our C with its own product (BLAS ties it, the library
+    call is predicted slightly slower). Measured, BLAS is 10x faster: hybrid picks it; the library
+    call, outside a band narrower than its predicted gap, is never timed."""
+    path = _matmul(tmp_path)
+    times = [c.time_s for _, c in _choices(prepare(path))]
+    assert times[0] == times[1] < times[2]  # own, blas, library
+    calls: list = []
+    plan, problem, tuner = _hybrid(path, _fixed(lambda r: FAST_S if r.kernel.schedule.product == "blas" else SLOW_S,
+                                                calls), band=(1 + times[2] / times[0]) / 2)
+    predicted = search(problem.graph, load_device("host")[0], problem.legality.model, "cpsat")
+    assert predicted.groups[0].kernel.schedule.product == "own"
+    g = plan.groups[0]
+    assert (g.kernel.impl, g.kernel.schedule.product, g.source) == ("generated", "blas", "measured")
+    assert g.cost.time_s == pytest.approx(FAST_S)
+    assert calls == [[((0,), "generated", "own"), ((0,), "generated", "blas")]]
+    library = [v for v in _verdicts(problem.legality, {0}) if v[0] == "library"]
+    assert library and "outside hybrid's" in library[0][1]
+    assert (tuner.stats.choices, tuner.stats.measured, tuner.stats.predicted) == (3, 2, 1)
+
+
+def _verdicts(legality, nodes):
+    """(impl, why) of each choice the measurer priced for `nodes` (read back from it)."""
+    fits = _choices_of(legality, nodes)
+    rows = legality.measurer.times([k for k, _ in fits], [c for _, c in fits])
+    return [(k.impl, why) for (k, _), (_, why) in zip(fits, rows, strict=True)]
+
+
+def test_hybrids_band_comes_from_the_measurements():
+    from fusesearch.autotune import DEFAULT_BAND, MIN_PAIRS, data_band, measured_scale
+
+    pairs = [(1.0, 2.0 * math.exp(e)) for e in (-0.4, -0.2, -0.1, 0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.6)]
+    scale = measured_scale(pairs)
+    assert scale == pytest.approx(1.0 + math.exp(0.1))  # the median ratio (of ten: the mean of two)
+    logs = sorted(abs(math.log(m / (scale * p))) for p, m in pairs)
+    assert data_band(pairs, scale) == pytest.approx(math.exp(np.percentile(logs, 80)))
+    assert data_band(pairs[:MIN_PAIRS - 1], scale) == DEFAULT_BAND and measured_scale([]) == 1.0
 
 
 @pytest.mark.parametrize("command", ["plan", "measure", "run"])
@@ -142,6 +229,8 @@ def test_a_measured_plan_runs_equal_to_onnx_runtime(tmp_path, run_cli):
     doc = json.loads(out.read_text())
     validate(doc, plan_schema())
     assert doc["costs"] == "measured" and {g["cost_source"] for g in doc["groups"]} <= {"measured", "predicted"}
+    tuning = doc["tuning"]  # what measuring cost, kept with the plan
+    assert tuning["costs"] == "measured" and tuning["measured"] + tuning["from_database"] <= tuning["choices"]
     code, stdout, err = run_cli("run", path, "--plan", out, "--costs", "measured", "--repeat", 1, "--warmup", 0,
                                 "--json")
     assert code == 0, err
@@ -188,6 +277,7 @@ class _Wrong:
     differ from ONNX Runtime's is reported) and times the library's."""
 
     mode = "measured"
+    scale = 1.0
 
     def times(self, kernels, costs):
         import math
