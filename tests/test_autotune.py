@@ -1,8 +1,8 @@
 """Measured costs (`--costs measured|hybrid`, `fusesearch.autotune`): the search picks by measured
-times where they differ from the model's, hybrid measures only the choices of the groups its plans use, within
-its band, the timing
-database is read back, and a bad or impossible `--costs` is one line, exit 2. Samples are fixed
-(an injected sampler): no assertion depends on the machine's speed."""
+times where they differ from the model's, hybrid measures only the choices of the groups its
+plans use (within its band), the timing database is read back, and a bad or impossible `--costs`
+is one line, exit 2. Samples are fixed (an injected sampler): no assertion depends on the
+machine's speed."""
 
 from __future__ import annotations
 
