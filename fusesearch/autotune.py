@@ -14,9 +14,11 @@ threads, so any later plan, run or sweep reads it instead of timing it again. Be
 the candidates the exact solver enumerates are measured as one batch (`prefetch`: compiled in
 parallel, `BATCH` choices per sampling call), and a group a solver reaches later is measured
 when it is checked. A choice that is not measured (out of hybrid's band or plans, codegen
-refuses a fused group, no library kernel) keeps its predicted cost times `scale`, the median
-measured/predicted ratio of the choices measured so far, so that both kinds of cost are on one
-clock, and says why (`Verdict.note`, a plan's `cost_note`).
+refuses a fused group, no library kernel) keeps its predicted cost times its template's scale,
+the median measured/predicted ratio of the choices of that template measured so far (of all of
+them while a template has fewer than MIN_CLASS_PAIRS: the model errs differently on a GEMM and
+on a row reduction), so that both kinds of cost are on one clock, and says why (`Verdict.note`,
+a plan's `cost_note`).
 
 `hybrid` measures only the choices that can change the plan: its first search is the model's
 plan; then the choices of the groups that plan uses are measured (`want`), and the search runs
@@ -46,7 +48,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -58,8 +60,9 @@ from fusesearch.errors import BadInput, FusesearchError
 COSTS = ("predicted", "measured", "hybrid")
 DEFAULT_BAND = 1.5  # hybrid: measure choices predicted within this factor of the group's best
 MIN_PAIRS = 8  # measured choices before their error spread, not DEFAULT_BAND, sets hybrid's band
+MIN_CLASS_PAIRS = 3  # measured choices of a template before it has its own scale
 BAND_QUANTILE = 80.0  # hybrid's band: this percentile of the model's |log error|
-MAX_ROUNDS = 6  # hybrid: searches at most (the first is the model's plan)
+MAX_ROUNDS = 10  # hybrid: searches at most (the first is the model's plan)
 BUDGET_S = 0.01  # seconds of samples per choice, over ROUNDS passes
 WARMUP_S = 0.02  # the first pass: long enough to wake an OpenMP pool (0.002 s left 20 ms samples)
 ROUNDS = 3
@@ -114,11 +117,22 @@ def measured_scale(pairs: Sequence[tuple[float, float]]) -> float:
     return float(np.median(ratios)) if ratios else 1.0
 
 
-def data_band(pairs: Sequence[tuple[float, float]], scale: float) -> float:
-    """The model's error factor on measured (predicted, measured) pairs: the BAND_QUANTILE-th
-    percentile of |log(measured / (scale x predicted))|, as a factor; DEFAULT_BAND with fewer
-    than MIN_PAIRS."""
-    logs = [abs(math.log(m / (scale * p))) for p, m in pairs if p > 0 and m > 0]
+def clock_scales(pairs: Sequence[tuple[str, float, float]]) -> dict[str | None, float]:
+    """Each template's scale (of (template, predicted, measured) pairs; `measured_scale`) where it
+    has MIN_CLASS_PAIRS, and all pairs' under None."""
+    scales: dict[str | None, float] = {None: measured_scale([(p, m) for _, p, m in pairs])}
+    for template in sorted({t for t, _, _ in pairs}):
+        own = [(p, m) for t, p, m in pairs if t == template]
+        if len(own) >= MIN_CLASS_PAIRS:
+            scales[template] = measured_scale(own)
+    return scales
+
+
+def data_band(pairs: Sequence[tuple[str, float, float]], scales: dict[str | None, float]) -> float:
+    """The model's error factor on measured (template, predicted, measured) pairs once each is on
+    the measured clock: the BAND_QUANTILE-th percentile of |log(measured / (scale x predicted))|,
+    as a factor; DEFAULT_BAND with fewer than MIN_PAIRS."""
+    logs = [abs(math.log(m / (scales.get(t, scales[None]) * p))) for t, p, m in pairs if p > 0 and m > 0]
     if len(logs) < MIN_PAIRS:
         return DEFAULT_BAND
     return float(math.exp(np.percentile(logs, BAND_QUANTILE)))
@@ -131,7 +145,7 @@ _RANK = {"predicted": 0, "refused": 1, "cached": 2, "measured": 3}
 @dataclass
 class TuneStats:
     """What measuring cost: distinct choices seen, timed now, read from the database, left
-    predicted, refused; hybrid's searches, and the band and scale it ended with."""
+    predicted, refused; hybrid's searches, and the band and scales it ended with."""
 
     mode: str
     band: float | None
@@ -142,7 +156,7 @@ class TuneStats:
     refused: int = 0  # computed other outputs than ONNX Runtime's
     wall_s: float = 0.0
     rounds: int = 1  # searches run (hybrid: the model's plan, then one per new set of groups measured)
-    scale: float = 1.0  # the median measured/predicted ratio that unmeasured choices are priced at
+    scales: dict = field(default_factory=lambda: {None: 1.0})  # `clock_scales`: unmeasured choices' factor
 
     @property
     def timed(self) -> int:
@@ -153,7 +167,9 @@ class TuneStats:
         return {"costs": self.mode, "band": self.band, "choices": self.choices, "measured": self.measured,
                 "from_database": self.cached, "kept_predicted": self.predicted, "refused": self.refused,
                 "timed_fraction": round(self.timed / self.choices, 4) if self.choices else 0.0,
-                "rounds": self.rounds, "scale": round(self.scale, 4), "wall_s": round(self.wall_s, 3)}
+                "rounds": self.rounds, "scale": round(self.scales[None], 4),
+                "template_scales": {t: round(v, 4) for t, v in self.scales.items() if t is not None},
+                "wall_s": round(self.wall_s, 3)}
 
     def line(self) -> str:
         band = f" (band {self.band:.2f}x)" if self.band is not None else ""
@@ -194,10 +210,10 @@ class Autotuner:
         self._fixed_band = band
         self.cache = cache if cache is not None else TimingCache()
         self.budget_s, self.seed, self.sampler = budget_s, seed, sampler or backend.sample
-        self.scale = 1.0  # fixed during a search (`rescale` between): verdicts are memoized
+        self.scales: dict[str | None, float] = {None: 1.0}  # fixed during a search (`rescale` between)
         self._known: dict[str, tuple[float | None, str]] = {}
         self._status: dict[object, str] = {}  # each distinct choice: how it was priced (`_RANK`)
-        self._pairs: dict[str, tuple[float, float]] = {}  # key -> (predicted, measured) seconds
+        self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (template, predicted, measured)
         self._wanted: set[frozenset[int]] = set()  # hybrid: the groups some plan used
         self._values: dict | None = None
         self._canonical = None
@@ -211,11 +227,15 @@ class Autotuner:
             return None
         if self._fixed_band is not None:
             return self._fixed_band
-        return data_band(list(self._pairs.values()), self.scale)
+        return data_band(list(self._pairs.values()), self.scales)
+
+    def scale(self, kernel) -> float:
+        """What puts `kernel`'s predicted cost on the measured clock: its template's scale, else all's."""
+        return self.scales.get(kernel.template, self.scales[None])
 
     def rescale(self) -> None:
         """Put unmeasured choices on the clock of the ones measured so far (between searches)."""
-        self.scale = self.stats.scale = measured_scale(list(self._pairs.values()))
+        self.scales = self.stats.scales = clock_scales(list(self._pairs.values()))
         self.stats.band = self.band
 
     # -- the Measurer ---------------------------------------------------------------------------
@@ -263,7 +283,7 @@ class Autotuner:
                     self._mark(choice.key, "predicted")
                     row.append((None, skip))
                     continue
-                row.append((choice.key, cost.time_s))
+                row.append((choice.key, kernel.template, cost.time_s))
                 if choice.key not in self._known:
                     todo.setdefault(choice.key, choice)
             rows.append(row)
@@ -271,11 +291,11 @@ class Autotuner:
         self.stats.wall_s += time.perf_counter() - began
         return [[self._timed(*r) if isinstance(r[0], str) else r for r in row] for row in rows]
 
-    def _timed(self, key: str, predicted_s: float) -> tuple[float | None, str]:
+    def _timed(self, key: str, template: str, predicted_s: float) -> tuple[float | None, str]:
         """A measured choice's seconds (kept beside its predicted cost for the scale and band)."""
         seconds, why = self._known[key]
         if seconds is not None and math.isfinite(seconds):
-            self._pairs.setdefault(key, (predicted_s, seconds))
+            self._pairs.setdefault(key, (template, predicted_s, seconds))
         return seconds, why
 
     # -- preparing and timing choices -----------------------------------------------------------

@@ -134,11 +134,11 @@ def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     s = tuner.stats
     assert (s.choices, s.measured, s.cached, s.predicted, s.rounds) == (6, 2, 0, 4, 2)
     fused = [c.time_s for _, c in _choices_of(problem.legality, {0, 1})]
-    assert tuner.scale == pytest.approx(2e-4 / fused[0])  # measured / predicted, the median
+    assert tuner.scales == {None: pytest.approx(2e-4 / fused[0])}  # measured / predicted (too few for gemm's own)
     relu = problem.legality.check({1})
     predicted_relu = _choices_of(problem.legality, {1})[0][1].time_s
     assert relu.source == "predicted" and "no plan used" in relu.note
-    assert relu.time_s == pytest.approx(predicted_relu * tuner.scale)
+    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None])
     doc = plan.to_dict()
     assert doc["tuning"]["choices"] == 6 and doc["tuning"]["measured"] == 2 and doc["tuning"]["rounds"] == 2
     assert doc["tuning"]["timed_fraction"] == pytest.approx(2 / 6, abs=1e-4)
@@ -177,15 +177,21 @@ def _verdicts(legality, nodes):
     return [(k.impl, why) for (k, _), (_, why) in zip(fits, rows, strict=True)]
 
 
-def test_hybrids_band_comes_from_the_measurements():
-    from fusesearch.autotune import DEFAULT_BAND, MIN_PAIRS, data_band, measured_scale
+def test_hybrids_clock_and_band_come_from_the_measurements():
+    """Unmeasured choices go on the measured clock by their template's median measured/predicted
+    ratio (all templates' while one has too few), and the band is the model's 80th-percentile
+    error left after that."""
+    from fusesearch.autotune import DEFAULT_BAND, MIN_PAIRS, clock_scales, data_band, measured_scale
 
-    pairs = [(1.0, 2.0 * math.exp(e)) for e in (-0.4, -0.2, -0.1, 0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.6)]
-    scale = measured_scale(pairs)
-    assert scale == pytest.approx(1.0 + math.exp(0.1))  # the median ratio (of ten: the mean of two)
-    logs = sorted(abs(math.log(m / (scale * p))) for p, m in pairs)
-    assert data_band(pairs, scale) == pytest.approx(math.exp(np.percentile(logs, 80)))
-    assert data_band(pairs[:MIN_PAIRS - 1], scale) == DEFAULT_BAND and measured_scale([]) == 1.0
+    pairs = [("gemm", 1.0, 2.0 * math.exp(e)) for e in (-0.4, -0.2, -0.1, 0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.6)]
+    pairs += [("rowwise", 1.0, 0.5), ("rowwise", 2.0, 1.0)]
+    assert measured_scale([(p, m) for _, p, m in pairs[:10]]) == pytest.approx(1.0 + math.exp(0.1))  # of ten: two
+    scales = clock_scales(pairs)
+    assert set(scales) == {None, "gemm"}  # rowwise: two pairs, all templates' scale
+    assert scales["gemm"] == pytest.approx(1.0 + math.exp(0.1)) and scales[None] == pytest.approx(2.0)
+    logs = [abs(math.log(m / (scales.get(t, scales[None]) * p))) for t, p, m in pairs]
+    assert data_band(pairs, scales) == pytest.approx(math.exp(np.percentile(logs, 80)))
+    assert data_band(pairs[:MIN_PAIRS - 1], scales) == DEFAULT_BAND and measured_scale([]) == 1.0
 
 
 @pytest.mark.parametrize("command", ["plan", "measure", "run"])
@@ -277,7 +283,9 @@ class _Wrong:
     differ from ONNX Runtime's is reported) and times the library's."""
 
     mode = "measured"
-    scale = 1.0
+
+    def scale(self, kernel):
+        return 1.0
 
     def times(self, kernels, costs):
         import math

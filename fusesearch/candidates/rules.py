@@ -65,7 +65,10 @@ class Measurer(Protocol):
     why it is refused (its outputs differ from ONNX Runtime's)."""
 
     mode: str  # "measured" | "hybrid"
-    scale: float  # what puts a predicted cost on the measured clock (the measured/predicted median)
+
+    def scale(self, kernel: Kernel) -> float:
+        """What puts the kernel's predicted cost on the measured clock (a measured/predicted median)."""
+        ...
 
     def times(self, kernels: Sequence[Kernel], costs: Sequence[KernelCost]) -> list[tuple[float | None, str]]: ...
 
@@ -234,7 +237,7 @@ class Legality:
         timed = self.measurer.times([k for k, _ in fits], [c for _, c in fits])
         verdicts = [Verdict(FusionDecision.refuse(why), k, c, "measured", why) if t == math.inf
                     else Verdict(FusionDecision.accept(), k, replace(c, time_s=t), "measured") if t is not None
-                    else Verdict(FusionDecision.accept(), k, replace(c, time_s=c.time_s * self.measurer.scale),
+                    else Verdict(FusionDecision.accept(), k, replace(c, time_s=c.time_s * self.measurer.scale(k)),
                                  "predicted", why)
                     for (k, c), (t, why) in zip(fits, timed, strict=True)]
         usable = [v for v in verdicts if v.decision]
