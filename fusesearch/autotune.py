@@ -410,16 +410,36 @@ class Autotuner:
         return "" if err <= rtol else f"refused: its outputs differ from ONNX Runtime's (max rel err {err:.2g} > {rtol:g})"
 
     def _sample(self, ready: list[tuple[_Choice, _Run]]) -> None:
-        nulls = self.backend.null_calls(library=any(c.how == "library" for c, _ in ready),
-                                        generated=any(c.how == "generated" for c, _ in ready))
-        timings = self.sampler([r for _, r in ready] + list(nulls.runs), budget_s=self.budget_s, rounds=ROUNDS,
-                               warmup_s=WARMUP_S, flush=True)
-        costs = nulls.costs([t.median_s for t in timings[len(ready):]])
-        for (choice, _), timing in zip(ready, timings, strict=False):
-            net = costs.net(choice.how, timing)
+        for (choice, _), net in zip(ready, self._nets(ready, self.budget_s, ROUNDS), strict=True):
             self.cache.put(choice.key, net)
             self._known[choice.key] = (net.median_s, "")
             self._mark(choice.key, "measured")
+
+    def _nets(self, ready: list[tuple[_Choice, _Run]], budget_s: float, rounds: int) -> list[Timing]:
+        """The ready choices sampled in one interleaved call with the backend's null calls, each
+        Timing net of its calling path's."""
+        nulls = self.backend.null_calls(library=any(c.how == "library" for c, _ in ready),
+                                        generated=any(c.how == "generated" for c, _ in ready))
+        timings = self.sampler([r for _, r in ready] + list(nulls.runs), budget_s=budget_s, rounds=rounds,
+                               warmup_s=WARMUP_S, flush=True)
+        costs = nulls.costs([t.median_s for t in timings[len(ready):]])
+        return [costs.net(choice.how, timing) for (choice, _), timing in zip(ready, timings, strict=False)]
+
+    def sample(self, kernels: Sequence, *, budget_s: float, rounds: int) -> list[Timing | str]:
+        """Each kernel timed afresh, all interleaved in one call, net of the null calls, nothing
+        stored (an A/B of choices, with its spread): a Timing, or why it cannot run alone."""
+        out: list[Timing | str] = []
+        ready = []
+        for kernel in kernels:
+            choice, why = self._choice(kernel)
+            run = why if choice is None else self._compiled(choice) or self._ready(choice)
+            out.append(run if isinstance(run, str) else "")
+            if not isinstance(run, str):
+                ready.append((len(out) - 1, choice, run))
+        nets = self._nets([(c, r) for _, c, r in ready], budget_s, rounds) if ready else []
+        for (i, _, _), net in zip(ready, nets, strict=True):
+            out[i] = net
+        return out
 
     def values(self) -> dict:
         """Every tensor of the model on seeded inputs (ONNX Runtime's), computed once."""

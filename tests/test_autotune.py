@@ -177,6 +177,21 @@ def _verdicts(legality, nodes):
     return [(k.impl, why) for (k, _), (_, why) in zip(fits, rows, strict=True)]
 
 
+def test_sample_times_choices_afresh_interleaved_and_stores_nothing(tmp_path):
+    """An A/B of a group's choices: one sampling call, each net of the null calls, the timing
+    database untouched."""
+    from fusesearch.autotune import Autotuner
+
+    prep, calls = prepare(_matmul(tmp_path)), []
+    tuner = Autotuner(prep, CPU, "measured", cache=TimingCache(tmp_path / "db"),
+                      sampler=_fixed(lambda r: FAST_S if r.how == "library" else SLOW_S, calls))
+    kernels = [k for k, _ in _choices(prep)]
+    timings = tuner.sample(kernels, budget_s=0.5, rounds=7)
+    assert [t.median_s for t in timings] == [SLOW_S, SLOW_S, FAST_S]
+    assert len(calls) == 1 and [c[1] for c in calls[0]] == ["generated", "generated", "library"]
+    assert not (tmp_path / "db").exists() and tuner.stats.measured == 0
+
+
 def test_hybrids_clock_and_band_come_from_the_measurements():
     """Unmeasured choices go on the measured clock by their template's median measured/predicted
     ratio (all templates' while one has too few), and the band is the model's 80th-percentile
