@@ -23,11 +23,14 @@ a plan's `cost_note`).
 `hybrid` measures only the choices that can change the plan: its first search is the model's
 plan; then the choices of the groups that plan uses are measured (`want`), and the search runs
 again over the new costs, until it picks no group it has not measured (at most MAX_ROUNDS
-searches). Within a group only the choices predicted within `band` of its best are measured:
-the calibrated profile's held-out error factor; without one, the model's error on this run's
-measurements (the 80th percentile of |log(measured / (scale x predicted))|, once MIN_PAIRS
-choices are measured), else DEFAULT_BAND. A group no plan used, and the choices outside the band,
-keep their (scaled) predicted costs.
+searches). `band` is the model's error: the calibrated profile's held-out error factor; without
+one, the error on this run's measurements (the 80th percentile of |log(measured / (scale x
+predicted))|, once MIN_PAIRS choices are measured), else DEFAULT_BAND. A group no plan used yet
+is priced optimistically, its scaled predicted cost divided by the band, so a group the model
+may have overpriced by its usual error is tried, measured and kept only if it holds: the search
+stops on a plan of measured groups that no unmeasured group could beat unless the model errs
+beyond its band. Within a plan's group only the choices predicted within the band of its best
+are measured; the others keep their scaled predicted costs.
 
     plan --costs measured:  enumerate (predicted legality) -> prefetch: DB hit or time
                             -> search with Legality(measurer=tuner) -> each group's fastest choice
@@ -117,10 +120,17 @@ def measured_scale(pairs: Sequence[tuple[float, float]]) -> float:
     return float(np.median(ratios)) if ratios else 1.0
 
 
+def cost_class(kernel) -> str:
+    """What the model errs alike on: a generated kernel's template; the library's calls apart."""
+    return "library" if kernel.impl == "library" else kernel.template
+
+
 def clock_scales(pairs: Sequence[tuple[str, float, float]]) -> dict[str | None, float]:
-    """Each template's scale (of (template, predicted, measured) pairs; `measured_scale`) where it
-    has MIN_CLASS_PAIRS, and all pairs' under None."""
-    scales: dict[str | None, float] = {None: measured_scale([(p, m) for _, p, m in pairs])}
+    """Each class's scale (of (class, predicted, measured) pairs; `measured_scale`) where it has
+    MIN_CLASS_PAIRS, and under None that of all our kernels' pairs (the library's calls, an
+    opaque op's above all, err apart: only where there is nothing else)."""
+    ours = [(p, m) for c, p, m in pairs if c != "library"]
+    scales: dict[str | None, float] = {None: measured_scale(ours or [(p, m) for _, p, m in pairs])}
     for template in sorted({t for t, _, _ in pairs}):
         own = [(p, m) for t, p, m in pairs if t == template]
         if len(own) >= MIN_CLASS_PAIRS:
@@ -218,25 +228,30 @@ class Autotuner:
         self._values: dict | None = None
         self._canonical = None
         self._device = backend.device_label()
+        self.band = self._band()  # hybrid's (module note), fixed during a search; None: measure all
         self.stats = TuneStats(mode, self.band)
 
-    @property
-    def band(self) -> float | None:
-        """hybrid's band (module note); None when every choice is measured."""
+    def scale(self, kernel) -> float:
+        """What puts `kernel`'s predicted cost on the measured clock: its class's scale, else all's;
+        hybrid divides a choice of a group no plan used yet by the band (optimistic: a group the
+        model may have overpriced by its usual error is tried, measured, and kept only if it holds)."""
+        scale = self.scales.get(cost_class(kernel), self.scales[None])
+        if self.mode == "hybrid" and frozenset(kernel.nodes) not in self._wanted:
+            scale /= self.band
+        return scale
+
+    def rescale(self) -> None:
+        """Put unmeasured choices on the clock of the ones measured so far, and hybrid's band to
+        their error (between searches: verdicts are memoized)."""
+        self.scales = self.stats.scales = clock_scales(list(self._pairs.values()))
+        self.band = self.stats.band = self._band()
+
+    def _band(self) -> float | None:
         if self.mode != "hybrid":
             return None
         if self._fixed_band is not None:
             return self._fixed_band
         return data_band(list(self._pairs.values()), self.scales)
-
-    def scale(self, kernel) -> float:
-        """What puts `kernel`'s predicted cost on the measured clock: its template's scale, else all's."""
-        return self.scales.get(kernel.template, self.scales[None])
-
-    def rescale(self) -> None:
-        """Put unmeasured choices on the clock of the ones measured so far (between searches)."""
-        self.scales = self.stats.scales = clock_scales(list(self._pairs.values()))
-        self.stats.band = self.band
 
     # -- the Measurer ---------------------------------------------------------------------------
 
@@ -267,7 +282,7 @@ class Autotuner:
         """For each group (its choices, their predicted costs): each choice's measured seconds,
         or None and why not (hybrid: a group no plan used, a choice outside the band)."""
         began = time.perf_counter()
-        rows, todo, band = [], {}, self.band
+        rows, todo = [], {}
         for kernels, costs in groups:
             best = min(c.time_s for c in costs)
             wanted = self.mode != "hybrid" or frozenset(kernels[0].nodes) in self._wanted
@@ -278,12 +293,12 @@ class Autotuner:
                     self._mark(("unmeasurable", kernel.nodes, kernel.schedule), "predicted")
                     row.append((None, why))
                     continue
-                skip = _skip(wanted, cost.time_s, best, band)
+                skip = _skip(wanted, cost.time_s, best, self.band)
                 if skip and choice.key not in self._known:
                     self._mark(choice.key, "predicted")
                     row.append((None, skip))
                     continue
-                row.append((choice.key, kernel.template, cost.time_s))
+                row.append((choice.key, cost_class(kernel), cost.time_s))
                 if choice.key not in self._known:
                     todo.setdefault(choice.key, choice)
             rows.append(row)
@@ -291,11 +306,11 @@ class Autotuner:
         self.stats.wall_s += time.perf_counter() - began
         return [[self._timed(*r) if isinstance(r[0], str) else r for r in row] for row in rows]
 
-    def _timed(self, key: str, template: str, predicted_s: float) -> tuple[float | None, str]:
+    def _timed(self, key: str, kind: str, predicted_s: float) -> tuple[float | None, str]:
         """A measured choice's seconds (kept beside its predicted cost for the scale and band)."""
         seconds, why = self._known[key]
         if seconds is not None and math.isfinite(seconds):
-            self._pairs.setdefault(key, (template, predicted_s, seconds))
+            self._pairs.setdefault(key, (kind, predicted_s, seconds))
         return seconds, why
 
     # -- preparing and timing choices -----------------------------------------------------------

@@ -125,10 +125,11 @@ def _matmul_relu(tmp_path):
 
 def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     """The model's plan is one fused kernel: hybrid times its two choices and nothing else (not
-    the lone MatMul's three, not the single-choice Relu), searches again, keeps the plan, and
-    prices what it did not measure at the predicted cost on the measured clock."""
+    the lone MatMul's three, not the single-choice Relu): measured 2x the model, the lone ops,
+    priced 2x their predicted costs over a 1.01x band, cannot beat it, so the second search keeps
+    the plan; what was not measured is priced on the measured clock, optimistically by the band."""
     calls: list = []
-    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls))
+    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls), band=1.01)
     assert [g.nodes for g in plan.groups] == [(0, 1)] and plan.groups[0].source == "measured"
     assert calls == [[((0, 1), "generated", "own"), ((0, 1), "generated", "blas")]]
     s = tuner.stats
@@ -138,10 +139,23 @@ def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     relu = problem.legality.check({1})
     predicted_relu = _choices_of(problem.legality, {1})[0][1].time_s
     assert relu.source == "predicted" and "no plan used" in relu.note
-    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None])
+    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None] / 1.01)
     doc = plan.to_dict()
     assert doc["tuning"]["choices"] == 6 and doc["tuning"]["measured"] == 2 and doc["tuning"]["rounds"] == 2
     assert doc["tuning"]["timed_fraction"] == pytest.approx(2 / 6, abs=1e-4)
+
+
+def test_hybrid_tries_a_group_the_model_may_have_overpriced(tmp_path):
+    """Measured, the fused kernel is 2x the model while the MatMul and Relu alone are faster: over
+    the default 1.5x band the lone ops may beat it, so the second search picks them, hybrid
+    measures them, and the third keeps them: the measured-cost plan, not the model's."""
+    calls: list = []
+    seconds = {(0, 1): 2e-4, (0,): 5e-5, (1,): 1e-6}
+    plan, _, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: seconds[r.kernel.nodes], calls))
+    assert [g.nodes for g in plan.groups] == [(0,), (1,)]
+    assert {g.source for g in plan.groups} == {"measured"} and tuner.stats.rounds == 3
+    assert [sorted({c[0] for c in call}) for call in calls] == [[(0, 1)], [(0,), (1,)]]
+    assert (tuner.stats.choices, tuner.stats.measured) == (6, 6)
 
 
 def _choices_of(legality, nodes):
