@@ -28,6 +28,7 @@ from benchutil import header, host_plan, overlap, spread, zoo_models
 
 from fusesearch.backends.timing import TimingCache
 from fusesearch.pipeline import prepare
+from fusesearch.regret import same_plan
 from fusesearch.run import run_plan
 
 MAX_TIMED = 0.25
@@ -51,12 +52,13 @@ def bench(name: str, repeat: int, cold: bool) -> dict:
             "hybrid_plan_s": hybrid_s, "at_measured": at_measured,
             "kernels": (hybrid.kernels, measured.kernels),
             "hybrid": (h.median_s, h.p20_s, h.p80_s), "measured": (m.median_s, m.p20_s, m.p80_s),
-            "ratio": h.median_s / m.median_s, "overlap": overlap((h.p20_s, h.p80_s), (m.p20_s, m.p80_s)), "n": h.n}
+            "ratio": h.median_s / m.median_s, "same": same_plan(hybrid, measured), "overlap": overlap((h.p20_s, h.p80_s), (m.p20_s, m.p80_s)), "n": h.n}
 
 
 def row(r: dict) -> str:
     verdict = ("not distinguishable" if r["overlap"] else
                "within 2%" if r["ratio"] <= WITHIN else "hybrid slower" if r["ratio"] > 1 else "hybrid faster")
+    verdict += " (same plan)" if r["same"] else ""
     met = r["fraction"] <= MAX_TIMED and (r["overlap"] or r["ratio"] <= WITHIN)
     return (f"| {r['model']} | {r['timed']}/{r['choices']} ({r['fraction']:.1%}) | {r['rounds']} | "
             f"{r['measuring_s']:.1f} s | {r['at_measured']:.3f}x | {spread(*r['hybrid'])} | {spread(*r['measured'])} | "
