@@ -256,8 +256,9 @@ Workers = Annotated[int | None, typer.Option("--workers", callback=CPUS,
                                              help="CP-SAT workers (default: cores, at most 8).")]
 Costs = Annotated[str, typer.Option("--costs", help="What prices each group's choices: predicted (the cost model), "
                                     "measured (each timed on this machine's CPU for host, its GPU for a GPU "
-                                    "device; kept in the timing database), or hybrid (only the choices "
-                                    "predicted within the model's error band of the group's best).")]
+                                    "device; kept in the timing database), or hybrid (the model's plan, then "
+                                    "the choices of the groups each plan uses, searched again until the plan "
+                                    "uses only measured groups).")]
 
 
 def check_costs(costs: str) -> None:
