@@ -70,17 +70,15 @@ def search_prepared(prep, device: str, strategy: str, config: SearchConfig, cost
     """(plan, legality, prepared model for the device, tuner or None): the search every command
     runs, a CPU's plan priced (and its choices measured, `costs`) for `threads` OpenMP threads."""
     from costmodels import RooflineModel
-    from fusesearch.autotune import build_problem
+    from fusesearch.autotune import tuned_search
     from fusesearch.backends.cpu import openmp_threads
-    from fusesearch.search import search
 
     label, spec, params, profile = resolve_device(device, threads)
     prep, params = for_device(prep, spec, params)
     with openmp_threads(threads if spec.kind == "cpu" else 0):
-        problem, tuner = build_problem(prep, spec, RooflineModel(params), config, costs, profile)
-        result = search(prep.graph, spec, problem.legality.model, strategy, config=config, device_label=label,
-                        profile=profile, model_info=model_info(prep), problem=problem)
-    return result, problem.legality, prep, tuner
+        result, problem = tuned_search(prep, spec, RooflineModel(params), strategy, config, costs, profile,
+                                       device_label=label, model_info=model_info(prep))
+    return result, problem.legality, prep, problem.legality.measurer
 
 
 def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
@@ -95,8 +93,9 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     library`'s reference), "generated" our kernel, "priced" whichever is cheaper; `costs`: what
     prices each group's choices (`autotune`): "predicted" (the cost model), "measured" (each timed
     on this machine: the CPU for host, CuPy for a GPU; kept in the timing database) or "hybrid"
-    (only the choices predicted within the model's error band of the group's best); `threads`: the
-    OpenMP threads a CPU plan is priced for (`--threads`, recorded in plan.json)."""
+    (the model's plan, then the choices of the groups each plan uses, searched again until the
+    plan uses only measured groups); `threads`: the OpenMP threads a CPU plan is priced for
+    (`--threads`, recorded in plan.json)."""
     from fusesearch.autotune import check_costs
     from fusesearch.pipeline import prepare
 
@@ -106,7 +105,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
                           lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))
     result, _, _, tuner = search_prepared(prep, device, strategy, config, costs, threads)
-    return result if tuner is None else dataclasses.replace(result, tuning=tuner.stats.to_dict())
+    return result  # a plan priced by measurements carries what measuring cost (`Plan.tuning`)
 
 
 # -- measure and run: one start ----------------------------------------------------------------

@@ -13,13 +13,29 @@ source hash (a library call: the node's signature), its input shapes, the device
 threads, so any later plan, run or sweep reads it instead of timing it again. Before a search
 the candidates the exact solver enumerates are measured as one batch (`prefetch`: compiled in
 parallel, `BATCH` choices per sampling call), and a group a solver reaches later is measured
-when it is checked. `hybrid` times only the choices predicted within `band` of the group's best
-(the profile's held-out error factor, else DEFAULT_BAND); the rest, and a choice that cannot
-run alone (codegen refuses a fused group, no library kernel), keep the predicted cost and say
-why (`Verdict.note`, a plan's `cost_note`).
+when it is checked. A choice that is not measured (out of hybrid's band or plans, codegen
+refuses a fused group, no library kernel) keeps its predicted cost times its template's scale,
+the median measured/predicted ratio of the choices of that template measured so far (of all of
+them while a template has fewer than MIN_CLASS_PAIRS: the model errs differently on a GEMM and
+on a row reduction), so that both kinds of cost are on one clock, and says why (`Verdict.note`,
+a plan's `cost_note`).
+
+`hybrid` measures only the choices that can change the plan: its first search is the model's
+plan; then the choices of the groups that plan uses are measured (`want`), and the search runs
+again over the new costs, until it picks no group it has not measured (at most MAX_ROUNDS
+searches). `band` is the model's error: the calibrated profile's held-out error factor; without
+one, the error on this run's measurements (the 80th percentile of |log(measured / (scale x
+predicted))|, once MIN_PAIRS choices are measured), else DEFAULT_BAND. A group no plan used yet
+is priced optimistically, its scaled predicted cost divided by the band, so a group the model
+may have overpriced by its usual error is tried, measured and kept only if it holds: the search
+stops on a plan of measured groups that no unmeasured group could beat unless the model errs
+beyond its band. Within a plan's group only the choices predicted within the band of its best
+are measured; the others keep their scaled predicted costs.
 
     plan --costs measured:  enumerate (predicted legality) -> prefetch: DB hit or time
                             -> search with Legality(measurer=tuner) -> each group's fastest choice
+    plan --costs hybrid:    search (the model's plan) -> want: time the plan's groups' choices
+                            -> search again ... until the plan's groups are all measured
 
 Invariants: with `predicted` nothing here runs (the plan is the model's, byte for byte); the same
 database gives the same plan; a sample is taken through `sampler` (a test passes fixed ones), so
@@ -33,9 +49,11 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.registry import CPU, CUPY, Backend
@@ -44,6 +62,10 @@ from fusesearch.errors import BadInput, FusesearchError
 
 COSTS = ("predicted", "measured", "hybrid")
 DEFAULT_BAND = 1.5  # hybrid: measure choices predicted within this factor of the group's best
+MIN_PAIRS = 8  # measured choices before their error spread, not DEFAULT_BAND, sets hybrid's band
+MIN_CLASS_PAIRS = 3  # measured choices of a template before it has its own scale
+BAND_QUANTILE = 80.0  # hybrid's band: this percentile of the model's |log error|
+MAX_ROUNDS = 10  # hybrid: searches at most (the first is the model's plan)
 BUDGET_S = 0.01  # seconds of samples per choice, over ROUNDS passes
 WARMUP_S = 0.02  # the first pass: long enough to wake an OpenMP pool (0.002 s left 20 ms samples)
 ROUNDS = 3
@@ -77,9 +99,9 @@ def timing_backend(costs: str, spec) -> Backend | None:
     return backend
 
 
-def error_band(profile: str | None) -> float:
-    """hybrid's band: the profile's held-out error factor (a factor off either way) where it has
-    one above 1, else DEFAULT_BAND."""
+def error_band(profile: str | None) -> float | None:
+    """hybrid's band from the calibrated profile: its held-out error factor (a factor off either
+    way) where it has one above 1, else None (the band then comes from the measurements)."""
     if profile:
         try:
             fit = json.loads(open(profile, encoding="utf-8").read()).get("fit") or {}
@@ -88,12 +110,52 @@ def error_band(profile: str | None) -> float:
             factor = math.nan
         if math.isfinite(factor) and factor > 1.0:
             return factor
-    return DEFAULT_BAND
+    return None
+
+
+def measured_scale(pairs: Sequence[tuple[float, float]]) -> float:
+    """The median measured/predicted ratio of (predicted, measured) seconds: what puts a predicted
+    cost on the measured clock (1.0 without pairs)."""
+    ratios = [m / p for p, m in pairs if p > 0 and m > 0]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
+def cost_class(kernel) -> str:
+    """What the model errs alike on: a generated kernel's template; the library's calls apart."""
+    return "library" if kernel.impl == "library" else kernel.template
+
+
+def clock_scales(pairs: Sequence[tuple[str, float, float]]) -> dict[str | None, float]:
+    """Each class's scale (of (class, predicted, measured) pairs; `measured_scale`) where it has
+    MIN_CLASS_PAIRS, and under None that of all our kernels' pairs (the library's calls, an
+    opaque op's above all, err apart: only where there is nothing else)."""
+    ours = [(p, m) for c, p, m in pairs if c != "library"]
+    scales: dict[str | None, float] = {None: measured_scale(ours or [(p, m) for _, p, m in pairs])}
+    for template in sorted({t for t, _, _ in pairs}):
+        own = [(p, m) for t, p, m in pairs if t == template]
+        if len(own) >= MIN_CLASS_PAIRS:
+            scales[template] = measured_scale(own)
+    return scales
+
+
+def data_band(pairs: Sequence[tuple[str, float, float]], scales: dict[str | None, float]) -> float:
+    """The model's error factor on measured (template, predicted, measured) pairs once each is on
+    the measured clock: the BAND_QUANTILE-th percentile of |log(measured / (scale x predicted))|,
+    as a factor; DEFAULT_BAND with fewer than MIN_PAIRS."""
+    logs = [abs(math.log(m / (scales.get(t, scales[None]) * p))) for t, p, m in pairs if p > 0 and m > 0]
+    if len(logs) < MIN_PAIRS:
+        return DEFAULT_BAND
+    return float(math.exp(np.percentile(logs, BAND_QUANTILE)))
+
+
+# a choice's status (the TuneStats field counting it), which only rises
+_RANK = {"predicted": 0, "refused": 1, "cached": 2, "measured": 3}
 
 
 @dataclass
 class TuneStats:
-    """What measuring cost: distinct choices timed now, read from the database, left predicted."""
+    """What measuring cost: distinct choices seen, timed now, read from the database, left
+    predicted, refused; hybrid's searches, and the band and scales it ended with."""
 
     mode: str
     band: float | None
@@ -103,18 +165,30 @@ class TuneStats:
     predicted: int = 0
     refused: int = 0  # computed other outputs than ONNX Runtime's
     wall_s: float = 0.0
+    rounds: int = 1  # searches run (hybrid: the model's plan, then one per new set of groups measured)
+    scales: dict = field(default_factory=lambda: {None: 1.0})  # `clock_scales`: unmeasured choices' factor
+
+    @property
+    def timed(self) -> int:
+        """Choices priced by a measurement: timed now or read from the database."""
+        return self.measured + self.cached
 
     def to_dict(self) -> dict:
         return {"costs": self.mode, "band": self.band, "choices": self.choices, "measured": self.measured,
                 "from_database": self.cached, "kept_predicted": self.predicted, "refused": self.refused,
+                "timed_fraction": round(self.timed / self.choices, 4) if self.choices else 0.0,
+                "rounds": self.rounds, "scale": round(self.scales[None], 4),
+                "template_scales": {t: round(v, 4) for t, v in self.scales.items() if t is not None},
                 "wall_s": round(self.wall_s, 3)}
 
     def line(self) -> str:
         band = f" (band {self.band:.2f}x)" if self.band is not None else ""
+        rounds = f", {self.rounds} searches" if self.mode == "hybrid" else ""
+        share = f" ({self.timed / self.choices:.0%} of the choices timed)" if self.choices else ""
         return (f"costs {self.mode}{band}: {self.choices} choices, {self.measured} measured, {self.cached} from the "
-                f"timing database, {self.predicted} kept predicted"
+                f"timing database{share}, {self.predicted} kept predicted"
                 + (f", {self.refused} refused (wrong outputs)" if self.refused else "")
-                + f"; measuring took {self.wall_s:.1f} s")
+                + f"{rounds}; measuring took {self.wall_s:.1f} s")
 
 
 class _Run:
@@ -136,21 +210,48 @@ class _Choice:
 
 
 class Autotuner:
-    """The `rules.Measurer` of one prepared model on one backend (module note)."""
+    """The `rules.Measurer` of one prepared model on one backend (module note). `band`: hybrid's
+    fixed band (the profile's); None: from the measurements (`data_band`)."""
 
-    def __init__(self, prep, backend: Backend, mode: str, *, band: float = DEFAULT_BAND,
+    def __init__(self, prep, backend: Backend, mode: str, *, band: float | None = None,
                  cache: TimingCache | None = None, budget_s: float = BUDGET_S, seed: int = 0,
                  sampler: Callable[..., list[Timing]] | None = None) -> None:
         self.prep, self.graph, self.backend, self.mode = prep, prep.graph, backend, check_costs(mode)
-        self.band = band if mode == "hybrid" else None
+        self._fixed_band = band
         self.cache = cache if cache is not None else TimingCache()
         self.budget_s, self.seed, self.sampler = budget_s, seed, sampler or backend.sample
-        self.stats = TuneStats(mode, self.band)
+        self.scales: dict[str | None, float] = {None: 1.0}  # fixed during a search (`rescale` between)
         self._known: dict[str, tuple[float | None, str]] = {}
-        self._seen: set[tuple] = set()
+        self._status: dict[object, str] = {}  # each distinct choice: how it was priced (`_RANK`)
+        self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (template, predicted, measured)
+        self._wanted: set[frozenset[int]] = set()  # hybrid: the groups some plan used
         self._values: dict | None = None
         self._canonical = None
         self._device = backend.device_label()
+        self.band = self._band()  # hybrid's (module note), fixed during a search; None: measure all
+        self.stats = TuneStats(mode, self.band)
+
+    def scale(self, kernel) -> float:
+        """What puts `kernel`'s predicted cost on the measured clock: its class's scale, else all's;
+        hybrid divides a choice of a group no plan used yet by the band (optimistic: a group the
+        model may have overpriced by its usual error is tried, measured, and kept only if it holds)."""
+        scale = self.scales.get(cost_class(kernel), self.scales[None])
+        if self.mode == "hybrid" and frozenset(kernel.nodes) not in self._wanted:
+            scale /= self.band
+        return scale
+
+    def rescale(self) -> None:
+        """Put unmeasured choices on the clock of the ones measured so far, and hybrid's band to
+        their error (between searches: verdicts are memoized)."""
+        self.scales = self.stats.scales = clock_scales(list(self._pairs.values()))
+        self.band = self.stats.band = self._band()
+
+    def _band(self) -> float | None:
+        if self.mode != "hybrid":
+            return None
+        if self._fixed_band is not None:
+            return self._fixed_band
+        return data_band(list(self._pairs.values()), self.scales)
 
     # -- the Measurer ---------------------------------------------------------------------------
 
@@ -162,53 +263,70 @@ class Autotuner:
         (`legality` predicts; its verdicts only say which groups are legal)."""
         from fusesearch.candidates.enumerate import enumerate_candidates
 
-        groups = []
-        for nodes in enumerate_candidates(legality, budget_per_seed=budget_per_seed).groups:
-            verdict = legality.check(nodes)
-            options = legality.options(nodes, verdict.kernel) if verdict.decision else None
-            fits = legality.priced(options) if isinstance(options, tuple) else []
-            if fits:
-                groups.append(([k for k, _ in fits], [c for _, c in fits]))
-        self.measure_groups(groups)
+        self.measure_groups(_priced(legality, enumerate_candidates(legality, budget_per_seed=budget_per_seed).groups))
+        self.rescale()
+
+    def want(self, partition: Iterable[frozenset[int]], legality) -> bool:
+        """hybrid: measure the choices of a plan's groups not measured before (one batch) and
+        rescale; False when there was none (the plan was searched over their measured costs)."""
+        new = [frozenset(g) for g in partition if frozenset(g) not in self._wanted]
+        if not new:
+            return False
+        self._wanted.update(new)
+        self.measure_groups(_priced(legality, new))
+        self.rescale()
+        self.stats.rounds += 1
+        return True
 
     def measure_groups(self, groups: Sequence[tuple[Sequence, Sequence]]) -> list[list[tuple[float | None, str]]]:
         """For each group (its choices, their predicted costs): each choice's measured seconds,
-        or None and why not."""
+        or None and why not (hybrid: a group no plan used, a choice outside the band)."""
         began = time.perf_counter()
         rows, todo = [], {}
         for kernels, costs in groups:
             best = min(c.time_s for c in costs)
+            wanted = self.mode != "hybrid" or frozenset(kernels[0].nodes) in self._wanted
             row = []
             for kernel, cost in zip(kernels, costs, strict=True):
-                if self.band is not None and cost.time_s > best * self.band:
-                    self._count(("band", kernel.nodes, kernel.schedule), None)
-                    row.append((None, f"predicted {cost.time_s / best if best else math.inf:.2f}x the group's best, "
-                                      f"outside hybrid's {self.band:.2f}x band"))
-                    continue
                 choice, why = self._choice(kernel)
                 if choice is None:
-                    self._count(("unmeasurable", kernel.nodes, kernel.schedule), None)
+                    self._mark(("unmeasurable", kernel.nodes, kernel.schedule), "predicted")
                     row.append((None, why))
                     continue
-                row.append(choice.key)
+                skip = _skip(wanted, cost.time_s, best, self.band)
+                if skip and choice.key not in self._known:
+                    self._mark(choice.key, "predicted")
+                    row.append((None, skip))
+                    continue
+                row.append((choice.key, cost_class(kernel), cost.time_s))
                 if choice.key not in self._known:
                     todo.setdefault(choice.key, choice)
             rows.append(row)
         self._time([c for key, c in todo.items() if not self._from_database(key)])
         self.stats.wall_s += time.perf_counter() - began
-        return [[self._known[r] if isinstance(r, str) else r for r in row] for row in rows]
+        return [[self._timed(*r) if isinstance(r[0], str) else r for r in row] for row in rows]
+
+    def _timed(self, key: str, kind: str, predicted_s: float) -> tuple[float | None, str]:
+        """A measured choice's seconds (kept beside its predicted cost for the scale and band)."""
+        seconds, why = self._known[key]
+        if seconds is not None and math.isfinite(seconds):
+            self._pairs.setdefault(key, (kind, predicted_s, seconds))
+        return seconds, why
 
     # -- preparing and timing choices -----------------------------------------------------------
 
-    def _count(self, what: tuple, counter: str | None) -> None:
-        if what in self._seen:
+    def _mark(self, what: object, status: str) -> None:
+        """Count a distinct choice under `status`, or move it to a higher one (predicted, then
+        refused, read from the database or measured)."""
+        old = self._status.get(what)
+        if old is not None and _RANK[old] >= _RANK[status]:
             return
-        self._seen.add(what)
-        self.stats.choices += 1
-        if counter is None:
-            self.stats.predicted += 1
+        if old is None:
+            self.stats.choices += 1
         else:
-            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+            setattr(self.stats, old, getattr(self.stats, old) - 1)
+        self._status[what] = status
+        setattr(self.stats, status, getattr(self.stats, status) + 1)
 
     def _choice(self, kernel) -> tuple[_Choice | None, str]:
         """The choice as it runs here and its database key, or None and why it cannot run alone."""
@@ -242,7 +360,7 @@ class Autotuner:
         if timing is None:
             return False
         self._known[key] = (timing.median_s, "")
-        self._count(("key", key), "cached")
+        self._mark(key, "cached")
         return True
 
     def _time(self, choices: list[_Choice]) -> None:
@@ -256,7 +374,7 @@ class Autotuner:
                 run = why or self._ready(choice)
                 if isinstance(run, str):
                     self._known.setdefault(choice.key, (None, run))
-                    self._count(("key", choice.key), "refused" if self._known[choice.key][0] == math.inf else None)
+                    self._mark(choice.key, "refused" if self._known[choice.key][0] == math.inf else "predicted")
                 else:
                     ready.append((choice, run))
             if ready:
@@ -307,16 +425,36 @@ class Autotuner:
         return "" if err <= rtol else f"refused: its outputs differ from ONNX Runtime's (max rel err {err:.2g} > {rtol:g})"
 
     def _sample(self, ready: list[tuple[_Choice, _Run]]) -> None:
-        nulls = self.backend.null_calls(library=any(c.how == "library" for c, _ in ready),
-                                        generated=any(c.how == "generated" for c, _ in ready))
-        timings = self.sampler([r for _, r in ready] + list(nulls.runs), budget_s=self.budget_s, rounds=ROUNDS,
-                               warmup_s=WARMUP_S, flush=True)
-        costs = nulls.costs([t.median_s for t in timings[len(ready):]])
-        for (choice, _), timing in zip(ready, timings, strict=False):
-            net = costs.net(choice.how, timing)
+        for (choice, _), net in zip(ready, self._nets(ready, self.budget_s, ROUNDS), strict=True):
             self.cache.put(choice.key, net)
             self._known[choice.key] = (net.median_s, "")
-            self._count(("key", choice.key), "measured")
+            self._mark(choice.key, "measured")
+
+    def _nets(self, ready: list[tuple[_Choice, _Run]], budget_s: float, rounds: int) -> list[Timing]:
+        """The ready choices sampled in one interleaved call with the backend's null calls, each
+        Timing net of its calling path's."""
+        nulls = self.backend.null_calls(library=any(c.how == "library" for c, _ in ready),
+                                        generated=any(c.how == "generated" for c, _ in ready))
+        timings = self.sampler([r for _, r in ready] + list(nulls.runs), budget_s=budget_s, rounds=rounds,
+                               warmup_s=WARMUP_S, flush=True)
+        costs = nulls.costs([t.median_s for t in timings[len(ready):]])
+        return [costs.net(choice.how, timing) for (choice, _), timing in zip(ready, timings, strict=False)]
+
+    def sample(self, kernels: Sequence, *, budget_s: float, rounds: int) -> list[Timing | str]:
+        """Each kernel timed afresh, all interleaved in one call, net of the null calls, nothing
+        stored (an A/B of choices, with its spread): a Timing, or why it cannot run alone."""
+        out: list[Timing | str] = []
+        ready = []
+        for kernel in kernels:
+            choice, why = self._choice(kernel)
+            run = why if choice is None else self._compiled(choice) or self._ready(choice)
+            out.append(run if isinstance(run, str) else "")
+            if not isinstance(run, str):
+                ready.append((len(out) - 1, choice, run))
+        nets = self._nets([(c, r) for _, c, r in ready], budget_s, rounds) if ready else []
+        for (i, _, _), net in zip(ready, nets, strict=True):
+            out[i] = net
+        return out
 
     def values(self) -> dict:
         """Every tensor of the model on seeded inputs (ONNX Runtime's), computed once."""
@@ -335,6 +473,28 @@ class Autotuner:
         return self._canonical
 
 
+def _skip(wanted: bool, predicted_s: float, best_s: float, band: float | None) -> str:
+    """Why hybrid leaves a choice at its predicted cost ("" to measure it)."""
+    if not wanted:
+        return "hybrid: no plan used its group"
+    if band is not None and predicted_s > best_s * band:
+        return (f"predicted {predicted_s / best_s if best_s else math.inf:.2f}x the group's best, "
+                f"outside hybrid's {band:.2f}x band")
+    return ""
+
+
+def _priced(legality, node_sets: Iterable[frozenset[int]]) -> list[tuple[list, list]]:
+    """Each legal group's choices that fit the device and their predicted costs (what is timed)."""
+    groups = []
+    for nodes in node_sets:
+        verdict = legality.check(nodes)
+        options = legality.options(nodes, verdict.kernel) if verdict.decision else None
+        fits = legality.priced(options) if isinstance(options, tuple) else []
+        if fits:
+            groups.append(([k for k, _ in fits], [c for _, c in fits]))
+    return groups
+
+
 def tuner_for(costs: str, prep, spec, profile: str | None = None, *, cache: TimingCache | None = None,
               seed: int = 0, sampler: Callable[..., list[Timing]] | None = None) -> Autotuner | None:
     """The Autotuner `--costs` asks for on `spec` (None for predicted); BadInput where it cannot
@@ -347,11 +507,34 @@ def tuner_for(costs: str, prep, spec, profile: str | None = None, *, cache: Timi
 
 def build_problem(prep, spec, model, config, costs: str = "predicted", profile: str | None = None, *,
                   cache: TimingCache | None = None, sampler: Callable[..., list[Timing]] | None = None):
-    """(SearchProblem, Autotuner or None): the search priced as `costs` says; with measured or
-    hybrid costs the enumerated candidates' choices are measured first, as one batch."""
+    """(SearchProblem, Autotuner or None): the search priced as `costs` says; with measured costs
+    the enumerated candidates' choices are measured first, as one batch (hybrid's first search
+    is the model's: `tuned_search` measures after it)."""
     from fusesearch.search.problem import SearchProblem
 
     tuner = tuner_for(costs, prep, spec, profile, cache=cache, seed=config.seed, sampler=sampler)
-    if tuner is not None:
+    if tuner is not None and tuner.mode == "measured":
         tuner.prefetch(SearchProblem.build(prep.graph, spec, model, config).legality, config.budget_per_seed)
     return SearchProblem.build(prep.graph, spec, model, config, measurer=tuner), tuner
+
+
+def tuned_search(prep, spec, model, strategy: str, config, costs: str = "predicted", profile: str | None = None, *,
+                 cache: TimingCache | None = None, sampler: Callable[..., list[Timing]] | None = None,
+                 **search_kwargs):
+    """(Plan, its SearchProblem): `strategy`'s plan priced as `costs` says; hybrid searches again
+    after measuring each new plan's groups until a plan uses only measured groups (module note).
+    A plan priced by measurements carries what measuring cost (`Plan.tuning`)."""
+    from fusesearch.search import search
+    from fusesearch.search.problem import SearchProblem
+
+    problem, tuner = build_problem(prep, spec, model, config, costs, profile, cache=cache, sampler=sampler)
+    result = search(prep.graph, spec, model, strategy, config=config, profile=profile, problem=problem,
+                    **search_kwargs)
+    if tuner is None:
+        return result, problem
+    while (tuner.mode == "hybrid" and tuner.stats.rounds < MAX_ROUNDS
+           and tuner.want(result.partition(), problem.legality)):
+        problem = SearchProblem.build(prep.graph, spec, model, config, measurer=tuner)
+        result = search(prep.graph, spec, model, strategy, config=config, profile=profile, problem=problem,
+                        **search_kwargs)
+    return replace(result, tuning=tuner.stats.to_dict()), problem

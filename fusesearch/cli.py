@@ -268,8 +268,9 @@ Threads = Annotated[int, typer.Option("--threads", callback=CPUS, help="OpenMP t
                                       "host plan is priced for this count and plan.json records it.")]
 Costs = Annotated[str, typer.Option("--costs", help="What prices each group's choices: predicted (the cost model), "
                                     "measured (each timed on this machine's CPU for host, its GPU for a GPU "
-                                    "device; kept in the timing database), or hybrid (only the choices "
-                                    "predicted within the model's error band of the group's best).")]
+                                    "device; kept in the timing database), or hybrid (the model's plan, then "
+                                    "the choices of the groups each plan uses, searched again until the plan "
+                                    "uses only measured groups).")]
 
 
 def check_costs(costs: str) -> None:

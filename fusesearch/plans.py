@@ -179,7 +179,8 @@ class Plan:
     unfused_time_s: float
     lower_bound_s: float
     costs: str = "predicted"  # what priced the choices: predicted | measured | hybrid (`--costs`)
-    # what measuring the choices cost (`autotune.TuneStats.to_dict`; wall time, so not in plan.json)
+    # what measuring the choices cost (`autotune.TuneStats.to_dict`: choices, how many timed, the
+    # wall time; plan.json's "tuning"), None with predicted costs
     tuning: Mapping[str, Any] | None = field(default=None, compare=False)
     # a plan over several values of one dim (`buckets.plan_buckets`): the dim, values, weights and
     # each bucket's time beside its own optimum; None for a plan of one shape
@@ -262,6 +263,7 @@ class Plan:
             "device": {"name": self.device, "profile": self.profile, **self.priced},
             "strategy": self.strategy,
             **({"costs": self.costs} if self.costs != "predicted" else {}),
+            **({"tuning": dict(self.tuning)} if self.tuning else {}),
             "solver": {"status": self.solver.status, "objective_s": _r(self.solver.objective_s),
                        "bound_s": _r(self.solver.bound_s) if self.solver.bound_s is not None else None,
                        **self.solver.outcome()},

@@ -84,11 +84,14 @@ def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepare
     plans = {label: _figures(p, report.timings[key]) for label, p, key in
              (("predicted", predicted, "plan"), ("measured", measured, "unfused"))}
     return Regret(prep.loaded.name, predicted.device, strategy, threads, repeat, plans,
-                  _choices(predicted) == _choices(measured), dict(measured.tuning or {}))
+                  same_plan(predicted, measured), dict(measured.tuning or {}))
 
 
-def _choices(p) -> list:
-    return [(g.nodes, g.kernel.impl, g.kernel.schedule) for g in p.groups]
+def same_plan(a, b) -> bool:
+    """Whether two plans run the same kernels: the same groups, each in the same form."""
+    def choices(p) -> list:
+        return [(g.nodes, g.kernel.impl, g.kernel.schedule) for g in p.groups]
+    return choices(a) == choices(b)
 
 
 def _figures(p, timing) -> dict:

@@ -1,18 +1,20 @@
 """Measured costs (`--costs measured|hybrid`, `fusesearch.autotune`): the search picks by measured
-times where they differ from the model's, hybrid measures only the choices in its band, the timing
-database is read back, and a bad or impossible `--costs` is one line, exit 2. Samples are fixed
-(an injected sampler): no assertion depends on the machine's speed."""
+times where they differ from the model's, hybrid measures only the choices of the groups its
+plans use (within its band), the timing database is read back, and a bad or impossible `--costs`
+is one line, exit 2. Samples are fixed (an injected sampler): no assertion depends on the
+machine's speed."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 from onnx import helper
 
 from costmodels import RooflineModel, load_device
-from fusesearch.autotune import Autotuner, build_problem
+from fusesearch.autotune import build_problem
 from fusesearch.backends.registry import CPU
 from fusesearch.backends.timing import Timing, TimingCache
 from fusesearch.pipeline import prepare
@@ -84,21 +86,141 @@ def test_the_timing_database_is_read_back(tmp_path):
     assert plan.groups[0].kernel.impl == "library"  # the same database, the same plan
 
 
-def test_hybrid_measures_only_the_choices_in_its_band(tmp_path):
-    prep = prepare(_matmul(tmp_path))
+def _fixed(seconds, calls: list):
+    """A sampler whose fixed samples are `seconds(run)` for each choice's run (null runs: 0 s);
+    `calls` collects the choices (node set, impl, product) it was given, one list per call."""
+    def sampler(runs, **_):
+        calls.append([(r.kernel.nodes, r.how, r.kernel.schedule.product) for r in runs if hasattr(r, "how")])
+        return [Timing((seconds(r) if hasattr(r, "how") else 0.0,) * 3, 1, "fixed") for r in runs]
+    return sampler
+
+
+def _hybrid(path, sampler, band=None):
+    """(plan, its problem, the tuner): `cpsat` with hybrid costs over fixed samples; `band`: the
+    held-out error factor of a calibrated profile (None: no profile)."""
+    from pathlib import Path
+
+    from fusesearch.autotune import tuned_search
+
+    folder, profile = Path(path).parent, None
+    if band is not None:
+        profile = folder / "profile.json"
+        profile.write_text(json.dumps({"fit": {"heldout": {"after": {"error_factor": band}}}}))
     spec, params = load_device("host")
-    times = sorted(c.time_s for _, c in _choices(prep))
-    assert len(times) >= 2 and times[-1] > times[0]
-    band = (1 + times[-1] / times[0]) / 2  # the best inside, the slowest (the library call) outside
-    inside = sum(t <= band * times[0] for t in times)
+    plan, problem = tuned_search(prepare(path), spec, RooflineModel(params), "cpsat", SearchConfig(workers=1),
+                                 "hybrid", profile and str(profile), cache=TimingCache(folder / "db"),
+                                 sampler=sampler)
+    return plan, problem, problem.legality.measurer
+
+
+def _matmul_relu(tmp_path):
+    """MatMul (constant B) then Relu: the model fuses them; the lone MatMul has three choices
+    (our C with its own product or BLAS, the library call), the lone Relu one."""
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["a", "w"], ["y"], name="mm"),
+                        helper.make_node("Relu", ["y"], ["r"], name="relu")],
+                       [("a", [128, 256])], [("r", [128, 256])], [("w", w)])
+    return save(model, tmp_path / "mmr.onnx")
+
+
+def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
+    """The model's plan is one fused kernel: hybrid times its two choices and nothing else (not
+    the lone MatMul's three, not the single-choice Relu): measured 2x the model, the lone ops,
+    priced 2x their predicted costs over a 1.01x band, cannot beat it, so the second search keeps
+    the plan; what was not measured is priced on the measured clock, optimistically by the band."""
     calls: list = []
-    tuner = Autotuner(prep, CPU, "hybrid", band=band, cache=TimingCache(tmp_path / "db"),
-                      sampler=_library_fastest(calls))
-    verdict = SearchProblem.build(prep.graph, spec, RooflineModel(params), measurer=tuner).legality.check({0})
-    assert (tuner.stats.choices, tuner.stats.measured, tuner.stats.predicted) == (len(times), inside, len(times) - inside)
-    assert 0 < inside < len(times) and len([r for r in calls[0] if hasattr(r, "how")]) == inside
-    # measured 10x slower than the library is predicted: the library, at its predicted cost, and why
-    assert verdict.kernel.impl == "library" and verdict.source == "predicted" and "band" in verdict.note
+    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls), band=1.01)
+    assert [g.nodes for g in plan.groups] == [(0, 1)] and plan.groups[0].source == "measured"
+    assert calls == [[((0, 1), "generated", "own"), ((0, 1), "generated", "blas")]]
+    s = tuner.stats
+    assert (s.choices, s.measured, s.cached, s.predicted, s.rounds) == (6, 2, 0, 4, 2)
+    fused = [c.time_s for _, c in _choices_of(problem.legality, {0, 1})]
+    assert tuner.scales == {None: pytest.approx(2e-4 / fused[0])}  # measured / predicted (too few for gemm's own)
+    relu = problem.legality.check({1})
+    predicted_relu = _choices_of(problem.legality, {1})[0][1].time_s
+    assert relu.source == "predicted" and "no plan used" in relu.note
+    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None] / 1.01)
+    doc = plan.to_dict()
+    assert doc["tuning"]["choices"] == 6 and doc["tuning"]["measured"] == 2 and doc["tuning"]["rounds"] == 2
+    assert doc["tuning"]["timed_fraction"] == pytest.approx(2 / 6, abs=1e-4)
+
+
+def test_hybrid_tries_a_group_the_model_may_have_overpriced(tmp_path):
+    """Measured, the fused kernel is 2x the model while the MatMul and Relu alone are faster: over
+    the default 1.5x band the lone ops may beat it, so the second search picks them, hybrid
+    measures them, and the third keeps them: the measured-cost plan, not the model's."""
+    calls: list = []
+    seconds = {(0, 1): 2e-4, (0,): 5e-5, (1,): 1e-6}
+    plan, _, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: seconds[r.kernel.nodes], calls))
+    assert [g.nodes for g in plan.groups] == [(0,), (1,)]
+    assert {g.source for g in plan.groups} == {"measured"} and tuner.stats.rounds == 3
+    assert [sorted({c[0] for c in call}) for call in calls] == [[(0, 1)], [(0,), (1,)]]
+    assert (tuner.stats.choices, tuner.stats.measured) == (6, 6)
+
+
+def _choices_of(legality, nodes):
+    nodes = frozenset(nodes)
+    return legality.priced(legality.options(nodes, legality.check(nodes).kernel))
+
+
+def test_hybrid_picks_the_measured_best_within_its_band(tmp_path):
+    """A lone MatMul: the model's best is our C with its own product (BLAS ties it, the library
+    call is predicted slightly slower). Measured, BLAS is 10x faster: hybrid picks it; the library
+    call, outside a band narrower than its predicted gap, is never timed."""
+    path = _matmul(tmp_path)
+    times = [c.time_s for _, c in _choices(prepare(path))]
+    assert times[0] == times[1] < times[2]  # own, blas, library
+    calls: list = []
+    plan, problem, tuner = _hybrid(path, _fixed(lambda r: FAST_S if r.kernel.schedule.product == "blas" else SLOW_S,
+                                                calls), band=(1 + times[2] / times[0]) / 2)
+    predicted = search(problem.graph, load_device("host")[0], problem.legality.model, "cpsat")
+    assert predicted.groups[0].kernel.schedule.product == "own"
+    g = plan.groups[0]
+    assert (g.kernel.impl, g.kernel.schedule.product, g.source) == ("generated", "blas", "measured")
+    assert g.cost.time_s == pytest.approx(FAST_S)
+    assert calls == [[((0,), "generated", "own"), ((0,), "generated", "blas")]]
+    library = [v for v in _verdicts(problem.legality, {0}) if v[0] == "library"]
+    assert library and "outside hybrid's" in library[0][1]
+    assert (tuner.stats.choices, tuner.stats.measured, tuner.stats.predicted) == (3, 2, 1)
+
+
+def _verdicts(legality, nodes):
+    """(impl, why) of each choice the measurer priced for `nodes` (read back from it)."""
+    fits = _choices_of(legality, nodes)
+    rows = legality.measurer.times([k for k, _ in fits], [c for _, c in fits])
+    return [(k.impl, why) for (k, _), (_, why) in zip(fits, rows, strict=True)]
+
+
+def test_sample_times_choices_afresh_interleaved_and_stores_nothing(tmp_path):
+    """An A/B of a group's choices: one sampling call, each net of the null calls, the timing
+    database untouched."""
+    from fusesearch.autotune import Autotuner
+
+    prep, calls = prepare(_matmul(tmp_path)), []
+    tuner = Autotuner(prep, CPU, "measured", cache=TimingCache(tmp_path / "db"),
+                      sampler=_fixed(lambda r: FAST_S if r.how == "library" else SLOW_S, calls))
+    kernels = [k for k, _ in _choices(prep)]
+    timings = tuner.sample(kernels, budget_s=0.5, rounds=7)
+    assert [t.median_s for t in timings] == [SLOW_S, SLOW_S, FAST_S]
+    assert len(calls) == 1 and [c[1] for c in calls[0]] == ["generated", "generated", "library"]
+    assert not (tmp_path / "db").exists() and tuner.stats.measured == 0
+
+
+def test_hybrids_clock_and_band_come_from_the_measurements():
+    """Unmeasured choices go on the measured clock by their template's median measured/predicted
+    ratio (all templates' while one has too few), and the band is the model's 80th-percentile
+    error left after that."""
+    from fusesearch.autotune import DEFAULT_BAND, MIN_PAIRS, clock_scales, data_band, measured_scale
+
+    pairs = [("gemm", 1.0, 2.0 * math.exp(e)) for e in (-0.4, -0.2, -0.1, 0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.6)]
+    pairs += [("rowwise", 1.0, 0.5), ("rowwise", 2.0, 1.0)]
+    assert measured_scale([(p, m) for _, p, m in pairs[:10]]) == pytest.approx(1.0 + math.exp(0.1))  # of ten: two
+    scales = clock_scales(pairs)
+    assert set(scales) == {None, "gemm"}  # rowwise: two pairs, all templates' scale
+    assert scales["gemm"] == pytest.approx(1.0 + math.exp(0.1)) and scales[None] == pytest.approx(2.0)
+    logs = [abs(math.log(m / (scales.get(t, scales[None]) * p))) for t, p, m in pairs]
+    assert data_band(pairs, scales) == pytest.approx(math.exp(np.percentile(logs, 80)))
+    assert data_band(pairs[:MIN_PAIRS - 1], scales) == DEFAULT_BAND and measured_scale([]) == 1.0
 
 
 @pytest.mark.parametrize("command", ["plan", "measure", "run"])
@@ -142,6 +264,8 @@ def test_a_measured_plan_runs_equal_to_onnx_runtime(tmp_path, run_cli):
     doc = json.loads(out.read_text())
     validate(doc, plan_schema())
     assert doc["costs"] == "measured" and {g["cost_source"] for g in doc["groups"]} <= {"measured", "predicted"}
+    tuning = doc["tuning"]  # what measuring cost, kept with the plan
+    assert tuning["costs"] == "measured" and tuning["measured"] + tuning["from_database"] <= tuning["choices"]
     code, stdout, err = run_cli("run", path, "--plan", out, "--costs", "measured", "--repeat", 1, "--warmup", 0,
                                 "--json")
     assert code == 0, err
@@ -188,6 +312,9 @@ class _Wrong:
     differ from ONNX Runtime's is reported) and times the library's."""
 
     mode = "measured"
+
+    def scale(self, kernel):
+        return 1.0
 
     def times(self, kernels, costs):
         import math

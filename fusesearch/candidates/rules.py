@@ -53,6 +53,10 @@ class Measurer(Protocol):
 
     mode: str  # "measured" | "hybrid"
 
+    def scale(self, kernel: Kernel) -> float:
+        """What puts the kernel's predicted cost on the measured clock (a measured/predicted median)."""
+        ...
+
     def times(self, kernels: Sequence[Kernel], costs: Sequence[KernelCost]) -> list[tuple[float | None, str]]: ...
 
 
@@ -225,8 +229,8 @@ class Legality:
     def choose(self, options: Sequence[Kernel]) -> Verdict:
         """The choice the group runs as: the cheapest predicted (`costing.cheapest`) or, with a
         measurer, the fastest of the feasible choices at their measured times (a choice not
-        measured at its predicted one; one that computed wrongly refused), ties the earlier; the
-        verdict says what priced it."""
+        measured at its predicted one times the measurer's scale, so both are on one clock; one
+        that computed wrongly refused), ties the earlier; the verdict says what priced it."""
         kernel, cost = cheapest(options, self.device, self.model)
         if self.measurer is None or not cost.feasible:
             return Verdict(FusionDecision.accept(), kernel, cost)
@@ -234,7 +238,8 @@ class Legality:
         timed = self.measurer.times([k for k, _ in fits], [c for _, c in fits])
         verdicts = [Verdict(FusionDecision.refuse(why), k, c, "measured", why) if t == math.inf
                     else Verdict(FusionDecision.accept(), k, replace(c, time_s=t), "measured") if t is not None
-                    else Verdict(FusionDecision.accept(), k, c, "predicted", why)
+                    else Verdict(FusionDecision.accept(), k, replace(c, time_s=c.time_s * self.measurer.scale(k)),
+                                 "predicted", why)
                     for (k, c), (t, why) in zip(fits, timed, strict=True)]
         usable = [v for v in verdicts if v.decision]
         return min(usable, key=lambda v: v.time_s) if usable else verdicts[0]

@@ -1,0 +1,62 @@
+"""What the cost benchmarks share: the machine's name, a plan priced one way on `host`, and how a
+median with its p20-p80 spread is written and compared.
+
+Two figures are "not distinguishable" when their p20-p80 ranges overlap: on a shared machine a
+difference inside the spread is not a result.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from datetime import UTC, datetime
+
+from fusesearch import zoo
+
+
+def machine() -> str:
+    """The CPU as lscpu names it, with its cores and the OpenMP threads the run uses."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        text = ""
+    fields = dict(re.findall(r"^([^:\n]+):\s*(.+)$", text, re.M))
+    name = fields.get("Model name", platform.processor() or "unknown CPU")
+    cpus = fields.get("CPU(s)", str(os.cpu_count()))
+    return f"{name}, {cpus} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+
+
+def header(title: str, command: str) -> str:
+    """The lines every results file opens with: what, the command, the machine, the date."""
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"# {title}\n\n    {command}\n\nMachine: {machine()}; {date}.\n"
+
+
+def zoo_models() -> list[str]:
+    return [m.name for m in zoo.list_models()]
+
+
+def host_plan(prep, costs: str, *, strategy: str = "cpsat", time_limit_s: float = 60.0, cache=None):
+    """(Plan, SearchProblem): `prep` planned for `host` with `costs` (`autotune.tuned_search`);
+    `cache`: the timing database (default: the cache folder's)."""
+    from costmodels import RooflineModel
+    from fusesearch.api import for_device, model_info, resolve_device
+    from fusesearch.autotune import tuned_search
+    from fusesearch.search.problem import SearchConfig
+
+    label, spec, params, profile = resolve_device("host")
+    prep, params = for_device(prep, spec, params)
+    return tuned_search(prep, spec, RooflineModel(params), strategy, SearchConfig(time_limit_s=time_limit_s),
+                        costs, profile, cache=cache, device_label=label, model_info=model_info(prep))
+
+
+def spread(median: float, p20: float, p80: float, unit: float = 1e-3, digits: int = 3) -> str:
+    """`median (p20-p80)` in `unit` (ms by default)."""
+    return f"{median / unit:.{digits}f} ({p20 / unit:.{digits}f}-{p80 / unit:.{digits}f})"
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two (p20, p80) ranges overlap: their difference is not distinguishable."""
+    return a[1] >= b[0] and b[1] >= a[0]
