@@ -47,14 +47,14 @@ def _library_fastest(calls: list):
 
 def _choices(prep) -> list:
     """The lone MatMul's choices priced by the model (our C products, then the library call)."""
-    spec, params = load_device("host")
+    spec, params = load_device("host", 1)
     plain = SearchProblem.build(prep.graph, spec, RooflineModel(params)).legality
     return plain.priced(plain.options(frozenset({0}), plain.check({0}).kernel))
 
 
 def _problem(path, cache, sampler, costs="measured"):
     prep = prepare(path)
-    spec, params = load_device("host")
+    spec, params = load_device("host", 1)
     problem, tuner = build_problem(prep, spec, RooflineModel(params), SearchConfig(workers=1), costs,
                                    cache=cache, sampler=sampler)
     return prep, spec, problem, tuner
@@ -106,7 +106,7 @@ def _hybrid(path, sampler, band=None):
     if band is not None:
         profile = folder / "profile.json"
         profile.write_text(json.dumps({"fit": {"heldout": {"after": {"error_factor": band}}}}))
-    spec, params = load_device("host")
+    spec, params = load_device("host", 1)
     plan, problem = tuned_search(prepare(path), spec, RooflineModel(params), "cpsat", SearchConfig(workers=1),
                                  "hybrid", profile and str(profile), cache=TimingCache(folder / "db"),
                                  sampler=sampler)
@@ -126,10 +126,11 @@ def _matmul_relu(tmp_path):
 def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     """The model's plan is one fused kernel: hybrid times its two choices and nothing else (not
     the lone MatMul's three, not the single-choice Relu): measured 2x the model, the lone ops,
-    priced 2x their predicted costs over a 1.01x band, cannot beat it, so the second search keeps
+    priced on the measured clock over a 1.001x band (the Relu's own traffic is more than the band
+    leaves, on any machine's figures), cannot beat it, so the second search keeps
     the plan; what was not measured is priced on the measured clock, optimistically by the band."""
     calls: list = []
-    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls), band=1.01)
+    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls), band=1.001)
     assert [g.nodes for g in plan.groups] == [(0, 1)] and plan.groups[0].source == "measured"
     assert calls == [[((0, 1), "generated", "own"), ((0, 1), "generated", "blas")]]
     s = tuner.stats
@@ -139,7 +140,7 @@ def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     relu = problem.legality.check({1})
     predicted_relu = _choices_of(problem.legality, {1})[0][1].time_s
     assert relu.source == "predicted" and "no plan used" in relu.note
-    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None] / 1.01)
+    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None] / 1.001)
     doc = plan.to_dict()
     assert doc["tuning"]["choices"] == 6 and doc["tuning"]["measured"] == 2 and doc["tuning"]["rounds"] == 2
     assert doc["tuning"]["timed_fraction"] == pytest.approx(2 / 6, abs=1e-4)
@@ -173,7 +174,7 @@ def test_hybrid_picks_the_measured_best_within_its_band(tmp_path):
     calls: list = []
     plan, problem, tuner = _hybrid(path, _fixed(lambda r: FAST_S if r.kernel.schedule.product == "blas" else SLOW_S,
                                                 calls), band=(1 + times[2] / times[0]) / 2)
-    predicted = search(problem.graph, load_device("host")[0], problem.legality.model, "cpsat")
+    predicted = search(problem.graph, load_device("host", 1)[0], problem.legality.model, "cpsat")
     assert predicted.groups[0].kernel.schedule.product == "own"
     g = plan.groups[0]
     assert (g.kernel.impl, g.kernel.schedule.product, g.source) == ("generated", "blas", "measured")
@@ -328,7 +329,7 @@ def test_a_choice_that_computes_wrongly_is_refused_not_priced(tmp_path):
                         helper.make_node("Relu", ["y"], ["r"], name="relu")],
                        [("x", [16, 16])], [("r", [16, 16])], [("w", w)])
     prep = prepare(save(model, tmp_path / "m.onnx"))
-    spec, params = load_device("host")
+    spec, params = load_device("host", 1)
     legality = SearchProblem.build(prep.graph, spec, RooflineModel(params), measurer=_Wrong()).legality
     fused, lone = legality.check({0, 1}), legality.check({0})
     assert not fused.decision and "wrong outputs" in fused.decision.reason  # no other choice: not a candidate
