@@ -1392,7 +1392,8 @@ def _zoo_size(option: str, what: str):
                                               "(`zoo list --json` names each model's sizes).")]
 
 
-ZOO_SIZES = ("layers", "hidden", "heads", "intermediate", "vocab", "n_positions")  # the builders' parameters
+ZOO_SIZES = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "n_positions", "max_positions",
+             "weights")  # the builders' parameters
 
 
 @zoo_app.command("export")
@@ -1406,13 +1407,19 @@ def zoo_export(
     intermediate: _zoo_size("--intermediate", "Feed-forward size (BERT)") = None,
     vocab: _zoo_size("--vocab", "Vocabulary size") = None,
     n_positions: _zoo_size("--n-positions", "Positions of the position embedding (GPT-2)") = None,
+    kv_heads: _zoo_size("--kv-heads", "Key/value heads of grouped-query attention (LLaMA)") = None,
+    max_positions: _zoo_size("--max-positions", "Positions of the rotary tables (LLaMA)") = None,
+    weights: Annotated[int | None, typer.Option("--weights", callback=_checked(
+        lambda v: None if v in (None, 0, 1) else "0 (shapes only) or 1 (drawn)"),
+        help="LLaMA: 1 draws the weights, 0 keeps them as shaped inputs; default: drawn up to 64M values")] = None,
 ) -> None:
     """Write a zoo model (dynamic dims kept) to an .onnx file, at its builder's sizes or those given."""
     from fusesearch import zoo
 
     check_output_path(output, force, "-o")
     name = name.removeprefix("zoo:")
-    given = dict(zip(ZOO_SIZES, (layers, hidden, heads, intermediate, vocab, n_positions), strict=True))
+    given = dict(zip(ZOO_SIZES, (layers, hidden, heads, kv_heads, intermediate, vocab, n_positions, max_positions,
+                                 weights), strict=True))
     sizes = {k: v for k, v in given.items() if v is not None}
     if name in zoo.ZOO:
         takes = zoo.ZOO[name].params()

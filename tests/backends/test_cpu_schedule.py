@@ -27,7 +27,7 @@ from tests.conftest import zoo_params
 def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
     dims = ["seq=32"] if "seq" in ZOO[name].default_dims else []  # the text models shorter: planning time
     prep = prepare(f"zoo:{name}", ShapeBindings.parse(dims=dims))
-    device, model = host_cpu(), RooflineModel(host_params())  # the host's defaults, as the plans use
+    device, model = host_cpu(1), RooflineModel(host_params())  # the host at 1 thread, as the plans default to
     packed = 0
     for strategy in STRATEGIES:
         p = make_plan(f"zoo:{name}", device="host", strategy=strategy, prepared=prep, time_limit_s=1)

@@ -58,9 +58,10 @@ EVERY_CHOICE = ("bert-small",)  # every choice of every planned group compiled (
 # our forms of a lone anchor); the other models' planned kernels
 
 
-REGISTER_BAND = (0.4, 4.5)  # ptxas registers over the cost model's per-thread estimate, every kernel here.
+REGISTER_BAND = (0.35, 4.5)  # ptxas registers over the cost model's per-thread estimate, every kernel here.
 # The estimate is a proxy (a tile's accumulators and operand fragments, 2 per fused op); measured
-# over this test's kernels, sm_80 and sm_90: vectorized 1.23-1.74x, grid-stride 0.43-1.58x, tiled
+# over this test's kernels, sm_80 and sm_90: vectorized 1.23-1.74x, grid-stride 0.36-1.58x (0.36:
+# llama-decode's one-op copy, 8 registers), tiled
 # 0.80-3.88x, block-per-row 0.67-2.09x, mma-tf32 1.11-3.29x, mma-f16 1.43-2.44x, direct 0.82-1.54x,
 # mma-sync-tf32 / -f16 (a GEMM + bias + ReLU) 1.2-1.9x
 
@@ -139,8 +140,12 @@ def test_every_cuda_kernel_of_every_zoo_plan_compiles(name, tf32, dtype):
                 assert low <= res.registers / estimate[gk.name] <= high, (
                     name, gk.name, gk.skeleton, arch, res.registers, estimate[gk.name])
                 schedule = by_name[gk.name].schedule
-                assert res.smem_bytes + gk.dynamic_smem == schedule.smem_bytes, (
-                    name, gk.name, gk.skeleton, arch, res, schedule)
+                # a module that declares dynamic shared memory (an mma.sync kernel's) has ptxas start
+                # it 16-byte aligned after every kernel's static shared memory, rounded up to 16
+                static = schedule.smem_bytes - gk.dynamic_smem
+                if any(k.dynamic_smem for k in chunk) and not gk.dynamic_smem:
+                    static = -(-static // 16) * 16
+                assert res.smem_bytes == static, (name, gk.name, gk.skeleton, arch, res, schedule)
                 assert not gk.dynamic_smem or (res.smem_bytes == 0 and gk.skeleton.startswith("mma-sync")), (
                     name, gk.name, arch, res)
         for gk in chunk:

@@ -185,12 +185,13 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
             "}",
             *epilogue,
         ]
+    # the dynamic region without __align__: an aligned extern array rounds the static shared memory of
+    # every kernel in the module up to its alignment; it starts at 0 here (this kernel has no static)
     body = [
         "#ifdef FS_EMULATED",
         f"static __align__(128) unsigned char fs_smem[{smem}];",
         "#else",
-        "extern __shared__ __align__(128) unsigned char fs_smem[];  // the launch's dynamic shared memory: "
-        f"{smem} bytes",
+        f"extern __shared__ unsigned char fs_smem[];  // the launch's dynamic shared memory: {smem} bytes",
         "#endif",
         f"{elem}* const As = reinterpret_cast<{elem}*>(fs_smem);",
         f"{elem}* const Bs = As + {stages * a_stage};",
