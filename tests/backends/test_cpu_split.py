@@ -21,10 +21,7 @@ from fusesearch.backends.codegen import generate
 from fusesearch.backends.codegen.cpu_gemm import _split_lines
 from fusesearch.backends.cpu import openmp_threads
 from fusesearch.costing import cheapest, device_choices
-from fusesearch.groups import FusionGroup
-from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import choices
-from fusesearch.pipeline import prepare
 from fusesearch.schedule import (
     CPU_SPLITS,
     SPLIT_TILE_ROWS,
@@ -33,8 +30,7 @@ from fusesearch.schedule import (
     split_imbalance,
     split_row_limit,
 )
-from fusesearch.verify import all_values, random_feeds
-from tests.conftest import make_model, save
+from tests.backends.test_cpu_products import _graph, _whole
 
 needs_cc = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 AVX512_16 = CpuTarget(lanes=16, threads=16)
@@ -79,16 +75,6 @@ def _heads(m: int):  # a batched product stored through a head merge (a Transpos
 
 GROUPS = {"bias relu": _bias_relu, "gelu": _gelu, "residual": _residual, "gemm transB": _gemm_trans_b,
           "heads": _heads}
-
-
-def _graph(tmp_path, nodes, inputs, outputs, inits):
-    prep = prepare(save(make_model(nodes, inputs, outputs, inits), tmp_path / "m.onnx"))
-    canonical = to_proto(prep.canonical)
-    return prep.graph, all_values(canonical, random_feeds(canonical, 0))
-
-
-def _whole(graph) -> FusionGroup:
-    return FusionGroup(frozenset(range(len(graph))))
 
 
 def _cpu(threads: int, lanes: int = 16):
