@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 HEAVY = frozenset({"run", "measure", "regret", "calibrate", "sweep"})  # compile or time kernels
 MORE = "..."
+MACHINE_STATE = "WARNING fusesearch.backends.timing"  # the busy-machine line: the load of the moment, not the tool
 
 
 @dataclass
@@ -71,7 +72,7 @@ def execute(command: Command, cwd: Path) -> list[str]:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
     proc = subprocess.run(["bash", "-c", text], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
-    return proc.stdout.rstrip("\n").split("\n")
+    return [line for line in proc.stdout.rstrip("\n").split("\n") if not line.startswith(MACHINE_STATE)]
 
 
 def shape(line: str) -> str:
