@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         preps = [prepare(f"zoo:{name}", ShapeBindings.parse([], [f"{buckets.dim}={v}"])) for v in buckets.values]
         for device in args.devices.split(","):
             start = time.perf_counter()
-            plan, figures = plan_buckets(preps, buckets, device, args.strategy, config)
+            plan, figures, _ = plan_buckets(preps, buckets, device, args.strategy, config)
             wall = time.perf_counter() - start
             for f in figures:
                 flag = "" if f.price <= TARGET else "  over target"

@@ -185,9 +185,10 @@ def refusals(legality: BucketLegality, buckets: Buckets, groups: Iterable[frozen
 
 
 def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, config, threads: int = 1):
-    """One plan over every bucket (each prepared model one bucket's), with each bucket's figure.
-    The plan's time is the weighted sum of the buckets' times; its lower bound likewise. A CPU
-    is priced at `threads` OpenMP threads (`--threads`)."""
+    """(the one plan over every bucket, each bucket's figure, each bucket's (prepared model, search
+    problem) for `bucket_programs`); each prepared model is one bucket's. The plan's time is the
+    weighted sum of the buckets' times; its lower bound likewise. A CPU is priced at `threads`
+    OpenMP threads (`--threads`)."""
     from costmodels import RooflineModel
     from fusesearch.api import for_device, model_info, resolve_device
     from fusesearch.costing import graph_figures
@@ -216,26 +217,23 @@ def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, 
     bound = sum(w * graph_figures(prep.graph, spec, problem.legality.model).lower_bound_s
                 for w, (prep, problem) in zip(buckets.weights, problems, strict=True))
     report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures]}
-    return replace(plan, lower_bound_s=bound, buckets=report), figures
+    return replace(plan, lower_bound_s=bound, buckets=report), figures, problems
 
 
-def bucket_programs(preps: Sequence, buckets: Buckets, plan, device: str, config, threads: int = 1) -> list:
-    """The one plan on each bucket's graph, with that bucket's unfused graph: [(prep, plan, unfused)].
-    The groups are the one plan's; each bucket's kernels are its own cheapest choices, specialized
-    to its shapes (a program per bucket, picked by the input's shape)."""
-    from costmodels import RooflineModel
-    from fusesearch.api import for_device, model_info, resolve_device
+def bucket_programs(problems: Sequence, plan, device: str, threads: int = 1) -> list:
+    """The one plan on each bucket's graph, with that bucket's unfused graph: [(prep, plan, unfused)]
+    from `plan_buckets`' per-bucket (prepared model, search problem) pairs. The groups are the one
+    plan's; each bucket's kernels are its own cheapest choices, specialized to its shapes (a program
+    per bucket, picked by the input's shape)."""
+    from fusesearch.api import model_info, resolve_device
     from fusesearch.plans import Plan
     from fusesearch.search import search
-    from fusesearch.search.problem import SearchProblem
 
-    label, spec, params, profile = resolve_device(device, threads)
+    label, spec, _, profile = resolve_device(device, threads)
     groups = [frozenset(g.nodes) for g in plan.groups]
     programs = []
-    for prep in preps:
-        prep, bucket_params = for_device(prep, spec, params)
-        problem = SearchProblem.build(prep.graph, spec, RooflineModel(bucket_params), config)
-        unfused = search(prep.graph, spec, problem.legality.model, "none", config=config, device_label=label,
+    for prep, problem in problems:
+        unfused = search(prep.graph, spec, problem.legality.model, "none", config=problem.config, device_label=label,
                          profile=profile, model_info=model_info(prep), problem=problem)
         ours = Plan.build(problem.legality, groups, strategy=plan.strategy, device=label, profile=profile,
                           solver=plan.solver, model=model_info(prep), unfused_time_s=unfused.time_s,

@@ -335,7 +335,7 @@ def plan(
                            f"over buckets; give --dim {buckets.dim} one value to use it")
         preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
                  for v in buckets.values]
-        result, figures = plan_buckets(preps, buckets, device, strategy, config, threads)
+        result, figures, _ = plan_buckets(preps, buckets, device, strategy, config, threads)
         verified = None
         if emit is not None:
             verified = _emit_dynamic(preps, result, buckets, emit, force, seed, None if no_verify else
@@ -1014,10 +1014,10 @@ def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warm
     from fusesearch.ir.precision import prepared_tolerance
     from fusesearch.run import run_plan
 
-    plan_, figures = plan_buckets(preps, buckets, device, strategy, config, threads)
+    plan_, figures, problems = plan_buckets(preps, buckets, device, strategy, config, threads)
     reports = []
-    for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(preps, buckets, plan_, device, config,
-                                                                             threads), strict=True):
+    for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(problems, plan_, device, threads),
+                                            strict=True):
         tolerance = max(prepared_tolerance(prep), plan_rtol(ours)) if rtol is None else rtol
         report = run_plan(prep, ours, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed,
                           rtol=tolerance, check_each=check_each)
