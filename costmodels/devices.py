@@ -369,8 +369,8 @@ def get_device(name: str, threads: int | None = None) -> DeviceSpec:
         return host_cpu() if threads is None else host_cpu(threads)  # one cached spec per call form
     if key in DEVICES:
         return DEVICES[key]
-    close = difflib.get_close_matches(key, list(DEVICES), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = [d for d in DEVICES if d.startswith(key)] or difflib.get_close_matches(key, list(DEVICES), n=1)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""  # every variant of a family
     raise UnknownDevice(
         f"unknown device {name!r}; {hint}known devices: {', '.join(DEVICES)}, host; "
         "run `fusesearch devices` to list them, or pass a profile.json from `fusesearch calibrate`"

@@ -1,7 +1,7 @@
 """fusesearch: find the best way to fuse an ONNX graph's operators into GPU kernels, for a GPU.
 
 `fusesearch.plan`, `measure`, `run`, `compare` and `sweep` are the commands as functions, with the
-commands' defaults (but `plan`'s strategy: greedy), each returning a result with `to_pandas()`
+commands' defaults (`plan`'s device, a flag the command requires: h100-sxm), each returning a result with `to_pandas()`
 (see `fusesearch.api`); the command line is `fusesearch --help`. Importing the package loads
 neither ortools nor cupy. The submodules `fusesearch.run`, `.measure` and `.sweep` stay importable
 by their full names; the package's attributes of those names are the functions.
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _API = ("measure", "run", "compare", "sweep")
 
 
-def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", **kwargs):
+def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", **kwargs):
     """Plan `model` (path or zoo:NAME) on `device` with `strategy`; see fusesearch.api.plan."""
     from fusesearch.api import plan as _plan
 

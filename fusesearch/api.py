@@ -81,7 +81,7 @@ def search_prepared(prep, device: str, strategy: str, config: SearchConfig, cost
     return result, problem.legality, prep, problem.legality.measurer
 
 
-def plan(model: str, device: str = "h100-sxm", strategy: str = "greedy", *,
+def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
@@ -424,7 +424,7 @@ def compare(model: str, devices: str | Sequence[str], strategies: str | Sequence
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
-        raise BadInput(f"--strategies {text}: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(STRATEGIES)}")
+        raise BadInput(f"--strategy {text}: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(STRATEGIES)}")
     listed = devices if isinstance(devices, str) else ",".join(devices)
     devices = [d.strip() for d in listed.split(",") if d.strip()]
     if not devices:

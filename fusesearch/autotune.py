@@ -1,45 +1,18 @@
 """Measured costs (`--costs measured|hybrid`): time each candidate group's choices and search over them.
 
-Problem: the cost model ranks a group's choices (our C or the library call, a tile, tensor or
-CUDA cores) and the groups themselves, and measured, its order is often not the machine's; the
-model cannot be better than its measurements, and nothing measured the alternatives.
-Approach: an `Autotuner` is the `rules.Measurer` that `Legality.choose` asks: each choice of a
-group runs on the backend of the plan's device (the CPU for `host`, CuPy for a GPU), generated
-under one kernel name so that the same kernel in another layer or model is the same source; a
-group's choices are sampled in the same rounds (the backend's `sample`: on a GPU per launch from
-CUDA-graph replays, L2 flushed), with the backend's null calls among them and taken off as `measure` does (`NullCalls`, `CallCosts.net`), and each
-median is kept in the timing database (`TimingCache`, the cache folder) under the kernel's
-source hash (a library call: the node's signature), its input shapes, the device and its
-threads, so any later plan, run or sweep reads it instead of timing it again. Before a search
-the candidates the exact solver enumerates are measured as one batch (`prefetch`: compiled in
-parallel, `BATCH` choices per sampling call), and a group a solver reaches later is measured
-when it is checked. A choice that is not measured (out of hybrid's band or plans, codegen
-refuses a fused group, no library kernel) keeps its predicted cost times its template's scale,
-the median measured/predicted ratio of the choices of that template measured so far (of all of
-them while a template has fewer than MIN_CLASS_PAIRS: the model errs differently on a GEMM and
-on a row reduction), so that both kinds of cost are on one clock, and says why (`Verdict.note`,
-a plan's `cost_note`).
-
-`hybrid` measures only the choices that can change the plan: its first search is the model's
-plan; then the choices of the groups that plan uses are measured (`want`), and the search runs
-again over the new costs, until it picks no group it has not measured (at most MAX_ROUNDS
-searches). `band` is the model's error: the calibrated profile's held-out error factor; without
-one, the error on this run's measurements (the 80th percentile of |log(measured / (scale x
-predicted))|, once MIN_PAIRS choices are measured), else DEFAULT_BAND. A group no plan used yet
-is priced optimistically, its scaled predicted cost divided by the band, so a group the model
-may have overpriced by its usual error is tried, measured and kept only if it holds: the search
-stops on a plan of measured groups that no unmeasured group could beat unless the model errs
-beyond its band. Within a plan's group only the choices predicted within the band of its best
-are measured; the others keep their scaled predicted costs.
-
-    plan --costs measured:  enumerate (predicted legality) -> prefetch: DB hit or time
-                            -> search with Legality(measurer=tuner) -> each group's fastest choice
-    plan --costs hybrid:    search (the model's plan) -> want: time the plan's groups' choices
-                            -> search again ... until the plan's groups are all measured
-
-Invariants: with `predicted` nothing here runs (the plan is the model's, byte for byte); the same
-database gives the same plan; a sample is taken through `sampler` (a test passes fixed ones), so
-nothing here depends on wall time but `stats.wall_s`.
+Problem: measured, the cost model's order of a group's choices (our C or the library, a tile,
+tensor or CUDA cores) is often not the machine's. Approach: `Autotuner` is the `rules.Measurer`
+that `Legality.choose` asks; each choice runs on the plan device's backend, a group's choices
+in shared rounds (`backend.sample`) with null calls taken off (`NullCalls`), and each median is
+kept in the timing database (`TimingCache`: source hash or library signature, shapes, device,
+threads). `measured` times every candidate the solver enumerates (`prefetch`, one batch);
+`hybrid` (`want`, looped by `tuned_search`) times only the choices of the groups the current
+plan uses (those within `band` of each group's best) and searches again until the plan's groups
+are all measured (at most MAX_ROUNDS). An unmeasured choice costs its prediction times its
+template's median measured/predicted ratio (`Verdict.note`, a plan's `cost_note`);
+`docs/DESIGN.md` has the band.
+Invariants: with `predicted` nothing here runs; the same database gives the same plan; samples
+come through `sampler` (tests pass fixed ones), so nothing depends on wall time but `stats.wall_s`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Problem: scripts and people both drive the tool; scripts need `--json` documents
 people need readable tables, and nobody wants a traceback for a typo.
 Approach: typer commands that call the library and render with rich; `main()` runs the app in
 non-standalone mode and maps every failure to one line on stderr:
-  exit 0 ok · exit 1 internal error · exit 2 bad usage or bad input (with the fix).
+  exit 0 ok · exit 1 internal error · exit 2 bad usage or bad input (with the fix) · 141 stdout's
+  reader gone (`| head`, as a shell reports SIGPIPE) · 130 Ctrl-C.
 Numeric options are checked while the command line is parsed, by one validator per kind of value
 (seconds, tolerance, count, seed) attached to the option in every command that has it.
 Invariants: with `--json`, stdout carries exactly one JSON document; logs go to stderr. No file the
@@ -39,7 +40,32 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 zoo_app = typer.Typer(no_args_is_help=True, help="Built-in models (zoo:NAME).")
 app.add_typer(zoo_app, name="zoo")
 
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+
+def _version(value: bool) -> None:
+    if value:
+        from fusesearch import __version__
+
+        print(f"fusesearch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Find the best way to fuse an ONNX graph's operators into GPU kernels."""
+
+
+
+class StdoutClosed(Exception):
+    """stdout's reader closed it (`| head -1`): not an OSError, which click turns into a silent exit 1."""
+
+
+class _Stdout(Console):
+    def on_broken_pipe(self) -> None:
+        raise StdoutClosed
+
+
+out = _Stdout(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message: a path is never broken
 
 InputShape = Annotated[list[str], typer.Option("--input-shape", help="NAME=1x3x224x224 (repeatable)")]
@@ -127,7 +153,11 @@ def _input_values(flags: list[str] | None, prep) -> dict:
 
 
 def _emit_json(doc: dict) -> None:
-    sys.stdout.write(json.dumps(_finite(doc), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    try:
+        sys.stdout.write(json.dumps(_finite(doc), indent=2, sort_keys=False, allow_nan=False) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise StdoutClosed from None
 
 
 def _finite(value):
@@ -708,7 +738,8 @@ def compare(
     device: Annotated[str, typer.Option("--device", help="D[,D2...]: GPU names or profile.json files")],
     input_shape: InputShape = None,
     dim: Dim = None,
-    strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated strategies.")] = "none,rules,greedy,cpsat",
+    strategies: Annotated[str, typer.Option("--strategy", "--strategies", help="Comma-separated strategies (none "
+                                            "| rules | greedy | cpsat), like --device.")] = "none,rules,greedy,cpsat",
     time_limit: TimeLimit = 60.0,
     max_group_size: MaxGroup = 16,
     seed: Seed = 0,
@@ -1460,6 +1491,9 @@ class _HeldWarnings(logging.Handler):
 _HELD = _HeldWarnings()
 
 
+STDOUT_CLOSED = 141  # 128 + SIGPIPE, as shells report a writer whose reader closed the pipe
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("FUSESEARCH_LOG", "WARNING").upper(), handlers=[_HELD])
     code = _main(argv)
@@ -1490,6 +1524,9 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except KeyboardInterrupt:
         return interrupted()
+    except StdoutClosed:  # nothing more to say, to anyone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush
+        return STDOUT_CLOSED
     except Exception as exc:  # an internal error: one line, the traceback only on request
         from costmodels.errors import CacheFolderError
 

@@ -28,7 +28,7 @@ from fusesearch.backends.timing import Timing, TimingCache, warn_if_loaded
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
-from fusesearch.verify import all_values, check_reference_dtypes, max_rel_err, random_feeds
+from fusesearch.verify import all_values, check_reference_dtypes, max_rel_err, omp_threads, random_feeds
 
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
 PER_NODE = "library per node"  # how a group the generator refuses runs: each node alone, summed
@@ -124,8 +124,9 @@ class MeasureReport:
     def to_dict(self) -> dict:
         versus = self.library_comparison()
         groups = [{"id": m.group, "template": m.template, "how": m.how, "predicted_s": m.predicted_s,
-                   "measured_s": m.measured_s, "p20_s": m.timing.p20_s if m.timing else math.nan,
-                   "p80_s": m.timing.p80_s if m.timing else math.nan, "max_rel_err": m.max_rel_err,
+                   "median_s": m.measured_s, "p20_s": m.timing.p20_s if m.timing else math.nan,
+                   "p80_s": m.timing.p80_s if m.timing else math.nan, "n": m.timing.n if m.timing else 0,
+                   "max_rel_err": m.max_rel_err,
                    "library_baseline_s": _none_if_nan(versus.get(m.group, {}).get("library_baseline_s")),
                    "fused_loses": versus.get(m.group, {}).get("fused_loses"),
                    **(m.timing.how_timed() if m.timing else {}), **({"reason": m.reason} if m.reason else {})}
@@ -185,7 +186,7 @@ def measure_plan(prep, plan: Plan, unfused: Plan, backend: Backend | str, *, bud
     # timed among the rest where a kernel of that kind is
     nulls = backend.null_calls(library=any(it.how in ("library", PER_NODE) for it in todo),
                                generated=any(it.how == "generated" for it in todo))
-    warn_if_loaded()
+    warn_if_loaded(1 if backend.cuda else max(omp_threads(), 1))  # a GPU's launches: one host thread
     timings = (sampler or backend.sample)([it.run for it in todo] + list(nulls.runs), budget_s=budget_s,
                                           rounds=ROUNDS, flush=flush_l2)
     costs = nulls.costs([t.median_s for t in timings[len(todo):]])

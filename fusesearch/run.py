@@ -928,7 +928,7 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         for program in programs.values():  # OpenMP's thread count, for the kernels of both libraries
             if isinstance(program, Program) and program.library is not None:
                 program.library.fs_set_threads(threads)
-        warn_if_loaded()
+        warn_if_loaded(threads)
         with torch_threads(threads):
             timings = _timed(runs, warmup, repeat, clocks)
     steps = programs["plan"].steps

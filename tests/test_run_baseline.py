@@ -141,9 +141,20 @@ def test_figures_whose_ranges_overlap_are_not_distinguishable():
 
 
 def test_a_busy_machine_is_said_before_timing():
-    assert load_warning(load=0.9, cpus=2) is None
-    line = load_warning(load=1.5, cpus=2)
-    assert line.startswith("load average 1.50 over the last minute on 2 CPUs") and "\n" not in line
+    line = load_warning(load=1.6, cpus=2)
+    assert line.startswith("load average 1.60 over the last minute on 2 CPUs, 1 of them timing here") and "\n" not in line
+
+
+def test_the_load_warning_discounts_the_threads_of_the_timing_itself():
+    # 1 thread on 2 CPUs: the timing's own thread is a load of about 1; the other CPU half busy is fine
+    assert load_warning(load=1.4, cpus=2, threads=1) is None
+    assert load_warning(load=1.6, cpus=2, threads=1) is not None
+    # every CPU timing here: half a CPU of anything else is still allowed, more is said
+    assert load_warning(load=2.4, cpus=2, threads=2) is None
+    assert load_warning(load=2.6, cpus=2, threads=2) is not None
+    # many CPUs, 4 timing: half of the 12 others
+    assert load_warning(load=9.9, cpus=16, threads=4) is None
+    assert "on 16 CPUs, 4 of them timing here" in load_warning(load=10.1, cpus=16, threads=4)
 
 
 def test_run_prints_not_distinguishable_where_ranges_overlap():

@@ -127,7 +127,7 @@ def test_cli_run_passes_amplified_rounding_with_one_warning_line_per_program(tmp
     proc = subprocess.run([sys.executable, "-m", "fusesearch", "run", path, "--strategy", "none", "--backend", backend,
                            "--no-tf32", "--repeat", "2", "--warmup", "0"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # the timer's busy-machine line (the load average above half the CPUs) is no warning about outputs
+    # the timer's busy-machine line (another load above half the CPUs the timing leaves) is no warning about outputs
     lines = [line for line in proc.stderr.strip().splitlines() if "fusesearch.backends.timing" not in line]
     assert [line.split("'s output")[0] for line in lines] == [f"WARNING fusesearch.run: the {p} program"
                                                               for p in programs], lines

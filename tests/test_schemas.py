@@ -122,7 +122,7 @@ def test_sweep(run_cli, tmp_path):
 @pytest.mark.parametrize("name, doc, change", [
     ("run", "timed", lambda d: d.pop("plan")),
     ("run", "timed", lambda d: d["plan"].update(n=0)),
-    ("measure", "measure", lambda d: d["groups"][0].pop("measured_s")),
+    ("measure", "measure", lambda d: d["groups"][0].pop("median_s")),
     ("compare", "compare", lambda d: d["results"][0].update(strategy="fastest")),
 ])
 def test_the_schemas_refuse_a_broken_document(name, doc, change):
@@ -142,7 +142,7 @@ def test_the_schemas_refuse_a_broken_document(name, doc, change):
                         "speedup": None, "not_measured": 0, "anchor_groups": 0, "anchor_groups_compared": 0,
                         "fused_loses": 0, "lone_anchors_compared": 0, "lone_ours_loses": 0},
                     "groups": [{"id": 0, "template": "rowwise", "how": "generated", "predicted_s": 1e-6,
-                                "measured_s": 1e-6, "p20_s": 1e-6, "p80_s": 1e-6, "max_rel_err": 0.0,
+                                "median_s": 1e-6, "p20_s": 1e-6, "p80_s": 1e-6, "n": 3, "max_rel_err": 0.0,
                                 "library_baseline_s": None, "fused_loses": None}]},
         "compare": {"model": "m", "canonical_nodes": 1, "differences": [], "results": [{
             "device": "t4", "strategy": "none", "kernels": 1, "time_s": 1e-6, "unfused_time_s": 1e-6,

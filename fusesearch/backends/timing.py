@@ -129,13 +129,14 @@ def compared(a: tuple[float, float], b: tuple[float, float], a_faster: str, b_fa
     return a_faster if a[1] < b[0] else b_faster
 
 
-LOAD_WARNING = ("load average {load:.2f} over the last minute on {cpus} CPU{s}: the machine is busy while "
-                "timing, so the figures are noisier (see each one's p20-p80)")
+LOAD_WARNING = ("load average {load:.2f} over the last minute on {cpus} CPU{s}, {threads} of them timing here: "
+                "the machine is busy while timing, so the figures are noisier (see each one's p20-p80)")
 
 
-def load_warning(load: float | None = None, cpus: int | None = None) -> str | None:
-    """A warning line when the 1-minute load average is above half the usable CPUs (`load`,
-    `cpus`: the machine's unless given), else None."""
+def load_warning(load: float | None = None, cpus: int | None = None, threads: int = 1) -> str | None:
+    """A warning line when the 1-minute load average, less the `threads` the timing itself keeps
+    busy (its own work counts in the average), is above half the CPUs it leaves to the rest (at
+    least half a CPU), else None. `load`, `cpus`: the machine's unless given."""
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -146,12 +147,15 @@ def load_warning(load: float | None = None, cpus: int | None = None) -> str | No
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:
             cpus = os.cpu_count() or 1
-    return LOAD_WARNING.format(load=load, cpus=cpus, s="s" if cpus != 1 else "") if load > cpus / 2 else None
+    others = load - threads
+    if others <= max(cpus - threads, 1) / 2:
+        return None
+    return LOAD_WARNING.format(load=load, cpus=cpus, s="s" if cpus != 1 else "", threads=threads)
 
 
-def warn_if_loaded() -> None:
-    """Log `load_warning`'s line, if any, before timing."""
-    line = load_warning()
+def warn_if_loaded(threads: int = 1) -> None:
+    """Log `load_warning`'s line, if any, before timing on `threads` threads."""
+    line = load_warning(threads=threads)
     if line:
         log.warning(line)
 

@@ -110,6 +110,16 @@ def test_unknown_device_lists_names_and_the_fix():
     assert "\n" not in message
 
 
+def test_a_family_name_suggests_every_device_of_the_family():
+    """`h100` is a prefix of h100-pcie and h100-sxm, not a typo of h200."""
+    with pytest.raises(UnknownDevice) as info:
+        get_device("h100")
+    assert "did you mean 'h100-pcie' or 'h100-sxm'?" in str(info.value)
+    with pytest.raises(UnknownDevice) as info:
+        get_device("A100")
+    assert "did you mean 'a100-40gb' or 'a100-40gb-pcie' or 'a100-80gb' or 'a100-80gb-pcie'?" in str(info.value)
+
+
 def test_device_table_rows_for_the_cli():
     """CLI table: one row per device with human units."""
     rows = device_table_rows()

@@ -123,6 +123,9 @@ def test_bad_plan_flags_exit_2(run_cli):
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
     code, _, err = run_cli("compare", "zoo:resnet18", "--device", "t4", "--strategies", "none,magic")
     assert code == 2 and "magic" in err
+    # compare's flag is named as plan's (and takes a list, as --device does); --strategies stays an alias
+    code, _, err = run_cli("compare", "zoo:resnet18", "--device", "t4", "--strategy", "none,magic")
+    assert code == 2 and err.startswith("fusesearch: error: --strategy none,magic: unknown magic"), err
 
 
 def test_no_tf32_prices_fused_gemms_on_cuda_cores(run_cli):
