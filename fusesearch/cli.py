@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -389,14 +390,17 @@ def plan(
             out.print(f"at {buckets.dim}={report['at']}: {_verified_line(report)}")
         return
     verifying = emit is not None and not no_verify
-    prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
+    with _stage(f"loading {model}"):
+        prep = prepare(model, _bindings(input_shape, dim), keep_original=verifying, dtype=dtype, tf32=not no_tf32)
     values = _input_values(input_value, prep)
     if verifying:
         _check_verify_memory(prep, True)
-    result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs, threads)
+    with _stage(f"planning {len(prep.graph.nodes)} nodes for {device} ({strategy})"):
+        result, legality, prep = _run_plan(model, None, device, strategy, config, prep, costs, threads)
     verified = None
     if emit is not None:
-        verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
+        with _stage(f"writing {emit}" + (", verified in ONNX Runtime first" if verifying else "")):
+            verified = _emit_fused(prep, [g.nodes for g in result.groups], emit, force, verifying, seed, values)
     _draw(result, svg, html_out)
     _dump(result, dump, force)
     if explain:
@@ -675,6 +679,17 @@ def _run_plan(model: str, bindings, device: str, strategy: str, config, prep=Non
     if tuner is not None:
         _say(tuner.stats.line())
     return result, legality, prep
+
+
+@contextmanager
+def _stage(what: str):
+    """A spinner saying `what` on stderr while a slow step runs (loading, searching, verifying), on a
+    terminal only: a pipe, a log or a test sees nothing, and the line is gone when the step ends."""
+    if not err.is_terminal:
+        yield
+        return
+    with err.status(f"{what} ...", spinner="line"):
+        yield
 
 
 def _say(line: str) -> None:
@@ -1282,7 +1297,6 @@ def report(
     from fusesearch.report import rank_correlations, rank_sentence, write_report
     from fusesearch.sweep import load_results
 
-    output = output or results_dir / "report.md"
     written = write_report(results_dir, output, overwrite=force)
     out.print(f"report written to {written[0]}" + (f" with {len(written) - 1} plots" if len(written) > 1 else ""))
     ranks = rank_correlations(load_results(results_dir))

@@ -28,7 +28,13 @@ from fusesearch.backends.timing import Timing, TimingCache, warn_if_loaded
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.plans import Plan
-from fusesearch.verify import all_values, check_reference_dtypes, max_rel_err, omp_threads, random_feeds
+from fusesearch.verify import (
+    all_values,
+    check_reference_dtypes,
+    max_rel_err,
+    omp_threads,
+    random_feeds,
+)
 
 BASELINES = ("library", "generated")  # how lone anchors run (in the plan and the unfused graph)
 PER_NODE = "library per node"  # how a group the generator refuses runs: each node alone, summed

@@ -24,6 +24,10 @@ COLORS = {"pointwise": "#8ecae6", "rowwise": "#ffd166", "gemm": "#f4a261", "conv
           "depthwise": "#d4a5a5", "opaque": "#adb5bd", "alias": "#e9ecef"}
 BOUND_BADGE = {"memory": "M", "compute": "C", "launch": "L"}
 BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN = 190, 46, 30, 38, 20
+LEGEND_STEP = 95  # px per template key of the legend
+BOUND_KEY = "bound: M memory · C compute · L launch"
+CHAR_W = 6.6  # px: the widest average glyph of an 11 px sans-serif (0.6 em), so text never runs past
+LEGEND_W = len(COLORS) * LEGEND_STEP + len(BOUND_KEY) * CHAR_W
 MAX_OPS_CHARS = 30
 
 
@@ -100,7 +104,7 @@ def _title(plan: Plan, g) -> str:
 def _python_svg(plan: Plan) -> str:
     edges = quotient_edges(plan)
     coords = layered_layout(len(plan.groups), edges)
-    width = max((x for x, _ in coords.values()), default=0) + BOX_W / 2 + MARGIN
+    width = max(max((x for x, _ in coords.values()), default=0) + BOX_W / 2, MARGIN + LEGEND_W) + MARGIN
     height = max((y for _, y in coords.values()), default=0) + BOX_H / 2 + MARGIN + 40
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif" font-size="11">',
@@ -140,9 +144,9 @@ def _box(plan: Plan, g, cx: float, cy: float) -> str:
 def _legend(x: float, y: float) -> str:
     items = []
     for i, (name, color) in enumerate(COLORS.items()):
-        items.append(f'<rect x="{x + i * 95:.0f}" y="{y:.0f}" width="14" height="14" fill="{color}" stroke="#333"/>'
-                     f'<text x="{x + i * 95 + 18:.0f}" y="{y + 11:.0f}">{name}</text>')
-    items.append(f'<text x="{x + len(COLORS) * 95:.0f}" y="{y + 11:.0f}">bound: M memory · C compute · L launch</text>')
+        items.append(f'<rect x="{x + i * LEGEND_STEP:.0f}" y="{y:.0f}" width="14" height="14" fill="{color}" '
+                     f'stroke="#333"/><text x="{x + i * LEGEND_STEP + 18:.0f}" y="{y + 11:.0f}">{name}</text>')
+    items.append(f'<text x="{x + len(COLORS) * LEGEND_STEP:.0f}" y="{y + 11:.0f}">{BOUND_KEY}</text>')
     return '<g id="legend">' + "".join(items) + "</g>"
 
 

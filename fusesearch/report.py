@@ -562,21 +562,23 @@ def render(frame, name: str, plots: Iterable[str] = ()) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_report(results_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> list[Path]:
-    """Write report.md and its PNGs (beside it); returns [report, *plots]."""
+def write_report(results_dir: str | Path, output: str | Path | None = None, *, overwrite: bool = False) -> list[Path]:
+    """Write report.md (`output`, else DIR/report.md) and its PNGs (beside it); returns [report, *plots]."""
     from fusesearch.sweep import RESULTS, load_results, read_manifest, results_reads
 
-    results_dir, output = Path(results_dir), Path(output)
+    flag = "-o" if output is not None else "report"  # what a refusal names: -o only where it was given
+    results_dir = Path(results_dir)
+    output = Path(output) if output is not None else results_dir / "report.md"
     if results_dir.is_file():  # e.g. its results.parquet: the report reads the whole folder
         raise BadInput(f"{results_dir}: is a file, not a folder; give the --out folder of a `fusesearch sweep` "
                        f"run{f' ({results_dir.parent})' if results_dir.name == RESULTS else ''}")
     frame = load_results(results_dir)
     if frame.empty or "model" not in frame:
         raise BadInput(f"{results_dir}: the sweep has no finished cells yet; run it first")
-    targets = [(output, "-o")] + [(output.parent / f"{p}.png", "-o (plot)") for p in PLOTS]
+    targets = [(output, flag)] + [(output.parent / f"{p}.png", f"{flag} (plot)") for p in PLOTS]
     check_outputs(targets, overwrite, results_reads(results_dir))
     name = (read_manifest(results_dir) or {}).get("name", results_dir.name)
-    with writing(output, "-o"):
+    with writing(output, flag):
         made = [p for p in PLOTS if PLOTTERS[p](frame, output.parent / f"{p}.png")]
         output.write_text(render(frame, name, made))
     return [output] + [output.parent / f"{p}.png" for p in made]

@@ -302,3 +302,43 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, command):
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert done.stderr.strip() == "fusesearch: interrupted"
 
+
+
+def test_version_prints_the_package_version(run_cli):
+    import fusesearch
+
+    assert run_cli("--version") == (0, f"fusesearch {fusesearch.__version__}\n", "")
+
+
+@pytest.mark.parametrize("args", [["zoo", "list"], ["zoo", "list", "--json"]])
+def test_a_reader_that_closes_stdout_ends_the_command_with_141_and_no_words(args):
+    """`fusesearch ... | head -1`: the reader gone, the command stops as a shell command killed by
+    SIGPIPE does (exit 141, nothing on stderr), not as an internal error (1); text and JSON alike."""
+    proc = subprocess.Popen([sys.executable, "-m", "fusesearch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes anything: its first write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert err == ""
+
+
+def test_plan_says_each_slow_step_on_a_terminal_only(run_cli, tmp_path, monkeypatch):
+    """Loading, planning and writing a verified --emit each show a passing line on a terminal's
+    stderr; a pipe (here: captured) sees nothing."""
+    import io
+
+    from rich.console import Console
+
+    from fusesearch import cli
+
+    args = ["plan", "zoo:resnet18", "--device", "t4", "--strategy", "greedy", "--emit"]
+    code, _, err = run_cli(*args, tmp_path / "a.onnx")
+    assert code == 0 and err == "", err
+    terminal = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=terminal, force_terminal=True, width=200))
+    code, _, err = run_cli(*args, tmp_path / "b.onnx")
+    assert code == 0, err
+    shown = terminal.getvalue()
+    for step in ("loading zoo:resnet18", "planning 49 nodes for t4 (greedy)",
+                 f"writing {tmp_path / 'b.onnx'}, verified in ONNX Runtime first"):
+        assert step in shown, shown

@@ -259,3 +259,19 @@ def test_svg_and_html_are_well_formed_and_name_every_group(model):
         seen += names
     assert sorted(seen) == sorted(n.name for n in p.graph.nodes)  # the table lists every node exactly once
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+
+
+def test_the_legend_fits_inside_a_narrow_picture(tmp_path):
+    """A plan one box wide: the picture widens to its legend, so the bound key is not cut off
+    (each character counted at 0.6 em of the 11 px font, wider than the average glyph)."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("MatMul", ["a", "w"], ["y"])]
+    model = make_model(nodes, [("x", [4, 4])], [("y", None)], [("w", np.eye(4, dtype=np.float32))])
+    p = make_plan(save(model, tmp_path / "m.onnx"), device="t4", strategy="none")
+    root = ET.fromstring(plan_svg(p, engine="python"))
+    ns = "{http://www.w3.org/2000/svg}"
+    width = float(root.get("width"))
+    (legend,) = [g for g in root.iter(f"{ns}g") if g.get("id") == "legend"]
+    texts = list(legend.iter(f"{ns}text"))
+    assert texts[-1].text.startswith("bound: ")
+    assert all(float(t.get("x")) + len(t.text) * 0.6 * 11 <= width for t in texts), width
+    assert root.get("viewBox") == f"0 0 {root.get('width')} {root.get('height')}"

@@ -61,8 +61,11 @@ def test_report_tables_and_plots_from_a_sweep(tmp_path, run_cli):
         assert (out / f"{name}.png").read_bytes().startswith(PNG)
         assert f"![{name}]({name}.png)" in text
     assert not (out / "measured.png").exists()
-    code, _, err = run_cli("report", out)  # refuses to overwrite
-    assert code == 2 and "--force" in err and err.count("\n") == 1
+    code, _, err = run_cli("report", out)  # refuses to overwrite, naming the file and no -o it was not given
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"fusesearch: error: report {out / 'report.md'}: file exists") and "--force" in err, err
+    code, _, err = run_cli("report", out, "-o", out / "report.md")
+    assert code == 2 and err.startswith(f"fusesearch: error: -o {out / 'report.md'}: file exists"), err
     code, _, err = run_cli("report", out, "--force", "-o", tmp_path / "again.md")
     assert code == 0, err
     assert (tmp_path / "again.md").is_file() and (tmp_path / "devices.png").read_bytes().startswith(PNG)
