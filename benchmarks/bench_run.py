@@ -4,7 +4,8 @@ printed, targets reported, not asserted).
 For each zoo model at its default dims (seq 128 where it has one): the plan (strategy, default
 cpsat on the `host` device) and the unfused graph run as programs (`fusesearch.run`), checked
 against ONNX Runtime, then timed with ONNX Runtime at ORT_ENABLE_ALL and ORT_DISABLE_ALL, all on
-one thread. Targets: plan <= 1.0x ENABLE_ALL on the transformers, <= 1.2x on the CNNs; plan <=
+one thread, their rounds interleaved; each figure is printed as median (p20-p80), with the machine.
+Targets: plan <= 1.0x ENABLE_ALL on the transformers, <= 1.2x on the CNNs; plan <=
 0.8x unfused on the transformers; arena peak <= 60% of all activations; equal to ONNX Runtime.
 
     .venv/bin/python benchmarks/bench_run.py [--models bert-small,resnet18] [--strategy cpsat]
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
+
+from benchutil import machine, overlap, spread
 
 from fusesearch import zoo
 from fusesearch.api import plan as make_plan
@@ -46,12 +49,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=20.0)
     args = parser.parse_args()
-    head = (f"{'model':<12} {'plan':>9} {'unfused':>9} {'ORT all':>9} {'ORT canon':>9} {'ORT none':>9} {'plan/ORT':>9} "
-            f"{'plan/none':>9} {'plan/unf':>9} {'arena':>9} {'acts':>9} {'arena%':>7} {'segs g/l':>8} "
-            f"{'equal':>6} {'wall':>6}")
-    print(f"end to end, {args.threads} thread(s), strategy {args.strategy}, median of {args.repeat} runs "
-          f"(ORT all = ORT_ENABLE_ALL on the model as given, ORT canon = on the canonical model, ORT none = "
-          f"ORT_DISABLE_ALL; plan/ORT against the faster ENABLE_ALL)")
+    head = (f"{'model':<12} {'plan':>26} {'unfused':>26} {'ORT all':>26} {'ORT canon':>26} {'ORT none':>26} "
+            f"{'plan/ORT':>9} {'plan/none':>9} {'plan/unf':>9} {'arena':>9} {'acts':>9} {'arena%':>7} "
+            f"{'segs g/l':>8} {'equal':>6} {'wall':>6}")
+    print(f"end to end on {machine()}, {args.threads} thread(s), strategy {args.strategy}: median (p20-p80) "
+          f"in ms of {args.repeat} interleaved runs (ORT all = ORT_ENABLE_ALL on the model as given, ORT canon = "
+          f"on the canonical model, ORT none = ORT_DISABLE_ALL; plan/ORT against the faster ENABLE_ALL, "
+          f"'~' where the two p20-p80 ranges overlap: not distinguishable)")
     print(head)
     missed = []
     for name in args.models.split(","):
@@ -66,12 +70,15 @@ def main() -> None:
             print(f"{name:<12} FAILED: {exc}")
             missed.append(f"{name}: does not run or differs from ONNX Runtime")
             continue
-        t = {k: v.median_s * 1e3 for k, v in r.timings.items()}
+        figures = {k: spread(v.median_s, v.p20_s, v.p80_s) for k, v in r.timings.items()}
         vs_ort, vs_unfused = r.ratio("plan", "ort_enable_all"), r.ratio("plan", "unfused")
+        ort = min((k for k in ("ort_enable_all", "ort_enable_all_canonical") if k in r.timings),
+                  key=lambda k: r.timings[k].median_s)
+        tied = "~" if overlap(*((r.timings[k].p20_s, r.timings[k].p80_s) for k in ("plan", ort))) else " "
         arena = r.arena_peak_bytes / r.activation_bytes if r.activation_bytes else math.nan
-        print(f"{name:<12} {t['plan']:>7.2f}ms {t['unfused']:>7.2f}ms {t['ort_enable_all']:>7.2f}ms "
-              f"{t.get('ort_enable_all_canonical', math.nan):>7.2f}ms "
-              f"{t['ort_disable_all']:>7.2f}ms {vs_ort:>8.2f}x {r.ratio('plan', 'ort_disable_all'):>8.2f}x "
+        print(f"{name:<12} {figures['plan']:>26} {figures['unfused']:>26} {figures['ort_enable_all']:>26} "
+              f"{figures.get('ort_enable_all_canonical', '-'):>26} {figures['ort_disable_all']:>26} "
+              f"{tied}{vs_ort:>7.2f}x {r.ratio('plan', 'ort_disable_all'):>8.2f}x "
               f"{vs_unfused:>8.2f}x {r.arena_peak_bytes / 2**20:>7.2f}MB {r.activation_bytes / 2**20:>7.2f}MB "
               f"{arena:>6.0%} {r.segments['generated']:>4}/{r.segments['library']:<3} {'yes':>6} "
               f"{time.perf_counter() - start:>5.0f}s", flush=True)
