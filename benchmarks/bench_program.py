@@ -12,8 +12,9 @@ Approach: the cpsat plan for `host` built as one program with each kernel call t
 rounds with ONNX Runtime's whole model (ENABLE_ALL) in between, as `fusesearch run` times them;
 beside each kernel, `measure`'s time for the same kernel alone (its median, interleaved rounds;
 `--baseline generated`, so a lone conv or GEMM is our kernel there too, as in the program, not
-ONNX Runtime's) and the cost model's prediction; then the totals: the program's median wall time, the sum of its kernels inside
-it, the sum alone, the prediction and ONNX Runtime's median, all one thread.
+ONNX Runtime's) and the cost model's prediction; then the totals: the program's wall time and ONNX
+Runtime's (median, p20-p80), the sum of its kernels inside it (a mean: the C clock sums each call
+over the rounds), the sum alone and the prediction, all one thread.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_program.py [--models resnet18,bert-small]
         [--runs 20] [--top 12]
@@ -27,6 +28,7 @@ import time
 
 import numpy as np
 import onnx
+from benchutil import spread
 
 from fusesearch.api import plan as make_plan
 from fusesearch.ir.canonicalize import to_proto
@@ -73,10 +75,16 @@ def one_model(name: str, runs: int, top: int) -> None:
     total_inside = sum(inside.values())
     total_alone = sum(alone[g] for g in inside if g in alone)
     total_predicted = sum(predicted[g] for g in inside if g in predicted)
-    print(f"   program {statistics.median(wall) * 1e3:.2f} ms (median wall); its kernels inside it {total_inside * 1e3:.2f} ms, "
-          f"alone {total_alone * 1e3:.2f} ms (inside / alone {total_inside / total_alone:.2f}x), predicted "
-          f"{total_predicted * 1e3:.2f} ms; ONNX Runtime whole model {statistics.median(theirs) * 1e3:.2f} ms "
-          f"(program / ONNX Runtime {statistics.median(wall) / statistics.median(theirs):.2f}x)")
+    print(f"   program {_spread(wall)} ms (median wall, p20-p80); its kernels inside it {total_inside * 1e3:.2f} ms "
+          f"(their mean over the rounds), alone {total_alone * 1e3:.2f} ms (inside / alone "
+          f"{total_inside / total_alone:.2f}x), predicted {total_predicted * 1e3:.2f} ms; ONNX Runtime whole model "
+          f"{_spread(theirs)} ms (program / ONNX Runtime {statistics.median(wall) / statistics.median(theirs):.2f}x)")
+
+
+def _spread(samples: list[float]) -> str:
+    """`median (p20-p80)` in ms."""
+    p20, median, p80 = np.percentile(samples, [20, 50, 80])
+    return spread(median, p20, p80, digits=2)
 
 
 def main() -> None:
