@@ -106,7 +106,7 @@ def test_compare_gives_the_commands_document(tmp_path, run_cli):
         for row in doc["results"]:
             row.pop("wall_s")
     assert cli == json.loads(json.dumps(result.to_dict()))
-    with pytest.raises(BadInput, match="--strategies none,nope: unknown nope"):
+    with pytest.raises(BadInput, match="--strategy none,nope: unknown nope"):
         fusesearch.compare(path, "t4", strategies="none,nope")
 
 
