@@ -33,6 +33,10 @@ MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
 MAX_GRID_YZ = 65535
 MAX_STRIDE_BLOCKS = 65535 * 8  # a grid-stride loop's blocks (the loop covers the rest)
 MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
+SMEM_ALIGN = 16  # every schedule's shared memory is a multiple of it (`Schedule`): a module that holds a
+# kernel with dynamic shared memory (mma.sync) has ptxas start it 16-byte aligned after every other
+# kernel's static shared memory, rounded up to 16; a multiple of 16 rounds to itself, so the bytes
+# priced are the bytes ptxas reports in any module
 ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
 ARGBEST_SMEM = THREADS * (4 + 8)  # ArgMax/ArgMin's block combine: a value and an index per thread
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
@@ -117,6 +121,8 @@ class Schedule:
                 or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
                              f" / split {self.split!r}")
+        if self.smem_bytes % SMEM_ALIGN:
+            raise ValueError(f"schedule: {self.smem_bytes} bytes of shared memory, not a multiple of {SMEM_ALIGN}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
     def to_dict(self) -> dict[str, object]:
@@ -862,16 +868,22 @@ def row_cache(graph: Graph, nodes: Sequence[int], length: int) -> tuple[str, ...
         if n.op_type == "Softmax" and (graph.is_output(y) or any(c not in members for c in graph.consumers(y))):
             keys.append(exp_row(y))
         for key in keys:
-            if key not in cached and 4 * length * (len(cached) + 1) <= MAX_ROW_SMEM:
+            if key not in cached and 4 * row_floats(length) * (len(cached) + 1) <= MAX_ROW_SMEM:
                 cached.append(key)
     return tuple(cached)
 
 
+def row_floats(length: int) -> int:
+    """Floats of one row cached in shared memory: the row's length rounded up to SMEM_ALIGN bytes,
+    so the kernel's shared memory stays a multiple of it (the generator declares this many)."""
+    return -(-length // (SMEM_ALIGN // 4)) * (SMEM_ALIGN // 4)
+
+
 def row_smem(graph: Graph, nodes: Sequence[int], cache: Sequence[str], length: int) -> int:
-    """Shared memory of a row kernel: its cached rows, the block reduction's partials (any pass
-    that sums or maximizes), ArgMax/ArgMin's block combine."""
+    """Shared memory of a row kernel: its cached rows (`row_floats` each), the block reduction's
+    partials (any pass that sums or maximizes), ArgMax/ArgMin's block combine."""
     ops = {graph.nodes[i].op_type for i in nodes if graph.nodes[i].kind == OpKind.REDUCE}
-    return (4 * length * len(cache) + (ROW_REDUCE_SMEM if ops - ARG_OPS else 0)
+    return (4 * row_floats(length) * len(cache) + (ROW_REDUCE_SMEM if ops - ARG_OPS else 0)
             + (ARGBEST_SMEM if ops & ARG_OPS else 0))
 
 
