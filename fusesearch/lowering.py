@@ -43,6 +43,7 @@ from fusesearch.schedule import (
     conv_reads_band,
     cpu_products,
     cpu_splits,
+    cudnn_epilogue,
     depthwise_conv,
     disjoint_windows,
     epilogues,
@@ -517,9 +518,10 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
         return (_build(graph, nodes, template, anchor.id, out_size, k, live, schedule),)
     generated = _tensor_core_choices(graph, nodes, anchor, template) + _cuda_core_choices(graph, nodes, anchor, template)
-    if len(nodes) > 1:
-        return generated
-    return (_library_anchor(graph, nodes, anchor, m, n_dim, k), *generated)
+    cudnn = cudnn_epilogue(graph, [n.id for n in nodes], anchor)
+    if len(nodes) > 1:  # a conv + bias + activation also as one cuDNN graph: the library, fused epilogue
+        return generated if cudnn is None else (*generated, _library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn-fused"))
+    return (_library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn" if cudnn else ""), *generated)
 
 
 def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:
@@ -599,13 +601,16 @@ def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: 
     return (_build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes), own, reload_tile=(1, 1, k)),)
 
 
-def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim: int, k: int) -> Kernel:
-    """A lone anchor as the library's call: its heuristic tile, and split-K where the output has
-    few tiles (cuBLAS splits skinny GEMMs), paying the fp32 partial sums' round trip."""
+def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim: int, k: int,
+                    library: str = "") -> Kernel:
+    """A lone anchor as the library's call (`library`: a 2-D conv's is cuDNN's; a conv group with
+    its bias and activation, cuDNN's one fused graph, whose epilogue runs on its accumulators): its
+    heuristic tile, and split-K where the output has few tiles (cuBLAS splits skinny GEMMs),
+    paying the fp32 partial sums' round trip."""
     tm, tn, tk = gemm_tiles(m, n_dim)[0]
     split = split_k(m, n_dim, k, (tm, tn, tk))
     schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=min(THREADS, tm * tn),
-                        smem_bytes=(tm * tk + tk * tn) * 4)
+                        smem_bytes=(tm * tk + tk * tn) * 4, library=library)
     out_size = graph.tensors[anchor.outputs[0]].size
     live = tm * tn // THREADS + (tm + tn) // 16
     kernel = _build(graph, nodes, anchor_template(graph, anchor), anchor.id, out_size * split, k, live, schedule)
@@ -613,6 +618,27 @@ def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
     return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
+
+
+def conv_routed(graph: Graph, options: tuple[Kernel, ...], cudnn: bool) -> tuple[Kernel, ...]:
+    """A GPU group's choices as the conv route runs them (`backends.cudnn.conv_route`): as they
+    are where a cuDNN route is installed; else a lone conv's cuDNN call is the named fallback,
+    im2col + cuBLAS through CuPy, paying its panel's round trip (the k x k-unfolded input written,
+    then read by the GEMM), and the fused cuDNN graph is no choice."""
+    if cudnn:
+        return options
+    routed = []
+    for kernel in options:
+        if kernel.schedule.library == "cudnn-fused":
+            continue
+        if kernel.schedule.library == "cudnn":
+            m, _, k = _gemm_dims(graph, graph.nodes[kernel.anchor])
+            groups, _ = _tile_batches(graph, graph.nodes[kernel.anchor])
+            panel = m * k * groups * DTYPE_BYTES[kernel.dtype]
+            kernel = replace(kernel, schedule=replace(kernel.schedule, library="im2col"),
+                             read_bytes=kernel.read_bytes + panel, write_bytes=kernel.write_bytes + panel)
+        routed.append(kernel)
+    return tuple(routed)
 
 
 def anchor_template(graph: Graph, anchor: Node) -> str:

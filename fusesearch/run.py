@@ -81,15 +81,16 @@ def plan_steps(graph, plan) -> list[Step]:
         if kernel.alias:
             steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
             continue
-        reason = "the plan runs it as a library call" if kernel.impl == "library" and len(g.nodes) == 1 else ""
+        reason = ("the plan runs it as a library call" if kernel.impl == "library"
+                  and (len(g.nodes) == 1 or kernel.schedule.library) else "")  # a conv group: one cuDNN graph
         if not reason:
             try:
                 generated = generate(graph, kernel)
             except CodegenRefused as exc:
                 reason = str(exc)
         if reason:
-            parts = [kernel] if len(kernel.nodes) == 1 else [lower_as_library(graph, FusionGroup.single(i))
-                                                             for i in kernel.nodes]
+            parts = [kernel] if len(kernel.nodes) == 1 or kernel.impl == "library" else [
+                lower_as_library(graph, FusionGroup.single(i)) for i in kernel.nodes]
             steps += [Step(g.id, "library", tuple(p.nodes), tuple(p.inputs), tuple(p.outputs), part=p,
                            reason=reason) for p in parts]
             continue
@@ -552,6 +553,20 @@ def checked(label: str, make: Callable[[bool], Layout], canonical: onnx.ModelPro
 
 # -- the CUDA program --------------------------------------------------------------------------
 
+def _conv_library_call(graph, step: Step):
+    """(the conv's call, x, w, bias, y tensors) of a conv group the plan runs as a library call
+    (`Schedule.library`: cuDNN's conv, its fused graph, or the im2col fallback), else None."""
+    from fusesearch.backends.cudnn import ConvCall
+    from fusesearch.schedule import cudnn_epilogue
+
+    part = step.part
+    if part is None or not part.schedule.library:
+        return None
+    node = graph.nodes[part.anchor]
+    epilogue = cudnn_epilogue(graph, part.nodes, node)
+    return ConvCall(node.attrs, epilogue.activation), node.inputs[0], node.inputs[1], epilogue.bias or None, epilogue.output
+
+
 def _array_library_call(graph, step: Step):
     """(op type, attributes, inputs, outputs) of a lone anchor the plan runs as a library call,
     where `arraylib` has it (cuBLAS through CuPy on a GPU: the library call the plan priced), else
@@ -597,6 +612,9 @@ class CudaProgram(Layout):
             if s.how == "generated":
                 args = [self.buffer(a.tensor) for a in (*s.kernel.inputs, *s.kernel.outputs)]
                 self.launches.append(device.launcher(functions[s.kernel.name], s.kernel, args))
+            elif s.how == "library" and (conv := _conv_library_call(graph, s)) is not None:
+                call, x, w, bias, y = conv
+                self.launches.append(device.conv_library(call, *(self.buffer(t) if t else None for t in (x, w, bias, y))))
             elif s.how == "library" and (call := _array_library_call(graph, s)) is not None:
                 op_type, attrs, ins, outs = call
                 self.launches.append(device.array_library(op_type, attrs, [self.buffer(t) for t in ins],

@@ -97,6 +97,11 @@ TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs):
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
 SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
 CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its output (`Schedule.split`)
+# The library a GPU conv's library call is (`Schedule.library`): cuDNN's convolution, cuDNN's
+# conv + bias + activation as one graph ("library, fused epilogue", as ONNX Runtime's FusedConv),
+# or the named fallback where no cuDNN route is installed: im2col + cuBLAS through CuPy
+LIBRARY_CALLS = ("cudnn", "cudnn-fused", "im2col")
+CUDNN_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh")  # the epilogues a cuDNN conv graph fuses here
 
 
 @dataclass(frozen=True)
@@ -115,12 +120,14 @@ class Schedule:
     product: str = ""
     epilogue: str = ""
     split: str = ""
+    library: str = ""  # a GPU conv's library call (LIBRARY_CALLS); "" for any other
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
-                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)):
+                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)
+                or (self.library and (self.library not in LIBRARY_CALLS or self.impl != "library"))):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
-                             f" / split {self.split!r}")
+                             f" / split {self.split!r} / library {self.library!r}")
         if self.smem_bytes % SMEM_ALIGN:
             raise ValueError(f"schedule: {self.smem_bytes} bytes of shared memory, not a multiple of {SMEM_ALIGN}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
@@ -131,7 +138,7 @@ class Schedule:
                 "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue, "split": self.split}
+                "epilogue": self.epilogue, "split": self.split, "library": self.library}
 
     @property
     def blocks(self) -> int:
@@ -203,6 +210,50 @@ def conv_reads_band(graph: Graph, anchor: Node) -> bool:
     group = int(anchor.attrs.get("group", 1))
     return (not depthwise_like(x.shape[1] // group, w.shape[0] // group) and not depthwise_conv(graph, anchor)
             and tuple(w.shape[2:]) != (1, 1))
+
+
+@dataclass(frozen=True)
+class CudnnEpilogue:
+    """A 2-D Conv's epilogue as one cuDNN graph takes it (`cudnn_epilogue`): `bias` the
+    per-channel constant added (the Conv's own B, or an Add of a [C, 1, 1] / [1, C, 1, 1]
+    constant after it; "" for none), `activation` one of CUDNN_ACTIVATIONS ("" for none), `output`
+    the tensor the graph writes."""
+
+    bias: str
+    activation: str
+    output: str
+
+
+def cudnn_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> CudnnEpilogue | None:
+    """Where the group is exactly a 2-D Conv (float32, float16 or bfloat16), at most one Add of a
+    per-channel constant bias (and only where the Conv has none) and at most one activation of
+    CUDNN_ACTIVATIONS after it, each value read by the next op alone and not an output: the
+    epilogue, so the group runs as one cuDNN graph (conv_fprop, add, pointwise); else None."""
+    x = graph.tensors[anchor.inputs[0]]
+    if (anchor.op_type != "Conv" or x.shape is None or len(x.shape) != 4
+            or x.dtype not in ("float32", "float16", "bfloat16")):
+        return None
+    bias = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
+    rest, t, activation = set(nodes) - {anchor.id}, anchor.outputs[0], ""
+    channels = graph.tensors[t].shape[1] if graph.tensors[t].shape else 0
+    while rest:
+        users = graph.consumers(t)
+        if len(users) != 1 or users[0] not in rest or graph.is_output(t):
+            return None
+        n = graph.nodes[users[0]]
+        if n.op_type == "Add" and not bias and not activation and len(n.inputs) == 2:
+            c = n.inputs[1] if n.inputs[0] == t else n.inputs[0]
+            info = graph.tensors[c]
+            if not info.constant or info.shape is None or tuple(info.shape) not in ((channels, 1, 1), (1, channels, 1, 1)):
+                return None
+            bias = c
+        elif n.op_type in CUDNN_ACTIVATIONS and not activation:
+            activation = n.op_type
+        else:
+            return None
+        rest.discard(n.id)
+        t = n.outputs[0]
+    return CudnnEpilogue(bias, activation, t) if bias or activation or len(nodes) == 1 else None
 
 
 def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[str, float, frozenset[int]] | None:

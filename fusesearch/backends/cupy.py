@@ -307,6 +307,22 @@ class Device:
 
         return launch
 
+    def conv_library(self, call, x, w, bias, y) -> Callable[[], None]:
+        """A conv group's library call on the device buffers, on the program's stream, by the
+        process's route (`cudnn.conv_route`: one cuDNN Frontend graph, PyTorch's conv over the
+        buffers shared by DLPack, or the im2col fallback)."""
+        from fusesearch.backends.cudnn import conv_route, conv_runner
+
+        cupy, stream = self.cupy, self.stream
+        with stream:
+            go = conv_runner(conv_route().name, cupy, call, x, w, bias, y, stream)
+
+        def launch() -> None:
+            with stream:
+                go()
+
+        return launch
+
     def capture(self, launch_all: Callable[[], None]):
         """The launches of `launch_all` captured on the stream as one CUDA graph."""
         with self.stream:

@@ -507,6 +507,13 @@ class HostDevice:
 
         return self._recorded(lambda: arraylib.run_into(np, op_type, attrs, inputs, outputs))
 
+    def conv_library(self, call, x, w, bias, y) -> Callable[[], None]:
+        """A conv group's library call with numpy over the host buffers: im2col, the bias, the
+        activation (`cudnn.conv_runner`'s fallback route; the emulator has no cuDNN)."""
+        from fusesearch.backends.cudnn import conv_runner
+
+        return self._recorded(conv_runner("im2col", np, call, x, w, bias, y))
+
     def _recorded(self, go: Callable[[], None]) -> Callable[[], None]:
         def launch() -> None:
             if self._recording is not None:
