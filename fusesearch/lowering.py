@@ -17,7 +17,7 @@ take is refused (it runs alone, opaque)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from costmodels import DTYPE_BYTES, KernelSpec
@@ -65,6 +65,7 @@ from fusesearch.schedule import (
     stride_blocks,
     tensor_core_skeleton,
     thread_layout,
+    tuned_choice,
     vectorizable,
 )
 
@@ -169,7 +170,8 @@ def try_lower(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = Fals
     return result if isinstance(result, FusionDecision) else result[0]
 
 
-def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> tuple[Kernel, ...] | FusionDecision:
+def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False,
+            tuned: Sequence[tuple[str, str, tuple[int, ...]]] = ()) -> tuple[Kernel, ...] | FusionDecision:
     """Every schedule the group can run as, each a Kernel the cost model prices and the generator
     writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
     or alone, as the C backend's `packed`/`depthwise`, once per C product it can run as,
@@ -179,27 +181,30 @@ def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False)
     operands have tensor cores) and each CUDA-core tile (`schedule.gemm_tiles`), or `direct`
     where no tile applies; a lone one as the library call (its split-K) and then as those
     generated forms. Every other group has one schedule. A lone op without a template runs as a
-    library call."""
+    library call. `tuned`: a device's tuned tile table (`DeviceSpec.tuned_tiles`): where it has
+    a row for a tensor-core skeleton at the group's shape class, that configuration alone."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None)
+    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None, tuple(tuned))
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return (_lower_opaque(graph, nodes),)
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None,
+                   tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
-    return _lower_template(graph, nodes, host)
+    return _lower_template(graph, nodes, host, tuned)
 
 
-def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = None,
+                    tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
-        return _anchor_choices(graph, nodes, anchors[0], host)
+        return _anchor_choices(graph, nodes, anchors[0], host, tuned)
     if any(n.kind == OpKind.REDUCE for n in nodes):
         result = _lower_rowwise(graph, nodes)
     elif nodes[0].kind == OpKind.OPAQUE:
@@ -485,7 +490,7 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
 
 
 def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
-                    host: CpuTarget | None) -> tuple[Kernel, ...] | FusionDecision:
+                    host: CpuTarget | None, tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -517,7 +522,8 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
         return (_build(graph, nodes, template, anchor.id, out_size, k, live, schedule),)
-    generated = _tensor_core_choices(graph, nodes, anchor, template) + _cuda_core_choices(graph, nodes, anchor, template)
+    generated = (_tensor_core_choices(graph, nodes, anchor, template, tuned)
+                 + _cuda_core_choices(graph, nodes, anchor, template))
     cudnn = cudnn_epilogue(graph, [n.id for n in nodes], anchor)
     if len(nodes) > 1:  # a conv + bias + activation also as one cuDNN graph: the library, fused epilogue
         return generated if cudnn is None else (*generated, _library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn-fused"))
@@ -540,10 +546,13 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
     return replace(kernel, imbalance=split_imbalance(split, batches, m, n, host))
 
 
-def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
+def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str,
+                         tuned: tuple = ()) -> tuple[Kernel, ...]:
     """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` (wmma) and then one per
     configuration of `mma_sync_tiles` (mma.sync) whose grid fits, where its operands have a
-    tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
+    tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`); where the tuned
+    table has a skeleton's configuration for the shape class (`schedule.tuned_choice`), that one
+    alone (split-K still a choice beside it)."""
     skeleton = tensor_core_skeleton(graph, anchor)
     if not skeleton or not has_gemm_view(graph, anchor) or anchor_derived(graph, [n.id for n in nodes], anchor) is None:
         return ()
@@ -552,13 +561,19 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
     out_size = graph.tensors[anchor.outputs[0]].size
     stages = 2 if set(anchor.inputs[:2]) & set(external_inputs(graph, nodes)) else 1  # double-buffered when
     kernels = []  # an operand is a plain copy of an input
+    wmma_tuned = tuned_choice(tuned, skeleton, m_z, n_dim)
+    sync_tuned = tuned_choice(tuned, MMA_SYNC_SKELETONS[skeleton], m_z, n_dim)
     for tm, tn, tk in mma_tiles(m, n_dim):
+        if wmma_tuned and (tm, tn) != wmma_tuned:
+            continue
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
         if max(grid[1:]) <= MAX_GRID_YZ:
             live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
             kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
                                   mma(skeleton, (tm, tn, tk), stages, grid)))
     for config in mma_sync_tiles(m, n_dim):
+        if sync_tuned and tuple(config) != sync_tuned:
+            continue
         tm, tn, wm, wn, _ = config
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
         split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid).tile, z)

@@ -838,6 +838,40 @@ def mma_sync_tiles(m: int, n: int) -> tuple[tuple[int, ...], ...]:
     return (default, *(t for t in MMA_SYNC_TILES if t != default))
 
 
+def shape_class(m: int, n: int) -> str:
+    """The shape class of an M x N output (per batch or group) in the tuned tile table
+    (`costmodels.kernel.SHAPE_CLASSES`): "skinny" under 2 x SKINNY_M rows, "small" under TARGET_BLOCKS output tiles
+    of 128 x 128, else "large"."""
+    if m < 2 * SKINNY_M:
+        return "skinny"
+    return "small" if math.ceil(m / 128) * math.ceil(n / 128) < TARGET_BLOCKS else "large"
+
+
+def tuned_configurations(skeleton: str) -> tuple[tuple[int, ...], ...]:
+    """Every configuration a tensor-core skeleton can be tuned to: the wmma tiles (BM, BN) of
+    MMA_TILES, the mma.sync configurations (BM, BN, WM, WN, stages) of MMA_SYNC_TILES."""
+    if skeleton in MMA_SYNC_SKELETONS.values():
+        return MMA_SYNC_TILES
+    return MMA_TILES if skeleton in MMA_SKELETONS.values() else ()
+
+
+def tuned_table_problem(rows: Sequence[tuple[str, str, tuple[int, ...]]]) -> str:
+    """Why a tuned tile table cannot be used ('' when it can): a row whose skeleton is not a
+    tensor-core skeleton, or whose configuration is not one of its skeleton's."""
+    for skeleton, cls, config in rows:
+        if tuple(config) not in tuned_configurations(skeleton):
+            known = ", ".join(str(list(c)) for c in tuned_configurations(skeleton)) or "none: not a tensor-core skeleton"
+            return f"{skeleton} / {cls}: configuration {list(config)} is not one of {skeleton}'s ({known})"
+    return ""
+
+
+def tuned_choice(rows: Sequence[tuple[str, str, tuple[int, ...]]], skeleton: str, m: int, n: int) -> tuple[int, ...] | None:
+    """The tuned table's configuration for the skeleton at an M x N output's shape class, or None
+    (no row: the cost model chooses among them all)."""
+    cls = shape_class(m, n)
+    return next((tuple(config) for s, c, config in rows if s == skeleton and c == cls), None)
+
+
 def mma_sync_threads(tile: Sequence[int], warp: Sequence[int]) -> int:
     """Threads of an mma.sync block: a warp per WM x WN share of the BM x BN tile."""
     return (tile[0] // warp[0]) * (tile[1] // warp[1]) * 32
