@@ -553,20 +553,6 @@ def checked(label: str, make: Callable[[bool], Layout], canonical: onnx.ModelPro
 
 # -- the CUDA program --------------------------------------------------------------------------
 
-def _conv_library_call(graph, step: Step):
-    """(the conv's call, x, w, bias, y tensors) of a conv group the plan runs as a library call
-    (`Schedule.library`: cuDNN's conv, its fused graph, or the im2col fallback), else None."""
-    from fusesearch.backends.cudnn import ConvCall
-    from fusesearch.schedule import cudnn_epilogue
-
-    part = step.part
-    if part is None or not part.schedule.library:
-        return None
-    node = graph.nodes[part.anchor]
-    epilogue = cudnn_epilogue(graph, part.nodes, node)
-    return ConvCall(node.attrs, epilogue.activation), node.inputs[0], node.inputs[1], epilogue.bias or None, epilogue.output
-
-
 def _array_library_call(graph, step: Step):
     """(op type, attributes, inputs, outputs) of a lone anchor the plan runs as a library call,
     where `arraylib` has it (cuBLAS through CuPy on a GPU: the library call the plan priced), else
@@ -581,6 +567,13 @@ def _array_library_call(graph, step: Step):
     if not arraylib.supports(node.op_type, node.attrs, len(outputs)):
         return None
     return node.op_type, node.attrs, list(node.inputs), outputs
+
+
+def conv_call(graph, part):
+    """`cudnn.conv_call` of a library step's kernel (None for a step without one)."""
+    from fusesearch.backends.cudnn import conv_call as call
+
+    return call(graph, part) if part is not None else None
 
 
 class CudaProgram(Layout):
@@ -612,7 +605,7 @@ class CudaProgram(Layout):
             if s.how == "generated":
                 args = [self.buffer(a.tensor) for a in (*s.kernel.inputs, *s.kernel.outputs)]
                 self.launches.append(device.launcher(functions[s.kernel.name], s.kernel, args))
-            elif s.how == "library" and (conv := _conv_library_call(graph, s)) is not None:
+            elif s.how == "library" and (conv := conv_call(graph, s.part)) is not None:
                 call, x, w, bias, y = conv
                 self.launches.append(device.conv_library(call, *(self.buffer(t) if t else None for t in (x, w, bias, y))))
             elif s.how == "library" and (call := _array_library_call(graph, s)) is not None:

@@ -71,6 +71,19 @@ class ConvCall:
     activation: str = ""
 
 
+def conv_call(graph, kernel) -> tuple[ConvCall, str, str, str | None, str] | None:
+    """(the call, x, w, bias or None, y: tensor names) of a conv group a plan runs as a library
+    call (`Schedule.library`: cuDNN's conv, its fused graph, the im2col fallback); None for any
+    other kernel."""
+    from fusesearch.schedule import cudnn_epilogue
+
+    if not kernel.schedule.library:
+        return None
+    node = graph.nodes[kernel.anchor]
+    epilogue = cudnn_epilogue(graph, kernel.nodes, node)
+    return ConvCall(node.attrs, epilogue.activation), node.inputs[0], node.inputs[1], epilogue.bias or None, epilogue.output
+
+
 def _spatial(attrs: Mapping[str, Any], x_shape: Sequence[int], w_shape: Sequence[int]):
     from fusesearch.backends.arraylib import _spatial_attrs
 
