@@ -110,7 +110,7 @@ ARCH_LIMITS: Mapping[str, Mapping[str, int]] = {
 
 
 # Fields a profile written before they existed may lack (they take their defaults).
-_OPTIONAL_FIELDS = ("cache_curve", "sources")
+_OPTIONAL_FIELDS = ("cache_curve", "sources", "tuned_tiles")
 # The two fields the cache curve replaced: one point, (cache_fit_bytes, cache_bytes_per_s)
 _OLD_CACHE_FIELDS = ("cache_bytes_per_s", "cache_fit_bytes")
 
@@ -154,6 +154,11 @@ class DeviceSpec:
     # at `dram_bytes_per_s` (the GPU table: GPU timings flush L2).
     cache_curve: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
+    # ((skeleton, shape class, configuration), ...): the tensor-core tile configuration measured
+    # fastest on this device per shape class (a tiles.json beside its profile: `profile.load_tuned_tiles`),
+    # which lowering offers alone for that class; (): the cost model chooses among them all.
+    # Not part of the device's JSON (the table is its own file)
+    tuned_tiles: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(str(s) for s in self.sources))
@@ -168,7 +173,7 @@ class DeviceSpec:
                               f"{GPU_CAPABILITIES[1] / 10:.1f} (e.g. sm_90)")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "vendor", "kind", "arch", "sources", "cache_curve"):
+            if f.name in ("name", "vendor", "kind", "arch", "sources", "cache_curve", "tuned_tiles"):
                 continue
             may_be_zero = f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s"
             if not _finite_number(value) or value < 0 or (value == 0 and not may_be_zero):
@@ -206,6 +211,7 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (sources and the cache curve as lists)."""
         out = asdict(self)
+        del out["tuned_tiles"]
         out["sources"] = list(self.sources)
         out["cache_curve"] = [list(point) for point in self.cache_curve]
         return out

@@ -28,6 +28,10 @@ CPU_PRODUCTS = ("own", "blas", "loops", "band", "packed", "rows", "im2col", "dep
 TEMPLATE_PRODUCTS = {"gemm": ("own", "blas", "loops"), "conv": ("band", "packed", "rows", "im2col", "loops"),
                      "conv_disjoint": ("band", "packed", "rows", "im2col", "loops"), "depthwise": ("depthwise", "loops")}
 
+# A GEMM view's shape class, for the tuned tile table (`fusesearch.schedule.shape_class`): M under
+# 64 rows, fewer than 256 output tiles of 128 x 128, or more
+SHAPE_CLASSES = ("skinny", "small", "large")
+
 DTYPE_BYTES: Mapping[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
     "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,

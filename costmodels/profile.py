@@ -5,13 +5,15 @@ then accept either a table name ("h100-sxm": datasheet figures, default paramete
 profile.json that calibration wrote (measured device, fitted parameters).
 Approach: `Profile` <-> JSON under schema "fusesearch.profile/1"
 ({"schema", "device", "backend", "params", "fit", "versions"}); `load_device` dispatches on
-whether its argument looks like a path.
+whether its argument looks like a path, and takes the tuned tile table (tiles.json, schema
+"fusesearch.tiles/1") beside a profile into its device (`DeviceSpec.tuned_tiles`).
 Invariants: writing is deterministic (sorted keys, non-finite floats as null); every read failure
 is a `ProfileError` that names the file and the problem.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -27,6 +29,7 @@ import numpy as np
 
 from costmodels.devices import DEVICES, HOST_NAMES, DeviceSpec, get_device, host_record
 from costmodels.errors import InvalidSpec, ProfileError
+from costmodels.kernel import SHAPE_CLASSES
 from costmodels.roofline import RooflineParams, host_params
 
 SCHEMA = "fusesearch.profile/1"
@@ -129,6 +132,48 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         raise ProfileError(f"{src}: {exc}; {_FIX}") from None
 
 
+TILES_FILE = "tiles.json"  # the tuned tile table, beside a profile.json
+TILES_SCHEMA = "fusesearch.tiles/1"
+_TILES_FIX = "expected a tiles.json written by scripts/tune_tiles.py"
+
+
+def save_tuned_tiles(entries: Iterable[Mapping[str, Any]], device: str, path: str | os.PathLike[str]) -> Path:
+    """Write the tuned table: each entry {"skeleton", "class", "config", and its figures}."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": TILES_SCHEMA, "device": device, "tiles": [_json_safe(dict(e)) for e in entries]}
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    return out
+
+
+def load_tuned_tiles(path: str | os.PathLike[str]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """The tuned table's (skeleton, shape class, configuration) rows; ProfileError naming the file
+    and what is wrong (not JSON, another schema, a row without a tensor-core skeleton, a known shape
+    class and a configuration of positive integers, a (skeleton, class) twice)."""
+    src = Path(path)
+    try:
+        data = json.loads(src.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"{src}: cannot read the tuned tile table ({exc}); {_TILES_FIX}") from None
+    rows = data.get("tiles") if isinstance(data, Mapping) and data.get("schema") == TILES_SCHEMA else None
+    if not isinstance(rows, list):
+        raise ProfileError(f"{src}: not a tuned tile table (schema {TILES_SCHEMA!r} with a 'tiles' list); {_TILES_FIX}")
+    table: dict[tuple[str, str], tuple[int, ...]] = {}
+    for i, row in enumerate(rows):
+        config = row.get("config") if isinstance(row, Mapping) else None
+        ok = (isinstance(row, Mapping) and isinstance(row.get("skeleton"), str) and row["skeleton"].startswith("mma-")
+              and row.get("class") in SHAPE_CLASSES and isinstance(config, list) and config
+              and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in config))
+        if not ok:
+            raise ProfileError(f"{src}: tiles[{i}] = {row!r}: expected {{'skeleton': 'mma-...', 'class': one of "
+                               f"{', '.join(SHAPE_CLASSES)}, 'config': [positive integers]}}; {_TILES_FIX}")
+        key = (row["skeleton"], row["class"])
+        if key in table:
+            raise ProfileError(f"{src}: tiles[{i}]: {key[0]} / {key[1]} given twice; {_TILES_FIX}")
+        table[key] = tuple(config)
+    return tuple((skeleton, cls, config) for (skeleton, cls), config in table.items())
+
+
 def load_device(name_or_path: str | os.PathLike[str], threads: int | None = None) -> tuple[DeviceSpec, RooflineParams]:
     """A table name ('h100-sxm', 'host': this machine at `threads` OpenMP threads) -> (spec, default
     params: `host_params()` for a CPU); a profile path (ends in .json, contains a path separator,
@@ -138,6 +183,9 @@ def load_device(name_or_path: str | os.PathLike[str], threads: int | None = None
     is_name = text.strip().lower() in DEVICES or text.strip().lower() in HOST_NAMES
     if looks_like_path or (not is_name and Path(text).is_file()):
         profile = load_profile(text)
+        tiles = Path(text).parent / TILES_FILE
+        if tiles.is_file():  # measured on this device: lowering's tensor-core configurations per shape class
+            return dataclasses.replace(profile.device, tuned_tiles=load_tuned_tiles(tiles)), profile.params
         return profile.device, profile.params
     spec = get_device(text, threads)
     return spec, (host_params() if spec.kind == "cpu" else RooflineParams())

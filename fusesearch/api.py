@@ -33,6 +33,8 @@ def resolve_device(name_or_path: str, threads: int | None = None):
     BadInput for an unknown name or a list of several (one command, one device: `compare` takes
     lists)."""
     from costmodels import CostModelError, load_device
+    from costmodels.profile import TILES_FILE
+    from fusesearch.schedule import tuned_table_problem
 
     text = str(name_or_path)
     if "," in text and not Path(text).is_file():
@@ -43,6 +45,9 @@ def resolve_device(name_or_path: str, threads: int | None = None):
     except CostModelError as exc:
         raise BadInput(f"--device {name_or_path}: {exc}") from None
     is_profile = str(name_or_path).endswith(".json") or Path(str(name_or_path)).is_file()
+    if problem := tuned_table_problem(spec.tuned_tiles):
+        raise BadInput(f"--device {name_or_path}: {Path(str(name_or_path)).parent / TILES_FILE}: {problem}; "
+                       "write it again with scripts/tune_tiles.py or remove it")
     return (spec.name, spec, params, str(name_or_path) if is_profile else None)
 
 

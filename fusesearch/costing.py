@@ -19,7 +19,7 @@ from costmodels import DeviceSpec, KernelCost, RooflineModel
 from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import Kernel, choices, lower
+from fusesearch.lowering import Kernel, choices, conv_routed, lower
 from fusesearch.schedule import CpuTarget
 
 
@@ -42,9 +42,15 @@ def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec,
                    blas: bool = True) -> tuple[Kernel, ...] | FusionDecision:
     """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU, for
     its vectors and threads: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes, and
-    `CpuTarget.threads` its `sm_count`, the OpenMP threads its figures were measured with)."""
-    return choices(graph, group, host=device.kind != "gpu" and CpuTarget(blas=blas, lanes=device.warp_size,
-                                                                       threads=max(1, device.sm_count)))
+    `CpuTarget.threads` its `sm_count`, the OpenMP threads its figures were measured with; on a
+    GPU a conv's library calls as the installed route runs them, `lowering.conv_routed`, and its
+    tuned tile table's configurations, `DeviceSpec.tuned_tiles`)."""
+    if device.kind == "gpu":
+        from fusesearch.backends.cudnn import conv_route
+
+        options = choices(graph, group, tuned=device.tuned_tiles)
+        return options if isinstance(options, FusionDecision) else conv_routed(graph, options, conv_route().cudnn)
+    return choices(graph, group, host=CpuTarget(blas=blas, lanes=device.warp_size, threads=max(1, device.sm_count)))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

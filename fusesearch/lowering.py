@@ -17,7 +17,7 @@ take is refused (it runs alone, opaque)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from costmodels import DTYPE_BYTES, KernelSpec
@@ -43,6 +43,7 @@ from fusesearch.schedule import (
     conv_reads_band,
     cpu_products,
     cpu_splits,
+    cudnn_epilogue,
     depthwise_conv,
     disjoint_windows,
     epilogues,
@@ -64,6 +65,7 @@ from fusesearch.schedule import (
     stride_blocks,
     tensor_core_skeleton,
     thread_layout,
+    tuned_choice,
     vectorizable,
 )
 
@@ -168,7 +170,8 @@ def try_lower(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = Fals
     return result if isinstance(result, FusionDecision) else result[0]
 
 
-def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False) -> tuple[Kernel, ...] | FusionDecision:
+def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False,
+            tuned: Sequence[tuple[str, str, tuple[int, ...]]] = ()) -> tuple[Kernel, ...] | FusionDecision:
     """Every schedule the group can run as, each a Kernel the cost model prices and the generator
     writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
     or alone, as the C backend's `packed`/`depthwise`, once per C product it can run as,
@@ -178,27 +181,30 @@ def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False)
     operands have tensor cores) and each CUDA-core tile (`schedule.gemm_tiles`), or `direct`
     where no tile applies; a lone one as the library call (its split-K) and then as those
     generated forms. Every other group has one schedule. A lone op without a template runs as a
-    library call."""
+    library call. `tuned`: a device's tuned tile table (`DeviceSpec.tuned_tiles`): where it has
+    a row for a tensor-core skeleton at the group's shape class, that configuration alone."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None)
+    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None, tuple(tuned))
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return (_lower_opaque(graph, nodes),)
     return result
 
 
-def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None,
+                   tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
     for check in (_check_opaque, _check_shapes, _check_connected_convex, _check_anchor, _check_dtype,
                   _check_windows):
         decision = check(graph, nodes)
         if not decision:
             return decision
-    return _lower_template(graph, nodes, host)
+    return _lower_template(graph, nodes, host, tuned)
 
 
-def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = None) -> tuple[Kernel, ...] | FusionDecision:
+def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = None,
+                    tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
     if anchors:
-        return _anchor_choices(graph, nodes, anchors[0], host)
+        return _anchor_choices(graph, nodes, anchors[0], host, tuned)
     if any(n.kind == OpKind.REDUCE for n in nodes):
         result = _lower_rowwise(graph, nodes)
     elif nodes[0].kind == OpKind.OPAQUE:
@@ -484,7 +490,7 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
 
 
 def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
-                    host: CpuTarget | None) -> tuple[Kernel, ...] | FusionDecision:
+                    host: CpuTarget | None, tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
     row_tile = 0
     for n in nodes:
         if n.kind == OpKind.REDUCE:
@@ -516,10 +522,12 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
         schedule = block_per_row(graph, ids, out_size // row_tile, row_tile, tile=(1, row_tile, k))
         return (_build(graph, nodes, template, anchor.id, out_size, k, live, schedule),)
-    generated = _tensor_core_choices(graph, nodes, anchor, template) + _cuda_core_choices(graph, nodes, anchor, template)
-    if len(nodes) > 1:
-        return generated
-    return (_library_anchor(graph, nodes, anchor, m, n_dim, k), *generated)
+    generated = (_tensor_core_choices(graph, nodes, anchor, template, tuned)
+                 + _cuda_core_choices(graph, nodes, anchor, template))
+    cudnn = cudnn_epilogue(graph, [n.id for n in nodes], anchor)
+    if len(nodes) > 1:  # a conv + bias + activation also as one cuDNN graph: the library, fused epilogue
+        return generated if cudnn is None else (*generated, _library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn-fused"))
+    return (_library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn" if cudnn else ""), *generated)
 
 
 def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:
@@ -538,10 +546,13 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
     return replace(kernel, imbalance=split_imbalance(split, batches, m, n, host))
 
 
-def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
+def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str,
+                         tuned: tuple = ()) -> tuple[Kernel, ...]:
     """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` (wmma) and then one per
     configuration of `mma_sync_tiles` (mma.sync) whose grid fits, where its operands have a
-    tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`)."""
+    tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`); where the tuned
+    table has a skeleton's configuration for the shape class (`schedule.tuned_choice`), that one
+    alone (split-K still a choice beside it)."""
     skeleton = tensor_core_skeleton(graph, anchor)
     if not skeleton or not has_gemm_view(graph, anchor) or anchor_derived(graph, [n.id for n in nodes], anchor) is None:
         return ()
@@ -550,13 +561,19 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
     out_size = graph.tensors[anchor.outputs[0]].size
     stages = 2 if set(anchor.inputs[:2]) & set(external_inputs(graph, nodes)) else 1  # double-buffered when
     kernels = []  # an operand is a plain copy of an input
+    wmma_tuned = tuned_choice(tuned, skeleton, m_z, n_dim)
+    sync_tuned = tuned_choice(tuned, MMA_SYNC_SKELETONS[skeleton], m_z, n_dim)
     for tm, tn, tk in mma_tiles(m, n_dim):
+        if wmma_tuned and (tm, tn) != wmma_tuned:
+            continue
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
         if max(grid[1:]) <= MAX_GRID_YZ:
             live = tm * tn // MMA_THREADS + (tm + tn) // 8 + 2 * (len(nodes) - 1)  # accumulator, operand fragments
             kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live,
                                   mma(skeleton, (tm, tn, tk), stages, grid)))
     for config in mma_sync_tiles(m, n_dim):
+        if sync_tuned and tuple(config) != sync_tuned:
+            continue
         tm, tn, wm, wn, _ = config
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
         split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid).tile, z)
@@ -599,13 +616,16 @@ def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: 
     return (_build(graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes), own, reload_tile=(1, 1, k)),)
 
 
-def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim: int, k: int) -> Kernel:
-    """A lone anchor as the library's call: its heuristic tile, and split-K where the output has
-    few tiles (cuBLAS splits skinny GEMMs), paying the fp32 partial sums' round trip."""
+def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim: int, k: int,
+                    library: str = "") -> Kernel:
+    """A lone anchor as the library's call (`library`: a 2-D conv's is cuDNN's; a conv group with
+    its bias and activation, cuDNN's one fused graph, whose epilogue runs on its accumulators): its
+    heuristic tile, and split-K where the output has few tiles (cuBLAS splits skinny GEMMs),
+    paying the fp32 partial sums' round trip."""
     tm, tn, tk = gemm_tiles(m, n_dim)[0]
     split = split_k(m, n_dim, k, (tm, tn, tk))
     schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=min(THREADS, tm * tn),
-                        smem_bytes=(tm * tk + tk * tn) * 4)
+                        smem_bytes=(tm * tk + tk * tn) * 4, library=library)
     out_size = graph.tensors[anchor.outputs[0]].size
     live = tm * tn // THREADS + (tm + tn) // 16
     kernel = _build(graph, nodes, anchor_template(graph, anchor), anchor.id, out_size * split, k, live, schedule)
@@ -613,6 +633,27 @@ def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim
         return kernel
     partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
     return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
+
+
+def conv_routed(graph: Graph, options: tuple[Kernel, ...], cudnn: bool) -> tuple[Kernel, ...]:
+    """A GPU group's choices as the conv route runs them (`backends.cudnn.conv_route`): as they
+    are where a cuDNN route is installed; else a lone conv's cuDNN call is the named fallback,
+    im2col + cuBLAS through CuPy, paying its panel's round trip (the k x k-unfolded input written,
+    then read by the GEMM), and the fused cuDNN graph is no choice."""
+    if cudnn:
+        return options
+    routed = []
+    for kernel in options:
+        if kernel.schedule.library == "cudnn-fused":
+            continue
+        if kernel.schedule.library == "cudnn":
+            m, _, k = _gemm_dims(graph, graph.nodes[kernel.anchor])
+            groups, _ = _tile_batches(graph, graph.nodes[kernel.anchor])
+            panel = m * k * groups * DTYPE_BYTES[kernel.dtype]
+            kernel = replace(kernel, schedule=replace(kernel.schedule, library="im2col"),
+                             read_bytes=kernel.read_bytes + panel, write_bytes=kernel.write_bytes + panel)
+        routed.append(kernel)
+    return tuple(routed)
 
 
 def anchor_template(graph: Graph, anchor: Node) -> str:

@@ -295,7 +295,7 @@ class _Runner:
         if generated is not None:
             run, fetch = self.backend.runner(generated, inputs)
             return run, fetch, "generated", self._key(generated, shapes), ""
-        how = "library" if len(kernel.nodes) == 1 else PER_NODE
+        how = "library" if len(kernel.nodes) == 1 or kernel.schedule.library else PER_NODE
         calls = []
         for part in self._parts(kernel):
             call, why = self._library(part, where)
@@ -314,8 +314,9 @@ class _Runner:
         return run, fetch, how, None, ""
 
     def _parts(self, kernel) -> list:
-        """The kernel itself when it is one node, else one library Kernel per node."""
-        if len(kernel.nodes) == 1:
+        """The kernel itself when it is one node or one library call (a conv group's fused cuDNN
+        graph), else one library Kernel per node."""
+        if len(kernel.nodes) == 1 or kernel.schedule.library:
             return [kernel]
         from fusesearch.groups import FusionGroup
         from fusesearch.lowering import lower_as_library

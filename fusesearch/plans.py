@@ -245,7 +245,7 @@ class Plan:
             "smem_bytes": int(g.cost.smem_bytes), "regs_per_thread": int(g.cost.regs_per_thread),
             "occupancy": _r(g.cost.occupancy), "bound": g.cost.bound,
             "impl": "alias" if g.kernel.alias else g.kernel.impl, "compute_unit": g.cost.compute_unit,
-            "schedule": g.kernel.schedule.to_dict(), **self._source(g),
+            "schedule": g.kernel.schedule.to_dict(), **self._source(g), **_library_note(g.kernel),
         }
 
     def _source(self, g: PlannedGroup) -> dict[str, str]:
@@ -304,3 +304,12 @@ def plan_schema() -> dict:
     from importlib import resources
 
     return json.loads(resources.files("fusesearch").joinpath("schemas/plan.schema.json").read_text())
+
+
+def _library_note(kernel) -> dict[str, str]:
+    """A conv the plan runs as the im2col fallback says why (`cudnn.conv_route`: no cuDNN route)."""
+    if kernel.schedule.library != "im2col":
+        return {}
+    from fusesearch.backends.cudnn import conv_route
+
+    return {"library_note": conv_route().reason}

@@ -81,15 +81,16 @@ def plan_steps(graph, plan) -> list[Step]:
         if kernel.alias:
             steps.append(Step(g.id, "alias", tuple(g.nodes), (kernel.inputs[0],), tuple(kernel.outputs)))
             continue
-        reason = "the plan runs it as a library call" if kernel.impl == "library" and len(g.nodes) == 1 else ""
+        reason = ("the plan runs it as a library call" if kernel.impl == "library"
+                  and (len(g.nodes) == 1 or kernel.schedule.library) else "")  # a conv group: one cuDNN graph
         if not reason:
             try:
                 generated = generate(graph, kernel)
             except CodegenRefused as exc:
                 reason = str(exc)
         if reason:
-            parts = [kernel] if len(kernel.nodes) == 1 else [lower_as_library(graph, FusionGroup.single(i))
-                                                             for i in kernel.nodes]
+            parts = [kernel] if len(kernel.nodes) == 1 or kernel.impl == "library" else [
+                lower_as_library(graph, FusionGroup.single(i)) for i in kernel.nodes]
             steps += [Step(g.id, "library", tuple(p.nodes), tuple(p.inputs), tuple(p.outputs), part=p,
                            reason=reason) for p in parts]
             continue
@@ -568,6 +569,13 @@ def _array_library_call(graph, step: Step):
     return node.op_type, node.attrs, list(node.inputs), outputs
 
 
+def conv_call(graph, part):
+    """`cudnn.conv_call` of a library step's kernel (None for a step without one)."""
+    from fusesearch.backends.cudnn import conv_call as call
+
+    return call(graph, part) if part is not None else None
+
+
 class CudaProgram(Layout):
     """The plan as one CUDA program on a `device` — `backends.cupy.Device` (a GPU) or
     `backends.emulate.HostDevice` (the CUDA emulator on host memory): one device allocation for the arena at
@@ -597,6 +605,9 @@ class CudaProgram(Layout):
             if s.how == "generated":
                 args = [self.buffer(a.tensor) for a in (*s.kernel.inputs, *s.kernel.outputs)]
                 self.launches.append(device.launcher(functions[s.kernel.name], s.kernel, args))
+            elif s.how == "library" and (conv := conv_call(graph, s.part)) is not None:
+                call, x, w, bias, y = conv
+                self.launches.append(device.conv_library(call, *(self.buffer(t) if t else None for t in (x, w, bias, y))))
             elif s.how == "library" and (call := _array_library_call(graph, s)) is not None:
                 op_type, attrs, ins, outs = call
                 self.launches.append(device.array_library(op_type, attrs, [self.buffer(t) for t in ins],

@@ -33,6 +33,10 @@ MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
 MAX_GRID_YZ = 65535
 MAX_STRIDE_BLOCKS = 65535 * 8  # a grid-stride loop's blocks (the loop covers the rest)
 MAX_ROW_SMEM = 32768  # bytes of shared memory a CUDA row kernel may use to cache computed rows
+SMEM_ALIGN = 16  # every schedule's shared memory is a multiple of it (`Schedule`): a module that holds a
+# kernel with dynamic shared memory (mma.sync) has ptxas start it 16-byte aligned after every other
+# kernel's static shared memory, rounded up to 16; a multiple of 16 rounds to itself, so the bytes
+# priced are the bytes ptxas reports in any module
 ROW_REDUCE_SMEM = 32 * 4  # the block reduction's per-warp partials
 ARGBEST_SMEM = THREADS * (4 + 8)  # ArgMax/ArgMin's block combine: a value and an index per thread
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
@@ -93,6 +97,11 @@ TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs):
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
 SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
 CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its output (`Schedule.split`)
+# The library a GPU conv's library call is (`Schedule.library`): cuDNN's convolution, cuDNN's
+# conv + bias + activation as one graph ("library, fused epilogue", as ONNX Runtime's FusedConv),
+# or the named fallback where no cuDNN route is installed: im2col + cuBLAS through CuPy
+LIBRARY_CALLS = ("cudnn", "cudnn-fused", "im2col")
+CUDNN_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh")  # the epilogues a cuDNN conv graph fuses here
 
 
 @dataclass(frozen=True)
@@ -111,12 +120,16 @@ class Schedule:
     product: str = ""
     epilogue: str = ""
     split: str = ""
+    library: str = ""  # a GPU conv's library call (LIBRARY_CALLS); "" for any other
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
-                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)):
+                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)
+                or (self.library and (self.library not in LIBRARY_CALLS or self.impl != "library"))):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
-                             f" / split {self.split!r}")
+                             f" / split {self.split!r} / library {self.library!r}")
+        if self.smem_bytes % SMEM_ALIGN:
+            raise ValueError(f"schedule: {self.smem_bytes} bytes of shared memory, not a multiple of {SMEM_ALIGN}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
     def to_dict(self) -> dict[str, object]:
@@ -125,7 +138,7 @@ class Schedule:
                 "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue, "split": self.split}
+                "epilogue": self.epilogue, "split": self.split, "library": self.library}
 
     @property
     def blocks(self) -> int:
@@ -197,6 +210,50 @@ def conv_reads_band(graph: Graph, anchor: Node) -> bool:
     group = int(anchor.attrs.get("group", 1))
     return (not depthwise_like(x.shape[1] // group, w.shape[0] // group) and not depthwise_conv(graph, anchor)
             and tuple(w.shape[2:]) != (1, 1))
+
+
+@dataclass(frozen=True)
+class CudnnEpilogue:
+    """A 2-D Conv's epilogue as one cuDNN graph takes it (`cudnn_epilogue`): `bias` the
+    per-channel constant added (the Conv's own B, or an Add of a [C, 1, 1] / [1, C, 1, 1]
+    constant after it; "" for none), `activation` one of CUDNN_ACTIVATIONS ("" for none), `output`
+    the tensor the graph writes."""
+
+    bias: str
+    activation: str
+    output: str
+
+
+def cudnn_epilogue(graph: Graph, nodes: Collection[int], anchor: Node) -> CudnnEpilogue | None:
+    """Where the group is exactly a 2-D Conv (float32, float16 or bfloat16), at most one Add of a
+    per-channel constant bias (and only where the Conv has none) and at most one activation of
+    CUDNN_ACTIVATIONS after it, each value read by the next op alone and not an output: the
+    epilogue, so the group runs as one cuDNN graph (conv_fprop, add, pointwise); else None."""
+    x = graph.tensors[anchor.inputs[0]]
+    if (anchor.op_type != "Conv" or x.shape is None or len(x.shape) != 4
+            or x.dtype not in ("float32", "float16", "bfloat16")):
+        return None
+    bias = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
+    rest, t, activation = set(nodes) - {anchor.id}, anchor.outputs[0], ""
+    channels = graph.tensors[t].shape[1] if graph.tensors[t].shape else 0
+    while rest:
+        users = graph.consumers(t)
+        if len(users) != 1 or users[0] not in rest or graph.is_output(t):
+            return None
+        n = graph.nodes[users[0]]
+        if n.op_type == "Add" and not bias and not activation and len(n.inputs) == 2:
+            c = n.inputs[1] if n.inputs[0] == t else n.inputs[0]
+            info = graph.tensors[c]
+            if not info.constant or info.shape is None or tuple(info.shape) not in ((channels, 1, 1), (1, channels, 1, 1)):
+                return None
+            bias = c
+        elif n.op_type in CUDNN_ACTIVATIONS and not activation:
+            activation = n.op_type
+        else:
+            return None
+        rest.discard(n.id)
+        t = n.outputs[0]
+    return CudnnEpilogue(bias, activation, t) if bias or activation or len(nodes) == 1 else None
 
 
 def folded_scale(graph: Graph, nodes: Collection[int], anchor: Node) -> tuple[str, float, frozenset[int]] | None:
@@ -781,6 +838,40 @@ def mma_sync_tiles(m: int, n: int) -> tuple[tuple[int, ...], ...]:
     return (default, *(t for t in MMA_SYNC_TILES if t != default))
 
 
+def shape_class(m: int, n: int) -> str:
+    """The shape class of an M x N output (per batch or group) in the tuned tile table
+    (`costmodels.kernel.SHAPE_CLASSES`): "skinny" under 2 x SKINNY_M rows, "small" under TARGET_BLOCKS output tiles
+    of 128 x 128, else "large"."""
+    if m < 2 * SKINNY_M:
+        return "skinny"
+    return "small" if math.ceil(m / 128) * math.ceil(n / 128) < TARGET_BLOCKS else "large"
+
+
+def tuned_configurations(skeleton: str) -> tuple[tuple[int, ...], ...]:
+    """Every configuration a tensor-core skeleton can be tuned to: the wmma tiles (BM, BN) of
+    MMA_TILES, the mma.sync configurations (BM, BN, WM, WN, stages) of MMA_SYNC_TILES."""
+    if skeleton in MMA_SYNC_SKELETONS.values():
+        return MMA_SYNC_TILES
+    return MMA_TILES if skeleton in MMA_SKELETONS.values() else ()
+
+
+def tuned_table_problem(rows: Sequence[tuple[str, str, tuple[int, ...]]]) -> str:
+    """Why a tuned tile table cannot be used ('' when it can): a row whose skeleton is not a
+    tensor-core skeleton, or whose configuration is not one of its skeleton's."""
+    for skeleton, cls, config in rows:
+        if tuple(config) not in tuned_configurations(skeleton):
+            known = ", ".join(str(list(c)) for c in tuned_configurations(skeleton)) or "none: not a tensor-core skeleton"
+            return f"{skeleton} / {cls}: configuration {list(config)} is not one of {skeleton}'s ({known})"
+    return ""
+
+
+def tuned_choice(rows: Sequence[tuple[str, str, tuple[int, ...]]], skeleton: str, m: int, n: int) -> tuple[int, ...] | None:
+    """The tuned table's configuration for the skeleton at an M x N output's shape class, or None
+    (no row: the cost model chooses among them all)."""
+    cls = shape_class(m, n)
+    return next((tuple(config) for s, c, config in rows if s == skeleton and c == cls), None)
+
+
 def mma_sync_threads(tile: Sequence[int], warp: Sequence[int]) -> int:
     """Threads of an mma.sync block: a warp per WM x WN share of the BM x BN tile."""
     return (tile[0] // warp[0]) * (tile[1] // warp[1]) * 32
@@ -862,16 +953,22 @@ def row_cache(graph: Graph, nodes: Sequence[int], length: int) -> tuple[str, ...
         if n.op_type == "Softmax" and (graph.is_output(y) or any(c not in members for c in graph.consumers(y))):
             keys.append(exp_row(y))
         for key in keys:
-            if key not in cached and 4 * length * (len(cached) + 1) <= MAX_ROW_SMEM:
+            if key not in cached and 4 * row_floats(length) * (len(cached) + 1) <= MAX_ROW_SMEM:
                 cached.append(key)
     return tuple(cached)
 
 
+def row_floats(length: int) -> int:
+    """Floats of one row cached in shared memory: the row's length rounded up to SMEM_ALIGN bytes,
+    so the kernel's shared memory stays a multiple of it (the generator declares this many)."""
+    return -(-length // (SMEM_ALIGN // 4)) * (SMEM_ALIGN // 4)
+
+
 def row_smem(graph: Graph, nodes: Sequence[int], cache: Sequence[str], length: int) -> int:
-    """Shared memory of a row kernel: its cached rows, the block reduction's partials (any pass
-    that sums or maximizes), ArgMax/ArgMin's block combine."""
+    """Shared memory of a row kernel: its cached rows (`row_floats` each), the block reduction's
+    partials (any pass that sums or maximizes), ArgMax/ArgMin's block combine."""
     ops = {graph.nodes[i].op_type for i in nodes if graph.nodes[i].kind == OpKind.REDUCE}
-    return (4 * length * len(cache) + (ROW_REDUCE_SMEM if ops - ARG_OPS else 0)
+    return (4 * row_floats(length) * len(cache) + (ROW_REDUCE_SMEM if ops - ARG_OPS else 0)
             + (ARGBEST_SMEM if ops & ARG_OPS else 0))
 
 

@@ -4,7 +4,11 @@
 # whole plan as one CUDA program beside ONNX Runtime, PyTorch eager and torch.compile, default and
 # max-autotune with CUDA graphs, over the same model) on bert-small, and the tensor-core kernels of
 # a few zoo shapes (each group's wmma and mma.sync kernels) timed beside the CUDA-core skeleton and
-# `cupy.matmul` (cuBLAS), TF32 allowed, in float32 and float16
+# `cupy.matmul` (cuBLAS), TF32 allowed, in float32 and float16, and the tuned tile table's sweep
+# (scripts/tune_tiles.py --quick: every wmma tile and mma.sync configuration per shape class, one
+# shape each; $OUT/tiles.json, to be committed beside the device's profile.json). The gpu tests
+# include each cuDNN conv route (the cuDNN Frontend graph, PyTorch over DLPack, im2col) against ONNX
+# Runtime; the route the plans use is printed first (`backends.cudnn.conv_route`)
 # (benchmarks/bench_gpu_mma.py; CUPY_TF32=1 throughout, so CuPy's library calls use TF32 as ONNX
 # Runtime's CUDA provider does and as the cost model prices them). Every kernel figure of measure
 # and the benchmark is per launch from CUDA-graph replays (the cupy backend's graph timer): each
@@ -18,12 +22,18 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform any -d .whl \
 #     'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-crt==13.0.*' 'ortools==9.15.*' 'protobuf>=6.33.1,<6.34' \
-#     immutabledict jsonschema jsonschema-specifications referencing rpds-py scipy-openblas32
+#     immutabledict jsonschema jsonschema-specifications referencing rpds-py scipy-openblas32 \
+#     'nvidia-cudnn-frontend==1.32.0'
+# (nvidia-cudnn-frontend: 12 MB; its CUTLASS DSL and TVM FFI requirements serve other graphs and are
+# imported lazily, so they need not travel; the image's nvidia-cudnn-cu13 gives it libcudnn.)
 # It fails (exit 1, one line on stderr) when no GPU is visible — checked first, before anything
 # is installed — and when the gpu tests did not really run on the GPU: none selected, or any of
 # them skipped (scripts/gpu_tests_ran.py reads pytest's JUnit report); when a measure or the
 # run fails; and when a tensor-core kernel differs from the CUDA-core one beyond the TF32 tolerance.
-# Usage: bash scripts/gpu_check.sh   (162 s on an H200: experiments/h200-check/)
+# Usage: bash scripts/gpu_check.sh   (162 s on an H200 before the sweep and the cuDNN tests:
+# experiments/h200-check/). Its own estimate, printed with the time each step took, is at most
+# ESTIMATE_S (gpu tests 120 s, two measures 80 s, the run 60 s, two benchmarks 80 s, the sweep
+# 120 s), under the 8 minutes it must fit; past LIMIT_S it says so and fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi > /dev/null 2>&1; then
@@ -34,6 +44,9 @@ if ! gpus=$(nvidia-smi -L 2>&1) || ! grep -q '^GPU ' <<< "$gpus"; then
   echo "gpu_check: no GPU visible: nvidia-smi -L lists none (${gpus%%$'\n'*}); run this on a GPU machine" >&2
   exit 1
 fi
+ESTIMATE_S=460
+LIMIT_S=480
+step() { echo "gpu_check: $1 done at ${SECONDS} s (estimate for the whole check ${ESTIMATE_S} s)"; }
 export CUPY_TF32=1
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -49,6 +62,10 @@ if not decision:  # nvidia-smi sees a GPU but CuPy does not: a broken install or
     sys.exit(1)
 print("cupy available:", decision, "gpus:", gpu.gpu_count())
 print("device:", gpu.device_name(), "L2 bytes:", gpu.l2_bytes())
+from fusesearch.backends.cudnn import conv_route
+
+route = conv_route()
+print("conv library route:", route.name, f"({route.reason})")
 PY
 set +e
 xdist=$($PY -c "import xdist" 2> /dev/null && echo "-n 4" || true)  # 16 cores: compiles run beside each other
@@ -60,6 +77,7 @@ echo "$ran" | tee -a "$OUT/gpu_tests.log"
 if [ "$ran_status" -ne 0 ] && [ "$status" -eq 0 ]; then
   status=1
 fi
+step "gpu tests"
 for model in bert-small resnet18; do
   $PY -m fusesearch measure "zoo:$model" --backend cupy --device h200 --strategy cpsat --budget 0.1 \
     -o "$OUT/measure_$model.parquet" --force --json > "$OUT/measure_$model.json" 2> "$OUT/measure_$model.err"
@@ -90,6 +108,7 @@ except Exception as exc:  # the .err file says why
     print("  no result:", exc)
 PY
 done
+step "measure"
 $PY -m fusesearch run zoo:bert-small --backend cupy --device h200 --json \
   > "$OUT/run_bert-small.json" 2> "$OUT/run_bert-small.err" \
   || { echo "gpu_check: run zoo:bert-small --backend cupy failed: $(head -1 "$OUT/run_bert-small.err")" >&2; status=1; }
@@ -110,6 +129,7 @@ try:
 except Exception as exc:  # the .err file says why
     print("run bert-small --backend cupy: no result:", exc)
 PY
+step "run"
 for dtype in float32 float16; do
   bench="bench_gpu_mma_$dtype"
   $PY benchmarks/bench_gpu_mma.py --dtype "$dtype" --out "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
@@ -118,6 +138,17 @@ for dtype in float32 float16; do
     status=1
   fi
 done
+step "bench_gpu_mma"
+$PY scripts/tune_tiles.py --quick --out "$OUT/tiles.json" 2>&1 | tee "$OUT/tune_tiles.log"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+  echo "gpu_check: scripts/tune_tiles.py failed: $(grep -m1 -E 'Error|error|differs' "$OUT/tune_tiles.log")" >&2
+  status=1
+fi
+step "tuned tile sweep ($OUT/tiles.json: commit it beside the device's profile.json)"
+if [ "$SECONDS" -gt "$LIMIT_S" ]; then
+  echo "gpu_check: took ${SECONDS} s, past its ${LIMIT_S} s limit (estimate ${ESTIMATE_S} s)" >&2
+  status=1
+fi
 if [ "$ran_status" -ne 0 ]; then
   echo "gpu_check: $ran" >&2
 fi

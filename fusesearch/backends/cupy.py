@@ -181,6 +181,26 @@ def library_runner(op_type: str, attrs, inputs: list, outputs: list[str]) -> tup
     return launch, fetch
 
 
+def conv_library_runner(graph, kernel, values: dict) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """(launch, fetch) for a conv group's library call (`cudnn.conv_call`) by the process's route
+    (`cudnn.conv_route`) on its inputs copied once to the device."""
+    import numpy as np
+
+    from fusesearch.backends.cudnn import conv_call, conv_route, conv_runner
+
+    cupy = _import_cupy()
+    call, x, w, bias, y = conv_call(graph, kernel)
+    args = [cupy.asarray(values[t]) if t else None for t in (x, w, bias)]
+    out = cupy.empty(graph.tensors[y].shape, dtype=np.dtype(graph.tensors[y].dtype))
+    go = conv_runner(conv_route().name, cupy, call, *args, out)
+
+    def fetch() -> dict:
+        cupy.cuda.get_current_stream().synchronize()
+        return {y: cupy.asnumpy(out)}
+
+    return go, fetch
+
+
 def device_name() -> str:
     cupy = _import_cupy()
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
@@ -304,6 +324,22 @@ class Device:
         def launch() -> None:
             with stream:
                 arraylib.run_into(cupy, op_type, attrs, inputs, outputs)
+
+        return launch
+
+    def conv_library(self, call, x, w, bias, y) -> Callable[[], None]:
+        """A conv group's library call on the device buffers, on the program's stream, by the
+        process's route (`cudnn.conv_route`: one cuDNN Frontend graph, PyTorch's conv over the
+        buffers shared by DLPack, or the im2col fallback)."""
+        from fusesearch.backends.cudnn import conv_route, conv_runner
+
+        cupy, stream = self.cupy, self.stream
+        with stream:
+            go = conv_runner(conv_route().name, cupy, call, x, w, bias, y, stream)
+
+        def launch() -> None:
+            with stream:
+                go()
 
         return launch
 

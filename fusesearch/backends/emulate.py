@@ -74,7 +74,7 @@ static float fs_slots[FS_MAX_THREADS];
 static ucontext_t fs_sched, fs_ctx[FS_MAX_THREADS];
 static unsigned fs_cur, fs_queue[FS_MAX_THREADS], fs_head, fs_tail, fs_ended;
 static char* fs_stacks;
-static bool fs_misaligned;  // a lane gave ldmatrix a row address that is not 16-byte aligned
+static bool fs_misaligned;  // a lane gave ldmatrix a row address, or a 16-byte cp.async an address, not 16-byte aligned
 static void fs_barrier_init(fs_barrier* b, unsigned count) { b->count = count; b->waiting = 0; }
 static inline void fs_ready(unsigned t) { fs_queue[fs_tail++ % FS_MAX_THREADS] = t; }
 static void fs_wait(fs_barrier* b) {
@@ -196,6 +196,10 @@ static inline float fs_to_float(float v) { return v; }
 static inline float fs_to_float(__half v) { return __half2float(v); }
 static inline float fs_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 static inline void fs_cp_async4(void* dst, const void* src) { memcpy(dst, src, 4); }
+static inline void fs_cp_async16(void* dst, const void* src) {  // both 16-byte aligned, as the GPU needs
+    if ((uintptr_t)dst % 16 || (uintptr_t)src % 16) fs_misaligned = true;
+    memcpy(dst, src, 16);
+}
 static inline void fs_cp_async_commit() {}
 template <int N> static inline void fs_cp_async_wait() {}
 static inline void fs_warp_collective() { fs_wait(&fs_warps[fs_tid() >> 5]); }
@@ -446,8 +450,8 @@ def _launch(kernel: GeneratedKernel, fn, pointers: Sequence[int]) -> None:
     if rc == -3:
         raise FusesearchError(f"{kernel.name}: no memory for the emulated threads' stacks")
     if rc == -4:
-        raise FusesearchError(f"{kernel.name}: an ldmatrix row address is not 16-byte aligned (a misaligned-address "
-                              "fault on the GPU)")
+        raise FusesearchError(f"{kernel.name}: an ldmatrix row address or a 16-byte cp.async address is not 16-byte "
+                              "aligned (a misaligned-address fault on the GPU)")
     if rc != 0:
         raise FusesearchError(f"{kernel.name}: a barrier was never reached by all its threads "
                               "(a thread skipped __syncthreads or a warp-collective operation: divergent barrier)")
@@ -506,6 +510,13 @@ class HostDevice:
         from fusesearch.backends import arraylib
 
         return self._recorded(lambda: arraylib.run_into(np, op_type, attrs, inputs, outputs))
+
+    def conv_library(self, call, x, w, bias, y) -> Callable[[], None]:
+        """A conv group's library call with numpy over the host buffers: im2col, the bias, the
+        activation (`cudnn.conv_runner`'s fallback route; the emulator has no cuDNN)."""
+        from fusesearch.backends.cudnn import conv_runner
+
+        return self._recorded(conv_runner("im2col", np, call, x, w, bias, y))
 
     def _recorded(self, go: Callable[[], None]) -> Callable[[], None]:
         def launch() -> None:

@@ -278,6 +278,8 @@ class _Cupy(Backend):
     def library_call(self, canonical, graph, part, values: dict) -> tuple[Call | None, str]:
         from fusesearch.backends import cupy as gpu
 
+        if part.schedule.library:  # a conv group: cuDNN's call or fused graph, by the installed route
+            return gpu.conv_library_runner(graph, part, values), ""
         node, outputs, why = _array_node(graph, part, "GPU")
         if node is None:
             return None, why

@@ -224,3 +224,52 @@ def test_every_configuration_compiles_for_sm80_and_sm90_without_spills(tmp_path)
             res = result.resource(gk.name)
             assert res.registers > 0 and res.spill_store_bytes == res.spill_load_bytes == 0, (gk.name, arch, res)
             assert res.smem_bytes == 0 and gk.dynamic_smem == schedules[gk.name].smem_bytes, (gk.name, arch, res)
+
+
+def gemm_trans_b(tmp_path, m: int, n: int, k: int):
+    """Gemm(a, b^T) + bias, ReLU: A row-major and B K-contiguous (transB), both plain inputs."""
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1), helper.make_node("Relu", ["y"], ["out"])]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return save(make_model(nodes, [("a", [m, k])], [("out", None)], [("b", rand(n, k)), ("c", rand(n, seed=2))]),
+                tmp_path / "g.onnx")
+
+
+@emulated
+@pytest.mark.parametrize("dtype,skeleton", [("float16", "mma-sync-f16"), ("bfloat16", "mma-sync-bf16")])
+def test_half_operands_are_staged_by_16_byte_cp_async(tmp_path, dtype, skeleton):
+    """The half model's Gemm (M = 37, N = 45, K = 72: nine 16-byte chunks per row, partial tiles
+    in M, N and K): both operands K-contiguous half inputs, so each thread copies 16-byte chunks
+    (8 halves) by cp.async, zero-filling the chunks past M, N or K (the emulator faults a chunk
+    that is not 16-byte aligned); every configuration equal to ONNX Runtime. With K = 70 (rows
+    not whole chunks) the element-wise staging stays."""
+    path = gemm_trans_b(tmp_path / "k72", 37, 45, 72)
+    for config in MMA_SYNC_TILES:
+        gk = run_config(path, skeleton, config, dtype=dtype)
+        assert gk.cuda_source.count("fs_cp_async16(&") == 2 and "fs_cp_async4(&" not in gk.cuda_source
+    gk = run_config(gemm_trans_b(tmp_path / "k70", 37, 45, 70), skeleton, MMA_SYNC_TILES[-1], dtype=dtype)
+    assert "fs_cp_async16(&" not in gk.cuda_source
+
+
+def test_16_byte_staging_compiles_for_sm80_and_sm90_without_spills(tmp_path):
+    """Every configuration with 16-byte staging (FP16 and BF16, unsplit and split-K) compiles by
+    NVRTC for sm_80 and sm_90 with no spills and the schedule's dynamic shared memory."""
+    nvrtc = pytest.importorskip("fusesearch.backends.nvrtc")
+    if not nvrtc.toolchain_available():
+        pytest.skip("no CUDA compiler (NVRTC or nvcc)")
+    kernels, schedules = [], {}
+    for dtype, skeleton in (("float16", "mma-sync-f16"), ("bfloat16", "mma-sync-bf16")):
+        prep = prepare(gemm_trans_b(tmp_path / dtype, 300, 500, 256), tf32=True, dtype=dtype)
+        kernel = lower(prep.graph, FusionGroup(frozenset(range(len(prep.graph)))))
+        for config in MMA_SYNC_TILES:
+            for split in (1, 2):
+                schedule = mma_sync(skeleton, config, (math.ceil(500 / config[1]), math.ceil(300 / config[0]), 1), split)
+                name = f"k{len(kernels)}"
+                kernels.append(generate(prep.graph, replace(kernel, schedule=schedule), name=name))
+                schedules[name] = schedule
+    assert all(gk.cuda_source.count("fs_cp_async16(&") == 2 for gk in kernels)
+    for arch in nvrtc.ARCHES:
+        result = nvrtc.compile_cuda(cuda_module(kernels), arch=arch)
+        for gk in kernels:
+            res = result.resource(gk.name)
+            assert res.registers > 0 and res.spill_store_bytes == res.spill_load_bytes == 0, (gk.name, arch, res)
+            assert res.smem_bytes == 0 and gk.dynamic_smem == schedules[gk.name].smem_bytes, (gk.name, arch, res)

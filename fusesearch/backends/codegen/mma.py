@@ -48,6 +48,9 @@ _CP_ASYNC = """#ifndef FS_EMULATED
 __device__ __forceinline__ void fs_cp_async4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
 }
+__device__ __forceinline__ void fs_cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
 __device__ __forceinline__ void fs_cp_async_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
 template <int N> __device__ __forceinline__ void fs_cp_async_wait() { asm volatile("cp.async.wait_group %0;\\n" :: "n"(N)); }
 #endif

@@ -4,7 +4,8 @@ Problem: wmma leaves tensor-core throughput unused; sm_80+ needs `mma.sync` fed 
 Approach: the anchor as z GEMMs (`contraction`), a BM x BN tile per block, WM x WN per warp,
 `mma.sync` m16n8k8 (TF32) or m16n8k16 (FP16/BF16) into float registers. Staging: A and B
 K-contiguous per BK step, prologue applied (`tile_parts`, `mma.staged_element`), plain float loads
-by cp.async. Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
+by 4-byte cp.async, a half operand read as it is and K-contiguous by 16-byte cp.async per thread
+(`vector_source`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
 `stages` buffers with stages - 1 steps in flight; `ldmatrix.x4` for every operand (TF32 as b16
 pairs, rounded by `fs_tf32`); the epilogue on the accumulators (`ptx` layout), one store. Split-K
 (`schedule.mma_sync_split`): each split writes its partial to the module's workspace and the last
@@ -17,6 +18,7 @@ in order on one stream, counters back at 0; the same text runs in the emulator (
 from __future__ import annotations
 
 import math
+import re
 
 from fusesearch.backends.codegen.base import CodegenRefused, _indent, cuda_entry
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
@@ -49,6 +51,24 @@ def swizzled(row: str, col: str, row_elems: int, esize: int) -> str:
     return f"({row}) * {row_elems} + {chunk} + (({col}) & {per_chunk - 1})"
 
 
+_HALF_LOAD = re.compile(r"float (v\d+) = fs_(float16|bfloat16)_load\((in\d+\[(?:.* \+ )?gk\])\);")
+_OPERAND_DTYPE = {"mma-sync-f16": "float16", "mma-sync-bf16": "bfloat16"}
+
+
+def vector_source(skeleton: str, lines, value: str, k_contiguous: bool, k: int) -> str:
+    """The global element a 16-byte cp.async of an operand's chunk starts at (`in0[...]`, at the
+    chunk's gk), or '' where the operand is not copied so: it must be a kernel input of the
+    operand's half type read as it is (no prologue), contiguous along K (A row-major, B
+    K-contiguous), K a whole number of 16-byte chunks (every row, and so every chunk, 16-byte
+    aligned: the buffers are), its index ending in `+ gk`."""
+    per_chunk = CHUNK // MMA_ELEMENT_BYTES[skeleton]
+    load = _HALF_LOAD.fullmatch(lines[0]) if len(lines) == 1 else None
+    if (skeleton not in _OPERAND_DTYPE or not k_contiguous or k % per_chunk or load is None or load[1] != value
+            or load[2] != _OPERAND_DTYPE[skeleton]):
+        return ""
+    return load[3]
+
+
 def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     """CUDA for a gemm/conv group whose schedule is `mma-sync-*`: its block tile, warp tile,
     stages, threads and grid as the schedule gives them."""
@@ -75,26 +95,34 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     def at(row: str, col: str) -> str:
         return swizzled(row, col, tk, esize)
 
+    def operand(dst: str, row: str, rows: int, extent: int, outer: str, lines, value, k_contiguous: bool) -> list[str]:
+        """The staging loop of one operand (`rows` x BK of it into `dst`): 16-byte cp.async chunks
+        where `vector_source` allows, else an element per iteration."""
+        g = "g" + row[0]
+        source = vector_source(skeleton, lines, value, k_contiguous, c.k)
+        inside = f"{g} < {extent}LL && gk < {c.k}LL"
+        if source:  # a chunk of per_chunk elements along K per iteration: all in, or all past K's end
+            return [f"for (int l = tid; l < {rows * tk // per_chunk}; l += {threads}) {{",
+                    f"    const int {row} = l / {tk // per_chunk}, kk = l % {tk // per_chunk} * {per_chunk};",
+                    f"    const long long {g} = {outer} + {row}, gk = k0 + kk;",
+                    f"    if ({inside}) fs_cp_async16(&{dst}[{at(row, 'kk')}], &{source});",
+                    f"    else for (int e = 0; e < {per_chunk}; ++e) {dst}[{at(row, 'kk')} + e] = {zero};",
+                    "}"]
+        return [f"for (int l = tid; l < {rows * tk}; l += {threads}) {{",
+                (f"    const int {row} = l / {tk}, kk = l % {tk};" if k_contiguous else
+                 f"    const int kk = l / {rows}, {row} = l % {rows};"),
+                f"    const long long {g} = {outer} + {row}, gk = k0 + kk;",
+                f"    if ({inside}) {{",
+                *["        " + x for x in staged_element(skeleton, lines, value, f"{dst}[{at(row, 'kk')}]")],
+                f"    }} else {dst}[{at(row, 'kk')}] = {zero};",
+                "}"]
+
     stage_fn = [
         "auto stage = [&](long long k0, int s) {",
         f"    {elem}* a_dst = As + s * {a_stage};",
         f"    {elem}* b_dst = Bs + s * {b_stage};",
-        f"    for (int l = tid; l < {tm * tk}; l += {threads}) {{",
-        (f"        const int kk = l / {tm}, mm = l % {tm};" if a_col else
-         f"        const int mm = l / {tk}, kk = l % {tk};"),
-        "        const long long gm = m0 + mm, gk = k0 + kk;",
-        f"        if (gm < {c.m}LL && gk < {c.k}LL) {{",
-        *["            " + x for x in staged_element(skeleton, parts.a_lines, parts.a_val, f"a_dst[{at('mm', 'kk')}]")],
-        f"        }} else a_dst[{at('mm', 'kk')}] = {zero};",
-        "    }",
-        f"    for (int l = tid; l < {tn * tk}; l += {threads}) {{",
-        (f"        const int nn = l / {tk}, kk = l % {tk};" if b_col else
-         f"        const int kk = l / {tn}, nn = l % {tn};"),
-        "        const long long gk = k0 + kk, gn = n0 + nn;",
-        f"        if (gk < {c.k}LL && gn < {c.n}LL) {{",
-        *["            " + x for x in staged_element(skeleton, parts.b_lines, parts.b_val, f"b_dst[{at('nn', 'kk')}]")],
-        f"        }} else b_dst[{at('nn', 'kk')}] = {zero};",
-        "    }",
+        *["    " + x for x in operand("a_dst", "mm", tm, c.m, "m0", parts.a_lines, parts.a_val, not a_col)],
+        *["    " + x for x in operand("b_dst", "nn", tn, c.n, "n0", parts.b_lines, parts.b_val, b_col)],
         "};",
     ]
     tf32 = skeleton == "mma-sync-tf32"

@@ -38,7 +38,7 @@ from fusesearch.backends.codegen.hoist import hoist_invariants
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel, reduced_rows
-from fusesearch.schedule import ARG_OPS, THREADS, exp_row
+from fusesearch.schedule import ARG_OPS, THREADS, exp_row, row_floats
 
 # -- rowwise ----------------------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
         cu_lines.append(f"{cu_buffer}[j] = {cu_value};")
         cu_value = f"{cu_buffer}[j]"
     head = [f"float {buffer}[{plan.length}];"] if buffer else []
-    cu_head = [f"__shared__ float {cu_buffer}[{plan.length}];"] if cu_buffer else []
+    cu_head = [f"__shared__ float {cu_buffer}[{row_floats(plan.length)}];"] if cu_buffer else []
     is_max = "fmax" in combine
 
     def merge(target: str, value: str) -> str:  # C: a compare-select max vectorizes (fmaxf does not); never NaN
