@@ -43,7 +43,7 @@ def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec,
     """`lowering.choices` as `device` runs the group (a CPU's C forms where it is not a GPU, for
     its vectors and threads: `CpuTarget.lanes` is the device's `warp_size`, its float32 lanes, and
     `CpuTarget.threads` its `sm_count`, the OpenMP threads its figures were measured with; on a
-    GPU a conv's library calls as the installed route runs them, `lowering.conv_routed`, and its
+    GPU a conv's library calls by the route plans price, `lowering.conv_routed`, and its
     tuned tile table's configurations, `DeviceSpec.tuned_tiles`)."""
     if device.kind == "gpu":
         from fusesearch.backends.cudnn import conv_route

@@ -307,7 +307,7 @@ def plan_schema() -> dict:
 
 
 def _library_note(kernel) -> dict[str, str]:
-    """A conv the plan runs as the im2col fallback says why (`cudnn.conv_route`: no cuDNN route)."""
+    """A conv the plan runs as the im2col fallback says why (`cudnn.conv_route`)."""
     if kernel.schedule.library != "im2col":
         return {}
     from fusesearch.backends.cudnn import conv_route

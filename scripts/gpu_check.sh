@@ -62,10 +62,10 @@ if not decision:  # nvidia-smi sees a GPU but CuPy does not: a broken install or
     sys.exit(1)
 print("cupy available:", decision, "gpus:", gpu.gpu_count())
 print("device:", gpu.device_name(), "L2 bytes:", gpu.l2_bytes())
-from fusesearch.backends.cudnn import conv_route
+from fusesearch.backends.cudnn import conv_route, installed_route
 
-route = conv_route()
-print("conv library route:", route.name, f"({route.reason})")
+planned, here = conv_route(), installed_route()
+print("conv library route: plans price", planned.name, f"({planned.reason}); runs by", here.name, f"({here.reason})")
 PY
 set +e
 xdist=$($PY -c "import xdist" 2> /dev/null && echo "-n 4" || true)  # 16 cores: compiles run beside each other

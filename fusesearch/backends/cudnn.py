@@ -1,20 +1,17 @@
-"""cuDNN convolutions on a GPU: which route runs them, and the runners of each.
+"""cuDNN convolutions on a GPU: which route plans price and programs run, and each route's runner.
 
 Problem: a GPU user's conv is cuDNN's, and cuDNN's conv + bias + activation graph ("library, fused
 epilogue", as ONNX Runtime's FusedConv) is one more choice a fused kernel must beat; CuPy 14 has
 no cuDNN bindings, and CI has no GPU.
-Approach: one route per process (`conv_route`), decided once: NVIDIA's cuDNN Frontend Python
-package (`nvidia-cudnn-frontend`, imported as `cudnn`; preferred: it takes CuPy's device pointers
-as they are and builds the fused graph, conv_fprop then add then the activation, as one execution
-plan), else PyTorch's conv (cuDNN underneath) on the same buffers shared through DLPack (no copy;
-its bias and activation are further launches, so it prices as the fused graph only where cuDNN
-fuses them itself), else the named fallback, im2col + cuBLAS through CuPy (`arraylib`), where
-the fused choice is not offered and the lone conv is priced with its panel's round trip
-(`lowering.conv_routed`). `FUSESEARCH_CONV_LIBRARY` names the route for a plan made on another
-machine than the GPU's (a bad value is a BadInput naming the variable). `conv_runner` runs a
-conv group's library call on device arrays (the cupy backend's `Device.conv_library`).
+Approach: routes, preferred first: the cuDNN Frontend package (takes CuPy's device pointers, builds
+conv_fprop + bias + activation as one graph), PyTorch's conv over DLPack-shared buffers (the
+epilogue as further launches), the named fallback im2col + cuBLAS through CuPy (no fused choice;
+the lone conv priced with its panel's round trip, `lowering.conv_routed`). Plans price cuDNN
+unless `FUSESEARCH_CONV_LIBRARY` names a route (`conv_route`: the GPU's library, not what the
+planning machine has); programs run by the installed route (`run_route`), refusing a cuDNN plan
+where none is installed. `conv_runner` runs a conv group's call on device arrays.
 Invariants: no import of cupy here (the caller passes it); cudnn is imported only in its runner,
-torch through `torch_baseline.load_torch`; `conv_route` looks packages up without importing them."""
+torch through `torch_baseline.load_torch`; packages are looked up without importing them."""
 
 from __future__ import annotations
 
@@ -47,18 +44,38 @@ class ConvRoute:
 
 @functools.cache
 def conv_route() -> ConvRoute:
-    """The route of this process: `ROUTE_ENV` where set, else the first of ROUTES whose package is
-    installed (looked up, not imported)."""
+    """The route plans price: `ROUTE_ENV` where set, else cuDNN's Frontend, whatever this machine
+    has installed (a plan is priced for the GPU, which is often not the machine that plans)."""
     named = os.environ.get(ROUTE_ENV, "").strip()
     if named:
         if named not in ROUTES:
-            raise BadInput(f"{ROUTE_ENV}={named!r}: expected one of {', '.join(ROUTES)}; unset it to detect the route")
+            raise BadInput(f"{ROUTE_ENV}={named!r}: expected one of {', '.join(ROUTES)}; unset it to plan with cuDNN")
+        if named == "im2col":
+            return ConvRoute(named, f"{ROUTE_ENV}=im2col: convs run as im2col + cuBLAS through CuPy")
         return ConvRoute(named, f"{ROUTE_ENV}={named}")
+    return ConvRoute(ROUTES[0], f"a GPU's cuDNN (set {ROUTE_ENV}=im2col to plan without it)")
+
+
+@functools.cache
+def installed_route() -> ConvRoute:
+    """The first of ROUTES whose package this machine has (looked up, not imported)."""
     for name in ROUTES[:-1]:
         if importlib.util.find_spec(_MODULES[name]) is not None:
             return ConvRoute(name, f"the {_MODULES[name]} package is installed")
-    return ConvRoute("im2col", f"no cuDNN route: neither nvidia-cudnn-frontend nor torch is installed; {INSTALL_HINT}"
-                               "; convs run as im2col + cuBLAS through CuPy")
+    return ConvRoute("im2col", f"neither nvidia-cudnn-frontend nor torch is installed; {INSTALL_HINT}")
+
+
+def run_route() -> str:
+    """The route this process runs a planned conv call by: the im2col fallback where plans price
+    it, else the installed cuDNN route; a plan priced with cuDNN on a machine without one is a
+    BadInput (running it as im2col would not be the kernel the plan priced)."""
+    planned, here = conv_route(), installed_route()
+    if not planned.cudnn:
+        return planned.name
+    if not here.cudnn:
+        raise BadInput(f"the plan runs its convs as cuDNN calls, but {here.reason}; "
+                       f"or plan with {ROUTE_ENV}=im2col")
+    return here.name
 
 
 @dataclass(frozen=True)

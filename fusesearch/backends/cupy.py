@@ -183,16 +183,16 @@ def library_runner(op_type: str, attrs, inputs: list, outputs: list[str]) -> tup
 
 def conv_library_runner(graph, kernel, values: dict) -> tuple[Callable[[], None], Callable[[], dict]]:
     """(launch, fetch) for a conv group's library call (`cudnn.conv_call`) by the process's route
-    (`cudnn.conv_route`) on its inputs copied once to the device."""
+    (`cudnn.run_route`) on its inputs copied once to the device."""
     import numpy as np
 
-    from fusesearch.backends.cudnn import conv_call, conv_route, conv_runner
+    from fusesearch.backends.cudnn import conv_call, conv_runner, run_route
 
     cupy = _import_cupy()
     call, x, w, bias, y = conv_call(graph, kernel)
     args = [cupy.asarray(values[t]) if t else None for t in (x, w, bias)]
     out = cupy.empty(graph.tensors[y].shape, dtype=np.dtype(graph.tensors[y].dtype))
-    go = conv_runner(conv_route().name, cupy, call, *args, out)
+    go = conv_runner(run_route(), cupy, call, *args, out)
 
     def fetch() -> dict:
         cupy.cuda.get_current_stream().synchronize()
@@ -329,13 +329,13 @@ class Device:
 
     def conv_library(self, call, x, w, bias, y) -> Callable[[], None]:
         """A conv group's library call on the device buffers, on the program's stream, by the
-        process's route (`cudnn.conv_route`: one cuDNN Frontend graph, PyTorch's conv over the
+        process's route (`cudnn.run_route`: one cuDNN Frontend graph, PyTorch's conv over the
         buffers shared by DLPack, or the im2col fallback)."""
-        from fusesearch.backends.cudnn import conv_route, conv_runner
+        from fusesearch.backends.cudnn import conv_runner, run_route
 
         cupy, stream = self.cupy, self.stream
         with stream:
-            go = conv_runner(conv_route().name, cupy, call, x, w, bias, y, stream)
+            go = conv_runner(run_route(), cupy, call, x, w, bias, y, stream)
 
         def launch() -> None:
             with stream:

@@ -90,17 +90,13 @@ def test_conv_group_choices_and_prices_with_cudnn_on_h100(tmp_path, route):
     assert cheapest(group, spec, model)[1].time_s <= cost.time_s
 
 
-def test_without_a_cudnn_route_the_plan_names_the_im2col_fallback(tmp_path, route):
-    """Neither nvidia-cudnn-frontend nor torch installed (this machine; skipped where one is): the
-    route is im2col and says what to install; the lone conv's library choice is the fallback,
-    priced with the unfolded panel (N·P x C·9 elements) written and read back, the fused graph
-    is no choice; a plan of the lone conv on h100-sxm records `library: im2col` and the reason."""
-    import importlib.util
-
-    if importlib.util.find_spec("cudnn") or importlib.util.find_spec("torch"):
-        pytest.skip("a cuDNN route is installed here")
-    fallback = route(None)
-    assert fallback.name == "im2col" and not fallback.cudnn and "nvidia-cudnn-frontend" in fallback.reason
+def test_the_im2col_route_plan_names_the_fallback(tmp_path, route):
+    """Plans priced for the im2col fallback (`FUSESEARCH_CONV_LIBRARY=im2col`): the lone conv's
+    library choice is the fallback, priced with the unfolded panel (N·P x C·9 elements) written
+    and read back, the fused graph is no choice; a plan of the lone conv on h100-sxm records
+    `library: im2col` and the reason."""
+    fallback = route("im2col")
+    assert fallback.name == "im2col" and not fallback.cudnn and cudnn.ROUTE_ENV in fallback.reason
     path = conv_bias_relu(tmp_path, n=2, c=8, hw=10, k=16)
     prep, spec, _ = on_h100(path)
     graph = prep.graph
@@ -114,7 +110,26 @@ def test_without_a_cudnn_route_the_plan_names_the_im2col_fallback(tmp_path, rout
     p = make_plan(path, device="h100-sxm", strategy="greedy", lone_anchors="library", max_group_size=1)
     doc = json.loads(json.dumps(p.to_dict()))
     conv = next(g for g in doc["groups"] if g["ops"] == ["Conv"])
-    assert conv["schedule"]["library"] == "im2col" and "nvidia-cudnn-frontend" in conv["library_note"]
+    assert conv["schedule"]["library"] == "im2col" and cudnn.ROUTE_ENV in conv["library_note"]
+
+
+def test_plans_price_cudnn_whatever_the_planning_machine_has(tmp_path, route, monkeypatch):
+    """Unset, the route plans price is cuDNN's Frontend even where neither package is installed
+    (a plan is priced for the GPU), so the same flags give the same plan on any machine; a
+    program on a machine without a cuDNN route refuses such a plan in one line (BadInput) naming
+    the fix, and runs an im2col plan as im2col."""
+    from fusesearch.errors import BadInput
+
+    assert route(None).name == "cudnn-frontend"
+    path = conv_bias_relu(tmp_path, n=2, c=8, hw=10, k=16)
+    p = make_plan(path, device="h100-sxm", strategy="greedy", lone_anchors="library", max_group_size=1)
+    conv = next(g for g in p.to_dict()["groups"] if g["ops"] == ["Conv"])
+    assert conv["schedule"]["library"] == "cudnn" and "library_note" not in conv
+    monkeypatch.setattr(cudnn, "installed_route", lambda: cudnn.ConvRoute("im2col", "no cuDNN here"))
+    with pytest.raises(BadInput, match="no cuDNN here.*FUSESEARCH_CONV_LIBRARY=im2col"):
+        cudnn.run_route()
+    route("im2col")
+    assert cudnn.run_route() == "im2col"
 
 
 def test_a_bad_route_name_is_bad_input(tmp_path, monkeypatch, route, run_cli):

@@ -8,9 +8,8 @@ by 4-byte cp.async, a half operand read as it is and K-contiguous by 16-byte cp.
 (`vector_source`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
 `stages` buffers with stages - 1 steps in flight; `ldmatrix.x4` for every operand (TF32 as b16
 pairs, rounded by `fs_tf32`); the epilogue on the accumulators (`ptx` layout), one store. Split-K
-(`schedule.mma_sync_split`): each split writes its partial to the module's workspace and the last
-block on the tile's arrival counter sums partials in split order, resets it and runs the epilogue
-(one kernel: no zeroed output as atomics need, no second launch).
+(`schedule.mma_sync_split`): each split writes its partial to the workspace; the last block on the
+tile's arrival counter sums them in split order, resets it and runs the epilogue (one kernel).
 Invariants: tile, warp, stages, threads, grid and dynamic shared memory are the schedule's
 (`schedule.mma_sync`, `mma_sync_smem_bytes`, `GeneratedKernel.dynamic_smem`); split-K launches run
 in order on one stream, counters back at 0; the same text runs in the emulator (FS_EMULATED)."""
