@@ -5,12 +5,24 @@ figures are the same on any machine for the same flags).
     .venv/bin/python benchmarks/bench_buckets.py                       # bert-base, gpt2, vit-base
     .venv/bin/python benchmarks/bench_buckets.py --models bert-small --devices h100-sxm --strategy greedy
     .venv/bin/python benchmarks/bench_buckets.py --emit       # every zoo model's dynamic fused ONNX, verified
+    .venv/bin/python benchmarks/bench_buckets.py --solve-time # one plan over 5 buckets against one bucket's
+    .venv/bin/python benchmarks/bench_buckets.py --compile    # what a program per bucket costs to compile
 
 Prints one row per bucket: its weight, its time under the one plan and under its own plan, the
 price (one plan / own plan) and, where a bucket pays more than the target, the refusals that kept
 its own groups out of the one plan. With `--emit`, each zoo model with a dynamic dim is planned
 (greedy, h100-sxm) over a range of it and its one fused model, keeping the dim dynamic, is verified in
-ONNX Runtime at 4 shapes in the range (`plan --dim ... --emit`).
+ONNX Runtime at 4 shapes in the range (`plan --dim ... --emit`). With `--solve-time`, the time to solve
+one plan over seq = 32..512 (5 buckets) of bert-base against one bucket's (seq=128) solve, cpsat at
+1 worker, and the whole `plan --dim` (with each bucket's own plan); the load average is printed, as
+the machine may be shared. Target: the joint solve within 3x one bucket's.
+
+With `--compile`, why `run --dim` builds one program per bucket: bert-small at seq 16, 128 and 512,
+one plan (host, greedy); each bucket's generated C kernels compiled cold (an empty cache, one after
+another), how many of them another bucket already compiled (the same source), and each bucket's
+program run beside ONNX Runtime. Every extent in a generated kernel is a constant (loop bounds, row
+lengths, strides), which is what its vectorized and unrolled loops are built on; a kernel reading
+the extent at run time would compile once for all buckets, the trade printed at the end.
 """
 
 from __future__ import annotations
@@ -41,9 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="cpsat")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--emit", action="store_true", help="verify every zoo model's dynamic fused ONNX instead")
+    parser.add_argument("--solve-time", action="store_true", help="time one plan over 5 buckets against one bucket")
+    parser.add_argument("--compile", action="store_true", help="the compile cost of a program per bucket")
     args = parser.parse_args(argv)
     if args.emit:
         return emit_all()
+    if args.compile:
+        return compile_cost()
+    if args.solve_time:
+        return solve_time(args.models.split(",")[0] if args.models != parser.get_default("models") else "bert-base",
+                          args.devices.split(",")[0], args.strategy, args.time_limit)
     config = SearchConfig(time_limit_s=args.time_limit, workers=1)
     print(f"{'model':<11} {'device':<9} {'bucket':>12} {'weight':>6} {'one plan':>10} {'own plan':>10} {'price':>7}")
     for name in args.models.split(","):
@@ -65,6 +84,87 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(figures, key=lambda f: f.price)
             print(f"{name:<11} {device:<9} one plan: {plan.kernels} kernels, solver {plan.solver.status}, "
                   f"worst {buckets.dim}={worst.value} {worst.price:.3f}x, {wall:.0f} s")
+    return 0
+
+
+SOLVE_DIMS = "seq=32..512"  # 5 buckets
+SOLVE_ONE = 128  # the bucket solved alone
+SOLVE_TARGET = 3.0
+
+
+def solve_time(name: str, device: str, strategy: str, time_limit: float) -> int:
+    """One bucket's solve (plan at seq=128) against the joint solve over SOLVE_DIMS, then the whole
+    plan over the buckets with each bucket's own optimum; 1 solver worker, load average printed."""
+    import os
+
+    from fusesearch.api import plan as api_plan
+
+    _, buckets = split_dims([SOLVE_DIMS])
+    preps = [prepare(f"zoo:{name}", ShapeBindings.parse([], [f"{buckets.dim}={v}"])) for v in buckets.values]
+    one_prep = preps[buckets.values.index(SOLVE_ONE)]
+    load = os.getloadavg()
+    start = time.perf_counter()
+    one = api_plan(f"zoo:{name}", device, strategy, prepared=one_prep, workers=1, time_limit_s=time_limit)
+    one_wall = time.perf_counter() - start
+    start = time.perf_counter()
+    joint, figures, _ = plan_buckets(preps, buckets, device, strategy,
+                                     SearchConfig(time_limit_s=time_limit, workers=1))
+    whole = time.perf_counter() - start
+    ratio = joint.solver.wall_s / one.solver.wall_s
+    print(f"{name} {device} {strategy}, 1 worker, load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"  one bucket ({buckets.dim}={SOLVE_ONE}): solve {one.solver.wall_s:.1f} s ({one.solver.status}), "
+          f"plan {one_wall:.1f} s")
+    print(f"  one plan over {buckets.dim} = {', '.join(map(str, buckets.values))}: joint solve "
+          f"{joint.solver.wall_s:.1f} s ({joint.solver.status}) = {ratio:.2f}x one bucket's "
+          f"(target {SOLVE_TARGET:.0f}x: {'met' if ratio <= SOLVE_TARGET else 'NOT met'})")
+    print(f"  with each bucket's own optimum (the price of one plan): {whole:.1f} s = "
+          f"{whole / one_wall:.2f}x one bucket's plan")
+    return 0 if ratio <= SOLVE_TARGET else 1
+
+
+COMPILE_MODEL, COMPILE_DIMS = "bert-small", "seq=16,128,512"
+
+
+def compile_cost(repeat: int = 10) -> int:
+    """Each bucket's program of one plan over COMPILE_DIMS: its kernels compiled cold, those another
+    bucket already compiled, and its run beside ONNX Runtime (1 thread, median of `repeat`)."""
+    import os
+    import tempfile
+
+    from fusesearch.backends import cpu
+    from fusesearch.buckets import bucket_programs
+    from fusesearch.run import _flags, _object, plan_steps, run_plan
+
+    _, buckets = split_dims([COMPILE_DIMS])
+    preps = [prepare(f"zoo:{COMPILE_MODEL}", ShapeBindings.parse([], [f"{buckets.dim}={v}"])) for v in buckets.values]
+    plan, _, problems = plan_buckets(preps, buckets, "host", "greedy", SearchConfig(workers=1))
+    flags, _ = _flags()
+    seen: set[str] = set()
+    rows = []
+    print(f"{COMPILE_MODEL}, one plan ({plan.kernels} kernels) for {buckets.dim} = "
+          f"{', '.join(map(str, buckets.values))}, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'bucket':>10} {'kernels':>7} {'new':>5} {'compile cold':>12} {'plan':>10} {'ORT':>10} {'plan/ORT':>8}")
+    with tempfile.TemporaryDirectory() as cold:
+        for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(problems, plan, "host"), strict=True):
+            kernels = [s.kernel for s in plan_steps(prep.graph, ours) if s.kernel is not None]
+            new = [k for k in kernels if k.source_hash not in seen]
+            seen.update(k.source_hash for k in kernels)
+            start = time.perf_counter()
+            for k in new:  # one after another: the compile's CPU time, not the pool's wall
+                _object(k.c_source, k.name, flags, Path(cold))
+            compile_s = time.perf_counter() - start
+            report = run_plan(prep, ours, unfused, threads=1, repeat=repeat, seed=0)
+            plan_s, ort_s = report.timings["plan"].median_s, report.timings[report.ort_baseline()].median_s
+            rows.append((value, len(kernels), len(new), compile_s, plan_s))
+            print(f"{buckets.dim + '=' + str(value):>10} {len(kernels):7d} {len(new):5d} {compile_s:10.1f} s "
+                  f"{plan_s * 1e3:8.2f}ms {ort_s * 1e3:8.2f}ms {plan_s / ort_s:7.2f}x")
+    total = sum(r[3] for r in rows)
+    largest = max(r[3] for r in rows)
+    shared = sum(r[1] - r[2] for r in rows)
+    print(f"a program per bucket: {total:.1f} s of compiling, once (objects cached by source under "
+          f"{cpu.cache_dir()}), {shared} kernels shared with a smaller bucket; one program reading the "
+          f"extent at run time would compile about one bucket's kernels ({largest:.1f} s at most), "
+          f"{total - largest:.1f} s less, once, against constant extents in every loop of every run")
     return 0
 
 
