@@ -10,7 +10,8 @@ figures are the same on any machine for the same flags).
 
 Prints one row per bucket: its weight, its time under the one plan and under its own plan, the
 price (one plan / own plan) and, where a bucket pays more than the target, the refusals that kept
-its own groups out of the one plan. With `--emit`, each zoo model with a dynamic dim is planned
+its own groups out of the one plan; then where the buckets' own plans change (fused groups gained
+and lost from the bucket below, and what the plan below costs there over the bucket's own). With `--emit`, each zoo model with a dynamic dim is planned
 (greedy, h100-sxm) over a range of it and its one fused model, keeping the dim dynamic, is verified in
 ONNX Runtime at 4 shapes in the range (`plan --dim ... --emit`). With `--solve-time`, the time to solve
 one plan over seq = 32..512 (5 buckets) of bert-base against one bucket's (seq=128) solve, cpsat at
@@ -34,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusesearch.buckets import plan_buckets, split_dims  # noqa: E402
+from fusesearch.buckets import plan_buckets, plan_changes, split_dims  # noqa: E402
 from fusesearch.ir.shapes import ShapeBindings  # noqa: E402
 from fusesearch.pipeline import prepare  # noqa: E402
 from fusesearch.search import SearchConfig  # noqa: E402
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(figures, key=lambda f: f.price)
             print(f"{name:<11} {device:<9} one plan: {plan.kernels} kernels, solver {plan.solver.status}, "
                   f"worst {buckets.dim}={worst.value} {worst.price:.3f}x, {wall:.0f} s")
+            changed = [c for c in plan_changes(figures) if c.gone or c.new]
+            print(f"{'':<22}own plans change: " + (", ".join(
+                f"{c.low}->{c.high} +{len(c.new)}/-{len(c.gone)} (the plan below there "
+                f"{'refused' if c.price is None else f'{c.price:.3f}x'})" for c in changed) or "nowhere"))
     return 0
 
 

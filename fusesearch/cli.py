@@ -426,7 +426,7 @@ def change_text(change) -> str:
     if not change.gone and not change.new:
         return "same groups"
     kept = "refused here" if change.price is None else f"{change.price:.3f}x"
-    return f"+{len(change.new)} / -{len(change.gone)} groups, its plan here {kept}"
+    return f"+{len(change.new)} / -{len(change.gone)} groups; the plan below here {kept}"
 
 
 def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, prepare_at) -> list[dict] | None:

@@ -435,7 +435,7 @@ def _change_cell(change) -> str:
     if not change["gone"] and not change["new"]:
         return "same groups"
     kept = "refused" if change["price"] is None else f"{change['price']:.3f}x"
-    return f"+{len(change['new'])} / -{len(change['gone'])} ({change['distance']:.0%}), below's plan {kept}"
+    return f"+{len(change['new'])} / -{len(change['gone'])} ({change['distance']:.0%}); the plan below here {kept}"
 
 
 def _names(groups: list[str]) -> str:

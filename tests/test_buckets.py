@@ -363,3 +363,16 @@ def test_the_joint_search_leaves_each_bucket_its_twins_for_its_own_search(tmp_pa
     anew = [p.legality.evaluated - b for p, b in zip(shared, before, strict=True)]
     assert after == alone  # the same candidates as a search of that bucket alone
     assert anew[0] == 0 and anew[1] * 2 < fresh_lowered[1], (anew, fresh_lowered)
+
+
+@pytest.mark.parametrize("device", ["host", "h100-sxm", "h200"])
+def test_a_ranged_plan_on_every_kind_of_device(tmp_path, run_cli, device):
+    code, out, err = run_cli("plan", rows_model(tmp_path), "--device", device, "--dim", "n=8..64", "--strategy",
+                             "greedy", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["device"]["name"] == device
+    b = doc["buckets"]
+    assert [f["value"] for f in b["figures"]] == [8, 16, 32, 64] and len(b["changes"]) == 3
+    assert doc["totals"]["time_s"] == pytest.approx(sum(w * f["time_s"] for w, f in zip(b["weights"], b["figures"],
+                                                                                       strict=True)), rel=1e-5)
