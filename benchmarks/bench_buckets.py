@@ -23,18 +23,27 @@ one plan (host, greedy); each bucket's generated C kernels compiled cold (an emp
 another), how many of them another bucket already compiled (the same source), and each bucket's
 program run beside ONNX Runtime. Every extent in a generated kernel is a constant (loop bounds, row
 lengths, strides), which is what its vectorized and unrolled loops are built on; a kernel reading
-the extent at run time would compile once for all buckets, the trade printed at the end.
+the extent at run time would compile once for all buckets, the trade printed at the end. The
+kernels whose sources at the smallest and largest bucket differ only in their row count (pointwise
+and rowwise loops over rows of the sequence) are then timed at the largest bucket as generated and
+with that row count read from a global at run time, interleaved: what making them dynamic costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
+from fusesearch.backends.codegen import NP_DTYPES  # noqa: E402
+from fusesearch.backends.timing import measure_interleaved  # noqa: E402
 from fusesearch.buckets import plan_buckets, plan_changes, split_dims  # noqa: E402
 from fusesearch.ir.shapes import ShapeBindings  # noqa: E402
 from fusesearch.pipeline import prepare  # noqa: E402
@@ -145,32 +154,99 @@ def compile_cost(repeat: int = 10) -> int:
     plan, _, problems = plan_buckets(preps, buckets, "host", "greedy", SearchConfig(workers=1))
     flags, _ = _flags()
     seen: set[str] = set()
-    rows = []
+    rows, sources, largest_kernels, compile_times = [], [], [], []
     print(f"{COMPILE_MODEL}, one plan ({plan.kernels} kernels) for {buckets.dim} = "
           f"{', '.join(map(str, buckets.values))}, load average {os.getloadavg()[0]:.1f}")
     print(f"{'bucket':>10} {'kernels':>7} {'new':>5} {'compile cold':>12} {'plan':>10} {'ORT':>10} {'plan/ORT':>8}")
     with tempfile.TemporaryDirectory() as cold:
         for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(problems, plan, "host"), strict=True):
             kernels = [s.kernel for s in plan_steps(prep.graph, ours) if s.kernel is not None]
+            sources.append([k.c_source for k in kernels])
+            largest_kernels = kernels
             new = [k for k in kernels if k.source_hash not in seen]
             seen.update(k.source_hash for k in kernels)
-            start = time.perf_counter()
+            spent = {}
             for k in new:  # one after another: the compile's CPU time, not the pool's wall
+                start = time.perf_counter()
                 _object(k.c_source, k.name, flags, Path(cold))
-            compile_s = time.perf_counter() - start
+                spent[k.source_hash] = time.perf_counter() - start
+            compile_times.append([spent.get(k.source_hash, 0.0) for k in kernels])
+            compile_s = sum(spent.values())
             report = run_plan(prep, ours, unfused, threads=1, repeat=repeat, seed=0)
             plan_s, ort_s = report.timings["plan"].median_s, report.timings[report.ort_baseline()].median_s
             rows.append((value, len(kernels), len(new), compile_s, plan_s))
             print(f"{buckets.dim + '=' + str(value):>10} {len(kernels):7d} {len(new):5d} {compile_s:10.1f} s "
                   f"{plan_s * 1e3:8.2f}ms {ort_s * 1e3:8.2f}ms {plan_s / ort_s:7.2f}x")
     total = sum(r[3] for r in rows)
-    largest = max(r[3] for r in rows)
     shared = sum(r[1] - r[2] for r in rows)
-    print(f"a program per bucket: {total:.1f} s of compiling, once (objects cached by source under "
-          f"{cpu.cache_dir()}), {shared} kernels shared with a smaller bucket; one program reading the "
-          f"extent at run time would compile about one bucket's kernels ({largest:.1f} s at most), "
-          f"{total - largest:.1f} s less, once, against constant extents in every loop of every run")
+    print(f"a program per bucket: {total:.1f} s of compiling, once per plan (objects cached by their source "
+          f"under {cpu.cache_dir()}), {shared} kernels shared with a smaller bucket")
+    outer = row_bound_only(sources[0], sources[-1])
+    if outer is None:
+        return 0
+    saved = sum(times[i] for times in compile_times[:-1] for i in outer)
+    print(f"kernels whose {buckets.dim}={buckets.values[0]} and {buckets.dim}={buckets.values[-1]} sources differ only "
+          f"in their row count (cheap to read at run time): {len(outer)} of {len(sources[0])}; the others carry "
+          f"{buckets.dim} in index arithmetic, row lengths, stack buffers or GEMM tiles; compiling those "
+          f"{len(outer)} once instead of per bucket saves {saved:.1f} s of the {total:.1f} s")
+    ratios = []
+    for i in outer:  # at the largest bucket: the kernel as generated against its row count read at run time
+        kernel = largest_kernels[i]
+        static, dynamic = kernel_runner(kernel), kernel_runner(kernel.with_c_source(rows_at_run_time(kernel.c_source)))
+        static(), dynamic()
+        if not all(np.array_equal(a, b, equal_nan=True) for a, b in zip(static.buffers, dynamic.buffers, strict=True)):
+            print(f"  {kernel.name}: its outputs differ with the row count read at run time")
+            return 1
+        fixed, read = measure_interleaved([static, dynamic], budget_s=0.5, rounds=5)
+        ratios.append(read.median_s / fixed.median_s)
+        print(f"  {kernel.name:<28} rows constant {fixed.median_s * 1e6:8.1f} us, read at run time "
+              f"{read.median_s * 1e6:8.1f} us ({ratios[-1]:.3f}x)")
+    if ratios:
+        print(f"those kernels with their row count read at run time, at {buckets.dim}={buckets.values[-1]}: "
+              f"median {statistics.median(ratios):.3f}x, {min(ratios):.3f}x to {max(ratios):.3f}x of the constant's time")
     return 0
+
+
+def rows_at_run_time(source: str) -> str:
+    """The kernel's row counts (`ROW_BOUNDS`) read from globals the compiler cannot see through."""
+    found: list[str] = []
+
+    def read(match) -> str:
+        found.append(match.group(0)[len(match.group(1)):])
+        return f"{match.group(1)}fs_rows_{len(found) - 1}"
+
+    for pattern in ROW_BOUNDS:
+        source = pattern.sub(read, source)
+    return "".join(f"long long fs_rows_{i} = {v};\n" for i, v in enumerate(found)) + source
+
+
+def kernel_runner(kernel):
+    """The kernel compiled, on seeded inputs of its shapes (timing only: their values do not matter)."""
+    from fusesearch.backends import cpu
+
+    rng = np.random.default_rng(0)
+    inputs = {a.tensor: rng.standard_normal(a.shape).astype(np.float32) if a.dtype == "float32"
+              else np.zeros(a.shape, dtype=NP_DTYPES[a.dtype]) for a in kernel.inputs}
+    return cpu.runner(kernel, inputs)
+
+
+# the row count of a kernel's parallel loop over rows: its bound, and a rowwise kernel's clamp of
+# its second row of a pair
+ROW_BOUNDS = (re.compile(r"(#pragma omp for[^\n]*\n\s*for \(long long (\w+) = 0; \2 < )\d+LL"),
+              re.compile(r"(\br_0 \+ 1 < )\d+LL"))
+
+
+def row_bound_only(low: list[str], high: list[str]) -> list[int] | None:
+    """The kernels (paired in plan order, their indices) that differ between two buckets only in
+    their row count (`ROW_BOUNDS`); None where the programs do not pair up."""
+    def rows_out(source: str) -> str:
+        for pattern in ROW_BOUNDS:
+            source = pattern.sub(r"\1N", source)
+        return source
+
+    if len(low) != len(high):
+        return None
+    return [i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b and rows_out(a) == rows_out(b)]
 
 
 def emit_all() -> int:

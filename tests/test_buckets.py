@@ -376,3 +376,54 @@ def test_a_ranged_plan_on_every_kind_of_device(tmp_path, run_cli, device):
     assert [f["value"] for f in b["figures"]] == [8, 16, 32, 64] and len(b["changes"]) == 3
     assert doc["totals"]["time_s"] == pytest.approx(sum(w * f["time_s"] for w, f in zip(b["weights"], b["figures"],
                                                                                        strict=True)), rel=1e-5)
+
+
+def _bench_buckets():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_buckets.py"
+    spec = importlib.util.spec_from_file_location("bench_buckets", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bucket_kernels(path: str, values) -> list[list]:
+    """Each bucket's generated kernels of one host plan over `values` of n, in plan order."""
+    from fusesearch.buckets import bucket_programs, plan_buckets
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import plan_steps
+    from fusesearch.search import SearchConfig
+
+    buckets = Buckets("n", tuple(values), tuple(1 / len(values) for _ in values))
+    preps = [prepare(path, ShapeBindings.parse([], [f"n={v}"])) for v in values]
+    plan, _, problems = plan_buckets(preps, buckets, "host", "greedy", SearchConfig(workers=1))
+    return [[s.kernel for s in plan_steps(prep.graph, ours) if s.kernel is not None]
+            for prep, ours, _ in bucket_programs(problems, plan, "host")]
+
+
+def test_a_rows_kernel_differs_between_buckets_only_in_its_row_count_and_runs_it_read_at_run_time(tmp_path):
+    """bench_buckets' measure of what a dynamic row count costs: a pointwise-and-rowwise group's
+    sources at two buckets differ only in the row count, a GEMM group's do not; with the count read
+    from a global at run time the kernel computes the same outputs."""
+    from fusesearch.backends import cpu
+
+    bench = _bench_buckets()
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    path = save(make_model(nodes, [("x", ["n", 64])], [("y", None)], [("b", np.ones(64, np.float32))]),
+                tmp_path / "softmax.onnx")
+    low, high = _bucket_kernels(path, (8, 64))
+    assert bench.row_bound_only([k.c_source for k in low], [k.c_source for k in high]) == list(range(len(high)))
+    kernel = high[0]
+    dynamic = kernel.with_c_source(bench.rows_at_run_time(kernel.c_source))
+    assert "fs_rows_0" in dynamic.c_source and dynamic.source_hash != kernel.source_hash
+    x = {"x": np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "b": np.ones(64, np.float32)}
+    feeds = {a.tensor: x[a.tensor] for a in kernel.inputs}
+    assert all(np.array_equal(cpu.run(kernel, feeds)[t], v) for t, v in cpu.run(dynamic, feeds).items())
+    gemm_low, gemm_high = _bucket_kernels(rows_model(tmp_path), (8, 64))
+    assert bench.row_bound_only([k.c_source for k in gemm_low], [k.c_source for k in gemm_high]) == []
