@@ -6,7 +6,10 @@ Approach: `--dim seq=16..512` (ends and powers of two between) or `--dim seq=32,
 by `--dim-weights` (equal by default). The model is prepared per bucket; all must give the same
 canonical graph. `BucketLegality` holds a `Legality` per bucket: a group is legal where legal at
 every bucket and costs the weighted sum of each bucket's cheapest choice, so any strategy minimises
-it unchanged. `bucket_report` prices the plan at each bucket beside that bucket's optimum.
+it unchanged; it asks the heaviest bucket first, the others through their memo of twins (so each
+bucket's own search finds its groups lowered), up to the first refusal. `plan_buckets` prices the
+plan at each bucket beside that bucket's own optimum; `plan_changes` says where the own plans
+change between neighbouring buckets (groups gained and lost) and what keeping the plan below costs.
 Invariants: one varying dim; 2 to MAX_BUCKETS ascending positive values; weights positive,
 normalised to sum 1; the plan's kernels (plan.json's schedules) are those of the heaviest bucket."""
 
