@@ -6,7 +6,10 @@ Approach: `--dim seq=16..512` (ends and powers of two between) or `--dim seq=32,
 by `--dim-weights` (equal by default). The model is prepared per bucket; all must give the same
 canonical graph. `BucketLegality` holds a `Legality` per bucket: a group is legal where legal at
 every bucket and costs the weighted sum of each bucket's cheapest choice, so any strategy minimises
-it unchanged. `bucket_report` prices the plan at each bucket beside that bucket's optimum.
+it unchanged; it asks the heaviest bucket first, the others through their memo of twins (so each
+bucket's own search finds its groups lowered), up to the first refusal. `plan_buckets` prices the
+plan at each bucket beside that bucket's own optimum; `plan_changes` says where the own plans
+change between neighbouring buckets (groups gained and lost) and what keeping the plan below costs.
 Invariants: one varying dim; 2 to MAX_BUCKETS ascending positive values; weights positive,
 normalised to sum 1; the plan's kernels (plan.json's schedules) are those of the heaviest bucket."""
 
@@ -40,48 +43,67 @@ class Buckets:
         return {"dim": self.dim, "values": list(self.values), "weights": [round(w, 6) for w in self.weights]}
 
 
-def split_dims(dims: Iterable[str], weights: Iterable[str] = ()) -> tuple[list[str], Buckets | None]:
-    """`--dim` flags as (the fixed ones, the one range or list of values as Buckets, or None)."""
+@dataclass(frozen=True)
+class Spelling:
+    """How the user wrote a range and its weights, for messages: the CLI's flags or a config's keys.
+    Each is a format string of {name} (the dim) and {value} (as written)."""
+
+    dim: str = "--dim {name}"
+    dim_value: str = "--dim {name}={value}"
+    weights: str = "--dim-weights {name}"
+    weights_value: str = "--dim-weights {name}={value}"
+
+
+FLAGS = Spelling()
+
+
+def split_dims(dims: Iterable[str], weights: Iterable[str] = (),
+               spelling: Spelling = FLAGS) -> tuple[list[str], Buckets | None]:
+    """`--dim` flags as (the fixed ones, the one range or list of values as Buckets, or None);
+    messages name the flags as `spelling` writes them."""
     fixed, ranged = [], []
     for flag in dims:
         name, sep, value = flag.partition("=")
         (ranged if sep and (".." in value or "," in value) else fixed).append((flag, name, value))
     weight_flags = {name: value for name, _, value in (w.partition("=") for w in weights)}
+    sp = spelling
     if len(ranged) > 1:
-        raise BadInput(f"--dim {ranged[0][1]} and --dim {ranged[1][1]} both give several values; "
-                       f"vary one dim per plan and bind the other with one value")
+        raise BadInput(f"{sp.dim.format(name=ranged[0][1])} and {sp.dim.format(name=ranged[1][1])} both give "
+                       f"several values; vary one dim per plan and bind the other with one value")
     for name in weight_flags:
         if not ranged or name != ranged[0][1]:
-            raise BadInput(f"--dim-weights {name}: '{name}' is not a dim given as a range or list; "
-                           f"give --dim {name}=LO..HI or --dim {name}=V1,V2,...")
+            raise BadInput(f"{sp.weights.format(name=name)}: '{name}' is not a dim given as a range or list; "
+                           f"give {sp.dim_value.format(name=name, value='LO..HI')} or "
+                           f"{sp.dim_value.format(name=name, value='V1,V2,...')}")
     if not ranged:
         return [flag for flag, _, _ in fixed], None
     _, name, value = ranged[0]
-    values = _values(name, value)
-    return [flag for flag, _, _ in fixed], Buckets(name, values, _weights(name, weight_flags.get(name), len(values)))
+    values = _values(name, value, sp)
+    return [flag for flag, _, _ in fixed], Buckets(name, values, _weights(name, weight_flags.get(name), len(values), sp))
 
 
-def _values(name: str, spec: str) -> tuple[int, ...]:
-    fix = f"give --dim {name}=LO..HI (e.g. 16..512) or --dim {name}=V1,V2,... with positive integers"
+def _values(name: str, spec: str, sp: Spelling) -> tuple[int, ...]:
+    given = sp.dim_value.format(name=name, value=spec)
+    fix = (f"give {sp.dim_value.format(name=name, value='LO..HI')} (e.g. 16..512) or "
+           f"{sp.dim_value.format(name=name, value='V1,V2,...')} with positive integers")
     try:
         if ".." in spec:
             lo, hi = (int(v) for v in spec.split(".."))
             if lo <= 0 or hi <= lo:
-                raise BadInput(f"--dim {name}={spec}: the range must go up from a positive value; {fix}")
+                raise BadInput(f"{given}: the range must go up from a positive value; {fix}")
             values = tuple(sorted({lo, hi, *(1 << p for p in range(hi.bit_length()) if lo < 1 << p < hi)}))
         else:
             values = tuple(int(v) for v in spec.split(","))
     except ValueError:
-        raise BadInput(f"--dim {name}={spec}: not a range or a list of integers; {fix}") from None
+        raise BadInput(f"{given}: not a range or a list of integers; {fix}") from None
     if any(v <= 0 for v in values) or list(values) != sorted(set(values)) or len(values) < 2:
-        raise BadInput(f"--dim {name}={spec}: values must be positive, distinct and ascending; {fix}")
+        raise BadInput(f"{given}: values must be positive, distinct and ascending; {fix}")
     if len(values) > MAX_BUCKETS:
-        raise BadInput(f"--dim {name}={spec}: {len(values)} buckets, at most {MAX_BUCKETS}; "
-                       f"give a narrower range or a list")
+        raise BadInput(f"{given}: {len(values)} buckets, at most {MAX_BUCKETS}; give a narrower range or a list")
     return values
 
 
-def _weights(name: str, spec: str | None, count: int) -> tuple[float, ...]:
+def _weights(name: str, spec: str | None, count: int, sp: Spelling) -> tuple[float, ...]:
     if spec is None:
         return (1.0 / count,) * count
     try:
@@ -89,8 +111,8 @@ def _weights(name: str, spec: str | None, count: int) -> tuple[float, ...]:
     except ValueError:
         weights = ()
     if len(weights) != count or any(not w >= 0 for w in weights) or sum(weights) <= 0:
-        raise BadInput(f"--dim-weights {name}={spec}: give {count} non-negative numbers, one per bucket "
-                       f"of --dim {name}, not all 0")
+        raise BadInput(f"{sp.weights_value.format(name=name, value=spec)}: give {count} non-negative numbers, "
+                       f"one per bucket of {sp.dim.format(name=name)}, not all 0")
     total = sum(weights)
     return tuple(w / total for w in weights)
 
@@ -125,12 +147,20 @@ class BucketLegality(Legality):
                    weights=buckets.weights, primary=buckets.heaviest)
 
     def _check(self, nodes: frozenset[int]) -> Verdict:
-        verdicts = [legality.check(nodes) for legality in self.buckets]
-        refused = next((v for v in verdicts if not v.decision), None)
-        if refused is not None:
-            return refused
-        main = verdicts[self.primary]
-        weighted = sum(w * v.time_s for w, v in zip(self.weights, verdicts, strict=True))
+        """The heaviest bucket first (its kernel is the verdict's), then the others' decisions and
+        times, through each bucket's memo of twins (a group of the same structure priced there
+        before: that bucket's own search finds it too); the first refusal ends it."""
+        primary = self.buckets[self.primary]
+        primary.outcome(nodes)  # in its memo of twins too, for that bucket's own search
+        main = primary.check(nodes)
+        if not main.decision:
+            return main
+        weighted = 0.0
+        for i, (weight, legality) in enumerate(zip(self.weights, self.buckets, strict=True)):
+            verdict = main if i == self.primary else legality.outcome(nodes)
+            if not verdict.decision:
+                return verdict
+            weighted += weight * verdict.time_s
         return replace(main, cost=replace(main.cost, time_s=weighted))
 
     def bucket_times(self, groups: Iterable[Iterable[int]]) -> list[float]:
@@ -154,6 +184,11 @@ class BucketFigure:
     # the bucket's own plan served at every bucket, weighted as the one plan is (None: a bucket
     # refuses one of its groups): above the one plan's weighted time, it says the one plan is a trade
     own_weighted_s: float | None = None
+    # the fused groups (more than one node) of its own plan, each its node names joined by "+"
+    own_groups: tuple[str, ...] = ()
+    # the bucket below's own plan served at this bucket, over this bucket's own plan (None: the
+    # lowest bucket, or this bucket refuses one of those groups): what the change of plan is worth
+    previous_price: float | None = None
 
     @property
     def price(self) -> float:
@@ -164,7 +199,50 @@ class BucketFigure:
         return {"value": self.value, "weight": round(self.weight, 6), "time_s": _r(self.time_s),
                 "own_time_s": _r(self.own_time_s), "own_kernels": self.own_kernels, "price": round(self.price, 6),
                 "why": list(self.why),
-                "own_weighted_s": None if self.own_weighted_s is None else _r(self.own_weighted_s)}
+                "own_weighted_s": None if self.own_weighted_s is None else _r(self.own_weighted_s),
+                "own_groups": list(self.own_groups),
+                "previous_price": None if self.previous_price is None else round(self.previous_price, 6)}
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """How the best grouping changes from one bucket's own plan to the next bucket's."""
+
+    low: int
+    high: int
+    gone: tuple[str, ...]  # fused groups of the lower bucket's own plan not in the higher's
+    new: tuple[str, ...]  # and the other way
+    # the lower bucket's own plan served at the higher bucket, over the higher's own plan (None: refused)
+    price: float | None
+
+    @property
+    def distance(self) -> float:
+        """Share of the two plans' fused groups that are in one only (0: the same plan)."""
+        union = len(self.gone) + len(self.new) + self.kept
+        return (len(self.gone) + len(self.new)) / union if union else 0.0
+
+    kept: int = 0  # fused groups in both
+
+    def to_dict(self) -> dict:
+        return {"low": self.low, "high": self.high, "gone": list(self.gone), "new": list(self.new),
+                "kept": self.kept, "distance": round(self.distance, 6),
+                "price": None if self.price is None else round(self.price, 6)}
+
+
+def plan_changes(figures: Sequence[BucketFigure]) -> list[PlanChange]:
+    """Each pair of neighbouring buckets' own plans: the fused groups in one only, and the price of
+    keeping the lower bucket's plan at the higher one (how much the change of plan is worth)."""
+    out = []
+    for low, high in zip(figures, figures[1:], strict=False):
+        a, b = set(low.own_groups), set(high.own_groups)
+        out.append(PlanChange(low.value, high.value, tuple(g for g in low.own_groups if g not in b),
+                              tuple(g for g in high.own_groups if g not in a), high.previous_price, len(a & b)))
+    return out
+
+
+def changes_dict(figures: Sequence[BucketFigure]) -> dict:
+    """The plan changes between neighbouring buckets as plan.json's `buckets.changes`."""
+    return {"changes": [c.to_dict() for c in plan_changes(figures)]}
 
 
 def _r(x: float) -> float:
@@ -182,6 +260,11 @@ def refusals(legality: BucketLegality, buckets: Buckets, groups: Iterable[frozen
                 found.setdefault(f"at {buckets.dim}={value}: {verdict.decision.reason}")
                 break
     return tuple(found)
+
+
+def fused_names(graph: Graph, groups: Iterable[Iterable[int]]) -> tuple[str, ...]:
+    """The fused groups (more than one node) as their node names in graph order joined by "+", sorted."""
+    return tuple(sorted("+".join(graph.nodes[v].name for v in sorted(g)) for g in groups if len(g) > 1))
 
 
 def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, config, threads: int = 1):
@@ -207,16 +290,20 @@ def plan_buckets(preps: Sequence, buckets: Buckets, device: str, strategy: str, 
     plan = search(main_prep.graph, spec, main_problem.legality.model, strategy, config=config,
                   device_label=label, profile=profile, model_info=model_info(main_prep), problem=joint)
     times = legality.bucket_times(g.nodes for g in plan.groups)
-    figures = []
+    figures, previous = [], None
     for value, weight, time_s, (prep, problem) in zip(buckets.values, buckets.weights, times, problems, strict=True):
         own = search(prep.graph, spec, problem.legality.model, strategy, config=config, problem=problem)
-        why = refusals(legality, buckets, [g.nodes for g in own.groups])
-        served = sum(legality.time_s(g.nodes) for g in own.groups)
+        groups = [g.nodes for g in own.groups]
+        why = refusals(legality, buckets, groups)
+        served = sum(legality.time_s(g) for g in groups)
+        kept = sum(problem.legality.time_s(g) for g in previous) if previous is not None else math.inf
         figures.append(BucketFigure(value, weight, time_s, own.time_s, own.kernels, why,
-                                    served if math.isfinite(served) else None))
+                                    served if math.isfinite(served) else None, fused_names(prep.graph, groups),
+                                    kept / own.time_s if math.isfinite(kept) and own.time_s else None))
+        previous = groups
     bound = sum(w * graph_figures(prep.graph, spec, problem.legality.model).lower_bound_s
                 for w, (prep, problem) in zip(buckets.weights, problems, strict=True))
-    report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures]}
+    report = {**buckets.to_dict(), "figures": [f.to_dict() for f in figures], **changes_dict(figures)}
     return replace(plan, lower_bound_s=bound, buckets=report), figures, problems
 
 

@@ -435,11 +435,15 @@ def _print_buckets(buckets, figures, plan_time_s: float) -> None:
     """Each bucket's time under the one plan beside its own optimal plan's (the price of one plan)."""
     table = Table(title=f"one plan for {buckets.dim} = {', '.join(map(str, buckets.values))} "
                         f"(times above: weighted by how often each is served)", title_justify="left")
-    for col in (buckets.dim, "weight", "one plan", "own plan", "own kernels", "price of one plan"):
+    from fusesearch.buckets import plan_changes
+
+    for col in (buckets.dim, "weight", "one plan", "own plan", "own kernels", "price of one plan",
+                "own plan vs the one below"):
         table.add_column(col, justify="right")
-    for f in figures:
+    changes = ["", *(change_text(c) for c in plan_changes(figures))]
+    for f, change in zip(figures, changes, strict=True):
         table.add_row(str(f.value), f"{f.weight:.2f}", _fmt_time(f.time_s), _fmt_time(f.own_time_s),
-                      str(f.own_kernels), f"{f.price:.3f}x")
+                      str(f.own_kernels), f"{f.price:.3f}x", change)
     out.print(table)
     worst = max(figures, key=lambda f: f.price)
     out.print(f"worst bucket {buckets.dim}={worst.value}: {100 * (worst.price - 1):.1f}% over its own plan")
@@ -449,6 +453,14 @@ def _print_buckets(buckets, figures, plan_time_s: float) -> None:
         if f.own_weighted_s is not None and f.price > 1 + BUCKET_NOTE:
             out.print(f"  {buckets.dim}={f.value}'s own plan, served at every bucket: {_fmt_time(f.own_weighted_s)} "
                       f"weighted, against the one plan's {_fmt_time(plan_time_s)}")
+
+
+def change_text(change) -> str:
+    """A `buckets.PlanChange` in a cell: fused groups gained / lost, and what keeping the plan below costs."""
+    if not change.gone and not change.new:
+        return "same groups"
+    kept = "refused here" if change.price is None else f"{change.price:.3f}x"
+    return f"+{len(change.new)} / -{len(change.gone)} groups; the plan below here {kept}"
 
 
 def _emit_dynamic(preps, plan_, buckets, path: Path, force: bool, seed: int, prepare_at) -> list[dict] | None:

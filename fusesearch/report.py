@@ -389,6 +389,62 @@ def _rho(value: float) -> str:
     return "-" if math.isnan(value) else f"ρ = {value:.2f}"
 
 
+CHANGED_SHOWN = 4  # fused groups named per change between neighbouring buckets
+
+
+def _bucket_cells(frame):
+    """The ok cells planned over buckets (their `bucket_figures` set), in grid order."""
+    ok = _ok(frame)
+    if "bucket_figures" not in ok:
+        return []
+    return [c for _, c in ok.sort_values("cell_index").iterrows() if isinstance(c.get("bucket_figures"), str)]
+
+
+def buckets_section(frame) -> list[str]:
+    """Per cell planned over buckets: each bucket under the one plan beside its own optimal plan (the
+    price of one plan), and where the own plans change between neighbouring buckets and by how much."""
+    cells = _bucket_cells(frame)
+    if not cells:
+        return []
+    lines = ["## How the best plan changes across buckets", "",
+             "One plan per cell for every value of the dim (its time above: weighted by how often each is "
+             "served). Per bucket: its time under the one plan and under its own optimal plan, the price "
+             "of one plan (one / own), and its own plan against the bucket below's: fused groups only in "
+             "this one / only in the one below (their share of both plans' fused groups) and the plan "
+             "below served here over this bucket's own (what the change is worth).", ""]
+    for c in cells:
+        dim, figures = c["bucket_dim"], json.loads(c["bucket_figures"])
+        changes = [None, *json.loads(c["bucket_changes"])]
+        lines += [f"### {c['model']} on {c['device']}, {c['strategy']}", ""]
+        rows = [[f"{dim}={f['value']}", f"{f['weight']:.2f}", fmt_time(f["time_s"]), fmt_time(f["own_time_s"]),
+                 f"{f['price']:.3f}x", f["own_kernels"], _change_cell(ch)] for f, ch in zip(figures, changes, strict=True)]
+        lines += _table(["bucket", "weight", "one plan", "own plan", "price", "own kernels", "vs the bucket below"],
+                        rows, right=(1, 2, 3, 4, 5))
+        worst = max(figures, key=lambda f: f["price"])
+        lines += ["", f"Worst bucket {dim}={worst['value']}: {100 * (worst['price'] - 1):.1f}% over its own plan."]
+        for ch in changes[1:]:
+            if ch["gone"] or ch["new"]:
+                lines.append(f"- {dim} {ch['low']} → {ch['high']}: new {_names(ch['new'])}; gone {_names(ch['gone'])}")
+        lines.append("")
+    return lines
+
+
+def _change_cell(change) -> str:
+    if change is None:
+        return "-"
+    if not change["gone"] and not change["new"]:
+        return "same groups"
+    kept = "refused" if change["price"] is None else f"{change['price']:.3f}x"
+    return f"+{len(change['new'])} / -{len(change['gone'])} ({change['distance']:.0%}); the plan below here {kept}"
+
+
+def _names(groups: list[str]) -> str:
+    if not groups:
+        return "none"
+    more = f" and {len(groups) - CHANGED_SHOWN} more" if len(groups) > CHANGED_SHOWN else ""
+    return ", ".join(f"`{g}`" for g in groups[:CHANGED_SHOWN]) + more
+
+
 def failed_section(frame) -> list[str]:
     if "status" not in frame:
         return []
@@ -557,7 +613,7 @@ def render(frame, name: str, plots: Iterable[str] = ()) -> str:
     lines = header(frame, name)
     lines += [f"![{p}]({p}.png)" for p in plots] + ([""] if plots else [])
     for section in (summary_section, model_section, model_device_section, solver_section, devices_section,
-                    measured_section, end_to_end_section, failed_section):
+                    buckets_section, measured_section, end_to_end_section, failed_section):
         lines += section(frame)
     return "\n".join(lines).rstrip() + "\n"
 

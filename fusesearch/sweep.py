@@ -8,8 +8,10 @@ OUT/cells/<id>.json are skipped; the rest run on dask.distributed, one task a ce
 written atomically, and OUT/results.parquet rebuilt from the cell files. With a `backend`, cells
 also measure ("kernels", and on the cpu "end_to_end" via `run.run_plan`); `costs` picks predicted,
 measured or hybrid pricing (`autotune`). Cells are restored from results.parquet when cells/ is
-missing; time limit and seed are dropped for strategies other than cpsat. A failing cell is
-recorded with `status = "error"` and retried next run; another config's results need `force`.
+missing; time limit and seed are dropped for strategies other than cpsat. A models entry's
+`buckets = { seq = "16..512" }` (a list: an axis) plans every value in one cell (`buckets`). A
+failing cell is recorded with `status = "error"` and retried next run; another config's results
+need `force`.
 Invariants: a cell file is complete or absent; one row per cell; rows deterministic apart from wall
 times, timestamps, worker and time-limited cpsat cells; only `run_sweep` imports dask."""
 
@@ -38,6 +40,7 @@ from typing import Any
 
 from fusesearch import values
 from fusesearch.backends.registry import backend_names, get_backend
+from fusesearch.buckets import Buckets, Spelling, split_dims
 from fusesearch.errors import BadInput, FusesearchError, check_not_read, writing
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,7 @@ CPSAT_ONLY = ("time_limit_s", "seed")
 TOP_KEYS = {"name", "models", "devices", "strategies", "params", "backend", "measure_budget_s",
             "solver_workers", "measure", "threads", "repeat", "costs"}
 MEASURES = ("kernels", "end_to_end")  # what a sweep with a backend times: each kernel alone, the whole plan
-MODEL_KEYS = {"model", "label", "input_shapes", "dims", "zoo"}
+MODEL_KEYS = {"model", "label", "input_shapes", "dims", "zoo", "buckets", "bucket_weights"}
 PREPARED_CACHE = 2  # prepared models kept per worker process (a 48-layer BERT is ~1.5 GB)
 
 
@@ -70,13 +73,16 @@ class ModelSpec:
     dims: tuple[tuple[str, int], ...] = ()
     zoo: tuple[tuple[str, int], ...] = ()
     entry: int = 0  # its index in the config's models list (for messages)
+    buckets: Buckets | None = None  # one dim over several values, planned together (`buckets`)
 
     def key(self) -> dict:
         return {"model": self.model, "input_shapes": {k: list(v) for k, v in self.input_shapes},
-                "dims": dict(self.dims), "zoo": dict(self.zoo)}
+                "dims": dict(self.dims), "zoo": dict(self.zoo),
+                **({"buckets": self.buckets.to_dict()} if self.buckets else {})}
 
-    def bindings(self):
-        """Its shapes as ShapeBindings whose messages name this config's keys, not CLI flags."""
+    def bindings(self, value: int | None = None):
+        """Its shapes as ShapeBindings whose messages name this config's keys, not CLI flags; `value`:
+        its buckets' dim bound to it."""
         from fusesearch.ir.shapes import ShapeBindings, Spelling
 
         at = f"models[{self.entry}]"
@@ -84,12 +90,13 @@ class ModelSpec:
                             shape_fix=f"input_shapes = {{{{ {{name}} = [D1, D2, ...] }}}} in {at}",
                             dim_key=f"{at}.dims.{{name}}", dim_fix=f"dims = {{{{ {{name}} = V }}}} in {at}",
                             both=f"input_shapes and dims of {at}")
-        return ShapeBindings(MappingProxyType(dict(self.input_shapes)), MappingProxyType(dict(self.dims)),
-                             spelling=spelling)
+        dims = {**dict(self.dims), **({self.buckets.dim: value} if value is not None else {})}
+        return ShapeBindings(MappingProxyType(dict(self.input_shapes)), MappingProxyType(dims), spelling=spelling)
 
     def shapes_text(self) -> str:
         parts = [f"{k}={'x'.join(map(str, v))}" for k, v in self.input_shapes]
-        return " ".join(parts + [f"{k}={v}" for k, v in self.dims])
+        ranged = [f"{self.buckets.dim}={','.join(map(str, self.buckets.values))}"] if self.buckets else []
+        return " ".join(parts + [f"{k}={v}" for k, v in self.dims] + ranged)
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,61 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
     if not isinstance(name, str) or not name:
         raise BadInput(f"{where}: name must be a non-empty string")
     _check_bindings(models, where)
+    _check_buckets(models, where, backend, costs)
     return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget,
                        measure, threads, repeat, costs)
+
+
+def _check_buckets(models: tuple[ModelSpec, ...], where: str, backend: str | None, costs) -> None:
+    """A models entry with buckets is planned over them with predicted costs (as `plan --dim`):
+    what that cannot do is refused here, naming the keys."""
+    ranged = next((m for m in models if m.buckets), None)
+    if ranged is None:
+        return
+    given = [k for k, on in ((f"backend = {backend!r}", backend), (f"costs = {costs!r}", costs != "predicted")) if on]
+    if given:
+        raise BadInput(f"{where}: models[{ranged.entry}].buckets with {given[0]}: a sweep over buckets plans with "
+                       f"predicted costs only; remove {given[0].split(' =')[0]}, or bind "
+                       f"{ranged.buckets.dim} with one value in dims")
+
+
+def _bucket_sets(entry: dict, where: str) -> list[Buckets | None]:
+    """A models entry's `buckets = { DIM = "LO..HI" }` (or a list of such ranges and value lists:
+    an axis, one model per item) with `bucket_weights = { DIM = [W1, ...] }`; [None] without."""
+    raw, weights = entry.get("buckets"), entry.get("bucket_weights")
+    example = 'buckets = { seq = "16..512" } or buckets = { seq = ["16..512", "32,128,512"] }'
+    if raw is None:
+        if weights is not None:
+            raise BadInput(f"{where}: bucket_weights without buckets; add {example}, or remove bucket_weights")
+        return [None]
+    specs = next(iter(raw.values())) if isinstance(raw, dict) and len(raw) == 1 else None
+    specs = specs if isinstance(specs, list) else [specs]
+    if not all(isinstance(x, str) for x in specs) or not specs:
+        raise BadInput(f"{where}: buckets = {raw!r}; give a table of one dim: {example}")
+    name = next(iter(raw))
+    if name in entry.get("dims", {}):
+        raise BadInput(f"{where}: dims.{name} and buckets.{name} both bind {name}; give it one value in dims "
+                       f"or several in buckets")
+    if weights is not None and not (isinstance(weights, dict) and set(weights) == {name}
+                                    and isinstance(weights[name], list)):
+        raise BadInput(f"{where}: bucket_weights = {weights!r}; give bucket_weights = {{ {name} = [W1, W2, ...] }}, "
+                       f"one weight per value of buckets.{name}")
+    flags = [f"{name}={','.join(map(str, weights[name]))}"] if weights is not None else []
+    spelling = Spelling(dim="buckets.{name}", dim_value='buckets.{name} = "{value}"',
+                        weights="bucket_weights.{name}", weights_value="bucket_weights.{name} = [{value}]")
+    out = []
+    for spec in specs:
+        try:
+            _, buckets = split_dims([f"{name}={spec}"], flags, spelling)
+        except BadInput as exc:
+            raise BadInput(f"{where}: {exc}") from None
+        if buckets is None:
+            raise BadInput(f'{where}: buckets.{name} = "{spec}" is one value; give a range "LO..HI" or a list '
+                           f'"V1,V2,...", or bind it with dims = {{ {name} = {spec} }}')
+        out.append(buckets)
+    if len({b.values for b in out}) != len(out):
+        raise BadInput(f"{where}: buckets.{name} lists the same values twice; list each once")
+    return out
 
 
 def _measure_keys(doc: Mapping[str, Any], backend: str | None, where: str) -> tuple[str, ...]:
@@ -244,7 +304,7 @@ def _model_specs(entry: dict, where: str, base: Path, index: int) -> list[ModelS
     names = sorted(grid)
     values = [_int_list(grid[k], where, f"zoo.{k}") for k in names]
     out = []
-    for combo in itertools.product(*values):
+    for combo, buckets in itertools.product(itertools.product(*values), _bucket_sets(entry, where)):
         params = tuple(zip(names, combo, strict=True))
         default = model[4:] if model.startswith("zoo:") else Path(model).stem
         label = entry.get("label", default)
@@ -252,7 +312,9 @@ def _model_specs(entry: dict, where: str, base: Path, index: int) -> list[ModelS
             raise BadInput(f"{where}: label must be a non-empty string")
         if params:
             label += "/" + ",".join(f"{k}={v}" for k, v in params)
-        out.append(ModelSpec(model, label, path, shapes, dims, params, index))
+        if buckets:
+            label += f"/{buckets.dim}={','.join(map(str, buckets.values))}"
+        out.append(ModelSpec(model, label, path, shapes, dims, params, index, buckets))
     return out
 
 
@@ -270,9 +332,9 @@ def _check_bindings(models: tuple[ModelSpec, ...], where: str) -> None:
         entries.setdefault(spec.entry, []).append(spec)
     for index, specs in entries.items():
         spec = specs[0]
-        if spec.model.startswith("zoo:") and not (spec.input_shapes or spec.dims):
+        if spec.model.startswith("zoo:") and not (spec.input_shapes or spec.dims or spec.buckets):
             continue
-        bindings, proto = spec.bindings(), None
+        bindings, proto = spec.bindings(spec.buckets.values[0] if spec.buckets else None), None
         if spec.zoo:
             name = spec.model[4:]
             smallest = {k: min(dict(s.zoo)[k] for s in specs) for k, _ in spec.zoo}
@@ -482,19 +544,22 @@ def prepared_model(spec: ModelSpec):
 
 
 def _prepare(spec: ModelSpec):
+    """The prepared model; with buckets, a list of them, one per value in order."""
     from fusesearch import zoo
     from fusesearch.pipeline import prepare
 
-    bindings = spec.bindings()
+    at = spec.buckets.values if spec.buckets else (None,)
     if not spec.zoo:
-        return prepare(spec.path or spec.model, bindings)
+        preps = [prepare(spec.path or spec.model, spec.bindings(v)) for v in at]
+        return preps if spec.buckets else preps[0]
     name = spec.model[4:]
     proto = zoo.build_model(name, **dict(spec.zoo))
     with tempfile.TemporaryDirectory(prefix="fusesearch-sweep-") as tmp:
         path = Path(tmp) / f"{name}.onnx"
         path.write_bytes(proto.SerializeToString())
         del proto
-        return prepare(str(path), bindings.with_defaults(zoo.ZOO[name].default_dims))
+        preps = [prepare(str(path), spec.bindings(v).with_defaults(zoo.ZOO[name].default_dims)) for v in at]
+        return preps if spec.buckets else preps[0]
 
 
 def run_cell(cell: Cell) -> dict:
@@ -533,11 +598,39 @@ def _plan_row(cell: Cell) -> dict:
     from fusesearch.api import plan as api_plan
 
     prep, prepare_s = prepared_model(cell.model)
+    if cell.model.buckets:
+        return _bucket_row(cell, prep, prepare_s)
     kwargs = {"max_group_size": cell.max_group_size, "seed": cell.seed or 0, "prepared": prep,
               "workers": cell.solver_workers, "costs": cell.costs, "threads": cell.threads or 1}
     if cell.time_limit_s is not None:
         kwargs["time_limit_s"] = cell.time_limit_s
     p = api_plan(cell.model.model, cell.device, cell.strategy, **kwargs)
+    row = _plan_columns(p, prepare_s)
+    if cell.backend:
+        row.update(_measure(cell, prep, p))
+    return row
+
+
+def _bucket_row(cell: Cell, preps: list, prepare_s: float) -> dict:
+    """One plan over the cell's buckets (`buckets.plan_buckets`): the plan's columns (its times the
+    weighted sums over the buckets), then each bucket's figures beside its own optimal plan and
+    how the own plans change between neighbouring buckets (`bucket_figures`, `bucket_changes`)."""
+    from fusesearch.buckets import changes_dict, plan_buckets
+    from fusesearch.search import SearchConfig
+
+    buckets = cell.model.buckets
+    config = SearchConfig(time_limit_s=cell.time_limit_s or PARAM_DEFAULTS["time_limit_s"], seed=cell.seed or 0,
+                          workers=cell.solver_workers, max_group_size=cell.max_group_size)
+    p, figures, _ = plan_buckets(preps, buckets, cell.device, cell.strategy, config, cell.threads or 1)
+    worst = max(figures, key=lambda f: f.price)
+    return {**_plan_columns(p, prepare_s), "bucket_dim": buckets.dim, "bucket_values": json.dumps(buckets.values),
+            "bucket_figures": json.dumps([f.to_dict() for f in figures]),
+            "bucket_changes": json.dumps(changes_dict(figures)["changes"]),
+            "worst_bucket": worst.value, "worst_bucket_price": worst.price}
+
+
+def _plan_columns(p, prepare_s: float) -> dict:
+    """A plan's figures as a row's columns."""
     s = p.solver
     stats = dict(s.stats)
     row = {"nodes": p.model.nodes, "canonical_nodes": p.model.canonical_nodes, "kernels": p.kernels,
@@ -556,8 +649,6 @@ def _plan_row(cell: Cell) -> dict:
            "template_time_s": json.dumps(_sum_by(p.groups, lambda g: "alias" if g.kernel.alias else g.kernel.template)),
            "plan_sha": _plan_sha(p), "fused_groups": json.dumps(_fused_groups(p)),
            "measured_groups": sum(g.source == "measured" for g in p.groups)}
-    if cell.backend:
-        row.update(_measure(cell, prep, p))
     return row
 
 

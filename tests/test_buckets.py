@@ -193,3 +193,237 @@ def test_run_over_buckets_runs_each_buckets_program_beside_onnx_runtime(tmp_path
 def test_run_over_buckets_refuses_what_it_cannot_do(tmp_path, run_cli):
     code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--backend", "emulate")
     assert code == 2 and "--backend emulate with --dim n over several values" in err and err.count("\n") == 1
+
+
+# -- how the best plan changes across buckets: plan.json, the CLI table, sweeps and their report --
+
+def test_plan_changes_between_neighbouring_buckets_name_the_groups_and_their_worth():
+    from fusesearch.buckets import BucketFigure, plan_changes
+
+    figures = [BucketFigure(1, 0.5, 2.0, 1.0, 3, own_groups=("a+b", "c+d")),
+               BucketFigure(2, 0.25, 2.0, 2.0, 2, own_groups=("a+b", "c+d+e"), previous_price=1.25),
+               BucketFigure(4, 0.25, 2.0, 2.0, 2, own_groups=("a+b", "c+d+e"), previous_price=1.0)]
+    first, second = plan_changes(figures)
+    assert (first.low, first.high, first.gone, first.new, first.kept) == (1, 2, ("c+d",), ("c+d+e",), 1)
+    assert first.price == 1.25 and first.distance == pytest.approx(2 / 3)
+    assert (second.gone, second.new, second.distance, second.price) == ((), (), 0.0, 1.0)
+
+
+def test_a_ranged_plan_says_where_each_buckets_own_plan_changes_and_by_how_much(tmp_path, run_cli):
+    """On an H100 the rows model's best grouping at n=1 differs from n=2's (a GEMM too small to pay
+    for fusing past it), and is the same from n=2 to n=4: the change names the groups, and n=1's
+    plan served at n=2 costs more than n=2's own; no change costs nothing."""
+    code, out, err = run_cli("plan", rows_model(tmp_path), "--device", "h100-sxm", "--dim", "n=1,2,4", "--json")
+    assert code == 0, err
+    b = json.loads(out)["buckets"]
+    figures, changes = b["figures"], b["changes"]
+    assert [(c["low"], c["high"]) for c in changes] == [(1, 2), (2, 4)]
+    for low, high, change in zip(figures, figures[1:], changes, strict=False):
+        assert set(change["gone"]) == set(low["own_groups"]) - set(high["own_groups"])
+        assert set(change["new"]) == set(high["own_groups"]) - set(low["own_groups"])
+        assert change["price"] == high["previous_price"]
+    moved, kept = changes
+    assert moved["gone"] and moved["new"] and moved["price"] > 1.01  # each own plan is its bucket's optimum
+    assert not kept["gone"] and not kept["new"] and kept["price"] == 1.0 and kept["distance"] == 0.0
+    assert figures[0]["previous_price"] is None
+    code, text, err = run_cli("plan", rows_model(tmp_path), "--device", "h100-sxm", "--dim", "n=1,2,4")
+    assert code == 0, err
+    assert "own plan vs the one below" in text and f"+{len(moved['new'])} / -{len(moved['gone'])} groups" in text
+    assert "same groups" in text
+
+
+BUCKET_SWEEP = """
+name = "buckets"
+devices = ["h100-sxm", "host"]
+strategies = ["greedy", "cpsat"]
+[[models]]
+model = "rows.onnx"
+buckets = {{ n = {buckets} }}
+{extra}
+[params]
+time_limit_s = 5
+"""
+
+
+def _bucket_config(tmp_path, buckets='"1..4"', extra=""):
+    rows_model(tmp_path)
+    path = tmp_path / "sweep.toml"
+    path.write_text(BUCKET_SWEEP.format(buckets=buckets, extra=extra))
+    return path
+
+
+def test_a_bucket_axis_expands_into_one_model_per_range(tmp_path):
+    from fusesearch.sweep import expand, load_config
+
+    cfg = load_config(_bucket_config(tmp_path, '["1..4", "2,3,4"]', "bucket_weights = { n = [1, 1, 2] }"))
+    assert [(m.label, m.buckets.values) for m in cfg.models] == [("rows/n=1,2,4", (1, 2, 4)),
+                                                                  ("rows/n=2,3,4", (2, 3, 4))]
+    assert cfg.models[0].buckets.weights == pytest.approx((0.25, 0.25, 0.5))
+    cells = expand(cfg)
+    assert len(cells) == 2 * 2 * 2 and len({c.cell_id for c in cells}) == len(cells)
+    assert cells[0].model.key()["buckets"] == {"dim": "n", "values": [1, 2, 4], "weights": [0.25, 0.25, 0.5]}
+
+
+@pytest.mark.parametrize(("buckets", "extra", "says"), [
+    ('"4..1"', "", 'models[0]: buckets.n = "4..1": the range must go up from a positive value; give '
+                   'buckets.n = "LO..HI"'),
+    ('"4"', "", 'buckets.n = "4" is one value; give a range "LO..HI"'),
+    ('["1..4", "1..4"]', "", "buckets.n lists the same values twice"),
+    ('"1..4"', "bucket_weights = { n = [1, 2] }", "bucket_weights.n = [1,2]: give 3 non-negative numbers, one per "
+                                                  "bucket of buckets.n"),
+    ('"1..4"', "bucket_weights = { m = [1, 2, 3] }", "bucket_weights = {'m': [1, 2, 3]}; give bucket_weights = "
+                                                     "{ n = [W1, W2, ...] }"),
+    ('"1..4"', "dims = { n = 2 }", "dims.n and buckets.n both bind n"),
+    ('"1..4"', "label = \"r\"\n[[models]]\nmodel = \"rows.onnx\"\nbuckets = { m = \"1..4\" }",
+     "rows.onnx: input 'x' has unbound dynamic dim 0 'n'; bind it with dims = { n = V } in models[1]"),
+])
+def test_bad_bucket_axes_name_the_file_and_key(tmp_path, buckets, extra, says):
+    from fusesearch.sweep import load_config
+
+    path = _bucket_config(tmp_path, buckets, extra)
+    with pytest.raises(BadInput) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ") and says in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("top", "says"), [
+    ('backend = "cpu"', "models[0].buckets with backend = 'cpu': a sweep over buckets plans with predicted costs "
+                        "only; remove backend"),
+    ('costs = "measured"', "models[0].buckets with costs = 'measured'"),
+])
+def test_what_a_sweep_over_buckets_cannot_do_is_refused_by_key(tmp_path, top, says):
+    from fusesearch.sweep import load_config
+
+    path = _bucket_config(tmp_path)
+    path.write_text(top + "\n" + path.read_text())
+    with pytest.raises(BadInput, match=re.escape(says)):
+        load_config(path)
+
+
+def test_a_bucket_cell_records_each_buckets_figures_and_the_changes(tmp_path):
+    from fusesearch.sweep import expand, load_config, run_cell
+
+    cells = expand(load_config(_bucket_config(tmp_path, '"1..4"')))
+    row = run_cell(next(c for c in cells if c.device_label == "h100-sxm" and c.strategy == "cpsat"))
+    assert row["status"] == "ok", row["error"]
+    figures, changes = json.loads(row["bucket_figures"]), json.loads(row["bucket_changes"])
+    assert row["bucket_dim"] == "n" and json.loads(row["bucket_values"]) == [1, 2, 4]
+    assert row["time_s"] == pytest.approx(sum(f["weight"] * f["time_s"] for f in figures), rel=1e-5)
+    assert [(c["low"], c["high"]) for c in changes] == [(1, 2), (2, 4)] and changes[0]["new"]
+    worst = max(figures, key=lambda f: f["price"])
+    assert row["worst_bucket"] == worst["value"] and row["worst_bucket_price"] == pytest.approx(worst["price"], rel=1e-5)
+    assert row["shapes"] == "n=1,2,4"
+
+
+def test_a_sweep_over_buckets_reports_where_the_best_plan_changes(tmp_path, run_cli):
+    path = _bucket_config(tmp_path, '"1..4"')
+    code, out, err = run_cli("sweep", path, "--workers", "1", "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    assert json.loads(out)["failed"] == 0
+    code, out, err = run_cli("report", tmp_path / "out")
+    assert code == 0, err
+    report = (tmp_path / "out" / "report.md").read_text()
+    section = report.split("## How the best plan changes across buckets")[1]
+    assert "### rows/n=1,2,4 on h100-sxm, cpsat" in section and "### rows/n=1,2,4 on host, greedy" in section
+    assert "| n=1 |" in section and "| n=4 |" in section and "same groups" in section
+    assert "- n 1 → 2: new `" in section and "Worst bucket n=" in section
+
+
+def test_the_joint_search_leaves_each_bucket_its_twins_for_its_own_search(tmp_path):
+    """Pricing a group at every bucket fills each bucket's memo of twins, so each bucket's own
+    search (the price of one plan) lowers few groups anew: none at the heaviest bucket (asked
+    first), at another only those the heaviest refused (or that grow from them)."""
+    from costmodels import RooflineModel
+    from fusesearch import zoo
+    from fusesearch.api import for_device, resolve_device
+    from fusesearch.buckets import BucketLegality
+    from fusesearch.candidates.enumerate import enumerate_candidates
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.pipeline import prepare
+    from fusesearch.search import SearchConfig, SearchProblem
+
+    path = save(zoo.build_model("bert-small", layers=2), tmp_path / "bert.onnx")
+    _, spec, params, _ = resolve_device("h100-sxm", 1)
+    buckets = Buckets("seq", (8, 64), (0.5, 0.5))
+
+    def problems():
+        out = []
+        for v in buckets.values:
+            prep, p = for_device(prepare(path, ShapeBindings.parse([], [f"seq={v}", "batch=1"])), spec, params)
+            out.append(SearchProblem.build(prep.graph, spec, RooflineModel(p), SearchConfig(workers=1)))
+        return out
+
+    fresh = problems()
+    alone = [len(enumerate_candidates(p.legality).groups) for p in fresh]
+    fresh_lowered = [p.legality.evaluated for p in fresh]
+    shared = problems()
+    enumerate_candidates(BucketLegality.over([p.legality for p in shared], buckets))
+    before = [p.legality.evaluated for p in shared]
+    after = [len(enumerate_candidates(p.legality).groups) for p in shared]
+    anew = [p.legality.evaluated - b for p, b in zip(shared, before, strict=True)]
+    assert after == alone  # the same candidates as a search of that bucket alone
+    assert anew[0] == 0 and anew[1] * 2 < fresh_lowered[1], (anew, fresh_lowered)
+
+
+@pytest.mark.parametrize("device", ["host", "h100-sxm", "h200"])
+def test_a_ranged_plan_on_every_kind_of_device(tmp_path, run_cli, device):
+    code, out, err = run_cli("plan", rows_model(tmp_path), "--device", device, "--dim", "n=8..64", "--strategy",
+                             "greedy", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["device"]["name"] == device
+    b = doc["buckets"]
+    assert [f["value"] for f in b["figures"]] == [8, 16, 32, 64] and len(b["changes"]) == 3
+    assert doc["totals"]["time_s"] == pytest.approx(sum(w * f["time_s"] for w, f in zip(b["weights"], b["figures"],
+                                                                                       strict=True)), rel=1e-5)
+
+
+def _bench_buckets():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_buckets.py"
+    spec = importlib.util.spec_from_file_location("bench_buckets", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bucket_kernels(path: str, values) -> list[list]:
+    """Each bucket's generated kernels of one host plan over `values` of n, in plan order."""
+    from fusesearch.buckets import bucket_programs, plan_buckets
+    from fusesearch.ir.shapes import ShapeBindings
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import plan_steps
+    from fusesearch.search import SearchConfig
+
+    buckets = Buckets("n", tuple(values), tuple(1 / len(values) for _ in values))
+    preps = [prepare(path, ShapeBindings.parse([], [f"n={v}"])) for v in values]
+    plan, _, problems = plan_buckets(preps, buckets, "host", "greedy", SearchConfig(workers=1))
+    return [[s.kernel for s in plan_steps(prep.graph, ours) if s.kernel is not None]
+            for prep, ours, _ in bucket_programs(problems, plan, "host")]
+
+
+def test_a_rows_kernel_differs_between_buckets_only_in_its_row_count_and_runs_it_read_at_run_time(tmp_path):
+    """bench_buckets' measure of what a dynamic row count costs: a pointwise-and-rowwise group's
+    sources at two buckets differ only in the row count, a GEMM group's do not; with the count read
+    from a global at run time the kernel computes the same outputs."""
+    from fusesearch.backends import cpu
+
+    bench = _bench_buckets()
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    path = save(make_model(nodes, [("x", ["n", 64])], [("y", None)], [("b", np.ones(64, np.float32))]),
+                tmp_path / "softmax.onnx")
+    low, high = _bucket_kernels(path, (8, 64))
+    assert bench.row_bound_only([k.c_source for k in low], [k.c_source for k in high]) == list(range(len(high)))
+    kernel = high[0]
+    dynamic = kernel.with_c_source(bench.rows_at_run_time(kernel.c_source))
+    assert "fs_rows_0" in dynamic.c_source and dynamic.source_hash != kernel.source_hash
+    x = {"x": np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "b": np.ones(64, np.float32)}
+    feeds = {a.tensor: x[a.tensor] for a in kernel.inputs}
+    assert all(np.array_equal(cpu.run(kernel, feeds)[t], v) for t, v in cpu.run(dynamic, feeds).items())
+    gemm_low, gemm_high = _bucket_kernels(rows_model(tmp_path), (8, 64))
+    assert bench.row_bound_only([k.c_source for k in gemm_low], [k.c_source for k in gemm_high]) == []

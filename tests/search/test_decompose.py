@@ -145,3 +145,19 @@ def test_groups_of_one_structure_share_their_lowering_and_agree_with_their_own(t
             assert own.check(g).decision and own.check(g).time_s == problem.time_s(g), sorted(g)
         lowered[layers] = problem.legality.evaluated
     assert lowered[6] == lowered[3]
+
+
+def test_greedy_prices_each_structure_once_however_deep_the_model(tmp_path):
+    """Greedy's merges read a union's decision and time through the memo of twins, so a model twice
+    as deep lowers no more groups, and the plan is the one lowering each union gives."""
+    from fusesearch.search.greedy import greedy_partition
+
+    lowered, plans = {}, {}
+    for layers in (3, 6):
+        graph, problem = _zoo_problem(tmp_path, "llama-decode", layers=layers)
+        groups = greedy_partition(problem)
+        lowered[layers] = problem.legality.evaluated
+        own = SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1)).legality
+        assert all(own.check(g).decision for g in groups)
+        plans[layers] = sum(len(g) > 1 for g in groups)
+    assert lowered[6] == lowered[3] and plans[6] > plans[3]
