@@ -9,9 +9,8 @@ written atomically, and OUT/results.parquet rebuilt from the cell files. With a 
 also measure ("kernels", and on the cpu "end_to_end" via `run.run_plan`); `costs` picks predicted,
 measured or hybrid pricing (`autotune`). Cells are restored from results.parquet when cells/ is
 missing; time limit and seed are dropped for strategies other than cpsat. A models entry's
-`buckets = { seq = "16..512" }` (a list: an axis) plans every value in one cell (`buckets`). A
-failing cell is recorded with `status = "error"` and retried next run; another config's results
-need `force`.
+`buckets = { seq = "16..512" }` (a list: an axis) plans every value in one cell (`buckets`). Failing
+cells are recorded (`status = "error"`) and retried; another config's results need `force`.
 Invariants: a cell file is complete or absent; one row per cell; rows deterministic apart from wall
 times, timestamps, worker and time-limited cpsat cells; only `run_sweep` imports dask."""
 
