@@ -174,6 +174,8 @@ class Legality:
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
     _last: tuple = field(default=(), repr=False)  # (node set, its choices): the set being checked
     _twins: dict[tuple, Verdict] = field(default_factory=dict, repr=False)  # structure → verdict
+    _shared: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)  # node set → its twin's
+    _structures: Structures | None = field(default=None, repr=False)
 
     def check(self, nodes: Iterable[int]) -> Verdict:
         key = frozenset(nodes)
@@ -186,13 +188,16 @@ class Legality:
         """The group's decision and cost, shared with an earlier group of the same `structure` (its
         kernel may be that group's: read a group's kernel through `check`)."""
         key = frozenset(nodes)
-        verdict = self._memo.get(key)
+        verdict = self._memo.get(key) or self._shared.get(key)
         if verdict is not None or self.measurer is not None:
             return verdict or self.check(key)
-        shape = structure(self.graph, key)
+        if self._structures is None:
+            self._structures = Structures(self.graph)
+        shape = self._structures(key)
         verdict = self._twins.get(shape)
         if verdict is None:
             verdict = self._twins[shape] = self.check(key)
+        self._shared[key] = verdict
         return verdict
 
     def _check(self, nodes: frozenset[int]) -> Verdict:
@@ -268,28 +273,59 @@ def structure(graph: Graph, nodes: frozenset[int]) -> tuple:
     with its shape, dtype and, for constants of up to SHAPE_LIKE elements (shapes, axes, slice
     bounds, scalars: what lowering reads), value), and for each output its shape, dtype
     and whether anything outside the group (or the graph's output) reads it."""
-    order = sorted(nodes)
-    position = {v: i for i, v in enumerate(order)}
-    outside: dict[str, int] = {}
-    out = []
-    for v in order:
-        node = graph.nodes[v]
-        inputs = []
-        for t in node.inputs:
-            producer = graph.producer(t) if t else None
-            if producer in position:
-                inputs.append((position[producer], graph.nodes[producer].outputs.index(t)))
-                continue
+    return Structures(graph)(nodes)
+
+
+class Structures:
+    """`structure` of many groups of one graph: each node's and tensor's part is read once."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._nodes: dict[int, tuple] = {}
+        self._tensors: dict[str, tuple] = {}
+
+    def __call__(self, nodes: Iterable[int]) -> tuple:
+        order = sorted(nodes)
+        position = {v: i for i, v in enumerate(order)}
+        outside: dict[str, int] = {}
+        out = []
+        for v in order:
+            head, inputs_of, outputs_of = self._node(v)
+            inputs = []
+            for t, producer, output in inputs_of:
+                if producer in position:
+                    inputs.append((position[producer], output))
+                else:
+                    inputs.append((outside.setdefault(t, len(outside)), *self._tensor(t)))
+            outputs = tuple((info, read_outside or any(c not in position for c in consumers))
+                            for info, read_outside, consumers in outputs_of)
+            out.append((*head, tuple(inputs), outputs))
+        return tuple(out)
+
+    def _node(self, v: int) -> tuple:
+        part = self._nodes.get(v)
+        if part is None:
+            graph, node = self.graph, self.graph.nodes[v]
+            head = (node.op_type, node.domain, tuple(sorted((k, repr(a)) for k, a in node.attrs.items())))
+            inputs = []
+            for t in node.inputs:
+                producer = graph.producer(t) if t else None
+                inputs.append((t, producer, None if producer is None else graph.nodes[producer].outputs.index(t)))
+            outputs = []
+            for t in node.outputs:
+                info = graph.info(t)
+                outputs.append((None if info is None else (info.shape, info.dtype), graph.is_output(t),
+                                graph.consumers(t)))
+            part = self._nodes[v] = (head, tuple(inputs), tuple(outputs))
+        return part
+
+    def _tensor(self, t: str) -> tuple:
+        part = self._tensors.get(t)
+        if part is None:
+            graph = self.graph
             info = graph.info(t) if t else None
             value = graph.constant_value(t) if t else None
             value = value if value is not None and value.size <= SHAPE_LIKE else None
-            inputs.append((outside.setdefault(t, len(outside)), None if info is None else (info.shape, info.dtype, info.constant),
-                           None if value is None else (value.dtype.str, value.shape, value.tobytes())))
-        outputs = []
-        for t in node.outputs:
-            info = graph.info(t)
-            read_outside = graph.is_output(t) or any(c not in position for c in graph.consumers(t))
-            outputs.append((None if info is None else (info.shape, info.dtype), read_outside))
-        attrs = tuple(sorted((k, repr(a)) for k, a in node.attrs.items()))
-        out.append((node.op_type, node.domain, attrs, tuple(inputs), tuple(outputs)))
-    return tuple(out)
+            part = self._tensors[t] = (None if info is None else (info.shape, info.dtype, info.constant),
+                                       None if value is None else (value.dtype.str, value.shape, value.tobytes()))
+        return part

@@ -33,7 +33,7 @@ class _State:
 
     def push(self, a: int, b: int) -> None:
         union = self.members[a] | self.members[b]
-        verdict = self.problem.legality.check(union)
+        verdict = self.problem.legality.outcome(union)  # shared by groups of one structure
         if not verdict.decision:
             return
         saving = self.problem.time_s(self.members[a]) + self.problem.time_s(self.members[b]) - verdict.time_s
