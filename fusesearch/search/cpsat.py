@@ -6,10 +6,11 @@ Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser pas
 CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient
 cycle C gets Σ_{g ∈ C} x_g ≤ |C| − 1 and is solved again; after CUT_ROUNDS such cuts, ranks r_v with
 r_v − r_u + y_uv ≥ 1 and r_v − r_u + n·y_uv ≤ n per edge (equal inside a group, increasing between
-groups) exclude every cycle. Hinted with the greedy plan; with few workers `max_lp` and `core` are added. A second one-worker
-solve with Σ c_g x_g ≤ optimum (summed in integers) makes the plan deterministic
-(`resolve_status`). Graphs from DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each
-distinct subproblem solved once and joined by `decompose.join` (whole graph if not proven acyclic).
+groups) exclude every cycle. Hinted with the greedy plan; with few workers `max_lp` and `core` are
+added. A second one-worker solve with Σ c_g x_g ≤ optimum (summed in integers) makes the plan
+deterministic (`resolve_status`). Graphs from DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each
+distinct subproblem solved once (`workers` at a time, each by one CP-SAT worker, so the plan does
+not depend on their number) and joined by `decompose.join` (whole graph if not proven acyclic).
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
 best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
 model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -52,6 +55,7 @@ class CpSatSolver:
     def __init__(self, decompose: bool | None = None) -> None:
         self.decompose = decompose  # None: from DECOMPOSE_FROM_NODES nodes on
         self.solves = 0  # CP-SAT models solved (subproblems with equal keys count once)
+        self._lock = threading.Lock()
 
     def solve(self, problem: SearchProblem, *, time_limit_s: float, seed: int) -> SolveResult:
         start = time.perf_counter()
@@ -76,9 +80,11 @@ class CpSatSolver:
         return SolveResult(result.groups, result.status, result.objective_s, result.bound_s,
                            time.perf_counter() - start, stats)
 
-    def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed) -> _Part:
-        self.solves += 1
-        return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed)
+    def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed, workers=None) -> _Part:
+        with self._lock:
+            self.solves += 1
+        return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed,
+                            problem.config.workers if workers is None else workers)
 
     def _solve_chain(self, problem, groups, chain, costs, unit, greedy, deadline, seed) -> SolveResult | None:
         """The exact plan joined from the chain's subproblems (`decompose`), each distinct one solved
@@ -87,21 +93,16 @@ class CpSatSolver:
         first: dict[tuple, decompose.Subproblem] = {}
         for sub in subs:
             first.setdefault(sub.key, sub)
+        parts = self._solve_distinct(problem, groups, chain, list(first.values()), costs, greedy, deadline, seed)
         solutions: dict[tuple, decompose.Solution] = {}
         statuses: dict[str, int] = {}
         solver_s = 0.0
-        for done, (key, sub) in enumerate(first.items()):
-            share = max(0.0, deadline - time.perf_counter()) / (len(first) - done)
-            inside = set(sub.nodes)
-            hint = [g for g in greedy if g <= inside]
-            part = self._solve_part(problem, groups, sub.nodes, sub.candidates, costs, hint,
-                                    time.perf_counter() + share, seed)
+        for sub, (part, chosen) in zip(first.values(), parts, strict=True):
             statuses[part.status] = statuses.get(part.status, 0) + 1
             solver_s += part.stats["solver_wall_s"]
-            chosen = part.chosen if part.chosen else _hinted(groups, sub, hint)  # none found in time
             local = tuple(tuple(sorted(v - sub.start for v in groups[i])) for i in chosen)
             value = sum(costs[i] for i in chosen)
-            solutions[key] = decompose.Solution(local, value, min(part.bound, value), part.status == "OPTIMAL")
+            solutions[sub.key] = decompose.Solution(local, value, min(part.bound, value), part.status == "OPTIMAL")
         plan, value, bound, proven = decompose.join(chain, groups, costs, subs, lambda s: solutions[s.key])
         try:
             order_groups(problem.graph, plan)
@@ -119,12 +120,37 @@ class CpSatSolver:
         objective_s = problem.partition_time_s(plan)
         return _no_worse_than_greedy(problem, plan, status, objective_s, bound * unit / PS_PER_S, stats, greedy)
 
+    def _solve_distinct(self, problem, groups, chain, distinct, costs, greedy, deadline, seed) -> list[tuple]:
+        """Each distinct subproblem's answer and chosen candidates (the hint's where it found none),
+        in order. `config.workers` of them at a time, each by one CP-SAT worker: one worker is
+        deterministic, so the plan is the same whatever the number of workers. Each gets an equal
+        share of the time left for the rounds of solves still to start."""
+        workers = max(1, min(problem.config.workers, len(distinct)))
+        started = [0]
 
-def _hinted(groups, sub, hint) -> tuple[int, ...]:
+        def solve(sub):
+            with self._lock:
+                rounds = math.ceil((len(distinct) - started[0]) / workers)
+                started[0] += 1
+            share = max(0.0, deadline - time.perf_counter()) / max(1, rounds)
+            nodes, candidates = sub.nodes, sub.candidates(chain, groups)
+            inside = set(nodes)
+            hint = [g for g in greedy if g <= inside]
+            part = self._solve_part(problem, groups, nodes, candidates, costs, hint, time.perf_counter() + share,
+                                    seed, workers=1)
+            return part, part.chosen or _hinted(groups, candidates, nodes, hint)  # none found in time
+
+        if workers == 1:
+            return [solve(sub) for sub in distinct]
+        with ThreadPoolExecutor(workers) as pool:  # CP-SAT releases the GIL while it solves
+            return list(pool.map(solve, distinct))
+
+
+def _hinted(groups, candidates, nodes, hint) -> tuple[int, ...]:
     """The hint's groups of a subproblem, its other nodes alone (every node is a candidate)."""
-    index = {groups[i]: i for i in sub.candidates}
+    index = {groups[i]: i for i in candidates}
     covered = {v for g in hint for v in g}
-    return tuple(index[g] for g in (*hint, *(frozenset({v}) for v in sub.nodes if v not in covered)))
+    return tuple(index[g] for g in (*hint, *(frozenset({v}) for v in nodes if v not in covered)))
 
 
 @dataclass(frozen=True)
@@ -147,7 +173,7 @@ def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[
 
 
 def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nodes, indices, costs: list[int],
-                 hint: list[frozenset[int]], deadline: float, seed: int) -> _Part:
+                 hint: list[frozenset[int]], deadline: float, seed: int, workers: int) -> _Part:
     """The model of the module docstring over `nodes` (a topologically ordered subset) and the
     candidates `groups[i]` for i in `indices` (all inside `nodes`), its acyclicity imposed lazily:
     a plan whose quotient has a cycle gets the cut "not all of the cycle's groups" (any plan with
@@ -176,7 +202,7 @@ def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nod
         if cuts == CUT_ROUNDS:
             _add_ranks(model, graph, groups, indices, x, containing, local, hint)
             stats["ranks"] = True
-        solver, status, resolve = _solve_once(model, problem.config.workers, seed, objective, part_costs, x,
+        solver, status, resolve = _solve_once(model, workers, seed, objective, part_costs, x,
                                               deadline - SAFETY_PER_NODE_S * n)
         stats.update(solver_status=solver.status_name(status), resolve_status=resolve)
         stats["conflicts"] += solver.num_conflicts
