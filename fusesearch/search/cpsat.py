@@ -54,7 +54,7 @@ class CpSatSolver:
     name = "cpsat"
 
     def __init__(self, decompose: bool | None = None) -> None:
-        self.decompose = decompose  # None: from DECOMPOSE_FROM_NODES nodes on
+        self.decompose = decompose  # None: as `SearchConfig.decompose` says
         self.solves = 0  # CP-SAT models solved (subproblems with equal keys count once)
         self._lock = threading.Lock()
 
@@ -67,7 +67,7 @@ class CpSatSolver:
         enumerated_s = time.perf_counter() - start
         costs, unit = _costs(problem, candidates.groups)
         deadline = start + time_limit_s
-        whole = not (self.decompose if self.decompose is not None else len(problem.graph) >= DECOMPOSE_FROM_NODES)
+        whole = not self._decomposes(problem)
         chain = None if whole else decompose.split(len(problem.graph), candidates.groups)
         result = None
         if chain is not None and chain.pieces > 1:
@@ -80,6 +80,12 @@ class CpSatSolver:
                  "enumeration_s": round(enumerated_s, 3)}
         return SolveResult(result.groups, result.status, result.objective_s, result.bound_s,
                            time.perf_counter() - start, stats)
+
+    def _decomposes(self, problem: SearchProblem) -> bool:
+        if self.decompose is not None:
+            return self.decompose
+        how = problem.config.decompose
+        return how == "always" or (how == "auto" and len(problem.graph) >= DECOMPOSE_FROM_NODES)
 
     def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed, piece=False) -> _Part:
         """A piece: one CP-SAT worker, its plan as found; else `config.workers`, made canonical."""
