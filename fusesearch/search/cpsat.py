@@ -7,11 +7,11 @@ CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a p
 cycle C gets Σ_{g ∈ C} x_g ≤ |C| − 1 and is solved again; after CUT_ROUNDS such cuts, ranks r_v with
 r_v − r_u + y_uv ≥ 1 and r_v − r_u + n·y_uv ≤ n per edge (equal inside a group, increasing between
 groups) exclude every cycle. Hinted with the greedy plan; with few workers `max_lp` and `core` are
-added. A second one-worker solve with Σ c_g x_g ≤ optimum (summed in integers) gives the plan,
-the same whatever the number of workers (`resolve_status`). Graphs from DECOMPOSE_FROM_NODES nodes
+added. With several workers, a second one-worker solve with Σ c_g x_g ≤ optimum (summed in
+integers) makes the plan deterministic (`resolve_status`). Graphs from DECOMPOSE_FROM_NODES nodes
 are cut by `decompose.split`, each distinct subproblem solved once (`workers` at a time, each by one
-CP-SAT worker, deterministic as it is) and joined by `decompose.join` (whole graph if not proven
-acyclic), so the plan does not depend on the number of workers either.
+CP-SAT worker, deterministic as it is, so a decomposed plan is the same whatever the number of
+workers) and joined by `decompose.join` (whole graph if not proven acyclic).
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
 best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
 model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
@@ -88,11 +88,11 @@ class CpSatSolver:
         return how == "always" or (how == "auto" and len(problem.graph) >= DECOMPOSE_FROM_NODES)
 
     def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed, piece=False) -> _Part:
-        """A piece: one CP-SAT worker, its plan as found; else `config.workers`, made canonical."""
+        """A piece by one CP-SAT worker, else by `config.workers`."""
         with self._lock:
             self.solves += 1
         return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed,
-                            1 if piece else problem.config.workers, canonical=not piece)
+                            1 if piece else problem.config.workers)
 
     def _solve_chain(self, problem, groups, chain, costs, unit, greedy, deadline, seed) -> SolveResult | None:
         """The exact plan joined from the chain's subproblems (`decompose`), each distinct one solved
@@ -181,8 +181,7 @@ def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[
 
 
 def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nodes, indices, costs: list[int],
-                 hint: list[frozenset[int]], deadline: float, seed: int, workers: int, *,
-                 canonical: bool) -> _Part:
+                 hint: list[frozenset[int]], deadline: float, seed: int, workers: int) -> _Part:
     """The model of the module docstring over `nodes` (a topologically ordered subset) and the
     candidates `groups[i]` for i in `indices` (all inside `nodes`), its acyclicity imposed lazily:
     a plan whose quotient has a cycle gets the cut "not all of the cycle's groups" (any plan with
@@ -211,7 +210,7 @@ def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nod
         if cuts == CUT_ROUNDS:
             _add_ranks(model, graph, groups, indices, x, containing, local, hint)
             stats["ranks"] = True
-        solver, status, resolve = _solve_once(model, workers, canonical, seed, objective, part_costs, x,
+        solver, status, resolve = _solve_once(model, workers, seed, objective, part_costs, x,
                                               deadline - SAFETY_PER_NODE_S * n)
         stats.update(solver_status=solver.status_name(status), resolve_status=resolve)
         stats["conflicts"] += solver.num_conflicts
@@ -235,12 +234,9 @@ def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nod
     return _Part(chosen, solver.status_name(status), value, min(bound, value) if found else bound, stats)
 
 
-def _solve_once(model, workers: int, canonical: bool, seed: int, objective, part_costs: list[int], x,
-                deadline: float):
-    """One CP-SAT solve of `model` by `workers` workers; `canonical`: a proven optimum's plan is the
-    one-worker re-solve's (`_deterministic_optimum`), the same whatever the number of workers
-    (without, one worker's plan as found). (The solver to read values from, its status, the
-    re-solve's.)"""
+def _solve_once(model, workers: int, seed: int, objective, part_costs: list[int], x, deadline: float):
+    """One CP-SAT solve of `model` by `workers` workers, made deterministic where several proved the
+    optimum (`_deterministic_optimum`): (the solver to read values from, its status, the re-solve's)."""
     solver = cp_model.CpSolver()
     _configure(solver.parameters, workers, max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S), seed)
     status = solver.solve(model)
@@ -248,7 +244,7 @@ def _solve_once(model, workers: int, canonical: bool, seed: int, objective, part
         raise FusesearchError(f"cpsat: CP-SAT found the search model {solver.status_name(status)} "
                               f"({model.validate() or 'no reason given'}) on {len(x)} candidates; plan with "
                               "--strategy greedy meanwhile and report this")
-    if status != cp_model.OPTIMAL or not canonical:
+    if status != cp_model.OPTIMAL or workers == 1:  # one worker is deterministic already
         return solver, status, None
     fixed = model.clone()
     fixed.add(objective <= _objective(solver, part_costs, x))

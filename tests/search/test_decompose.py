@@ -118,7 +118,9 @@ def test_random_chains_decomposed_equals_undivided_and_parallel_equals_serial(gr
     _, parallel = solve(graph, decompose=True, workers=3)
     assert whole.status == serial.status == "OPTIMAL"
     assert serial.stats["objective_ps"] == whole.stats["objective_ps"]
-    assert parallel.groups == serial.groups and parallel.stats["objective_ps"] == serial.stats["objective_ps"]
+    assert parallel.stats["objective_ps"] == serial.stats["objective_ps"]
+    if "decomposition" in serial.stats:  # cut into pieces (one piece is solved whole, by every worker)
+        assert parallel.groups == serial.groups
 
 
 def test_chain_builder_structure():
