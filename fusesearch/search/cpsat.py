@@ -45,8 +45,9 @@ SAFETY_S = 0.5  # reading the solution back ...
 SAFETY_PER_NODE_S = 2e-4  # ... and building the validated plan (costs, unfused figures) after it
 FEW_WORKERS = 4
 # below this many nodes one model proves the optimum faster than the decomposition's many small ones
-# (BERT-base, 1 worker: 170 nodes in 2 s whole, 9 s decomposed; 1,220 nodes 38 s whole)
-DECOMPOSE_FROM_NODES = 500
+# (experiments/scaling, 1 worker: LLaMA decode 497 nodes 3.6 s whole, 9.1 s decomposed; about even
+# near 1,000; from 1,600 on decomposed is faster: LLaMA prefill 4,809 nodes 11 s against 43 s)
+DECOMPOSE_FROM_NODES = 1000
 CUT_ROUNDS = 20  # plans refused for a quotient cycle before the ranks are added
 
 

@@ -169,7 +169,8 @@ def test_pieces_are_solved_in_parallel_to_the_serial_plan_json(tmp_path):
 
 
 def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path):
-    """From DECOMPOSE_FROM_NODES nodes on, `fusesearch plan` decomposes; plan.json says how, twice the same."""
+    """From DECOMPOSE_FROM_NODES nodes on, `fusesearch plan` decomposes; plan.json says how, the same
+    with one worker and with two (the pieces solved two at a time)."""
     import numpy as np
     from onnx import helper
 
@@ -181,8 +182,8 @@ def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path)
     model = make_model(nodes, [("x", [64, 64])], [(x, [64, 64])], [("w", np.eye(64, dtype=np.float32))])
     path = save(model, tmp_path / "chain.onnx")
     outs = []
-    for k in range(2):
-        code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--workers", "1",
+    for k, workers in enumerate(("1", "2")):
+        code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--workers", workers,
                                  "-o", tmp_path / f"p{k}.json")
         assert code == 0, err
         outs.append((tmp_path / f"p{k}.json").read_bytes())
@@ -238,3 +239,29 @@ def test_groups_of_one_structure_share_their_lowering_and_agree_with_their_own(t
             assert own.check(g).decision and own.check(g).time_s == problem.time_s(g), sorted(g)
         lowered[layers] = problem.legality.evaluated
     assert lowered[6] == lowered[3]
+
+
+def test_greedy_and_the_unfused_figures_price_a_repeated_block_once(tmp_path, monkeypatch):
+    """Greedy asks legality by structure and the unfused figures lower one node per structure: a
+    model twice as deep lowers no more groups, and the figures equal each node lowered alone."""
+    from fusesearch import costing
+    from fusesearch.lowering import FusionGroup, lower
+    from fusesearch.search.greedy import greedy_partition
+
+    lowered, evaluated = {}, {}
+    for layers in (3, 6):
+        graph, problem = _zoo_problem(tmp_path, "llama-decode", layers=layers)
+        greedy_partition(problem)
+        evaluated[layers] = problem.legality.evaluated
+        calls = []
+        monkeypatch.setattr(costing, "lower", lambda g, group, _calls=calls: _calls.append(group) or lower(g, group))
+        figures = costing.graph_figures(graph, H100, MODEL)
+        monkeypatch.undo()
+        lowered[layers] = len(calls)
+        alone = [lower(graph, FusionGroup.single(n.id)) for n in graph.nodes]
+        assert figures.unfused_kernels == len(graph)
+        assert figures.unfused_time_s == sum(costing.kernel_cost(k, H100, MODEL).time_s for k in alone)
+        assert figures.tc_flops == sum(k.tc_flops for k in alone)
+        assert figures.scalar_flops == sum(k.scalar_flops for k in alone)
+    assert evaluated[6] == evaluated[3]
+    assert lowered[6] == lowered[3] < len(graph)
