@@ -24,7 +24,7 @@ from typing import Any
 from fusesearch.errors import BadInput
 from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.plans import ModelInfo, Plan
-from fusesearch.search.problem import SearchConfig
+from fusesearch.search.problem import SearchConfig, check_decompose
 
 
 def resolve_device(name_or_path: str, threads: int | None = None):
@@ -90,7 +90,8 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
          input_shapes: Mapping[str, Iterable[int]] | None = None, dims: Mapping[str, int] | None = None,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
-         lone_anchors: str = "priced", costs: str = "predicted", threads: int = 1) -> Plan:
+         lone_anchors: str = "priced", costs: str = "predicted", threads: int = 1,
+         decompose: str = "auto") -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
     False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
     gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
@@ -100,15 +101,18 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
     on this machine: the CPU for host, CuPy for a GPU; kept in the timing database) or "hybrid"
     (the model's plan, then the choices of the groups each plan uses, searched again until the
     plan uses only measured groups); `threads`: the OpenMP threads a CPU plan is priced for
-    (`--threads`, recorded in plan.json)."""
+    (`--threads`, recorded in plan.json); `decompose`: whether cpsat cuts the graph into pieces
+    (`search.problem.DECOMPOSE`: "auto" from a size on, "always", "never")."""
     from fusesearch.autotune import check_costs
     from fusesearch.pipeline import prepare
 
     check_costs(costs)
+    check_decompose(decompose)
     resolve_device(device, threads)  # a bad device before any loading
     prep = prepared or prepare(model, bindings(input_shapes, dims), dtype=dtype, tf32=tf32)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
-                          lone_anchors=lone_anchors, **({"workers": workers} if workers else {}))
+                          lone_anchors=lone_anchors, decompose=decompose,
+                          **({"workers": workers} if workers else {}))
     result, _, _, tuner = search_prepared(prep, device, strategy, config, costs, threads)
     return result  # a plan priced by measurements carries what measuring cost (`Plan.tuning`)
 

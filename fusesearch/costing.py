@@ -19,6 +19,7 @@ from costmodels import DeviceSpec, KernelCost, RooflineModel
 from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
+from fusesearch.ir.structure import Structures
 from fusesearch.lowering import Kernel, choices, conv_routed, lower
 from fusesearch.schedule import CpuTarget
 
@@ -81,18 +82,27 @@ class GraphFigures:
 
 
 def graph_figures(graph: Graph, device: DeviceSpec, model: RooflineModel) -> GraphFigures:
-    kernels = unfused_kernels(graph)
-    unfused = sum(kernel_cost(k, device, model).time_s for k in kernels)
-    tc = sum(k.tc_flops for k in kernels)
-    scalar = sum(k.scalar_flops for k in kernels)
-    dtype = _dominant_dtype(kernels)
+    """Nodes of one structure (`ir.structure`: a repeated block's) are lowered and priced once."""
+    structures = Structures(graph)
+    shared: dict[tuple, tuple[float, int, int, str]] = {}
+    per_node = []
+    for n in graph.nodes:
+        key = structures((n.id,))
+        if key not in shared:
+            k = lower(graph, FusionGroup.single(n.id))
+            shared[key] = (kernel_cost(k, device, model).time_s, k.tc_flops, k.scalar_flops, k.dtype)
+        per_node.append(shared[key])
+    unfused = sum(f[0] for f in per_node)
+    tc = sum(f[1] for f in per_node)
+    scalar = sum(f[2] for f in per_node)
+    dtype = _dominant_dtype([(f[3], f[1] + f[2]) for f in per_node])
     min_bytes = _compulsory_bytes(graph)
     # the bound takes the fastest unit any implementation could use (tensor cores, where allowed)
     tc_peak = tensor_peak_flops_per_s(device, dtype, model.params.float32_uses_tf32)
     compute_s = tc / tc_peak + scalar / scalar_peak_flops_per_s(device, dtype)
     memory_s = min_bytes / device.bandwidth_for(min_bytes)
     bound = device.launch_overhead_s + max(compute_s, memory_s)
-    return GraphFigures(unfused, len(kernels), bound, min_bytes, tc, scalar)
+    return GraphFigures(unfused, len(per_node), bound, min_bytes, tc, scalar)
 
 
 def _compulsory_bytes(graph: Graph) -> int:
@@ -111,8 +121,8 @@ def _input_bytes(graph: Graph, tensor: str) -> int:
     return full
 
 
-def _dominant_dtype(kernels: list[Kernel]) -> str:
+def _dominant_dtype(flops_by_dtype: list[tuple[str, int]]) -> str:
     weights: dict[str, int] = {}
-    for k in kernels:
-        weights[k.dtype] = weights.get(k.dtype, 0) + k.tc_flops + k.scalar_flops
+    for dtype, flops in flops_by_dtype:
+        weights[dtype] = weights.get(dtype, 0) + flops
     return max(sorted(weights), key=weights.get) if weights else "float32"

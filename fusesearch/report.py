@@ -54,6 +54,25 @@ def _ok(frame):
     return frame[frame["status"] == "ok"] if "status" in frame else frame
 
 
+def _decompositions(frame) -> list[str]:
+    """The cpsat cells' `decompose` values in grid order, where a sweep varied it (else [])."""
+    exact = frame[frame["strategy"] == "cpsat"] if "decompose" in frame else frame.iloc[0:0]
+    found = [d for d in _ordered(exact, "decompose") if isinstance(d, str)] if len(exact) else []
+    return found if len(found) > 1 else []
+
+
+def _variants(frame) -> list[tuple[str, object]]:
+    """(label, rows) per strategy, cpsat once per `decompose` value where a sweep varied it."""
+    out = []
+    for s in _strategies(frame):
+        sub = frame[frame["strategy"] == s]
+        if s == "cpsat" and _decompositions(frame):
+            out += [(f"cpsat, decompose {d}", sub[sub["decompose"] == d]) for d in _decompositions(frame)]
+        else:
+            out.append((s, sub))
+    return out
+
+
 def _best_strategy(frame) -> str:
     strategies = _strategies(frame)
     return "cpsat" if "cpsat" in strategies else strategies[-1]
@@ -85,15 +104,15 @@ def summary_section(frame) -> list[str]:
              "Geometric means over every model × device cell (predicted by the roofline cost model). "
              "Speedup = unfused time / plan time; x bound = plan time / physical lower bound.", ""]
     rows = []
-    for s in _strategies(ok):
-        sub = ok[ok["strategy"] == s]
+    for label, sub in _variants(ok):
+        exact = label.startswith("cpsat")
         gaps = sub[sub["bound_s"] > 0]["gap"].dropna() if "gap" in sub else []
         optimal = int((sub["solver_status"] == "OPTIMAL").sum())
-        rows.append([s, len(sub), f"{sub['kernels'].sum() / max(1, sub['canonical_nodes'].sum()):.2f}",
+        rows.append([label, len(sub), f"{sub['kernels'].sum() / max(1, sub['canonical_nodes'].sum()):.2f}",
                      f"{geomean(sub['speedup']):.2f}x", f"{geomean(sub['x_lower_bound']):.2f}x",
                      f"{sub['wall_s'].median():.2f} s", f"{sub['wall_s'].max():.2f} s",
-                     f"{optimal}/{len(sub)}" if s == "cpsat" else "-",
-                     f"{100 * max(gaps):.2f}%" if len(gaps) and s == "cpsat" else "-"])
+                     f"{optimal}/{len(sub)}" if exact else "-",
+                     f"{100 * max(gaps):.2f}%" if len(gaps) and exact else "-"])
     lines += _table(["strategy", "cells", "kernels / node", "speedup", "x bound", "median wall",
                      "max wall", "optimal", "max gap"], rows, right=range(1, 9))
     strategies = _strategies(ok)
@@ -173,15 +192,53 @@ def solver_section(frame) -> list[str]:
     lines = ["## The exact solver (cpsat)", "",
              "Candidates = enumerated legal groups; enumeration and CP-SAT times in seconds; gap = "
              "(plan − bound) / plan at the end of the solve; vs greedy = cpsat time / greedy time.", ""]
+    varied = bool(_decompositions(ok))
+    if "pieces" in exact:
+        lines[-2] += (" Pieces = the pieces a decomposed search cut the graph into (distinct subproblems "
+                      "solved); - where it solved the graph whole.")
     rows = []
     for _, c in exact.iterrows():
         key = (c["model"], c["device"], c["max_group_size"])
         vs = f"{c['time_s'] / greedy.loc[key, 'time_s']:.4f}" if key in greedy.index else "-"
-        rows.append([c["model"], c["device"], int(c["canonical_nodes"]), _int(c.get("candidates")),
+        rows.append([c["model"], c["device"], *([c["decompose"]] if varied else []), int(c["canonical_nodes"]),
+                     _int(c.get("candidates")), *([_pieces(c)] if "pieces" in exact else []),
                      _num(c.get("enumeration_s")), _num(c.get("solve_s")), f"{c['wall_s']:.2f}",
                      f"{c['time_limit_s']:g}", c["solver_status"], _gap(c), vs])
-    lines += _table(["model", "device", "nodes", "candidates", "enumeration s", "cp-sat s", "wall s",
-                     "limit s", "status", "gap", "vs greedy"], rows, right=(2, 3, 4, 5, 6, 7, 9, 10))
+    headers = ["model", "device", *(["decompose"] if varied else []), "nodes", "candidates",
+               *(["pieces"] if "pieces" in exact else []), "enumeration s", "cp-sat s", "wall s", "limit s",
+               "status", "gap", "vs greedy"]
+    text = {"model", "device", "decompose", "status"}
+    lines += _table(headers, rows, right=[i for i, h in enumerate(headers) if h not in text])
+    return lines + [""]
+
+
+def _pieces(c) -> str:
+    return "-" if _int(c.get("pieces")) == "-" else f"{_int(c['pieces'])} ({_int(c.get('distinct'))})"
+
+
+def depth_section(frame) -> list[str]:
+    """cpsat's wall time per model (a zoo model's depths in grid order) beside each other for every
+    `decompose` value a sweep set: what cutting the graph into pieces buys as it deepens."""
+    ok = _ok(frame)
+    ways = _decompositions(ok)
+    if not ways:
+        return []
+    exact = ok[ok["strategy"] == "cpsat"]
+    lines = ["## Solve time against depth, with and without decomposition", "",
+             "cpsat's wall time (enumeration included) · status (gap where it stopped) per model, one column "
+             "per `decompose` value (auto: decomposed from the size the solver switches at; always; never).", ""]
+    rows = []
+    for model in _ordered(exact, "model"):
+        for device in _ordered(exact[exact["model"] == model], "device"):
+            sub = exact[(exact["model"] == model) & (exact["device"] == device)]
+            row = [model, device, int(sub["canonical_nodes"].iloc[0])]
+            for way in ways:
+                cell = sub[sub["decompose"] == way]
+                c = cell.iloc[0] if len(cell) else None
+                row.append("-" if c is None else f"{c['wall_s']:.2f} s · {c['solver_status']}"
+                           + ("" if c["solver_status"] == "OPTIMAL" else f" ({_gap(c)})"))
+            rows.append(row)
+    lines += _table(["model", "device", "nodes", *ways], rows, right=(2,))
     return lines + [""]
 
 
@@ -516,9 +573,8 @@ def plot_solver_time(frame, path: Path) -> bool:
     fig, axes = plt.subplots(1, 2 if not exact.empty else 1, figsize=(11 if not exact.empty else 6, 4.2),
                              squeeze=False)
     ax = axes[0][0]
-    for s in _strategies(ok):
-        sub = ok[ok["strategy"] == s]
-        ax.scatter(sub["canonical_nodes"], sub["wall_s"].clip(lower=1e-4), label=s, s=14, alpha=0.75)
+    for label, sub in _variants(ok):
+        ax.scatter(sub["canonical_nodes"], sub["wall_s"].clip(lower=1e-4), label=label, s=14, alpha=0.75)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("canonical nodes")
@@ -612,8 +668,8 @@ PLOTTERS = {"speedup": plot_speedup, "solver_time": plot_solver_time, "devices":
 def render(frame, name: str, plots: Iterable[str] = ()) -> str:
     lines = header(frame, name)
     lines += [f"![{p}]({p}.png)" for p in plots] + ([""] if plots else [])
-    for section in (summary_section, model_section, model_device_section, solver_section, devices_section,
-                    buckets_section, measured_section, end_to_end_section, failed_section):
+    for section in (summary_section, model_section, model_device_section, solver_section, depth_section,
+                    devices_section, buckets_section, measured_section, end_to_end_section, failed_section):
         lines += section(frame)
     return "\n".join(lines).rstrip() + "\n"
 

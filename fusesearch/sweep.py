@@ -50,8 +50,8 @@ RESULTS = "results.parquet"
 MANIFEST = "sweep.json"
 LOCK = ".lock"  # held (flock) by the sweep writing the folder
 STRATEGIES = ("none", "rules", "greedy", "cpsat")
-PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0}
-CPSAT_ONLY = ("time_limit_s", "seed")
+PARAM_DEFAULTS = {"max_group_size": 16, "time_limit_s": 30.0, "seed": 0, "decompose": "auto"}
+CPSAT_ONLY = ("time_limit_s", "seed", "decompose")
 TOP_KEYS = {"name", "models", "devices", "strategies", "params", "backend", "measure_budget_s",
             "solver_workers", "measure", "threads", "repeat", "costs"}
 MEASURES = ("kernels", "end_to_end")  # what a sweep with a backend times: each kernel alone, the whole plan
@@ -106,7 +106,7 @@ class SweepConfig:
     devices: tuple[str, ...]  # names, or resolved profile paths
     device_labels: tuple[str, ...]  # as written
     strategies: tuple[str, ...]
-    params: Mapping[str, tuple]  # max_group_size, time_limit_s, seed → values
+    params: Mapping[str, tuple]  # max_group_size, time_limit_s, seed, decompose → values
     solver_workers: int = 1
     backend: str | None = None
     measure_budget_s: float = 0.05
@@ -404,8 +404,10 @@ PARAM_RULES = {"max_group_size": values.count, "time_limit_s": values.seconds, "
 
 def _params(raw, where: str) -> dict[str, tuple]:
     """The [params] lists, each value checked by the rule its CLI option has (`fusesearch.values`)."""
+    from fusesearch.search.problem import check_decompose
+
     if not isinstance(raw, dict):
-        raise BadInput(f"{where}: [params] must be a table of max_group_size, time_limit_s, seed")
+        raise BadInput(f"{where}: [params] must be a table of {', '.join(PARAM_DEFAULTS)}")
     unknown = sorted(set(raw) - set(PARAM_DEFAULTS))
     if unknown:
         raise BadInput(f"{where}: params.{unknown[0]}: unknown; allowed: {', '.join(PARAM_DEFAULTS)}")
@@ -413,7 +415,8 @@ def _params(raw, where: str) -> dict[str, tuple]:
     for key, default in PARAM_DEFAULTS.items():
         given = raw.get(key, default)
         kind = float if key == "time_limit_s" else int
-        checked = [_number(v, where, f"params.{key}", kind, PARAM_RULES[key])
+        checked = [check_decompose(v, f"{where}: params.{key} =") if key == "decompose" else
+                   _number(v, where, f"params.{key}", kind, PARAM_RULES[key])
                    for v in (given if isinstance(given, list) else [given])]
         if not checked or len(set(checked)) != len(checked):
             raise BadInput(f"{where}: params.{key}: give at least one value, each once")
@@ -452,11 +455,13 @@ class Cell:
     threads: int | None = None
     repeat: int | None = None
     costs: str = "predicted"
+    decompose: str | None = None  # cpsat's (`search.problem.DECOMPOSE`)
 
     def params(self) -> dict:
-        """What decides the cell's result; `costs` only where not predicted (so a predicted
-        sweep's cells keep their ids)."""
-        return {**({"costs": self.costs} if self.costs != "predicted" else {}),"model": self.model.key(), "device": self.device_label, "strategy": self.strategy,
+        """What decides the cell's result; `costs` only where not predicted and `decompose` only
+        where not auto (so the cells of a sweep that sets neither keep their ids)."""
+        return {**({"costs": self.costs} if self.costs != "predicted" else {}),
+                **({"decompose": self.decompose} if self.decompose not in (None, "auto") else {}),"model": self.model.key(), "device": self.device_label, "strategy": self.strategy,
                 "max_group_size": self.max_group_size, "time_limit_s": self.time_limit_s,
                 "seed": self.seed, "solver_workers": self.solver_workers if self.strategy == "cpsat" else None,
                 "backend": self.backend, "measure_budget_s": self.measure_budget_s,
@@ -471,7 +476,9 @@ class Cell:
 # 4: fused gemm/conv groups generated for TF32/FP16/BF16 tensor cores and priced there (mma_efficiency).
 # 5: a fused gemm/conv group's unit (tensor or CUDA cores) priced per device, the faster kept; the
 #    tensor-core skeletons refused before sm_80.
-RESULTS_VERSION = 5
+# 6: cpsat keeps the quotient acyclic by cycle cuts and cuts deep graphs into pieces: cells that
+#    stopped at their limit prove their optimum; a proven optimum's plan is the one-worker re-solve's.
+RESULTS_VERSION = 6
 
 
 def cell_id(params: Mapping[str, Any], device: str = "") -> str:
@@ -501,20 +508,21 @@ def _on_cpu(device: str) -> bool:
 
 
 def expand(config: SweepConfig) -> list[Cell]:
-    """Every distinct cell, in grid order (model, device, strategy, group size, time limit, seed)."""
+    """Every distinct cell, in grid order (model, device, strategy, group size, time limit, seed,
+    decompose)."""
     cells: list[Cell] = []
     seen: set[str] = set()
     p = config.params
-    for model, (device, label), strategy, size, limit, seed in itertools.product(
+    for model, (device, label), strategy, size, limit, seed, decompose in itertools.product(
             config.models, zip(config.devices, config.device_labels, strict=True), config.strategies,
-            p["max_group_size"], p["time_limit_s"], p["seed"]):
+            p["max_group_size"], p["time_limit_s"], p["seed"], p["decompose"]):
         exact = strategy == "cpsat"
         timed = "end_to_end" in config.measure
         cell = Cell(0, "", config.name, model, device, label, strategy, size, limit if exact else None,
                     seed if exact else None, config.solver_workers, config.backend,
                     config.measure_budget_s if "kernels" in config.measure else None, config.measure,
                     config.threads if timed or _on_cpu(device) else None, config.repeat if timed else None,
-                    config.costs)
+                    config.costs, decompose if exact else None)
         cid = cell_id(cell.params(), device)
         if cid in seen:
             continue
@@ -588,7 +596,8 @@ def base_row(cell: Cell) -> dict:
             "device": cell.device_label, "strategy": cell.strategy, "max_group_size": cell.max_group_size,
             "time_limit_s": cell.time_limit_s, "seed": cell.seed,
             "solver_workers": cell.solver_workers if cell.strategy == "cpsat" else None,
-            "backend": cell.backend, "costs": cell.costs, "status": None, "error": None,
+            "backend": cell.backend, "costs": cell.costs, "decompose": cell.decompose, "status": None,
+            "error": None,
             "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "git_rev": git_revision(), "versions": json.dumps(package_versions(), sort_keys=True)}
 
@@ -603,6 +612,8 @@ def _plan_row(cell: Cell) -> dict:
               "workers": cell.solver_workers, "costs": cell.costs, "threads": cell.threads or 1}
     if cell.time_limit_s is not None:
         kwargs["time_limit_s"] = cell.time_limit_s
+    if cell.decompose is not None:
+        kwargs["decompose"] = cell.decompose
     p = api_plan(cell.model.model, cell.device, cell.strategy, **kwargs)
     row = _plan_columns(p, prepare_s)
     if cell.backend:
@@ -641,6 +652,8 @@ def _plan_columns(p, prepare_s: float) -> dict:
            "gap": s.gap if s.bound_s is not None else None,
            "candidates": stats.get("candidates"), "enumeration_s": stats.get("enumeration_s"),
            "solve_s": stats.get("solver_wall_s"), "wall_s": round(s.wall_s, 3),
+           "pieces": stats.get("decomposition", {}).get("pieces"),
+           "distinct": stats.get("decomposition", {}).get("distinct"),
            "prepare_s": round(prepare_s, 3), "fallback": stats.get("fallback"),
            "templates": json.dumps(_count(g.kernel.template if not g.kernel.alias else "alias" for g in p.groups)),
            "bounds": json.dumps(_count(g.cost.bound for g in p.groups if not g.kernel.alias)),

@@ -173,3 +173,38 @@ def test_report_of_an_empty_folder_is_bad_input(tmp_path, run_cli):
         write_report(tmp_path, tmp_path / "r.md")
     code, _, err = run_cli("report", tmp_path / "missing")
     assert code == 2 and "no such folder" in err
+
+
+DEPTHS = """
+name = "depths"
+models = [{ model = "zoo:llama-decode", label = "llama-decode", zoo = { layers = [1, 2] } }]
+devices = ["h100-sxm"]
+strategies = ["greedy", "cpsat"]
+[params]
+time_limit_s = 20
+decompose = ["always", "never"]
+"""
+
+
+def test_a_sweep_over_decompose_reports_solve_time_against_depth_both_ways(tmp_path):
+    out, cells = _sweep(tmp_path, DEPTHS)
+    assert len(cells) == 2 * 3  # per depth: greedy, cpsat decomposed, cpsat whole
+    rows = pd.read_parquet(out / "results.parquet")
+    exact = rows[rows.strategy == "cpsat"].set_index(["model", "decompose"])
+    assert (exact["pieces"].xs("always", level="decompose") > 1).all()
+    assert exact["pieces"].xs("never", level="decompose").isna().all()
+    write_report(out, out / "report.md")
+    text = (out / "report.md").read_text()
+    depth = text[text.index("## Solve time against depth, with and without decomposition"):]
+    head = next(line for line in depth.splitlines() if line.startswith("| model |"))
+    assert head == "| model | device | nodes | always | never |"
+    for model in ("llama-decode/layers=1", "llama-decode/layers=2"):
+        line = next(x for x in depth.splitlines() if x.startswith(f"| {model} | h100-sxm |"))
+        for way in ("always", "never"):
+            c = exact.loc[(model, way)]
+            assert f"{c['wall_s']:.2f} s · {c['solver_status']}" in line
+    assert "| cpsat, decompose always | 2 |" in text and "| cpsat, decompose never | 2 |" in text
+    solver = text[text.index("## The exact solver (cpsat)"):]
+    assert "| model | device | decompose | nodes | candidates | pieces |" in solver
+    c = exact.loc[("llama-decode/layers=2", "always")]
+    assert f"| {int(c['pieces'])} ({int(c['distinct'])}) |" in solver

@@ -74,6 +74,8 @@ def _rows(out: Path) -> pd.DataFrame:
     ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cupy'\nmeasure = ['end_to_end']",
      "end to end on backend = \"cpu\" only"),
     ("models = ['zoo:unet']\ndevices = ['t4']\nbackend = 'cpu'\nthreads = 0", "threads = 0; give a whole number from 1 to"),
+    ("models = ['zoo:unet']\ndevices = ['t4']\n[params]\ndecompose = ['never', 'sometimes']",
+     "params.decompose = 'sometimes': choose one of auto, always, never"),
 ])
 def test_bad_configs_name_the_file_and_key(tmp_path, text, needle):
     path = _config(tmp_path, text)
@@ -99,6 +101,17 @@ def test_expand_is_stable_and_runs_time_limits_only_for_cpsat(tmp_path):
     assert [c.cell_id for c in cells] == [c.cell_id for c in expand(load_config(tmp_path / "sweep.toml"))]
     assert {c.time_limit_s for c in cells if c.strategy != "cpsat"} == {None}
     assert [c.index for c in cells] == list(range(len(cells)))
+
+
+def test_decompose_expands_cpsat_cells_only_and_auto_keeps_the_ids_of_sweeps_without_it(tmp_path):
+    plain = expand(load_config(_config(tmp_path, TINY)))
+    auto = expand(load_config(_config(tmp_path, TINY + 'decompose = "auto"\n')))
+    both = expand(load_config(_config(tmp_path, TINY + 'decompose = ["auto", "never"]\n')))
+    assert [c.cell_id for c in auto] == [c.cell_id for c in plain]
+    assert {c.decompose for c in plain if c.strategy != "cpsat"} == {None}
+    exact = [c for c in both if c.strategy == "cpsat"]
+    assert len(both) == len(plain) + len(exact) // 2 and {c.decompose for c in exact} == {"auto", "never"}
+    assert len({c.cell_id for c in both}) == len(both)
 
 
 def test_cell_ids_follow_a_profiles_content_and_the_results_version(tmp_path, monkeypatch):

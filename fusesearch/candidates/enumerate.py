@@ -49,13 +49,16 @@ def neighbours(graph: Graph) -> list[tuple[int, ...]]:
     return [tuple(sorted(set(graph.predecessors(i)) | set(graph.successors(i)))) for i in range(len(graph))]
 
 
-def convex_hull(graph: Graph, nodes: Iterable[int]) -> frozenset[int]:
+def convex_hull(graph: Graph, nodes: Iterable[int], limit: int | None = None) -> frozenset[int] | None:
+    """The nodes on paths between `nodes`, or None when there are more than `limit` of them."""
     members = desc = anc = 0
     for i in nodes:
         members |= 1 << i
         desc |= graph.descendants(i)
         anc |= graph.ancestors(i)
     hull = members | (desc & anc)
+    if limit is not None and hull.bit_count() > limit:
+        return None
     return frozenset(_bits(hull))
 
 
@@ -96,8 +99,8 @@ def _grow(legality: Legality, graph: Graph, nbrs: list[tuple[int, ...]], seed: i
         for nb in sorted({j for i in group for j in nbrs[i]} - group):
             if nb < seed or graph.nodes[nb].kind == OpKind.OPAQUE:
                 continue
-            grown = convex_hull(graph, group | {nb})
-            if grown in seen or len(grown) > legality.max_group_size:
+            grown = convex_hull(graph, group | {nb}, legality.max_group_size)
+            if grown is None or grown in seen:
                 continue
             seen.add(grown)
             checks += 1

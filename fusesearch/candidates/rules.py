@@ -24,10 +24,10 @@ from fusesearch.candidates.capabilities import Capabilities
 from fusesearch.costing import cheapest, device_choices, kernel_cost
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
+from fusesearch.ir.structure import Structures
 from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
-SHAPE_LIKE = 16  # constants up to this size tell groups apart by value (shapes, axes); larger ones (weights) by shape
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,8 @@ class Legality:
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
     _last: tuple = field(default=(), repr=False)  # (node set, its choices): the set being checked
     _twins: dict[tuple, Verdict] = field(default_factory=dict, repr=False)  # structure → verdict
+    _shared: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)  # node set → its twin's
+    _structures: Structures | None = field(default=None, repr=False)
 
     def check(self, nodes: Iterable[int]) -> Verdict:
         key = frozenset(nodes)
@@ -186,13 +188,16 @@ class Legality:
         """The group's decision and cost, shared with an earlier group of the same `structure` (its
         kernel may be that group's: read a group's kernel through `check`)."""
         key = frozenset(nodes)
-        verdict = self._memo.get(key)
+        verdict = self._memo.get(key) or self._shared.get(key)
         if verdict is not None or self.measurer is not None:
             return verdict or self.check(key)
-        shape = structure(self.graph, key)
+        if self._structures is None:
+            self._structures = Structures(self.graph)
+        shape = self._structures(key)
         verdict = self._twins.get(shape)
         if verdict is None:
             verdict = self._twins[shape] = self.check(key)
+        self._shared[key] = verdict
         return verdict
 
     def _check(self, nodes: frozenset[int]) -> Verdict:
@@ -259,37 +264,3 @@ class Legality:
     @property
     def evaluated(self) -> int:
         return len(self._memo)
-
-
-def structure(graph: Graph, nodes: frozenset[int]) -> tuple:
-    """What a group's lowering and cost depend on, without node ids or tensor names: per node (in
-    id order) its op, attributes, and for each input where it comes from (a member, by position
-    and output, or an outside tensor, numbered by first use so that shared inputs stay shared,
-    with its shape, dtype and, for constants of up to SHAPE_LIKE elements (shapes, axes, slice
-    bounds, scalars: what lowering reads), value), and for each output its shape, dtype
-    and whether anything outside the group (or the graph's output) reads it."""
-    order = sorted(nodes)
-    position = {v: i for i, v in enumerate(order)}
-    outside: dict[str, int] = {}
-    out = []
-    for v in order:
-        node = graph.nodes[v]
-        inputs = []
-        for t in node.inputs:
-            producer = graph.producer(t) if t else None
-            if producer in position:
-                inputs.append((position[producer], graph.nodes[producer].outputs.index(t)))
-                continue
-            info = graph.info(t) if t else None
-            value = graph.constant_value(t) if t else None
-            value = value if value is not None and value.size <= SHAPE_LIKE else None
-            inputs.append((outside.setdefault(t, len(outside)), None if info is None else (info.shape, info.dtype, info.constant),
-                           None if value is None else (value.dtype.str, value.shape, value.tobytes())))
-        outputs = []
-        for t in node.outputs:
-            info = graph.info(t)
-            read_outside = graph.is_output(t) or any(c not in position for c in graph.consumers(t))
-            outputs.append((None if info is None else (info.shape, info.dtype), read_outside))
-        attrs = tuple(sorted((k, repr(a)) for k, a in node.attrs.items()))
-        out.append((node.op_type, node.domain, attrs, tuple(inputs), tuple(outputs)))
-    return tuple(out)

@@ -3,12 +3,13 @@
 Problem: choose a partition of the nodes into candidate groups of least predicted time whose
 quotient graph is acyclic (two convex groups can still form a cycle).
 Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE, or
-CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node; ranks r_v with r_v − r_u + y_uv ≥ 1 and
-r_v − r_u + n·y_uv ≤ n per edge make ranks equal inside a group and increasing between groups.
-Hinted with the greedy plan; with few workers `max_lp` and `core` are added. A second one-worker
-solve with Σ c_g x_g ≤ optimum (summed in integers) makes the plan deterministic
-(`resolve_status`). Graphs from DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each
-distinct subproblem solved once and joined by `decompose.join` (whole graph if not proven acyclic).
+CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient
+cycle C gets Σ_{g ∈ C} x_g ≤ |C| − 1 and is solved again; after CUT_ROUNDS such cuts, ranks r_v with
+r_v − r_u + y_uv ≥ 1 and r_v − r_u + n·y_uv ≤ n per edge (equal inside a group, increasing between
+groups) exclude every cycle. Hinted with greedy's plan (few workers: `max_lp`, `core`). With several
+workers, a one-worker re-solve with Σ c_g x_g ≤ optimum makes the plan deterministic. Graphs from
+DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each distinct subproblem solved once
+(`workers` at a time, one CP-SAT worker each: the same plan whatever `workers`), joined by `join`.
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
 best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
 model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -40,16 +43,19 @@ SAFETY_S = 0.5  # reading the solution back ...
 SAFETY_PER_NODE_S = 2e-4  # ... and building the validated plan (costs, unfused figures) after it
 FEW_WORKERS = 4
 # below this many nodes one model proves the optimum faster than the decomposition's many small ones
-# (BERT-base, 1 worker: 170 nodes in 2 s whole, 9 s decomposed; 1,220 nodes 38 s whole)
-DECOMPOSE_FROM_NODES = 500
+# (experiments/scaling, 1 worker: LLaMA decode 497 nodes 3.6 s whole, 9.1 s decomposed; about even
+# near 1,000; from 1,600 on decomposed is faster: LLaMA prefill 4,809 nodes 11 s against 43 s)
+DECOMPOSE_FROM_NODES = 1000
+CUT_ROUNDS = 20  # plans refused for a quotient cycle before the ranks are added
 
 
 class CpSatSolver:
     name = "cpsat"
 
     def __init__(self, decompose: bool | None = None) -> None:
-        self.decompose = decompose  # None: from DECOMPOSE_FROM_NODES nodes on
+        self.decompose = decompose  # None: as `SearchConfig.decompose` says
         self.solves = 0  # CP-SAT models solved (subproblems with equal keys count once)
+        self._lock = threading.Lock()
 
     def solve(self, problem: SearchProblem, *, time_limit_s: float, seed: int) -> SolveResult:
         start = time.perf_counter()
@@ -60,7 +66,7 @@ class CpSatSolver:
         enumerated_s = time.perf_counter() - start
         costs, unit = _costs(problem, candidates.groups)
         deadline = start + time_limit_s
-        whole = not (self.decompose if self.decompose is not None else len(problem.graph) >= DECOMPOSE_FROM_NODES)
+        whole = not self._decomposes(problem)
         chain = None if whole else decompose.split(len(problem.graph), candidates.groups)
         result = None
         if chain is not None and chain.pieces > 1:
@@ -74,9 +80,18 @@ class CpSatSolver:
         return SolveResult(result.groups, result.status, result.objective_s, result.bound_s,
                            time.perf_counter() - start, stats)
 
-    def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed) -> _Part:
-        self.solves += 1
-        return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed)
+    def _decomposes(self, problem: SearchProblem) -> bool:
+        if self.decompose is not None:
+            return self.decompose
+        how = problem.config.decompose
+        return how == "always" or (how == "auto" and len(problem.graph) >= DECOMPOSE_FROM_NODES)
+
+    def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed, piece=False) -> _Part:
+        """A piece by one CP-SAT worker, else by `config.workers`."""
+        with self._lock:
+            self.solves += 1
+        return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed,
+                            1 if piece else problem.config.workers)
 
     def _solve_chain(self, problem, groups, chain, costs, unit, greedy, deadline, seed) -> SolveResult | None:
         """The exact plan joined from the chain's subproblems (`decompose`), each distinct one solved
@@ -85,21 +100,16 @@ class CpSatSolver:
         first: dict[tuple, decompose.Subproblem] = {}
         for sub in subs:
             first.setdefault(sub.key, sub)
+        parts = self._solve_distinct(problem, groups, chain, list(first.values()), costs, greedy, deadline, seed)
         solutions: dict[tuple, decompose.Solution] = {}
         statuses: dict[str, int] = {}
         solver_s = 0.0
-        for done, (key, sub) in enumerate(first.items()):
-            share = max(0.0, deadline - time.perf_counter()) / (len(first) - done)
-            inside = set(sub.nodes)
-            hint = [g for g in greedy if g <= inside]
-            part = self._solve_part(problem, groups, sub.nodes, sub.candidates, costs, hint,
-                                    time.perf_counter() + share, seed)
+        for sub, (part, chosen) in zip(first.values(), parts, strict=True):
             statuses[part.status] = statuses.get(part.status, 0) + 1
             solver_s += part.stats["solver_wall_s"]
-            chosen = part.chosen if part.chosen else _hinted(groups, sub, hint)  # none found in time
             local = tuple(tuple(sorted(v - sub.start for v in groups[i])) for i in chosen)
             value = sum(costs[i] for i in chosen)
-            solutions[key] = decompose.Solution(local, value, min(part.bound, value), part.status == "OPTIMAL")
+            solutions[sub.key] = decompose.Solution(local, value, min(part.bound, value), part.status == "OPTIMAL")
         plan, value, bound, proven = decompose.join(chain, groups, costs, subs, lambda s: solutions[s.key])
         try:
             order_groups(problem.graph, plan)
@@ -117,12 +127,37 @@ class CpSatSolver:
         objective_s = problem.partition_time_s(plan)
         return _no_worse_than_greedy(problem, plan, status, objective_s, bound * unit / PS_PER_S, stats, greedy)
 
+    def _solve_distinct(self, problem, groups, chain, distinct, costs, greedy, deadline, seed) -> list[tuple]:
+        """Each distinct subproblem's answer and chosen candidates (the hint's where it found none),
+        in order. `config.workers` of them at a time, each by one CP-SAT worker: one worker is
+        deterministic, so the plan is the same whatever the number of workers. Each gets an equal
+        share of the time left for the rounds of solves still to start."""
+        workers = max(1, min(problem.config.workers, len(distinct)))
+        started = [0]
 
-def _hinted(groups, sub, hint) -> tuple[int, ...]:
+        def solve(sub):
+            with self._lock:
+                rounds = math.ceil((len(distinct) - started[0]) / workers)
+                started[0] += 1
+            share = max(0.0, deadline - time.perf_counter()) / max(1, rounds)
+            nodes, candidates = sub.nodes, sub.candidates(chain, groups)
+            inside = set(nodes)
+            hint = [g for g in greedy if g <= inside]
+            part = self._solve_part(problem, groups, nodes, candidates, costs, hint, time.perf_counter() + share,
+                                    seed, piece=True)
+            return part, part.chosen or _hinted(groups, candidates, nodes, hint)  # none found in time
+
+        if workers == 1:
+            return [solve(sub) for sub in distinct]
+        with ThreadPoolExecutor(workers) as pool:  # CP-SAT releases the GIL while it solves
+            return list(pool.map(solve, distinct))
+
+
+def _hinted(groups, candidates, nodes, hint) -> tuple[int, ...]:
     """The hint's groups of a subproblem, its other nodes alone (every node is a candidate)."""
-    index = {groups[i]: i for i in sub.candidates}
+    index = {groups[i]: i for i in candidates}
     covered = {v for g in hint for v in g}
-    return tuple(index[g] for g in (*hint, *(frozenset({v}) for v in sub.nodes if v not in covered)))
+    return tuple(index[g] for g in (*hint, *(frozenset({v}) for v in nodes if v not in covered)))
 
 
 @dataclass(frozen=True)
@@ -145,56 +180,101 @@ def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[
 
 
 def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nodes, indices, costs: list[int],
-                 hint: list[frozenset[int]], deadline: float, seed: int) -> _Part:
+                 hint: list[frozenset[int]], deadline: float, seed: int, workers: int) -> _Part:
     """The model of the module docstring over `nodes` (a topologically ordered subset) and the
-    candidates `groups[i]` for i in `indices` (all inside `nodes`)."""
+    candidates `groups[i]` for i in `indices` (all inside `nodes`), its acyclicity imposed lazily:
+    a plan whose quotient has a cycle gets the cut "not all of the cycle's groups" (any plan with
+    them all has that cycle) and is solved again; from CUT_ROUNDS cuts on, the ranks exclude every
+    cycle at once. Set partitioning alone proves the optimum tens of times faster than with ranks."""
     graph = problem.graph
     nodes, indices = list(nodes), list(indices)
     local = {v: j for j, v in enumerate(nodes)}
     n = len(nodes)
     model = cp_model.CpModel()
     x = [model.new_bool_var(f"x{i}") for i in indices]
-    rank = [model.new_int_var(0, max(n - 1, 0), f"r{v}") for v in nodes]
     containing: list[list[int]] = [[] for _ in nodes]
     for k, i in enumerate(indices):
         for v in groups[i]:
             containing[local[v]].append(k)
     for j in range(n):
         model.add_exactly_one(x[k] for k in containing[j])
-    for j, u in enumerate(nodes):
-        shared_with = _pairs(groups, indices, containing[j])
-        for v in graph.successors(u):
-            if v not in local:
-                continue
-            together = sum(x[k] for k in shared_with.get(v, ()))
-            model.add(rank[local[v]] - rank[j] + together >= 1)
-            if shared_with.get(v):
-                model.add(rank[local[v]] - rank[j] + n * together <= n)
     part_costs = [costs[i] for i in indices]
     objective = sum(c * xi for c, xi in zip(part_costs, x, strict=True))
     model.minimize(objective)
-    _add_hint(model, groups, indices, x, rank, local, hint, graph)
+    chosen_hint = set(hint)
+    for i, var in zip(indices, x, strict=True):
+        model.add_hint(var, groups[i] in chosen_hint)
+    stats = {"conflicts": 0, "branches": 0, "solver_wall_s": 0.0, "cycle_cuts": 0, "ranks": False}
+    for cuts in range(CUT_ROUNDS + 1):
+        if cuts == CUT_ROUNDS:
+            _add_ranks(model, graph, groups, indices, x, containing, local, hint)
+            stats["ranks"] = True
+        solver, status, resolve = _solve_once(model, workers, seed, objective, part_costs, x,
+                                              deadline - SAFETY_PER_NODE_S * n)
+        stats.update(solver_status=solver.status_name(status), resolve_status=resolve)
+        stats["conflicts"] += solver.num_conflicts
+        stats["branches"] += solver.num_branches
+        stats["solver_wall_s"] = round(stats["solver_wall_s"] + solver.wall_time, 3)
+        found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        positions = [k for k, var in enumerate(x) if solver.value(var)] if found else []
+        cycle = _cycle(graph, [groups[indices[k]] for k in positions], local) if found else None
+        if cycle is not None:
+            stats["cycle_cuts"] += 1
+            model.add(sum(x[positions[c]] for c in cycle) <= len(cycle) - 1)
+        # every cost is >= 0, whatever LP bound came back; a stop before any plan keeps the bound it had
+        bound = max(0, math.ceil(solver.best_objective_bound - 1e-6)) if math.isfinite(solver.best_objective_bound) else 0
+        if cycle is None or time.perf_counter() >= deadline:
+            break
+    if cycle is not None:  # out of time with a plan that has a cycle: no plan, its bound still holds
+        stats["solver_status"] = "UNKNOWN"
+        return _Part((), "UNKNOWN", 0, bound, stats)
+    chosen = tuple(indices[k] for k in positions)
+    value = sum(part_costs[k] for k in positions) if found else 0
+    return _Part(chosen, solver.status_name(status), value, min(bound, value) if found else bound, stats)
+
+
+def _solve_once(model, workers: int, seed: int, objective, part_costs: list[int], x, deadline: float):
+    """One CP-SAT solve of `model` by `workers` workers, made deterministic where several proved the
+    optimum (`_deterministic_optimum`): (the solver to read values from, its status, the re-solve's)."""
     solver = cp_model.CpSolver()
-    remaining = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S - SAFETY_PER_NODE_S * n)
-    _configure(solver.parameters, problem.config.workers, remaining, seed)
+    _configure(solver.parameters, workers, max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S), seed)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):  # UNKNOWN: a time-out
         raise FusesearchError(f"cpsat: CP-SAT found the search model {solver.status_name(status)} "
-                              f"({model.validate() or 'no reason given'}) on {n} nodes; plan with "
+                              f"({model.validate() or 'no reason given'}) on {len(x)} candidates; plan with "
                               "--strategy greedy meanwhile and report this")
-    resolve = None
-    if status == cp_model.OPTIMAL and problem.config.workers > 1:  # one worker is deterministic already
-        model.add(objective <= _objective(solver, part_costs, x))
-        solver, resolve = _deterministic_optimum(model, solver, deadline - SAFETY_PER_NODE_S * n)
-    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    stats = {"solver_status": solver.status_name(status), "conflicts": solver.num_conflicts,
-             "branches": solver.num_branches, "solver_wall_s": round(solver.wall_time, 3),
-             "resolve_status": resolve}
-    chosen = tuple(i for i, var in zip(indices, x, strict=True) if solver.value(var)) if found else ()
-    value = _objective(solver, part_costs, x) if found else 0
-    # every cost is >= 0, whatever LP bound came back; a stop before any plan keeps the bound it had
-    bound = max(0, math.ceil(solver.best_objective_bound - 1e-6)) if math.isfinite(solver.best_objective_bound) else 0
-    return _Part(chosen, solver.status_name(status), value, min(bound, value) if found else bound, stats)
+    if status != cp_model.OPTIMAL or workers == 1:  # one worker is deterministic already
+        return solver, status, None
+    fixed = model.clone()
+    fixed.add(objective <= _objective(solver, part_costs, x))
+    solver, resolve = _deterministic_optimum(fixed, solver, deadline)
+    return solver, status, resolve
+
+
+def _cycle(graph, chosen: list[frozenset[int]], local: dict[int, int]) -> list[int] | None:
+    """Positions in `chosen` of groups forming a cycle of the quotient graph (edges to nodes outside
+    `local` left out), or None when it is acyclic."""
+    owner = {v: gi for gi, g in enumerate(chosen) for v in g}
+    succ = [sorted({owner[w] for v in g for w in graph.successors(v) if w in local} - {gi})
+            for gi, g in enumerate(chosen)]
+    state = [0] * len(chosen)  # 0 unvisited, 1 on the current path, 2 done
+    for root in range(len(chosen)):
+        if state[root]:
+            continue
+        path, nexts = [root], [iter(succ[root])]
+        state[root] = 1
+        while path:
+            step = next(nexts[-1], None)
+            if step is None:
+                state[path.pop()] = 2
+                nexts.pop()
+            elif state[step] == 1:
+                return path[path.index(step):]
+            elif state[step] == 0:
+                state[step] = 1
+                path.append(step)
+                nexts.append(iter(succ[step]))
+    return None
 
 
 def _objective(solver, costs: list[int], x) -> int:
@@ -244,11 +324,22 @@ def _pairs(groups, indices: list[int], containing: list[int]) -> dict[int, list[
     return out
 
 
-def _add_hint(model, groups, indices, x, rank, local, hint, graph) -> None:
-    chosen = set(hint)
-    for i, var in zip(indices, x, strict=True):
-        model.add_hint(var, groups[i] in chosen)
-    for r, gi in enumerate(order_groups(graph, hint, part=len(local) < len(graph))):
+def _add_ranks(model, graph, groups, indices: list[int], x, containing: list[list[int]], local: dict[int, int],
+               hint: list[frozenset[int]]) -> None:
+    """Ranks r_v (module docstring): equal inside a group and increasing along every edge between
+    groups, so no plan with a quotient cycle is feasible; hinted by the hint's quotient order."""
+    n = len(local)
+    rank = [model.new_int_var(0, max(n - 1, 0), f"r{v}") for v in local]
+    for u, j in local.items():
+        shared_with = _pairs(groups, indices, containing[j])
+        for v in graph.successors(u):
+            if v not in local:
+                continue
+            together = sum(x[k] for k in shared_with.get(v, ()))
+            model.add(rank[local[v]] - rank[j] + together >= 1)
+            if shared_with.get(v):
+                model.add(rank[local[v]] - rank[j] + n * together <= n)
+    for r, gi in enumerate(order_groups(graph, hint, part=n < len(graph))):
         for v in hint[gi]:
             model.add_hint(rank[local[v]], r)
 

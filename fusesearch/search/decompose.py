@@ -73,9 +73,17 @@ class Subproblem:
     left: int | None
     right: int | None
     start: int
-    nodes: tuple[int, ...]
-    candidates: tuple[int, ...]
+    stop: int
+    removed: frozenset[int]  # the piece's nodes in the cut states' candidates
     key: tuple
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(v for v in range(self.start, self.stop) if v not in self.removed)
+
+    def candidates(self, chain: Chain, groups: Sequence[frozenset[int]]) -> tuple[int, ...]:
+        """The piece's own candidates that keep clear of the removed nodes."""
+        return tuple(i for i in chain.inside[self.piece] if groups[i].isdisjoint(self.removed))
 
 
 @dataclass(frozen=True)
@@ -100,13 +108,11 @@ def subproblems(graph: Graph, chain: Chain, groups: Sequence[frozenset[int]],
         rights = (None, *chain.crossing[p]) if p < chain.pieces - 1 else (None,)
         for left in lefts:
             for right in rights:
-                taken = _nodes(groups, left) | _nodes(groups, right)
                 if left is not None and right is not None and not groups[left].isdisjoint(groups[right]):
                     continue
-                nodes = tuple(v for v in range(start, stop) if v not in taken)
-                cands = tuple(i for i in chain.inside[p] if groups[i].isdisjoint(taken))
-                local = tuple(sorted(v - start for v in taken if start <= v < stop))
-                out.append(Subproblem(p, left, right, start, nodes, cands, (sig, local)))
+                removed = frozenset(v for v in _nodes(groups, left) | _nodes(groups, right) if start <= v < stop)
+                local = tuple(sorted(v - start for v in removed))
+                out.append(Subproblem(p, left, right, start, stop, removed, (sig, local)))
     return out
 
 
@@ -121,12 +127,12 @@ def join(chain: Chain, groups: Sequence[frozenset[int]], costs: Sequence[int], s
     by_piece: dict[int, list[Subproblem]] = {}
     for sub in subs:
         by_piece.setdefault(sub.piece, []).append(sub)
-    # state at the previous cut → (cost so far, bound so far, plan so far)
-    best: dict[int | None, tuple[int, int, list]] = {None: (0, 0, [])}
+    # state at the previous cut → (cost so far, the choices so far as a linked list (earlier, subproblem))
+    best: dict[int | None, tuple[int, tuple | None]] = {None: (0, None)}
     bounds: dict[int | None, int] = {None: 0}
     proven = True
     for p in range(chain.pieces):
-        nxt: dict[int | None, tuple[int, int, list]] = {}
+        nxt: dict[int | None, tuple[int, tuple | None]] = {}
         nxt_bounds: dict[int | None, int] = {}
         for sub in by_piece[p]:
             if sub.left not in best:
@@ -136,24 +142,28 @@ def join(chain: Chain, groups: Sequence[frozenset[int]], costs: Sequence[int], s
             extra = costs[sub.right] if sub.right is not None else 0
             value = best[sub.left][0] + sol.value + extra
             if sub.right not in nxt or value < nxt[sub.right][0]:
-                plan = [frozenset(sub.start + v for v in g) for g in sol.groups]
-                if sub.right is not None:
-                    plan.append(groups[sub.right])
-                nxt[sub.right] = (value, 0, [best[sub.left][2], plan])
+                nxt[sub.right] = (value, (best[sub.left][1], sub))
             bound = bounds[sub.left] + sol.bound + extra
             nxt_bounds[sub.right] = min(bound, nxt_bounds.get(sub.right, bound))
         best, bounds = nxt, nxt_bounds
-    value, _, nested = best[None]
-    return _flatten(nested), value, bounds[None], proven
+    value, chosen = best[None]
+    return _plan(chosen, groups, solved), value, bounds[None], proven
 
 
-def _flatten(nested: list) -> list[frozenset[int]]:
-    """The plan pieces kept as a linked list (no copy per state and piece) in chain order."""
-    parts = []
-    while nested:
-        nested, plan = nested
-        parts.append(plan)
-    return [g for plan in reversed(parts) for g in plan]
+def _plan(chosen: tuple | None, groups: Sequence[frozenset[int]],
+          solved: Callable[[Subproblem], Solution]) -> list[frozenset[int]]:
+    """The plan of the chosen subproblems (kept as a linked list, no copy per state and piece), each
+    one's groups shifted onto its piece and followed by its right state's candidate, in chain order."""
+    subs = []
+    while chosen is not None:
+        chosen, sub = chosen
+        subs.append(sub)
+    plan = []
+    for sub in reversed(subs):
+        plan += [frozenset(sub.start + v for v in g) for g in solved(sub).groups]
+        if sub.right is not None:
+            plan.append(groups[sub.right])
+    return plan
 
 
 def signature(graph: Graph, start: int, stop: int, groups: Sequence[frozenset[int]],

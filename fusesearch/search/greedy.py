@@ -33,8 +33,7 @@ class _State:
 
     def push(self, a: int, b: int) -> None:
         union = self.members[a] | self.members[b]
-        # the decision and time only: a twin's (the same structure in another layer) serve
-        verdict = self.problem.legality.outcome(union)
+        verdict = self.problem.legality.outcome(union)  # shared by groups of one structure
         if not verdict.decision:
             return
         saving = self.problem.time_s(self.members[a]) + self.problem.time_s(self.members[b]) - verdict.time_s

@@ -21,7 +21,19 @@ from costmodels import DeviceSpec, RooflineModel
 from fusesearch.backends import cpu
 from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
 from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality, Measurer
+from fusesearch.errors import BadInput
 from fusesearch.ir.graph import Graph
+
+DECOMPOSE = ("auto", "always", "never")
+"""How the exact search treats a deep graph: "auto" cuts it into pieces from a size on
+(`cpsat.DECOMPOSE_FROM_NODES`), "always" and "never" whatever its size."""
+
+
+def check_decompose(value: object, named: str = "decompose =") -> str:
+    """The one check of a decompose value (the API's keyword, the sweep file's `params.decompose`)."""
+    if value not in DECOMPOSE:
+        raise BadInput(f"{named} {value!r}: choose one of {', '.join(DECOMPOSE)}")
+    return value
 
 
 def default_workers() -> int:
@@ -36,6 +48,7 @@ class SearchConfig:
     max_group_size: int = DEFAULT_MAX_GROUP_SIZE
     budget_per_seed: int = DEFAULT_BUDGET_PER_SEED
     lone_anchors: str = "priced"  # how a lone gemm/conv may run (`rules.LONE_ANCHORS`)
+    decompose: str = "auto"  # DECOMPOSE: whether cpsat cuts the graph into pieces
 
 
 @dataclass

@@ -62,7 +62,7 @@ def rules_partition(problem: SearchProblem) -> list[frozenset[int]]:
         chain = _pattern(graph, node)
         cut = next((k for k, i in enumerate(chain) if i in taken), len(chain))
         chain = chain[:cut]
-        while len(chain) > 1 and not problem.legality.check(chain).decision:
+        while len(chain) > 1 and not problem.legality.outcome(chain).decision:
             chain.pop()
         groups.append(frozenset(chain))
         taken.update(chain)

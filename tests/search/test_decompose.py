@@ -1,13 +1,16 @@
 """The decomposed exact search: cuts joined over crossing candidates give the undivided optimum,
-identical blocks are solved once, and a search stopped at its limit says so."""
+identical blocks are solved once, pieces solved in parallel give the serial plan byte for byte, and
+a search stopped at its limit says so."""
 
 from __future__ import annotations
 
 import json
+import threading
 from importlib import resources
 
 import jsonschema
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from costmodels import RooflineModel, get_device
 from fusesearch.candidates.enumerate import enumerate_candidates
@@ -16,7 +19,8 @@ from fusesearch.search import cpsat as cpsat_module
 from fusesearch.search.cpsat import CpSatSolver
 from fusesearch.search.decompose import split
 from tests.conftest import make_model, save
-from tests.search.test_search import build, random_dags
+from tests.search.chains import BLOCK, chain_graph
+from tests.search.test_search import BINARY, OPS, build, random_dags
 
 H100 = get_device("h100-sxm")
 MODEL = RooflineModel()
@@ -32,11 +36,42 @@ def blocks(n: int) -> list[tuple[str, str, tuple[str, ...]]]:
     return spec
 
 
-def solve(graph, decompose: bool):
+def solve(graph, decompose: bool, workers: int = 1, solver: CpSatSolver | None = None):
     """cpsat, whole or decomposed; groups of up to 4 nodes keep the crossing candidates few."""
-    solver = CpSatSolver(decompose=decompose)
-    problem = SearchProblem.build(graph, H100, MODEL, SearchConfig(time_limit_s=30, workers=1, max_group_size=4))
+    solver = solver or CpSatSolver(decompose=decompose)
+    problem = SearchProblem.build(graph, H100, MODEL, SearchConfig(time_limit_s=30, workers=workers,
+                                                                   max_group_size=4))
     return solver, solver.solve(problem, time_limit_s=30, seed=0)
+
+
+class ThreadsSeen(CpSatSolver):
+    """cpsat that notes which threads solved its models."""
+
+    def __init__(self) -> None:
+        super().__init__(decompose=True)
+        self.threads: set[int] = set()
+
+    def _solve_part(self, *args, **kwargs):
+        self.threads.add(threading.get_ident())
+        return super()._solve_part(*args, **kwargs)
+
+
+@st.composite
+def random_chains(draw):
+    """A random block of up to 6 nodes repeated 2 to 5 times, each copy reading the last node of
+    the one before (its other sinks are graph outputs): identical pieces joined at one tensor."""
+    block = []
+    for i in range(draw(st.integers(min_value=1, max_value=6))):
+        op = draw(st.sampled_from(OPS))
+        pool = ["in", *(f"b{j}" for j in range(i))]
+        block.append((op, tuple(draw(st.sampled_from(pool)) for _ in range(2 if op in BINARY else 1))))
+    spec, prev = [], "x"
+    for c in range(draw(st.integers(min_value=2, max_value=5))):
+        names = {"in": prev, **{f"b{j}": f"c{c}b{j}" for j in range(len(block))}}
+        spec += [(f"c{c}b{j}", op, tuple(names[t] for t in ins)) for j, (op, ins) in enumerate(block)]
+        prev = f"c{c}b{len(block) - 1}"
+    size = draw(st.sampled_from([(8, 8), (256, 256)]))
+    return build(spec, {"x": size, **{name: size for name, _, _ in spec}})
 
 
 def test_repeated_blocks_decompose_to_the_undivided_optimum():
@@ -75,8 +110,67 @@ def test_random_dags_decomposed_equals_undivided(graph):
     assert pieces.stats["objective_ps"] == whole.stats["objective_ps"]
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_chains())
+def test_random_chains_decomposed_equals_undivided_and_parallel_equals_serial(graph):
+    _, whole = solve(graph, decompose=False)
+    _, serial = solve(graph, decompose=True)
+    _, parallel = solve(graph, decompose=True, workers=3)
+    assert whole.status == serial.status == "OPTIMAL"
+    assert serial.stats["objective_ps"] == whole.stats["objective_ps"]
+    assert parallel.stats["objective_ps"] == serial.stats["objective_ps"]
+    if "decomposition" in serial.stats:  # cut into pieces (one piece is solved whole, by every worker)
+        assert parallel.groups == serial.groups
+
+
+def test_chain_builder_structure():
+    """Blocks of BLOCK in order, each Add of a block's end joining the previous block's output (the
+    graph input for the first); one graph output, the last node's; the same graph every build."""
+    graph = chain_graph(12)
+    assert len(graph) == 12 and [n.op_type for n in graph.nodes] == [*BLOCK, *BLOCK, *BLOCK[:2]]
+    assert all(graph.nodes[i].inputs[0] == graph.nodes[i - 1].outputs[0] for i in range(1, 12))
+    assert graph.nodes[0].inputs == ("x", "w") and graph.nodes[1].inputs[1] == "b"
+    assert graph.nodes[4].inputs[1] == "x" and graph.nodes[9].inputs[1] == graph.nodes[4].outputs[0]
+    assert graph.nodes[3].attrs == {"axis": -1}
+    assert tuple(graph.outputs) == graph.nodes[11].outputs
+    assert all({k: getattr(a, k) for k in ("op_type", "inputs", "outputs", "attrs")}
+               == {k: getattr(b, k) for k in ("op_type", "inputs", "outputs", "attrs")}
+               for a, b in zip(graph.nodes, chain_graph(12).nodes, strict=True))
+
+
+def test_a_chain_twice_as_long_solves_no_more_models_and_matches_the_whole_graph():
+    results = {}
+    for n in (60, 120):
+        solver, result = solve(chain_graph(n), decompose=True)
+        results[n] = (solver.solves, result)
+    (short_solves, short), (long_solves, long) = results[60], results[120]
+    assert long_solves == short_solves == short.stats["decomposition"]["distinct"]
+    assert long.stats["decomposition"]["subproblems"] > short.stats["decomposition"]["subproblems"]
+    assert long.status == "OPTIMAL" and long.stats["decomposition"]["proven_whole"]
+    _, whole = solve(chain_graph(60), decompose=False)
+    assert whole.status == "OPTIMAL" and whole.stats["objective_ps"] == short.stats["objective_ps"]
+
+
+def test_pieces_are_solved_in_parallel_to_the_serial_plan_json(tmp_path):
+    """Several workers solve the distinct pieces on several threads; the plan is the serial one,
+    byte for byte."""
+    graph = build(blocks(8))
+    docs, threads = [], []
+    for workers in (1, 3):
+        solver = ThreadsSeen()
+        problem = SearchProblem.build(graph, H100, MODEL, SearchConfig(time_limit_s=30, workers=workers,
+                                                                       max_group_size=4))
+        result = solver.solve(problem, time_limit_s=30, seed=0)
+        assert result.status == "OPTIMAL"
+        docs.append(search(graph, H100, MODEL, "cpsat", problem=problem).to_json())
+        threads.append(len(solver.threads))
+    assert threads[0] == 1 and threads[1] > 1
+    assert docs[0] == docs[1]
+
+
 def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path):
-    """From DECOMPOSE_FROM_NODES nodes on, `fusesearch plan` decomposes; plan.json says how, twice the same."""
+    """From DECOMPOSE_FROM_NODES nodes on, `fusesearch plan` decomposes; plan.json says how, the same
+    with one worker and with two (the pieces solved two at a time)."""
     import numpy as np
     from onnx import helper
 
@@ -88,8 +182,8 @@ def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path)
     model = make_model(nodes, [("x", [64, 64])], [(x, [64, 64])], [("w", np.eye(64, dtype=np.float32))])
     path = save(model, tmp_path / "chain.onnx")
     outs = []
-    for k in range(2):
-        code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--workers", "1",
+    for k, workers in enumerate(("1", "2")):
+        code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--workers", workers,
                                  "-o", tmp_path / f"p{k}.json")
         assert code == 0, err
         outs.append((tmp_path / f"p{k}.json").read_bytes())
@@ -161,3 +255,29 @@ def test_greedy_prices_each_structure_once_however_deep_the_model(tmp_path):
         assert all(own.check(g).decision for g in groups)
         plans[layers] = sum(len(g) > 1 for g in groups)
     assert lowered[6] == lowered[3] and plans[6] > plans[3]
+
+
+def test_greedy_and_the_unfused_figures_price_a_repeated_block_once(tmp_path, monkeypatch):
+    """Greedy asks legality by structure and the unfused figures lower one node per structure: a
+    model twice as deep lowers no more groups, and the figures equal each node lowered alone."""
+    from fusesearch import costing
+    from fusesearch.lowering import FusionGroup, lower
+    from fusesearch.search.greedy import greedy_partition
+
+    lowered, evaluated = {}, {}
+    for layers in (3, 6):
+        graph, problem = _zoo_problem(tmp_path, "llama-decode", layers=layers)
+        greedy_partition(problem)
+        evaluated[layers] = problem.legality.evaluated
+        calls = []
+        monkeypatch.setattr(costing, "lower", lambda g, group, _calls=calls: _calls.append(group) or lower(g, group))
+        figures = costing.graph_figures(graph, H100, MODEL)
+        monkeypatch.undo()
+        lowered[layers] = len(calls)
+        alone = [lower(graph, FusionGroup.single(n.id)) for n in graph.nodes]
+        assert figures.unfused_kernels == len(graph)
+        assert figures.unfused_time_s == sum(costing.kernel_cost(k, H100, MODEL).time_s for k in alone)
+        assert figures.tc_flops == sum(k.tc_flops for k in alone)
+        assert figures.scalar_flops == sum(k.scalar_flops for k in alone)
+    assert evaluated[6] == evaluated[3]
+    assert lowered[6] == lowered[3] < len(graph)
