@@ -26,6 +26,7 @@ from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 from fusesearch.ir.pool import POOL_OPS, pool_window
+from fusesearch.layout import Layout
 from fusesearch.schedule import (
     ALIAS,
     DEPTHWISE,
@@ -57,12 +58,14 @@ from fusesearch.schedule import (
     mma_sync_split,
     mma_sync_tiles,
     mma_tiles,
+    nchwc_conv,
     scaled_product,
     split_blocks,
     split_imbalance,
     split_k,
     stride_blocks,
     tensor_core_skeleton,
+    tensor_layouts,
     thread_layout,
     vectorizable,
 )
@@ -536,6 +539,40 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
                                 kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
                                 host=True), schedule=kernel.schedule)
     return replace(kernel, imbalance=split_imbalance(split, batches, m, n, host))
+
+
+def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Kernel, ...]:
+    """The group's forms in the target's blocked layout (`layout.Layout` of its `channel_block`):
+    a conv group `schedule.nchwc_conv` accepts as product "nchwc", its activations read and written
+    in NCHWc, priced with the padded channels' traffic; () where none applies (a target without a
+    block, another group, an illegal one). Kept apart from `choices` while plans hold NCHW only:
+    a plan's programs feed every kernel the model's layout."""
+    block = host.channel_block
+    nodes = [graph.nodes[i] for i in sorted(group.nodes)]
+    anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
+    if not block or len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0]):
+        return ()
+    if isinstance(_lower_checked(graph, nodes, host), FusionDecision):
+        return ()
+    anchor, layout = anchors[0], Layout(block)
+    template = anchor_template(graph, anchor)
+    schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc", layout_in=layout,
+                       layout_out=layout)
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    kernel = _build(graph, nodes, template, anchor.id, graph.tensors[anchor.outputs[0]].size, k, 4 + 2 * len(nodes),
+                    schedule, reload_tile=(m, n_dim, k), host=True)
+    return (_with_layouts(graph, kernel, anchor),)
+
+
+def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
+    """`kernel` with its traffic counted as its tensors lie (`schedule.tensor_layouts`): a blocked
+    tensor's padded channels are read and written too."""
+    def padding(tensors) -> int:
+        layouts = tensor_layouts(graph, anchor, tensors, kernel.schedule)
+        return sum(layouts[t].size(graph.tensors[t].shape) * graph.tensors[t].nbytes // graph.tensors[t].size - graph.tensors[t].nbytes
+                   for t in tensors if layouts[t].blocked)
+    return replace(kernel, read_bytes=kernel.read_bytes + padding(kernel.inputs),
+                   write_bytes=kernel.write_bytes + padding(kernel.outputs))
 
 
 def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:

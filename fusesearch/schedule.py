@@ -26,6 +26,7 @@ import numpy as np
 from costmodels.kernel import CPU_PRODUCTS, UNITS
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind
+from fusesearch.layout import NCHW, Layout, channel_block
 
 THREADS = 256  # CUDA threads per block of every skeleton but small tiles
 VECTOR = 4  # float4: one 16-byte load or store per tensor and thread
@@ -111,6 +112,8 @@ class Schedule:
     product: str = ""
     epilogue: str = ""
     split: str = ""
+    layout_in: Layout = NCHW  # a CPU conv: how its activation input lies (`tensor_layouts`)
+    layout_out: Layout = NCHW  # ... and its outputs and the inputs of their shape (a residual)
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
@@ -414,6 +417,62 @@ def conv_products(graph: Graph, nodes: Collection[int], anchor: Node, blas: bool
     return tuple(p for p in ordered if applicable[p]) or ("loops",)
 
 
+# -- blocked channel layouts (NCHWc, `fusesearch.layout`): which convs run in them ------------------
+
+def nchwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
+    """Whether a conv group has an NCHWc form (product "nchwc", `codegen.cpu_conv_nchwc`): a 2-D
+    float32 Conv with float32 constant filters, dense (one group) or depthwise with one filter per
+    channel, undilated, its input a kernel input (no prologue: in a blocked chain the producer's
+    epilogue holds the activation); the rest of the group an epilogue of elementwise or broadcast
+    ops on tensors of the conv's output shape, whose other operands are of that shape (a
+    residual) or per channel (a bias: every dim but the channels 1), and every output of the group
+    of that shape."""
+    if anchor.op_type != "Conv" or len(anchor.inputs) < 2:
+        return False
+    x, w, y = (graph.tensors[t] for t in (*anchor.inputs[:2], anchor.outputs[0]))
+    group = int(anchor.attrs.get("group", 1))
+    if (x.shape is None or len(x.shape) != 4 or not w.constant or {x.dtype, w.dtype, y.dtype} != {"float32"}
+            or graph.producer(anchor.inputs[0]) in nodes or any(d != 1 for d in anchor.attrs.get("dilations") or ())
+            or not (group == 1 or (group == x.shape[1] == y.shape[1]))):
+        return False
+    derived = {anchor.outputs[0]}
+    for n in (graph.nodes[i] for i in sorted(nodes) if i != anchor.id):
+        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) or not any(t in derived for t in n.inputs):
+            return False
+        for t in n.inputs:
+            info = graph.tensors[t] if t else None
+            if t in derived or info is None:
+                continue
+            per_channel = len(info.shape) <= 4 and all(d == 1 for k, d in enumerate(info.shape[::-1]) if k != 2)
+            if info.dtype != "float32" or not (info.shape == y.shape or per_channel):
+                return False
+        if any(graph.tensors[t].shape != y.shape for t in n.outputs):
+            return False
+        derived.update(n.outputs)
+    return all(t in derived for i in nodes for t in graph.nodes[i].outputs
+               if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
+
+
+def tensor_layouts(graph: Graph, anchor: Node, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
+    """How each of a kernel's `tensors` lies in memory under its schedule: the conv's activation
+    input in `layout_in`, every other tensor of the conv's output shape (its outputs, a residual)
+    in `layout_out`, the rest (filters, a bias) as in the model."""
+    y = graph.tensors[anchor.outputs[0]].shape if anchor is not None else None
+    x = anchor.inputs[0] if anchor is not None else None
+    return {t: (schedule.layout_in if t == x else schedule.layout_out if graph.tensors[t].shape == y else NCHW)
+            for t in tensors}
+
+
+def nchwc_tile(block: int, depthwise: bool) -> tuple[int, int]:
+    """(output-channel blocks, output pixels) an NCHWc conv's inner kernel keeps in vector registers:
+    with AVX-512's 32 registers (block 16) 4 x 6 accumulators beside 4 filter vectors; with AVX2's
+    16 (block 8) 2 x 6; a depthwise conv one block by 8 pixels (a filter vector, an input vector
+    per pixel)."""
+    if depthwise:
+        return 1, 8
+    return (4, 6) if block >= 16 else (2, 6)
+
+
 TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)
 _TILE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Identity"})  # and views
 
@@ -495,6 +554,11 @@ class CpuTarget:
     blas: bool = True
     lanes: int = 0
     threads: int = 1
+
+    @property
+    def channel_block(self) -> int:
+        """The NCHWc block this target's kernels use (`layout.channel_block` of its lanes; 0: none)."""
+        return channel_block(self.lanes)
 
 
 def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),

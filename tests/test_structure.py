@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # entry, to the leaves, so it may import no other layer until it is placed here.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cost model", ("costmodels",)),  # hardware and kernels, never graphs
-    ("leaves", ("fusesearch", "fusesearch.errors", "fusesearch.values", "fusesearch.zoo")),
+    ("leaves", ("fusesearch", "fusesearch.errors", "fusesearch.layout", "fusesearch.values", "fusesearch.zoo")),
     ("graph", ("fusesearch.ir",)),
     ("groups", ("fusesearch.groups",)),  # FusionGroup, FusionDecision
     ("schedule", ("fusesearch.schedule",)),

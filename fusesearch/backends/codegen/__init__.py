@@ -44,7 +44,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride
+from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride, tensor_layouts
 
 DYNAMIC_SMEM = frozenset({Skeleton.MMA_SYNC_TF32, Skeleton.MMA_SYNC_F16, Skeleton.MMA_SYNC_BF16})
 """The skeletons whose shared memory is dynamic (their stages pass the 48 KiB a block may declare
@@ -55,11 +55,16 @@ __all__ = ["CAPABILITIES", "CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "Codeg
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
+    """The kernel's arguments, each shaped as it lies in memory under the schedule
+    (`schedule.tensor_layouts`: a blocked tensor's physical shape, padded channels included)."""
+    anchor = graph.nodes[kernel.anchor] if kernel.anchor is not None else None
+    layouts = tensor_layouts(graph, anchor, (*kernel.inputs, *kernel.outputs), kernel.schedule)
+
     def arg(prefix, k, t):
         info = graph.tensors[t]
         if info.dtype not in CTYPES:
             raise CodegenRefused(f"dtype {info.dtype} of '{t}' is not generated yet")
-        return Arg(f"{prefix}{k}", t, tuple(info.shape), info.dtype)
+        return Arg(f"{prefix}{k}", t, layouts[t].shape(tuple(info.shape)), info.dtype)
 
     return (tuple(arg("in", k, t) for k, t in enumerate(kernel.inputs)),
             tuple(arg("out", k, t) for k, t in enumerate(kernel.outputs)))

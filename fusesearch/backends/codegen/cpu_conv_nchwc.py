@@ -1,0 +1,181 @@
+"""The NCHWc CPU conv (C only): a conv group whose activations lie in channel blocks (`fusesearch.layout`).
+
+Problem: in NCHW a conv's vector lanes run along a row of pixels (7 or 14 wide deep in a CNN,
+borders and strides in between) and a depthwise conv has no long contiguous axis at all; ONNX
+Runtime's NCHWc kernels keep a block of output channels in each vector register instead.
+Approach (MLAS's NCHWc direct conv): filters packed once (`base.NchwcFilter`); per image and block
+of output rows, per tile of `schedule.nchwc_tile` output-channel blocks x pixels, accumulators in
+vector registers (GCC vector types of `block` floats) over every input block, tap and input lane:
+a filter vector times an input scalar broadcast (dense), or a filter vector times an input vector
+(depthwise, one block per tile). Columns whose window crosses the image's edge run one pixel at a
+time over their valid taps; the interior in whole tiles; rows restrict their taps once. A 1x1
+stride-1 unpadded conv runs its block's rows as one run of pixels. The tile stores the sums into
+the block's buffer (`cbuf`), then the epilogue (bias, activations, a residual read in NCHWc) runs
+per pixel over the lanes of each channel block before the one store; padded lanes store zeros.
+Invariants: written for `Schedule.product` "nchwc" with `layout_in` and `layout_out` blocked, as
+`schedule.nchwc_conv` admits; each input element is read where it lies (no panel, no band)."""
+
+from __future__ import annotations
+
+import math
+
+from fusesearch.backends.codegen.base import OMP_FOR, Arg, NchwcFilter, _indent, scratch, store
+from fusesearch.backends.codegen.cpu_gemm import _split_outputs
+from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.ops import _conv_geometry
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.lowering import Kernel
+from fusesearch.schedule import nchwc_tile, tensor_layouts
+
+# pixels a 1x1 stride-1 conv's block holds at least (whole output rows): several tiles per block
+NCHWC_RUN_PIXELS = 48
+
+
+def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor: Node, packs: dict) -> list[str]:
+    """The C body of an NCHWc conv group (`schedule.nchwc_conv`, product "nchwc")."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    layout = kernel.schedule.layout_out
+    b = layout.block
+    depthwise = int(anchor.attrs.get("group", 1)) > 1
+    e = _Emitter(graph, kernel, args)
+    e.layouts = {t: lt for t, lt in tensor_layouts(graph, anchor, [*args, *(o.tensor for o in outs)], kernel.schedule).items()
+                   if lt.blocked}
+    _, (kh_n, kw_n), (sh, sw), _, (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
+    icb, ocb = kernel.schedule.layout_in.channels(xs[1]) // b, layout.channels(ys[1]) // b
+    (h, wd), (oh_n, ow_n) = xs[2:], ys[2:]
+    if w not in packs:
+        floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * b)
+        packs[w] = NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, ys[1], ws[1],
+                               kh_n * kw_n, b, depthwise)
+    run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
+    rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run else 1
+    pixels = rows * ow_n
+    geo = _Geometry(b, icb, h, wd, kh_n, kw_n, sw, depthwise, args[x].name, packs[w].arg.name, pixels)
+    o_tile, p_tile = nchwc_tile(b, depthwise)
+    if run:
+        loops = geo.pixels_of(o_tile, p_tile, ocb, "0", pixels_n="(oh1 - oh0) * " + f"{ow_n}LL",
+                              xoff=f"(nb * {icb * h * wd}LL + oh0 * {wd}LL) * {b}LL")
+    else:
+        lo = min(ow_n, -(-pw // sw))  # the interior: columns whose window lies inside the image
+        hi = max(lo, min(ow_n, (wd - kw_n + pw) // sw + 1))
+        loops = geo.row(o_tile, p_tile, ocb, lo, hi, ow_n, pw, f"(nb * {icb * h}LL + ih0) * {wd * b}LL")
+    main, _ = _split_outputs(graph, kernel, outs, anchor)
+    epilogue = _epilogue(e, main, ys, ocb, b, ow_n, pixels)
+    blocks = -(-oh_n // rows)
+    body = [f"for (long long r = 0; r < {ys[0] * blocks}LL; ++r) {{",
+            f"    long long nb = r / {blocks}LL, oh0 = r % {blocks}LL * {rows}LL;",
+            f"    long long oh1 = oh0 + {rows}LL < {oh_n}LL ? oh0 + {rows}LL : {oh_n}LL;",
+            "    " + scratch("cbuf", f"{ocb * pixels * b}LL"),
+            f"    long long ih0 = oh0 * {sh}LL - {ph}LL;",
+            f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
+            *["    " + line for line in loops + epilogue], "}"]
+    return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
+            f"    {OMP_FOR}\n" + _indent(body, 1)]
+
+
+class _Geometry:
+    """The constants an NCHWc conv's tiles are written with."""
+
+    def __init__(self, b, icb, h, wd, kh_n, kw_n, sw, depthwise, x, wp, pixels) -> None:
+        self.b, self.icb, self.h, self.wd, self.kh_n, self.kw_n, self.sw = b, icb, h, wd, kh_n, kw_n, sw
+        self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
+
+    def tile(self, o: int, p: int, ocb0: str, q: str, xoff: str, kw: tuple[str, str]) -> list[str]:
+        """Sums of `o` output blocks from `ocb0` x `p` pixels from `q` (their input's offset at
+        tap (0, 0) of input block 0: `xoff`) over the taps kh0..kh1 x kw[0]..kw[1], stored into
+        cbuf."""
+        b, hw = self.b, self.h * self.wd
+        acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
+        lines = [f"fs_vb {a} = {{0}};" for row in acc for a in row]
+        taps = self.kh_n * self.kw_n
+        if self.depthwise:
+            lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
+                      f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
+                      f"    const float* xp = {self.x} + {xoff} + ({ocb0} * {hw}LL + kh * {self.wd}LL + kw) * {b}LL;",
+                      f"    fs_vb wv = *(const fs_vb*)({self.wp} + ({ocb0} * {taps}LL + kh * {self.kw_n}LL + kw) * {b}LL);",
+                      *[f"    {acc[0][j]} += wv * *(const fs_vb*)(xp + {j * self.sw * b}LL);" for j in range(p)], "}"]
+        else:
+            lines += [f"for (long long icb = 0; icb < {self.icb}LL; ++icb)",
+                      "for (long long kh = kh0; kh < kh1; ++kh)",
+                      f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
+                      f"    const float* xp = {self.x} + {xoff} + (icb * {hw}LL + kh * {self.wd}LL + kw) * {b}LL;",
+                      f"    const float* wp = {self.wp} + (({ocb0} * {self.icb}LL + icb) * {taps}LL + kh * {self.kw_n}LL + kw)"
+                      f" * {b * b}LL;",
+                      f"    for (int ic = 0; ic < {b}; ++ic) {{",
+                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + {i * self.icb * taps * b * b}LL + ic * {b});"
+                        for i in range(o)],
+                      *[f"        float x{j} = xp[{j * self.sw * b}LL + ic];" for j in range(p)],
+                      *[f"        {acc[i][j]} += w{i} * x{j};" for i in range(o) for j in range(p)], "    }", "}"]
+        lines += [f"*(fs_vb*)(cbuf + (({ocb0} + {i}LL) * {self.pixels}LL + {q} + {j}LL) * {b}LL) = {acc[i][j]};"
+                  for i in range(o) for j in range(p)]
+        return ["{", *["    " + x_ for x_ in lines], "}"]
+
+    def blocks(self, o_tile: int, ocb: int, build) -> list[str]:
+        """`build(o, ocb0)` over the output blocks in tiles of `o_tile` (the last one shorter)."""
+        full, rest = divmod(ocb, o_tile) if not self.depthwise else (ocb, 0)
+        step = 1 if self.depthwise else o_tile
+        lines = [f"for (long long ocb0 = 0; ocb0 < {full * step}LL; ocb0 += {step}LL) {{",
+                 *["    " + x_ for x_ in build(step, "ocb0")], "}"] if full else []
+        return lines + (["{", *["    " + x_ for x_ in build(rest, f"{full * step}LL")], "}"] if rest else [])
+
+    def pixels_of(self, o_tile: int, p_tile: int, ocb: int, first: str, pixels_n: str, xoff: str) -> list[str]:
+        """Pixels first..pixels_n of a run (contiguous input, every tap valid) in tiles."""
+        step = self.sw * self.b
+
+        def build(o: int, ocb0: str) -> list[str]:
+            return [f"long long q = {first};",
+                    f"for (; q + {p_tile}LL <= {pixels_n}; q += {p_tile}LL)",
+                    *self.tile(o, p_tile, ocb0, "q", f"{xoff} + q * {step}LL", ("0", str(self.kw_n))),
+                    f"for (; q < {pixels_n}; ++q)",
+                    *self.tile(o, 1, ocb0, "q", f"{xoff} + q * {step}LL", ("0", str(self.kw_n)))]
+        return self.blocks(o_tile, ocb, build)
+
+    def row(self, o_tile: int, p_tile: int, ocb: int, lo: int, hi: int, ow_n: int, pw: int, row_off: str) -> list[str]:
+        """One output row: the border columns one by one over their valid taps, the interior in tiles."""
+        xoff = f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.b}LL"
+
+        def border(o: int, ocb0: str, a: int, z: int) -> list[str]:
+            if z <= a:
+                return []
+            return [f"for (long long q = {a}LL; q < {z}LL; ++q) {{",
+                    f"    long long iw0 = q * {self.sw}LL - {pw}LL;",
+                    f"    long long kw0 = iw0 < 0 ? -iw0 : 0, kw1 = {self.wd}LL - iw0 < {self.kw_n}LL ? {self.wd}LL - iw0 "
+                    f": {self.kw_n}LL;",
+                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, ("kw0", "kw1"))], "}"]
+
+        def build(o: int, ocb0: str) -> list[str]:
+            interior = [f"long long q = {lo}LL;",
+                        f"for (; q + {p_tile}LL <= {hi}LL; q += {p_tile}LL)",
+                        *self.tile(o, p_tile, ocb0, "q", xoff, ("0", str(self.kw_n))),
+                        f"for (; q < {hi}LL; ++q)",
+                        *self.tile(o, 1, ocb0, "q", xoff, ("0", str(self.kw_n)))] if hi > lo else []
+            return [*border(o, ocb0, 0, lo), *(["{", *["    " + x_ for x_ in interior], "}"] if interior else []),
+                    *border(o, ocb0, hi, ow_n)]
+        return self.blocks(o_tile, ocb, build)
+
+
+def _epilogue(e: _Emitter, main, ys, ocb: int, b: int, ow_n: int, pixels: int) -> list[str]:
+    """Per output block and pixel of the block's rows: the epilogue over the block's lanes from
+    cbuf, stored where each output lies; the lanes past the channels store zeros."""
+    e.channel_split = {"co": ("ocb", "l")}
+    e.acc_value = f"cbuf[(ocb * {pixels}LL + (oh - oh0) * {ow_n}LL + ow) * {b}LL + l]"
+    idx = ("nb", "co", "oh", "ow")
+    e.lines = []
+    e.push()
+    writes = [store(o, e.at(o.tensor, idx), e.value(o.tensor, idx)) for o in main]
+    body = e.lines + writes
+    e.pop()
+    e.acc_value = ""
+    full, rest = divmod(ys[1], b)
+    zeros = [f"{o.name}[{e.at(o.tensor, idx)}] = 0.0f;" for o in main]
+    lanes = f"(ocb < {full}LL ? {b}LL : {rest}LL)" if rest else f"{b}LL"
+    return [f"for (long long ocb = 0; ocb < {ocb}LL; ++ocb)",
+            "for (long long oh = oh0; oh < oh1; ++oh)",
+            f"for (long long ow = 0; ow < {ow_n}LL; ++ow) {{",
+            f"    long long lanes = {lanes};",
+            "    #pragma omp simd",
+            "    for (long long l = 0; l < lanes; ++l) {", "        long long co = ocb * " + f"{b}LL + l;",
+            *["        " + x_ for x_ in body], "    }",
+            *([f"    for (long long l = lanes; l < {b}LL; ++l) {{", *["        " + z for z in zeros], "    }"] if rest else []),
+            "}"]
