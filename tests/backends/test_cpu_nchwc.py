@@ -11,10 +11,11 @@ import pytest
 from onnx import helper
 
 from fusesearch.backends import cpu
-from fusesearch.backends.codegen import generate
+from fusesearch.backends.codegen import CodegenRefused, generate
+from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.layout import Layout, from_blocked, to_blocked
+from fusesearch.layout import NCHW, Layout, from_blocked, to_blocked
 from fusesearch.lowering import choices, nchwc_choices
 from fusesearch.pipeline import prepare
 from fusesearch.schedule import CpuTarget, nchwc_conv
@@ -143,3 +144,19 @@ def test_groups_without_a_blocked_form(tmp_path):
         model = make_model(nodes, [("x", [1, 16, 8, 8])], [("y", None)], [("w", _w(ws))])
         graph = prepare(save(model, tmp_path / "g.onnx")).graph
         assert nchwc_choices(graph, _whole(graph), AVX512) == ()
+
+
+@needs_cc
+@pytest.mark.parametrize("shape,block", [((2, 24, 5, 7), 16), ((1, 32, 4, 4), 8), ((1, 3, 6, 6), 16)])
+def test_reorders_between_nchw_and_nchwc_equal_numpys(shape, block):
+    """NCHW -> NCHWc pads with zero channels; NCHWc -> NCHW drops them; both as numpy reorders."""
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    layout = Layout(block)
+    to = reorder_kernel("x", shape, NCHW, layout)
+    assert to.outputs[0].shape == layout.shape(shape) and to.outputs[0].tensor == f"x@NCHW{block}c"
+    blocked = cpu.run(to, {"x": x})[to.outputs[0].tensor]
+    np.testing.assert_array_equal(blocked, to_blocked(x, layout))
+    back = reorder_kernel("x", shape, layout, NCHW)
+    np.testing.assert_array_equal(cpu.run(back, {"x": blocked})["x@NCHW"], x)
+    with pytest.raises(CodegenRefused, match="one NCHW <-> NCHWc copy"):
+        reorder_kernel("x", shape, layout, layout)

@@ -1,0 +1,235 @@
+"""NCHWc conv kernels beside our NCHW ones and ONNX Runtime's, per conv shape of zoo CNNs (figures printed, never asserted).
+
+For each distinct conv of the models (its geometry and the activation after it, fused as a plan
+fuses it: Conv + Relu/Clip/... as one group), timed interleaved on the threads OMP_NUM_THREADS
+gives (default 1):
+  - nchw: our generated kernel as the plan's choices list it first (`lowering.choices`, the
+    measured default product), input and output in NCHW;
+  - nchwc: the group's NCHWc form (`lowering.nchwc_choices`), input and output already blocked
+    (a chain of blocked kernels pays no reorder between them);
+  - +reorders: nchwc plus our reorders of its input and output (what a lone blocked conv in an
+    NCHW plan would pay);
+  - ort: ONNX Runtime ENABLE_ALL on the group as a model, which its NCHWc transformer runs in
+    blocks (its own reorders at the model's edges included).
+Medians with their p20-p80 spread (ms), the ratios nchwc/nchw and nchwc/ort, a verdict where the
+p20-p80 ranges of nchw and nchwc are apart, and the load average before and after. `--callgrind`
+also counts each kernel's instructions under valgrind (one call each, deterministic: where a
+shared machine makes the timings too noisy to compare our two layouts).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_nchwc.py [--models mobilenetv2,resnet50]
+        [--budget 0.3] [--rounds 5] [--limit N] [--callgrind]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchutil import machine, spread  # noqa: E402
+
+from costmodels import host_cpu  # noqa: E402
+from fusesearch.backends import cpu  # noqa: E402
+from fusesearch.backends.codegen import generate  # noqa: E402
+from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel  # noqa: E402
+from fusesearch.backends.library import host_binding, node_model  # noqa: E402
+from fusesearch.backends.timing import measure_interleaved  # noqa: E402
+from fusesearch.groups import FusionGroup  # noqa: E402
+from fusesearch.ir.canonicalize import to_proto  # noqa: E402
+from fusesearch.layout import NCHW, Layout, to_blocked  # noqa: E402
+from fusesearch.lowering import choices, nchwc_choices  # noqa: E402
+from fusesearch.pipeline import prepare  # noqa: E402
+from fusesearch.schedule import CpuTarget  # noqa: E402
+from fusesearch.verify import session  # noqa: E402
+
+ACTIVATIONS = frozenset({"Relu", "Clip", "Sigmoid", "LeakyRelu", "HardSigmoid"})
+
+
+def conv_groups(graph) -> list[tuple[str, FusionGroup]]:
+    """One group per distinct conv (input shape, filters, attributes, activation): the Conv and
+    the activation that alone reads it."""
+    seen, groups = set(), []
+    for n in graph.nodes:
+        if n.op_type != "Conv":
+            continue
+        users = graph.consumers(n.outputs[0])
+        act = graph.nodes[users[0]] if len(users) == 1 and graph.nodes[users[0]].op_type in ACTIVATIONS else None
+        xs, ws = graph.tensors[n.inputs[0]].shape, graph.tensors[n.inputs[1]].shape
+        key = (xs, ws, tuple(sorted((k, str(v)) for k, v in n.attrs.items())), act.op_type if act else "")
+        if key in seen:
+            continue
+        seen.add(key)
+        label = (f"{xs[1]}x{xs[2]}x{xs[3]}->{ws[0]} k{ws[2]}s{(n.attrs.get('strides') or [1])[0]}"
+                 f"{' dw' if int(n.attrs.get('group', 1)) > 1 else ''}{'+' + act.op_type if act else ''}")
+        groups.append((label, FusionGroup(frozenset({n.id} | ({act.id} if act else set())))))
+    return groups
+
+
+def runner(gk, feeds: dict[str, np.ndarray]):
+    go = cpu.runner(gk, feeds)
+    return go
+
+
+def bench_model(name: str, target: CpuTarget, args) -> list[dict]:
+    prep = prepare(f"zoo:{name}")
+    graph, canonical = prep.graph, to_proto(prep.canonical)
+    rows = []
+    rng = np.random.default_rng(0)
+    for label, group in conv_groups(graph)[: args.limit or None]:
+        blocked = nchwc_choices(graph, group, target)
+        if not blocked:
+            rows.append({"model": name, "conv": label, "skip": "no NCHWc form"})
+            continue
+        ours = next(k for k in choices(graph, group, host=target) if k.impl == "generated")
+        (kb,) = blocked
+        anchor = graph.nodes[kb.anchor]
+        x = anchor.inputs[0]
+        xv = rng.standard_normal(graph.tensors[x].shape).astype(np.float32)
+        layout = kb.schedule.layout_out
+        g_nchw, g_nchwc = generate(graph, ours, "nchw_k"), generate(graph, kb, "nchwc_k")
+        feeds = {t: (xv if t == x else graph.constant_value(t)) for t in ours.inputs}
+        bfeeds = {a.tensor: (to_blocked(xv, layout) if a.tensor == x else feeds[a.tensor]) for a in g_nchwc.inputs}
+        out = kb.outputs[0]
+        to = reorder_kernel(x, graph.tensors[x].shape, NCHW, layout)
+        back = reorder_kernel(out, graph.tensors[out].shape, layout, NCHW)
+        runs = [runner(g_nchw, feeds), runner(g_nchwc, bfeeds), runner(to, {x: xv})]
+        runs.append(runner(back, {out: np.zeros(layout.shape(graph.tensors[out].shape), np.float32)}))
+        sess = session(node_model(canonical, graph, kb), threads=target.threads, optimize=True)
+        ort_out = np.empty(graph.tensors[out].shape, np.float32)
+        runs.append(host_binding(sess, [(x, lambda: xv)], [(out, ort_out)], fixed=True))
+        runs[0]()
+        runs[1]()
+        t = measure_interleaved(runs, budget_s=args.budget, rounds=args.rounds)
+        rows.append({"model": name, "conv": label, "product": ours.schedule.product, "nchw": t[0], "nchwc": t[1],
+                     "reorders": (t[2], t[3]), "ort": t[4], "kernels": (g_nchw, g_nchwc, feeds, bfeeds),
+                     "gflop": 2 * kb.tc_flops / 2e9})
+    return rows
+
+
+def verdict(a, b) -> str:
+    if a.p80_s < b.p20_s:
+        return "nchwc slower"
+    if b.p80_s < a.p20_s:
+        return "nchwc faster"
+    return "not distinguishable"
+
+
+CHILD = r"""
+import ctypes, json, sys
+import numpy as np
+for e in json.load(open(sys.argv[1])):
+    lib = ctypes.CDLL(e["lib"])
+    bufs = [np.load(p) for p in e["inputs"]] + [np.zeros(s, np.float32) for s in e["outputs"]]
+    packs = [np.zeros(s, np.float32) for s in e["packed"]]
+    ptr = [b.ctypes.data_as(ctypes.c_void_p) for b in bufs + packs]
+    if packs:
+        getattr(lib, e["name"] + "_pack")(*ptr[:len(e["inputs"])], *ptr[len(bufs):])
+    getattr(lib, e["name"])(*ptr)
+"""
+
+
+def callgrind(rows, tmp: Path) -> None:
+    """Each row's two kernels run once under callgrind, counted from their entry (`--toggle-collect`):
+    instructions per call (`ir_nchw`, `ir_nchwc`)."""
+    entries = []
+    for i, r in enumerate(rows):
+        if "kernels" not in r:
+            continue
+        for tag, gk, feeds in (("nchw", r["kernels"][0], r["kernels"][2]), ("nchwc", r["kernels"][1], r["kernels"][3])):
+            named = generate_named(gk, f"{tag}_{i}")
+            lib = cpu.compile_kernel(named)
+            paths = []
+            for k, a in enumerate(named.inputs):
+                p = tmp / f"{tag}_{i}_{k}.npy"
+                np.save(p, np.ascontiguousarray(feeds[a.tensor], dtype=np.float32))
+                paths.append(str(p))
+            entries.append({"lib": lib._name, "name": named.name, "inputs": paths,
+                            "outputs": [list(a.shape) for a in named.outputs],
+                            "packed": [list(p.arg.shape) for p in named.packed], "row": i, "tag": tag})
+    (tmp / "entries.json").write_text(json.dumps(entries))
+    (tmp / "child.py").write_text(CHILD)
+    out = tmp / "cg.out"
+    toggles = [f"--toggle-collect={e['name']}" for e in entries]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *toggles, sys.executable,
+                    str(tmp / "child.py"), str(tmp / "entries.json")], check=True, capture_output=True, env=env)
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)], check=True,
+                          capture_output=True, text=True).stdout
+    counts = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+\(.*?\)\s+\S*?:?((?:nchw|nchwc)_\d+)\s", line + " ")
+        if m:
+            counts.setdefault(m.group(2), int(m.group(1).replace(",", "")))
+    for e in entries:
+        rows[e["row"]][f"ir_{e['tag']}"] = counts.get(e["name"])
+
+
+def generate_named(gk, name: str):
+    """`gk` with its function named `name` (one symbol per kernel for callgrind's toggles)."""
+    src = gk.c_source.replace(f"{gk.name}(", f"{name}(").replace(f"{gk.name}_pack(", f"{name}_pack(")
+    from dataclasses import replace
+
+    return replace(gk.with_c_source(src), name=name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mobilenetv2,resnet50")
+    parser.add_argument("--budget", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--limit", type=int, default=0, help="convs per model (0: all)")
+    parser.add_argument("--callgrind", action="store_true")
+    args = parser.parse_args()
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    lanes = host_cpu().warp_size
+    target = CpuTarget(lanes=lanes, threads=threads)
+    print(f"Machine: {machine()}; float32 lanes {lanes}, NCHWc block {target.channel_block}")
+    print(f"load average before: {os.getloadavg()}")
+    if not target.channel_block:
+        print("no blocked layout on this CPU (fewer than 8 float32 lanes)")
+        return
+    rows = [r for m in args.models.split(",") for r in bench_model(m, target, args)]
+    print(f"load average after: {os.getloadavg()}")
+    if args.callgrind:
+        with tempfile.TemporaryDirectory() as tmp:
+            callgrind(rows, Path(tmp))
+    head = (f"{'model':12} {'conv':34} {'nchw (ms)':>24} {'nchwc (ms)':>24} {'+reorders':>9} {'ort ALL (ms)':>24}"
+            f" {'nchwc/nchw':>10} {'nchwc/ort':>9}  verdict")
+    print(head + ("  Ir nchwc/nchw" if args.callgrind else ""))
+    logs = {"nchwc/nchw": [], "nchwc/ort": [], "nchw/ort": []}
+    for r in rows:
+        if "skip" in r:
+            print(f"{r['model']:12} {r['conv']:34} {r['skip']}")
+            continue
+        a, b, o = r["nchw"], r["nchwc"], r["ort"]
+        with_reorders = b.median_s + sum(t.median_s for t in r["reorders"])
+        logs["nchwc/nchw"].append(math.log(b.median_s / a.median_s))
+        logs["nchwc/ort"].append(math.log(b.median_s / o.median_s))
+        logs["nchw/ort"].append(math.log(a.median_s / o.median_s))
+        line = (f"{r['model']:12} {r['conv']:34} {spread(a.median_s, a.p20_s, a.p80_s):>24} "
+                f"{spread(b.median_s, b.p20_s, b.p80_s):>24} {with_reorders * 1e3:9.3f} "
+                f"{spread(o.median_s, o.p20_s, o.p80_s):>24} {b.median_s / a.median_s:10.2f} "
+                f"{b.median_s / o.median_s:9.2f}  {verdict(a, b)} ({r['product']})")
+        if args.callgrind and r.get("ir_nchw") and r.get("ir_nchwc"):
+            line += f"  {r['ir_nchwc'] / r['ir_nchw']:.2f}"
+        print(line)
+    for k, v in logs.items():
+        if v:
+            print(f"geometric mean {k}: {math.exp(sum(v) / len(v)):.3f} over {len(v)} convs")
+    sums = {k: sum(r[k].median_s for r in rows if k in r) for k in ("nchw", "nchwc", "ort")}
+    print("sum of medians (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sums.items()))
+
+
+if __name__ == "__main__":
+    main()
