@@ -47,7 +47,7 @@ from fusesearch.backends.library import host_binding, node_model  # noqa: E402
 from fusesearch.backends.timing import measure_interleaved  # noqa: E402
 from fusesearch.groups import FusionGroup  # noqa: E402
 from fusesearch.ir.canonicalize import to_proto  # noqa: E402
-from fusesearch.layout import NCHW, Layout, to_blocked  # noqa: E402
+from fusesearch.layout import NCHW, to_blocked  # noqa: E402
 from fusesearch.lowering import choices, nchwc_choices  # noqa: E402
 from fusesearch.pipeline import prepare  # noqa: E402
 from fusesearch.schedule import CpuTarget  # noqa: E402
@@ -81,39 +81,47 @@ def runner(gk, feeds: dict[str, np.ndarray]):
     return go
 
 
+def kernels_for(graph, group, target: CpuTarget, xv: np.ndarray, names=("nchw_k", "nchwc_k")):
+    """(our NCHW kernel, the NCHWc one, their feeds, the NCHWc Kernel, the NCHW one's product) of a
+    conv group for `target`; None where the group has no NCHWc form."""
+    blocked = nchwc_choices(graph, group, target)
+    if not blocked:
+        return None
+    ours = next(k for k in choices(graph, group, host=target) if k.impl == "generated")
+    (kb,) = blocked
+    x = graph.nodes[kb.anchor].inputs[0]
+    g_nchw, g_nchwc = generate(graph, ours, names[0]), generate(graph, kb, names[1])
+    feeds = {t: (xv if t == x else graph.constant_value(t)) for t in ours.inputs}
+    bfeeds = {a.tensor: (to_blocked(xv, kb.schedule.layout_in) if a.tensor == x else feeds[a.tensor])
+              for a in g_nchwc.inputs}
+    return g_nchw, g_nchwc, feeds, bfeeds, kb, ours.schedule.product
+
+
 def bench_model(name: str, target: CpuTarget, args) -> list[dict]:
     prep = prepare(f"zoo:{name}")
     graph, canonical = prep.graph, to_proto(prep.canonical)
     rows = []
     rng = np.random.default_rng(0)
     for label, group in conv_groups(graph)[: args.limit or None]:
-        blocked = nchwc_choices(graph, group, target)
-        if not blocked:
-            rows.append({"model": name, "conv": label, "skip": "no NCHWc form"})
-            continue
-        ours = next(k for k in choices(graph, group, host=target) if k.impl == "generated")
-        (kb,) = blocked
-        anchor = graph.nodes[kb.anchor]
+        anchor = graph.nodes[min(group.nodes)]
         x = anchor.inputs[0]
         xv = rng.standard_normal(graph.tensors[x].shape).astype(np.float32)
-        layout = kb.schedule.layout_out
-        g_nchw, g_nchwc = generate(graph, ours, "nchw_k"), generate(graph, kb, "nchwc_k")
-        feeds = {t: (xv if t == x else graph.constant_value(t)) for t in ours.inputs}
-        bfeeds = {a.tensor: (to_blocked(xv, layout) if a.tensor == x else feeds[a.tensor]) for a in g_nchwc.inputs}
+        found = kernels_for(graph, group, target, xv)
+        if found is None:
+            rows.append({"model": name, "conv": label, "skip": "no NCHWc form"})
+            continue
+        g_nchw, g_nchwc, feeds, bfeeds, kb, product = found
         out = kb.outputs[0]
-        to = reorder_kernel(x, graph.tensors[x].shape, NCHW, layout)
-        back = reorder_kernel(out, graph.tensors[out].shape, layout, NCHW)
-        runs = [runner(g_nchw, feeds), runner(g_nchwc, bfeeds), runner(to, {x: xv})]
-        runs.append(runner(back, {out: np.zeros(layout.shape(graph.tensors[out].shape), np.float32)}))
+        to = reorder_kernel(x, graph.tensors[x].shape, NCHW, kb.schedule.layout_in)
+        back = reorder_kernel(out, graph.tensors[out].shape, kb.schedule.layout_out, NCHW)
+        runs = [cpu.runner(g_nchw, feeds), cpu.runner(g_nchwc, bfeeds), cpu.runner(to, {x: xv}),
+                cpu.runner(back, {out: np.zeros(kb.schedule.layout_out.shape(graph.tensors[out].shape), np.float32)})]
         sess = session(node_model(canonical, graph, kb), threads=target.threads, optimize=True)
         ort_out = np.empty(graph.tensors[out].shape, np.float32)
-        runs.append(host_binding(sess, [(x, lambda: xv)], [(out, ort_out)], fixed=True))
-        runs[0]()
-        runs[1]()
+        runs.append(host_binding(sess, [(x, lambda xv=xv: xv)], [(out, ort_out)], fixed=True))
         t = measure_interleaved(runs, budget_s=args.budget, rounds=args.rounds)
-        rows.append({"model": name, "conv": label, "product": ours.schedule.product, "nchw": t[0], "nchwc": t[1],
-                     "reorders": (t[2], t[3]), "ort": t[4], "kernels": (g_nchw, g_nchwc, feeds, bfeeds),
-                     "gflop": 2 * kb.tc_flops / 2e9})
+        rows.append({"model": name, "conv": label, "product": product,
+                     "nchw": t[0], "nchwc": t[1], "reorders": (t[2], t[3]), "ort": t[4], "at": (graph, group, xv)})
     return rows
 
 
@@ -140,47 +148,43 @@ for e in json.load(open(sys.argv[1])):
 
 
 def callgrind(rows, tmp: Path) -> None:
-    """Each row's two kernels run once under callgrind, counted from their entry (`--toggle-collect`):
+    """Each row's two kernels, built for AVX2 (valgrind 3.19 decodes no AVX-512: `-mno-avx512f`,
+    block 8, the BLAS and vector math dispatching on the CPUID valgrind reports), run once under
+    callgrind, counted within their parallel region (inclusive: the runtime's calls too):
     instructions per call (`ir_nchw`, `ir_nchwc`)."""
+    cpu.CFLAGS = (*cpu.CFLAGS, "-mno-avx512f")  # after every timing: a runtime and kernels of their own
+    avx2 = CpuTarget(lanes=8)
     entries = []
     for i, r in enumerate(rows):
-        if "kernels" not in r:
+        if "at" not in r:
             continue
-        for tag, gk, feeds in (("nchw", r["kernels"][0], r["kernels"][2]), ("nchwc", r["kernels"][1], r["kernels"][3])):
-            named = generate_named(gk, f"{tag}_{i}")
-            lib = cpu.compile_kernel(named)
+        g_nchw, g_nchwc, feeds, bfeeds, _, _ = kernels_for(r["at"][0], r["at"][1], avx2, r["at"][2], (f"nchw_{i}", f"nchwc_{i}"))
+        for tag, gk, given in (("nchw", g_nchw, feeds), ("nchwc", g_nchwc, bfeeds)):
+            lib = cpu.compile_kernel(gk)
             paths = []
-            for k, a in enumerate(named.inputs):
+            for k, a in enumerate(gk.inputs):
                 p = tmp / f"{tag}_{i}_{k}.npy"
-                np.save(p, np.ascontiguousarray(feeds[a.tensor], dtype=np.float32))
+                np.save(p, np.ascontiguousarray(given[a.tensor], dtype=np.float32))
                 paths.append(str(p))
-            entries.append({"lib": lib._name, "name": named.name, "inputs": paths,
-                            "outputs": [list(a.shape) for a in named.outputs],
-                            "packed": [list(p.arg.shape) for p in named.packed], "row": i, "tag": tag})
+            entries.append({"lib": lib._name, "name": gk.name, "inputs": paths,
+                            "outputs": [list(a.shape) for a in gk.outputs],
+                            "packed": [list(p.arg.shape) for p in gk.packed], "row": i, "tag": tag})
     (tmp / "entries.json").write_text(json.dumps(entries))
     (tmp / "child.py").write_text(CHILD)
     out = tmp / "cg.out"
-    toggles = [f"--toggle-collect={e['name']}" for e in entries]
+    toggles = ["--toggle-collect=GOMP_parallel"]  # a kernel's one parallel region (a toggle on its own name never fired)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *toggles, sys.executable,
+    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}", *toggles, sys.executable,
                     str(tmp / "child.py"), str(tmp / "entries.json")], check=True, capture_output=True, env=env)
     text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)], check=True,
                           capture_output=True, text=True).stdout
     counts = {}
     for line in text.splitlines():
-        m = re.match(r"\s*([\d,]+)\s+\(.*?\)\s+\S*?:?((?:nchw|nchwc)_\d+)\s", line + " ")
+        m = re.match(r"\s*([\d,]+)\s.*?\b((?:nchw|nchwc)_\d+)\._omp_fn", line)
         if m:
             counts.setdefault(m.group(2), int(m.group(1).replace(",", "")))
     for e in entries:
         rows[e["row"]][f"ir_{e['tag']}"] = counts.get(e["name"])
-
-
-def generate_named(gk, name: str):
-    """`gk` with its function named `name` (one symbol per kernel for callgrind's toggles)."""
-    src = gk.c_source.replace(f"{gk.name}(", f"{name}(").replace(f"{gk.name}_pack(", f"{name}_pack(")
-    from dataclasses import replace
-
-    return replace(gk.with_c_source(src), name=name)
 
 
 def main() -> None:
