@@ -59,6 +59,7 @@ from fusesearch.schedule import (
     mma_sync_tiles,
     mma_tiles,
     nchwc_conv,
+    nchwc_input,
     scaled_product,
     split_blocks,
     split_imbalance,
@@ -546,7 +547,8 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     a conv group `schedule.nchwc_conv` accepts as product "nchwc", its activations read and written
     in NCHWc, priced with the padded channels' traffic; () where none applies (a target without a
     block, another group, an illegal one). Kept apart from `choices` while plans hold NCHW only:
-    a plan's programs feed every kernel the model's layout."""
+    a plan's programs feed every kernel the model's layout. Its input lies as
+    `schedule.nchwc_input` says (an image's few channels stay NCHW)."""
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
@@ -556,8 +558,8 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
         return ()
     anchor, layout = anchors[0], Layout(block)
     template = anchor_template(graph, anchor)
-    schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc", layout_in=layout,
-                       layout_out=layout)
+    schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc",
+                       layout_in=nchwc_input(graph, anchor, layout), layout_out=layout)
     m, n_dim, k = _gemm_dims(graph, anchor)
     kernel = _build(graph, nodes, template, anchor.id, graph.tensors[anchor.outputs[0]].size, k, 4 + 2 * len(nodes),
                     schedule, reload_tile=(m, n_dim, k), host=True)

@@ -453,6 +453,14 @@ def nchwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
                if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
 
 
+def nchwc_input(graph: Graph, anchor: Node, blocked: Layout) -> Layout:
+    """The layout an NCHWc conv reads its input in: NCHW for a dense conv over fewer channels
+    than a block (an image's 3: padded to a block it would multiply 13 zero channels of 16, and
+    each pixel's channels are one broadcast each where they lie), else `blocked`."""
+    x = graph.tensors[anchor.inputs[0]]
+    return NCHW if int(anchor.attrs.get("group", 1)) == 1 and x.shape[1] < blocked.block else blocked
+
+
 def tensor_layouts(graph: Graph, anchor: Node, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
     """How each of a kernel's `tensors` lies in memory under its schedule: the conv's activation
     input in `layout_in`, every other tensor of the conv's output shape (its outputs, a residual)

@@ -44,34 +44,39 @@ NCHWC_RUN_PIXELS = 48
 
 
 def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor: Node, packs: dict) -> list[str]:
-    """The C body of an NCHWc conv group (`schedule.nchwc_conv`, product "nchwc")."""
+    """The C body of an NCHWc conv group (`schedule.nchwc_conv`, product "nchwc"): its input in
+    `layout_in` (NCHWc, or NCHW for a dense conv over fewer channels than a block: an image),
+    its outputs in `layout_out`."""
     x, w = anchor.inputs[0], anchor.inputs[1]
     xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
-    layout = kernel.schedule.layout_out
+    layout, source = kernel.schedule.layout_out, kernel.schedule.layout_in
     b = layout.block
     depthwise = int(anchor.attrs.get("group", 1)) > 1
     e = _Emitter(graph, kernel, args)
     e.layouts = {t: lt for t, lt in tensor_layouts(graph, anchor, [*args, *(o.tensor for o in outs)], kernel.schedule).items()
-                   if lt.blocked}
+                 if lt.blocked}
     _, (kh_n, kw_n), (sh, sw), _, (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
-    icb, ocb = kernel.schedule.layout_in.channels(xs[1]) // b, layout.channels(ys[1]) // b
+    ocb = layout.channels(ys[1]) // b
     (h, wd), (oh_n, ow_n) = xs[2:], ys[2:]
+    lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
+    icb = source.channels(xs[1]) // lanes_in
     if w not in packs:
-        floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * b)
+        floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
         packs[w] = NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, ys[1], ws[1],
-                               kh_n * kw_n, b, depthwise)
+                               kh_n * kw_n, b, depthwise, lanes_in)
     run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
     rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run else 1
     pixels = rows * ow_n
-    geo = _Geometry(b, icb, h, wd, kh_n, kw_n, sw, depthwise, args[x].name, packs[w].arg.name, pixels)
+    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, args[x].name,
+                    packs[w].arg.name, pixels)
     o_tile, p_tile = nchwc_tile(b, depthwise)
+    image = f"nb * {source.size(tuple(xs)) // xs[0]}LL"
     if run:
-        loops = geo.pixels_of(o_tile, p_tile, ocb, "0", pixels_n="(oh1 - oh0) * " + f"{ow_n}LL",
-                              xoff=f"(nb * {icb * h * wd}LL + oh0 * {wd}LL) * {b}LL")
+        loops = geo.pixels_of(o_tile, p_tile, ocb, "(oh1 - oh0) * " + f"{ow_n}LL", f"{image} + oh0 * {wd * geo.xb}LL")
     else:
         lo = min(ow_n, -(-pw // sw))  # the interior: columns whose window lies inside the image
         hi = max(lo, min(ow_n, (wd - kw_n + pw) // sw + 1))
-        loops = geo.row(o_tile, p_tile, ocb, lo, hi, ow_n, pw, f"(nb * {icb * h}LL + ih0) * {wd * b}LL")
+        loops = geo.row(o_tile, p_tile, ocb, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")
     main, _ = _split_outputs(graph, kernel, outs, anchor)
     epilogue = _epilogue(e, main, ys, ocb, b, ow_n, pixels)
     blocks = -(-oh_n // rows)
@@ -87,37 +92,43 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
 
 
 class _Geometry:
-    """The constants an NCHWc conv's tiles are written with."""
+    """The constants an NCHWc conv's tiles are written with: per input block `lanes_in` input
+    lanes, `xb` floats per pixel and `xc` between two lanes of one pixel (NCHWc: b and 1; NCHW:
+    1 and H x W)."""
 
-    def __init__(self, b, icb, h, wd, kh_n, kw_n, sw, depthwise, x, wp, pixels) -> None:
-        self.b, self.icb, self.h, self.wd, self.kh_n, self.kw_n, self.sw = b, icb, h, wd, kh_n, kw_n, sw
+    def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels) -> None:
+        self.b, self.icb, self.lanes_in = b, icb, lanes_in
+        self.h, self.wd, self.kh_n, self.kw_n, self.sw = window
+        self.xb, self.xc = (b, 1) if blocked_in else (1, self.h * self.wd)
         self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
 
     def tile(self, o: int, p: int, ocb0: str, q: str, xoff: str, kw: tuple[str, str]) -> list[str]:
         """Sums of `o` output blocks from `ocb0` x `p` pixels from `q` (their input's offset at
         tap (0, 0) of input block 0: `xoff`) over the taps kh0..kh1 x kw[0]..kw[1], stored into
         cbuf."""
-        b, hw = self.b, self.h * self.wd
+        b, xb, hw = self.b, self.xb, self.h * self.wd
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
         lines = [f"fs_vb {a} = {{0}};" for row in acc for a in row]
         taps = self.kh_n * self.kw_n
+        tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
         if self.depthwise:
             lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
-                      f"    const float* xp = {self.x} + {xoff} + ({ocb0} * {hw}LL + kh * {self.wd}LL + kw) * {b}LL;",
+                      f"    const float* xp = {self.x} + {xoff} + {ocb0} * {hw * b}LL + {tap};",
                       f"    fs_vb wv = *(const fs_vb*)({self.wp} + ({ocb0} * {taps}LL + kh * {self.kw_n}LL + kw) * {b}LL);",
                       *[f"    {acc[0][j]} += wv * *(const fs_vb*)(xp + {j * self.sw * b}LL);" for j in range(p)], "}"]
         else:
+            panel = self.lanes_in * b  # filters per output block, input block and tap
             lines += [f"for (long long icb = 0; icb < {self.icb}LL; ++icb)",
                       "for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
-                      f"    const float* xp = {self.x} + {xoff} + (icb * {hw}LL + kh * {self.wd}LL + kw) * {b}LL;",
+                      f"    const float* xp = {self.x} + {xoff} + icb * {hw * self.lanes_in}LL + {tap};",
                       f"    const float* wp = {self.wp} + (({ocb0} * {self.icb}LL + icb) * {taps}LL + kh * {self.kw_n}LL + kw)"
-                      f" * {b * b}LL;",
-                      f"    for (int ic = 0; ic < {b}; ++ic) {{",
-                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + {i * self.icb * taps * b * b}LL + ic * {b});"
+                      f" * {panel}LL;",
+                      f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
+                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + {i * self.icb * taps * panel}LL + ic * {b});"
                         for i in range(o)],
-                      *[f"        float x{j} = xp[{j * self.sw * b}LL + ic];" for j in range(p)],
+                      *[f"        float x{j} = xp[{j * self.sw * xb}LL + ic * {self.xc}LL];" for j in range(p)],
                       *[f"        {acc[i][j]} += w{i} * x{j};" for i in range(o) for j in range(p)], "    }", "}"]
         lines += [f"*(fs_vb*)(cbuf + (({ocb0} + {i}LL) * {self.pixels}LL + {q} + {j}LL) * {b}LL) = {acc[i][j]};"
                   for i in range(o) for j in range(p)]
@@ -131,21 +142,26 @@ class _Geometry:
                  *["    " + x_ for x_ in build(step, "ocb0")], "}"] if full else []
         return lines + (["{", *["    " + x_ for x_ in build(rest, f"{full * step}LL")], "}"] if rest else [])
 
-    def pixels_of(self, o_tile: int, p_tile: int, ocb: int, first: str, pixels_n: str, xoff: str) -> list[str]:
-        """Pixels first..pixels_n of a run (contiguous input, every tap valid) in tiles."""
-        step = self.sw * self.b
+    def tiles(self, o: int, p_tile: int, ocb0: str, span: tuple[str, str], xoff: str, kw: tuple[str, str]) -> list[str]:
+        """Pixels span[0]..span[1] (every tap in `kw` valid for each) in tiles of `p_tile`, the
+        rest one by one."""
+        return ["{", f"    long long q = {span[0]};",
+                f"    for (; q + {p_tile}LL <= {span[1]}; q += {p_tile}LL)",
+                *["    " + x_ for x_ in self.tile(o, p_tile, ocb0, "q", xoff, kw)],
+                f"    for (; q < {span[1]}; ++q)",
+                *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, kw)], "}"]
 
-        def build(o: int, ocb0: str) -> list[str]:
-            return [f"long long q = {first};",
-                    f"for (; q + {p_tile}LL <= {pixels_n}; q += {p_tile}LL)",
-                    *self.tile(o, p_tile, ocb0, "q", f"{xoff} + q * {step}LL", ("0", str(self.kw_n))),
-                    f"for (; q < {pixels_n}; ++q)",
-                    *self.tile(o, 1, ocb0, "q", f"{xoff} + q * {step}LL", ("0", str(self.kw_n)))]
-        return self.blocks(o_tile, ocb, build)
+    def pixels_of(self, o_tile: int, p_tile: int, ocb: int, pixels_n: str, base: str) -> list[str]:
+        """The block's pixels 0..pixels_n as one run (contiguous input, every tap valid)."""
+        xoff = f"{base} + q * {self.sw * self.xb}LL"
+        return self.blocks(o_tile, ocb, lambda o, ocb0: self.tiles(o, p_tile, ocb0, ("0", pixels_n), xoff,
+                                                                   ("0", str(self.kw_n))))
 
-    def row(self, o_tile: int, p_tile: int, ocb: int, lo: int, hi: int, ow_n: int, pw: int, row_off: str) -> list[str]:
-        """One output row: the border columns one by one over their valid taps, the interior in tiles."""
-        xoff = f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.b}LL"
+    def row(self, o_tile: int, p_tile: int, ocb: int, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
+        """One output row: the border columns one by one over their valid taps, the interior
+        (columns lo..hi) in tiles."""
+        lo, hi, ow_n = columns
+        xoff = f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL"
 
         def border(o: int, ocb0: str, a: int, z: int) -> list[str]:
             if z <= a:
@@ -157,13 +173,9 @@ class _Geometry:
                     *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, ("kw0", "kw1"))], "}"]
 
         def build(o: int, ocb0: str) -> list[str]:
-            interior = [f"long long q = {lo}LL;",
-                        f"for (; q + {p_tile}LL <= {hi}LL; q += {p_tile}LL)",
-                        *self.tile(o, p_tile, ocb0, "q", xoff, ("0", str(self.kw_n))),
-                        f"for (; q < {hi}LL; ++q)",
-                        *self.tile(o, 1, ocb0, "q", xoff, ("0", str(self.kw_n)))] if hi > lo else []
-            return [*border(o, ocb0, 0, lo), *(["{", *["    " + x_ for x_ in interior], "}"] if interior else []),
-                    *border(o, ocb0, hi, ow_n)]
+            interior = (self.tiles(o, p_tile, ocb0, (f"{lo}LL", f"{hi}LL"), xoff, ("0", str(self.kw_n)))
+                        if hi > lo else [])
+            return [*border(o, ocb0, 0, lo), *interior, *border(o, ocb0, hi, ow_n)]
         return self.blocks(o_tile, ocb, build)
 
 
