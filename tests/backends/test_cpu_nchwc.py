@@ -164,3 +164,42 @@ def test_reorders_between_nchw_and_nchwc_equal_numpys(shape, block):
     np.testing.assert_array_equal(cpu.run(back, {"x": blocked})["x@NCHW"], x)
     with pytest.raises(CodegenRefused, match="one NCHW <-> NCHWc copy"):
         reorder_kernel("x", shape, layout, layout)
+
+
+def _epilogue_chain(graph, conv) -> frozenset[int]:
+    """The conv and the chain of ops after it a plan fuses as its epilogue: each the one reader
+    of the value before, elementwise over the conv's output shape (an activation, a residual Add)."""
+    nodes, t = {conv.id}, conv.outputs[0]
+    while len(users := graph.consumers(t)) == 1 and not graph.is_output(t):
+        n = graph.nodes[users[0]]
+        if n.op_type not in ("Relu", "Clip", "Add", "Sigmoid", "Mul") or graph.tensors[n.outputs[0]].shape != \
+                graph.tensors[t].shape:
+            break
+        nodes.add(n.id)
+        t = n.outputs[0]
+    return frozenset(nodes)
+
+
+@needs_cc
+@pytest.mark.parametrize("model", ["mobilenetv2", "resnet18"])
+def test_every_distinct_zoo_conv_group_in_nchwc_equals_onnx_runtime(model):
+    """Each distinct conv group of the model (the conv with its fused activation and residual
+    Add) in the machine's block and in AVX2's: the image's stem reading NCHW, depthwise convs
+    at stride 1 and 2, 1x1 expansions and projections with their residual, 3x3 and strided
+    dense convs; every conv group has a blocked form."""
+    prep = prepare(f"zoo:{model}")
+    graph, canonical = prep.graph, to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    seen = set()
+    for conv in (n for n in graph.nodes if n.op_type == "Conv"):
+        group = FusionGroup(_epilogue_chain(graph, conv))
+        ops = tuple(graph.nodes[i].op_type for i in sorted(group.nodes))
+        key = (graph.tensors[conv.inputs[0]].shape, graph.tensors[conv.inputs[1]].shape, str(sorted(conv.attrs.items())),
+               ops)
+        if key in seen:
+            continue
+        seen.add(key)
+        for target in (AVX512, AVX2):
+            (kernel,) = nchwc_choices(graph, group, target)
+            _runs_blocked(graph, kernel, values)
+    assert len(seen) >= (30 if model == "mobilenetv2" else 10)
