@@ -61,6 +61,7 @@ from fusesearch.schedule import (
     mma_tiles,
     nchwc_conv,
     nchwc_input,
+    nchwc_pointwise,
     scaled_product,
     split_blocks,
     split_imbalance,
@@ -545,19 +546,27 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
 
 def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Kernel, ...]:
     """The group's forms in the target's blocked layout (`layout.Layout` of its `channel_block`):
-    a conv group `schedule.nchwc_conv` accepts as product "nchwc", its activations read and written
-    in NCHWc, priced with the padded channels' traffic; () where none applies (a target without a
-    block, another group, an illegal one). Kept apart from `choices` while plans hold NCHW only:
-    a plan's programs feed every kernel the model's layout. Its input lies as
-    `schedule.nchwc_input` says (an image's few channels stay NCHW)."""
+    a conv group `schedule.nchwc_conv` accepts as product "nchwc" (its input as
+    `schedule.nchwc_input` says: an image's few channels stay NCHW), an anchorless one
+    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add) with its tensors
+    blocked; each priced with the padded channels' traffic; () where none applies (a target
+    without a block, another group, an illegal one). Kept apart from `choices` while plans hold
+    NCHW only: a plan's programs feed every kernel the model's layout."""
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
-    if not block or len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0]):
+    if not block or isinstance(_lower_checked(graph, nodes, host), FusionDecision):
         return ()
-    if isinstance(_lower_checked(graph, nodes, host), FusionDecision):
+    layout = Layout(block)
+    if not anchors:
+        if not nchwc_pointwise(graph, group.nodes):
+            return ()
+        kernel = _lower_pointwise(graph, nodes)
+        schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=layout, layout_out=layout)
+        return (_with_layouts(graph, replace(kernel, schedule=schedule), None),)
+    if len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0]):
         return ()
-    anchor, layout = anchors[0], Layout(block)
+    anchor = anchors[0]
     template = anchor_template(graph, anchor)
     schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc",
                        layout_in=nchwc_input(graph, anchor, layout), layout_out=layout)
@@ -567,7 +576,7 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     return (_with_layouts(graph, kernel, anchor),)
 
 
-def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
+def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node | None) -> Kernel:
     """`kernel` with its traffic counted as its tensors lie (`schedule.tensor_layouts`): a blocked
     tensor's padded channels are read and written too."""
     def padding(tensors) -> int:

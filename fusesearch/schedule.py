@@ -445,8 +445,7 @@ def nchwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
             info = graph.tensors[t] if t else None
             if t in derived or info is None:
                 continue
-            per_channel = len(info.shape) <= 4 and all(d == 1 for k, d in enumerate(info.shape[::-1]) if k != 2)
-            if info.dtype != "float32" or not (info.shape == y.shape or per_channel):
+            if info.dtype != "float32" or not (info.shape == y.shape or per_channel(info.shape)):
                 return False
         if any(graph.tensors[t].shape != y.shape for t in n.outputs):
             return False
@@ -463,14 +462,49 @@ def nchwc_input(graph: Graph, anchor: Node, blocked: Layout) -> Layout:
     return NCHW if int(anchor.attrs.get("group", 1)) == 1 and x.shape[1] < blocked.block else blocked
 
 
-def tensor_layouts(graph: Graph, anchor: Node, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
-    """How each of a kernel's `tensors` lies in memory under its schedule: the conv's activation
-    input in `layout_in`, every other tensor of the conv's output shape (its outputs, a residual)
-    in `layout_out`, the rest (filters, a bias) as in the model."""
-    y = graph.tensors[anchor.outputs[0]].shape if anchor is not None else None
-    x = anchor.inputs[0] if anchor is not None else None
-    return {t: (schedule.layout_in if t == x else schedule.layout_out if graph.tensors[t].shape == y else NCHW)
-            for t in tensors}
+def per_channel(shape: Sequence[int] | None) -> bool:
+    """A shape that broadcasts along the channels of an NCHW tensor alone (every dim but the
+    channels 1, counted from the last: (C, 1, 1), (1, C, 1, 1), a scalar): a bias, a scale; such a
+    tensor lies as in the model in every layout."""
+    return shape is not None and len(shape) <= 4 and all(d == 1 for k, d in enumerate(shape[::-1]) if k != 2)
+
+
+def nchwc_pointwise(graph: Graph, nodes: Collection[int]) -> bool:
+    """Whether an anchorless group has an NCHWc form (`Schedule.layout_out` blocked, written by
+    `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): elementwise or broadcast ops and 2-D
+    MaxPool/AveragePool only, over float32 4-D tensors of one channel count, every other operand
+    per channel (`per_channel`): a pool, an activation, a residual Add + Relu between blocked
+    convs."""
+    members = [graph.nodes[i] for i in sorted(nodes)]
+    outs = [graph.tensors[t] for n in members for t in n.outputs if t]
+    if not outs or any(o.shape is None or len(o.shape) != 4 or o.dtype != "float32" or per_channel(o.shape)
+                       for o in outs):
+        return False
+    channels = outs[0].shape[1]
+    for n in members:
+        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) and n.op_type not in ("MaxPool", "AveragePool"):
+            return False
+        for t in (t for t in n.inputs if t):
+            info = graph.tensors[t]
+            if info.dtype != "float32" or not (per_channel(info.shape) or (len(info.shape) == 4
+                                                                          and info.shape[1] == channels)):
+                return False
+    return all(o.shape[1] == channels for o in outs)
+
+
+def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
+    """How each of a kernel's `tensors` lies in memory under its schedule: a conv's activation
+    input in `layout_in`, its filters as in the model; every other 4-D tensor that is not per
+    channel (`per_channel`: a bias lies as in the model) in `layout_out`."""
+    x, filters = (anchor.inputs[0], set(anchor.inputs[1:])) if anchor is not None else (None, set())
+
+    def laid(t: str) -> Layout:
+        shape = graph.tensors[t].shape
+        if t == x:
+            return schedule.layout_in
+        return (schedule.layout_out if t not in filters and shape is not None and len(shape) == 4
+                and not per_channel(shape) else NCHW)
+    return {t: laid(t) for t in tensors}
 
 
 def nchwc_tile(block: int, depthwise: bool) -> tuple[int, int]:

@@ -203,3 +203,41 @@ def test_every_distinct_zoo_conv_group_in_nchwc_equals_onnx_runtime(model):
             (kernel,) = nchwc_choices(graph, group, target)
             _runs_blocked(graph, kernel, values)
     assert len(seen) >= (30 if model == "mobilenetv2" else 10)
+
+
+POINTWISE = {  # nodes, inputs (name, shape), output
+    "maxpool-3x3-stride2": ([helper.make_node("MaxPool", ["x"], ["out"], kernel_shape=[3, 3], strides=[2, 2],
+                                              pads=[1, 1, 1, 1])], [("x", [1, 24, 15, 16])]),
+    "avgpool-2x2": ([helper.make_node("AveragePool", ["x"], ["out"], kernel_shape=[2, 2], strides=[2, 2])],
+                    [("x", [2, 32, 8, 8])]),
+    "add-relu": ([helper.make_node("Add", ["x", "r"], ["s"]), helper.make_node("Relu", ["s"], ["out"])],
+                 [("x", [1, 40, 7, 9]), ("r", [1, 40, 7, 9])]),
+    "relu-maxpool-two-outputs": ([helper.make_node("Relu", ["x"], ["a"]),
+                                  helper.make_node("MaxPool", ["a"], ["out"], kernel_shape=[2, 2], strides=[2, 2])],
+                                 [("x", [1, 16, 6, 6])]),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("name", POINTWISE)
+@pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
+def test_pools_and_elementwise_groups_in_nchwc_equal_onnx_runtime(tmp_path, name, target):
+    """An anchorless group of pools and elementwise ops over blocked tensors: every tensor of the
+    group's channel count blocked, priced with its padding, no CUDA form."""
+    nodes, inputs = POINTWISE[name]
+    outputs = [("out", None)] + ([("a", None)] if name.endswith("two-outputs") else [])
+    prep = prepare(save(make_model(nodes, inputs, outputs), tmp_path / "p.onnx"))
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    (kernel,) = nchwc_choices(prep.graph, _whole(prep.graph), target)
+    assert kernel.template == "pointwise" and kernel.schedule.layout_out == Layout(target.channel_block)
+    gk = generate(prep.graph, kernel)
+    assert not gk.cuda_source
+    feeds = {a.tensor: to_blocked(values[a.tensor], Layout(a.shape[-1])) for a in gk.inputs}
+    out = cpu.run(gk, feeds)
+    for a in gk.outputs:
+        ref = values[a.tensor]
+        got = from_blocked(out[a.tensor], Layout(a.shape[-1]), ref.shape[1])
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())), err_msg=a.tensor)
+        pad = out[a.tensor].transpose(0, 1, 4, 2, 3).reshape(ref.shape[0], -1, *ref.shape[2:])[:, ref.shape[1]:]
+        assert not pad.any()

@@ -30,6 +30,7 @@ from fusesearch.backends.codegen.base import (
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.c_runtime import C_HEADER, tile_kernels
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
+from fusesearch.backends.codegen.cpu_conv_nchwc import nchwc_pointwise_loops
 from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.mma_sync import _mma_sync
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
@@ -93,7 +94,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     if skeleton is Skeleton.BLOCK_PER_ROW or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
-        c_body = _anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None else None
+        c_body = (_anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None
+                  else nchwc_pointwise_loops(graph, kernel, args, outs) if schedule.layout_out.blocked else None)
         tiles = [tile_kernels(d) for d in defs]  # the kernel's declarations, the units it links
         units = tuple(unit for _, unit in tiles)
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()),
@@ -102,7 +104,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
             cu_src = _CUDA_WRITERS[skeleton](graph, kernel, name, ins, outs, args)
         elif skeleton is Skeleton.ALIAS:  # a lone view run as a kernel (a copy), where one is asked for
             skeleton, grid = Skeleton.GRID_STRIDE, grid_stride(max(a.size for a in outs)).grid
-    if skeleton in CPU_SKELETONS:  # a CPU schedule: C only
+    if skeleton in CPU_SKELETONS or schedule.layout_out.blocked:  # a CPU schedule: C only
         cu_src = ""
     members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
     halves = {graph.tensors[t].dtype for n in members for t in (*n.inputs, *n.outputs) if t} & set(HALF_DTYPES)

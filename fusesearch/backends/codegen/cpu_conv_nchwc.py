@@ -231,3 +231,34 @@ def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: 
     src = c_function(name, ins, outs, (), f"    {OMP_FOR}\n" + _indent(body, 1) + "\n")
     return GeneratedKernel(name, "pointwise", ins, outs, src, "", source_hash=source_digest(src, ""),
                            skeleton="packed")
+
+
+def nchwc_pointwise_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs) -> list[str]:
+    """The C body of an anchorless group in NCHWc (`schedule.nchwc_pointwise`: a pool, an
+    activation, a residual Add): per output, its images, channel blocks and rows in parallel,
+    each row's pixels in turn, the block's lanes one vector loop (a pool's taps and every
+    operand at the same lane of their own blocks, contiguous); lanes past the channels zeros."""
+    b = kernel.schedule.layout_out.block
+    loops = []
+    for o in outs:
+        n, c, h, w = graph.tensors[o.tensor].shape
+        e = _Emitter(graph, kernel, args)
+        e.layouts = {t: lt for t, lt in tensor_layouts(graph, None, [*args, *(x.tensor for x in outs)],
+                                                        kernel.schedule).items() if lt.blocked}
+        e.channel_split = {"c": ("cb", "l")}
+        idx = ("nb", "c", "oh", "ow")
+        v = e.value(o.tensor, idx)
+        body = [*e.lines, store(o, e.at(o.tensor, idx), v)]
+        cb = -(-c // b)
+        full, rest = divmod(c, b)
+        lanes = f"(cb < {full}LL ? {b}LL : {rest}LL)" if rest else f"{b}LL"
+        nest = [f"for (long long r = 0; r < {n * cb * h}LL; ++r) {{",
+                f"    long long nb = r / {cb * h}LL, cb = r / {h}LL % {cb}LL, oh = r % {h}LL;",
+                f"    long long lanes = {lanes};",
+                f"    for (long long ow = 0; ow < {w}LL; ++ow) {{",
+                "        #pragma omp simd", "        for (long long l = 0; l < lanes; ++l) {",
+                f"            long long c = cb * {b}LL + l;", *["            " + x for x in body], "        }",
+                *([f"        for (long long l = lanes; l < {b}LL; ++l) {o.name}[{e.at(o.tensor, idx)}] = 0.0f;"] if rest else []),
+                "    }", "}"]
+        loops.append(f"    {OMP_FOR}\n" + _indent(nest, 1))
+    return loops
