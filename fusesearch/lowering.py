@@ -576,6 +576,19 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     return (_with_layouts(graph, kernel, anchor),)
 
 
+def reorder(graph: Graph, tensor: str, source: Layout, target: Layout) -> Kernel:
+    """The kernel that copies a 4-D float32 `tensor` from layout `source` to `target` (NCHW <->
+    NCHWc, `codegen.cpu_conv_nchwc.reorder_kernel`), priced as the pointwise copy it is: each
+    side's bytes as it lies (a blocked side with its padding), no arithmetic. What a plan pays on
+    an edge whose producer writes one layout and consumer reads the other."""
+    info = graph.tensors[tensor]
+    itemsize = info.nbytes // max(1, info.size)
+    schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=source, layout_out=target)
+    return Kernel("pointwise", (), (), None, info.dtype, (tensor,), (tensor,), max(source.size(info.shape),
+                  target.size(info.shape)), 0, 2, 0, 0, 0, source.nbytes(info.shape, itemsize),
+                  target.nbytes(info.shape, itemsize), schedule)
+
+
 def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node | None) -> Kernel:
     """`kernel` with its traffic counted as its tensors lie (`schedule.tensor_layouts`): a blocked
     tensor's padded channels are read and written too."""

@@ -6,17 +6,21 @@ activation and a residual Add, channel counts that fill no whole block."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from onnx import helper
 
+from costmodels import DEVICES, RooflineModel, RooflineParams
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel
+from fusesearch.costing import kernel_cost
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
 from fusesearch.layout import NCHW, Layout, from_blocked, to_blocked
-from fusesearch.lowering import choices, nchwc_choices
+from fusesearch.lowering import choices, nchwc_choices, reorder
 from fusesearch.pipeline import prepare
 from fusesearch.schedule import CpuTarget, nchwc_conv
 from fusesearch.verify import all_values, random_feeds
@@ -241,3 +245,22 @@ def test_pools_and_elementwise_groups_in_nchwc_equal_onnx_runtime(tmp_path, name
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())), err_msg=a.tensor)
         pad = out[a.tensor].transpose(0, 1, 4, 2, 3).reshape(ref.shape[0], -1, *ref.shape[2:])[:, ref.shape[1]:]
         assert not pad.any()
+
+
+def test_a_reorder_is_priced_as_the_copy_of_each_side_as_it_lies(tmp_path):
+    """On a pinned CPU device: a reorder reads the NCHW bytes and writes the padded NCHWc ones
+    (or back), computes nothing, is priced by its traffic (more bytes, more time), and costs less
+    than the conv it feeds; the blocked conv is priced as its product "nchwc"."""
+    device = replace(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=16, sm_count=1)
+    model = RooflineModel(RooflineParams())
+    graph, _ = _conv_group(tmp_path, [1, 24, 28, 28], 64, 3, 1, act="Relu")
+    x, layout = "x", Layout(16)
+    into, back = reorder(graph, x, NCHW, layout), reorder(graph, x, layout, NCHW)
+    nchw_bytes = 24 * 28 * 28 * 4
+    assert (into.read_bytes, into.write_bytes) == (nchw_bytes, 32 * 28 * 28 * 4) == (back.write_bytes, back.read_bytes)
+    assert into.tc_flops == into.scalar_flops == 0 and into.schedule.layout_out == layout
+    (conv,) = nchwc_choices(graph, _whole(graph), CpuTarget(lanes=16))
+    t_into, t_back, t_conv = (kernel_cost(k, device, model) for k in (into, back, conv))
+    assert t_into.feasible and t_into.bound != "compute" and 0 < t_into.time_s < t_conv.time_s
+    wide = reorder(graph, conv.outputs[0], NCHW, layout)  # 64 channels
+    assert kernel_cost(wide, device, model).memory_s > t_into.memory_s
