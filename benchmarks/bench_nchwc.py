@@ -137,7 +137,8 @@ def verdict(a, b) -> str:
 CHILD = r"""
 import ctypes, json, sys
 import numpy as np
-for e in json.load(open(sys.argv[1])):
+for i, e in enumerate(json.load(open(sys.argv[1]))):
+    print("start", i, flush=True)
     lib = ctypes.CDLL(e["lib"])
     bufs = [np.load(p) for p in e["inputs"]] + [np.zeros(s, np.float32) for s in e["outputs"]]
     packs = [np.zeros(s, np.float32) for s in e["packed"]]
@@ -146,6 +147,33 @@ for e in json.load(open(sys.argv[1])):
         getattr(lib, e["name"] + "_pack")(*ptr[:len(e["inputs"])], *ptr[len(bufs):])
     getattr(lib, e["name"])(*ptr)
 """
+
+
+def _callgrind_counts(entries: list[dict], tmp: Path) -> dict[str, int | str]:
+    """Instructions of each entry's parallel region under callgrind; an entry whose run dies is
+    "died" and the rest run again without it."""
+    counts: dict[str, int | str] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    todo = list(entries)
+    while todo:
+        (tmp / "entries.json").write_text(json.dumps(todo))
+        out = tmp / "cg.out"
+        done = subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}",
+                               "--toggle-collect=GOMP_parallel", sys.executable, str(tmp / "child.py"),
+                               str(tmp / "entries.json")], capture_output=True, text=True, env=env)
+        text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
+                              capture_output=True, text=True).stdout
+        for line in text.splitlines():
+            m = re.match(r"\s*([\d,]+)\s.*?\b((?:nchw|nchwc)_\d+)\._omp_fn", line)
+            if m:
+                counts.setdefault(m.group(2), int(m.group(1).replace(",", "")))
+        if done.returncode == 0:
+            break
+        started = [int(x) for x in re.findall(r"^start (\d+)$", done.stdout, re.M)]
+        last = started[-1] if started else 0
+        counts[todo[last]["name"]] = "died"
+        todo = todo[last + 1:]
+    return counts
 
 
 def callgrind(rows, tmp: Path) -> None:
@@ -170,20 +198,8 @@ def callgrind(rows, tmp: Path) -> None:
             entries.append({"lib": lib._name, "name": gk.name, "inputs": paths,
                             "outputs": [list(a.shape) for a in gk.outputs],
                             "packed": [list(p.arg.shape) for p in gk.packed], "row": i, "tag": tag})
-    (tmp / "entries.json").write_text(json.dumps(entries))
     (tmp / "child.py").write_text(CHILD)
-    out = tmp / "cg.out"
-    toggles = ["--toggle-collect=GOMP_parallel"]  # a kernel's one parallel region (a toggle on its own name never fired)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}", *toggles, sys.executable,
-                    str(tmp / "child.py"), str(tmp / "entries.json")], check=True, capture_output=True, env=env)
-    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)], check=True,
-                          capture_output=True, text=True).stdout
-    counts = {}
-    for line in text.splitlines():
-        m = re.match(r"\s*([\d,]+)\s.*?\b((?:nchw|nchwc)_\d+)\._omp_fn", line)
-        if m:
-            counts.setdefault(m.group(2), int(m.group(1).replace(",", "")))
+    counts = _callgrind_counts(entries, tmp)
     for e in entries:
         rows[e["row"]][f"ir_{e['tag']}"] = counts.get(e["name"])
 
@@ -206,34 +222,58 @@ def main() -> None:
         return
     rows = [r for m in args.models.split(",") for r in bench_model(m, target, args)]
     print(f"load average after: {os.getloadavg()}")
+    print_timings(rows)
     if args.callgrind:
         with tempfile.TemporaryDirectory() as tmp:
             callgrind(rows, Path(tmp))
-    head = (f"{'model':12} {'conv':34} {'nchw (ms)':>24} {'nchwc (ms)':>24} {'+reorders':>9} {'ort ALL (ms)':>24}"
-            f" {'nchwc/nchw':>10} {'nchwc/ort':>9}  verdict")
-    print(head + ("  Ir nchwc/nchw" if args.callgrind else ""))
-    logs = {"nchwc/nchw": [], "nchwc/ort": [], "nchw/ort": []}
+        print_counts(rows)
+
+
+def geomean(ratios: list[float]) -> float:
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+
+def print_timings(rows: list[dict]) -> None:
+    print(f"{'model':12} {'conv':34} {'nchw (ms)':>24} {'nchwc (ms)':>24} {'+reorders':>9} {'ort ALL (ms)':>24}"
+          f" {'nchwc/nchw':>10} {'nchwc/ort':>9}  verdict (nchw product)")
+    ratios = {"nchwc/nchw": [], "nchwc/ort": [], "nchw/ort": []}
     for r in rows:
         if "skip" in r:
             print(f"{r['model']:12} {r['conv']:34} {r['skip']}")
             continue
         a, b, o = r["nchw"], r["nchwc"], r["ort"]
         with_reorders = b.median_s + sum(t.median_s for t in r["reorders"])
-        logs["nchwc/nchw"].append(math.log(b.median_s / a.median_s))
-        logs["nchwc/ort"].append(math.log(b.median_s / o.median_s))
-        logs["nchw/ort"].append(math.log(a.median_s / o.median_s))
-        line = (f"{r['model']:12} {r['conv']:34} {spread(a.median_s, a.p20_s, a.p80_s):>24} "
-                f"{spread(b.median_s, b.p20_s, b.p80_s):>24} {with_reorders * 1e3:9.3f} "
-                f"{spread(o.median_s, o.p20_s, o.p80_s):>24} {b.median_s / a.median_s:10.2f} "
-                f"{b.median_s / o.median_s:9.2f}  {verdict(a, b)} ({r['product']})")
-        if args.callgrind and r.get("ir_nchw") and r.get("ir_nchwc"):
-            line += f"  {r['ir_nchwc'] / r['ir_nchw']:.2f}"
-        print(line)
-    for k, v in logs.items():
+        ratios["nchwc/nchw"].append(b.median_s / a.median_s)
+        ratios["nchwc/ort"].append(b.median_s / o.median_s)
+        ratios["nchw/ort"].append(a.median_s / o.median_s)
+        print(f"{r['model']:12} {r['conv']:34} {spread(a.median_s, a.p20_s, a.p80_s):>24} "
+              f"{spread(b.median_s, b.p20_s, b.p80_s):>24} {with_reorders * 1e3:9.3f} "
+              f"{spread(o.median_s, o.p20_s, o.p80_s):>24} {b.median_s / a.median_s:10.2f} "
+              f"{b.median_s / o.median_s:9.2f}  {verdict(a, b)} ({r['product']})")
+    for k, v in ratios.items():
         if v:
-            print(f"geometric mean {k}: {math.exp(sum(v) / len(v)):.3f} over {len(v)} convs")
+            print(f"geometric mean {k}: {geomean(v):.3f} over {len(v)} convs")
     sums = {k: sum(r[k].median_s for r in rows if k in r) for k in ("nchw", "nchwc", "ort")}
     print("sum of medians (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sums.items()))
+
+
+def print_counts(rows: list[dict]) -> None:
+    print(f"\ncallgrind, AVX2 builds (block 8), instructions per call\n{'model':12} {'conv':34} {'Ir nchw':>14} "
+          f"{'Ir nchwc':>14} {'nchwc/nchw':>10}")
+    ratios = []
+    for r in rows:
+        if "skip" in r:
+            continue
+        a, b = r.get("ir_nchw"), r.get("ir_nchwc")
+        both = isinstance(a, int) and isinstance(b, int)
+        if both:
+            ratios.append(b / a)
+        print(f"{r['model']:12} {r['conv']:34} {a!s:>14} {b!s:>14} {(f'{b / a:.2f}' if both else '-'):>10}")
+    if ratios:
+        print(f"geometric mean Ir nchwc/nchw: {geomean(ratios):.3f} over {len(ratios)} convs")
+    sums = [sum(r[k] for r in rows if isinstance(r.get("ir_nchw"), int) and isinstance(r.get("ir_nchwc"), int))
+            for k in ("ir_nchw", "ir_nchwc")]
+    print(f"sum of Ir: nchw {sums[0]:,}, nchwc {sums[1]:,}")
 
 
 if __name__ == "__main__":
