@@ -507,14 +507,24 @@ def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], 
     return {t: laid(t) for t in tensors}
 
 
-def nchwc_tile(block: int, depthwise: bool) -> tuple[int, int]:
-    """(output-channel blocks, output pixels) an NCHWc conv's inner kernel keeps in vector registers:
-    with AVX-512's 32 registers (block 16) 4 x 6 accumulators beside 4 filter vectors; with AVX2's
-    16 (block 8) 2 x 6; a depthwise conv one block by 8 pixels (a filter vector, an input vector
-    per pixel)."""
+NCHWC_MAX_PIXELS = 14  # pixels of a tile at most (one filter vector's loads shared by as many FMAs)
+
+
+def nchwc_pixels(block: int, blocks_out: int, depthwise: bool) -> int:
+    """Output pixels an NCHWc conv's tile of `blocks_out` output-channel blocks holds in vector
+    registers: as many accumulators as the registers leave beside the filter vectors and one
+    input (AVX-512's 32 with block 16, AVX2's 16 with block 8), up to NCHWC_MAX_PIXELS: 4 blocks
+    x 6 pixels, 2 x 14 with block 16; 2 x 6 with block 8; a depthwise conv 8 (a filter vector and
+    an input vector per pixel)."""
     if depthwise:
-        return 1, 8
-    return (4, 6) if block >= 16 else (2, 6)
+        return 8
+    registers = 32 if block >= 16 else 16
+    return max(1, min(NCHWC_MAX_PIXELS, (registers - blocks_out - 1) // blocks_out))
+
+
+def nchwc_tile(block: int, depthwise: bool) -> int:
+    """Output-channel blocks of an NCHWc conv's widest tile: 4 with block 16, 2 with 8, 1 depthwise."""
+    return 1 if depthwise else 4 if block >= 16 else 2
 
 
 TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)

@@ -4,16 +4,19 @@ Problem: in NCHW a conv's vector lanes run along a row of pixels (7 or 14 wide d
 borders and strides in between) and a depthwise conv has no long contiguous axis at all; ONNX
 Runtime's NCHWc kernels keep a block of output channels in each vector register instead.
 Approach (MLAS's NCHWc direct conv): filters packed once (`base.NchwcFilter`); per image and block
-of output rows, per tile of `schedule.nchwc_tile` output-channel blocks x pixels, accumulators in
-vector registers (GCC vector types of `block` floats) over every input block, tap and input lane:
-a filter vector times an input scalar broadcast (dense), or a filter vector times an input vector
-(depthwise, one block per tile). Columns whose window crosses the image's edge run one pixel at a
-time over their valid taps; the interior in whole tiles; rows restrict their taps once. A 1x1
+of output rows, per tile of `schedule.nchwc_tile` output-channel blocks x `nchwc_pixels` pixels,
+accumulators in vector registers (GCC vector types of `block` floats) over every input block, tap
+and input lane: a filter vector times an input scalar broadcast (dense), or a filter vector times
+an input vector (depthwise, one block per tile). Columns whose window crosses the image's edge run
+one pixel at a time over their valid taps; the interior in whole tiles (the last one shorter);
+rows restrict their taps once. A 1x1
 stride-1 unpadded conv runs its block's rows as one run of pixels. The tile stores the sums into
 the block's buffer (`cbuf`), then the epilogue (bias, activations, a residual read in NCHWc) runs
 per pixel over the lanes of each channel block before the one store; padded lanes store zeros.
-Invariants: written for `Schedule.product` "nchwc" with `layout_in` and `layout_out` blocked, as
-`schedule.nchwc_conv` admits; each input element is read where it lies (no panel, no band)."""
+Invariants: written for `Schedule.product` "nchwc" with `layout_out` blocked and `layout_in` as
+`schedule.nchwc_input` says (NCHW for an image), as `schedule.nchwc_conv` admits; each input
+element is read where it lies (no panel, no band). Anchorless groups (`nchwc_pointwise_loops`) and
+the reorders (`reorder_kernel`) live here too."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from fusesearch.backends.codegen.base import (
     _indent,
     c_function,
     scratch,
+    shared_scratch,
     source_digest,
     store,
 )
@@ -37,7 +41,7 @@ from fusesearch.backends.codegen.ops import _conv_geometry
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.layout import Layout
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import nchwc_tile, tensor_layouts
+from fusesearch.schedule import nchwc_pixels, nchwc_tile, tensor_layouts
 
 # pixels a 1x1 stride-1 conv's block holds at least (whole output rows): several tiles per block
 NCHWC_RUN_PIXELS = 48
@@ -67,16 +71,22 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
     rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run else 1
     pixels = rows * ow_n
-    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, args[x].name,
+    planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
+    source_name, padded = args[x].name, []
+    hp, wp = max(ph + h, (oh_n - 1) * sh + kh_n), max(pw + wd, (ow_n - 1) * sw + kw_n)
+    if not depthwise and (hp, wp) != (h, wd):  # a dense conv reads a zero-bordered copy: every pixel a whole tile's
+        padded = _padded_copy(args[x].name, xs[0] * planes, (h, wd), (hp, wp), (ph, pw), b if source.blocked else 1)
+        source_name, (h, wd), (ph, pw) = "patch", (hp, wp), (0, 0)
+    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, source_name,
                     packs[w].arg.name, pixels)
-    o_tile, p_tile = nchwc_tile(b, depthwise)
-    image = f"nb * {source.size(tuple(xs)) // xs[0]}LL"
+    o_tile = nchwc_tile(b, depthwise)
+    image = f"nb * {planes * h * wd * geo.xb}LL"
     if run:
-        loops = geo.pixels_of(o_tile, p_tile, ocb, "(oh1 - oh0) * " + f"{ow_n}LL", f"{image} + oh0 * {wd * geo.xb}LL")
+        loops = geo.pixels_of(o_tile, ocb, "(oh1 - oh0) * " + f"{ow_n}LL", f"{image} + oh0 * {wd * geo.xb}LL")
     else:
         lo = min(ow_n, -(-pw // sw))  # the interior: columns whose window lies inside the image
         hi = max(lo, min(ow_n, (wd - kw_n + pw) // sw + 1))
-        loops = geo.row(o_tile, p_tile, ocb, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")
+        loops = geo.row(o_tile, ocb, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")
     main, _ = _split_outputs(graph, kernel, outs, anchor)
     epilogue = _epilogue(e, main, ys, ocb, b, ow_n, pixels)
     blocks = -(-oh_n // rows)
@@ -87,8 +97,26 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
             f"    long long ih0 = oh0 * {sh}LL - {ph}LL;",
             f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
             *["    " + line for line in loops + epilogue], "}"]
-    return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
+    return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));", *padded,
             f"    {OMP_FOR}\n" + _indent(body, 1)]
+
+
+def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[int, int], lead: tuple[int, int],
+                 xb: int) -> list[str]:
+    """C lines copying `planes` planes of `source` (rows of `size[1]` pixels of `xb` floats) into
+    the shared scratch `patch` with a zero border (`lead` rows and columns before, the rest of
+    `padded` after), rows in parallel, before the conv's loop (the worksharing loop's barrier)."""
+    (h, w), (hp, wp), (ph, pw) = size, padded, lead
+    row = wp * xb
+    return ["    " + shared_scratch("patch", f"{planes * hp * row}LL"),
+            f"    {OMP_FOR}",
+            f"    for (long long r = 0; r < {planes * hp}LL; ++r) {{",
+            f"        float* dst = patch + r * {row}LL;",
+            f"        long long ih = r % {hp}LL - {ph}LL;",
+            f"        if (ih < 0 || ih >= {h}LL) {{ memset(dst, 0, sizeof(float) * {row}LL); continue; }}",
+            f"        memset(dst, 0, sizeof(float) * {pw * xb}LL);",
+            f"        memcpy(dst + {pw * xb}LL, {source} + (r / {hp}LL * {h}LL + ih) * {w * xb}LL, sizeof(float) * {w * xb}LL);",
+            f"        memset(dst + {(pw + w) * xb}LL, 0, sizeof(float) * {(wp - pw - w) * xb}LL);", "    }"]
 
 
 class _Geometry:
@@ -142,22 +170,26 @@ class _Geometry:
                  *["    " + x_ for x_ in build(step, "ocb0")], "}"] if full else []
         return lines + (["{", *["    " + x_ for x_ in build(rest, f"{full * step}LL")], "}"] if rest else [])
 
-    def tiles(self, o: int, p_tile: int, ocb0: str, span: tuple[str, str], xoff: str, kw: tuple[str, str]) -> list[str]:
-        """Pixels span[0]..span[1] (every tap in `kw` valid for each) in tiles of `p_tile`, the
-        rest one by one."""
+    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, xoff: str, kw: tuple[str, str]) -> list[str]:
+        """Pixels span[0]..span[1] (every tap in `kw` valid for each) in tiles of
+        `schedule.nchwc_pixels`; where the span has its usual `count` pixels, the rest one tile of
+        the remainder, else one by one."""
+        p = nchwc_pixels(self.b, o, self.depthwise)
+        rest = count % p
+        one = [f"    for (; q < {span[1]}; ++q)", *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, kw)]]
+        tail = ([f"    if ({span[1]} - q == {rest}LL)", *["    " + x_ for x_ in self.tile(o, rest, ocb0, "q", xoff, kw)],
+                 "    else", *one] if rest > 1 else one)
         return ["{", f"    long long q = {span[0]};",
-                f"    for (; q + {p_tile}LL <= {span[1]}; q += {p_tile}LL)",
-                *["    " + x_ for x_ in self.tile(o, p_tile, ocb0, "q", xoff, kw)],
-                f"    for (; q < {span[1]}; ++q)",
-                *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, kw)], "}"]
+                f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)",
+                *["    " + x_ for x_ in self.tile(o, p, ocb0, "q", xoff, kw)], *tail, "}"]
 
-    def pixels_of(self, o_tile: int, p_tile: int, ocb: int, pixels_n: str, base: str) -> list[str]:
+    def pixels_of(self, o_tile: int, ocb: int, pixels_n: str, base: str) -> list[str]:
         """The block's pixels 0..pixels_n as one run (contiguous input, every tap valid)."""
         xoff = f"{base} + q * {self.sw * self.xb}LL"
-        return self.blocks(o_tile, ocb, lambda o, ocb0: self.tiles(o, p_tile, ocb0, ("0", pixels_n), xoff,
+        return self.blocks(o_tile, ocb, lambda o, ocb0: self.tiles(o, ocb0, ("0", pixels_n), self.pixels, xoff,
                                                                    ("0", str(self.kw_n))))
 
-    def row(self, o_tile: int, p_tile: int, ocb: int, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
+    def row(self, o_tile: int, ocb: int, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
         """One output row: the border columns one by one over their valid taps, the interior
         (columns lo..hi) in tiles."""
         lo, hi, ow_n = columns
@@ -173,7 +205,7 @@ class _Geometry:
                     *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, ("kw0", "kw1"))], "}"]
 
         def build(o: int, ocb0: str) -> list[str]:
-            interior = (self.tiles(o, p_tile, ocb0, (f"{lo}LL", f"{hi}LL"), xoff, ("0", str(self.kw_n)))
+            interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, xoff, ("0", str(self.kw_n)))
                         if hi > lo else [])
             return [*border(o, ocb0, 0, lo), *interior, *border(o, ocb0, hi, ow_n)]
         return self.blocks(o_tile, ocb, build)
