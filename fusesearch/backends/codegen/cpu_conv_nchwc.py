@@ -153,7 +153,7 @@ class _Geometry:
                       f"    const float* xp = {self.x} + {xoff} + icb * {hw * self.lanes_in}LL + {tap};",
                       f"    const float* wp = {self.wp} + (({ocb0} * {self.icb}LL + icb) * {taps}LL + kh * {self.kw_n}LL + kw)"
                       f" * {panel}LL;",
-                      f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
+                      "    #pragma GCC unroll 16", f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
                       *[f"        fs_vb w{i} = *(const fs_vb*)(wp + {i * self.icb * taps * panel}LL + ic * {b});"
                         for i in range(o)],
                       *[f"        float x{j} = xp[{j * self.sw * xb}LL + ic * {self.xc}LL];" for j in range(p)],
@@ -225,16 +225,15 @@ def _epilogue(e: _Emitter, main, ys, ocb: int, b: int, ow_n: int, pixels: int) -
     e.acc_value = ""
     full, rest = divmod(ys[1], b)
     zeros = [f"{o.name}[{e.at(o.tensor, idx)}] = 0.0f;" for o in main]
-    lanes = f"(ocb < {full}LL ? {b}LL : {rest}LL)" if rest else f"{b}LL"
-    return [f"for (long long ocb = 0; ocb < {ocb}LL; ++ocb)",
-            "for (long long oh = oh0; oh < oh1; ++oh)",
-            f"for (long long ow = 0; ow < {ow_n}LL; ++ow) {{",
-            f"    long long lanes = {lanes};",
-            "    #pragma omp simd",
-            "    for (long long l = 0; l < lanes; ++l) {", "        long long co = ocb * " + f"{b}LL + l;",
-            *["        " + x_ for x_ in body], "    }",
-            *([f"    for (long long l = lanes; l < {b}LL; ++l) {{", *["        " + z for z in zeros], "    }"] if rest else []),
-            "}"]
+
+    def nest(head: str, lanes: int) -> list[str]:  # whole blocks: a constant count of lanes, one vector
+        return [head, "for (long long oh = oh0; oh < oh1; ++oh)", f"for (long long ow = 0; ow < {ow_n}LL; ++ow) {{",
+                "    #pragma omp simd", f"    for (long long l = 0; l < {lanes}LL; ++l) {{",
+                f"        long long co = ocb * {b}LL + l;", *["        " + x_ for x_ in body], "    }",
+                *([f"    for (long long l = {lanes}LL; l < {b}LL; ++l) {{", *["        " + z for z in zeros], "    }"]
+                  if lanes < b else []), "}"]
+    return [*(nest(f"for (long long ocb = 0; ocb < {full}LL; ++ocb)", b) if full else []),
+            *(["{", *["    " + x_ for x_ in nest(f"long long ocb = {full}LL;", rest)], "}"] if rest else [])]
 
 
 def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout) -> GeneratedKernel:
