@@ -512,14 +512,14 @@ NCHWC_MAX_PIXELS = 14  # pixels of a tile at most (one filter vector's loads sha
 
 def nchwc_pixels(block: int, blocks_out: int, depthwise: bool) -> int:
     """Output pixels an NCHWc conv's tile of `blocks_out` output-channel blocks holds in vector
-    registers: as many accumulators as the registers leave beside the filter vectors and one
-    input (AVX-512's 32 with block 16, AVX2's 16 with block 8), up to NCHWC_MAX_PIXELS: 4 blocks
-    x 6 pixels, 2 x 14 with block 16; 2 x 6 with block 8; a depthwise conv 8 (a filter vector and
-    an input vector per pixel)."""
+    registers: up to 24 accumulators of AVX-512's 32 registers (block 16), 12 of AVX2's 16
+    (block 8), the rest for filter vectors and inputs, at most NCHWC_MAX_PIXELS: 4 blocks x 6
+    pixels, 2 x 12, 1 x 14 with block 16; 2 x 6 with block 8; a depthwise conv 8 (a filter vector
+    and an input vector per pixel)."""
     if depthwise:
         return 8
-    registers = 32 if block >= 16 else 16
-    return max(1, min(NCHWC_MAX_PIXELS, (registers - blocks_out - 1) // blocks_out))
+    accumulators = 24 if block >= 16 else 12  # of 32 or 16 registers: the rest for filters and inputs
+    return max(1, min(NCHWC_MAX_PIXELS, accumulators // blocks_out))
 
 
 def nchwc_tile(block: int, depthwise: bool) -> int:
