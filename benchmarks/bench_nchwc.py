@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,9 +82,10 @@ def runner(gk, feeds: dict[str, np.ndarray]):
     return go
 
 
-def kernels_for(graph, group, target: CpuTarget, xv: np.ndarray, names=("nchw_k", "nchwc_k")):
+def kernels_for(graph, group, target: CpuTarget, xv: np.ndarray, weights: dict, names=("nchw_k", "nchwc_k")):
     """(our NCHW kernel, the NCHWc one, their feeds, the NCHWc Kernel, the NCHW one's product) of a
-    conv group for `target`; None where the group has no NCHWc form."""
+    conv group for `target`, fed `xv` and the model's `weights` (its initializers: filters, bias
+    and the constants the canonical model holds); None where the group has no NCHWc form."""
     blocked = nchwc_choices(graph, group, target)
     if not blocked:
         return None
@@ -91,7 +93,7 @@ def kernels_for(graph, group, target: CpuTarget, xv: np.ndarray, names=("nchw_k"
     (kb,) = blocked
     x = graph.nodes[kb.anchor].inputs[0]
     g_nchw, g_nchwc = generate(graph, ours, names[0]), generate(graph, kb, names[1])
-    feeds = {t: (xv if t == x else graph.constant_value(t)) for t in ours.inputs}
+    feeds = {t: (xv if t == x else weights[t] if t in weights else graph.constant_value(t)) for t in ours.inputs}
     bfeeds = {a.tensor: (to_blocked(xv, kb.schedule.layout_in) if a.tensor == x else feeds[a.tensor])
               for a in g_nchwc.inputs}
     return g_nchw, g_nchwc, feeds, bfeeds, kb, ours.schedule.product
@@ -100,13 +102,14 @@ def kernels_for(graph, group, target: CpuTarget, xv: np.ndarray, names=("nchw_k"
 def bench_model(name: str, target: CpuTarget, args) -> list[dict]:
     prep = prepare(f"zoo:{name}")
     graph, canonical = prep.graph, to_proto(prep.canonical)
+    weights = {t.name: numpy_helper.to_array(t) for t in canonical.graph.initializer}
     rows = []
     rng = np.random.default_rng(0)
     for label, group in conv_groups(graph)[: args.limit or None]:
         anchor = graph.nodes[min(group.nodes)]
         x = anchor.inputs[0]
         xv = rng.standard_normal(graph.tensors[x].shape).astype(np.float32)
-        found = kernels_for(graph, group, target, xv)
+        found = kernels_for(graph, group, target, xv, weights)
         if found is None:
             rows.append({"model": name, "conv": label, "skip": "no NCHWc form"})
             continue
@@ -122,7 +125,7 @@ def bench_model(name: str, target: CpuTarget, args) -> list[dict]:
                 host_binding(sess, [(x, lambda xv=xv: xv)], [(out, ort_out)], fixed=True), *reorders]
         t = measure_interleaved(runs, budget_s=args.budget, rounds=args.rounds)
         rows.append({"model": name, "conv": label, "product": product,
-                     "nchw": t[0], "nchwc": t[1], "ort": t[2], "reorders": t[3:], "at": (graph, group, xv)})
+                     "nchw": t[0], "nchwc": t[1], "ort": t[2], "reorders": t[3:], "at": (graph, group, xv, weights)})
     return rows
 
 
@@ -187,7 +190,8 @@ def callgrind(rows, tmp: Path) -> None:
     for i, r in enumerate(rows):
         if "at" not in r:
             continue
-        g_nchw, g_nchwc, feeds, bfeeds, _, _ = kernels_for(r["at"][0], r["at"][1], avx2, r["at"][2], (f"nchw_{i}", f"nchwc_{i}"))
+        g_nchw, g_nchwc, feeds, bfeeds, _, _ = kernels_for(r["at"][0], r["at"][1], avx2, *r["at"][2:],
+                                                     names=(f"nchw_{i}", f"nchwc_{i}"))
         for tag, gk, given in (("nchw", g_nchw, feeds), ("nchwc", g_nchwc, bfeeds)):
             lib = cpu.compile_kernel(gk)
             paths = []
