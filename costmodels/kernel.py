@@ -24,9 +24,10 @@ TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "conv_disjoint", "depthwise
 IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
 UNITS = ("tensor-core", "cuda-core", "cpu-simd", "none")  # the main loop's instruction class (cpu-simd: C only)
 # how a generated gemm/conv's product runs in C (`fusesearch.schedule.Schedule.product`)
-CPU_PRODUCTS = ("own", "blas", "loops", "band", "packed", "rows", "im2col", "depthwise")
-TEMPLATE_PRODUCTS = {"gemm": ("own", "blas", "loops"), "conv": ("band", "packed", "rows", "im2col", "loops"),
-                     "conv_disjoint": ("band", "packed", "rows", "im2col", "loops"), "depthwise": ("depthwise", "loops")}
+CPU_PRODUCTS = ("own", "blas", "loops", "band", "packed", "rows", "im2col", "depthwise", "nchwc")
+TEMPLATE_PRODUCTS = {"gemm": ("own", "blas", "loops"), "conv": ("band", "packed", "rows", "im2col", "loops", "nchwc"),
+                     "conv_disjoint": ("band", "packed", "rows", "im2col", "loops", "nchwc"),
+                     "depthwise": ("depthwise", "loops", "nchwc")}
 
 # A GEMM view's shape class, for the tuned tile table (`fusesearch.schedule.shape_class`): M under
 # 64 rows, fewer than 256 output tiles of 128 x 128, or more

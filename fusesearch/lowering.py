@@ -7,7 +7,8 @@ OPAQUE op alone → `opaque` (a library call); one anchor → `conv`, `depthwise
 (`schedule.depthwise_conv`, `schedule.disjoint_windows`) or `gemm`, with prologue/epilogue (a row
 Softmax included); REDUCE without anchor → `rowwise`; the rest `pointwise`. `choices` lists every
 `Schedule` (default first; `host=True` for CPU products and splits), the search keeps the cheapest
-(`costing.cheapest`). Traffic is compulsory (inputs read once, escaping tensors written once; a
+(`costing.cheapest`); `nchwc_choices` lists a conv group's blocked-layout form apart. Traffic is
+compulsory (inputs read once, escaping tensors written once, blocked ones with their padding; a
 Gather table costs its rows); prologues are charged per reload (`_prologue_reloads`), ops under a
 pool per tap (`_window_recompute`); a lone view is a zero-cost alias.
 Invariants: a Kernel's `nodes` are in topological order; `inputs`/`outputs` are distinct and in
@@ -26,6 +27,7 @@ from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 from fusesearch.ir.pool import POOL_OPS, pool_window
+from fusesearch.layout import Layout
 from fusesearch.schedule import (
     ALIAS,
     DEPTHWISE,
@@ -58,12 +60,16 @@ from fusesearch.schedule import (
     mma_sync_split,
     mma_sync_tiles,
     mma_tiles,
+    nchwc_conv,
+    nchwc_input,
+    nchwc_pointwise,
     scaled_product,
     split_blocks,
     split_imbalance,
     split_k,
     stride_blocks,
     tensor_core_skeleton,
+    tensor_layouts,
     thread_layout,
     tuned_choice,
     vectorizable,
@@ -544,6 +550,62 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
                                 kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
                                 host=True), schedule=kernel.schedule)
     return replace(kernel, imbalance=split_imbalance(split, batches, m, n, host))
+
+
+def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Kernel, ...]:
+    """The group's forms in the target's blocked layout (`layout.Layout` of its `channel_block`):
+    a conv group `schedule.nchwc_conv` accepts as product "nchwc" (its input as
+    `schedule.nchwc_input` says: an image's few channels stay NCHW), an anchorless one
+    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add) with its tensors
+    blocked; each priced with the padded channels' traffic; () where none applies (a target
+    without a block, another group, an illegal one). Kept apart from `choices` while plans hold
+    NCHW only: a plan's programs feed every kernel the model's layout."""
+    block = host.channel_block
+    nodes = [graph.nodes[i] for i in sorted(group.nodes)]
+    anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
+    if not block or isinstance(_lower_checked(graph, nodes, host), FusionDecision):
+        return ()
+    layout = Layout(block)
+    if not anchors:
+        if not nchwc_pointwise(graph, group.nodes):
+            return ()
+        kernel = _lower_pointwise(graph, nodes)
+        schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=layout, layout_out=layout)
+        return (_with_layouts(graph, replace(kernel, schedule=schedule), None),)
+    if len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0]):
+        return ()
+    anchor = anchors[0]
+    template = anchor_template(graph, anchor)
+    schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc",
+                       layout_in=nchwc_input(graph, anchor, layout), layout_out=layout)
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    kernel = _build(graph, nodes, template, anchor.id, graph.tensors[anchor.outputs[0]].size, k, 4 + 2 * len(nodes),
+                    schedule, reload_tile=(m, n_dim, k), host=True)
+    return (_with_layouts(graph, kernel, anchor),)
+
+
+def reorder(graph: Graph, tensor: str, source: Layout, target: Layout) -> Kernel:
+    """The kernel that copies a 4-D float32 `tensor` from layout `source` to `target` (NCHW <->
+    NCHWc, `codegen.cpu_conv_nchwc.reorder_kernel`), priced as the pointwise copy it is: each
+    side's bytes as it lies (a blocked side with its padding), no arithmetic. What a plan pays on
+    an edge whose producer writes one layout and consumer reads the other."""
+    info = graph.tensors[tensor]
+    itemsize = info.nbytes // max(1, info.size)
+    schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=source, layout_out=target)
+    return Kernel("pointwise", (), (), None, info.dtype, (tensor,), (tensor,), max(source.size(info.shape),
+                  target.size(info.shape)), 0, 2, 0, 0, 0, source.nbytes(info.shape, itemsize),
+                  target.nbytes(info.shape, itemsize), schedule)
+
+
+def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node | None) -> Kernel:
+    """`kernel` with its traffic counted as its tensors lie (`schedule.tensor_layouts`): a blocked
+    tensor's padded channels are read and written too."""
+    def padding(tensors) -> int:
+        layouts = tensor_layouts(graph, anchor, tensors, kernel.schedule)
+        return sum(layouts[t].size(graph.tensors[t].shape) * graph.tensors[t].nbytes // graph.tensors[t].size - graph.tensors[t].nbytes
+                   for t in tensors if layouts[t].blocked)
+    return replace(kernel, read_bytes=kernel.read_bytes + padding(kernel.inputs),
+                   write_bytes=kernel.write_bytes + padding(kernel.outputs))
 
 
 def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str,

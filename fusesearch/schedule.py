@@ -9,7 +9,9 @@ prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the re
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
 `split_k` (serial split-K, the last block adds the partials), `threads`/`grid`/`smem_bytes`,
 `row_cache`, and on a CPU `product` (`CPU_PRODUCTS`; `gemm_products`/`conv_products`, default
-first), `split` (`CPU_SPLITS`, `cpu_splits`, `split_blocks`) and `epilogue` (tile | block); `min_arch`.
+first), `split` (`CPU_SPLITS`, `cpu_splits`, `split_blocks`), `epilogue` (tile | block) and the
+layouts a conv reads and writes (`layout_in`, `layout_out`: NCHW or NCHWc, `nchwc_conv`,
+`tensor_layouts`); `min_arch`.
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
 (tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""
@@ -26,6 +28,7 @@ import numpy as np
 from costmodels.kernel import CPU_PRODUCTS, UNITS
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind
+from fusesearch.layout import NCHW, Layout, channel_block
 
 THREADS = 256  # CUDA threads per block of every skeleton but small tiles
 VECTOR = 4  # float4: one 16-byte load or store per tensor and thread
@@ -121,6 +124,8 @@ class Schedule:
     epilogue: str = ""
     split: str = ""
     library: str = ""  # a GPU conv's library call (LIBRARY_CALLS); "" for any other
+    layout_in: Layout = NCHW  # a CPU conv: how its activation input lies (`tensor_layouts`)
+    layout_out: Layout = NCHW  # ... and its outputs and the inputs of their shape (a residual)
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
@@ -471,6 +476,114 @@ def conv_products(graph: Graph, nodes: Collection[int], anchor: Node, blas: bool
     return tuple(p for p in ordered if applicable[p]) or ("loops",)
 
 
+# -- blocked channel layouts (NCHWc, `fusesearch.layout`): which convs run in them ------------------
+
+def nchwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
+    """Whether a conv group has an NCHWc form (product "nchwc", `codegen.cpu_conv_nchwc`): a 2-D
+    float32 Conv with float32 constant filters, dense (one group) or depthwise with one filter per
+    channel, undilated, its input a kernel input (no prologue: in a blocked chain the producer's
+    epilogue holds the activation); the rest of the group an epilogue of elementwise or broadcast
+    ops on tensors of the conv's output shape, whose other operands are of that shape (a
+    residual) or per channel (a bias: every dim but the channels 1), and every output of the group
+    of that shape."""
+    if anchor.op_type != "Conv" or len(anchor.inputs) < 2:
+        return False
+    x, w, y = (graph.tensors[t] for t in (*anchor.inputs[:2], anchor.outputs[0]))
+    group = int(anchor.attrs.get("group", 1))
+    if (x.shape is None or len(x.shape) != 4 or not w.constant or {x.dtype, w.dtype, y.dtype} != {"float32"}
+            or graph.producer(anchor.inputs[0]) in nodes or any(d != 1 for d in anchor.attrs.get("dilations") or ())
+            or not (group == 1 or (group == x.shape[1] == y.shape[1]))):
+        return False
+    derived = {anchor.outputs[0]}
+    for n in (graph.nodes[i] for i in sorted(nodes) if i != anchor.id):
+        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) or not any(t in derived for t in n.inputs):
+            return False
+        for t in n.inputs:
+            info = graph.tensors[t] if t else None
+            if t in derived or info is None:
+                continue
+            if info.dtype != "float32" or not (info.shape == y.shape or per_channel(info.shape)):
+                return False
+        if any(graph.tensors[t].shape != y.shape for t in n.outputs):
+            return False
+        derived.update(n.outputs)
+    return all(t in derived for i in nodes for t in graph.nodes[i].outputs
+               if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
+
+
+def nchwc_input(graph: Graph, anchor: Node, blocked: Layout) -> Layout:
+    """The layout an NCHWc conv reads its input in: NCHW for a dense conv over fewer channels
+    than a block (an image's 3: padded to a block it would multiply 13 zero channels of 16, and
+    each pixel's channels are one broadcast each where they lie), else `blocked`."""
+    x = graph.tensors[anchor.inputs[0]]
+    return NCHW if int(anchor.attrs.get("group", 1)) == 1 and x.shape[1] < blocked.block else blocked
+
+
+def per_channel(shape: Sequence[int] | None) -> bool:
+    """A shape that broadcasts along the channels of an NCHW tensor alone (every dim but the
+    channels 1, counted from the last: (C, 1, 1), (1, C, 1, 1), a scalar): a bias, a scale; such a
+    tensor lies as in the model in every layout."""
+    return shape is not None and len(shape) <= 4 and all(d == 1 for k, d in enumerate(shape[::-1]) if k != 2)
+
+
+def nchwc_pointwise(graph: Graph, nodes: Collection[int]) -> bool:
+    """Whether an anchorless group has an NCHWc form (`Schedule.layout_out` blocked, written by
+    `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): elementwise or broadcast ops and 2-D
+    MaxPool/AveragePool only, over float32 4-D tensors of one channel count, every other operand
+    per channel (`per_channel`): a pool, an activation, a residual Add + Relu between blocked
+    convs."""
+    members = [graph.nodes[i] for i in sorted(nodes)]
+    outs = [graph.tensors[t] for n in members for t in n.outputs if t]
+    if not outs or any(o.shape is None or len(o.shape) != 4 or o.dtype != "float32" or per_channel(o.shape)
+                       for o in outs):
+        return False
+    channels = outs[0].shape[1]
+    for n in members:
+        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) and n.op_type not in ("MaxPool", "AveragePool"):
+            return False
+        for t in (t for t in n.inputs if t):
+            info = graph.tensors[t]
+            if info.dtype != "float32" or not (per_channel(info.shape) or (len(info.shape) == 4
+                                                                          and info.shape[1] == channels)):
+                return False
+    return all(o.shape[1] == channels for o in outs)
+
+
+def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
+    """How each of a kernel's `tensors` lies in memory under its schedule: a conv's activation
+    input in `layout_in`, its filters as in the model; every other 4-D tensor that is not per
+    channel (`per_channel`: a bias lies as in the model) in `layout_out`."""
+    x, filters = (anchor.inputs[0], set(anchor.inputs[1:])) if anchor is not None else (None, set())
+
+    def laid(t: str) -> Layout:
+        shape = graph.tensors[t].shape
+        if t == x:
+            return schedule.layout_in
+        return (schedule.layout_out if t not in filters and shape is not None and len(shape) == 4
+                and not per_channel(shape) else NCHW)
+    return {t: laid(t) for t in tensors}
+
+
+NCHWC_MAX_PIXELS = 14  # pixels of a tile at most (one filter vector's loads shared by as many FMAs)
+
+
+def nchwc_pixels(block: int, blocks_out: int, depthwise: bool) -> int:
+    """Output pixels an NCHWc conv's tile of `blocks_out` output-channel blocks holds in vector
+    registers: up to 24 accumulators of AVX-512's 32 registers (block 16), 12 of AVX2's 16
+    (block 8), the rest for filter vectors and inputs, at most NCHWC_MAX_PIXELS: 4 blocks x 6
+    pixels, 2 x 12, 1 x 14 with block 16; 2 x 6 with block 8; a depthwise conv 8 (a filter vector
+    and an input vector per pixel)."""
+    if depthwise:
+        return 8
+    accumulators = 24 if block >= 16 else 12  # of 32 or 16 registers: the rest for filters and inputs
+    return max(1, min(NCHWC_MAX_PIXELS, accumulators // blocks_out))
+
+
+def nchwc_tile(block: int, depthwise: bool) -> int:
+    """Output-channel blocks of an NCHWc conv's widest tile: 4 with block 16, 2 with 8, 1 depthwise."""
+    return 1 if depthwise else 4 if block >= 16 else 2
+
+
 TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)
 _TILE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Identity"})  # and views
 
@@ -552,6 +665,11 @@ class CpuTarget:
     blas: bool = True
     lanes: int = 0
     threads: int = 1
+
+    @property
+    def channel_block(self) -> int:
+        """The NCHWc block this target's kernels use (`layout.channel_block` of its lanes; 0: none)."""
+        return channel_block(self.lanes)
 
 
 def cpu_products(graph: Graph, nodes: Collection[int], anchor: Node, target: CpuTarget = CpuTarget(),

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # entry, to the leaves, so it may import no other layer until it is placed here.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cost model", ("costmodels",)),  # hardware and kernels, never graphs
-    ("leaves", ("fusesearch", "fusesearch.errors", "fusesearch.values", "fusesearch.zoo")),
+    ("leaves", ("fusesearch", "fusesearch.errors", "fusesearch.layout", "fusesearch.values", "fusesearch.zoo")),
     ("graph", ("fusesearch.ir",)),
     ("groups", ("fusesearch.groups",)),  # FusionGroup, FusionDecision
     ("schedule", ("fusesearch.schedule",)),
@@ -162,11 +162,13 @@ def test_legality_loads_no_code_generator():
 
 
 def test_leaf_types_import_nothing_of_fusesearch_that_imports_them():
-    """The shared types sit in leaves: the groups and decisions, the tensor, the schedule."""
+    """The shared types sit in leaves: the groups and decisions, the tensor, the layout, the schedule."""
     edges = _edges(_modules())
     assert edges["fusesearch.groups"] == set()
+    assert edges["fusesearch.layout"] == set()
     assert edges["fusesearch.ir.tensor"] <= {"costmodels", "costmodels.kernel"}
-    assert edges["fusesearch.schedule"] <= {"fusesearch.ir.graph", "fusesearch.ir.op_kind", "costmodels.kernel"}
+    assert edges["fusesearch.schedule"] <= {"fusesearch.ir.graph", "fusesearch.ir.op_kind", "fusesearch.layout",
+                                            "costmodels.kernel"}
 
 
 BACKEND_NAMES = {"cpu", "cupy", "emulate"}

@@ -30,6 +30,7 @@ from fusesearch.backends.codegen.base import (
 from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.c_runtime import C_HEADER, tile_kernels
 from fusesearch.backends.codegen.cpu_anchor import _anchor_row_loops
+from fusesearch.backends.codegen.cpu_conv_nchwc import nchwc_pointwise_loops
 from fusesearch.backends.codegen.mma import _mma
 from fusesearch.backends.codegen.mma_sync import _mma_sync
 from fusesearch.backends.codegen.module import cuda_module, module_namespace
@@ -44,7 +45,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride
+from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride, tensor_layouts
 
 DYNAMIC_SMEM = frozenset({Skeleton.MMA_SYNC_TF32, Skeleton.MMA_SYNC_F16, Skeleton.MMA_SYNC_BF16})
 """The skeletons whose shared memory is dynamic (their stages pass the 48 KiB a block may declare
@@ -55,11 +56,16 @@ __all__ = ["CAPABILITIES", "CTYPES", "GENERATED_OPS", "NP_DTYPES", "Arg", "Codeg
 
 
 def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...]]:
+    """The kernel's arguments, each shaped as it lies in memory under the schedule
+    (`schedule.tensor_layouts`: a blocked tensor's physical shape, padded channels included)."""
+    anchor = graph.nodes[kernel.anchor] if kernel.anchor is not None else None
+    layouts = tensor_layouts(graph, anchor, (*kernel.inputs, *kernel.outputs), kernel.schedule)
+
     def arg(prefix, k, t):
         info = graph.tensors[t]
         if info.dtype not in CTYPES:
             raise CodegenRefused(f"dtype {info.dtype} of '{t}' is not generated yet")
-        return Arg(f"{prefix}{k}", t, tuple(info.shape), info.dtype)
+        return Arg(f"{prefix}{k}", t, layouts[t].shape(tuple(info.shape)), info.dtype)
 
     return (tuple(arg("in", k, t) for k, t in enumerate(kernel.inputs)),
             tuple(arg("out", k, t) for k, t in enumerate(kernel.outputs)))
@@ -88,7 +94,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     if skeleton is Skeleton.BLOCK_PER_ROW or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
-        c_body = _anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None else None
+        c_body = (_anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None
+                  else nchwc_pointwise_loops(graph, kernel, args, outs) if schedule.layout_out.blocked else None)
         tiles = [tile_kernels(d) for d in defs]  # the kernel's declarations, the units it links
         units = tuple(unit for _, unit in tiles)
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()),
@@ -97,7 +104,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
             cu_src = _CUDA_WRITERS[skeleton](graph, kernel, name, ins, outs, args)
         elif skeleton is Skeleton.ALIAS:  # a lone view run as a kernel (a copy), where one is asked for
             skeleton, grid = Skeleton.GRID_STRIDE, grid_stride(max(a.size for a in outs)).grid
-    if skeleton in CPU_SKELETONS:  # a CPU schedule: C only
+    if skeleton in CPU_SKELETONS or schedule.layout_out.blocked:  # a CPU schedule: C only
         cu_src = ""
     members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
     halves = {graph.tensors[t].dtype for n in members for t in (*n.inputs, *n.outputs) if t} & set(HALF_DTYPES)

@@ -123,6 +123,38 @@ class PackedWeight:
                 f"{self.arg.name} + g * {self.group_floats}LL);")
 
 
+@dataclass(frozen=True)
+class NchwcFilter:
+    """A Conv's constant float32 filters (C_out, C_in/group, KH, KW) packed once for an NCHWc
+    kernel (`cpu_conv_nchwc`), by its `<name>_pack` as `PackedWeight`s are: dense, per output
+    block, input block and tap a `lanes_in` x `block` panel (input lane major, output lane
+    contiguous: one vector per input lane; `lanes_in` is the block, or every input channel where
+    the input lies in NCHW); depthwise (`depthwise`), per channel block and tap one vector.
+    Padded channels hold zero filters."""
+    arg: Arg  # pk<i>: tensor = the filters, shape = (floats,)
+    source: str  # the filters' input argument (in<j>)
+    cout: int
+    cin: int
+    taps: int  # KH x KW
+    block: int
+    depthwise: bool
+    lanes_in: int
+
+    def pack_call(self) -> str:
+        """The C loops packing the filters (padded channels zero)."""
+        b, t, li = self.block, self.taps, self.lanes_in
+        ob = -(-self.cout // b)
+        if self.depthwise:
+            return (f"for (long long q = 0; q < {ob * t * b}LL; ++q) {{ long long c = q / {t * b}LL * {b}LL + q % {b}LL, "
+                    f"k = q / {b}LL % {t}LL; {self.arg.name}[q] = c < {self.cout}LL ? {self.source}[c * {t}LL + k] : 0.0f; }}")
+        ib = -(-self.cin // li)
+        return (f"for (long long q = 0; q < {ob * ib * t * li * b}LL; ++q) {{ "
+                f"long long co = q / {ib * t * li * b}LL * {b}LL + q % {b}LL, "
+                f"ci = q / {t * li * b}LL % {ib}LL * {li}LL + q / {b}LL % {li}LL, k = q / {li * b}LL % {t}LL; "
+                f"{self.arg.name}[q] = co < {self.cout}LL && ci < {self.cin}LL ? "
+                f"{self.source}[(co * {self.cin}LL + ci) * {t}LL + k] : 0.0f; }}")
+
+
 def require_cuda(kernel: GeneratedKernel) -> str:
     """The kernel's CUDA source; ValueError naming the kernel where its schedule is a CPU one."""
     if not kernel.cuda_source:

@@ -29,6 +29,7 @@ from fusesearch.backends.codegen.base import (
     scratch,
 )
 from fusesearch.backends.codegen.c_prelude import SCRATCH_SLOTS
+from fusesearch.backends.codegen.cpu_conv_nchwc import nchwc_loops
 from fusesearch.backends.codegen.cpu_gemm import MAX_HOIST, _packed, _split_outputs, _write
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
@@ -51,6 +52,8 @@ def _conv_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node, packs: d
     packed filters or a 1x1's pixels by our own micro-kernel, which need no BLAS, or im2col panels
     through the BLAS, with the row loops under `#else` for a build without one."""
     product = conv_product(graph, kernel, anchor)
+    if product == "nchwc":
+        return nchwc_loops(graph, kernel, args, outs, anchor, packs)
     if product == "depthwise":
         return _depthwise_loops(graph, kernel, args, outs, anchor)
     hoisted = _conv_row_loops(graph, kernel, args, outs, anchor)

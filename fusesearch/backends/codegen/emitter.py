@@ -26,6 +26,7 @@ from fusesearch.backends.codegen.base import (
 )
 from fusesearch.backends.codegen.ops import _op, reshape_blocks
 from fusesearch.ir.graph import Graph, Node, TensorInfo
+from fusesearch.layout import Layout
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import gelu_chains, scaled_product
 
@@ -64,6 +65,10 @@ class _Emitter:
         # rowwise: tensor → (flat index of its element at the current (r, j), that element in the
         # row an earlier pass cached): read back instead of computed again
         self.row_cache: dict[str, tuple[str, str]] = {}
+        # C NCHWc kernels: the kernel arguments stored in a blocked layout (`schedule.tensor_layouts`),
+        # and channel indices the loops hold as (block, lane) already, read as such, with no division
+        self.layouts: dict[str, Layout] = {}
+        self.channel_split: dict[str, tuple[str, str]] = {}
 
     # scopes and temporaries
     def tmp(self, ctype: str, expr: str) -> str:
@@ -130,9 +135,19 @@ class _Emitter:
     def load(self, tensor: str, idx: tuple[str, ...]) -> str:
         if tensor in self.vec_loads:
             return self.vec_loads[tensor]
-        shape = self.info(tensor).shape
         arg = self.args[tensor]
-        return load_expr(arg.dtype, f"{arg.name}[{self.flat(idx, shape)}]")
+        return load_expr(arg.dtype, f"{arg.name}[{self.at(tensor, idx)}]")
+
+    def at(self, tensor: str, idx: Sequence[str]) -> str:
+        """The offset of `tensor`'s element at the logical index `idx` as its argument lies: the
+        flat index, or in a blocked layout ((n, c / b, h, w), c % b) over the padded channels."""
+        shape, layout = self.info(tensor).shape, self.layouts.get(tensor)
+        if layout is None or not layout.blocked:
+            return self.flat(idx, shape)
+        (n, c, h, w), (_, channels, height, width), b = idx, shape, layout.block
+        blk, lane = self.channel_split.get(c, (f"({c}) / {b}LL", f"({c}) % {b}LL"))
+        return (f"((({n}) * {layout.channels(channels) // b}LL + {blk}) * {height * width}LL + ({h}) * {width}LL + ({w}))"
+                f" * {b}LL + {lane}")
 
     def flat(self, idx: Sequence[str], shape: Sequence[int]) -> str:
         if not shape:

@@ -29,8 +29,10 @@ from fusesearch.ir.pool import POOL_OPS, pool_window
 
 def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None, packed=(), defs: str = ""):
     """C and CUDA sources of the pointwise skeleton; `c_body` replaces the C loops (the packed CPU
-    skeleton of an anchor group, reading the `packed` weights, calling the file-scope `defs`)."""
-    c_loops, cu_loops = _pointwise_loops(graph, kernel, args, outs)
+    skeleton of an anchor group, reading the `packed` weights, calling the file-scope `defs`). A
+    kernel whose tensors lie blocked (`Schedule.layout_out`) has `c_body` alone and no CUDA form."""
+    c_loops, cu_loops = (([], []) if kernel.schedule.layout_out.blocked
+                         else _pointwise_loops(graph, kernel, args, outs))
     if c_body is not None:
         c_loops = c_body
     c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "",

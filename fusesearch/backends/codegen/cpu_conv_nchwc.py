@@ -1,0 +1,298 @@
+"""The NCHWc CPU conv (C only): a conv group whose activations lie in channel blocks (`fusesearch.layout`).
+
+Problem: in NCHW a conv's vector lanes run along a row of pixels (7 or 14 wide deep in a CNN,
+borders and strides in between) and a depthwise conv has no long contiguous axis at all; ONNX
+Runtime's NCHWc kernels keep a block of output channels in each vector register instead.
+Approach (MLAS's NCHWc direct conv): filters packed once (`base.NchwcFilter`); per image and block
+of output rows, per tile of `schedule.nchwc_tile` output-channel blocks x `nchwc_pixels` pixels,
+accumulators in vector registers (GCC vector types of `block` floats) over every input block, tap
+and input lane: a filter vector times an input scalar broadcast (dense), or a filter vector times
+an input vector (depthwise, one block per tile). Columns whose window crosses the image's edge run
+one pixel at a time over their valid taps; the interior in whole tiles (the last one shorter);
+rows restrict their taps once. A 1x1
+stride-1 unpadded conv runs its block's rows as one run of pixels. The tile stores the sums into
+the block's buffer (`cbuf`), then the epilogue (bias, activations, a residual read in NCHWc) runs
+per pixel over the lanes of each channel block before the one store; padded lanes store zeros.
+Invariants: written for `Schedule.product` "nchwc" with `layout_out` blocked and `layout_in` as
+`schedule.nchwc_input` says (NCHW for an image), as `schedule.nchwc_conv` admits; each input
+element is read where it lies (no panel, no band). Anchorless groups (`nchwc_pointwise_loops`) and
+the reorders (`reorder_kernel`) live here too."""
+
+from __future__ import annotations
+
+import math
+
+from fusesearch.backends.codegen.base import (
+    OMP_FOR,
+    Arg,
+    CodegenRefused,
+    GeneratedKernel,
+    NchwcFilter,
+    _indent,
+    c_function,
+    scratch,
+    shared_scratch,
+    source_digest,
+    store,
+)
+from fusesearch.backends.codegen.cpu_gemm import _split_outputs
+from fusesearch.backends.codegen.emitter import _Emitter
+from fusesearch.backends.codegen.ops import _conv_geometry
+from fusesearch.ir.graph import Graph, Node
+from fusesearch.layout import Layout
+from fusesearch.lowering import Kernel
+from fusesearch.schedule import nchwc_pixels, nchwc_tile, tensor_layouts
+
+# pixels a 1x1 stride-1 conv's block holds at least (whole output rows): several tiles per block
+NCHWC_RUN_PIXELS = 48
+
+
+def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor: Node, packs: dict) -> list[str]:
+    """The C body of an NCHWc conv group (`schedule.nchwc_conv`, product "nchwc"): its input in
+    `layout_in` (NCHWc, or NCHW for a dense conv over fewer channels than a block: an image),
+    its outputs in `layout_out`."""
+    x, w = anchor.inputs[0], anchor.inputs[1]
+    xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
+    layout, source = kernel.schedule.layout_out, kernel.schedule.layout_in
+    b = layout.block
+    depthwise = int(anchor.attrs.get("group", 1)) > 1
+    e = _Emitter(graph, kernel, args)
+    e.layouts = {t: lt for t, lt in tensor_layouts(graph, anchor, [*args, *(o.tensor for o in outs)], kernel.schedule).items()
+                 if lt.blocked}
+    _, (kh_n, kw_n), (sh, sw), _, (ph, pw) = _conv_geometry(e, anchor, xs, ws, ys, False)
+    ocb = layout.channels(ys[1]) // b
+    (h, wd), (oh_n, ow_n) = xs[2:], ys[2:]
+    lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
+    icb = source.channels(xs[1]) // lanes_in
+    if w not in packs:
+        floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
+        packs[w] = NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, ys[1], ws[1],
+                               kh_n * kw_n, b, depthwise, lanes_in)
+    run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
+    rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run else 1
+    pixels = rows * ow_n
+    planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
+    source_name, padded = args[x].name, []
+    hp, wp = max(ph + h, (oh_n - 1) * sh + kh_n), max(pw + wd, (ow_n - 1) * sw + kw_n)
+    # a dense conv over blocked channels reads a zero-bordered copy (every pixel in whole tiles); a
+    # depthwise one, and one over an image's few channels, take their border pixels one by one
+    # (mobilenetv2's stem: 0.30 ms so, 0.38 from the copy)
+    if not depthwise and source.blocked and (hp, wp) != (h, wd):
+        padded = _padded_copy(args[x].name, xs[0] * planes, (h, wd), (hp, wp), (ph, pw), b)
+        source_name, (h, wd), (ph, pw) = "patch", (hp, wp), (0, 0)
+    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, source_name,
+                    packs[w].arg.name, pixels)
+    o_tile = nchwc_tile(b, depthwise)
+    image = f"nb * {planes * h * wd * geo.xb}LL"
+    if run:
+        loops = geo.pixels_of(o_tile, ocb, "(oh1 - oh0) * " + f"{ow_n}LL", f"{image} + oh0 * {wd * geo.xb}LL")
+    else:
+        lo = min(ow_n, -(-pw // sw))  # the interior: columns whose window lies inside the image
+        hi = max(lo, min(ow_n, (wd - kw_n + pw) // sw + 1))
+        loops = geo.row(o_tile, ocb, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")
+    main, _ = _split_outputs(graph, kernel, outs, anchor)
+    epilogue = _epilogue(e, main, ys, ocb, b, ow_n, pixels)
+    blocks = -(-oh_n // rows)
+    body = [f"for (long long r = 0; r < {ys[0] * blocks}LL; ++r) {{",
+            f"    long long nb = r / {blocks}LL, oh0 = r % {blocks}LL * {rows}LL;",
+            f"    long long oh1 = oh0 + {rows}LL < {oh_n}LL ? oh0 + {rows}LL : {oh_n}LL;",
+            "    " + scratch("cbuf", f"{ocb * pixels * b}LL"),
+            f"    long long ih0 = oh0 * {sh}LL - {ph}LL;",
+            f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
+            *["    " + line for line in loops + epilogue], "}"]
+    return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));", *padded,
+            f"    {OMP_FOR}\n" + _indent(body, 1)]
+
+
+def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[int, int], lead: tuple[int, int],
+                 xb: int) -> list[str]:
+    """C lines copying `planes` planes of `source` (rows of `size[1]` pixels of `xb` floats) into
+    the shared scratch `patch` with a zero border (`lead` rows and columns before, the rest of
+    `padded` after), rows in parallel, before the conv's loop (the worksharing loop's barrier)."""
+    (h, w), (hp, wp), (ph, pw) = size, padded, lead
+    row = wp * xb
+    return ["    " + shared_scratch("patch", f"{planes * hp * row}LL"),
+            f"    {OMP_FOR}",
+            f"    for (long long r = 0; r < {planes * hp}LL; ++r) {{",
+            f"        float* dst = patch + r * {row}LL;",
+            f"        long long ih = r % {hp}LL - {ph}LL;",
+            f"        if (ih < 0 || ih >= {h}LL) {{ memset(dst, 0, sizeof(float) * {row}LL); continue; }}",
+            f"        memset(dst, 0, sizeof(float) * {pw * xb}LL);",
+            f"        memcpy(dst + {pw * xb}LL, {source} + (r / {hp}LL * {h}LL + ih) * {w * xb}LL, sizeof(float) * {w * xb}LL);",
+            f"        memset(dst + {(pw + w) * xb}LL, 0, sizeof(float) * {(wp - pw - w) * xb}LL);", "    }"]
+
+
+class _Geometry:
+    """The constants an NCHWc conv's tiles are written with: per input block `lanes_in` input
+    lanes, `xb` floats per pixel and `xc` between two lanes of one pixel (NCHWc: b and 1; NCHW:
+    1 and H x W)."""
+
+    def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels) -> None:
+        self.b, self.icb, self.lanes_in = b, icb, lanes_in
+        self.h, self.wd, self.kh_n, self.kw_n, self.sw = window
+        self.xb, self.xc = (b, 1) if blocked_in else (1, self.h * self.wd)
+        self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
+
+    def tile(self, o: int, p: int, ocb0: str, q: str, xoff: str, kw: tuple[str, str]) -> list[str]:
+        """Sums of `o` output blocks from `ocb0` x `p` pixels from `q` (their input's offset at
+        tap (0, 0) of input block 0: `xoff`) over the taps kh0..kh1 x kw[0]..kw[1], stored into
+        cbuf."""
+        b, xb, hw = self.b, self.xb, self.h * self.wd
+        acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
+        lines = [f"fs_vb {a} = {{0}};" for row in acc for a in row]
+        taps = self.kh_n * self.kw_n
+        tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
+        if self.depthwise:
+            lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
+                      f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
+                      f"    const float* xp = {self.x} + {xoff} + {ocb0} * {hw * b}LL + {tap};",
+                      f"    fs_vb wv = *(const fs_vb*)({self.wp} + ({ocb0} * {taps}LL + kh * {self.kw_n}LL + kw) * {b}LL);",
+                      *[f"    {acc[0][j]} += wv * *(const fs_vb*)(xp + {j * self.sw * b}LL);" for j in range(p)], "}"]
+        else:
+            panel = self.lanes_in * b  # filters per output block, input block and tap
+            lines += [f"for (long long icb = 0; icb < {self.icb}LL; ++icb)",
+                      "for (long long kh = kh0; kh < kh1; ++kh)",
+                      f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
+                      f"    const float* xp = {self.x} + {xoff} + icb * {hw * self.lanes_in}LL + {tap};",
+                      f"    const float* wp = {self.wp} + (({ocb0} * {self.icb}LL + icb) * {taps}LL + kh * {self.kw_n}LL + kw)"
+                      f" * {panel}LL;",
+                      "    #pragma GCC unroll 16", f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
+                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + {i * self.icb * taps * panel}LL + ic * {b});"
+                        for i in range(o)],
+                      *[f"        float x{j} = xp[{j * self.sw * xb}LL + ic * {self.xc}LL];" for j in range(p)],
+                      *[f"        {acc[i][j]} += w{i} * x{j};" for i in range(o) for j in range(p)], "    }", "}"]
+        lines += [f"*(fs_vb*)(cbuf + (({ocb0} + {i}LL) * {self.pixels}LL + {q} + {j}LL) * {b}LL) = {acc[i][j]};"
+                  for i in range(o) for j in range(p)]
+        return ["{", *["    " + x_ for x_ in lines], "}"]
+
+    def blocks(self, o_tile: int, ocb: int, build) -> list[str]:
+        """`build(o, ocb0)` over the output blocks in tiles of `o_tile` (the last one shorter)."""
+        full, rest = divmod(ocb, o_tile) if not self.depthwise else (ocb, 0)
+        step = 1 if self.depthwise else o_tile
+        lines = [f"for (long long ocb0 = 0; ocb0 < {full * step}LL; ocb0 += {step}LL) {{",
+                 *["    " + x_ for x_ in build(step, "ocb0")], "}"] if full else []
+        return lines + (["{", *["    " + x_ for x_ in build(rest, f"{full * step}LL")], "}"] if rest else [])
+
+    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, xoff: str, kw: tuple[str, str]) -> list[str]:
+        """Pixels span[0]..span[1] (every tap in `kw` valid for each) in tiles of
+        `schedule.nchwc_pixels`; where the span has its usual `count` pixels, the rest one tile of
+        the remainder, else one by one."""
+        p = nchwc_pixels(self.b, o, self.depthwise)
+        rest = count % p
+        one = [f"    for (; q < {span[1]}; ++q)", *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, kw)]]
+        tail = ([f"    if ({span[1]} - q == {rest}LL)", *["    " + x_ for x_ in self.tile(o, rest, ocb0, "q", xoff, kw)],
+                 "    else", *one] if rest > 1 else one)
+        return ["{", f"    long long q = {span[0]};",
+                f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)",
+                *["    " + x_ for x_ in self.tile(o, p, ocb0, "q", xoff, kw)], *tail, "}"]
+
+    def pixels_of(self, o_tile: int, ocb: int, pixels_n: str, base: str) -> list[str]:
+        """The block's pixels 0..pixels_n as one run (contiguous input, every tap valid)."""
+        xoff = f"{base} + q * {self.sw * self.xb}LL"
+        return self.blocks(o_tile, ocb, lambda o, ocb0: self.tiles(o, ocb0, ("0", pixels_n), self.pixels, xoff,
+                                                                   ("0", str(self.kw_n))))
+
+    def row(self, o_tile: int, ocb: int, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
+        """One output row: the border columns one by one over their valid taps, the interior
+        (columns lo..hi) in tiles."""
+        lo, hi, ow_n = columns
+        xoff = f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL"
+
+        def border(o: int, ocb0: str, a: int, z: int) -> list[str]:
+            if z <= a:
+                return []
+            return [f"for (long long q = {a}LL; q < {z}LL; ++q) {{",
+                    f"    long long iw0 = q * {self.sw}LL - {pw}LL;",
+                    f"    long long kw0 = iw0 < 0 ? -iw0 : 0, kw1 = {self.wd}LL - iw0 < {self.kw_n}LL ? {self.wd}LL - iw0 "
+                    f": {self.kw_n}LL;",
+                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, ("kw0", "kw1"))], "}"]
+
+        def build(o: int, ocb0: str) -> list[str]:
+            interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, xoff, ("0", str(self.kw_n)))
+                        if hi > lo else [])
+            return [*border(o, ocb0, 0, lo), *interior, *border(o, ocb0, hi, ow_n)]
+        return self.blocks(o_tile, ocb, build)
+
+
+def _epilogue(e: _Emitter, main, ys, ocb: int, b: int, ow_n: int, pixels: int) -> list[str]:
+    """Per output block and pixel of the block's rows: the epilogue over the block's lanes from
+    cbuf, stored where each output lies; the lanes past the channels store zeros."""
+    e.channel_split = {"co": ("ocb", "l")}
+    e.acc_value = f"cbuf[(ocb * {pixels}LL + (oh - oh0) * {ow_n}LL + ow) * {b}LL + l]"
+    idx = ("nb", "co", "oh", "ow")
+    e.lines = []
+    e.push()
+    writes = [store(o, e.at(o.tensor, idx), e.value(o.tensor, idx)) for o in main]
+    body = e.lines + writes
+    e.pop()
+    e.acc_value = ""
+    full, rest = divmod(ys[1], b)
+    zeros = [f"{o.name}[{e.at(o.tensor, idx)}] = 0.0f;" for o in main]
+
+    def nest(head: str, lanes: int) -> list[str]:  # whole blocks: a constant count of lanes, one vector
+        return [head, "for (long long oh = oh0; oh < oh1; ++oh)", f"for (long long ow = 0; ow < {ow_n}LL; ++ow) {{",
+                "    #pragma omp simd", f"    for (long long l = 0; l < {lanes}LL; ++l) {{",
+                f"        long long co = ocb * {b}LL + l;", *["        " + x_ for x_ in body], "    }",
+                *([f"    for (long long l = {lanes}LL; l < {b}LL; ++l) {{", *["        " + z for z in zeros], "    }"]
+                  if lanes < b else []), "}"]
+    return [*(nest(f"for (long long ocb = 0; ocb < {full}LL; ++ocb)", b) if full else []),
+            *(["{", *["    " + x_ for x_ in nest(f"long long ocb = {full}LL;", rest)], "}"] if rest else [])]
+
+
+def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout) -> GeneratedKernel:
+    """The C kernel copying float32 `tensor` of logical `shape` (N, C, H, W) from layout `source`
+    to `target` (NCHW <-> NCHWc): its output named `tensor@<target>`; into a blocked layout the
+    padded channels are written zero. Per image, channel and row in parallel, the row's pixels
+    one loop (contiguous on the NCHW side, at the block's stride on the other)."""
+    if source.blocked == target.blocked or len(shape) != 4:
+        raise CodegenRefused(f"reorder of '{tensor}': {source.name} -> {target.name} of shape {shape} "
+                             "(one NCHW <-> NCHWc copy of a 4-D tensor)")
+    n, c, h, w = shape
+    blocked = target if target.blocked else source
+    b, cp = blocked.block, blocked.channels(c)
+    ins = (Arg("in0", tensor, source.shape(shape), "float32"),)
+    outs = (Arg("out0", f"{tensor}@{target.name}", target.shape(shape), "float32"),)
+    at = f"((nb * {cp // b}LL + ch / {b}LL) * {h * w}LL + ih * {w}LL + iw) * {b}LL + ch % {b}LL"
+    flat = f"((nb * {c}LL + ch) * {h}LL + ih) * {w}LL + iw"
+    copy = f"out0[{at}] = in0[{flat}];" if target.blocked else f"out0[{flat}] = in0[{at}];"
+    rows = n * (cp if target.blocked else c) * h
+    zero = [f"    if (ch >= {c}LL) {{ for (long long iw = 0; iw < {w}LL; ++iw) out0[{at}] = 0.0f; continue; }}"]
+    body = [f"for (long long r = 0; r < {rows}LL; ++r) {{",
+            f"    long long nb = r / {rows // n}LL, ch = r / {h}LL % {rows // n // h}LL, ih = r % {h}LL;",
+            *(zero if cp > c and target.blocked else []),
+            "    #pragma omp simd", f"    for (long long iw = 0; iw < {w}LL; ++iw) {copy}", "}"]
+    name = f"k_reorder_{'blocked' if target.blocked else 'nchw'}_{b}"
+    src = c_function(name, ins, outs, (), f"    {OMP_FOR}\n" + _indent(body, 1) + "\n")
+    return GeneratedKernel(name, "pointwise", ins, outs, src, "", source_hash=source_digest(src, ""),
+                           skeleton="packed")
+
+
+def nchwc_pointwise_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs) -> list[str]:
+    """The C body of an anchorless group in NCHWc (`schedule.nchwc_pointwise`: a pool, an
+    activation, a residual Add): per output, its images, channel blocks and rows in parallel,
+    each row's pixels in turn, the block's lanes one vector loop (a pool's taps and every
+    operand at the same lane of their own blocks, contiguous); lanes past the channels zeros."""
+    b = kernel.schedule.layout_out.block
+    loops = []
+    for o in outs:
+        n, c, h, w = graph.tensors[o.tensor].shape
+        e = _Emitter(graph, kernel, args)
+        e.layouts = {t: lt for t, lt in tensor_layouts(graph, None, [*args, *(x.tensor for x in outs)],
+                                                        kernel.schedule).items() if lt.blocked}
+        e.channel_split = {"c": ("cb", "l")}
+        idx = ("nb", "c", "oh", "ow")
+        v = e.value(o.tensor, idx)
+        body = [*e.lines, store(o, e.at(o.tensor, idx), v)]
+        cb = -(-c // b)
+        full, rest = divmod(c, b)
+        lanes = f"(cb < {full}LL ? {b}LL : {rest}LL)" if rest else f"{b}LL"
+        nest = [f"for (long long r = 0; r < {n * cb * h}LL; ++r) {{",
+                f"    long long nb = r / {cb * h}LL, cb = r / {h}LL % {cb}LL, oh = r % {h}LL;",
+                f"    long long lanes = {lanes};",
+                f"    for (long long ow = 0; ow < {w}LL; ++ow) {{",
+                "        #pragma omp simd", "        for (long long l = 0; l < lanes; ++l) {",
+                f"            long long c = cb * {b}LL + l;", *["            " + x for x in body], "        }",
+                *([f"        for (long long l = lanes; l < {b}LL; ++l) {o.name}[{e.at(o.tensor, idx)}] = 0.0f;"] if rest else []),
+                "    }", "}"]
+        loops.append(f"    {OMP_FOR}\n" + _indent(nest, 1))
+    return loops

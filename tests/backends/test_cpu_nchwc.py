@@ -1,0 +1,266 @@
+"""NCHWc conv kernels: a conv group in the target's blocked layout is a schedule choice (product
+"nchwc", `Schedule.layout_in`/`layout_out`), priced with its padded traffic, and its C, fed and
+read in that layout, equals ONNX Runtime (the reference's inputs and outputs reordered here, by
+numpy, `layout.to_blocked`/`from_blocked`): 1x1, k x k, strided, depthwise, with a bias, an
+activation and a residual Add, channel counts that fill no whole block."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from costmodels import DEVICES, RooflineModel, RooflineParams
+from fusesearch.backends import cpu
+from fusesearch.backends.codegen import CodegenRefused, generate
+from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel
+from fusesearch.costing import kernel_cost
+from fusesearch.groups import FusionGroup
+from fusesearch.ir.canonicalize import to_proto
+from fusesearch.layout import NCHW, Layout, from_blocked, to_blocked
+from fusesearch.lowering import choices, nchwc_choices, reorder
+from fusesearch.pipeline import prepare
+from fusesearch.schedule import CpuTarget, nchwc_conv
+from fusesearch.verify import all_values, random_feeds
+from tests.conftest import make_model, save
+
+needs_cc = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+AVX512, AVX2 = CpuTarget(lanes=16), CpuTarget(lanes=8)
+
+
+def _w(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.3
+
+
+def _conv_group(tmp_path, xs, cout, k, stride, *, depthwise=False, residual=False, act="Relu"):
+    """Conv (bias) -> activation [-> + r] as one group, its graph and ONNX Runtime's values."""
+    cin = xs[1]
+    group = cin if depthwise else 1
+    ws = [cout, cin // group, k, k]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[k, k], strides=[stride] * 2,
+                              pads=[k // 2] * 4, group=group)]
+    last = "y"
+    if act:
+        nodes.append(helper.make_node(act, ["y"], ["a"]))
+        last = "a"
+    inputs = [("x", xs)]
+    if residual:
+        ho = (xs[2] + 2 * (k // 2) - k) // stride + 1
+        wo = (xs[3] + 2 * (k // 2) - k) // stride + 1
+        inputs.append(("r", [xs[0], cout, ho, wo]))
+        nodes.append(helper.make_node("Add", [last, "r"], ["out"]))
+        last = "out"
+    model = make_model(nodes, inputs, [(last, None)], [("w", _w(ws)), ("b", _w([cout], 1))])
+    prep = prepare(save(model, tmp_path / "m.onnx"))
+    canonical = to_proto(prep.canonical)
+    return prep.graph, all_values(canonical, random_feeds(canonical, 0))
+
+
+def _whole(graph) -> FusionGroup:
+    return FusionGroup(frozenset(range(len(graph))))
+
+
+def _runs_blocked(graph, kernel, values):
+    """The kernel run on its inputs as they lie under its schedule; its outputs back in NCHW equal
+    ONNX Runtime's, padded lanes zero."""
+    gk = generate(graph, kernel)
+    assert "fs_vb" in gk.c_source
+    feeds = {}
+    for a in gk.inputs:
+        v = values[a.tensor]
+        feeds[a.tensor] = to_blocked(v, Layout(a.shape[-1])) if len(a.shape) == 5 else v
+    out = cpu.run(gk, feeds)
+    for a in gk.outputs:
+        ref = values[a.tensor].astype(np.float64)
+        assert len(a.shape) == 5, "every output of an NCHWc conv group lies blocked"
+        layout = Layout(a.shape[-1])
+        got = from_blocked(out[a.tensor], layout, ref.shape[1])
+        scale = max(1.0, float(np.max(np.abs(ref))))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * scale, err_msg=a.tensor)
+        padded = out[a.tensor].transpose(0, 1, 4, 2, 3).reshape(ref.shape[0], -1, *ref.shape[2:])[:, ref.shape[1]:]
+        assert not padded.any(), "padded channels hold zeros"
+    return gk
+
+
+CASES = {  # xs, cout, k, stride, depthwise, residual, activation
+    "1x1": ([1, 32, 7, 7], 64, 1, 1, False, False, "Relu"),
+    "1x1-residual-partial-blocks": ([1, 24, 9, 5], 40, 1, 1, False, True, None),
+    "3x3": ([1, 16, 10, 12], 32, 3, 1, False, True, "Relu"),
+    "3x3-partial": ([2, 20, 8, 8], 24, 3, 1, False, False, "Sigmoid"),
+    "3x3-stride2": ([1, 32, 15, 14], 48, 3, 2, False, False, "Relu"),
+    "1x1-stride2": ([1, 32, 14, 14], 64, 1, 2, False, False, None),
+    "5x5": ([1, 16, 9, 9], 16, 5, 1, False, False, "Relu"),
+    "depthwise-3x3": ([1, 48, 14, 14], 48, 3, 1, True, False, "Relu"),
+    "depthwise-3x3-stride2-partial": ([1, 40, 13, 12], 40, 3, 2, True, False, "Relu"),
+    "depthwise-5x5-residual": ([1, 32, 7, 7], 32, 5, 1, True, True, None),
+    "image-3x3-stride2": ([1, 3, 17, 16], 32, 3, 2, False, False, "Clip"),
+    "image-7x7-stride2": ([2, 3, 20, 20], 24, 7, 2, False, False, "Relu"),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
+def test_nchwc_conv_groups_equal_onnx_runtime_in_their_layout(tmp_path, name, target):
+    xs, cout, k, stride, depthwise, residual, act = CASES[name]
+    graph, values = _conv_group(tmp_path, xs, cout, k, stride, depthwise=depthwise, residual=residual, act=act)
+    (kernel,) = nchwc_choices(graph, _whole(graph), target)
+    block = target.channel_block
+    assert kernel.schedule.product == "nchwc"
+    image = xs[1] < block  # an image's few channels are read where they lie, in NCHW
+    assert kernel.schedule.layout_out == Layout(block)
+    assert kernel.schedule.layout_in == (NCHW if image else Layout(block))
+    assert kernel.template == ("depthwise" if depthwise else "conv_disjoint" if k == 1 else "conv")
+    gk = _runs_blocked(graph, kernel, values)
+    assert gk.packed and gk.packed[0].block == block  # the filters packed once, in blocks
+
+
+def test_the_block_is_the_targets_lanes_and_none_below_eight():
+    assert (AVX512.channel_block, AVX2.channel_block, CpuTarget(lanes=4).channel_block, CpuTarget().channel_block) == (
+        16, 8, 0, 0)
+
+
+def test_the_blocked_form_is_priced_with_its_padding_and_kept_out_of_the_plans_choices(tmp_path):
+    """24 channels in blocks of 16 store 32: the blocked kernel reads and writes 32/24 of the NCHW
+    bytes of its activations (the filters and bias alike in both); the plan's own choices stay
+    NCHW (a program feeds every kernel the model's layout)."""
+    graph, _ = _conv_group(tmp_path, [1, 24, 8, 8], 24, 1, 1, act="Relu")
+    (blocked,) = nchwc_choices(graph, _whole(graph), AVX512)
+    nchw = choices(graph, _whole(graph), host=AVX512)
+    assert all(kn.schedule.product != "nchwc" and not kn.schedule.layout_out.blocked for kn in nchw)
+    act = 24 * 64 * 4
+    weights = (24 * 24 + 24) * 4
+    assert (blocked.read_bytes, blocked.write_bytes) == (act * 32 // 24 + weights, act * 32 // 24)
+    assert (nchw[0].read_bytes, nchw[0].write_bytes) == (act + weights, act)
+    assert blocked.spec().product == "nchwc"
+    assert nchwc_choices(graph, _whole(graph), CpuTarget(lanes=4)) == ()
+
+
+def test_groups_without_a_blocked_form(tmp_path):
+    """A prologue before the conv, a grouped (not depthwise) conv and a dilated one have none."""
+    nodes = [helper.make_node("Relu", ["x"], ["p"]),
+             helper.make_node("Conv", ["p", "w"], ["y"], kernel_shape=[1, 1])]
+    model = make_model(nodes, [("x", [1, 16, 4, 4])], [("y", None)], [("w", _w([16, 16, 1, 1]))])
+    prep = prepare(save(model, tmp_path / "p.onnx"))
+    conv = next(n for n in prep.graph.nodes if n.op_type == "Conv")
+    assert not nchwc_conv(prep.graph, frozenset(range(len(prep.graph))), conv)
+    assert nchwc_conv(prep.graph, frozenset({conv.id}), conv)
+    for attrs, ws in (({"group": 2}, [16, 8, 3, 3]), ({"dilations": [2, 2]}, [16, 16, 3, 3])):
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], **attrs)]
+        model = make_model(nodes, [("x", [1, 16, 8, 8])], [("y", None)], [("w", _w(ws))])
+        graph = prepare(save(model, tmp_path / "g.onnx")).graph
+        assert nchwc_choices(graph, _whole(graph), AVX512) == ()
+
+
+@needs_cc
+@pytest.mark.parametrize("shape,block", [((2, 24, 5, 7), 16), ((1, 32, 4, 4), 8), ((1, 3, 6, 6), 16)])
+def test_reorders_between_nchw_and_nchwc_equal_numpys(shape, block):
+    """NCHW -> NCHWc pads with zero channels; NCHWc -> NCHW drops them; both as numpy reorders."""
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    layout = Layout(block)
+    to = reorder_kernel("x", shape, NCHW, layout)
+    assert to.outputs[0].shape == layout.shape(shape) and to.outputs[0].tensor == f"x@NCHW{block}c"
+    blocked = cpu.run(to, {"x": x})[to.outputs[0].tensor]
+    np.testing.assert_array_equal(blocked, to_blocked(x, layout))
+    back = reorder_kernel("x", shape, layout, NCHW)
+    np.testing.assert_array_equal(cpu.run(back, {"x": blocked})["x@NCHW"], x)
+    with pytest.raises(CodegenRefused, match="one NCHW <-> NCHWc copy"):
+        reorder_kernel("x", shape, layout, layout)
+
+
+def _epilogue_chain(graph, conv) -> frozenset[int]:
+    """The conv and the chain of ops after it a plan fuses as its epilogue: each the one reader
+    of the value before, elementwise over the conv's output shape (an activation, a residual Add)."""
+    nodes, t = {conv.id}, conv.outputs[0]
+    while len(users := graph.consumers(t)) == 1 and not graph.is_output(t):
+        n = graph.nodes[users[0]]
+        if n.op_type not in ("Relu", "Clip", "Add", "Sigmoid", "Mul") or graph.tensors[n.outputs[0]].shape != \
+                graph.tensors[t].shape:
+            break
+        nodes.add(n.id)
+        t = n.outputs[0]
+    return frozenset(nodes)
+
+
+@needs_cc
+@pytest.mark.parametrize("model", ["mobilenetv2", "resnet18"])
+def test_every_distinct_zoo_conv_group_in_nchwc_equals_onnx_runtime(model):
+    """Each distinct conv group of the model (the conv with its fused activation and residual
+    Add) in the machine's block and in AVX2's: the image's stem reading NCHW, depthwise convs
+    at stride 1 and 2, 1x1 expansions and projections with their residual, 3x3 and strided
+    dense convs; every conv group has a blocked form."""
+    prep = prepare(f"zoo:{model}")
+    graph, canonical = prep.graph, to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    seen = set()
+    for conv in (n for n in graph.nodes if n.op_type == "Conv"):
+        group = FusionGroup(_epilogue_chain(graph, conv))
+        ops = tuple(graph.nodes[i].op_type for i in sorted(group.nodes))
+        key = (graph.tensors[conv.inputs[0]].shape, graph.tensors[conv.inputs[1]].shape, str(sorted(conv.attrs.items())),
+               ops)
+        if key in seen:
+            continue
+        seen.add(key)
+        for target in (AVX512, AVX2):
+            (kernel,) = nchwc_choices(graph, group, target)
+            _runs_blocked(graph, kernel, values)
+    assert len(seen) >= (30 if model == "mobilenetv2" else 10)
+
+
+POINTWISE = {  # nodes, inputs (name, shape), output
+    "maxpool-3x3-stride2": ([helper.make_node("MaxPool", ["x"], ["out"], kernel_shape=[3, 3], strides=[2, 2],
+                                              pads=[1, 1, 1, 1])], [("x", [1, 24, 15, 16])]),
+    "avgpool-2x2": ([helper.make_node("AveragePool", ["x"], ["out"], kernel_shape=[2, 2], strides=[2, 2])],
+                    [("x", [2, 32, 8, 8])]),
+    "add-relu": ([helper.make_node("Add", ["x", "r"], ["s"]), helper.make_node("Relu", ["s"], ["out"])],
+                 [("x", [1, 40, 7, 9]), ("r", [1, 40, 7, 9])]),
+    "relu-maxpool-two-outputs": ([helper.make_node("Relu", ["x"], ["a"]),
+                                  helper.make_node("MaxPool", ["a"], ["out"], kernel_shape=[2, 2], strides=[2, 2])],
+                                 [("x", [1, 16, 6, 6])]),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("name", POINTWISE)
+@pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
+def test_pools_and_elementwise_groups_in_nchwc_equal_onnx_runtime(tmp_path, name, target):
+    """An anchorless group of pools and elementwise ops over blocked tensors: every tensor of the
+    group's channel count blocked, priced with its padding, no CUDA form."""
+    nodes, inputs = POINTWISE[name]
+    outputs = [("out", None)] + ([("a", None)] if name.endswith("two-outputs") else [])
+    prep = prepare(save(make_model(nodes, inputs, outputs), tmp_path / "p.onnx"))
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    (kernel,) = nchwc_choices(prep.graph, _whole(prep.graph), target)
+    assert kernel.template == "pointwise" and kernel.schedule.layout_out == Layout(target.channel_block)
+    gk = generate(prep.graph, kernel)
+    assert not gk.cuda_source
+    feeds = {a.tensor: to_blocked(values[a.tensor], Layout(a.shape[-1])) for a in gk.inputs}
+    out = cpu.run(gk, feeds)
+    for a in gk.outputs:
+        ref = values[a.tensor]
+        got = from_blocked(out[a.tensor], Layout(a.shape[-1]), ref.shape[1])
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())), err_msg=a.tensor)
+        pad = out[a.tensor].transpose(0, 1, 4, 2, 3).reshape(ref.shape[0], -1, *ref.shape[2:])[:, ref.shape[1]:]
+        assert not pad.any()
+
+
+def test_a_reorder_is_priced_as_the_copy_of_each_side_as_it_lies(tmp_path):
+    """On a pinned CPU device: a reorder reads the NCHW bytes and writes the padded NCHWc ones
+    (or back), computes nothing, is priced by its traffic (more bytes, more time), and costs less
+    than the conv it feeds; the blocked conv is priced as its product "nchwc"."""
+    device = replace(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=16, sm_count=1)
+    model = RooflineModel(RooflineParams())
+    graph, _ = _conv_group(tmp_path, [1, 24, 28, 28], 64, 3, 1, act="Relu")
+    x, layout = "x", Layout(16)
+    into, back = reorder(graph, x, NCHW, layout), reorder(graph, x, layout, NCHW)
+    nchw_bytes = 24 * 28 * 28 * 4
+    assert (into.read_bytes, into.write_bytes) == (nchw_bytes, 32 * 28 * 28 * 4) == (back.write_bytes, back.read_bytes)
+    assert into.tc_flops == into.scalar_flops == 0 and into.schedule.layout_out == layout
+    (conv,) = nchwc_choices(graph, _whole(graph), CpuTarget(lanes=16))
+    t_into, t_back, t_conv = (kernel_cost(k, device, model) for k in (into, back, conv))
+    assert t_into.feasible and t_into.bound != "compute" and 0 < t_into.time_s < t_conv.time_s
+    wide = reorder(graph, conv.outputs[0], NCHW, layout)  # 64 channels
+    assert kernel_cost(wide, device, model).memory_s > t_into.memory_s

@@ -1,0 +1,36 @@
+"""The layout leaf type: NCHW as in the model or NCHWc, its padded channels, physical shape and
+bytes, the block read from the target's lanes in one place, and numpy's reorders."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusesearch.layout import NCHW, Layout, channel_block, from_blocked, to_blocked
+
+
+def test_a_blocked_layout_pads_its_channels_to_whole_blocks():
+    layout = Layout(16)
+    assert (layout.name, NCHW.name, layout.blocked, NCHW.blocked) == ("NCHW16c", "NCHW", True, False)
+    assert layout.channels(24) == 32 and layout.channels(32) == 32 and NCHW.channels(24) == 24
+    assert layout.shape((2, 24, 7, 5)) == (2, 2, 7, 5, 16) and NCHW.shape((2, 24, 7, 5)) == (2, 24, 7, 5)
+    assert layout.nbytes((1, 24, 7, 7), 4) == 32 * 49 * 4 and NCHW.nbytes((1, 24, 7, 7), 4) == 24 * 49 * 4
+
+
+@pytest.mark.parametrize("block", [-8, 3, 12])
+def test_a_block_is_zero_or_a_power_of_two(block):
+    with pytest.raises(ValueError, match="channel block"):
+        Layout(block)
+
+
+def test_the_block_is_the_vector_lanes_from_eight():
+    assert [channel_block(lanes) for lanes in (0, 4, 8, 16, 12)] == [0, 0, 8, 16, 0]
+
+
+def test_numpys_reorders_are_inverse_and_zero_the_padding():
+    x = np.random.default_rng(0).standard_normal((2, 20, 3, 4)).astype(np.float32)
+    blocked = to_blocked(x, Layout(8))
+    assert blocked.shape == (2, 3, 3, 4, 8) and blocked[1, 2, 1, 3, 3] == x[1, 19, 1, 3]
+    assert not blocked[:, 2, :, :, 4:].any()
+    np.testing.assert_array_equal(from_blocked(blocked, Layout(8), 20), x)
+    np.testing.assert_array_equal(to_blocked(x, NCHW), x)
