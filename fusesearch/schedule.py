@@ -7,11 +7,9 @@ row cache, `folded_scale`, `scaled_product`, `gelu_chains`, `conv_reads_band`); 
 prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the rest as given. Fields:
 `impl` (library | generated | alias), `skeleton` (CUDA: grid-stride, vectorized, block-per-row,
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
-`split_k` (serial split-K, the last block adds the partials), `threads`/`grid`/`smem_bytes`,
-`row_cache`, and on a CPU `product` (`CPU_PRODUCTS`; `gemm_products`/`conv_products`, default
-first), `split` (`CPU_SPLITS`, `cpu_splits`, `split_blocks`), `epilogue` (tile | block) and the
-layouts a conv reads and writes (`layout_in`, `layout_out`: NCHW or NCHWc, `nchwc_conv`,
-`tensor_layouts`); `min_arch`.
+`split_k`, `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU conv's `library`, and on a CPU
+`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`), `epilogue` (tile | block) and
+the layouts it reads and writes (`layout_in`, `layout_out`, `tensor_layouts`); `min_arch`.
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
 (tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""

@@ -3,16 +3,12 @@
 Problem: in NCHW a conv's vector lanes run along a row of pixels (7 or 14 wide deep in a CNN,
 borders and strides in between) and a depthwise conv has no long contiguous axis at all; ONNX
 Runtime's NCHWc kernels keep a block of output channels in each vector register instead.
-Approach (MLAS's NCHWc direct conv): filters packed once (`base.NchwcFilter`); per image and block
-of output rows, per tile of `schedule.nchwc_tile` output-channel blocks x `nchwc_pixels` pixels,
-accumulators in vector registers (GCC vector types of `block` floats) over every input block, tap
-and input lane: a filter vector times an input scalar broadcast (dense), or a filter vector times
-an input vector (depthwise, one block per tile). Columns whose window crosses the image's edge run
-one pixel at a time over their valid taps; the interior in whole tiles (the last one shorter);
-rows restrict their taps once. A 1x1
-stride-1 unpadded conv runs its block's rows as one run of pixels. The tile stores the sums into
-the block's buffer (`cbuf`), then the epilogue (bias, activations, a residual read in NCHWc) runs
-per pixel over the lanes of each channel block before the one store; padded lanes store zeros.
+Approach (a direct conv as MLAS's NCHWc): filters packed once (`base.NchwcFilter`); per tile of
+`schedule.nchwc_tile` output-channel blocks x `nchwc_pixels` pixels, accumulators in vector
+registers (GCC vector types) over every input block, tap and lane: a filter vector times a
+broadcast input (dense) or an input vector (depthwise). Edge columns run pixel by pixel over their
+valid taps, the interior in whole tiles; the epilogue (bias, activations, an NCHWc residual) runs
+over each block's lanes before the one store; padded lanes store zeros.
 Invariants: written for `Schedule.product` "nchwc" with `layout_out` blocked and `layout_in` as
 `schedule.nchwc_input` says (NCHW for an image), as `schedule.nchwc_conv` admits; each input
 element is read where it lies (no panel, no band). Anchorless groups (`nchwc_pointwise_loops`) and
