@@ -93,6 +93,7 @@ TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs):
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
 SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
 CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its output (`Schedule.split`)
+ONE_PASS = "one-pass"  # `Schedule.moments` of a row kernel whose statistics take one pass (`one_pass_moments`)
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,14 @@ class Schedule:
     product: str = ""
     epilogue: str = ""
     split: str = ""
+    moments: str = ""  # a row kernel's mean and variance: "one-pass" (`one_pass_moments`), else a pass each
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
-                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)):
+                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)
+                or self.moments not in ("", ONE_PASS)):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
-                             f" / split {self.split!r}")
+                             f" / split {self.split!r} / moments {self.moments!r}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
 
     def to_dict(self) -> dict[str, object]:
@@ -125,7 +128,7 @@ class Schedule:
                 "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue, "split": self.split}
+                "epilogue": self.epilogue, "split": self.split, "moments": self.moments}
 
     @property
     def blocks(self) -> int:
@@ -880,3 +883,50 @@ def block_per_row(graph: Graph, nodes: Sequence[int], rows: int, length: int,
     cache = row_cache(graph, nodes, length)
     return Schedule("generated", "block-per-row", "cuda-core", tile, grid=(max(1, min(rows, MAX_GRID_X)), 1, 1),
                     smem_bytes=row_smem(graph, nodes, cache, length), row_cache=cache)
+
+
+_MOMENT_OPS = frozenset({"LayerNormalization", "MeanVarianceNormalization", "InstanceNormalization"})
+"""Row ops whose mean and variance the C row kernel computes (`rowwise._moments`)."""
+
+
+def variance_pairs(graph: Graph, nodes: Sequence[int]) -> dict[int, int]:
+    """Mean node -> variance node of each decomposed row variance in `nodes` (LayerNorm as exported:
+    M = ReduceMean(X), D = Sub(X, M), P = Pow(D, 2) or Mul(D, D), V = ReduceMean(P)), all four in
+    the group, D and P of X's shape and V of M's (the same rows)."""
+    members = set(nodes)
+    pairs: dict[int, int] = {}
+    for i in nodes:
+        v = graph.nodes[i]
+        p = graph.producer(v.inputs[0]) if v.op_type == "ReduceMean" and v.inputs else None
+        if p not in members:
+            continue
+        square = graph.nodes[p]
+        d = square.inputs[0]
+        if square.op_type == "Pow":
+            exponent = graph.constant_value(square.inputs[1])
+            if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0:
+                continue
+        elif square.op_type != "Mul" or square.inputs[1] != d:
+            continue
+        sub = graph.producer(d)
+        if sub not in members or graph.nodes[sub].op_type != "Sub":
+            continue
+        x, m = graph.nodes[sub].inputs[:2]
+        mean = graph.producer(m)
+        if mean not in members or graph.nodes[mean].op_type != "ReduceMean" or graph.nodes[mean].inputs[0] != x:
+            continue
+        shape = graph.tensors[x].shape
+        if (graph.tensors[d].shape == shape and graph.tensors[square.outputs[0]].shape == shape
+                and graph.tensors[m].shape == graph.tensors[v.outputs[0]].shape and mean not in pairs):
+            pairs[mean] = v.id
+    return pairs
+
+
+def one_pass_moments(graph: Graph, nodes: Sequence[int]) -> bool:
+    """A C row kernel computes its rows' statistics in one pass over each row: where the group holds
+    a row variance (`variance_pairs`, or a LayerNormalization, MeanVarianceNormalization or
+    InstanceNormalization), the mean's pass also sums the squares, both about the row's first
+    element (a shift that keeps E[d^2] - E[d]^2 from cancelling where the mean is large against
+    the spread; ONNX Runtime's CPU LayerNorm sums x and x^2 unshifted), so the variance needs no
+    second pass over the row and x - mean is never stored for it."""
+    return bool(variance_pairs(graph, nodes)) or any(graph.nodes[i].op_type in _MOMENT_OPS for i in nodes)
