@@ -50,6 +50,7 @@ from fusesearch.schedule import (
     folded_scale,
     gelu_chains,
     gemm_blocks_dims,
+    gemm_products,
     gemm_tiles,
     grid_stride,
     has_gemm_view,
@@ -59,6 +60,7 @@ from fusesearch.schedule import (
     mma_sync_tiles,
     mma_tiles,
     one_pass_moments,
+    row_prologue,
     scaled_product,
     split_blocks,
     split_imbalance,
@@ -493,9 +495,15 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
 
 def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
                     host: CpuTarget | None) -> tuple[Kernel, ...] | FusionDecision:
+    ids = [n.id for n in nodes]
+    prologue = row_prologue(graph, ids, anchor)
+    if prologue:
+        decision = _row_prologue_fits(graph, nodes, anchor, prologue, host)
+        if not decision:
+            return decision
     row_tile = 0
     for n in nodes:
-        if n.kind == OpKind.REDUCE:
+        if n.kind == OpKind.REDUCE and n.id not in prologue:
             decision = _row_epilogue(graph, n, anchor)
             if isinstance(decision, FusionDecision):
                 return decision
@@ -503,16 +511,18 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     m, n_dim, k = _gemm_dims(graph, anchor)
     out_size = graph.tensors[anchor.outputs[0]].size
     template = anchor_template(graph, anchor)
-    ids = [n.id for n in nodes]
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
         # conv's loop over its planes (each prologue element once), one choice per product the
         # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         skeleton = DEPTHWISE if template == "depthwise" else PACKED  # each product priced as itself
+        if prologue:  # the rows' statistics as the rows' own kernel takes them
+            skeleton = replace(skeleton, moments=ONE_PASS if one_pass_moments(graph, prologue) else "")
         products = tuple(_cpu_split(graph, nodes, anchor, _build(
                              graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                              replace(skeleton, product=p, epilogue=where, split=split), reload_tile=(m, n_dim, k),
                              host=True), host)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
+                         if not prologue or p == "own"
                          for where in epilogues(graph, ids, anchor, p, host.lanes)
                          for split in cpu_splits(graph, ids, anchor, p, host, row_epilogue=bool(row_tile)))
         if len(nodes) > 1:
@@ -528,6 +538,38 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     if len(nodes) > 1:
         return generated
     return (_library_anchor(graph, nodes, anchor, m, n_dim, k), *generated)
+
+
+def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: tuple[int, ...],
+                       host: CpuTarget | None) -> FusionDecision:
+    """A row prologue (`schedule.row_prologue`: a LayerNorm before its projection, statistics and
+    normalisation in the C kernel's rows, which store the activation; then the product's blocks
+    read it in place, in the same OpenMP region): on a CPU only, before a MatMul (a Gemm: A not
+    transposed) whose activation
+    the rows compute over its K-long rows and that is also an output of the group (the rows store
+    it where the blocks read it), with no row epilogue beside it, through our micro-kernel."""
+    label = _label(anchor)
+    if host is None:
+        return FusionDecision.refuse(f"a row reduction before {label} is fused on a CPU only")
+    a = anchor.inputs[0]
+    by_rows = anchor.op_type == "MatMul" or anchor.op_type == "Gemm" and not int(anchor.attrs.get("transA", 0))
+    if not by_rows or graph.producer(a) not in prologue:
+        return FusionDecision.refuse(f"the row reduction before {label} does not compute its activation")
+    if any(n.kind == OpKind.REDUCE and n.id not in prologue for n in nodes):
+        return FusionDecision.refuse(f"{label} has row reductions before and after it")
+    if a not in _external_outputs(graph, nodes):
+        return FusionDecision.refuse(f"'{a}' is not an output of the group: the rows before {label} store "
+                                     "the activation its product reads")
+    rows = _lower_rowwise(graph, [graph.nodes[i] for i in prologue], True)
+    if isinstance(rows, FusionDecision):
+        return rows
+    shape = graph.tensors[a].shape
+    if rows.reduction_length != shape[-1] or rows.iteration_size != math.prod(shape):
+        return FusionDecision.refuse(f"the rows before {label} are not the rows of its activation '{a}'")
+    if "own" not in gemm_products(graph, anchor, host.blas):
+        return FusionDecision.refuse(f"{label}: a row prologue runs with our micro-kernel only, which this "
+                                     "product is outside")
+    return FusionDecision.accept()
 
 
 def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:

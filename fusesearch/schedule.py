@@ -428,10 +428,12 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node, folded: Co
     Gemm's C with beta 1, or the first Add), by Add, Sub, Mul, Div (with finite scalar constants or
     values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
     Add; no other output
-    of the group is at the product's positions, and the group has no row reduction. (The product
+    of the group is at the product's positions, and no row reduction runs after the anchor (one
+    before it, a `row_prologue`, has stored the activation). (The product
     alone, or plus a bias, is stored in place instead.) `folded`: ops packed into the product
     (`scaled_product`), which run nothing: read through as views."""
-    if anchor.op_type not in ("MatMul", "Gemm") or any(graph.nodes[i].kind == OpKind.REDUCE for i in nodes):
+    if anchor.op_type not in ("MatMul", "Gemm") or any(
+            graph.nodes[i].kind == OpKind.REDUCE and graph.reaches(anchor.id, i) for i in nodes):
         return False
     y = anchor.outputs[0]
     yshape = graph.tensors[y].shape
@@ -930,3 +932,13 @@ def one_pass_moments(graph: Graph, nodes: Sequence[int]) -> bool:
     the spread; ONNX Runtime's CPU LayerNorm sums x and x^2 unshifted), so the variance needs no
     second pass over the row and x - mean is never stored for it."""
     return bool(variance_pairs(graph, nodes)) or any(graph.nodes[i].op_type in _MOMENT_OPS for i in nodes)
+
+
+def row_prologue(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[int, ...]:
+    """The nodes of a C gemm group's row prologue: where a row reduction runs before the anchor (a
+    LayerNorm in front of a projection), every node of the group but the anchor and the nodes it
+    reaches, in order: a row kernel (`rowwise`) over them stores the activation before the
+    product's blocks read it (`lowering` checks the rows are the activation's); () where no
+    reduction runs before the anchor."""
+    before = tuple(i for i in nodes if i != anchor.id and not graph.reaches(anchor.id, i))
+    return before if any(graph.nodes[i].kind == OpKind.REDUCE for i in before) else ()

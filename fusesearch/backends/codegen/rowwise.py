@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fusesearch.backends.codegen.base import (
     Arg,
@@ -175,6 +175,15 @@ def _rowwise(graph, kernel, name, ins, outs, args, packs: dict):
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length
+
+
+def row_prologue_loops(graph, kernel, args, outs, rows: tuple[int, ...]) -> str:
+    """C of a gemm kernel's row prologue (`schedule.row_prologue`: the group's nodes before its
+    anchor, `rows`): those nodes as a row kernel of their own (the gemm's schedule carries their
+    `moments`) storing `outs`, the activation among them, in the kernel's one OpenMP region,
+    before the product's blocks read it."""
+    plan, (c_side, _) = _row_plan(graph, replace(kernel, nodes=rows, anchor=None), args, outs)
+    return _c_rows(plan, c_side)
 
 
 def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | None:
