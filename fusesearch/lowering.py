@@ -575,13 +575,14 @@ def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: 
 def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:
     """A CPU gemm choice priced for its thread split: its imbalance (`schedule.split_imbalance`),
     and, where the split makes column blocks, its activation's prologue recomputed once per column
-    block (each packs its rows of A again); a conv or the per-row loops as they are."""
+    block (each packs its rows of A again; not a row prologue's, whose rows store A once before the
+    blocks); a conv or the per-row loops as they are."""
     if kernel.schedule.product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm"):
         return kernel
     batches, m, n = gemm_blocks_dims(graph, anchor)
     split = kernel.schedule.split
     _, _, cols, nb = split_blocks(split, batches, m, n, max(1, host.threads))
-    if cols > 1:
+    if cols > 1 and not row_prologue(graph, kernel.nodes, anchor):  # a row prologue stores A once
         kernel = replace(_build(graph, nodes, kernel.template, anchor.id, kernel.iteration_size, kernel.reduction_length,
                                 kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
                                 host=True), schedule=kernel.schedule)

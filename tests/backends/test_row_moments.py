@@ -11,6 +11,7 @@ from onnx import helper
 
 from fusesearch import schedule
 from fusesearch.backends import cpu
+from fusesearch.backends.codegen import generate
 from fusesearch.groups import FusionGroup
 from fusesearch.lowering import choices
 from fusesearch.pipeline import prepare
@@ -114,6 +115,15 @@ def test_layernorm_is_the_row_prologue_of_its_projection(tmp_path):
     assert options[0].scalar_flops == sum(k.scalar_flops for k in split)
     assert options[0].write_bytes == sum(k.write_bytes for k in split)  # the normalised rows and y
     assert options[0].read_bytes == sum(k.read_bytes for k in split) - graph.tensors["out"].nbytes  # not read back
+    two = choices(graph, FusionGroup(frozenset(ids)), host=schedule.CpuTarget(threads=2, lanes=16))
+    assert {k.schedule.split for k in two} >= {"rows", "cols"}  # column blocks read the stored rows:
+    assert {k.scalar_flops for k in two} == {options[0].scalar_flops}  # the rows run once, not per block
+    cols = next(k for k in two if k.schedule.split == "cols")
+    feeds = {"x": np.random.default_rng(5).standard_normal((ROWS * 4, LENGTH)).astype(np.float32)}
+    got = [cpu.run(g, {a.tensor: (feeds["x"] if a.tensor == "x" else graph.constant_value(a.tensor))
+                       for a in g.inputs}) for g in (generate(graph, options[0]), generate(graph, cols))]
+    for t in ("out", "y"):
+        np.testing.assert_allclose(got[1][t], got[0][t], rtol=0, atol=1e-5)
 
 
 def test_row_prologue_refusals(tmp_path):
