@@ -85,7 +85,7 @@ def main() -> None:
         try:
             lines.append(row(bench(name, args.repeat, args.cold)))
         except Exception as exc:  # a model that cannot plan or run here: said, and the others go on
-            lines.append(f"| {name} | skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} |")
+            lines.append(f"| {name} | skipped: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]} |")
         print(lines[-1], flush=True)
     if args.markdown:
         with open(args.markdown, "a", encoding="utf-8") as out:

@@ -547,7 +547,9 @@ def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: 
     read it in place, in the same OpenMP region): on a CPU only, before a MatMul (a Gemm: A not
     transposed) whose activation
     the rows compute over its K-long rows and that is also an output of the group (the rows store
-    it where the blocks read it), with no row epilogue beside it, through our micro-kernel."""
+    it where the blocks read it), with no row epilogue beside it and an epilogue at the product's
+    positions (`anchor_derived`: the blocks store their tiles, no scratch product), through our
+    micro-kernel."""
     label = _label(anchor)
     if host is None:
         return FusionDecision.refuse(f"a row reduction before {label} is fused on a CPU only")
@@ -557,6 +559,9 @@ def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: 
         return FusionDecision.refuse(f"the row reduction before {label} does not compute its activation")
     if any(n.kind == OpKind.REDUCE and n.id not in prologue for n in nodes):
         return FusionDecision.refuse(f"{label} has row reductions before and after it")
+    if anchor_derived(graph, [n.id for n in nodes], anchor) is None:
+        return FusionDecision.refuse(f"the epilogue of {label} moves the product's elements: a row prologue "
+                                     "runs before blocks that store their tile in place")
     if a not in _external_outputs(graph, nodes):
         return FusionDecision.refuse(f"'{a}' is not an output of the group: the rows before {label} store "
                                      "the activation its product reads")

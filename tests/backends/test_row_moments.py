@@ -127,8 +127,9 @@ def test_layernorm_is_the_row_prologue_of_its_projection(tmp_path):
 
 
 def test_row_prologue_refusals(tmp_path):
-    """A row prologue runs on a CPU only, and only where the normalised rows are an output of the
-    group (the rows store them where the blocks read them): otherwise the group is refused, with
+    """A row prologue runs on a CPU only, only where the normalised rows are an output of the group
+    (the rows store them where the blocks read them) and the epilogue keeps the product's positions
+    (a Transpose after it would need the product in scratch): otherwise the group is refused, with
     the reason."""
     nodes, inits, outputs = _layernorm_projection(tmp_path)
     graph = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "m.onnx")).graph
@@ -137,3 +138,8 @@ def test_row_prologue_refusals(tmp_path):
     nodes, inits, outputs = _layernorm_projection(tmp_path, normalised_out=False)
     graph = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "n.onnx")).graph
     assert "is not an output of the group" in choices(graph, FusionGroup(frozenset(range(len(graph)))), host=True).reason
+    nodes, inits, outputs = _layernorm_projection(tmp_path)
+    nodes = nodes + [helper.make_node("Transpose", ["y"], ["yt"], perm=[1, 0])]
+    outputs = [("yt", None), ("out", None)]
+    graph = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "t.onnx")).graph
+    assert "moves the product's elements" in choices(graph, FusionGroup(frozenset(range(len(graph)))), host=True).reason
