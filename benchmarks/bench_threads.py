@@ -115,6 +115,8 @@ def main() -> None:
                      f"{r['kernels'][0]} / {r['kernels'][1]} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
         print(lines[-1] + f"  ({time.perf_counter() - began:.0f} s)", flush=True)
         notes += [f"- {name}: {why}" for why in r["why"]]
+        for why in r["why"]:
+            print(f"    {why}", flush=True)
     missed = [line.split("|")[1].strip() for line in lines[2:] if "| faster |" not in line]
     summary = ("every plan faster at 2 threads" if not missed else
                f"not faster at 2 threads: {', '.join(missed)}")
