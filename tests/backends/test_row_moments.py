@@ -143,3 +143,14 @@ def test_row_prologue_refusals(tmp_path):
     outputs = [("yt", None), ("out", None)]
     graph = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "t.onnx")).graph
     assert "moves the product's elements" in choices(graph, FusionGroup(frozenset(range(len(graph)))), host=True).reason
+
+
+def test_the_shift_of_a_concatenated_row_pairs_its_rows(tmp_path):
+    """ViT's first LayerNorm: a class token concatenated before the patches, so the row's first
+    element (the one-pass shift) is a branch per row (`if (r < 1) ... else ...`), outside any loop;
+    two rows at a time keep each branch whole. Equal to ONNX Runtime."""
+    nodes = [helper.make_node("Concat", ["cls", "x"], ["c"], axis=1),
+             helper.make_node("LayerNormalization", ["c", "gamma", "beta"], ["out"], axis=-1)]
+    inits = [("cls", _w([1, 1, 16], 1)), ("gamma", _w([16], 2) + 1), ("beta", _w([16], 3))]
+    gk = one_kernel(tmp_path, nodes, [("x", [1, 5, 16])], [("out", None)], inits)
+    assert "r_0 < 1LL" in _body(gk) and "r_1 < 1LL" in _body(gk)

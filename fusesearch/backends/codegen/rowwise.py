@@ -134,14 +134,16 @@ _TOP_NAME = re.compile(r"^(?:const )?(?:float|double|int|long long|int64_t|int32
 def _paired(body: list[str], rows: int) -> list[str]:
     """The row body `body` (over row `r`) for rows r_0 = 2 rp and r_1 = r_0 + 1 (r_0 again past the
     last row: an odd count computes its last row twice, storing the same values), statement by
-    statement: each top-level statement for r_0, then for r_1, every name it declares at the top
-    suffixed by its row. A short row's reductions are chains of dependent steps (the last partial
+    statement: each top-level statement (an if with its else: one) for r_0, then for r_1, every
+    name it declares at the top suffixed by its row. A short row's reductions are chains of dependent steps (the last partial
     sums folded, a reciprocal) that the other row's independent work now fills: a scaled, masked
     Softmax over 128-float rows 25% faster beyond the cache, an Add + LayerNorm 17%."""
     statements: list[list[str]] = []
     current: list[str] = []
     depth = 0
     for line in body:
+        if not current and statements and line.lstrip().startswith("else"):  # an if's else: the same statement
+            current = statements.pop()
         current.append(line)
         depth += line.count("{") - line.count("}")
         if depth == 0 and not line.lstrip().startswith(("#", "FS_SIMD")):  # a pragma stays on its loop
