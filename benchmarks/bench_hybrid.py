@@ -20,6 +20,7 @@ search's times (the sum of its kernels) over the measured plan's: no run-to-run 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -48,6 +49,8 @@ def bench(name: str, repeat: int, cold: bool) -> dict:
     h, m = report.timings["plan"], report.timings["unfused"]
     t = dict(hybrid.tuning)
     return {"model": name, "choices": t["choices"], "timed": t["measured"] + t["from_database"],
+            "lone": t.get("lone_choices", 0), "outside": t.get("outside_band", 0), "band": t.get("band"),
+            "load": os.getloadavg()[0],
             "fraction": t["timed_fraction"], "measuring_s": t["wall_s"], "rounds": t["rounds"],
             "hybrid_plan_s": hybrid_s, "at_measured": at_measured,
             "kernels": (hybrid.kernels, measured.kernels),
@@ -60,10 +63,11 @@ def row(r: dict) -> str:
                "within 2%" if r["ratio"] <= WITHIN else "hybrid slower" if r["ratio"] > 1 else "hybrid faster")
     verdict += " (same plan)" if r["same"] else ""
     met = r["fraction"] <= MAX_TIMED and (r["overlap"] or r["ratio"] <= WITHIN)
-    return (f"| {r['model']} | {r['timed']}/{r['choices']} ({r['fraction']:.1%}) | {r['rounds']} | "
+    return (f"| {r['model']} | {r['timed']}/{r['choices']} ({r['fraction']:.1%}) | {r['lone']} | {r['outside']} | "
+            f"{r['band']:.2f}x | {r['rounds']} | "
             f"{r['measuring_s']:.1f} s | {r['at_measured']:.3f}x | {spread(*r['hybrid'])} | {spread(*r['measured'])} | "
             f"{r['ratio']:.3f}x | "
-            f"{verdict} | {'met' if met else 'NOT met'} |")
+            f"{verdict} | {'met' if met else 'NOT met'} | {r['load']:.1f} |")
 
 
 def main() -> None:
@@ -73,14 +77,15 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="hybrid starts from an empty timing database")
     parser.add_argument("--markdown", help="append the table to this file (with the command and machine)")
     args = parser.parse_args()
-    lines = ["| model | choices timed by hybrid | searches | measuring took | at measured costs | hybrid plan, ms | "
-             "measured plan, ms | ratio | verdict | target |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| model | choices timed by hybrid | of them a group's only one | kept predicted outside the band | band "
+             "| searches | measuring took | at measured costs | hybrid plan, ms | measured plan, ms | ratio | verdict | "
+             "target | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     print("\n".join(lines), flush=True)
     for name in args.models.split(","):
         try:
             lines.append(row(bench(name, args.repeat, args.cold)))
         except Exception as exc:  # a model that cannot plan or run here: said, and the others go on
-            lines.append(f"| {name} | skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} |")
+            lines.append(f"| {name} | skipped: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]} |")
         print(lines[-1], flush=True)
     if args.markdown:
         with open(args.markdown, "a", encoding="utf-8") as out:

@@ -137,6 +137,8 @@ class TuneStats:
     cached: int = 0
     predicted: int = 0
     refused: int = 0  # computed other outputs than ONNX Runtime's
+    outside_band: int = 0  # hybrid: of those kept predicted, predicted beyond the band of their group's best
+    lone: int = 0  # of those timed, the only choice of their group (timed to compare groups, not choices)
     wall_s: float = 0.0
     rounds: int = 1  # searches run (hybrid: the model's plan, then one per new set of groups measured)
     scales: dict = field(default_factory=lambda: {None: 1.0})  # `clock_scales`: unmeasured choices' factor
@@ -150,6 +152,7 @@ class TuneStats:
         return {"costs": self.mode, "band": self.band, "choices": self.choices, "measured": self.measured,
                 "from_database": self.cached, "kept_predicted": self.predicted, "refused": self.refused,
                 "timed_fraction": round(self.timed / self.choices, 4) if self.choices else 0.0,
+                "outside_band": self.outside_band, "lone_choices": self.lone,
                 "rounds": self.rounds, "scale": round(self.scales[None], 4),
                 "template_scales": {t: round(v, 4) for t, v in self.scales.items() if t is not None},
                 "wall_s": round(self.wall_s, 3)}
@@ -157,9 +160,11 @@ class TuneStats:
     def line(self) -> str:
         band = f" (band {self.band:.2f}x)" if self.band is not None else ""
         rounds = f", {self.rounds} searches" if self.mode == "hybrid" else ""
-        share = f" ({self.timed / self.choices:.0%} of the choices timed)" if self.choices else ""
+        share = f" ({self.timed / self.choices:.0%} of the choices timed, {self.lone} of them their group's only one)" \
+            if self.choices else ""
+        outside = f" ({self.outside_band} outside the band)" if self.mode == "hybrid" else ""
         return (f"costs {self.mode}{band}: {self.choices} choices, {self.measured} measured, {self.cached} from the "
-                f"timing database{share}, {self.predicted} kept predicted"
+                f"timing database{share}, {self.predicted} kept predicted{outside}"
                 + (f", {self.refused} refused (wrong outputs)" if self.refused else "")
                 + f"{rounds}; measuring took {self.wall_s:.1f} s")
 
@@ -198,6 +203,8 @@ class Autotuner:
         self._status: dict[object, str] = {}  # each distinct choice: how it was priced (`_RANK`)
         self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (template, predicted, measured)
         self._wanted: set[frozenset[int]] = set()  # hybrid: the groups some plan used
+        self._outside: set[str] = set()  # hybrid: choices skipped as beyond their group's band
+        self._lone: set[str] = set()  # choices that were their group's only one
         self._values: dict | None = None
         self._canonical = None
         self._device = backend.device_label()
@@ -257,25 +264,32 @@ class Autotuner:
         began = time.perf_counter()
         rows, todo = [], {}
         for kernels, costs in groups:
-            best = min(c.time_s for c in costs)
+            scaled = [self.scale(k) * c.time_s for k, c in zip(kernels, costs, strict=True)]  # on one clock
+            best = min(scaled)
             wanted = self.mode != "hybrid" or frozenset(kernels[0].nodes) in self._wanted
             row = []
-            for kernel, cost in zip(kernels, costs, strict=True):
+            for kernel, cost, on_clock in zip(kernels, costs, scaled, strict=True):
                 choice, why = self._choice(kernel)
                 if choice is None:
                     self._mark(("unmeasurable", kernel.nodes, kernel.schedule), "predicted")
                     row.append((None, why))
                     continue
-                skip = _skip(wanted, cost.time_s, best, self.band)
+                skip = _skip(wanted, on_clock, best, self.band)
                 if skip and choice.key not in self._known:
                     self._mark(choice.key, "predicted")
+                    if wanted:  # in a plan's group: beyond the band
+                        self._outside.add(choice.key)
                     row.append((None, skip))
                     continue
+                if len(kernels) == 1:
+                    self._lone.add(choice.key)
                 row.append((choice.key, cost_class(kernel), cost.time_s))
                 if choice.key not in self._known:
                     todo.setdefault(choice.key, choice)
             rows.append(row)
         self._time([c for key, c in todo.items() if not self._from_database(key)])
+        self.stats.outside_band = sum(self._status.get(k) == "predicted" for k in self._outside)
+        self.stats.lone = sum(self._status.get(k) in ("measured", "cached") for k in self._lone)
         self.stats.wall_s += time.perf_counter() - began
         return [[self._timed(*r) if isinstance(r[0], str) else r for r in row] for row in rows]
 
@@ -447,7 +461,9 @@ class Autotuner:
 
 
 def _skip(wanted: bool, predicted_s: float, best_s: float, band: float | None) -> str:
-    """Why hybrid leaves a choice at its predicted cost ("" to measure it)."""
+    """Why hybrid leaves a choice at its predicted cost ("" to measure it): `predicted_s` and the
+    group's best on the measured clock (`Autotuner.scale`: each class's scale, so the library's
+    call, which the model errs on apart from our kernels, is compared as measured)."""
     if not wanted:
         return "hybrid: no plan used its group"
     if band is not None and predicted_s > best_s * band:

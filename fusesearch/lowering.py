@@ -34,6 +34,7 @@ from fusesearch.schedule import (
     MAX_GRID_YZ,
     MMA_SYNC_SKELETONS,
     MMA_THREADS,
+    ONE_PASS,
     PACKED,
     THREADS,
     VIEW_OPS,
@@ -51,6 +52,7 @@ from fusesearch.schedule import (
     folded_scale,
     gelu_chains,
     gemm_blocks_dims,
+    gemm_products,
     gemm_tiles,
     grid_stride,
     has_gemm_view,
@@ -62,6 +64,8 @@ from fusesearch.schedule import (
     nchwc_conv,
     nchwc_input,
     nchwc_pointwise,
+    one_pass_moments,
+    row_prologue,
     scaled_product,
     split_blocks,
     split_imbalance,
@@ -211,7 +215,7 @@ def _lower_template(graph: Graph, nodes: list[Node], host: CpuTarget | None = No
     if anchors:
         return _anchor_choices(graph, nodes, anchors[0], host, tuned)
     if any(n.kind == OpKind.REDUCE for n in nodes):
-        result = _lower_rowwise(graph, nodes)
+        result = _lower_rowwise(graph, nodes, host is not None)
     elif nodes[0].kind == OpKind.OPAQUE:
         result = _lower_opaque(graph, nodes)
     else:
@@ -381,7 +385,10 @@ def _reduce_op_axes(graph: Graph, n: Node, rank: int) -> list[int] | None:
     return [] if n.attrs.get("noop_with_empty_axes", 0) else list(range(rank))
 
 
-def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
+def _lower_rowwise(graph: Graph, nodes: list[Node], host: bool = False) -> Kernel | FusionDecision:
+    """A row kernel (`schedule.block_per_row`); on a CPU its statistics in one pass where it holds
+    a row variance (`schedule.one_pass_moments`: the same FLOPs and DRAM bytes, one read of each
+    row fewer, which the roofline does not see)."""
     shapes = set()
     for n in nodes:
         if n.kind != OpKind.REDUCE:
@@ -398,8 +405,11 @@ def _lower_rowwise(graph: Graph, nodes: list[Node]) -> Kernel | FusionDecision:
         if not decision:
             return decision
     live = _live_values(graph, nodes) + min(32, math.ceil(row_len / THREADS))
-    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, live,
-                  block_per_row(graph, [n.id for n in nodes], rows, row_len))
+    ids = [n.id for n in nodes]
+    schedule = block_per_row(graph, ids, rows, row_len)
+    if host and one_pass_moments(graph, ids):
+        schedule = replace(schedule, moments=ONE_PASS)
+    return _build(graph, nodes, "rowwise", None, rows * row_len, row_len, live, schedule)
 
 
 def _row_outputs_fit(graph: Graph, nodes: list[Node], rows: int, row_len: int) -> FusionDecision:
@@ -496,9 +506,15 @@ def _tile_batches(graph: Graph, anchor: Node) -> tuple[int, int]:
 
 def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
                     host: CpuTarget | None, tuned: tuple = ()) -> tuple[Kernel, ...] | FusionDecision:
+    ids = [n.id for n in nodes]
+    prologue = row_prologue(graph, ids, anchor)
+    if prologue:
+        decision = _row_prologue_fits(graph, nodes, anchor, prologue, host)
+        if not decision:
+            return decision
     row_tile = 0
     for n in nodes:
-        if n.kind == OpKind.REDUCE:
+        if n.kind == OpKind.REDUCE and n.id not in prologue:
             decision = _row_epilogue(graph, n, anchor)
             if isinstance(decision, FusionDecision):
                 return decision
@@ -506,16 +522,18 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     m, n_dim, k = _gemm_dims(graph, anchor)
     out_size = graph.tensors[anchor.outputs[0]].size
     template = anchor_template(graph, anchor)
-    ids = [n.id for n in nodes]
     if host:  # the CPU's C: packed panels, each prologue element once (per tap), or a depthwise
         # conv's loop over its planes (each prologue element once), one choice per product the
         # group can run as (`schedule.cpu_products`); a lone anchor also the library's
         skeleton = DEPTHWISE if template == "depthwise" else PACKED  # each product priced as itself
+        if prologue:  # the rows' statistics as the rows' own kernel takes them
+            skeleton = replace(skeleton, moments=ONE_PASS if one_pass_moments(graph, prologue) else "")
         products = tuple(_cpu_split(graph, nodes, anchor, _build(
                              graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                              replace(skeleton, product=p, epilogue=where, split=split), reload_tile=(m, n_dim, k),
                              host=True), host)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
+                         if not prologue or p == "own"
                          for where in epilogues(graph, ids, anchor, p, host.lanes)
                          for split in cpu_splits(graph, ids, anchor, p, host, row_epilogue=bool(row_tile)))
         if len(nodes) > 1:
@@ -535,16 +553,54 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     return (_library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn" if cudnn else ""), *generated)
 
 
+def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: tuple[int, ...],
+                       host: CpuTarget | None) -> FusionDecision:
+    """A row prologue (`schedule.row_prologue`: a LayerNorm before its projection, statistics and
+    normalisation in the C kernel's rows, which store the activation; then the product's blocks
+    read it in place, in the same OpenMP region): on a CPU only, before a MatMul (a Gemm: A not
+    transposed) whose activation
+    the rows compute over its K-long rows and that is also an output of the group (the rows store
+    it where the blocks read it), with no row epilogue beside it and an epilogue at the product's
+    positions (`anchor_derived`: the blocks store their tiles, no scratch product), through our
+    micro-kernel."""
+    label = _label(anchor)
+    if host is None:
+        return FusionDecision.refuse(f"a row reduction before {label} is fused on a CPU only")
+    a = anchor.inputs[0]
+    by_rows = anchor.op_type == "MatMul" or anchor.op_type == "Gemm" and not int(anchor.attrs.get("transA", 0))
+    if not by_rows or graph.producer(a) not in prologue:
+        return FusionDecision.refuse(f"the row reduction before {label} does not compute its activation")
+    if any(n.kind == OpKind.REDUCE and n.id not in prologue for n in nodes):
+        return FusionDecision.refuse(f"{label} has row reductions before and after it")
+    if anchor_derived(graph, [n.id for n in nodes], anchor) is None:
+        return FusionDecision.refuse(f"the epilogue of {label} moves the product's elements: a row prologue "
+                                     "runs before blocks that store their tile in place")
+    if a not in _external_outputs(graph, nodes):
+        return FusionDecision.refuse(f"'{a}' is not an output of the group: the rows before {label} store "
+                                     "the activation its product reads")
+    rows = _lower_rowwise(graph, [graph.nodes[i] for i in prologue], True)
+    if isinstance(rows, FusionDecision):
+        return rows
+    shape = graph.tensors[a].shape
+    if rows.reduction_length != shape[-1] or rows.iteration_size != math.prod(shape):
+        return FusionDecision.refuse(f"the rows before {label} are not the rows of its activation '{a}'")
+    if "own" not in gemm_products(graph, anchor, host.blas):
+        return FusionDecision.refuse(f"{label}: a row prologue runs with our micro-kernel only, which this "
+                                     "product is outside")
+    return FusionDecision.accept()
+
+
 def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:
     """A CPU gemm choice priced for its thread split: its imbalance (`schedule.split_imbalance`),
     and, where the split makes column blocks, its activation's prologue recomputed once per column
-    block (each packs its rows of A again); a conv or the per-row loops as they are."""
+    block (each packs its rows of A again; not a row prologue's, whose rows store A once before the
+    blocks); a conv or the per-row loops as they are."""
     if kernel.schedule.product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm"):
         return kernel
     batches, m, n = gemm_blocks_dims(graph, anchor)
     split = kernel.schedule.split
     _, _, cols, nb = split_blocks(split, batches, m, n, max(1, host.threads))
-    if cols > 1:
+    if cols > 1 and not row_prologue(graph, kernel.nodes, anchor):  # a row prologue stores A once
         kernel = replace(_build(graph, nodes, kernel.template, anchor.id, kernel.iteration_size, kernel.reduction_length,
                                 kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
                                 host=True), schedule=kernel.schedule)

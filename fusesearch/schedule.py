@@ -103,6 +103,7 @@ CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its out
 # or the named fallback where no cuDNN route is installed: im2col + cuBLAS through CuPy
 LIBRARY_CALLS = ("cudnn", "cudnn-fused", "im2col")
 CUDNN_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh")  # the epilogues a cuDNN conv graph fuses here
+ONE_PASS = "one-pass"  # `Schedule.moments` of a row kernel whose statistics take one pass (`one_pass_moments`)
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,15 @@ class Schedule:
     library: str = ""  # a GPU conv's library call (LIBRARY_CALLS); "" for any other
     layout_in: Layout = NCHW  # a CPU conv: how its activation input lies (`tensor_layouts`)
     layout_out: Layout = NCHW  # ... and its outputs and the inputs of their shape (a residual)
+    moments: str = ""  # a row kernel's mean and variance: "one-pass" (`one_pass_moments`), else a pass each
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
                 or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)
-                or (self.library and (self.library not in LIBRARY_CALLS or self.impl != "library"))):
+                or (self.library and (self.library not in LIBRARY_CALLS or self.impl != "library"))
+                or self.moments not in ("", ONE_PASS)):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
-                             f" / split {self.split!r} / library {self.library!r}")
+                             f" / split {self.split!r} / library {self.library!r} / moments {self.moments!r}")
         if self.smem_bytes % SMEM_ALIGN:
             raise ValueError(f"schedule: {self.smem_bytes} bytes of shared memory, not a multiple of {SMEM_ALIGN}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
@@ -141,7 +144,7 @@ class Schedule:
                 "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue, "split": self.split, "library": self.library}
+                "epilogue": self.epilogue, "split": self.split, "library": self.library, "moments": self.moments}
 
     @property
     def blocks(self) -> int:
@@ -593,10 +596,12 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node, folded: Co
     Gemm's C with beta 1, or the first Add), by Add, Sub, Mul, Div (with finite scalar constants or
     values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
     Add; no other output
-    of the group is at the product's positions, and the group has no row reduction. (The product
+    of the group is at the product's positions, and no row reduction runs after the anchor (one
+    before it, a `row_prologue`, has stored the activation). (The product
     alone, or plus a bias, is stored in place instead.) `folded`: ops packed into the product
     (`scaled_product`), which run nothing: read through as views."""
-    if anchor.op_type not in ("MatMul", "Gemm") or any(graph.nodes[i].kind == OpKind.REDUCE for i in nodes):
+    if anchor.op_type not in ("MatMul", "Gemm") or any(
+            graph.nodes[i].kind == OpKind.REDUCE and graph.reaches(anchor.id, i) for i in nodes):
         return False
     y = anchor.outputs[0]
     yshape = graph.tensors[y].shape
@@ -1093,3 +1098,60 @@ def block_per_row(graph: Graph, nodes: Sequence[int], rows: int, length: int,
     cache = row_cache(graph, nodes, length)
     return Schedule("generated", "block-per-row", "cuda-core", tile, grid=(max(1, min(rows, MAX_GRID_X)), 1, 1),
                     smem_bytes=row_smem(graph, nodes, cache, length), row_cache=cache)
+
+
+_MOMENT_OPS = frozenset({"LayerNormalization", "MeanVarianceNormalization", "InstanceNormalization"})
+"""Row ops whose mean and variance the C row kernel computes (`rowwise._moments`)."""
+
+
+def variance_pairs(graph: Graph, nodes: Sequence[int]) -> dict[int, int]:
+    """Mean node -> variance node of each decomposed row variance in `nodes` (LayerNorm as exported:
+    M = ReduceMean(X), D = Sub(X, M), P = Pow(D, 2) or Mul(D, D), V = ReduceMean(P)), all four in
+    the group, D and P of X's shape and V of M's (the same rows)."""
+    members = set(nodes)
+    pairs: dict[int, int] = {}
+    for i in nodes:
+        v = graph.nodes[i]
+        p = graph.producer(v.inputs[0]) if v.op_type == "ReduceMean" and v.inputs else None
+        if p not in members:
+            continue
+        square = graph.nodes[p]
+        d = square.inputs[0]
+        if square.op_type == "Pow":
+            exponent = graph.constant_value(square.inputs[1])
+            if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0:
+                continue
+        elif square.op_type != "Mul" or square.inputs[1] != d:
+            continue
+        sub = graph.producer(d)
+        if sub not in members or graph.nodes[sub].op_type != "Sub":
+            continue
+        x, m = graph.nodes[sub].inputs[:2]
+        mean = graph.producer(m)
+        if mean not in members or graph.nodes[mean].op_type != "ReduceMean" or graph.nodes[mean].inputs[0] != x:
+            continue
+        shape = graph.tensors[x].shape
+        if (graph.tensors[d].shape == shape and graph.tensors[square.outputs[0]].shape == shape
+                and graph.tensors[m].shape == graph.tensors[v.outputs[0]].shape and mean not in pairs):
+            pairs[mean] = v.id
+    return pairs
+
+
+def one_pass_moments(graph: Graph, nodes: Sequence[int]) -> bool:
+    """A C row kernel computes its rows' statistics in one pass over each row: where the group holds
+    a row variance (`variance_pairs`, or a LayerNormalization, MeanVarianceNormalization or
+    InstanceNormalization), the mean's pass also sums the squares, both about the row's first
+    element (a shift that keeps E[d^2] - E[d]^2 from cancelling where the mean is large against
+    the spread; ONNX Runtime's CPU LayerNorm sums x and x^2 unshifted), so the variance needs no
+    second pass over the row and x - mean is never stored for it."""
+    return bool(variance_pairs(graph, nodes)) or any(graph.nodes[i].op_type in _MOMENT_OPS for i in nodes)
+
+
+def row_prologue(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[int, ...]:
+    """The nodes of a C gemm group's row prologue: where a row reduction runs before the anchor (a
+    LayerNorm in front of a projection), every node of the group but the anchor and the nodes it
+    reaches, in order: a row kernel (`rowwise`) over them stores the activation before the
+    product's blocks read it (`lowering` checks the rows are the activation's); () where no
+    reduction runs before the anchor."""
+    before = tuple(i for i in nodes if i != anchor.id and not graph.reaches(anchor.id, i))
+    return before if any(graph.nodes[i].kind == OpKind.REDUCE for i in before) else ()

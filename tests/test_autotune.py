@@ -159,6 +159,27 @@ def test_hybrid_tries_a_group_the_model_may_have_overpriced(tmp_path):
     assert (tuner.stats.choices, tuner.stats.measured) == (6, 6)
 
 
+def test_hybrid_reports_its_share_the_band_and_the_lone_choices(tmp_path):
+    """The share hybrid timed on a tiny graph with a known band, and why the rest was not: a lone
+    MatMul (own, BLAS tied, the library call predicted beyond a band narrower than its gap) times
+    2 of its 3 choices, the library call counted outside the band; MatMul then Relu over the
+    default band times all 6, the Relu's one choice counted as its group's only one (timed to
+    compare groups, not choices). In the plan's tuning and in the report's line."""
+    path = _matmul(tmp_path)
+    times = [c.time_s for _, c in _choices(prepare(path))]
+    plan, _, tuner = _hybrid(path, _fixed(lambda r: SLOW_S, []), band=(1 + times[2] / times[0]) / 2)
+    t = plan.to_dict()["tuning"]
+    assert (t["choices"], t["measured"], t["outside_band"], t["lone_choices"]) == (3, 2, 1, 0)
+    assert t["timed_fraction"] == pytest.approx(2 / 3, abs=1e-4)
+    assert "67% of the choices timed, 0 of them their group's only one" in tuner.stats.line()
+    assert "1 kept predicted (1 outside the band)" in tuner.stats.line()
+    seconds = {(0, 1): 2e-4, (0,): 5e-5, (1,): 1e-6}
+    (tmp_path / "two").mkdir()
+    plan, _, tuner = _hybrid(_matmul_relu(tmp_path / "two"), _fixed(lambda r: seconds[r.kernel.nodes], []))
+    t = plan.to_dict()["tuning"]
+    assert (t["choices"], t["measured"], t["outside_band"], t["lone_choices"]) == (6, 6, 0, 1)
+
+
 def _choices_of(legality, nodes):
     nodes = frozenset(nodes)
     return legality.priced(legality.options(nodes, legality.check(nodes).kernel))

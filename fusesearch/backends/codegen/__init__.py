@@ -45,7 +45,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride, tensor_layouts
+from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride, row_prologue, tensor_layouts
 
 DYNAMIC_SMEM = frozenset({Skeleton.MMA_SYNC_TF32, Skeleton.MMA_SYNC_F16, Skeleton.MMA_SYNC_BF16})
 """The skeletons whose shared memory is dynamic (their stages pass the 48 KiB a block may declare
@@ -87,7 +87,8 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     name = name or f"k_{kernel.template}_{'_'.join(map(str, kernel.nodes[:4]))}"
     args = {a.tensor: a for a in ins}
     skeleton, grid = schedule.skeleton, schedule.grid
-    row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes)
+    row_epilogue = any(graph.nodes[i].kind == OpKind.REDUCE for i in kernel.nodes) and not (
+        kernel.anchor is not None and row_prologue(graph, kernel.nodes, graph.nodes[kernel.anchor]))
     packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
     defs: list[str] = []  # file-scope C the packed GEMM calls (a tile epilogue)
     units: tuple[str, ...] = ()  # C units the kernel links (the tile kernels with that epilogue)

@@ -43,6 +43,7 @@ from fusesearch.schedule import (
     anchor_derived,
     folded_scale,
     gemm_products,
+    row_prologue,
     split_row_limit,
 )
 
@@ -105,6 +106,10 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     if not main:
         return None
     e = _Emitter(graph, kernel, args)
+    rows = row_prologue(graph, kernel.nodes, anchor)
+    if rows:  # the rows store the activation first (`rowwise.row_prologue_loops`); all else reads it back
+        e.args = {**args, a: next(o for o in side if o.tensor == a)}
+        e.materialized = frozenset({a})
     row_idx = e.unflatten("row", yshape[:-1])
     batch, m = row_idx[:-1], row_idx[-1]
     pre = e.lines
@@ -132,9 +137,9 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
             f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) acc[nn] = 0.0f;",
             *["    " + x for x in fill + mac],
             f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
-    c_side, _ = _pointwise_loops(graph, kernel, args, side)
+    c_side = [_row_prologue(graph, kernel, args, side, rows)] if rows else _pointwise_loops(graph, kernel, args, side)[0]
     rows_loop = c_side + [f"    {OMP_FOR}\n" + _indent(loop, 1)]
-    if max(k_extent, n_extent) > MAX_HOIST:  # rows too long for the stack: generic loops without a BLAS
+    if max(k_extent, n_extent) > MAX_HOIST and not rows:  # rows too long for the stack: generic loops without a BLAS
         rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
     # a Gemm's C operand is a term without the product (its alpha must be 1: the product is added as is)
     gemm_c = anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and bool(anchor.inputs[2])
@@ -175,6 +180,14 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     if store is not None:  # only the BLAS blocks, storing through the given strides
         return blas
     return ["#ifdef FS_BLAS_SGEMM", *c_side, *blas, "#else", *rows_loop, "#endif"]
+
+
+def _row_prologue(graph: Graph, kernel: Kernel, args, side, rows: tuple[int, ...]) -> str:
+    """The C rows of a row prologue (`schedule.row_prologue`), storing the side outputs (imported
+    here: the row kernel's module builds on this one)."""
+    from fusesearch.backends.codegen.rowwise import row_prologue_loops
+
+    return row_prologue_loops(graph, kernel, args, side, rows)
 
 
 # C gemm: at most this product tile (8 MiB, within the last-level cache) per BLAS call. Each call

@@ -25,20 +25,22 @@ from fusesearch.backends.codegen.c_prelude import _CU_PRELUDE
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.pool_rows import _pool_rows
 from fusesearch.ir.pool import POOL_OPS, pool_window
+from fusesearch.schedule import CPU_SKELETONS
 
 
 def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = None, packed=(), defs: str = ""):
     """C and CUDA sources of the pointwise skeleton; `c_body` replaces the C loops (the packed CPU
-    skeleton of an anchor group, reading the `packed` weights, calling the file-scope `defs`). A
-    kernel whose tensors lie blocked (`Schedule.layout_out`) has `c_body` alone and no CUDA form."""
-    c_loops, cu_loops = (([], []) if kernel.schedule.layout_out.blocked
-                         else _pointwise_loops(graph, kernel, args, outs))
+    skeleton of an anchor group, reading the `packed` weights, calling the file-scope `defs`); a CPU
+    schedule's, or one whose tensors lie blocked (`Schedule.layout_out`), has no CUDA (its rows may
+    hold what only the C writes: a row prologue's reductions)."""
+    cpu_only = c_body is not None and (kernel.schedule.skeleton in CPU_SKELETONS or kernel.schedule.layout_out.blocked)
+    c_loops, cu_loops = (c_body, []) if cpu_only else _pointwise_loops(graph, kernel, args, outs)
     if c_body is not None:
         c_loops = c_body
     c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "",
                        wide=wide_kernel(kernel.ops, outs))
-    cu_src = (f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n"
-              + "\n".join(cu_loops) + "\n}\n")
+    cu_src = "" if cpu_only else (f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n"
+                                  + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0
 
 

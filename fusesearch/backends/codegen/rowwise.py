@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fusesearch.backends.codegen.base import (
     Arg,
@@ -38,7 +38,7 @@ from fusesearch.backends.codegen.hoist import hoist_invariants
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel, reduced_rows
-from fusesearch.schedule import ARG_OPS, THREADS, exp_row, row_floats
+from fusesearch.schedule import ARG_OPS, ONE_PASS, THREADS, exp_row, row_floats, variance_pairs
 
 # -- rowwise ----------------------------------------------------------------------------------
 
@@ -82,6 +82,8 @@ class _RowPlan:
     smem_rows: tuple[str, ...] = ()  # CUDA: the rows the schedule keeps in shared memory
     streamed: bool = False  # C: an output row is written with streaming stores (`streamed_loop`)
     ahead: list[str] = field(default_factory=list)  # C: row bases the first reduction prefetches
+    variances: dict[int, int] = field(default_factory=dict)  # one pass: mean node → its variance node
+    one_pass: bool = False  # the schedule's moments are "one-pass" (`schedule.one_pass_moments`)
 
     def rows_cached(self) -> dict[str, str]:
         return self.cached if self.c_target else self.cu_cached
@@ -94,7 +96,9 @@ def _row_plan(graph, kernel, args, outs, materialized=frozenset(), read_side=Fal
     and scaled per score element costs more than the scores' Softmax)."""
     nodes = [graph.nodes[i] for i in kernel.nodes]
     rows, length = _row_shape(graph, nodes)
-    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.row_cache)
+    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.row_cache, one_pass=kernel.schedule.moments == ONE_PASS)
+    if plan.one_pass:
+        plan.variances = variance_pairs(graph, kernel.nodes)
     if any(streams(o) for o in outs if o.size == rows * length):
         # the first reduction, reading the inputs, prefetches them: the hardware's prefetcher no
         # longer sees the lines a plain store would have read (a LayerNorm over 8192x768: 15%
@@ -130,14 +134,16 @@ _TOP_NAME = re.compile(r"^(?:const )?(?:float|double|int|long long|int64_t|int32
 def _paired(body: list[str], rows: int) -> list[str]:
     """The row body `body` (over row `r`) for rows r_0 = 2 rp and r_1 = r_0 + 1 (r_0 again past the
     last row: an odd count computes its last row twice, storing the same values), statement by
-    statement: each top-level statement for r_0, then for r_1, every name it declares at the top
-    suffixed by its row. A short row's reductions are chains of dependent steps (the last partial
+    statement: each top-level statement (an if with its else: one) for r_0, then for r_1, every
+    name it declares at the top suffixed by its row. A short row's reductions are chains of dependent steps (the last partial
     sums folded, a reciprocal) that the other row's independent work now fills: a scaled, masked
     Softmax over 128-float rows 25% faster beyond the cache, an Add + LayerNorm 17%."""
     statements: list[list[str]] = []
     current: list[str] = []
     depth = 0
     for line in body:
+        if not current and statements and line.lstrip().startswith("else"):  # an if's else: the same statement
+            current = statements.pop()
         current.append(line)
         depth += line.count("{") - line.count("}")
         if depth == 0 and not line.lstrip().startswith(("#", "FS_SIMD")):  # a pragma stays on its loop
@@ -171,6 +177,15 @@ def _rowwise(graph, kernel, name, ins, outs, args, packs: dict):
               + "".join(x + "\n" for x in cu_side)
               + f"    for (long long r = blockIdx.x; r < {rows}LL; r += gridDim.x) {{\n{cu_body}\n    }}\n}}\n")
     return c_src, cu_src, rows, length
+
+
+def row_prologue_loops(graph, kernel, args, outs, rows: tuple[int, ...]) -> str:
+    """C of a gemm kernel's row prologue (`schedule.row_prologue`: the group's nodes before its
+    anchor, `rows`): those nodes as a row kernel of their own (the gemm's schedule carries their
+    `moments`) storing `outs`, the activation among them, in the kernel's one OpenMP region,
+    before the product's blocks read it."""
+    plan, (c_side, _) = _row_plan(graph, replace(kernel, nodes=rows, anchor=None), args, outs)
+    return _c_rows(plan, c_side)
 
 
 def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | None:
@@ -247,11 +262,14 @@ def _cache_row(e: _Emitter, plan: _RowPlan, tensor: str) -> None:
         e.lines = kept
 
 
-def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str, cache: str = "") -> None:
+def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: str, cache: str = "",
+              square: tuple[str, str] | None = None) -> None:
     """acc over j of body(j), into plan.c and plan.cu: the same statements in two skeletons. Each
     reads rows cached by earlier loops and caches `cache`'s row on its first pass — C in a local
     buffer, CUDA in shared memory (each thread writes and later reads its own j's) — so a row of
-    a computed tensor (a GEMM's output under a Softmax) is computed once, not once per pass."""
+    a computed tensor (a GEMM's output under a Softmax) is computed once, not once per pass.
+    `square` (a sum only: its accumulator, a shift): the same loop also sums (body(j) - shift)^2,
+    and acc then sums body(j) - shift (a row's moments in one pass: `_one_pass_moments`)."""
     cu_lines, cu_value = _row_body(e, plan, body, False)
     c_lines, c_value = _row_body(e, plan, body, True)
     buffer = cu_buffer = ""
@@ -270,27 +288,36 @@ def _row_loop(e: _Emitter, plan: _RowPlan, body, combine: str, init: str, acc: s
     def merge(target: str, value: str) -> str:  # C: a compare-select max vectorizes (fmaxf does not); never NaN
         return f"({value} > {target} ? {value} : {target})" if is_max else combine.format(target, value)
 
-    c_combine = merge(acc, c_value)
-    simd = [_simd_reduction(acc, is_max)] if _flat_loop(c_lines) else []
+    sums = _sums(acc, c_value, square)  # (accumulator, the term it adds), the squares' last
+    simd = [_simd_reduction(", ".join(a for a, _ in sums), is_max)] if _flat_loop(c_lines) else []
     split = hoist_invariants(c_lines, "j") if simd and plan.length >= 2 * C_PARTIALS else None
+    starts = [f"float {a} = {init};" for a, _ in sums]
     if split is None:
-        plan.c += [*head, f"float {acc} = {init};", *simd,
-                   f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
-                   *["    " + x for x in c_lines + [f"{acc} = {c_combine};"]], "}"]
+        plan.c += [*head, *starts, *simd, f"for (long long j = 0; j < {plan.length}LL; ++j) {{",
+                   *["    " + x for x in c_lines + [f"{a} = {merge(a, v)};" for a, v in sums]], "}"]
     else:
-        plan.c += [*head, f"float {acc} = {init};", *split[0],
-                   *_partial_sums(plan.length, split[1], acc, init, merge, c_value, is_max, plan.ahead)]
+        plan.c += [*head, *starts, *split[0],
+                   *_partial_sums(plan.length, split[1], sums, init, merge, is_max, plan.ahead)]
         plan.ahead = []
-    plan.cu += [*cu_head, f"float {acc} = {init};",
-                f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
-                *["    " + x for x in cu_lines + [f"{acc} = {combine.format(acc, cu_value)};"]], "}",
-                f"{acc} = block_reduce({acc}, {1 if 'fmax' in combine else 0});"]
+    cu_sums = _sums(acc, cu_value, square)
+    plan.cu += [*cu_head, *starts, f"for (long long j = threadIdx.x; j < {plan.length}LL; j += blockDim.x) {{",
+                *["    " + x for x in cu_lines + [f"{a} = {combine.format(a, v)};" for a, v in cu_sums]], "}",
+                *[f"{a} = block_reduce({a}, {1 if 'fmax' in combine else 0});" for a, _ in cu_sums]]
     if buffer or cu_buffer:
         _cache_row(e, plan, cache)
     if buffer:
         plan.cached[cache] = buffer
     if cu_buffer:
         plan.cu_cached[cache] = cu_buffer
+
+
+def _sums(acc: str, value: str, square: tuple[str, str] | None) -> list[tuple[str, str]]:
+    """A row loop's (accumulator, term) pairs: `acc` of the value, or, with `square` (its
+    accumulator, a shift), of the shifted value and of its square."""
+    if square is None:
+        return [(acc, value)]
+    d = f"({value} - {square[1]})"
+    return [(acc, d), (square[0], f"({d} * {d})")]
 
 
 C_PARTIALS = FOLDED  # C row reductions: independent partial results per row (4 AVX2 vectors, 2 AVX-512)
@@ -301,27 +328,32 @@ def _simd_reduction(acc: str, is_max: bool) -> str:
     return f"#pragma omp simd reduction({'max' if is_max else '+'}:{acc})"
 
 
-def _partial_sums(length: int, lines: list[str], acc: str, init: str, merge, value: str, is_max: bool,
+def _partial_sums(length: int, lines: list[str], sums: list[tuple[str, str]], init: str, merge, is_max: bool,
                   ahead=()) -> list[str]:
     """A C row reduction over `length` >= 2 x C_PARTIALS columns as C_PARTIALS partial results
     (`p<acc>`), folded into `acc` at the end by a tree (`fs_fold_sum`/`fs_fold_max`): one vector
     accumulator makes the loop wait on the add's (or the compare's) latency each step, C_PARTIALS
     of them keep the FMA units busy (a LayerNorm over vit-small's 197x384 rows 40 -> 26 us); the
     columns past the last whole chunk in the plain loop. `lines`: the body's statements at column j, its invariants already hoisted;
+    `sums`: (accumulator, its term at column j), each with its own partials (a row's moments: two);
     `merge(target, value)`: the reduction's C expression of one step (a max where `is_max`, else a
     sum); `ahead`: row bases whose
     columns each chunk prefetches STREAM_AHEAD floats on (`fs_prefetch_ahead`)."""
     whole = length - length % C_PARTIALS
-    out = ["{", f"    float p{acc}[{C_PARTIALS}];", f"    for (int q = 0; q < {C_PARTIALS}; ++q) p{acc}[q] = {init};",
+    out = ["{", *[f"    float p{a}[{C_PARTIALS}];" for a, _ in sums],
+           *[f"    for (int q = 0; q < {C_PARTIALS}; ++q) p{a}[q] = {init};" for a, _ in sums],
            f"    for (long long j0 = 0; j0 < {whole}LL; j0 += {C_PARTIALS}LL) {{",
            *[f"        fs_prefetch_ahead({p} + j0, {C_PARTIALS}LL);" for p in ahead], "        #pragma omp simd",
            f"        for (long long jj = 0; jj < {C_PARTIALS}LL; ++jj) {{", "            long long j = j0 + jj;",
-           *["            " + x for x in lines], f"            p{acc}[jj] = {merge(f'p{acc}[jj]', value)};", "        }", "    }"]
+           *["            " + x for x in lines], *[f"            p{a}[jj] = {merge(f'p{a}[jj]', v)};" for a, v in sums],
+           "        }", "    }"]
     if whole < length:
-        out += ["    " + _simd_reduction(acc, is_max), f"    for (long long j = {whole}LL; j < {length}LL; ++j) {{",
-                *["        " + x for x in lines], f"        {acc} = {merge(acc, value)};", "    }"]
+        out += ["    " + _simd_reduction(", ".join(a for a, _ in sums), is_max),
+                f"    for (long long j = {whole}LL; j < {length}LL; ++j) {{",
+                *["        " + x for x in lines], *[f"        {a} = {merge(a, v)};" for a, v in sums], "    }"]
     fold = "fs_fold_max" if is_max else "fs_fold_sum"  # the partials' tree (base._C_FOLD)
-    return out + [f"    float {acc}_fold = {fold}(p{acc});", f"    {acc} = {merge(acc, f'{acc}_fold')};", "}"]
+    return out + [line for a, _ in sums for line in (f"    float {a}_fold = {fold}(p{a});",
+                                                      f"    {a} = {merge(a, f'{a}_fold')};")] + ["}"]
 
 
 def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
@@ -335,6 +367,8 @@ def _scalar(e: _Emitter, plan: _RowPlan, expr: str) -> str:
 def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
     x = node.inputs[0]
     op = node.op_type
+    if node.outputs[0] in e.row_scalars:  # a variance its mean's pass computed (`_one_pass_moments`)
+        return
 
     def at(j: str) -> str:
         if x in plan.rows_cached():
@@ -342,6 +376,10 @@ def _reduction(e: _Emitter, node: Node, plan: _RowPlan) -> None:
         return e.value(x, _full_index(e, x, plan, j))
 
     computed = e.graph.producer(x) in e.members
+    if node.id in plan.variances:  # the mean and, in the same pass, its variance
+        variance = e.graph.nodes[plan.variances[node.id]].outputs[0]
+        e.row_scalars[node.outputs[0]], e.row_scalars[variance] = _one_pass_moments(e, plan, at, x if computed else "")
+        return
     if op in ("ReduceMean", "ReduceSum", "ReduceMax", "GlobalAveragePool"):
         e.count += 1
         acc = f"s{e.count}"
@@ -458,8 +496,36 @@ def _arg_reduction(e, node, plan, at) -> str:
     return i
 
 
+def _one_pass_moments(e, plan, at, cache: str) -> tuple[str, str]:
+    """The row's mean and variance in one pass: the sums of d = x - x[0] and of d^2 (shifted by the
+    row's first element so E[d^2] - E[d]^2 does not cancel where the mean is large against the
+    spread), the variance clamped at 0 against rounding."""
+    shift = _scalar(e, plan, _first_element(e, plan, at))
+    e.count += 1
+    total, sq = f"s{e.count}", f"s{e.count}q"
+    _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache, square=(sq, shift))
+    step = _scalar(e, plan, f"{total} / {plan.length}.0f")
+    mean = _scalar(e, plan, f"{shift} + {step}")
+    variance = _scalar(e, plan, f"{sq} / {plan.length}.0f - {step} * {step}")
+    return mean, _scalar(e, plan, f"({variance} > 0.0f ? {variance} : 0.0f)")
+
+
+def _first_element(e, plan, at) -> str:
+    """The value of the row's element 0, as an expression of row scalars (its statements, the same
+    in C and CUDA, appended to both bodies)."""
+    lines, value = _row_body(e, plan, lambda j: at("0LL"), True)
+    cu_lines, _ = _row_body(e, plan, lambda j: at("0LL"), False)
+    plan.c += lines
+    plan.cu += cu_lines
+    return value
+
+
 def _moments(e, plan, at, cache: str, epsilon: float) -> tuple[str, str]:
-    """The row's mean and 1/sqrt(variance + epsilon): a sum pass, then a pass of squared deviations."""
+    """The row's mean and 1/sqrt(variance + epsilon): one pass where the schedule says so
+    (`_one_pass_moments`), else a sum pass, then a pass of squared deviations."""
+    if plan.one_pass:
+        mean, variance = _one_pass_moments(e, plan, at, cache)
+        return mean, _scalar(e, plan, f"1.0f / sqrtf({variance} + {_lit(epsilon)})")
     e.count += 1
     total = f"s{e.count}"
     _row_loop(e, plan, at, "{0} + {1}", "0.0f", total, cache)
