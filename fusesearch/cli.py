@@ -1018,8 +1018,7 @@ def run(
     if buckets is not None:
         refused = [flag for flag, given in (("--plan", plan_json), (f"--costs {costs}", costs != "predicted"),
                                             ("--input-value", input_value), ("-o", output), ("--baselines", baselines),
-                                            ("--dump", dump), ("--trace", trace),
-                                            (f"--backend {backend}", emulated or runs_on.cuda)) if given]
+                                            ("--dump", dump), ("--trace", trace)) if given]
         if refused:
             raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a run "
                            f"over buckets; give --dim {buckets.dim} one value to use it")
@@ -1027,8 +1026,8 @@ def run(
                  for v in buckets.values]
         for prep in preps:
             check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None), threads, repeat, warmup,
-                     seed, rtol, check_each, json_out)
+        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None), runs_on, threads, repeat,
+                     warmup, seed, rtol, check_each, json_out)
         return
     planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
                         shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
@@ -1063,32 +1062,44 @@ def _trace(planned, path: Path, backend, threads: int, repeat: int, warmup: int,
     print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
 
 
-def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warmup, seed, rtol, check_each,
+def _run_buckets(preps, buckets, device, strategy, config, runs_on, threads, repeat, warmup, seed, rtol, check_each,
                  json_out) -> None:
     """`run --dim seq=LO..HI`: one plan over the buckets, then each bucket's program (the same
-    groups, kernels specialized to its shapes) checked against ONNX Runtime and timed beside it."""
-    from fusesearch.api import plan_rtol
+    groups, kernels specialized to its shapes) run as one shape's is on `runs_on`: checked against
+    ONNX Runtime and timed beside it (cpu, cupy), or its CUDA program checked through the emulator."""
+    from fusesearch.api import Planned, run_planned, run_tolerance
     from fusesearch.buckets import bucket_programs, plan_buckets
-    from fusesearch.ir.precision import prepared_tolerance
-    from fusesearch.run import run_plan
+    from fusesearch.run import Mismatch
 
-    plan_, figures, problems = plan_buckets(preps, buckets, device, strategy, config, threads)
-    reports = []
+    plan_, _, problems = plan_buckets(preps, buckets, device, strategy, config, threads)
+    runs = []
     for value, (prep, ours, unfused) in zip(buckets.values, bucket_programs(problems, plan_, device, threads),
                                             strict=True):
-        tolerance = max(prepared_tolerance(prep), plan_rtol(ours)) if rtol is None else rtol
-        report = run_plan(prep, ours, unfused, threads=threads, repeat=repeat, warmup=warmup, seed=seed,
-                          rtol=tolerance, check_each=check_each)
-        report.model = prep.loaded.name
-        reports.append((value, report))
+        planned = Planned(prep, {}, ours, unfused)
+        try:
+            if runs_on.timed:
+                runs.append((value, run_planned(planned, runs_on, threads=threads, repeat=repeat, warmup=warmup,
+                                                seed=seed, rtol=rtol, check_each=check_each).report))
+            else:
+                runs.append((value, _emulated(planned, seed, run_tolerance(planned, rtol), check_each)))
+        except Mismatch as e:
+            raise Mismatch(f"at {buckets.dim}={value}: {e}") from None
     if json_out:
         _emit_json({"model": preps[0].loaded.name, "strategy": plan_.strategy, "buckets": plan_.buckets,
-                    "runs": [{buckets.dim: value, **report.to_dict()} for value, report in reports]})
+                    "runs": [{buckets.dim: value, **(run if isinstance(run, dict) else run.to_dict())}
+                             for value, run in runs]})
         return
-    table = Table(title=f"{preps[0].loaded.name}: one plan ({plan_.strategy}, {plan_.kernels} kernels) for "
-                        f"{buckets.dim} = {', '.join(map(str, buckets.values))}, each bucket's program end to end, "
-                        f"{threads} thread{'s' if threads != 1 else ''}, median of n={repeat}", title_justify="left")
-    for col in (buckets.dim, "plan", "unfused", "ONNX Runtime", "plan vs ORT", "max rel err"):
+    title = (f"{preps[0].loaded.name}: one plan ({plan_.strategy}, {plan_.kernels} kernels) for "
+             f"{buckets.dim} = {', '.join(map(str, buckets.values))}, each bucket's program ")
+    (_print_timed_buckets if runs_on.timed else _print_emulated_buckets)(title, buckets.dim, runs)
+
+
+def _print_timed_buckets(title: str, dim: str, reports) -> None:
+    first = reports[0][1]
+    where = first.backend if first.cuda_graph is None else f"{first.backend} (CUDA events)"
+    table = Table(title=f"{title}end to end on {where}, {first.threads} thread{'s' if first.threads != 1 else ''}, "
+                        f"median of n={first.repeat}", title_justify="left")
+    for col in (dim, "plan", "unfused", "ONNX Runtime", "plan vs ORT", "max rel err"):
         table.add_column(col, justify="right")
     for value, report in reports:
         base = report.ort_baseline()
@@ -1100,16 +1111,34 @@ def _run_buckets(preps, buckets, device, strategy, config, threads, repeat, warm
               "same rounds; every bucket's program equals ONNX Runtime")
 
 
-def _run_emulated(planned, seed: int, rtol: float, check_each: bool, json_out: bool) -> None:
-    """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
+def _print_emulated_buckets(title: str, dim: str, docs) -> None:
+    table = Table(title=f"{title}(CUDA) through the CUDA emulator (correctness only, not timed)",
+                  title_justify="left")
+    for col in (dim, "kernels", "ORT nodes", "CUDA graph", "arena", "max rel err", "rtol"):
+        table.add_column(col, justify="right")
+    for value, doc in docs:
+        table.add_row(str(value), str(doc["kernels"]), str(doc["library_steps"]), "yes" if doc["cuda_graph"] else "no",
+                      _fmt_bytes(doc["arena_peak_bytes"]), f"{doc['max_rel_err']:.2g}", f"{doc['rtol']:g}")
+    out.print(table)
+    out.print("every bucket's CUDA program equals ONNX Runtime")
+
+
+def _emulated(planned, seed: int, rtol: float, check_each: bool) -> dict:
+    """The plan's CUDA program through the emulator, checked against ONNX Runtime: `run --json`'s
+    emulated document."""
     from fusesearch.backends.registry import EMULATE
     from fusesearch.pipeline import activation_bytes
     from fusesearch.run import run_emulated
 
     prep, plan_ = planned.prep, planned.plan
     result = run_emulated(prep, plan_, seed=seed, rtol=rtol, check_each=check_each, input_values=planned.values)
-    doc = {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": EMULATE.name, **result, "rtol": rtol,
-           "activation_bytes": activation_bytes(prep.graph)}
+    return {"model": prep.loaded.name, "strategy": plan_.strategy, "backend": EMULATE.name, **result, "rtol": rtol,
+            "activation_bytes": activation_bytes(prep.graph)}
+
+
+def _run_emulated(planned, seed: int, rtol: float, check_each: bool, json_out: bool) -> None:
+    """`run --backend emulate`: the plan's CUDA program through the emulator, checked only."""
+    doc = _emulated(planned, seed, rtol, check_each)
     if json_out:
         _emit_json(doc)
         return

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from fusesearch.backends import emulate
 from fusesearch.buckets import Buckets, split_dims
 from fusesearch.errors import BadInput
 from tests.conftest import make_model, save
@@ -191,8 +192,9 @@ def test_run_over_buckets_runs_each_buckets_program_beside_onnx_runtime(tmp_path
 
 
 def test_run_over_buckets_refuses_what_it_cannot_do(tmp_path, run_cli):
-    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--backend", "emulate")
-    assert code == 2 and "--backend emulate with --dim n over several values" in err and err.count("\n") == 1
+    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--backend", "emulate", "--input-value",
+                             "x=1")
+    assert code == 2 and "--input-value with --dim n over several values" in err and err.count("\n") == 1
 
 
 # -- how the best plan changes across buckets: plan.json, the CLI table, sweeps and their report --
@@ -427,3 +429,65 @@ def test_a_rows_kernel_differs_between_buckets_only_in_its_row_count_and_runs_it
     assert all(np.array_equal(cpu.run(kernel, feeds)[t], v) for t, v in cpu.run(dynamic, feeds).items())
     gemm_low, gemm_high = _bucket_kernels(rows_model(tmp_path), (8, 64))
     assert bench.row_bound_only([k.c_source for k in gemm_low], [k.c_source for k in gemm_high]) == []
+
+
+# -- each bucket's CUDA program: through the emulator here, on the GPU with cupy --------------------
+
+needs_emulator = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler for the CUDA emulator")
+
+
+@needs_emulator
+def test_run_over_buckets_checks_each_buckets_cuda_program_through_the_emulator(tmp_path, run_cli):
+    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=4,8,16", "--backend", "emulate", "--strategy",
+                             "greedy", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["buckets"]["values"] == [4, 8, 16] and [r["n"] for r in doc["runs"]] == [4, 8, 16]
+    for run in doc["runs"]:
+        assert run["backend"] == "emulate" and run["max_rel_err"] <= run["rtol"] == 1e-4
+        assert "plan" not in run and "median_s" not in json.dumps(run)  # checked, not timed
+    assert len({r["kernels"] for r in doc["runs"]}) == 1  # one grouping
+    # the arena grows with the rows: each bucket's program is specialized to its own shapes
+    assert [r["arena_peak_bytes"] for r in doc["runs"]] == sorted({r["arena_peak_bytes"] for r in doc["runs"]})
+    code, text, err = run_cli("run", rows_model(tmp_path), "--dim", "n=4,8,16", "--backend", "emulate", "--strategy",
+                              "greedy")
+    assert code == 0, err
+    assert "through the CUDA emulator" in text and "correctness only, not timed" in text and "median" not in text
+    assert "every bucket's CUDA program equals ONNX Runtime" in text
+
+
+@needs_emulator
+def test_a_bucket_run_with_another_buckets_kernels_is_caught_and_named(tmp_path, run_cli, monkeypatch):
+    """The dispatcher's failure: the bucket n=16 given the kernels specialized to n=4 computes only
+    4 rows; the check against ONNX Runtime refuses it (exit 1) and names the bucket."""
+    import dataclasses
+    import importlib
+
+    run_module = importlib.import_module("fusesearch.run")  # the module, not the package's `run`
+    real, first = run_module.plan_steps, []
+
+    def steps_of_the_first_bucket(graph, plan):
+        steps = real(graph, plan)
+        first.append(first[0] if first else steps)
+        return [dataclasses.replace(s, kernel=t.kernel) if s.kernel is not None else s
+                for s, t in zip(steps, first[0], strict=True)]
+
+    monkeypatch.setattr(run_module, "plan_steps", steps_of_the_first_bucket)
+    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=4,16", "--backend", "emulate", "--strategy",
+                             "greedy")
+    assert code == 1 and out == ""
+    line, = err.strip().splitlines()
+    assert line.startswith("fusesearch: error: at n=16: the plan (CUDA, emulated) program differs from ONNX Runtime")
+
+
+@pytest.mark.gpu
+def test_run_over_buckets_times_each_buckets_cuda_program_on_the_gpu(tmp_path, run_cli):
+    code, out, err = run_cli("run", rows_model(tmp_path), "--dim", "n=8,32", "--backend", "cupy", "--strategy",
+                             "greedy", "--repeat", "3", "--warmup", "1", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [r["n"] for r in doc["runs"]] == [8, 32]
+    for run in doc["runs"]:
+        assert run["backend"] == "cupy" and run["max_rel_err"] <= run["rtol"]
+        for key in ("plan", "unfused", "ort_enable_all"):
+            assert 0 < run[key]["p20_s"] <= run[key]["median_s"] <= run[key]["p80_s"], (key, run[key])

@@ -104,6 +104,20 @@ def test_a_run_over_buckets(run_cli, tmp_path):
 def test_an_emulated_run(run_cli, model):
     doc = valid("run", _json(run_cli, "run", model, "--backend", "emulate", "--device", "t4", "--strategy", "greedy"))
     assert doc["backend"] == "emulate"
+    with pytest.raises(jsonschema.ValidationError):  # alone, an emulated check holds its own keys only
+        valid("run", {**doc, "n": 8})
+
+
+@pytest.mark.skipif(not emulate.available(), reason="no C++ compiler for the CUDA emulator")
+def test_an_emulated_run_over_buckets(run_cli, tmp_path):
+    from tests.test_buckets import rows_model
+
+    doc = valid("run", _json(run_cli, "run", rows_model(tmp_path), "--dim", "n=4,8", "--backend", "emulate",
+                             "--strategy", "greedy"))
+    assert [(r["n"], r["backend"]) for r in doc["runs"]] == [(4, "emulate"), (8, "emulate")]
+    doc["runs"][0]["n"] = "4"  # the bucket's value is a positive integer
+    with pytest.raises(jsonschema.ValidationError):
+        valid("run", doc)
 
 
 @needs_cc
