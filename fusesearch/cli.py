@@ -74,6 +74,9 @@ Dim = Annotated[list[str], typer.Option("--dim", help="DIM=V binds a named dynam
 PlanDim = Annotated[list[str], typer.Option(
     "--dim", help="DIM=V binds a named dynamic dim (repeatable); DIM=LO..HI or DIM=V1,V2,... plans one grouping "
                   "for all those values (the ends and the powers of two between them)")]
+RunDim = Annotated[list[str], typer.Option(
+    "--dim", help="DIM=V binds a named dynamic dim (repeatable); DIM=LO..HI or DIM=V1,V2,... runs one plan over "
+                  "those values: each value's program checked against ONNX Runtime (and timed but on emulate)")]
 DimWeights = Annotated[list[str], typer.Option(
     "--dim-weights", help="DIM=W1,W2,...: how often each value of a --dim range or list is served (default equal)")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
@@ -967,7 +970,7 @@ def run(
                                          "through the CUDA emulator on the CPU: correctness only, the plan "
                                          "checked against ONNX Runtime, no timing).")] = "cpu",
     input_shape: InputShape = None,
-    dim: Dim = None,
+    dim: RunDim = None,
     repeat: Annotated[int, typer.Option("--repeat", callback=COUNT, help="Timed runs of each program.")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", callback=_checked(lambda v: None if v >= 0 else "0 or more runs"),
                                         help="Untimed runs before them.")] = 3,
