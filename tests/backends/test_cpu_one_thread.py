@@ -132,3 +132,25 @@ def test_a_device_without_the_one_thread_figure_loads():
     assert data["serial_launch_overhead_s"] == SERIAL_S
     del data["serial_launch_overhead_s"]
     assert DeviceSpec.from_dict(data).serial_launch_overhead_s == 0.0
+
+
+@needs_cc
+def test_a_one_thread_region_computes_its_blocks_for_one_thread(tmp_path):
+    """`fs_threads()`, which a gemm's and a conv's C divide their blocks by, is the region's team:
+    1 in a `num_threads(1)` region of a 2-thread program (one block, as priced), 2 in a team, the
+    program's threads outside any region."""
+    import re
+    import subprocess
+
+    from fusesearch.backends.codegen import c_prelude
+
+    source = "".join(v for v in vars(c_prelude).values() if isinstance(v, str) and "fs_threads(void)" in v)
+    helper_c = re.search(r"#include <omp.h>\nstatic inline long long fs_threads\(void\) \{[^}]*\}", source).group(0)
+    (tmp_path / "t.c").write_text(
+        f"#include <stdio.h>\n{helper_c}\nint main(void) {{\n long long one = 0, team = 0;\n"
+        " #pragma omp parallel num_threads(1)\n one = fs_threads();\n #pragma omp parallel\n #pragma omp master\n"
+        ' team = fs_threads();\n printf("%lld %lld %lld\\n", one, team, fs_threads());\n return 0;\n}\n')
+    subprocess.run([cpu.compiler(), "-fopenmp", "-o", str(tmp_path / "t"), str(tmp_path / "t.c")], check=True)
+    out = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "2", "OMP_DYNAMIC": "false"}).stdout.split()
+    assert out == ["1", "2", "2"]
