@@ -154,3 +154,14 @@ def test_a_one_thread_region_computes_its_blocks_for_one_thread(tmp_path):
     out = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True, check=True,
                          env={"OMP_NUM_THREADS": "2", "OMP_DYNAMIC": "false"}).stdout.split()
     assert out == ["1", "2", "2"]
+
+
+def test_the_lower_bound_stays_below_a_one_thread_plan():
+    """The physical bound starts its one call at the cheaper region, so a tiny kernel on one
+    thread (cheaper than a team's fork) is still no faster than the bound."""
+    from fusesearch.costing import graph_figures
+    from tests.test_lowering import graph_of
+
+    graph, device, model = graph_of(*_tanh(4)), _two_threads(), RooflineModel(host_params())
+    _, cost = cheapest(device_choices(graph, _whole(graph), device), device, model)
+    assert graph_figures(graph, device, model).lower_bound_s <= cost.time_s < REGION_S
