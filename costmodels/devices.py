@@ -110,7 +110,7 @@ ARCH_LIMITS: Mapping[str, Mapping[str, int]] = {
 
 
 # Fields a profile written before they existed may lack (they take their defaults).
-_OPTIONAL_FIELDS = ("cache_curve", "sources", "tuned_tiles")
+_OPTIONAL_FIELDS = ("cache_curve", "sources", "tuned_tiles", "serial_launch_overhead_s")
 # The two fields the cache curve replaced: one point, (cache_fit_bytes, cache_bytes_per_s)
 _OLD_CACHE_FIELDS = ("cache_bytes_per_s", "cache_fit_bytes")
 
@@ -159,6 +159,10 @@ class DeviceSpec:
     # which lowering offers alone for that class; (): the cost model chooses among them all.
     # Not part of the device's JSON (the table is its own file)
     tuned_tiles: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    # A CPU of more than one thread: what a kernel whose OpenMP region runs on one thread pays per
+    # call instead of `launch_overhead_s` (no fork, no barrier; `KernelSpec.cpu_threads`); 0 where
+    # unknown (a GPU, a one-thread CPU): such a kernel pays `launch_overhead_s`
+    serial_launch_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sources", tuple(str(s) for s in self.sources))
@@ -175,7 +179,8 @@ class DeviceSpec:
             value = getattr(self, f.name)
             if f.name in ("name", "vendor", "kind", "arch", "sources", "cache_curve", "tuned_tiles"):
                 continue
-            may_be_zero = f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s"
+            may_be_zero = (f.name.endswith("_flops_per_s") and f.name != "fp32_flops_per_s"
+                           or f.name == "serial_launch_overhead_s")
             if not _finite_number(value) or value < 0 or (value == 0 and not may_be_zero):
                 raise InvalidSpec(f"device {self.name}: {f.name} = {value!r}, expected > 0")
         if self.smem_per_block_max_bytes > self.smem_per_sm_bytes:
@@ -597,6 +602,7 @@ def host_cpu(threads: int | None = None) -> DeviceSpec:
         max_threads_per_block=MAX_THREADS_PER_BLOCK,
         warp_size=lanes,
         launch_overhead_s=measured.launch_s if measured.launch_s > 0 else CPU_LAUNCH_OVERHEAD_S,
+        serial_launch_overhead_s=host_cpu(1).launch_overhead_s if cpus > 1 else 0.0,
         cache_curve=measured.cache_curve,
         sources=(
             f"/proc/cpuinfo: {info.get('model name', 'unknown model')}; {cpus} usable CPUs, "
@@ -611,6 +617,8 @@ def host_cpu(threads: int | None = None) -> DeviceSpec:
             ("launch_overhead_s: measured, a C call of an OpenMP parallel region over a few floats with "
              f"{cpus} OpenMP thread{'s' if cpus > 1 else ''} (costmodels.probes.measure_launch_overhead)" if measured.launch_s > 0 else
              "launch_overhead_s: estimate for an OpenMP parallel region (the probe could not run)"),
+            *(("serial_launch_overhead_s: the host at one thread's launch_overhead_s (host_cpu(1)), what a "
+               "kernel whose region runs on one thread pays",) if cpus > 1 else ()),
         ),
     )
 
@@ -632,10 +640,13 @@ def cache_root() -> Path:
 
 def host_record(spec: DeviceSpec) -> dict[str, Any]:
     """What priced a plan for a CPU, for its plan.json: the OpenMP threads, the measured figures
-    the cost model read (bandwidths, cache curve, FMA peak, a parallel region's cost), their
+    the cost model read (bandwidths, cache curve, FMA peak, a parallel region's cost, above one
+    thread also a one-thread region's), their
     sha256, and the file `host_cpu` keeps them in (delete it to measure again)."""
     figures = {"dram_bytes_per_s": spec.dram_bytes_per_s, "cache_curve": [list(p) for p in spec.cache_curve],
                "fp32_flops_per_s": spec.fp32_flops_per_s, "launch_overhead_s": spec.launch_overhead_s}
+    if spec.serial_launch_overhead_s:  # read where the plan's choices include one-thread forms
+        figures["serial_launch_overhead_s"] = spec.serial_launch_overhead_s
     text = json.dumps(figures, sort_keys=True)
     return {"threads": spec.sm_count, "figures": figures, "figures_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "figures_file": str(host_cache_path())}

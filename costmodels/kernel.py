@@ -45,7 +45,7 @@ DEFAULT_THREADS_PER_BLOCK = 256
 _FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "divisions", "dram_read_bytes",
                  "dram_write_bytes")
 _INT_FIELDS = ("iteration_size", "reduction_length", "smem_bytes", "live_values_per_thread",
-               "threads_per_block", "num_ops", "index_divisions", "blocks")
+               "threads_per_block", "num_ops", "index_divisions", "blocks", "cpu_threads")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,10 @@ class KernelSpec:
     - `imbalance`: on a CPU, how much longer a generated gemm's product runs than its work shared
       evenly among the threads (>= 1: blocks fewer than the threads, or below the micro-kernel's
       tile; `fusesearch.schedule.split_imbalance`); the product's rate is divided by it.
+    - `cpu_threads`: on a CPU, the OpenMP threads the kernel's region runs with: 0, all of the
+      device's (`sm_count`); fewer (1: `fusesearch.schedule.ONE_THREAD`) gets their share of the
+      device's compute and bandwidth and pays the region's cost at one thread
+      (`DeviceSpec.serial_launch_overhead_s`) instead of a team's fork and barrier.
     - `mma_sync`: a generated tensor-core kernel written with `mma.sync` (ldmatrix, swizzled
       shared memory, a multistage cp.async pipeline), priced at `RooflineParams.mma_sync_efficiency`
       instead of the wmma kernels' `mma_efficiency`.
@@ -122,6 +126,7 @@ class KernelSpec:
     min_arch: int = 0
     product: str = ""
     imbalance: float = 1.0
+    cpu_threads: int = 0
     mma_sync: bool = False
 
     def __post_init__(self) -> None:

@@ -10,7 +10,9 @@ d `division_flops`, r `read_traffic_factor`, e `index_division_flops` (defaults 
 min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
 `float32_uses_tf32`; no tensor rate: FP32) price library calls and "tensor-core" units, other
 kernels the FP32 CUDA cores (`compute_unit`); eff[t, impl] is `library_efficiency`,
-`mma_efficiency`, `mma_sync_efficiency` or `tc_efficiency`.
+`mma_efficiency`, `mma_sync_efficiency` or `tc_efficiency`. A CPU kernel on fewer threads than
+the device's (`KernelSpec.cpu_threads`) gets their share of both rates, and on one thread pays the
+one-thread region (`DeviceSpec.serial_launch_overhead_s`) as launch_s.
 Invariants: pure and deterministic; an unlaunchable kernel is infeasible (time_s = inf, a reason
 naming both numbers); `bound` names the largest of compute, memory and launch."""
 
@@ -332,6 +334,23 @@ def scalar_peak_flops_per_s(device: DeviceSpec, dtype: str) -> float:
     return device.fp32_flops_per_s
 
 
+def _thread_share(spec: KernelSpec, device: DeviceSpec) -> float:
+    """The share of a CPU's compute and bandwidth a kernel gets: its `cpu_threads` of the device's
+    `sm_count` (conservative: one thread's copy often reaches more than its share of DRAM), 1 for
+    a kernel on all of them and on a GPU."""
+    if device.kind != "cpu" or not 0 < spec.cpu_threads < device.sm_count:
+        return 1.0
+    return spec.cpu_threads / device.sm_count
+
+
+def _region_s(spec: KernelSpec, device: DeviceSpec) -> float:
+    """What one call costs before any work: a CPU kernel on one thread its one-thread region
+    (`DeviceSpec.serial_launch_overhead_s`, where known), any other the device's launch."""
+    if _thread_share(spec, device) < 1.0 and spec.cpu_threads == 1 and device.serial_launch_overhead_s > 0:
+        return device.serial_launch_overhead_s
+    return device.launch_overhead_s
+
+
 @dataclass(frozen=True)
 class RooflineModel:
     """Scores a KernelSpec on a DeviceSpec. Holds only its parameters."""
@@ -350,14 +369,15 @@ class RooflineModel:
         reason = _infeasible_reason(spec, device, regs.regs_per_thread, occ)
         scale = self._occupancy_scale(spec, device, achieved) if not reason else 1.0
 
-        compute_s = self._compute_s(spec, device) / scale
+        share = _thread_share(spec, device)
+        compute_s = self._compute_s(spec, device) / scale / share
         spill_traffic = (regs.spill_bytes_per_thread * grid * spec.threads_per_block
                          * p.spill_traffic_factor)
         dram_bytes = (spec.dram_read_bytes * p.read_traffic_factor + spec.dram_write_bytes
                       + spill_traffic)
         memory_s = dram_bytes / (device.bandwidth_for(spec.dram_bytes)
-                                 * p.get("memory_efficiency", spec.template) * scale)
-        launch_s = device.launch_overhead_s * p.launch_overhead_scale
+                                 * p.get("memory_efficiency", spec.template) * scale * share)
+        launch_s = _region_s(spec, device) * p.launch_overhead_scale
         overlapped = max(compute_s, memory_s) + (1.0 - p.overlap) * min(compute_s, memory_s)
         parts = (("compute", compute_s), ("memory", memory_s), ("launch", launch_s))
         return KernelCost(

@@ -101,7 +101,9 @@ def graph_figures(graph: Graph, device: DeviceSpec, model: RooflineModel) -> Gra
     tc_peak = tensor_peak_flops_per_s(device, dtype, model.params.float32_uses_tf32)
     compute_s = tc / tc_peak + scalar / scalar_peak_flops_per_s(device, dtype)
     memory_s = min_bytes / device.bandwidth_for(min_bytes)
-    bound = device.launch_overhead_s + max(compute_s, memory_s)
+    # one call at the cheapest a kernel can start: a CPU's one-thread region where it is cheaper
+    launch_s = min(s for s in (device.launch_overhead_s, device.serial_launch_overhead_s) if s > 0)
+    bound = launch_s + max(compute_s, memory_s)
     return GraphFigures(unfused, len(per_node), bound, min_bytes, tc, scalar)
 
 

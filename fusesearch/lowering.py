@@ -35,6 +35,7 @@ from fusesearch.schedule import (
     MMA_SYNC_SKELETONS,
     MMA_THREADS,
     ONE_PASS,
+    ONE_THREAD,
     PACKED,
     THREADS,
     VIEW_OPS,
@@ -65,6 +66,7 @@ from fusesearch.schedule import (
     nchwc_input,
     nchwc_pointwise,
     one_pass_moments,
+    one_thread_forms,
     row_prologue,
     scaled_product,
     split_blocks,
@@ -160,7 +162,7 @@ class Kernel:
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
             divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
             min_arch=self.schedule.min_arch, product=self.schedule.product, imbalance=self.imbalance,
-            mma_sync=self.schedule.skeleton in MMA_SYNC_SKELETONS.values())
+            cpu_threads=self.schedule.cpu_threads, mma_sync=self.schedule.skeleton in MMA_SYNC_SKELETONS.values())
 
 
 def lower(graph: Graph, group: FusionGroup) -> Kernel:
@@ -185,7 +187,8 @@ def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False,
     writes as given, the default first (ties keep it). `host`: as a CPU runs it (an anchor, fused
     or alone, as the C backend's `packed`/`depthwise`, once per C product it can run as,
     `schedule.cpu_products` for the `CpuTarget` given (True: one that links a BLAS, as the C
-    backend does), a lone one also as the library call); else
+    backend does), a lone one also as the library call; at a target of more than one thread each
+    generated form of the default split also on one thread, last: `schedule.one_thread_forms`); else
     as a GPU does: a fused gemm/conv at each tensor-core tile (`schedule.mma_tiles`, where its
     operands have tensor cores) and each CUDA-core tile (`schedule.gemm_tiles`), or `direct`
     where no tile applies; a lone one as the library call (its split-K) and then as those
@@ -193,10 +196,15 @@ def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False,
     library call. `tuned`: a device's tuned tile table (`DeviceSpec.tuned_tiles`): where it has
     a row for a tensor-core skeleton at the group's shape class, that configuration alone."""
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
-    result = _lower_checked(graph, nodes, CpuTarget() if host is True else host or None, tuple(tuned))
+    target = CpuTarget() if host is True else host or None
+    result = _lower_checked(graph, nodes, target, tuple(tuned))
     if isinstance(result, FusionDecision) and len(nodes) == 1:
         return (_lower_opaque(graph, nodes),)
-    return result
+    if target is None or isinstance(result, FusionDecision):
+        return result
+    serial = one_thread_forms([k.schedule for k in result], target)
+    return (*result, *(replace(result[i], schedule=replace(result[i].schedule, split=ONE_THREAD), imbalance=1.0)
+                       for i in serial))
 
 
 def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None,

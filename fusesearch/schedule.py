@@ -8,7 +8,8 @@ prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the re
 `impl` (library | generated | alias), `skeleton` (CUDA: grid-stride, vectorized, block-per-row,
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
 `split_k`, `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU conv's `library`, and on a CPU
-`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`), `epilogue` (tile | block) and
+`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or ONE_THREAD: the kernel's one
+OpenMP region on one thread, `one_thread_forms`), `epilogue` (tile | block) and
 the layouts it reads and writes (`layout_in`, `layout_out`, `tensor_layouts`); `min_arch`.
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
@@ -98,6 +99,7 @@ TARGET_BLOCKS = 256  # output tiles for two waves on the largest GPUs (132 SMs):
 TILE_CHOICES = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32))  # CUDA-core tiles
 SKINNY_M = 32  # below it a GEMM is GEMV-like: one tile, M rounded up to a power of two
 CPU_SPLITS = ("rows", "cols", "tiles")  # how a CPU gemm's threads share its output (`Schedule.split`)
+ONE_THREAD = "one"  # `Schedule.split` of a CPU kernel whose OpenMP region runs on one thread (`one_thread_forms`)
 # The library a GPU conv's library call is (`Schedule.library`): cuDNN's convolution, cuDNN's
 # conv + bias + activation as one graph ("library, fused epilogue", as ONNX Runtime's FusedConv),
 # or the named fallback where no cuDNN route is installed: im2col + cuBLAS through CuPy
@@ -129,7 +131,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
-                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in CPU_SPLITS)
+                or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in (*CPU_SPLITS, ONE_THREAD))
                 or (self.library and (self.library not in LIBRARY_CALLS or self.impl != "library"))
                 or self.moments not in ("", ONE_PASS)):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
@@ -145,6 +147,12 @@ class Schedule:
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
                 "epilogue": self.epilogue, "split": self.split, "library": self.library, "moments": self.moments}
+
+    @property
+    def cpu_threads(self) -> int:
+        """The OpenMP threads a CPU kernel's region runs with: 1 for the one-thread form
+        (ONE_THREAD), else 0, all of the target's."""
+        return 1 if self.split == ONE_THREAD else 0
 
     @property
     def blocks(self) -> int:
@@ -776,6 +784,18 @@ def cpu_splits(graph: Graph, nodes: Collection[int], anchor: Node, product: str,
         rows, _, cols, _ = split_blocks(split, batches, m, n, max(1, target.threads))
         seen.setdefault((rows, cols), split)
     return tuple(seen.values())
+
+
+def one_thread_forms(schedules: Sequence[Schedule], target: CpuTarget) -> tuple[int, ...]:
+    """Which of a group's CPU choices also run as their one-thread form (split ONE_THREAD, the
+    kernel's region `num_threads(1)`), by index: at a target of more than one thread, each
+    generated choice of the default split ("" or "rows": at one thread every split is one block, so
+    one form per product and epilogue). Priced as such (`KernelSpec.cpu_threads`: one thread's
+    share of the rates, the region's cost at one thread), it wins where a kernel's work is below
+    what a parallel region's fork and barrier cost; at one thread there are none (nothing changes)."""
+    if target.threads <= 1:
+        return ()
+    return tuple(i for i, s in enumerate(schedules) if s.impl == "generated" and s.split in ("", "rows"))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from fusesearch.costing import cheapest, device_choices
 from fusesearch.lowering import choices
 from fusesearch.schedule import (
     CPU_SPLITS,
+    ONE_THREAD,
     SPLIT_TILE_ROWS,
     CpuTarget,
     split_blocks,
@@ -81,15 +82,21 @@ def _cpu(threads: int, lanes: int = 16):
     return with_(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=lanes, sm_count=threads)
 
 
+def _team_forms(graph):
+    """The group's choices at 16 threads but the one-thread forms (tests/backends/test_cpu_one_thread.py)."""
+    return [k for k in choices(graph, _whole(graph), host=AVX512_16) if k.schedule.split != ONE_THREAD]
+
+
 def test_a_gemm_lists_each_split_and_one_thread_lists_rows_alone():
-    """At 16 threads every product is listed over rows, columns and tiles, "rows" first; at one
-    thread every split makes the same one block, so "rows" alone is listed, as before the splits."""
+    """At 16 threads every product is listed over rows, columns and tiles, "rows" first, then each
+    on one thread; at one thread every split makes the same one block, so "rows" alone is listed,
+    as before the splits."""
     from tests.test_lowering import graph_of
 
     graph = graph_of(*_bias_relu(96))
     many = choices(graph, _whole(graph), host=AVX512_16)
     assert [(k.schedule.product, k.schedule.split) for k in many] == [
-        (p, s) for p in ("own", "blas") for s in CPU_SPLITS]
+        (p, s) for p in ("own", "blas") for s in CPU_SPLITS] + [("own", ONE_THREAD), ("blas", ONE_THREAD)]
     one = choices(graph, _whole(graph), host=CpuTarget(lanes=16))
     assert [(k.schedule.product, k.schedule.split, k.imbalance) for k in one] == [("own", "rows", 1.0),
                                                                                   ("blas", "rows", 1.0)]
@@ -106,7 +113,7 @@ def test_a_split_without_a_constant_b_or_under_a_softmax_is_rows_alone():
     softmax = graph_of([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Softmax", ["y"], ["out"])],
                        [("x", [96, 32])], [("out", None)], [("w", _w([32, 64]))])
     for graph in (scores, softmax):
-        kernels = [k for k in choices(graph, _whole(graph), host=AVX512_16) if k.impl == "generated"]
+        kernels = [k for k in _team_forms(graph) if k.impl == "generated"]
         assert kernels and {k.schedule.split for k in kernels} == {"rows"}
 
 
@@ -147,7 +154,7 @@ def test_every_split_equals_onnx_runtime_at_any_thread_count(tmp_path, name):
     blocks of rows and of columns over 24 rows), equals ONNX Runtime; and its block loop is the
     split's: no column blocks for "rows", else the split's row limit and `cblocks` blocks."""
     graph, values = _graph(tmp_path, *GROUPS[name](24))
-    kernels = [k for k in choices(graph, _whole(graph), host=AVX512_16) if k.impl == "generated"]
+    kernels = [k for k in _team_forms(graph) if k.impl == "generated"]
     assert {k.schedule.split for k in kernels} == set(CPU_SPLITS)
     for kernel in kernels:
         gk = generate(graph, kernel)

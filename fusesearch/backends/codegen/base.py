@@ -330,7 +330,7 @@ def wide_kernel(ops, outs) -> bool:
     return any(op in WIDE_OPS for op in ops) or any(streams(o) for o in outs)
 
 
-def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bool = False) -> str:
+def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bool = False, threads: int = 0) -> str:
     """A C kernel's source: the runtime's header (`c_runtime.C_HEADER`: the inline helpers and the
     declarations of what the shared runtime defines, the packed GEMM included), `defs` (file-scope
     definitions of the kernel's own: a tile epilogue with the tile kernels it is inlined into,
@@ -338,10 +338,12 @@ def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bo
     invariant temporaries hoisted: `hoist_loop_invariants`) in one OpenMP parallel region, whose
     worksharing loops (`OMP_FOR`) share the work — one team per call, as the cost model prices a
     host kernel's launch — and its `<name>_pack`. `wide` (the caller's decision, `wide_kernel`):
-    the kernel compiled for 512-bit vectors."""
+    the kernel compiled for 512-bit vectors. `threads`: the region's team as the schedule says
+    (`Schedule.cpu_threads`): 0 the caller's threads, else `num_threads(threads)`."""
     body = hoist_loop_invariants(body)
+    team = f" num_threads({threads})" if threads else ""
     src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}\n"
-           f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n    #pragma omp parallel\n    {{\n{body}    }}\n}}\n"
+           f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n    #pragma omp parallel{team}\n    {{\n{body}    }}\n}}\n"
            f"{_WIDE_OFF if wide else ''}")
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"

@@ -319,7 +319,7 @@ _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#inc
               "void FS_BLAS_SGEMV(int, int, int, int, float, const float*, int, const float*, int, float, float*, int);\n"
               "#define FS_GEMV_OR(call) if (mc == 1) { call } else\n#else\n#define FS_GEMV_OR(call)\n#endif\n"
               "#define FS_FMAX(a, b) ((a) > (b) ? (a) : (b))\n"
-              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n" + _C_MATH + _C_SCRATCH + _C_STREAM + _C_FOLD + "#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads(); }\n"
+              "#define FS_FMIN(a, b) ((a) < (b) ? (a) : (b))\n" + _C_MATH + _C_SCRATCH + _C_STREAM + _C_FOLD + "#ifdef _OPENMP\n#include <omp.h>\nstatic inline long long fs_threads(void) { return omp_get_level() ? omp_get_num_threads() : omp_get_max_threads(); }\n"
               "#else\nstatic inline long long fs_threads(void) { return 1; }\n#endif\n#define FS_PRAGMA(x) _Pragma(#x)\n#define FS_SIMD_SUM(a) FS_PRAGMA(omp simd reduction(+:a))\n")
 _CU_PRELUDE = ("#define fs_expf(x) expf(x)\n#define fs_expf_le(x) expf(x)\n#define fs_erff(x) erff(x)\n"
                "#define fs_gelu2f(x) fmaf((x), erff((x) * 0.7071067811865476f), (x))\n#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"

@@ -39,6 +39,7 @@ from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
+    CPU_SPLITS,
     SPLIT_COL_ALIGN,
     anchor_derived,
     folded_scale,
@@ -215,8 +216,8 @@ def gemm_product(graph: Graph, kernel: Kernel, anchor: Node) -> str:
 
 def gemm_split(kernel: Kernel) -> str:
     """The thread split the kernel's schedule names (`Schedule.split`); a kernel lowered for a GPU
-    names none, and its C form splits rows."""
-    return kernel.schedule.split or "rows"
+    names none, and its C form splits rows, as does a one-thread form (its one block)."""
+    return kernel.schedule.split if kernel.schedule.split in CPU_SPLITS else "rows"
 
 
 def _tile_epilogue(graph: Graph, kernel: Kernel, args, anchor: Node, out: Arg, yshape) -> tuple[str, str | None] | None:

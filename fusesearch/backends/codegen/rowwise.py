@@ -171,7 +171,8 @@ def _rowwise(graph, kernel, name, ins, outs, args, packs: dict):
     if product is not None:  # the product first (packed, blocked), then the rows read it
         loops, own = product
         c_body = loops if own else f"#ifdef FS_BLAS_SGEMM\n{loops}#else\n{c_body}#endif\n"
-    c_src = c_function(name, ins, outs, tuple(packs.values()), c_body, wide=wide_kernel(kernel.ops, outs))
+    c_src = c_function(name, ins, outs, tuple(packs.values()), c_body, wide=wide_kernel(kernel.ops, outs),
+                       threads=kernel.schedule.cpu_threads)
     arg = _CU_BLOCK_ARGBEST if any(graph.nodes[i].op_type in ARG_OPS for i in kernel.nodes) else ""
     cu_src = (f"{_CU_PRELUDE}{_CU_BLOCK_REDUCE}{arg}\n{cuda_entry(name, ins, outs)} {{\n"
               + "".join(x + "\n" for x in cu_side)
