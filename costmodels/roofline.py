@@ -8,13 +8,11 @@ Approach (after XLA's gpu_performance_model):
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
 d `division_flops`, r `read_traffic_factor`, e `index_division_flops` (defaults 0, 1, 0); occ =
 min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
-`float32_uses_tf32`; no tensor rate: FP32) price library calls and "tensor-core" units, other
-kernels the FP32 CUDA cores (`compute_unit`); eff[t, impl] is `library_efficiency`,
-`mma_efficiency`, `mma_sync_efficiency` or `tc_efficiency`. A CPU kernel on fewer threads than
-the device's (`KernelSpec.cpu_threads`) gets their share of both rates, and on one thread pays the
-one-thread region (`DeviceSpec.serial_launch_overhead_s`) as launch_s.
-Invariants: pure and deterministic; an unlaunchable kernel is infeasible (time_s = inf, a reason
-naming both numbers); `bound` names the largest of compute, memory and launch."""
+`float32_uses_tf32`) price library calls and "tensor-core" units, other kernels the FP32 CUDA cores;
+eff[t, impl] is `library_efficiency`, `mma_*` or `tc_efficiency`; a CPU kernel on one thread
+(`cpu_threads`) gets its share of both rates and `serial_launch_overhead_s`.
+Invariants: pure, deterministic; an unlaunchable kernel is infeasible (time_s = inf, both numbers
+named); `bound` names the largest of compute, memory and launch."""
 
 from __future__ import annotations
 

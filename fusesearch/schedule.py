@@ -8,9 +8,8 @@ prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the re
 `impl` (library | generated | alias), `skeleton` (CUDA: grid-stride, vectorized, block-per-row,
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
 `split_k`, `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU conv's `library`, and on a CPU
-`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or ONE_THREAD: the kernel's one
-OpenMP region on one thread, `one_thread_forms`), `epilogue` (tile | block) and
-the layouts it reads and writes (`layout_in`, `layout_out`, `tensor_layouts`); `min_arch`.
+`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or ONE_THREAD: its region on one
+thread), `moments`, `epilogue` (tile | block), `layout_in`/`layout_out` (`tensor_layouts`).
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
 (tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""
