@@ -362,13 +362,8 @@ def plan(
     config = _config(time_limit, max_group_size, seed, workers)
     fixed, buckets = split_dims(dim or [], dim_weights or [])
     if buckets is not None:
-        refused = [flag for flag, given in ((f"--costs {costs}", costs != "predicted"),
-                                            ("--input-value", input_value), ("--explain", explain)) if given]
-        if refused:
-            raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a plan "
-                           f"over buckets; give --dim {buckets.dim} one value to use it")
-        preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
-                 for v in buckets.values]
+        preps = _bucket_preps(model, input_shape, fixed, buckets, dtype, no_tf32, "plan", (
+            (f"--costs {costs}", costs != "predicted"), ("--input-value", input_value), ("--explain", explain)))
         result, figures, _ = plan_buckets(preps, buckets, device, strategy, config, threads)
         verified = None
         if emit is not None:
@@ -1004,7 +999,6 @@ def run(
     ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
     from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
     from fusesearch.buckets import split_dims
-    from fusesearch.pipeline import prepare
     from fusesearch.verify import check_memory
 
     runs_on = check_run(backend, baselines or (), costs)
@@ -1019,14 +1013,9 @@ def run(
     device = backend_device(device, runs_on, threads, program=True)
     fixed, buckets = split_dims(dim or [])
     if buckets is not None:
-        refused = [flag for flag, given in (("--plan", plan_json), (f"--costs {costs}", costs != "predicted"),
-                                            ("--input-value", input_value), ("-o", output), ("--baselines", baselines),
-                                            ("--dump", dump), ("--trace", trace)) if given]
-        if refused:
-            raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a run "
-                           f"over buckets; give --dim {buckets.dim} one value to use it")
-        preps = [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
-                 for v in buckets.values]
+        preps = _bucket_preps(model, input_shape, fixed, buckets, dtype, no_tf32, "run", (
+            ("--plan", plan_json), (f"--costs {costs}", costs != "predicted"), ("--input-value", input_value),
+            ("-o", output), ("--baselines", baselines), ("--dump", dump), ("--trace", trace)))
         for prep in preps:
             check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
         _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None), runs_on, threads, repeat,
@@ -1063,6 +1052,19 @@ def _trace(planned, path: Path, backend, threads: int, repeat: int, warmup: int,
     with writing(path, "--trace"):
         write_trace(doc, path)
     print(f"fusesearch: trace of {repeat} rounds written to {path}", file=sys.stderr)
+
+
+def _bucket_preps(model, input_shape, fixed, buckets, dtype, no_tf32, command: str, options) -> list:
+    """Each bucket's prepared model for `plan`/`run --dim` over several values, after refusing the
+    first of `options` ((flag, given) pairs) given, which take one value only."""
+    from fusesearch.pipeline import prepare
+
+    refused = [flag for flag, given in options if given]
+    if refused:
+        raise BadInput(f"{refused[0]} with --dim {buckets.dim} over several values: not available for a {command} "
+                       f"over buckets; give --dim {buckets.dim} one value to use it")
+    return [prepare(model, _bindings(input_shape, [*fixed, f"{buckets.dim}={v}"]), dtype=dtype, tf32=not no_tf32)
+            for v in buckets.values]
 
 
 def _run_buckets(preps, buckets, device, strategy, config, runs_on, threads, repeat, warmup, seed, rtol, check_each,
