@@ -224,12 +224,26 @@ def test_plan_json_is_byte_identical_across_runs(run_cli, tmp_path, fresh_host, 
     assert json.loads(texts[0])["solver"]["status"] == "OPTIMAL"
 
 
+def _entry_key(entries, threads):
+    """The cache key of the entry measured with `threads` OpenMP threads (keys read 'model; N threads; ...')."""
+    [key] = [k for k in entries if f"; {threads} threads;" in k]
+    return key
+
+
 def test_host_figures_are_measured_once_and_read_back(fresh_host):
-    """The cache file holds one entry per machine; host_cpu() reads it instead of measuring."""
+    """The cache file holds one entry per machine and thread count; host_cpu() reads it instead of
+    measuring. Above one thread the one-thread entry is there too: the serial launch reads it."""
     first = host_cpu()
     path = host_cache_path()
     entries = json.loads(path.read_text())
-    [(key, figures)] = entries.items()
+    key = _entry_key(entries, first.sm_count)
+    figures = entries[key]
+    if first.sm_count > 1:
+        assert len(entries) == 2
+        serial = entries[_entry_key(entries, 1)]["launch_s"]
+        assert first.serial_launch_overhead_s == (serial if serial > 0 else CPU_LAUNCH_OVERHEAD_S)
+    else:
+        assert len(entries) == 1 and first.serial_launch_overhead_s == 0.0
     assert figures["dram_bytes_per_s"] == first.dram_bytes_per_s
     assert [tuple(point) for point in figures["cache_curve"]] == list(first.cache_curve)
     assert f"{first.sm_count} threads" in key
@@ -265,8 +279,7 @@ def test_a_corrupt_or_foreign_host_cache_is_measured_again(fresh_host, kept):
     host = host_cpu()
     assert 0 < host.dram_bytes_per_s < float("inf")  # measured anew; how fast is not a test's business
     entries = json.loads(path.read_text())
-    key = next(k for k in entries if "threads" in k)
-    assert entries[key]["dram_bytes_per_s"] == host.dram_bytes_per_s
+    assert entries[_entry_key(entries, host.sm_count)]["dram_bytes_per_s"] == host.dram_bytes_per_s
 
 
 def test_a_host_profile_keeps_its_own_bandwidth(fresh_host, tmp_path):
