@@ -314,10 +314,11 @@ def check_costs(costs: str) -> None:
     check(costs)
 
 
-def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None):
-    from fusesearch.search.problem import SearchConfig
+def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None, decompose: str = "auto"):
+    from fusesearch.search.problem import SearchConfig, check_decompose
 
     return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
+                        decompose=check_decompose(decompose, "--decompose"),
                         **({"workers": workers} if workers else {}))
 
 
@@ -333,6 +334,8 @@ def plan(
     max_group_size: MaxGroup = 16,
     seed: Seed = 0,
     workers: Workers = None,
+    decompose: Annotated[str, typer.Option("--decompose", help="cpsat: cut the graph into pieces solved apart and "
+                                           "joined exactly: auto (from 1,000 nodes), always or never.")] = "auto",
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.json here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Log every fusion accepted or refused.")] = False,
@@ -359,7 +362,7 @@ def plan(
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
     _check_dump(dump, force)
-    config = _config(time_limit, max_group_size, seed, workers)
+    config = _config(time_limit, max_group_size, seed, workers, decompose)
     fixed, buckets = split_dims(dim or [], dim_weights or [])
     if buckets is not None:
         preps = _bucket_preps(model, input_shape, fixed, buckets, dtype, no_tf32, "plan", (
