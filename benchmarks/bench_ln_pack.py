@@ -9,8 +9,10 @@ threads (default 1), each a tiny graph built here, lowered for this CPU (`loweri
     normalised rows are an output: BERT's post-LN residual);
   - packed: one kernel, each block normalising its rows into the A panel its product reads next.
 Timed interleaved (`measure_interleaved`): medians with p20-p80 (ms), and the load average before
-and after. `--callgrind` also counts each form's instructions under valgrind (one call each, AVX2
-build: valgrind decodes no AVX-512), repeatable where the timings are too noisy to compare.
+and after. `--callgrind` also counts each form's instructions and, through valgrind's cache
+simulation (the host's L1), its L1 data misses (one call each, after the other forms' calls:
+last-level misses there say which ran first, not what a form costs; AVX2 build: valgrind decodes
+no AVX-512), repeatable where the timings are too noisy to compare.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/bench_ln_pack.py [--budget 0.3] [--rounds 7]
         [--callgrind] [--only bert-small]
@@ -137,9 +139,12 @@ for e in json.load(open(sys.argv[1])):
 """
 
 
-def callgrind(cases, tmp: Path) -> dict[str, int]:
-    """Instructions of each kernel's parallel region (inclusive), one call each under callgrind,
-    built for AVX2."""
+EVENTS = ("Ir", "D1mr", "D1mw")
+
+
+def callgrind(cases, tmp: Path) -> dict[str, tuple[int, ...]]:
+    """EVENTS of each kernel's parallel region (inclusive), one call each under callgrind with its
+    cache simulation, built for AVX2."""
     cpu.CFLAGS = (*cpu.CFLAGS, "-mno-avx512f")
     target = CpuTarget(lanes=8)
     entries = []
@@ -158,16 +163,16 @@ def callgrind(cases, tmp: Path) -> dict[str, int]:
     (tmp / "child.py").write_text(CHILD)
     (tmp / "entries.json").write_text(json.dumps(entries))
     out = tmp / "cg.out"
-    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}",
+    subprocess.run(["valgrind", "--tool=callgrind", "--cache-sim=yes", "--collect-atstart=no", f"--callgrind-out-file={out}",
                     "--toggle-collect=GOMP_parallel", sys.executable, str(tmp / "child.py"), str(tmp / "entries.json")],
                    capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
-    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
-                          capture_output=True, text=True, check=True).stdout
-    counts: dict[str, int] = {}
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", f"--show={','.join(EVENTS)}",
+                           "--show-percs=no", str(out)], capture_output=True, text=True, check=True).stdout
+    counts: dict[str, tuple[int, ...]] = {}
     for line in text.splitlines():
-        m = re.match(r"\s*([\d,]+)\s.*?\b(c\d+_\w+?)\._omp_fn", line)
-        if m:
-            counts.setdefault(m.group(2), int(m.group(1).replace(",", "")))
+        m = re.match(r"\s*((?:[\d,.]+\s+){" + str(len(EVENTS)) + r"}).*?\b(c\d+_\w+?)\._omp_fn", line)
+        if m:  # "." is a zero
+            counts.setdefault(m.group(2), tuple(int(x.replace(",", "").replace(".", "0")) for x in m.group(1).split()))
     return counts
 
 
@@ -193,15 +198,16 @@ def main() -> None:
     if args.callgrind:
         with tempfile.TemporaryDirectory() as tmp:
             counts = callgrind(cases, Path(tmp))
-        print(f"{'case':22} {'form':7} {'instructions':>14} {'/ split':>8}")
+        print(f"{'case':22} {'form':7} {'instructions':>14} {'/ split':>8} {'L1 misses':>11} {'/ split':>8}")
         for i, case in enumerate(cases):
-            per = {}
+            per: dict[str, list[int]] = {}
             for name, c in counts.items():
                 if name.startswith(f"c{i}_"):
-                    form = re.sub(r"\d+$", "", name[len(f"c{i}_"):])
-                    per[form] = per.get(form, 0) + c
-            for form, c in per.items():
-                print(f"{case[0]:22} {form:7} {c:14,d} {c / per['split']:8.3f}")
+                    total = per.setdefault(re.sub(r"\d+$", "", name[len(f"c{i}_"):]), [0, 0])
+                    total[0] += c[0]
+                    total[1] += c[1] + c[2]
+            for form, (ir, l1) in per.items():
+                print(f"{case[0]:22} {form:7} {ir:14,d} {ir / per['split'][0]:8.3f} {l1:11,d} {l1 / per['split'][1]:8.3f}")
 
 
 if __name__ == "__main__":

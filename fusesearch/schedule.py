@@ -1181,7 +1181,7 @@ def row_prologue(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[int,
     return before if any(graph.nodes[i].kind == OpKind.REDUCE for i in before) else ()
 
 
-# A packed row prologue's strip (`prologue_strips`): the rows of our micro-kernel's AVX-512 tile
+# A packed row prologue's strip (`row_strips`): the rows of our micro-kernel's AVX-512 tile
 # (two FS_MR panels), normalised into the A panel just before the product reads them
 PANEL_ROWS = 2 * CPU_MICRO_TILE[0]
 ROWS_B_BLOCK_FLOATS = 65536  # B's floats per column block of `fs_gemm_rows` (`c_gemm`'s FS_ROWS_B_BLOCK), kept in L2
@@ -1199,17 +1199,19 @@ def prologue_forms(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[st
     computes its own rows (moments in one pass, then normalised) into its A panel, the output's
     rows where the activation is an output (one store, read back at once), else scratch never
     stored (GPT-2's and ViT's pre-LN projections); in strips of PANEL_ROWS rows, each multiplied
-    while in L1, where B is one column block of our micro-kernel (`prologue_strips`). A packed
+    while in L1, where B is one column block of our micro-kernel (`row_strips`). A packed
     prologue that stores an output runs with the "rows" split alone (`prologue_splits`)."""
     if not row_prologue(graph, nodes, anchor):
         return ()
     return ("stored", "packed") if _escapes(graph, nodes, anchor.inputs[0]) else ("packed",)
 
 
-def prologue_strips(graph: Graph, anchor: Node) -> bool:
-    """Whether a packed row prologue runs in strips (blocks of PANEL_ROWS rows): B, K x N, is one
-    column block of `fs_gemm_rows` (ROWS_B_BLOCK_FLOATS, in L2), so a strip's product reads B from
-    L2 as a whole block's would; past it each strip would read B again from beyond L2."""
+def row_strips(graph: Graph, anchor: Node) -> bool:
+    """Whether our micro-kernel's blocks run in strips of PANEL_ROWS rows (a packed row prologue's
+    rows, the product's block, its epilogue or row epilogue, each strip in turn: its rows stay in
+    L1 between the steps): B, K x N, is one column block of `fs_gemm_rows` (ROWS_B_BLOCK_FLOATS, in
+    L2), so a strip's product reads B from L2 as a whole block's would; past it each strip would
+    read B again from beyond L2."""
     k = graph.tensors[anchor.inputs[1]].shape
     return len(k) >= 2 and k[-2] * k[-1] <= ROWS_B_BLOCK_FLOATS
 
@@ -1227,6 +1229,6 @@ def prologue_readback(graph: Graph, nodes: Sequence[int], anchor: Node, form: st
     """Bytes a gemm's product reads its row prologue's activation back with from beyond L1: all of
     it where the rows are stored first ("stored") or a packed block's panel outlives L1 (no
     strips); none where a packed strip is multiplied as soon as it is normalised."""
-    if form == "" or form == "packed" and prologue_strips(graph, anchor):
+    if form == "" or form == "packed" and row_strips(graph, anchor):
         return 0
     return 4 * graph.tensors[anchor.inputs[0]].size

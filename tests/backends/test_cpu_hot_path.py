@@ -88,3 +88,68 @@ def test_product_scale_with_a_bias_is_stored_with_no_pass(tmp_path):
     assert gk.packed[0].scale == 0.25 and "0.25f, pk0 + g" in gk.c_source and "*=" not in gk.c_source
     body = _body(gk)
     assert "fs_gemm_rows(mc, 32LL, 24LL, in0 + (" in body and "cbuf" not in body and "0.25f" not in body
+
+
+def _equal_at(gk, prep, threads):
+    """`gk` run at each thread count equals ONNX Runtime on every output."""
+    from fusesearch.backends.cpu import openmp_threads
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.verify import all_values, random_feeds
+
+    values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
+    for t in threads:
+        with openmp_threads(t):
+            out = cpu.run(gk, {a.tensor: values[a.tensor] for a in gk.inputs})
+        for a in gk.outputs:
+            ref = values[a.tensor].astype(np.float64)
+            np.testing.assert_allclose(out[a.tensor], ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())),
+                                       err_msg=f"{a.tensor} at {t} threads")
+
+
+@pytest.mark.parametrize("seq,strips", [(40, True), (100, False)])  # K x N = 16 x seq; 64 x 1100 past one L2 block
+def test_a_block_finishes_its_scores_rows_while_they_are_in_cache(tmp_path, seq, strips):
+    """Attention's scores under a Softmax: each block of rows computes its scores (the keys packed
+    once per block) and then runs the Softmax over those rows, in strips of PANEL_ROWS rows where
+    the keys stay in L2 (`schedule.row_strips`): a strip's scores are read back from L1, not the
+    whole heads' matrix from L2 after every block; the mask's side loop runs once before the blocks.
+    Equal to ONNX Runtime at 1 and 2 threads."""
+    from fusesearch.backends.codegen import generate
+
+    nodes, inits = _scores("Mul", 0.125)
+    nodes = [helper.make_node("Mul", ["m", "big"], ["mask"])] + nodes  # the mask computed in the group
+    d = 16 if strips else 1100
+    prep = prepare(save(make_model(nodes, [("q", [1, 2, seq, d]), ("k", [1, 2, seq, d]), ("m", [1, 1, 1, seq])],
+                                   [("out", None), ("mask", None)], inits + [("big", np.float32(-100.0))]),
+                        tmp_path / "m.onnx"))
+    graph = prep.graph
+    own = next(k for k in choices(graph, FusionGroup(frozenset(range(len(graph)))), host=AVX512)
+               if k.schedule.product == "own")
+    gk = generate(graph, own)
+    body = _body(gk)
+    block = body[body.index("for (long long blk = 0;"):]
+    product, rows = block.index("fs_gemm_rows("), block.index("long long ybase = z * ")
+    assert product < rows < block.index("for (long long rp = 0; rp < (mc + 1) / 2; ++rp)"), block
+    mask = next(a.name for a in gk.outputs if a.tensor == "mask")
+    assert body.index(f"{mask}[") < body.index("for (long long blk = 0;") and body.count("#pragma omp for") == 2, body
+    assert (f"for (long long s0 = 0; s0 < mcb; s0 += {schedule.PANEL_ROWS}LL)" in block) == strips, block
+    _equal_at(gk, prep, (1, 2))
+
+
+def test_a_block_epilogue_runs_in_strips_that_stay_in_l1(tmp_path):
+    """Bias + GELU after a product whose B stays in L2, without the tile epilogue (the block
+    epilogue, as on a CPU without AVX-512): each block's product and its epilogue run per strip of
+    PANEL_ROWS rows, so the strip's product buffer is read back from L1 (12 x N floats, not the
+    block's rows x N). Equal to ONNX Runtime at 1 and 2 threads."""
+    from fusesearch.backends.codegen import generate
+    from tests.backends.test_cpu_split import _gelu
+
+    nodes, inputs, outputs, inits = _gelu(70)
+    prep = prepare(save(make_model(nodes, inputs, outputs, inits), tmp_path / "m.onnx"))
+    graph = prep.graph
+    block = next(k for k in choices(graph, FusionGroup(frozenset(range(len(graph)))), host=schedule.CpuTarget(lanes=8))
+                 if k.schedule.product == "own")
+    gk = generate(graph, block)
+    body = _body(gk)
+    loop = body[body.index(f"for (long long s0 = 0; s0 < mcb; s0 += {schedule.PANEL_ROWS}LL)"):]
+    assert loop.index("cbuf = fs_scratch(") < loop.index("fs_gemm_rows(mc,") < loop.index("fs_gelu"), body
+    _equal_at(gk, prep, (1, 2))

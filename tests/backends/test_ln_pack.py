@@ -1,7 +1,7 @@
 """A LayerNorm's rows as its projection's prologue, two priced forms (`Schedule.prologue`,
 `schedule.prologue_forms`): "stored" (every row normalised and stored, then the product's blocks
 read them back) and "packed" (each block computes its own rows, moments in one pass, into the A
-panel its product reads next; in strips of PANEL_ROWS rows where B stays in L2). Equal to ONNX
+panel its product reads next; strip by strip of PANEL_ROWS rows where B stays in L2). Equal to ONNX
 Runtime at row widths on and off the vector width, with the normalised rows an output or not, with
 a bias and a GELU epilogue, at 1 and 2 threads; the source follows the schedule; the price counts
 the bytes each form reads back."""
@@ -111,13 +111,13 @@ def test_the_packed_source_normalises_each_block_into_its_panel(tmp_path, normal
     """The packed form's source: one OpenMP region and one work-shared loop (the blocks: no pass over
     all rows before them), each block computing its rows' moments (one chunked pass per row, two
     rows at a time) and then the rows into its A panel: scratch `abuf` never stored where the
-    normalised rows are not an output, the output's rows read in place where they are; blocks of
-    at most PANEL_ROWS rows (B within one column block of `fs_gemm_rows`)."""
+    normalised rows are not an output, the output's rows read in place where they are; in strips of
+    PANEL_ROWS rows, each normalised then multiplied (B within one column block of `fs_gemm_rows`)."""
     prep = _prepared(tmp_path, _ln_projection(96, 64, op=True, normalised_out=normalised_out, gelu=False))
     packed = next(kn for kn in choices(prep.graph, _whole(prep.graph), host=AVX512) if kn.schedule.prologue == "packed")
     body = _body(_run_equal(prep, packed))
     assert body.count("#pragma omp parallel") == 1 and body.count("#pragma omp for") == 1, body
-    assert f"if (mb > {schedule.PANEL_ROWS}LL) mb = {schedule.PANEL_ROWS}LL;" in body, body
+    assert f"for (long long s0 = 0; s0 < mcb; s0 += {schedule.PANEL_ROWS}LL)" in body, body
     block = body[body.index("for (long long blk = 0;"):]
     rows, product = block.index("for (long long rp = 0; rp < (mc + 1) / 2; ++rp)"), block.index("fs_gemm_rows(")
     assert rows < product and block.count("for (long long j0 = 0;") == 2, block  # a moments pass per row of a pair

@@ -141,12 +141,12 @@ def _c_rows(plan: _RowPlan, c_side: list[str]) -> str:
 _TOP_NAME = re.compile(r"^(?:const )?(?:float|double|int|long long|int64_t|int32_t|uint8_t|_Bool)\*? \**(\w+)\s*[\[=;]")
 
 
-def _paired(body: list[str], rows: int, first: str = "0", end: str = "") -> list[str]:
+def _paired(body: list[str], rows: int, first: str = "", end: str = "") -> list[str]:
     """The row body `body` (over row `r`) for rows r_0 = 2 rp and r_1 = r_0 + 1 (r_0 again past the
     last row: an odd count computes its last row twice, storing the same values), statement by
     statement: each top-level statement (an if with its else: one) for r_0, then for r_1, every
     name it declares at the top suffixed by its row (rows from `first` to `end`, by default 0 and
-    `rows`: a gemm block's rows). A short row's reductions are chains of dependent steps (the last partial
+    `rows`; a gemm block's rows otherwise). A short row's reductions are chains of dependent steps (the last partial
     sums folded, a reciprocal) that the other row's independent work now fills: a scaled, masked
     Softmax over 128-float rows 25% faster beyond the cache, an Add + LayerNorm 17%."""
     statements: list[list[str]] = []
@@ -165,7 +165,7 @@ def _paired(body: list[str], rows: int, first: str = "0", end: str = "") -> list
     names = {"r"} | {m.group(1) for st in statements if (m := _TOP_NAME.match(st[0].strip()))}
     rename = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\b")
     end = end or f"{rows}LL"
-    out = [f"long long r_0 = {first} + 2 * rp, r_1 = r_0 + 1 < {end} ? r_0 + 1 : r_0;"]
+    out = [f"long long r_0 = {first + ' + ' if first else ''}2 * rp, r_1 = r_0 + 1 < {end} ? r_0 + 1 : r_0;"]
     for st in statements:
         for u in (0, 1):
             out += [rename.sub(lambda m, u=u: f"{m.group(1)}_{u}", line) for line in st]
@@ -211,19 +211,26 @@ def row_prologue_block(graph, kernel, args, outs, rows: tuple[int, ...], first: 
     name = (panel.name, first) if panel is not None else ()
     plan, (c_side, _) = _row_plan(graph, replace(kernel, nodes=rows, anchor=None), args,
                                   [*outs, *([panel] if panel is not None else [])], panel=name)
+    return c_side, _block_rows(plan, first, count)
+
+
+def _block_rows(plan: _RowPlan, first: str, count: str) -> list[str]:
+    """The row body over a gemm block's `count` rows from flat row `first`, two at a time where
+    short (`_paired`), in the block's thread."""
     if plan.length <= PAIR_MAX_LENGTH:
         body = _paired(plan.c, plan.rows, first, f"{first} + {count}")
-        loop = [f"for (long long rp = 0; rp < ({count} + 1) / 2; ++rp) {{", *["    " + x for x in body], "}"]
-    else:
-        loop = [f"for (long long r = {first}; r < {first} + {count}; ++r) {{", *["    " + x for x in plan.c], "}"]
-    return c_side, loop
+        return [f"for (long long rp = 0; rp < ({count} + 1) / 2; ++rp) {{", *["    " + x for x in body], "}"]
+    return [f"for (long long r = {first}; r < {first} + {count}; ++r) {{", *["    " + x for x in plan.c], "}"]
 
 
 def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | None:
     """C for a row kernel over a MatMul/Gemm (attention's scores or a classifier head under a
     Softmax): the product, prologue applied, into a scratch buffer through the GEMM
     blocks (our micro-kernel over weights packed once into `packs` or keys packed per head, else
-    the BLAS), then the row loops reading it (each row's dot products are one tile instead of a
+    the BLAS), each block then running the rows over its own product while it is in cache (in
+    strips of `schedule.PANEL_ROWS` rows where B stays in L2: `schedule.row_strips`; a pass over
+    all rows after the blocks where an output streams past the cache), the side outputs (a mask)
+    first (each row's dot products are one tile instead of a
     dot per element); with whether it runs without a BLAS (the schedule's product is "own", our
     micro-kernel: no `#ifdef`). None without an anchor, where the product is not float32, or where
     the schedule's product is "loops" (the row loops compute it inline)."""
@@ -238,10 +245,11 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     if product == "loops":  # the row loops compute the product inline
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
-    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
-    return ("    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
-            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), product == "own"
+    after = None if plan.streamed else _block_rows(plan, "ybase", "mc")  # each block's rows after its product
+    loops = "".join(x + "\n" for x in _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs, after=after))
+    rows = "".join(x + "\n" for x in c_side) + loops if after is not None else loops + _c_rows(plan, c_side)
+    return "    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n" + rows, product == "own"
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
