@@ -96,11 +96,13 @@ def forms(case, target: CpuTarget, tag: str):
     graph = prep.graph
     values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
     anchor = next(nd.id for nd in graph.nodes if nd.op_type in ("MatMul", "Gemm"))
-    whole = [kn for kn in choices(graph, FusionGroup(frozenset(range(len(graph)))), host=target)
+    options = choices(graph, FusionGroup(frozenset(range(len(graph)))), host=target)  # refused: the split alone
+    whole = [kn for kn in (options if isinstance(options, tuple) else ())
              if kn.schedule.split in ("", "rows") and kn.schedule.product == "own"]
     out = {}
-    for kn in whole:
-        out.setdefault(kn.schedule.prologue, [generate(graph, kn, f"{tag}_{kn.schedule.prologue}")])
+    for kn in whole:  # (a tree from before the forms: its one form is the stored one)
+        form = getattr(kn.schedule, "prologue", "stored")
+        out.setdefault(form, [generate(graph, kn, f"{tag}_{form}")])
     before = [i for i in range(len(graph)) if i < anchor and graph.nodes[i].op_type != "MatMul"]
     parts = [choices(graph, FusionGroup(frozenset(p)), host=target) for p in (before, range(before[-1] + 1, len(graph)))]
     out["split"] = [generate(graph, next(kn for kn in p if kn.impl == "generated" and kn.schedule.split != ONE_THREAD),
