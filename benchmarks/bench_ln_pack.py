@@ -88,10 +88,9 @@ def case_model(rows, k, n, gelu, normalised_out, op):
 
 def forms(case, target: CpuTarget, tag: str):
     """(prepared model, the ONNX Runtime values, {form: [generated kernels]}) of one case."""
-    name, rows, k, n, gelu, normalised_out, op = case
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.onnx"
-        path.write_bytes(case_model(rows, k, n, gelu, normalised_out, op).SerializeToString())
+        path.write_bytes(case_model(*case[1:]).SerializeToString())
         prep = prepare(str(path))
     graph = prep.graph
     values = all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
@@ -208,8 +207,9 @@ def main() -> None:
                     total = per.setdefault(re.sub(r"\d+$", "", name[len(f"c{i}_"):]), [0, 0])
                     total[0] += c[0]
                     total[1] += c[1] + c[2]
+            base = per["split"]
             for form, (ir, l1) in per.items():
-                print(f"{case[0]:22} {form:7} {ir:14,d} {ir / per['split'][0]:8.3f} {l1:11,d} {l1 / per['split'][1]:8.3f}")
+                print(f"{case[0]:22} {form:7} {ir:14,d} {ir / base[0]:8.3f} {l1:11,d} {l1 / base[1]:8.3f}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,6 @@ from fusesearch.schedule import (
     one_pass_moments,
     one_thread_forms,
     prologue_forms,
-    prologue_readback,
     prologue_splits,
     row_prologue,
     scaled_product,
@@ -539,10 +538,10 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         skeleton = DEPTHWISE if template == "depthwise" else PACKED  # each product priced as itself
         if prologue:  # the rows' statistics as the rows' own kernel takes them
             skeleton = replace(skeleton, moments=ONE_PASS if one_pass_moments(graph, prologue) else "")
-        products = tuple(_with_readback(graph, ids, anchor, _cpu_split(graph, nodes, anchor, _build(
+        products = tuple(_cpu_split(graph, nodes, anchor, _build(
                              graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
                              replace(skeleton, product=p, epilogue=where, split=split, prologue=form),
-                             reload_tile=(m, n_dim, k), host=True), host))
+                             reload_tile=(m, n_dim, k), host=True), host)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
                          if not prologue or p == "own"
                          for where in epilogues(graph, ids, anchor, p, host.lanes)
@@ -613,13 +612,6 @@ def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, ho
                                 kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
                                 host=True), schedule=kernel.schedule)
     return replace(kernel, imbalance=split_imbalance(split, batches, m, n, host))
-
-
-def _with_readback(graph: Graph, ids: list[int], anchor: Node, kernel: Kernel) -> Kernel:
-    """A CPU gemm choice with the bytes its product reads a row prologue's activation back with
-    (`schedule.prologue_readback`): the stored rows, or a packed block's panel past L1."""
-    back = prologue_readback(graph, ids, anchor, kernel.schedule.prologue)
-    return replace(kernel, read_bytes=kernel.read_bytes + back) if back else kernel
 
 
 def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Kernel, ...]:

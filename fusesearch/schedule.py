@@ -609,7 +609,7 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node, folded: Co
     values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
     Add; no other output
     of the group is at the product's positions, and no row reduction runs after the anchor (one
-    before it, a `row_prologue`, has stored the activation). (The product
+    before it, a `row_prologue`, has computed the activation). (The product
     alone, or plus a bias, is stored in place instead.) `folded`: ops packed into the product
     (`scaled_product`), which run nothing: read through as views."""
     if anchor.op_type not in ("MatMul", "Gemm") or any(
@@ -1174,17 +1174,11 @@ def one_pass_moments(graph: Graph, nodes: Sequence[int]) -> bool:
 def row_prologue(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[int, ...]:
     """The nodes of a C gemm group's row prologue: where a row reduction runs before the anchor (a
     LayerNorm in front of a projection), every node of the group but the anchor and the nodes it
-    reaches, in order: a row kernel (`rowwise`) over them stores the activation before the
-    product's blocks read it (`lowering` checks the rows are the activation's); () where no
-    reduction runs before the anchor."""
+    reaches, in order: a row kernel (`rowwise`) over them computes the activation the product's
+    blocks read, stored first or per block (`prologue_forms`; `lowering` checks the rows are the
+    activation's); () where no reduction runs before the anchor."""
     before = tuple(i for i in nodes if i != anchor.id and not graph.reaches(anchor.id, i))
     return before if any(graph.nodes[i].kind == OpKind.REDUCE for i in before) else ()
-
-
-# A packed row prologue's strip (`row_strips`): the rows of our micro-kernel's AVX-512 tile
-# (two FS_MR panels), normalised into the A panel just before the product reads them
-PANEL_ROWS = 2 * CPU_MICRO_TILE[0]
-ROWS_B_BLOCK_FLOATS = 65536  # B's floats per column block of `fs_gemm_rows` (`c_gemm`'s FS_ROWS_B_BLOCK), kept in L2
 
 
 def _escapes(graph: Graph, nodes: Collection[int], t: str) -> bool:
@@ -1196,24 +1190,16 @@ def prologue_forms(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[st
     the default first; () without one. "stored" where the activation is also an output of the
     group (a residual reads BERT's normalised rows): the rows, all of them, are normalised and
     stored first, then the product's blocks read them back. "packed": each block of output rows
-    computes its own rows (moments in one pass, then normalised) into its A panel, the output's
-    rows where the activation is an output (one store, read back at once), else scratch never
-    stored (GPT-2's and ViT's pre-LN projections); in strips of PANEL_ROWS rows, each multiplied
-    while in L1, where B is one column block of our micro-kernel (`row_strips`). A packed
-    prologue that stores an output runs with the "rows" split alone (`prologue_splits`)."""
+    computes its own rows (moments in one pass, then normalised) into its A panel, in its own
+    thread, no pass over all rows and no barrier before the blocks: the output's rows where the
+    activation is an output (one store, read back at once), else the block's scratch, never
+    stored (GPT-2's and ViT's pre-LN projections: the normalised rows' write and read and a
+    kernel saved). Both move the same bytes at one block of rows (priced alike: the stored form,
+    the measured default, first); a packed prologue that stores an output runs with the "rows"
+    split alone (`prologue_splits`), and recomputes its rows per column block otherwise."""
     if not row_prologue(graph, nodes, anchor):
         return ()
     return ("stored", "packed") if _escapes(graph, nodes, anchor.inputs[0]) else ("packed",)
-
-
-def row_strips(graph: Graph, anchor: Node) -> bool:
-    """Whether our micro-kernel's blocks run in strips of PANEL_ROWS rows (a packed row prologue's
-    rows, the product's block, its epilogue or row epilogue, each strip in turn: its rows stay in
-    L1 between the steps): B, K x N, is one column block of `fs_gemm_rows` (ROWS_B_BLOCK_FLOATS, in
-    L2), so a strip's product reads B from L2 as a whole block's would; past it each strip would
-    read B again from beyond L2."""
-    k = graph.tensors[anchor.inputs[1]].shape
-    return len(k) >= 2 and k[-2] * k[-1] <= ROWS_B_BLOCK_FLOATS
 
 
 def prologue_splits(graph: Graph, nodes: Sequence[int], anchor: Node, form: str, splits: Sequence[str]) -> tuple[str, ...]:
@@ -1223,12 +1209,3 @@ def prologue_splits(graph: Graph, nodes: Sequence[int], anchor: Node, form: str,
     thread); every other form all of `splits`."""
     stores = any(_escapes(graph, nodes, t) for i in row_prologue(graph, nodes, anchor) for t in graph.nodes[i].outputs if t)
     return tuple(s for s in splits if form != "packed" or s == "rows" or not stores)
-
-
-def prologue_readback(graph: Graph, nodes: Sequence[int], anchor: Node, form: str) -> int:
-    """Bytes a gemm's product reads its row prologue's activation back with from beyond L1: all of
-    it where the rows are stored first ("stored") or a packed block's panel outlives L1 (no
-    strips); none where a packed strip is multiplied as soon as it is normalised."""
-    if form == "" or form == "packed" and row_strips(graph, anchor):
-        return 0
-    return 4 * graph.tensors[anchor.inputs[0]].size

@@ -1,10 +1,9 @@
 """A LayerNorm's rows as its projection's prologue, two priced forms (`Schedule.prologue`,
 `schedule.prologue_forms`): "stored" (every row normalised and stored, then the product's blocks
 read them back) and "packed" (each block computes its own rows, moments in one pass, into the A
-panel its product reads next; strip by strip of PANEL_ROWS rows where B stays in L2). Equal to ONNX
-Runtime at row widths on and off the vector width, with the normalised rows an output or not, with
-a bias and a GELU epilogue, at 1 and 2 threads; the source follows the schedule; the price counts
-the bytes each form reads back."""
+panel its product reads next). Equal to ONNX Runtime at row widths on and off the vector width,
+with the normalised rows an output or not, with a bias and a GELU epilogue, at 1 and 2 threads; the
+source follows the schedule; the price counts what each form moves and recomputes."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from costmodels.roofline import host_params
 from fusesearch import schedule
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
-from fusesearch.backends.codegen.c_gemm import _C_GEMM_ROWS
 from fusesearch.backends.cpu import openmp_threads
 from fusesearch.costing import cheapest, device_choices
 from fusesearch.groups import FusionGroup
@@ -32,7 +30,7 @@ from tests.conftest import make_model, save
 
 needs_cc = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 AVX512 = schedule.CpuTarget(lanes=16)
-ROWS = 30  # two 12-row strips and a short one
+ROWS = 30  # at 2 threads two blocks of 15 rows: an odd count of rows per block
 
 
 def _ln_projection(k: int, n: int, *, op: bool, normalised_out: bool, gelu: bool):
@@ -88,14 +86,14 @@ def _run_equal(prep, kernel, threads=(1,)):
 
 
 @needs_cc
-@pytest.mark.parametrize("k,n", [(96, 64), (100, 72), (100, 700)])  # K on / off the vectors; B past one L2 block
+@pytest.mark.parametrize("k,n", [(96, 64), (100, 72), (100, 700)])  # K on / off the vectors; N past a column block
 @pytest.mark.parametrize("normalised_out", [True, False])
 @pytest.mark.parametrize("op,gelu", [(True, False), (False, True)])
 def test_layernorm_projection_forms_equal_onnx_runtime(tmp_path, k, n, normalised_out, op, gelu):
     """Every form the group lists (both where the normalised rows are an output, "packed" alone
     where they are not), each split at 2 threads, generated and equal to ONNX Runtime at 1 and 2
-    threads on rows of mean 1000: a row width a multiple of the vectors and not, strips and whole
-    blocks, a bias or a bias + GELU (the tile epilogue on registers) after the product."""
+    threads on rows of mean 1000: a row width a multiple of the vectors and not, a bias or a bias +
+    GELU (the tile epilogue on registers) after the product."""
     prep = _prepared(tmp_path, _ln_projection(k, n, op=op, normalised_out=normalised_out, gelu=gelu))
     kernels = [kn for kn in choices(prep.graph, _whole(prep.graph), host=schedule.CpuTarget(lanes=16, threads=2))
                if kn.schedule.split != schedule.ONE_THREAD]
@@ -111,13 +109,11 @@ def test_the_packed_source_normalises_each_block_into_its_panel(tmp_path, normal
     """The packed form's source: one OpenMP region and one work-shared loop (the blocks: no pass over
     all rows before them), each block computing its rows' moments (one chunked pass per row, two
     rows at a time) and then the rows into its A panel: scratch `abuf` never stored where the
-    normalised rows are not an output, the output's rows read in place where they are; in strips of
-    PANEL_ROWS rows, each normalised then multiplied (B within one column block of `fs_gemm_rows`)."""
+    normalised rows are not an output, the output's rows read in place where they are."""
     prep = _prepared(tmp_path, _ln_projection(96, 64, op=True, normalised_out=normalised_out, gelu=False))
     packed = next(kn for kn in choices(prep.graph, _whole(prep.graph), host=AVX512) if kn.schedule.prologue == "packed")
     body = _body(_run_equal(prep, packed))
     assert body.count("#pragma omp parallel") == 1 and body.count("#pragma omp for") == 1, body
-    assert f"for (long long s0 = 0; s0 < mcb; s0 += {schedule.PANEL_ROWS}LL)" in body, body
     block = body[body.index("for (long long blk = 0;"):]
     rows, product = block.index("for (long long rp = 0; rp < (mc + 1) / 2; ++rp)"), block.index("fs_gemm_rows(")
     assert rows < product and block.count("for (long long j0 = 0;") == 2, block  # a moments pass per row of a pair
@@ -140,24 +136,29 @@ def test_the_stored_source_keeps_its_pass_before_the_blocks(tmp_path):
     assert body.index("for (long long rp = 0; rp < 15LL; ++rp)") < body.index("for (long long blk = 0;"), body
 
 
-def test_the_forms_are_priced_by_the_bytes_they_read_back(tmp_path):
-    """Both forms in the choice list with the same FLOPs and writes at one thread; "stored" reads
-    the normalised rows back after the pass over all of them, "packed" in strips reads none back,
-    so on the pinned CPU the packed form is the cheapest; past one L2 block of B (no strips) a
-    packed block's panel is read back as well and the forms tie, the stored first."""
+def test_the_forms_are_priced_and_the_cheapest_chosen(tmp_path):
+    """On the pinned CPU (1 thread): where the normalised rows are an output both forms are listed,
+    with the same FLOPs and bytes (one block of rows: the same rows written and read back), so the
+    cheapest is the stored one, first; where they are not, the packed form alone, one kernel that
+    writes no normalised rows: cheaper than the LayerNorm's row kernel plus the projection's kernel
+    a plan ran before (their write and read of the rows, a second region)."""
     device = with_(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=16, sm_count=1)
     model = RooflineModel(host_params())
-    for n, strips in ((64, True), (700, False)):
-        prep = _prepared(tmp_path, _ln_projection(96, n, op=False, normalised_out=True, gelu=False))
-        graph = prep.graph
-        kernels = device_choices(graph, _whole(graph), device)
-        stored, packed = (next(kn for kn in kernels if kn.schedule.prologue == f) for f in ("stored", "packed"))
-        assert [kn.schedule.prologue for kn in kernels] == ["stored", "packed"]
-        assert (stored.scalar_flops, stored.write_bytes) == (packed.scalar_flops, packed.write_bytes)
-        ln = graph.tensors["ln"].nbytes
-        assert stored.read_bytes - packed.read_bytes == (ln if strips else 0)
-        best, _ = cheapest(kernels, device, model)
-        assert best.schedule.prologue == ("packed" if strips else "stored")
+    graph = _prepared(tmp_path, _ln_projection(96, 64, op=False, normalised_out=True, gelu=False)).graph
+    kernels = device_choices(graph, _whole(graph), device)
+    assert [kn.schedule.prologue for kn in kernels] == ["stored", "packed"]
+    stored, packed = kernels
+    assert (stored.scalar_flops, stored.read_bytes, stored.write_bytes) == (
+        packed.scalar_flops, packed.read_bytes, packed.write_bytes)
+    assert cheapest(kernels, device, model)[0].schedule.prologue == "stored"
+    graph = _prepared(tmp_path, _ln_projection(96, 64, op=True, normalised_out=False, gelu=False)).graph
+    (packed,) = device_choices(graph, _whole(graph), device)
+    ln = next(n.id for n in graph.nodes if n.op_type == "LayerNormalization")
+    parts = [cheapest(device_choices(graph, FusionGroup(frozenset(p)), device), device, model)
+             for p in ({i for i in range(len(graph)) if i <= ln}, {i for i in range(len(graph)) if i > ln})]
+    assert packed.schedule.prologue == "packed" and packed.write_bytes == sum(k.write_bytes for k, _ in parts) - (
+        graph.tensors["ln"].nbytes)
+    assert model.cost(packed.spec(), device).time_s < sum(c.time_s for _, c in parts)
 
 
 def test_a_packed_prologue_that_stores_splits_rows_alone(tmp_path):
@@ -173,8 +174,3 @@ def test_a_packed_prologue_that_stores_splits_rows_alone(tmp_path):
         if not normalised_out:
             rows, cols = (next(kn for kn in packed if kn.schedule.split == s) for s in ("rows", "cols"))
             assert cols.scalar_flops > rows.scalar_flops
-
-
-def test_the_strip_bound_is_the_micro_kernels_b_block():
-    """`schedule.ROWS_B_BLOCK_FLOATS` is the C micro-kernel's column block of B (FS_ROWS_B_BLOCK)."""
-    assert f"FS_ROWS_B_BLOCK = {schedule.ROWS_B_BLOCK_FLOATS} " in _C_GEMM_ROWS

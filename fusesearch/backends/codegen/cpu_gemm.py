@@ -40,13 +40,11 @@ from fusesearch.ir.op_kind import OpKind, kind_of
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
     CPU_SPLITS,
-    PANEL_ROWS,
     SPLIT_COL_ALIGN,
     anchor_derived,
     folded_scale,
     gemm_products,
     row_prologue,
-    row_strips,
     split_row_limit,
 )
 
@@ -85,7 +83,7 @@ def _write(e: _Emitter, o: Arg, idx: tuple[str, ...], yshape) -> str:
 
 def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
                       store: tuple[str, tuple[int, ...]] | None = None, packs: dict | None = None,
-                      defs: list[str] | None = None, after: list[str] | None = None) -> list[str] | None:
+                      defs: list[str] | None = None) -> list[str] | None:
     """C skeleton for MatMul/Gemm (i-k-j order): per output row, the A row (prologue applied)
     into a buffer, acc[n] += a[k] * B[k, n] with n innermost (contiguous, vectorizable), then the
     epilogue per column reading acc[n]. The product the kernel's schedule names (`gemm_product`)
@@ -95,9 +93,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
     for a build without one. `store` (the output's name and its strides per product axis): only
     the blocks, each storing its tile there (None for "loops"). `defs` (where the kernel can take file-scope definitions): an epilogue that is a function of
     the product plus a bias row alone becomes a tile epilogue there (`_tile_epilogue`), applied by
-    the micro-kernel to each tile before its one store where the CPU has AVX-512. `after` (a row
-    kernel over the product: `rowwise._row_product`): its statements over the block's rows, run
-    by each block after its product (`_blas_blocks`)."""
+    the micro-kernel to each tile before its one store where the CPU has AVX-512."""
     a, b = anchor.inputs[0], anchor.inputs[1]
     sa, sb = graph.tensors[a].shape, graph.tensors[b].shape
     y = anchor.outputs[0]
@@ -184,9 +180,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
             raise CodegenRefused(f"{anchor.name}({anchor.op_type}): its epilogue has no tile form")
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
                         packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own",
-                        split=gemm_split(kernel), rows=block_rows, after=after,
-                        strips=product == "own" and row_strips(graph, anchor)
-                        and (block_rows is not None or after is not None or not (store or direct)))
+                        split=gemm_split(kernel), rows=block_rows)
     if tile is not None:  # our micro-kernel applies it on the registers where FS_TILE_EPI is defined
         defs.append(tile[0])
     if product == "own":  # our micro-kernel over B packed: no BLAS needed
@@ -387,8 +381,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
                  packs: dict | None = None, init: tuple[str, str] | None = None,
                  written: dict | None = None, tile: tuple[str, str | None] | None = None,
-                 own: bool = False, split: str = "rows", rows: list[str] | None = None,
-                 after: list[str] | None = None, strips: bool = False) -> list[str]:
+                 own: bool = False, split: str = "rows", rows: list[str] | None = None) -> list[str]:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -419,11 +412,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     block (z, m0, n0) multiplying its rows by B's columns [n0, n0 + nc) and storing those alone.
     With `rows` (a packed row prologue's statements for the block's `mc` rows from flat row
     `rbase`: `_row_prologue_block`) each block first computes its own rows of A, into its scratch
-    panel `abuf` or the stored activation it then reads in place; with `after` (a row epilogue's
-    statements for the `mc` rows of the product from flat row `ybase`: a Softmax over attention's
-    scores) each block finishes its rows after its product. With `strips` (`schedule.row_strips`)
-    a block runs all of that per strip of PANEL_ROWS rows, so a strip's A panel, product block
-    and rows stay in L1 between the steps (B, packed once per block, stays in L2).
+    panel `abuf` or the stored activation it then reads in place, in its own thread (no pass over
+    all rows before the blocks, no barrier between them).
     Refused where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     cols = split != "rows"
@@ -437,7 +427,6 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     m_extent = yshape[-2] if len(yshape) > 1 else 1
     batches = math.prod(yshape[:-2])
     cap = m_extent if direct else max(8, BLAS_TILE_FLOATS // max(1, n_extent))  # direct: no tile to keep
-    strip = PANEL_ROWS if strips else 0
     e.lines = []
     z_idx = e.unflatten("z", yshape[:-2])
     z_lines = e.lines
@@ -533,13 +522,15 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
         epilogue = ["#ifdef FS_TILE_EPI",
                     f"    fs_gemm_rows_epi(mc, {n_rows}, {k_extent}LL, {a_ptr}, {lda}LL, {pk}, {at}, {n_extent}LL, {bias});",
                     "#else", *epilogue, "#endif"]
-    m0, mc = ("m0b", "mcb") if strip else ("m0", "mc")  # a block's rows; with strips each strip's are m0, mc
-    where = ([f"    long long z = blk / (blocks * cblocks), {m0} = blk / cblocks % blocks * mb, n0 = blk % cblocks * nb;",
-              f"    long long {mc} = {m_extent}LL - {m0} < mb ? {m_extent}LL - {m0} : mb;",
+    where = (["    long long z = blk / (blocks * cblocks), m0 = blk / cblocks % blocks * mb, n0 = blk % cblocks * nb;",
+              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;",
               f"    long long nc = {n_extent}LL - n0 < nb ? {n_extent}LL - n0 : nb;"] if cols else
-             [f"    long long z = blk / blocks, {m0} = (blk % blocks) * mb;",
-              f"    long long {mc} = {m_extent}LL - {m0} < mb ? {m_extent}LL - {m0} : mb;"])
-    inner = [*([] if a_in_place else ["    " + scratch("abuf", f"mc * {k_extent}LL")]),
+             ["    long long z = blk / blocks, m0 = (blk % blocks) * mb;",
+              f"    long long mc = {m_extent}LL - m0 < mb ? {m_extent}LL - m0 : mb;"])
+    block = [f"for (long long blk = 0; blk < {batches}LL * blocks{' * cblocks' if cols else ''}; ++blk) {{",
+             *where,
+             *["    " + x for x in z_lines],
+             *([] if a_in_place else ["    " + scratch("abuf", f"mc * {k_extent}LL")]),
              *(["    " + x for x in [f"long long rbase = ({row_at}) / {k_extent}LL;", *rows]] if rows is not None else
                [] if a_in_place else ["    for (long long i = 0; i < mc; ++i) {",
                                       *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
@@ -549,15 +540,6 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                 f"        {col_loop} {{", *["            " + x for x in prefill],
                 "        }", "    }"] if prefill else []),
              *(["    " + sgemm] if direct else epilogue),
-             *(["    " + x for x in [f"long long ybase = z * {m_extent}LL + m0;", *after]] if after is not None else [])]
-    if strip:  # the block's rows in strips, each computed, multiplied and finished while in L1
-        inner = [f"    for (long long s0 = 0; s0 < mcb; s0 += {strip}LL) {{",
-                 f"        long long m0 = m0b + s0, mc = mcb - s0 < {strip}LL ? mcb - s0 : {strip}LL;",
-                 *["    " + x for x in inner], "    }"]
-    block = [f"for (long long blk = 0; blk < {batches}LL * blocks{' * cblocks' if cols else ''}; ++blk) {{",
-             *where,
-             *["    " + x for x in z_lines],
-             *inner,
              "}"]
     return ["    {", *["    " + x for x in _split_lines(split, batches, m_extent, n_extent, cap)],
             f"    {OMP_FOR}\n" + _indent(block, 1), "    }"]

@@ -84,11 +84,11 @@ class _RowPlan:
     ahead: list[str] = field(default_factory=list)  # C: row bases the first reduction prefetches
     variances: dict[int, int] = field(default_factory=dict)  # one pass: mean node → its variance node
     one_pass: bool = False  # the schedule's moments are "one-pass" (`schedule.one_pass_moments`)
-    panel: tuple[str, str] = ()  # C: (scratch, first row) a gemm block's A panel: row r at (r - first) * length
+    panel: tuple[str, str] = ()  # C: (scratch or "", first row) a gemm block's rows; its A panel's row r at (r - first) * length
 
     def row_index(self, out: Arg) -> str:
         """The flat index of `out`'s element (r, j): a block's panel counts its rows from its first."""
-        if self.panel and out.name == self.panel[0]:
+        if self.panel and self.panel[0] and out.name == self.panel[0]:
             return f"(r - {self.panel[1]}) * {self.length}LL + j"
         return f"r * {self.length}LL + j"
 
@@ -206,9 +206,10 @@ def row_prologue_block(graph, kernel, args, outs, rows: tuple[int, ...], first: 
     """C of a packed row prologue (`Schedule.prologue` "packed"): (the side loops, which run before
     the blocks; the statements of one gemm block computing its `count` rows from flat row `first`,
     two at a time where short, storing `outs`, and the activation into `panel`, the block's
-    scratch A panel, where it is not among them). Each row's moments take one pass, then its
-    normalised values go straight to the panel the product reads next, in the block's thread."""
-    name = (panel.name, first) if panel is not None else ()
+    scratch A panel, where it is not among them; no store streams). Each row's moments take one
+    pass, then its normalised values go straight to the panel the product reads next, in the
+    block's thread."""
+    name = (panel.name if panel is not None else "", first)  # no output streams: the product reads the rows next
     plan, (c_side, _) = _row_plan(graph, replace(kernel, nodes=rows, anchor=None), args,
                                   [*outs, *([panel] if panel is not None else [])], panel=name)
     return c_side, _block_rows(plan, first, count)
@@ -227,10 +228,7 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     """C for a row kernel over a MatMul/Gemm (attention's scores or a classifier head under a
     Softmax): the product, prologue applied, into a scratch buffer through the GEMM
     blocks (our micro-kernel over weights packed once into `packs` or keys packed per head, else
-    the BLAS), each block then running the rows over its own product while it is in cache (in
-    strips of `schedule.PANEL_ROWS` rows where B stays in L2: `schedule.row_strips`; a pass over
-    all rows after the blocks where an output streams past the cache), the side outputs (a mask)
-    first (each row's dot products are one tile instead of a
+    the BLAS), then the row loops reading it (each row's dot products are one tile instead of a
     dot per element); with whether it runs without a BLAS (the schedule's product is "own", our
     micro-kernel: no `#ifdef`). None without an anchor, where the product is not float32, or where
     the schedule's product is "loops" (the row loops compute it inline)."""
@@ -245,11 +243,10 @@ def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | N
     if product == "loops":  # the row loops compute the product inline
         return None
     buffer = Arg("ybuf", y, tuple(info.shape), "float32")  # the product as computed (float)
+    loops = _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs)
     plan, (c_side, _) = _row_plan(graph, kernel, {**args, y: buffer}, outs, frozenset({y}), read_side=True)
-    after = None if plan.streamed else _block_rows(plan, "ybase", "mc")  # each block's rows after its product
-    loops = "".join(x + "\n" for x in _matmul_row_loops(graph, kernel, args, [buffer], anchor, packs=packs, after=after))
-    rows = "".join(x + "\n" for x in c_side) + loops if after is not None else loops + _c_rows(plan, c_side)
-    return "    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n" + rows, product == "own"
+    return ("    " + shared_scratch("ybuf", f"{max(1, buffer.size)}LL") + "\n"
+            + "".join(x + "\n" for x in loops) + _c_rows(plan, c_side)), product == "own"
 
 
 def _row_shape(graph: Graph, nodes: list[Node]) -> tuple[int, int]:
