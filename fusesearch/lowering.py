@@ -67,6 +67,8 @@ from fusesearch.schedule import (
     nchwc_pointwise,
     one_pass_moments,
     one_thread_forms,
+    prologue_forms,
+    prologue_splits,
     row_prologue,
     scaled_product,
     split_blocks,
@@ -538,12 +540,14 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
             skeleton = replace(skeleton, moments=ONE_PASS if one_pass_moments(graph, prologue) else "")
         products = tuple(_cpu_split(graph, nodes, anchor, _build(
                              graph, nodes, template, anchor.id, out_size, k, 4 + 2 * len(nodes),
-                             replace(skeleton, product=p, epilogue=where, split=split), reload_tile=(m, n_dim, k),
-                             host=True), host)
+                             replace(skeleton, product=p, epilogue=where, split=split, prologue=form),
+                             reload_tile=(m, n_dim, k), host=True), host)
                          for p in cpu_products(graph, ids, anchor, host, row_epilogue=bool(row_tile))
                          if not prologue or p == "own"
                          for where in epilogues(graph, ids, anchor, p, host.lanes)
-                         for split in cpu_splits(graph, ids, anchor, p, host, row_epilogue=bool(row_tile)))
+                         for form in prologue_forms(graph, ids, anchor) or ("",)
+                         for split in prologue_splits(graph, ids, anchor, form, cpu_splits(
+                             graph, ids, anchor, p, host, row_epilogue=bool(row_tile))))
         if len(nodes) > 1:
             return products
         # the library's threads share the same work in tiles as well: priced at our best split's balance
@@ -564,13 +568,11 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
 def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: tuple[int, ...],
                        host: CpuTarget | None) -> FusionDecision:
     """A row prologue (`schedule.row_prologue`: a LayerNorm before its projection, statistics and
-    normalisation in the C kernel's rows, which store the activation; then the product's blocks
-    read it in place, in the same OpenMP region): on a CPU only, before a MatMul (a Gemm: A not
-    transposed) whose activation
-    the rows compute over its K-long rows and that is also an output of the group (the rows store
-    it where the blocks read it), with no row epilogue beside it and an epilogue at the product's
-    positions (`anchor_derived`: the blocks store their tiles, no scratch product), through our
-    micro-kernel."""
+    normalisation in the C kernel's rows, stored first or packed per block: `schedule.prologue_forms`;
+    the product's blocks read them in the same OpenMP region): on a CPU only, before a MatMul (a
+    Gemm: A not transposed) whose activation the rows compute over its K-long rows, with no row
+    epilogue beside it and an epilogue at the product's positions (`anchor_derived`: the blocks
+    store their tiles, no scratch product), through our micro-kernel."""
     label = _label(anchor)
     if host is None:
         return FusionDecision.refuse(f"a row reduction before {label} is fused on a CPU only")
@@ -583,9 +585,6 @@ def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: 
     if anchor_derived(graph, [n.id for n in nodes], anchor) is None:
         return FusionDecision.refuse(f"the epilogue of {label} moves the product's elements: a row prologue "
                                      "runs before blocks that store their tile in place")
-    if a not in _external_outputs(graph, nodes):
-        return FusionDecision.refuse(f"'{a}' is not an output of the group: the rows before {label} store "
-                                     "the activation its product reads")
     rows = _lower_rowwise(graph, [graph.nodes[i] for i in prologue], True)
     if isinstance(rows, FusionDecision):
         return rows
@@ -601,14 +600,14 @@ def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: 
 def _cpu_split(graph: Graph, nodes: list[Node], anchor: Node, kernel: Kernel, host: CpuTarget) -> Kernel:
     """A CPU gemm choice priced for its thread split: its imbalance (`schedule.split_imbalance`),
     and, where the split makes column blocks, its activation's prologue recomputed once per column
-    block (each packs its rows of A again; not a row prologue's, whose rows store A once before the
-    blocks); a conv or the per-row loops as they are."""
+    block (each packs its rows of A again, a packed row prologue's included; not a stored one's,
+    whose rows store A once before the blocks); a conv or the per-row loops as they are."""
     if kernel.schedule.product not in ("own", "blas") or anchor.op_type not in ("MatMul", "Gemm"):
         return kernel
     batches, m, n = gemm_blocks_dims(graph, anchor)
     split = kernel.schedule.split
     _, _, cols, nb = split_blocks(split, batches, m, n, max(1, host.threads))
-    if cols > 1 and not row_prologue(graph, kernel.nodes, anchor):  # a row prologue stores A once
+    if cols > 1 and kernel.schedule.prologue != "stored":  # a stored row prologue stores A once
         kernel = replace(_build(graph, nodes, kernel.template, anchor.id, kernel.iteration_size, kernel.reduction_length,
                                 kernel.live_values, kernel.schedule, reload_tile=(batches * m, nb, kernel.reduction_length),
                                 host=True), schedule=kernel.schedule)

@@ -9,7 +9,8 @@ prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the re
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
 `split_k`, `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU conv's `library`, and on a CPU
 `product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or ONE_THREAD: its region on one
-thread), `moments`, `epilogue` (tile | block), `layout_in`/`layout_out` (`tensor_layouts`).
+thread), `moments`, `prologue` (stored | packed: `prologue_forms`), `epilogue` (tile | block),
+`layout_in`/`layout_out` (`tensor_layouts`).
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
 (tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""
@@ -105,6 +106,7 @@ ONE_THREAD = "one"  # `Schedule.split` of a CPU kernel whose OpenMP region runs 
 LIBRARY_CALLS = ("cudnn", "cudnn-fused", "im2col")
 CUDNN_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh")  # the epilogues a cuDNN conv graph fuses here
 ONE_PASS = "one-pass"  # `Schedule.moments` of a row kernel whose statistics take one pass (`one_pass_moments`)
+PROLOGUES = ("stored", "packed")  # how a CPU gemm's row prologue reaches its product (`Schedule.prologue`)
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,16 @@ class Schedule:
     layout_in: Layout = NCHW  # a CPU conv: how its activation input lies (`tensor_layouts`)
     layout_out: Layout = NCHW  # ... and its outputs and the inputs of their shape (a residual)
     moments: str = ""  # a row kernel's mean and variance: "one-pass" (`one_pass_moments`), else a pass each
+    prologue: str = ""  # a CPU gemm's row prologue (PROLOGUES, `prologue_forms`); "" where it has none
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
                 or self.epilogue not in ("", "tile", "block") or (self.split and self.split not in (*CPU_SPLITS, ONE_THREAD))
                 or (self.library and (self.library not in LIBRARY_CALLS or self.impl != "library"))
-                or self.moments not in ("", ONE_PASS)):
+                or self.moments not in ("", ONE_PASS) or self.prologue not in ("", *PROLOGUES)):
             raise ValueError(f"schedule: skeleton {self.skeleton!r} / unit {self.unit!r} / product {self.product!r}"
-                             f" / split {self.split!r} / library {self.library!r} / moments {self.moments!r}")
+                             f" / split {self.split!r} / library {self.library!r} / moments {self.moments!r}"
+                             f" / prologue {self.prologue!r}")
         if self.smem_bytes % SMEM_ALIGN:
             raise ValueError(f"schedule: {self.smem_bytes} bytes of shared memory, not a multiple of {SMEM_ALIGN}")
         object.__setattr__(self, "skeleton", Skeleton(self.skeleton))
@@ -145,7 +149,8 @@ class Schedule:
                 "stages": self.stages,
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
-                "epilogue": self.epilogue, "split": self.split, "library": self.library, "moments": self.moments}
+                "epilogue": self.epilogue, "split": self.split, "library": self.library, "moments": self.moments,
+                "prologue": self.prologue}
 
     @property
     def cpu_threads(self) -> int:
@@ -604,7 +609,7 @@ def tile_epilogue(graph: Graph, nodes: Collection[int], anchor: Node, folded: Co
     values so computed), Erf (a GELU), Identity and views (VIEW_OPS), at least one of them not an
     Add; no other output
     of the group is at the product's positions, and no row reduction runs after the anchor (one
-    before it, a `row_prologue`, has stored the activation). (The product
+    before it, a `row_prologue`, has computed the activation). (The product
     alone, or plus a bias, is stored in place instead.) `folded`: ops packed into the product
     (`scaled_product`), which run nothing: read through as views."""
     if anchor.op_type not in ("MatMul", "Gemm") or any(
@@ -1169,8 +1174,38 @@ def one_pass_moments(graph: Graph, nodes: Sequence[int]) -> bool:
 def row_prologue(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[int, ...]:
     """The nodes of a C gemm group's row prologue: where a row reduction runs before the anchor (a
     LayerNorm in front of a projection), every node of the group but the anchor and the nodes it
-    reaches, in order: a row kernel (`rowwise`) over them stores the activation before the
-    product's blocks read it (`lowering` checks the rows are the activation's); () where no
-    reduction runs before the anchor."""
+    reaches, in order: a row kernel (`rowwise`) over them computes the activation the product's
+    blocks read, stored first or per block (`prologue_forms`; `lowering` checks the rows are the
+    activation's); () where no reduction runs before the anchor."""
     before = tuple(i for i in nodes if i != anchor.id and not graph.reaches(anchor.id, i))
     return before if any(graph.nodes[i].kind == OpKind.REDUCE for i in before) else ()
+
+
+def _escapes(graph: Graph, nodes: Collection[int], t: str) -> bool:
+    return graph.is_output(t) or any(c not in nodes for c in graph.consumers(t))
+
+
+def prologue_forms(graph: Graph, nodes: Sequence[int], anchor: Node) -> tuple[str, ...]:
+    """How a C gemm group's row prologue (`row_prologue`) reaches its product (`Schedule.prologue`),
+    the default first; () without one. "stored" where the activation is also an output of the
+    group (a residual reads BERT's normalised rows): the rows, all of them, are normalised and
+    stored first, then the product's blocks read them back. "packed": each block of output rows
+    computes its own rows (moments in one pass, then normalised) into its A panel, in its own
+    thread, no pass over all rows and no barrier before the blocks: the output's rows where the
+    activation is an output (one store, read back at once), else the block's scratch, never
+    stored (GPT-2's and ViT's pre-LN projections: the normalised rows' write and read and a
+    kernel saved). Both move the same bytes at one block of rows (priced alike: the stored form,
+    the measured default, first); a packed prologue that stores an output runs with the "rows"
+    split alone (`prologue_splits`), and recomputes its rows per column block otherwise."""
+    if not row_prologue(graph, nodes, anchor):
+        return ()
+    return ("stored", "packed") if _escapes(graph, nodes, anchor.inputs[0]) else ("packed",)
+
+
+def prologue_splits(graph: Graph, nodes: Sequence[int], anchor: Node, form: str, splits: Sequence[str]) -> tuple[str, ...]:
+    """The thread splits a row prologue's form runs with: a packed one recomputes its rows per
+    column block (lowering prices it), so where its rows store an output (the activation, or any
+    other tensor the prologue computes) only "rows" (one column block: each row stored by one
+    thread); every other form all of `splits`."""
+    stores = any(_escapes(graph, nodes, t) for i in row_prologue(graph, nodes, anchor) for t in graph.nodes[i].outputs if t)
+    return tuple(s for s in splits if form != "packed" or s == "rows" or not stores)

@@ -108,8 +108,9 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
         return None
     e = _Emitter(graph, kernel, args)
     rows = row_prologue(graph, kernel.nodes, anchor)
-    if rows:  # the rows store the activation first (`rowwise.row_prologue_loops`); all else reads it back
-        e.args = {**args, a: next(o for o in side if o.tensor == a)}
+    stored_a = next((o for o in side if o.tensor == a), None)  # the activation is an output
+    if rows:  # the rows store the activation (`rowwise`: first, or per block into its panel); all else reads it
+        e.args = {**args, a: stored_a or Arg("abuf", a, tuple(sa), "float32")}
         e.materialized = frozenset({a})
     row_idx = e.unflatten("row", yshape[:-1])
     batch, m = row_idx[:-1], row_idx[-1]
@@ -138,7 +139,13 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
             f"    for (long long nn = 0; nn < {n_extent}LL; ++nn) acc[nn] = 0.0f;",
             *["    " + x for x in fill + mac],
             f"    for (long long col = 0; col < {n_extent}LL; ++col) {{", *["        " + x for x in body], "    }", "}"]
-    c_side = [_row_prologue(graph, kernel, args, side, rows)] if rows else _pointwise_loops(graph, kernel, args, side)[0]
+    block_rows = None  # a packed row prologue's statements per block (its rows into the block's A panel)
+    if rows and kernel.schedule.prologue == "packed":
+        c_side, block_rows = _row_prologue_block(graph, kernel, args, side, rows, None if stored_a else e.args[a])
+    elif rows:
+        c_side = [_row_prologue(graph, kernel, args, side, rows)]
+    else:
+        c_side = _pointwise_loops(graph, kernel, args, side)[0]
     rows_loop = c_side + [f"    {OMP_FOR}\n" + _indent(loop, 1)]
     if max(k_extent, n_extent) > MAX_HOIST and not rows:  # rows too long for the stack: generic loops without a BLAS
         rows_loop = _pointwise_loops(graph, kernel, args, outs)[0]
@@ -173,7 +180,7 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
             raise CodegenRefused(f"{anchor.name}({anchor.op_type}): its epilogue has no tile form")
     blas = _blas_blocks(graph, e, anchor, yshape, (k_extent, n_extent, trans_b), pre, fill, body, store or direct, prefill,
                         packs, init, written, (main[0].name, tile[1]) if tile else None, own=product == "own",
-                        split=gemm_split(kernel))
+                        split=gemm_split(kernel), rows=block_rows)
     if tile is not None:  # our micro-kernel applies it on the registers where FS_TILE_EPI is defined
         defs.append(tile[0])
     if product == "own":  # our micro-kernel over B packed: no BLAS needed
@@ -184,11 +191,21 @@ def _matmul_row_loops(graph: Graph, kernel: Kernel, args, outs, anchor: Node,
 
 
 def _row_prologue(graph: Graph, kernel: Kernel, args, side, rows: tuple[int, ...]) -> str:
-    """The C rows of a row prologue (`schedule.row_prologue`), storing the side outputs (imported
-    here: the row kernel's module builds on this one)."""
+    """The C rows of a stored row prologue (`schedule.prologue_forms`), storing the side outputs
+    (imported here: the row kernel's module builds on this one)."""
     from fusesearch.backends.codegen.rowwise import row_prologue_loops
 
     return row_prologue_loops(graph, kernel, args, side, rows)
+
+
+def _row_prologue_block(graph: Graph, kernel: Kernel, args, side, rows: tuple[int, ...],
+                        panel: Arg | None) -> tuple[list[str], list[str]]:
+    """A packed row prologue (`schedule.prologue_forms`): (its side loops, the statements computing
+    a block's `mc` rows from flat row `rbase` into its A panel: the stored activation, or `panel`,
+    the block's scratch), as `rowwise.row_prologue_block` writes them."""
+    from fusesearch.backends.codegen.rowwise import row_prologue_block
+
+    return row_prologue_block(graph, kernel, args, side, rows, "rbase", "mc", panel)
 
 
 # C gemm: at most this product tile (8 MiB, within the last-level cache) per BLAS call. Each call
@@ -364,7 +381,7 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
                  direct: tuple[str, tuple[int, ...]] | None = None, prefill: list[str] | None = None,
                  packs: dict | None = None, init: tuple[str, str] | None = None,
                  written: dict | None = None, tile: tuple[str, str | None] | None = None,
-                 own: bool = False, split: str = "rows") -> list[str]:
+                 own: bool = False, split: str = "rows", rows: list[str] | None = None) -> list[str]:
     """C gemm through a BLAS sgemm per block of output rows of one batch — as many rows as give every
     OpenMP thread a block (one block per batch when the batches suffice), at most a BLAS_TILE_FLOATS
     tile, so B is packed as few times as the threads allow: the rows of A with the prologue
@@ -393,6 +410,10 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
     The threads share the blocks as the schedule's `split` names (`schedule.split_blocks` computes
     the same): "rows", blocks of rows alone; "tiles" and "cols", blocks of rows and of columns,
     block (z, m0, n0) multiplying its rows by B's columns [n0, n0 + nc) and storing those alone.
+    With `rows` (a packed row prologue's statements for the block's `mc` rows from flat row
+    `rbase`: `_row_prologue_block`) each block first computes its own rows of A, into its scratch
+    panel `abuf` or the stored activation it then reads in place, in its own thread (no pass over
+    all rows before the blocks, no barrier between them).
     Refused where B is not float32 or half (half B is widened into the packed panel)."""
     k_extent, n_extent, trans_b = dims
     cols = split != "rows"
@@ -510,7 +531,8 @@ def _blas_blocks(graph: Graph, e: _Emitter, anchor: Node, yshape, dims, pre, fil
              *where,
              *["    " + x for x in z_lines],
              *([] if a_in_place else ["    " + scratch("abuf", f"mc * {k_extent}LL")]),
-             *([] if a_in_place else ["    for (long long i = 0; i < mc; ++i) {",
+             *(["    " + x for x in [f"long long rbase = ({row_at}) / {k_extent}LL;", *rows]] if rows is not None else
+               [] if a_in_place else ["    for (long long i = 0; i < mc; ++i) {",
                                       *["        " + x for x in row], f"        float* hbuf = abuf + i * {k_extent}LL;",
                                       *["        " + x for x in fill], "    }"]),
              *(["    for (long long i = 0; i < mc; ++i) {", *["        " + x for x in row],

@@ -84,22 +84,32 @@ class _RowPlan:
     ahead: list[str] = field(default_factory=list)  # C: row bases the first reduction prefetches
     variances: dict[int, int] = field(default_factory=dict)  # one pass: mean node → its variance node
     one_pass: bool = False  # the schedule's moments are "one-pass" (`schedule.one_pass_moments`)
+    panel: tuple[str, str] = ()  # C: (scratch or "", first row) a gemm block's rows; its A panel's row r at (r - first) * length
+
+    def row_index(self, out: Arg) -> str:
+        """The flat index of `out`'s element (r, j): a block's panel counts its rows from its first."""
+        if self.panel and self.panel[0] and out.name == self.panel[0]:
+            return f"(r - {self.panel[1]}) * {self.length}LL + j"
+        return f"r * {self.length}LL + j"
 
     def rows_cached(self) -> dict[str, str]:
         return self.cached if self.c_target else self.cu_cached
 
 
-def _row_plan(graph, kernel, args, outs, materialized=frozenset(), read_side=False):
+def _row_plan(graph, kernel, args, outs, materialized=frozenset(), read_side=False, panel: tuple[str, str] = ()):
     """The row kernel's statements: (plan with its C and CUDA row bodies, side-output loops).
     `read_side` (C only: the side loops run first in the same thread's program order): the rows
     read the side outputs back instead of computing them again (an int64 attention mask cast
-    and scaled per score element costs more than the scores' Softmax)."""
+    and scaled per score element costs more than the scores' Softmax). `panel` (C only: a gemm
+    block's rows, `_RowPlan.panel`): the output so named is that block's A panel, and no output
+    streams (the product reads the rows back at once)."""
     nodes = [graph.nodes[i] for i in kernel.nodes]
     rows, length = _row_shape(graph, nodes)
-    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.row_cache, one_pass=kernel.schedule.moments == ONE_PASS)
+    plan = _RowPlan(rows, length, smem_rows=kernel.schedule.row_cache, one_pass=kernel.schedule.moments == ONE_PASS,
+                    panel=panel)
     if plan.one_pass:
         plan.variances = variance_pairs(graph, kernel.nodes)
-    if any(streams(o) for o in outs if o.size == rows * length):
+    if not panel and any(streams(o) for o in outs if o.size == rows * length):
         # the first reduction, reading the inputs, prefetches them: the hardware's prefetcher no
         # longer sees the lines a plain store would have read (a LayerNorm over 8192x768: 15%
         # faster; a prefetch of the whole row at its start was no faster than none)
@@ -131,11 +141,12 @@ def _c_rows(plan: _RowPlan, c_side: list[str]) -> str:
 _TOP_NAME = re.compile(r"^(?:const )?(?:float|double|int|long long|int64_t|int32_t|uint8_t|_Bool)\*? \**(\w+)\s*[\[=;]")
 
 
-def _paired(body: list[str], rows: int) -> list[str]:
+def _paired(body: list[str], rows: int, first: str = "", end: str = "") -> list[str]:
     """The row body `body` (over row `r`) for rows r_0 = 2 rp and r_1 = r_0 + 1 (r_0 again past the
     last row: an odd count computes its last row twice, storing the same values), statement by
     statement: each top-level statement (an if with its else: one) for r_0, then for r_1, every
-    name it declares at the top suffixed by its row. A short row's reductions are chains of dependent steps (the last partial
+    name it declares at the top suffixed by its row (rows from `first` to `end`, by default 0 and
+    `rows`; a gemm block's rows otherwise). A short row's reductions are chains of dependent steps (the last partial
     sums folded, a reciprocal) that the other row's independent work now fills: a scaled, masked
     Softmax over 128-float rows 25% faster beyond the cache, an Add + LayerNorm 17%."""
     statements: list[list[str]] = []
@@ -153,7 +164,8 @@ def _paired(body: list[str], rows: int) -> list[str]:
         raise CodegenRefused("row body with an unbalanced statement")
     names = {"r"} | {m.group(1) for st in statements if (m := _TOP_NAME.match(st[0].strip()))}
     rename = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\b")
-    out = [f"long long r_0 = 2 * rp, r_1 = r_0 + 1 < {rows}LL ? r_0 + 1 : r_0;"]
+    end = end or f"{rows}LL"
+    out = [f"long long r_0 = {first + ' + ' if first else ''}2 * rp, r_1 = r_0 + 1 < {end} ? r_0 + 1 : r_0;"]
     for st in statements:
         for u in (0, 1):
             out += [rename.sub(lambda m, u=u: f"{m.group(1)}_{u}", line) for line in st]
@@ -187,6 +199,29 @@ def row_prologue_loops(graph, kernel, args, outs, rows: tuple[int, ...]) -> str:
     before the product's blocks read it."""
     plan, (c_side, _) = _row_plan(graph, replace(kernel, nodes=rows, anchor=None), args, outs)
     return _c_rows(plan, c_side)
+
+
+def row_prologue_block(graph, kernel, args, outs, rows: tuple[int, ...], first: str, count: str,
+                       panel: Arg | None) -> tuple[list[str], list[str]]:
+    """C of a packed row prologue (`Schedule.prologue` "packed"): (the side loops, which run before
+    the blocks; the statements of one gemm block computing its `count` rows from flat row `first`,
+    two at a time where short, storing `outs`, and the activation into `panel`, the block's
+    scratch A panel, where it is not among them; no store streams). Each row's moments take one
+    pass, then its normalised values go straight to the panel the product reads next, in the
+    block's thread."""
+    name = (panel.name if panel is not None else "", first)  # no output streams: the product reads the rows next
+    plan, (c_side, _) = _row_plan(graph, replace(kernel, nodes=rows, anchor=None), args,
+                                  [*outs, *([panel] if panel is not None else [])], panel=name)
+    return c_side, _block_rows(plan, first, count)
+
+
+def _block_rows(plan: _RowPlan, first: str, count: str) -> list[str]:
+    """The row body over a gemm block's `count` rows from flat row `first`, two at a time where
+    short (`_paired`), in the block's thread."""
+    if plan.length <= PAIR_MAX_LENGTH:
+        body = _paired(plan.c, plan.rows, first, f"{first} + {count}")
+        return [f"for (long long rp = 0; rp < ({count} + 1) / 2; ++rp) {{", *["    " + x for x in body], "}"]
+    return [f"for (long long r = {first}; r < {first} + {count}; ++r) {{", *["    " + x for x in plan.c], "}"]
 
 
 def _row_product(graph, kernel, args, outs, packs: dict) -> tuple[str, bool] | None:
@@ -647,10 +682,10 @@ def _row_output(e: _Emitter, out: Arg, plan: _RowPlan) -> None:
             return e.row_ops[out.tensor](_full_index(e, out.tensor, plan, j), f"{cached[source]}[{j}]")
         return e.value(out.tensor, _full_index(e, out.tensor, plan, j))
 
-    index = f"r * {plan.length}LL + j"
+    index = plan.row_index(out)
     cu_lines, cu_value = _row_body(e, plan, body, False)
     c_lines, c_value = _row_body(e, plan, body, True)
-    if streams(out) and _flat_loop(c_lines):
+    if streams(out) and _flat_loop(c_lines) and not plan.panel:
         plan.c += streamed_loop(out, f"r * {plan.length}LL", plan.length, c_lines, c_value, [])
         plan.streamed = True
     else:
