@@ -1,7 +1,6 @@
 """The schedule: everything about how one kernel runs, decided once by lowering.
 
-Problem: a cost model that prices one kernel while the generator writes another ranks plans by
-fiction; tile, threads, grid, shared memory, split-K, skeleton and unit are decided here once.
+Problem: a cost model pricing one kernel while the generator writes another ranks plans by fiction.
 Approach: `lowering` builds a frozen `Schedule` per Kernel from this module's predicates (skeleton,
 row cache, `folded_scale`, `scaled_product`, `gelu_chains`, `conv_reads_band`); the cost model
 prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the rest as given. Fields:
