@@ -24,7 +24,7 @@ from typing import Any
 from fusesearch.errors import BadInput
 from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.plans import ModelInfo, Plan
-from fusesearch.search.problem import SearchConfig, check_decompose
+from fusesearch.search.problem import SearchConfig, check_decompose, check_layouts
 
 
 def resolve_device(name_or_path: str, threads: int | None = None):
@@ -91,7 +91,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
          lone_anchors: str = "priced", costs: str = "predicted", threads: int = 1,
-         decompose: str = "auto") -> Plan:
+         decompose: str = "auto", layouts: str = "auto") -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
     False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
     gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
@@ -102,16 +102,18 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
     (the model's plan, then the choices of the groups each plan uses, searched again until the
     plan uses only measured groups); `threads`: the OpenMP threads a CPU plan is priced for
     (`--threads`, recorded in plan.json); `decompose`: whether cpsat cuts the graph into pieces
-    (`search.problem.DECOMPOSE`: "auto" from a size on, "always", "never")."""
+    (`search.problem.DECOMPOSE`: "auto" from a size on, "always", "never"); `layouts`: whether a CPU
+    plan of a CNN may run groups in channel blocks (`search.problem.LAYOUTS`: "auto", "nchw")."""
     from fusesearch.autotune import check_costs
     from fusesearch.pipeline import prepare
 
     check_costs(costs)
     check_decompose(decompose)
+    check_layouts(layouts, "layouts =")
     resolve_device(device, threads)  # a bad device before any loading
     prep = prepared or prepare(model, bindings(input_shapes, dims), dtype=dtype, tf32=tf32)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
-                          lone_anchors=lone_anchors, decompose=decompose,
+                          lone_anchors=lone_anchors, decompose=decompose, layouts=layouts,
                           **({"workers": workers} if workers else {}))
     result, _, _, tuner = search_prepared(prep, device, strategy, config, costs, threads)
     return result  # a plan priced by measurements carries what measuring cost (`Plan.tuning`)
@@ -133,13 +135,13 @@ class Planned:
 def plans_for(model: str, device: str, strategy: str, *, command: str, plan_file: str | Path | None = None,
               shape_bindings=None, value_flags: Sequence[str] = (), dtype: str = "float32", tf32: bool = True,
               time_limit_s: float = 60.0, seed: int = 0, lone_anchors: str = "priced", costs: str = "predicted",
-              threads: int = 1, say: Callable[[str], None] | None = None) -> Planned:
+              threads: int = 1, say: Callable[[str], None] | None = None, layouts: str = "auto") -> Planned:
     """Prepare MODEL, read the input values (`--input-value` flags), refuse a graph too large for
     memory, then plan it (or take `plan_file`'s groups) and the unfused graph: `measure_plans`."""
     from fusesearch.pipeline import prepare
     from fusesearch.verify import check_memory, parse_input_values
 
-    config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=16)
+    config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=16, layouts=check_layouts(layouts))
     prep = prepare(model, shape_bindings or bindings(), dtype=dtype, tf32=tf32)
     values = parse_input_values(list(value_flags), prep.graph)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", command)

@@ -10,6 +10,11 @@ of the quotient graph `[refuse]` (legality reason or the cycle) or `[skip]` (leg
            + the rest apart 14.9 us = 45.1 us
     [refuse] g7+g8: smem 72.0 KiB > 64.0 KiB per block on t4
     [skip] g3+g4: +0.8 us (no gain)
+    [layout] g5 in NCHW16c (reads NCHW16c): -21.3 us (blocked 14.2 us vs NCHW 35.5 us)
+    [reorder] 'clip_4' NCHW -> NCHW16c after g4: +6.1 us
+
+`[layout]`/`[reorder]`: a plan that chose layouts (`search.cpsat`), each blocked group's price
+beside its NCHW form's and each tensor copied to another layout, with the copy's price.
 
 Invariants: lines are deterministic and in group order; deltas are predicted microseconds."""
 
@@ -37,6 +42,23 @@ def explain_lines(plan: Plan, legality: Legality) -> list[str]:
             if g.kernel.anchor is not None:
                 lines.append(_impl_line(plan, legality, g))
     lines.extend(_pair_lines(plan, legality))
+    lines.extend(_layout_lines(plan, legality))
+    return lines
+
+
+def _layout_lines(plan: Plan, legality: Legality) -> list[str]:
+    """Per group the plan runs in a blocked layout, its price beside its NCHW form's; per tensor
+    the plan copies to another layout, the reorder's price and where it runs."""
+    lines = []
+    for g in plan.groups:
+        schedule = g.kernel.schedule
+        if schedule.layout_out.blocked:
+            nchw = legality.check(frozenset(g.nodes)).time_s
+            lines.append(f"[layout] g{g.id} in {schedule.layout_out.name} (reads {schedule.layout_in.name}): "
+                         f"{_us(g.cost.time_s - nchw)} (blocked {g.cost.time_s * 1e6:.1f} us vs NCHW {nchw * 1e6:.1f} us)")
+    for r in plan.reorders:
+        where = f"after g{r.after}" if r.after >= 0 else "before the first group (a graph input)"
+        lines.append(f"[reorder] '{r.tensor}' {r.source.name} -> {r.target.name} {where}: {_us(r.cost.time_s)}")
     return lines
 
 
