@@ -8,7 +8,9 @@ tensors read from outside (weights included), outputs those used outside, called
 `save_model` keeps external weights in the original data file (large ones, above 2 GiB, in its
 own), staged and moved into place. `plan_groups_from_json` maps a plan.json onto a model, refusing
 unknown nodes, groups not connected, convex and in order, or illegal kernels; `export` and
-`measure --plan` read plans through it.
+`measure --plan` read plans through it. Layouts live inside programs (`run`): a plan's blocked
+groups and reorders (plan.json's "layout" and "layouts") are not exported, every tensor of the
+fused model is NCHW as in the model.
 Invariants: the main graph has one node per group in topological order; graph inputs, outputs and
 initializers keep their names; If/Loop bodies are copied untouched."""
 
