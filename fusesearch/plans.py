@@ -6,7 +6,9 @@ some order (acyclic quotient graph) — and if the same input always writes the 
 Approach: `validate_plan` checks the three properties and names the first group that breaks one;
 `order_groups` gives the quotient graph's topological order (Kahn's algorithm, ties by smallest
 node id), which numbers the groups g0, g1, ...; `Plan` holds each group's kernel and cost and
-writes plan.json with fixed key order and rounded floats.
+writes plan.json with fixed key order and rounded floats; a plan whose groups run in channel
+blocks holds their blocked kernels and its reorders (`PlannedReorder`, `lowering.reorders`),
+priced into its time.
 Invariants: every Plan has passed `validate_plan`; plan.json holds no wall-clock figure (run
 times go to the CLI summary and `--json` output), so it is byte-identical across runs.
 """

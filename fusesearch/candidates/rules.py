@@ -8,7 +8,9 @@ has code for every op, from `Legality.capabilities`: legality never imports the 
 `FitsDevice` (the cost model accepts it; `Legality.choose` is the one place a form is chosen,
 cheapest predicted or, with a `Measurer`, fastest measured). `Legality.check` memoizes per node
 set; `Legality.outcome` also shares decisions between groups of the same `structure`, so repeated
-blocks are lowered once per block shape (not with a `Measurer`).
+blocks are lowered once per block shape (not with a `Measurer`). `Legality.blocked` is a group's
+form in channel blocks where plans may choose layouts (`layout_block`), `Legality.reorder` a copy
+between layouts, both priced by the model.
 Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
 whichever caller asks."""
 

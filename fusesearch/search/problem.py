@@ -4,7 +4,8 @@ Problem: four strategies (none, rules, greedy, cpsat) must be interchangeable be
 compared on the same costs.
 Approach: a `SearchProblem` bundles the graph, the legality rules bound to a device, a cost model
 and what the code generator writes (`codegen.CAPABILITIES`; with their memo of verdicts), and the configuration (time limit, seed, workers, max group
-size, enumeration budget). A solver returns a `SolveResult`: a partition of the nodes into groups,
+size, enumeration budget, whether a CPU plan may choose layouts: `layout_block`;
+`SearchProblem.plan_time_s` prices a plan's layouts). A solver returns a `SolveResult`: a partition of the nodes into groups,
 its predicted time, a status and, for exact solvers, a bound.
 Invariants: a SolveResult's groups partition the graph's nodes (checked by `validate_plan`
 before any plan leaves `search()`); times are seconds.
