@@ -100,3 +100,27 @@ def test_mobilenetv2_with_layouts_runs_equal_to_onnx_runtime():
     assert plan.reorders and any(g.kernel.schedule.layout_out.blocked for g in plan.groups)
     report = run_plan(prep, plan, unfused, repeat=1, warmup=0)
     assert report.max_rel_err < 1e-4 and np.isfinite(report.max_rel_err)
+
+
+@needs_cc
+def test_run_plan_json_runs_its_layouts_as_chosen(tmp_path, run_cli):
+    """`run --plan plan.json` runs the file's blocked groups and reorders (two more kernels than
+    its groups); a file whose block is not this CPU's is refused naming the fix."""
+    from costmodels.profile import Profile, save_profile
+    from costmodels.roofline import host_params
+    from tests.search.test_layouts import host16
+
+    profile = save_profile(Profile(host16(), host_params().with_updates(**DEPTHWISE_SLOW), backend="cpu"),
+                           tmp_path / "profile.json")
+    path, out = depthwise_chain(tmp_path), tmp_path / "plan.json"
+    code, _, err = run_cli("plan", path, "--device", profile, "-o", out, "--workers", "1")
+    assert code == 0, err
+    code, stdout, err = run_cli("run", path, "--device", profile, "--plan", out, "--repeat", "1", "--warmup", "0",
+                                "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["kernels"] == 5
+    doc = json.loads(out.read_text())
+    doc["layouts"]["block"] = 8
+    (tmp_path / "eight.json").write_text(json.dumps(doc))
+    code, _, err = run_cli("run", path, "--device", profile, "--plan", tmp_path / "eight.json", "--repeat", "1")
+    assert code == 2 and "channel blocks of 8, this CPU's are 16; plan again" in err
