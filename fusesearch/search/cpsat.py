@@ -1,22 +1,15 @@
 """Strategy `cpsat`: exact set partitioning over the candidates with OR-Tools CP-SAT.
 
-Problem: choose a partition of the nodes into candidate groups of least predicted time whose
-quotient graph is acyclic (two convex groups can still form a cycle).
-Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE, or
-CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient
-cycle C gets Σ_{g ∈ C} x_g ≤ |C| − 1 and is solved again; after CUT_ROUNDS such cuts, ranks r_v with
-r_v − r_u + y_uv ≥ 1 and r_v − r_u + n·y_uv ≤ n per edge (equal inside a group, increasing between
-groups) exclude every cycle. Hinted with greedy's plan (few workers: `max_lp`, `core`). With several
-workers, a one-worker re-solve with Σ c_g x_g ≤ optimum makes the plan deterministic. Graphs from
-DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each distinct subproblem solved once
-(`workers` at a time, one CP-SAT worker each: the same plan whatever `workers`), joined by `join`.
-Layouts (where `Legality.layout_block` allows, a CPU with a channel block and a CNN): b_g <= x_g
-per candidate with a blocked form (`Legality.blocked`) prices it blocked; per 4-D tensor a blocked
-form reads or writes, a boolean per reorder (to NCHWc, to NCHW) priced once, forced by the layouts
-its producer's and consumers' groups use (`_add_layouts`): two layouts, so the model grows by one
-boolean per blocked-capable candidate and at most two per such tensor, solved with the LP fully
-linearized. Pieces of a decomposed graph keep NCHW (a cut tensor's layout would couple them; the
-CNNs are far below DECOMPOSE_FROM_NODES).
+Problem: choose a partition of the nodes into candidate groups, and their layouts, of least
+predicted time whose quotient graph is acyclic (two convex groups can still form a cycle).
+Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE);
+Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient cycle C gets Σ_{g ∈ C} x_g ≤
+|C| − 1, solved again; after CUT_ROUNDS cuts, ranks r_v (equal inside a group, increasing between
+groups) exclude every cycle. Hinted with greedy's plan; with several workers a one-worker re-solve
+at Σ c_g x_g ≤ optimum makes the plan deterministic. Layouts where `Legality.layout_block` allows
+(`_add_layouts`: a bool b_g ≤ x_g per blocked-capable candidate, two per 4-D tensor for its
+reorders; the LP fully linearized). Graphs from DECOMPOSE_FROM_NODES nodes are cut by
+`decompose.split`, each distinct piece solved once by one worker in NCHW, joined by `join`.
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
 best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
 model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
