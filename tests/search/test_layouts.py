@@ -210,3 +210,16 @@ def test_the_fused_export_of_a_plan_with_layouts_stays_nchw(tmp_path, run_cli, b
     assert [d.dim_value for d in fused.graph.output[0].type.tensor_type.shape.dim] == [1, 32, 14, 14]
     ops = {n.op_type for f in fused.functions for n in f.node}
     assert ops == {"Conv", "Relu"}
+
+
+def test_a_plan_with_layouts_is_the_same_file_every_time(tmp_path, run_cli, blocks_pay):
+    """Several CP-SAT workers, the layouts chosen: the one-worker re-solve keeps plan.json
+    byte-identical across runs."""
+    path = depthwise_chain(tmp_path, stem=True)
+    texts = []
+    for i in range(2):
+        out = tmp_path / f"p{i}.json"
+        code, _, err = run_cli("plan", path, "--device", blocks_pay, "-o", out, "--workers", "2")
+        assert code == 0, err
+        texts.append(out.read_text())
+    assert texts[0] == texts[1] and '"NCHW16c"' in texts[0]
