@@ -747,6 +747,12 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
+    if p.layouts is not None:
+        blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
+        copies = sum(r.cost.time_s for r in p.reorders)
+        out.print(f"layouts (--layouts {p.layouts['choice']}): {blocked} group{'s' if blocked != 1 else ''} in "
+                  f"NCHW{p.layouts['block']}c, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
+                  f"({_fmt_time(copies)})", markup=False)
     if opaque := _opaque_ops(p.graph):
         shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])
         more = f" and {len(opaque) - OPAQUE_SHOWN} more" if len(opaque) > OPAQUE_SHOWN else ""

@@ -157,8 +157,9 @@ def blocks_pay(tmp_path):
 
 def test_plan_json_records_layouts_and_reorders_and_explain_says_why(tmp_path, run_cli, blocks_pay):
     path, out = depthwise_chain(tmp_path), tmp_path / "plan.json"
-    code, _, err = run_cli("plan", path, "--device", blocks_pay, "-o", out, "--explain", "--workers", "1")
+    code, stdout, err = run_cli("plan", path, "--device", blocks_pay, "-o", out, "--explain", "--workers", "1")
     assert code == 0, err
+    assert "layouts (--layouts auto): 3 groups in NCHW16c, 2 reorders" in stdout
     doc = json.loads(out.read_text())
     jsonschema.Draft202012Validator(plan_schema()).validate(doc)
     convs = [g for g in doc["groups"] if "Conv" in g["ops"]]
@@ -171,9 +172,10 @@ def test_plan_json_records_layouts_and_reorders_and_explain_says_why(tmp_path, r
     layout_lines = [line for line in err.splitlines() if "[layout]" in line]
     assert len(layout_lines) == 3 and all("vs NCHW" in line and ": -" in line for line in layout_lines)
     assert sum("[reorder] 'x' NCHW -> NCHW16c before the first group" in line for line in err.splitlines()) == 1
-    code, _, err = run_cli("plan", path, "--device", blocks_pay, "-o", tmp_path / "nchw.json", "--layouts", "nchw",
-                           "--workers", "1")
+    code, stdout, err = run_cli("plan", path, "--device", blocks_pay, "-o", tmp_path / "nchw.json", "--layouts",
+                                "nchw", "--workers", "1")
     assert code == 0, err
+    assert "layouts (--layouts nchw): 0 groups in NCHW16c, 0 reorders" in stdout
     nchw = json.loads((tmp_path / "nchw.json").read_text())
     assert nchw["layouts"] == {"choice": "nchw", "block": 16, "reorders": []}
     assert {g["layout"]["out"] for g in nchw["groups"]} == {"NCHW"}
