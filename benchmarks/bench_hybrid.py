@@ -14,7 +14,8 @@ compiled kernels are reused). "at measured costs" is hybrid's plan priced by the
 search's times (the sum of its kernels) over the measured plan's: no run-to-run noise.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_hybrid.py [--models bert-small,resnet18]
-                                              [--repeat 20] [--cold] [--markdown FILE]
+                                              [--repeat 20] [--cold] [--device host|profile.json]
+                                              [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ MAX_TIMED = 0.25
 WITHIN = 1.02
 
 
-def bench(name: str, repeat: int, cold: bool) -> dict:
+def bench(name: str, repeat: int, cold: bool, device: str = "host") -> dict:
     prep = prepare(f"zoo:{name}")
-    measured, problem = host_plan(prep, "measured")
+    measured, problem = host_plan(prep, "measured", device=device)
     with tempfile.TemporaryDirectory(prefix="hybrid-db-") as folder:
         began = time.perf_counter()
-        hybrid, _ = host_plan(prep, "hybrid", cache=TimingCache(folder) if cold else None)
+        hybrid, _ = host_plan(prep, "hybrid", cache=TimingCache(folder) if cold else None, device=device)
         hybrid_s = time.perf_counter() - began
     at_measured = sum(problem.legality.time_s(g.nodes) for g in hybrid.groups) / measured.time_s
     report = run_plan(prep, hybrid, measured, threads=1, repeat=repeat, warmup=3,
@@ -75,6 +76,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(zoo_models()))
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--cold", action="store_true", help="hybrid starts from an empty timing database")
+    parser.add_argument("--device", default="host", help="host, or a host profile.json (its fitted efficiencies "
+                        "price what is not measured, its held-out error sets hybrid's band)")
     parser.add_argument("--markdown", help="append the table to this file (with the command and machine)")
     args = parser.parse_args()
     lines = ["| model | choices timed by hybrid | of them a group's only one | kept predicted outside the band | band "
@@ -83,7 +86,7 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     for name in args.models.split(","):
         try:
-            lines.append(row(bench(name, args.repeat, args.cold)))
+            lines.append(row(bench(name, args.repeat, args.cold, args.device)))
         except Exception as exc:  # a model that cannot plan or run here: said, and the others go on
             lines.append(f"| {name} | skipped: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]} |")
         print(lines[-1], flush=True)

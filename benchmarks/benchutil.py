@@ -38,15 +38,16 @@ def zoo_models() -> list[str]:
     return [m.name for m in zoo.list_models()]
 
 
-def host_plan(prep, costs: str, *, strategy: str = "cpsat", time_limit_s: float = 60.0, cache=None):
-    """(Plan, SearchProblem): `prep` planned for `host` with `costs` (`autotune.tuned_search`);
-    `cache`: the timing database (default: the cache folder's)."""
+def host_plan(prep, costs: str, *, strategy: str = "cpsat", time_limit_s: float = 60.0, cache=None,
+              device: str = "host"):
+    """(Plan, SearchProblem): `prep` planned for `device` (`host` or a host profile.json) with `costs`
+    (`autotune.tuned_search`); `cache`: the timing database (default: the cache folder's)."""
     from costmodels import RooflineModel
     from fusesearch.api import for_device, model_info, resolve_device
     from fusesearch.autotune import tuned_search
     from fusesearch.search.problem import SearchConfig
 
-    label, spec, params, profile = resolve_device("host")
+    label, spec, params, profile = resolve_device(device)
     prep, params = for_device(prep, spec, params)
     return tuned_search(prep, spec, RooflineModel(params), strategy, SearchConfig(time_limit_s=time_limit_s),
                         costs, profile, cache=cache, device_label=label, model_info=model_info(prep))

@@ -320,11 +320,13 @@ Layouts = Annotated[str, typer.Option("--layouts", help="auto: on a CPU with 8 o
                                       "in the model.")]
 
 
-def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None, layouts: str = "auto"):
-    from fusesearch.search.problem import SearchConfig, check_layouts
+def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None, decompose: str = "auto",
+            layouts: str = "auto"):
+    from fusesearch.search.problem import SearchConfig, check_decompose, check_layouts
 
     return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
-                        layouts=check_layouts(layouts), **({"workers": workers} if workers else {}))
+                        decompose=check_decompose(decompose, "--decompose"), layouts=check_layouts(layouts),
+                        **({"workers": workers} if workers else {}))
 
 
 @app.command()
@@ -339,6 +341,8 @@ def plan(
     max_group_size: MaxGroup = 16,
     seed: Seed = 0,
     workers: Workers = None,
+    decompose: Annotated[str, typer.Option("--decompose", help="cpsat: cut the graph into pieces solved apart and "
+                                           "joined exactly: auto (from 1,000 nodes), always or never.")] = "auto",
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.json here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files (and a --dump).")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Log every fusion accepted or refused.")] = False,
@@ -366,7 +370,7 @@ def plan(
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
     _check_dump(dump, force)
-    config = _config(time_limit, max_group_size, seed, workers, layouts)
+    config = _config(time_limit, max_group_size, seed, workers, decompose, layouts)
     fixed, buckets = split_dims(dim or [], dim_weights or [])
     if buckets is not None:
         preps = _bucket_preps(model, input_shape, fixed, buckets, dtype, no_tf32, "plan", (
@@ -1016,7 +1020,7 @@ def run(
     from fusesearch.verify import check_memory
 
     runs_on = check_run(backend, baselines or (), costs)
-    _config(time_limit, 16, seed, None, layouts)  # --layouts checked before any loading
+    _config(time_limit, 16, seed, None, layouts=layouts)  # --layouts checked before any loading
     emulated = not runs_on.timed  # the CUDA program checked, not timed
     check_outputs([(output, "-o"), (trace, "--trace")], force,
                   _reads((model, "model"), (plan_json, "plan"), device=device))
@@ -1033,8 +1037,8 @@ def run(
             ("-o", output), ("--baselines", baselines), ("--dump", dump), ("--trace", trace)))
         for prep in preps:
             check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None, layouts), runs_on, threads, repeat,
-                     warmup, seed, rtol, check_each, json_out)
+        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None, layouts=layouts), runs_on,
+                     threads, repeat, warmup, seed, rtol, check_each, json_out)
         return
     planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
                         shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,

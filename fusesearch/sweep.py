@@ -129,7 +129,7 @@ class SweepConfig:
                 **({"costs": self.costs} if self.costs != "predicted" else {})}
 
     def sha256(self) -> str:
-        return hashlib.sha256(json.dumps(self.normalized(), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(sweep_identity(self.normalized()), sort_keys=True).encode()).hexdigest()
 
     def reads(self) -> list[tuple[str, str]]:
         """(path, what) of the files the sweep reads: the config, model files, device profiles."""
@@ -178,6 +178,18 @@ def parse_config(doc: Mapping[str, Any], path: Path) -> SweepConfig:
     _check_buckets(models, where, backend, costs)
     return SweepConfig(name, str(path), models, devices, labels, strategies, params, workers, backend, budget,
                        measure, threads, repeat, costs)
+
+
+def sweep_identity(normalized: Mapping) -> dict:
+    """What a manifest's config means, with every setting at its default left out: a config written
+    before a setting existed (no `decompose`, no `costs`) and one that spells the default are the
+    same sweep, so an unchanged TOML keeps its results across upgrades that add settings."""
+    params = {k: list(v) for k, v in normalized.get("params", {}).items() if list(v) != [PARAM_DEFAULTS.get(k)]}
+    models = [{k: v for k, v in m.items() if v not in ({}, None)} for m in normalized.get("models", [])]
+    rest = {k: v for k, v in normalized.items() if k not in ("params", "models") and v is not None}
+    if rest.get("costs") == "predicted":
+        del rest["costs"]
+    return {**rest, "models": models, "params": params}
 
 
 def _check_buckets(models: tuple[ModelSpec, ...], where: str, backend: str | None, costs) -> None:
@@ -790,7 +802,7 @@ class SweepStore:
                 raise
             old = {}  # unreadable: discarded as a different sweep's
         if old is not None:
-            if old.get("config_sha256") != config.sha256():
+            if sweep_identity(old.get("config") or {}) != sweep_identity(config.normalized()):
                 if not force:
                     raise BadInput(f"--out {self.out}: holds the results of a different sweep "
                                    f"('{old.get('name')}' from {old.get('source')}); give another --out, "

@@ -266,6 +266,27 @@ def test_a_different_config_in_out_is_refused_unless_forced(tmp_path, run_cli):
     assert len(_rows(out)) == 2 and set(_rows(out)["device"]) == {"t4"}
 
 
+def test_a_manifest_from_before_a_setting_existed_is_the_same_sweep(tmp_path, run_cli):
+    """An unchanged TOML after an upgrade that adds a setting (here `decompose`, whose default the
+    old manifest never spelled) keeps its results; a changed setting is still another sweep."""
+    out = tmp_path / "out"
+    path = _config(tmp_path, 'models = ["zoo:rnn-control"]\ndevices = ["t4"]\nstrategies = ["greedy", "cpsat"]\n')
+    code, _, err = run_cli("sweep", path, "--workers", "1", "--out", out)
+    assert code == 0, err
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert manifest["config"]["params"].pop("decompose") == ["auto"]
+    manifest["config"]["models"][0].pop("zoo")
+    manifest["config_sha256"] = "written by an older version"
+    (out / "sweep.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("sweep", path, "--workers", "1", "--out", out)
+    assert code == 0, err  # the same sweep: its cells are kept, nothing reruns
+    assert len(read_cells(out)) == 2
+    never = _config(tmp_path, 'models = ["zoo:rnn-control"]\ndevices = ["t4"]\nstrategies = ["greedy", "cpsat"]\n'
+                              '[params]\ndecompose = ["never"]\n', "never.toml")
+    code, _, err = run_cli("sweep", never, "--workers", "1", "--out", out)
+    assert code == 2 and "different sweep" in err
+
+
 def test_a_failing_cell_is_recorded_and_retried_the_rest_go_on(tmp_path):
     from onnx import TensorProto, helper
 

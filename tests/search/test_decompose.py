@@ -9,6 +9,7 @@ import threading
 from importlib import resources
 
 import jsonschema
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -195,6 +196,31 @@ def test_a_deep_chain_is_decomposed_and_its_plan_json_says_so(run_cli, tmp_path)
     d = solver["decomposition"]
     assert d["proven_whole"] is True and d["pieces"] > 100 and d["distinct"] < 20
     assert "optimum proven for the whole graph" in out
+
+
+def test_plan_decompose_flag_cuts_a_small_graph_or_keeps_it_whole(run_cli, tmp_path):
+    """`plan --decompose always` cuts a graph below DECOMPOSE_FROM_NODES, `never` solves it whole
+    (the same objective, both proven), a value outside auto/always/never exits 2 naming the flag."""
+    import numpy as np
+    from onnx import helper
+
+    nodes, x = [], "x"
+    for i in range(6):
+        nodes += [helper.make_node("MatMul", [x, "w"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"]),
+                  helper.make_node("Add", [f"r{i}", x], [f"a{i}"])]
+        x = f"a{i}"
+    path = save(make_model(nodes, [("x", [64, 64])], [(x, [64, 64])], [("w", np.eye(64, dtype=np.float32))]),
+                tmp_path / "chain.onnx")
+    docs = {}
+    for how in ("always", "never"):
+        code, _, err = run_cli("plan", path, "--device", "h100-sxm", "--decompose", how, "-o", tmp_path / f"{how}.json")
+        assert code == 0, err
+        docs[how] = json.loads((tmp_path / f"{how}.json").read_text())
+    assert docs["always"]["solver"]["decomposition"]["pieces"] > 1
+    assert "decomposition" not in docs["never"]["solver"]
+    assert docs["always"]["totals"]["time_s"] == pytest.approx(docs["never"]["totals"]["time_s"], rel=1e-9)
+    code, _, err = run_cli("plan", path, "--device", "h100-sxm", "--decompose", "sometimes")
+    assert code == 2 and err.startswith("fusesearch: error: --decompose 'sometimes'") and err.count("\n") == 1
 
 
 def test_a_stopped_search_states_its_gap_and_the_greedy_fallback(monkeypatch):
