@@ -225,3 +225,14 @@ def test_a_plan_with_layouts_is_the_same_file_every_time(tmp_path, run_cli, bloc
         assert code == 0, err
         texts.append(out.read_text())
     assert texts[0] == texts[1] and '"NCHW16c"' in texts[0]
+
+
+def test_a_decomposed_graph_keeps_nchw(tmp_path):
+    """Pieces of a decomposed graph are solved in NCHW (a cut tensor's layout would couple them):
+    the same chain blocked whole stays NCHW cut into pieces."""
+    prep = prepare(depthwise_chain(tmp_path, convs=12))
+    model = RooflineModel(host_params().with_updates(**DEPTHWISE_SLOW))
+    plans = {how: search(prep.graph, host16(), model, "cpsat", config=SearchConfig(workers=1, decompose=how))
+             for how in ("never", "always")}
+    assert plans["always"].solver.stats["decomposition"]["pieces"] > 1
+    assert len(_blocked(plans["never"])) == 12 and not _blocked(plans["always"]) and not plans["always"].reorders
