@@ -24,7 +24,7 @@ from typing import Any
 from fusesearch.errors import BadInput
 from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.plans import ModelInfo, Plan
-from fusesearch.search.problem import SearchConfig, check_decompose
+from fusesearch.search.problem import SearchConfig, check_decompose, check_layouts
 
 
 def resolve_device(name_or_path: str, threads: int | None = None):
@@ -91,7 +91,7 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
          time_limit_s: float = 60.0, max_group_size: int = 16, seed: int = 0,
          workers: int | None = None, prepared=None, dtype: str = "float32", tf32: bool = True,
          lone_anchors: str = "priced", costs: str = "predicted", threads: int = 1,
-         decompose: str = "auto") -> Plan:
+         decompose: str = "auto", layouts: str = "auto") -> Plan:
     """`dtype`: float16 / bfloat16 plans the model converted to half (`ir.precision`); `tf32`:
     False plans float32 GEMMs and convs without TF32 (`--no-tf32`); `lone_anchors`: how a lone
     gemm/conv may run (`rules.LONE_ANCHORS`): "library" makes every one a library call (with
@@ -102,16 +102,18 @@ def plan(model: str, device: str = "h100-sxm", strategy: str = "cpsat", *,
     (the model's plan, then the choices of the groups each plan uses, searched again until the
     plan uses only measured groups); `threads`: the OpenMP threads a CPU plan is priced for
     (`--threads`, recorded in plan.json); `decompose`: whether cpsat cuts the graph into pieces
-    (`search.problem.DECOMPOSE`: "auto" from a size on, "always", "never")."""
+    (`search.problem.DECOMPOSE`: "auto" from a size on, "always", "never"); `layouts`: whether a CPU
+    plan of a CNN may run groups in channel blocks (`search.problem.LAYOUTS`: "auto", "nchw")."""
     from fusesearch.autotune import check_costs
     from fusesearch.pipeline import prepare
 
     check_costs(costs)
     check_decompose(decompose)
+    check_layouts(layouts, "layouts =")
     resolve_device(device, threads)  # a bad device before any loading
     prep = prepared or prepare(model, bindings(input_shapes, dims), dtype=dtype, tf32=tf32)
     config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=max_group_size,
-                          lone_anchors=lone_anchors, decompose=decompose,
+                          lone_anchors=lone_anchors, decompose=decompose, layouts=layouts,
                           **({"workers": workers} if workers else {}))
     result, _, _, tuner = search_prepared(prep, device, strategy, config, costs, threads)
     return result  # a plan priced by measurements carries what measuring cost (`Plan.tuning`)
@@ -133,13 +135,13 @@ class Planned:
 def plans_for(model: str, device: str, strategy: str, *, command: str, plan_file: str | Path | None = None,
               shape_bindings=None, value_flags: Sequence[str] = (), dtype: str = "float32", tf32: bool = True,
               time_limit_s: float = 60.0, seed: int = 0, lone_anchors: str = "priced", costs: str = "predicted",
-              threads: int = 1, say: Callable[[str], None] | None = None) -> Planned:
+              threads: int = 1, say: Callable[[str], None] | None = None, layouts: str = "auto") -> Planned:
     """Prepare MODEL, read the input values (`--input-value` flags), refuse a graph too large for
     memory, then plan it (or take `plan_file`'s groups) and the unfused graph: `measure_plans`."""
     from fusesearch.pipeline import prepare
     from fusesearch.verify import check_memory, parse_input_values
 
-    config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=16)
+    config = SearchConfig(time_limit_s=time_limit_s, seed=seed, max_group_size=16, layouts=check_layouts(layouts))
     prep = prepare(model, shape_bindings or bindings(), dtype=dtype, tf32=tf32)
     values = parse_input_values(list(value_flags), prep.graph)
     check_memory(prep.graph, "give a smaller --dim or --input-shape", command)
@@ -167,16 +169,20 @@ def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: 
         none = (search_prepared(prep, device, "none", config, threads=threads)[0] if lone_anchors != "priced"
                 else unfused)
         from fusesearch.candidates.rules import Legality
-        from fusesearch.export import plan_groups_from_json
+        from fusesearch.costing import host_target
+        from fusesearch.export import plan_groups_from_json, plan_layouts_from_json
 
         # the file's groups are checked on this device; their size is the file's (no search limit)
         legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
                             max_group_size=len(prep.graph), measurer=legality.measurer)
         groups = [frozenset(g) for g in plan_groups_from_json(plan_file, prep.graph, legality)]
+        block = host_target(legality.device).channel_block if legality.device.kind == "cpu" else 0
+        layouts, blocked = plan_layouts_from_json(plan_file, prep.graph, block)
+        legality.layout_block = block if blocked else 0  # the file's blocked groups as it chose them
         plan_ = Plan.build(legality, groups, strategy="file", device=resolve_device(device, threads)[0],
                            profile=None, solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
                            model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,
-                           priced=none.priced)
+                           priced=none.priced, blocked=blocked, layouts=layouts)
     return plan_, unfused, prep
 
 

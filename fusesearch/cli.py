@@ -314,11 +314,18 @@ def check_costs(costs: str) -> None:
     check(costs)
 
 
-def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None, decompose: str = "auto"):
-    from fusesearch.search.problem import SearchConfig, check_decompose
+Layouts = Annotated[str, typer.Option("--layouts", help="auto: on a CPU with 8 or 16 float32 lanes a CNN's plan "
+                                      "may run groups in channel blocks (NCHWc) where that and the reorders it "
+                                      "needs pay (strategy cpsat; plan.json records it); nchw: every tensor as "
+                                      "in the model.")]
+
+
+def _config(time_limit: float, max_group_size: int, seed: int, workers: int | None, decompose: str = "auto",
+            layouts: str = "auto"):
+    from fusesearch.search.problem import SearchConfig, check_decompose, check_layouts
 
     return SearchConfig(time_limit_s=time_limit, seed=seed, max_group_size=max_group_size,
-                        decompose=check_decompose(decompose, "--decompose"),
+                        decompose=check_decompose(decompose, "--decompose"), layouts=check_layouts(layouts),
                         **({"workers": workers} if workers else {}))
 
 
@@ -348,6 +355,7 @@ def plan(
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
     threads: Threads = 1,
+    layouts: Layouts = "auto",
     dump: Dump = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -362,7 +370,7 @@ def plan(
     check_outputs([(output, "-o"), (emit, "--emit"), (svg, "--svg"), (html_out, "--html")], force,
                   _reads((model, "model"), device=device))
     _check_dump(dump, force)
-    config = _config(time_limit, max_group_size, seed, workers, decompose)
+    config = _config(time_limit, max_group_size, seed, workers, decompose, layouts)
     fixed, buckets = split_dims(dim or [], dim_weights or [])
     if buckets is not None:
         preps = _bucket_preps(model, input_shape, fixed, buckets, dtype, no_tf32, "plan", (
@@ -743,6 +751,12 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
+    if p.layouts is not None:
+        blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
+        copies = sum(r.cost.time_s for r in p.reorders)
+        out.print(f"layouts (--layouts {p.layouts['choice']}): {blocked} group{'s' if blocked != 1 else ''} in "
+                  f"NCHW{p.layouts['block']}c, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
+                  f"({_fmt_time(copies)})", markup=False)
     if opaque := _opaque_ops(p.graph):
         shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])
         more = f" and {len(opaque) - OPAQUE_SHOWN} more" if len(opaque) > OPAQUE_SHOWN else ""
@@ -987,6 +1001,7 @@ def run(
     dtype: DType = "float32",
     no_tf32: NoTf32 = False,
     costs: Costs = "predicted",
+    layouts: Layouts = "auto",
     baselines: Annotated[list[str] | None, typer.Option("--baselines", help="Also time these beside the plan, "
                                                         "each checked equal to ONNX Runtime first: torch (PyTorch "
                                                         "eager and torch.compile, default and max-autotune, over the "
@@ -1005,6 +1020,7 @@ def run(
     from fusesearch.verify import check_memory
 
     runs_on = check_run(backend, baselines or (), costs)
+    _config(time_limit, 16, seed, None, layouts=layouts)  # --layouts checked before any loading
     emulated = not runs_on.timed  # the CUDA program checked, not timed
     check_outputs([(output, "-o"), (trace, "--trace")], force,
                   _reads((model, "model"), (plan_json, "plan"), device=device))
@@ -1021,12 +1037,13 @@ def run(
             ("-o", output), ("--baselines", baselines), ("--dump", dump), ("--trace", trace)))
         for prep in preps:
             check_memory(prep.graph, "give a smaller --dim or --input-shape", "run")
-        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None), runs_on, threads, repeat,
-                     warmup, seed, rtol, check_each, json_out)
+        _run_buckets(preps, buckets, device, strategy, _config(time_limit, 16, seed, None, layouts=layouts), runs_on,
+                     threads, repeat, warmup, seed, rtol, check_each, json_out)
         return
     planned = plans_for(model, device, strategy, command="run", plan_file=plan_json,
                         shape_bindings=_bindings(input_shape, dim), value_flags=input_value or (), dtype=dtype,
-                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, threads=threads, say=_say)
+                        tf32=not no_tf32, time_limit_s=time_limit, seed=seed, costs=costs, threads=threads, say=_say,
+                        layouts=layouts)
     _dump(planned.plan, dump, force)
     if emulated:
         _run_emulated(planned, seed, run_tolerance(planned, rtol), check_each, json_out)

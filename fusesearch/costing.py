@@ -20,7 +20,7 @@ from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
-from fusesearch.lowering import Kernel, choices, conv_routed, lower
+from fusesearch.lowering import Kernel, choices, conv_routed, lower, nchwc_choices
 from fusesearch.schedule import CpuTarget
 
 
@@ -51,7 +51,18 @@ def device_choices(graph: Graph, group: FusionGroup, device: DeviceSpec,
 
         options = choices(graph, group, tuned=device.tuned_tiles)
         return options if isinstance(options, FusionDecision) else conv_routed(graph, options, conv_route().cudnn)
-    return choices(graph, group, host=CpuTarget(blas=blas, lanes=device.warp_size, threads=max(1, device.sm_count)))
+    return choices(graph, group, host=host_target(device, blas))
+
+
+def host_target(device: DeviceSpec, blas: bool = True) -> CpuTarget:
+    """What a CPU device's kernels are written for: `CpuTarget.lanes` its `warp_size` (float32
+    lanes), `CpuTarget.threads` its `sm_count` (the OpenMP threads its figures were measured with)."""
+    return CpuTarget(blas=blas, lanes=device.warp_size, threads=max(1, device.sm_count))
+
+
+def blocked_choices(graph: Graph, group: FusionGroup, device: DeviceSpec, blas: bool = True) -> tuple[Kernel, ...]:
+    """The group's forms in a CPU device's blocked layout (`lowering.nchwc_choices`); () on a GPU."""
+    return () if device.kind == "gpu" else nchwc_choices(graph, group, host_target(device, blas))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

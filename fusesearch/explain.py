@@ -2,15 +2,16 @@
 
 Problem: a user wants to know why each fusion happened and why neighbours were not fused.
 Approach: per multi-node group a `[fuse]` line with the time saved; per anchor group an `[impl]`
-line (generated kernel vs library anchor + the rest apart, each with its compute unit); per edge
-of the quotient graph `[refuse]` (legality reason or the cycle) or `[skip]` (legal, no gain):
+line (generated kernel vs library anchor + the rest apart); per quotient edge `[refuse]`
+(legality reason or the cycle) or `[skip]` (legal, no gain); per blocked group `[layout]` (its
+price beside its NCHW form's) and per copied tensor `[reorder]` (the copy's price):
 
     [fuse] conv_23(Conv)+relu_24(Relu) -> g12: -4.1 us
-    [impl] g12: generated (fp32-cuda-core) 41.0 us vs library conv_23 (tf32-tensor-core) 30.2 us
-           + the rest apart 14.9 us = 45.1 us
+    [impl] g12: generated (fp32-cuda-core) 41.0 us vs library conv_23 (tf32-tensor-core) 30.2 us + ...
     [refuse] g7+g8: smem 72.0 KiB > 64.0 KiB per block on t4
     [skip] g3+g4: +0.8 us (no gain)
-
+    [layout] g5 in NCHW16c (reads NCHW16c): -21.3 us (blocked 14.2 us vs NCHW 35.5 us)
+    [reorder] 'clip_4' NCHW -> NCHW16c after g4: +6.1 us
 Invariants: lines are deterministic and in group order; deltas are predicted microseconds."""
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def explain_lines(plan: Plan, legality: Legality) -> list[str]:
             if g.kernel.anchor is not None:
                 lines.append(_impl_line(plan, legality, g))
     lines.extend(_pair_lines(plan, legality))
+    lines.extend(_layout_lines(plan, legality))
+    return lines
+
+
+def _layout_lines(plan: Plan, legality: Legality) -> list[str]:
+    """Per group the plan runs in a blocked layout, its price beside its NCHW form's; per tensor
+    the plan copies to another layout, the reorder's price and where it runs."""
+    lines = []
+    for g in plan.groups:
+        schedule = g.kernel.schedule
+        if schedule.layout_out.blocked:
+            nchw = legality.check(frozenset(g.nodes)).time_s
+            lines.append(f"[layout] g{g.id} in {schedule.layout_out.name} (reads {schedule.layout_in.name}): "
+                         f"{_us(g.cost.time_s - nchw)} (blocked {g.cost.time_s * 1e6:.1f} us vs NCHW {nchw * 1e6:.1f} us)")
+    for r in plan.reorders:
+        where = f"after g{r.after}" if r.after >= 0 else "before the first group (a graph input)"
+        lines.append(f"[reorder] '{r.tensor}' {r.source.name} -> {r.target.name} {where}: {_us(r.cost.time_s)}")
     return lines
 
 

@@ -8,7 +8,9 @@ tensors read from outside (weights included), outputs those used outside, called
 `save_model` keeps external weights in the original data file (large ones, above 2 GiB, in its
 own), staged and moved into place. `plan_groups_from_json` maps a plan.json onto a model, refusing
 unknown nodes, groups not connected, convex and in order, or illegal kernels; `export` and
-`measure --plan` read plans through it.
+`measure --plan` read plans through it (`run --plan` its layouts too: `plan_layouts_from_json`).
+Layouts live inside programs (`run`): a plan's blocked groups and reorders (plan.json's "layout"
+and "layouts") are not exported, every tensor of the fused model is NCHW as in the model.
 Invariants: the main graph has one node per group in topological order; graph inputs, outputs and
 initializers keep their names; If/Loop bodies are copied untouched."""
 
@@ -211,6 +213,21 @@ def plan_groups_from_json(path: Path, graph: Graph, legality: Legality | None = 
     _check_groups(path, graph, doc, groups)
     _check_kernels(path, graph, doc, groups, legality)
     return [groups[i] for i in order_groups(graph, [frozenset(g) for g in groups])]
+
+
+def plan_layouts_from_json(path: Path, graph: Graph, block: int) -> tuple[dict | None, set[frozenset[int]]]:
+    """(plan.json's layout choice and block, or None; the node-id groups it runs in channel blocks),
+    for `run --plan` to run the plan as it was chosen; BadInput where its block is not `block`,
+    the blocked layout of the CPU running it. Read after `plan_groups_from_json` has checked it."""
+    doc = _read_plan(path)
+    layouts = doc.get("layouts")
+    ids = {n.name: n.id for n in graph.nodes}
+    blocked = {frozenset(ids[name] for name in g["nodes"]) for g in doc["groups"]
+               if g.get("layout", {}).get("out", "NCHW") != "NCHW"}
+    if blocked and layouts["block"] != block:
+        raise BadInput(f"{path}: the plan runs groups in channel blocks of {layouts['block']}, this CPU's are "
+                       f"{block or 'none'}; plan again on this machine (or with --layouts nchw)")
+    return ({"choice": layouts["choice"], "block": layouts["block"]} if layouts else None), blocked
 
 
 def _check_groups(path: Path, graph: Graph, doc: dict, groups: list[list[int]]) -> None:

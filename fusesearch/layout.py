@@ -70,6 +70,11 @@ def channel_block(lanes: int) -> int:
     return lanes if lanes >= MIN_BLOCK and not lanes & (lanes - 1) else 0
 
 
+def copy_name(tensor: str, layout: Layout) -> str:
+    """What a program calls its copy of `tensor` in `layout` (a reorder's output): `tensor@NCHW16c`."""
+    return f"{tensor}@{layout.name}"
+
+
 def to_blocked(x: np.ndarray, layout: Layout) -> np.ndarray:
     """An NCHW array in `layout` (padded channels zero), contiguous."""
     if not layout.blocked:

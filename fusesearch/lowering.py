@@ -26,7 +26,7 @@ from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 from fusesearch.ir.pool import POOL_OPS, pool_window
-from fusesearch.layout import Layout
+from fusesearch.layout import NCHW, Layout
 from fusesearch.schedule import (
     ALIAS,
     DEPTHWISE,
@@ -625,17 +625,15 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
-    if not block or isinstance(_lower_checked(graph, nodes, host), FusionDecision):
+    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes))
+            or (anchors and (len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0])))
+            or isinstance(_lower_checked(graph, nodes, host), FusionDecision)):  # the cheap checks first
         return ()
     layout = Layout(block)
     if not anchors:
-        if not nchwc_pointwise(graph, group.nodes):
-            return ()
         kernel = _lower_pointwise(graph, nodes)
         schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=layout, layout_out=layout)
         return (_with_layouts(graph, replace(kernel, schedule=schedule), None),)
-    if len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0]):
-        return ()
     anchor = anchors[0]
     template = anchor_template(graph, anchor)
     schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc",
@@ -657,6 +655,31 @@ def reorder(graph: Graph, tensor: str, source: Layout, target: Layout) -> Kernel
     return Kernel("pointwise", (), (), None, info.dtype, (tensor,), (tensor,), max(source.size(info.shape),
                   target.size(info.shape)), 0, 2, 0, 0, 0, source.nbytes(info.shape, itemsize),
                   target.nbytes(info.shape, itemsize), schedule)
+
+
+def kernel_layouts(graph: Graph, kernel: Kernel, tensors: Iterable[str]) -> dict[str, Layout]:
+    """How `kernel` reads or writes each of `tensors` (`schedule.tensor_layouts` under its schedule;
+    an alias, a library call and every NCHW form: as in the model)."""
+    anchor = graph.nodes[kernel.anchor] if kernel.anchor is not None else None
+    return tensor_layouts(graph, anchor, list(tensors), kernel.schedule)
+
+
+def reorders(graph: Graph, kernels: Sequence[Kernel]) -> list[tuple[str, Layout, Layout]]:
+    """The copies a plan whose groups run as `kernels` (in order) makes: (tensor, from, to) for each
+    tensor a kernel reads in another layout than its producer writes it (a graph input or a weight:
+    as in the model), and each output of the graph written blocked (the model's outputs are NCHW);
+    each (tensor, to) once, in order of first need. The one rule the search prices, plans record
+    and programs run."""
+    written = {t: lt for k in kernels for t, lt in kernel_layouts(graph, k, k.outputs).items()}
+    needed: dict[tuple[str, Layout], Layout] = {}
+    for k in kernels:
+        for t, lt in kernel_layouts(graph, k, k.inputs).items():
+            if lt != written.get(t, NCHW):
+                needed.setdefault((t, lt), written.get(t, NCHW))
+    for t in graph.outputs:
+        if written.get(t, NCHW) != NCHW:
+            needed.setdefault((t, NCHW), written[t])
+    return [(t, source, target) for (t, target), source in needed.items()]
 
 
 def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node | None) -> Kernel:

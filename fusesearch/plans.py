@@ -6,7 +6,9 @@ some order (acyclic quotient graph) — and if the same input always writes the 
 Approach: `validate_plan` checks the three properties and names the first group that breaks one;
 `order_groups` gives the quotient graph's topological order (Kahn's algorithm, ties by smallest
 node id), which numbers the groups g0, g1, ...; `Plan` holds each group's kernel and cost and
-writes plan.json with fixed key order and rounded floats.
+writes plan.json with fixed key order and rounded floats; a plan whose groups run in channel
+blocks holds their blocked kernels and its reorders (`PlannedReorder`, `lowering.reorders`),
+priced into its time.
 Invariants: every Plan has passed `validate_plan`; plan.json holds no wall-clock figure (run
 times go to the CLI summary and `--json` output), so it is byte-identical across runs.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,8 @@ from fusesearch.candidates.rules import Legality
 from fusesearch.errors import FusesearchError
 from fusesearch.groups import FusionDecision
 from fusesearch.ir.graph import Graph
-from fusesearch.lowering import Kernel
+from fusesearch.layout import Layout
+from fusesearch.lowering import Kernel, reorders
 
 SCHEMA = "fusesearch.plan/1"
 SIG_DIGITS = 6
@@ -115,6 +118,19 @@ class PlannedGroup:
 
 
 @dataclass(frozen=True)
+class PlannedReorder:
+    """A copy of `tensor` between layouts the plan makes (`lowering.reorders`): after its producer's
+    group (`after`: its id; -1 for a graph input or a weight), before the first group reading it so."""
+
+    tensor: str
+    source: Layout
+    target: Layout
+    kernel: Kernel
+    cost: KernelCost
+    after: int
+
+
+@dataclass(frozen=True)
 class SolverInfo:
     status: str
     objective_s: float
@@ -188,11 +204,18 @@ class Plan:
     # what priced it beyond the device's name (`costmodels.profile.priced_by`: a CPU's threads and
     # measured figures, a profile's sha256), written under "device" in plan.json
     priced: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # where plans of this graph may choose layouts (`Legality.layout_block`): {"choice": auto | nchw,
+    # "block": c}, plan.json's "layouts" with the reorders; None where every tensor is NCHW by force
+    layouts: Mapping[str, Any] | None = None
+    reorders: tuple[PlannedReorder, ...] = ()
 
     @classmethod
     def build(cls, legality: Legality, partition: Sequence[frozenset[int]], *, strategy: str,
               device: str, profile: str | None, solver: SolverInfo, model: ModelInfo,
-              unfused_time_s: float, lower_bound_s: float, priced: Mapping[str, Any] | None = None) -> Plan:
+              unfused_time_s: float, lower_bound_s: float, priced: Mapping[str, Any] | None = None,
+              blocked: Collection[frozenset[int]] = (), layouts: Mapping[str, Any] | None = None) -> Plan:
+        """`blocked`: the groups that run in the blocked layout (`Legality.blocked`), their
+        reorders (`lowering.reorders`) priced into the plan; `layouts`: as the field says."""
         decision = validate_plan(legality.graph, partition)
         if not decision:
             raise InvalidPlan(f"strategy {strategy} produced an invalid plan: {decision.reason}")
@@ -202,16 +225,22 @@ class Plan:
             verdict = legality.check(partition[gi])
             if not verdict.decision:
                 raise InvalidPlan(f"strategy {strategy} chose an illegal group: {verdict.decision.reason}")
+            if partition[gi] in blocked:
+                verdict = legality.blocked(partition[gi])
+                if verdict is None:
+                    raise InvalidPlan(f"strategy {strategy} chose group {new_id} in a blocked layout it has no form in")
             groups.append(PlannedGroup(new_id, tuple(sorted(partition[gi])), verdict.kernel, verdict.cost,
                                        verdict.source, verdict.note))
         return cls(legality.graph, tuple(groups), strategy, device, profile, solver, model,
-                   unfused_time_s, lower_bound_s, legality.costs, priced=dict(priced or {}))
+                   unfused_time_s, lower_bound_s, legality.costs, priced=dict(priced or {}),
+                   layouts=layouts, reorders=_reorders(legality, groups))
 
     # -- figures --------------------------------------------------------------------------------
 
     @property
     def time_s(self) -> float:
-        return sum(g.cost.time_s for g in self.groups)
+        """Its groups' and its reorders' (the same as the groups' where every tensor is NCHW)."""
+        return sum(g.cost.time_s for g in self.groups) + sum(r.cost.time_s for r in self.reorders)
 
     @property
     def kernels(self) -> int:
@@ -220,7 +249,7 @@ class Plan:
 
     @property
     def dram_bytes(self) -> float:
-        return sum(g.cost.dram_bytes for g in self.groups)
+        return sum(g.cost.dram_bytes for g in self.groups) + sum(r.cost.dram_bytes for r in self.reorders)
 
     @property
     def flops(self) -> float:
@@ -246,6 +275,8 @@ class Plan:
             "occupancy": _r(g.cost.occupancy), "bound": g.cost.bound,
             "impl": "alias" if g.kernel.alias else g.kernel.impl, "compute_unit": g.cost.compute_unit,
             "schedule": g.kernel.schedule.to_dict(), **self._source(g), **_library_note(g.kernel),
+            **({"layout": {"in": g.kernel.schedule.layout_in.name, "out": g.kernel.schedule.layout_out.name}}
+               if self.layouts is not None else {}),
         }
 
     def _source(self, g: PlannedGroup) -> dict[str, str]:
@@ -272,6 +303,9 @@ class Plan:
                        "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),
                        "dram_bytes": _r(self.dram_bytes), "flops": _r(self.flops)},
             **({"buckets": self.buckets} if self.buckets is not None else {}),
+            **({"layouts": {**self.layouts, "reorders": [
+                {"tensor": r.tensor, "from": r.source.name, "to": r.target.name, "after": r.after,
+                 "time_s": _r(r.cost.time_s)} for r in self.reorders]}} if self.layouts is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -287,6 +321,16 @@ class Plan:
             row["ops"] = "+".join(row["ops"])
             rows.append(row)
         return pd.DataFrame(rows).set_index("id")
+
+
+def _reorders(legality: Legality, groups: Sequence[PlannedGroup]) -> tuple[PlannedReorder, ...]:
+    """The plan's reorders (`lowering.reorders` over its groups' kernels), each priced
+    (`Legality.reorder`) and placed after its tensor's producer's group."""
+    graph = legality.graph
+    owner = {v: g.id for g in groups for v in g.nodes}
+    copies = reorders(graph, [g.kernel for g in groups])
+    return tuple(PlannedReorder(t, source, target, *legality.reorder(t, source, target),
+                                owner.get(graph.producer(t), -1)) for t, source, target in copies)
 
 
 def _r(value: float | None) -> float | None:

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,13 @@ class Step:
     kernel: GeneratedKernel | None = None  # generated
     part: object = None  # library: the node's lowered Kernel
     reason: str = ""  # library: why the group is not generated
+    reads: tuple[str, ...] = ()  # what it reads each input from where that is a copy in another layout
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The stored tensor each input is read from: itself, or its copy in the layout the step
+        reads it in (`layout.copy_name`, written by a reorder step)."""
+        return self.reads or self.inputs
 
 
 def plan_steps(graph, plan) -> list[Step]:
@@ -102,7 +109,52 @@ def plan_steps(graph, plan) -> list[Step]:
                                                  kernel=generate(graph, plan.groups[s.group].kernel,
                                                                  name=f"fs_g{s.group}_{s.kernel.name}"))
                  for s in steps]
-    return steps
+    return _laid_out(graph, plan, steps)
+
+
+def _laid_out(graph, plan, steps: list[Step]) -> list[Step]:
+    """`steps` with the plan's reorders (`Plan.reorders`) as steps of their own (group -1, no
+    nodes: `reorder_kernel`), each after the steps of its tensor's producer's group (first, for a
+    graph input), and each step reading the copy of an input it reads in another layout than its
+    producer writes it (`Step.reads`, its kernel's arguments pointing there). Layouts as
+    `lowering.kernel_layouts` says of the plan's kernels: a library or alias step reads NCHW."""
+    from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel
+    from fusesearch.layout import NCHW, copy_name
+    from fusesearch.lowering import kernel_layouts
+
+    if not plan.reorders:
+        return steps
+    blocked = [s for s in steps if s.how != "generated" and plan.groups[s.group].kernel.schedule.layout_out.blocked]
+    if blocked:
+        raise FusesearchError(f"group g{blocked[0].group} runs in a blocked layout but has no generated kernel: "
+                              f"{blocked[0].reason}")
+
+    def laid(s: Step, tensors) -> dict:
+        kernel = plan.groups[s.group].kernel
+        return kernel_layouts(graph, kernel, tensors) if s.how == "generated" else dict.fromkeys(tensors, NCHW)
+
+    after: dict[int, list[Step]] = {}
+    for i, r in enumerate(plan.reorders):
+        kernel = reorder_kernel(r.tensor, tuple(graph.tensors[r.tensor].shape), r.source, r.target, name=f"fs_reorder{i}")
+        after.setdefault(r.after, []).append(Step(-1, "generated", (), (r.tensor,), (kernel.outputs[0].tensor,),
+                                                  kernel=kernel))
+    copies = {s.outputs[0] for run in after.values() for s in run}
+    written = {t: lt for s in steps for t, lt in laid(s, s.outputs).items()}
+    out = list(after.get(-1, ()))
+    for k, s in enumerate(steps):
+        sources = tuple(t if lt == written.get(t, NCHW) else copy_name(t, lt) for t, lt in laid(s, s.inputs).items())
+        missing = [t for t in sources if t not in s.inputs and t not in copies]
+        if missing:
+            raise FusesearchError(f"group g{s.group} reads '{missing[0]}', a copy the plan's reorders do not make")
+        if sources != s.inputs:
+            named = dict(zip(s.inputs, sources, strict=True))
+            kernel = s.kernel and replace(s.kernel, inputs=tuple(replace(a, tensor=named.get(a.tensor, a.tensor))
+                                                                 for a in s.kernel.inputs))
+            s = replace(s, reads=sources, kernel=kernel)
+        out.append(s)
+        if k + 1 == len(steps) or steps[k + 1].group != s.group:
+            out += after.get(s.group, [])
+    return out
 
 
 def one_by_one(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
@@ -229,32 +281,55 @@ def build_library(kernels: Sequence[GeneratedKernel], driver: str) -> ctypes.CDL
 class Layout:
     """Where each tensor of a program lives: an alias shares its source's storage; weights and
     the model's inputs are external (`ext_index`: their slot in the pointer table); every other
-    tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime).
+    tensor has an arena offset (`offsets`, `peak_bytes` from `plan_arena` over its lifetime), its
+    bytes as it lies (`laid`: a blocked tensor's padded channels; a reorder's copy, `logical`, of
+    its tensor's shape in its own layout); `view` gives every tensor in NCHW.
     Subclasses allocate the memory (`_allocate` on the host; `CudaProgram` on its device) and
     `run` the steps; `__call__(feeds)` sets the inputs, runs, and returns copies of the model's
     outputs."""
 
     def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
+        from fusesearch.layout import NCHW, Layout, copy_name
+
         self.graph, self.steps = graph, list(steps)
         self.source: dict[str, str] = {}  # alias output → the tensor whose storage it shares
+        self.logical: dict[str, str] = {}  # a reorder's copy → its tensor
+        self.laid: dict[str, object] = {}  # a tensor stored in channel blocks → its `layout.Layout`
         for s in self.steps:
             if s.how == "alias":
-                self.source[s.outputs[0]] = self.root(s.inputs[0])
-        used = [t for s in self.steps for t in (*s.inputs, *s.outputs)] + list(graph.outputs)
+                self.source[s.outputs[0]] = self.root(s.sources[0])
+            if not s.nodes and s.how == "generated":  # a reorder
+                self.logical[s.outputs[0]] = s.inputs[0]
+            for a in s.kernel.outputs if s.kernel is not None else ():  # (N, C/c, H, W, c) of an (N, C, H, W)
+                if len(a.shape) == 5 and len(self.info(a.tensor).shape or ()) == 4:
+                    self.laid[a.tensor] = Layout(a.shape[-1])
+        # the model's outputs are read from their NCHW copy where their producer writes them blocked
+        self.out_name = {t: copy_name(t, NCHW) if copy_name(t, NCHW) in self.logical else t for t in graph.outputs}
+        used = [t for s in self.steps for t in (*s.sources, *s.outputs)] + list(self.out_name.values())
         roots = list(dict.fromkeys(self.root(t) for t in used))
         self.ext_index = {t: i for i, t in enumerate(t for t in roots if t in weights or t in graph.inputs)}
         produced = [t for t in roots if t not in self.ext_index]
         for t in produced:
-            if graph.tensors[t].shape is None:
+            if self.info(t).shape is None:
                 writer = next((s for s in self.steps if t in s.outputs), None)
                 node = graph.nodes[writer.nodes[0]].name if writer else "?"
                 raise BadInput(f"tensor '{t}' (written by node '{node}') has no static shape; run needs every "
                                "shape known: bind the model's dynamic dims with --dim NAME=V or --input-shape")
-        self.sizes = {t: graph.tensors[t].nbytes for t in produced}
+        self.sizes = {t: self.nbytes(t) for t in produced}
         self.offsets, self.peak_bytes = plan_arena(self.sizes, self._lifetimes(produced), reuse=reuse)
 
     def root(self, t: str) -> str:
         return self.source.get(t, t)
+
+    def info(self, t: str):
+        """The graph's description of `t` (of its tensor, for a reorder's copy)."""
+        return self.graph.tensors[self.logical.get(t, t)]
+
+    def nbytes(self, t: str) -> int:
+        """The bytes `t` takes as it lies (a blocked tensor with its padded channels)."""
+        info = self.info(t)
+        layout = self.laid.get(t)
+        return info.nbytes if layout is None else layout.nbytes(info.shape, info.nbytes // max(1, info.size))
 
     def _lifetimes(self, produced: list[str]) -> dict[str, tuple[int, int]]:
         first: dict[str, int] = {}
@@ -262,10 +337,10 @@ class Layout:
         for i, s in enumerate(self.steps):
             for t in s.outputs:
                 first.setdefault(self.root(t), i)
-            for t in (*s.inputs, *s.outputs):
+            for t in (*s.sources, *s.outputs):
                 last[self.root(t)] = i
         end = len(self.steps)
-        for t in self.graph.outputs:
+        for t in self.out_name.values():
             last[self.root(t)] = end
         return {t: (first.get(t, 0), last.get(t, end)) for t in produced}
 
@@ -276,13 +351,20 @@ class Layout:
         self.arena[...] = 0
 
     def view(self, t: str) -> np.ndarray:
-        """The tensor as a numpy array over the program's memory (no copy)."""
+        """The tensor as a numpy array over the program's memory (no copy); one stored in channel
+        blocks as a copy in NCHW (`layout.from_blocked`)."""
+        from fusesearch.layout import from_blocked
+
         r = self.root(t)
-        info = self.graph.tensors[t]
+        info = self.info(t)
         if r in self.ext_index:
             return self.ext_arrays[r].reshape(info.shape)
         dtype = np.dtype(info.dtype)
         off = self.offsets[r]
+        layout = self.laid.get(r)
+        if layout is not None:
+            stored = self.arena[off:off + self.nbytes(r)].view(dtype).reshape(layout.shape(info.shape))
+            return from_blocked(stored, layout, info.shape[1])
         return self.arena[off:off + info.nbytes].view(dtype).reshape(info.shape)
 
     def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
@@ -293,7 +375,7 @@ class Layout:
                 self._set_pointer(t, a)
 
     def outputs(self) -> dict[str, np.ndarray]:
-        return {t: self.view(t).copy() for t in self.graph.outputs}
+        return {t: self.view(self.out_name[t]).copy() for t in self.graph.outputs}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.set_inputs(feeds)
@@ -401,7 +483,7 @@ class Program(Layout):
 
     def _library_call(self, canonical: onnx.ModelProto, s: Step) -> Callable[[], None]:
         return host_binding(library_session(canonical, self.graph, s, self.threads),
-                            [(t, lambda t=t: self.view(t)) for t in s.inputs],  # inputs are set per call
+                            [(t, lambda r=r: self.view(r)) for t, r in zip(s.inputs, s.sources, strict=True)],
                             [(t, self.view(t)) for t in s.outputs])
 
     def _set_pointer(self, t: str, a: np.ndarray) -> None:
@@ -420,7 +502,9 @@ class Program(Layout):
         if not steps:
             return {}
         seconds = (ctypes.c_double * len(steps)).in_dll(self.library, "fs_kernel_s")
-        found = {s.group: seconds[i] for i, s in enumerate(steps)}
+        found: dict[int, float] = {}  # the reorders' together under -1
+        for i, s in enumerate(steps):
+            found[s.group] = found.get(s.group, 0.0) + seconds[i]
         if reset:
             ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
         return found
@@ -495,7 +579,7 @@ def first_difference(graph, canonical: onnx.ModelProto, label: str, steps: Seque
     from fusesearch.verify import _run_session, compare, session
 
     for s in steps:
-        if s.how == "alias":  # no code: its output is its input's storage
+        if s.how == "alias" or not s.nodes:  # no code: its output is its input's storage; a reorder
             continue
         try:
             sess = session(node_model(canonical, graph, s))

@@ -86,8 +86,8 @@ def traced_steps(graph, plan, steps, program) -> list[TracedStep]:
     for (how, [s]), call in zip(one_by_one(steps), calls, strict=True):
         ops = "+".join(graph.nodes[i].op_type for i in s.nodes)
         label = s.kernel.name if s.kernel is not None else f"{ops} ({graph.nodes[s.nodes[0]].name})"
-        skeleton = plan.groups[s.group].kernel.schedule.skeleton.value
-        traced.append(TracedStep(f"g{s.group} {label}", how, call,
+        skeleton = plan.groups[s.group].kernel.schedule.skeleton.value if s.nodes else "reorder"
+        traced.append(TracedStep(f"g{s.group} {label}" if s.nodes else label, how, call,
                                  {"group": s.group, "how": how, "skeleton": skeleton, "ops": ops}))
     return traced
 

@@ -8,7 +8,9 @@ has code for every op, from `Legality.capabilities`: legality never imports the 
 `FitsDevice` (the cost model accepts it; `Legality.choose` is the one place a form is chosen,
 cheapest predicted or, with a `Measurer`, fastest measured). `Legality.check` memoizes per node
 set; `Legality.outcome` also shares decisions between groups of the same `structure`, so repeated
-blocks are lowered once per block shape (not with a `Measurer`).
+blocks are lowered once per block shape (not with a `Measurer`). `Legality.blocked` is a group's
+form in channel blocks where plans may choose layouts (`layout_block`), `Legality.reorder` a copy
+between layouts, both priced by the model.
 Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
 whichever caller asks."""
 
@@ -21,11 +23,12 @@ from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
 from fusesearch.candidates.capabilities import Capabilities
-from fusesearch.costing import cheapest, device_choices, kernel_cost
+from fusesearch.costing import blocked_choices, cheapest, device_choices, kernel_cost
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
-from fusesearch.lowering import Kernel, choices, lower_as_library
+from fusesearch.layout import Layout
+from fusesearch.lowering import Kernel, choices, lower_as_library, reorder
 
 DEFAULT_MAX_GROUP_SIZE = 16
 
@@ -171,6 +174,9 @@ class Legality:
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
     lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run
     measurer: Measurer | None = None  # None: predicted costs; else the choices' measured times
+    layout_block: int = 0  # the blocked layout's channel block plans may choose (`blocked`); 0: NCHW only
+    _blocked: dict[frozenset[int], Verdict | None] = field(default_factory=dict, repr=False)
+    _reorders: dict[tuple, tuple[Kernel, KernelCost]] = field(default_factory=dict, repr=False)
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
     _last: tuple = field(default=(), repr=False)  # (node set, its choices): the set being checked
     _twins: dict[tuple, Verdict] = field(default_factory=dict, repr=False)  # structure → verdict
@@ -260,6 +266,28 @@ class Legality:
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.outcome(nodes).time_s
+
+    def blocked(self, nodes: Iterable[int]) -> Verdict | None:
+        """A legal group's form in the blocked layout (`costing.blocked_choices`), its cheapest
+        predicted choice, where plans may choose layouts (`layout_block`) and it has one that fits;
+        else None (the group runs in NCHW)."""
+        key = frozenset(nodes)
+        if not self.layout_block:
+            return None
+        if key not in self._blocked:
+            options = blocked_choices(self.graph, FusionGroup(key), self.device, self.capabilities.blas)
+            kernel, cost = cheapest(options, self.device, self.model) if options else (None, None)
+            fits = cost is not None and cost.feasible and bool(self.check(key).decision)
+            self._blocked[key] = Verdict(FusionDecision.accept(), kernel, cost) if fits else None
+        return self._blocked[key]
+
+    def reorder(self, tensor: str, source: Layout, target: Layout) -> tuple[Kernel, KernelCost]:
+        """The copy of `tensor` from one layout to the other (`lowering.reorder`), priced."""
+        key = (tensor, source, target)
+        if key not in self._reorders:
+            kernel = reorder(self.graph, tensor, source, target)
+            self._reorders[key] = (kernel, kernel_cost(kernel, self.device, self.model))
+        return self._reorders[key]
 
     @property
     def evaluated(self) -> int:

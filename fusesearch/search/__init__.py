@@ -4,7 +4,9 @@
 
 `SOLVERS` maps each strategy name to its class: `none` (every node alone), `rules` (the classic
 OpenPPL / ONNX Runtime patterns), `greedy` (priority merging, as XLA), `cpsat` (exact, OR-Tools;
-imported only when asked for, so the rest works without ortools).
+imported only when asked for, so the rest works without ortools). Only `cpsat` chooses layouts
+(`SearchConfig.layouts`): the other strategies keep every tensor NCHW; a plan of a graph where
+layouts could be chosen records the choice and its block (plan.json's "layouts").
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from fusesearch.ir.graph import Graph
 from fusesearch.plans import ModelInfo, Plan, SolverInfo
 from fusesearch.search.greedy import GreedySolver
 from fusesearch.search.none import NoFusion
-from fusesearch.search.problem import SearchConfig, SearchProblem, Solver, SolveResult, singletons
+from fusesearch.search.problem import (
+    SearchConfig,
+    SearchProblem,
+    Solver,
+    SolveResult,
+    layout_block,
+    singletons,
+)
 from fusesearch.search.rules import RulesSolver
 
 STRATEGIES = ("none", "rules", "greedy", "cpsat")
@@ -51,10 +60,12 @@ def search(graph: Graph, device: DeviceSpec, model: RooflineModel, strategy: str
     unfused_s = problem.partition_time_s(singletons(graph))
     info = SolverInfo(result.status, result.objective_s, result.bound_s, result.wall_s, dict(result.stats))
     model_info = model_info or ModelInfo(graph.name, "", len(graph), len(graph))
+    block = layout_block(graph, device, "auto", problem.legality.measurer is not None)
     return Plan.build(problem.legality, list(result.groups), strategy=strategy,
                       device=device_label or device.name, profile=profile, solver=info, model=model_info,
                       unfused_time_s=unfused_s, lower_bound_s=figures.lower_bound_s,
-                      priced=priced_by(device, profile))
+                      priced=priced_by(device, profile), blocked=result.blocked,
+                      layouts={"choice": problem.config.layouts, "block": block} if block else None)
 
 
 __all__ = ["SOLVERS", "STRATEGIES", "SearchConfig", "SearchProblem", "SolveResult", "Solver", "get_solver",

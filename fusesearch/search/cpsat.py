@@ -1,15 +1,15 @@
 """Strategy `cpsat`: exact set partitioning over the candidates with OR-Tools CP-SAT.
 
-Problem: choose a partition of the nodes into candidate groups of least predicted time whose
-quotient graph is acyclic (two convex groups can still form a cycle).
-Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE, or
-CP-SAT refuses the model); Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient
-cycle C gets Σ_{g ∈ C} x_g ≤ |C| − 1 and is solved again; after CUT_ROUNDS such cuts, ranks r_v with
-r_v − r_u + y_uv ≥ 1 and r_v − r_u + n·y_uv ≤ n per edge (equal inside a group, increasing between
-groups) exclude every cycle. Hinted with greedy's plan (few workers: `max_lp`, `core`). With several
-workers, a one-worker re-solve with Σ c_g x_g ≤ optimum makes the plan deterministic. Graphs from
-DECOMPOSE_FROM_NODES nodes are cut by `decompose.split`, each distinct subproblem solved once
-(`workers` at a time, one CP-SAT worker each: the same plan whatever `workers`), joined by `join`.
+Problem: choose a partition of the nodes into candidate groups, and their layouts, of least
+predicted time whose quotient graph is acyclic (two convex groups can still form a cycle).
+Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE);
+Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient cycle C gets Σ_{g ∈ C} x_g ≤
+|C| − 1, solved again; after CUT_ROUNDS cuts, ranks r_v (equal inside a group, increasing between
+groups) exclude every cycle. Hinted with greedy's plan; with several workers a one-worker re-solve
+at Σ c_g x_g ≤ optimum makes the plan deterministic. Layouts where `Legality.layout_block` allows
+(`_add_layouts`: a bool b_g ≤ x_g per blocked-capable candidate, two per 4-D tensor for its
+reorders; the LP fully linearized). Graphs from DECOMPOSE_FROM_NODES nodes are cut by
+`decompose.split`, each distinct piece solved once by one worker in NCHW, joined by `join`.
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
 best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
 model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
@@ -27,6 +27,8 @@ from ortools.sat.python import cp_model
 
 from fusesearch.candidates.enumerate import enumerate_candidates
 from fusesearch.errors import FusesearchError
+from fusesearch.layout import NCHW, Layout
+from fusesearch.lowering import kernel_layouts
 from fusesearch.plans import InvalidPlan, order_groups
 from fusesearch.search import decompose
 from fusesearch.search.greedy import greedy_partition
@@ -73,12 +75,12 @@ class CpSatSolver:
             result = self._solve_chain(problem, candidates.groups, chain, costs, unit, greedy, deadline, seed)
         if result is None:
             part = self._solve_part(problem, candidates.groups, range(len(problem.graph)),
-                                    range(len(candidates)), costs, greedy, deadline, seed)
+                                    range(len(candidates)), (costs, unit), greedy, deadline, seed)
             result = _result(problem, candidates.groups, part, unit, greedy)
         stats = {**result.stats, "candidates": len(candidates), "enumeration_checks": candidates.checked,
                  "enumeration_s": round(enumerated_s, 3)}
         return SolveResult(result.groups, result.status, result.objective_s, result.bound_s,
-                           time.perf_counter() - start, stats)
+                           time.perf_counter() - start, stats, result.blocked)
 
     def _decomposes(self, problem: SearchProblem) -> bool:
         if self.decompose is not None:
@@ -87,11 +89,13 @@ class CpSatSolver:
         return how == "always" or (how == "auto" and len(problem.graph) >= DECOMPOSE_FROM_NODES)
 
     def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed, piece=False) -> _Part:
-        """A piece by one CP-SAT worker, else by `config.workers`."""
+        """A piece by one CP-SAT worker, its tensors in NCHW; the whole graph by `config.workers`,
+        choosing layouts where the problem may (`Legality.layout_block`). `costs`: (the
+        candidates' integer costs, their unit in picoseconds)."""
         with self._lock:
             self.solves += 1
         return _solve_model(problem, groups, nodes, indices, costs, hint, deadline, seed,
-                            1 if piece else problem.config.workers)
+                            1 if piece else problem.config.workers, layouts=not piece)
 
     def _solve_chain(self, problem, groups, chain, costs, unit, greedy, deadline, seed) -> SolveResult | None:
         """The exact plan joined from the chain's subproblems (`decompose`), each distinct one solved
@@ -143,7 +147,7 @@ class CpSatSolver:
             nodes, candidates = sub.nodes, sub.candidates(chain, groups)
             inside = set(nodes)
             hint = [g for g in greedy if g <= inside]
-            part = self._solve_part(problem, groups, nodes, candidates, costs, hint, time.perf_counter() + share,
+            part = self._solve_part(problem, groups, nodes, candidates, (costs, 1), hint, time.perf_counter() + share,
                                     seed, piece=True)
             return part, part.chosen or _hinted(groups, candidates, nodes, hint)  # none found in time
 
@@ -169,6 +173,7 @@ class _Part:
     value: int
     bound: int
     stats: dict
+    blocked: tuple[int, ...] = ()  # of `chosen`, those in the blocked layout
 
 
 def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[list[int], int]:
@@ -179,14 +184,17 @@ def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[
     return [round(t / unit) for t in ps], unit
 
 
-def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nodes, indices, costs: list[int],
-                 hint: list[frozenset[int]], deadline: float, seed: int, workers: int) -> _Part:
+def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nodes, indices,
+                 costs: tuple[list[int], int], hint: list[frozenset[int]], deadline: float, seed: int, workers: int,
+                 layouts: bool = False) -> _Part:
     """The model of the module docstring over `nodes` (a topologically ordered subset) and the
     candidates `groups[i]` for i in `indices` (all inside `nodes`), its acyclicity imposed lazily:
     a plan whose quotient has a cycle gets the cut "not all of the cycle's groups" (any plan with
     them all has that cycle) and is solved again; from CUT_ROUNDS cuts on, the ranks exclude every
-    cycle at once. Set partitioning alone proves the optimum tens of times faster than with ranks."""
+    cycle at once. Set partitioning alone proves the optimum tens of times faster than with ranks.
+    `layouts`: with the layout variables of `_add_layouts` where the problem has a block."""
     graph = problem.graph
+    costs, unit = costs
     nodes, indices = list(nodes), list(indices)
     local = {v: j for j, v in enumerate(nodes)}
     n = len(nodes)
@@ -199,18 +207,23 @@ def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nod
     for j in range(n):
         model.add_exactly_one(x[k] for k in containing[j])
     part_costs = [costs[i] for i in indices]
-    objective = sum(c * xi for c, xi in zip(part_costs, x, strict=True))
+    blocked, layout_terms = (_add_layouts(model, problem, groups, indices, x, containing, local, costs, unit)
+                             if layouts and problem.legality.layout_block else ({}, []))
+    terms = [*zip(part_costs, x, strict=True), *layout_terms]
+    objective = sum(c * v for c, v in terms)
     model.minimize(objective)
     chosen_hint = set(hint)
     for i, var in zip(indices, x, strict=True):
         model.add_hint(var, groups[i] in chosen_hint)
+    for _, var in layout_terms:  # the hint's plan keeps every tensor in NCHW
+        model.add_hint(var, False)
     stats = {"conflicts": 0, "branches": 0, "solver_wall_s": 0.0, "cycle_cuts": 0, "ranks": False}
     for cuts in range(CUT_ROUNDS + 1):
         if cuts == CUT_ROUNDS:
             _add_ranks(model, graph, groups, indices, x, containing, local, hint)
             stats["ranks"] = True
-        solver, status, resolve = _solve_once(model, workers, seed, objective, part_costs, x,
-                                              deadline - SAFETY_PER_NODE_S * n)
+        solver, status, resolve = _solve_once(model, workers, seed, objective, terms,
+                                              deadline - SAFETY_PER_NODE_S * n, bool(blocked))
         stats.update(solver_status=solver.status_name(status), resolve_status=resolve)
         stats["conflicts"] += solver.num_conflicts
         stats["branches"] += solver.num_branches
@@ -229,25 +242,34 @@ def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nod
         stats["solver_status"] = "UNKNOWN"
         return _Part((), "UNKNOWN", 0, bound, stats)
     chosen = tuple(indices[k] for k in positions)
-    value = sum(part_costs[k] for k in positions) if found else 0
-    return _Part(chosen, solver.status_name(status), value, min(bound, value) if found else bound, stats)
+    value = _objective(solver, terms) if found else 0
+    in_blocks = tuple(indices[k] for k, var in sorted(blocked.items()) if found and solver.value(var))
+    if blocked:
+        stats["layouts"] = {"blocked_candidates": len(blocked), "layout_variables": len(layout_terms)}
+    return _Part(chosen, solver.status_name(status), value, min(bound, value) if found else bound, stats, in_blocks)
 
 
-def _solve_once(model, workers: int, seed: int, objective, part_costs: list[int], x, deadline: float):
+def _solve_once(model, workers: int, seed: int, objective, terms: list[tuple[int, object]], deadline: float,
+                full_lp: bool = False):
     """One CP-SAT solve of `model` by `workers` workers, made deterministic where several proved the
-    optimum (`_deterministic_optimum`): (the solver to read values from, its status, the re-solve's)."""
+    optimum (`_deterministic_optimum`): (the solver to read values from, its status, the re-solve's).
+    `full_lp`: every constraint in the LP relaxation (a model with layout variables: its bound at
+    the default linearization leaves mobilenetv2 4% short after 5 s, fully linearized it proves the
+    optimum at the root)."""
     solver = cp_model.CpSolver()
     _configure(solver.parameters, workers, max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S), seed)
+    if full_lp:
+        solver.parameters.linearization_level = 2
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):  # UNKNOWN: a time-out
         raise FusesearchError(f"cpsat: CP-SAT found the search model {solver.status_name(status)} "
-                              f"({model.validate() or 'no reason given'}) on {len(x)} candidates; plan with "
+                              f"({model.validate() or 'no reason given'}) on {len(terms)} variables; plan with "
                               "--strategy greedy meanwhile and report this")
     if status != cp_model.OPTIMAL or workers == 1:  # one worker is deterministic already
         return solver, status, None
     fixed = model.clone()
-    fixed.add(objective <= _objective(solver, part_costs, x))
-    solver, resolve = _deterministic_optimum(fixed, solver, deadline)
+    fixed.add(objective <= _objective(solver, terms))
+    solver, resolve = _deterministic_optimum(fixed, solver, deadline, full_lp)
     return solver, status, resolve
 
 
@@ -277,14 +299,15 @@ def _cycle(graph, chosen: list[frozenset[int]], local: dict[int, int]) -> list[i
     return None
 
 
-def _objective(solver, costs: list[int], x) -> int:
-    """The chosen plan's cost in exact integer units. CP-SAT reports `objective_value` as a
-    float that may fall just short of the integer (2179528.9999999995 for 2179529): truncated,
-    it would bound the re-solve below the optimum and make it infeasible."""
-    return sum(c for c, var in zip(costs, x, strict=True) if solver.value(var))
+def _objective(solver, terms: list[tuple[int, object]]) -> int:
+    """The chosen plan's cost in exact integer units (`terms`: the objective's (cost, boolean)
+    pairs). CP-SAT reports `objective_value` as a float that may fall just short of the integer
+    (2179528.9999999995 for 2179529): truncated, it would bound the re-solve below the optimum and
+    make it infeasible."""
+    return sum(c for c, var in terms if solver.value(var))
 
 
-def _deterministic_optimum(model, first, deadline: float):
+def _deterministic_optimum(model, first, deadline: float, full_lp: bool = False):
     """Parallel workers may prove the optimum with different, equally fast plans. One worker is
     deterministic: re-solve with the optimum as a constraint (so it only has to find a plan, not
     prove one) and the greedy hint already in the model, and return that plan, with the re-solve's
@@ -293,6 +316,8 @@ def _deterministic_optimum(model, first, deadline: float):
     second.parameters.num_workers = 1
     second.parameters.max_deterministic_time = CANONICAL_DETERMINISTIC_TIME
     second.parameters.max_time_in_seconds = max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S)
+    if full_lp:
+        second.parameters.linearization_level = 2
     status = second.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # only a time-out: the optimum is feasible
         log.warning("cpsat: the deterministic re-solve found no plan in time (%s); keeping the first "
@@ -344,6 +369,62 @@ def _add_ranks(model, graph, groups, indices: list[int], x, containing: list[lis
             model.add_hint(rank[local[v]], r)
 
 
+def _add_layouts(model, problem: SearchProblem, groups, indices: list[int], x, containing: list[list[int]],
+                 local: dict[int, int], costs: list[int], unit: int) -> tuple[dict[int, object], list[tuple[int, object]]]:
+    """The layout variables (module docstring): b_k <= x_k per candidate with a blocked form
+    (`Legality.blocked`), priced at its blocked form's cost less its NCHW one; per 4-D tensor a
+    blocked form reads or writes blocked, a boolean per reorder it may need (`lowering.reorders`:
+    to blocked, to NCHW), priced as `Legality.reorder`. W_t (its producer's group writes it
+    blocked) and R_ct (consumer c's group reads it blocked) are sums of b over the candidates
+    holding one end of the edge and not the other (one of them is chosen unless a group holding
+    both keeps t inside): up_t >= R_ct - W_t, down_t >= W_t - R_ct; down_t >= W_t (every writer)
+    for a graph output.
+    Returns (position -> b, the (cost, variable) terms of the objective)."""
+    graph, legality = problem.graph, problem.legality
+    block = Layout(legality.layout_block)
+    b: dict[int, object] = {}
+    terms: list[tuple[int, object]] = []
+    reads: dict[str, set[int]] = {}  # tensor -> positions of the candidates reading it blocked
+    writes: dict[str, set[int]] = {}  # ... writing it blocked
+    for k, i in enumerate(indices):
+        verdict = legality.blocked(groups[i])
+        if verdict is None:
+            continue
+        b[k] = model.new_bool_var(f"b{i}")
+        model.add_implication(b[k], x[k])
+        terms.append((round(verdict.time_s * PS_PER_S / unit) - costs[i], b[k]))
+        kernel = verdict.kernel
+        for side, tensors in ((reads, kernel.inputs), (writes, kernel.outputs)):
+            for t, lt in kernel_layouts(graph, kernel, tensors).items():
+                if lt.blocked:
+                    side.setdefault(t, set()).add(k)
+
+    def price(t: str, source: Layout, target: Layout) -> int:
+        return round(legality.reorder(t, source, target)[1].time_s * PS_PER_S / unit)
+
+    for t in sorted(set(reads) | set(writes)):
+        producer = graph.producer(t)
+        up = model.new_bool_var(f"up:{t}") if t in reads else None
+        down = model.new_bool_var(f"down:{t}") if t in writes else None
+        terms += [(price(t, NCHW, block), up)] if up is not None else []
+        terms += [(price(t, block, NCHW), down)] if down is not None else []
+        for c in dict.fromkeys(graph.consumers(t)):
+            if c not in local:
+                continue
+            # the sums over the candidates holding one end of the edge only: a group holding both
+            # keeps t inside; so restricted, the LP relaxation cannot cover the edge with half a
+            # group holding both and half a blocked producer
+            written = [b[k] for k in sorted(writes.get(t, ())) if c not in groups[indices[k]]]
+            read = [b[k] for k in containing[local[c]] if k in reads.get(t, ()) and producer not in groups[indices[k]]]
+            if up is not None and read:
+                model.add(up >= sum(read) - sum(written))
+            if down is not None and written:
+                model.add(down >= sum(written) - sum(read))
+        if down is not None and graph.is_output(t):
+            model.add(down >= sum(b[k] for k in sorted(writes[t])))
+    return b, terms
+
+
 def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
     params.max_time_in_seconds = float(time_limit_s)
     params.num_workers = int(workers)
@@ -353,7 +434,7 @@ def _configure(params, workers: int, time_limit_s: float, seed: int) -> None:
 
 
 def _result(problem, groups, part: _Part, unit: int, greedy) -> SolveResult:
-    """The whole graph's answer from one model's."""
+    """The whole graph's answer from one model's (its groups in the blocked layout among them)."""
     found = part.status in ("OPTIMAL", "FEASIBLE")
     stats = {**part.stats, "objective_ps": part.value * unit if found else None}
     if not found:
@@ -363,12 +444,13 @@ def _result(problem, groups, part: _Part, unit: int, greedy) -> SolveResult:
     if part.status != "OPTIMAL":
         stats["stopped"] = "time limit"
     plan = tuple(sorted((groups[i] for i in part.chosen), key=min))
-    return _no_worse_than_greedy(problem, plan, part.status, problem.partition_time_s(plan),
-                                 part.bound * unit / PS_PER_S, stats, greedy)
+    blocked = frozenset(groups[i] for i in part.blocked)
+    return _no_worse_than_greedy(problem, plan, part.status, problem.plan_time_s(plan, blocked),
+                                 part.bound * unit / PS_PER_S, stats, greedy, blocked)
 
 
 def _no_worse_than_greedy(problem, plan, status: str, objective_s: float, bound_s: float, stats: dict,
-                          greedy) -> SolveResult:
+                          greedy, blocked: frozenset[frozenset[int]] = frozenset()) -> SolveResult:
     """The plan, or greedy's where a stopped solve found nothing faster (the `fallback` statistic
     says so: CP-SAT starts from greedy's plan, so a stop that improved nothing returns it)."""
     greedy_s = problem.partition_time_s(greedy)
@@ -376,7 +458,7 @@ def _no_worse_than_greedy(problem, plan, status: str, objective_s: float, bound_
         why = "no faster plan found in time" if objective_s == greedy_s else "the plan found was slower"
         return _fallback(problem, greedy, bound_s, stats, why)
     # ps rounding above; and every cost is >= 0, whatever bound came back
-    return SolveResult(plan, status, objective_s, max(0.0, min(bound_s, objective_s)), 0.0, stats)
+    return SolveResult(plan, status, objective_s, max(0.0, min(bound_s, objective_s)), 0.0, stats, blocked)
 
 
 def _fallback(problem, greedy, bound_s: float, stats: dict, why: str) -> SolveResult:

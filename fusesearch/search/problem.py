@@ -4,7 +4,8 @@ Problem: four strategies (none, rules, greedy, cpsat) must be interchangeable be
 compared on the same costs.
 Approach: a `SearchProblem` bundles the graph, the legality rules bound to a device, a cost model
 and what the code generator writes (`codegen.CAPABILITIES`; with their memo of verdicts), and the configuration (time limit, seed, workers, max group
-size, enumeration budget). A solver returns a `SolveResult`: a partition of the nodes into groups,
+size, enumeration budget, whether a CPU plan may choose layouts: `layout_block`;
+`SearchProblem.plan_time_s` prices a plan's layouts). A solver returns a `SolveResult`: a partition of the nodes into groups,
 its predicted time, a status and, for exact solvers, a bound.
 Invariants: a SolveResult's groups partition the graph's nodes (checked by `validate_plan`
 before any plan leaves `search()`); times are seconds.
@@ -13,7 +14,7 @@ before any plan leaves `search()`); times are seconds.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +24,8 @@ from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
 from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality, Measurer
 from fusesearch.errors import BadInput
 from fusesearch.ir.graph import Graph
+from fusesearch.layout import channel_block
+from fusesearch.lowering import reorders
 
 DECOMPOSE = ("auto", "always", "never")
 """How the exact search treats a deep graph: "auto" cuts it into pieces from a size on
@@ -34,6 +37,29 @@ def check_decompose(value: object, named: str = "decompose =") -> str:
     if value not in DECOMPOSE:
         raise BadInput(f"{named} {value!r}: choose one of {', '.join(DECOMPOSE)}")
     return value
+
+
+LAYOUTS = ("auto", "nchw")
+"""Whether a CPU plan chooses its tensors' layouts (`layout_block`): "auto" lets the exact search
+run a group in the blocked layout NCHWc where that and its reorders pay, "nchw" keeps the model's."""
+
+
+def check_layouts(value: object, named: str = "--layouts") -> str:
+    """The one check of a layouts value (the CLI's option, the API's keyword)."""
+    if value not in LAYOUTS:
+        raise BadInput(f"{named} {value!r}: choose one of {', '.join(LAYOUTS)}")
+    return value
+
+
+def layout_block(graph: Graph, device: DeviceSpec, layouts: str, measured: bool) -> int:
+    """The channel block of the blocked layout a plan of `graph` may choose on `device`: a CPU's
+    (`layout.channel_block` of its float32 lanes: 16 with AVX-512, 8 with AVX2) where `layouts` is
+    "auto", the costs are predicted (a measurer times NCHW forms) and the graph has a conv over
+    4-D activations; else 0 (every tensor as in the model)."""
+    convs = any(n.op_type == "Conv" and len(graph.tensors[n.inputs[0]].shape or ()) == 4 for n in graph.nodes)
+    if layouts != "auto" or measured or device.kind == "gpu" or not convs:
+        return 0
+    return channel_block(device.warp_size)
 
 
 def default_workers() -> int:
@@ -49,6 +75,7 @@ class SearchConfig:
     budget_per_seed: int = DEFAULT_BUDGET_PER_SEED
     lone_anchors: str = "priced"  # how a lone gemm/conv may run (`rules.LONE_ANCHORS`)
     decompose: str = "auto"  # DECOMPOSE: whether cpsat cuts the graph into pieces
+    layouts: str = "auto"  # LAYOUTS: whether a CPU plan may run groups in the blocked layout
 
 
 @dataclass
@@ -63,14 +90,24 @@ class SearchProblem:
         """`measurer`: the groups' choices priced by their measured times (`autotune`), else
         by the cost model."""
         config = config or SearchConfig()
+        block = layout_block(graph, device, config.layouts, measurer is not None)
         return cls(graph, Legality(graph, device, model, cpu.capabilities(), config.max_group_size,
-                                   lone_anchors=config.lone_anchors, measurer=measurer), config)
+                                   lone_anchors=config.lone_anchors, measurer=measurer, layout_block=block), config)
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.legality.time_s(nodes)
 
     def partition_time_s(self, groups: Iterable[Iterable[int]]) -> float:
         return sum(self.time_s(g) for g in groups)
+
+    def plan_time_s(self, groups: Sequence[frozenset[int]], blocked: Collection[frozenset[int]] = ()) -> float:
+        """The price of a plan whose `blocked` groups run in the blocked layout: its groups' and its
+        reorders' (`lowering.reorders`); with none blocked, `partition_time_s`."""
+        if not blocked:
+            return self.partition_time_s(groups)
+        verdicts = [self.legality.blocked(g) if g in blocked else self.legality.check(g) for g in groups]
+        copies = reorders(self.graph, [v.kernel for v in verdicts])
+        return sum(v.time_s for v in verdicts) + sum(self.legality.reorder(*r)[1].time_s for r in copies)
 
 
 @dataclass(frozen=True)
@@ -81,6 +118,7 @@ class SolveResult:
     bound_s: float | None = None
     wall_s: float = 0.0
     stats: Mapping[str, Any] = field(default_factory=dict)
+    blocked: frozenset[frozenset[int]] = frozenset()  # groups run in the blocked layout (cpsat only)
 
 
 class Solver(Protocol):

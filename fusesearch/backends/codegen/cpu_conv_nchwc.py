@@ -35,7 +35,7 @@ from fusesearch.backends.codegen.cpu_gemm import _split_outputs
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry
 from fusesearch.ir.graph import Graph, Node
-from fusesearch.layout import Layout
+from fusesearch.layout import Layout, copy_name
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import nchwc_pixels, nchwc_tile, tensor_layouts
 
@@ -235,9 +235,11 @@ def _epilogue(e: _Emitter, main, ys, ocb: int, b: int, ow_n: int, pixels: int) -
             *(["{", *["    " + x_ for x_ in nest(f"long long ocb = {full}LL;", rest)], "}"] if rest else [])]
 
 
-def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout) -> GeneratedKernel:
+def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout,
+                   name: str | None = None) -> GeneratedKernel:
     """The C kernel copying float32 `tensor` of logical `shape` (N, C, H, W) from layout `source`
-    to `target` (NCHW <-> NCHWc): its output named `tensor@<target>`; into a blocked layout the
+    to `target` (NCHW <-> NCHWc), named `name` (default by direction and block): its output named
+    `layout.copy_name(tensor, target)`; into a blocked layout the
     padded channels are written zero. Per image, channel and row in parallel, the row's pixels
     one loop (contiguous on the NCHW side, at the block's stride on the other)."""
     if source.blocked == target.blocked or len(shape) != 4:
@@ -247,7 +249,7 @@ def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: 
     blocked = target if target.blocked else source
     b, cp = blocked.block, blocked.channels(c)
     ins = (Arg("in0", tensor, source.shape(shape), "float32"),)
-    outs = (Arg("out0", f"{tensor}@{target.name}", target.shape(shape), "float32"),)
+    outs = (Arg("out0", copy_name(tensor, target), target.shape(shape), "float32"),)
     at = f"((nb * {cp // b}LL + ch / {b}LL) * {h * w}LL + ih * {w}LL + iw) * {b}LL + ch % {b}LL"
     flat = f"((nb * {c}LL + ch) * {h}LL + ih) * {w}LL + iw"
     copy = f"out0[{at}] = in0[{flat}];" if target.blocked else f"out0[{flat}] = in0[{at}];"
@@ -257,7 +259,7 @@ def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: 
             f"    long long nb = r / {rows // n}LL, ch = r / {h}LL % {rows // n // h}LL, ih = r % {h}LL;",
             *(zero if cp > c and target.blocked else []),
             "    #pragma omp simd", f"    for (long long iw = 0; iw < {w}LL; ++iw) {copy}", "}"]
-    name = f"k_reorder_{'blocked' if target.blocked else 'nchw'}_{b}"
+    name = name or f"k_reorder_{'blocked' if target.blocked else 'nchw'}_{b}"
     src = c_function(name, ins, outs, (), f"    {OMP_FOR}\n" + _indent(body, 1) + "\n")
     return GeneratedKernel(name, "pointwise", ins, outs, src, "", source_hash=source_digest(src, ""),
                            skeleton="packed")
