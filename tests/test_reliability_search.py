@@ -156,23 +156,42 @@ def _chain(tmp_path, name: str, n: int):
 
 
 @pytest.mark.parametrize("name", list(CHAINS))
-def test_the_deterministic_resolve_is_never_infeasible(run_cli, tmp_path, caplog, name):
+def test_the_deterministic_resolve_is_never_infeasible(run_cli, tmp_path, caplog, monkeypatch, name):
     """Determinism: on 2- and 3-node problems the one-worker re-solve under the first solve's optimum
     finds a plan every time. It used to bound the objective by CP-SAT's float objective truncated
     to an integer (2179528.9999999995 -> 2179528 ps, one below the optimum): INFEASIBLE on about
-    a third of these instances (the GPU devices' figures are fixed, so which ones is too)."""
+    a third of these instances (the GPU devices' figures are fixed, so which ones is too). One
+    worker would prove these first: turned off, so the many-worker path and its re-solve run."""
+    from fusesearch.search import cpsat
+
+    monkeypatch.setattr(cpsat, "ONE_WORKER_FIRST", 0.0)
     for n in (8, 64, 256):
         model = _chain(tmp_path, name, n)
         for device in ("h100-sxm", "t4", "host"):
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="fusesearch.search.cpsat"):
-                code, stdout, err = run_cli("plan", model, "--device", device, "--json")
+                code, stdout, err = run_cli("plan", model, "--device", device, "--json", "--workers", "2")
             assert code == 0, err
             doc = json.loads(stdout)
             stats = doc["run"]["stats"]
             assert doc["solver"]["status"] == "OPTIMAL"
             assert stats["resolve_status"] == "OPTIMAL", (name, n, device, stats)
             assert not [r for r in caplog.records if "re-solve" in r.getMessage()]
+
+
+def test_several_workers_keep_the_one_worker_plan_where_one_worker_proves_it(run_cli, tmp_path):
+    """With several workers one worker tries first: where it proves the optimum, plan.json is the
+    one `--workers 1` writes, and the run says so; no re-solve is needed."""
+    model = _chain(tmp_path, next(iter(CHAINS)), 64)
+    docs = []
+    for workers in ("1", "2"):
+        code, stdout, err = run_cli("plan", model, "--device", "h100-sxm", "--json", "--workers", workers)
+        assert code == 0, err
+        doc = json.loads(stdout)
+        docs.append(doc)
+    assert docs[1]["run"]["stats"]["resolve_status"] == "one worker proved it first"
+    assert docs[0]["run"]["stats"]["resolve_status"] is None
+    assert docs[0]["groups"] == docs[1]["groups"] and docs[0]["totals"] == docs[1]["totals"]
 
 
 def test_cpsat_solves_costs_past_int64_picoseconds(run_cli, tmp_path, caplog):

@@ -5,14 +5,14 @@ predicted time whose quotient graph is acyclic (two convex groups can still form
 Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser past MAX_OBJECTIVE);
 Σ_{g ∋ v} x_g = 1 per node. Acyclicity lazily: a plan with a quotient cycle C gets Σ_{g ∈ C} x_g ≤
 |C| − 1, solved again; after CUT_ROUNDS cuts, ranks r_v (equal inside a group, increasing between
-groups) exclude every cycle. Hinted with greedy's plan; with several workers a one-worker re-solve
-at Σ c_g x_g ≤ optimum makes the plan deterministic. Layouts where `Legality.layout_block` allows
-(`_add_layouts`: a bool b_g ≤ x_g per blocked-capable candidate, two per 4-D tensor for its
-reorders; the LP fully linearized). Graphs from DECOMPOSE_FROM_NODES nodes are cut by
+groups) exclude every cycle. Hinted with greedy's plan; with several workers one worker tries
+first (`ONE_WORKER_FIRST`), past it a one-worker re-solve at Σ c_g x_g ≤ optimum makes the plan
+deterministic. Layouts (`_add_layouts`): a bool b_g ≤ x_g per blocked-capable candidate, two per
+4-D tensor for its reorders; the LP fully linearized. Graphs from DECOMPOSE_FROM_NODES nodes are cut by
 `decompose.split`, each distinct piece solved once by one worker in NCHW, joined by `join`.
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
-best plan with its gap (`stopped`), nothing better gives greedy's (`fallback`), never silently; a
-model CP-SAT calls invalid or infeasible is an internal error; the only module importing ortools."""
+best plan with its gap (`stopped`), nothing better greedy's (`fallback`); an invalid or infeasible
+model is an internal error; the only module importing ortools."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 PS_PER_S = 1e12
 MAX_OBJECTIVE = 1 << 53  # Σ of all candidates' costs in solver units: int64-safe, exact in CP-SAT's doubles
 CANONICAL_DETERMINISTIC_TIME = 60.0  # CP-SAT's deterministic time units (~seconds), one worker
+# with several workers, one worker first for this long (deterministic units): where it proves the
+# optimum that plan is kept, the one `--workers 1` gives; the many-worker solve and its one-worker
+# re-solve at the optimum only past it (yolo-neck: the re-solve alone took 24-55 s, one worker 0.9 s)
+ONE_WORKER_FIRST = 5.0
 MIN_SOLVE_S = 1.0  # CP-SAT always gets this long, even past the deadline (the hint is a plan)
 SAFETY_S = 0.5  # reading the solution back ...
 SAFETY_PER_NODE_S = 2e-4  # ... and building the validated plan (costs, unfused figures) after it
@@ -256,10 +260,13 @@ def _solve_once(model, workers: int, seed: int, objective, terms: list[tuple[int
     `full_lp`: every constraint in the LP relaxation (a model with layout variables: its bound at
     the default linearization leaves mobilenetv2 4% short after 5 s, fully linearized it proves the
     optimum at the root)."""
-    solver = cp_model.CpSolver()
-    _configure(solver.parameters, workers, max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S), seed)
-    if full_lp:
-        solver.parameters.linearization_level = 2
+    if workers > 1 and ONE_WORKER_FIRST > 0:
+        solver = _solver(1, seed, deadline, full_lp)
+        solver.parameters.max_deterministic_time = ONE_WORKER_FIRST
+        status = solver.solve(model)
+        if status == cp_model.OPTIMAL:
+            return solver, status, "one worker proved it first"
+    solver = _solver(workers, seed, deadline, full_lp)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):  # UNKNOWN: a time-out
         raise FusesearchError(f"cpsat: CP-SAT found the search model {solver.status_name(status)} "
@@ -271,6 +278,14 @@ def _solve_once(model, workers: int, seed: int, objective, terms: list[tuple[int
     fixed.add(objective <= _objective(solver, terms))
     solver, resolve = _deterministic_optimum(fixed, solver, deadline, full_lp)
     return solver, status, resolve
+
+
+def _solver(workers: int, seed: int, deadline: float, full_lp: bool):
+    solver = cp_model.CpSolver()
+    _configure(solver.parameters, workers, max(MIN_SOLVE_S, deadline - time.perf_counter() - SAFETY_S), seed)
+    if full_lp:
+        solver.parameters.linearization_level = 2
+    return solver
 
 
 def _cycle(graph, chosen: list[frozenset[int]], local: dict[int, int]) -> list[int] | None:
