@@ -37,16 +37,20 @@ from fusesearch.backends.codegen.ops import _conv_geometry
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.layout import Layout
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import nchwc_pixels, nchwc_tile, tensor_layouts
+from fusesearch.schedule import nchwc_chunk, nchwc_pixels, nchwc_tile, tensor_layouts
 
-# pixels a 1x1 stride-1 conv's block holds at least (whole output rows): several tiles per block
+# pixels a block of output rows holds at least (whole output rows): several tiles per block, so
+# each slice of filters a tile streams serves them all
 NCHWC_RUN_PIXELS = 48
 
 
 def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor: Node, packs: dict) -> list[str]:
     """The C body of an NCHWc conv group (`schedule.nchwc_conv`, product "nchwc"): its input in
     `layout_in` (NCHWc, or NCHW for a dense conv over fewer channels than a block: an image),
-    its outputs in `layout_out`."""
+    its outputs in `layout_out`. Work items (images x blocks of output rows x tiles of output
+    blocks) in parallel; per item the input blocks in passes of `schedule.nchwc_chunk` (a slice of
+    filters that stays in cache across the item's pixels), partial sums in cbuf, then the
+    epilogue over the item's blocks."""
     x, w = anchor.inputs[0], anchor.inputs[1]
     xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
     layout, source = kernel.schedule.layout_out, kernel.schedule.layout_in
@@ -60,12 +64,13 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     (h, wd), (oh_n, ow_n) = xs[2:], ys[2:]
     lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
     icb = source.channels(xs[1]) // lanes_in
+    o_tile = min(nchwc_tile(b, depthwise), ocb)
     if w not in packs:
         floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
         packs[w] = NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, ys[1], ws[1],
-                               kh_n * kw_n, b, depthwise, lanes_in)
+                               kh_n * kw_n, b, depthwise, lanes_in, o_tile)
     run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
-    rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run else 1
+    rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run or not depthwise else 1
     pixels = rows * ow_n
     planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
     source_name, padded = args[x].name, []
@@ -78,26 +83,57 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
         source_name, (h, wd), (ph, pw) = "patch", (hp, wp), (0, 0)
     geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, source_name,
                     packs[w].arg.name, pixels)
-    o_tile = nchwc_tile(b, depthwise)
     image = f"nb * {planes * h * wd * geo.xb}LL"
-    if run:
-        loops = geo.pixels_of(o_tile, ocb, "(oh1 - oh0) * " + f"{ow_n}LL", f"{image} + oh0 * {wd * geo.xb}LL")
+    if run or (source.blocked and not depthwise):  # every window inside the input (padded above)
+        def sums(o: int, ocb0: str) -> list[str]:
+            return geo.span(o, ocb0, (sh, sw), ow_n, image)
     else:
         lo = min(ow_n, -(-pw // sw))  # the interior: columns whose window lies inside the image
         hi = max(lo, min(ow_n, (wd - kw_n + pw) // sw + 1))
-        loops = geo.row(o_tile, ocb, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")
+
+        def sums(o: int, ocb0: str) -> list[str]:
+            return ["for (long long oh = oh0; oh < oh1; ++oh) {",
+                    f"    long long ih0 = oh * {sh}LL - {ph}LL;",
+                    f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
+                    *["    " + x_ for x_ in geo.row(o, ocb0, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")],
+                    "}"]
     main, _ = _split_outputs(graph, kernel, outs, anchor)
-    epilogue = _epilogue(e, main, ys, ocb, b, ow_n, pixels)
+    full, rest = divmod(ocb, o_tile)
+    tiles = full + (rest > 0)
+
+    def item(o: int, ocb0: str) -> list[str]:  # one work item's sums (in passes over the input blocks) and epilogue
+        chunk = icb if depthwise else min(icb, nchwc_chunk(b, o, lanes_in, kh_n * kw_n))
+        passes = ([f"long long c0 = 0, c1 = {icb}LL;", *sums(o, ocb0)] if chunk >= icb else
+                  [f"for (long long c0 = 0; c0 < {icb}LL; c0 += {chunk}LL) {{",
+                   f"    long long c1 = c0 + {chunk}LL < {icb}LL ? c0 + {chunk}LL : {icb}LL;",
+                   *["    " + x_ for x_ in sums(o, ocb0)], "}"])
+        return [f"long long ocb0 = {ocb0};", *passes, *_epilogue(e, main, ys, o, b, ow_n, pixels)]
     blocks = -(-oh_n // rows)
-    body = [f"for (long long r = 0; r < {ys[0] * blocks}LL; ++r) {{",
-            f"    long long nb = r / {blocks}LL, oh0 = r % {blocks}LL * {rows}LL;",
+    per = blocks * tiles
+    body = [f"for (long long r = 0; r < {ys[0] * per}LL; ++r) {{",
+            f"    long long nb = r / {per}LL, oh0 = r / {tiles}LL % {blocks}LL * {rows}LL, ot = r % {tiles}LL;",
             f"    long long oh1 = oh0 + {rows}LL < {oh_n}LL ? oh0 + {rows}LL : {oh_n}LL;",
-            "    " + scratch("cbuf", f"{ocb * pixels * b}LL"),
-            f"    long long ih0 = oh0 * {sh}LL - {ph}LL;",
-            f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
-            *["    " + line for line in loops + epilogue], "}"]
-    return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));", *padded,
-            f"    {OMP_FOR}\n" + _indent(body, 1)]
+            "    " + scratch("cbuf", f"{o_tile * pixels * b}LL"),
+            *(["    if (ot < {full}LL) {{".format(full=full)] if rest else ["    {"]),
+            *["        " + x_ for x_ in item(o_tile, f"ot * {o_tile}LL")], "    }",
+            *(["    else {", *["        " + x_ for x_ in item(rest, f"{full * o_tile}LL")], "    }"] if rest else []),
+            "}"]
+    return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
+            *_vector_fma(b), *padded, f"    {OMP_FOR}\n" + _indent(body, 1)]
+
+
+def _vector_fma(b: int) -> list[str]:
+    """The C macros of a block's vectors: FS_VB_FMA(w, x, a) = w x + a in one rounding where the
+    core has the FMA at that width (C11 contracts no `a += w * x`: a multiply and an add, twice
+    the instructions), else the two operations; FS_VB_SET(x) the float x in every lane."""
+    fma = {16: ("defined(__AVX512F__)", "__builtin_ia32_vfmaddps512_mask((w), (x), (a), (unsigned short)-1, 4)"),
+           8: ("defined(__FMA__)", "__builtin_ia32_vfmaddps256((w), (x), (a))")}.get(b)
+    lines = ["#undef FS_VB_FMA", "#undef FS_VB_SET",
+             f"#define FS_VB_SET(x) ((fs_vb){{{', '.join(['(x)'] * b)}}})"]
+    if fma:
+        lines += [f"#if {fma[0]} && !defined(__clang__)", f"#define FS_VB_FMA(w, x, a) {fma[1]}", "#else"]
+    lines.append("#define FS_VB_FMA(w, x, a) ((w) * (x) + (a))")
+    return lines + (["#endif"] if fma else [])
 
 
 def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[int, int], lead: tuple[int, int],
@@ -121,7 +157,7 @@ def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[
 class _Geometry:
     """The constants an NCHWc conv's tiles are written with: per input block `lanes_in` input
     lanes, `xb` floats per pixel and `xc` between two lanes of one pixel (NCHWc: b and 1; NCHW:
-    1 and H x W)."""
+    1 and H x W); `pixels` the pixels of a work item's partial sums (cbuf) per output block."""
 
     def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels) -> None:
         self.b, self.icb, self.lanes_in = b, icb, lanes_in
@@ -129,101 +165,112 @@ class _Geometry:
         self.xb, self.xc = (b, 1) if blocked_in else (1, self.h * self.wd)
         self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
 
-    def tile(self, o: int, p: int, ocb0: str, q: str, xoff: str, kw: tuple[str, str]) -> list[str]:
-        """Sums of `o` output blocks from `ocb0` x `p` pixels from `q` (their input's offset at
-        tap (0, 0) of input block 0: `xoff`) over the taps kh0..kh1 x kw[0]..kw[1], stored into
-        cbuf."""
+    def tile(self, o: int, p: int, ocb0: str, at: str, xoff, kw: tuple[str, str]) -> list[str]:
+        """The register tile: sums of `o` output blocks from `ocb0` x `p` pixels (pixel j's input
+        offset at tap (0, 0) of input block 0: `xoff(j)`; their partial sums from pixel `at` of
+        cbuf) over the taps kh0..kh1 x kw[0]..kw[1] and, dense, the input blocks c0..c1 of the
+        pass (the sums of the passes before read back from cbuf), stored into cbuf. Dense: per
+        input lane the tile's `o` filter vectors (contiguous) and `p` broadcast input values, o x
+        p FMAs; depthwise: per tap one filter vector and `p` input vectors."""
         b, xb, hw = self.b, self.xb, self.h * self.wd
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
-        lines = [f"fs_vb {a} = {{0}};" for row in acc for a in row]
+        slot = {(i, j): f"cbuf + ({i * self.pixels}LL + {at} + {j}LL) * {b}LL" for i in range(o) for j in range(p)}
+        lines = [f"long long x{j} = {xoff(j)};" for j in range(p)]
+        lines += [f"fs_vb {acc[i][j]} = " + ("(fs_vb){0};" if self.depthwise else
+                                             f"c0 ? *(const fs_vb*)({slot[i, j]}) : (fs_vb){{0}};") for i, j in slot]
         taps = self.kh_n * self.kw_n
         tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
         if self.depthwise:
             lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
-                      f"    const float* xp = {self.x} + {xoff} + {ocb0} * {hw * b}LL + {tap};",
+                      f"    const float* xp = {self.x} + {ocb0} * {hw * b}LL + {tap};",
                       f"    fs_vb wv = *(const fs_vb*)({self.wp} + ({ocb0} * {taps}LL + kh * {self.kw_n}LL + kw) * {b}LL);",
-                      *[f"    {acc[0][j]} += wv * *(const fs_vb*)(xp + {j * self.sw * b}LL);" for j in range(p)], "}"]
+                      *[f"    {acc[0][j]} = FS_VB_FMA(wv, *(const fs_vb*)(xp + x{j}), {acc[0][j]});" for j in range(p)],
+                      "}"]
         else:
-            panel = self.lanes_in * b  # filters per output block, input block and tap
-            lines += [f"for (long long icb = 0; icb < {self.icb}LL; ++icb)",
+            panel = self.lanes_in * o * b  # the tile's filters per input block and tap
+            lines += ["for (long long icb = c0; icb < c1; ++icb)",
                       "for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
-                      f"    const float* xp = {self.x} + {xoff} + icb * {hw * self.lanes_in}LL + {tap};",
-                      f"    const float* wp = {self.wp} + (({ocb0} * {self.icb}LL + icb) * {taps}LL + kh * {self.kw_n}LL + kw)"
-                      f" * {panel}LL;",
-                      "    #pragma GCC unroll 16", f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
-                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + {i * self.icb * taps * panel}LL + ic * {b});"
-                        for i in range(o)],
-                      *[f"        float x{j} = xp[{j * self.sw * xb}LL + ic * {self.xc}LL];" for j in range(p)],
-                      *[f"        {acc[i][j]} += w{i} * x{j};" for i in range(o) for j in range(p)], "    }", "}"]
-        lines += [f"*(fs_vb*)(cbuf + (({ocb0} + {i}LL) * {self.pixels}LL + {q} + {j}LL) * {b}LL) = {acc[i][j]};"
-                  for i in range(o) for j in range(p)]
+                      f"    const float* xp = {self.x} + icb * {hw * self.lanes_in}LL + {tap};",
+                      f"    const float* wp = {self.wp} + {ocb0} * {self.icb * taps * self.lanes_in * b}LL"
+                      f" + (icb * {taps}LL + kh * {self.kw_n}LL + kw) * {panel}LL;",
+                      # GCC's full unroll interleaves the lanes and spills the accumulators
+                      "    #pragma GCC unroll 1", f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
+                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + ic * {o * b} + {i * b});" for i in range(o)],
+                      *[line for j in range(p) for line in
+                        (f"        fs_vb v{j} = FS_VB_SET(xp[x{j} + ic * {self.xc}LL]);",
+                         *[f"        {acc[i][j]} = FS_VB_FMA(w{i}, v{j}, {acc[i][j]});" for i in range(o)])],
+                      "    }", "}"]
+        lines += [f"*(fs_vb*)({slot[i, j]}) = {acc[i][j]};" for i, j in slot]
         return ["{", *["    " + x_ for x_ in lines], "}"]
 
-    def blocks(self, o_tile: int, ocb: int, build) -> list[str]:
-        """`build(o, ocb0)` over the output blocks in tiles of `o_tile` (the last one shorter)."""
-        full, rest = divmod(ocb, o_tile) if not self.depthwise else (ocb, 0)
-        step = 1 if self.depthwise else o_tile
-        lines = [f"for (long long ocb0 = 0; ocb0 < {full * step}LL; ocb0 += {step}LL) {{",
-                 *["    " + x_ for x_ in build(step, "ocb0")], "}"] if full else []
-        return lines + (["{", *["    " + x_ for x_ in build(rest, f"{full * step}LL")], "}"] if rest else [])
-
-    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, xoff: str, kw: tuple[str, str]) -> list[str]:
-        """Pixels span[0]..span[1] (every tap in `kw` valid for each) in tiles of
-        `schedule.nchwc_pixels`; where the span has its usual `count` pixels, the rest one tile of
-        the remainder, else one by one."""
+    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, at: str, xoff, kw: tuple[str, str]) -> list[str]:
+        """Pixels q = span[0]..span[1] (every tap in `kw` valid for each; pixel q + j's input
+        offset `xoff(j)`, its place in cbuf `at` + j) in tiles of `schedule.nchwc_pixels`; where
+        the span has its usual `count` pixels, the rest one tile of the remainder, else one by
+        one."""
         p = nchwc_pixels(self.b, o, self.depthwise)
         rest = count % p
-        one = [f"    for (; q < {span[1]}; ++q)", *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, kw)]]
-        tail = ([f"    if ({span[1]} - q == {rest}LL)", *["    " + x_ for x_ in self.tile(o, rest, ocb0, "q", xoff, kw)],
+        one = [f"    for (; q < {span[1]}; ++q)", *["    " + x_ for x_ in self.tile(o, 1, ocb0, at, xoff, kw)]]
+        tail = ([f"    if ({span[1]} - q == {rest}LL)", *["    " + x_ for x_ in self.tile(o, rest, ocb0, at, xoff, kw)],
                  "    else", *one] if rest > 1 else one)
         return ["{", f"    long long q = {span[0]};",
                 f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)",
-                *["    " + x_ for x_ in self.tile(o, p, ocb0, "q", xoff, kw)], *tail, "}"]
+                *["    " + x_ for x_ in self.tile(o, p, ocb0, at, xoff, kw)], *tail, "}"]
 
-    def pixels_of(self, o_tile: int, ocb: int, pixels_n: str, base: str) -> list[str]:
-        """The block's pixels 0..pixels_n as one run (contiguous input, every tap valid)."""
-        xoff = f"{base} + q * {self.sw * self.xb}LL"
-        return self.blocks(o_tile, ocb, lambda o, ocb0: self.tiles(o, ocb0, ("0", pixels_n), self.pixels, xoff,
-                                                                   ("0", str(self.kw_n))))
-
-    def row(self, o_tile: int, ocb: int, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
-        """One output row: the border columns one by one over their valid taps, the interior
-        (columns lo..hi) in tiles."""
+    def row(self, o: int, ocb0: str, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
+        """Output row `oh` of the item: the border columns one by one over their valid taps, the
+        interior (columns lo..hi) in tiles."""
         lo, hi, ow_n = columns
-        xoff = f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL"
+        at = f"(oh - oh0) * {ow_n}LL + q"
 
-        def border(o: int, ocb0: str, a: int, z: int) -> list[str]:
+        def xoff(j: int) -> str:
+            return f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL + {j * self.sw * self.xb}LL"
+
+        def border(a: int, z: int) -> list[str]:
             if z <= a:
                 return []
             return [f"for (long long q = {a}LL; q < {z}LL; ++q) {{",
                     f"    long long iw0 = q * {self.sw}LL - {pw}LL;",
                     f"    long long kw0 = iw0 < 0 ? -iw0 : 0, kw1 = {self.wd}LL - iw0 < {self.kw_n}LL ? {self.wd}LL - iw0 "
                     f": {self.kw_n}LL;",
-                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, "q", xoff, ("kw0", "kw1"))], "}"]
+                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, at, xoff, ("kw0", "kw1"))], "}"]
+        interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, at, xoff, ("0", str(self.kw_n)))
+                    if hi > lo else [])
+        return [*border(0, lo), *interior, *border(hi, ow_n)]
 
-        def build(o: int, ocb0: str) -> list[str]:
-            interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, xoff, ("0", str(self.kw_n)))
-                        if hi > lo else [])
-            return [*border(o, ocb0, 0, lo), *interior, *border(o, ocb0, hi, ow_n)]
-        return self.blocks(o_tile, ocb, build)
+    def span(self, o: int, ocb0: str, strides: tuple[int, int], ow_n: int, image: str) -> list[str]:
+        """The item's output pixels as one span (every window inside the input: a zero-bordered
+        copy, or no padding), tiles across its rows: pixel q + j at output row oh0 + (q + j) / ow,
+        column (q + j) % ow."""
+        sh, sw = strides
+        one_run = (sh, sw, self.wd) == (1, 1, ow_n)  # consecutive pixels consecutive in the input
+
+        def xoff(j: int) -> str:
+            if one_run:
+                return f"{image} + (oh0 * {ow_n}LL + q + {j}LL) * {self.xb}LL"
+            return (f"{image} + ((oh0 + (q + {j}LL) / {ow_n}LL) * {sh * self.wd}LL + (q + {j}LL) % {ow_n}LL * {sw}LL)"
+                    f" * {self.xb}LL")
+        return ["long long kh0 = 0, kh1 = " + f"{self.kh_n};",
+                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, "q", xoff, ("0", str(self.kw_n)))]
 
 
-def _epilogue(e: _Emitter, main, ys, ocb: int, b: int, ow_n: int, pixels: int) -> list[str]:
-    """Per output block and pixel of the block's rows: the epilogue over the block's lanes from
-    cbuf, stored where each output lies; the lanes past the channels store zeros."""
+def _epilogue(e: _Emitter, main, ys, o: int, b: int, ow_n: int, pixels: int) -> list[str]:
+    """Per output block of the item (`o` from ocb0) and pixel of its rows: the epilogue over the
+    block's lanes from cbuf, stored where each output lies; the lanes past the channels store
+    zeros."""
     e.channel_split = {"co": ("ocb", "l")}
-    e.acc_value = f"cbuf[(ocb * {pixels}LL + (oh - oh0) * {ow_n}LL + ow) * {b}LL + l]"
+    e.acc_value = f"cbuf[((ocb - ocb0) * {pixels}LL + (oh - oh0) * {ow_n}LL + ow) * {b}LL + l]"
     idx = ("nb", "co", "oh", "ow")
     e.lines = []
     e.push()
-    writes = [store(o, e.at(o.tensor, idx), e.value(o.tensor, idx)) for o in main]
+    writes = [store(o_, e.at(o_.tensor, idx), e.value(o_.tensor, idx)) for o_ in main]
     body = e.lines + writes
     e.pop()
     e.acc_value = ""
     full, rest = divmod(ys[1], b)
-    zeros = [f"{o.name}[{e.at(o.tensor, idx)}] = 0.0f;" for o in main]
+    zeros = [f"{o_.name}[{e.at(o_.tensor, idx)}] = 0.0f;" for o_ in main]
 
     def nest(head: str, lanes: int) -> list[str]:  # whole blocks: a constant count of lanes, one vector
         return [head, "for (long long oh = oh0; oh < oh1; ++oh)", f"for (long long ow = 0; ow < {ow_n}LL; ++ow) {{",
@@ -231,8 +278,9 @@ def _epilogue(e: _Emitter, main, ys, ocb: int, b: int, ow_n: int, pixels: int) -
                 f"        long long co = ocb * {b}LL + l;", *["        " + x_ for x_ in body], "    }",
                 *([f"    for (long long l = {lanes}LL; l < {b}LL; ++l) {{", *["        " + z for z in zeros], "    }"]
                   if lanes < b else []), "}"]
-    return [*(nest(f"for (long long ocb = 0; ocb < {full}LL; ++ocb)", b) if full else []),
-            *(["{", *["    " + x_ for x_ in nest(f"long long ocb = {full}LL;", rest)], "}"] if rest else [])]
+    return [*(nest(f"for (long long ocb = ocb0; ocb < ocb0 + {o}LL && ocb < {full}LL; ++ocb)", b) if full else []),
+            *([f"if (ocb0 + {o}LL > {full}LL) {{", *["    " + x_ for x_ in nest(f"long long ocb = {full}LL;", rest)], "}"]
+              if rest else [])]
 
 
 def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout) -> GeneratedKernel:
