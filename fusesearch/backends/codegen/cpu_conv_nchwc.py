@@ -283,32 +283,74 @@ def _epilogue(e: _Emitter, main, ys, o: int, b: int, ow_n: int, pixels: int) -> 
               if rest else [])]
 
 
-def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout) -> GeneratedKernel:
+REORDER_PIXELS = 1024  # pixels of a plane a reorder's work item copies (a multiple of every block)
+
+
+def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: Layout, threads: int = 0) -> GeneratedKernel:
     """The C kernel copying float32 `tensor` of logical `shape` (N, C, H, W) from layout `source`
     to `target` (NCHW <-> NCHWc): its output named `tensor@<target>`; into a blocked layout the
-    padded channels are written zero. Per image, channel and row in parallel, the row's pixels
-    one loop (contiguous on the NCHW side, at the block's stride on the other)."""
+    padded channels are written zero. A block's plane is a (block x H W) matrix on the NCHW side
+    and its transpose on the other, both contiguous: per image, channel block and run of
+    REORDER_PIXELS pixels in parallel, squares of block x block transposed in vector registers
+    (`_transpose`: whole vectors loaded and stored, contiguous), the pixels past the last square
+    one by one. `threads`: the region's team (`Schedule.cpu_threads`: 0 all, 1 the one-thread
+    form)."""
     if source.blocked == target.blocked or len(shape) != 4:
         raise CodegenRefused(f"reorder of '{tensor}': {source.name} -> {target.name} of shape {shape} "
                              "(one NCHW <-> NCHWc copy of a 4-D tensor)")
     n, c, h, w = shape
     blocked = target if target.blocked else source
-    b, cp = blocked.block, blocked.channels(c)
+    b, cb = blocked.block, blocked.channels(c) // blocked.block
+    hw, runs = h * w, -(-h * w // REORDER_PIXELS)
     ins = (Arg("in0", tensor, source.shape(shape), "float32"),)
     outs = (Arg("out0", f"{tensor}@{target.name}", target.shape(shape), "float32"),)
-    at = f"((nb * {cp // b}LL + ch / {b}LL) * {h * w}LL + ih * {w}LL + iw) * {b}LL + ch % {b}LL"
-    flat = f"((nb * {c}LL + ch) * {h}LL + ih) * {w}LL + iw"
-    copy = f"out0[{at}] = in0[{flat}];" if target.blocked else f"out0[{flat}] = in0[{at}];"
-    rows = n * (cp if target.blocked else c) * h
-    zero = [f"    if (ch >= {c}LL) {{ for (long long iw = 0; iw < {w}LL; ++iw) out0[{at}] = 0.0f; continue; }}"]
-    body = [f"for (long long r = 0; r < {rows}LL; ++r) {{",
-            f"    long long nb = r / {rows // n}LL, ch = r / {h}LL % {rows // n // h}LL, ih = r % {h}LL;",
-            *(zero if cp > c and target.blocked else []),
-            "    #pragma omp simd", f"    for (long long iw = 0; iw < {w}LL; ++iw) {copy}", "}"]
+    plain, block = ("in0", "out0") if target.blocked else ("out0", "in0")
+    lanes = f"cb < {c // b}LL ? {b}LL : {c % b}LL" if c % b else f"{b}LL"
+    body = [f"for (long long r = 0; r < {n * cb * runs}LL; ++r) {{",
+            f"    long long nb = r / {cb * runs}LL, cb = r / {runs}LL % {cb}LL, p = r % {runs}LL * {REORDER_PIXELS}LL;",
+            f"    long long p1 = p + {REORDER_PIXELS}LL < {hw}LL ? p + {REORDER_PIXELS}LL : {hw}LL, lanes = {lanes};",
+            f"    {'const ' if target.blocked else ''}float* pl = {plain} + (nb * {c}LL + cb * {b}LL) * {hw}LL;",
+            f"    {'' if target.blocked else 'const '}float* bl = {block} + (nb * {cb}LL + cb) * {hw * b}LL;",
+            *["    " + x for x in _transpose(b, hw, target.blocked)],
+            "    for (; p < p1; ++p)", f"        for (long long l = 0; l < {b}LL; ++l)",
+            ("            bl[p * {b}LL + l] = l < lanes ? pl[l * {hw}LL + p] : 0.0f;" if target.blocked else
+             "            if (l < lanes) pl[l * {hw}LL + p] = bl[p * {b}LL + l];").format(b=b, hw=hw), "}"]
     name = f"k_reorder_{'blocked' if target.blocked else 'nchw'}_{b}"
-    src = c_function(name, ins, outs, (), f"    {OMP_FOR}\n" + _indent(body, 1) + "\n")
+    src = c_function(name, ins, outs, (), f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), "
+                     f"may_alias));\n    {OMP_FOR}\n" + _indent(body, 1) + "\n", threads=threads)
     return GeneratedKernel(name, "pointwise", ins, outs, src, "", source_hash=source_digest(src, ""),
                            skeleton="packed")
+
+
+def _transpose(b: int, hw: int, into_blocked: bool) -> list[str]:
+    """C transposing the pixels p.. of a plane in squares of b x b while a whole square fits
+    before p1: b vectors loaded (NCHW: a channel's b pixels, the lanes past `lanes` zero; NCHWc: a
+    pixel's b channels), log2 b stages of two-vector shuffles (stage s swaps the s x s
+    off-diagonal squares of each 2s x 2s one), b vectors stored (the NCHW side's lanes past
+    `lanes` not written). Where the compiler has no `__builtin_shufflevector` (GCC before 12),
+    none: the caller's pixel loop copies them all."""
+    if into_blocked:
+        loads = [f"fs_vb t{r} = {r}LL < lanes ? *(const fs_vb*)(pl + {r * hw}LL + p) : (fs_vb){{0}};" for r in range(b)]
+    else:
+        loads = [f"fs_vb t{r} = *(const fs_vb*)(bl + (p + {r}LL) * {b}LL);" for r in range(b)]
+    stages, names, k = [], [f"t{r}" for r in range(b)], 0
+    s = b // 2
+    while s:
+        new = list(names)
+        for r in (r for r in range(b) if not r & s):
+            lo = ", ".join(str(b + j - s if j & s else j) for j in range(b))
+            hi = ", ".join(str(b + j if j & s else j + s) for j in range(b))
+            new[r], new[r + s] = f"u{k}_{r}", f"u{k}_{r + s}"
+            stages += [f"fs_vb u{k}_{r} = __builtin_shufflevector({names[r]}, {names[r + s]}, {lo});",
+                       f"fs_vb u{k}_{r + s} = __builtin_shufflevector({names[r]}, {names[r + s]}, {hi});"]
+        names, k, s = new, k + 1, s // 2
+    if into_blocked:
+        stores = [f"*(fs_vb*)(bl + (p + {r}LL) * {b}LL) = {names[r]};" for r in range(b)]
+    else:
+        stores = [f"if ({r}LL < lanes) *(fs_vb*)(pl + {r * hw}LL + p) = {names[r]};" for r in range(b)]
+    return ["#if defined(__clang__) || __GNUC__ >= 12",
+            f"for (; p + {b}LL <= p1; p += {b}LL) {{",
+            *["    " + x for x in loads + stages + stores], "}", "#endif"]
 
 
 def nchwc_pointwise_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs) -> list[str]:
