@@ -97,6 +97,13 @@ CASES = {  # xs, cout, k, stride, depthwise, residual, activation
     "depthwise-5x5-residual": ([1, 32, 7, 7], 32, 5, 1, True, True, None),
     "image-3x3-stride2": ([1, 3, 17, 16], 32, 3, 2, False, False, "Clip"),
     "image-7x7-stride2": ([2, 3, 20, 20], 24, 7, 2, False, False, "Relu"),
+    # the register tile's edges: rows wider than no whole strip (9 of 8 or 6 pixels), the last
+    # block of rows shorter, a tile of fewer output blocks than the widest, input blocks in passes
+    # (a 1x1 over 10 blocks of 16: 8 then 2), channels off the block, a residual at stride 2
+    "3x3-pad1-strip-edges-residual": ([1, 32, 8, 9], 48, 3, 1, False, True, "Relu"),
+    "1x1-input-passes-rest-tile": ([1, 160, 5, 6], 80, 1, 1, False, True, "Relu"),
+    "3x3-stride2-channels-off-residual": ([1, 40, 13, 11], 56, 3, 2, False, True, None),
+    "3x3-7x7-deep": ([1, 96, 7, 7], 96, 3, 1, False, True, "Relu"),
 }
 
 
@@ -115,6 +122,31 @@ def test_nchwc_conv_groups_equal_onnx_runtime_in_their_layout(tmp_path, name, ta
     assert kernel.template == ("depthwise" if depthwise else "conv_disjoint" if k == 1 else "conv")
     gk = _runs_blocked(graph, kernel, values)
     assert gk.packed and gk.packed[0].block == block  # the filters packed once, in blocks
+    assert "FS_VB_FMA(" in gk.c_source  # one FMA per filter vector and input, at the block's width
+
+
+@needs_cc
+def test_a_dense_tile_reads_its_filters_in_passes_over_the_input_blocks(tmp_path):
+    """A 1x1 conv over 10 input blocks of 16 runs them in passes of `nchwc_chunk` (8: the tile's
+    filters for them within NCHWC_SLICE_FLOATS), its 5 output blocks as a tile of 4 and one of 1,
+    the filters packed per tile in the order the tile reads them: the kernel equals ONNX Runtime,
+    and the packed filters are the model's in that order."""
+    from fusesearch.schedule import NCHWC_SLICE_FLOATS, nchwc_chunk
+
+    graph, values = _conv_group(tmp_path, [1, 160, 5, 6], 80, 1, 1, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), AVX512)
+    assert nchwc_chunk(16, 4, 16, 1) == 8 and 4 * 16 * 16 * 8 == NCHWC_SLICE_FLOATS
+    gk = _runs_blocked(graph, kernel, values)
+    assert "c0 += 8LL" in gk.c_source and "if (ot < 1LL)" in gk.c_source
+    (pack,) = gk.packed
+    assert pack.tile == 4
+    packed = cpu.runner(gk, {a.tensor: values[a.tensor] for a in gk.inputs}).packed[0]  # packed by its _pack
+    w = values["w"].reshape(80, 160)
+    panel = 10 * 16 * 16  # per output block: 10 input blocks x 16 lanes x 16 outputs
+    first = packed[: 4 * panel].reshape(10, 16, 4, 16)  # the tile of 4: input block, lane, the 4 x 16 outputs
+    np.testing.assert_array_equal(first.transpose(2, 3, 0, 1).reshape(64, 160), w[:64])
+    last = packed[4 * panel:].reshape(10, 16, 16)  # the tile of 1
+    np.testing.assert_array_equal(last.transpose(2, 0, 1).reshape(16, 160), w[64:])
 
 
 def test_the_block_is_the_targets_lanes_and_none_below_eight():
