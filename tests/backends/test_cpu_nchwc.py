@@ -296,3 +296,93 @@ def test_a_reorder_is_priced_as_the_copy_of_each_side_as_it_lies(tmp_path):
     assert t_into.feasible and t_into.bound != "compute" and 0 < t_into.time_s < t_conv.time_s
     wide = reorder(graph, conv.outputs[0], NCHW, layout)  # 64 channels
     assert kernel_cost(wide, device, model).memory_s > t_into.memory_s
+
+
+TWO = CpuTarget(lanes=16, threads=2)
+
+
+def _pinned_two_threads():
+    """Two threads of a CPU: a team's fork and barrier 5 us, a one-thread region's call 0.3 us."""
+    return replace(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=16, sm_count=2, launch_overhead_s=5e-6,
+                   serial_launch_overhead_s=0.3e-6, cache_curve=())
+
+
+@needs_cc
+@pytest.mark.parametrize("name", ["3x3", "depthwise-3x3", "image-3x3-stride2", "maxpool-3x3-stride2"])
+def test_blocked_choices_have_their_one_thread_form_above_one_thread(tmp_path, name):
+    """At 2 threads each blocked choice (a dense, depthwise or image conv, a pool) is followed by
+    its one-thread form (split "one", `cpu_threads` 1, imbalance 1), priced with the one-thread
+    region's call instead of the team's fork and at one thread's share of the rates, its region
+    `num_threads(1)`; both forms, run with 2 OpenMP threads, equal ONNX Runtime. At one thread
+    there is none."""
+    from fusesearch.backends.cpu import openmp_threads
+    from fusesearch.schedule import ONE_THREAD
+
+    if name in POINTWISE:
+        nodes, inputs = POINTWISE[name]
+        prep = prepare(save(make_model(nodes, inputs, [("out", None)]), tmp_path / "p.onnx"))
+        graph, values = prep.graph, all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
+    else:
+        xs, cout, k, stride, depthwise, residual, act = CASES[name]
+        graph, values = _conv_group(tmp_path, xs, cout, k, stride, depthwise=depthwise, residual=residual, act=act)
+    team, alone = nchwc_choices(graph, _whole(graph), TWO)
+    assert (team.schedule.split, alone.schedule.split) == ("", ONE_THREAD)
+    assert alone.schedule.layout_out == team.schedule.layout_out and alone.schedule.product == team.schedule.product
+    assert (team.spec().cpu_threads, alone.spec().cpu_threads, alone.imbalance) == (0, 1, 1.0)
+    assert len(nchwc_choices(graph, _whole(graph), AVX512)) == 1
+    device, model = _pinned_two_threads(), RooflineModel(RooflineParams())
+    t, a = kernel_cost(team, device, model), kernel_cost(alone, device, model)
+    assert (t.launch_s, a.launch_s) == (5e-6, 0.3e-6) and a.memory_s == pytest.approx(2 * t.memory_s)
+    for kernel in (team, alone):
+        gk = generate(graph, kernel)
+        assert ("#pragma omp parallel num_threads(1)\n" in gk.c_source) == (kernel is alone)
+        feeds = {a_.tensor: to_blocked(values[a_.tensor], Layout(a_.shape[-1])) if len(a_.shape) == 5
+                 else values[a_.tensor] for a_ in gk.inputs}
+        with openmp_threads(2):
+            out = cpu.run(gk, feeds)
+        for a_ in gk.outputs:
+            ref = values[a_.tensor]
+            got = from_blocked(out[a_.tensor], Layout(a_.shape[-1]), ref.shape[1])
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+
+
+@needs_cc
+@pytest.mark.parametrize("shape,block", [((1, 40, 9, 8), 16), ((1, 20, 40, 30), 16), ((2, 16, 32, 32), 16),
+                                         ((1, 20, 9, 8), 8), ((1, 3, 5, 5), 8)])
+def test_reorders_transpose_whole_squares_and_the_pixels_past_them(shape, block):
+    """Planes of 72 pixels (4 squares of 16 and 8 pixels past them), 1200 (two runs of pixels:
+    1024 then 176), exactly one run, a block of 8, fewer pixels than a square; channels off the
+    block (padded lanes zero into NCHWc, not written back): both directions equal numpy's."""
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    layout = Layout(block)
+    to = reorder_kernel("x", shape, NCHW, layout)
+    assert "__builtin_shufflevector" in to.c_source
+    blocked = cpu.run(to, {"x": x})[to.outputs[0].tensor]
+    np.testing.assert_array_equal(blocked, to_blocked(x, layout))
+    back = reorder_kernel("x", shape, layout, NCHW)
+    np.testing.assert_array_equal(cpu.run(back, {"x": blocked})["x@NCHW"], x)
+
+
+@needs_cc
+def test_a_reorder_has_its_one_thread_form_above_one_thread(tmp_path):
+    """`reorder_choices` at 2 threads: the reorder, then its one-thread form (priced with the
+    one-thread region's call), whose C (`reorder_kernel` with the schedule's `cpu_threads`) runs
+    `num_threads(1)` and equals numpy's reorder at 2 OpenMP threads; at one thread the reorder
+    alone."""
+    from fusesearch.backends.cpu import openmp_threads
+    from fusesearch.lowering import reorder_choices
+    from fusesearch.schedule import ONE_THREAD
+
+    graph, values = _conv_group(tmp_path, [1, 24, 6, 6], 32, 1, 1, act=None)
+    layout = Layout(16)
+    team, alone = reorder_choices(graph, "x", NCHW, layout, TWO)
+    assert (team.schedule.split, alone.schedule.split, alone.spec().cpu_threads) == ("", ONE_THREAD, 1)
+    assert reorder_choices(graph, "x", NCHW, layout, AVX512) == (team,)
+    device, model = _pinned_two_threads(), RooflineModel(RooflineParams())
+    assert (kernel_cost(team, device, model).launch_s, kernel_cost(alone, device, model).launch_s) == (5e-6, 0.3e-6)
+    for kernel in (team, alone):
+        gk = reorder_kernel("x", (1, 24, 6, 6), NCHW, layout, threads=kernel.schedule.cpu_threads)
+        assert ("num_threads(1)" in gk.c_source) == (kernel is alone)
+        with openmp_threads(2):
+            got = cpu.run(gk, {"x": values["x"]})[gk.outputs[0].tensor]
+        np.testing.assert_array_equal(got, to_blocked(values["x"], layout))

@@ -114,7 +114,7 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
             f"    long long nb = r / {per}LL, oh0 = r / {tiles}LL % {blocks}LL * {rows}LL, ot = r % {tiles}LL;",
             f"    long long oh1 = oh0 + {rows}LL < {oh_n}LL ? oh0 + {rows}LL : {oh_n}LL;",
             "    " + scratch("cbuf", f"{o_tile * pixels * b}LL"),
-            *(["    if (ot < {full}LL) {{".format(full=full)] if rest else ["    {"]),
+            *([f"    if (ot < {full}LL) {{"] if rest else ["    {"]),
             *["        " + x_ for x_ in item(o_tile, f"ot * {o_tile}LL")], "    }",
             *(["    else {", *["        " + x_ for x_ in item(rest, f"{full * o_tile}LL")], "    }"] if rest else []),
             "}"]
