@@ -3,12 +3,19 @@
 Problem: in NCHW a conv's vector lanes run along a row of pixels (7 or 14 wide deep in a CNN,
 borders and strides in between) and a depthwise conv has no long contiguous axis at all; ONNX
 Runtime's NCHWc kernels keep a block of output channels in each vector register instead.
-Approach (a direct conv as MLAS's NCHWc): filters packed once (`base.NchwcFilter`); per tile of
-`schedule.nchwc_tile` output-channel blocks x `nchwc_pixels` pixels, accumulators in vector
-registers (GCC vector types) over every input block, tap and lane: a filter vector times a
-broadcast input (dense) or an input vector (depthwise). Edge columns run pixel by pixel over their
-valid taps, the interior in whole tiles; the epilogue (bias, activations, an NCHWc residual) runs
-over each block's lanes before the one store; padded lanes store zeros.
+Approach (a direct conv as MLAS's and oneDNN's NCHWc kernels): filters packed once per plan in
+the order the tile reads them (`base.NchwcFilter`: per tile of output blocks, input block, tap and
+input lane, the tile's filter vectors side by side); work items of images x blocks of output rows
+(NCHWC_RUN_PIXELS pixels or more) x tiles of `schedule.nchwc_tile` output blocks in parallel; per
+item the input blocks in passes of `schedule.nchwc_chunk` (that slice of filters stays in the L1
+cache across the item's pixels; partial sums carried in cbuf), per pass register tiles of the
+tile's output blocks x `nchwc_pixels` pixels (4 x 6 zmm accumulators at block 16, 2 x 6 ymm at 8):
+per input lane the tile's filter vectors loaded once, one broadcast input per pixel, one FMA each
+(`FS_VB_FMA`: C11 contracts none). A dense conv over blocked channels reads a zero-bordered copy,
+its tiles run across output rows; a depthwise conv (a filter vector times an input vector) and one
+over an image in NCHW run row by row, edge columns pixel by pixel over their valid taps. The
+epilogue (bias, activations, an NCHWc residual) runs over the item's blocks' lanes before the one
+store; padded lanes store zeros.
 Invariants: written for `Schedule.product` "nchwc" with `layout_out` blocked and `layout_in` as
 `schedule.nchwc_input` says (NCHW for an image), as `schedule.nchwc_conv` admits; each input
 element is read where it lies (no panel, no band). Anchorless groups (`nchwc_pointwise_loops`) and
