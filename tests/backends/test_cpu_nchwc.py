@@ -123,6 +123,8 @@ def test_nchwc_conv_groups_equal_onnx_runtime_in_their_layout(tmp_path, name, ta
     gk = _runs_blocked(graph, kernel, values)
     assert gk.packed and gk.packed[0].block == block  # the filters packed once, in blocks
     assert "FS_VB_FMA(" in gk.c_source  # one FMA per filter vector and input, at the block's width
+    if not (depthwise or image) and xs[1] % block:  # the last input block's zero lanes are skipped
+        assert f"(icb < {xs[1] // block}LL ? {block} : {xs[1] % block})" in gk.c_source
 
 
 @needs_cc

@@ -89,7 +89,7 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
         padded = _padded_copy(args[x].name, xs[0] * planes, (h, wd), (hp, wp), (ph, pw), b)
         source_name, (h, wd), (ph, pw) = "patch", (hp, wp), (0, 0)
     geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, source_name,
-                    packs[w].arg.name, pixels)
+                    packs[w].arg.name, pixels, xs[1])
     image = f"nb * {planes * h * wd * geo.xb}LL"
     if run or (source.blocked and not depthwise):  # every window inside the input (padded above)
         def sums(o: int, ocb0: str) -> list[str]:
@@ -164,13 +164,15 @@ def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[
 class _Geometry:
     """The constants an NCHWc conv's tiles are written with: per input block `lanes_in` input
     lanes, `xb` floats per pixel and `xc` between two lanes of one pixel (NCHWc: b and 1; NCHW:
-    1 and H x W); `pixels` the pixels of a work item's partial sums (cbuf) per output block."""
+    1 and H x W); `pixels` the pixels of a work item's partial sums (cbuf) per output block;
+    `channels` the input's (a dense tile skips the last block's zero lanes)."""
 
-    def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels) -> None:
+    def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels, channels) -> None:
         self.b, self.icb, self.lanes_in = b, icb, lanes_in
         self.h, self.wd, self.kh_n, self.kw_n, self.sw = window
         self.xb, self.xc = (b, 1) if blocked_in else (1, self.h * self.wd)
         self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
+        self.last_lanes = channels - (icb - 1) * lanes_in  # the last input block's channels (its other lanes zero)
 
     def tile(self, o: int, p: int, ocb0: str, at: str, xoff, kw: tuple[str, str]) -> list[str]:
         """The register tile: sums of `o` output blocks from `ocb0` x `p` pixels (pixel j's input
@@ -203,7 +205,7 @@ class _Geometry:
                       f"    const float* wp = {self.wp} + {ocb0} * {self.icb * taps * self.lanes_in * b}LL"
                       f" + (icb * {taps}LL + kh * {self.kw_n}LL + kw) * {panel}LL;",
                       # GCC's full unroll interleaves the lanes and spills the accumulators
-                      "    #pragma GCC unroll 1", f"    for (int ic = 0; ic < {self.lanes_in}; ++ic) {{",
+                      "    #pragma GCC unroll 1", f"    for (int ic = 0; ic < {self._lanes('icb')}; ++ic) {{",
                       *[f"        fs_vb w{i} = *(const fs_vb*)(wp + ic * {o * b} + {i * b});" for i in range(o)],
                       *[line for j in range(p) for line in
                         (f"        fs_vb v{j} = FS_VB_SET(xp[x{j} + ic * {self.xc}LL]);",
@@ -211,6 +213,13 @@ class _Geometry:
                       "    }", "}"]
         lines += [f"*(fs_vb*)({slot[i, j]}) = {acc[i][j]};" for i, j in slot]
         return ["{", *["    " + x_ for x_ in lines], "}"]
+
+    def _lanes(self, icb: str) -> str:
+        """The input lanes a dense tile reads of input block `icb`: all but the zero lanes past the
+        channels in the last block (24 channels in blocks of 16: 8 of its 16)."""
+        if self.last_lanes == self.lanes_in:
+            return str(self.lanes_in)
+        return f"({icb} < {self.icb - 1}LL ? {self.lanes_in} : {self.last_lanes})"
 
     def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, at: str, xoff, kw: tuple[str, str]) -> list[str]:
         """Pixels q = span[0]..span[1] (every tap in `kw` valid for each; pixel q + j's input
