@@ -71,7 +71,9 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     (h, wd), (oh_n, ow_n) = xs[2:], ys[2:]
     lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
     icb = source.channels(xs[1]) // lanes_in
-    o_tile = min(nchwc_tile(b, depthwise), ocb)
+    # output blocks per work item: a dense tile's (its registers); a depthwise item holds them all,
+    # one register tile per block in turn (a row's setup and epilogue shared by its blocks)
+    o_tile = ocb if depthwise else min(nchwc_tile(b, depthwise), ocb)
     if w not in packs:
         floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
         packs[w] = NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, ys[1], ws[1],
@@ -109,7 +111,10 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     tiles = full + (rest > 0)
 
     def item(o: int, ocb0: str) -> list[str]:  # one work item's sums (in passes over the input blocks) and epilogue
-        chunk = icb if depthwise else min(icb, nchwc_chunk(b, o, lanes_in, kh_n * kw_n))
+        if depthwise:
+            return ["long long ocb0 = 0;", f"for (long long d = 0; d < {o}LL; ++d) {{",
+                    *["    " + x_ for x_ in sums(1, "d")], "}", *_epilogue(e, main, ys, o, b, ow_n, pixels)]
+        chunk = min(icb, nchwc_chunk(b, o, lanes_in, kh_n * kw_n))
         passes = ([f"long long c0 = 0, c1 = {icb}LL;", *sums(o, ocb0)] if chunk >= icb else
                   [f"for (long long c0 = 0; c0 < {icb}LL; c0 += {chunk}LL) {{",
                    f"    long long c1 = c0 + {chunk}LL < {icb}LL ? c0 + {chunk}LL : {icb}LL;",
@@ -183,7 +188,8 @@ class _Geometry:
         p FMAs; depthwise: per tap one filter vector and `p` input vectors."""
         b, xb, hw = self.b, self.xb, self.h * self.wd
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
-        slot = {(i, j): f"cbuf + ({i * self.pixels}LL + {at} + {j}LL) * {b}LL" for i in range(o) for j in range(p)}
+        first = f"{ocb0} * {self.pixels}LL" if self.depthwise else "0LL"  # a depthwise item holds every block
+        slot = {(i, j): f"cbuf + ({first} + {i * self.pixels}LL + {at} + {j}LL) * {b}LL" for i in range(o) for j in range(p)}
         lines = [f"long long x{j} = {xoff(j)};" for j in range(p)]
         lines += [f"fs_vb {acc[i][j]} = " + ("(fs_vb){0};" if self.depthwise else
                                              f"c0 ? *(const fs_vb*)({slot[i, j]}) : (fs_vb){{0}};") for i, j in slot]
