@@ -77,6 +77,15 @@ def conv_groups(graph) -> list[tuple[str, FusionGroup]]:
     return groups
 
 
+def conv_kind(graph, conv) -> str:
+    """The class a conv is summarized in: "stem" (its input an image's few channels, read in
+    NCHW), "depthwise", else its kernel ("1x1", "3x3")."""
+    xs, ws = graph.tensors[conv.inputs[0]].shape, graph.tensors[conv.inputs[1]].shape
+    if int(conv.attrs.get("group", 1)) > 1:
+        return "depthwise"
+    return "stem" if xs[1] < 8 else f"{ws[2]}x{ws[3]}"
+
+
 def runner(gk, feeds: dict[str, np.ndarray]):
     go = cpu.runner(gk, feeds)
     return go
@@ -124,7 +133,7 @@ def bench_model(name: str, target: CpuTarget, args) -> list[dict]:
         runs = [cpu.runner(g_nchw, feeds), cpu.runner(g_nchwc, bfeeds),
                 host_binding(sess, [(x, lambda xv=xv: xv)], [(out, ort_out)], fixed=True), *reorders]
         t = measure_interleaved(runs, budget_s=args.budget, rounds=args.rounds)
-        rows.append({"model": name, "conv": label, "product": product,
+        rows.append({"model": name, "conv": label, "product": product, "kind": conv_kind(graph, anchor),
                      "nchw": t[0], "nchwc": t[1], "ort": t[2], "reorders": t[3:], "at": (graph, group, xv, weights)})
     return rows
 
@@ -231,6 +240,30 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             callgrind(rows, Path(tmp))
         print_counts(rows)
+    print_classes(rows)
+
+
+def print_classes(rows: list[dict]) -> None:
+    """Per model and conv class: geometric means (and ranges) of nchwc/nchw and nchwc/ort over the
+    medians, of the callgrind instructions nchwc/nchw where counted, and the sums of the medians
+    (nchwc alone and with its reorders)."""
+    print(f"\n{'model, class':24} {'convs':>5} {'nchwc/nchw':>18} {'nchwc/ort':>18} {'Ir nchwc/nchw':>18} "
+          f"{'sum nchw':>9} {'sum nchwc':>9} {'+reorders':>9} {'sum ort':>9}")
+    classes: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if "skip" not in r:
+            classes.setdefault((r["model"], r["kind"]), []).append(r)
+
+    def ranged(v: list[float]) -> str:
+        return f"{geomean(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-"
+    for (model, kind), rs in classes.items():
+        ir = [r["ir_nchwc"] / r["ir_nchw"] for r in rs if isinstance(r.get("ir_nchw"), int)
+              and isinstance(r.get("ir_nchwc"), int)]
+        sums = [sum(r[k].median_s for r in rs) * 1e3 for k in ("nchw", "nchwc", "ort")]
+        reordered = sum(r["nchwc"].median_s + sum(t.median_s for t in r["reorders"]) for r in rs) * 1e3
+        print(f"{model + ' ' + kind:24} {len(rs):5} {ranged([r['nchwc'].median_s / r['nchw'].median_s for r in rs]):>18} "
+              f"{ranged([r['nchwc'].median_s / r['ort'].median_s for r in rs]):>18} {ranged(ir):>18} "
+              f"{sums[0]:9.3f} {sums[1]:9.3f} {reordered:9.3f} {sums[2]:9.3f}")
 
 
 def geomean(ratios: list[float]) -> float:

@@ -20,7 +20,8 @@ from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
-from fusesearch.lowering import Kernel, choices, conv_routed, lower, nchwc_choices
+from fusesearch.layout import Layout
+from fusesearch.lowering import Kernel, choices, conv_routed, lower, nchwc_choices, reorder_choices
 from fusesearch.schedule import CpuTarget
 
 
@@ -63,6 +64,13 @@ def host_target(device: DeviceSpec, blas: bool = True) -> CpuTarget:
 def blocked_choices(graph: Graph, group: FusionGroup, device: DeviceSpec, blas: bool = True) -> tuple[Kernel, ...]:
     """The group's forms in a CPU device's blocked layout (`lowering.nchwc_choices`); () on a GPU."""
     return () if device.kind == "gpu" else nchwc_choices(graph, group, host_target(device, blas))
+
+
+def reorder_options(graph: Graph, tensor: str, source: Layout, target: Layout, device: DeviceSpec,
+                    blas: bool = True) -> tuple[Kernel, ...]:
+    """A CPU device's copies of `tensor` between layouts (`lowering.reorder_choices`: above one
+    thread also the one-thread form)."""
+    return reorder_choices(graph, tensor, source, target, host_target(device, blas))
 
 
 def priced_kernel(graph: Graph, kernel: Kernel, device: DeviceSpec, model: RooflineModel) -> tuple[Kernel, KernelCost]:

@@ -204,9 +204,15 @@ def choices(graph: Graph, group: FusionGroup, *, host: bool | CpuTarget = False,
         return (_lower_opaque(graph, nodes),)
     if target is None or isinstance(result, FusionDecision):
         return result
-    serial = one_thread_forms([k.schedule for k in result], target)
-    return (*result, *(replace(result[i], schedule=replace(result[i].schedule, split=ONE_THREAD), imbalance=1.0)
-                       for i in serial))
+    return with_one_thread_forms(result, target)
+
+
+def with_one_thread_forms(kernels: Sequence[Kernel], target: CpuTarget) -> tuple[Kernel, ...]:
+    """`kernels` and after them the one-thread form (split ONE_THREAD, no imbalance) of each
+    that `schedule.one_thread_forms` names for `target` (none at one thread)."""
+    serial = one_thread_forms([k.schedule for k in kernels], target)
+    return (*kernels, *(replace(kernels[i], schedule=replace(kernels[i].schedule, split=ONE_THREAD), imbalance=1.0)
+                        for i in serial))
 
 
 def _lower_checked(graph: Graph, nodes: list[Node], host: CpuTarget | None = None,
@@ -619,9 +625,10 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     a conv group `schedule.nchwc_conv` accepts as product "nchwc" (its input as
     `schedule.nchwc_input` says: an image's few channels stay NCHW), an anchorless one
     `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add) with its tensors
-    blocked; each priced with the padded channels' traffic; () where none applies (a target
-    without a block, another group, an illegal one). Kept apart from `choices` while plans hold
-    NCHW only: a plan's programs feed every kernel the model's layout."""
+    blocked; each priced with the padded channels' traffic; above one thread each also as its
+    one-thread form, last (`with_one_thread_forms`, as `choices`); () where none applies (a
+    target without a block, another group, an illegal one). Kept apart from `choices` while plans
+    hold NCHW only: a plan's programs feed every kernel the model's layout."""
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
@@ -633,7 +640,7 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     if not anchors:
         kernel = _lower_pointwise(graph, nodes)
         schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=layout, layout_out=layout)
-        return (_with_layouts(graph, replace(kernel, schedule=schedule), None),)
+        return with_one_thread_forms((_with_layouts(graph, replace(kernel, schedule=schedule), None),), host)
     anchor = anchors[0]
     template = anchor_template(graph, anchor)
     schedule = replace(DEPTHWISE if template == "depthwise" else PACKED, product="nchwc",
@@ -641,20 +648,28 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     m, n_dim, k = _gemm_dims(graph, anchor)
     kernel = _build(graph, nodes, template, anchor.id, graph.tensors[anchor.outputs[0]].size, k, 4 + 2 * len(nodes),
                     schedule, reload_tile=(m, n_dim, k), host=True)
-    return (_with_layouts(graph, kernel, anchor),)
+    return with_one_thread_forms((_with_layouts(graph, kernel, anchor),), host)
 
 
-def reorder(graph: Graph, tensor: str, source: Layout, target: Layout) -> Kernel:
+def reorder(graph: Graph, tensor: str, source: Layout, target: Layout, split: str = "") -> Kernel:
     """The kernel that copies a 4-D float32 `tensor` from layout `source` to `target` (NCHW <->
     NCHWc, `codegen.cpu_conv_nchwc.reorder_kernel`), priced as the pointwise copy it is: each
     side's bytes as it lies (a blocked side with its padding), no arithmetic. What a plan pays on
-    an edge whose producer writes one layout and consumer reads the other."""
+    an edge whose producer writes one layout and consumer reads the other. `split` ONE_THREAD:
+    its one-thread form (`reorder_choices`)."""
     info = graph.tensors[tensor]
     itemsize = info.nbytes // max(1, info.size)
-    schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=source, layout_out=target)
+    schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=source, layout_out=target,
+                        split=split)
     return Kernel("pointwise", (), (), None, info.dtype, (tensor,), (tensor,), max(source.size(info.shape),
                   target.size(info.shape)), 0, 2, 0, 0, 0, source.nbytes(info.shape, itemsize),
                   target.nbytes(info.shape, itemsize), schedule)
+
+
+def reorder_choices(graph: Graph, tensor: str, source: Layout, target: Layout, host: CpuTarget) -> tuple[Kernel, ...]:
+    """The reorder of `tensor` (`reorder`) and, above one thread, its one-thread form, last
+    (`with_one_thread_forms`): a small tensor's copy costs less than a parallel region's fork."""
+    return with_one_thread_forms((reorder(graph, tensor, source, target),), host)
 
 
 def kernel_layouts(graph: Graph, kernel: Kernel, tensors: Iterable[str]) -> dict[str, Layout]:

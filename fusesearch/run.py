@@ -135,7 +135,8 @@ def _laid_out(graph, plan, steps: list[Step]) -> list[Step]:
 
     after: dict[int, list[Step]] = {}
     for i, r in enumerate(plan.reorders):
-        kernel = reorder_kernel(r.tensor, tuple(graph.tensors[r.tensor].shape), r.source, r.target, name=f"fs_reorder{i}")
+        kernel = reorder_kernel(r.tensor, tuple(graph.tensors[r.tensor].shape), r.source, r.target, name=f"fs_reorder{i}",
+                                threads=r.kernel.schedule.cpu_threads)
         after.setdefault(r.after, []).append(Step(-1, "generated", (), (r.tensor,), (kernel.outputs[0].tensor,),
                                                   kernel=kernel))
     copies = {s.outputs[0] for run in after.values() for s in run}

@@ -591,6 +591,18 @@ def nchwc_pixels(block: int, blocks_out: int, depthwise: bool) -> int:
     return max(1, min(NCHWC_MAX_PIXELS, accumulators // blocks_out))
 
 
+NCHWC_SLICE_FLOATS = 8192  # filters a tile's pass over the input blocks streams at most (32 KiB: an L1 data cache)
+
+
+def nchwc_chunk(block: int, blocks_out: int, lanes_in: int, taps: int) -> int:
+    """Input blocks of a dense NCHWc conv's pass (`codegen.cpu_conv_nchwc`): the tile's filters
+    for them (`blocks_out` x `block` outputs x `lanes_in` lanes x `taps` each) within
+    NCHWC_SLICE_FLOATS, at least one: the slice stays in the L1 cache across the work item's
+    pixel tiles, the partial sums carried between passes in the item's buffer (a 3x3 conv at
+    block 16 and 4 output blocks: one input block a pass, 36 KiB; a 1x1: 8)."""
+    return max(1, NCHWC_SLICE_FLOATS // (blocks_out * block * lanes_in * taps))
+
+
 def nchwc_tile(block: int, depthwise: bool) -> int:
     """Output-channel blocks of an NCHWc conv's widest tile: 4 with block 16, 2 with 8, 1 depthwise."""
     return 1 if depthwise else 4 if block >= 16 else 2

@@ -23,12 +23,18 @@ from typing import Protocol
 
 from costmodels import DeviceSpec, KernelCost, RooflineModel
 from fusesearch.candidates.capabilities import Capabilities
-from fusesearch.costing import blocked_choices, cheapest, device_choices, kernel_cost
+from fusesearch.costing import (
+    blocked_choices,
+    cheapest,
+    device_choices,
+    kernel_cost,
+    reorder_options,
+)
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
 from fusesearch.layout import Layout
-from fusesearch.lowering import Kernel, choices, lower_as_library, reorder
+from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
 
@@ -282,11 +288,12 @@ class Legality:
         return self._blocked[key]
 
     def reorder(self, tensor: str, source: Layout, target: Layout) -> tuple[Kernel, KernelCost]:
-        """The copy of `tensor` from one layout to the other (`lowering.reorder`), priced."""
+        """The copy of `tensor` from one layout to the other, its cheapest predicted form
+        (`costing.reorder_options`: above one thread also on one thread), priced."""
         key = (tensor, source, target)
         if key not in self._reorders:
-            kernel = reorder(self.graph, tensor, source, target)
-            self._reorders[key] = (kernel, kernel_cost(kernel, self.device, self.model))
+            options = reorder_options(self.graph, tensor, source, target, self.device, self.capabilities.blas)
+            self._reorders[key] = cheapest(options, self.device, self.model)
         return self._reorders[key]
 
     @property

@@ -97,6 +97,13 @@ CASES = {  # xs, cout, k, stride, depthwise, residual, activation
     "depthwise-5x5-residual": ([1, 32, 7, 7], 32, 5, 1, True, True, None),
     "image-3x3-stride2": ([1, 3, 17, 16], 32, 3, 2, False, False, "Clip"),
     "image-7x7-stride2": ([2, 3, 20, 20], 24, 7, 2, False, False, "Relu"),
+    # the register tile's edges: rows wider than no whole strip (9 of 8 or 6 pixels), the last
+    # block of rows shorter, a tile of fewer output blocks than the widest, input blocks in passes
+    # (a 1x1 over 10 blocks of 16: 8 then 2), channels off the block, a residual at stride 2
+    "3x3-pad1-strip-edges-residual": ([1, 32, 8, 9], 48, 3, 1, False, True, "Relu"),
+    "1x1-input-passes-rest-tile": ([1, 160, 5, 6], 80, 1, 1, False, True, "Relu"),
+    "3x3-stride2-channels-off-residual": ([1, 40, 13, 11], 56, 3, 2, False, True, None),
+    "3x3-7x7-deep": ([1, 96, 7, 7], 96, 3, 1, False, True, "Relu"),
 }
 
 
@@ -115,6 +122,33 @@ def test_nchwc_conv_groups_equal_onnx_runtime_in_their_layout(tmp_path, name, ta
     assert kernel.template == ("depthwise" if depthwise else "conv_disjoint" if k == 1 else "conv")
     gk = _runs_blocked(graph, kernel, values)
     assert gk.packed and gk.packed[0].block == block  # the filters packed once, in blocks
+    assert "FS_VB_FMA(" in gk.c_source  # one FMA per filter vector and input, at the block's width
+    if not (depthwise or image) and xs[1] % block:  # the last input block's zero lanes are skipped
+        assert f"(icb < {xs[1] // block}LL ? {block} : {xs[1] % block})" in gk.c_source
+
+
+@needs_cc
+def test_a_dense_tile_reads_its_filters_in_passes_over_the_input_blocks(tmp_path):
+    """A 1x1 conv over 10 input blocks of 16 runs them in passes of `nchwc_chunk` (8: the tile's
+    filters for them within NCHWC_SLICE_FLOATS), its 5 output blocks as a tile of 4 and one of 1,
+    the filters packed per tile in the order the tile reads them: the kernel equals ONNX Runtime,
+    and the packed filters are the model's in that order."""
+    from fusesearch.schedule import NCHWC_SLICE_FLOATS, nchwc_chunk
+
+    graph, values = _conv_group(tmp_path, [1, 160, 5, 6], 80, 1, 1, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), AVX512)
+    assert nchwc_chunk(16, 4, 16, 1) == 8 and 4 * 16 * 16 * 8 == NCHWC_SLICE_FLOATS
+    gk = _runs_blocked(graph, kernel, values)
+    assert "c0 += 8LL" in gk.c_source and "if (ot < 1LL)" in gk.c_source
+    (pack,) = gk.packed
+    assert pack.tile == 4
+    packed = cpu.runner(gk, {a.tensor: values[a.tensor] for a in gk.inputs}).packed[0]  # packed by its _pack
+    w = values["w"].reshape(80, 160)
+    panel = 10 * 16 * 16  # per output block: 10 input blocks x 16 lanes x 16 outputs
+    first = packed[: 4 * panel].reshape(10, 16, 4, 16)  # the tile of 4: input block, lane, the 4 x 16 outputs
+    np.testing.assert_array_equal(first.transpose(2, 3, 0, 1).reshape(64, 160), w[:64])
+    last = packed[4 * panel:].reshape(10, 16, 16)  # the tile of 1
+    np.testing.assert_array_equal(last.transpose(2, 0, 1).reshape(16, 160), w[64:])
 
 
 def test_the_block_is_the_targets_lanes_and_none_below_eight():
@@ -264,3 +298,93 @@ def test_a_reorder_is_priced_as_the_copy_of_each_side_as_it_lies(tmp_path):
     assert t_into.feasible and t_into.bound != "compute" and 0 < t_into.time_s < t_conv.time_s
     wide = reorder(graph, conv.outputs[0], NCHW, layout)  # 64 channels
     assert kernel_cost(wide, device, model).memory_s > t_into.memory_s
+
+
+TWO = CpuTarget(lanes=16, threads=2)
+
+
+def _pinned_two_threads():
+    """Two threads of a CPU: a team's fork and barrier 5 us, a one-thread region's call 0.3 us."""
+    return replace(DEVICES["t4"], name="pinned-cpu", kind="cpu", warp_size=16, sm_count=2, launch_overhead_s=5e-6,
+                   serial_launch_overhead_s=0.3e-6, cache_curve=())
+
+
+@needs_cc
+@pytest.mark.parametrize("name", ["3x3", "depthwise-3x3", "image-3x3-stride2", "maxpool-3x3-stride2"])
+def test_blocked_choices_have_their_one_thread_form_above_one_thread(tmp_path, name):
+    """At 2 threads each blocked choice (a dense, depthwise or image conv, a pool) is followed by
+    its one-thread form (split "one", `cpu_threads` 1, imbalance 1), priced with the one-thread
+    region's call instead of the team's fork and at one thread's share of the rates, its region
+    `num_threads(1)`; both forms, run with 2 OpenMP threads, equal ONNX Runtime. At one thread
+    there is none."""
+    from fusesearch.backends.cpu import openmp_threads
+    from fusesearch.schedule import ONE_THREAD
+
+    if name in POINTWISE:
+        nodes, inputs = POINTWISE[name]
+        prep = prepare(save(make_model(nodes, inputs, [("out", None)]), tmp_path / "p.onnx"))
+        graph, values = prep.graph, all_values(to_proto(prep.canonical), random_feeds(to_proto(prep.canonical), 0))
+    else:
+        xs, cout, k, stride, depthwise, residual, act = CASES[name]
+        graph, values = _conv_group(tmp_path, xs, cout, k, stride, depthwise=depthwise, residual=residual, act=act)
+    team, alone = nchwc_choices(graph, _whole(graph), TWO)
+    assert (team.schedule.split, alone.schedule.split) == ("", ONE_THREAD)
+    assert alone.schedule.layout_out == team.schedule.layout_out and alone.schedule.product == team.schedule.product
+    assert (team.spec().cpu_threads, alone.spec().cpu_threads, alone.imbalance) == (0, 1, 1.0)
+    assert len(nchwc_choices(graph, _whole(graph), AVX512)) == 1
+    device, model = _pinned_two_threads(), RooflineModel(RooflineParams())
+    t, a = kernel_cost(team, device, model), kernel_cost(alone, device, model)
+    assert (t.launch_s, a.launch_s) == (5e-6, 0.3e-6) and a.memory_s == pytest.approx(2 * t.memory_s)
+    for kernel in (team, alone):
+        gk = generate(graph, kernel)
+        assert ("#pragma omp parallel num_threads(1)\n" in gk.c_source) == (kernel is alone)
+        feeds = {a_.tensor: to_blocked(values[a_.tensor], Layout(a_.shape[-1])) if len(a_.shape) == 5
+                 else values[a_.tensor] for a_ in gk.inputs}
+        with openmp_threads(2):
+            out = cpu.run(gk, feeds)
+        for a_ in gk.outputs:
+            ref = values[a_.tensor]
+            got = from_blocked(out[a_.tensor], Layout(a_.shape[-1]), ref.shape[1])
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+
+
+@needs_cc
+@pytest.mark.parametrize("shape,block", [((1, 40, 9, 8), 16), ((1, 20, 40, 30), 16), ((2, 16, 32, 32), 16),
+                                         ((1, 20, 9, 8), 8), ((1, 3, 5, 5), 8)])
+def test_reorders_transpose_whole_squares_and_the_pixels_past_them(shape, block):
+    """Planes of 72 pixels (4 squares of 16 and 8 pixels past them), 1200 (two runs of pixels:
+    1024 then 176), exactly one run, a block of 8, fewer pixels than a square; channels off the
+    block (padded lanes zero into NCHWc, not written back): both directions equal numpy's."""
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    layout = Layout(block)
+    to = reorder_kernel("x", shape, NCHW, layout)
+    assert "__builtin_shufflevector" in to.c_source
+    blocked = cpu.run(to, {"x": x})[to.outputs[0].tensor]
+    np.testing.assert_array_equal(blocked, to_blocked(x, layout))
+    back = reorder_kernel("x", shape, layout, NCHW)
+    np.testing.assert_array_equal(cpu.run(back, {"x": blocked})["x@NCHW"], x)
+
+
+@needs_cc
+def test_a_reorder_has_its_one_thread_form_above_one_thread(tmp_path):
+    """`reorder_choices` at 2 threads: the reorder, then its one-thread form (priced with the
+    one-thread region's call), whose C (`reorder_kernel` with the schedule's `cpu_threads`) runs
+    `num_threads(1)` and equals numpy's reorder at 2 OpenMP threads; at one thread the reorder
+    alone."""
+    from fusesearch.backends.cpu import openmp_threads
+    from fusesearch.lowering import reorder_choices
+    from fusesearch.schedule import ONE_THREAD
+
+    graph, values = _conv_group(tmp_path, [1, 24, 6, 6], 32, 1, 1, act=None)
+    layout = Layout(16)
+    team, alone = reorder_choices(graph, "x", NCHW, layout, TWO)
+    assert (team.schedule.split, alone.schedule.split, alone.spec().cpu_threads) == ("", ONE_THREAD, 1)
+    assert reorder_choices(graph, "x", NCHW, layout, AVX512) == (team,)
+    device, model = _pinned_two_threads(), RooflineModel(RooflineParams())
+    assert (kernel_cost(team, device, model).launch_s, kernel_cost(alone, device, model).launch_s) == (5e-6, 0.3e-6)
+    for kernel in (team, alone):
+        gk = reorder_kernel("x", (1, 24, 6, 6), NCHW, layout, threads=kernel.schedule.cpu_threads)
+        assert ("num_threads(1)" in gk.c_source) == (kernel is alone)
+        with openmp_threads(2):
+            got = cpu.run(gk, {"x": values["x"]})[gk.outputs[0].tensor]
+        np.testing.assert_array_equal(got, to_blocked(values["x"], layout))

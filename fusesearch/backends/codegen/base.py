@@ -126,11 +126,13 @@ class PackedWeight:
 @dataclass(frozen=True)
 class NchwcFilter:
     """A Conv's constant float32 filters (C_out, C_in/group, KH, KW) packed once for an NCHWc
-    kernel (`cpu_conv_nchwc`), by its `<name>_pack` as `PackedWeight`s are: dense, per output
-    block, input block and tap a `lanes_in` x `block` panel (input lane major, output lane
-    contiguous: one vector per input lane; `lanes_in` is the block, or every input channel where
-    the input lies in NCHW); depthwise (`depthwise`), per channel block and tap one vector.
-    Padded channels hold zero filters."""
+    kernel (`cpu_conv_nchwc`), by its `<name>_pack` as `PackedWeight`s are, in the order its
+    micro-kernel reads them: dense, per tile of `tile` output blocks (the last tile the blocks
+    left), input block and tap a `lanes_in` x (tile x `block`) panel (input lane major, then the
+    tile's output blocks, output lane contiguous: per input lane the tile's filter vectors side by
+    side; `lanes_in` is the block, or every input channel where the input lies in NCHW);
+    depthwise (`depthwise`), per channel block and tap one vector. Padded channels hold zero
+    filters."""
     arg: Arg  # pk<i>: tensor = the filters, shape = (floats,)
     source: str  # the filters' input argument (in<j>)
     cout: int
@@ -139,6 +141,7 @@ class NchwcFilter:
     block: int
     depthwise: bool
     lanes_in: int
+    tile: int = 1  # output blocks per tile (dense)
 
     def pack_call(self) -> str:
         """The C loops packing the filters (padded channels zero)."""
@@ -147,10 +150,12 @@ class NchwcFilter:
         if self.depthwise:
             return (f"for (long long q = 0; q < {ob * t * b}LL; ++q) {{ long long c = q / {t * b}LL * {b}LL + q % {b}LL, "
                     f"k = q / {b}LL % {t}LL; {self.arg.name}[q] = c < {self.cout}LL ? {self.source}[c * {t}LL + k] : 0.0f; }}")
-        ib = -(-self.cin // li)
+        ib, step = -(-self.cin // li), self.tile
         return (f"for (long long q = 0; q < {ob * ib * t * li * b}LL; ++q) {{ "
-                f"long long co = q / {ib * t * li * b}LL * {b}LL + q % {b}LL, "
-                f"ci = q / {t * li * b}LL % {ib}LL * {li}LL + q / {b}LL % {li}LL, k = q / {li * b}LL % {t}LL; "
+                f"long long o0 = q / {ib * t * li * b * step}LL * {step}LL, "
+                f"o = {ob}LL - o0 < {step}LL ? {ob}LL - o0 : {step}LL, r = q - o0 * {ib * t * li * b}LL, "
+                f"co = (o0 + r / {b}LL % o) * {b}LL + q % {b}LL, "
+                f"ci = r / (o * {t * li * b}LL) * {li}LL + r / (o * {b}LL) % {li}LL, k = r / (o * {li * b}LL) % {t}LL; "
                 f"{self.arg.name}[q] = co < {self.cout}LL && ci < {self.cin}LL ? "
                 f"{self.source}[(co * {self.cin}LL + ci) * {t}LL + k] : 0.0f; }}")
 
