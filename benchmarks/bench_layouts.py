@@ -8,7 +8,7 @@ rounds as ONNX Runtime ENABLE_ALL (`run.run_plan`, the nchw plan in the unfused 
 thread; the reorders' measured seconds beside their predicted ones (`Program.kernel_seconds`).
 `--factors depthwise=0.41,nchwc=0.8` prices with those product efficiencies (bench_nchwc's
 measurements: the NCHW depthwise loop 0.41x the blocked one's rate, dense NCHWc 0.8x); without,
-the host's defaults (every product alike: no blocked form pays). A 16-lane host either way.
+the host's defaults (`HOST_PRODUCT_EFFICIENCY`: the NCHW depthwise loop at 0.4). A 16-lane host either way.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_layouts.py [--models resnet50,yolo-neck]
         [--rounds 5] [--workers 1] [--run mobilenetv2] [--repeat 20] [--factors depthwise=0.41,nchwc=0.8]
