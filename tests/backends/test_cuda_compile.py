@@ -236,7 +236,7 @@ def test_row_kernel_beside_mma_sync_has_the_priced_shared_memory(tmp_path):
     assert row.schedule.smem_bytes % SMEM_ALIGN == 0 and row.schedule.smem_bytes >= 2 * 7 * 4 + 32 * 4
     gemm_prep = prepare(save(gemm, tmp_path / "gemm.onnx"), tf32=True)
     anchor = lower(gemm_prep.graph, FusionGroup(frozenset(range(len(gemm_prep.graph)))))
-    sync = replace(anchor, schedule=mma_sync("mma-sync-tf32", MMA_SYNC_TILES[-1], (1, 2, 1)))
+    sync = replace(anchor, schedule=mma_sync("mma-sync-tf32", MMA_SYNC_TILES[-1], 40, 40))
     kernels = [generate(row_prep.graph, row, name="rows"), generate(gemm_prep.graph, sync, name="sync")]
     assert kernels[1].dynamic_smem
     for module in (kernels, kernels[:1]):
