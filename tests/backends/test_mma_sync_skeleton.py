@@ -132,6 +132,22 @@ def test_split_k_sums_the_partials_in_one_kernel(tmp_path, skeleton):
     assert np.array_equal(first, second) and np.isfinite(first).all()
 
 
+@emulated
+@pytest.mark.parametrize("skeleton", ["mma-sync-tf32", "mma-sync-f16"])
+def test_split_k_at_16_rows_moves_only_the_real_rows(tmp_path, skeleton):
+    """M = 16 on a 64 x 64 tile (48 rows of padding), N = 96 (a partial column tile), K = 384 split
+    the rule's way (`mma_sync_split`: 6 TF32 / 3 FP16 ways, 4 K steps each): equal to ONNX Runtime; the workspace the kernel declares
+    is the schedule's `workspace_bytes`, split x 16 x 96 floats (not split x 2 tiles x 64 x 64),
+    each split's store guarded to the output's rows and columns, the sum read row-major."""
+    config = next(c for c in MMA_SYNC_TILES if c[:2] == (64, 64))
+    split = mma_sync_split(16, 96, 384, mma_sync(skeleton, config, 16, 96).tile)
+    gk = run_config(gelu_gemm_bias(tmp_path, 16, 96, 384), skeleton, config, split=split)
+    schedule = mma_sync(skeleton, config, 16, 96, split=split)
+    assert split == {"mma-sync-tf32": 6, "mma-sync-f16": 3}[skeleton] and schedule.workspace_bytes == split * 16 * 96 * 4 == split_k_workspace(split, 16 * 96)
+    assert f"__device__ float fs_partials[{split * 16 * 96}];" in gk.cuda_source
+    assert "if (dm < rows && dn < cols) fs_partials[" in gk.cuda_source
+
+
 def test_split_k_is_a_priced_choice_for_a_skinny_gemm(tmp_path):
     """A skinny fused GEMM (8 x 768 x 3072, FP16) has fewer output tiles than TARGET_BLOCKS: each
     mma.sync configuration is listed at the rule's split (`mma_sync_split`) and every power of two
