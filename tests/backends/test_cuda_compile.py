@@ -184,16 +184,18 @@ def test_t4_plans_have_no_tensor_core_kernels_and_compile_for_sm75(dtype):
 
 
 def test_half_precision_tensor_core_kernels_compile():
-    """The FP16 and BF16 forms of bert-small's and resnet18's fused tensor-core kernels (their
-    float32 operands converted to __half / __nv_bfloat16 while staged) compile for sm_80 and
-    sm_90 without spills, with the shared memory their schedule gives."""
+    """The FP16 and BF16 forms of bert-small's (at batch 8, where its products fill tensor-core
+    tiles) and resnet18's fused tensor-core kernels (their float32 operands converted to __half /
+    __nv_bfloat16 while staged) compile for sm_80 and sm_90 without spills, with the shared memory
+    their schedule gives."""
     from dataclasses import replace
 
+    from fusesearch.ir.shapes import ShapeBindings
     from fusesearch.schedule import mma
 
     kernels, schedules = [], {}
-    for model in ("bert-small", "resnet18"):
-        prep = prepare(f"zoo:{model}")
+    for model, dims in (("bert-small", ["batch=8"]), ("resnet18", [])):
+        prep = prepare(f"zoo:{model}", ShapeBindings.parse([], dims))
         p = make_plan(f"zoo:{model}", device="h100-sxm", strategy="greedy", prepared=prep)
         tf32 = [g.kernel for g in p.groups if g.kernel.schedule.skeleton == "mma-tf32"][:3]
         assert tf32, model
