@@ -7,9 +7,9 @@ row cache, `folded_scale`, `scaled_product`, `gelu_chains`, `conv_reads_band`); 
 prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the rest as given. Fields:
 `impl` (library | generated | alias), `skeleton` (CUDA: grid-stride, vectorized, block-per-row,
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
-`split_k` and its `workspace_bytes`, `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU conv's `library`, and on a CPU
-`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or ONE_THREAD: its region on one
-thread), `moments`, `epilogue` (tile | block), `layout_in`/`layout_out` (`tensor_layouts`).
+`split_k` (its partials `workspace_bytes`), `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU
+conv's `library`, on a CPU `product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or
+ONE_THREAD: one thread), `moments`, `epilogue` (tile | block), `layout_in`/`layout_out`.
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
 (tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""
