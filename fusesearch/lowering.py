@@ -57,6 +57,7 @@ from fusesearch.schedule import (
     gemm_tiles,
     grid_stride,
     has_gemm_view,
+    library_tiles,
     mma,
     mma_sync,
     mma_sync_split,
@@ -72,8 +73,10 @@ from fusesearch.schedule import (
     row_prologue,
     scaled_product,
     split_blocks,
+    split_choices,
     split_imbalance,
     split_k,
+    split_k_workspace,
     stride_blocks,
     tensor_core_skeleton,
     tensor_layouts,
@@ -557,7 +560,8 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
         if len(nodes) > 1:
             return products
         # the library's threads share the same work in tiles as well: priced at our best split's balance
-        library = _library_anchor(graph, nodes, anchor, m, n_dim, k)
+        tile = gemm_tiles(m, n_dim)[0]
+        library = _library_anchor(graph, nodes, anchor, m, n_dim, k, tile, split=split_k(m, n_dim, k, tile))
         return (*products, replace(library, imbalance=min(kn.imbalance for kn in products)))
     if row_tile:  # generated as a row kernel: a block per row, the product's row cached in shared
         live = 24 + 2 * (len(nodes) - 1)  # memory (and a Softmax's exponentials); a thread's slice
@@ -566,9 +570,14 @@ def _anchor_choices(graph: Graph, nodes: list[Node], anchor: Node,
     generated = (_tensor_core_choices(graph, nodes, anchor, template, tuned)
                  + _cuda_core_choices(graph, nodes, anchor, template))
     cudnn = cudnn_epilogue(graph, [n.id for n in nodes], anchor)
+
+    def library(call: str) -> tuple[Kernel, ...]:  # the cheapest of them: its heuristic splits K where that pays
+        return tuple(_library_anchor(graph, nodes, anchor, m, n_dim, k, t, call, ways) for t in library_tiles(m, n_dim)
+                     for ways in split_choices(split_k(m, n_dim, k, t)))
+
     if len(nodes) > 1:  # a conv + bias + activation also as one cuDNN graph: the library, fused epilogue
-        return generated if cudnn is None else (*generated, _library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn-fused"))
-    return (_library_anchor(graph, nodes, anchor, m, n_dim, k, "cudnn" if cudnn else ""), *generated)
+        return generated if cudnn is None else (*generated, *library("cudnn-fused"))
+    return (*library("cudnn" if cudnn else ""), *generated)
 
 
 def _row_prologue_fits(graph: Graph, nodes: list[Node], anchor: Node, prologue: tuple[int, ...],
@@ -736,20 +745,15 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
     for config in mma_sync_tiles(m, n_dim):
         if sync_tuned and tuple(config) != sync_tuned:
             continue
-        tm, tn, wm, wn, _ = config
-        grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
-        split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid).tile, z)
-        for ways in dict.fromkeys((1, split)):  # unsplit, and split where the output has few tiles
-            schedule = mma_sync(MMA_SYNC_SKELETONS[skeleton], config, grid, ways)
+        _, _, wm, wn, _ = config
+        split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, m_z, n_dim, z).tile, z)
+        for ways in split_choices(split):  # split where the output has few tiles, down to unsplit
+            schedule = mma_sync(MMA_SYNC_SKELETONS[skeleton], config, m_z, n_dim, z, ways)
             if max(schedule.grid[1:]) > MAX_GRID_YZ:
-                continue  # a lane's accumulators, its A and B fragments, addressing
+                continue
+            # a lane's accumulators, its A and B fragments, addressing
             live = wm * wn // 32 + 4 * (wm // 16) + 2 * (wn // 8) + 16 + 2 * (len(nodes) - 1)
-            kernel = _build(graph, nodes, template, anchor.id, out_size, k, live, schedule)
-            # fp32 partial tiles, whole tiles whatever the edge: each block writes its own, the
-            # last block of a tile reads them all back
-            partials = math.prod(schedule.grid) * tm * tn * 4 if ways > 1 else 0
-            kernels.append(replace(kernel, read_bytes=kernel.read_bytes + partials,
-                                   write_bytes=kernel.write_bytes + partials))
+            kernels.append(_with_workspace(_build(graph, nodes, template, anchor.id, out_size, k, live, schedule)))
     return tuple(kernels)
 
 
@@ -779,22 +783,33 @@ def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: 
 
 
 def _library_anchor(graph: Graph, nodes: list[Node], anchor: Node, m: int, n_dim: int, k: int,
-                    library: str = "") -> Kernel:
+                    tile: tuple[int, int, int], library: str = "", split: int = 1) -> Kernel:
     """A lone anchor as the library's call (`library`: a 2-D conv's is cuDNN's; a conv group with
-    its bias and activation, cuDNN's one fused graph, whose epilogue runs on its accumulators): its
-    heuristic tile, and split-K where the output has few tiles (cuBLAS splits skinny GEMMs),
-    paying the fp32 partial sums' round trip."""
-    tm, tn, tk = gemm_tiles(m, n_dim)[0]
-    split = split_k(m, n_dim, k, (tm, tn, tk))
-    schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=min(THREADS, tm * tn),
-                        smem_bytes=(tm * tk + tk * tn) * 4, library=library)
+    its bias and activation, cuDNN's one fused graph, whose epilogue runs on its accumulators) at
+    `tile` (its heuristic's: `schedule.library_tiles`), K split `split` ways (`schedule.split_k`
+    where the output has few tiles: cuBLAS splits skinny GEMMs), paying the fp32 partial sums'
+    round trip at the output's real M x N (`split_k_workspace`: we assume cuBLAS's split-K, in
+    the kernel or through its reduction kernel, keeps a partial of each real output element per
+    split, not of whole padded tiles); its grid the whole tiles it launches."""
+    tm, tn, tk = tile
     out_size = graph.tensors[anchor.outputs[0]].size
+    _, m_z = _tile_batches(graph, anchor)
+    z = max(1, out_size // max(1, m_z * n_dim))  # MatMul batches, conv groups
+    schedule = Schedule("library", "library", "tensor-core", (tm, tn, tk), split_k=split, threads=min(THREADS, tm * tn),
+                        grid=(math.ceil(n_dim / tn), math.ceil(m_z / tm), z * split),  # whole tiles, as launched
+                        smem_bytes=(tm * tk + tk * tn) * 4, library=library,
+                        workspace_bytes=split_k_workspace(split, out_size))
     live = tm * tn // THREADS + (tm + tn) // 16
-    kernel = _build(graph, nodes, anchor_template(graph, anchor), anchor.id, out_size * split, k, live, schedule)
-    if split == 1:
-        return kernel
-    partials = 2 * out_size * split * 4  # fp32 partial tiles written, then read by the reduction
-    return replace(kernel, read_bytes=kernel.read_bytes + partials // 2, write_bytes=kernel.write_bytes + partials // 2)
+    return _with_workspace(_build(graph, nodes, anchor_template(graph, anchor), anchor.id, out_size * split, k, live,
+                                  schedule))
+
+
+def _with_workspace(kernel: Kernel) -> Kernel:
+    """`kernel` with its split-K partial sums' round trip in its traffic: the schedule's
+    `workspace_bytes` written by the splits, then read back once by the reduction (the generator
+    declares the same bytes)."""
+    extra = kernel.schedule.workspace_bytes
+    return replace(kernel, read_bytes=kernel.read_bytes + extra, write_bytes=kernel.write_bytes + extra)
 
 
 def conv_routed(graph: Graph, options: tuple[Kernel, ...], cudnn: bool) -> tuple[Kernel, ...]:

@@ -6,10 +6,10 @@ row cache, `folded_scale`, `scaled_product`, `gelu_chains`, `conv_reads_band`); 
 prices `Kernel.spec()`; the generator dispatches on `skeleton` and writes the rest as given. Fields:
 `impl` (library | generated | alias), `skeleton` (CUDA: grid-stride, vectorized, block-per-row,
 tiled, direct, mma-*, mma-sync-*; CPU only: packed, depthwise), `unit`, `tile`, `warp`, `stages`,
-`split_k`, `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU conv's `library`, and on a CPU
-`product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or ONE_THREAD: its region on one
-thread), `moments`, `prologue` (stored | packed: `prologue_forms`), `epilogue` (tile | block),
-`layout_in`/`layout_out` (`tensor_layouts`).
+`split_k` (its partials `workspace_bytes`), `threads`/`grid`/`smem_bytes`, `row_cache`, a GPU
+conv's `library`, on a CPU `product` (`CPU_PRODUCTS`, default first), `split` (`CPU_SPLITS`, or
+ONE_THREAD: one thread), `moments`, `prologue` (stored | packed), `epilogue` (tile | block),
+`layout_in`/`layout_out`.
 Invariants: imports only graph types, numpy and the cost model's units/products; a CPU schedule is a
 pure function of graph facts and the `CpuTarget`; the generated launch equals the schedule's
 (tests/backends/test_cuda_compile.py checks it against ptxas for every zoo kernel)."""
@@ -129,6 +129,7 @@ class Schedule:
     layout_out: Layout = NCHW  # ... and its outputs and the inputs of their shape (a residual)
     moments: str = ""  # a row kernel's mean and variance: "one-pass" (`one_pass_moments`), else a pass each
     prologue: str = ""  # a CPU gemm's row prologue (PROLOGUES, `prologue_forms`); "" where it has none
+    workspace_bytes: int = 0  # split-K's fp32 partial sums (`split_k_workspace`): priced twice, declared by the kernel
 
     def __post_init__(self) -> None:
         if (self.skeleton not in SKELETONS or self.unit not in UNITS or (self.product and self.product not in CPU_PRODUCTS)
@@ -149,7 +150,7 @@ class Schedule:
                 "split_k": self.split_k, "threads": self.threads, "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "cached_rows": len(self.row_cache), "product": self.product,
                 "epilogue": self.epilogue, "split": self.split, "library": self.library, "moments": self.moments,
-                "prologue": self.prologue}
+                "prologue": self.prologue, "workspace_bytes": self.workspace_bytes}
 
     @property
     def cpu_threads(self) -> int:
@@ -931,11 +932,22 @@ def _default_first(tiles: Sequence[tuple[int, int]], m: int, n: int) -> tuple[tu
 
 def gemm_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
     """CUDA-core block tiles (BM, BN, BK) for an M x N output, the default first (`_default_first`);
-    a skinny M (GEMV-like, under SKINNY_M) has one tile, M rounded up to a power of two."""
+    a skinny M (GEMV-like, under SKINNY_M) first has its own tile, M rounded up to a power of two,
+    and then every tile it has at SKINNY_M rows (a skinny GEMM can always run as a taller one, so
+    none prices above the same GEMM at SKINNY_M rows)."""
     if m < SKINNY_M:
         tm = 1 << max(0, (m - 1).bit_length())
-        return ((tm, 128 if n >= 128 else max(32, 1 << max(0, (n - 1).bit_length())), TILE_K),)
+        skinny = (tm, 128 if n >= 128 else max(32, 1 << max(0, (n - 1).bit_length())), TILE_K)
+        return (skinny, *_default_first(TILE_CHOICES, SKINNY_M, n))
     return _default_first(TILE_CHOICES, m, n)
+
+
+def library_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """The tiles a GPU library call (its heuristic's kernel) is priced at, the cheaper taken:
+    `gemm_tiles`'s default, and at a skinny M also the default at SKINNY_M rows (the kernel the
+    library runs for a taller GEMM serves a skinnier one too)."""
+    tiles = gemm_tiles(m, n)
+    return tiles[:2] if m < SKINNY_M else tiles[:1]
 
 
 def mma_tiles(m: int, n: int) -> tuple[tuple[int, int, int], ...]:
@@ -949,6 +961,24 @@ def split_k(m: int, n: int, k: int, tile: tuple[int, ...]) -> int:
     K only on mma.sync tiles: `mma_sync_split`)."""
     tm, tn, tk = tile
     return _split(math.ceil(m / tm) * math.ceil(n / tn), k, tk)
+
+
+def split_choices(split: int) -> tuple[int, ...]:
+    """The K splits priced for a GEMM whose rule (`split_k`, `mma_sync_split`) gives `split`: it,
+    then every power of two below it down to 1 (unsplit), so the cost model weighs the partials'
+    round trip against the blocks each split adds; powers of two, so the output of half the rows
+    can run as many blocks at twice the split (it never prices above the taller one for want
+    of a split)."""
+    return (split, *(1 << i for i in reversed(range((split - 1).bit_length())) if 1 << i < split))
+
+
+def split_k_workspace(split: int, outputs: int) -> int:
+    """Bytes of split-K's fp32 partial sums for `outputs` real output elements (z x M x N, no
+    tile padding): each of `split` splits writes its partial of every element once, the reduction
+    reads each back once (the price counts both); 0 unsplit. The mma.sync kernel's workspace is
+    exactly this (its splits store only the rows and columns inside the output); a library call's
+    split-K is assumed to keep its partials at the real extent too."""
+    return split * outputs * 4 if split > 1 else 0
 
 
 def _split(tiles: int, k: int, tk: int) -> int:
@@ -1041,14 +1071,16 @@ def mma_sync_smem_bytes(tile: Sequence[int], stages: int, element_bytes: int) ->
     return stages * (tm + tn) * tk * element_bytes
 
 
-def mma_sync(skeleton: str, config: Sequence[int], grid: tuple[int, ...], split: int = 1) -> Schedule:
-    """The schedule of an mma.sync configuration (BM, BN, WM, WN, stages) of MMA_SYNC_TILES over
-    `grid` (output tiles along N, M, z), K split `split` ways (grid z times `split`)."""
+def mma_sync(skeleton: str, config: Sequence[int], m: int, n: int, z: int = 1, split: int = 1) -> Schedule:
+    """The schedule of an mma.sync configuration (BM, BN, WM, WN, stages) of MMA_SYNC_TILES over z
+    M x N outputs (grid: output tiles along N, M, z), K split `split` ways (grid z times `split`,
+    the partials `split_k_workspace`)."""
     tm, tn, wm, wn, stages = config
     tile = (tm, tn, mma_sync_k(MMA_ELEMENT_BYTES[skeleton]))
     return Schedule("generated", skeleton, "tensor-core", tile, warp=(wm, wn), stages=stages, split_k=split,
-                    threads=mma_sync_threads(tile, (wm, wn)), grid=(*grid[:2], grid[2] * split),
-                    smem_bytes=mma_sync_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]))
+                    threads=mma_sync_threads(tile, (wm, wn)), grid=(math.ceil(n / tn), math.ceil(m / tm), z * split),
+                    smem_bytes=mma_sync_smem_bytes(tile, stages, MMA_ELEMENT_BYTES[skeleton]),
+                    workspace_bytes=split_k_workspace(split, z * m * n))
 
 
 def mma_sync_split(m: int, n: int, k: int, tile: Sequence[int], z: int = 1) -> int:

@@ -361,3 +361,86 @@ def test_each_cpu_product_is_priced_at_its_own_efficiency():
     assert kernel_cost(blas, cpu, faster).compute_s == pytest.approx(kernel_cost(blas, cpu, MODEL).compute_s / 2)
     gpu_kernel = lower(g, group(g, "mm"))
     assert gpu_kernel.schedule.product == "" and kernel_cost(gpu_kernel, H100, faster) == kernel_cost(gpu_kernel, H100, MODEL)
+
+
+def _gpt2_mlp_piece(tmp_path, kind: str, m: int, k: int, n: int):
+    """One GPT-2 MLP piece on m rows as its own model: `mm+add` (the projection and its bias:
+    one Gemm, a lone anchor), `gelu+mm+add` (c_proj with the GELU before it, staged while A is
+    loaded) or `mm+add+gelu` (c_fc with the GELU after it, on the accumulators)."""
+    from tests.backends.test_cuda_emulated import GELU_CONSTANTS, gelu, rand
+    from tests.conftest import make_model, save
+
+    product = [helper.make_node("MatMul", ["gx" if kind.startswith("gelu") else "x", "w"], ["y"]),
+               helper.make_node("Add", ["y", "bias"], ["z" if kind.endswith("gelu") else "out"])]
+    nodes = [*(gelu("x", "gx") if kind.startswith("gelu") else []), *product,
+             *(gelu("z", "out") if kind.endswith("gelu") else [])]
+    inits = [("w", rand(k, n)), ("bias", rand(n, seed=6)), *(GELU_CONSTANTS if "gelu" in kind else [])]
+    return save(make_model(nodes, [("x", [m, k])], [("out", None)], inits), tmp_path / f"{kind}-{m}x{k}x{n}.onnx")
+
+
+def _priced_at_h100(path):
+    """The group of the whole model priced as `plan --device h100-sxm` prices it: (kernel, cost)."""
+    from fusesearch.api import for_device, resolve_device
+
+    _, spec, params, _ = resolve_device("h100-sxm")
+    prep, params = for_device(prepare(path, tf32=True), spec, params)
+    whole = group(prep.graph, *(n.name for n in prep.graph.nodes))
+    return priced_kernel(prep.graph, lower(prep.graph, whole), spec, RooflineModel(params))
+
+
+@pytest.mark.parametrize("kind,k", [("mm+add", 768), ("mm+add", 3072), ("gelu+mm+add", 3072),
+                                    ("mm+add+gelu", 3072)])
+def test_a_gemm_with_fewer_rows_never_prices_above_one_with_more(tmp_path, kind, k):
+    """Regime: h100-sxm, TF32, N = 768, M = 16, 32, 64, 128 rows (GPT-2 / BERT at small batch x
+    seq): the fewer the rows, the faster and the fewer bytes the cheapest choice is priced at.
+    At 16 rows the library's 16-row tile made too few blocks (its grid counted the real elements
+    over the tile, not the tiles launched), the CUDA-core kernel had no tile but that one, and
+    split-K partials were priced as whole padded tiles: 16 rows priced above 32."""
+    priced = [_priced_at_h100(_gpt2_mlp_piece(tmp_path, kind, m, k, 768)) for m in (16, 32, 64, 128)]
+    times = [cost.time_s for _, cost in priced]
+    assert times == sorted(times), [(kn.schedule.skeleton.value, kn.tile, kn.split_k, c.time_s) for kn, c in priced]
+    if k == 3072:  # the weight dominates the bytes: the cheapest choice keeps its split as M grows
+        dram = [cost.dram_bytes for _, cost in priced]
+        assert dram == sorted(dram), dram
+
+
+def test_split_k_partials_are_priced_at_the_real_rows_on_a_gpu(tmp_path):
+    """Regime: h100-sxm, TF32, a 16 x 768 x 3072 GELU + c_proj + bias group and the lone
+    16 x 768 x 768 projection. Every split choice (ours on mma.sync tiles of 32 to 128 rows, the
+    library's) carries split x 16 x 768 floats of partials (`Schedule.workspace_bytes`), written
+    once and read back once, in its traffic, never its tiles' padded rows; every split is listed
+    down to unsplit; the library's grid is the tiles it launches and its tiles include the one it
+    runs at 32 rows."""
+    for kind, k in (("gelu+mm+add", 3072), ("mm+add", 768)):
+        prep = prepare(_gpt2_mlp_piece(tmp_path, kind, 16, k, 768), tf32=True)
+        options = choices(prep.graph, group(prep.graph, *(n.name for n in prep.graph.nodes)))
+        assert any(kn.split_k > 1 for kn in options)
+        for kn in options:
+            unsplit = next(u for u in options if u.split_k == 1 and u.schedule.impl == kn.schedule.impl
+                           and u.tile == kn.tile and u.schedule.warp == kn.schedule.warp)
+            extra = kn.split_k * 16 * 768 * 4 if kn.split_k > 1 else 0
+            assert (kn.read_bytes, kn.write_bytes) == (unsplit.read_bytes + extra, unsplit.write_bytes + extra), kn
+        assert all(kn.schedule.workspace_bytes == (kn.split_k * 16 * 768 * 4 if kn.split_k > 1 else 0) for kn in options)
+        _check_split_listing(options, k)
+
+
+def _check_split_listing(options, k: int) -> None:
+    """Each configuration listed at every split of `split_choices` down to unsplit; a library
+    call's grid its launched tiles, its tiles the skinny one and the one it has at 32 rows."""
+    from fusesearch.schedule import SKINNY_M, gemm_tiles, mma_sync_split, split_choices, split_k
+
+    listed: dict[tuple, list[int]] = {}
+    for kn in options:
+        s = kn.schedule
+        listed.setdefault((s.impl, s.skeleton, s.tile, s.warp, s.stages), []).append(s.split_k)
+    for (impl, skeleton, tile, _, _), splits in listed.items():
+        rule = (mma_sync_split(16, 768, k, tile) if skeleton.value.startswith("mma-sync")
+                else split_k(16, 768, k, tile) if impl == "library" else 1)
+        assert splits == list(split_choices(rule)) and splits[-1] == 1, (skeleton, tile, splits)
+    library = [kn for kn in options if kn.schedule.impl == "library"]
+    for kn in library:
+        s = kn.schedule
+        assert s.grid == (-(-768 // s.tile[1]), -(-16 // s.tile[0]), s.split_k)
+    if library:
+        assert {kn.tile for kn in library} == set(gemm_tiles(16, 768)[:2])
+        assert gemm_tiles(16, 768)[1:] == gemm_tiles(SKINNY_M, 768)

@@ -184,16 +184,18 @@ def test_t4_plans_have_no_tensor_core_kernels_and_compile_for_sm75(dtype):
 
 
 def test_half_precision_tensor_core_kernels_compile():
-    """The FP16 and BF16 forms of bert-small's and resnet18's fused tensor-core kernels (their
-    float32 operands converted to __half / __nv_bfloat16 while staged) compile for sm_80 and
-    sm_90 without spills, with the shared memory their schedule gives."""
+    """The FP16 and BF16 forms of bert-small's (at batch 8, where its products fill tensor-core
+    tiles) and resnet18's fused tensor-core kernels (their float32 operands converted to __half /
+    __nv_bfloat16 while staged) compile for sm_80 and sm_90 without spills, with the shared memory
+    their schedule gives."""
     from dataclasses import replace
 
+    from fusesearch.ir.shapes import ShapeBindings
     from fusesearch.schedule import mma
 
     kernels, schedules = [], {}
-    for model in ("bert-small", "resnet18"):
-        prep = prepare(f"zoo:{model}")
+    for model, dims in (("bert-small", ["batch=8"]), ("resnet18", [])):
+        prep = prepare(f"zoo:{model}", ShapeBindings.parse([], dims))
         p = make_plan(f"zoo:{model}", device="h100-sxm", strategy="greedy", prepared=prep)
         tf32 = [g.kernel for g in p.groups if g.kernel.schedule.skeleton == "mma-tf32"][:3]
         assert tf32, model
@@ -236,7 +238,7 @@ def test_row_kernel_beside_mma_sync_has_the_priced_shared_memory(tmp_path):
     assert row.schedule.smem_bytes % SMEM_ALIGN == 0 and row.schedule.smem_bytes >= 2 * 7 * 4 + 32 * 4
     gemm_prep = prepare(save(gemm, tmp_path / "gemm.onnx"), tf32=True)
     anchor = lower(gemm_prep.graph, FusionGroup(frozenset(range(len(gemm_prep.graph)))))
-    sync = replace(anchor, schedule=mma_sync("mma-sync-tf32", MMA_SYNC_TILES[-1], (1, 2, 1)))
+    sync = replace(anchor, schedule=mma_sync("mma-sync-tf32", MMA_SYNC_TILES[-1], 40, 40))
     kernels = [generate(row_prep.graph, row, name="rows"), generate(gemm_prep.graph, sync, name="sync")]
     assert kernels[1].dynamic_smem
     for module in (kernels, kernels[:1]):

@@ -30,7 +30,10 @@ from fusesearch.schedule import (
     mma_sync,
     mma_sync_k,
     mma_sync_smem_bytes,
+    mma_sync_split,
     mma_sync_threads,
+    split_choices,
+    split_k_workspace,
 )
 from fusesearch.verify import all_values, random_feeds
 from tests.backends.test_cuda_emulated import GELU_CONSTANTS, check, gelu, one_group, rand
@@ -57,7 +60,7 @@ def run_config(path, skeleton: str, config, split: int = 1, **prepare_args):
     group = range(len(prep.graph))
     anchor = lower(prep.graph, FusionGroup(frozenset(group))).anchor
     out = prep.graph.tensors[prep.graph.nodes[anchor].outputs[0]].shape  # [M, N]: one GEMM
-    schedule = mma_sync(skeleton, config, (math.ceil(out[1] / config[1]), math.ceil(out[0] / config[0]), 1), split)
+    schedule = mma_sync(skeleton, config, out[0], out[1], split=split)
     return check(prep, values, group, skeleton, schedule)
 
 
@@ -90,7 +93,7 @@ def test_plain_copies_are_cp_async_and_the_transposed_layouts_stage_right(tmp_pa
     nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1), helper.make_node("Relu", ["y"], ["out"])]
     inits = [("b", rand(50, 40)), ("c", rand(50, seed=2))]
     gk = one_group(tmp_path, nodes, [("a", [33, 40])], [("out", None)], inits, tf32=True,
-                   schedule=mma_sync("mma-sync-tf32", MMA_SYNC_TILES[-1], (1, 2, 1)), skeleton="mma-sync-tf32")
+                   schedule=mma_sync("mma-sync-tf32", MMA_SYNC_TILES[-1], 33, 50), skeleton="mma-sync-tf32")
     assert gk.cuda_source.count("fs_cp_async4(&") == 2
 
 
@@ -101,7 +104,7 @@ def test_conv_implicit_gemm(tmp_path, skeleton):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["y"], ["out"])]
     inits = [("w", rand(20, 6, 3, 3)), ("b", rand(20, seed=4))]
     one_group(tmp_path, nodes, [("x", [2, 6, 9, 7])], [("out", None)], inits, tf32=True, skeleton=skeleton,
-              schedule=mma_sync(skeleton, MMA_SYNC_TILES[-1], (1, math.ceil(126 / 32), 1)))
+              schedule=mma_sync(skeleton, MMA_SYNC_TILES[-1], 126, 20))
 
 
 @emulated
@@ -129,26 +132,49 @@ def test_split_k_sums_the_partials_in_one_kernel(tmp_path, skeleton):
     assert np.array_equal(first, second) and np.isfinite(first).all()
 
 
+@emulated
+@pytest.mark.parametrize("skeleton", ["mma-sync-tf32", "mma-sync-f16"])
+def test_split_k_at_16_rows_moves_only_the_real_rows(tmp_path, skeleton):
+    """M = 16 on a 64 x 64 tile (48 rows of padding), N = 96 (a partial column tile), K = 384 split
+    the rule's way (`mma_sync_split`: 6 TF32 / 3 FP16 ways, 4 K steps each): equal to ONNX Runtime; the workspace the kernel declares
+    is the schedule's `workspace_bytes`, split x 16 x 96 floats (not split x 2 tiles x 64 x 64),
+    each split's store guarded to the output's rows and columns, the sum read row-major."""
+    config = next(c for c in MMA_SYNC_TILES if c[:2] == (64, 64))
+    split = mma_sync_split(16, 96, 384, mma_sync(skeleton, config, 16, 96).tile)
+    gk = run_config(gelu_gemm_bias(tmp_path, 16, 96, 384), skeleton, config, split=split)
+    schedule = mma_sync(skeleton, config, 16, 96, split=split)
+    assert split == {"mma-sync-tf32": 6, "mma-sync-f16": 3}[skeleton] and schedule.workspace_bytes == split * 16 * 96 * 4 == split_k_workspace(split, 16 * 96)
+    assert f"__device__ float fs_partials[{split * 16 * 96}];" in gk.cuda_source
+    assert "if (dm < rows && dn < cols) fs_partials[" in gk.cuda_source
+
+
 def test_split_k_is_a_priced_choice_for_a_skinny_gemm(tmp_path):
     """A skinny fused GEMM (8 x 768 x 3072, FP16) has fewer output tiles than TARGET_BLOCKS: each
-    mma.sync configuration is listed unsplit and split (`mma_sync_split`), the split one with its
-    partial tiles' round trip in its traffic, and on h100-sxm a split mma.sync kernel is the cheapest."""
+    mma.sync configuration is listed at the rule's split (`mma_sync_split`) and every power of two
+    below it down to unsplit (`split_choices`), each split one with its partials' round trip in
+    its traffic: split x 8 x 768 floats written and read back (the real rows, not the 32 to 128
+    rows of its padded tiles), its `workspace_bytes`; on h100-sxm a split mma.sync kernel is the
+    cheapest."""
     path = gelu_gemm_bias(tmp_path, 8, 768, 3072)
     _, spec, params, _ = resolve_device("h100-sxm")
     prep, params = for_device(prepare(path, tf32=True, dtype="float16"), spec, params)
     group = FusionGroup(frozenset(range(len(prep.graph))))
     sync = [k for k in choices(prep.graph, group) if k.schedule.skeleton == "mma-sync-f16"]
+
     def config(k):
         return k.tile, k.schedule.warp, k.schedule.stages
 
     unsplit = {config(k): k for k in sync if k.schedule.split_k == 1}
-    split = [k for k in sync if k.schedule.split_k > 1]
-    assert len(unsplit) == len(split) == len(MMA_SYNC_TILES)
-    for k in split:
+    assert len(unsplit) == len(MMA_SYNC_TILES)
+    for key, alone in unsplit.items():
+        rule = mma_sync_split(8, 768, 3072, alone.tile)
+        assert rule > 1 and [k.schedule.split_k for k in sync if config(k) == key] == list(split_choices(rule))
+    for k in sync:
         s = k.schedule
         assert s.grid[2] == s.split_k and 4 * s.split_k * s.tile[2] <= 3072
-        extra = math.prod(s.grid) * s.tile[0] * s.tile[1] * 4
+        extra = s.split_k * 8 * 768 * 4 if s.split_k > 1 else 0
         alone = unsplit[config(k)]
+        assert s.workspace_bytes == extra == split_k_workspace(s.split_k, 8 * 768)
         assert k.write_bytes == alone.write_bytes + extra and k.read_bytes == alone.read_bytes + extra
     chosen, _ = priced_kernel(prep.graph, lower(prep.graph, group), spec, RooflineModel(params))
     assert chosen.schedule.skeleton == "mma-sync-f16" and chosen.schedule.split_k > 1, chosen.schedule
@@ -220,7 +246,7 @@ def test_every_configuration_compiles_for_sm80_and_sm90_without_spills(tmp_path)
 
 def _add_configuration(graph, kernel, skeleton, config, split, kernels, schedules) -> None:
     """The 300 x 500 group generated with one mma.sync configuration, appended by its name."""
-    schedule = mma_sync(skeleton, config, (math.ceil(500 / config[1]), math.ceil(300 / config[0]), 1), split)
+    schedule = mma_sync(skeleton, config, 300, 500, split=split)
     name = f"k{len(kernels)}"
     kernels.append(generate(graph, replace(kernel, schedule=schedule), name=name))
     schedules[name] = schedule

@@ -43,7 +43,9 @@ def test_plan_json_records_each_groups_chosen_schedule(run_cli, tmp_path):
         s = g.kernel.schedule
         assert row["schedule"]["skeleton"] == s.skeleton and tuple(row["schedule"]["tile"]) == s.tile
         assert tuple(row["schedule"]["grid"]) == s.grid and row["schedule"]["split_k"] == s.split_k
-    assert {"mma-tf32", "library", "block-per-row"} <= {row["schedule"]["skeleton"] for row in doc["groups"]}
+        assert row["schedule"]["workspace_bytes"] == s.workspace_bytes
+    skeletons = {row["schedule"]["skeleton"] for row in doc["groups"]}
+    assert {"library", "block-per-row"} <= skeletons and skeletons & {"tiled", "mma-tf32", "mma-sync-tf32"}
 
 
 def test_plan_json_stdout_has_plan_and_run(run_cli):
@@ -130,12 +132,13 @@ def test_bad_plan_flags_exit_2(run_cli):
 
 def test_no_tf32_prices_fused_gemms_on_cuda_cores(run_cli):
     """TF32 is the default on a GPU that has it: fused gemm groups are generated for tensor cores
-    and priced there (as the library calls are); --no-tf32 puts both on the FP32 CUDA cores; a
-    device without TF32 (T4) never plans a TF32 kernel."""
+    and priced there (as the library calls are; at batch 8, where the products have the rows to
+    fill tensor-core tiles); --no-tf32 puts both on the FP32 CUDA cores; a device without TF32
+    (T4) never plans a TF32 kernel."""
     units = {}
     for flags in ((), ("--no-tf32",)):
-        code, stdout, err = run_cli("plan", "zoo:bert-small", "--device", "h100-sxm", "--strategy", "greedy",
-                                    "--json", *flags)
+        code, stdout, err = run_cli("plan", "zoo:bert-small", "--dim", "batch=8", "--device", "h100-sxm",
+                                    "--strategy", "greedy", "--json", *flags)
         assert code == 0, err
         units[flags] = {(g["impl"], g["template"], g["compute_unit"]) for g in json.loads(stdout)["groups"]}
     assert {("generated", "gemm", "tf32-tensor-core"), ("library", "gemm", "tf32-tensor-core")} <= units[()]

@@ -8,8 +8,8 @@ by 4-byte cp.async, a half operand read as it is and K-contiguous by 16-byte cp.
 (`vector_source`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
 `stages` buffers with stages - 1 steps in flight; `ldmatrix.x4` for every operand (TF32 as b16
 pairs, rounded by `fs_tf32`); the epilogue on the accumulators (`ptx` layout), one store. Split-K
-(`schedule.mma_sync_split`): each split writes its partial to the workspace; the last block on the
-tile's arrival counter sums them in split order, resets it and runs the epilogue (one kernel).
+(`mma_sync_split`): each split writes its partial of the real output (`Schedule.workspace_bytes`,
+as priced); the last block on the tile's counter sums them in split order and runs the epilogue.
 Invariants: tile, warp, stages, threads, grid and dynamic shared memory are the schedule's
 (`schedule.mma_sync`, `mma_sync_smem_bytes`, `GeneratedKernel.dynamic_smem`); split-K launches run
 in order on one stream, counters back at 0; the same text runs in the emulator (FS_EMULATED)."""
@@ -85,7 +85,7 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     if (tm % wm or tn % wn or wm % 16 or wn % 16 or tk % ks or (tk * esize) % CHUNK or stages < 3
             or threads != (tm // wm) * (tn // wn) * 32):
         raise CodegenRefused(f"tile {schedule.tile} / warp {schedule.warp} / {stages} stages is not an mma.sync tiling")
-    parts = tile_parts(graph, kernel, args, outs, skeleton, "acc[i][j][r]")
+    parts = tile_parts(graph, kernel, args, outs, skeleton, "value")  # the epilogue on one product element
     c = parts.c
     a_col, b_col = c.a_m_contiguous, c.b_k_contiguous
     a_stage, b_stage = tm * tk, tn * tk
@@ -185,32 +185,52 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         f"            const int mm = wy * {wm} + i * 16 + g + 8 * (r >> 1), nn = wx * {wn} + j * 8 + 2 * q + (r & 1);",
         "            const long long gm = m0 + mm, gn = n0 + nn;",
         f"            if (gm < {c.m}LL && gn < {c.n}LL) {{",
+        "                const float value = acc[i][j][r];",
         *["                " + x for x in parts.epilogue],
         "            }",
         "        }",
     ]
     workspace, tiles = [], math.prod(schedule.grid) // split
-    if split > 1:  # serial split-K: every split's partial tile to the workspace; the last to arrive sums them
-        slot = f"((i * {fn} + j) * 4 + r) * {threads} + tid"  # coalesced: a register index, then the thread
-        workspace = [f"__device__ float fs_partials[{tiles * split * tm * tn}];  // per tile, split, register, thread",
+    if split > 1:  # serial split-K: every split's partial to the workspace; the last block to arrive sums them
+        plane = c.m * c.n  # one split's partial of one of the z outputs: its real rows and columns only
+        stride = schedule.grid[2] // split * plane  # one split's partials
+        if split * stride >= 2 ** 31:  # the store's indices are ints (one register each)
+            raise CodegenRefused(f"split-K workspace of {split * stride} floats: over 2^31, not indexed by an int")
+        if 4 * split * stride != schedule.workspace_bytes:
+            raise CodegenRefused(f"split-K workspace of {4 * split * stride} bytes, the schedule prices "
+                                 f"{schedule.workspace_bytes} (the schedule and the generator disagree)")
+        workspace = [f"__device__ float fs_partials[{split * stride}];  // per split, z, row, column: as priced",
                      f"__device__ unsigned fs_arrivals[{tiles}];  // per tile: splits done (0 between launches)"]
+        # the lane's accumulators inside the output, at constant offsets from its first element (row0, col0)
+        store = [*each[:-1], "        for (int r = 0; r < 4; ++r) {",
+                 "            const int dm = i * 16 + 8 * (r >> 1), dn = j * 8 + (r & 1);",
+                 f"            if (dm < rows && dn < cols) fs_partials[mine + dm * {c.n} + dn] = acc[i][j][r];",
+                 "        }"]
         epilogue = [
             "{",
-            f"    float* const mine = fs_partials + (tile * {split} + ks) * {tm * tn}LL;",
-            *["    " + x for x in each], f"                mine[{slot}] = acc[i][j][r];",
+            f"    const int row0 = (int)m0 + wy * {wm} + (lane >> 2), col0 = (int)n0 + wx * {wn} + 2 * (lane & 3);",
+            f"    const int rows = {c.m} - row0, cols = {c.n} - col0;  // of the output, from the lane's first element",
+            f"    const int mine = ks * {stride} + (int)gz * {plane} + row0 * {c.n} + col0;  // an index: one register",
+            *["    " + x for x in store],
             "    __threadfence();  // the partial is visible device-wide before this block counts itself",
             "    __syncthreads();",
             f"    const bool last = __syncthreads_or(tid == 0 && atomicAdd(&fs_arrivals[tile], 1u) == {split - 1}u);",
             "    if (!last) return;",
             "    __threadfence();",
             "    if (tid == 0) fs_arrivals[tile] = 0u;  // every split has arrived: ready for the next launch",
-            *["    " + x for x in each], "                acc[i][j][r] = 0.0f;",
-            f"    for (int o = 0; o < {split}; ++o) {{  // in split order, whichever block came last",
-            f"        const float* const part = fs_partials + (tile * {split} + o) * {tm * tn}LL;",
-            *["        " + x for x in each], f"                    acc[i][j][r] += __ldcg(part + {slot});",
+            "}",
+            # the last block sums the tile's elements from the workspace, row-major across its threads
+            # (coalesced, its accumulators no longer live), each in split order, and stores them
+            f"for (int e = tid; e < {tm * tn}; e += {threads}) {{",
+            f"    const long long gm = m0 + e / {tn}, gn = n0 + e % {tn};",
+            f"    if (gm < {c.m}LL && gn < {c.n}LL) {{",
+            f"        const long long at = gz * {plane}LL + gm * {c.n} + gn;",
+            "        float value = 0.0f;",
+            "        #pragma unroll",
+            f"        for (int o = 0; o < {split}; ++o) value += __ldcg(fs_partials + o * {stride}LL + at);",
+            *["        " + x for x in parts.epilogue],
             "    }",
             "}",
-            *epilogue,
         ]
     # the dynamic region without __align__: an aligned extern array rounds the static shared memory of
     # every kernel in the module up to its alignment; it starts at 0 here (this kernel has no static)
@@ -226,7 +246,7 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         f"const long long m0 = (long long)blockIdx.y * {tm}, n0 = (long long)blockIdx.x * {tn}, "
         f"gz = blockIdx.z / {split};",
         f"const int ks = blockIdx.z % {split};  // this block's share of K",
-        *([f"const long long tile = blockIdx.x + {schedule.grid[0]}LL * (blockIdx.y + {schedule.grid[1]}LL * gz);"]
+        *([f"const unsigned tile = blockIdx.x + {schedule.grid[0]}u * (blockIdx.y + {schedule.grid[1]}u * (unsigned)gz);"]
           if split > 1 else []),
         *parts.setup,
         f"float acc[{fm}][{fn}][4];",
