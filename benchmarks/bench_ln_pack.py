@@ -35,7 +35,7 @@ from onnx import helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchutil import machine, spread  # noqa: E402
+from benchutil import CALLGRIND_CHILD, callgrind_entry, machine, spread  # noqa: E402
 
 from costmodels import host_cpu  # noqa: E402
 from fusesearch.backends import cpu  # noqa: E402
@@ -126,20 +126,6 @@ def runners(kernels, values):
     return go
 
 
-CHILD = r"""
-import ctypes, json, sys
-import numpy as np
-for e in json.load(open(sys.argv[1])):
-    lib = ctypes.CDLL(e["lib"])
-    bufs = [np.load(p) for p in e["inputs"]] + [np.zeros(s, np.float32) for s in e["outputs"]]
-    packs = [np.zeros(s, np.float32) for s in e["packed"]]
-    ptr = [b.ctypes.data_as(ctypes.c_void_p) for b in bufs + packs]
-    if packs:
-        getattr(lib, e["name"] + "_pack")(*ptr[:len(e["inputs"])], *ptr[len(bufs):])
-    getattr(lib, e["name"])(*ptr)
-"""
-
-
 EVENTS = ("Ir", "D1mr", "D1mw")
 
 
@@ -152,16 +138,8 @@ def callgrind(cases, tmp: Path) -> dict[str, tuple[int, ...]]:
     for i, case in enumerate(cases):
         _, values, built = forms(case, target, f"c{i}")
         for kernels in built.values():
-            for gk in kernels:
-                paths = []
-                for j, a in enumerate(gk.inputs):
-                    p = tmp / f"{gk.name}_{j}.npy"
-                    np.save(p, np.ascontiguousarray(values[a.tensor], dtype=np.float32))
-                    paths.append(str(p))
-                entries.append({"lib": cpu.compile_kernel(gk)._name, "name": gk.name, "inputs": paths,
-                                "outputs": [list(a.shape) for a in gk.outputs],
-                                "packed": [list(p.arg.shape) for p in gk.packed]})
-    (tmp / "child.py").write_text(CHILD)
+            entries += [callgrind_entry(gk, values, tmp, gk.name) for gk in kernels]
+    (tmp / "child.py").write_text(CALLGRIND_CHILD)
     (tmp / "entries.json").write_text(json.dumps(entries))
     out = tmp / "cg.out"
     subprocess.run(["valgrind", "--tool=callgrind", "--cache-sim=yes", "--collect-atstart=no", f"--callgrind-out-file={out}",

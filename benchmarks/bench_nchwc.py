@@ -38,7 +38,7 @@ from onnx import numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchutil import machine, spread  # noqa: E402
+from benchutil import CALLGRIND_CHILD, callgrind_entry, machine, spread  # noqa: E402
 
 from costmodels import host_cpu  # noqa: E402
 from fusesearch.backends import cpu  # noqa: E402
@@ -146,21 +146,6 @@ def verdict(a, b) -> str:
     return "not distinguishable"
 
 
-CHILD = r"""
-import ctypes, json, sys
-import numpy as np
-for i, e in enumerate(json.load(open(sys.argv[1]))):
-    print("start", i, flush=True)
-    lib = ctypes.CDLL(e["lib"])
-    bufs = [np.load(p) for p in e["inputs"]] + [np.zeros(s, np.float32) for s in e["outputs"]]
-    packs = [np.zeros(s, np.float32) for s in e["packed"]]
-    ptr = [b.ctypes.data_as(ctypes.c_void_p) for b in bufs + packs]
-    if packs:
-        getattr(lib, e["name"] + "_pack")(*ptr[:len(e["inputs"])], *ptr[len(bufs):])
-    getattr(lib, e["name"])(*ptr)
-"""
-
-
 def _callgrind_counts(entries: list[dict], tmp: Path) -> dict[str, int | str]:
     """Instructions of each entry's parallel region under callgrind; an entry whose run dies is
     "died" and the rest run again without it."""
@@ -202,16 +187,8 @@ def callgrind(rows, tmp: Path) -> None:
         g_nchw, g_nchwc, feeds, bfeeds, _, _ = kernels_for(r["at"][0], r["at"][1], avx2, *r["at"][2:],
                                                      names=(f"nchw_{i}", f"nchwc_{i}"))
         for tag, gk, given in (("nchw", g_nchw, feeds), ("nchwc", g_nchwc, bfeeds)):
-            lib = cpu.compile_kernel(gk)
-            paths = []
-            for k, a in enumerate(gk.inputs):
-                p = tmp / f"{tag}_{i}_{k}.npy"
-                np.save(p, np.ascontiguousarray(given[a.tensor], dtype=np.float32))
-                paths.append(str(p))
-            entries.append({"lib": lib._name, "name": gk.name, "inputs": paths,
-                            "outputs": [list(a.shape) for a in gk.outputs],
-                            "packed": [list(p.arg.shape) for p in gk.packed], "row": i, "tag": tag})
-    (tmp / "child.py").write_text(CHILD)
+            entries.append({**callgrind_entry(gk, given, tmp, f"{tag}_{i}"), "row": i, "tag": tag})
+    (tmp / "child.py").write_text(CALLGRIND_CHILD)
     counts = _callgrind_counts(entries, tmp)
     for e in entries:
         rows[e["row"]][f"ir_{e['tag']}"] = counts.get(e["name"])

@@ -61,3 +61,37 @@ def spread(median: float, p20: float, p80: float, unit: float = 1e-3, digits: in
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """Whether two (p20, p80) ranges overlap: their difference is not distinguishable."""
     return a[1] >= b[0] and b[1] >= a[0]
+
+
+# The child process callgrind runs: each entry's kernel called once (its filters packed first), so
+# the counts of its parallel region (`--toggle-collect=GOMP_parallel`) are one call's. Prints
+# "start I" before entry I: a crash names the kernel it stopped in.
+CALLGRIND_CHILD = r"""
+import ctypes, json, sys
+import numpy as np
+for i, e in enumerate(json.load(open(sys.argv[1]))):
+    print("start", i, flush=True)
+    lib = ctypes.CDLL(e["lib"])
+    bufs = [np.load(p) for p in e["inputs"]] + [np.zeros(s, np.float32) for s in e["outputs"]]
+    packs = [np.zeros(s, np.float32) for s in e["packed"]]
+    ptr = [b.ctypes.data_as(ctypes.c_void_p) for b in bufs + packs]
+    if packs:
+        getattr(lib, e["name"] + "_pack")(*ptr[:len(e["inputs"])], *ptr[len(bufs):])
+    getattr(lib, e["name"])(*ptr)
+"""
+
+
+def callgrind_entry(kernel, values, folder, stem: str) -> dict:
+    """A generated `kernel` compiled, its inputs (from `values`) saved under `folder` as STEM_I.npy:
+    one entry of CALLGRIND_CHILD's list."""
+    import numpy as np
+
+    from fusesearch.backends import cpu
+
+    paths = []
+    for j, a in enumerate(kernel.inputs):
+        path = folder / f"{stem}_{j}.npy"
+        np.save(path, np.ascontiguousarray(values[a.tensor], dtype=np.float32))
+        paths.append(str(path))
+    return {"lib": cpu.compile_kernel(kernel)._name, "name": kernel.name, "inputs": paths,
+            "outputs": [list(a.shape) for a in kernel.outputs], "packed": [list(p.arg.shape) for p in kernel.packed]}
