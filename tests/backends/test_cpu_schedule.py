@@ -49,5 +49,8 @@ def test_every_host_kernel_of_every_zoo_plan_is_its_priced_schedule(name):
                 assert gk.cuda_source == "" and g.cost.compute_unit == "cpu-simd"
                 assert k.spec().unit == "cpu-simd" and k.spec().smem_bytes == 0
                 body = gk.c_source.split(f"\nvoid {gk.name}(")[1].split(f"\nvoid {gk.name}_pack(")[0]  # the kernel itself
-                assert ("patch[" in body and "fs_gemm" not in body) == (own == "depthwise"), (name, strategy, g.id)
+                if k.schedule.product == "nchwc":  # blocked (a plan's layout choice): block vectors, no panel
+                    assert "fs_vb" in body and "patch[" not in body and "fs_gemm" not in body, (name, strategy, g.id)
+                else:
+                    assert ("patch[" in body and "fs_gemm" not in body) == (own == "depthwise"), (name, strategy, g.id)
     assert packed or name == "rnn-control", f"{name}: no fused gemm/conv in any host plan"
