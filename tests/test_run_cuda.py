@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusesearch.backends import emulate
+from tests.backends.test_cuda_emulated import GELU_CONSTANTS, gelu
 from tests.conftest import gpu_available, make_model, save
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler for the CUDA emulator")
@@ -58,14 +59,8 @@ def dense_gelu(rows: int = 256, width: int = 128, hidden: int = 512):
     """x (rows x width) -> MatMul + Add + GELU (erf form, as exported): a GEMM whose epilogue no
     library call takes."""
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),
-             helper.make_node("Div", ["hb", "sqrt2"], ["hd"], name="div1"),
-             helper.make_node("Erf", ["hd"], ["he"], name="erf1"),
-             helper.make_node("Add", ["he", "one"], ["hp"], name="add2"),
-             helper.make_node("Mul", ["hb", "hp"], ["hm"], name="mul1"),
-             helper.make_node("Mul", ["hm", "half"], ["y"], name="mul2")]
-    inits = [("w1", _w(width, hidden)), ("b1", _w(hidden)), ("sqrt2", np.float32(np.sqrt(2))),
-             ("one", np.float32(1)), ("half", np.float32(0.5))]
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"), *gelu("hb", "y")]
+    inits = [("w1", _w(width, hidden)), ("b1", _w(hidden)), *GELU_CONSTANTS]
     return make_model(nodes, [("x", [rows, width])], [("y", [rows, hidden])], inits)
 
 
