@@ -8,9 +8,13 @@ intra-op pool) takes the cores from the program timed next. Each mode runs in a 
 (libgomp reads its policy once, when it loads):
 
     spinning     libgomp's default wait (no OMP_WAIT_POLICY: ~3 ms of spinning) and ONNX Runtime
-                 sessions without `session.force_spinning_stop`: as `run` timed before
-    no-spinning  `run`'s settings: OMP_WAIT_POLICY=PASSIVE (`cpu.OPENMP_ENV`) and every session
-                 stopping its spin when its Run returns (`verify.NO_SPINNING_AFTER_RUN`)
+                 sessions without `session.force_spinning_stop`
+    passive      OMP_WAIT_POLICY=PASSIVE (a thread sleeps as a region ends, so each region of the
+                 program wakes its threads again) and every session stopping its spin when its Run
+                 returns (`verify.NO_SPINNING_AFTER_RUN`)
+    bounded      `run`'s settings: libgomp's threads spin about 0.3 ms (`probes.OPENMP_WAIT`,
+                 awake from one kernel's region to the next, asleep soon after the program) and the
+                 sessions as in passive
 
 In each, `run_plan` times the plan, the unfused program and ONNX Runtime interleaved (ONNX
 Runtime's canonical-model ENABLE_ALL session is the figure compared), then the same session
@@ -27,7 +31,7 @@ import os
 import subprocess
 import sys
 
-MODES = ("spinning", "no-spinning")
+MODES = ("spinning", "passive", "bounded")
 
 
 def one(model: str, threads: int, repeat: int, mode: str) -> dict:
@@ -43,9 +47,11 @@ def one(model: str, threads: int, repeat: int, mode: str) -> dict:
     from fusesearch.run import run_plan
     from fusesearch.verify import random_feeds, session, session_feeds
 
-    if mode == "spinning":  # as `run` timed before: libgomp's default wait, sessions spinning after a Run
-        cpu.OPENMP_ENV = {}
+    if mode == "spinning":  # libgomp's default wait, sessions spinning after a Run
+        cpu.OPENMP_WAIT = {}
         verify.NO_SPINNING_AFTER_RUN = {}
+    elif mode == "passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     prep = prepare(f"zoo:{model}")
     p = make_plan(f"zoo:{model}", device="host", strategy="greedy", prepared=prep, threads=threads)
     unfused = make_plan(f"zoo:{model}", device="host", strategy="none", prepared=prep, threads=threads)

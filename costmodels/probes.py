@@ -33,7 +33,16 @@ KIB = 1024
 MIB = 1024 * KIB
 # Part of the key a machine's figures are kept under: raised when a probe changes what it
 # measures, so that figures an older probe kept are measured again.
-PROBES_VERSION = 6  # 6: the parallel region's cost with its threads waiting passively
+PROBES_VERSION = 7  # 7: the parallel region's cost with its threads spinning briefly (OPENMP_WAIT)
+
+# How libgomp's threads wait between parallel regions, in the generated kernels and in the probe
+# that prices their regions: spin about 0.3 ms (libgomp counts some 100000 spins a millisecond),
+# then sleep. A program's kernels are called back to back, so its threads stay awake from one
+# region to the next (sleeping at once cost each region a futex wake on a VM: mobilenetv2 at 2
+# threads 6.45 ms against 4.87 ms spinning); 0.3 ms after the program they sleep, so they do not
+# take the cores from ONNX Runtime timed next in the same round (libgomp's default, 300000 spins,
+# about 3 ms, did). Applied only where the user set neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT.
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "30000"}
 
 # Copy used to measure DRAM bandwidth: each array is 2x the last-level cache (a streaming working
 # set larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
@@ -267,12 +276,12 @@ int main(int argc, char **argv) {
 @functools.lru_cache(maxsize=16)
 def measure_launch_overhead(threads: int) -> float:
     """Seconds one call of a kernel that is an OpenMP parallel region over a few floats takes,
-    with `threads` OpenMP threads waiting passively between regions (as the CPU backend loads
-    libgomp, so another program's threads keep their cores); 0.0 when no C compiler with OpenMP
+    with `threads` OpenMP threads waiting between regions as the CPU backend loads libgomp
+    (`OPENMP_WAIT`); 0.0 when no C compiler with OpenMP
     builds the probe, its output is unusable, or the machine is too busy for its team to run
     together (LAUNCH_MAX_S)."""
     out = c_program_output(_LAUNCH_SOURCE, ["-O2", "-fopenmp"], [LAUNCH_BATCH, LAUNCH_PASS_S, LAUNCH_PASSES],
-                           {"OMP_NUM_THREADS": str(max(1, threads)), "OMP_WAIT_POLICY": "PASSIVE"})
+                           {"OMP_NUM_THREADS": str(max(1, threads)), **OPENMP_WAIT})
     if out is None:
         return 0.0
     m = re.fullmatch(r"(\S+) \S+\s*", out)

@@ -220,7 +220,7 @@ def omp_threads() -> int:
 
 # ONNX Runtime's intra-op threads spin while waiting for work, inside a Run and after it; with
 # several threads, a pool spinning after its Run takes the cores from the program timed next in
-# the same round (the OpenMP kernels: `cpu.OPENMP_ENV`). Every session stops spinning as its Run
+# the same round (the OpenMP kernels: `probes.OPENMP_WAIT`). Every session stops spinning as its Run
 # returns (it still spins between the parallel sections inside one Run, so its time is its own).
 NO_SPINNING_AFTER_RUN = {"session.force_spinning_stop": "1"}
 

@@ -21,6 +21,7 @@ import pandas as pd
 import pytest
 from onnx import helper
 
+from costmodels.probes import OPENMP_WAIT
 from fusesearch.backends import cpu
 from fusesearch.backends.timing import (
     NOT_DISTINGUISHABLE,
@@ -109,10 +110,10 @@ def test_every_session_stops_spinning_when_its_run_returns(tmp_path):
 
 
 @needs_cc
-def test_openmp_is_loaded_waiting_passively_unless_the_user_says_otherwise():
-    """libgomp reads OMP_WAIT_POLICY once, when it loads after the first compiled library: asked
-    to show its settings, it spins 0 times after a region (300000 by default, without the policy);
-    a policy the user set is kept."""
+def test_openmp_is_loaded_spinning_briefly_unless_the_user_says_otherwise():
+    """libgomp reads its wait settings once, when it loads after the first compiled library: asked
+    to show them, it spins OPENMP_WAIT's count after a region (300000 by default, 0 passive), not
+    the default; a policy or count the user set is kept."""
     # a compiled library loaded, then libgomp (the linker drops it from a library that makes no OpenMP call)
     script = "import ctypes\nimport fusesearch.backends.cpu as cpu\ncpu.null_runner()\nctypes.CDLL('libgomp.so.1')\n"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -124,8 +125,12 @@ def test_openmp_is_loaded_waiting_passively_unless_the_user_says_otherwise():
         assert done.returncode == 0, done.stderr
         return next(line for line in done.stderr.splitlines() if "GOMP_SPINCOUNT" in line).split("=")[1].strip()
 
-    assert spins({}) == "'0'"
-    assert spins({"OMP_WAIT_POLICY": "active"}) != "'0'"
+    bounded = int(OPENMP_WAIT["GOMP_SPINCOUNT"])
+    assert 0 < bounded < 300000  # awake between a program's regions, asleep soon after it
+    assert spins({}) == f"'{bounded}'"
+    assert spins({"OMP_WAIT_POLICY": "passive"}) == "'0'"
+    assert spins({"OMP_WAIT_POLICY": "active"}) not in ("'0'", f"'{bounded}'")
+    assert spins({"GOMP_SPINCOUNT": "5"}) == "'5'"
 
 
 def test_figures_whose_ranges_overlap_are_not_distinguishable():

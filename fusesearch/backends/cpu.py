@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from costmodels.devices import cache_root
+from costmodels.probes import OPENMP_WAIT
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
 from fusesearch.backends.codegen.c_runtime import C_RUNTIME
 from fusesearch.errors import FusesearchError
@@ -161,18 +162,12 @@ def cached_file(target: Path, build) -> Path:
     return target
 
 
-# libgomp's threads spin after a parallel region (up to GOMP_SPINCOUNT pauses, milliseconds)
-# before they sleep; with several threads that spinning takes the cores from ONNX Runtime timed
-# next in the same round (mobilenetv2 at 2 threads on 2 cores: ONNX Runtime 8.2 ms beside the
-# program, 2-3 ms alone). Passive: a thread sleeps as soon as its region ends. libgomp reads its
-# environment once, when it loads: with the first compiled library (`load_cached`); a value the
-# user set is kept.
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def _set_openmp_env() -> None:
-    for key, value in OPENMP_ENV.items():
-        os.environ.setdefault(key, value)
+    """How libgomp's threads wait between regions (`probes.OPENMP_WAIT`), unless the user said
+    (OMP_WAIT_POLICY or GOMP_SPINCOUNT). libgomp reads its environment once, when it loads: with
+    the first compiled library (`load_cached`)."""
+    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
+        os.environ.update(OPENMP_WAIT)
 
 
 @contextlib.contextmanager
@@ -206,7 +201,7 @@ def openmp_threads(threads: int):
 
 def load_cached(target: Path, build) -> ctypes.CDLL:
     """The shared library `cached_file` keeps at `target`, loaded (libgomp with it the first time,
-    under `OPENMP_ENV`)."""
+    under `OPENMP_WAIT`)."""
     _set_openmp_env()
     return ctypes.CDLL(str(cached_file(target, build)))
 
