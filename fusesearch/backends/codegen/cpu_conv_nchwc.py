@@ -37,7 +37,14 @@ from fusesearch.backends.codegen.ops import _conv_geometry
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.layout import Layout, copy_name
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import nchwc_chunk, nchwc_pixels, nchwc_tile, tensor_layouts
+from fusesearch.schedule import (
+    nchwc_chunk,
+    nchwc_interior,
+    nchwc_padded,
+    nchwc_pixels,
+    nchwc_tile,
+    tensor_layouts,
+)
 
 # pixels a block of output rows holds at least (whole output rows): several tiles per block, so
 # each slice of filters a tile streams serves them all
@@ -49,8 +56,8 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     `layout_in` (NCHWc, or NCHW for a dense conv over fewer channels than a block: an image),
     its outputs in `layout_out`. Work items (images x blocks of output rows x tiles of output
     blocks) in parallel; per item the input blocks in passes of `schedule.nchwc_chunk` (a slice of
-    filters that stays in cache across the item's pixels), partial sums in cbuf, then the
-    epilogue over the item's blocks."""
+    filters that stays in cache across the item's pixels), partial sums between passes in cbuf;
+    each register tile's last pass runs the epilogue on its sums and stores the outputs once."""
     x, w = anchor.inputs[0], anchor.inputs[1]
     xs, ws, ys = (graph.tensors[t].shape for t in (x, w, anchor.outputs[0]))
     layout, source = kernel.schedule.layout_out, kernel.schedule.layout_in
@@ -65,7 +72,7 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
     icb = source.channels(xs[1]) // lanes_in
     # output blocks per work item: a dense tile's (its registers); a depthwise item holds them all,
-    # one register tile per block in turn (a row's setup and epilogue shared by its blocks)
+    # one register tile per block in turn (a row's setup shared by its blocks)
     o_tile = ocb if depthwise else min(nchwc_tile(b, depthwise), ocb)
     if w not in packs:
         floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
@@ -77,21 +84,23 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
     source_name, padded = args[x].name, []
     hp, wp = max(ph + h, (oh_n - 1) * sh + kh_n), max(pw + wd, (ow_n - 1) * sw + kw_n)
-    # a dense conv over blocked channels reads a zero-bordered copy (every pixel in whole tiles); a
-    # depthwise one, and one over an image's few channels, take their border pixels one by one
+    # a dense conv over blocked channels reads a zero-bordered copy (every pixel in whole tiles)
+    # where `schedule.nchwc_padded` says so; a depthwise one, one over an image's few channels and
+    # the rest take their border pixels one by one over their valid taps
     # (mobilenetv2's stem: 0.30 ms so, 0.38 from the copy)
-    if not depthwise and source.blocked and (hp, wp) != (h, wd):
+    copy = not depthwise and source.blocked and (hp, wp) != (h, wd) and nchwc_padded(wd, kw_n, sw, pw)
+    if copy:
         padded = _padded_copy(args[x].name, xs[0] * planes, (h, wd), (hp, wp), (ph, pw), b)
         source_name, (h, wd), (ph, pw) = "patch", (hp, wp), (0, 0)
+    main, _ = _split_outputs(graph, kernel, outs, anchor)
     geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, source_name,
-                    packs[w].arg.name, pixels, xs[1])
+                    packs[w].arg.name, pixels, xs[1], _Epilogue(e, main, ys[1], b))
     image = f"nb * {planes * h * wd * geo.xb}LL"
-    if run or (source.blocked and not depthwise):  # every window inside the input (padded above)
+    if run or copy or (not (ph or pw) and source.blocked and not depthwise):  # every window inside the input
         def sums(o: int, ocb0: str) -> list[str]:
             return geo.span(o, ocb0, (sh, sw), ow_n, image)
     else:
-        lo = min(ow_n, -(-pw // sw))  # the interior: columns whose window lies inside the image
-        hi = max(lo, min(ow_n, (wd - kw_n + pw) // sw + 1))
+        lo, hi = nchwc_interior(wd, kw_n, sw, pw)
 
         def sums(o: int, ocb0: str) -> list[str]:
             return ["for (long long oh = oh0; oh < oh1; ++oh) {",
@@ -99,26 +108,25 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
                     f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
                     *["    " + x_ for x_ in geo.row(o, ocb0, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")],
                     "}"]
-    main, _ = _split_outputs(graph, kernel, outs, anchor)
     full, rest = divmod(ocb, o_tile)
     tiles = full + (rest > 0)
 
-    def item(o: int, ocb0: str) -> list[str]:  # one work item's sums (in passes over the input blocks) and epilogue
+    def item(o: int, ocb0: str) -> list[str]:  # one work item's sums, in passes over the input blocks
         if depthwise:
             return ["long long ocb0 = 0;", f"for (long long d = 0; d < {o}LL; ++d) {{",
-                    *["    " + x_ for x_ in sums(1, "d")], "}", *_epilogue(e, main, ys, o, b, ow_n, pixels)]
-        chunk = min(icb, nchwc_chunk(b, o, lanes_in, kh_n * kw_n))
+                    *["    " + x_ for x_ in sums(1, "d")], "}"]
+        chunk = geo.chunk(o)
         passes = ([f"long long c0 = 0, c1 = {icb}LL;", *sums(o, ocb0)] if chunk >= icb else
                   [f"for (long long c0 = 0; c0 < {icb}LL; c0 += {chunk}LL) {{",
                    f"    long long c1 = c0 + {chunk}LL < {icb}LL ? c0 + {chunk}LL : {icb}LL;",
                    *["    " + x_ for x_ in sums(o, ocb0)], "}"])
-        return [f"long long ocb0 = {ocb0};", *passes, *_epilogue(e, main, ys, o, b, ow_n, pixels)]
+        return [f"long long ocb0 = {ocb0};", *passes]
     blocks = -(-oh_n // rows)
     per = blocks * tiles
     body = [f"for (long long r = 0; r < {ys[0] * per}LL; ++r) {{",
             f"    long long nb = r / {per}LL, oh0 = r / {tiles}LL % {blocks}LL * {rows}LL, ot = r % {tiles}LL;",
             f"    long long oh1 = oh0 + {rows}LL < {oh_n}LL ? oh0 + {rows}LL : {oh_n}LL;",
-            "    " + scratch("cbuf", f"{o_tile * pixels * b}LL"),
+            *(["    " + scratch("cbuf", f"{o_tile * pixels * b}LL")] if geo.chunk(o_tile) < icb else []),
             *([f"    if (ot < {full}LL) {{"] if rest else ["    {"]),
             *["        " + x_ for x_ in item(o_tile, f"ot * {o_tile}LL")], "    }",
             *(["    else {", *["        " + x_ for x_ in item(rest, f"{full * o_tile}LL")], "    }"] if rest else []),
@@ -162,30 +170,40 @@ def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[
 class _Geometry:
     """The constants an NCHWc conv's tiles are written with: per input block `lanes_in` input
     lanes, `xb` floats per pixel and `xc` between two lanes of one pixel (NCHWc: b and 1; NCHW:
-    1 and H x W); `pixels` the pixels of a work item's partial sums (cbuf) per output block;
-    `channels` the input's (a dense tile skips the last block's zero lanes)."""
+    1 and H x W); `pixels` the pixels of a work item's partial sums (cbuf) per output block
+    (carried there between passes); `channels` the input's (a dense tile skips the last block's
+    zero lanes); `epilogue` what a tile's last pass stores (`_Epilogue`)."""
 
-    def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels, channels) -> None:
+    def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels, channels, epilogue) -> None:
         self.b, self.icb, self.lanes_in = b, icb, lanes_in
         self.h, self.wd, self.kh_n, self.kw_n, self.sw = window
         self.xb, self.xc = (b, 1) if blocked_in else (1, self.h * self.wd)
         self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
         self.last_lanes = channels - (icb - 1) * lanes_in  # the last input block's channels (its other lanes zero)
+        self.epilogue = epilogue
 
-    def tile(self, o: int, p: int, ocb0: str, at: str, xoff, kw: tuple[str, str]) -> list[str]:
+    def chunk(self, o: int) -> int:
+        """Input blocks of a pass of a tile of `o` output blocks (`schedule.nchwc_chunk`); a
+        depthwise tile reads one block, all its input, in one pass."""
+        if self.depthwise:
+            return self.icb
+        return min(self.icb, nchwc_chunk(self.b, o, self.lanes_in, self.kh_n * self.kw_n))
+
+    def tile(self, o: int, p: int, ocb0: str, at: str, xoff, kw: tuple[str, str], where: str) -> list[str]:
         """The register tile: sums of `o` output blocks from `ocb0` x `p` pixels (pixel j's input
-        offset at tap (0, 0) of input block 0: `xoff(j)`; their partial sums from pixel `at` of
-        cbuf) over the taps kh0..kh1 x kw[0]..kw[1] and, dense, the input blocks c0..c1 of the
-        pass (the sums of the passes before read back from cbuf), stored into cbuf. Dense: per
-        input lane the tile's `o` filter vectors (contiguous) and `p` broadcast input values, o x
-        p FMAs; depthwise: per tap one filter vector and `p` input vectors."""
-        b, xb, hw = self.b, self.xb, self.h * self.wd
+        offset at tap (0, 0) of input block 0: `xoff(j)`; its partial sums at pixel `at` + j of
+        cbuf; `where` declares the output pixel `tj` of the tile: its `oh` and `ow`) over the taps
+        kh0..kh1 x kw[0]..kw[1] and, dense, the input blocks c0..c1 of the pass (the sums of the
+        passes before read back from cbuf); stored into cbuf but at the last pass, where the
+        epilogue runs on them. Dense: per input lane the tile's `o` filter vectors (contiguous)
+        and `p` broadcast input values, o x p FMAs; depthwise: per tap one filter vector and `p`
+        input vectors."""
+        b, xb, hw, passes = self.b, self.xb, self.h * self.wd, self.chunk(o) < self.icb
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
-        first = f"{ocb0} * {self.pixels}LL" if self.depthwise else "0LL"  # a depthwise item holds every block
-        slot = {(i, j): f"cbuf + ({first} + {i * self.pixels}LL + {at} + {j}LL) * {b}LL" for i in range(o) for j in range(p)}
+        slot = {(i, j): f"cbuf + ({i * self.pixels}LL + {at} + {j}LL) * {b}LL" for i in range(o) for j in range(p)}
         lines = [f"long long x{j} = {xoff(j)};" for j in range(p)]
-        lines += [f"fs_vb {acc[i][j]} = " + ("(fs_vb){0};" if self.depthwise else
-                                             f"c0 ? *(const fs_vb*)({slot[i, j]}) : (fs_vb){{0}};") for i, j in slot]
+        lines += [f"fs_vb {acc[i][j]} = " + (f"c0 ? *(const fs_vb*)({slot[i, j]}) : (fs_vb){{0}};" if passes
+                                             else "(fs_vb){0};") for i, j in slot]
         taps = self.kh_n * self.kw_n
         tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
         if self.depthwise:
@@ -210,7 +228,12 @@ class _Geometry:
                         (f"        fs_vb v{j} = FS_VB_SET(xp[x{j} + ic * {self.xc}LL]);",
                          *[f"        {acc[i][j]} = FS_VB_FMA(w{i}, v{j}, {acc[i][j]});" for i in range(o)])],
                       "    }", "}"]
-        lines += [f"*(fs_vb*)({slot[i, j]}) = {acc[i][j]};" for i, j in slot]
+        last = self.epilogue.tile([acc[i][j] for i in range(o) for j in range(p)], o, p, ocb0, where)
+        if passes:
+            lines += [f"if (c1 < {self.icb}LL) {{", *[f"    *(fs_vb*)({slot[i, j]}) = {acc[i][j]};" for i, j in slot],
+                      "} else {", *["    " + x_ for x_ in last], "}"]
+        else:
+            lines += last
         return ["{", *["    " + x_ for x_ in lines], "}"]
 
     def _lanes(self, icb: str) -> str:
@@ -220,28 +243,31 @@ class _Geometry:
             return str(self.lanes_in)
         return f"({icb} < {self.icb - 1}LL ? {self.lanes_in} : {self.last_lanes})"
 
-    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, at: str, xoff, kw: tuple[str, str]) -> list[str]:
+    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, at: str, xoff, kw: tuple[str, str],
+              where: str) -> list[str]:
         """Pixels q = span[0]..span[1] (every tap in `kw` valid for each; pixel q + j's input
-        offset `xoff(j)`, its place in cbuf `at` + j) in tiles of `schedule.nchwc_pixels`; where
-        the span has its usual `count` pixels, the rest one tile of the remainder, else one by
-        one."""
+        offset `xoff(j)`, its place in cbuf `at` + j, `where` its output pixel) in tiles of
+        `schedule.nchwc_pixels`; where the span has its usual `count` pixels, the rest one tile of
+        the remainder, else one by one."""
         p = nchwc_pixels(self.b, o, self.depthwise)
         rest = count % p
-        one = [f"    for (; q < {span[1]}; ++q)", *["    " + x_ for x_ in self.tile(o, 1, ocb0, at, xoff, kw)]]
-        tail = ([f"    if ({span[1]} - q == {rest}LL)", *["    " + x_ for x_ in self.tile(o, rest, ocb0, at, xoff, kw)],
-                 "    else", *one] if rest > 1 else one)
-        return ["{", f"    long long q = {span[0]};",
-                f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)",
-                *["    " + x_ for x_ in self.tile(o, p, ocb0, at, xoff, kw)], *tail, "}"]
+
+        def tile(n: int) -> list[str]:
+            return ["    " + x_ for x_ in self.tile(o, n, ocb0, at, xoff, kw, where)]
+        one = [f"    for (; q < {span[1]}; ++q)", *tile(1)]
+        tail = [f"    if ({span[1]} - q == {rest}LL)", *tile(rest), "    else", *one] if rest > 1 else one
+        return ["{", f"    long long q = {span[0]};", f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)", *tile(p),
+                *tail, "}"]
 
     def row(self, o: int, ocb0: str, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
         """Output row `oh` of the item: the border columns one by one over their valid taps, the
         interior (columns lo..hi) in tiles."""
         lo, hi, ow_n = columns
         at = f"(oh - oh0) * {ow_n}LL + q"
+        where = "long long ow = q + tj;"
 
-        def xoff(j: int) -> str:
-            return f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL + {j * self.sw * self.xb}LL"
+        def xoff(j: int) -> str:  # pixel j of a tile a constant offset from pixel 0: no register of its own
+            return f"x0 + {j * self.sw * self.xb}LL" if j else f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL"
 
         def border(a: int, z: int) -> list[str]:
             if z <= a:
@@ -250,8 +276,8 @@ class _Geometry:
                     f"    long long iw0 = q * {self.sw}LL - {pw}LL;",
                     f"    long long kw0 = iw0 < 0 ? -iw0 : 0, kw1 = {self.wd}LL - iw0 < {self.kw_n}LL ? {self.wd}LL - iw0 "
                     f": {self.kw_n}LL;",
-                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, at, xoff, ("kw0", "kw1"))], "}"]
-        interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, at, xoff, ("0", str(self.kw_n)))
+                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, at, xoff, ("kw0", "kw1"), where)], "}"]
+        interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, at, xoff, ("0", str(self.kw_n)), where)
                     if hi > lo else [])
         return [*border(0, lo), *interior, *border(hi, ow_n)]
 
@@ -264,38 +290,54 @@ class _Geometry:
 
         def xoff(j: int) -> str:
             if one_run:
-                return f"{image} + (oh0 * {ow_n}LL + q + {j}LL) * {self.xb}LL"
+                return f"x0 + {j * self.xb}LL" if j else f"{image} + (oh0 * {ow_n}LL + q) * {self.xb}LL"
             return (f"{image} + ((oh0 + (q + {j}LL) / {ow_n}LL) * {sh * self.wd}LL + (q + {j}LL) % {ow_n}LL * {sw}LL)"
                     f" * {self.xb}LL")
+        where = f"long long oh = oh0 + (q + tj) / {ow_n}LL, ow = (q + tj) % {ow_n}LL;"
         return ["long long kh0 = 0, kh1 = " + f"{self.kh_n};",
-                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, "q", xoff, ("0", str(self.kw_n)))]
+                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, "q", xoff, ("0", str(self.kw_n)),
+                            where)]
 
 
-def _epilogue(e: _Emitter, main, ys, o: int, b: int, ow_n: int, pixels: int) -> list[str]:
-    """Per output block of the item (`o` from ocb0) and pixel of its rows: the epilogue over the
-    block's lanes from cbuf, stored where each output lies; the lanes past the channels store
-    zeros."""
-    e.channel_split = {"co": ("ocb", "l")}
-    e.acc_value = f"cbuf[((ocb - ocb0) * {pixels}LL + (oh - oh0) * {ow_n}LL + ow) * {b}LL + l]"
-    idx = ("nb", "co", "oh", "ow")
-    e.lines = []
-    e.push()
-    writes = [store(o_, e.at(o_.tensor, idx), e.value(o_.tensor, idx)) for o_ in main]
-    body = e.lines + writes
-    e.pop()
-    e.acc_value = ""
-    full, rest = divmod(ys[1], b)
-    zeros = [f"{o_.name}[{e.at(o_.tensor, idx)}] = 0.0f;" for o_ in main]
+class _Epilogue:
+    """The group's epilogue (bias, activations, a residual) on a register tile's final sums, and
+    the one store of each output: the tile's vectors set aside in order, then per pixel `tj` and
+    output block `ti` one loop over the block's lanes reading them; the lanes past the channels
+    store zeros. Its C is written once (`_Emitter`, lane `l` of block `ocb` at (nb, oh, ow), the
+    sum `fs_a[l]`) and repeated in each tile."""
 
-    def nest(head: str, lanes: int) -> list[str]:  # whole blocks: a constant count of lanes, one vector
-        return [head, "for (long long oh = oh0; oh < oh1; ++oh)", f"for (long long ow = 0; ow < {ow_n}LL; ++ow) {{",
-                "    #pragma omp simd", f"    for (long long l = 0; l < {lanes}LL; ++l) {{",
-                f"        long long co = ocb * {b}LL + l;", *["        " + x_ for x_ in body], "    }",
-                *([f"    for (long long l = {lanes}LL; l < {b}LL; ++l) {{", *["        " + z for z in zeros], "    }"]
-                  if lanes < b else []), "}"]
-    return [*(nest(f"for (long long ocb = ocb0; ocb < ocb0 + {o}LL && ocb < {full}LL; ++ocb)", b) if full else []),
-            *([f"if (ocb0 + {o}LL > {full}LL) {{", *["    " + x_ for x_ in nest(f"long long ocb = {full}LL;", rest)], "}"]
-              if rest else [])]
+    def __init__(self, e: _Emitter, main, channels: int, b: int) -> None:
+        e.channel_split = {"co": ("ocb", "l")}
+        e.acc_value = "fs_a[l]"
+        idx = ("nb", "co", "oh", "ow")
+        e.lines = []
+        e.push()
+        writes = [store(o_, e.at(o_.tensor, idx), e.value(o_.tensor, idx)) for o_ in main]
+        self.body = [f"long long co = ocb * {b}LL + l;", *e.lines, *writes]
+        e.pop()
+        e.acc_value = ""
+        self.zeros = [f"{o_.name}[{e.at(o_.tensor, idx)}] = 0.0f;" for o_ in main]
+        self.b, (self.full, self.rest) = b, divmod(channels, b)
+
+    def tile(self, acc: list[str], o: int, p: int, ocb0: str, where: str) -> list[str]:
+        """C storing the epilogue of the sums `acc` (block i's pixel j at i * p + j) of `o` output
+        blocks from `ocb0` x `p` pixels, `where` declaring pixel `tj`'s `oh` and `ow`."""
+        b = self.b
+
+        def lanes(n: int) -> list[str]:
+            return ["#pragma omp simd", f"for (long long l = 0; l < {n}LL; ++l) {{", *["    " + x_ for x_ in self.body], "}"]
+        block = lanes(b)
+        if self.rest:
+            block = [f"if (ocb < {self.full}LL) {{", *["    " + x_ for x_ in block], "} else {",
+                     *["    " + x_ for x_ in lanes(self.rest)],
+                     f"    for (long long l = {self.rest}LL; l < {b}LL; ++l) {{", *["        " + z for z in self.zeros],
+                     "    }", "}"]
+        return [f"float fs_t[{len(acc) * b}] __attribute__((aligned(64)));",
+                *[f"*(fs_vb*)(fs_t + {k * b}) = {a};" for k, a in enumerate(acc)],
+                f"for (long long tj = 0; tj < {p}LL; ++tj) {{", f"    {where}",
+                f"    for (long long ocb = {ocb0}; ocb < {ocb0} + {o}LL; ++ocb) {{",
+                f"        const float* fs_a = fs_t + ((ocb - {ocb0}) * {p}LL + tj) * {b}LL;",
+                *["        " + x_ for x_ in block], "    }", "}"]
 
 
 REORDER_PIXELS = 1024  # pixels of a plane a reorder's work item copies (a multiple of every block)
