@@ -604,25 +604,11 @@ def nchwc_chunk(block: int, blocks_out: int, lanes_in: int, taps: int) -> int:
     return max(1, NCHWC_SLICE_FLOATS // (blocks_out * block * lanes_in * taps))
 
 
-def nchwc_interior(width: int, kernel: int, stride: int, pad: int) -> tuple[int, int]:
-    """The output columns lo..hi of a conv along one axis whose window lies inside the input
-    (the rest read the zero border: `pad` before the input's `width`)."""
-    out = (width + 2 * pad - kernel) // stride + 1
+def nchwc_interior(size: int, kernel: int, stride: int, pad: int, out: int) -> tuple[int, int]:
+    """Along one axis of a conv (input `size`, `pad` before it, `out` outputs): the outputs lo..hi
+    whose window lies inside the input; the others read the zero border."""
     lo = min(out, -(-pad // stride))
-    return lo, max(lo, min(out, (width - kernel + pad) // stride + 1))
-
-
-def nchwc_padded(width: int, kernel: int, stride: int, pad: int) -> bool:
-    """Whether a padded dense NCHWc conv reads a zero-bordered copy of its input (every pixel of
-    a work item in whole tiles across its rows, the taps on the border multiplying zeros) rather
-    than the input where it lies (`codegen.cpu_conv_nchwc`: per output row the border pixels one
-    by one over their valid taps, the interior in tiles). Each border pixel is a tile of one
-    pixel (4 FMAs to 5 loads at block 16); where they are over a quarter of a row's pixels (a 3x3
-    conv over 7-wide rows: 2 of 7) the copy costs less than they do; elsewhere its writes and its
-    zero taps cost more (a 3x3 conv at 56x56 x 64 channels: 0.95x without it; 7x7 x 512: 1.13x)."""
-    out = (width + 2 * pad - kernel) // stride + 1
-    lo, hi = nchwc_interior(width, kernel, stride, pad)
-    return 4 * (out - (hi - lo)) > out
+    return lo, max(lo, min(out, (size - kernel + pad) // stride + 1))
 
 
 def nchwc_tile(block: int, depthwise: bool) -> int:

@@ -151,6 +151,57 @@ def test_a_dense_tile_reads_its_filters_in_passes_over_the_input_blocks(tmp_path
     np.testing.assert_array_equal(last.transpose(2, 0, 1).reshape(16, 160), w[64:])
 
 
+@needs_cc
+@pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
+def test_the_epilogue_runs_on_each_tiles_final_sums(tmp_path, target):
+    """Bias, activation and residual run on a register tile's sums at its last pass over the input
+    blocks and store each output once: a conv whose input blocks fit one pass has no buffer of
+    partial sums at all; one in passes (160 channels in blocks of 16: 8 then 2) keeps its sums in
+    cbuf until its last pass only. Both equal ONNX Runtime."""
+    graph, values = _conv_group(tmp_path, [1, 16, 6, 9], 40, 3, 1, residual=True, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), target)
+    source = _runs_blocked(graph, kernel, values).c_source
+    assert "cbuf" not in source and "fs_a[l]" in source
+    graph, values = _conv_group(tmp_path, [1, 160, 5, 6], 80, 1, 1, residual=True, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), AVX512)
+    source = _runs_blocked(graph, kernel, values).c_source
+    assert "if (c1 < 10LL) {" in source and "cbuf[" not in source  # sums read back as whole vectors only
+
+
+def test_the_interior_of_a_conv_axis():
+    """The outputs whose window lies inside the input, along one axis: a 3x3 conv with pad 1 all
+    but the first and last; stride 2 over an even size with the pad after the input only: all but
+    the last; a 5x5 with pad 2 over 7: the middle 3."""
+    from fusesearch.schedule import nchwc_interior
+
+    assert nchwc_interior(56, 3, 1, 1, 56) == (1, 55)
+    assert nchwc_interior(8, 3, 2, 0, 4) == (0, 3)
+    assert nchwc_interior(7, 5, 1, 2, 7) == (2, 5)
+    assert nchwc_interior(2, 3, 1, 1, 2) == (1, 1)  # no interior: every output on the border
+
+
+@needs_cc
+@pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
+@pytest.mark.parametrize("shape,k,stride,pads", [((1, 32, 9, 7), 3, 1, [1, 1, 1, 1]), ((1, 16, 8, 8), 3, 2, [0, 0, 1, 1]),
+                                                  ((1, 16, 7, 6), 5, 1, [2, 2, 2, 2]), ((1, 16, 2, 2), 3, 1, [1, 1, 1, 1])],
+                         ids=["3x3", "stride2-pads-after", "5x5", "no-interior"])
+def test_a_padded_dense_conv_reads_its_input_where_it_lies(tmp_path, target, shape, k, stride, pads):
+    """No zero-bordered copy of the input: each row's interior in tiles over its valid kh, each
+    border column in tiles down the rows whose window lies inside the input vertically, the
+    corners one by one over their valid taps (a 7-wide row's border pixels are 2 of 7: one by
+    one they cost more than the copy's zero taps); pads after the input only, a 5x5's two border
+    columns each side, a plane with no interior pixel. Equal to ONNX Runtime."""
+    w = _w([16, shape[1], k, k])
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[k, k], strides=[stride] * 2, pads=pads),
+             helper.make_node("Relu", ["y"], ["out"])]
+    prep = prepare(save(make_model(nodes, [("x", list(shape))], [("out", None)], [("w", w)]), tmp_path / "p.onnx"))
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    (kernel,) = nchwc_choices(prep.graph, _whole(prep.graph), target)
+    source = _runs_blocked(prep.graph, kernel, values).c_source
+    assert "patch" not in source and "long long ra = oh0" in source
+
+
 def test_the_block_is_the_targets_lanes_and_none_below_eight():
     assert (AVX512.channel_block, AVX2.channel_block, CpuTarget(lanes=4).channel_block, CpuTarget().channel_block) == (
         16, 8, 0, 0)

@@ -27,7 +27,6 @@ from fusesearch.backends.codegen.base import (
     _indent,
     c_function,
     scratch,
-    shared_scratch,
     source_digest,
     store,
 )
@@ -40,7 +39,6 @@ from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
     nchwc_chunk,
     nchwc_interior,
-    nchwc_padded,
     nchwc_pixels,
     nchwc_tile,
     tensor_layouts,
@@ -82,32 +80,19 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run or not depthwise else 1
     pixels = rows * ow_n
     planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
-    source_name, padded = args[x].name, []
-    hp, wp = max(ph + h, (oh_n - 1) * sh + kh_n), max(pw + wd, (ow_n - 1) * sw + kw_n)
-    # a dense conv over blocked channels reads a zero-bordered copy (every pixel in whole tiles)
-    # where `schedule.nchwc_padded` says so; a depthwise one, one over an image's few channels and
-    # the rest take their border pixels one by one over their valid taps
-    # (mobilenetv2's stem: 0.30 ms so, 0.38 from the copy)
-    copy = not depthwise and source.blocked and (hp, wp) != (h, wd) and nchwc_padded(wd, kw_n, sw, pw)
-    if copy:
-        padded = _padded_copy(args[x].name, xs[0] * planes, (h, wd), (hp, wp), (ph, pw), b)
-        source_name, (h, wd), (ph, pw) = "patch", (hp, wp), (0, 0)
     main, _ = _split_outputs(graph, kernel, outs, anchor)
-    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, source_name,
+    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, args[x].name,
                     packs[w].arg.name, pixels, xs[1], _Epilogue(e, main, ys[1], b))
     image = f"nb * {planes * h * wd * geo.xb}LL"
-    if run or copy or (not (ph or pw) and source.blocked and not depthwise):  # every window inside the input
+    # every window inside the input (no padding): tiles across the item's rows; else per row
+    inside = (ph, pw) == (0, 0) and all(nchwc_interior(n, k, s, 0, o)[1] == o for n, k, s, o in
+                                        ((h, kh_n, sh, oh_n), (wd, kw_n, sw, ow_n)))
+    if run or (inside and source.blocked and not depthwise):
         def sums(o: int, ocb0: str) -> list[str]:
             return geo.span(o, ocb0, (sh, sw), ow_n, image)
     else:
-        lo, hi = nchwc_interior(wd, kw_n, sw, pw)
-
         def sums(o: int, ocb0: str) -> list[str]:
-            return ["for (long long oh = oh0; oh < oh1; ++oh) {",
-                    f"    long long ih0 = oh * {sh}LL - {ph}LL;",
-                    f"    long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {h}LL - ih0 < {kh_n}LL ? {h}LL - ih0 : {kh_n}LL;",
-                    *["    " + x_ for x_ in geo.row(o, ocb0, (lo, hi, ow_n), pw, f"{image} + ih0 * {wd * geo.xb}LL")],
-                    "}"]
+            return geo.rows(o, ocb0, image, (sh, sw), (ph, pw), (oh_n, ow_n), rows)
     full, rest = divmod(ocb, o_tile)
     tiles = full + (rest > 0)
 
@@ -132,7 +117,7 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
             *(["    else {", *["        " + x_ for x_ in item(rest, f"{full * o_tile}LL")], "    }"] if rest else []),
             "}"]
     return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
-            *_vector_fma(b), *padded, f"    {OMP_FOR}\n" + _indent(body, 1)]
+            *_vector_fma(b), f"    {OMP_FOR}\n" + _indent(body, 1)]
 
 
 def _vector_fma(b: int) -> list[str]:
@@ -147,24 +132,6 @@ def _vector_fma(b: int) -> list[str]:
         lines += [f"#if {fma[0]} && !defined(__clang__)", f"#define FS_VB_FMA(w, x, a) {fma[1]}", "#else"]
     lines.append("#define FS_VB_FMA(w, x, a) ((w) * (x) + (a))")
     return lines + (["#endif"] if fma else [])
-
-
-def _padded_copy(source: str, planes: int, size: tuple[int, int], padded: tuple[int, int], lead: tuple[int, int],
-                 xb: int) -> list[str]:
-    """C lines copying `planes` planes of `source` (rows of `size[1]` pixels of `xb` floats) into
-    the shared scratch `patch` with a zero border (`lead` rows and columns before, the rest of
-    `padded` after), rows in parallel, before the conv's loop (the worksharing loop's barrier)."""
-    (h, w), (hp, wp), (ph, pw) = size, padded, lead
-    row = wp * xb
-    return ["    " + shared_scratch("patch", f"{planes * hp * row}LL"),
-            f"    {OMP_FOR}",
-            f"    for (long long r = 0; r < {planes * hp}LL; ++r) {{",
-            f"        float* dst = patch + r * {row}LL;",
-            f"        long long ih = r % {hp}LL - {ph}LL;",
-            f"        if (ih < 0 || ih >= {h}LL) {{ memset(dst, 0, sizeof(float) * {row}LL); continue; }}",
-            f"        memset(dst, 0, sizeof(float) * {pw * xb}LL);",
-            f"        memcpy(dst + {pw * xb}LL, {source} + (r / {hp}LL * {h}LL + ih) * {w * xb}LL, sizeof(float) * {w * xb}LL);",
-            f"        memset(dst + {(pw + w) * xb}LL, 0, sizeof(float) * {(wp - pw - w) * xb}LL);", "    }"]
 
 
 class _Geometry:
@@ -189,10 +156,10 @@ class _Geometry:
             return self.icb
         return min(self.icb, nchwc_chunk(self.b, o, self.lanes_in, self.kh_n * self.kw_n))
 
-    def tile(self, o: int, p: int, ocb0: str, at: str, xoff, kw: tuple[str, str], where: str) -> list[str]:
+    def tile(self, o: int, p: int, ocb0: str, at: tuple[str, int], xoff, kw: tuple[str, str], where: str) -> list[str]:
         """The register tile: sums of `o` output blocks from `ocb0` x `p` pixels (pixel j's input
-        offset at tap (0, 0) of input block 0: `xoff(j)`; its partial sums at pixel `at` + j of
-        cbuf; `where` declares the output pixel `tj` of the tile: its `oh` and `ow`) over the taps
+        offset at tap (0, 0) of input block 0: `xoff(j)`; its partial sums at pixel at[0] + j at[1]
+        of cbuf; `where` declares the output pixel `tj` of the tile: its `oh` and `ow`) over the taps
         kh0..kh1 x kw[0]..kw[1] and, dense, the input blocks c0..c1 of the pass (the sums of the
         passes before read back from cbuf); stored into cbuf but at the last pass, where the
         epilogue runs on them. Dense: per input lane the tile's `o` filter vectors (contiguous)
@@ -200,7 +167,7 @@ class _Geometry:
         input vectors."""
         b, xb, hw, passes = self.b, self.xb, self.h * self.wd, self.chunk(o) < self.icb
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
-        slot = {(i, j): f"cbuf + ({i * self.pixels}LL + {at} + {j}LL) * {b}LL" for i in range(o) for j in range(p)}
+        slot = {(i, j): f"cbuf + ({i * self.pixels}LL + {at[0]} + {j * at[1]}LL) * {b}LL" for i in range(o) for j in range(p)}
         lines = [f"long long x{j} = {xoff(j)};" for j in range(p)]
         lines += [f"fs_vb {acc[i][j]} = " + (f"c0 ? *(const fs_vb*)({slot[i, j]}) : (fs_vb){{0}};" if passes
                                              else "(fs_vb){0};") for i, j in slot]
@@ -243,12 +210,12 @@ class _Geometry:
             return str(self.lanes_in)
         return f"({icb} < {self.icb - 1}LL ? {self.lanes_in} : {self.last_lanes})"
 
-    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, at: str, xoff, kw: tuple[str, str],
-              where: str) -> list[str]:
+    def tiles(self, o: int, ocb0: str, span: tuple[str, str], count: int, at: tuple[str, int], xoff,
+              kw: tuple[str, str], where: str) -> list[str]:
         """Pixels q = span[0]..span[1] (every tap in `kw` valid for each; pixel q + j's input
-        offset `xoff(j)`, its place in cbuf `at` + j, `where` its output pixel) in tiles of
-        `schedule.nchwc_pixels`; where the span has its usual `count` pixels, the rest one tile of
-        the remainder, else one by one."""
+        offset `xoff(j)`, its place in cbuf at[0] + j at[1], `where` its output pixel) in tiles of
+        `schedule.nchwc_pixels`; where the span has its usual `count` pixels (at most), the rest
+        one tile of the remainder, else one by one."""
         p = nchwc_pixels(self.b, o, self.depthwise)
         rest = count % p
 
@@ -256,30 +223,48 @@ class _Geometry:
             return ["    " + x_ for x_ in self.tile(o, n, ocb0, at, xoff, kw, where)]
         one = [f"    for (; q < {span[1]}; ++q)", *tile(1)]
         tail = [f"    if ({span[1]} - q == {rest}LL)", *tile(rest), "    else", *one] if rest > 1 else one
-        return ["{", f"    long long q = {span[0]};", f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)", *tile(p),
-                *tail, "}"]
+        whole = [f"    for (; q + {p}LL <= {span[1]}; q += {p}LL)", *tile(p)] if count >= p else []
+        return ["{", f"    long long q = {span[0]};", *whole, *tail, "}"]
 
-    def row(self, o: int, ocb0: str, columns: tuple[int, int, int], pw: int, row_off: str) -> list[str]:
-        """Output row `oh` of the item: the border columns one by one over their valid taps, the
-        interior (columns lo..hi) in tiles."""
-        lo, hi, ow_n = columns
-        at = f"(oh - oh0) * {ow_n}LL + q"
-        where = "long long ow = q + tj;"
+    def rows(self, o: int, ocb0: str, image: str, strides: tuple[int, int], pads: tuple[int, int],
+             out: tuple[int, int], rows: int) -> list[str]:
+        """The item's output rows oh0..oh1 read where the input lies (no zero border): per row the
+        interior columns (`schedule.nchwc_interior`) in tiles over the row's valid kh; per border
+        column, its pixels in the rows whose window lies inside the input vertically in tiles
+        down the column over the column's valid kw, the others one by one over their valid taps."""
+        (sh, sw), (ph, pw), (oh_n, ow_n), xb = strides, pads, out, self.xb
+        lo, hi = nchwc_interior(self.wd, self.kw_n, sw, pw, ow_n)
+        top, bottom = nchwc_interior(self.h, self.kh_n, sh, ph, oh_n)
 
-        def xoff(j: int) -> str:  # pixel j of a tile a constant offset from pixel 0: no register of its own
-            return f"x0 + {j * self.sw * self.xb}LL" if j else f"{row_off} + (q * {self.sw}LL - {pw}LL) * {self.xb}LL"
+        def valid_kh(row: str) -> list[str]:
+            return [f"long long ih0 = {row} * {sh}LL - {ph}LL;",
+                    f"long long kh0 = ih0 < 0 ? -ih0 : 0, kh1 = {self.h}LL - ih0 < {self.kh_n}LL ? {self.h}LL - ih0 "
+                    f": {self.kh_n}LL;"]
 
-        def border(a: int, z: int) -> list[str]:
-            if z <= a:
-                return []
-            return [f"for (long long q = {a}LL; q < {z}LL; ++q) {{",
-                    f"    long long iw0 = q * {self.sw}LL - {pw}LL;",
-                    f"    long long kw0 = iw0 < 0 ? -iw0 : 0, kw1 = {self.wd}LL - iw0 < {self.kw_n}LL ? {self.wd}LL - iw0 "
-                    f": {self.kw_n}LL;",
-                    *["    " + x_ for x_ in self.tile(o, 1, ocb0, at, xoff, ("kw0", "kw1"), where)], "}"]
-        interior = (self.tiles(o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, at, xoff, ("0", str(self.kw_n)), where)
-                    if hi > lo else [])
-        return [*border(0, lo), *interior, *border(hi, ow_n)]
+        def at(row: str, column: str) -> str:  # a pixel's input offset at tap (0, 0)
+            return f"{image} + (({row} * {sh}LL - {ph}LL) * {self.wd}LL + {column} * {sw}LL - {pw}LL) * {xb}LL"
+        lines = []
+        if hi > lo:
+            lines += ["for (long long oh = oh0; oh < oh1; ++oh) {", *["    " + x_ for x_ in valid_kh("oh")],
+                      *["    " + x_ for x_ in self.tiles(
+                          o, ocb0, (f"{lo}LL", f"{hi}LL"), hi - lo, (f"(oh - oh0) * {ow_n}LL + q", 1),
+                          lambda j: f"x0 + {j * sw * xb}LL" if j else at("oh", "q"), ("0", str(self.kw_n)),
+                          "long long ow = q + tj;")], "}"]
+        for c in [*range(lo), *range(hi, ow_n)]:
+            iw0 = c * sw - pw
+            kw, place = (str(max(0, -iw0)), str(min(self.kw_n, self.wd - iw0))), (f"(q - oh0) * {ow_n}LL + {c}LL", ow_n)
+            where = f"long long oh = q + tj, ow = {c}LL;"
+            lines += ["{", f"    long long ra = oh0 < {top}LL ? {top}LL : oh0, rb = oh1 < {bottom}LL ? oh1 : {bottom}LL;",
+                      f"    long long kh0 = 0, kh1 = {self.kh_n}LL;",
+                      *["    " + x_ for x_ in self.tiles(
+                          o, ocb0, ("ra", "rb"), min(rows, bottom - top), place,
+                          lambda j, c=c: f"x0 + {j * sh * self.wd * xb}LL" if j else at("q", f"{c}LL"), kw, where)],
+                      "    for (long long q = oh0; q < oh1; ++q) {", "        if (q >= ra && q < rb) continue;",
+                      *["        " + x_ for x_ in valid_kh("q")],
+                      *["        " + x_ for x_ in self.tile(o, 1, ocb0, place, lambda j, c=c: at("q", f"{c}LL"), kw,
+                                                            where)],
+                      "    }", "}"]
+        return lines
 
     def span(self, o: int, ocb0: str, strides: tuple[int, int], ow_n: int, image: str) -> list[str]:
         """The item's output pixels as one span (every window inside the input: a zero-bordered
@@ -295,8 +280,8 @@ class _Geometry:
                     f" * {self.xb}LL")
         where = f"long long oh = oh0 + (q + tj) / {ow_n}LL, ow = (q + tj) % {ow_n}LL;"
         return ["long long kh0 = 0, kh1 = " + f"{self.kh_n};",
-                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, "q", xoff, ("0", str(self.kw_n)),
-                            where)]
+                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, ("q", 1), xoff,
+                            ("0", str(self.kw_n)), where)]
 
 
 class _Epilogue:
