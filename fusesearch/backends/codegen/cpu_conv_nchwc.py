@@ -278,7 +278,7 @@ class _Geometry:
                 return f"x0 + {j * self.xb}LL" if j else f"{image} + (oh0 * {ow_n}LL + q) * {self.xb}LL"
             return (f"{image} + ((oh0 + (q + {j}LL) / {ow_n}LL) * {sh * self.wd}LL + (q + {j}LL) % {ow_n}LL * {sw}LL)"
                     f" * {self.xb}LL")
-        where = f"long long oh = oh0 + (q + tj) / {ow_n}LL, ow = (q + tj) % {ow_n}LL;"
+        where = "long long oh = oh0, ow = q + tj;"  # the pixel index oh * ow_n + ow is linear in q
         return ["long long kh0 = 0, kh1 = " + f"{self.kh_n};",
                 *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, ("q", 1), xoff,
                             ("0", str(self.kw_n)), where)]
@@ -320,8 +320,8 @@ class _Epilogue:
         return [f"float fs_t[{len(acc) * b}] __attribute__((aligned(64)));",
                 *[f"*(fs_vb*)(fs_t + {k * b}) = {a};" for k, a in enumerate(acc)],
                 f"for (long long tj = 0; tj < {p}LL; ++tj) {{", f"    {where}",
-                f"    for (long long ocb = {ocb0}; ocb < {ocb0} + {o}LL; ++ocb) {{",
-                f"        const float* fs_a = fs_t + ((ocb - {ocb0}) * {p}LL + tj) * {b}LL;",
+                f"    for (long long ti = 0; ti < {o}LL; ++ti) {{",  # a constant count: unrolled
+                f"        long long ocb = {ocb0} + ti;", f"        const float* fs_a = fs_t + (ti * {p}LL + tj) * {b}LL;",
                 *["        " + x_ for x_ in block], "    }", "}"]
 
 
