@@ -222,7 +222,7 @@ class _Geometry:
         tiles as that allows, of sizes one apart (13 pixels at 6: 5, 4, 4; not 6, 6 and a tile of
         one pixel, whose few sums wait on the FMA latency); a shorter span's last pixels one by
         one."""
-        tiles = -(-count // nchwc_pixels(self.b, o, self.depthwise))
+        tiles = max(1, -(-count // nchwc_pixels(self.b, o, self.depthwise)))
         small, wide = divmod(count, tiles)  # `wide` tiles of small + 1 pixels, then tiles of small
 
         def tile(n: int) -> list[str]:
