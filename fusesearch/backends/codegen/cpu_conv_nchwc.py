@@ -6,10 +6,12 @@ Approach (a direct conv as MLAS's and oneDNN's NCHWc kernels): filters packed on
 tile reads them (`base.NchwcFilter`); work items of images x blocks of output rows (at least
 NCHWC_RUN_PIXELS pixels) x tiles of `schedule.nchwc_tile` output blocks in parallel; per item the
 input blocks in passes of `schedule.nchwc_chunk` (the filter slice stays in L1; partial sums in
-cbuf), register tiles of output blocks x `nchwc_pixels` pixels (4 x 6 zmm at block 16, 2 x 6 ymm at
-8), one FMA per filter vector and broadcast input (`FS_VB_FMA`: C11 contracts none). Dense convs
-read a zero-bordered copy; depthwise and image-input convs run row by row, edges over valid taps.
-The epilogue (bias, activations, residual) runs over the item's lanes before the one store.
+cbuf), register tiles of output blocks x up to `nchwc_pixels` pixels (4 x 6 zmm at block 16, 2 x 6
+ymm at 8; a span's tiles of sizes one apart), one FMA per filter vector (held in a register:
+`FS_VB_REG`) and broadcast input (`FS_VB_FMA`: C11 contracts none). A tile's last pass runs the
+epilogue (bias, activations, residual) on its sums in registers and stores each output once. The
+input is read where it lies: padded convs per output row, border columns in tiles down their rows,
+each pixel over its valid taps only (no zero-bordered copy: its writes and zero taps cost more).
 Invariants: `Schedule.product` "nchwc", `layout_out` blocked, `layout_in` as `schedule.nchwc_input`
 says; padded lanes store zeros. Anchorless groups (`nchwc_pointwise_loops`) and reorders
 (`reorder_kernel`: block x block squares transposed in registers) live here too."""
