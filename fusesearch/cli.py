@@ -85,8 +85,9 @@ InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: th
 NO_VERIFY = "--no-verify"
 Dump = Annotated[Path | None, typer.Option("--dump", help="Write each group's C and CUDA source, its schedule "
                                            "(JSON) and launch configuration into this folder, named by group "
-                                           "(g7.c, g7.cu, g7.json) with an index.json; a folder with files in it "
-                                           "needs --force.")]
+                                           "(g7.c, g7.cu, g7.json), and each layout reorder the program runs by "
+                                           "index, tensor and direction (r0.x.NCHW-NCHW16c.c, .json), with an "
+                                           "index.json; a folder with files in it needs --force.")]
 NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
                                       "generated kernels accumulate with fmaf on CUDA cores and library calls "
                                       "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
@@ -510,12 +511,16 @@ def _check_dump(dump: Path | None, force: bool) -> None:
 
 
 def _dump(plan_, dump: Path | None, force: bool) -> None:
-    """--dump: the plan's sources, schedules and launches, one file each per group (stderr says where)."""
+    """--dump: the plan's sources, schedules and launches, one file each per group and per reorder
+    (stderr says where)."""
     from fusesearch.dump import write_dump
 
     if dump is not None:
         written = write_dump(plan_, dump, force)
-        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups written to {dump}", file=sys.stderr)
+        n = len(plan_.reorders)
+        reorders = f" and {n} reorder{'s' * (n > 1)}" if n else ""
+        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups{reorders} written to {dump}",
+              file=sys.stderr)
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
