@@ -1019,7 +1019,8 @@ def run(
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
-    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
+    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL, ENABLE_EXTENDED and DISABLE_ALL (exit 1 if
+    not equal)."""
     from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
     from fusesearch.buckets import split_dims
     from fusesearch.verify import check_memory
@@ -1189,6 +1190,7 @@ def _nothing():
 
 RUN_NAMES = {"plan": "plan", "unfused": "unfused (none)", "ort_enable_all": "ONNX Runtime ENABLE_ALL",
              "ort_enable_all_canonical": "ONNX Runtime ENABLE_ALL, canonical model",
+             "ort_enable_extended": "ONNX Runtime ENABLE_EXTENDED",
              "ort_disable_all": "ONNX Runtime DISABLE_ALL, canonical model", "torch_eager": "PyTorch eager",
              "torch_compile": "torch.compile (Inductor, frozen)",
              "torch_compile_max_autotune": "torch.compile max-autotune"}
@@ -1217,7 +1219,8 @@ def _print_run(report, output: Path | None) -> None:
         table.add_column(col, justify="left" if col == "program" else "right")
     names = {**RUN_NAMES, "plan": f"plan ({report.strategy})"}
     if "ort_enable_all_canonical" in report.timings:
-        names["ort_enable_all"] = "ONNX Runtime ENABLE_ALL, model as given"
+        for key in ("ort_enable_all", "ort_enable_extended"):
+            names[key] = f"{RUN_NAMES[key]}, model as given"
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
                       _versus(report, key, "ort_enable_all"), _versus(report, key, "ort_disable_all"))
@@ -1233,7 +1236,8 @@ def _print_run(report, output: Path | None) -> None:
               f"ONNX Runtime nodes in {seg['library']} segments; arena {_fmt_bytes(report.arena_peak_bytes)} of "
               f"{_fmt_bytes(report.activation_bytes)} activations "
               f"({report.arena_peak_bytes / max(1, report.activation_bytes):.0%}); plan vs unfused "
-              f"{_versus(report, 'plan', 'unfused')}")
+              f"{_versus(report, 'plan', 'unfused')}; plan vs ORT ENABLE_EXTENDED "
+              f"{_versus(report, 'plan', 'ort_enable_extended')}")
     out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
               f"rtol {report.rtol:g}")
     _print_torch(report.torch)
