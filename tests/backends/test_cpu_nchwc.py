@@ -157,17 +157,28 @@ def test_the_block_is_the_targets_lanes_and_none_below_eight():
 
 
 def test_the_blocked_form_is_priced_with_its_padding_and_kept_out_of_the_plans_choices(tmp_path):
-    """24 channels in blocks of 16 store 32: the blocked kernel reads and writes 32/24 of the NCHW
-    bytes of its activations (the filters and bias alike in both); the plan's own choices stay
-    NCHW (a program feeds every kernel the model's layout)."""
-    graph, _ = _conv_group(tmp_path, [1, 24, 8, 8], 24, 1, 1, act="Relu")
+    """A 3x3 conv of 24 channels to 24 (bias, Relu) at 14 x 14 in blocks of 16 stores 32 of each:
+    priced by hand, compute-bound (the regime where its FLOPs set its time), the blocked kernel
+    multiplies and adds for 32 output channels (its vectors compute the padded lanes; the 8 zero
+    input lanes of the last input block it skips: 24 input channels), reads 32/24 of the NCHW
+    bytes of its input and of its filters (packed for 32 outputs) and writes 32/24 of its output;
+    the bias, the epilogue and the plan's own NCHW choices as they were."""
+    from costmodels.roofline import host_params
+    from tests.search.test_layouts import host16
+
+    graph, _ = _conv_group(tmp_path, [1, 24, 14, 14], 24, 3, 1, act="Relu")
     (blocked,) = nchwc_choices(graph, _whole(graph), AVX512)
     nchw = choices(graph, _whole(graph), host=AVX512)
     assert all(kn.schedule.product != "nchwc" and not kn.schedule.layout_out.blocked for kn in nchw)
-    act = 24 * 64 * 4
-    weights = (24 * 24 + 24) * 4
-    assert (blocked.read_bytes, blocked.write_bytes) == (act * 32 // 24 + weights, act * 32 // 24)
-    assert (nchw[0].read_bytes, nchw[0].write_bytes) == (act + weights, act)
+    pixels, taps, bias = 14 * 14, 3 * 3, 24 * 14 * 14
+    assert blocked.tc_flops == 2 * 32 * pixels * 24 * taps + bias == 2_714_208
+    assert nchw[0].tc_flops == 2 * 24 * pixels * 24 * taps + bias == 2_036_832
+    assert blocked.scalar_flops == nchw[0].scalar_flops == 24 * pixels  # the Relu, over the real lanes
+    assert blocked.read_bytes == (32 * pixels + 32 * 24 * taps + 24) * 4 == 52_832
+    assert blocked.write_bytes == 32 * pixels * 4 == 25_088
+    assert (nchw[0].read_bytes, nchw[0].write_bytes) == ((24 * pixels + 24 * 24 * taps + 24) * 4, 24 * pixels * 4)
+    cost = kernel_cost(blocked, host16(), RooflineModel(host_params()))
+    assert cost.bound == "compute" and cost.flops == blocked.tc_flops + blocked.scalar_flops
     assert blocked.spec().product == "nchwc"
     assert nchwc_choices(graph, _whole(graph), CpuTarget(lanes=4)) == ()
 
