@@ -633,15 +633,15 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     """The group's forms in the target's blocked layout (`layout.Layout` of its `channel_block`):
     a conv group `schedule.nchwc_conv` accepts as product "nchwc" (its input as
     `schedule.nchwc_input` says: an image's few channels stay NCHW), an anchorless one
-    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add) with its tensors
-    blocked; each priced with its padding (`_with_layouts`); above one thread each also as its
+    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add, an upsample, a
+    concat of whole blocks) with its tensors blocked; each priced with its padding (`_with_layouts`); above one thread each also as its
     one-thread form, last (`with_one_thread_forms`, as `choices`); () where none applies (a
     target without a block, another group, an illegal one). Kept apart from `choices` while plans
     hold NCHW only: a plan's programs feed every kernel the model's layout."""
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
-    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes))
+    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes, block))
             or (anchors and (len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0])))
             or isinstance(_lower_checked(graph, nodes, host), FusionDecision)):  # the cheap checks first
         return ()

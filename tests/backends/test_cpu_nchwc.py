@@ -292,6 +292,50 @@ def test_pools_and_elementwise_groups_in_nchwc_equal_onnx_runtime(tmp_path, name
         assert not pad.any()
 
 
+CONCATS = {  # nodes, inputs, initializers: channel concats whose inputs but the last fill whole blocks
+    "silu-concat": ([helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["m"]),
+                     helper.make_node("Concat", ["m", "r"], ["out"], axis=1)],
+                    [("x", [1, 16, 5, 7]), ("r", [1, 24, 5, 7])], []),
+    "upsample-concat": ([helper.make_node("Resize", ["x", "", "scales"], ["u"], mode="nearest",
+                                          coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+                         helper.make_node("Concat", ["u", "r"], ["out"], axis=1)],
+                        [("x", [1, 32, 3, 4]), ("r", [1, 8, 6, 8])],
+                        [("scales", np.array([1, 1, 2, 2], np.float32))]),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("name", CONCATS)
+@pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
+def test_a_concat_of_whole_blocks_runs_blocked_and_equals_onnx_runtime(tmp_path, name, target):
+    """A channel concat (after an activation, after a nearest upsample) in NCHWc: each output
+    block read from one input block by the block's index, no division per lane; equal to ONNX
+    Runtime with the padded lanes zero."""
+    nodes, inputs, inits = CONCATS[name]
+    prep = prepare(save(make_model(nodes, inputs, [("out", None)], initializers=inits), tmp_path / "c.onnx"))
+    canonical = to_proto(prep.canonical)
+    values = all_values(canonical, random_feeds(canonical, 0))
+    (kernel,) = nchwc_choices(prep.graph, _whole(prep.graph), target)
+    gk = generate(prep.graph, kernel)
+    b = target.channel_block
+    assert f"(cb < {16 // b if name == 'silu-concat' else 32 // b}LL)" in gk.c_source.replace("if (cb <", "(cb <")
+    out = cpu.run(gk, {a.tensor: to_blocked(values[a.tensor], Layout(a.shape[-1])) if len(a.shape) == 5
+                       else values[a.tensor] for a in gk.inputs})
+    (a,) = gk.outputs
+    got = from_blocked(out[a.tensor], Layout(b), 40)
+    np.testing.assert_allclose(got, values["out"], rtol=0, atol=1e-5 * max(1.0, float(np.abs(values["out"]).max())))
+
+
+def test_a_concat_off_the_block_boundary_stays_nchw(tmp_path):
+    """24 + 16 channels in blocks of 16: the second input starts inside a block, so an output
+    block would mix two inputs' lanes; no blocked form (at block 8 both fill whole blocks)."""
+    nodes = [helper.make_node("Concat", ["x", "r"], ["out"], axis=1)]
+    prep = prepare(save(make_model(nodes, [("x", [1, 24, 4, 4]), ("r", [1, 16, 4, 4])], [("out", None)]),
+                        tmp_path / "c.onnx"))
+    assert nchwc_choices(prep.graph, _whole(prep.graph), AVX512) == ()
+    assert len(nchwc_choices(prep.graph, _whole(prep.graph), AVX2)) == 1
+
+
 def test_a_blocked_pool_reads_its_taps_without_branches(tmp_path):
     """A padded pool's taps outside the input are clamped reads bounded by -INFINITY, not guarded
     reads: a branch in the lane loop left GCC's masked loads unvectorized (resnet18's stem pool,
