@@ -30,6 +30,7 @@ from fusesearch.backends.timing import (
     compared,
     distinguishable,
     load_warning,
+    openmp_spins,
 )
 from fusesearch.regret import Regret
 from fusesearch.report import rank_correlations, rank_sentence
@@ -173,6 +174,28 @@ def test_the_load_warning_discounts_the_threads_of_the_timing_itself():
     # many CPUs, 4 timing: half of the 12 others
     assert load_warning(load=9.9, cpus=16, threads=4) is None
     assert "on 16 CPUs, 4 of them timing here" in load_warning(load=10.1, cpus=16, threads=4)
+
+
+def test_the_load_warning_says_spinning_threads_degrade_and_how_to_stop_them():
+    """Several spinning threads on a machine whose other work takes more than the CPUs they leave:
+    the line says so and names the way out; one thread, a passive policy or a lighter load: not."""
+    line = load_warning(load=3.4, cpus=2, threads=2, spinning=True)
+    assert line.endswith("its 2 OpenMP threads spin between kernels: set OMP_WAIT_POLICY=PASSIVE for figures that degrade less")
+    assert "\n" not in line
+    assert "OMP_WAIT_POLICY" not in load_warning(load=3.4, cpus=2, threads=2, spinning=False)
+    assert "OMP_WAIT_POLICY" not in load_warning(load=3.4, cpus=2, threads=1, spinning=True)
+    assert "OMP_WAIT_POLICY" not in load_warning(load=10.1, cpus=16, threads=4, spinning=True)  # 6 others, 12 free
+
+
+def test_openmp_spins_unless_passive_or_a_zero_count(monkeypatch):
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    assert openmp_spins()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert not openmp_spins()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert not openmp_spins()
 
 
 def test_run_prints_not_distinguishable_where_ranges_overlap():
