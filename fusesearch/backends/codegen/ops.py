@@ -810,8 +810,10 @@ def _pool(e, n, t, idx):
     tap reads `value(x, tap)`, so a producer in the group is inlined and recomputed per tap. A tap
     is bounds-checked only on the sides some window crosses: by a guarded read, or, in C loop nests
     (`window_clamp`), by reading a clamped position and bounding it by -INFINITY (max) or scaling
-    it by 0 (sum) outside the input (no branch: the column loop vectorizes); columns of the nest's
-    interior loop (`window_cols`) are not checked at all."""
+    it by 0 (sum) outside the input (no branch: the column loop vectorizes); an undilated max
+    takes the clamped read as it is (the input's edge element, inside the same window: the max
+    is unchanged, and no per-pixel bound is built); columns of the nest's interior loop
+    (`window_cols`) are not checked at all."""
     x = n.inputs[0]
     window = pool_window(n.op_type, n.attrs, e.info(x).shape, e.info(t).shape, e.info(x).dtype,
                          len([o for o in n.outputs if o]))
@@ -842,6 +844,8 @@ def _pool(e, n, t, idx):
         cond = " && ".join(c_ for c_ in (ch, cw) if c_)
         if not cond:
             v = e.value(x, (nb, c, ph, pw))
+        elif e.window_clamp and maximum and all(axis.dilation == 1 for axis in window.axes):
+            v = e.value(x, (nb, c, qh, qw))  # the clamped position is the window's own edge: max unchanged
         elif e.window_clamp:  # a bound or a 0/1 factor, not a select: GCC masks selected loads and gives up
             bound = e.tmp("float", f"({cond}) ? INFINITY : (-INFINITY)" if maximum else f"({cond}) ? 1.0f : 0.0f")
             loaded = e.value(x, (nb, c, qh, qw))
