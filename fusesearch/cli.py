@@ -754,8 +754,9 @@ def _print_plan(p, output: Path | None) -> None:
     if p.layouts is not None:
         blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
         copies = sum(r.cost.time_s for r in p.reorders)
+        other = p.layouts.get("layout", f"NCHW{p.layouts['block']}c")
         out.print(f"layouts (--layouts {p.layouts['choice']}): {blocked} group{'s' if blocked != 1 else ''} in "
-                  f"NCHW{p.layouts['block']}c, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
+                  f"{other}, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
                   f"({_fmt_time(copies)})", markup=False)
     if opaque := _opaque_ops(p.graph):
         shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])

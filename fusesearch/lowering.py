@@ -39,10 +39,12 @@ from fusesearch.schedule import (
     ONE_THREAD,
     PACKED,
     REORDER_SQUARE,
+    STAGING_OPS,
     THREADS,
     VIEW_OPS,
     CpuTarget,
     Schedule,
+    a_load_elements,
     activation_sectors,
     anchor_derived,
     block_per_row,
@@ -785,18 +787,24 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
             # a lane's accumulators, its A and B fragments, addressing
             live = wm * wn // 32 + 4 * (wm // 16) + 2 * (wn // 8) + 16 + 2 * (len(nodes) - 1)
             kernels.append(_with_workspace(_build(graph, nodes, template, anchor.id, out_size, k, live, schedule)))
-    return tuple(_with_sectors(graph, kernel, anchor) for kernel in kernels)
+    return tuple(_with_staging(graph, kernel, anchor) for kernel in kernels)
 
 
-def _with_sectors(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
-    """A generated tensor-core conv with its activation's bytes counted as the 32-byte sectors its
-    A staging moves (`schedule.activation_sectors` as the input lies: NCHW's strided or short rows
-    of pixels, NHWC's runs of channels); a GEMM as it is."""
+def _with_staging(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
+    """A generated tensor-core conv priced at what its A staging moves as the input lies: its
+    activation's bytes as the 32-byte sectors the loads touch (`schedule.activation_sectors`:
+    NCHW's strided or short rows of pixels, NHWC's runs of channels), and STAGING_OPS of scalar
+    work per load, the A tile staged once per column of tiles (`schedule.a_load_elements`: an
+    element per load, or 16 bytes of channels channels last); a GEMM as it is."""
     if anchor.op_type != "Conv" or len(graph.tensors[anchor.inputs[0]].shape or ()) != 4:
         return kernel
     x = graph.tensors[anchor.inputs[0]]
-    ratio = activation_sectors(graph, anchor, kernel.schedule.layout_in, MMA_ELEMENT_BYTES[kernel.schedule.skeleton])
-    return replace(kernel, read_bytes=kernel.read_bytes + round(x.nbytes * (ratio - 1)))
+    esize, layout = MMA_ELEMENT_BYTES[kernel.schedule.skeleton], kernel.schedule.layout_in
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    z, _ = _tile_batches(graph, anchor)
+    loads = z * m * k * math.ceil(n_dim / kernel.schedule.tile[1]) // a_load_elements(graph, anchor, layout, esize)
+    return replace(kernel, read_bytes=kernel.read_bytes + round(x.nbytes * (activation_sectors(graph, anchor, layout, esize) - 1)),
+                   scalar_flops=kernel.scalar_flops + STAGING_OPS * loads)
 
 
 def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:

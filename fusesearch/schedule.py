@@ -572,6 +572,23 @@ def reorder_grid(shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 SECTOR_BYTES = 32  # the unit a GPU's L2 and DRAM move: a warp's load costs the 32-byte sectors it touches
+# integer instructions a thread spends per load of a conv's A tile: its pixel's (n, oh, ow) and its
+# tap's (c, r, s) decoded (four divisions by constants, about 3 instructions each), the input
+# position and bounds, the address and the copy; an estimate, charged as scalar work
+STAGING_OPS = 16
+
+
+def a_load_elements(graph: Graph, anchor: Node, layout: Layout, element_bytes: int) -> int:
+    """Elements of a conv's A tile one staging load moves: a chunk of VECTOR_BYTES of channels
+    (a 16-byte cp.async, `codegen.mma_sync`) where the input lies channels last, is stored as the
+    tile is staged (float32 under TF32, the half type under FP16/BF16) and its channels (of a
+    group, and all) are whole chunks; else one element per load."""
+    x = graph.tensors[anchor.inputs[0]]
+    elements = VECTOR_BYTES // element_bytes
+    cin_g = x.shape[1] // int(anchor.attrs.get("group", 1))
+    whole = layout.channels_last and x.nbytes // max(1, x.size) == element_bytes and not (cin_g % elements
+                                                                                          or x.shape[1] % elements)
+    return elements if whole else 1
 
 
 def activation_sectors(graph: Graph, anchor: Node, layout: Layout, element_bytes: int) -> float:

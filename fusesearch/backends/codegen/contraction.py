@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from costmodels import DTYPE_BYTES
 from fusesearch.backends.codegen.base import CodegenRefused, store
 from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry, _conv_input
 from fusesearch.ir.graph import Graph, Node
-from fusesearch.schedule import MMA_ELEMENT_BYTES, VECTOR_BYTES, anchor_derived
+from fusesearch.schedule import MMA_ELEMENT_BYTES, a_load_elements, anchor_derived
 
 # -- CUDA: shared-memory tiled gemm / conv, vectorized pointwise ------------------------------
 
@@ -90,9 +89,9 @@ def _contraction(graph: Graph, anchor: Node, channels_last: bool = False) -> _Co
         return e.value(w, (f"(gz * {cout_g}LL + {n})", *parts))
 
     def chunk(e, m, k, elements):
-        """A chunk of `elements` channels of one pixel and tap: whole where the group's channels are
-        whole chunks (every chunk then starts on a multiple of `elements`: 16-byte aligned)."""
-        if cin_g % elements or sa[1] % elements or x not in e.args or graph.producer(x) in e.members:
+        """A chunk of `elements` channels of one pixel and tap (`schedule.a_load_elements` says
+        where they are whole: every chunk then starts on a multiple of `elements`, 16-byte aligned)."""
+        if x not in e.args or graph.producer(x) in e.members:
             return None
         spatial, _, strides, dilations, pads = _conv_geometry(e, anchor, sa, sb, ys, False)
         p = e.unflatten(m, pixels)
@@ -155,10 +154,10 @@ def tile_parts(graph: Graph, kernel, args, outs, skeleton: str, acc: str) -> Til
 
     a_lines, a_val = section(lambda: c.a(e, "gm", "gk"))
     esize = MMA_ELEMENT_BYTES.get(skeleton, 0)
-    x_dtype = graph.tensors[anchor.inputs[0]].dtype
+    elements = a_load_elements(graph, anchor, kernel.schedule.layout_in, esize) if esize and c.a_chunk else 1
     a_chunk = None
-    if c.a_chunk is not None and esize and DTYPE_BYTES.get(x_dtype) == esize:
-        chunk_lines, found = section(lambda: c.a_chunk(e, "gm", "gk", VECTOR_BYTES // esize))
+    if elements > 1:
+        chunk_lines, found = section(lambda: c.a_chunk(e, "gm", "gk", elements))
         a_chunk = (chunk_lines, *found) if found else None
     b_lines, b_val = section(lambda: c.b(e, "gk", "gn"))
     main = [o for o in outs if o.tensor in derived]
