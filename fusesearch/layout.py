@@ -1,19 +1,16 @@
 """How a 4-D activation tensor lies in memory inside a program: as in the model, in channel blocks, or channels last.
 
-Problem: a conv in NCHW reads one channel's plane at a time, so its vector lanes run along a row of
-pixels (short rows at 7x7 and 14x14, borders, strided reads); a depthwise conv cannot vectorize
-across channels at all. NCHWc (ONNX Runtime's NCHWc transformer, oneDNN's nChw16c) stores each
-pixel's channels in blocks of c, c the float32 lanes of the CPU's vectors, so a block of output
-channels is one vector register and a depthwise tap one vector FMA.
-On a GPU the tensor-core conv reads K = (r, s, c) of its implicit GEMM: in NHWC (channels last,
-cuDNN's and CUTLASS's preferred form) a pixel's channels are contiguous, so its A tile is staged in
-16-byte vectors along c and its output tile stores runs of channels.
+Problem: a CPU conv in NCHW vectorizes along short rows of pixels (a depthwise conv not across
+channels at all); NCHWc (ONNX Runtime's NCHWc, oneDNN's nChw16c) keeps each pixel's channels in
+blocks of c, the CPU's float32 lanes: an output block is one register, a depthwise tap one FMA. A
+GPU tensor-core conv reads K = (r, s, c) of its implicit GEMM: in NHWC (channels last, cuDNN's
+and CUTLASS's form) a pixel's channels are contiguous, staged in 16-byte vectors.
 Approach: `Layout` is a frozen value: NCHW (block 0), NCHWc (block c) or NHWC (`channels_last`:
-the one block of all the channels, so no padding), with its padded channel count, physical shape
-and byte size; `blocked` is every layout but the model's; `channel_block(lanes)` is the one place the block is read from
-the target (`schedule.CpuTarget.lanes`, the device's float32 lanes from its flags: 16 with
-AVX-512, 8 with AVX2, none below); `to_blocked`/`from_blocked` are numpy's reorders, the
-reference every C and CUDA reorder and test compares with (NHWC: the one block of all channels).
+one block of all the channels, no padding), with its padded channel count, physical shape and
+bytes; `blocked` is every layout but the model's; `channel_block(lanes)` is the one place the
+block is read from the target (`schedule.CpuTarget.lanes`: 16 with AVX-512, 8 with AVX2, none
+below); `to_blocked`/`from_blocked` are numpy's reorders, the reference every C and CUDA reorder
+and test compares with.
 Invariants: the padded channels of a blocked tensor hold zeros (every kernel writing one stores
 them), so a consumer may read whole blocks; a layout never changes a tensor's logical shape."""
 
