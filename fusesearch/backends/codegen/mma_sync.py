@@ -5,8 +5,7 @@ Approach: the anchor as z GEMMs (`contraction`), a BM x BN tile per block, WM x 
 `mma.sync` m16n8k8 (TF32) or m16n8k16 (FP16/BF16) into float registers. Staging: A and B
 K-contiguous per BK step, prologue applied (`tile_parts`, `mma.staged_element`), plain float loads
 by 4-byte cp.async, a half operand read as it is and K-contiguous by 16-byte cp.async per thread
-(`vector_source`), an NHWC conv's A by 16-byte cp.async of a pixel's channels at one tap, all
-inside or all padding (`TileParts.a_chunk`, `schedule.a_load_elements`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
+(`vector_source`), an NHWC conv's A by 16-byte cp.async of channels (`TileParts.a_chunk`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
 `stages` buffers with stages - 1 steps in flight; `ldmatrix.x4` for every operand (TF32 as b16
 pairs, rounded by `fs_tf32`); the epilogue on the accumulators (`ptx` layout), one store. Split-K
 (`mma_sync_split`): each split writes its partial of the real output (`Schedule.workspace_bytes`,
