@@ -158,7 +158,10 @@ def tile_parts(graph: Graph, kernel, args, outs, skeleton: str, acc: str) -> Til
     a_chunk = None
     if elements > 1:
         chunk_lines, found = section(lambda: c.a_chunk(e, "gm", "gk", elements))
-        a_chunk = (chunk_lines, *found) if found else None
+        if found is None:
+            raise CodegenRefused(f"{anchor.name}: A priced in chunks of {elements} channels has none "
+                                 "(the schedule and the generator disagree)")
+        a_chunk = (chunk_lines, *found)
     b_lines, b_val = section(lambda: c.b(e, "gk", "gn"))
     main = [o for o in outs if o.tensor in derived]
     y_shape = graph.tensors[anchor.outputs[0]].shape
