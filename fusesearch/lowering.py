@@ -39,7 +39,6 @@ from fusesearch.schedule import (
     ONE_THREAD,
     PACKED,
     REORDER_SQUARE,
-    STAGING_OPS,
     THREADS,
     VIEW_OPS,
     CpuTarget,
@@ -130,6 +129,7 @@ class Kernel:
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
     imbalance: float = 1.0  # a CPU gemm: its busiest thread's work over an even share (`schedule.split_imbalance`)
+    staged_loads: int = 0  # a generated GPU conv: the loads its A staging issues (`_with_staging`)
 
     # how it runs: the schedule's, decided once (see fusesearch.schedule)
     @property
@@ -172,7 +172,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
+            divisions=float(self.divisions), staged_loads=float(self.staged_loads), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
             min_arch=self.schedule.min_arch, product=self.schedule.product, imbalance=self.imbalance,
             cpu_threads=self.schedule.cpu_threads, mma_sync=self.schedule.skeleton in MMA_SYNC_SKELETONS.values())
 
@@ -793,9 +793,10 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
 def _with_staging(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
     """A generated tensor-core conv priced at what its A staging moves as the input lies: its
     activation's bytes as the 32-byte sectors the loads touch (`schedule.activation_sectors`:
-    NCHW's strided or short rows of pixels, NHWC's runs of channels), and STAGING_OPS of scalar
-    work per load, the A tile staged once per column of tiles (`schedule.a_load_elements`: an
-    element per load, or 16 bytes of channels channels last); a GEMM as it is."""
+    NCHW's strided or short rows of pixels, NHWC's runs of channels), and the loads it issues
+    (`Kernel.staged_loads`, charged `RooflineParams.staging_load_flops` each), the A tile staged
+    once per column of tiles (`schedule.a_load_elements`: an element per load, or 16 bytes of
+    channels channels last); a GEMM as it is."""
     if anchor.op_type != "Conv" or len(graph.tensors[anchor.inputs[0]].shape or ()) != 4:
         return kernel
     x = graph.tensors[anchor.inputs[0]]
@@ -804,7 +805,7 @@ def _with_staging(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
     z, _ = _tile_batches(graph, anchor)
     loads = z * m * k * math.ceil(n_dim / kernel.schedule.tile[1]) // a_load_elements(graph, anchor, layout, esize)
     return replace(kernel, read_bytes=kernel.read_bytes + round(x.nbytes * (activation_sectors(graph, anchor, layout, esize) - 1)),
-                   scalar_flops=kernel.scalar_flops + STAGING_OPS * loads)
+                   staged_loads=loads)
 
 
 def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:

@@ -572,12 +572,6 @@ def reorder_grid(shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 SECTOR_BYTES = 32  # the unit a GPU's L2 and DRAM move: a warp's load costs the 32-byte sectors it touches
-# integer instructions a thread spends per load of a conv's A tile: its pixel's (n, oh, ow) and its
-# tap's (c, r, s) decoded (four divisions by constants, about 3 instructions each), the input
-# position and bounds, the address and the copy; an estimate, charged as scalar work
-STAGING_OPS = 16
-
-
 def a_load_elements(graph: Graph, anchor: Node, layout: Layout, element_bytes: int) -> int:
     """Elements of a conv's A tile one staging load moves: a chunk of VECTOR_BYTES of channels
     (a 16-byte cp.async, `codegen.mma_sync`) where the input lies channels last, is stored as the

@@ -16,6 +16,9 @@ import pytest
 from onnx import helper
 
 from costmodels import RooflineModel
+from costmodels.devices import get_device
+from costmodels.profile import Profile, save_profile
+from costmodels.roofline import RooflineParams
 from fusesearch.api import for_device, resolve_device
 from fusesearch.backends import cudnn, emulate
 from fusesearch.backends.codegen import cuda_module, generate
@@ -28,7 +31,7 @@ from fusesearch.lowering import choices, nhwc_choices
 from fusesearch.pipeline import prepare
 from fusesearch.plans import Plan, plan_schema
 from fusesearch.run import plan_steps, run_emulated
-from fusesearch.schedule import STAGING_OPS, a_load_elements, activation_sectors
+from fusesearch.schedule import a_load_elements, activation_sectors
 from fusesearch.search import search
 from fusesearch.search.problem import SearchConfig, SearchProblem
 from fusesearch.verify import all_values, random_feeds
@@ -174,8 +177,8 @@ def test_the_nhwc_form_is_priced_at_the_sectors_and_loads_its_staging_moves(tmp_
     """A 3x3 stride-2 conv over 64 channels at 14x14 outputs: NCHW's A loads run along rows of 14
     pixels at stride 2 (27 floats spanning 4 sectors, one more shifted by the taps: 160 bytes for
     the 56 used), one element each; NHWC's along 64 channels (256 bytes, whole sectors), 4 per
-    16-byte load. The same tile is priced with those bytes and STAGING_OPS per load, and the
-    generator writes that schedule as given."""
+    16-byte load. The same tile is priced with those bytes and loads, and the
+    generator writes that schedule as given; with `staging_load_flops` the loads cost scalar work."""
     prep, _, _ = gpu(conv_relu(tmp_path, 64, 96, 3, 2, hw=28), tf32=True)
     anchor = next(n for n in prep.graph.nodes if n.op_type == "Conv")
     assert activation_sectors(prep.graph, anchor, NCHW, 4) == pytest.approx(160 / 56)
@@ -190,7 +193,7 @@ def test_the_nhwc_form_is_priced_at_the_sectors_and_loads_its_staging_moves(tmp_
         b = nhwc[tile]
         assert a.read_bytes - b.read_bytes == round(x * (160 / 56 - 1))
         loads = 2 * 14 * 14 * 576 * math.ceil(96 / tile[1])  # M x K per column of tiles
-        assert a.scalar_flops - b.scalar_flops == STAGING_OPS * (loads - loads // 4)
+        assert (a.staged_loads, b.staged_loads) == (loads, loads // 4) and a.scalar_flops == b.scalar_flops
         assert a.tc_flops == b.tc_flops and replace(a.schedule, layout_in=NHWC, layout_out=NHWC) == b.schedule
         gk = generate(prep.graph, b)
         assert gk.grid == b.schedule.grid and gk.dynamic_smem == b.schedule.smem_bytes
@@ -207,14 +210,25 @@ def test_a_gpu_reorder_is_priced_as_the_copy_it_is(tmp_path):
 
 # -- the plan -------------------------------------------------------------------------------------
 
+def staging_profile(tmp_path) -> str:
+    """An H100 whose profile prices a conv's staging loads (`staging_load_flops`: 16 instructions
+    a load, the datasheet model's estimate) as a GPU calibration would fit them."""
+    params = RooflineParams(staging_load_flops=16.0)
+    return save_profile(Profile(get_device("h100-sxm"), params, backend="cupy"), tmp_path / "h100-staging.json")
+
+
 def test_where_channels_last_pays_the_solver_runs_the_chain_nhwc(tmp_path, no_cudnn, run_cli):
     """Without cuDNN (the convs' library call is im2col + cuBLAS) the chain's convs run on our
-    mma.sync tiles; at 8 x 64 -> 96 channels over 56x56 their NCHW staging (a strided gather, one
-    element per load) costs more than NHWC's, and the chain pays its two reorders once: every conv
-    group NHWC, the input copied first and the output back last; plan.json and --explain say so.
-    With --layouts nchw nothing changes layout."""
-    path = chain(tmp_path, 64, 96, 56, 8)
+    mma.sync tiles; at 8 x 64 -> 96 channels over 56x56, with each staging load priced, their NCHW
+    staging (a strided gather, one element per load) costs more than NHWC's (4 channels a load),
+    and the chain pays its two reorders once: every conv group NHWC, the input copied first and
+    the output back last; plan.json and --explain say so. With --layouts nchw nothing changes
+    layout; with the datasheet model (staging in the efficiencies) the chain stays NCHW."""
+    path, device = chain(tmp_path, 64, 96, 56, 8), staging_profile(tmp_path)
     prep, spec, model = gpu(path, tf32=True)
+    datasheet = search(prep.graph, spec, model, "cpsat", config=SearchConfig(workers=1))
+    assert not datasheet.reorders
+    prep, spec, model = gpu(path, device, tf32=True)
     plan = search(prep.graph, spec, model, "cpsat", config=SearchConfig(workers=1, time_limit_s=30))
     convs = [g for g in plan.groups if g.kernel.anchor is not None]
     assert len(convs) == 4 and all(g.kernel.schedule.layout_out == NHWC for g in convs)
@@ -223,7 +237,7 @@ def test_where_channels_last_pays_the_solver_runs_the_chain_nhwc(tmp_path, no_cu
     nchw = search(prep.graph, spec, model, "cpsat", config=SearchConfig(workers=1, time_limit_s=30, layouts="nchw"))
     assert not nchw.reorders and plan.time_s < nchw.time_s
     out = tmp_path / "plan.json"
-    code, stdout, err = run_cli("plan", path, "--device", "h100-sxm", "--workers", "1", "--explain", "-o", out)
+    code, stdout, err = run_cli("plan", path, "--device", device, "--workers", "1", "--explain", "-o", out)
     assert code == 0, err
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, plan_schema())
