@@ -5,8 +5,10 @@ ONNX Runtime first) and timed in the same interleaved rounds (`run.run_plan`, CU
 PyTorch eager over the same model in NCHW and in channels_last (cuDNN's NHWC convs: the module's
 4-D weights and the input converted with `torch.channels_last`, timed apart by CUDA events, median
 of --repeat after --warmup). The conv route plans price is the environment's (`cudnn.ROUTE_ENV`;
-im2col where cuDNN is not installed). Each row says how many groups the auto plan runs NHWC and
-its reorders. Figures are printed and written as JSON (--out); without a GPU it says why and
+im2col where cuDNN is not installed); --device is a device name or a profile (the datasheet model
+leaves a conv's staging loads in its efficiencies, `staging_load_flops` 0: a profile that fits it
+prices NHWC's 16-byte loads). Each row says how many groups the auto plan runs NHWC and its
+reorders, and both plans' predicted times beside the measured ones. Figures are printed and written as JSON (--out); without a GPU it says why and
 exits 1 before planning anything.
 
     python benchmarks/bench_gpu_nhwc.py [--models resnet18,resnet50] [--device h100-sxm]
@@ -82,7 +84,7 @@ def bench(model: str, device: str, dtype: str, repeat: int, warmup: int) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet18,resnet50")
-    ap.add_argument("--device", default="h100-sxm", help="the device the plans are priced for (this GPU's kind)")
+    ap.add_argument("--device", default="h100-sxm", help="the device (or profile) the plans are priced for")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
