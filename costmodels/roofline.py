@@ -452,11 +452,13 @@ def _infeasible_reason(
     return ""
 
 
-# Our NCHW depthwise loop (vectors along a row of pixels, a filter tap broadcast) against our blocked
-# one (a block of channels per vector, one FMA per tap): measured 0.39x the time blocked in geometric
-# mean over mobilenetv2's depthwise convs at block 16, callgrind instructions 0.41x
-# (benchmarks/bench_nchwc.md); the rest of our products price alike until a profile fits them.
-HOST_PRODUCT_EFFICIENCY = {"depthwise": 0.4}
+# Our products against each other, measured on one Zen 4 core at block 16 (benchmarks/bench_nchwc.md):
+# the NCHW depthwise loop (vectors along a row of pixels, a filter tap broadcast) 0.39x the rate
+# of the blocked one (a block of channels per vector, one FMA per tap; callgrind instructions
+# 0.41x); the blocked dense convs 0.93-0.98x the time of our NCHW ones alone (p20 geometric
+# means of the 1x1 and 3x3 classes) and 0.94-0.96x inside whole programs (resnet18's 3x3 convs,
+# docs/benchmarks.md): so "nchwc" 1.05. The rest price alike until a profile fits them.
+HOST_PRODUCT_EFFICIENCY = {"depthwise": 0.4, "nchwc": 1.05}
 
 
 def host_params() -> RooflineParams:

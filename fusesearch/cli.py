@@ -85,8 +85,9 @@ InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: th
 NO_VERIFY = "--no-verify"
 Dump = Annotated[Path | None, typer.Option("--dump", help="Write each group's C and CUDA source, its schedule "
                                            "(JSON) and launch configuration into this folder, named by group "
-                                           "(g7.c, g7.cu, g7.json) with an index.json; a folder with files in it "
-                                           "needs --force.")]
+                                           "(g7.c, g7.cu, g7.json), and each layout reorder the program runs by "
+                                           "index, tensor and direction (r0.x.NCHW-NCHW16c.c, .json), with an "
+                                           "index.json; a folder with files in it needs --force.")]
 NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
                                       "generated kernels accumulate with fmaf on CUDA cores and library calls "
                                       "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
@@ -510,12 +511,16 @@ def _check_dump(dump: Path | None, force: bool) -> None:
 
 
 def _dump(plan_, dump: Path | None, force: bool) -> None:
-    """--dump: the plan's sources, schedules and launches, one file each per group (stderr says where)."""
+    """--dump: the plan's sources, schedules and launches, one file each per group and per reorder
+    (stderr says where)."""
     from fusesearch.dump import write_dump
 
     if dump is not None:
         written = write_dump(plan_, dump, force)
-        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups written to {dump}", file=sys.stderr)
+        n = len(plan_.reorders)
+        reorders = f" and {n} reorder{'s' * (n > 1)}" if n else ""
+        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups{reorders} written to {dump}",
+              file=sys.stderr)
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
@@ -1015,7 +1020,8 @@ def run(
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
-    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
+    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL, ENABLE_EXTENDED and DISABLE_ALL (exit 1 if
+    not equal)."""
     from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
     from fusesearch.buckets import split_dims
     from fusesearch.verify import check_memory
@@ -1185,6 +1191,7 @@ def _nothing():
 
 RUN_NAMES = {"plan": "plan", "unfused": "unfused (none)", "ort_enable_all": "ONNX Runtime ENABLE_ALL",
              "ort_enable_all_canonical": "ONNX Runtime ENABLE_ALL, canonical model",
+             "ort_enable_extended": "ONNX Runtime ENABLE_EXTENDED",
              "ort_disable_all": "ONNX Runtime DISABLE_ALL, canonical model", "torch_eager": "PyTorch eager",
              "torch_compile": "torch.compile (Inductor, frozen)",
              "torch_compile_max_autotune": "torch.compile max-autotune"}
@@ -1213,7 +1220,8 @@ def _print_run(report, output: Path | None) -> None:
         table.add_column(col, justify="left" if col == "program" else "right")
     names = {**RUN_NAMES, "plan": f"plan ({report.strategy})"}
     if "ort_enable_all_canonical" in report.timings:
-        names["ort_enable_all"] = "ONNX Runtime ENABLE_ALL, model as given"
+        for key in ("ort_enable_all", "ort_enable_extended"):
+            names[key] = f"{RUN_NAMES[key]}, model as given"
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
                       _versus(report, key, "ort_enable_all"), _versus(report, key, "ort_disable_all"))
@@ -1229,7 +1237,8 @@ def _print_run(report, output: Path | None) -> None:
               f"ONNX Runtime nodes in {seg['library']} segments; arena {_fmt_bytes(report.arena_peak_bytes)} of "
               f"{_fmt_bytes(report.activation_bytes)} activations "
               f"({report.arena_peak_bytes / max(1, report.activation_bytes):.0%}); plan vs unfused "
-              f"{_versus(report, 'plan', 'unfused')}")
+              f"{_versus(report, 'plan', 'unfused')}; plan vs ORT ENABLE_EXTENDED "
+              f"{_versus(report, 'plan', 'ort_enable_extended')}")
     out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
               f"rtol {report.rtol:g}")
     _print_torch(report.torch)

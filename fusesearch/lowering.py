@@ -640,15 +640,15 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     """The group's forms in the target's blocked layout (`layout.Layout` of its `channel_block`):
     a conv group `schedule.nchwc_conv` accepts as product "nchwc" (its input as
     `schedule.nchwc_input` says: an image's few channels stay NCHW), an anchorless one
-    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add) with its tensors
-    blocked; each priced with the padded channels' traffic; above one thread each also as its
+    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add, an upsample, a
+    concat of whole blocks) with its tensors blocked; each priced with its padding (`_with_layouts`); above one thread each also as its
     one-thread form, last (`with_one_thread_forms`, as `choices`); () where none applies (a
     target without a block, another group, an illegal one). Kept apart from `choices` while plans
     hold NCHW only: a plan's programs feed every kernel the model's layout."""
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
-    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes))
+    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes, block))
             or (anchors and (len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0])))
             or isinstance(_lower_checked(graph, nodes, host), FusionDecision)):  # the cheap checks first
         return ()
@@ -720,13 +720,23 @@ def reorders(graph: Graph, kernels: Sequence[Kernel]) -> list[tuple[str, Layout,
 
 
 def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node | None) -> Kernel:
-    """`kernel` with its traffic counted as its tensors lie (`schedule.tensor_layouts`): a blocked
-    tensor's padded channels are read and written too."""
+    """`kernel` priced as it runs in its layouts (`schedule.tensor_layouts`): a blocked tensor's
+    padded channels are read and written too, and a blocked conv computes whole output blocks (a
+    block is one vector register): its product's multiply-adds and its packed filter's reads on
+    the padded output channels too (24 channels in blocks of 16: 32). No multiply-adds on the
+    padded input channels (a dense tile skips them, `cpu_conv_nchwc._Geometry._lanes`), though
+    their blocks' bytes are read (whole cache lines)."""
     def padding(tensors) -> int:
         layouts = tensor_layouts(graph, anchor, tensors, kernel.schedule)
         return sum(layouts[t].size(graph.tensors[t].shape) * graph.tensors[t].nbytes // graph.tensors[t].size - graph.tensors[t].nbytes
                    for t in tensors if layouts[t].blocked)
-    return replace(kernel, read_bytes=kernel.read_bytes + padding(kernel.inputs),
+    flops = filters = 0
+    if anchor is not None and kernel.schedule.layout_out.blocked:
+        (n, c, *pixels), w = graph.tensors[anchor.outputs[0]].shape, anchor.inputs[1]
+        pad = kernel.schedule.layout_out.channels(c) - c
+        flops = 2 * n * pad * math.prod(pixels) * math.prod(graph.tensors[w].shape[1:])
+        filters = graph.tensors[w].nbytes * pad // c if w in kernel.inputs else 0
+    return replace(kernel, tc_flops=kernel.tc_flops + flops, read_bytes=kernel.read_bytes + padding(kernel.inputs) + filters,
                    write_bytes=kernel.write_bytes + padding(kernel.outputs))
 
 

@@ -279,6 +279,12 @@ class Plan:
                if self.layouts is not None else {}),
         }
 
+    @staticmethod
+    def reorder_dict(r: PlannedReorder) -> dict[str, Any]:
+        """A reorder as plan.json's `layouts.reorders` records it."""
+        return {"tensor": r.tensor, "from": r.source.name, "to": r.target.name, "after": r.after,
+                "time_s": _r(r.cost.time_s)}
+
     def _source(self, g: PlannedGroup) -> dict[str, str]:
         """A measured or hybrid plan says what priced each group (a predicted plan's are all the
         model's: nothing added, so its plan.json is what it was)."""
@@ -303,9 +309,8 @@ class Plan:
                        "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),
                        "dram_bytes": _r(self.dram_bytes), "flops": _r(self.flops)},
             **({"buckets": self.buckets} if self.buckets is not None else {}),
-            **({"layouts": {**self.layouts, "reorders": [
-                {"tensor": r.tensor, "from": r.source.name, "to": r.target.name, "after": r.after,
-                 "time_s": _r(r.cost.time_s)} for r in self.reorders]}} if self.layouts is not None else {}),
+            **({"layouts": {**self.layouts, "reorders": [self.reorder_dict(r) for r in self.reorders]}}
+               if self.layouts is not None else {}),
         }
 
     def to_json(self) -> str:

@@ -8,8 +8,8 @@ with a driver and the shared runtime (`cpu.runtime`) into one library, one ctype
 `plan_arena` places tensors greedily by lifetime, page-aligned (`cpu.alignment`). `run_plan` checks
 plan and unfused programs against ONNX Runtime (`verify.random_feeds`, `verify.compare`), names the
 first differing step (or passes with `amplified_err`), then times them in interleaved rounds beside
-ORT (ENABLE_ALL on `original_model` and canonical, `RunReport.ort_baseline`; DISABLE_ALL) and torch
-baselines. On a GPU a `CudaProgram` (device: `backends.cupy.Device` or `emulate.HostDevice`).
+ORT (ENABLE_ALL on `original_model` and canonical, `RunReport.ort_baseline`; ENABLE_EXTENDED, no
+layout transformer, on `original_model`; DISABLE_ALL) and torch baselines. On a GPU a `CudaProgram` (device: `backends.cupy.Device` or `emulate.HostDevice`).
 Invariants: overlapping lifetimes never share bytes; inputs and weights are never written; kernel
 names are unique; a CUDA graph only when no library step runs between kernels; `--check-each` runs
 without reuse; after `run_plan`, OpenMP's thread count is the caller's again."""
@@ -42,7 +42,7 @@ from fusesearch.backends.torch_baseline import baselines, torch_threads
 from fusesearch.errors import BadInput, FusesearchError
 
 log = logging.getLogger(__name__)
-TIMED = ("plan", "unfused", "ort_enable_all", "ort_enable_all_canonical", "ort_disable_all")
+TIMED = ("plan", "unfused", "ort_enable_all", "ort_enable_all_canonical", "ort_enable_extended", "ort_disable_all")
 ORT_ENABLE_ALL = ("ort_enable_all", "ort_enable_all_canonical")  # the model given, the canonical one
 TORCH_RUNS = ("torch_eager", "torch_compile", "torch_compile_max_autotune")  # `baselines=("torch",)`
 BASELINES = ("torch",)
@@ -830,7 +830,8 @@ class RunReport:
                 "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
                            "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
                            "plan_vs_unfused": self.ratio("plan", "unfused"),
-                           **{f"plan_vs_{k}": self.ratio("plan", k) for k in TORCH_RUNS if k in self.timings}},
+                           **{f"plan_vs_{k}": self.ratio("plan", k) for k in ("ort_enable_extended", *TORCH_RUNS)
+                              if k in self.timings}},
                 "ort_baseline": self.ort_baseline(), "backend": self.backend, "ort_provider": self.ort_provider,
                 **({"torch": self.torch} if self.torch is not None else {}),
                 **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
@@ -948,7 +949,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
              baselines: Sequence[str] = (), names: Mapping[str, str] | None = None) -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
-    them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
+    them and ONNX Runtime (ENABLE_ALL, ENABLE_EXTENDED, DISABLE_ALL); Mismatch (exit 1) naming the first differing
     step. `backend` (a registered one that times, or its name) with a `program_device` (cupy):
     the programs are `CudaProgram`s on it, timed with its clock (CUDA events); else the host's C
     programs. `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`).
@@ -1006,9 +1007,10 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         say("checking ONNX Runtime on the model as given")
         original = original_model(prep)
         checked_original = None if original is None else check_original(original, threads, feeds, reference, rtol)
-        ort_models = ([("ort_enable_all", canonical, True)] if original is None else
-                      [("ort_enable_all", original, True), ("ort_enable_all_canonical", canonical, True)])
-        ort_models.append(("ort_disable_all", canonical, False))
+        ort_models = ([("ort_enable_all", canonical, "all")] if original is None else
+                      [("ort_enable_all", original, "all"), ("ort_enable_all_canonical", canonical, "all")])
+        ort_models += [("ort_enable_extended", canonical if original is None else original, "extended"),
+                       ("ort_disable_all", canonical, "none")]
         if device is not None:  # the programs on their inputs, resident since the check
             runs = {label: programs[label].run for label in ("plan", "unfused")}
             clocks = {label: device.clock() for label in runs}
@@ -1021,7 +1023,8 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
             for label in ("plan", "unfused"):
                 runs[label] = lambda program=programs[label]: program(feeds)
             for key, model, level in ort_models:
-                sess = checked_original if model is original else session(model, threads=threads, optimize=level)
+                sess = (checked_original if key == "ort_enable_all" and checked_original is not None
+                        else session(model, threads=threads, optimize=level))
                 names = [o.name for o in sess.get_outputs()]
                 ort_feeds = session_feeds(sess, feeds)
                 runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)

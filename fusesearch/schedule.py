@@ -611,27 +611,37 @@ def per_channel(shape: Sequence[int] | None) -> bool:
     return shape is not None and len(shape) <= 4 and all(d == 1 for k, d in enumerate(shape[::-1]) if k != 2)
 
 
-def nchwc_pointwise(graph: Graph, nodes: Collection[int]) -> bool:
-    """Whether an anchorless group has an NCHWc form (`Schedule.layout_out` blocked, written by
-    `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): elementwise or broadcast ops and 2-D
-    MaxPool/AveragePool only, over float32 4-D tensors of one channel count, every other operand
-    per channel (`per_channel`): a pool, an activation, a residual Add + Relu between blocked
-    convs."""
+def nchwc_pointwise(graph: Graph, nodes: Collection[int], block: int) -> bool:
+    """Whether an anchorless group has an NCHWc form in blocks of `block` (`Schedule.layout_out`
+    blocked, written by `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): over float32 4-D tensors,
+    elementwise or broadcast ops whose operands are of their output's shape or per channel
+    (`per_channel`), 2-D MaxPool/AveragePool, nearest Resize of the pixels, and Concat along the
+    channels where every input but the last fills whole blocks (each output block then comes
+    from one input block, lane for lane): a pool, an activation, a residual Add + Relu, a YOLO
+    neck's upsample and concat between blocked convs."""
     members = [graph.nodes[i] for i in sorted(nodes)]
     outs = [graph.tensors[t] for n in members for t in n.outputs if t]
     if not outs or any(o.shape is None or len(o.shape) != 4 or o.dtype != "float32" or per_channel(o.shape)
                        for o in outs):
         return False
-    channels = outs[0].shape[1]
-    for n in members:
-        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) and n.op_type not in ("MaxPool", "AveragePool"):
-            return False
-        for t in (t for t in n.inputs if t):
-            info = graph.tensors[t]
-            if info.dtype != "float32" or not (per_channel(info.shape) or (len(info.shape) == 4
-                                                                          and info.shape[1] == channels)):
-                return False
-    return all(o.shape[1] == channels for o in outs)
+    return all(_nchwc_member(graph, n, block) for n in members)
+
+
+def _nchwc_member(graph: Graph, n: Node, block: int) -> bool:
+    """One node of `nchwc_pointwise`'s group (its outputs already checked 4-D float32)."""
+    data = [graph.tensors[t] for t in (n.inputs[:1] if n.op_type == "Resize" else n.inputs) if t]
+    if any(i.dtype != "float32" or i.shape is None for i in data):
+        return False
+    out = graph.tensors[n.outputs[0]].shape
+    if n.op_type in ("MaxPool", "AveragePool"):
+        return len(data[0].shape) == 4 and data[0].shape[:2] == out[:2]
+    if n.op_type == "Resize":
+        return n.attrs.get("mode", "nearest") == "nearest" and data[0].shape[:2] == out[:2]
+    if n.op_type == "Concat":
+        return (int(n.attrs.get("axis", 0)) % 4 == 1 and all(len(i.shape) == 4 for i in data)
+                and all(i.shape[1] % block == 0 for i in data[:-1]))
+    return (n.kind in (OpKind.ELEMWISE, OpKind.BROADCAST)
+            and all(per_channel(i.shape) or tuple(i.shape) == tuple(out) for i in data))
 
 
 def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:

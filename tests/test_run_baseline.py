@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ from fusesearch.backends.timing import (
     compared,
     distinguishable,
     load_warning,
+    openmp_spins,
 )
 from fusesearch.regret import Regret
 from fusesearch.report import rank_correlations, rank_sentence
@@ -67,14 +69,18 @@ def test_run_times_onnx_runtime_on_the_model_as_given_and_on_the_canonical_one(r
     assert code == 0, stderr
     doc = json.loads(stdout)
     given, canonical = doc["ort_enable_all"], doc["ort_enable_all_canonical"]
-    assert given["n"] == canonical["n"] == doc["ort_disable_all"]["n"] == 3 and given["median_s"] > 0
+    extended = doc["ort_enable_extended"]
+    assert given["n"] == canonical["n"] == extended["n"] == doc["ort_disable_all"]["n"] == 3 and given["median_s"] > 0
     faster = min(("ort_enable_all", "ort_enable_all_canonical"), key=lambda k: doc[k]["median_s"])
     assert doc["ort_baseline"] == faster
     assert doc["ratios"]["plan_vs_ort_enable_all"] == pytest.approx(doc["plan"]["median_s"] / doc[faster]["median_s"])
+    assert doc["ratios"]["plan_vs_ort_enable_extended"] == pytest.approx(doc["plan"]["median_s"] / extended["median_s"])
     code, stdout, stderr = run_cli("run", dynamic(tmp_path), "--dim", "batch=8", "--strategy", "greedy",
                                    "--repeat", "3", "--warmup", "0")
     assert code == 0, stderr
     assert "ONNX Runtime ENABLE_ALL, model as given" in stdout and "ONNX Runtime ENABLE_ALL, canonical model" in stdout
+    assert "ONNX Runtime ENABLE_EXTENDED, model as given" in stdout
+    assert re.search(r"plan vs ORT ENABLE_EXTENDED \d+\.\d\dx", stdout)
     which = "model as given" if "the model as given's" in stdout else "canonical model"
     assert f"vs ORT ENABLE_ALL: against ONNX Runtime's faster ENABLE_ALL figure, the {which}'s" in stdout
 
@@ -100,6 +106,14 @@ def test_the_model_as_given_must_compute_what_its_canonical_form_does(tmp_path):
     assert sess.get_session_options().graph_optimization_level.name == "ORT_ENABLE_ALL"
     with pytest.raises(Mismatch, match="at output 'y'"):
         check_original(path, 1, feeds, {"y": right + 0.5}, 1e-4)
+
+
+@pytest.mark.parametrize("optimize, level", [(False, "ORT_DISABLE_ALL"), ("none", "ORT_DISABLE_ALL"),
+                                             ("extended", "ORT_ENABLE_EXTENDED"), (True, "ORT_ENABLE_ALL"),
+                                             ("all", "ORT_ENABLE_ALL")])
+def test_a_session_runs_at_the_optimization_level_asked(tmp_path, optimize, level):
+    options = session(dynamic(tmp_path), threads=1, optimize=optimize).get_session_options()
+    assert options.graph_optimization_level.name == level
 
 
 def test_every_session_stops_spinning_when_its_run_returns(tmp_path):
@@ -160,6 +174,28 @@ def test_the_load_warning_discounts_the_threads_of_the_timing_itself():
     # many CPUs, 4 timing: half of the 12 others
     assert load_warning(load=9.9, cpus=16, threads=4) is None
     assert "on 16 CPUs, 4 of them timing here" in load_warning(load=10.1, cpus=16, threads=4)
+
+
+def test_the_load_warning_says_spinning_threads_degrade_and_how_to_stop_them():
+    """Several spinning threads on a machine whose other work takes more than the CPUs they leave:
+    the line says so and names the way out; one thread, a passive policy or a lighter load: not."""
+    line = load_warning(load=3.4, cpus=2, threads=2, spinning=True)
+    assert line.endswith("its 2 OpenMP threads spin between kernels: set OMP_WAIT_POLICY=PASSIVE for figures that degrade less")
+    assert "\n" not in line
+    assert "OMP_WAIT_POLICY" not in load_warning(load=3.4, cpus=2, threads=2, spinning=False)
+    assert "OMP_WAIT_POLICY" not in load_warning(load=3.4, cpus=2, threads=1, spinning=True)
+    assert "OMP_WAIT_POLICY" not in load_warning(load=10.1, cpus=16, threads=4, spinning=True)  # 6 others, 12 free
+
+
+def test_openmp_spins_unless_passive_or_a_zero_count(monkeypatch):
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    assert openmp_spins()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert not openmp_spins()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert not openmp_spins()
 
 
 def test_run_prints_not_distinguishable_where_ranges_overlap():

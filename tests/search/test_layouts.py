@@ -63,6 +63,18 @@ def pointwise_chain(tmp_path) -> str:
     return save(make_model(nodes, [("x", [1, 32, 14, 14])], [("y", None)], inits), tmp_path / "pw.onnx")
 
 
+def dense_chain(tmp_path, channels: int, convs: int = 3) -> str:
+    """convs x (3x3 conv + bias + Relu) of `channels` to `channels` at 28 x 28, NCHW in and out."""
+    nodes, inits, last = [], [], "x"
+    for i in range(convs):
+        nodes += [helper.make_node("Conv", [last, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[3, 3], pads=[1] * 4),
+                  helper.make_node("Relu", [f"c{i}"], [f"a{i}"])]
+        inits += [(f"w{i}", _w([channels, channels, 3, 3], i)), (f"b{i}", _w([channels], 10 + i))]
+        last = f"a{i}"
+    return save(make_model(nodes, [("x", [1, channels, 28, 28])], [(last, None)], inits),
+                tmp_path / f"dense{channels}.onnx")
+
+
 def host16():
     """This machine's CPU figures with 16 float32 lanes (AVX-512's block, whatever the machine)."""
     return dataclasses.replace(get_device("host", 1), warp_size=16)
@@ -115,6 +127,16 @@ def test_where_blocks_do_not_pay_the_plan_stays_nchw(tmp_path):
     assert not _blocked(plan) and not plan.reorders
     assert plan.layouts == {"choice": "auto", "block": 16}
     assert all(g.kernel.schedule.layout_in == NCHW for g in plan.groups)
+
+
+def test_padding_that_does_not_pay_keeps_nchw(tmp_path):
+    """Dense 3x3 convs whose NCHW loops run at 0.8 of the blocked rate: 32 channels fill two
+    blocks of 16 and run blocked; 24 channels would compute 32 (a third more multiply-adds on
+    zero lanes, a third more bytes), which costs more than the blocked rate gains: NCHW."""
+    slow = {"product_efficiency": dict.fromkeys(("band", "packed", "rows", "im2col", "loops"), 0.8)}
+    full, padded = (_plan(dense_chain(tmp_path, c), params=slow) for c in (32, 24))
+    assert len(_blocked(full)) == 3 and len(full.reorders) == 2
+    assert not _blocked(padded) and not padded.reorders
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "rules", "none"])

@@ -383,6 +383,7 @@ def nchwc_pointwise_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], ou
         e.layouts = {t: lt for t, lt in tensor_layouts(graph, None, [*args, *(x.tensor for x in outs)],
                                                         kernel.schedule).items() if lt.blocked}
         e.channel_split = {"c": ("cb", "l")}
+        e.window_clamp = True  # a pool's taps clamped, not branched: a guarded read stops the lane loop vectorizing
         idx = ("nb", "c", "oh", "ow")
         v = e.value(o.tensor, idx)
         body = [*e.lines, store(o, e.at(o.tensor, idx), v)]

@@ -210,16 +210,33 @@ def _concat(e, n, t, idx):
         k = e.pinned[t]
         return e.value(parts[k], idx[:axis] + (f"({idx[axis]} - {offsets[k]}LL)",) + idx[axis + 1:])
     result = e.tmp(e.ctype(t), "0")
+    blocks = _concat_blocks(e, idx[axis], axis, offsets)
     for k, (x, off) in enumerate(zip(parts, offsets, strict=True)):
         hi = off + e.info(x).shape[axis]
-        cond = f"{idx[axis]} < {hi}LL"
+        cond = f"{blocks[0]} < {hi // blocks[2]}LL" if blocks else f"{idx[axis]} < {hi}LL"
         e.lines.append(("if" if k == 0 else "else if") + f" ({cond}) {{" if k < len(parts) - 1 else "else {")
         e.push()
         local = idx[:axis] + (f"({idx[axis]} - {off}LL)",) + idx[axis + 1:]
+        if blocks:  # the input's own block and the same lane: no division per lane
+            e.channel_split[local[axis]] = (f"({blocks[0]} - {off // blocks[2]}LL)", blocks[1])
         e.lines.append(f"{result} = {e.value(x, local)};")
         e.pop()
         e.lines.append("}")
     return result
+
+
+def _concat_blocks(e, c: str, axis: int, offsets: list[int]) -> tuple[str, str, int] | None:
+    """(block index, lane, block) of a channel concat in an NCHWc loop whose channel index `c` the
+    loop holds as a block and a lane (`_Emitter.channel_split`), every input starting on a
+    boundary of the kernel's block (`schedule.nchwc_pointwise`): the choice of input is then the
+    block's, invariant over the lanes (a branch GCC takes out of the vector loop); else None."""
+    blocks = {lt.block for lt in e.layouts.values() if lt.blocked}
+    if axis != 1 or c not in e.channel_split or len(blocks) != 1:
+        return None
+    (b,) = blocks
+    if any(off % b for off in offsets):
+        return None
+    return (*e.channel_split[c], b)
 
 
 def _split(e, n, t, idx):
