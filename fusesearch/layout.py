@@ -83,12 +83,6 @@ def copy_name(tensor: str, layout: Layout) -> str:
     return f"{tensor}@{layout.name}"
 
 
-def arg_layout(arg_shape: tuple[int, ...], shape: tuple[int, ...]) -> Layout:
-    """How a kernel argument of `arg_shape` holds a tensor of logical `shape`: in channel blocks
-    where a 4-D tensor is passed 5-D (the block its last dim), else as in the model."""
-    return Layout(arg_shape[-1]) if len(shape) == 4 and len(arg_shape) == 5 else NCHW
-
-
 def to_blocked(x: np.ndarray, layout: Layout) -> np.ndarray:
     """An NCHW array in `layout` (padded channels zero), contiguous."""
     if layout.channels_last:
