@@ -801,21 +801,23 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
 
 
 def _with_staging(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
-    """A generated tensor-core conv priced at what its A staging moves as the input lies: its
-    activation's bytes as the 32-byte sectors the loads touch (`schedule.activation_sectors`:
-    NCHW's strided or short rows of pixels, NHWC's runs of channels), and the loads it issues
-    (`Kernel.staged_loads`, charged `RooflineParams.staging_load_flops` each), the A tile staged
-    once per column of tiles (`schedule.a_load_elements`: an element per load, or 16 bytes of
-    channels channels last); a GEMM as it is."""
+    """A generated tiled conv (tensor or CUDA cores) priced at what its A staging moves as the
+    input lies: its activation's bytes as the 32-byte sectors the loads touch
+    (`schedule.activation_sectors`: NCHW's strided or short rows of pixels, NHWC's runs of
+    channels), and the loads it issues (`Kernel.staged_loads`, charged
+    `RooflineParams.staging_load_flops` each), the A tile staged once per column of tiles
+    (`schedule.a_load_elements`: an element per load, or 16 bytes of channels channels last); a
+    GEMM as it is."""
     if anchor.op_type != "Conv" or len(graph.tensors[anchor.inputs[0]].shape or ()) != 4:
         return kernel
     x = graph.tensors[anchor.inputs[0]]
-    esize, layout = MMA_ELEMENT_BYTES[kernel.schedule.skeleton], kernel.schedule.layout_in
+    itemsize, layout = x.nbytes // max(1, x.size), kernel.schedule.layout_in
+    staged = MMA_ELEMENT_BYTES.get(kernel.schedule.skeleton, itemsize)  # the element the tile holds
     m, n_dim, k = _gemm_dims(graph, anchor)
     z, _ = _tile_batches(graph, anchor)
-    loads = z * m * k * math.ceil(n_dim / kernel.schedule.tile[1]) // a_load_elements(graph, anchor, layout, esize)
-    return replace(kernel, read_bytes=kernel.read_bytes + round(x.nbytes * (activation_sectors(graph, anchor, layout, esize) - 1)),
-                   staged_loads=loads)
+    loads = z * m * k * math.ceil(n_dim / kernel.schedule.tile[1]) // a_load_elements(graph, anchor, layout, staged)
+    extra = round(x.nbytes * (activation_sectors(graph, anchor, layout, itemsize) - 1))
+    return replace(kernel, read_bytes=kernel.read_bytes + extra, staged_loads=loads)
 
 
 def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
@@ -836,7 +838,8 @@ def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: 
             live = tm * tn // THREADS + (tm + tn) // 16 + 2 * (len(nodes) - 1)
             own = Schedule("generated", "tiled", "cuda-core", (tm, tn, tk), threads=min(THREADS, tm * tn), grid=grid,
                            smem_bytes=(tm * tk + tk * tn) * 4)  # A and B staged once per K step, as float
-            kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live, own))
+            kernels.append(_with_staging(graph, _build(graph, nodes, template, anchor.id, out_size, k, live, own),
+                                         anchor))
     if kernels:
         return tuple(kernels)
     own = replace(grid_stride(max(graph.tensors[t].size for t in _external_outputs(graph, nodes))), skeleton="direct")

@@ -272,18 +272,20 @@ def forced_nhwc(prep, spec, model) -> Plan:
 @emulated
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_the_program_in_both_layouts_equals_onnx_runtime_emulated(tmp_path, dtype, no_cudnn):
-    """The chain's CUDA program in NCHW and with its conv groups NHWC (6 input channels staged
-    element by element, 40 in chunks; 3x3, 3x3 stride 2, 1x1 + residual Add + ReLU): the reorders
-    run as CUDA kernels between them, every step checked on its own inputs, outputs equal to ONNX
-    Runtime (float32 within TF32's tolerance)."""
+    """The chain's CUDA program in NCHW and with every group that has an NHWC form in it (6 input
+    channels staged element by element, 40 in chunks; 3x3, 3x3 stride 2, a conv + residual Add +
+    ReLU; a group with a prologue, ReLU before its conv, has none and stays NCHW between them):
+    the reorders run as CUDA kernels each way, every step checked on its own inputs, outputs equal
+    to ONNX Runtime (float32 within TF32's tolerance)."""
     prep, spec, model = gpu(chain(tmp_path), tf32=True, dtype=dtype)
     nchw = search(prep.graph, spec, model, "cpsat", config=SearchConfig(workers=1, layouts="nchw"))
     nhwc = forced_nhwc(prep, spec, model)
-    assert sum(g.kernel.schedule.layout_out == NHWC for g in nhwc.groups) == 4 and len(nhwc.reorders) == 2
+    assert sum(g.kernel.schedule.layout_out == NHWC for g in nhwc.groups) >= 3
+    assert {(r.source, r.target) for r in nhwc.reorders} == {(NCHW, NHWC), (NHWC, NCHW)}
     steps = plan_steps(prep.graph, nhwc)
     assert steps[0].kernel.name == "fs_reorder0" and steps[0].outputs == (copy_name("x", NHWC),)
     assert steps[-1].outputs == (copy_name("out", NCHW),)
     rtol = TOLERANCE["mma-tf32"] if dtype == "float32" else None
     run_emulated(prep, nchw, check_each=True, rtol=rtol)
     result = run_emulated(prep, nhwc, check_each=True, rtol=rtol)
-    assert result["kernels"] == 6 and result["library_steps"] == 0  # 4 groups, 2 reorders
+    assert result["kernels"] == len(nhwc.groups) + len(nhwc.reorders) and result["library_steps"] == 0
