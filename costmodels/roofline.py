@@ -2,14 +2,12 @@
 
 Problem: rank fusion choices by predicted time from counts alone, fast, every knob calibratable.
 Approach (after XLA's gpu_performance_model):
-    compute_s = tc_flops / (unit peak x eff[t, impl] x occ) + (scalar_flops + transcendentals x w
-                + divisions x d + iteration_size x index_divisions x e + staged_loads x g)
-                / (scalar peak x eff x occ)
+    compute_s = tc_flops / (unit peak x eff[t, impl] x occ) + (scalar_flops + transcendentals x w + divisions x d
+                + iteration_size x index_divisions x e + staged_loads x g) / (scalar peak x eff x occ)
     memory_s  = (read x r + write + spill) / (`DeviceSpec.bandwidth_for(read + write)` x mem_eff x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
-d `division_flops`, r `read_traffic_factor`, e `index_division_flops`, g `staging_load_flops`
-(defaults 0, 1, 0, 0); occ =
-min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
+d `division_flops`, r `read_traffic_factor`, e `index_division_flops`, g `staging_load_flops` (defaults
+0, 1, 0, 0); occ = min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
 `float32_uses_tf32`) price library calls and "tensor-core" units, other kernels the FP32 CUDA cores;
 eff[t, impl] is `library_efficiency`, `mma_*` or `tc_efficiency`; a CPU kernel on one thread
 (`cpu_threads`) gets its share of both rates and `serial_launch_overhead_s`.

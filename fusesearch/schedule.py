@@ -589,8 +589,8 @@ def activation_sectors(graph: Graph, anchor: Node, layout: Layout, element_bytes
     """The bytes of 32-byte sectors an implicit-GEMM conv's A staging moves per byte of its
     activation it uses, as the activation lies. NCHW (K = (c, r, s)): a warp's lanes run along M,
     a row of W_out output pixels at the conv's stride, so each row's run of ((W_out - 1) x
-    stride + 1) elements costs its sectors, one more where the taps shift it off a sector's start
-    (a window wider than 1 or padding); a 7x7 row or a stride of 2 moves 2-4x the bytes it uses.
+    stride + 1) elements costs its whole sectors: a stride of 2 moves about twice the bytes it
+    uses, a row of 7 or 14 floats 1.14x.
     NHWC (K = (r, s, c)): a pixel's channels are one contiguous run, its sectors rounded up once
     per pixel and tap (c x element bytes a multiple of 32: 1.0)."""
     x, y = graph.tensors[anchor.inputs[0]].shape, graph.tensors[anchor.outputs[0]].shape
@@ -598,10 +598,8 @@ def activation_sectors(graph: Graph, anchor: Node, layout: Layout, element_bytes
         run = x[1] // int(anchor.attrs.get("group", 1)) * element_bytes
         return -(-run // SECTOR_BYTES) * SECTOR_BYTES / run
     stride = (anchor.attrs.get("strides") or (1, 1))[-1]
-    kw = (anchor.attrs.get("kernel_shape") or graph.tensors[anchor.inputs[1]].shape[2:])[-1]
-    shifted = kw > 1 or any(anchor.attrs.get("pads") or ())
     span = ((y[-1] - 1) * stride + 1) * element_bytes
-    return (-(-span // SECTOR_BYTES) + shifted) * SECTOR_BYTES / (y[-1] * element_bytes)
+    return -(-span // SECTOR_BYTES) * SECTOR_BYTES / (y[-1] * element_bytes)
 
 
 def per_channel(shape: Sequence[int] | None) -> bool:
