@@ -756,11 +756,12 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
-    if p.layouts is not None:
-        blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
+    blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
+    if p.layouts is not None and (p.layouts["block"] or blocked):  # a GPU plan: where it runs a group NHWC
         copies = sum(r.cost.time_s for r in p.reorders)
+        other = p.layouts.get("layout", f"NCHW{p.layouts['block']}c")
         out.print(f"layouts (--layouts {p.layouts['choice']}): {blocked} group{'s' if blocked != 1 else ''} in "
-                  f"NCHW{p.layouts['block']}c, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
+                  f"{other}, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
                   f"({_fmt_time(copies)})", markup=False)
     if opaque := _opaque_ops(p.graph):
         shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])

@@ -27,7 +27,7 @@ from fusesearch.backends.registry import Backend, get_backend
 from fusesearch.backends.timing import Timing, TimingCache, warn_if_loaded
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.layout import arg_layout, from_blocked, to_blocked
+from fusesearch.layout import from_blocked, to_blocked
 from fusesearch.plans import Plan
 from fusesearch.verify import (
     all_values,
@@ -316,8 +316,8 @@ class _Runner:
 
     def _generated_runner(self, generated, inputs: dict):
         """The backend's (run, fetch) of a generated kernel on `inputs` as its arguments lie (a
-        blocked kernel's in channel blocks: `layout.arg_layout`), fetching its outputs as in the model."""
-        laid = {a.tensor: (arg_layout(tuple(a.shape), self.values[a.tensor].shape), tuple(a.shape))
+        blocked kernel's in channel blocks, a GPU conv's NHWC: `Arg.layout`), fetching its outputs as in the model."""
+        laid = {a.tensor: (a.layout, tuple(a.shape))
                 for a in (*generated.inputs, *generated.outputs)}
         run, fetch = self.backend.runner(generated, {t: to_blocked(v, laid[t][0]) for t, v in inputs.items()})
 

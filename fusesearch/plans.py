@@ -204,8 +204,8 @@ class Plan:
     # what priced it beyond the device's name (`costmodels.profile.priced_by`: a CPU's threads and
     # measured figures, a profile's sha256), written under "device" in plan.json
     priced: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    # where plans of this graph may choose layouts (`Legality.layout_block`): {"choice": auto | nchw,
-    # "block": c}, plan.json's "layouts" with the reorders; None where every tensor is NCHW by force
+    # where plans of this graph may choose layouts (`Legality.layout`, `search.problem.layouts_record`):
+    # {"choice": auto | nchw, "block": c} (a GPU's: block 0, "layout": "NHWC"), plan.json's "layouts" with the reorders; None where every tensor is NCHW by force
     layouts: Mapping[str, Any] | None = None
     reorders: tuple[PlannedReorder, ...] = ()
 

@@ -119,8 +119,10 @@ def _laid_out(graph, plan, steps: list[Step]) -> list[Step]:
     producer writes it (`Step.reads`, its kernel's arguments pointing there). Layouts as
     `lowering.kernel_layouts` says of the plan's kernels: a library or alias step reads NCHW."""
     from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel
+    from fusesearch.backends.codegen.nhwc import reorder_cuda_kernel
     from fusesearch.layout import NCHW, copy_name
     from fusesearch.lowering import kernel_layouts
+    from fusesearch.schedule import channels_last
 
     if not plan.reorders:
         return steps
@@ -135,8 +137,11 @@ def _laid_out(graph, plan, steps: list[Step]) -> list[Step]:
 
     after: dict[int, list[Step]] = {}
     for i, r in enumerate(plan.reorders):
-        kernel = reorder_kernel(r.tensor, tuple(graph.tensors[r.tensor].shape), r.source, r.target, name=f"fs_reorder{i}",
-                                threads=r.kernel.schedule.cpu_threads)
+        shape = tuple(graph.tensors[r.tensor].shape)
+        kernel = (reorder_cuda_kernel(r.tensor, shape, graph.tensors[r.tensor].dtype, r.source, r.target,
+                                      name=f"fs_reorder{i}") if channels_last(r.kernel.schedule) else
+                  reorder_kernel(r.tensor, shape, r.source, r.target, name=f"fs_reorder{i}",
+                                 threads=r.kernel.schedule.cpu_threads))
         after.setdefault(r.after, []).append(Step(-1, "generated", (), (r.tensor,), (kernel.outputs[0].tensor,),
                                                   kernel=kernel))
     copies = {s.outputs[0] for run in after.values() for s in run}
@@ -290,7 +295,7 @@ class Layout:
     outputs."""
 
     def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
-        from fusesearch.layout import NCHW, Layout, copy_name
+        from fusesearch.layout import NCHW, copy_name
 
         self.graph, self.steps = graph, list(steps)
         self.source: dict[str, str] = {}  # alias output → the tensor whose storage it shares
@@ -301,9 +306,9 @@ class Layout:
                 self.source[s.outputs[0]] = self.root(s.sources[0])
             if not s.nodes and s.how == "generated":  # a reorder
                 self.logical[s.outputs[0]] = s.inputs[0]
-            for a in s.kernel.outputs if s.kernel is not None else ():  # (N, C/c, H, W, c) of an (N, C, H, W)
-                if len(a.shape) == 5 and len(self.info(a.tensor).shape or ()) == 4:
-                    self.laid[a.tensor] = Layout(a.shape[-1])
+            for a in s.kernel.outputs if s.kernel is not None else ():  # (N, C/c, H, W, c) or (N, H, W, C)
+                if a.layout.blocked:
+                    self.laid[a.tensor] = a.layout
         # the model's outputs are read from their NCHW copy where their producer writes them blocked
         self.out_name = {t: copy_name(t, NCHW) if copy_name(t, NCHW) in self.logical else t for t in graph.outputs}
         used = [t for s in self.steps for t in (*s.sources, *s.outputs)] + list(self.out_name.values())
@@ -709,13 +714,20 @@ class CudaProgram(Layout):
         optional input."""
         if not t:
             return None
-        info = self.graph.tensors[t]
+        info = self.info(t)
         r = self.root(t)
         base, offset = (self.ext_arrays[r], 0) if r in self.ext_index else (self.arena, self.offsets[r])
-        return self.device.view(base, offset, tuple(info.shape), np.dtype(info.dtype))
+        layout = self.laid.get(r)
+        shape = tuple(info.shape) if layout is None else layout.shape(tuple(info.shape))
+        return self.device.view(base, offset, shape, np.dtype(info.dtype))
 
     def view(self, t: str) -> np.ndarray:
-        return self.device.copy_out(self.buffer(t))
+        """The tensor copied out in NCHW (one stored in another layout: `layout.from_blocked`)."""
+        from fusesearch.layout import from_blocked
+
+        stored = self.device.copy_out(self.buffer(t))
+        layout = self.laid.get(self.root(t))
+        return stored if layout is None else from_blocked(stored, layout, self.info(t).shape[1])
 
     def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
         for t, a in feeds.items():

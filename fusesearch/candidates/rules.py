@@ -9,7 +9,7 @@ has code for every op, from `Legality.capabilities`: legality never imports the 
 cheapest predicted or, with a `Measurer`, fastest measured). `Legality.check` memoizes per node
 set; `Legality.outcome` also shares decisions between groups of the same `structure`, so repeated
 blocks are lowered once per block shape (not with a `Measurer`). `Legality.blocked` is a group's
-form in channel blocks where plans may choose layouts (`layout_block`), `Legality.reorder` a copy
+form in the other layout where plans may choose layouts (`layout`), `Legality.reorder` a copy
 between layouts, both priced by the model.
 Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
 whichever caller asks."""
@@ -33,7 +33,7 @@ from fusesearch.costing import (
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
-from fusesearch.layout import Layout
+from fusesearch.layout import NCHW, Layout
 from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
@@ -180,7 +180,7 @@ class Legality:
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
     lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run
     measurer: Measurer | None = None  # None: predicted costs; else the choices' measured times
-    layout_block: int = 0  # the blocked layout's channel block plans may choose (`blocked`); 0: NCHW only
+    layout: Layout = NCHW  # the other layout plans may choose (`blocked`: NCHWc, NHWC); NCHW: the model's only
     _blocked: dict[frozenset[int], Verdict | None] = field(default_factory=dict, repr=False)
     _reorders: dict[tuple, tuple[Kernel, KernelCost]] = field(default_factory=dict, repr=False)
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
@@ -275,10 +275,10 @@ class Legality:
 
     def blocked(self, nodes: Iterable[int]) -> Verdict | None:
         """A legal group's form in the blocked layout (`costing.blocked_choices`), its cheapest
-        predicted choice, where plans may choose layouts (`layout_block`) and it has one that fits;
+        predicted choice, where plans may choose layouts (`layout`) and it has one that fits;
         else None (the group runs in NCHW)."""
         key = frozenset(nodes)
-        if not self.layout_block:
+        if not self.layout.blocked:
             return None
         if key not in self._blocked:
             options = blocked_choices(self.graph, FusionGroup(key), self.device, self.capabilities.blas)

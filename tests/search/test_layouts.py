@@ -17,12 +17,12 @@ from costmodels import RooflineModel
 from costmodels.devices import get_device
 from costmodels.profile import Profile, save_profile
 from costmodels.roofline import host_params
-from fusesearch.layout import NCHW, Layout
+from fusesearch.layout import NCHW, NHWC, Layout
 from fusesearch.lowering import reorders
 from fusesearch.pipeline import prepare
 from fusesearch.plans import plan_schema
 from fusesearch.search import search
-from fusesearch.search.problem import SearchConfig, SearchProblem, layout_block
+from fusesearch.search.problem import SearchConfig, SearchProblem, plan_layout
 from tests.conftest import make_model, save
 
 BLOCK = Layout(16)
@@ -145,16 +145,18 @@ def test_the_heuristics_keep_nchw(tmp_path, strategy):
     assert not _blocked(plan) and not plan.reorders
 
 
-def test_layouts_are_open_only_to_a_cnn_on_a_cpu_with_a_block(tmp_path):
+def test_layouts_are_open_only_to_a_cnn_on_a_cpu_with_a_block_or_a_gpu(tmp_path):
     graph = prepare(depthwise_chain(tmp_path)).graph
     mlp = prepare(save(make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [4, 8])], [("y", None)],
                                   [("w", _w([8, 8]))]), tmp_path / "mlp.onnx")).graph
     avx2 = dataclasses.replace(host16(), warp_size=8)
-    assert [layout_block(graph, d, "auto", False) for d in (host16(), avx2)] == [16, 8]
-    assert layout_block(graph, host16(), "nchw", False) == 0
-    assert layout_block(graph, host16(), "auto", True) == 0  # measured costs time NCHW forms only
-    assert layout_block(graph, get_device("h100-sxm"), "auto", False) == 0
-    assert layout_block(mlp, host16(), "auto", False) == 0
+    sse = dataclasses.replace(host16(), warp_size=4)
+    assert [plan_layout(graph, d, "auto", False) for d in (host16(), avx2, sse)] == [Layout(16), Layout(8), NCHW]
+    assert plan_layout(graph, host16(), "nchw", False) == NCHW
+    assert plan_layout(graph, host16(), "auto", True) == NCHW  # measured costs time NCHW forms only
+    assert plan_layout(graph, get_device("h100-sxm"), "auto", False) == NHWC  # its tensor-core convs
+    assert plan_layout(graph, get_device("h100-sxm"), "nchw", False) == NCHW
+    assert plan_layout(mlp, host16(), "auto", False) == NCHW
 
 
 def test_the_search_prices_reorders_as_plans_record_them(tmp_path):

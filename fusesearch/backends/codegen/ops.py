@@ -416,11 +416,12 @@ def _conv(e, n, t, idx):
     return _dot(e, math.prod(taps), term, init)
 
 
-def _conv_input(e, n, x, xs, idx, k, taps, geometry, g, cin_g) -> str:
-    """The (prologue-applied, zero-padded) input value under filter tap k of output idx."""
+def _conv_input(e, n, x, xs, idx, k, taps, geometry, g, cin_g, channels_last: bool = False) -> str:
+    """The (prologue-applied, zero-padded) input value under filter tap k of output idx; k over
+    `taps` (c, r, s), or (r, s, c) `channels_last`."""
     spatial, strides, pads, dilations = geometry
     parts = e.unflatten(k, taps)
-    ci, ks = parts[0], parts[1:]
+    ci, ks = (parts[-1], parts[:-1]) if channels_last else (parts[0], parts[1:])
     pos = [e.tmp("long long", f"({idx[2 + i]}) * {strides[i]}LL - {pads[i]}LL + ({ks[i]}) * {dilations[i]}LL")
            for i in range(spatial)]
     inside = " && ".join(f"{p} >= 0 && {p} < {xs[2 + i]}LL" for i, p in enumerate(pos))
