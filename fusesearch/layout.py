@@ -103,3 +103,16 @@ def from_blocked(x: np.ndarray, layout: Layout, channels: int) -> np.ndarray:
         return np.ascontiguousarray(x)
     n, cb, h, w, b = x.shape
     return np.ascontiguousarray(x.transpose(0, 1, 4, 2, 3).reshape(n, cb * b, h, w)[:, :channels])
+
+
+def laid_out(runner, generated, inputs: dict, shapes: dict) -> tuple:
+    """`runner(generated, feeds)`'s (run, fetch) (a backend's) on `inputs` (tensor -> array as in
+    the model) laid as the kernel's arguments lie (`Arg.layout`: channel blocks, NHWC), fetching
+    its outputs back as in the model (`shapes`: each output's logical shape)."""
+    laid = {a.tensor: (a.layout, tuple(a.shape)) for a in (*generated.inputs, *generated.outputs)}
+    run, fetch = runner(generated, {t: to_blocked(v, laid[t][0]) for t, v in inputs.items()})
+
+    def as_in_the_model() -> dict:
+        return {t: from_blocked(np.asarray(y).reshape(laid[t][1]), laid[t][0], shapes[t][1])
+                if laid[t][0].blocked else y for t, y in fetch().items()}
+    return run, as_in_the_model

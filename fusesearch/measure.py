@@ -27,7 +27,7 @@ from fusesearch.backends.registry import Backend, get_backend
 from fusesearch.backends.timing import Timing, TimingCache, warn_if_loaded
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.layout import from_blocked, to_blocked
+from fusesearch.layout import laid_out
 from fusesearch.plans import Plan
 from fusesearch.verify import (
     all_values,
@@ -294,7 +294,7 @@ class _Runner:
         inputs = {t: self.values[t] for t in kernel.inputs}
         shapes = [list(self.values[t].shape) for t in kernel.inputs]
         if generated is not None:
-            run, fetch = self._generated_runner(generated, inputs)
+            run, fetch = laid_out(self.backend.runner, generated, inputs, {t: v.shape for t, v in self.values.items()})
             return run, fetch, "generated", self._key(generated, shapes), ""
         how = "library" if len(kernel.nodes) == 1 or kernel.schedule.library else PER_NODE
         calls = []
@@ -313,18 +313,6 @@ class _Runner:
             return {t: outputs[t] for t in kernel.outputs}
 
         return run, fetch, how, None, ""
-
-    def _generated_runner(self, generated, inputs: dict):
-        """The backend's (run, fetch) of a generated kernel on `inputs` as its arguments lie (a
-        blocked kernel's in channel blocks, a GPU conv's NHWC: `Arg.layout`), fetching its outputs as in the model."""
-        laid = {a.tensor: (a.layout, tuple(a.shape))
-                for a in (*generated.inputs, *generated.outputs)}
-        run, fetch = self.backend.runner(generated, {t: to_blocked(v, laid[t][0]) for t, v in inputs.items()})
-
-        def in_model_layout() -> dict:
-            return {t: from_blocked(np.asarray(y).reshape(laid[t][1]), laid[t][0], self.values[t].shape[1])
-                    if laid[t][0].blocked else y for t, y in fetch().items()}
-        return run, in_model_layout
 
     def _parts(self, kernel) -> list:
         """The kernel itself when it is one node or one library call (a conv group's fused cuDNN

@@ -53,13 +53,14 @@ def check_layouts(value: object, named: str = "--layouts") -> str:
     return value
 
 
-def plan_layout(graph: Graph, device: DeviceSpec, layouts: str, measured: bool) -> Layout:
+def plan_layout(graph: Graph, device: DeviceSpec, layouts: str) -> Layout:
     """The layout other than the model's a plan of `graph` may choose on `device`
     (`costing.device_layout`: a CPU's NCHWc of its float32 lanes, 16 with AVX-512, 8 with AVX2; a
-    GPU's NHWC) where `layouts` is "auto", the costs are predicted (a measurer times NCHW forms)
-    and the graph has a conv over 4-D activations; else NCHW (every tensor as in the model)."""
+    GPU's NHWC) where `layouts` is "auto" and the graph has a conv over 4-D activations (with
+    measured costs too: a measurer times the groups' forms in that layout as in NCHW); else NCHW
+    (every tensor as in the model)."""
     convs = any(n.op_type == "Conv" and len(graph.tensors[n.inputs[0]].shape or ()) == 4 for n in graph.nodes)
-    if layouts != "auto" or measured or not convs:
+    if layouts != "auto" or not convs:
         return NCHW
     return device_layout(device)
 
@@ -99,7 +100,7 @@ class SearchProblem:
         """`measurer`: the groups' choices priced by their measured times (`autotune`), else
         by the cost model."""
         config = config or SearchConfig()
-        layout = plan_layout(graph, device, config.layouts, measurer is not None)
+        layout = plan_layout(graph, device, config.layouts)
         return cls(graph, Legality(graph, device, model, cpu.capabilities(), config.max_group_size,
                                    lone_anchors=config.lone_anchors, measurer=measurer, layout=layout), config)
 

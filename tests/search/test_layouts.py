@@ -151,12 +151,11 @@ def test_layouts_are_open_only_to_a_cnn_on_a_cpu_with_a_block_or_a_gpu(tmp_path)
                                   [("w", _w([8, 8]))]), tmp_path / "mlp.onnx")).graph
     avx2 = dataclasses.replace(host16(), warp_size=8)
     sse = dataclasses.replace(host16(), warp_size=4)
-    assert [plan_layout(graph, d, "auto", False) for d in (host16(), avx2, sse)] == [Layout(16), Layout(8), NCHW]
-    assert plan_layout(graph, host16(), "nchw", False) == NCHW
-    assert plan_layout(graph, host16(), "auto", True) == NCHW  # measured costs time NCHW forms only
-    assert plan_layout(graph, get_device("h100-sxm"), "auto", False) == NHWC  # its tensor-core convs
-    assert plan_layout(graph, get_device("h100-sxm"), "nchw", False) == NCHW
-    assert plan_layout(mlp, host16(), "auto", False) == NCHW
+    assert [plan_layout(graph, d, "auto") for d in (host16(), avx2, sse)] == [Layout(16), Layout(8), NCHW]
+    assert plan_layout(graph, host16(), "nchw") == NCHW
+    assert plan_layout(graph, get_device("h100-sxm"), "auto") == NHWC  # its tensor-core convs
+    assert plan_layout(graph, get_device("h100-sxm"), "nchw") == NCHW
+    assert plan_layout(mlp, host16(), "auto") == NCHW
 
 
 def test_the_search_prices_reorders_as_plans_record_them(tmp_path):
