@@ -316,8 +316,9 @@ def check_costs(costs: str) -> None:
 
 
 Layouts = Annotated[str, typer.Option("--layouts", help="auto: on a CPU with 8 or 16 float32 lanes a CNN's plan "
-                                      "may run groups in channel blocks (NCHWc) where that and the reorders it "
-                                      "needs pay (strategy cpsat; plan.json records it); nchw: every tensor as "
+                                      "may run groups in channel blocks (NCHWc), on a GPU its tensor-core convs "
+                                      "channels last (NHWC), where that and the reorders it needs pay, as priced "
+                                      "or measured (strategy cpsat; plan.json records it); nchw: every tensor as "
                                       "in the model.")]
 
 
