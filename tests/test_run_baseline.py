@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 from onnx import helper
 
-from costmodels.probes import OPENMP_WAIT
+from costmodels.probes import IDLE_BUSY_CPUS, OPENMP_PASSIVE, OPENMP_WAIT, busy_cpus, openmp_wait
 from fusesearch.backends import cpu
 from fusesearch.backends.timing import (
     NOT_DISTINGUISHABLE,
@@ -124,10 +124,10 @@ def test_every_session_stops_spinning_when_its_run_returns(tmp_path):
 
 
 @needs_cc
-def test_openmp_is_loaded_spinning_briefly_unless_the_user_says_otherwise():
+def test_openmp_is_loaded_with_our_wait_unless_the_user_says_otherwise():
     """libgomp reads its wait settings once, when it loads after the first compiled library: asked
-    to show them, it spins OPENMP_WAIT's count after a region (300000 by default, 0 passive), not
-    the default; a policy or count the user set is kept."""
+    to show them, it spins OPENMP_WAIT's count (an idle machine) or 0 (passive, a busy one), never
+    its default 300000; a policy or count the user set is kept."""
     # a compiled library loaded, then libgomp (the linker drops it from a library that makes no OpenMP call)
     script = "import ctypes\nimport fusesearch.backends.cpu as cpu\ncpu.null_runner()\nctypes.CDLL('libgomp.so.1')\n"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -141,10 +141,31 @@ def test_openmp_is_loaded_spinning_briefly_unless_the_user_says_otherwise():
 
     bounded = int(OPENMP_WAIT["GOMP_SPINCOUNT"])
     assert 0 < bounded < 300000  # awake between a program's regions, asleep soon after it
-    assert spins({}) == f"'{bounded}'"
+    assert spins({}) in (f"'{bounded}'", "'0'")
     assert spins({"OMP_WAIT_POLICY": "passive"}) == "'0'"
     assert spins({"OMP_WAIT_POLICY": "active"}) not in ("'0'", f"'{bounded}'")
     assert spins({"GOMP_SPINCOUNT": "5"}) == "'5'"
+
+
+def test_openmp_threads_spin_on_an_idle_machine_and_wait_passively_on_a_busy_one(monkeypatch):
+    """The wait is decided once, from the CPUs other processes keep busy as libgomp loads: under
+    half a CPU the bounded spin, else passive (a spinning team beside a busy process loses a time
+    slice per barrier); a setting already there (the user's, or ours) is kept."""
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    cpu._set_openmp_env(busy=lambda: 0.1)
+    assert os.environ.get("GOMP_SPINCOUNT") == OPENMP_WAIT["GOMP_SPINCOUNT"] and "OMP_WAIT_POLICY" not in os.environ
+    cpu._set_openmp_env(busy=lambda: 1.5)  # decided already
+    assert os.environ.get("GOMP_SPINCOUNT") == OPENMP_WAIT["GOMP_SPINCOUNT"]
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    cpu._set_openmp_env(busy=lambda: 0.8)
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
+    assert openmp_wait(IDLE_BUSY_CPUS - 0.01) == OPENMP_WAIT and openmp_wait(IDLE_BUSY_CPUS) == OPENMP_PASSIVE
+
+
+def test_busy_cpus_is_a_share_of_the_machine():
+    busy = busy_cpus(0.02)
+    assert 0.0 <= busy <= os.cpu_count()
 
 
 def test_figures_whose_ranges_overlap_are_not_distinguishable():
