@@ -12,9 +12,9 @@ intra-op pool) takes the cores from the program timed next. Each mode runs in a 
     passive      OMP_WAIT_POLICY=PASSIVE (a thread sleeps as a region ends, so each region of the
                  program wakes its threads again) and every session stopping its spin when its Run
                  returns (`verify.NO_SPINNING_AFTER_RUN`)
-    bounded      `run`'s settings: libgomp's threads spin about 0.3 ms (`probes.OPENMP_WAIT`,
-                 awake from one kernel's region to the next, asleep soon after the program) and the
-                 sessions as in passive
+    bounded      libgomp's threads spin about 0.3 ms (`probes.OPENMP_WAIT`, awake from one
+                 kernel's region to the next, asleep soon after the program) and the sessions as
+                 in passive: `run`'s settings on an idle machine (`probes.openmp_wait`)
 
 In each, `run_plan` times the plan, the unfused program and ONNX Runtime interleaved (ONNX
 Runtime's canonical-model ENABLE_ALL session is the figure compared), then the same session
@@ -38,20 +38,20 @@ def one(model: str, threads: int, repeat: int, mode: str) -> dict:
     """The figures of one mode, in this process."""
     import time
 
+    from costmodels.probes import OPENMP_PASSIVE, OPENMP_WAIT
     from fusesearch import verify
     from fusesearch.api import plan as make_plan
-    from fusesearch.backends import cpu
     from fusesearch.backends.timing import Timing
     from fusesearch.ir.canonicalize import to_proto
     from fusesearch.pipeline import prepare
     from fusesearch.run import run_plan
     from fusesearch.verify import random_feeds, session, session_feeds
 
-    if mode == "spinning":  # libgomp's default wait, sessions spinning after a Run
-        cpu.OPENMP_WAIT = {}
+    if mode == "spinning":  # libgomp's default wait (its count, set), sessions spinning after a Run
+        os.environ["GOMP_SPINCOUNT"] = "300000"
         verify.NO_SPINNING_AFTER_RUN = {}
-    elif mode == "passive":
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:  # set here, not left to the machine's idleness when libgomp loads (`probes.openmp_wait`)
+        os.environ.update(OPENMP_PASSIVE if mode == "passive" else OPENMP_WAIT)
     prep = prepare(f"zoo:{model}")
     p = make_plan(f"zoo:{model}", device="host", strategy="greedy", prepared=prep, threads=threads)
     unfused = make_plan(f"zoo:{model}", device="host", strategy="none", prepared=prep, threads=threads)

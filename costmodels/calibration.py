@@ -43,7 +43,7 @@ _BOUNDS = {"tc_efficiency": _EFFICIENCY, "library_efficiency": _EFFICIENCY, "mma
            "scalar_efficiency": _EFFICIENCY,
            "memory_efficiency": _EFFICIENCY,
            "launch_overhead_scale": (1e-3, 1e3),
-           "index_division_flops": (1e-3, 1e3), "read_traffic_factor": (1e-2, 2.0), "division_flops": (1e-2, 1e3),
+           "index_division_flops": (1e-3, 1e3), "staging_load_flops": (1e-2, 1e3), "read_traffic_factor": (1e-2, 2.0), "division_flops": (1e-2, 1e3),
            "transcendental_flops": (0.1, 1e4), "overlap": (1e-3, 1 - 1e-3),
            "occupancy_knee": (1e-3, 1.0), "product_efficiency": (1e-2, 1e2)}
 
@@ -155,6 +155,8 @@ def free_parameters(specs: Sequence[KernelSpec], device: DeviceSpec) -> list[str
     names += ["overlap", "launch_overhead_scale", "index_division_flops", "read_traffic_factor"]
     if any(s.divisions > 0 for s in specs):
         names.append("division_flops")
+    if any(s.staged_loads > 0 for s in specs):
+        names.append("staging_load_flops")
     if any(s.transcendentals > 0 for s in specs):
         names.append("transcendental_flops")
     return names
@@ -243,7 +245,7 @@ def fit(specs: Sequence[KernelSpec], measured_s: Sequence[float], device: Device
 
 
 SHARED = ("overlap", "launch_overhead_scale", "index_division_flops", "read_traffic_factor", "division_flops",
-          "transcendental_flops")
+          "transcendental_flops", "staging_load_flops")
 ANCHOR_FREE = ("pointwise", "rowwise")
 
 

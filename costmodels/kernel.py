@@ -43,7 +43,7 @@ DTYPE_BYTES: Mapping[str, int] = {
 DEFAULT_THREADS_PER_BLOCK = 256
 
 _FLOAT_FIELDS = ("tc_flops", "scalar_flops", "transcendentals", "divisions", "dram_read_bytes",
-                 "dram_write_bytes")
+                 "dram_write_bytes", "staged_loads")
 _INT_FIELDS = ("iteration_size", "reduction_length", "smem_bytes", "live_values_per_thread",
                "threads_per_block", "num_ops", "index_divisions", "blocks", "cpu_threads")
 
@@ -75,6 +75,9 @@ class KernelSpec:
     - `divisions`: of the scalar FLOPs, the floating-point divisions and square roots (Div, Sqrt,
       Reciprocal elements), which take several times a multiply's throughput; charged extra by
       `RooflineParams.division_flops`.
+    - `staged_loads`: the loads a generated conv's A staging issues (one element each, or 16 bytes
+      of channels where the input lies channels last), each decoding its pixel and tap: charged
+      `RooflineParams.staging_load_flops` each.
     - `num_ops` / `op_types`: the fused operators, for reports only.
     - `impl`: "generated" (a kernel the code generator writes; on a GPU its GEMM main loop runs
       `fmaf` on CUDA cores) or "library" (a lone anchor or opaque op through the vendor library,
@@ -120,6 +123,7 @@ class KernelSpec:
     op_types: tuple[str, ...] = ()
     index_divisions: int = 0
     divisions: float = 0.0
+    staged_loads: float = 0.0
     impl: str = "generated"
     blocks: int = 0
     unit: str = ""

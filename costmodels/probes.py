@@ -41,8 +41,17 @@ PROBES_VERSION = 7  # 7: the parallel region's cost with its threads spinning br
 # region to the next (sleeping at once cost each region a futex wake on a VM: mobilenetv2 at 2
 # threads 6.45 ms against 4.87 ms spinning); 0.3 ms after the program they sleep, so they do not
 # take the cores from ONNX Runtime timed next in the same round (libgomp's default, 300000 spins,
-# about 3 ms, did). Applied only where the user set neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT.
+# about 3 ms, did). But a spinning thread never yields its core: where another process is busy,
+# a team's spin holds the core its partner waits for, and every barrier can cost a time slice
+# (bert-small at 2 threads beside one busy process: 37.7 ms, against 1.3 ms at 1 thread). So the
+# threads spin only where the machine is idle when libgomp loads (`busy_cpus` under
+# IDLE_BUSY_CPUS), else wait passively (OPENMP_PASSIVE: a futex wake per region, about 1.4x slower
+# at 2 threads on an idle VM, never a time slice). The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT
+# is kept; the launch probe always measures the spinning team (what an idle machine runs).
 OPENMP_WAIT = {"GOMP_SPINCOUNT": "30000"}
+OPENMP_PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+IDLE_BUSY_CPUS = 0.5  # busy CPUs (other processes) below which the machine counts as idle
+IDLE_SAMPLE_S = 0.05  # how long `busy_cpus` watches
 
 # Copy used to measure DRAM bandwidth: each array is 2x the last-level cache (a streaming working
 # set larger than the cache gets almost no hits), within [32, 128] MiB, so at most 256 MiB is
@@ -290,6 +299,32 @@ def measure_launch_overhead(threads: int) -> float:
     except ValueError:
         return 0.0
     return seconds if math.isfinite(seconds) and 0 < seconds <= LAUNCH_MAX_S else 0.0
+
+
+def busy_cpus(seconds: float = IDLE_SAMPLE_S) -> float:
+    """How many CPUs the machine kept busy over the next `seconds` (/proc/stat's non-idle share of
+    every CPU's time, times the CPUs; this process sleeps meanwhile, so it is the others' work);
+    0.0 where /proc/stat cannot be read (not Linux)."""
+    def sample() -> tuple[int, int] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except (OSError, ValueError, IndexError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle
+    first = sample()
+    time.sleep(seconds)
+    second = sample()
+    if first is None or second is None or second[0] <= first[0]:
+        return 0.0
+    total, idle = second[0] - first[0], second[1] - first[1]
+    return max(0.0, (total - idle) / total * usable_cpus())
+
+
+def openmp_wait(busy: float) -> dict[str, str]:
+    """The wait settings libgomp loads with (module note): spinning on an idle machine (`busy`
+    CPUs taken by others under IDLE_BUSY_CPUS), passive otherwise."""
+    return OPENMP_WAIT if busy < IDLE_BUSY_CPUS else OPENMP_PASSIVE
 
 
 def usable_cpus() -> int:

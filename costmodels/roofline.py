@@ -2,12 +2,12 @@
 
 Problem: rank fusion choices by predicted time from counts alone, fast, every knob calibratable.
 Approach (after XLA's gpu_performance_model):
-    compute_s = tc_flops / (unit peak x eff[t, impl] x occ) + (scalar_flops + transcendentals x w
-                + divisions x d + iteration_size x index_divisions x e) / (scalar peak x eff x occ)
+    compute_s = tc_flops / (unit peak x eff[t, impl] x occ) + (scalar_flops + transcendentals x w + divisions x d
+                + iteration_size x index_divisions x e + staged_loads x g) / (scalar peak x eff x occ)
     memory_s  = (read x r + write + spill) / (`DeviceSpec.bandwidth_for(read + write)` x mem_eff x occ)
     time_s    = launch_s + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
-d `division_flops`, r `read_traffic_factor`, e `index_division_flops` (defaults 0, 1, 0); occ =
-min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
+d `division_flops`, r `read_traffic_factor`, e `index_division_flops`, g `staging_load_flops` (defaults
+0, 1, 0, 0); occ = min(1, occupancy / knee[t]) on GPUs, 1 on CPUs. Tensor cores (float32 as TF32 under
 `float32_uses_tf32`) price library calls and "tensor-core" units, other kernels the FP32 CUDA cores;
 eff[t, impl] is `library_efficiency`, `mma_*` or `tc_efficiency`; a CPU kernel on one thread
 (`cpu_threads`) gets its share of both rates and `serial_launch_overhead_s`.
@@ -114,6 +114,11 @@ DEFAULT_SPILL_TRAFFIC_FACTOR = 0.25
 # equivalents on the scalar units. 0: the datasheet model ignores it; calibration fits it (it
 # dominates small generated loops on a CPU, where time follows elements, not bytes).
 DEFAULT_INDEX_DIVISION_FLOPS = 0.0
+# A generated conv's A staging, per load (`KernelSpec.staged_loads`): its pixel's and tap's decode
+# (four divisions by constants), bounds, address and copy, in flop equivalents. 0: the datasheet
+# model leaves it in the generated kernels' efficiencies (set for NCHW's element-by-element
+# staging); about 16 instructions a load, which calibration fits against an NHWC conv's chunks.
+DEFAULT_STAGING_LOAD_FLOPS = 0.0
 # The share of compulsory read bytes that reach DRAM: 1 for the datasheet model (and for GPU
 # timings with an L2 flush); a CPU timing loop whose inputs stay in its last-level cache between
 # runs reads most of them from cache, which calibration fits.
@@ -157,6 +162,7 @@ class RooflineParams:
     transcendental_flops: float = DEFAULT_TRANSCENDENTAL_FLOPS
     spill_traffic_factor: float = DEFAULT_SPILL_TRAFFIC_FACTOR
     index_division_flops: float = DEFAULT_INDEX_DIVISION_FLOPS
+    staging_load_flops: float = DEFAULT_STAGING_LOAD_FLOPS
     read_traffic_factor: float = DEFAULT_READ_TRAFFIC_FACTOR
     division_flops: float = DEFAULT_DIVISION_FLOPS
     regs_base: float = resources.DEFAULT_REGS_BASE
@@ -185,7 +191,8 @@ class RooflineParams:
                 if not (low_ok and high_ok):
                     raise InvalidSpec(f"RooflineParams.{name}[{template}] = {value}, out of range")
         for name in ("overlap", "launch_overhead_scale", "transcendental_flops",
-                     "spill_traffic_factor", "index_division_flops", "read_traffic_factor", "division_flops",
+                     "spill_traffic_factor", "index_division_flops", "staging_load_flops", "read_traffic_factor",
+                     "division_flops",
                      "regs_base",
                      "regs_per_live_value"):
             value = _number(name, getattr(self, name))
@@ -411,7 +418,8 @@ class RooflineModel:
                        * p.get("scalar_efficiency", spec.template))
         scalar_flops = (spec.scalar_flops + spec.transcendentals * p.transcendental_flops
                         + spec.divisions * p.division_flops
-                        + spec.iteration_size * spec.index_divisions * p.index_division_flops)
+                        + spec.iteration_size * spec.index_divisions * p.index_division_flops
+                        + spec.staged_loads * p.staging_load_flops)
         return spec.tc_flops / tc_rate + scalar_flops / scalar_rate
 
     def _occupancy_scale(self, spec: KernelSpec, device: DeviceSpec, achieved: float) -> float:

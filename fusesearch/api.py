@@ -169,16 +169,17 @@ def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: 
         none = (search_prepared(prep, device, "none", config, threads=threads)[0] if lone_anchors != "priced"
                 else unfused)
         from fusesearch.candidates.rules import Legality
-        from fusesearch.costing import host_target
+        from fusesearch.costing import device_layout
         from fusesearch.export import plan_groups_from_json, plan_layouts_from_json
+        from fusesearch.layout import NCHW
 
         # the file's groups are checked on this device; their size is the file's (no search limit)
         legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
                             max_group_size=len(prep.graph), measurer=legality.measurer)
         groups = [frozenset(g) for g in plan_groups_from_json(plan_file, prep.graph, legality)]
-        block = host_target(legality.device).channel_block if legality.device.kind == "cpu" else 0
-        layouts, blocked = plan_layouts_from_json(plan_file, prep.graph, block)
-        legality.layout_block = block if blocked else 0  # the file's blocked groups as it chose them
+        layout = device_layout(legality.device)
+        layouts, blocked = plan_layouts_from_json(plan_file, prep.graph, layout)
+        legality.layout = layout if blocked else NCHW  # the file's laid-out groups as it chose them
         plan_ = Plan.build(legality, groups, strategy="file", device=resolve_device(device, threads)[0],
                            profile=None, solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
                            model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,

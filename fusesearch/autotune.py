@@ -32,6 +32,7 @@ from fusesearch.backends.codegen import CodegenRefused, generate
 from fusesearch.backends.registry import CPU, CUPY, Backend
 from fusesearch.backends.timing import Timing, TimingCache
 from fusesearch.errors import BadInput, FusesearchError
+from fusesearch.layout import laid_out
 
 COSTS = ("predicted", "measured", "hybrid")
 DEFAULT_BAND = 1.5  # hybrid: measure choices predicted within this factor of the group's best
@@ -383,7 +384,8 @@ class Autotuner:
         values = self.values()
         try:
             if choice.how == "generated":
-                run, fetch = self.backend.runner(choice.generated, {t: values[t] for t in choice.kernel.inputs})
+                run, fetch = laid_out(self.backend.runner, choice.generated, {t: values[t] for t in choice.kernel.inputs},
+                                      {t: v.shape for t, v in values.items()})
             else:
                 call, why = self.backend.library_call(self.canonical(), self.graph, choice.kernel, values)
                 if call is None:
@@ -473,14 +475,18 @@ def _skip(wanted: bool, predicted_s: float, best_s: float, band: float | None) -
 
 
 def _priced(legality, node_sets: Iterable[frozenset[int]]) -> list[tuple[list, list]]:
-    """Each legal group's choices that fit the device and their predicted costs (what is timed)."""
+    """Each legal group's choices that fit the device and their predicted costs (what is timed),
+    and apart from them its forms in the other layout where plans may choose one (`Legality.blocked`
+    then reads their times from the same batch)."""
     groups = []
     for nodes in node_sets:
         verdict = legality.check(nodes)
         options = legality.options(nodes, verdict.kernel) if verdict.decision else None
-        fits = legality.priced(options) if isinstance(options, tuple) else []
-        if fits:
-            groups.append(([k for k, _ in fits], [c for _, c in fits]))
+        for fits in ((legality.priced(options) if isinstance(options, tuple) else []),
+                     (legality.priced(legality.blocked_options(nodes)) if verdict.decision and legality.layout.blocked
+                      else [])):
+            if fits:
+                groups.append(([k for k, _ in fits], [c for _, c in fits]))
     return groups
 
 

@@ -85,8 +85,9 @@ InputValue = Annotated[list[str], typer.Option("--input-value", help="NAME=V: th
 NO_VERIFY = "--no-verify"
 Dump = Annotated[Path | None, typer.Option("--dump", help="Write each group's C and CUDA source, its schedule "
                                            "(JSON) and launch configuration into this folder, named by group "
-                                           "(g7.c, g7.cu, g7.json) with an index.json; a folder with files in it "
-                                           "needs --force.")]
+                                           "(g7.c, g7.cu, g7.json), and each layout reorder the program runs by "
+                                           "index, tensor and direction (r0.x.NCHW-NCHW16c.c, .json), with an "
+                                           "index.json; a folder with files in it needs --force.")]
 NoTf32 = Annotated[bool, typer.Option("--no-tf32", help="float32 GEMMs and convs without TF32 tensor cores: "
                                       "generated kernels accumulate with fmaf on CUDA cores and library calls "
                                       "are priced at FP32 (TF32 is ONNX Runtime's CUDA default).")]
@@ -315,8 +316,9 @@ def check_costs(costs: str) -> None:
 
 
 Layouts = Annotated[str, typer.Option("--layouts", help="auto: on a CPU with 8 or 16 float32 lanes a CNN's plan "
-                                      "may run groups in channel blocks (NCHWc) where that and the reorders it "
-                                      "needs pay (strategy cpsat; plan.json records it); nchw: every tensor as "
+                                      "may run groups in channel blocks (NCHWc), on a GPU its tensor-core convs "
+                                      "channels last (NHWC), where that and the reorders it needs pay, as priced "
+                                      "or measured (strategy cpsat; plan.json records it); nchw: every tensor as "
                                       "in the model.")]
 
 
@@ -510,12 +512,16 @@ def _check_dump(dump: Path | None, force: bool) -> None:
 
 
 def _dump(plan_, dump: Path | None, force: bool) -> None:
-    """--dump: the plan's sources, schedules and launches, one file each per group (stderr says where)."""
+    """--dump: the plan's sources, schedules and launches, one file each per group and per reorder
+    (stderr says where)."""
     from fusesearch.dump import write_dump
 
     if dump is not None:
         written = write_dump(plan_, dump, force)
-        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups written to {dump}", file=sys.stderr)
+        n = len(plan_.reorders)
+        reorders = f" and {n} reorder{'s' * (n > 1)}" if n else ""
+        print(f"fusesearch: {len(written)} files of {len(plan_.groups)} groups{reorders} written to {dump}",
+              file=sys.stderr)
 
 
 def _emit_fused(prep, groups, path: Path, force: bool, verify: bool, seed: int, values: dict) -> dict | None:
@@ -751,11 +757,12 @@ def _print_plan(p, output: Path | None) -> None:
     out.print(f"kernels {p.kernels} (canonical nodes {len(p.graph)})"
               f"   {label} {_fmt_time(p.time_s)}   unfused {_fmt_time(p.unfused_time_s)}"
               f"   speedup {p.speedup:.2f}x   {bound}")
-    if p.layouts is not None:
-        blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
+    blocked = sum(g.kernel.schedule.layout_out.blocked for g in p.groups)
+    if p.layouts is not None and (p.layouts["block"] or blocked):  # a GPU plan: where it runs a group NHWC
         copies = sum(r.cost.time_s for r in p.reorders)
+        other = p.layouts.get("layout", f"NCHW{p.layouts['block']}c")
         out.print(f"layouts (--layouts {p.layouts['choice']}): {blocked} group{'s' if blocked != 1 else ''} in "
-                  f"NCHW{p.layouts['block']}c, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
+                  f"{other}, {len(p.reorders)} reorder{'s' if len(p.reorders) != 1 else ''} "
                   f"({_fmt_time(copies)})", markup=False)
     if opaque := _opaque_ops(p.graph):
         shown = ", ".join(f"{op} {name!r}" for op, name in opaque[:OPAQUE_SHOWN])
@@ -1014,7 +1021,8 @@ def run(
     json_out: JsonFlag = False,
 ) -> None:
     """Run a plan end to end as one program (and the unfused graph the same way), check it equals
-    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL and DISABLE_ALL (exit 1 if not equal)."""
+    ONNX Runtime, and time both beside ONNX Runtime at ENABLE_ALL, ENABLE_EXTENDED and DISABLE_ALL (exit 1 if
+    not equal)."""
     from fusesearch.api import backend_device, check_run, plans_for, run_planned, run_tolerance
     from fusesearch.buckets import split_dims
     from fusesearch.verify import check_memory
@@ -1184,6 +1192,7 @@ def _nothing():
 
 RUN_NAMES = {"plan": "plan", "unfused": "unfused (none)", "ort_enable_all": "ONNX Runtime ENABLE_ALL",
              "ort_enable_all_canonical": "ONNX Runtime ENABLE_ALL, canonical model",
+             "ort_enable_extended": "ONNX Runtime ENABLE_EXTENDED",
              "ort_disable_all": "ONNX Runtime DISABLE_ALL, canonical model", "torch_eager": "PyTorch eager",
              "torch_compile": "torch.compile (Inductor, frozen)",
              "torch_compile_max_autotune": "torch.compile max-autotune"}
@@ -1212,7 +1221,8 @@ def _print_run(report, output: Path | None) -> None:
         table.add_column(col, justify="left" if col == "program" else "right")
     names = {**RUN_NAMES, "plan": f"plan ({report.strategy})"}
     if "ort_enable_all_canonical" in report.timings:
-        names["ort_enable_all"] = "ONNX Runtime ENABLE_ALL, model as given"
+        for key in ("ort_enable_all", "ort_enable_extended"):
+            names[key] = f"{RUN_NAMES[key]}, model as given"
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
                       _versus(report, key, "ort_enable_all"), _versus(report, key, "ort_disable_all"))
@@ -1228,7 +1238,8 @@ def _print_run(report, output: Path | None) -> None:
               f"ONNX Runtime nodes in {seg['library']} segments; arena {_fmt_bytes(report.arena_peak_bytes)} of "
               f"{_fmt_bytes(report.activation_bytes)} activations "
               f"({report.arena_peak_bytes / max(1, report.activation_bytes):.0%}); plan vs unfused "
-              f"{_versus(report, 'plan', 'unfused')}")
+              f"{_versus(report, 'plan', 'unfused')}; plan vs ORT ENABLE_EXTENDED "
+              f"{_versus(report, 'plan', 'ort_enable_extended')}")
     out.print(f"equal to ONNX Runtime: max rel err {report.max_rel_err:.2g} (unfused {report.unfused_max_rel_err:.2g}), "
               f"rtol {report.rtol:g}")
     _print_torch(report.torch)

@@ -20,8 +20,17 @@ from costmodels.roofline import scalar_peak_flops_per_s, tensor_peak_flops_per_s
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
-from fusesearch.layout import Layout
-from fusesearch.lowering import Kernel, choices, conv_routed, lower, nchwc_choices, reorder_choices
+from fusesearch.layout import NHWC, Layout
+from fusesearch.lowering import (
+    Kernel,
+    choices,
+    conv_routed,
+    lower,
+    nchwc_choices,
+    nhwc_choices,
+    reorder,
+    reorder_choices,
+)
 from fusesearch.schedule import CpuTarget
 
 
@@ -61,15 +70,28 @@ def host_target(device: DeviceSpec, blas: bool = True) -> CpuTarget:
     return CpuTarget(blas=blas, lanes=device.warp_size, threads=max(1, device.sm_count))
 
 
+def device_layout(device: DeviceSpec) -> Layout:
+    """The layout other than the model's that `device`'s kernels may run in: a CPU's NCHWc of its
+    channel block (`CpuTarget.channel_block`; NCHW where it has none), a GPU's NHWC (its
+    tensor-core convs channels last)."""
+    return NHWC if device.kind == "gpu" else Layout(host_target(device).channel_block)
+
+
 def blocked_choices(graph: Graph, group: FusionGroup, device: DeviceSpec, blas: bool = True) -> tuple[Kernel, ...]:
-    """The group's forms in a CPU device's blocked layout (`lowering.nchwc_choices`); () on a GPU."""
-    return () if device.kind == "gpu" else nchwc_choices(graph, group, host_target(device, blas))
+    """The group's forms in the device's other layout (`device_layout`): a CPU's blocked ones
+    (`lowering.nchwc_choices`), a GPU's channels-last convs (`lowering.nhwc_choices`, at its
+    tuned tile table's configurations)."""
+    if device.kind == "gpu":
+        return nhwc_choices(graph, group, device.tuned_tiles)
+    return nchwc_choices(graph, group, host_target(device, blas))
 
 
 def reorder_options(graph: Graph, tensor: str, source: Layout, target: Layout, device: DeviceSpec,
                     blas: bool = True) -> tuple[Kernel, ...]:
-    """A CPU device's copies of `tensor` between layouts (`lowering.reorder_choices`: above one
-    thread also the one-thread form)."""
+    """A device's copies of `tensor` between layouts (`lowering.reorder_choices`: on a CPU above
+    one thread also the one-thread form; on a GPU the one CUDA transpose, `lowering.reorder`)."""
+    if device.kind == "gpu":
+        return (reorder(graph, tensor, source, target),)
     return reorder_choices(graph, tensor, source, target, host_target(device, blas))
 
 

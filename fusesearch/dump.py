@@ -5,8 +5,10 @@ what a plan runs has no source to look at.
 Approach: the plan's groups become `run`'s steps (`run.plan_steps`), each written by group id:
 `g7.c` (C source; `gN.unitK.c` its linked C units), `g7.cu` (CUDA source where the schedule has
 one), `g7.json` (nodes, ops, how it runs and why, its schedule as plan.json records it, its
-launch), and `index.json` (model, device, strategy, every group's files). `check_dump_dir` is the
-one check every command's --dump passes before any work.
+launch), and `index.json` (model, device, strategy, every group's files). A plan with layouts:
+each reorder step `run` adds (`run._laid_out`) by its index, tensor and direction,
+`r0.clip_4.NCHW-NCHW16c.c` and `.json` (the plan's reorder, its schedule, its launch).
+`check_dump_dir` is the one check every command's --dump passes before any work.
 Invariants: a folder that holds files is written into only with --force, and then only the
 files named above are replaced; nothing else in it is touched."""
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from fusesearch.errors import BadInput, writing
@@ -55,9 +58,23 @@ def dump_files(plan) -> dict[str, str]:
         groups.append({"id": g.id, "runs_as": how,
                        "template": "alias" if g.kernel.alias else g.kernel.template,
                        "ops": [plan.graph.nodes[i].op_type for i in g.nodes], "files": names})
+    reorders = [_reorder_files(plan, i, r, steps, files) for i, r in enumerate(plan.reorders)]
     files[INDEX] = _json({"model": plan.model.name, "device": plan.device, "strategy": plan.strategy,
-                          "groups": groups})
+                          "groups": groups, **({"reorders": reorders} if reorders else {})})
     return files
+
+
+def _reorder_files(plan, i: int, r, steps, files: dict[str, str]) -> dict:
+    """Add reorder R's files (the C source of the step `run` runs for it, then its JSON) to FILES,
+    named `r{i}.{tensor}.{from}-{to}` (the tensor's name in letters, digits and `._-`); its index row."""
+    from fusesearch.layout import copy_name
+
+    step = next(s for s in steps if s.group == -1 and s.outputs == (copy_name(r.tensor, r.target),))
+    stem = f"r{i}.{re.sub(r'[^A-Za-z0-9._-]+', '_', r.tensor)[:80]}.{r.source.name}-{r.target.name}"
+    files[f"{stem}.c"] = step.kernel.c_source
+    files[f"{stem}.json"] = _json({**plan.reorder_dict(r), "runs_as": step.how,
+                                   "schedule": r.kernel.schedule.to_dict(), "launch": _launch(step.kernel)})
+    return {**plan.reorder_dict(r), "files": [f"{stem}.c", f"{stem}.json"]}
 
 
 def _group_files(plan, g, how: str, steps, files: dict[str, str]) -> list[str]:

@@ -43,15 +43,16 @@ def explain_lines(plan: Plan, legality: Legality) -> list[str]:
 
 
 def _layout_lines(plan: Plan, legality: Legality) -> list[str]:
-    """Per group the plan runs in a blocked layout, its price beside its NCHW form's; per tensor
-    the plan copies to another layout, the reorder's price and where it runs."""
+    """Per group the plan runs in another layout (a CPU's NCHWc, a GPU's NHWC), its price beside its
+    NCHW form's; per tensor the plan copies to another layout, the reorder's price and where it runs."""
     lines = []
     for g in plan.groups:
         schedule = g.kernel.schedule
         if schedule.layout_out.blocked:
             nchw = legality.check(frozenset(g.nodes)).time_s
             lines.append(f"[layout] g{g.id} in {schedule.layout_out.name} (reads {schedule.layout_in.name}): "
-                         f"{_us(g.cost.time_s - nchw)} (blocked {g.cost.time_s * 1e6:.1f} us vs NCHW {nchw * 1e6:.1f} us)")
+                         f"{_us(g.cost.time_s - nchw)} ({schedule.layout_out.name} {g.cost.time_s * 1e6:.1f} us vs NCHW "
+                         f"{nchw * 1e6:.1f} us)")
     for r in plan.reorders:
         where = f"after g{r.after}" if r.after >= 0 else "before the first group (a graph input)"
         lines.append(f"[reorder] '{r.tensor}' {r.source.name} -> {r.target.name} {where}: {_us(r.cost.time_s)}")

@@ -28,6 +28,7 @@ from onnx import helper
 from fusesearch.candidates.rules import Legality, Lowerable
 from fusesearch.errors import BadInput, check_output_path
 from fusesearch.ir.graph import Graph
+from fusesearch.layout import Layout
 from fusesearch.plans import order_groups, validate_plan
 
 DOMAIN = "fusesearch"
@@ -215,19 +216,22 @@ def plan_groups_from_json(path: Path, graph: Graph, legality: Legality | None = 
     return [groups[i] for i in order_groups(graph, [frozenset(g) for g in groups])]
 
 
-def plan_layouts_from_json(path: Path, graph: Graph, block: int) -> tuple[dict | None, set[frozenset[int]]]:
-    """(plan.json's layout choice and block, or None; the node-id groups it runs in channel blocks),
-    for `run --plan` to run the plan as it was chosen; BadInput where its block is not `block`,
-    the blocked layout of the CPU running it. Read after `plan_groups_from_json` has checked it."""
+def plan_layouts_from_json(path: Path, graph: Graph, layout: Layout) -> tuple[dict | None, set[frozenset[int]]]:
+    """(plan.json's layout record, or None; the node-id groups it runs in another layout), for
+    `run --plan` to run the plan as it was chosen; BadInput where that layout is not `layout`, the
+    one the device running it has (`costing.device_layout`: a CPU's channel block, a GPU's NHWC).
+    Read after `plan_groups_from_json` has checked it."""
     doc = _read_plan(path)
     layouts = doc.get("layouts")
     ids = {n.name: n.id for n in graph.nodes}
     blocked = {frozenset(ids[name] for name in g["nodes"]) for g in doc["groups"]
                if g.get("layout", {}).get("out", "NCHW") != "NCHW"}
-    if blocked and layouts["block"] != block:
-        raise BadInput(f"{path}: the plan runs groups in channel blocks of {layouts['block']}, this CPU's are "
-                       f"{block or 'none'}; plan again on this machine (or with --layouts nchw)")
-    return ({"choice": layouts["choice"], "block": layouts["block"]} if layouts else None), blocked
+    planned = layouts.get("layout", f"NCHW{layouts['block']}c") if layouts else "NCHW"
+    if blocked and planned != layout.name:
+        where = (f"channel blocks of {layouts['block']}, this CPU's are {layout.block or 'none'}" if layouts["block"]
+                 else f"{planned}, this device's other layout is {layout.name if layout.blocked else 'none'}")
+        raise BadInput(f"{path}: the plan runs groups in {where}; plan again on this machine (or with --layouts nchw)")
+    return ({k: layouts[k] for k in ("choice", "block", "layout") if k in layouts} if layouts else None), blocked
 
 
 def _check_groups(path: Path, graph: Graph, doc: dict, groups: list[list[int]]) -> None:

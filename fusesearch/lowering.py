@@ -26,21 +26,25 @@ from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.ir.op_kind import OpKind, node_flops, node_transcendentals
 from fusesearch.ir.pool import POOL_OPS, pool_window
-from fusesearch.layout import NCHW, Layout
+from fusesearch.layout import NCHW, NHWC, Layout
 from fusesearch.schedule import (
     ALIAS,
     DEPTHWISE,
     LIBRARY,
     MAX_GRID_YZ,
+    MMA_ELEMENT_BYTES,
     MMA_SYNC_SKELETONS,
     MMA_THREADS,
     ONE_PASS,
     ONE_THREAD,
     PACKED,
+    REORDER_SQUARE,
     THREADS,
     VIEW_OPS,
     CpuTarget,
     Schedule,
+    a_load_elements,
+    activation_sectors,
     anchor_derived,
     block_per_row,
     conv_reads_band,
@@ -66,10 +70,12 @@ from fusesearch.schedule import (
     nchwc_conv,
     nchwc_input,
     nchwc_pointwise,
+    nhwc_conv,
     one_pass_moments,
     one_thread_forms,
     prologue_forms,
     prologue_splits,
+    reorder_grid,
     row_prologue,
     scaled_product,
     split_blocks,
@@ -123,6 +129,7 @@ class Kernel:
     index_divisions: int = 0  # per element: divisions / modulos by non-power-of-two constants
     divisions: int = 0  # floating-point divisions and square roots (elements of Div, Sqrt, ...)
     imbalance: float = 1.0  # a CPU gemm: its busiest thread's work over an even share (`schedule.split_imbalance`)
+    staged_loads: int = 0  # a generated GPU conv: the loads its A staging issues (`_with_staging`)
 
     # how it runs: the schedule's, decided once (see fusesearch.schedule)
     @property
@@ -165,7 +172,7 @@ class Kernel:
             reduction_length=self.reduction_length, tile=self.tile, smem_bytes=self.smem_bytes,
             live_values_per_thread=self.live_values, threads_per_block=self.threads_per_block,
             num_ops=len(self.ops), op_types=self.ops, index_divisions=self.index_divisions,
-            divisions=float(self.divisions), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
+            divisions=float(self.divisions), staged_loads=float(self.staged_loads), impl=self.impl, blocks=self.blocks, unit=self.schedule.unit,
             min_arch=self.schedule.min_arch, product=self.schedule.product, imbalance=self.imbalance,
             cpu_threads=self.schedule.cpu_threads, mma_sync=self.schedule.skeleton in MMA_SYNC_SKELETONS.values())
 
@@ -633,15 +640,15 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     """The group's forms in the target's blocked layout (`layout.Layout` of its `channel_block`):
     a conv group `schedule.nchwc_conv` accepts as product "nchwc" (its input as
     `schedule.nchwc_input` says: an image's few channels stay NCHW), an anchorless one
-    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add) with its tensors
-    blocked; each priced with the padded channels' traffic; above one thread each also as its
+    `schedule.nchwc_pointwise` accepts (a pool, an activation, a residual Add, an upsample, a
+    concat of whole blocks) with its tensors blocked; each priced with its padding (`_with_layouts`); above one thread each also as its
     one-thread form, last (`with_one_thread_forms`, as `choices`); () where none applies (a
     target without a block, another group, an illegal one). Kept apart from `choices` while plans
     hold NCHW only: a plan's programs feed every kernel the model's layout."""
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
-    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes))
+    if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes, block))
             or (anchors and (len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0])))
             or isinstance(_lower_checked(graph, nodes, host), FusionDecision)):  # the cheap checks first
         return ()
@@ -661,15 +668,21 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
 
 
 def reorder(graph: Graph, tensor: str, source: Layout, target: Layout, split: str = "") -> Kernel:
-    """The kernel that copies a 4-D float32 `tensor` from layout `source` to `target` (NCHW <->
-    NCHWc, `codegen.cpu_conv_nchwc.reorder_kernel`), priced as the pointwise copy it is: each
+    """The kernel that copies a 4-D `tensor` from layout `source` to `target` (NCHW <-> NCHWc on a
+    CPU, `codegen.cpu_conv_nchwc.reorder_kernel`; NCHW <-> NHWC on a GPU, `codegen.nhwc`, its
+    launch `schedule.reorder_grid`), priced as the pointwise copy it is: each
     side's bytes as it lies (a blocked side with its padding), no arithmetic. What a plan pays on
     an edge whose producer writes one layout and consumer reads the other. `split` ONE_THREAD:
     its one-thread form (`reorder_choices`)."""
     info = graph.tensors[tensor]
     itemsize = info.nbytes // max(1, info.size)
-    schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=source, layout_out=target,
-                        split=split)
+    if source.channels_last or target.channels_last:  # a GPU's: squares transposed in shared memory
+        schedule = Schedule("generated", "grid-stride", "cuda-core", grid=reorder_grid(info.shape),
+                            smem_bytes=REORDER_SQUARE * (REORDER_SQUARE + 1) * itemsize, layout_in=source,
+                            layout_out=target)
+    else:
+        schedule = Schedule("generated", "grid-stride", "cpu-simd", threads=1, layout_in=source, layout_out=target,
+                            split=split)
     return Kernel("pointwise", (), (), None, info.dtype, (tensor,), (tensor,), max(source.size(info.shape),
                   target.size(info.shape)), 0, 2, 0, 0, 0, source.nbytes(info.shape, itemsize),
                   target.nbytes(info.shape, itemsize), schedule)
@@ -707,23 +720,52 @@ def reorders(graph: Graph, kernels: Sequence[Kernel]) -> list[tuple[str, Layout,
 
 
 def _with_layouts(graph: Graph, kernel: Kernel, anchor: Node | None) -> Kernel:
-    """`kernel` with its traffic counted as its tensors lie (`schedule.tensor_layouts`): a blocked
-    tensor's padded channels are read and written too."""
+    """`kernel` priced as it runs in its layouts (`schedule.tensor_layouts`): a blocked tensor's
+    padded channels are read and written too, and a blocked conv computes whole output blocks (a
+    block is one vector register): its product's multiply-adds and its packed filter's reads on
+    the padded output channels too (24 channels in blocks of 16: 32). No multiply-adds on the
+    padded input channels (a dense tile skips them, `cpu_conv_nchwc._Geometry._lanes`), though
+    their blocks' bytes are read (whole cache lines)."""
     def padding(tensors) -> int:
         layouts = tensor_layouts(graph, anchor, tensors, kernel.schedule)
         return sum(layouts[t].size(graph.tensors[t].shape) * graph.tensors[t].nbytes // graph.tensors[t].size - graph.tensors[t].nbytes
                    for t in tensors if layouts[t].blocked)
-    return replace(kernel, read_bytes=kernel.read_bytes + padding(kernel.inputs),
+    flops = filters = 0
+    if anchor is not None and kernel.schedule.layout_out.blocked:
+        (n, c, *pixels), w = graph.tensors[anchor.outputs[0]].shape, anchor.inputs[1]
+        pad = kernel.schedule.layout_out.channels(c) - c
+        flops = 2 * n * pad * math.prod(pixels) * math.prod(graph.tensors[w].shape[1:])
+        filters = graph.tensors[w].nbytes * pad // c if w in kernel.inputs else 0
+    return replace(kernel, tc_flops=kernel.tc_flops + flops, read_bytes=kernel.read_bytes + padding(kernel.inputs) + filters,
                    write_bytes=kernel.write_bytes + padding(kernel.outputs))
 
 
+def nhwc_choices(graph: Graph, group: FusionGroup, tuned: Sequence[tuple[str, str, tuple[int, ...]]] = ()
+                 ) -> tuple[Kernel, ...]:
+    """The group's channels-last forms on a GPU (`layout.NHWC`): a conv group `schedule.nhwc_conv`
+    accepts, at each mma.sync configuration (`_tensor_core_choices` with its input and outputs
+    NHWC: K = (r, s, c), A staged in 16-byte chunks of channels), priced with the sectors its A
+    staging moves as the input lies (`schedule.activation_sectors`); () for any other group or a
+    group lowering refuses. Kept apart from `choices` as `nchwc_choices` is: a plan's programs
+    feed every kernel NCHW unless the plan chose otherwise."""
+    nodes = [graph.nodes[i] for i in sorted(group.nodes)]
+    anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
+    if (len(anchors) != 1 or not nhwc_conv(graph, group.nodes, anchors[0])
+            or isinstance(_lower_checked(graph, nodes), FusionDecision)):  # the cheap checks first
+        return ()
+    anchor = anchors[0]
+    return _tensor_core_choices(graph, nodes, anchor, anchor_template(graph, anchor), tuple(tuned), NHWC)
+
+
 def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str,
-                         tuned: tuple = ()) -> tuple[Kernel, ...]:
+                         tuned: tuple = (), layout: Layout = NCHW) -> tuple[Kernel, ...]:
     """The anchor group on tensor cores, one Kernel per tile of `mma_tiles` (wmma) and then one per
     configuration of `mma_sync_tiles` (mma.sync) whose grid fits, where its operands have a
     tensor-core skeleton and a tile applies (`has_gemm_view`, `anchor_derived`); where the tuned
     table has a skeleton's configuration for the shape class (`schedule.tuned_choice`), that one
-    alone (split-K still a choice beside it)."""
+    alone (split-K still a choice beside it). `layout` NHWC (`nhwc_choices`): the mma.sync
+    configurations alone, reading and writing channels last. A conv's activation is priced at the
+    sectors its staging moves (`_with_sectors`)."""
     skeleton = tensor_core_skeleton(graph, anchor)
     if not skeleton or not has_gemm_view(graph, anchor) or anchor_derived(graph, [n.id for n in nodes], anchor) is None:
         return ()
@@ -735,7 +777,7 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
     wmma_tuned = tuned_choice(tuned, skeleton, m_z, n_dim)
     sync_tuned = tuned_choice(tuned, MMA_SYNC_SKELETONS[skeleton], m_z, n_dim)
     for tm, tn, tk in mma_tiles(m, n_dim):
-        if wmma_tuned and (tm, tn) != wmma_tuned:
+        if (wmma_tuned and (tm, tn) != wmma_tuned) or layout.channels_last:
             continue
         grid = (math.ceil(n_dim / tn), math.ceil(m_z / tm), z)
         if max(grid[1:]) <= MAX_GRID_YZ:
@@ -748,13 +790,34 @@ def _tensor_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template
         _, _, wm, wn, _ = config
         split = mma_sync_split(m_z, n_dim, k, mma_sync(MMA_SYNC_SKELETONS[skeleton], config, m_z, n_dim, z).tile, z)
         for ways in split_choices(split):  # split where the output has few tiles, down to unsplit
-            schedule = mma_sync(MMA_SYNC_SKELETONS[skeleton], config, m_z, n_dim, z, ways)
+            schedule = replace(mma_sync(MMA_SYNC_SKELETONS[skeleton], config, m_z, n_dim, z, ways),
+                               layout_in=layout, layout_out=layout)
             if max(schedule.grid[1:]) > MAX_GRID_YZ:
                 continue
             # a lane's accumulators, its A and B fragments, addressing
             live = wm * wn // 32 + 4 * (wm // 16) + 2 * (wn // 8) + 16 + 2 * (len(nodes) - 1)
             kernels.append(_with_workspace(_build(graph, nodes, template, anchor.id, out_size, k, live, schedule)))
-    return tuple(kernels)
+    return tuple(_with_staging(graph, kernel, anchor) for kernel in kernels)
+
+
+def _with_staging(graph: Graph, kernel: Kernel, anchor: Node) -> Kernel:
+    """A generated tiled conv (tensor or CUDA cores) priced at what its A staging moves as the
+    input lies: its activation's bytes as the 32-byte sectors the loads touch
+    (`schedule.activation_sectors`: NCHW's strided or short rows of pixels, NHWC's runs of
+    channels), and the loads it issues (`Kernel.staged_loads`, charged
+    `RooflineParams.staging_load_flops` each), the A tile staged once per column of tiles
+    (`schedule.a_load_elements`: an element per load, or 16 bytes of channels channels last); a
+    GEMM as it is."""
+    if anchor.op_type != "Conv" or len(graph.tensors[anchor.inputs[0]].shape or ()) != 4:
+        return kernel
+    x = graph.tensors[anchor.inputs[0]]
+    itemsize, layout = x.nbytes // max(1, x.size), kernel.schedule.layout_in
+    staged = MMA_ELEMENT_BYTES.get(kernel.schedule.skeleton, itemsize)  # the element the tile holds
+    m, n_dim, k = _gemm_dims(graph, anchor)
+    z, _ = _tile_batches(graph, anchor)
+    loads = z * m * k * math.ceil(n_dim / kernel.schedule.tile[1]) // a_load_elements(graph, anchor, layout, staged)
+    extra = round(x.nbytes * (activation_sectors(graph, anchor, layout, itemsize) - 1))
+    return replace(kernel, read_bytes=kernel.read_bytes + extra, staged_loads=loads)
 
 
 def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: str) -> tuple[Kernel, ...]:
@@ -775,7 +838,8 @@ def _cuda_core_choices(graph: Graph, nodes: list[Node], anchor: Node, template: 
             live = tm * tn // THREADS + (tm + tn) // 16 + 2 * (len(nodes) - 1)
             own = Schedule("generated", "tiled", "cuda-core", (tm, tn, tk), threads=min(THREADS, tm * tn), grid=grid,
                            smem_bytes=(tm * tk + tk * tn) * 4)  # A and B staged once per K step, as float
-            kernels.append(_build(graph, nodes, template, anchor.id, out_size, k, live, own))
+            kernels.append(_with_staging(graph, _build(graph, nodes, template, anchor.id, out_size, k, live, own),
+                                         anchor))
     if kernels:
         return tuple(kernels)
     own = replace(grid_stride(max(graph.tensors[t].size for t in _external_outputs(graph, nodes))), skeleton="direct")

@@ -27,6 +27,7 @@ from fusesearch.backends.registry import Backend, get_backend
 from fusesearch.backends.timing import Timing, TimingCache, warn_if_loaded
 from fusesearch.errors import BadInput
 from fusesearch.ir.canonicalize import to_proto
+from fusesearch.layout import laid_out
 from fusesearch.plans import Plan
 from fusesearch.verify import (
     all_values,
@@ -293,7 +294,7 @@ class _Runner:
         inputs = {t: self.values[t] for t in kernel.inputs}
         shapes = [list(self.values[t].shape) for t in kernel.inputs]
         if generated is not None:
-            run, fetch = self.backend.runner(generated, inputs)
+            run, fetch = laid_out(self.backend.runner, generated, inputs, {t: v.shape for t, v in self.values.items()})
             return run, fetch, "generated", self._key(generated, shapes), ""
         how = "library" if len(kernel.nodes) == 1 or kernel.schedule.library else PER_NODE
         calls = []

@@ -204,8 +204,8 @@ class Plan:
     # what priced it beyond the device's name (`costmodels.profile.priced_by`: a CPU's threads and
     # measured figures, a profile's sha256), written under "device" in plan.json
     priced: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    # where plans of this graph may choose layouts (`Legality.layout_block`): {"choice": auto | nchw,
-    # "block": c}, plan.json's "layouts" with the reorders; None where every tensor is NCHW by force
+    # where plans of this graph may choose layouts (`Legality.layout`, `search.problem.layouts_record`):
+    # {"choice": auto | nchw, "block": c} (a GPU's: block 0, "layout": "NHWC"), plan.json's "layouts" with the reorders; None where every tensor is NCHW by force
     layouts: Mapping[str, Any] | None = None
     reorders: tuple[PlannedReorder, ...] = ()
 
@@ -279,6 +279,12 @@ class Plan:
                if self.layouts is not None else {}),
         }
 
+    @staticmethod
+    def reorder_dict(r: PlannedReorder) -> dict[str, Any]:
+        """A reorder as plan.json's `layouts.reorders` records it."""
+        return {"tensor": r.tensor, "from": r.source.name, "to": r.target.name, "after": r.after,
+                "time_s": _r(r.cost.time_s)}
+
     def _source(self, g: PlannedGroup) -> dict[str, str]:
         """A measured or hybrid plan says what priced each group (a predicted plan's are all the
         model's: nothing added, so its plan.json is what it was)."""
@@ -303,9 +309,8 @@ class Plan:
                        "unfused_time_s": _r(self.unfused_time_s), "lower_bound_s": _r(self.lower_bound_s),
                        "dram_bytes": _r(self.dram_bytes), "flops": _r(self.flops)},
             **({"buckets": self.buckets} if self.buckets is not None else {}),
-            **({"layouts": {**self.layouts, "reorders": [
-                {"tensor": r.tensor, "from": r.source.name, "to": r.target.name, "after": r.after,
-                 "time_s": _r(r.cost.time_s)} for r in self.reorders]}} if self.layouts is not None else {}),
+            **({"layouts": {**self.layouts, "reorders": [self.reorder_dict(r) for r in self.reorders]}}
+               if self.layouts is not None else {}),
         }
 
     def to_json(self) -> str:

@@ -8,8 +8,8 @@ with a driver and the shared runtime (`cpu.runtime`) into one library, one ctype
 `plan_arena` places tensors greedily by lifetime, page-aligned (`cpu.alignment`). `run_plan` checks
 plan and unfused programs against ONNX Runtime (`verify.random_feeds`, `verify.compare`), names the
 first differing step (or passes with `amplified_err`), then times them in interleaved rounds beside
-ORT (ENABLE_ALL on `original_model` and canonical, `RunReport.ort_baseline`; DISABLE_ALL) and torch
-baselines. On a GPU a `CudaProgram` (device: `backends.cupy.Device` or `emulate.HostDevice`).
+ORT (ENABLE_ALL on `original_model` and canonical, `RunReport.ort_baseline`; ENABLE_EXTENDED, no
+layout transformer, on `original_model`; DISABLE_ALL) and torch baselines. On a GPU a `CudaProgram` (device: `backends.cupy.Device` or `emulate.HostDevice`).
 Invariants: overlapping lifetimes never share bytes; inputs and weights are never written; kernel
 names are unique; a CUDA graph only when no library step runs between kernels; `--check-each` runs
 without reuse; after `run_plan`, OpenMP's thread count is the caller's again."""
@@ -42,7 +42,7 @@ from fusesearch.backends.torch_baseline import baselines, torch_threads
 from fusesearch.errors import BadInput, FusesearchError
 
 log = logging.getLogger(__name__)
-TIMED = ("plan", "unfused", "ort_enable_all", "ort_enable_all_canonical", "ort_disable_all")
+TIMED = ("plan", "unfused", "ort_enable_all", "ort_enable_all_canonical", "ort_enable_extended", "ort_disable_all")
 ORT_ENABLE_ALL = ("ort_enable_all", "ort_enable_all_canonical")  # the model given, the canonical one
 TORCH_RUNS = ("torch_eager", "torch_compile", "torch_compile_max_autotune")  # `baselines=("torch",)`
 BASELINES = ("torch",)
@@ -119,8 +119,10 @@ def _laid_out(graph, plan, steps: list[Step]) -> list[Step]:
     producer writes it (`Step.reads`, its kernel's arguments pointing there). Layouts as
     `lowering.kernel_layouts` says of the plan's kernels: a library or alias step reads NCHW."""
     from fusesearch.backends.codegen.cpu_conv_nchwc import reorder_kernel
+    from fusesearch.backends.codegen.nhwc import reorder_cuda_kernel
     from fusesearch.layout import NCHW, copy_name
     from fusesearch.lowering import kernel_layouts
+    from fusesearch.schedule import channels_last
 
     if not plan.reorders:
         return steps
@@ -135,8 +137,11 @@ def _laid_out(graph, plan, steps: list[Step]) -> list[Step]:
 
     after: dict[int, list[Step]] = {}
     for i, r in enumerate(plan.reorders):
-        kernel = reorder_kernel(r.tensor, tuple(graph.tensors[r.tensor].shape), r.source, r.target, name=f"fs_reorder{i}",
-                                threads=r.kernel.schedule.cpu_threads)
+        shape = tuple(graph.tensors[r.tensor].shape)
+        kernel = (reorder_cuda_kernel(r.tensor, shape, graph.tensors[r.tensor].dtype, r.source, r.target,
+                                      name=f"fs_reorder{i}") if channels_last(r.kernel.schedule) else
+                  reorder_kernel(r.tensor, shape, r.source, r.target, name=f"fs_reorder{i}",
+                                 threads=r.kernel.schedule.cpu_threads))
         after.setdefault(r.after, []).append(Step(-1, "generated", (), (r.tensor,), (kernel.outputs[0].tensor,),
                                                   kernel=kernel))
     copies = {s.outputs[0] for run in after.values() for s in run}
@@ -290,7 +295,7 @@ class Layout:
     outputs."""
 
     def __init__(self, graph, steps: Sequence[Step], weights: Mapping[str, np.ndarray], *, reuse: bool) -> None:
-        from fusesearch.layout import NCHW, Layout, copy_name
+        from fusesearch.layout import NCHW, copy_name
 
         self.graph, self.steps = graph, list(steps)
         self.source: dict[str, str] = {}  # alias output → the tensor whose storage it shares
@@ -301,9 +306,9 @@ class Layout:
                 self.source[s.outputs[0]] = self.root(s.sources[0])
             if not s.nodes and s.how == "generated":  # a reorder
                 self.logical[s.outputs[0]] = s.inputs[0]
-            for a in s.kernel.outputs if s.kernel is not None else ():  # (N, C/c, H, W, c) of an (N, C, H, W)
-                if len(a.shape) == 5 and len(self.info(a.tensor).shape or ()) == 4:
-                    self.laid[a.tensor] = Layout(a.shape[-1])
+            for a in s.kernel.outputs if s.kernel is not None else ():  # (N, C/c, H, W, c) or (N, H, W, C)
+                if a.layout.blocked:
+                    self.laid[a.tensor] = a.layout
         # the model's outputs are read from their NCHW copy where their producer writes them blocked
         self.out_name = {t: copy_name(t, NCHW) if copy_name(t, NCHW) in self.logical else t for t in graph.outputs}
         used = [t for s in self.steps for t in (*s.sources, *s.outputs)] + list(self.out_name.values())
@@ -709,13 +714,20 @@ class CudaProgram(Layout):
         optional input."""
         if not t:
             return None
-        info = self.graph.tensors[t]
+        info = self.info(t)
         r = self.root(t)
         base, offset = (self.ext_arrays[r], 0) if r in self.ext_index else (self.arena, self.offsets[r])
-        return self.device.view(base, offset, tuple(info.shape), np.dtype(info.dtype))
+        layout = self.laid.get(r)
+        shape = tuple(info.shape) if layout is None else layout.shape(tuple(info.shape))
+        return self.device.view(base, offset, shape, np.dtype(info.dtype))
 
     def view(self, t: str) -> np.ndarray:
-        return self.device.copy_out(self.buffer(t))
+        """The tensor copied out in NCHW (one stored in another layout: `layout.from_blocked`)."""
+        from fusesearch.layout import from_blocked
+
+        stored = self.device.copy_out(self.buffer(t))
+        layout = self.laid.get(self.root(t))
+        return stored if layout is None else from_blocked(stored, layout, self.info(t).shape[1])
 
     def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
         for t, a in feeds.items():
@@ -818,7 +830,8 @@ class RunReport:
                 "ratios": {"plan_vs_ort_enable_all": self.ratio("plan", "ort_enable_all"),
                            "plan_vs_ort_disable_all": self.ratio("plan", "ort_disable_all"),
                            "plan_vs_unfused": self.ratio("plan", "unfused"),
-                           **{f"plan_vs_{k}": self.ratio("plan", k) for k in TORCH_RUNS if k in self.timings}},
+                           **{f"plan_vs_{k}": self.ratio("plan", k) for k in ("ort_enable_extended", *TORCH_RUNS)
+                              if k in self.timings}},
                 "ort_baseline": self.ort_baseline(), "backend": self.backend, "ort_provider": self.ort_provider,
                 **({"torch": self.torch} if self.torch is not None else {}),
                 **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}
@@ -936,7 +949,7 @@ def run_plan(prep, plan, unfused, *, threads: int = 1, repeat: int = 20, warmup:
              baselines: Sequence[str] = (), names: Mapping[str, str] | None = None) -> RunReport:
     """Check the plan's and the unfused graph's programs against ONNX Runtime on seeded valid
     inputs (`input_values`: those the user gives, from `verify.parse_input_values`), then time
-    them and ONNX Runtime (ENABLE_ALL, DISABLE_ALL); Mismatch (exit 1) naming the first differing
+    them and ONNX Runtime (ENABLE_ALL, ENABLE_EXTENDED, DISABLE_ALL); Mismatch (exit 1) naming the first differing
     step. `backend` (a registered one that times, or its name) with a `program_device` (cupy):
     the programs are `CudaProgram`s on it, timed with its clock (CUDA events); else the host's C
     programs. `rtol`: default the tolerance of the model's dtype (`ir.precision.prepared_tolerance`).
@@ -994,9 +1007,10 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
         say("checking ONNX Runtime on the model as given")
         original = original_model(prep)
         checked_original = None if original is None else check_original(original, threads, feeds, reference, rtol)
-        ort_models = ([("ort_enable_all", canonical, True)] if original is None else
-                      [("ort_enable_all", original, True), ("ort_enable_all_canonical", canonical, True)])
-        ort_models.append(("ort_disable_all", canonical, False))
+        ort_models = ([("ort_enable_all", canonical, "all")] if original is None else
+                      [("ort_enable_all", original, "all"), ("ort_enable_all_canonical", canonical, "all")])
+        ort_models += [("ort_enable_extended", canonical if original is None else original, "extended"),
+                       ("ort_disable_all", canonical, "none")]
         if device is not None:  # the programs on their inputs, resident since the check
             runs = {label: programs[label].run for label in ("plan", "unfused")}
             clocks = {label: device.clock() for label in runs}
@@ -1009,7 +1023,8 @@ def _run_plan(prep, plan, unfused, threads, repeat, warmup, seed, rtol, check_ea
             for label in ("plan", "unfused"):
                 runs[label] = lambda program=programs[label]: program(feeds)
             for key, model, level in ort_models:
-                sess = checked_original if model is original else session(model, threads=threads, optimize=level)
+                sess = (checked_original if key == "ort_enable_all" and checked_original is not None
+                        else session(model, threads=threads, optimize=level))
                 names = [o.name for o in sess.get_outputs()]
                 ort_feeds = session_feeds(sess, feeds)
                 runs[key] = lambda s=sess, n=names, f=ort_feeds: s.run(n, f)

@@ -30,6 +30,7 @@ from fusesearch.layout import NCHW, Layout, channel_block
 
 THREADS = 256  # CUDA threads per block of every skeleton but small tiles
 VECTOR = 4  # float4: one 16-byte load or store per tensor and thread
+VECTOR_BYTES = 16  # a cp.async chunk: an NHWC conv stages A in 16-byte runs of channels
 MAX_GRID_X = 65535  # a row kernel's blocks (rows beyond it are strided)
 MAX_GRID_YZ = 65535
 MAX_STRIDE_BLOCKS = 65535 * 8  # a grid-stride loop's blocks (the loop covers the rest)
@@ -356,7 +357,10 @@ CPU_MICRO_TILE = (6, 16)  # rows x columns of the C micro-kernel's smallest tile
 # (GELU prologue, bias, residual) ran 1.28x faster through ours than through the BLAS (6.37 against
 # 8.31 ms, 5.32 against 6.80, interleaved medians); `codegen.cpu_gemm`'s note has the other figures.
 ROWS_MAX_K = 4096
-ROWS_MAX_B_FLOATS = 1 << 22
+# ROWS_MAX_B_FLOATS bounds the packed copy a plan keeps of a weight (256 MiB): 4M until gpt2's LM head
+# (768 x 50257) was seen on the BLAS, 1.26x the time of ours at 128 x 768 x 8192 on one Zen 4 core
+# (scipy-openblas32 20.2 ms, ours 16.0, ONNX Runtime's MLAS 16.3; best of the interleaved samples).
+ROWS_MAX_B_FLOATS = 1 << 26
 _C_FLOATS = frozenset({"float32", "float16", "bfloat16"})  # computed in float32 by the C product
 
 
@@ -504,8 +508,20 @@ def nchwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
     x, w, y = (graph.tensors[t] for t in (*anchor.inputs[:2], anchor.outputs[0]))
     group = int(anchor.attrs.get("group", 1))
     if (x.shape is None or len(x.shape) != 4 or not w.constant or {x.dtype, w.dtype, y.dtype} != {"float32"}
-            or graph.producer(anchor.inputs[0]) in nodes or any(d != 1 for d in anchor.attrs.get("dilations") or ())
+            or any(d != 1 for d in anchor.attrs.get("dilations") or ())
             or not (group == 1 or (group == x.shape[1] == y.shape[1]))):
+        return False
+    return _laid_conv_group(graph, nodes, anchor, "float32")
+
+
+def _laid_conv_group(graph: Graph, nodes: Collection[int], anchor: Node, dtype: str) -> bool:
+    """A conv group a layout other than the model's can run (`nchwc_conv`, `nhwc_conv`): its input
+    a kernel input (no prologue: in a laid-out chain the producer's epilogue holds the
+    activation); the rest of the group an epilogue of elementwise or broadcast ops on tensors of
+    the conv's output shape, whose other operands, of `dtype`, are of that shape (a residual) or
+    per channel (a bias), and every output of the group of that shape."""
+    y = graph.tensors[anchor.outputs[0]]
+    if graph.producer(anchor.inputs[0]) in nodes:
         return False
     derived = {anchor.outputs[0]}
     for n in (graph.nodes[i] for i in sorted(nodes) if i != anchor.id):
@@ -515,7 +531,7 @@ def nchwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
             info = graph.tensors[t] if t else None
             if t in derived or info is None:
                 continue
-            if info.dtype != "float32" or not (info.shape == y.shape or per_channel(info.shape)):
+            if info.dtype != dtype or not (info.shape == y.shape or per_channel(info.shape)):
                 return False
         if any(graph.tensors[t].shape != y.shape for t in n.outputs):
             return False
@@ -532,6 +548,63 @@ def nchwc_input(graph: Graph, anchor: Node, blocked: Layout) -> Layout:
     return NCHW if int(anchor.attrs.get("group", 1)) == 1 and x.shape[1] < blocked.block else blocked
 
 
+def nhwc_conv(graph: Graph, nodes: Collection[int], anchor: Node) -> bool:
+    """Whether a conv group has a channels-last form on a GPU (`layout.NHWC`, K of its implicit
+    GEMM ordered (r, s, c): `codegen.contraction`): a dense 2-D Conv with a tensor-core skeleton
+    (`tensor_core_skeleton`), its epilogue as `_laid_conv_group` says."""
+    if anchor.op_type != "Conv" or len(anchor.inputs) < 2 or int(anchor.attrs.get("group", 1)) != 1:
+        return False
+    x = graph.tensors[anchor.inputs[0]]
+    return (x.shape is not None and len(x.shape) == 4 and tensor_core_skeleton(graph, anchor) is not None
+            and _laid_conv_group(graph, nodes, anchor, graph.tensors[anchor.outputs[0]].dtype))
+
+
+def channels_last(schedule: Schedule) -> bool:
+    """Whether a schedule reads or writes a tensor channels last (a GPU conv's NHWC form: CUDA only)."""
+    return schedule.layout_in.channels_last or schedule.layout_out.channels_last
+
+
+REORDER_SQUARE = 32  # a GPU reorder's square of (channels, pixels) per block (`codegen.nhwc`)
+
+
+def reorder_grid(shape: Sequence[int]) -> tuple[int, int, int]:
+    """The launch of a GPU reorder of an (N, C, H, W) tensor: a block per REORDER_SQUARE^2 square
+    of pixels (x) and channels (y) of each image (z)."""
+    n, c, h, w = shape
+    return -(-h * w // REORDER_SQUARE), -(-c // REORDER_SQUARE), n
+
+
+SECTOR_BYTES = 32  # the unit a GPU's L2 and DRAM move: a warp's load costs the 32-byte sectors it touches
+def a_load_elements(graph: Graph, anchor: Node, layout: Layout, element_bytes: int) -> int:
+    """Elements of a conv's A tile one staging load moves: a chunk of VECTOR_BYTES of channels
+    (a 16-byte cp.async, `codegen.mma_sync`) where the input lies channels last, is stored as the
+    tile is staged (float32 under TF32, the half type under FP16/BF16) and its channels (of a
+    group, and all) are whole chunks; else one element per load."""
+    x = graph.tensors[anchor.inputs[0]]
+    elements = VECTOR_BYTES // element_bytes
+    cin_g = x.shape[1] // int(anchor.attrs.get("group", 1))
+    whole = layout.channels_last and x.nbytes // max(1, x.size) == element_bytes and not (cin_g % elements
+                                                                                          or x.shape[1] % elements)
+    return elements if whole else 1
+
+
+def activation_sectors(graph: Graph, anchor: Node, layout: Layout, element_bytes: int) -> float:
+    """The bytes of 32-byte sectors an implicit-GEMM conv's A staging moves per byte of its
+    activation it uses, as the activation lies. NCHW (K = (c, r, s)): a warp's lanes run along M,
+    a row of W_out output pixels at the conv's stride, so each row's run of ((W_out - 1) x
+    stride + 1) elements costs its whole sectors: a stride of 2 moves about twice the bytes it
+    uses, a row of 7 or 14 floats 1.14x.
+    NHWC (K = (r, s, c)): a pixel's channels are one contiguous run, its sectors rounded up once
+    per pixel and tap (c x element bytes a multiple of 32: 1.0)."""
+    x, y = graph.tensors[anchor.inputs[0]].shape, graph.tensors[anchor.outputs[0]].shape
+    if layout.channels_last:
+        run = x[1] // int(anchor.attrs.get("group", 1)) * element_bytes
+        return -(-run // SECTOR_BYTES) * SECTOR_BYTES / run
+    stride = (anchor.attrs.get("strides") or (1, 1))[-1]
+    span = ((y[-1] - 1) * stride + 1) * element_bytes
+    return -(-span // SECTOR_BYTES) * SECTOR_BYTES / (y[-1] * element_bytes)
+
+
 def per_channel(shape: Sequence[int] | None) -> bool:
     """A shape that broadcasts along the channels of an NCHW tensor alone (every dim but the
     channels 1, counted from the last: (C, 1, 1), (1, C, 1, 1), a scalar): a bias, a scale; such a
@@ -539,27 +612,37 @@ def per_channel(shape: Sequence[int] | None) -> bool:
     return shape is not None and len(shape) <= 4 and all(d == 1 for k, d in enumerate(shape[::-1]) if k != 2)
 
 
-def nchwc_pointwise(graph: Graph, nodes: Collection[int]) -> bool:
-    """Whether an anchorless group has an NCHWc form (`Schedule.layout_out` blocked, written by
-    `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): elementwise or broadcast ops and 2-D
-    MaxPool/AveragePool only, over float32 4-D tensors of one channel count, every other operand
-    per channel (`per_channel`): a pool, an activation, a residual Add + Relu between blocked
-    convs."""
+def nchwc_pointwise(graph: Graph, nodes: Collection[int], block: int) -> bool:
+    """Whether an anchorless group has an NCHWc form in blocks of `block` (`Schedule.layout_out`
+    blocked, written by `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): over float32 4-D tensors,
+    elementwise or broadcast ops whose operands are of their output's shape or per channel
+    (`per_channel`), 2-D MaxPool/AveragePool, nearest Resize of the pixels, and Concat along the
+    channels where every input but the last fills whole blocks (each output block then comes
+    from one input block, lane for lane): a pool, an activation, a residual Add + Relu, a YOLO
+    neck's upsample and concat between blocked convs."""
     members = [graph.nodes[i] for i in sorted(nodes)]
     outs = [graph.tensors[t] for n in members for t in n.outputs if t]
     if not outs or any(o.shape is None or len(o.shape) != 4 or o.dtype != "float32" or per_channel(o.shape)
                        for o in outs):
         return False
-    channels = outs[0].shape[1]
-    for n in members:
-        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) and n.op_type not in ("MaxPool", "AveragePool"):
-            return False
-        for t in (t for t in n.inputs if t):
-            info = graph.tensors[t]
-            if info.dtype != "float32" or not (per_channel(info.shape) or (len(info.shape) == 4
-                                                                          and info.shape[1] == channels)):
-                return False
-    return all(o.shape[1] == channels for o in outs)
+    return all(_nchwc_member(graph, n, block) for n in members)
+
+
+def _nchwc_member(graph: Graph, n: Node, block: int) -> bool:
+    """One node of `nchwc_pointwise`'s group (its outputs already checked 4-D float32)."""
+    data = [graph.tensors[t] for t in (n.inputs[:1] if n.op_type == "Resize" else n.inputs) if t]
+    if any(i.dtype != "float32" or i.shape is None for i in data):
+        return False
+    out = graph.tensors[n.outputs[0]].shape
+    if n.op_type in ("MaxPool", "AveragePool"):
+        return len(data[0].shape) == 4 and data[0].shape[:2] == out[:2]
+    if n.op_type == "Resize":
+        return n.attrs.get("mode", "nearest") == "nearest" and data[0].shape[:2] == out[:2]
+    if n.op_type == "Concat":
+        return (int(n.attrs.get("axis", 0)) % 4 == 1 and all(len(i.shape) == 4 for i in data)
+                and all(i.shape[1] % block == 0 for i in data[:-1]))
+    return (n.kind in (OpKind.ELEMWISE, OpKind.BROADCAST)
+            and all(per_channel(i.shape) or tuple(i.shape) == tuple(out) for i in data))
 
 
 def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:

@@ -225,10 +225,14 @@ def omp_threads() -> int:
 NO_SPINNING_AFTER_RUN = {"session.force_spinning_stop": "1"}
 
 
-def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool = False,
+ORT_LEVELS = {"none": "ORT_DISABLE_ALL", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+
+def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimize: bool | str = False,
             providers: list | None = None):
     """A CPU session of `model` (a path is read into memory first) with graph optimizations off
-    (`optimize`: ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it) and `threads`
+    (`optimize`: True or "all" ORT_ENABLE_ALL, ONNX Runtime as users run it, for timing it;
+    "extended" ORT_ENABLE_EXTENDED, its fusions without the layout transformer: `ORT_LEVELS`) and `threads`
     intra-op threads (default: the generated kernels' OpenMP thread count, `omp_threads`), whose
     threads stop spinning when a Run returns (`NO_SPINNING_AFTER_RUN`); `providers`: ONNX
     Runtime's execution providers instead (the CUDA program's)."""
@@ -242,7 +246,8 @@ def session(model: onnx.ModelProto | str, *, threads: int | None = None, optimiz
         model, back = widened(model)
     opts = ort.SessionOptions()
     level = ort.GraphOptimizationLevel
-    opts.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
+    name = "all" if optimize is True else "none" if optimize is False else optimize
+    opts.graph_optimization_level = getattr(level, ORT_LEVELS[name])
     opts.log_severity_level = ORT_LOG_SEVERITY
     opts.intra_op_num_threads = omp_threads() if threads is None else threads
     for key, value in NO_SPINNING_AFTER_RUN.items():

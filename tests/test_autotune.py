@@ -355,3 +355,27 @@ def test_a_choice_that_computes_wrongly_is_refused_not_priced(tmp_path):
     fused, lone = legality.check({0, 1}), legality.check({0})
     assert not fused.decision and "wrong outputs" in fused.decision.reason  # no other choice: not a candidate
     assert lone.decision and lone.kernel.impl == "library" and lone.time_s == FAST_S
+
+
+@pytest.mark.parametrize("blocked_faster", [True, False])
+def test_measured_costs_choose_layouts_by_the_measured_forms(tmp_path, blocked_faster):
+    """With measured costs a CNN's groups' forms in channel blocks are timed beside their NCHW
+    ones (each run once on its inputs as they lie and checked against ONNX Runtime first): blocks
+    measured faster make the plan run the chain blocked, measured slower keep it NCHW, whatever
+    the model predicts."""
+    from tests.search.test_layouts import depthwise_chain, host16
+
+    prep = prepare(depthwise_chain(tmp_path))
+    spec, params = host16(), load_device("host", 1)[1]
+    fast, slow = (FAST_S, SLOW_S) if blocked_faster else (SLOW_S, FAST_S)
+    calls: list = []
+    sampler = _fixed(lambda r: fast if r.kernel.schedule.layout_out.blocked else slow, calls)
+    problem, tuner = build_problem(prep, spec, RooflineModel(params), SearchConfig(workers=1), "measured",
+                                   cache=TimingCache(tmp_path / "db"), sampler=sampler)
+    plan = search(prep.graph, spec, problem.legality.model, "cpsat", problem=problem)
+    blocked = [g for g in plan.groups if g.kernel.schedule.layout_out.blocked]
+    timed_blocked = sum(1 for batch in calls for r in batch if r[2] == "nchwc")
+    assert timed_blocked >= 1 and tuner.stats.refused == 0  # the same source, shapes and device: timed once
+    assert len(blocked) == (3 if blocked_faster else 0)
+    assert all(g.cost.time_s == pytest.approx(fast) for g in blocked)
+    assert (plan.to_dict()["layouts"]["reorders"] != []) == blocked_faster

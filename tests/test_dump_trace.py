@@ -99,6 +99,42 @@ def test_measure_and_run_dump_what_plan_dumps(run_cli, tmp_path):
     assert _files(tmp_path / "p") == _files(tmp_path / "m") == _files(tmp_path / "r")
 
 
+def test_a_blocked_plans_dump_holds_the_reorders_its_program_runs(run_cli, tmp_path):
+    """24 channels in blocks of 16, the input copied into blocks and the output back: each reorder
+    step of the program (`run.plan_steps`) dumped, its C source the step's, named by index, tensor
+    and direction, its JSON the plan's reorder with its schedule and launch, listed in index.json."""
+    from costmodels.profile import Profile, save_profile
+    from costmodels.roofline import host_params
+    from fusesearch.api import plan as make_plan
+    from fusesearch.run import plan_steps
+    from tests.search.test_layouts import DEPTHWISE_SLOW, depthwise_chain, host16
+
+    profile = save_profile(Profile(host16(), host_params().with_updates(**DEPTHWISE_SLOW), backend="cpu"),
+                           tmp_path / "profile.json")
+    path, dump = depthwise_chain(tmp_path, channels=24), tmp_path / "dump"
+    code, _, err = run_cli("plan", path, "--device", profile, "--workers", "1", "--dump", dump)
+    assert code == 0, err
+    assert "of 3 groups and 2 reorders written" in err
+    plan = make_plan(path, device=str(profile), workers=1)
+    reorders = {s.outputs[0]: s.kernel for s in plan_steps(plan.graph, plan) if s.group == -1}
+    assert set(reorders) == {"x@NCHW16c", "a2@NCHW"}
+    index = json.loads((dump / "index.json").read_text())
+    assert [r["files"] for r in index["reorders"]] == [["r0.x.NCHW-NCHW16c.c", "r0.x.NCHW-NCHW16c.json"],
+                                                       ["r1.a2.NCHW16c-NCHW.c", "r1.a2.NCHW16c-NCHW.json"]]
+    for r, row, copy in zip(plan.reorders, index["reorders"], ("x@NCHW16c", "a2@NCHW"), strict=True):
+        source, doc = row["files"]
+        assert (dump / source).read_text() == reorders[copy].c_source
+        doc = json.loads((dump / doc).read_text())
+        assert {k: doc[k] for k in ("tensor", "from", "to", "after")} == {
+            "tensor": r.tensor, "from": r.source.name, "to": r.target.name, "after": r.after}
+        assert doc["runs_as"] == "generated" and doc["schedule"] == r.kernel.schedule.to_dict()
+        assert doc["launch"]["function"] == reorders[copy].name
+        assert [a["tensor"] for a in doc["launch"]["outputs"]] == [copy]
+        assert doc["launch"]["inputs"][0]["shape"] == ([1, 24, 14, 14] if r.tensor == "x" else [1, 2, 14, 14, 16])
+    assert index["reorders"][1]["after"] == plan.groups[-1].id
+    assert set(_files(dump)) == {"index.json"} | {n for row in index["groups"] + index["reorders"] for n in row["files"]}
+
+
 def test_a_bad_dump_folder_exits_2_before_any_work(run_cli, tmp_path):
     path = save(chain(), tmp_path / "m.onnx")
     plan = ("plan", path, "--device", "t4", "--strategy", "greedy", "--dump")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusesearch.layout import NCHW, Layout, channel_block, from_blocked, to_blocked
+from fusesearch.layout import NCHW, NHWC, Layout, channel_block, from_blocked, to_blocked
 
 
 def test_a_blocked_layout_pads_its_channels_to_whole_blocks():
@@ -34,3 +34,16 @@ def test_numpys_reorders_are_inverse_and_zero_the_padding():
     assert not blocked[:, 2, :, :, 4:].any()
     np.testing.assert_array_equal(from_blocked(blocked, Layout(8), 20), x)
     np.testing.assert_array_equal(to_blocked(x, NCHW), x)
+
+
+def test_nhwc_is_the_one_block_of_all_channels():
+    """Channels last: no padding, (N, H, W, C), laid out otherwise than the model (a plan copies
+    it), numpy's reorders a transpose each way; no block with it."""
+    x = np.random.default_rng(1).standard_normal((2, 5, 3, 4)).astype(np.float32)
+    assert (NHWC.name, NHWC.blocked, NHWC.block, NHWC.channels(5)) == ("NHWC", True, 0, 5)
+    assert NHWC.shape((2, 5, 3, 4)) == (2, 3, 4, 5) and NHWC.nbytes((2, 5, 3, 4), 2) == NCHW.nbytes((2, 5, 3, 4), 2)
+    laid = to_blocked(x, NHWC)
+    assert laid.shape == (2, 3, 4, 5) and laid[1, 2, 3, 4] == x[1, 4, 2, 3] and laid.flags.c_contiguous
+    np.testing.assert_array_equal(from_blocked(laid, NHWC, 5), x)
+    with pytest.raises(ValueError, match="channel block"):
+        Layout(16, channels_last=True)

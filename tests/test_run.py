@@ -26,7 +26,7 @@ from tests.conftest import make_model, save
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 RNG = np.random.default_rng(0)
 FAST = ("--strategy", "greedy", "--repeat", "2", "--warmup", "0")
-KEYS = ("plan", "unfused", "ort_enable_all", "ort_enable_all_canonical", "ort_disable_all")
+KEYS = ("plan", "unfused", "ort_enable_all", "ort_enable_all_canonical", "ort_enable_extended", "ort_disable_all")
 
 
 def _w(*shape, dtype=np.float32):

@@ -22,7 +22,7 @@ from tests.conftest import gpu_available, make_model, save
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="no C++ compiler for the CUDA emulator")
 RNG = np.random.default_rng(0)
-KEYS = ("plan", "unfused", "ort_enable_all", "ort_disable_all")
+KEYS = ("plan", "unfused", "ort_enable_all", "ort_enable_extended", "ort_disable_all")
 
 
 def _w(*shape):

@@ -124,3 +124,18 @@ def test_run_plan_json_runs_its_layouts_as_chosen(tmp_path, run_cli):
     (tmp_path / "eight.json").write_text(json.dumps(doc))
     code, _, err = run_cli("run", path, "--device", profile, "--plan", tmp_path / "eight.json", "--repeat", "1")
     assert code == 2 and "channel blocks of 8, this CPU's are 16; plan again" in err
+
+
+@needs_cc
+def test_measure_times_each_blocked_kernel_on_its_inputs_as_they_lie(tmp_path):
+    """`measure` runs a blocked group alone on its inputs in channel blocks (24 channels padded to
+    32) and compares its outputs, back in NCHW, with ONNX Runtime's; it used to hand the kernel
+    NCHW arrays and fail comparing the padded output."""
+    from fusesearch.measure import measure_plan
+
+    path = depthwise_chain(tmp_path, channels=24)
+    plan = _plan(path, params=DEPTHWISE_SLOW)
+    assert sum(g.kernel.schedule.layout_out.blocked for g in plan.groups) == 3
+    report = measure_plan(prepare(path), plan, _plan(path, strategy="none"), "cpu", budget_s=0.01)
+    assert [m.how for m in report.plan] == ["generated"] * 3
+    assert all(m.max_rel_err < 1e-5 for m in report.plan), [m.max_rel_err for m in report.plan]

@@ -145,12 +145,14 @@ def test_the_schemas_refuse_a_broken_document(name, doc, change):
     timing = {"median_s": 1e-3, "p20_s": 1e-3, "p80_s": 2e-3, "n": 3}
     docs = {
         "timed": {"model": "m", "strategy": "greedy", **{k: dict(timing) for k in
-                                                           ("plan", "unfused", "ort_enable_all", "ort_disable_all")},
+                                                           ("plan", "unfused", "ort_enable_all", "ort_enable_extended",
+                                                            "ort_disable_all")},
                   "threads": 1, "repeat": 3, "warmup": 0, "arena_peak_bytes": 0, "activation_bytes": 0,
                   "max_rel_err": 0.0, "unfused_max_rel_err": 0.0, "rtol": 1e-4, "segments": {"generated": 1,
                                                                                              "library": 0},
                   "kernels": 1, "library_steps": 0, "backend": "cpu",
-                  "ratios": {"plan_vs_ort_enable_all": 1.0, "plan_vs_ort_disable_all": 1.0, "plan_vs_unfused": 1.0}},
+                  "ratios": {"plan_vs_ort_enable_all": 1.0, "plan_vs_ort_enable_extended": 1.0,
+                             "plan_vs_ort_disable_all": 1.0, "plan_vs_unfused": 1.0}},
         "measure": {"backend": "cpu", "device": "host", "baseline": "library", "totals": {
                         "predicted_s": 0.0, "measured_s": 0.0, "unfused_predicted_s": 0.0, "unfused_measured_s": 0.0,
                         "speedup": None, "not_measured": 0, "anchor_groups": 0, "anchor_groups_compared": 0,

@@ -22,13 +22,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from costmodels.devices import cache_root
-from costmodels.probes import OPENMP_WAIT
+from costmodels.probes import busy_cpus, openmp_wait
 from fusesearch.backends.codegen import NP_DTYPES, GeneratedKernel
 from fusesearch.backends.codegen.c_runtime import C_RUNTIME
 from fusesearch.errors import FusesearchError
@@ -162,12 +163,13 @@ def cached_file(target: Path, build) -> Path:
     return target
 
 
-def _set_openmp_env() -> None:
-    """How libgomp's threads wait between regions (`probes.OPENMP_WAIT`), unless the user said
-    (OMP_WAIT_POLICY or GOMP_SPINCOUNT). libgomp reads its environment once, when it loads: with
-    the first compiled library (`load_cached`)."""
+def _set_openmp_env(busy: Callable[[], float] = busy_cpus) -> None:
+    """How libgomp's threads wait between regions (`probes.openmp_wait`: spinning briefly where the
+    machine is idle, `busy` the CPUs others keep busy, else passively), unless the user said
+    (OMP_WAIT_POLICY or GOMP_SPINCOUNT) or it was set before. libgomp reads its environment once,
+    when it loads: with the first compiled library (`load_cached`)."""
     if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
-        os.environ.update(OPENMP_WAIT)
+        os.environ.update(openmp_wait(busy()))
 
 
 @contextlib.contextmanager
@@ -201,7 +203,7 @@ def openmp_threads(threads: int):
 
 def load_cached(target: Path, build) -> ctypes.CDLL:
     """The shared library `cached_file` keeps at `target`, loaded (libgomp with it the first time,
-    under `OPENMP_WAIT`)."""
+    under `_set_openmp_env`'s wait)."""
     _set_openmp_env()
     return ctypes.CDLL(str(cached_file(target, build)))
 

@@ -367,7 +367,7 @@ class Device:
         with self.stream:
             fn()
 
-    def ort_runner(self, model, feeds: dict, *, optimize: bool) -> tuple[Callable[[], object], str]:
+    def ort_runner(self, model, feeds: dict, *, optimize: bool | str) -> tuple[Callable[[], object], str]:
         """(one run of the whole model in ONNX Runtime, the provider that runs it): on the GPU
         with the inputs in device memory and the outputs left there (IO binding) when the CUDA
         provider is there, else on the CPU with host inputs."""

@@ -131,12 +131,26 @@ def compared(a: tuple[float, float], b: tuple[float, float], a_faster: str, b_fa
 
 LOAD_WARNING = ("load average {load:.2f} over the last minute on {cpus} CPU{s}, {threads} of them timing here: "
                 "the machine is busy while timing, so the figures are noisier (see each one's p20-p80)")
+# Several OpenMP threads that spin between kernels (`probes.OPENMP_WAIT`) lose far more than one
+# when the machine has fewer free CPUs than they are: a thread spins while its partner waits for a
+# core (llama-prefill at 2 threads, load 3.4 on 2 CPUs: 73 ms spinning, 1.1 ms passive, 0.8 ms
+# at 1 thread). Said with the load warning, with the way out.
+SPIN_WARNING = "; its {threads} OpenMP threads spin between kernels: set OMP_WAIT_POLICY=PASSIVE for figures that degrade less"
 
 
-def load_warning(load: float | None = None, cpus: int | None = None, threads: int = 1) -> str | None:
+def openmp_spins() -> bool:
+    """Whether the OpenMP threads spin between regions (anything but a passive policy or a zero count)."""
+    return (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() != "passive"
+            and os.environ.get("GOMP_SPINCOUNT", "").strip() != "0")
+
+
+def load_warning(load: float | None = None, cpus: int | None = None, threads: int = 1,
+                 spinning: bool | None = None) -> str | None:
     """A warning line when the 1-minute load average, less the `threads` the timing itself keeps
     busy (its own work counts in the average), is above half the CPUs it leaves to the rest (at
-    least half a CPU), else None. `load`, `cpus`: the machine's unless given."""
+    least half a CPU), else None; where several threads spin (`spinning`, else `openmp_spins`) and
+    the rest take more than the CPUs they leave, `SPIN_WARNING` too. `load`, `cpus`: the
+    machine's unless given."""
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -150,7 +164,9 @@ def load_warning(load: float | None = None, cpus: int | None = None, threads: in
     others = load - threads
     if others <= max(cpus - threads, 1) / 2:
         return None
-    return LOAD_WARNING.format(load=load, cpus=cpus, s="s" if cpus != 1 else "", threads=threads)
+    line = LOAD_WARNING.format(load=load, cpus=cpus, s="s" if cpus != 1 else "", threads=threads)
+    spins = openmp_spins() if spinning is None else spinning
+    return line + (SPIN_WARNING.format(threads=threads) if threads > 1 and spins and others > cpus - threads else "")
 
 
 def warn_if_loaded(threads: int = 1) -> None:

@@ -9,7 +9,7 @@ has code for every op, from `Legality.capabilities`: legality never imports the 
 cheapest predicted or, with a `Measurer`, fastest measured). `Legality.check` memoizes per node
 set; `Legality.outcome` also shares decisions between groups of the same `structure`, so repeated
 blocks are lowered once per block shape (not with a `Measurer`). `Legality.blocked` is a group's
-form in channel blocks where plans may choose layouts (`layout_block`), `Legality.reorder` a copy
+form in the other layout where plans may choose layouts (`layout`), `Legality.reorder` a copy
 between layouts, both priced by the model.
 Invariants: a refusal always has a non-empty reason; the verdict for a node set is the same
 whichever caller asks."""
@@ -33,7 +33,7 @@ from fusesearch.costing import (
 from fusesearch.groups import FusionDecision, FusionGroup
 from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
-from fusesearch.layout import Layout
+from fusesearch.layout import NCHW, Layout
 from fusesearch.lowering import Kernel, choices, lower_as_library
 
 DEFAULT_MAX_GROUP_SIZE = 16
@@ -180,7 +180,7 @@ class Legality:
     rules: tuple[FusionRule, ...] = DEFAULT_RULES
     lone_anchors: str = "priced"  # LONE_ANCHORS: how a lone gemm/conv may run
     measurer: Measurer | None = None  # None: predicted costs; else the choices' measured times
-    layout_block: int = 0  # the blocked layout's channel block plans may choose (`blocked`); 0: NCHW only
+    layout: Layout = NCHW  # the other layout plans may choose (`blocked`: NCHWc, NHWC); NCHW: the model's only
     _blocked: dict[frozenset[int], Verdict | None] = field(default_factory=dict, repr=False)
     _reorders: dict[tuple, tuple[Kernel, KernelCost]] = field(default_factory=dict, repr=False)
     _memo: dict[frozenset[int], Verdict] = field(default_factory=dict, repr=False)
@@ -274,26 +274,35 @@ class Legality:
         return self.outcome(nodes).time_s
 
     def blocked(self, nodes: Iterable[int]) -> Verdict | None:
-        """A legal group's form in the blocked layout (`costing.blocked_choices`), its cheapest
-        predicted choice, where plans may choose layouts (`layout_block`) and it has one that fits;
-        else None (the group runs in NCHW)."""
+        """A legal group's form in the other layout (`blocked_options`) as `choose` prices it (the
+        cheapest predicted, or with a measurer the fastest measured), where plans may choose
+        layouts (`layout`) and it has one that fits; else None (the group runs in NCHW)."""
         key = frozenset(nodes)
-        if not self.layout_block:
+        if not self.layout.blocked:
             return None
         if key not in self._blocked:
-            options = blocked_choices(self.graph, FusionGroup(key), self.device, self.capabilities.blas)
-            kernel, cost = cheapest(options, self.device, self.model) if options else (None, None)
-            fits = cost is not None and cost.feasible and bool(self.check(key).decision)
-            self._blocked[key] = Verdict(FusionDecision.accept(), kernel, cost) if fits else None
+            options = self.blocked_options(key)
+            verdict = self.choose(options) if options and self.check(key).decision else None
+            fits = verdict is not None and bool(verdict.decision) and verdict.cost.feasible
+            self._blocked[key] = verdict if fits else None
         return self._blocked[key]
+
+    def blocked_options(self, nodes: Iterable[int]) -> tuple[Kernel, ...]:
+        """The group's forms in the other layout (`costing.blocked_choices`); () where it has none."""
+        return blocked_choices(self.graph, FusionGroup(frozenset(nodes)), self.device, self.capabilities.blas)
 
     def reorder(self, tensor: str, source: Layout, target: Layout) -> tuple[Kernel, KernelCost]:
         """The copy of `tensor` from one layout to the other, its cheapest predicted form
-        (`costing.reorder_options`: above one thread also on one thread), priced."""
+        (`costing.reorder_options`: above one thread also on one thread), priced; with a measurer
+        on the measured clock (its prediction times the measurer's scale: a reorder is not timed
+        alone, as a group's unmeasured choice is not)."""
         key = (tensor, source, target)
         if key not in self._reorders:
             options = reorder_options(self.graph, tensor, source, target, self.device, self.capabilities.blas)
-            self._reorders[key] = cheapest(options, self.device, self.model)
+            kernel, cost = cheapest(options, self.device, self.model)
+            if self.measurer is not None:
+                cost = replace(cost, time_s=cost.time_s * self.measurer.scale(kernel))
+            self._reorders[key] = (kernel, cost)
         return self._reorders[key]
 
     @property

@@ -24,7 +24,8 @@ from fusesearch.search.problem import (
     SearchProblem,
     Solver,
     SolveResult,
-    layout_block,
+    layouts_record,
+    plan_layout,
     singletons,
 )
 from fusesearch.search.rules import RulesSolver
@@ -60,12 +61,12 @@ def search(graph: Graph, device: DeviceSpec, model: RooflineModel, strategy: str
     unfused_s = problem.partition_time_s(singletons(graph))
     info = SolverInfo(result.status, result.objective_s, result.bound_s, result.wall_s, dict(result.stats))
     model_info = model_info or ModelInfo(graph.name, "", len(graph), len(graph))
-    block = layout_block(graph, device, "auto", problem.legality.measurer is not None)
+    layout = plan_layout(graph, device, "auto")
     return Plan.build(problem.legality, list(result.groups), strategy=strategy,
                       device=device_label or device.name, profile=profile, solver=info, model=model_info,
                       unfused_time_s=unfused_s, lower_bound_s=figures.lower_bound_s,
                       priced=priced_by(device, profile), blocked=result.blocked,
-                      layouts={"choice": problem.config.layouts, "block": block} if block else None)
+                      layouts=layouts_record(problem.config.layouts, layout) if layout.blocked else None)
 
 
 __all__ = ["SOLVERS", "STRATEGIES", "SearchConfig", "SearchProblem", "SolveResult", "Solver", "get_solver",

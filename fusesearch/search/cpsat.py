@@ -94,7 +94,7 @@ class CpSatSolver:
 
     def _solve_part(self, problem, groups, nodes, indices, costs, hint, deadline, seed, piece=False) -> _Part:
         """A piece by one CP-SAT worker, its tensors in NCHW; the whole graph by `config.workers`,
-        choosing layouts where the problem may (`Legality.layout_block`). `costs`: (the
+        choosing layouts where the problem may (`Legality.layout`). `costs`: (the
         candidates' integer costs, their unit in picoseconds)."""
         with self._lock:
             self.solves += 1
@@ -212,7 +212,7 @@ def _solve_model(problem: SearchProblem, groups: tuple[frozenset[int], ...], nod
         model.add_exactly_one(x[k] for k in containing[j])
     part_costs = [costs[i] for i in indices]
     blocked, layout_terms = (_add_layouts(model, problem, groups, indices, x, containing, local, costs, unit)
-                             if layouts and problem.legality.layout_block else ({}, []))
+                             if layouts and problem.legality.layout.blocked else ({}, []))
     terms = [*zip(part_costs, x, strict=True), *layout_terms]
     objective = sum(c * v for c, v in terms)
     model.minimize(objective)
@@ -396,7 +396,7 @@ def _add_layouts(model, problem: SearchProblem, groups, indices: list[int], x, c
     for a graph output.
     Returns (position -> b, the (cost, variable) terms of the objective)."""
     graph, legality = problem.graph, problem.legality
-    block = Layout(legality.layout_block)
+    block = legality.layout
     b: dict[int, object] = {}
     terms: list[tuple[int, object]] = []
     reads: dict[str, set[int]] = {}  # tensor -> positions of the candidates reading it blocked

@@ -4,7 +4,7 @@ Problem: four strategies (none, rules, greedy, cpsat) must be interchangeable be
 compared on the same costs.
 Approach: a `SearchProblem` bundles the graph, the legality rules bound to a device, a cost model
 and what the code generator writes (`codegen.CAPABILITIES`; with their memo of verdicts), and the configuration (time limit, seed, workers, max group
-size, enumeration budget, whether a CPU plan may choose layouts: `layout_block`;
+size, enumeration budget, whether a plan may choose layouts: `plan_layout`;
 `SearchProblem.plan_time_s` prices a plan's layouts). A solver returns a `SolveResult`: a partition of the nodes into groups,
 its predicted time, a status and, for exact solvers, a bound.
 Invariants: a SolveResult's groups partition the graph's nodes (checked by `validate_plan`
@@ -22,9 +22,10 @@ from costmodels import DeviceSpec, RooflineModel
 from fusesearch.backends import cpu
 from fusesearch.candidates.enumerate import DEFAULT_BUDGET_PER_SEED
 from fusesearch.candidates.rules import DEFAULT_MAX_GROUP_SIZE, Legality, Measurer
+from fusesearch.costing import device_layout
 from fusesearch.errors import BadInput
 from fusesearch.ir.graph import Graph
-from fusesearch.layout import channel_block
+from fusesearch.layout import NCHW, Layout
 from fusesearch.lowering import reorders
 
 DECOMPOSE = ("auto", "always", "never")
@@ -40,8 +41,9 @@ def check_decompose(value: object, named: str = "decompose =") -> str:
 
 
 LAYOUTS = ("auto", "nchw")
-"""Whether a CPU plan chooses its tensors' layouts (`layout_block`): "auto" lets the exact search
-run a group in the blocked layout NCHWc where that and its reorders pay, "nchw" keeps the model's."""
+"""Whether a plan chooses its tensors' layouts (`plan_layout`): "auto" lets the exact search run a
+group in the device's other layout (a CPU's blocked NCHWc, a GPU's NHWC for tensor-core convs)
+where that and its reorders pay, "nchw" keeps the model's."""
 
 
 def check_layouts(value: object, named: str = "--layouts") -> str:
@@ -51,15 +53,23 @@ def check_layouts(value: object, named: str = "--layouts") -> str:
     return value
 
 
-def layout_block(graph: Graph, device: DeviceSpec, layouts: str, measured: bool) -> int:
-    """The channel block of the blocked layout a plan of `graph` may choose on `device`: a CPU's
-    (`layout.channel_block` of its float32 lanes: 16 with AVX-512, 8 with AVX2) where `layouts` is
-    "auto", the costs are predicted (a measurer times NCHW forms) and the graph has a conv over
-    4-D activations; else 0 (every tensor as in the model)."""
+def plan_layout(graph: Graph, device: DeviceSpec, layouts: str) -> Layout:
+    """The layout other than the model's a plan of `graph` may choose on `device`
+    (`costing.device_layout`: a CPU's NCHWc of its float32 lanes, 16 with AVX-512, 8 with AVX2; a
+    GPU's NHWC) where `layouts` is "auto" and the graph has a conv over 4-D activations (with
+    measured costs too: a measurer times the groups' forms in that layout as in NCHW); else NCHW
+    (every tensor as in the model)."""
     convs = any(n.op_type == "Conv" and len(graph.tensors[n.inputs[0]].shape or ()) == 4 for n in graph.nodes)
-    if layouts != "auto" or measured or device.kind == "gpu" or not convs:
-        return 0
-    return channel_block(device.warp_size)
+    if layouts != "auto" or not convs:
+        return NCHW
+    return device_layout(device)
+
+
+def layouts_record(choice: str, layout: Layout) -> dict:
+    """What a plan records of its layout choice (plan.json's "layouts", `export` reads it back):
+    the choice (LAYOUTS) and the other layout's channel block (NCHWc's; 0 and the layout's name
+    "NHWC" for a GPU's channels last)."""
+    return {"choice": choice, "block": layout.block, **({"layout": layout.name} if layout.channels_last else {})}
 
 
 def default_workers() -> int:
@@ -90,9 +100,9 @@ class SearchProblem:
         """`measurer`: the groups' choices priced by their measured times (`autotune`), else
         by the cost model."""
         config = config or SearchConfig()
-        block = layout_block(graph, device, config.layouts, measurer is not None)
+        layout = plan_layout(graph, device, config.layouts)
         return cls(graph, Legality(graph, device, model, cpu.capabilities(), config.max_group_size,
-                                   lone_anchors=config.lone_anchors, measurer=measurer, layout_block=block), config)
+                                   lone_anchors=config.lone_anchors, measurer=measurer, layout=layout), config)
 
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.legality.time_s(nodes)
@@ -101,7 +111,7 @@ class SearchProblem:
         return sum(self.time_s(g) for g in groups)
 
     def plan_time_s(self, groups: Sequence[frozenset[int]], blocked: Collection[frozenset[int]] = ()) -> float:
-        """The price of a plan whose `blocked` groups run in the blocked layout: its groups' and its
+        """The price of a plan whose `blocked` groups run in the other layout: its groups' and its
         reorders' (`lowering.reorders`); with none blocked, `partition_time_s`."""
         if not blocked:
             return self.partition_time_s(groups)

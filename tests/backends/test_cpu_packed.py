@@ -74,18 +74,30 @@ ROWS, BLAS = "fs_gemm_rows(", "FS_BLAS_SGEMM(101"
 @pytest.mark.parametrize("m,k,n,path", [(1, 1, 1, BLAS), (5, 1, 7, BLAS), (70, 33, 1, BLAS), (130, 17, 65, ROWS),
                                         (64, 64, 64, ROWS), (6, 1, 16, ROWS), (13, 1030, 20, ROWS),
                                         (13, 3078, 20, ROWS), (13, 4102, 20, BLAS), (8, 9, 18, ROWS), (9, 9, 18, ROWS), (10, 9, 18, ROWS),
-                                        (11, 9, 18, ROWS), (7, 1100, 1000, ROWS), (7, 2000, 2100, BLAS)])
+                                        (11, 9, 18, ROWS), (7, 1100, 1000, ROWS), (7, 2000, 2100, ROWS)])
 def test_matmul_bias_act_edges(tmp_path, blas, m, k, n, path):
     """M, N, K off the block size (the last M % FS_MR rows, 1 to 5, by `fs_micro_tail`); K = 1;
     N = 1; prologue (Relu) and epilogue (bias, Tanh). A constant B goes to our micro-kernel packed
     once (`fs_gemm_rows`, no BLAS needed) from one full tile (FS_MR rows, FS_NR columns), up to
-    ROWS_MAX_K and ROWS_MAX_B_FLOATS (4.4 MB here under it, 16.8 MB over it); below, or beyond,
+    ROWS_MAX_K and ROWS_MAX_B_FLOATS; below, or beyond (`test_a_weight_beyond_the_packing_cap...`),
     to the BLAS."""
     nodes = [helper.make_node("Relu", ["x"], ["xr"]), helper.make_node("MatMul", ["xr", "w"], ["y"]),
              helper.make_node("Add", ["y", "b"], ["z"]), helper.make_node("Tanh", ["z"], ["out"])]
     gk = one_kernel(tmp_path, nodes, [("x", [2, m, k])], [("out", None)], [("w", _w([k, n])), ("b", _w([n], 1))],
                     expect=path)
     assert bool(gk.packed) == (path == ROWS)
+
+
+def test_a_weight_beyond_the_packing_cap_goes_to_the_blas(tmp_path, blas, monkeypatch):
+    """A constant B above ROWS_MAX_B_FLOATS (the packed copy a plan may keep) is not packed: the
+    BLAS reads it per call; at the cap it is ours."""
+    from fusesearch import schedule
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["out"])]
+    monkeypatch.setattr(schedule, "ROWS_MAX_B_FLOATS", 40 * 48)
+    one_kernel(tmp_path, nodes, [("x", [7, 40])], [("out", None)], [("w", _w([40, 48]))], expect=ROWS)
+    monkeypatch.setattr(schedule, "ROWS_MAX_B_FLOATS", 40 * 48 - 1)
+    assert not one_kernel(tmp_path, nodes, [("x", [7, 40])], [("out", None)], [("w", _w([40, 48]))], expect=BLAS).packed
 
 
 @pytest.mark.parametrize("m", [6, 37, 130])

@@ -17,12 +17,12 @@ from costmodels import RooflineModel
 from costmodels.devices import get_device
 from costmodels.profile import Profile, save_profile
 from costmodels.roofline import host_params
-from fusesearch.layout import NCHW, Layout
+from fusesearch.layout import NCHW, NHWC, Layout
 from fusesearch.lowering import reorders
 from fusesearch.pipeline import prepare
 from fusesearch.plans import plan_schema
 from fusesearch.search import search
-from fusesearch.search.problem import SearchConfig, SearchProblem, layout_block
+from fusesearch.search.problem import SearchConfig, SearchProblem, plan_layout
 from tests.conftest import make_model, save
 
 BLOCK = Layout(16)
@@ -61,6 +61,18 @@ def pointwise_chain(tmp_path) -> str:
              helper.make_node("Relu", ["c1"], ["y"])]
     inits = [("w0", _w([48, 32, 1, 1])), ("w1", _w([32, 48, 1, 1], 1))]
     return save(make_model(nodes, [("x", [1, 32, 14, 14])], [("y", None)], inits), tmp_path / "pw.onnx")
+
+
+def dense_chain(tmp_path, channels: int, convs: int = 3) -> str:
+    """convs x (3x3 conv + bias + Relu) of `channels` to `channels` at 28 x 28, NCHW in and out."""
+    nodes, inits, last = [], [], "x"
+    for i in range(convs):
+        nodes += [helper.make_node("Conv", [last, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[3, 3], pads=[1] * 4),
+                  helper.make_node("Relu", [f"c{i}"], [f"a{i}"])]
+        inits += [(f"w{i}", _w([channels, channels, 3, 3], i)), (f"b{i}", _w([channels], 10 + i))]
+        last = f"a{i}"
+    return save(make_model(nodes, [("x", [1, channels, 28, 28])], [(last, None)], inits),
+                tmp_path / f"dense{channels}.onnx")
 
 
 def host16():
@@ -117,22 +129,33 @@ def test_where_blocks_do_not_pay_the_plan_stays_nchw(tmp_path):
     assert all(g.kernel.schedule.layout_in == NCHW for g in plan.groups)
 
 
+def test_padding_that_does_not_pay_keeps_nchw(tmp_path):
+    """Dense 3x3 convs whose NCHW loops run at 0.8 of the blocked rate: 32 channels fill two
+    blocks of 16 and run blocked; 24 channels would compute 32 (a third more multiply-adds on
+    zero lanes, a third more bytes), which costs more than the blocked rate gains: NCHW."""
+    slow = {"product_efficiency": dict.fromkeys(("band", "packed", "rows", "im2col", "loops"), 0.8)}
+    full, padded = (_plan(dense_chain(tmp_path, c), params=slow) for c in (32, 24))
+    assert len(_blocked(full)) == 3 and len(full.reorders) == 2
+    assert not _blocked(padded) and not padded.reorders
+
+
 @pytest.mark.parametrize("strategy", ["greedy", "rules", "none"])
 def test_the_heuristics_keep_nchw(tmp_path, strategy):
     plan = _plan(depthwise_chain(tmp_path), strategy=strategy, params=DEPTHWISE_SLOW)
     assert not _blocked(plan) and not plan.reorders
 
 
-def test_layouts_are_open_only_to_a_cnn_on_a_cpu_with_a_block(tmp_path):
+def test_layouts_are_open_only_to_a_cnn_on_a_cpu_with_a_block_or_a_gpu(tmp_path):
     graph = prepare(depthwise_chain(tmp_path)).graph
     mlp = prepare(save(make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [4, 8])], [("y", None)],
                                   [("w", _w([8, 8]))]), tmp_path / "mlp.onnx")).graph
     avx2 = dataclasses.replace(host16(), warp_size=8)
-    assert [layout_block(graph, d, "auto", False) for d in (host16(), avx2)] == [16, 8]
-    assert layout_block(graph, host16(), "nchw", False) == 0
-    assert layout_block(graph, host16(), "auto", True) == 0  # measured costs time NCHW forms only
-    assert layout_block(graph, get_device("h100-sxm"), "auto", False) == 0
-    assert layout_block(mlp, host16(), "auto", False) == 0
+    sse = dataclasses.replace(host16(), warp_size=4)
+    assert [plan_layout(graph, d, "auto") for d in (host16(), avx2, sse)] == [Layout(16), Layout(8), NCHW]
+    assert plan_layout(graph, host16(), "nchw") == NCHW
+    assert plan_layout(graph, get_device("h100-sxm"), "auto") == NHWC  # its tensor-core convs
+    assert plan_layout(graph, get_device("h100-sxm"), "nchw") == NCHW
+    assert plan_layout(mlp, host16(), "auto") == NCHW
 
 
 def test_the_search_prices_reorders_as_plans_record_them(tmp_path):

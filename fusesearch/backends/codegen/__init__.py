@@ -45,7 +45,14 @@ from fusesearch.ir.graph import Graph
 from fusesearch.ir.op_kind import OpKind
 from fusesearch.ir.pool import POOL_OPS
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import CPU_SKELETONS, Skeleton, grid_stride, row_prologue, tensor_layouts
+from fusesearch.schedule import (
+    CPU_SKELETONS,
+    Skeleton,
+    channels_last,
+    grid_stride,
+    row_prologue,
+    tensor_layouts,
+)
 
 DYNAMIC_SMEM = frozenset({Skeleton.MMA_SYNC_TF32, Skeleton.MMA_SYNC_F16, Skeleton.MMA_SYNC_BF16})
 """The skeletons whose shared memory is dynamic (their stages pass the 48 KiB a block may declare
@@ -65,7 +72,7 @@ def _args(graph: Graph, kernel: Kernel) -> tuple[tuple[Arg, ...], tuple[Arg, ...
         info = graph.tensors[t]
         if info.dtype not in CTYPES:
             raise CodegenRefused(f"dtype {info.dtype} of '{t}' is not generated yet")
-        return Arg(f"{prefix}{k}", t, layouts[t].shape(tuple(info.shape)), info.dtype)
+        return Arg(f"{prefix}{k}", t, layouts[t].shape(tuple(info.shape)), info.dtype, layouts[t])
 
     return (tuple(arg("in", k, t) for k, t in enumerate(kernel.inputs)),
             tuple(arg("out", k, t) for k, t in enumerate(kernel.outputs)))
@@ -92,11 +99,15 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     packs: dict = {}  # weights the C kernel reads packed once (PackedWeight), by tensor
     defs: list[str] = []  # file-scope C the packed GEMM calls (a tile epilogue)
     units: tuple[str, ...] = ()  # C units the kernel links (the tile kernels with that epilogue)
-    if skeleton is Skeleton.BLOCK_PER_ROW or (skeleton in CPU_SKELETONS and row_epilogue):
+    if channels_last(schedule):  # a GPU schedule: CUDA only
+        if skeleton not in _CUDA_WRITERS:
+            raise CodegenRefused(f"{skeleton}: channels last is generated for tiled and tensor-core convs only")
+        c_src, cu_src, rows, length = "", _CUDA_WRITERS[skeleton](graph, kernel, name, ins, outs, args), 0, 0
+    elif skeleton is Skeleton.BLOCK_PER_ROW or (skeleton in CPU_SKELETONS and row_epilogue):
         c_src, cu_src, rows, length = _rowwise(graph, kernel, name, ins, outs, args, packs)
     else:
         c_body = (_anchor_row_loops(graph, kernel, args, outs, packs, defs) if kernel.anchor is not None
-                  else nchwc_pointwise_loops(graph, kernel, args, outs) if schedule.layout_out.blocked else None)
+                  else nchwc_pointwise_loops(graph, kernel, args, outs) if schedule.layout_out.block else None)
         tiles = [tile_kernels(d) for d in defs]  # the kernel's declarations, the units it links
         units = tuple(unit for _, unit in tiles)
         c_src, cu_src, rows, length = _pointwise(graph, kernel, name, ins, outs, args, c_body, tuple(packs.values()),
@@ -105,12 +116,12 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
             cu_src = _CUDA_WRITERS[skeleton](graph, kernel, name, ins, outs, args)
         elif skeleton is Skeleton.ALIAS:  # a lone view run as a kernel (a copy), where one is asked for
             skeleton, grid = Skeleton.GRID_STRIDE, grid_stride(max(a.size for a in outs)).grid
-    if skeleton in CPU_SKELETONS or schedule.layout_out.blocked:  # a CPU schedule: C only
+    if skeleton in CPU_SKELETONS or schedule.layout_out.block:  # a CPU schedule (NCHWc included): C only
         cu_src = ""
     members = (graph.nodes[i] for i in kernel.nodes)  # a Cast to half inside the group rounds too
     halves = {graph.tensors[t].dtype for n in members for t in (*n.inputs, *n.outputs) if t} & set(HALF_DTYPES)
     if halves:  # the half types and conversions, right after the prelude (float32 sources unchanged)
-        c_src = _with_half(c_src, halves, False)
+        c_src = _with_half(c_src, halves, False) if c_src else c_src
         cu_src = _with_half(cu_src, halves, True) if cu_src else cu_src
     digest = source_digest(c_src, cu_src, units)
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,

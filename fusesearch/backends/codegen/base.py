@@ -30,6 +30,7 @@ from fusesearch.backends.codegen.c_prelude import (
 from fusesearch.backends.codegen.c_runtime import C_HEADER
 from fusesearch.backends.codegen.hoist import hoist_loop_invariants
 from fusesearch.groups import FusionDecision
+from fusesearch.layout import NCHW, Layout
 
 CTYPES = {"float32": "float", "int64": "long long", "int32": "int", "bool": "unsigned char",
           "float16": "fs_half", "bfloat16": "fs_bfloat16"}  # storage types (pointers, arguments)
@@ -49,8 +50,9 @@ class CodegenRefused(Exception):
 class Arg:
     name: str  # C identifier: in0, in1, ..., out0, ...
     tensor: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as it lies (`layout.shape` of the tensor's)
     dtype: str
+    layout: Layout = NCHW  # how it lies (`schedule.tensor_layouts`): a program stores it so
 
     @property
     def ctype(self) -> str:

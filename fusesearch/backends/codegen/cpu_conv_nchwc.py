@@ -357,8 +357,8 @@ def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: 
     blocked = target if target.blocked else source
     b, cb = blocked.block, blocked.channels(c) // blocked.block
     hw, runs = h * w, -(-h * w // REORDER_PIXELS)
-    ins = (Arg("in0", tensor, source.shape(shape), "float32"),)
-    outs = (Arg("out0", copy_name(tensor, target), target.shape(shape), "float32"),)
+    ins = (Arg("in0", tensor, source.shape(shape), "float32", source),)
+    outs = (Arg("out0", copy_name(tensor, target), target.shape(shape), "float32", target),)
     plain, block = ("in0", "out0") if target.blocked else ("out0", "in0")
     lanes = f"cb < {c // b}LL ? {b}LL : {c % b}LL" if c % b else f"{b}LL"
     body = [f"for (long long r = 0; r < {n * cb * runs}LL; ++r) {{",

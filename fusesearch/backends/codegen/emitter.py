@@ -65,9 +65,10 @@ class _Emitter:
         # rowwise: tensor → (flat index of its element at the current (r, j), that element in the
         # row an earlier pass cached): read back instead of computed again
         self.row_cache: dict[str, tuple[str, str]] = {}
-        # C NCHWc kernels: the kernel arguments stored in a blocked layout (`schedule.tensor_layouts`),
-        # and channel indices the loops hold as (block, lane) already, read as such, with no division
-        self.layouts: dict[str, Layout] = {}
+        # the kernel arguments stored in a layout other than the model's (`Arg.layout`: a GPU conv's
+        # NHWC; the C NCHWc kernels set theirs), and channel indices the C NCHWc loops hold as
+        # (block, lane) already, read as such, with no division
+        self.layouts: dict[str, Layout] = {a.tensor: a.layout for a in args.values() if a.layout.channels_last}
         self.channel_split: dict[str, tuple[str, str]] = {}
 
     # scopes and temporaries
@@ -140,10 +141,14 @@ class _Emitter:
 
     def at(self, tensor: str, idx: Sequence[str]) -> str:
         """The offset of `tensor`'s element at the logical index `idx` as its argument lies: the
-        flat index, or in a blocked layout ((n, c / b, h, w), c % b) over the padded channels."""
+        flat index, in a blocked layout ((n, c / b, h, w), c % b) over the padded channels, in
+        NHWC ((n, h, w), c)."""
         shape, layout = self.info(tensor).shape, self.layouts.get(tensor)
         if layout is None or not layout.blocked:
             return self.flat(idx, shape)
+        if layout.channels_last:  # ((n, h, w), c): a pixel's channels contiguous
+            (n, c, h, w), (_, channels, height, width) = idx, shape
+            return f"((({n}) * {height}LL + ({h})) * {width}LL + ({w})) * {channels}LL + ({c})"
         (n, c, h, w), (_, channels, height, width), b = idx, shape, layout.block
         blk, lane = self.channel_split.get(c, (f"({c}) / {b}LL", f"({c}) % {b}LL"))
         return (f"((({n}) * {layout.channels(channels) // b}LL + {blk}) * {height * width}LL + ({h}) * {width}LL + ({w}))"

@@ -5,7 +5,7 @@ Approach: the anchor as z GEMMs (`contraction`), a BM x BN tile per block, WM x 
 `mma.sync` m16n8k8 (TF32) or m16n8k16 (FP16/BF16) into float registers. Staging: A and B
 K-contiguous per BK step, prologue applied (`tile_parts`, `mma.staged_element`), plain float loads
 by 4-byte cp.async, a half operand read as it is and K-contiguous by 16-byte cp.async per thread
-(`vector_source`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
+(`vector_source`), an NHWC conv's A by 16-byte cp.async of channels (`TileParts.a_chunk`). Shared memory unpadded, 16-byte chunks XOR-swizzled by row (no bank conflicts);
 `stages` buffers with stages - 1 steps in flight; `ldmatrix.x4` for every operand (TF32 as b16
 pairs, rounded by `fs_tf32`); the epilogue on the accumulators (`ptx` layout), one store. Split-K
 (`mma_sync_split`): each split writes its partial of the real output (`Schedule.workspace_bytes`,
@@ -94,12 +94,26 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
     def at(row: str, col: str) -> str:
         return swizzled(row, col, tk, esize)
 
-    def operand(dst: str, row: str, rows: int, extent: int, outer: str, lines, value, k_contiguous: bool) -> list[str]:
+    def operand(dst: str, row: str, rows: int, extent: int, outer: str, lines, value, k_contiguous: bool,
+                chunk=None) -> list[str]:
         """The staging loop of one operand (`rows` x BK of it into `dst`): 16-byte cp.async chunks
-        where `vector_source` allows, else an element per iteration."""
+        where `vector_source` allows or an NHWC conv's A has whole chunks of channels (`chunk`:
+        a chunk in the padding is zeros), else an element per iteration."""
         g = "g" + row[0]
         source = vector_source(skeleton, lines, value, k_contiguous, c.k)
         inside = f"{g} < {extent}LL && gk < {c.k}LL"
+        if chunk is not None:  # a pixel's channels at one tap: all inside the image, or all padding
+            chunk_lines, first, within = chunk
+            return [f"for (int l = tid; l < {rows * tk // per_chunk}; l += {threads}) {{",
+                    f"    const int {row} = l / {tk // per_chunk}, kk = l % {tk // per_chunk} * {per_chunk};",
+                    f"    const long long {g} = {outer} + {row}, gk = k0 + kk;",
+                    "    bool copied = false;",
+                    f"    if ({inside}) {{",
+                    *["        " + x for x in chunk_lines],
+                    f"        if ({within}) {{ fs_cp_async16(&{dst}[{at(row, 'kk')}], &{first}); copied = true; }}",
+                    "    }",
+                    f"    if (!copied) for (int e = 0; e < {per_chunk}; ++e) {dst}[{at(row, 'kk')} + e] = {zero};",
+                    "}"]
         if source:  # a chunk of per_chunk elements along K per iteration: all in, or all past K's end
             return [f"for (int l = tid; l < {rows * tk // per_chunk}; l += {threads}) {{",
                     f"    const int {row} = l / {tk // per_chunk}, kk = l % {tk // per_chunk} * {per_chunk};",
@@ -120,7 +134,8 @@ def _mma_sync(graph: Graph, kernel: Kernel, name: str, ins, outs, args) -> str:
         "auto stage = [&](long long k0, int s) {",
         f"    {elem}* a_dst = As + s * {a_stage};",
         f"    {elem}* b_dst = Bs + s * {b_stage};",
-        *["    " + x for x in operand("a_dst", "mm", tm, c.m, "m0", parts.a_lines, parts.a_val, not a_col)],
+        *["    " + x for x in operand("a_dst", "mm", tm, c.m, "m0", parts.a_lines, parts.a_val, not a_col,
+                                   parts.a_chunk)],
         *["    " + x for x in operand("b_dst", "nn", tn, c.n, "n0", parts.b_lines, parts.b_val, b_col)],
         "};",
     ]

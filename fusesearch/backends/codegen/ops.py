@@ -210,16 +210,33 @@ def _concat(e, n, t, idx):
         k = e.pinned[t]
         return e.value(parts[k], idx[:axis] + (f"({idx[axis]} - {offsets[k]}LL)",) + idx[axis + 1:])
     result = e.tmp(e.ctype(t), "0")
+    blocks = _concat_blocks(e, idx[axis], axis, offsets)
     for k, (x, off) in enumerate(zip(parts, offsets, strict=True)):
         hi = off + e.info(x).shape[axis]
-        cond = f"{idx[axis]} < {hi}LL"
+        cond = f"{blocks[0]} < {hi // blocks[2]}LL" if blocks else f"{idx[axis]} < {hi}LL"
         e.lines.append(("if" if k == 0 else "else if") + f" ({cond}) {{" if k < len(parts) - 1 else "else {")
         e.push()
         local = idx[:axis] + (f"({idx[axis]} - {off}LL)",) + idx[axis + 1:]
+        if blocks:  # the input's own block and the same lane: no division per lane
+            e.channel_split[local[axis]] = (f"({blocks[0]} - {off // blocks[2]}LL)", blocks[1])
         e.lines.append(f"{result} = {e.value(x, local)};")
         e.pop()
         e.lines.append("}")
     return result
+
+
+def _concat_blocks(e, c: str, axis: int, offsets: list[int]) -> tuple[str, str, int] | None:
+    """(block index, lane, block) of a channel concat in an NCHWc loop whose channel index `c` the
+    loop holds as a block and a lane (`_Emitter.channel_split`), every input starting on a
+    boundary of the kernel's block (`schedule.nchwc_pointwise`): the choice of input is then the
+    block's, invariant over the lanes (a branch GCC takes out of the vector loop); else None."""
+    blocks = {lt.block for lt in e.layouts.values() if lt.blocked}
+    if axis != 1 or c not in e.channel_split or len(blocks) != 1:
+        return None
+    (b,) = blocks
+    if any(off % b for off in offsets):
+        return None
+    return (*e.channel_split[c], b)
 
 
 def _split(e, n, t, idx):
@@ -399,11 +416,12 @@ def _conv(e, n, t, idx):
     return _dot(e, math.prod(taps), term, init)
 
 
-def _conv_input(e, n, x, xs, idx, k, taps, geometry, g, cin_g) -> str:
-    """The (prologue-applied, zero-padded) input value under filter tap k of output idx."""
+def _conv_input(e, n, x, xs, idx, k, taps, geometry, g, cin_g, channels_last: bool = False) -> str:
+    """The (prologue-applied, zero-padded) input value under filter tap k of output idx; k over
+    `taps` (c, r, s), or (r, s, c) `channels_last`."""
     spatial, strides, pads, dilations = geometry
     parts = e.unflatten(k, taps)
-    ci, ks = parts[0], parts[1:]
+    ci, ks = (parts[-1], parts[:-1]) if channels_last else (parts[0], parts[1:])
     pos = [e.tmp("long long", f"({idx[2 + i]}) * {strides[i]}LL - {pads[i]}LL + ({ks[i]}) * {dilations[i]}LL")
            for i in range(spatial)]
     inside = " && ".join(f"{p} >= 0 && {p} < {xs[2 + i]}LL" for i, p in enumerate(pos))
@@ -793,8 +811,10 @@ def _pool(e, n, t, idx):
     tap reads `value(x, tap)`, so a producer in the group is inlined and recomputed per tap. A tap
     is bounds-checked only on the sides some window crosses: by a guarded read, or, in C loop nests
     (`window_clamp`), by reading a clamped position and bounding it by -INFINITY (max) or scaling
-    it by 0 (sum) outside the input (no branch: the column loop vectorizes); columns of the nest's
-    interior loop (`window_cols`) are not checked at all."""
+    it by 0 (sum) outside the input (no branch: the column loop vectorizes); an undilated max
+    takes the clamped read as it is (the input's edge element, inside the same window: the max
+    is unchanged, and no per-pixel bound is built); columns of the nest's interior loop
+    (`window_cols`) are not checked at all."""
     x = n.inputs[0]
     window = pool_window(n.op_type, n.attrs, e.info(x).shape, e.info(t).shape, e.info(x).dtype,
                          len([o for o in n.outputs if o]))
@@ -825,6 +845,8 @@ def _pool(e, n, t, idx):
         cond = " && ".join(c_ for c_ in (ch, cw) if c_)
         if not cond:
             v = e.value(x, (nb, c, ph, pw))
+        elif e.window_clamp and maximum and all(axis.dilation == 1 for axis in window.axes):
+            v = e.value(x, (nb, c, qh, qw))  # the clamped position is the window's own edge: max unchanged
         elif e.window_clamp:  # a bound or a 0/1 factor, not a select: GCC masks selected loads and gives up
             bound = e.tmp("float", f"({cond}) ? INFINITY : (-INFINITY)" if maximum else f"({cond}) ? 1.0f : 0.0f")
             loaded = e.value(x, (nb, c, qh, qw))

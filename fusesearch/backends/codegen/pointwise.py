@@ -33,7 +33,7 @@ def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = 
     skeleton of an anchor group, reading the `packed` weights, calling the file-scope `defs`); a CPU
     schedule's, or one whose tensors lie blocked (`Schedule.layout_out`), has no CUDA (its rows may
     hold what only the C writes: a row prologue's reductions)."""
-    cpu_only = c_body is not None and (kernel.schedule.skeleton in CPU_SKELETONS or kernel.schedule.layout_out.blocked)
+    cpu_only = c_body is not None and (kernel.schedule.skeleton in CPU_SKELETONS or kernel.schedule.layout_out.block)
     c_loops, cu_loops = (c_body, []) if cpu_only else _pointwise_loops(graph, kernel, args, outs)
     if c_body is not None:
         c_loops = c_body
