@@ -186,11 +186,11 @@ def test_the_interior_of_a_conv_axis():
                                                   ((1, 16, 7, 6), 5, 1, [2, 2, 2, 2]), ((1, 16, 2, 2), 3, 1, [1, 1, 1, 1])],
                          ids=["3x3", "stride2-pads-after", "5x5", "no-interior"])
 def test_a_padded_dense_conv_reads_its_input_where_it_lies(tmp_path, target, shape, k, stride, pads):
-    """No zero-bordered copy of the input: each row's interior in tiles over its valid kh, each
-    border column in tiles down the rows whose window lies inside the input vertically, the
-    corners one by one over their valid taps (a 7-wide row's border pixels are 2 of 7: one by
-    one they cost more than the copy's zero taps); pads after the input only, a 5x5's two border
-    columns each side, a plane with no interior pixel. Equal to ONNX Runtime."""
+    """No zero-bordered copy of the input (its writes and the zero taps cost more): each row's
+    interior in tiles over its valid kh, each border column in tiles down the rows whose window
+    lies inside the input vertically, the corners one by one over their valid taps; pads after
+    the input only, a 5x5's two border columns each side, a plane with no interior pixel. Equal
+    to ONNX Runtime."""
     w = _w([16, shape[1], k, k])
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[k, k], strides=[stride] * 2, pads=pads),
              helper.make_node("Relu", ["y"], ["out"])]

@@ -278,8 +278,8 @@ class _Geometry:
         return lines
 
     def span(self, o: int, ocb0: str, strides: tuple[int, int], ow_n: int, image: str) -> list[str]:
-        """The item's output pixels as one span (every window inside the input: a zero-bordered
-        copy, or no padding), tiles across its rows: pixel q + j at output row oh0 + (q + j) / ow,
+        """The item's output pixels as one span (every window inside the input: no padding),
+        tiles across its rows: pixel q + j at output row oh0 + (q + j) / ow,
         column (q + j) % ow."""
         sh, sw = strides
         one_run = (sh, sw, self.wd) == (1, 1, ow_n)  # consecutive pixels consecutive in the input
