@@ -451,12 +451,12 @@ def _infeasible_reason(
 
 
 # Our products against each other, measured on one Zen 4 core at block 16 (benchmarks/bench_nchwc.md):
-# the NCHW depthwise loop (vectors along a row of pixels, a filter tap broadcast) 0.39x the rate
-# of the blocked one (a block of channels per vector, one FMA per tap; callgrind instructions
-# 0.41x); the blocked dense convs 0.93-0.98x the time of our NCHW ones alone (p20 geometric
-# means of the 1x1 and 3x3 classes) and 0.94-0.96x inside whole programs (resnet18's 3x3 convs,
-# docs/benchmarks.md): so "nchwc" 1.05. The rest price alike until a profile fits them.
-HOST_PRODUCT_EFFICIENCY = {"depthwise": 0.4, "nchwc": 1.05}
+# the blocked dense convs 0.86-0.89x the time of our NCHW ones (resnet18's stem, 3x3 and 1x1
+# classes, geometric means, after the epilogue moved onto the tile's registers): "nchwc" 1.12; the
+# NCHW depthwise loop (vectors along a row of pixels, a filter tap broadcast) 0.39x the rate of
+# the blocked one (a block of channels per vector, one FMA per tap; callgrind instructions 0.41x):
+# "depthwise" 0.44, 0.39 of the blocked rate. The rest price alike until a profile fits them.
+HOST_PRODUCT_EFFICIENCY = {"depthwise": 0.44, "nchwc": 1.12}
 
 
 def host_params() -> RooflineParams:

@@ -64,7 +64,7 @@ def test_a_cpu_starts_from_its_library_s_own_efficiencies():
         assert get("library_efficiency", template) == get("tc_efficiency", template)
     # our NCHW depthwise loop below our blocked one, our blocked dense convs a little above our NCHW
     # ones (bench_nchwc's measurements), the rest alike
-    assert get("product_efficiency", "depthwise") < 1.0 < get("product_efficiency", "nchwc") < 1.1
+    assert get("product_efficiency", "depthwise") < 1.0 < get("product_efficiency", "nchwc") < 1.25
     assert get("product_efficiency", "band") == get("product_efficiency", "packed") == 1.0
     assert params.with_updates(library_efficiency=dict(RooflineParams().library_efficiency),
                                product_efficiency=dict(RooflineParams().product_efficiency)) == RooflineParams()

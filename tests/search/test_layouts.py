@@ -133,7 +133,7 @@ def test_padding_that_does_not_pay_keeps_nchw(tmp_path):
     """Dense 3x3 convs whose NCHW loops run at 0.8 of the blocked rate: 32 channels fill two
     blocks of 16 and run blocked; 24 channels would compute 32 (a third more multiply-adds on
     zero lanes, a third more bytes), which costs more than the blocked rate gains: NCHW."""
-    slow = {"product_efficiency": dict.fromkeys(("band", "packed", "rows", "im2col", "loops"), 0.8)}
+    slow = {"product_efficiency": {**dict.fromkeys(("band", "packed", "rows", "im2col", "loops"), 0.8), "nchwc": 1.0}}
     full, padded = (_plan(dense_chain(tmp_path, c), params=slow) for c in (32, 24))
     assert len(_blocked(full)) == 3 and len(full.reorders) == 2
     assert not _blocked(padded) and not padded.reorders

@@ -3,15 +3,13 @@
 Problem: in NCHW a conv's lanes run along short pixel rows and a depthwise conv has no long
 contiguous axis; NCHWc keeps a block of output channels in each vector register instead.
 Approach (a direct conv as MLAS's and oneDNN's NCHWc kernels): filters packed once in the order the
-tile reads them (`base.NchwcFilter`); work items of images x blocks of output rows (at least
-NCHWC_RUN_PIXELS pixels) x tiles of `schedule.nchwc_tile` output blocks in parallel; per item the
-input blocks in passes of `schedule.nchwc_chunk` (the filter slice stays in L1; partial sums in
-cbuf), register tiles of output blocks x up to `nchwc_pixels` pixels (4 x 6 zmm at block 16, 2 x 6
-ymm at 8; a span's tiles of sizes one apart), one FMA per filter vector (held in a register:
-`FS_VB_REG`) and broadcast input (`FS_VB_FMA`: C11 contracts none). A tile's last pass runs the
-epilogue (bias, activations, residual) on its sums in registers and stores each output once. The
-input is read where it lies: padded convs per output row, border columns in tiles down their rows,
-each pixel over its valid taps only (no zero-bordered copy: its writes and zero taps cost more).
+tile reads them (`base.NchwcFilter`); work items of images x blocks of output rows x tiles of
+`schedule.nchwc_tile` output blocks in parallel; per item the input blocks in passes of
+`schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf), register tiles of output
+blocks x up to `nchwc_pixels` pixels (a span's tiles of sizes one apart), one FMA per filter vector
+(held in a register: `FS_VB_REG`) and broadcast input (`FS_VB_FMA`); a tile's last pass runs the
+epilogue on its sums in registers, one store per output. Padded inputs are read where they lie
+(border columns in tiles down their rows, each pixel over its valid taps: no zero-bordered copy).
 Invariants: `Schedule.product` "nchwc", `layout_out` blocked, `layout_in` as `schedule.nchwc_input`
 says; padded lanes store zeros. Anchorless groups (`nchwc_pointwise_loops`) and reorders
 (`reorder_kernel`: block x block squares transposed in registers) live here too."""
