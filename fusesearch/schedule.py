@@ -616,10 +616,11 @@ def nchwc_pointwise(graph: Graph, nodes: Collection[int], block: int) -> bool:
     """Whether an anchorless group has an NCHWc form in blocks of `block` (`Schedule.layout_out`
     blocked, written by `codegen.cpu_conv_nchwc.nchwc_pointwise_loops`): over float32 4-D tensors,
     elementwise or broadcast ops whose operands are of their output's shape or per channel
-    (`per_channel`), 2-D MaxPool/AveragePool, nearest Resize of the pixels, and Concat along the
-    channels where every input but the last fills whole blocks (each output block then comes
-    from one input block, lane for lane): a pool, an activation, a residual Add + Relu, a YOLO
-    neck's upsample and concat between blocked convs."""
+    (`per_channel`), 2-D MaxPool/AveragePool, nearest Resize of the pixels, Concat along the
+    channels where every input but the last fills whole blocks, and DepthToSpace (DCR) to whole
+    blocks (each output block then comes from one input block, lane for lane): a pool, an
+    activation, a residual Add + Relu, a YOLO neck's upsample and concat, a U-Net's upsampling
+    shuffle (`canonicalize.conv_transpose_to_conv`) and concat between blocked convs."""
     members = [graph.nodes[i] for i in sorted(nodes)]
     outs = [graph.tensors[t] for n in members for t in n.outputs if t]
     if not outs or any(o.shape is None or len(o.shape) != 4 or o.dtype != "float32" or per_channel(o.shape)
@@ -638,6 +639,8 @@ def _nchwc_member(graph: Graph, n: Node, block: int) -> bool:
         return len(data[0].shape) == 4 and data[0].shape[:2] == out[:2]
     if n.op_type == "Resize":
         return n.attrs.get("mode", "nearest") == "nearest" and data[0].shape[:2] == out[:2]
+    if n.op_type == "DepthToSpace":  # DCR: each output block is one input block, lane for lane
+        return n.attrs.get("mode", "DCR") == "DCR" and out[1] % block == 0
     if n.op_type == "Concat":
         return (int(n.attrs.get("axis", 0)) % 4 == 1 and all(len(i.shape) == 4 for i in data)
                 and all(i.shape[1] % block == 0 for i in data[:-1]))

@@ -322,10 +322,11 @@ def test_a_lone_anchor_on_the_cpu_is_our_c_unless_the_library_is_priced_faster()
     """Regime: the host, compute-bound products. A lone MatMul is priced both as the library call
     and as our C (`packed`); the default efficiencies price the two alike (ours no dearer: the
     library's call may split K) and the plan keeps ours (what the C program runs); a profile that prices the library's faster keeps the library call.
-    A lone depthwise conv is ours too (skeleton `depthwise`); a lone ConvTranspose stays the
-    library's (the C backend writes none worth running); on a GPU a lone anchor is the library's."""
+    A lone depthwise conv is ours too (skeleton `depthwise`); a lone padded ConvTranspose (no 1x1
+    Conv and shuffle) stays the library's (the C backend writes none worth running); on a GPU a
+    lone anchor is the library's."""
     nodes = [helper.make_node("MatMul", ["a", "w"], ["y"], name="mm"),
-             helper.make_node("ConvTranspose", ["x", "wt"], ["ct"], name="ct", strides=[2, 2])]
+             helper.make_node("ConvTranspose", ["x", "wt"], ["ct"], name="ct", strides=[2, 2], pads=[1, 1, 1, 1])]
     g = graph_of(nodes, [("a", [256, 512], TensorProto.FLOAT), ("x", [1, 16, 8, 8], TensorProto.FLOAT)],
                  [("y", None, TensorProto.FLOAT), ("ct", None, TensorProto.FLOAT)],
                  [("w", np.ones((512, 512), np.float32)), ("wt", np.ones((16, 8, 2, 2), np.float32))])

@@ -125,19 +125,29 @@ def test_plan_of_only_library_nodes_or_a_float16_model_runs(run_cli, tmp_path, b
     assert doc["library_steps"] == library and doc["max_rel_err"] <= 1e-3
 
 
-def conv_transpose():
+def conv_transpose(pads=(0, 0, 0, 0)):
     """A decoder step: ConvTranspose 2x2 stride 2, then Relu (U-Net's upsampling)."""
-    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["u"], name="up", strides=[2, 2]),
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["u"], name="up", strides=[2, 2], pads=list(pads)),
              helper.make_node("Relu", ["u"], ["y"], name="relu")]
-    return make_model(nodes, [("x", [1, 16, 8, 8])], [("y", [1, 8, 16, 16])], [("w", _w(16, 8, 2, 2))])
+    side = 16 - pads[0] - pads[2]
+    return make_model(nodes, [("x", [1, 16, 8, 8])], [("y", [1, 8, side, side])], [("w", _w(16, 8, 2, 2))])
 
 
-def test_a_conv_transpose_runs_in_onnx_runtime_on_the_cpu(run_cli, tmp_path):
+def test_a_padded_conv_transpose_runs_in_onnx_runtime_on_the_cpu(run_cli, tmp_path):
     """The C backend writes a ConvTranspose only as a per-output gather loop, so the CPU plan keeps
     it alone (legality) and the program runs it through ONNX Runtime, in both the plan and the
     unfused program; the Relu is generated."""
-    doc = _run_json(run_cli, save(conv_transpose(), tmp_path / "ct.onnx"))
+    doc = _run_json(run_cli, save(conv_transpose((1, 1, 1, 1)), tmp_path / "ct.onnx"))
     assert doc["library_steps"] == 1 and doc["segments"] == {"generated": 1, "library": 1}, doc
+    assert doc["max_rel_err"] <= 1e-4 and doc["unfused_max_rel_err"] <= 1e-4
+
+
+def test_a_conv_transpose_with_kernel_equal_to_stride_is_generated_on_the_cpu(run_cli, tmp_path):
+    """U-Net's unpadded 2x2 stride-2 upsampling is a 1x1 Conv and a DepthToSpace after
+    canonicalization (`conv_transpose_to_conv`): the whole program is generated, equal to ONNX
+    Runtime on the model as given."""
+    doc = _run_json(run_cli, save(conv_transpose(), tmp_path / "ct.onnx"))
+    assert doc["library_steps"] == 0 and doc["segments"] == {"generated": 1, "library": 0}, doc
     assert doc["max_rel_err"] <= 1e-4 and doc["unfused_max_rel_err"] <= 1e-4
 
 

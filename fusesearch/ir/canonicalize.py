@@ -4,7 +4,8 @@ Problem: exporters leave work no kernel should do (Identity, inference Dropout, 
 chains, BatchNormalization after a conv, weights computed at run time); fusion and costs must see
 the graph a good compiler would run.
 Approach: loop over an `onnx_ir.Model`'s main graph until nothing changes: identity, dropout,
-noop_cast, noop_reshape, constant_folding, batchnorm_folding, einsum_to_matmul, matmul_add_to_gemm,
+noop_cast, noop_reshape, constant_folding, batchnorm_folding, conv_transpose_to_conv (kernel = stride:
+a 1x1 Conv + DepthToSpace), einsum_to_matmul, matmul_add_to_gemm,
 dead_nodes, then shape inference (`ShapeInferencePass`) and shape completion (running a node once
 on zeros). onnx's reference evaluator computes folded constants; the passes are ours (onnxscript's
 optimizer rewrites inside If/Loop and stops at a size limit, and has no per-pass counts): BN
@@ -51,7 +52,8 @@ def canonicalize(model: ir.Model) -> tuple[ir.Model, dict[str, int]]:
     opset = model.opset_imports.get("", 21)
     passes: list[Callable[[ir.Graph, int], int]] = [
         remove_identity, remove_dropout, remove_noop_cast, remove_noop_reshape,
-        fold_constants, fold_batchnorm, einsum_to_matmul, matmul_add_to_gemm, remove_dead_nodes,
+        fold_constants, fold_batchnorm, conv_transpose_to_conv, einsum_to_matmul, matmul_add_to_gemm,
+        remove_dead_nodes,
     ]
     counts["shapes_completed"] += complete_shapes(model.graph, opset)
     for iteration in range(MAX_ITERATIONS):
@@ -73,7 +75,8 @@ def _pass_name(run: Callable) -> str:
     return {
         "remove_identity": "identity", "remove_dropout": "dropout", "remove_noop_cast": "noop_cast",
         "remove_noop_reshape": "noop_reshape", "fold_constants": "constant_folding",
-        "fold_batchnorm": "batchnorm_folding", "einsum_to_matmul": "einsum_to_matmul",
+        "fold_batchnorm": "batchnorm_folding", "conv_transpose_to_conv": "conv_transpose_to_conv",
+        "einsum_to_matmul": "einsum_to_matmul",
         "matmul_add_to_gemm": "matmul_add_to_gemm",
         "remove_dead_nodes": "dead_nodes",
     }[run.__name__]
@@ -372,6 +375,64 @@ def _fold_into_matmul(graph, matmul, bn, scale, shift) -> ir.Value | None:
     add.outputs[0].type = ir.TensorType(ir.DataType.from_numpy(b.dtype))
     graph.insert_after(matmul, add)
     return add.outputs[0]
+
+
+# -- ConvTranspose with kernel = stride -> 1x1 Conv + DepthToSpace ------------------------------
+
+def conv_transpose_to_conv(graph: ir.Graph, opset: int) -> int:
+    """A 2-D ConvTranspose whose kernel equals its stride (s x s, no padding, dilation, groups or
+    output padding: U-Net's 2x2 stride-2 upsampling) writes each input pixel's s*s output pixels
+    from that pixel alone: y[o, s*i + a, s*j + b] = sum_c x[c, i, j] w[c, o, a, b] + B[o], a 1x1
+    Conv to s*s*O channels ordered (a, b, o) followed by DepthToSpace (DCR, blocksize s). The
+    same sums in the same order; the Conv is then a GEMM every backend writes well (packed on
+    a CPU, blocked channels where the plan chooses them, tensor cores on a GPU) and the shuffle
+    moves whole channel blocks."""
+    done = 0
+    for node in _main_nodes(graph, "ConvTranspose"):
+        done += _conv_from_transpose(graph, node)
+    return done
+
+
+def _conv_from_transpose(graph: ir.Graph, node: ir.Node) -> int:
+    w = _const(node.inputs[1]) if len(node.inputs) > 1 else None
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    bias = _const(node.inputs[2]) if has_bias else None
+    x = node.inputs[0]
+    if w is None or w.ndim != 4 or (has_bias and bias is None) or x is None or x.shape is None or len(x.shape) != 4:
+        return 0
+    s, cout = w.shape[2], w.shape[1]
+    plain = {"kernel_shape": [s, s], "strides": [1, 1], "group": 1, "dilations": [1, 1], "pads": [0, 0, 0, 0],
+             "output_padding": [0, 0], "output_shape": None}
+    attrs = {k: _attr(node, k, v) for k, v in plain.items()}
+    if (w.shape[3] != s or s < 2 or list(attrs["kernel_shape"]) != [s, s] or list(attrs["strides"]) != [s, s]
+            or int(attrs["group"]) != 1 or list(attrs["dilations"]) != [1, 1] or any(attrs["pads"])
+            or any(attrs["output_padding"]) or attrs["output_shape"] is not None
+            or _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID")):
+        return 0
+    w1 = np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(s * s * cout, w.shape[0], 1, 1)
+    inputs = [x, _new_initializer(graph, f"{node.name}.W_1x1", w1)]
+    if bias is not None:
+        inputs.append(_new_initializer(graph, f"{node.name}.B_1x1", np.tile(bias.reshape(-1), s * s)))
+    n, _, h, wd = tuple(x.shape)
+    names = {m.name for m in graph}
+    conv = ir.Node("", "Conv", inputs, attributes=[ir.AttrInt64s("kernel_shape", [1, 1])], name=node.name)
+    conv.outputs[0].name = f"{node.name}_1x1_out"
+    conv.outputs[0].shape = ir.Shape([n, s * s * cout, h, wd])
+    conv.outputs[0].type = node.outputs[0].type
+    shuffle_name, k = f"{node.name}_shuffle", 1
+    while shuffle_name in names:
+        shuffle_name, k = f"{node.name}_shuffle_{k}", k + 1
+    shuffle = ir.Node("", "DepthToSpace", [conv.outputs[0]], attributes=[ir.AttrInt64("blocksize", s)],
+                      name=shuffle_name)
+    shuffle.outputs[0].name = f"{shuffle_name}_out"
+    shuffle.outputs[0].shape = node.outputs[0].shape
+    shuffle.outputs[0].type = node.outputs[0].type
+    graph.insert_after(node, [conv, shuffle])
+    if not _bypass(graph, node.outputs[0], shuffle.outputs[0]):
+        graph.remove([conv, shuffle])
+        return 0
+    _remove(graph, node)
+    return 1
 
 
 # -- MatMul + Add -> Gemm ---------------------------------------------------------------------

@@ -352,6 +352,9 @@ CONCATS = {  # nodes, inputs, initializers: channel concats whose inputs but the
                          helper.make_node("Concat", ["u", "r"], ["out"], axis=1)],
                         [("x", [1, 32, 3, 4]), ("r", [1, 8, 6, 8])],
                         [("scales", np.array([1, 1, 2, 2], np.float32))]),
+    "shuffle-concat": ([helper.make_node("DepthToSpace", ["x"], ["u"], blocksize=2),  # a U-Net upsampling's shuffle
+                        helper.make_node("Concat", ["u", "r"], ["out"], axis=1)],
+                       [("x", [1, 128, 3, 4]), ("r", [1, 8, 6, 8])], []),
 }
 
 
@@ -359,9 +362,9 @@ CONCATS = {  # nodes, inputs, initializers: channel concats whose inputs but the
 @pytest.mark.parametrize("name", CONCATS)
 @pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
 def test_a_concat_of_whole_blocks_runs_blocked_and_equals_onnx_runtime(tmp_path, name, target):
-    """A channel concat (after an activation, after a nearest upsample) in NCHWc: each output
-    block read from one input block by the block's index, no division per lane; equal to ONNX
-    Runtime with the padded lanes zero."""
+    """A channel concat (after an activation, a nearest upsample, a DepthToSpace) in NCHWc: each
+    output block read from one input block by the block's index, no division per lane; equal to
+    ONNX Runtime with the padded lanes zero."""
     nodes, inputs, inits = CONCATS[name]
     prep = prepare(save(make_model(nodes, inputs, [("out", None)], initializers=inits), tmp_path / "c.onnx"))
     canonical = to_proto(prep.canonical)

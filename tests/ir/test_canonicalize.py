@@ -65,7 +65,38 @@ def test_convtranspose_bn_folds(group):
     model = make_model(nodes, [("x", [1, 4, 5, 5])], [("y", None)],
                        [("W", f32(4, 6 // group * 1 if group == 1 else 3, 2, 2))] + bn_inits(6 if group == 1 else 6))
     ops, counts, _ = canon(model)
-    assert ops == ["ConvTranspose"] and counts["batchnorm_folding"] == 1
+    assert counts["batchnorm_folding"] == 1
+    # kernel = stride 2: a 1x1 Conv and a DepthToSpace where it has one group (conv_transpose_to_conv)
+    assert ops == (["Conv", "DepthToSpace"] if group == 1 else ["ConvTranspose"])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_convtranspose_kernel_equal_to_stride_becomes_a_1x1_conv_and_a_shuffle(bias):
+    """U-Net's 2x2 stride-2 upsampling (and a 3x3 stride 3): a 1x1 Conv to s*s*O channels ordered
+    (a, b, o), its bias repeated per phase, then DepthToSpace (DCR); equal to ONNX Runtime."""
+    for s, cin, cout in ((2, 6, 4), (3, 5, 2)):
+        inputs = ["x", "W"] + (["B"] if bias else [])
+        nodes = [helper.make_node("ConvTranspose", inputs, ["y"], name="up", strides=[s, s], kernel_shape=[s, s])]
+        inits = [("W", f32(cin, cout, s, s))] + ([("B", f32(cout))] if bias else [])
+        ops, counts, proto = canon(make_model(nodes, [("x", [1, cin, 5, 7])], [("y", None)], inits))
+        assert ops == ["Conv", "DepthToSpace"] and counts["conv_transpose_to_conv"] == 1
+        conv, shuffle = proto.graph.node
+        assert conv.name == "up" and len(conv.input) == 2 + bias
+        assert [(a.name, a.i) for a in shuffle.attribute] == [("blocksize", s)]
+        weights = {t.name: t for t in proto.graph.initializer}
+        assert list(weights[conv.input[1]].dims) == [s * s * cout, cin, 1, 1]
+        assert proto.graph.output[0].name == "y"
+
+
+@pytest.mark.parametrize("attrs", [{"strides": [2, 2], "pads": [1, 1, 0, 0]}, {"strides": [2, 2], "group": 2},
+                                   {"strides": [2, 2], "output_padding": [1, 1]}, {"strides": [1, 1]},
+                                   {"strides": [2, 2], "dilations": [2, 2]}])
+def test_convtranspose_that_is_no_shuffle_stays(attrs):
+    """Padding, groups, output padding, a stride other than the kernel, dilation: the output
+    pixels overlap or skip, no 1x1 Conv writes them; the ConvTranspose stays."""
+    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["y"], **attrs)]
+    ops, counts, _ = canon(make_model(nodes, [("x", [1, 4, 5, 5])], [("y", None)], [("W", f32(4, 2, 2, 2))]))
+    assert ops == ["ConvTranspose"] and counts["conv_transpose_to_conv"] == 0
 
 
 @pytest.mark.parametrize(("trans_b", "with_c"), [(0, True), (1, True), (1, False)])

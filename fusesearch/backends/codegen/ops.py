@@ -680,7 +680,12 @@ def _depth_to_space(e, n, t, idx):
         ci = f"({c}) * {b * b}LL + {i} * {b}LL + {j}"
     else:
         ci = f"{i} * {b * channels}LL + {j} * {channels}LL + ({c})"
-    return e.value(n.inputs[0], (nb, e.tmp("long long", ci), h, w))
+    ci = e.tmp("long long", ci)
+    blocks = _concat_blocks(e, c, 1, [channels])
+    if blocks and n.attrs.get("mode", "DCR") == "DCR":  # whole channel blocks move: the block's lane is the output's
+        per = channels // blocks[2]
+        e.channel_split[ci] = (e.tmp("long long", f"({i} * {b}LL + {j}) * {per}LL + {blocks[0]}"), blocks[1])
+    return e.value(n.inputs[0], (nb, ci, h, w))
 
 
 def _space_to_depth(e, n, t, idx):
