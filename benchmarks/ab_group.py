@@ -6,7 +6,8 @@ well (the product, a prologue, an erf epilogue, a Softmax pass), and a tried cod
 worth keeping if it beats the kernel it would replace on the same machine minutes apart.
 Approach: a variant file (`benchmarks/variants/*.py`) names a zoo model, a group of it by its
 nodes' names (NODES: the group a one-thread cpsat plan for the host takes, lowered as the host
-plan lowers it, `packed`; named rather than planned, because the host's plan moves with its
+plan lowers it, `packed`, or with LAYOUT = "nchwc" its blocked form, inputs and outputs in
+channel blocks; named rather than planned, because the host's plan moves with its
 measured figures and thread count; or GROUPS, a list of (model, nodes) pairs, each run in turn
 against the same variants), and variants, each a list of (regular expression,
 replacement) edits of the group's C texts (`texts`: its generated source, the shared C runtime's,
@@ -36,13 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
+from costmodels.devices import host_cpu
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.codegen.c_runtime import C_RUNTIME
 from fusesearch.backends.timing import measure_interleaved
 from fusesearch.groups import FusionGroup
 from fusesearch.ir.canonicalize import to_proto
-from fusesearch.lowering import Kernel, try_lower
+from fusesearch.layout import from_blocked, to_blocked
+from fusesearch.lowering import Kernel, nchwc_choices, try_lower
 from fusesearch.measure import max_rel_err
 from fusesearch.pipeline import prepare
 from fusesearch.schedule import TILE_EPILOGUE_LANES, CpuTarget
@@ -71,17 +74,25 @@ def groups(spec: dict) -> list:
     return list(spec["GROUPS"]) if "GROUPS" in spec else [(spec["MODEL"], spec["NODES"])]
 
 
-def group_kernel(model: str, nodes):
+def group_kernel(model: str, nodes, layout: str = "nchw"):
     """(prepared model, the group of these nodes' Kernel as the host lowers it, its generated kernel):
     its default choice for a CPU with AVX-512's vectors, whose source's tile epilogue sits under
-    `#ifdef FS_TILE_EPI`, so that it runs as this machine's compiler allows."""
+    `#ifdef FS_TILE_EPI`, so that it runs as this machine's compiler allows; `layout` "nchwc":
+    its blocked form in this machine's channel blocks (`lowering.nchwc_choices`, its first: the
+    form for all the machine's usable CPUs, as many as OMP_NUM_THREADS allows)."""
     prep = prepare(f"zoo:{model}")
     ids = {node.name: node.id for node in prep.graph.nodes}
     missing = [name for name in nodes if name not in ids]
     if missing:
         raise VariantError(f"{model} has no node {missing[0]} (NODES or GROUPS names the group's nodes)")
-    kernel = try_lower(prep.graph, FusionGroup(frozenset(ids[name] for name in nodes)),
-                       host=CpuTarget(lanes=TILE_EPILOGUE_LANES))
+    group = FusionGroup(frozenset(ids[name] for name in nodes))
+    if layout == "nchwc":
+        host = host_cpu()
+        forms = nchwc_choices(prep.graph, group, CpuTarget(lanes=host.warp_size, threads=host.sm_count))
+        if not forms:
+            raise VariantError(f"the group of NODES has no blocked form on this machine ({host.warp_size} lanes)")
+        return prep, forms[0], generate(prep.graph, forms[0], name="ab_group")
+    kernel = try_lower(prep.graph, group, host=CpuTarget(lanes=TILE_EPILOGUE_LANES))
     if not isinstance(kernel, Kernel):
         raise VariantError(f"the group of NODES is not one kernel: {kernel.reason}")
     return prep, kernel, generate(prep.graph, kernel, name="ab_group")
@@ -113,7 +124,7 @@ def variant(kernel, sources: tuple[str, ...]):
 
 def run_group(spec: dict, model: str, nodes, args) -> None:
     """One group against the variants: checked against ONNX Runtime, then timed interleaved."""
-    prep, kernel, base = group_kernel(model, nodes)
+    prep, kernel, base = group_kernel(model, nodes, spec.get("LAYOUT", "nchw"))
     sources = {label: edited(texts(base), edits, label) for label, edits in spec["VARIANTS"].items()}
     ops = "+".join(prep.graph.nodes[i].op_type for i in kernel.nodes)
     if args.check:
@@ -121,7 +132,7 @@ def run_group(spec: dict, model: str, nodes, args) -> None:
         return
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
-    inputs = {t: values[t] for t in kernel.inputs}
+    inputs = {a.tensor: to_blocked(values[a.tensor], a.layout) for a in base.inputs}
     labels, runs = ["base"], [cpu.runner(base, inputs)]
     for label, source in sources.items():
         labels.append(label)
@@ -132,7 +143,8 @@ def run_group(spec: dict, model: str, nodes, args) -> None:
     for label, run in zip(labels, runs, strict=True):
         run()
         outs = run.buffers[len(base.inputs):]
-        err = max_rel_err({a.tensor: x for a, x in zip(base.outputs, outs, strict=True)}, values)
+        err = max_rel_err({a.tensor: from_blocked(x.reshape(a.shape), a.layout, values[a.tensor].shape[1])
+                           if a.layout.blocked else x for a, x in zip(base.outputs, outs, strict=True)}, values)
         note = " (a bound: computes something else)" if label in bounds else ""
         print(f"  {label}: error against ONNX Runtime {err:.1e}{note}")
         if label not in bounds and err > CHECK:

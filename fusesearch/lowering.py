@@ -69,6 +69,7 @@ from fusesearch.schedule import (
     mma_tiles,
     nchwc_conv,
     nchwc_input,
+    nchwc_items,
     nchwc_pointwise,
     nhwc_conv,
     one_pass_moments,
@@ -664,6 +665,10 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     m, n_dim, k = _gemm_dims(graph, anchor)
     kernel = _build(graph, nodes, template, anchor.id, graph.tensors[anchor.outputs[0]].size, k, 4 + 2 * len(nodes),
                     schedule, reload_tile=(m, n_dim, k), host=True)
+    items = nchwc_items(block, template == "depthwise", graph.tensors[anchor.outputs[0]].shape,
+                        (*graph.tensors[anchor.inputs[1]].shape[2:], *(anchor.attrs.get("strides") or (1, 1))),
+                        any(anchor.attrs.get("pads") or ()))
+    kernel = replace(kernel, imbalance=items.imbalance(max(1, host.threads)))
     return with_one_thread_forms((_with_layouts(graph, kernel, anchor),), host)
 
 

@@ -703,6 +703,95 @@ def nchwc_tile(block: int, depthwise: bool) -> int:
     return 1 if depthwise else 4 if block >= 16 else 2
 
 
+NCHWC_RUN_PIXELS = 48  # pixels a block of output rows holds at least (whole rows): several tiles per block,
+# so each slice of filters a tile streams serves them all
+
+
+@dataclass(frozen=True)
+class NchwcItems:
+    """The work items an NCHWc conv's OpenMP loop shares among its threads
+    (`codegen.cpu_conv_nchwc.nchwc_loops`): images x `blocks(T)` blocks of output rows x `tiles`
+    tiles of `o_tile` output-channel blocks (the last tile `rest` blocks where they do not
+    divide), item r = ((image, row block), tile) in that order, in contiguous shares (OpenMP's
+    static schedule: each thread's rows stay together, its input rows read by it alone). The
+    row blocks: `rows` rows each at least (a block's pixels serve each filter slice a tile
+    streams), their count cut to a multiple of the T threads where there are T or more, their
+    bounds OH - (count - k) x OH / count (sizes one apart, the larger first: the first thread,
+    which opens the region, takes a row more where rows are left over, not the threads that wake
+    to it): each thread's rows then differ by one at most (14 rows in blocks of 4 on two
+    threads: 4, 3 | 4, 3, not 4, 4 | 4, 2)."""
+
+    images: int
+    out_rows: int
+    row_pixels: int
+    rows: int
+    o_tile: int
+    channel_blocks: int
+
+    @property
+    def least_blocks(self) -> int:
+        """Row blocks of `rows` rows: the count before it is cut to the threads."""
+        return -(-self.out_rows // self.rows)
+
+    def blocks(self, threads: int) -> int:
+        b0 = self.least_blocks
+        return b0 - b0 % threads if b0 >= threads else b0
+
+    @property
+    def most_rows(self) -> int:
+        """Rows of a block at most, at any thread count (a cut count keeps over half the blocks)."""
+        return min(self.out_rows, 2 * self.rows) if self.least_blocks > 1 else self.out_rows
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.channel_blocks // self.o_tile)
+
+    @property
+    def rest(self) -> int:
+        return self.channel_blocks % self.o_tile
+
+    def count(self, threads: int) -> int:
+        return self.images * self.blocks(threads) * self.tiles
+
+    def work(self, r: int, threads: int) -> int:
+        """Item r's output pixels x output-channel blocks at `threads` threads."""
+        blocks = self.blocks(threads)
+        rb, t = r // self.tiles % blocks, r % self.tiles
+        rows = (blocks - rb) * self.out_rows // blocks - (blocks - rb - 1) * self.out_rows // blocks
+        return rows * self.row_pixels * (self.rest if self.rest and t == self.tiles - 1 else self.o_tile)
+
+    def imbalance(self, threads: int) -> float:
+        """The busiest thread's work over an even share (>= 1, `KernelSpec.imbalance`): thread k of
+        T takes the k-th contiguous share of the items (the first n mod T one item more, as
+        OpenMP's static schedule deals them); 1 at one thread."""
+        if threads <= 1:
+            return 1.0
+        n = self.count(threads)
+        q, extra = divmod(n, threads)
+        loads, r = [], 0
+        for k in range(threads):
+            take = q + (k < extra)
+            loads.append(sum(self.work(i, threads) for i in range(r, r + take)))
+            r += take
+        return max(1.0, max(loads) * threads / sum(loads))
+
+
+def nchwc_items(block: int, depthwise: bool, out_shape: Sequence[int], window: tuple[int, int, int, int],
+                padded: bool, channels: int | None = None) -> NchwcItems:
+    """An NCHWc conv's work items (`NchwcItems`) from its output shape (N, C, OH, OW), its window
+    (kh, kw, sh, sw) and whether it pads: a dense tile holds `nchwc_tile` output blocks, a
+    depthwise item all of them (one register tile per block in turn); a block of rows holds
+    NCHWC_RUN_PIXELS pixels at least where a 1x1 unpadded conv's pixels run on across rows or the
+    conv is dense, else one row (a depthwise window's rows). `channels`: the output channels
+    padded to whole blocks (default: C rounded up)."""
+    n, c, oh, ow = out_shape
+    ocb = (channels if channels is not None else -(-c // block) * block) // block
+    run = tuple(window) == (1, 1, 1, 1) and not padded
+    rows = min(oh, -(-NCHWC_RUN_PIXELS // ow)) if run or not depthwise else 1
+    o_tile = ocb if depthwise else min(nchwc_tile(block, depthwise), ocb)
+    return NchwcItems(n, oh, ow, rows, o_tile, ocb)
+
+
 TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)
 _TILE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Erf", "Identity"})  # and views
 

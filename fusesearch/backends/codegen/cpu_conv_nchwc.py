@@ -3,9 +3,9 @@
 Problem: in NCHW a conv's lanes run along short pixel rows and a depthwise conv has no long
 contiguous axis; NCHWc keeps a block of output channels in each vector register instead.
 Approach (a direct conv as MLAS's and oneDNN's NCHWc kernels): filters packed once in the order the
-tile reads them (`base.NchwcFilter`); work items of images x blocks of output rows x tiles of
-`schedule.nchwc_tile` output blocks in parallel; per item the input blocks in passes of
-`schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf), register tiles of output
+tile reads them (`base.NchwcFilter`); work items (`schedule.NchwcItems`: images x blocks of output
+rows, a multiple of the threads, x tiles of output blocks) in contiguous shares; per item the input
+blocks in passes of `schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf), register tiles of output
 blocks x up to `nchwc_pixels` pixels (a span's tiles of sizes one apart), one FMA per filter vector
 (held in a register: `FS_VB_REG`) and broadcast input (`FS_VB_FMA`); a tile's last pass runs the
 epilogue on its sums in registers, one store per output. Padded inputs are read where they lie
@@ -15,8 +15,6 @@ says; padded lanes store zeros. Anchorless groups (`nchwc_pointwise_loops`) and 
 (`reorder_kernel`: block x block squares transposed in registers) live here too."""
 
 from __future__ import annotations
-
-import math
 
 from fusesearch.backends.codegen.base import (
     OMP_FOR,
@@ -39,14 +37,10 @@ from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
     nchwc_chunk,
     nchwc_interior,
+    nchwc_items,
     nchwc_pixels,
-    nchwc_tile,
     tensor_layouts,
 )
-
-# pixels a block of output rows holds at least (whole output rows): several tiles per block, so
-# each slice of filters a tile streams serves them all
-NCHWC_RUN_PIXELS = 48
 
 
 def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor: Node, packs: dict) -> list[str]:
@@ -69,16 +63,14 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     (h, wd), (oh_n, ow_n) = xs[2:], ys[2:]
     lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
     icb = source.channels(xs[1]) // lanes_in
-    # output blocks per work item: a dense tile's (its registers); a depthwise item holds them all,
-    # one register tile per block in turn (a row's setup shared by its blocks)
-    o_tile = ocb if depthwise else min(nchwc_tile(b, depthwise), ocb)
+    run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
+    items = nchwc_items(b, depthwise, ys, (kh_n, kw_n, sh, sw), bool(ph or pw), layout.channels(ys[1]))
+    o_tile, rows = items.o_tile, items.rows
     if w not in packs:
         floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
         packs[w] = NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name, ys[1], ws[1],
                                kh_n * kw_n, b, depthwise, lanes_in, o_tile)
-    run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
-    rows = min(oh_n, math.ceil(NCHWC_RUN_PIXELS / ow_n)) if run or not depthwise else 1
-    pixels = rows * ow_n
+    pixels = (items.most_rows * ow_n, rows * ow_n)  # a block's at most (cbuf), its usual (its tiles)
     planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
     main, _ = _split_outputs(graph, kernel, outs, anchor)
     geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, args[x].name,
@@ -93,8 +85,7 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     else:
         def sums(o: int, ocb0: str) -> list[str]:
             return geo.rows(o, ocb0, image, (sh, sw), (ph, pw), (oh_n, ow_n), rows)
-    full, rest = divmod(ocb, o_tile)
-    tiles = full + (rest > 0)
+    full, rest, tiles = ocb // o_tile, items.rest, items.tiles
 
     def item(o: int, ocb0: str) -> list[str]:  # one work item's sums, in passes over the input blocks
         if depthwise:
@@ -106,18 +97,19 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
                    f"    long long c1 = c0 + {chunk}LL < {icb}LL ? c0 + {chunk}LL : {icb}LL;",
                    *["    " + x_ for x_ in sums(o, ocb0)], "}"])
         return [f"long long ocb0 = {ocb0};", *passes]
-    blocks = -(-oh_n // rows)
-    per = blocks * tiles
-    body = [f"for (long long r = 0; r < {ys[0] * per}LL; ++r) {{",
-            f"    long long nb = r / {per}LL, oh0 = r / {tiles}LL % {blocks}LL * {rows}LL, ot = r % {tiles}LL;",
-            f"    long long oh1 = oh0 + {rows}LL < {oh_n}LL ? oh0 + {rows}LL : {oh_n}LL;",
-            *(["    " + scratch("cbuf", f"{o_tile * pixels * b}LL")] if geo.chunk(o_tile) < icb else []),
+    b0 = items.least_blocks  # row blocks cut to a multiple of the team at run time (`NchwcItems.blocks`)
+    share = [f"long long nt = fs_threads(), blocks = {b0}LL >= nt ? {b0}LL - {b0}LL % nt : {b0}LL;",
+             f"long long per = blocks * {tiles}LL;"]
+    body = [f"for (long long r = 0; r < {ys[0]}LL * per; ++r) {{",
+            f"    long long nb = r / per, rb = r / {tiles}LL % blocks, ot = r % {tiles}LL;",
+            f"    long long oh0 = {oh_n}LL - (blocks - rb) * {oh_n}LL / blocks, oh1 = {oh_n}LL - (blocks - rb - 1) * {oh_n}LL / blocks;",
+            *(["    " + scratch("cbuf", f"{o_tile * geo.pixels * b}LL")] if geo.chunk(o_tile) < icb else []),
             *([f"    if (ot < {full}LL) {{"] if rest else ["    {"]),
             *["        " + x_ for x_ in item(o_tile, f"ot * {o_tile}LL")], "    }",
             *(["    else {", *["        " + x_ for x_ in item(rest, f"{full * o_tile}LL")], "    }"] if rest else []),
             "}"]
     return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
-            *_vector_fma(b), f"    {OMP_FOR}\n" + _indent(body, 1)]
+            *_vector_fma(b), *["    " + x_ for x_ in share], f"    {OMP_FOR}\n" + _indent(body, 1)]
 
 
 def _vector_fma(b: int) -> list[str]:
@@ -141,14 +133,15 @@ class _Geometry:
     """The constants an NCHWc conv's tiles are written with: per input block `lanes_in` input
     lanes, `xb` floats per pixel and `xc` between two lanes of one pixel (NCHWc: b and 1; NCHW:
     1 and H x W); `pixels` the pixels of a work item's partial sums (cbuf) per output block
-    (carried there between passes); `channels` the input's (a dense tile skips the last block's
+    (carried there between passes) at most, and a block's usual pixels (`count`, which its span's
+    tiles are sized for); `channels` the input's (a dense tile skips the last block's
     zero lanes); `epilogue` what a tile's last pass stores (`_Epilogue`)."""
 
     def __init__(self, b, icb, lanes_in, blocked_in, window, depthwise, x, wp, pixels, channels, epilogue) -> None:
         self.b, self.icb, self.lanes_in = b, icb, lanes_in
         self.h, self.wd, self.kh_n, self.kw_n, self.sw = window
         self.xb, self.xc = (b, 1) if blocked_in else (1, self.h * self.wd)
-        self.depthwise, self.x, self.wp, self.pixels = depthwise, x, wp, pixels
+        self.depthwise, self.x, self.wp, (self.pixels, self.count) = depthwise, x, wp, pixels
         self.last_lanes = channels - (icb - 1) * lanes_in  # the last input block's channels (its other lanes zero)
         self.epilogue = epilogue
 
@@ -289,7 +282,7 @@ class _Geometry:
                     f" * {self.xb}LL")
         where = "long long oh = oh0, ow = q + tj;"  # the pixel index oh * ow_n + ow is linear in q
         return ["long long kh0 = 0, kh1 = " + f"{self.kh_n};",
-                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.pixels, ("q", 1), xoff,
+                *self.tiles(o, ocb0, ("0", f"(oh1 - oh0) * {ow_n}LL"), self.count, ("q", 1), xoff,
                             ("0", str(self.kw_n)), where)]
 
 
