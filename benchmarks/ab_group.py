@@ -74,12 +74,13 @@ def groups(spec: dict) -> list:
     return list(spec["GROUPS"]) if "GROUPS" in spec else [(spec["MODEL"], spec["NODES"])]
 
 
-def group_kernel(model: str, nodes, layout: str = "nchw"):
+def group_kernel(model: str, nodes, layout: str = "nchw", lanes: int | None = None):
     """(prepared model, the group of these nodes' Kernel as the host lowers it, its generated kernel):
     its default choice for a CPU with AVX-512's vectors, whose source's tile epilogue sits under
     `#ifdef FS_TILE_EPI`, so that it runs as this machine's compiler allows; `layout` "nchwc":
-    its blocked form in this machine's channel blocks (`lowering.nchwc_choices`, its first: the
-    form for all the machine's usable CPUs, as many as OMP_NUM_THREADS allows)."""
+    its blocked form in this machine's channel blocks, or those of `lanes` float lanes
+    (`lowering.nchwc_choices`, its first: the form for all the machine's usable CPUs, as many as
+    OMP_NUM_THREADS allows)."""
     prep = prepare(f"zoo:{model}")
     ids = {node.name: node.id for node in prep.graph.nodes}
     missing = [name for name in nodes if name not in ids]
@@ -88,9 +89,10 @@ def group_kernel(model: str, nodes, layout: str = "nchw"):
     group = FusionGroup(frozenset(ids[name] for name in nodes))
     if layout == "nchwc":
         host = host_cpu()
-        forms = nchwc_choices(prep.graph, group, CpuTarget(lanes=host.warp_size, threads=host.sm_count))
+        lanes = lanes or host.warp_size
+        forms = nchwc_choices(prep.graph, group, CpuTarget(lanes=lanes, threads=host.sm_count))
         if not forms:
-            raise VariantError(f"the group of NODES has no blocked form on this machine ({host.warp_size} lanes)")
+            raise VariantError(f"the group of NODES has no blocked form at {lanes} float lanes")
         return prep, forms[0], generate(prep.graph, forms[0], name="ab_group")
     kernel = try_lower(prep.graph, group, host=CpuTarget(lanes=TILE_EPILOGUE_LANES))
     if not isinstance(kernel, Kernel):

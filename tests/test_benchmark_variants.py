@@ -3,7 +3,7 @@
 edits of a group's C texts (its generated source, the shared C runtime's and its units'; the group
 named by its nodes, or several groups), so a generator change that
 moves the edited text would break those commands. Each file's group must still lower to one packed
-kernel and every edit must still match."""
+kernel (in channel blocks where the file says LAYOUT = "nchwc") and every edit must still match."""
 
 from __future__ import annotations
 
@@ -33,10 +33,12 @@ def test_there_are_variant_files():
 @pytest.mark.parametrize("path", VARIANT_FILES, ids=lambda p: p.stem)
 def test_every_variant_still_edits_its_group(path):
     spec = AB.load_variants(path)
+    layout = spec.get("LAYOUT", "nchw")
     for model, nodes in AB.groups(spec):
-        _, kernel, base = AB.group_kernel(model, nodes)
+        _, kernel, base = AB.group_kernel(model, nodes, layout, lanes=8)  # a blocked form in AVX2's blocks of 8
         assert kernel.anchor is not None  # a fused product, as on the host: packed, or a depthwise conv's loop
         assert kernel.schedule.skeleton == ("depthwise" if kernel.template == "depthwise" else "packed")
+        assert (kernel.schedule.product == "nchwc") == (layout == "nchwc")
         for label, edits in spec["VARIANTS"].items():
             sources = AB.edited(AB.texts(base), edits, label)
             assert sources != AB.texts(base), (model, nodes, label)
