@@ -8,7 +8,9 @@ rounds as ONNX Runtime ENABLE_ALL (`run.run_plan`, the nchw plan in the unfused 
 thread; the reorders' measured seconds beside their predicted ones (`Program.kernel_seconds`).
 `--factors depthwise=0.41,nchwc=0.8` prices with those product efficiencies (bench_nchwc's
 measurements: the NCHW depthwise loop 0.41x the blocked one's rate, dense NCHWc 0.8x); without,
-the host's defaults (`HOST_PRODUCT_EFFICIENCY`: the NCHW depthwise loop at 0.4). A 16-lane host either way.
+the host's defaults (`HOST_PRODUCT_EFFICIENCY`). The host's own lanes and blocks either way (16 with
+AVX-512, 8 with AVX2: a 16-lane plan on an AVX2 machine runs its blocks of 16 as pairs of
+vectors, yolo-neck's 20x slower).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_layouts.py [--models resnet50,yolo-neck]
         [--rounds 5] [--workers 1] [--run mobilenetv2] [--repeat 20] [--factors depthwise=0.41,nchwc=0.8]
@@ -17,7 +19,6 @@ the host's defaults (`HOST_PRODUCT_EFFICIENCY`: the NCHW depthwise loop at 0.4).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -40,7 +41,7 @@ def _model(factors: dict):
 def _device():
     from costmodels.devices import get_device
 
-    return dataclasses.replace(get_device("host", 1), warp_size=16)
+    return get_device("host", 1)
 
 
 def _plan(prep, layouts: str, factors: dict, workers: int):
