@@ -665,7 +665,8 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     m, n_dim, k = _gemm_dims(graph, anchor)
     kernel = _build(graph, nodes, template, anchor.id, graph.tensors[anchor.outputs[0]].size, k, 4 + 2 * len(nodes),
                     schedule, reload_tile=(m, n_dim, k), host=True)
-    items = nchwc_items(block, template == "depthwise", graph.tensors[anchor.outputs[0]].shape,
+    items = nchwc_items(block, template == "depthwise", graph.tensors[anchor.inputs[0]].shape,
+                        graph.tensors[anchor.outputs[0]].shape,
                         (*graph.tensors[anchor.inputs[1]].shape[2:], *(anchor.attrs.get("strides") or (1, 1))),
                         any(anchor.attrs.get("pads") or ()))
     kernel = replace(kernel, imbalance=items.imbalance(max(1, host.threads)))

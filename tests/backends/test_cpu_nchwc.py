@@ -512,22 +512,26 @@ def test_a_reorder_has_its_one_thread_form_above_one_thread(tmp_path):
 
 
 def test_work_items_split_evenly_among_threads_and_their_imbalance_is_priced(tmp_path):
-    """A 3x3 conv to 256 channels at 14 x 14 (resnet18's third stage), block 8: 4 blocks of rows
-    (4 rows each at least, 56 pixels) x 16 tiles of 2 output blocks. In blocks of 4, 4, 4 and 2
-    rows two threads' contiguous halves would hold 8 and 6 rows; bounded at 14 - (4 - k) x 14 / 4
-    the blocks hold 4, 3, 4, 3: 7 rows each, even (imbalance 1). With 3 threads the 4 blocks are cut to 3.
-    A depthwise conv's blocks are rows (7 at 7 x 7: 6 blocks, 4 and 3 rows on two threads, 8/7);
-    a conv to one tile over one block of rows has one item, all on one of two threads (2). The C
-    cuts its blocks so at run time, and a 7 x 7 depthwise group's two-thread choice carries its
-    imbalance (the cost model divides the product's rate by it), at one thread none."""
-    dense = nchwc_items(8, False, (1, 256, 14, 14), (3, 3, 1, 1), True)
-    assert (dense.rows, dense.least_blocks, dense.o_tile, dense.tiles, dense.count(2)) == (4, 4, 2, 16, 64)
-    assert [dense.work(r, 2) for r in (0, 16, 48)] == [4 * 14 * 2, 3 * 14 * 2, 3 * 14 * 2]
+    """A 3x3 conv over 16 channels at 14 x 14, block 8: 4 blocks of rows (4 rows each at least, 56
+    pixels) x 1 tile of 2 output blocks. In blocks of 4, 4, 4 and 2 rows two threads' contiguous
+    halves would hold 8 and 6 rows; bounded at 14 - (4 - k) x 14 / 4 the blocks hold 4, 3, 4, 3:
+    7 rows each, even (imbalance 1). With 3 threads the 4 blocks are cut to 3. Over 256 channels
+    (resnet18's third stage) the filters outweigh the input: one block of all 14 rows, its 16
+    tiles 8 a thread. A depthwise conv's blocks are rows (7 at 7 x 7: 6 blocks, 4 and 3 rows on
+    two threads, 8/7); a conv to one tile over one block of rows has one item, all on one of two
+    threads (2). The C cuts its blocks so at run time, and a 7 x 7 depthwise group's two-thread
+    choice carries its imbalance (the cost model divides the product's rate by it), at one
+    thread none."""
+    dense = nchwc_items(8, False, (1, 16, 14, 14), (1, 16, 14, 14), (3, 3, 1, 1), True)
+    assert (dense.rows, dense.least_blocks, dense.o_tile, dense.tiles, dense.count(2)) == (4, 4, 2, 1, 4)
+    assert [dense.work(r, 2) for r in (0, 1, 3)] == [4 * 14 * 2, 3 * 14 * 2, 3 * 14 * 2]
     assert dense.imbalance(1) == dense.imbalance(2) == 1.0 and dense.blocks(3) == 3 and dense.most_rows == 8
-    depthwise = nchwc_items(8, True, (1, 96, 7, 7), (3, 3, 1, 1), True)
+    deep = nchwc_items(8, False, (1, 256, 14, 14), (1, 256, 14, 14), (3, 3, 1, 1), True)
+    assert (deep.rows, deep.blocks(2), deep.tiles, deep.imbalance(2)) == (14, 1, 16, 1.0)
+    depthwise = nchwc_items(8, True, (1, 96, 7, 7), (1, 96, 7, 7), (3, 3, 1, 1), True)
     assert (depthwise.rows, depthwise.tiles, depthwise.blocks(2)) == (1, 1, 6)
     assert depthwise.imbalance(2) == pytest.approx(8 / 7)
-    assert nchwc_items(16, False, (1, 32, 7, 7), (1, 1, 1, 1), False).imbalance(2) == 2.0
+    assert nchwc_items(16, False, (1, 32, 7, 7), (1, 32, 7, 7), (1, 1, 1, 1), False).imbalance(2) == 2.0
     graph, _ = _conv_group(tmp_path, [1, 96, 7, 7], 96, 3, 1, depthwise=True)
     group = FusionGroup(frozenset(range(len(graph.nodes))))
     one, two = (nchwc_choices(graph, group, replace(AVX2, threads=t))[0] for t in (1, 2))

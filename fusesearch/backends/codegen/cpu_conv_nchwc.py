@@ -64,7 +64,7 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     lanes_in = b if source.blocked else xs[1]  # input lanes per input block (NCHW: every channel, one block)
     icb = source.channels(xs[1]) // lanes_in
     run = (kh_n, kw_n, sh, sw) == (1, 1, 1, 1) and not (ph or pw)  # pixels contiguous across rows
-    items = nchwc_items(b, depthwise, ys, (kh_n, kw_n, sh, sw), bool(ph or pw), layout.channels(ys[1]))
+    items = nchwc_items(b, depthwise, xs, ys, (kh_n, kw_n, sh, sw), bool(ph or pw), layout.channels(ys[1]))
     o_tile, rows = items.o_tile, items.rows
     if w not in packs:
         floats = ocb * b * kh_n * kw_n * (1 if depthwise else icb * lanes_in)
