@@ -498,6 +498,13 @@ def _threads_per_core() -> int:
     return max(1, count)
 
 
+def host_lanes() -> int:
+    """This machine's float32 lanes per vector, read from its CPU flags (`_simd_fp32_lanes`): what
+    the C backend's blocked kernels run with here, whatever device priced them."""
+    info = _cpuinfo()
+    return _simd_fp32_lanes(set(info.get("flags", info.get("Features", "")).split()))
+
+
 def _simd_fp32_lanes(flags: set[str]) -> int:
     """FP32 lanes per vector register: AVX-512 16, AVX/AVX2 8, SSE/NEON 4."""
     if "avx512f" in flags:

@@ -164,6 +164,7 @@ def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: 
         say(tuner.stats.line())
     unfused = search_prepared(prep, device, "none", dataclasses.replace(config, lone_anchors=lone_anchors),
                               threads=threads)[0]
+    warn_lanes(device, legality.device)
     if plan_file is not None:
         warn_threads(plan_file, threads)
         none = (search_prepared(prep, device, "none", config, threads=threads)[0] if lone_anchors != "priced"
@@ -199,6 +200,24 @@ def warn_threads(plan_file: str | Path, threads: int) -> None:
         logging.getLogger("fusesearch").warning(
             f"{plan_file} was priced for {priced} thread{'s' if priced != 1 else ''}; it runs with --threads "
             f"{threads}: its choices may not be the best at this count (plan again with --threads {threads})")
+
+
+def warn_lanes(device: str, spec) -> None:
+    """One warning when a CPU device (a profile calibrated on another machine) has other float32
+    lanes than this machine, whose C backend runs the plan: its channel blocks are that CPU's
+    (16 floats on an AVX2 machine run as pairs of vectors: a yolo-neck plan 20x slower), so the
+    figures are neither that CPU's nor the best here."""
+    import logging
+
+    from costmodels.devices import host_lanes
+
+    here = host_lanes()
+    if spec.kind != "cpu" or spec.warp_size == here:
+        return
+    logging.getLogger("fusesearch").warning(
+        f"--device {device}: a CPU with {spec.warp_size} float32 lanes, this machine has {here}: the plan's "
+        "kernels run here in that CPU's vectors and channel blocks, so these figures are neither that CPU's nor "
+        "the best here (plan with --device host, or a profile calibrated on this machine)")
 
 
 def value_flags(input_values: Mapping[str, Any] | None) -> list[str]:

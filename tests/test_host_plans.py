@@ -2,10 +2,11 @@
 was priced for, the machine's measured figures with their sha256 and cache file, a profile's
 sha256), `--threads` (default 1) picks the count whatever OMP_NUM_THREADS says, the same flags
 give a byte-identical plan, and `run` warns in one line when a plan.json was priced for another
-thread count than it runs with."""
+thread count than it runs with, or a CPU profile has other float lanes than this machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from importlib import resources
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from costmodels import get_device
-from costmodels.profile import priced_by
+from costmodels import get_device, host_params
+from costmodels.devices import host_lanes
+from costmodels.profile import Profile, priced_by, save_profile
 from fusesearch.backends import cpu
 from fusesearch.values import usable_cpus
 from tests.conftest import make_model, save
@@ -93,6 +95,29 @@ def test_run_warns_once_when_the_plan_was_priced_for_another_thread_count(run_cl
     assert len(lines) == 1 and "priced for 2 threads" in lines[0] and "--threads 1" in lines[0], lines
     assert "\n" not in lines[0]
     assert warned("2") == []
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs a C compiler")
+def test_run_warns_once_when_a_cpu_profile_has_other_lanes_than_this_machine(run_cli, tmp_path, caplog):
+    """A host profile calibrated on a CPU with twice this machine's float lanes (AVX-512 beside AVX2):
+    `run` executes its plan here, in that CPU's vectors and blocks, and says so in one line; the
+    same profile with this machine's lanes gives no warning."""
+    model = chain(tmp_path)
+    here = host_lanes()
+    fast = ("--dim", "batch=8", "--repeat", "2", "--warmup", "0", "--json")
+
+    def warned(lanes: int) -> list[str]:
+        path = save_profile(Profile(dataclasses.replace(get_device("host", 1), warp_size=lanes), host_params()),
+                            tmp_path / f"host{lanes}" / "profile.json")
+        caplog.clear()
+        code, stdout, stderr = run_cli("run", model, "--device", path, *fast)
+        assert code == 0 and json.loads(stdout)["max_rel_err"] <= 1e-4, stderr
+        return [r.getMessage() for r in caplog.records if "float32 lanes" in r.getMessage()]
+
+    lines = warned(2 * here)
+    assert len(lines) == 1 and f"a CPU with {2 * here} float32 lanes, this machine has {here}" in lines[0], lines
+    assert "\n" not in lines[0] and "--device host" in lines[0]
+    assert warned(here) == []
 
 
 def test_a_sweeps_cpu_cells_are_priced_for_its_threads(tmp_path):
