@@ -737,6 +737,21 @@ class NchwcItems:
         b0 = self.least_blocks
         return b0 - b0 % threads if b0 >= threads else b0
 
+    def c_blocks(self, threads: str) -> str:
+        """`blocks` as the C computes it from the team's size at run time (the C expression `threads`)."""
+        b0 = self.least_blocks
+        return f"{b0}LL >= {threads} ? {b0}LL - {b0}LL % {threads} : {b0}LL"
+
+    def bounds(self, rb: int, blocks: int) -> tuple[int, int]:
+        """Row block rb's output rows [lo, hi) of `blocks`: the larger blocks first."""
+        oh = self.out_rows
+        return oh - (blocks - rb) * oh // blocks, oh - (blocks - rb - 1) * oh // blocks
+
+    def c_bounds(self, rb: str, blocks: str) -> tuple[str, str]:
+        """`bounds` as C expressions of the row block `rb` and the count `blocks`."""
+        oh = f"{self.out_rows}LL"
+        return f"{oh} - ({blocks} - {rb}) * {oh} / {blocks}", f"{oh} - ({blocks} - {rb} - 1) * {oh} / {blocks}"
+
     @property
     def most_rows(self) -> int:
         """Rows of a block at most, at any thread count (a cut count keeps over half the blocks)."""
@@ -757,8 +772,8 @@ class NchwcItems:
         """Item r's output pixels x output-channel blocks at `threads` threads."""
         blocks = self.blocks(threads)
         rb, t = r // self.tiles % blocks, r % self.tiles
-        rows = (blocks - rb) * self.out_rows // blocks - (blocks - rb - 1) * self.out_rows // blocks
-        return rows * self.row_pixels * (self.rest if self.rest and t == self.tiles - 1 else self.o_tile)
+        lo, hi = self.bounds(rb, blocks)
+        return (hi - lo) * self.row_pixels * (self.rest if self.rest and t == self.tiles - 1 else self.o_tile)
 
     def imbalance(self, threads: int) -> float:
         """The busiest thread's work over an even share (>= 1, `KernelSpec.imbalance`): thread k of

@@ -4,11 +4,11 @@ Problem: in NCHW a conv's lanes run along short pixel rows and a depthwise conv 
 contiguous axis; NCHWc keeps a block of output channels in each vector register instead.
 Approach (a direct conv as MLAS's and oneDNN's NCHWc kernels): filters packed once in the order the
 tile reads them (`base.NchwcFilter`); work items (`schedule.NchwcItems`: images x blocks of output
-rows, a multiple of the threads, x tiles of output blocks) in contiguous shares; per item the input
-blocks in passes of `schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf), register tiles of output
-blocks x up to `nchwc_pixels` pixels (a span's tiles of sizes one apart), one FMA per filter vector
-(held in a register: `FS_VB_REG`) and broadcast input (`FS_VB_FMA`); a tile's last pass runs the
-epilogue on its sums in registers, one store per output. Padded inputs are read where they lie
+rows, a multiple of the threads, x tiles of output blocks) in contiguous shares; per item the
+input blocks in passes of `schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf),
+register tiles of output blocks x up to `nchwc_pixels` pixels (a span's tiles of sizes one apart),
+one FMA per filter vector (held in a register: `FS_VB_REG`) and broadcast input (`FS_VB_FMA`); a
+tile's last pass runs the epilogue on its sums in registers, one store per output. Padded inputs are read where they lie
 (border columns in tiles down their rows, each pixel over its valid taps: no zero-bordered copy).
 Invariants: `Schedule.product` "nchwc", `layout_out` blocked, `layout_in` as `schedule.nchwc_input`
 says; padded lanes store zeros. Anchorless groups (`nchwc_pointwise_loops`) and reorders
@@ -97,12 +97,12 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
                    f"    long long c1 = c0 + {chunk}LL < {icb}LL ? c0 + {chunk}LL : {icb}LL;",
                    *["    " + x_ for x_ in sums(o, ocb0)], "}"])
         return [f"long long ocb0 = {ocb0};", *passes]
-    b0 = items.least_blocks  # row blocks cut to a multiple of the team at run time (`NchwcItems.blocks`)
-    share = [f"long long nt = fs_threads(), blocks = {b0}LL >= nt ? {b0}LL - {b0}LL % nt : {b0}LL;",
-             f"long long per = blocks * {tiles}LL;"]
+    # the row blocks cut to a multiple of the team at run time, their bounds (`NchwcItems.blocks`, `bounds`)
+    share = [f"long long nt = fs_threads(), blocks = {items.c_blocks('nt')};", f"long long per = blocks * {tiles}LL;"]
+    lo, hi = items.c_bounds("rb", "blocks")
     body = [f"for (long long r = 0; r < {ys[0]}LL * per; ++r) {{",
             f"    long long nb = r / per, rb = r / {tiles}LL % blocks, ot = r % {tiles}LL;",
-            f"    long long oh0 = {oh_n}LL - (blocks - rb) * {oh_n}LL / blocks, oh1 = {oh_n}LL - (blocks - rb - 1) * {oh_n}LL / blocks;",
+            f"    long long oh0 = {lo}, oh1 = {hi};",
             *(["    " + scratch("cbuf", f"{o_tile * geo.pixels * b}LL")] if geo.chunk(o_tile) < icb else []),
             *([f"    if (ot < {full}LL) {{"] if rest else ["    {"]),
             *["        " + x_ for x_ in item(o_tile, f"ot * {o_tile}LL")], "    }",
