@@ -211,8 +211,10 @@ def warn_lanes(device: str, spec) -> None:
 
     from costmodels.devices import host_lanes
 
-    here = host_lanes()
-    if spec.kind != "cpu" or spec.warp_size == here:
+    if spec.kind != "cpu":
+        return
+    here = host_lanes()  # /proc/cpuinfo read only for a CPU device
+    if spec.warp_size == here:
         return
     logging.getLogger("fusesearch").warning(
         f"--device {device}: a CPU with {spec.warp_size} float32 lanes, this machine has {here}: the plan's "
