@@ -1198,16 +1198,19 @@ RUN_NAMES = {"plan": "plan", "unfused": "unfused (none)", "ort_enable_all": "ONN
              "torch_compile_max_autotune": "torch.compile max-autotune"}
 
 
-def _versus(report, key: str, base: str) -> str:
-    """'0.82x', or '0.98x, not distinguishable' where the two p20-p80 ranges overlap."""
-    from fusesearch.backends.timing import distinguishable, spread
-
+def _versus(report, key: str, base: str, short: bool = False) -> str:
+    """'0.82x (per round 0.81x, 0.80-0.83)': the medians' ratio and the ratio round by round with
+    its p20-p80 (`RunReport.paired`), ', not distinguishable' where that range holds 1; `short`
+    (a table's cell): the ratio round by round alone, '0.81x (0.80-0.83)', '~' where it holds 1."""
     ratio = report.ratio(key, base)
     base = report.ort_baseline() if base == "ort_enable_all" else base
-    if key == base or key not in report.timings or base not in report.timings:
+    pair = None if key == base else report.paired(key, base)
+    if pair is None:
         return f"{ratio:.2f}x"
-    same = not distinguishable(spread(report.timings[key]), spread(report.timings[base]))
-    return f"{ratio:.2f}x" + (", not distinguishable" if same else "")
+    if short:
+        return f"{pair.median:.2f}x ({pair.p20:.2f}-{pair.p80:.2f})" + ("" if pair.distinguishable else " ~")
+    return (f"{ratio:.2f}x (per round {pair.median:.2f}x, {pair.p20:.2f}-{pair.p80:.2f})"
+            + ("" if pair.distinguishable else ", not distinguishable"))
 
 
 def _print_run(report, output: Path | None) -> None:
@@ -1225,8 +1228,10 @@ def _print_run(report, output: Path | None) -> None:
             names[key] = f"{RUN_NAMES[key]}, model as given"
     for key, t in report.timings.items():
         table.add_row(names[key], _fmt_time(t.median_s), f"{_fmt_time(t.p20_s)}-{_fmt_time(t.p80_s)}",
-                      _versus(report, key, "ort_enable_all"), _versus(report, key, "ort_disable_all"))
+                      _versus(report, key, "ort_enable_all", True), _versus(report, key, "ort_disable_all", True))
     out.print(table)
+    out.print("vs ORT: each program's time over ONNX Runtime's in the same round, median (p20-p80) over the rounds; "
+              "'~' where that range holds 1 (not distinguishable)")
     if "ort_enable_all_canonical" in report.timings:
         which = "model as given" if report.ort_baseline() == "ort_enable_all" else "canonical model"
         out.print(f"vs ORT ENABLE_ALL: against ONNX Runtime's faster ENABLE_ALL figure, the {which}'s")
@@ -1300,7 +1305,9 @@ def regret(
                       _fmt_time(p["median_s"]), f"{_fmt_time(p['p20_s'])}-{_fmt_time(p['p80_s'])}")
     out.print(table)
     same = " (the same plan)" if doc["same_plan"] else ""
-    out.print(f"regret (predicted - measured): {_fmt_time(doc['regret_s'])} ({doc['regret_ratio']:.3f}x), "
+    pair = doc["paired"]
+    rounds = f", per round {pair['median']:.3f}x ({pair['p20']:.3f}-{pair['p80']:.3f})" if pair else ""
+    out.print(f"regret (predicted - measured): {_fmt_time(doc['regret_s'])} ({doc['regret_ratio']:.3f}x{rounds}), "
               f"noise {_fmt_time(doc['noise_s'])}: {doc['verdict']}{same}")
 
 

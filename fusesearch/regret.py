@@ -8,7 +8,9 @@ Approach: the same model and strategy planned twice, `--costs predicted` and `--
 plans run as whole programs on the CPU through `run.run_plan` (each checked against ONNX
 Runtime, then timed one run of each in turn per round, beside ONNX Runtime), so both see the same
 machine. The regret is predicted plan's median minus the measured plan's; it is "not
-distinguishable" when the two programs' p20-p80 ranges overlap.
+distinguishable" when the predicted plan's time over the measured one's, round by round
+(`timing.paired`), has a p20-p80 range that holds 1 (without rounds: when the two programs'
+p20-p80 ranges overlap).
 Invariants: nothing is written but the timing database and the compile cache; a GPU device is
 refused (the programs run on this CPU).
 """
@@ -31,6 +33,7 @@ class Regret:
     plans: dict  # "predicted" | "measured" -> {"kernels", "model_s", "median_s", "p20_s", "p80_s", ...}
     same_plan: bool
     tuning: dict  # what measuring the choices cost (`autotune.TuneStats`)
+    paired: dict | None = None  # the predicted plan's time over the measured one's, round by round (`Paired.to_dict`)
 
     @property
     def regret_s(self) -> float:
@@ -44,9 +47,14 @@ class Regret:
 
     @property
     def verdict(self) -> str:
-        """`timing.compared` on the two programs' p20-p80 ranges."""
-        from fusesearch.backends.timing import compared
+        """From the ratio round by round (`paired`): which plan is faster where its p20-p80 range
+        excludes 1; without it, `timing.compared` on the two programs' p20-p80 ranges."""
+        from fusesearch.backends.timing import NOT_DISTINGUISHABLE, compared
 
+        if self.paired is not None:
+            if self.paired["p80"] < 1.0:
+                return "predicted plan faster"
+            return "measured plan faster" if self.paired["p20"] > 1.0 else NOT_DISTINGUISHABLE
         a, b = ((p["p20_s"], p["p80_s"]) for p in (self.plans["predicted"], self.plans["measured"]))
         return compared(a, b, "predicted plan faster", "measured plan faster")
 
@@ -55,7 +63,7 @@ class Regret:
         return {"model": self.model, "device": self.device, "strategy": self.strategy, "threads": self.threads,
                 "repeat": self.repeat, "plans": self.plans, "same_plan": self.same_plan,
                 "regret_s": self.regret_s, "regret_ratio": self.plans["predicted"]["median_s"] / fast if fast else math.nan,
-                "noise_s": self.noise_s, "verdict": self.verdict, "tuning": self.tuning}
+                "noise_s": self.noise_s, "paired": self.paired, "verdict": self.verdict, "tuning": self.tuning}
 
 
 def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepared=None, threads: int = 1,
@@ -83,8 +91,9 @@ def regret(model: str, device: str = "host", strategy: str = "cpsat", *, prepare
                       names={"plan": "predicted-cost plan's", "unfused": "measured-cost plan's"})
     plans = {label: _figures(p, report.timings[key]) for label, p, key in
              (("predicted", predicted, "plan"), ("measured", measured, "unfused"))}
+    pair = report.paired("plan", "unfused")
     return Regret(prep.loaded.name, predicted.device, strategy, threads, repeat, plans,
-                  same_plan(predicted, measured), dict(measured.tuning or {}))
+                  same_plan(predicted, measured), dict(measured.tuning or {}), None if pair is None else pair.to_dict())
 
 
 def same_plan(a, b) -> bool:

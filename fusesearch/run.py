@@ -815,9 +815,20 @@ class RunReport:
             return math.nan
         return self.timings[a].median_s / self.timings[b].median_s
 
+    def paired(self, a: str, b: str):
+        """`timing.paired` of `a` over `b` (their samples round by round; b as `ratio` reads it),
+        None where either is missing."""
+        from fusesearch.backends.timing import paired
+
+        b = self.ort_baseline() if b == "ort_enable_all" else b
+        if a not in self.timings or b not in self.timings:
+            return None
+        return paired(self.timings[a], self.timings[b])
+
     def to_dict(self) -> dict:
         """The JSON document: timings per program, sizes, errors (`max_rel_err`; `amplified_err`:
-        the max abs err of outputs beyond rtol that float32 rounding explains, else null), ratios."""
+        the max abs err of outputs beyond rtol that float32 rounding explains, else null), ratios
+        (of medians) and the same ratios round by round (`paired`: median, p20, p80)."""
         stats = {k: {"median_s": t.median_s, "p20_s": t.p20_s, "p80_s": t.p80_s, "n": t.n}
                  for k, t in self.timings.items()}
         return {"model": self.model, "strategy": self.strategy, **stats, "threads": self.threads,
@@ -832,6 +843,9 @@ class RunReport:
                            "plan_vs_unfused": self.ratio("plan", "unfused"),
                            **{f"plan_vs_{k}": self.ratio("plan", k) for k in ("ort_enable_extended", *TORCH_RUNS)
                               if k in self.timings}},
+                "paired": {f"plan_vs_{k}": p.to_dict() for k in ("ort_enable_all", "ort_disable_all", "unfused",
+                                                                   "ort_enable_extended", *TORCH_RUNS)
+                           if (p := self.paired("plan", k)) is not None},
                 "ort_baseline": self.ort_baseline(), "backend": self.backend, "ort_provider": self.ort_provider,
                 **({"torch": self.torch} if self.torch is not None else {}),
                 **({"cuda_graph": self.cuda_graph, "unfused_cuda_graph": self.unfused_cuda_graph}

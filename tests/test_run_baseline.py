@@ -26,11 +26,14 @@ from costmodels.probes import IDLE_BUSY_CPUS, OPENMP_PASSIVE, OPENMP_WAIT, busy_
 from fusesearch.backends import cpu
 from fusesearch.backends.timing import (
     NOT_DISTINGUISHABLE,
+    Paired,
     Timing,
     compared,
     distinguishable,
     load_warning,
     openmp_spins,
+    paired,
+    spread,
 )
 from fusesearch.regret import Regret
 from fusesearch.report import rank_correlations, rank_sentence
@@ -178,6 +181,13 @@ def test_figures_whose_ranges_overlap_are_not_distinguishable():
     assert Regret("m", "host", "greedy", 1, 3, plans, False, {}).verdict == "measured plan faster"
     plans["measured"]["p80_s"] = 1.95
     assert Regret("m", "host", "greedy", 1, 3, plans, False, {}).verdict == NOT_DISTINGUISHABLE
+    # with the ratio round by round (predicted over measured), that decides
+    rounds = {"median": 1.05, "p20": 1.02, "p80": 1.08, "n": 3}
+    assert Regret("m", "host", "greedy", 1, 3, plans, False, {}, rounds).verdict == "measured plan faster"
+    rounds.update(p20=0.9, p80=0.95)
+    assert Regret("m", "host", "greedy", 1, 3, plans, False, {}, rounds).verdict == "predicted plan faster"
+    rounds.update(p20=0.9, p80=1.1)
+    assert Regret("m", "host", "greedy", 1, 3, plans, False, {}, rounds).verdict == NOT_DISTINGUISHABLE
 
 
 def test_a_busy_machine_is_said_before_timing():
@@ -219,12 +229,28 @@ def test_openmp_spins_unless_passive_or_a_zero_count(monkeypatch):
     assert not openmp_spins()
 
 
-def test_run_prints_not_distinguishable_where_ranges_overlap():
+def test_run_compares_two_programs_round_by_round():
+    """A shared machine's drift stretches both samples of a round: the plan faster in every round
+    is faster though the two programs' p20-p80 ranges overlap; ratios on both sides of 1 are not
+    distinguishable; samples not taken in the same rounds give no per-round figure."""
     from fusesearch.cli import _versus
 
-    r = report(plan=1e-3, unfused=1.05e-3, ort_enable_all=3e-3, ort_disable_all=3e-3)
-    assert _versus(r, "plan", "unfused") == "0.95x, not distinguishable"
-    assert _versus(r, "plan", "ort_enable_all") == "0.33x"
+    drift = (1.0, 2.0, 3.0, 4.0, 5.0)
+    r = RunReport("m", "greedy", 1, 5, 0, 1e-4, {
+        "plan": timing(*(1e-3 * d for d in drift)), "unfused": timing(*(1.1e-3 * d for d in drift)),
+        "ort_enable_all": timing(*(1e-3 * d * f for d, f in zip(drift, (0.9, 1.1, 0.93, 1.07, 0.98), strict=True))),
+        "ort_disable_all": timing(3e-3, 3e-3)}, 0, 0, 0, 0.0, 0.0, {}, {}, 0, 0)
+    assert distinguishable(spread(r.timings["plan"]), spread(r.timings["unfused"])) is False
+    pair = r.paired("plan", "unfused")
+    assert (pair.median, pair.p20, pair.p80, pair.n) == pytest.approx((1 / 1.1, 1 / 1.1, 1 / 1.1, 5))
+    assert pair.distinguishable and _versus(r, "plan", "unfused") == "0.91x (per round 0.91x, 0.91-0.91)"
+    ort = r.paired("plan", "ort_enable_all")
+    assert ort.p20 < 1.0 < ort.p80 and not ort.distinguishable
+    assert _versus(r, "plan", "ort_enable_all").endswith(", not distinguishable")
+    assert r.paired("plan", "ort_disable_all") is None and _versus(r, "plan", "ort_disable_all") == "1.00x"
+    assert paired(timing(1.0, 2.0), timing(2.0, 2.0)) == Paired(0.75, 0.6, 0.9, 2)
+    assert r.to_dict()["paired"]["plan_vs_unfused"]["median"] == pytest.approx(1 / 1.1)
+    assert "plan_vs_ort_disable_all" not in r.to_dict()["paired"]
 
 
 def _e2e_rows() -> pd.DataFrame:

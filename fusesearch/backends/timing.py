@@ -122,6 +122,37 @@ def spread(t: Timing) -> tuple[float, float]:
     return (t.p20_s, t.p80_s)
 
 
+@dataclass(frozen=True)
+class Paired:
+    """One program's time over another's, round by round: the median and p20-p80 of the ratios
+    of their samples taken in the same round (`paired`). A shared machine's slow drifts and
+    modes (a neighbour's burst lasting many rounds) stretch both samples of a round alike, so
+    this range is narrower than either program's own spread: the two differ beyond their noise
+    where it excludes 1."""
+
+    median: float
+    p20: float
+    p80: float
+    n: int
+
+    @property
+    def distinguishable(self) -> bool:
+        return self.p80 < 1.0 or self.p20 > 1.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"median": self.median, "p20": self.p20, "p80": self.p80, "n": self.n}
+
+
+def paired(a: Timing, b: Timing) -> Paired | None:
+    """a's samples over b's, the i-th of each taken in the same round (`run._timed` times each
+    program once per round, in turn); None where their counts differ (not timed in rounds)."""
+    if a.n != b.n or any(s <= 0 for s in b.samples_s):
+        return None
+    ratios = np.asarray(a.samples_s, dtype=np.float64) / np.asarray(b.samples_s, dtype=np.float64)
+    p20, median, p80 = (float(np.percentile(ratios, q, method="linear")) for q in (20.0, 50.0, 80.0))
+    return Paired(median, p20, p80, a.n)
+
+
 def compared(a: tuple[float, float], b: tuple[float, float], a_faster: str, b_faster: str) -> str:
     """`a_faster` where a's range lies below b's, `b_faster` where above, else "not distinguishable"."""
     if not distinguishable(a, b):
