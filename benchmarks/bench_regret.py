@@ -3,7 +3,8 @@ chosen by measured costs (`--costs measured`), each run end to end on this CPU, 
 (`fusesearch.regret`; figures printed, the target reported, not asserted).
 
 Target: the measured-cost plan is never slower than the predicted-cost plan beyond the measured
-noise (the verdict is "predicted plan faster" only when their p20-p80 ranges do not overlap).
+noise (the verdict is "predicted plan faster" only when the predicted plan's time over the
+measured one's, round by round, has its p20-p80 range below 1: `timing.paired`).
 Measuring the choices is cached in the timing database, so a second run of this script only runs
 the programs. Every zoo model by default; one that cannot plan or run here is listed as skipped,
 with why.
@@ -31,8 +32,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON document per model instead of the table")
     parser.add_argument("--markdown", help="append the table to this file (with the command and machine)")
     args = parser.parse_args()
-    lines = ["| model | predicted-cost plan, ms | measured-cost plan, ms | ratio | noise, ms | verdict |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| model | predicted-cost plan, ms | measured-cost plan, ms | ratio | per round | noise, ms | verdict |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     if not args.json:
         print("\n".join(lines), flush=True)
     met = True
@@ -47,7 +48,9 @@ def main() -> None:
             print(json.dumps(r.to_dict(), sort_keys=True), flush=True)
         p, m = r.plans["predicted"], r.plans["measured"]
         cells = [spread(q["median_s"], q["p20_s"], q["p80_s"]) for q in (p, m)]
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {p['median_s'] / m['median_s']:.2f}x | "
+        pair = r.paired
+        rounds = f"{pair['median']:.2f}x ({pair['p20']:.2f}-{pair['p80']:.2f})" if pair else "-"
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {p['median_s'] / m['median_s']:.2f}x | {rounds} | "
                      f"{r.noise_s * 1e3:.3f} | {r.verdict}{' (same plan)' if r.same_plan else ''} |")
         if not args.json:
             print(lines[-1], flush=True)
