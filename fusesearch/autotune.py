@@ -7,8 +7,8 @@ in shared rounds (`backend.sample`) with null calls taken off (`NullCalls`), and
 kept in the timing database (`TimingCache`: source hash or library signature, shapes, device,
 threads). `measured` times every candidate the solver enumerates (`prefetch`, one batch);
 `hybrid` (`want`, looped by `tuned_search`) times only the choices of the groups the current
-plan uses (those within `band` of each group's best) and searches again until the plan's groups
-are all measured (at most MAX_ROUNDS). An unmeasured choice costs its prediction times its
+plan uses, in the layout it runs them in (a group's form: `_form`; those within `band` of the
+form's best), and searches again until the plan's forms are all measured (at most MAX_ROUNDS). An unmeasured choice costs its prediction times its
 template's median measured/predicted ratio (`Verdict.note`, a plan's `cost_note`);
 `docs/DESIGN.md` has the band.
 Invariants: with `predicted` nothing here runs; the same database gives the same plan; samples
@@ -203,7 +203,7 @@ class Autotuner:
         self._known: dict[str, tuple[float | None, str]] = {}
         self._status: dict[object, str] = {}  # each distinct choice: how it was priced (`_RANK`)
         self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (template, predicted, measured)
-        self._wanted: set[frozenset[int]] = set()  # hybrid: the groups some plan used
+        self._wanted: set[tuple[frozenset[int], bool]] = set()  # hybrid: the forms (`_form`) some plan used
         self._outside: set[str] = set()  # hybrid: choices skipped as beyond their group's band
         self._lone: set[str] = set()  # choices that were their group's only one
         self._values: dict | None = None
@@ -214,10 +214,11 @@ class Autotuner:
 
     def scale(self, kernel) -> float:
         """What puts `kernel`'s predicted cost on the measured clock: its class's scale, else all's;
-        hybrid divides a choice of a group no plan used yet by the band (optimistic: a group the
-        model may have overpriced by its usual error is tried, measured, and kept only if it holds)."""
+        hybrid divides a choice of a form no plan used yet by the band (optimistic: a group, or a
+        group in the other layout, that the model may have overpriced by its usual error is tried,
+        measured, and kept only if it holds)."""
         scale = self.scales.get(cost_class(kernel), self.scales[None])
-        if self.mode == "hybrid" and frozenset(kernel.nodes) not in self._wanted:
+        if self.mode == "hybrid" and _form(kernel) not in self._wanted:
             scale /= self.band
         return scale
 
@@ -247,14 +248,15 @@ class Autotuner:
         self.measure_groups(_priced(legality, enumerate_candidates(legality, budget_per_seed=budget_per_seed).groups))
         self.rescale()
 
-    def want(self, partition: Iterable[frozenset[int]], legality) -> bool:
-        """hybrid: measure the choices of a plan's groups not measured before (one batch) and
-        rescale; False when there was none (the plan was searched over their measured costs)."""
-        new = [frozenset(g) for g in partition if frozenset(g) not in self._wanted]
+    def want(self, plan, legality) -> bool:
+        """hybrid: measure the choices of the plan's forms (each group in the layout the plan runs
+        it in) not measured before (one batch) and rescale; False when there was none (the plan
+        was searched over their measured costs)."""
+        new = [f for f in dict.fromkeys(_form(g.kernel) for g in plan.groups) if f not in self._wanted]
         if not new:
             return False
         self._wanted.update(new)
-        self.measure_groups(_priced(legality, new))
+        self.measure_groups(_priced(legality, list(dict.fromkeys(nodes for nodes, _ in new))))
         self.rescale()
         self.stats.rounds += 1
         return True
@@ -267,7 +269,7 @@ class Autotuner:
         for kernels, costs in groups:
             scaled = [self.scale(k) * c.time_s for k, c in zip(kernels, costs, strict=True)]  # on one clock
             best = min(scaled)
-            wanted = self.mode != "hybrid" or frozenset(kernels[0].nodes) in self._wanted
+            wanted = self.mode != "hybrid" or _form(kernels[0]) in self._wanted
             row = []
             for kernel, cost, on_clock in zip(kernels, costs, scaled, strict=True):
                 choice, why = self._choice(kernel)
@@ -462,12 +464,17 @@ class Autotuner:
         return self._canonical
 
 
+def _form(kernel) -> tuple[frozenset[int], bool]:
+    """A group's form: its nodes and whether it runs in another layout than the model's."""
+    return frozenset(kernel.nodes), kernel.schedule.layout_in.blocked or kernel.schedule.layout_out.blocked
+
+
 def _skip(wanted: bool, predicted_s: float, best_s: float, band: float | None) -> str:
     """Why hybrid leaves a choice at its predicted cost ("" to measure it): `predicted_s` and the
     group's best on the measured clock (`Autotuner.scale`: each class's scale, so the library's
     call, which the model errs on apart from our kernels, is compared as measured)."""
     if not wanted:
-        return "hybrid: no plan used its group"
+        return "hybrid: no plan used its group in this layout"
     if band is not None and predicted_s > best_s * band:
         return (f"predicted {predicted_s / best_s if best_s else math.inf:.2f}x the group's best, "
                 f"outside hybrid's {band:.2f}x band")
@@ -528,7 +535,7 @@ def tuned_search(prep, spec, model, strategy: str, config, costs: str = "predict
     if tuner is None:
         return result, problem
     while (tuner.mode == "hybrid" and tuner.stats.rounds < MAX_ROUNDS
-           and tuner.want(result.partition(), problem.legality)):
+           and tuner.want(result, problem.legality)):
         problem = SearchProblem.build(prep.graph, spec, model, config, measurer=tuner)
         result = search(prep.graph, spec, model, strategy, config=config, profile=profile, problem=problem,
                         **search_kwargs)

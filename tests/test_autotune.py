@@ -379,3 +379,33 @@ def test_measured_costs_choose_layouts_by_the_measured_forms(tmp_path, blocked_f
     assert len(blocked) == (3 if blocked_faster else 0)
     assert all(g.cost.time_s == pytest.approx(fast) for g in blocked)
     assert (plan.to_dict()["layouts"]["reorders"] != []) == blocked_faster
+
+
+def test_hybrid_times_a_group_in_the_layout_its_plan_runs_it(tmp_path):
+    """A depthwise chain where channel blocks pay (16 lanes, the NCHW depthwise loop priced slow):
+    the model's plan runs every conv blocked, so hybrid's first batch times the conv groups' blocked
+    forms only, not their NCHW forms; a form no plan used stays predicted, on the measured clock
+    and optimistic by the band. Every sample is the same, so the measured costs keep the plan."""
+    from costmodels.roofline import host_params
+    from fusesearch.autotune import _form, tuned_search
+    from tests.search.test_layouts import DEPTHWISE_SLOW, depthwise_chain, host16
+
+    path, calls = depthwise_chain(tmp_path), []
+    model = RooflineModel(host_params().with_updates(**DEPTHWISE_SLOW))
+    config = SearchConfig(workers=1, time_limit_s=30, layouts="auto")
+    prep, spec = prepare(path), host16()
+    predicted = search(prep.graph, spec, model, "cpsat", config=config)
+    convs = [frozenset(g.nodes) for g in predicted.groups if g.kernel.schedule.layout_out.blocked]
+    assert len(convs) == 3  # the model's plan: every conv group blocked
+    plan, problem = tuned_search(prep, spec, model, "cpsat", config, "hybrid", cache=TimingCache(tmp_path / "db"),
+                                 sampler=_fixed(lambda r: 1e-4, calls))
+    tuner = problem.legality.measurer
+    first = [(frozenset(nodes), product) for nodes, _, product in calls[0]]  # equal kernels timed once
+    assert first and {nodes for nodes, _ in first} <= set(convs)
+    assert {product for _, product in first} == {"nchwc"}  # never their NCHW form
+    nchw = [k for k in problem.legality.options(convs[0], problem.legality.check(convs[0]).kernel)]
+    assert nchw and all(k.schedule.product != "nchwc" for k in nchw)
+    assert all(_form(k) not in tuner._wanted for k in nchw)  # no plan ran the group in NCHW
+    assert tuner.stats.measured < tuner.stats.choices
+    assert [frozenset(g.nodes) for g in plan.groups if g.kernel.schedule.layout_out.blocked] == convs
+
