@@ -2,19 +2,17 @@
 
 Problem: measured, the cost model's order of a group's choices (our C or the library, a tile,
 tensor or CUDA cores) is often not the machine's. Approach: `Autotuner` is the `rules.Measurer`
-that `Legality.choose` asks; each choice runs on the plan device's backend, a group's choices
-in shared rounds (`backend.sample`) with null calls taken off (`NullCalls`), and each median is
-kept in the timing database (`TimingCache`: source hash or library signature, shapes, device,
-threads). `measured` times every candidate the solver enumerates (`prefetch`, one batch);
-`hybrid` (`want`, looped by `tuned_search`) times only the choices of the groups the current
-plan uses, in the layout it runs them in (a group's form: `_form`; those within `band` of the
-form's best), and searches again until the plan's forms are all measured (at most MAX_ROUNDS). An unmeasured choice costs its prediction times its
-template's median measured/predicted ratio (`Verdict.note`, a plan's `cost_note`);
-`docs/DESIGN.md` has the band.
+that `Legality.choose` asks; a group's choices run on the plan device's backend in shared rounds
+(`backend.sample`, null calls off), each median kept in the timing database (`TimingCache`).
+`measured` times every candidate the solver enumerates (`prefetch`, one batch); `hybrid` (`want`,
+looped by `tuned_search`) times only the choices of the groups the current plan uses, in the
+layout it runs them in (a form: `_form`; those within `band` of the form's best), and searches
+again until the plan's forms are all measured (at most MAX_ROUNDS; a capped last search prices
+untried forms without the band's optimism). An unmeasured choice costs its prediction times its
+template's median measured/predicted ratio (`Verdict.note`); `docs/DESIGN.md` has the band.
 Invariants: with `predicted` nothing here runs; the same database gives the same plan; samples
 come through `sampler` (tests pass fixed ones), so nothing depends on wall time but `stats.wall_s`.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -142,6 +140,7 @@ class TuneStats:
     lone: int = 0  # of those timed, the only choice of their group (timed to compare groups, not choices)
     wall_s: float = 0.0
     rounds: int = 1  # searches run (hybrid: the model's plan, then one per new set of groups measured)
+    capped: bool = False  # hybrid: the cap cut the searches short (the last one without the band's optimism)
     scales: dict = field(default_factory=lambda: {None: 1.0})  # `clock_scales`: unmeasured choices' factor
 
     @property
@@ -154,13 +153,14 @@ class TuneStats:
                 "from_database": self.cached, "kept_predicted": self.predicted, "refused": self.refused,
                 "timed_fraction": round(self.timed / self.choices, 4) if self.choices else 0.0,
                 "outside_band": self.outside_band, "lone_choices": self.lone,
-                "rounds": self.rounds, "scale": round(self.scales[None], 4),
+                "rounds": self.rounds, "capped": self.capped, "scale": round(self.scales[None], 4),
                 "template_scales": {t: round(v, 4) for t, v in self.scales.items() if t is not None},
                 "wall_s": round(self.wall_s, 3)}
 
     def line(self) -> str:
         band = f" (band {self.band:.2f}x)" if self.band is not None else ""
-        rounds = f", {self.rounds} searches" if self.mode == "hybrid" else ""
+        rounds = (f", {self.rounds} searches" + (" (capped: the last without the band's optimism)" if self.capped else "")
+                  if self.mode == "hybrid" else "")
         share = f" ({self.timed / self.choices:.0%} of the choices timed, {self.lone} of them their group's only one)" \
             if self.choices else ""
         outside = f" ({self.outside_band} outside the band)" if self.mode == "hybrid" else ""
@@ -204,6 +204,7 @@ class Autotuner:
         self._status: dict[object, str] = {}  # each distinct choice: how it was priced (`_RANK`)
         self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (template, predicted, measured)
         self._wanted: set[tuple[frozenset[int], bool]] = set()  # hybrid: the forms (`_form`) some plan used
+        self.optimistic = True  # hybrid: an unmeasured form's price divided by the band (off for a capped last search)
         self._outside: set[str] = set()  # hybrid: choices skipped as beyond their group's band
         self._lone: set[str] = set()  # choices that were their group's only one
         self._values: dict | None = None
@@ -218,7 +219,7 @@ class Autotuner:
         group in the other layout, that the model may have overpriced by its usual error is tried,
         measured, and kept only if it holds)."""
         scale = self.scales.get(cost_class(kernel), self.scales[None])
-        if self.mode == "hybrid" and _form(kernel) not in self._wanted:
+        if self.mode == "hybrid" and self.optimistic and _form(kernel) not in self._wanted:
             scale /= self.band
         return scale
 
@@ -534,8 +535,9 @@ def tuned_search(prep, spec, model, strategy: str, config, costs: str = "predict
                     **search_kwargs)
     if tuner is None:
         return result, problem
-    while (tuner.mode == "hybrid" and tuner.stats.rounds < MAX_ROUNDS
-           and tuner.want(result, problem.legality)):
+    while tuner.mode == "hybrid" and tuner.optimistic and tuner.want(result, problem.legality):
+        tuner.optimistic = tuner.stats.rounds < MAX_ROUNDS  # the cap's search: no optimism left
+        tuner.stats.capped = not tuner.optimistic
         problem = SearchProblem.build(prep.graph, spec, model, config, measurer=tuner)
         result = search(prep.graph, spec, model, strategy, config=config, profile=profile, problem=problem,
                         **search_kwargs)

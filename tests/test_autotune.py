@@ -159,6 +159,22 @@ def test_hybrid_tries_a_group_the_model_may_have_overpriced(tmp_path):
     assert (tuner.stats.choices, tuner.stats.measured) == (6, 6)
 
 
+def test_hybrids_capped_last_search_prices_untried_forms_without_optimism(tmp_path, monkeypatch):
+    """As above, but a cap of two searches: the second is the last, so the lone ops, never timed,
+    are priced at their prediction on the measured clock (not divided by the band), which the
+    measured fused kernel beats; the plan keeps only measured groups and says it was capped."""
+    import fusesearch.autotune as autotune
+
+    monkeypatch.setattr(autotune, "MAX_ROUNDS", 2)
+    calls: list = []
+    seconds = {(0, 1): 2e-4, (0,): 5e-5, (1,): 1e-6}
+    plan, _, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: seconds[r.kernel.nodes], calls))
+    assert [g.nodes for g in plan.groups] == [(0, 1)] and plan.groups[0].source == "measured"
+    assert [sorted({c[0] for c in call}) for call in calls] == [[(0, 1)]]
+    assert tuner.stats.rounds == 2 and tuner.stats.capped and plan.to_dict()["tuning"]["capped"] is True
+    assert "(capped: the last without the band's optimism)" in tuner.stats.line()
+
+
 def test_hybrid_reports_its_share_the_band_and_the_lone_choices(tmp_path):
     """The share hybrid timed on a tiny graph with a known band, and why the rest was not: a lone
     MatMul (own, BLAS tied, the library call predicted beyond a band narrower than its gap) times
