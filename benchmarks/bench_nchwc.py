@@ -99,7 +99,7 @@ def kernels_for(graph, group, target: CpuTarget, xv: np.ndarray, weights: dict, 
     if not blocked:
         return None
     ours = next(k for k in choices(graph, group, host=target) if k.impl == "generated")
-    (kb,) = blocked
+    kb = blocked[0]  # the form on all the threads (above one thread the one-thread form follows it)
     x = graph.nodes[kb.anchor].inputs[0]
     g_nchw, g_nchwc = generate(graph, ours, names[0]), generate(graph, kb, names[1])
     feeds = {t: (xv if t == x else weights[t] if t in weights else graph.constant_value(t)) for t in ours.inputs}
