@@ -76,9 +76,13 @@ def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
     binding = sess.io_binding()
     for t, view in outputs:
         binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+    # the binding holds the outputs' addresses, not the arrays: the run keeps them (and the fixed
+    # inputs) alive, so a caller that lets go of its arrays never has ONNX Runtime write freed memory
+    held = [view for _, view in outputs]
     if fixed:
         for t, get in inputs:
-            binding.bind_cpu_input(t, get())
+            held.append(get())
+            binding.bind_cpu_input(t, held[-1])
         inputs = []
 
     def go() -> None:
@@ -86,6 +90,7 @@ def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
             binding.bind_cpu_input(t, get())
         sess.run_with_iobinding(binding)
 
+    go.held = held
     return go
 
 

@@ -181,3 +181,28 @@ def test_call_costs_take_the_null_calls_off_each_sample():
     assert only_call == CallCosts(call_s=call_s)
     with pytest.raises(ValueError, match="one median per null run"):
         only_call = NullCalls((print,), generated=True).costs([])
+
+
+def test_an_io_bound_run_keeps_its_arrays_alive():
+    """ONNX Runtime's IO binding holds the outputs' addresses, not the arrays: a run whose caller
+    lets go of its output and fixed input still has both (writing freed memory corrupted the
+    heap, a segfault at exit), and writes its values there."""
+    import gc
+    import weakref
+
+    from fusesearch.backends.library import host_binding
+    from fusesearch.verify import session
+
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", [4, 8])], [("y", [4, 8])])
+    x = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(4, 8)
+    y = np.empty((4, 8), np.float32)
+    refs = weakref.ref(x), weakref.ref(y)
+    run = host_binding(session(model), [("x", lambda: x)], [("y", y)], fixed=True)
+    x = y = None
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    run()
+    assert np.array_equal(refs[1](), np.maximum(refs[0](), 0.0))
+    del run
+    gc.collect()
+    assert all(r() is None for r in refs)
