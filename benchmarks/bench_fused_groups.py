@@ -25,6 +25,7 @@ import sys
 import numpy as np
 from benchutil import header, host_plan, zoo_models
 
+from fusesearch.backends.timing import Timing, paired
 from fusesearch.pipeline import prepare
 
 TARGET = 0.95
@@ -66,8 +67,10 @@ def bench(name: str, rounds: int, budget_s: float) -> tuple[dict, list[str]]:
             details.append(f"| {name} g{g.id} | {'+'.join(g.kernel.ops)} | not timed: {why[:100]} |")
             continue
         fused, split = (np.percentile([r[i] for r in per_round], (50, 20, 80)) for i in (0, 1))
-        ratio = np.percentile([s / f for f, s in per_round], (50, 20, 80))  # library + rest over fused
-        verdict = "fused" if ratio[1] > 1 else "library + rest" if ratio[2] < 1 else "not distinguishable"
+        pair = paired(*(Timing(tuple(r[i] for r in per_round), 0, "round medians") for i in (1, 0)))
+        ratio = (pair.median, pair.p20, pair.p80)  # library + rest over fused
+        verdict = ("not distinguishable" if not pair.distinguishable else "fused" if pair.p20 > 1
+                   else "library + rest")
         counts[verdict] += 1
         counts["fused median lower"] += ratio[0] > 1
         details.append(f"| {name} g{g.id} | {'+'.join(g.kernel.ops)[:60]} | {fused[0] * 1e6:.1f} "

@@ -13,6 +13,7 @@ template's median measured/predicted ratio (`Verdict.note`); `docs/DESIGN.md` ha
 Invariants: with `predicted` nothing here runs; the same database gives the same plan; samples
 come through `sampler` (tests pass fixed ones), so nothing depends on wall time but `stats.wall_s`.
 """
+
 from __future__ import annotations
 
 import hashlib
