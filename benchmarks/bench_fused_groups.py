@@ -68,14 +68,12 @@ def bench(name: str, rounds: int, budget_s: float) -> tuple[dict, list[str]]:
             continue
         fused, split = (np.percentile([r[i] for r in per_round], (50, 20, 80)) for i in (0, 1))
         pair = paired(*(Timing(tuple(r[i] for r in per_round), 0, "round medians") for i in (1, 0)))
-        ratio = (pair.median, pair.p20, pair.p80)  # library + rest over fused
-        verdict = ("not distinguishable" if not pair.distinguishable else "fused" if pair.p20 > 1
-                   else "library + rest")
+        verdict = pair.compared("library + rest", "fused")  # library + rest over fused
         counts[verdict] += 1
-        counts["fused median lower"] += ratio[0] > 1
+        counts["fused median lower"] += pair.median > 1
         details.append(f"| {name} g{g.id} | {'+'.join(g.kernel.ops)[:60]} | {fused[0] * 1e6:.1f} "
                        f"({fused[1] * 1e6:.1f}-{fused[2] * 1e6:.1f}) | {split[0] * 1e6:.1f} "
-                       f"({split[1] * 1e6:.1f}-{split[2] * 1e6:.1f}) | {ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f}) "
+                       f"({split[1] * 1e6:.1f}-{split[2] * 1e6:.1f}) | {pair.text()} "
                        f"| {verdict} |")
     return counts, details
 

@@ -21,6 +21,7 @@ import sys
 
 from benchutil import header, spread, zoo_models
 
+from fusesearch.backends.timing import Paired
 from fusesearch.regret import regret
 
 
@@ -48,8 +49,7 @@ def main() -> None:
             print(json.dumps(r.to_dict(), sort_keys=True), flush=True)
         p, m = r.plans["predicted"], r.plans["measured"]
         cells = [spread(q["median_s"], q["p20_s"], q["p80_s"]) for q in (p, m)]
-        pair = r.paired
-        rounds = f"{pair['median']:.2f}x ({pair['p20']:.2f}-{pair['p80']:.2f})" if pair else "-"
+        rounds = Paired(**r.paired).text() if r.paired else "-"
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {p['median_s'] / m['median_s']:.2f}x | {rounds} | "
                      f"{r.noise_s * 1e3:.3f} | {r.verdict}{' (same plan)' if r.same_plan else ''} |")
         if not args.json:

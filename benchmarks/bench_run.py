@@ -81,7 +81,7 @@ def main() -> None:
         vs_unfused = r.ratio("plan", "unfused")
         pair = r.paired("plan", "ort_enable_all")
         vs_ort = pair.median
-        rounds = f"{pair.median:.2f}x ({pair.p20:.2f}-{pair.p80:.2f})"
+        rounds = pair.text()
         tied = " " if pair.distinguishable else "~"
         arena = r.arena_peak_bytes / r.activation_bytes if r.activation_bytes else math.nan
         print(f"{name:<12} {figures['plan']:>26} {figures['unfused']:>26} {figures['ort_enable_all']:>26} "

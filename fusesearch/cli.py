@@ -1208,7 +1208,7 @@ def _versus(report, key: str, base: str, short: bool = False) -> str:
     if pair is None:
         return f"{ratio:.2f}x"
     if short:
-        return f"{pair.median:.2f}x ({pair.p20:.2f}-{pair.p80:.2f})" + ("" if pair.distinguishable else " ~")
+        return pair.text() + ("" if pair.distinguishable else " ~")
     return (f"{ratio:.2f}x (per round {pair.median:.2f}x, {pair.p20:.2f}-{pair.p80:.2f})"
             + ("" if pair.distinguishable else ", not distinguishable"))
 
@@ -1305,8 +1305,9 @@ def regret(
                       _fmt_time(p["median_s"]), f"{_fmt_time(p['p20_s'])}-{_fmt_time(p['p80_s'])}")
     out.print(table)
     same = " (the same plan)" if doc["same_plan"] else ""
-    pair = doc["paired"]
-    rounds = f", per round {pair['median']:.3f}x ({pair['p20']:.3f}-{pair['p80']:.3f})" if pair else ""
+    from fusesearch.backends.timing import Paired
+
+    rounds = f", per round {Paired(**doc['paired']).text(3)}" if doc["paired"] else ""
     out.print(f"regret (predicted - measured): {_fmt_time(doc['regret_s'])} ({doc['regret_ratio']:.3f}x{rounds}), "
               f"noise {_fmt_time(doc['noise_s'])}: {doc['verdict']}{same}")
 

@@ -49,12 +49,10 @@ class Regret:
     def verdict(self) -> str:
         """From the ratio round by round (`paired`): which plan is faster where its p20-p80 range
         excludes 1; without it, `timing.compared` on the two programs' p20-p80 ranges."""
-        from fusesearch.backends.timing import NOT_DISTINGUISHABLE, compared
+        from fusesearch.backends.timing import Paired, compared
 
         if self.paired is not None:
-            if self.paired["p80"] < 1.0:
-                return "predicted plan faster"
-            return "measured plan faster" if self.paired["p20"] > 1.0 else NOT_DISTINGUISHABLE
+            return Paired(**self.paired).compared("predicted plan faster", "measured plan faster")
         a, b = ((p["p20_s"], p["p80_s"]) for p in (self.plans["predicted"], self.plans["measured"]))
         return compared(a, b, "predicted plan faster", "measured plan faster")
 

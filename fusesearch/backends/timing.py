@@ -139,6 +139,15 @@ class Paired:
     def distinguishable(self) -> bool:
         return self.p80 < 1.0 or self.p20 > 1.0
 
+    def compared(self, a_faster: str, b_faster: str) -> str:
+        """`a_faster` where a took less time in most rounds (p80 below 1), `b_faster` where more
+        (p20 above 1), else "not distinguishable" (as `compared` for two ranges)."""
+        return a_faster if self.p80 < 1.0 else b_faster if self.p20 > 1.0 else NOT_DISTINGUISHABLE
+
+    def text(self, digits: int = 2) -> str:
+        """'0.81x (0.80-0.83)': the median and its p20-p80."""
+        return f"{self.median:.{digits}f}x ({self.p20:.{digits}f}-{self.p80:.{digits}f})"
+
     def to_dict(self) -> dict[str, float | int]:
         return {"median": self.median, "p20": self.p20, "p80": self.p80, "n": self.n}
 
