@@ -679,16 +679,21 @@ def nchwc_pixels(block: int, blocks_out: int, depthwise: bool) -> int:
 
 
 NCHWC_SLICE_FLOATS = 8192  # filters a tile's pass over the input blocks streams at most (32 KiB: an L1 data cache)
+NCHWC_PASS_BLOCKS = 8  # input blocks a pass reads at most: each a stream of its own (a block's pixels lie
+# together, blocks a plane apart), so a tile's loads follow at most 8 streams at a time
 
 
 def nchwc_chunk(block: int, blocks_out: int, lanes_in: int, taps: int) -> int:
     """Input blocks of a dense NCHWc conv's pass (`codegen.cpu_conv_nchwc`): the tile's filters
     for them (`blocks_out` x `block` outputs x `lanes_in` lanes x `taps` each) within
-    NCHWC_SLICE_FLOATS, at least one: the slice stays in the L1 cache across the work item's
-    pixel tiles, the partial sums carried between passes in the item's buffer (a 3x3 conv at
-    block 16 and 4 output blocks: one input block a pass, 36 KiB; a 1x1: 8). A slice of 512 KiB
-    (L2: a 3x3 conv's whole K in one pass up to 64 channels) measured 0.97-1.04x: not taken."""
-    return max(1, NCHWC_SLICE_FLOATS // (blocks_out * block * lanes_in * taps))
+    NCHWC_SLICE_FLOATS and at most NCHWC_PASS_BLOCKS of them, at least one: the slice stays in
+    the L1 cache across the work item's pixel tiles, the partial sums carried between passes in
+    the item's buffer (a 3x3 conv at block 16 and 4 output blocks: one input block a pass, 36 KiB;
+    a 1x1: 8, as at block 8 and 2 output blocks, whose slice alone would allow 64). A slice of 512
+    KiB (L2: a 3x3 conv's whole K in one pass up to 64 channels) measured 0.97-1.04x: not taken;
+    a 1x1 conv's passes of 64 blocks at block 8 measured 1.03-1.25x those of 8 (resnet50's 1x1
+    convs over 256-2048 channels, `benchmarks/bench_nchwc.md`)."""
+    return max(1, min(NCHWC_PASS_BLOCKS, NCHWC_SLICE_FLOATS // (blocks_out * block * lanes_in * taps)))
 
 
 def nchwc_interior(size: int, kernel: int, stride: int, pad: int, out: int) -> tuple[int, int]:

@@ -152,6 +152,21 @@ def test_a_dense_tile_reads_its_filters_in_passes_over_the_input_blocks(tmp_path
 
 
 @needs_cc
+def test_a_pass_reads_at_most_eight_input_blocks(tmp_path):
+    """At block 8 a 1x1 tile of 2 output blocks has filters for 64 input blocks within
+    NCHWC_SLICE_FLOATS, but a pass reads NCHWC_PASS_BLOCKS (8) of them: each input block is a
+    stream of its own. 200 channels: passes of 8, 8, 8 and 1 blocks, equal to ONNX Runtime."""
+    from fusesearch.schedule import NCHWC_PASS_BLOCKS, NCHWC_SLICE_FLOATS, nchwc_chunk
+
+    assert NCHWC_SLICE_FLOATS // (2 * 8 * 8) == 64 and nchwc_chunk(8, 2, 8, 1) == NCHWC_PASS_BLOCKS == 8
+    assert nchwc_chunk(8, 2, 8, 9) == 7  # a 3x3's slice allows fewer
+    graph, values = _conv_group(tmp_path, [1, 200, 5, 6], 16, 1, 1, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), AVX2)
+    gk = _runs_blocked(graph, kernel, values)
+    assert "c0 += 8LL" in gk.c_source and "c0 < 25LL" in gk.c_source
+
+
+@needs_cc
 @pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
 def test_the_epilogue_runs_on_each_tiles_final_sums(tmp_path, target):
     """Bias, activation and residual run on a register tile's sums at its last pass over the input
