@@ -708,6 +708,8 @@ def nchwc_tile(block: int, depthwise: bool) -> int:
     return 1 if depthwise else 4 if block >= 16 else 2
 
 
+NCHWC_SKIP_ROWS_BYTES = 256 << 10  # a strided 1x1 conv's block of rows reads input rows of at most this
+# many bytes (half a 512 KiB L2): the block's input stays cached across its tiles
 NCHWC_RUN_PIXELS = 48  # pixels a block of output rows holds at least (whole rows): several tiles per block,
 # so each slice of filters a tile streams serves them all
 
@@ -805,8 +807,12 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
     across rows or the conv is dense, else one row (a depthwise window's rows); a dense conv
     whose filters outweigh an image's input (deep layers: 512 x 512 x 3 x 3 over 8 x 8 pixels)
     takes all its rows in one block, so each tile streams its filters once, not once per
-    block (U-Net's 8 x 8 convs 0.75x the time). `channels`: the output channels padded to whole
-    blocks (default: O rounded up)."""
+    block (U-Net's 8 x 8 convs 0.75x the time); but a conv whose stride passes its window (a 1x1
+    with stride 2: it reads every other row) takes as many rows as read NCHWC_SKIP_ROWS_BYTES of
+    input at most, at least one (resnet50's 512 -> 1024 and 1024 -> 2048 downsampling convs in
+    blocks of 2 rows 0.77x and 0.81x the time in all rows at one thread, `benchmarks/bench_nchwc.md`;
+    a 1x1 without a stride or a 3x3 so cut measured 1.0-1.3x: not cut). `channels`: the output
+    channels padded to whole blocks (default: O rounded up)."""
     n, c, oh, ow = out_shape
     ocb = (channels if channels is not None else -(-c // block) * block) // block
     run = tuple(window) == (1, 1, 1, 1) and not padded
@@ -814,6 +820,10 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
     filters = ocb * block * in_shape[1] * window[0] * window[1]
     if not depthwise and filters >= math.prod(in_shape[1:]):
         rows = oh
+    if not depthwise and window[2] > window[0]:  # a stride past the window: cut to NCHWC_SKIP_ROWS_BYTES
+        row_bytes = 4 * -(-in_shape[1] // block) * block * in_shape[3]  # an input row, every channel
+        while rows > 1 and ((rows - 1) * window[2] + window[0]) * row_bytes > NCHWC_SKIP_ROWS_BYTES:
+            rows -= 1
     o_tile = ocb if depthwise else min(nchwc_tile(block, depthwise), ocb)
     return NchwcItems(n, oh, ow, rows, o_tile, ocb)
 
