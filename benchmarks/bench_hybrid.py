@@ -4,7 +4,8 @@ measuring took, and its plan run end to end beside the measured-cost plan, inter
 asserted).
 
 Target: hybrid times <= 25% of the choices and its plan runs within 2% of the measured-cost
-plan's median (or the two are not distinguishable: their p20-p80 ranges overlap).
+plan's time, round by round (`timing.paired`: the median of the per-round ratios within 1.02x,
+or their p20-p80 range holds 1: not distinguishable).
 The measured-cost plan reads the cache folder's timing database (fill it first: `fusesearch plan
 zoo:M --device host --costs measured`). By default hybrid reads the same database, so both plans
 are chosen from the same measurements and the comparison is of what hybrid chooses to time, not
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from benchutil import header, host_plan, overlap, spread, zoo_models
+from benchutil import header, host_plan, spread, zoo_models
 
 from fusesearch.backends.timing import TimingCache
 from fusesearch.pipeline import prepare
@@ -60,18 +61,20 @@ def bench(name: str, repeat: int, cold: bool, device: str = "host") -> dict:
             "hybrid_plan_s": hybrid_s, "at_measured": at_measured,
             "kernels": (hybrid.kernels, measured.kernels),
             "hybrid": (h.median_s, h.p20_s, h.p80_s), "measured": (m.median_s, m.p20_s, m.p80_s),
-            "ratio": h.median_s / m.median_s, "same": same_plan(hybrid, measured), "overlap": overlap((h.p20_s, h.p80_s), (m.p20_s, m.p80_s)), "n": h.n}
+            "pair": report.paired("plan", "unfused"), "same": same_plan(hybrid, measured), "n": h.n}
 
 
 def row(r: dict) -> str:
-    verdict = ("not distinguishable" if r["overlap"] else
-               "within 2%" if r["ratio"] <= WITHIN else "hybrid slower" if r["ratio"] > 1 else "hybrid faster")
+    pair = r["pair"]
+    verdict = pair.compared("hybrid faster", "hybrid slower")
+    if verdict == "hybrid slower" and pair.median <= WITHIN:
+        verdict = "within 2%"
     verdict += " (same plan)" if r["same"] else ""
-    met = r["fraction"] <= MAX_TIMED and (r["overlap"] or r["ratio"] <= WITHIN)
+    met = r["fraction"] <= MAX_TIMED and verdict.split(" (")[0] != "hybrid slower"
     return (f"| {r['model']} | {r['timed']}/{r['choices']} ({r['fraction']:.1%}) | {r['lone']} | {r['outside']} | "
             f"{r['band']:.2f}x | {r['rounds']} | "
             f"{r['measuring_s']:.1f} s | {r['at_measured']:.3f}x | {spread(*r['hybrid'])} | {spread(*r['measured'])} | "
-            f"{r['ratio']:.3f}x | "
+            f"{pair.text(3)} | "
             f"{verdict} | {'met' if met else 'NOT met'} | {r['load']:.1f} |")
 
 
@@ -85,7 +88,7 @@ def main() -> None:
     parser.add_argument("--markdown", help="append the table to this file (with the command and machine)")
     args = parser.parse_args()
     lines = ["| model | choices timed by hybrid | of them a group's only one | kept predicted outside the band | band "
-             "| searches | measuring took | at measured costs | hybrid plan, ms | measured plan, ms | ratio | verdict | "
+             "| searches | measuring took | at measured costs | hybrid plan, ms | measured plan, ms | per round | verdict | "
              "target | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     print("\n".join(lines), flush=True)
     for name in args.models.split(","):

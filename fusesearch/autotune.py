@@ -9,7 +9,7 @@ looped by `tuned_search`) times only the choices of the groups the current plan 
 layout it runs them in (a form: `_form`; those within `band` of the form's best), and searches
 again until the plan's forms are all measured (at most MAX_ROUNDS; a capped last search prices
 untried forms without the band's optimism). An unmeasured choice costs its prediction times its
-template's median measured/predicted ratio (`Verdict.note`); `docs/DESIGN.md` has the band.
+class's (`cost_class`) median measured/predicted ratio (`Verdict.note`); `docs/DESIGN.md` has the band.
 Invariants: with `predicted` nothing here runs; the same database gives the same plan; samples
 come through `sampler` (tests pass fixed ones), so nothing depends on wall time but `stats.wall_s`.
 """
@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -36,7 +36,7 @@ from fusesearch.layout import laid_out
 COSTS = ("predicted", "measured", "hybrid")
 DEFAULT_BAND = 1.5  # hybrid: measure choices predicted within this factor of the group's best
 MIN_PAIRS = 8  # measured choices before their error spread, not DEFAULT_BAND, sets hybrid's band
-MIN_CLASS_PAIRS = 3  # measured choices of a template before it has its own scale
+MIN_CLASS_PAIRS = 3  # measured choices of a class (`cost_class`) before it has its own scale
 BAND_QUANTILE = 80.0  # hybrid's band: this percentile of the model's |log error|
 MAX_ROUNDS = 10  # hybrid: searches at most (the first is the model's plan)
 BUDGET_S = 0.01  # seconds of samples per choice, over ROUNDS passes
@@ -94,8 +94,14 @@ def measured_scale(pairs: Sequence[tuple[float, float]]) -> float:
 
 
 def cost_class(kernel) -> str:
-    """What the model errs alike on: a generated kernel's template; the library's calls apart."""
-    return "library" if kernel.impl == "library" else kernel.template
+    """What the model errs alike on: a generated kernel's template and code path (its product on a
+    CPU, "conv/nchwc", else its skeleton, "gemm/mma"); the library's calls apart. A group's
+    choices differ in code path, which the model prices by rates that err each its own way: one
+    scale per template left their errors in the band, so on the CNNs every conv choice fell
+    within it and was timed."""
+    if kernel.impl == "library":
+        return "library"
+    return f"{kernel.template}/{kernel.schedule.product or kernel.schedule.skeleton.value}"
 
 
 def clock_scales(pairs: Sequence[tuple[str, float, float]]) -> dict[str | None, float]:
@@ -119,6 +125,25 @@ def data_band(pairs: Sequence[tuple[str, float, float]], scales: dict[str | None
     if len(logs) < MIN_PAIRS:
         return DEFAULT_BAND
     return float(math.exp(np.percentile(logs, BAND_QUANTILE)))
+
+
+def group_band(pairs: Mapping[str, tuple[str, float, float]], group_of: Mapping[str, frozenset[int]],
+               scales: dict[str | None, float]) -> float | None:
+    """The model's error on the order of a group's choices: over every two measured choices of
+    one group (`pairs`: key -> (class, predicted, measured); `group_of`: key -> the group's
+    nodes), each on the measured clock, the BAND_QUANTILE-th percentile of |the difference of
+    their log errors|, as a factor; None with fewer than MIN_PAIRS such pairs. What hybrid's
+    band asks is whether a choice predicted slower than its group's best may be faster, which
+    only the two errors' difference decides: the error a group's choices share (its shape, its
+    place in the cache) cancels, so this band is narrower than `data_band`'s."""
+    errors: dict[frozenset[int], list[float]] = {}
+    for key, (cls, p, m) in pairs.items():
+        if p > 0 and m > 0 and key in group_of:
+            errors.setdefault(group_of[key], []).append(math.log(m / (scales.get(cls, scales[None]) * p)))
+    diffs = [abs(a - b) for logs in errors.values() for i, a in enumerate(logs) for b in logs[i + 1:]]
+    if len(diffs) < MIN_PAIRS:
+        return None
+    return float(math.exp(np.percentile(diffs, BAND_QUANTILE)))
 
 
 # a choice's status (the TuneStats field counting it), which only rises
@@ -203,7 +228,8 @@ class Autotuner:
         self.scales: dict[str | None, float] = {None: 1.0}  # fixed during a search (`rescale` between)
         self._known: dict[str, tuple[float | None, str]] = {}
         self._status: dict[object, str] = {}  # each distinct choice: how it was priced (`_RANK`)
-        self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (template, predicted, measured)
+        self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (class, predicted, measured)
+        self._group_of: dict[str, frozenset[int]] = {}  # key -> the nodes of the group it is a choice of
         self._wanted: set[tuple[frozenset[int], bool]] = set()  # hybrid: the forms (`_form`) some plan used
         self.optimistic = True  # hybrid: an unmeasured form's price divided by the band (off for a capped last search)
         self._outside: set[str] = set()  # hybrid: choices skipped as beyond their group's band
@@ -235,7 +261,8 @@ class Autotuner:
             return None
         if self._fixed_band is not None:
             return self._fixed_band
-        return data_band(list(self._pairs.values()), self.scales)
+        within = group_band(self._pairs, self._group_of, self.scales)
+        return within if within is not None else data_band(list(self._pairs.values()), self.scales)
 
     # -- the Measurer ---------------------------------------------------------------------------
 
@@ -289,6 +316,7 @@ class Autotuner:
                 if len(kernels) == 1:
                     self._lone.add(choice.key)
                 row.append((choice.key, cost_class(kernel), cost.time_s))
+                self._group_of.setdefault(choice.key, frozenset(kernel.nodes))
                 if choice.key not in self._known:
                     todo.setdefault(choice.key, choice)
             rows.append(row)

@@ -261,6 +261,20 @@ def test_hybrids_clock_and_band_come_from_the_measurements():
     assert data_band(pairs[:MIN_PAIRS - 1], scales) == DEFAULT_BAND and measured_scale([]) == 1.0
 
 
+def test_a_cost_class_is_a_template_and_its_code_path(tmp_path):
+    """The model errs alike on one template's kernels of one code path: a conv + Relu group's four
+    CPU products (band, packed panels, im2col, blocked) each have a class, and a scale, of their
+    own."""
+    from fusesearch.autotune import cost_class
+    from fusesearch.lowering import choices, nchwc_choices
+    from tests.backends.test_cpu_nchwc import AVX2, _conv_group, _whole
+
+    graph, _ = _conv_group(tmp_path, [1, 16, 8, 8], 16, 3, 1)
+    group = _whole(graph)
+    classes = {cost_class(k) for k in (*choices(graph, group, host=AVX2), *nchwc_choices(graph, group, AVX2))}
+    assert classes == {"conv/band", "conv/packed", "conv/im2col", "conv/nchwc"}
+
+
 @pytest.mark.parametrize("command", ["plan", "measure", "run"])
 def test_a_bad_costs_value_is_one_line_exit_2(tmp_path, run_cli, command):
     code, _, err = run_cli(command, _matmul(tmp_path), *(["--device", "host"] if command == "plan" else []),
