@@ -13,7 +13,9 @@ against the same variants), and variants, each a list of (regular expression,
 replacement) edits of the group's C texts (`texts`: its generated source, the shared C runtime's,
 its units', each edited wherever a pattern matches; an edited runtime is linked as a unit of the
 variant, ahead of the shared one); every edit must match one of them (a generator change that
-moved the text fails loudly, never a silent no-op). The
+moved the text fails loudly, never a silent no-op). CONSTANTS names variants generated afresh
+with constants of `fusesearch.schedule` set otherwise (each must exist there; a schedule choice
+that no regular expression can edit, such as a work split whose sizes run through the code). The
 base and each variant are compiled, run once, checked against ONNX Runtime's values of the
 group's outputs (the variants named in BOUNDS compute something else on purpose — a part taken
 out — so their error is printed, not checked), then timed in ROUNDS interleaved rounds of
@@ -33,11 +35,13 @@ import argparse
 import re
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from costmodels.devices import host_cpu
+from fusesearch import schedule
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.backends.codegen.c_runtime import C_RUNTIME
@@ -61,12 +65,30 @@ class VariantError(Exception):
 def load_variants(path: Path) -> dict:
     spec: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), spec)
-    keys = ("VARIANTS",) if "GROUPS" in spec else ("MODEL", "NODES", "VARIANTS")
+    keys = () if "GROUPS" in spec else ("MODEL", "NODES")
     for key in keys:
         if key not in spec:
-            raise VariantError(f"{path}: no {key} (a variant file sets MODEL and NODES, or GROUPS, VARIANTS and "
-                               "optionally BOUNDS)")
+            raise VariantError(f"{path}: no {key} (a variant file sets MODEL and NODES, or GROUPS, VARIANTS or "
+                               "CONSTANTS, and optionally BOUNDS)")
+    if "VARIANTS" not in spec and "CONSTANTS" not in spec:
+        raise VariantError(f"{path}: no VARIANTS or CONSTANTS (the variants to time against the group)")
+    unknown = [name for consts in spec.get("CONSTANTS", {}).values() for name in consts if not hasattr(schedule, name)]
+    if unknown:
+        raise VariantError(f"{path}: fusesearch.schedule has no constant {unknown[0]} (CONSTANTS sets its constants)")
     return spec
+
+
+@contextmanager
+def constants(values: dict):
+    """`fusesearch.schedule`'s constants set to `values` for the block, restored after."""
+    before = {name: getattr(schedule, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(schedule, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(schedule, name, value)
 
 
 def groups(spec: dict) -> list:
@@ -126,19 +148,23 @@ def variant(kernel, sources: tuple[str, ...]):
 
 def run_group(spec: dict, model: str, nodes, args) -> None:
     """One group against the variants: checked against ONNX Runtime, then timed interleaved."""
-    prep, kernel, base = group_kernel(model, nodes, spec.get("LAYOUT", "nchw"))
-    sources = {label: edited(texts(base), edits, label) for label, edits in spec["VARIANTS"].items()}
+    layout = spec.get("LAYOUT", "nchw")
+    prep, kernel, base = group_kernel(model, nodes, layout)
+    kernels = {label: variant(base, edited(texts(base), edits, label)) for label, edits in spec.get("VARIANTS", {}).items()}
+    for label, values in spec.get("CONSTANTS", {}).items():
+        with constants(values):
+            kernels[label] = group_kernel(model, nodes, layout)[2]
     ops = "+".join(prep.graph.nodes[i].op_type for i in kernel.nodes)
     if args.check:
-        print(f"{model} {ops}: the {len(sources)} variants apply")
+        print(f"{model} {ops}: the {len(kernels)} variants apply")
         return
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
     inputs = {a.tensor: to_blocked(values[a.tensor], a.layout) for a in base.inputs}
     labels, runs = ["base"], [cpu.runner(base, inputs)]
-    for label, source in sources.items():
+    for label, generated in kernels.items():
         labels.append(label)
-        runs.append(cpu.runner(variant(base, source), inputs))
+        runs.append(cpu.runner(generated, inputs))
     bounds = set(spec.get("BOUNDS", ()))
     print(f"{model} {ops}: {len(labels) - 1} variants, {args.rounds} rounds"
           + (f", a {args.flush} MiB buffer summed before every sample" if args.flush > 0 else ""))

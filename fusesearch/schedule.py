@@ -708,8 +708,8 @@ def nchwc_tile(block: int, depthwise: bool) -> int:
     return 1 if depthwise else 4 if block >= 16 else 2
 
 
-NCHWC_SKIP_ROWS_BYTES = 256 << 10  # a strided 1x1 conv's block of rows reads input rows of at most this
-# many bytes (half a 512 KiB L2): the block's input stays cached across its tiles
+NCHWC_SKIP_ROWS_BYTES = 128 << 10  # a strided 1x1 conv's block of rows reads input rows of at most this
+# many bytes (a quarter of a 512 KiB L2, at least one row): the block's input stays cached across its tiles
 NCHWC_RUN_PIXELS = 48  # pixels a block of output rows holds at least (whole rows): several tiles per block,
 # so each slice of filters a tile streams serves them all
 
@@ -810,8 +810,9 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
     block (U-Net's 8 x 8 convs 0.75x the time); but a conv whose stride passes its window (a 1x1
     with stride 2: it reads every other row) takes as many rows as read NCHWC_SKIP_ROWS_BYTES of
     input at most, at least one (resnet50's 512 -> 1024 and 1024 -> 2048 downsampling convs in
-    blocks of 2 rows 0.77x and 0.81x the time in all rows at one thread, `benchmarks/bench_nchwc.md`;
-    a 1x1 without a stride or a 3x3 so cut measured 1.0-1.3x: not cut). `channels`: the output
+    blocks of one row 0.76x and 0.87x the time in all rows at one thread,
+    `benchmarks/variants/nchwc_strided_rows.py`; a 1x1 without a stride or a 3x3 so cut measured
+    1.0-1.3x: not cut). `channels`: the output
     channels padded to whole blocks (default: O rounded up)."""
     n, c, oh, ow = out_shape
     ocb = (channels if channels is not None else -(-c // block) * block) // block
