@@ -261,6 +261,25 @@ def test_hybrids_clock_and_band_come_from_the_measurements():
     assert data_band(pairs[:MIN_PAIRS - 1], scales) == DEFAULT_BAND and measured_scale([]) == 1.0
 
 
+def test_hybrids_band_is_the_error_on_a_groups_order():
+    """Four groups whose two choices the model errs on alike (0.6 apart from group to group in log,
+    their difference 0.05): the band from the pairs of one group's choices is exp(0.05), far
+    narrower than the choices' own errors' (`data_band`); with fewer than MIN_PAIRS pairs there
+    is none (the band falls back to data_band)."""
+    from fusesearch.autotune import BAND_QUANTILE, MIN_PAIRS, clock_scales, data_band, group_band
+
+    pairs, group_of = {}, {}
+    for g, shared in enumerate((-0.9, -0.3, 0.3, 0.9, -0.6, 0.0, 0.6, 1.2)):
+        for c, own in enumerate((0.0, 0.05)):
+            key = f"g{g}c{c}"
+            pairs[key], group_of[key] = ("conv/nchwc", 1.0, math.exp(shared + own)), frozenset({g})
+    scales = clock_scales(list(pairs.values()))
+    assert group_band(pairs, group_of, scales) == pytest.approx(math.exp(0.05))
+    assert data_band(list(pairs.values()), scales) > math.exp(0.5)
+    few = {k: v for k, v in pairs.items() if group_of[k] in {frozenset({g}) for g in range(MIN_PAIRS - 1)}}
+    assert group_band(few, group_of, scales) is None and BAND_QUANTILE == 80.0
+
+
 def test_a_cost_class_is_a_template_and_its_code_path(tmp_path):
     """The model errs alike on one template's kernels of one code path: a conv + Relu group's four
     CPU products (band, packed panels, im2col, blocked) each have a class, and a scale, of their
