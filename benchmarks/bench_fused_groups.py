@@ -14,7 +14,7 @@ median ratio is above 1, whatever the spread. The measured-cost plan reads the c
 first: `fusesearch plan zoo:M --device host --costs measured`).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fused_groups.py [--models bert-small,resnet18]
-                                          [--rounds 10] [--budget 0.2] [--markdown FILE] [--groups]
+                                          [--rounds 20] [--budget 0.2] [--markdown FILE] [--groups]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def row(name: str, c: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(zoo_models()))
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--budget", type=float, default=0.2, help="seconds of samples per kernel, over the rounds")
     parser.add_argument("--markdown", help="append the tables to this file (with the command and machine)")
     parser.add_argument("--groups", action="store_true", help="also list every group")
