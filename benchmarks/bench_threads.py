@@ -10,9 +10,13 @@ machine's load falls on both alike. Each program is built with per-kernel clocks
 printed: with both CPUs of a 2-CPU machine busy elsewhere, the second thread mostly waits for a
 core, and the figure must be taken again on a quiet machine.
 
-Target: every plan faster at 2 threads than at 1 (its p80 at 2 below its p20 at 1).
+Target: every plan faster at 2 threads than at 1, round by round (`timing.paired`: the p80 of
+the per-round ratios of its time at 2 threads over its time at 1 below 1). `--costs
+measured` (or hybrid) plans each thread count from its choices timed at that count
+(`fusesearch.autotune`, the timing database in the cache folder), where a plan's few-microsecond
+kernels are priced by more than the model's launch figures.
 
-    .venv/bin/python benchmarks/bench_threads.py --models bert-small,resnet18 --repeat 10 --markdown FILE
+    .venv/bin/python benchmarks/bench_threads.py --models bert-small,resnet18 --repeat 10 [--costs measured] --markdown FILE
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from benchutil import header, spread, zoo_models
 
 from fusesearch.api import plan as make_plan
+from fusesearch.backends.timing import paired
 from fusesearch.errors import FusesearchError
 from fusesearch.ir.precision import prepared_tolerance
 from fusesearch.pipeline import prepare
@@ -66,11 +71,11 @@ def lost(built: dict[int, Program], plans: dict[int, object], repeat: int) -> li
             "above half its 1-thread time" for d, g, two_s in rows[:LOST]]
 
 
-def bench(name: str, repeat: int, warmup: int, time_limit: float) -> dict:
+def bench(name: str, repeat: int, warmup: int, time_limit: float, costs: str = "predicted") -> dict:
     load_before = os.getloadavg()[0]
     prep = prepare(f"zoo:{name}")
     plans = {n: make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep, time_limit_s=time_limit,
-                          threads=n) for n in THREADS}
+                          threads=n, costs=costs) for n in THREADS}
     built, feeds = programs(prep, plans)
     runs = {n: run_at(built[n], n, feeds) for n in THREADS}
     try:
@@ -83,12 +88,12 @@ def bench(name: str, repeat: int, warmup: int, time_limit: float) -> dict:
     finally:
         restore_threads()
     t1, t2 = timings[1], timings[2]
-    faster = t2.p80_s < t1.p20_s
+    pair = paired(t2, t1)
+    verdict = pair.compared("faster", "slower")
     return {"model": name, "t1": (t1.median_s, t1.p20_s, t1.p80_s), "t2": (t2.median_s, t2.p20_s, t2.p80_s),
-            "speedup": t1.median_s / t2.median_s, "faster": faster,
-            "verdict": "faster" if faster else ("slower" if t2.p20_s > t1.p80_s else "not distinguishable"),
+            "speedup": t1.median_s / t2.median_s, "pair": pair, "faster": verdict == "faster", "verdict": verdict,
             "kernels": (plans[1].kernels, plans[2].kernels), "load": (load_before, os.getloadavg()[0]),
-            "why": [] if faster else lost(built, plans, repeat)}
+            "why": [] if verdict == "faster" else lost(built, plans, repeat)}
 
 
 def main() -> None:
@@ -97,21 +102,24 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=20.0)
+    parser.add_argument("--costs", default="predicted", choices=("predicted", "measured", "hybrid"),
+                        help="what prices each plan's choices (measured: timed at its thread count)")
     parser.add_argument("--markdown", help="write the table to this file (with the command and machine)")
     args = parser.parse_args()
-    lines = ["| model | 1 thread, ms | 2 threads, ms | 1 / 2 | verdict | kernels (1 / 2) | load before / after |",
-             "|---|---:|---:|---:|---|---:|---|"]
+    lines = ["| model | 1 thread, ms | 2 threads, ms | 1 / 2 | 2 / 1 per round | verdict | kernels (1 / 2) | "
+             "load before / after |", "|---|---:|---:|---:|---:|---|---:|---|"]
     print("\n".join(lines), flush=True)
     notes = []
     for name in args.models.split(","):
         began = time.perf_counter()
         try:
-            r = bench(name, args.repeat, args.warmup, args.time_limit)
+            r = bench(name, args.repeat, args.warmup, args.time_limit, args.costs)
         except FusesearchError as exc:
-            lines.append(f"| {name} | FAILED: {exc} | | | | | |")
+            lines.append(f"| {name} | FAILED: {exc} | | | | | | |")
             print(lines[-1], flush=True)
             continue
-        lines.append(f"| {name} | {spread(*r['t1'])} | {spread(*r['t2'])} | {r['speedup']:.2f}x | {r['verdict']} | "
+        lines.append(f"| {name} | {spread(*r['t1'])} | {spread(*r['t2'])} | {r['speedup']:.2f}x | {r['pair'].text()} | "
+                     f"{r['verdict']} | "
                      f"{r['kernels'][0]} / {r['kernels'][1]} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
         print(lines[-1] + f"  ({time.perf_counter() - began:.0f} s)", flush=True)
         notes += [f"- {name}: {why}" for why in r["why"]]
@@ -124,7 +132,7 @@ def main() -> None:
     print("\n".join(notes))
     if args.markdown:
         command = ("OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_threads.py "
-                   f"--models {args.models} --repeat {args.repeat}")
+                   f"--models {args.models} --repeat {args.repeat} --costs {args.costs}")
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(header("Plans at 1 and 2 threads, interleaved", command) + "\n" + "\n".join(lines)
                     + f"\n\n{summary}\n\nWhere 2 threads lost most (per run):\n\n" + "\n".join(notes) + "\n")
