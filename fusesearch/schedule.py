@@ -691,8 +691,9 @@ def nchwc_chunk(block: int, blocks_out: int, lanes_in: int, taps: int) -> int:
     the item's buffer (a 3x3 conv at block 16 and 4 output blocks: one input block a pass, 36 KiB;
     a 1x1: 8, as at block 8 and 2 output blocks, whose slice alone would allow 64). A slice of 512
     KiB (L2: a 3x3 conv's whole K in one pass up to 64 channels) measured 0.97-1.04x: not taken;
-    a 1x1 conv's passes of 64 blocks at block 8 measured 1.03-1.25x those of 8 (resnet50's 1x1
-    convs over 256-2048 channels, `benchmarks/bench_nchwc.md`)."""
+    a 1x1 conv's passes of 64 blocks at block 8 measured 1.07-1.25x those of 8 on four of
+    resnet50's 1x1 convs over 512-2048 channels, 0.98x (not distinguishable) on the fifth
+    (`benchmarks/variants/nchwc_passes.py`)."""
     return max(1, min(NCHWC_PASS_BLOCKS, NCHWC_SLICE_FLOATS // (blocks_out * block * lanes_in * taps)))
 
 
@@ -812,8 +813,8 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
     input at most, at least one (resnet50's 512 -> 1024 and 1024 -> 2048 downsampling convs in
     blocks of one row 0.76x and 0.87x the time in all rows at one thread,
     `benchmarks/variants/nchwc_strided_rows.py`; a 1x1 without a stride or a 3x3 so cut measured
-    1.0-1.3x: not cut). `channels`: the output
-    channels padded to whole blocks (default: O rounded up)."""
+    1.0-1.3x: not cut). `channels`: the output channels padded to whole blocks (default: O
+    rounded up)."""
     n, c, oh, ow = out_shape
     ocb = (channels if channels is not None else -(-c // block) * block) // block
     run = tuple(window) == (1, 1, 1, 1) and not padded
@@ -822,9 +823,8 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
     if not depthwise and filters >= math.prod(in_shape[1:]):
         rows = oh
     if not depthwise and window[2] > window[0]:  # a stride past the window: cut to NCHWC_SKIP_ROWS_BYTES
-        row_bytes = 4 * -(-in_shape[1] // block) * block * in_shape[3]  # an input row, every channel
-        while rows > 1 and ((rows - 1) * window[2] + window[0]) * row_bytes > NCHWC_SKIP_ROWS_BYTES:
-            rows -= 1
+        read = NCHWC_SKIP_ROWS_BYTES // (4 * -(-in_shape[1] // block) * block * in_shape[3])  # input rows, all channels
+        rows = max(1, min(rows, (read - window[0]) // window[2] + 1))  # (rows - 1) x stride + kh input rows
     o_tile = ocb if depthwise else min(nchwc_tile(block, depthwise), ocb)
     return NchwcItems(n, oh, ow, rows, o_tile, ocb)
 
