@@ -1,7 +1,8 @@
 """What the cost benchmarks share: the machine's name, a plan priced one way on `host`, and how a
-median with its p20-p80 spread is written and compared.
+median with its p20-p80 spread is written.
 
-Two figures are "not distinguishable" when their p20-p80 ranges overlap: on a shared machine a
+Two programs timed in the same rounds are compared round by round (`timing.paired`): "not
+distinguishable" where the p20-p80 of their per-round ratios holds 1; on a shared machine a
 difference inside the spread is not a result.
 """
 
@@ -56,11 +57,6 @@ def host_plan(prep, costs: str, *, strategy: str = "cpsat", time_limit_s: float 
 def spread(median: float, p20: float, p80: float, unit: float = 1e-3, digits: int = 3) -> str:
     """`median (p20-p80)` in `unit` (ms by default)."""
     return f"{median / unit:.{digits}f} ({p20 / unit:.{digits}f}-{p80 / unit:.{digits}f})"
-
-
-def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Whether two (p20, p80) ranges overlap: their difference is not distinguishable."""
-    return a[1] >= b[0] and b[1] >= a[0]
 
 
 # The child process callgrind runs: each entry's kernel called once (its filters packed first), so
