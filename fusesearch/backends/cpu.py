@@ -317,6 +317,9 @@ def runner(kernel: GeneratedKernel, inputs: dict[str, np.ndarray]):
     """A zero-argument callable that runs the kernel on fixed buffers (for timing); `.buffers`
     holds the inputs then the outputs. Weights the kernel reads packed (`kernel.packed`) are
     packed here, once, by the kernel's `<name>_pack`: not part of a call (they are constants)."""
+    missing = [a.tensor for a in kernel.inputs if inputs.get(a.tensor) is None]
+    if missing:  # an input left unset would be read uninitialised: garbage, not an answer
+        raise ValueError(f"kernel {kernel.name}: no value for its input '{missing[0]}'")
     lib = compile_kernel(kernel)
     fn = getattr(lib, kernel.name)
     arrays = [aligned_array(a.shape, NP_DTYPES[a.dtype], inputs[a.tensor]) for a in kernel.inputs]

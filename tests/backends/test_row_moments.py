@@ -13,8 +13,10 @@ from fusesearch import schedule
 from fusesearch.backends import cpu
 from fusesearch.backends.codegen import generate
 from fusesearch.groups import FusionGroup
+from fusesearch.ir.canonicalize import to_proto
 from fusesearch.lowering import choices
 from fusesearch.pipeline import prepare
+from fusesearch.verify import all_values
 from tests.backends.test_cpu_packed import _body, _w, one_kernel
 from tests.conftest import make_model, save
 
@@ -99,10 +101,11 @@ def test_layernorm_is_the_row_prologue_of_its_projection(tmp_path):
     statistics in one pass and store the normalised rows, then the blocks multiply them in place,
     in the kernel's one OpenMP region (its stored form; tests/backends/test_ln_pack.py has the packed
     one); priced as one kernel with every op once and the normalised rows not read back; its row
-    and column splits agree (each equal to ONNX Runtime on rows of mean 1000 in
-    tests/backends/test_ln_pack.py)."""
+    and column splits agree, and equal ONNX Runtime (on rows of mean 1000 in
+    tests/backends/test_ln_pack.py too)."""
     nodes, inits, outputs = _layernorm_projection(tmp_path)
-    graph = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "m.onnx")).graph
+    prep = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "m.onnx"))
+    graph = prep.graph
     ids = list(range(len(graph)))
     options = [k for k in choices(graph, FusionGroup(frozenset(ids)), host=True) if k.schedule.prologue == "stored"]
     gk = generate(graph, options[0])
@@ -123,10 +126,12 @@ def test_layernorm_is_the_row_prologue_of_its_projection(tmp_path):
     assert {k.scalar_flops for k in two} == {options[0].scalar_flops}  # the rows run once, not per block
     cols = next(k for k in two if k.schedule.split == "cols")
     feeds = {"x": np.random.default_rng(5).standard_normal((ROWS * 4, LENGTH)).astype(np.float32)}
-    got = [cpu.run(g, {a.tensor: (feeds["x"] if a.tensor == "x" else graph.constant_value(a.tensor))
-                       for a in g.inputs}) for g in (generate(graph, options[0]), generate(graph, cols))]
+    values = all_values(to_proto(prep.canonical), feeds)  # ONNX Runtime's, the weights among them
+    got = [cpu.run(g, {a.tensor: values[a.tensor] for a in g.inputs})
+           for g in (generate(graph, options[0]), generate(graph, cols))]
     for t in ("out", "y"):
         np.testing.assert_allclose(got[1][t], got[0][t], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got[0][t], values[t], rtol=0, atol=1e-4 * max(1.0, float(np.abs(values[t]).max())))
 
 
 def test_row_prologue_refusals(tmp_path):
@@ -157,3 +162,18 @@ def test_the_shift_of_a_concatenated_row_pairs_its_rows(tmp_path):
     inits = [("cls", _w([1, 1, 16], 1)), ("gamma", _w([16], 2) + 1), ("beta", _w([16], 3))]
     gk = one_kernel(tmp_path, nodes, [("x", [1, 5, 16])], [("out", None)], inits)
     assert "r_0 < 1LL" in _body(gk) and "r_1 < 1LL" in _body(gk)
+
+
+def test_a_kernel_input_without_a_value_is_refused(tmp_path):
+    """A caller that has no value for an input (a weight too large for the graph's view of small
+    constants, `Graph.constant_value` None) gets an error naming it, not a run over an
+    uninitialised buffer (whose garbage two kernels could even agree on)."""
+    nodes, inits, outputs = _layernorm_projection(tmp_path)
+    graph = prepare(save(make_model(nodes, [("x", [ROWS * 4, LENGTH])], outputs, inits), tmp_path / "m.onnx")).graph
+    (kernel, *_) = choices(graph, FusionGroup(frozenset(range(len(graph)))), host=True)
+    gk = generate(graph, kernel)
+    assert graph.constant_value("w") is None and "w" in {a.tensor for a in gk.inputs}
+    given = {a.tensor: graph.constant_value(a.tensor) for a in gk.inputs}
+    given["x"] = np.zeros((ROWS * 4, LENGTH), np.float32)
+    with pytest.raises(ValueError, match="no value for its input 'w'"):
+        cpu.run(gk, given)
