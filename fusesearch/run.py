@@ -314,6 +314,7 @@ class Layout:
         used = [t for s in self.steps for t in (*s.sources, *s.outputs)] + list(self.out_name.values())
         roots = list(dict.fromkeys(self.root(t) for t in used))
         self.ext_index = {t: i for i, t in enumerate(t for t in roots if t in weights or t in graph.inputs)}
+        self.input_dtypes = {t: np.dtype(graph.tensors[t].dtype) for t in graph.inputs if t in self.ext_index}
         produced = [t for t in roots if t not in self.ext_index]
         for t in produced:
             if self.info(t).shape is None:
@@ -375,8 +376,9 @@ class Layout:
 
     def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
         for t, a in feeds.items():
-            if t in self.ext_index and t in self.graph.inputs:
-                a = np.ascontiguousarray(a, dtype=np.dtype(self.graph.tensors[t].dtype))
+            dtype = self.input_dtypes.get(t)
+            if dtype is not None and a is not self.ext_arrays.get(t):  # the array bound last time: its pointer holds
+                a = np.ascontiguousarray(a, dtype=dtype)
                 self.ext_arrays[t] = a
                 self._set_pointer(t, a)
 
@@ -414,6 +416,14 @@ class Program(Layout):
             self.ext[self.pk_index[key]] = a.ctypes.data
         self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
         self.calls = self._calls(canonical)
+        # the outputs that lie in the arena in NCHW: their views made once (a call after a run finds
+        # the interpreter's own memory evicted by the kernels, so each object it touches there costs)
+        self.out_views = {t: self.view(n) for t, n in self.out_name.items()
+                          if self.root(n) not in self.ext_index and self.root(n) not in self.laid}
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {t: v.copy() if (v := self.out_views.get(t)) is not None else self.view(self.out_name[t]).copy()
+                for t in self.graph.outputs}
 
     def _pointer(self, t: str, const: bool, ctype: str) -> str:
         r = self.root(t)
