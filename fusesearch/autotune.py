@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 
 import numpy as np
 
@@ -38,6 +39,7 @@ DEFAULT_BAND = 1.5  # hybrid: measure choices predicted within this factor of th
 MIN_PAIRS = 8  # measured choices before their error spread, not DEFAULT_BAND, sets hybrid's band
 MIN_CLASS_PAIRS = 3  # measured choices of a class (`cost_class`) before it has its own scale
 BAND_QUANTILE = 80.0  # hybrid's band: this percentile of the model's |log error|
+OPTIMISM_QUANTILE = 20.0  # hybrid: a form no plan used yet is priced at this percentile of its plausible cost
 MAX_ROUNDS = 10  # hybrid: searches at most (the first is the model's plan)
 BUDGET_S = 0.01  # seconds of samples per choice, over ROUNDS passes
 WARMUP_S = 0.02  # the first pass: long enough to wake an OpenMP pool (0.002 s left 20 ms samples)
@@ -84,6 +86,17 @@ def error_band(profile: str | None) -> float | None:
         if math.isfinite(factor) and factor > 1.0:
             return factor
     return None
+
+
+def optimism(band: float) -> float:
+    """What hybrid divides a form no plan used yet by: its price at the OPTIMISM_QUANTILE-th
+    percentile of the model's error, the band read as the BAND_QUANTILE-th percentile of |a normal
+    log error| (spread s: the band is exp(z((1 + q) / 2) s), the optimism exp(z(1 - o) s), so
+    band ** 0.66 at 80 and 20). Dividing by the whole band (the 10th percentile) made every
+    later search lean on untried forms (the CNNs timed 36-66% of their choices,
+    `benchmarks/bench_hybrid.md`)."""
+    z = NormalDist().inv_cdf
+    return band ** (z(1 - OPTIMISM_QUANTILE / 100) / z((1 + BAND_QUANTILE / 100) / 2))
 
 
 def measured_scale(pairs: Sequence[tuple[float, float]]) -> float:
@@ -242,12 +255,12 @@ class Autotuner:
 
     def scale(self, kernel) -> float:
         """What puts `kernel`'s predicted cost on the measured clock: its class's scale, else all's;
-        hybrid divides a choice of a form no plan used yet by the band (optimistic: a group, or a
+        hybrid divides a choice of a form no plan used yet by `optimism(band)` (a group, or a
         group in the other layout, that the model may have overpriced by its usual error is tried,
         measured, and kept only if it holds)."""
         scale = self.scales.get(cost_class(kernel), self.scales[None])
         if self.mode == "hybrid" and self.optimistic and _form(kernel) not in self._wanted:
-            scale /= self.band
+            scale /= optimism(self.band)
         return scale
 
     def rescale(self) -> None:

@@ -128,7 +128,9 @@ def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     the lone MatMul's three, not the single-choice Relu): measured 2x the model, the lone ops,
     priced on the measured clock over a 1.001x band (the Relu's own traffic is more than the band
     leaves, on any machine's figures), cannot beat it, so the second search keeps
-    the plan; what was not measured is priced on the measured clock, optimistically by the band."""
+    the plan; what was not measured is priced on the measured clock, optimistically (`optimism`)."""
+    from fusesearch.autotune import optimism
+
     calls: list = []
     plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls), band=1.001)
     assert [g.nodes for g in plan.groups] == [(0, 1)] and plan.groups[0].source == "measured"
@@ -140,7 +142,7 @@ def test_hybrid_measures_only_the_groups_its_plans_use(tmp_path):
     relu = problem.legality.check({1})
     predicted_relu = _choices_of(problem.legality, {1})[0][1].time_s
     assert relu.source == "predicted" and "no plan used" in relu.note
-    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None] / 1.001)
+    assert relu.time_s == pytest.approx(predicted_relu * tuner.scales[None] / optimism(1.001))
     doc = plan.to_dict()
     assert doc["tuning"]["choices"] == 6 and doc["tuning"]["measured"] == 2 and doc["tuning"]["rounds"] == 2
     assert doc["tuning"]["timed_fraction"] == pytest.approx(2 / 6, abs=1e-4)
@@ -157,6 +159,30 @@ def test_hybrid_tries_a_group_the_model_may_have_overpriced(tmp_path):
     assert {g.source for g in plan.groups} == {"measured"} and tuner.stats.rounds == 3
     assert [sorted({c[0] for c in call}) for call in calls] == [[(0, 1)], [(0,), (1,)]]
     assert (tuner.stats.choices, tuner.stats.measured) == (6, 6)
+
+
+def test_hybrid_tries_an_untried_form_only_within_its_optimism(tmp_path):
+    """The fused MatMul+Relu measured, the lone ops never: on the measured clock they cost r x the
+    fused kernel's time. Over a band of r ** 1.2 (wider than r, so dividing by the whole band
+    would try them) the optimism, the band's 20th percentile (r ** 0.79), leaves them dearer:
+    hybrid times the fused kernel alone. Over a band of r ** 2 (optimism r ** 1.31) they may be
+    cheaper: hybrid times them too, then keeps the fused kernel they do not beat."""
+    from fusesearch.autotune import optimism
+
+    (tmp_path / "probe").mkdir()
+    _, problem, tuner = _hybrid(_matmul_relu(tmp_path / "probe"), _fixed(lambda r: 2e-4, []), band=1.0 + 1e-9)
+    lone = min(c.time_s for _, c in _choices_of(problem.legality, {0})) + _choices_of(problem.legality, {1})[0][1].time_s
+    r = lone * tuner.scales[None] / 2e-4
+    assert r > 1.0  # the lone ops, as the model sees them on the measured clock, are dearer
+    tried = {}
+    for power in (1.2, 2.0):
+        (tmp_path / str(power)).mkdir()
+        calls: list = []
+        plan, _, _ = _hybrid(_matmul_relu(tmp_path / str(power)), _fixed(lambda r: 2e-4, calls), band=r ** power)
+        assert [g.nodes for g in plan.groups] == [(0, 1)]
+        assert optimism(r ** power) == pytest.approx(r ** (power * 0.6567), rel=1e-3)
+        tried[power] = sorted({c[0] for call in calls for c in call})
+    assert tried == {1.2: [(0, 1)], 2.0: [(0,), (0, 1), (1,)]}
 
 
 def test_hybrids_capped_last_search_prices_untried_forms_without_optimism(tmp_path, monkeypatch):
