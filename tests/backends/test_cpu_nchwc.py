@@ -167,6 +167,23 @@ def test_a_pass_reads_at_most_eight_input_blocks(tmp_path):
 
 
 @needs_cc
+def test_an_odd_multiple_of_three_output_blocks_takes_tiles_of_three(tmp_path):
+    """At block 8 a dense tile holds 2 output blocks x 6 pixels, but 24 output channels (3
+    blocks) take one tile of 3 x 4 pixels and no tile of one block left over; 32 (4 blocks) keep
+    tiles of 2, and 40 (5 blocks, no multiple of 3) 2 + 1. Each equal to ONNX Runtime."""
+    for cout, o_tile, tiles in ((24, 3, 1), (32, 2, 2), (40, 2, 3)):
+        folder = tmp_path / str(cout)
+        folder.mkdir()
+        graph, values = _conv_group(folder, [1, 48, 5, 6], cout, 1, 1, act="Relu")
+        (kernel,) = nchwc_choices(graph, _whole(graph), AVX2)
+        items = nchwc_items(8, False, [1, 48, 5, 6], [1, cout, 5, 6], (1, 1, 1, 1), False)
+        assert (items.o_tile, items.tiles, items.rest) == (o_tile, tiles, cout // 8 % o_tile)
+        source = _runs_blocked(graph, kernel, values).c_source
+        assert f"ocb0 = ot * {o_tile}LL" in source
+        assert ("a2_0" in source) == (o_tile == 3)  # a third block's accumulators
+
+
+@needs_cc
 @pytest.mark.parametrize("target", [AVX512, AVX2], ids=["block16", "block8"])
 def test_the_epilogue_runs_on_each_tiles_final_sums(tmp_path, target):
     """Bias, activation and residual run on a register tile's sums at its last pass over the input
