@@ -323,6 +323,7 @@ class Layout:
                 raise BadInput(f"tensor '{t}' (written by node '{node}') has no static shape; run needs every "
                                "shape known: bind the model's dynamic dims with --dim NAME=V or --input-shape")
         self.sizes = {t: self.nbytes(t) for t in produced}
+        self.arena_views: dict[str, np.ndarray] = {}  # `view`'s of tensors in the arena
         self.offsets, self.peak_bytes = plan_arena(self.sizes, self._lifetimes(produced), reuse=reuse)
 
     def root(self, t: str) -> str:
@@ -358,10 +359,15 @@ class Layout:
         self.arena[...] = 0
 
     def view(self, t: str) -> np.ndarray:
-        """The tensor as a numpy array over the program's memory (no copy); one stored in channel
-        blocks as a copy in NCHW (`layout.from_blocked`)."""
+        """The tensor as a numpy array over the program's memory (no copy; made once for one in
+        the arena, which never moves: a call after a run finds the interpreter's own memory
+        evicted by the kernels, so each object it touches costs); one stored in channel blocks as
+        a copy in NCHW (`layout.from_blocked`)."""
         from fusesearch.layout import from_blocked
 
+        made = self.arena_views.get(t)
+        if made is not None:
+            return made
         r = self.root(t)
         info = self.info(t)
         if r in self.ext_index:
@@ -372,7 +378,8 @@ class Layout:
         if layout is not None:
             stored = self.arena[off:off + self.nbytes(r)].view(dtype).reshape(layout.shape(info.shape))
             return from_blocked(stored, layout, info.shape[1])
-        return self.arena[off:off + info.nbytes].view(dtype).reshape(info.shape)
+        made = self.arena_views[t] = self.arena[off:off + info.nbytes].view(dtype).reshape(info.shape)
+        return made
 
     def set_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
         for t, a in feeds.items():
@@ -416,14 +423,6 @@ class Program(Layout):
             self.ext[self.pk_index[key]] = a.ctypes.data
         self.arena_ptr = ctypes.c_void_p(self.arena.ctypes.data)
         self.calls = self._calls(canonical)
-        # the outputs that lie in the arena in NCHW: their views made once (a call after a run finds
-        # the interpreter's own memory evicted by the kernels, so each object it touches there costs)
-        self.out_views = {t: self.view(n) for t, n in self.out_name.items()
-                          if self.root(n) not in self.ext_index and self.root(n) not in self.laid}
-
-    def outputs(self) -> dict[str, np.ndarray]:
-        return {t: v.copy() if (v := self.out_views.get(t)) is not None else self.view(self.out_name[t]).copy()
-                for t in self.graph.outputs}
 
     def _pointer(self, t: str, const: bool, ctype: str) -> str:
         r = self.root(t)
@@ -498,8 +497,13 @@ class Program(Layout):
         return calls
 
     def _library_call(self, canonical: onnx.ModelProto, s: Step) -> Callable[[], None]:
+        def value(r: str):  # an unblocked tensor in the arena never moves: bound once
+            if self.root(r) in self.ext_index or self.root(r) in self.laid:
+                return lambda: self.view(r)
+            return self.view(r)
+
         return host_binding(library_session(canonical, self.graph, s, self.threads),
-                            [(t, lambda r=r: self.view(r)) for t, r in zip(s.inputs, s.sources, strict=True)],
+                            [(t, value(r)) for t, r in zip(s.inputs, s.sources, strict=True)],
                             [(t, self.view(t)) for t in s.outputs])
 
     def _set_pointer(self, t: str, a: np.ndarray) -> None:

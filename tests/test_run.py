@@ -497,6 +497,22 @@ def test_a_program_rebinds_new_inputs_and_returns_fresh_outputs(tmp_path):
     for values, out in zip([x / -2.0, x, wide, strided], [first, second, fresh, last], strict=True):
         want = ort_run(path, {"x": np.ascontiguousarray(values, dtype=np.float32)})["y"]
         np.testing.assert_allclose(out["y"], want, rtol=1e-4, atol=1e-5)
+    # an ONNX Runtime step between kernels binds the arena tensors it reads once: each call's
+    # values reach it (the If's condition and the Relu it captures, both written by our kernels)
+    path = save(with_if(), tmp_path / "if.onnx")
+    prep = prepare(path)
+    plan = make_plan(path, device="host", strategy="greedy", prepared=prep)
+    canonical = to_proto(prep.canonical)
+    steps = plan_steps(prep.graph, plan)
+    assert any(s.how == "library" for s in steps)
+    program = Program(prep.graph, canonical, steps, {t.name: onnx.numpy_helper.to_array(t)
+                                                     for t in canonical.graph.initializer}, 1)
+    x = np.abs(_w(8, 16)) + 0.1
+    for change in (None, -1.0, -3.0):  # the then branch, the else branch, the then branch again
+        if change is not None:
+            x *= change
+        got = program({"x": x})["y"]
+        np.testing.assert_allclose(got, ort_run(path, {"x": x.copy()})["y"], rtol=1e-4, atol=1e-5)
 
 
 def test_a_lone_anchor_runs_as_its_plan_priced_it(tmp_path):

@@ -57,18 +57,18 @@ def taken_inputs(sess, inputs: Sequence[tuple[str, object]]) -> list[tuple[str, 
     return [(t, v) for t, v in inputs if t in taken]
 
 
-def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
+def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray] | np.ndarray]],
                  outputs: Sequence[tuple[str, np.ndarray]], *, fixed: bool = False) -> Callable[[], None]:
     """A run of `sess` reading `inputs` (each array as its function gives it at the call, or once
-    here when `fixed`; names the session does not take, its weights, are skipped) and writing
-    `outputs` in place (host arrays, IO binding; a bfloat16 node runs widened, its values crossing
-    as float32 copies)."""
+    here when `fixed` or given as an array, one that never moves; names the session does not take,
+    its weights, are skipped) and writing `outputs` in place (host arrays, IO binding; a bfloat16
+    node runs widened, its values crossing as float32 copies)."""
     inputs = taken_inputs(sess, inputs)
     if getattr(sess, "fusesearch_dtypes", None):
         from fusesearch.verify import _run_session
 
         def widened() -> None:
-            got = _run_session(sess, {t: get() for t, get in inputs})
+            got = _run_session(sess, {t: get() if callable(get) else get for t, get in inputs})
             for t, view in outputs:
                 view[...] = got[t]
 
@@ -79,11 +79,11 @@ def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray]]],
     # the binding holds the outputs' addresses, not the arrays: the run keeps them (and the fixed
     # inputs) alive, so a caller that lets go of its arrays never has ONNX Runtime write freed memory
     held = [view for _, view in outputs]
-    if fixed:
-        for t, get in inputs:
-            held.append(get())
+    for t, get in inputs:
+        if fixed or not callable(get):
+            held.append(get() if callable(get) else get)
             binding.bind_cpu_input(t, held[-1])
-        inputs = []
+    inputs = [(t, get) for t, get in inputs if not fixed and callable(get)]
 
     def go() -> None:
         for t, get in inputs:
