@@ -88,15 +88,17 @@ def error_band(profile: str | None) -> float | None:
     return None
 
 
-def optimism(band: float) -> float:
+def optimism(band: float, pairwise: bool = False) -> float:
     """What hybrid divides a form no plan used yet by: its price at the OPTIMISM_QUANTILE-th
-    percentile of the model's error, the band read as the BAND_QUANTILE-th percentile of |a normal
-    log error| (spread s: the band is exp(z((1 + q) / 2) s), the optimism exp(z(1 - o) s), so
-    band ** 0.66 at 80 and 20). Dividing by the whole band (the 10th percentile) made every
-    later search lean on untried forms (the CNNs timed 36-66% of their choices,
-    `benchmarks/bench_hybrid.md`)."""
+    percentile of the model's error on one form, the band read as the BAND_QUANTILE-th percentile
+    of |a normal log error| (spread s: the band is exp(z((1 + q) / 2) s), the optimism
+    exp(z(1 - o) s): band ** 0.66 at 80 and 20) or, `pairwise` (`group_band`), of |the difference
+    of two such errors| (spread s x sqrt 2: band ** 0.46). Dividing by the whole band (the 10th
+    percentile) made every later search lean on untried forms (the CNNs timed 36-66% of their
+    choices, `benchmarks/bench_hybrid.md`)."""
     z = NormalDist().inv_cdf
-    return band ** (z(1 - OPTIMISM_QUANTILE / 100) / z((1 + BAND_QUANTILE / 100) / 2))
+    spread = z((1 + BAND_QUANTILE / 100) / 2) * (math.sqrt(2) if pairwise else 1.0)
+    return band ** (z(1 - OPTIMISM_QUANTILE / 100) / spread)
 
 
 def measured_scale(pairs: Sequence[tuple[float, float]]) -> float:
@@ -250,7 +252,7 @@ class Autotuner:
         self._values: dict | None = None
         self._canonical = None
         self._device = backend.device_label()
-        self.band = self._band()  # hybrid's (module note), fixed during a search; None: measure all
+        self.band, self.pairwise = self._band()  # hybrid's (module note), fixed during a search; None: measure all
         self.stats = TuneStats(mode, self.band)
 
     def scale(self, kernel) -> float:
@@ -260,22 +262,26 @@ class Autotuner:
         measured, and kept only if it holds)."""
         scale = self.scales.get(cost_class(kernel), self.scales[None])
         if self.mode == "hybrid" and self.optimistic and _form(kernel) not in self._wanted:
-            scale /= optimism(self.band)
+            scale /= optimism(self.band, self.pairwise)
         return scale
 
     def rescale(self) -> None:
         """Put unmeasured choices on the clock of the ones measured so far, and hybrid's band to
         their error (between searches: verdicts are memoized)."""
         self.scales = self.stats.scales = clock_scales(list(self._pairs.values()))
-        self.band = self.stats.band = self._band()
+        self.band, self.pairwise = self._band()
+        self.stats.band = self.band
 
-    def _band(self) -> float | None:
+    def _band(self) -> tuple[float | None, bool]:
+        """hybrid's band and whether it is of two choices' difference (`group_band`; `optimism`)."""
         if self.mode != "hybrid":
-            return None
+            return None, False
         if self._fixed_band is not None:
-            return self._fixed_band
+            return self._fixed_band, False
         within = group_band(self._pairs, self._group_of, self.scales)
-        return within if within is not None else data_band(list(self._pairs.values()), self.scales)
+        if within is not None:
+            return within, True
+        return data_band(list(self._pairs.values()), self.scales), False
 
     # -- the Measurer ---------------------------------------------------------------------------
 

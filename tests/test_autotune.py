@@ -181,6 +181,8 @@ def test_hybrid_tries_an_untried_form_only_within_its_optimism(tmp_path):
         plan, _, _ = _hybrid(_matmul_relu(tmp_path / str(power)), _fixed(lambda r: 2e-4, calls), band=r ** power)
         assert [g.nodes for g in plan.groups] == [(0, 1)]
         assert optimism(r ** power) == pytest.approx(r ** (power * 0.6567), rel=1e-3)
+        # a band of two choices' difference (`group_band`) spans sqrt 2 times one form's error
+        assert optimism(r ** power, pairwise=True) == pytest.approx(optimism(r ** power) ** (1 / math.sqrt(2)))
         tried[power] = sorted({c[0] for call in calls for c in call})
     assert tried == {1.2: [(0, 1)], 2.0: [(0,), (0, 1), (1,)]}
 
