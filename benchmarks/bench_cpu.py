@@ -119,8 +119,7 @@ def ort_call(sess, feeds: dict) -> tuple[object, dict]:
     """(a run of `sess` on `feeds` through IO binding into outputs allocated once, the outputs):
     no output allocation or conversion per call, as inside a whole-model run."""
     outs = {o.name: np.empty(o.shape, ORT_TYPES[o.type]) for o in sess.get_outputs()}
-    run = host_binding(sess, [(i.name, lambda a=feeds[i.name]: a) for i in sess.get_inputs()], list(outs.items()),
-                       fixed=True)
+    run = host_binding(sess, [(i.name, feeds[i.name]) for i in sess.get_inputs()], list(outs.items()))
     return run, outs
 
 

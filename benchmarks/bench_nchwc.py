@@ -131,7 +131,7 @@ def bench_model(name: str, target: CpuTarget, args) -> list[dict]:
         sess = session(node_model(canonical, graph, kb), threads=target.threads, optimize=True)
         ort_out = np.empty(graph.tensors[out].shape, np.float32)
         runs = [cpu.runner(g_nchw, feeds), cpu.runner(g_nchwc, bfeeds),
-                host_binding(sess, [(x, lambda xv=xv: xv)], [(out, ort_out)], fixed=True), *reorders]
+                host_binding(sess, [(x, xv)], [(out, ort_out)]), *reorders]
         t = measure_interleaved(runs, budget_s=args.budget, rounds=args.rounds)
         rows.append({"model": name, "conv": label, "product": product, "kind": conv_kind(graph, anchor),
                      "nchw": t[0], "nchwc": t[1], "ort": t[2], "reorders": t[3:], "at": (graph, group, xv, weights)})

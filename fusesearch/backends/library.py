@@ -58,10 +58,10 @@ def taken_inputs(sess, inputs: Sequence[tuple[str, object]]) -> list[tuple[str, 
 
 
 def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray] | np.ndarray]],
-                 outputs: Sequence[tuple[str, np.ndarray]], *, fixed: bool = False) -> Callable[[], None]:
-    """A run of `sess` reading `inputs` (each array as its function gives it at the call, or once
-    here when `fixed` or given as an array, one that never moves; names the session does not take,
-    its weights, are skipped) and writing `outputs` in place (host arrays, IO binding; a bfloat16
+                 outputs: Sequence[tuple[str, np.ndarray]]) -> Callable[[], None]:
+    """A run of `sess` reading `inputs` (each array as its function gives it at the call, or, given
+    as an array, one that never moves, bound once here; names the session does not take, its
+    weights, are skipped) and writing `outputs` in place (host arrays, IO binding; a bfloat16
     node runs widened, its values crossing as float32 copies)."""
     inputs = taken_inputs(sess, inputs)
     if getattr(sess, "fusesearch_dtypes", None):
@@ -76,14 +76,14 @@ def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray] | np
     binding = sess.io_binding()
     for t, view in outputs:
         binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
-    # the binding holds the outputs' addresses, not the arrays: the run keeps them (and the fixed
+    # the binding holds the outputs' addresses, not the arrays: the run keeps them (and the inputs bound once
     # inputs) alive, so a caller that lets go of its arrays never has ONNX Runtime write freed memory
     held = [view for _, view in outputs]
     for t, get in inputs:
-        if fixed or not callable(get):
-            held.append(get() if callable(get) else get)
-            binding.bind_cpu_input(t, held[-1])
-    inputs = [(t, get) for t, get in inputs if not fixed and callable(get)]
+        if not callable(get):
+            held.append(get)
+            binding.bind_cpu_input(t, get)
+    inputs = [(t, get) for t, get in inputs if callable(get)]
 
     def go() -> None:
         for t, get in inputs:
@@ -104,13 +104,12 @@ def library_runner(canonical: onnx.ModelProto, graph: Graph, kernel: Kernel,
     # aligned as our kernels' buffers are (`cpu.aligned_array`), so both are timed on like memory
     values = {t: np.asarray(inputs[t]) for t in kernel.inputs}
     arrays = {t: aligned_array(a.shape, a.dtype, a) for t, a in values.items()}
-    feeds = [(t, lambda a=a: a) for t, a in arrays.items()]
     names = list(kernel.outputs)
     if any(graph.tensors[t].shape is None for t in names):  # a dynamic output: ONNX Runtime allocates it
         given = session_feeds(sess, arrays)
         return (lambda: dict(zip(names, sess.run(names, given), strict=True))), names
     outs = {t: aligned_array(graph.tensors[t].shape, graph.tensors[t].dtype) for t in names}
-    run = host_binding(sess, feeds, list(outs.items()), fixed=True)
+    run = host_binding(sess, list(arrays.items()), list(outs.items()))
 
     def go() -> dict[str, np.ndarray]:
         run()
@@ -134,7 +133,7 @@ def null_runs(threads: int) -> tuple[Callable[[], None], Callable[[], None]]:
         return helper.make_model(helper.make_graph(nodes, "null", vi[:1], vi[1:]), opset_imports=[helper.make_opsetid("", 17)])
 
     a, b = np.zeros(1, np.float32), np.zeros(1, np.float32)
-    one, chain = (host_binding(session(model(n), threads=threads), [("x", lambda: a)], [("y", b)], fixed=True)
+    one, chain = (host_binding(session(model(n), threads=threads), [("x", a)], [("y", b)])
                   for n in (1, CHAIN + 1))
     return one, chain
 

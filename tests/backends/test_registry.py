@@ -197,7 +197,7 @@ def test_an_io_bound_run_keeps_its_arrays_alive():
     x = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(4, 8)
     y = np.empty((4, 8), np.float32)
     refs = weakref.ref(x), weakref.ref(y)
-    run = host_binding(session(model), [("x", lambda: x)], [("y", y)], fixed=True)
+    run = host_binding(session(model), [("x", x)], [("y", y)])
     x = y = None
     gc.collect()
     assert all(r() is not None for r in refs)
