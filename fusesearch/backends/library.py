@@ -76,8 +76,8 @@ def host_binding(sess, inputs: Sequence[tuple[str, Callable[[], np.ndarray] | np
     binding = sess.io_binding()
     for t, view in outputs:
         binding.bind_output(t, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
-    # the binding holds the outputs' addresses, not the arrays: the run keeps them (and the inputs bound once
-    # inputs) alive, so a caller that lets go of its arrays never has ONNX Runtime write freed memory
+    # the binding holds the outputs' addresses, not the arrays: the run keeps them (and the inputs
+    # bound once) alive, so a caller that lets go of its arrays never has ONNX Runtime write freed memory
     held = [view for _, view in outputs]
     for t, get in inputs:
         if not callable(get):
