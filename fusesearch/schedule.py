@@ -678,6 +678,27 @@ def nchwc_pixels(block: int, blocks_out: int, depthwise: bool) -> int:
     return max(1, min(NCHWC_MAX_PIXELS, accumulators // blocks_out))
 
 
+FMA_CHAINS = 8  # independent sums that keep a core's FMA units busy: latency 4 cycles x 2 units (x86 since Haswell)
+
+
+def nchwc_chains(sums: int, lanes_in: int, last_lanes: int, depthwise: bool = False) -> int:
+    """Chains of partial sums an NCHWc tile of `sums` accumulators (blocks x pixels) splits its
+    work into (`codegen.cpu_conv_nchwc`), the chains summed once after the tile's taps. A tile
+    of fewer sums than FMA_CHAINS waits on each FMA's latency (a border pixel's tile of 2 blocks
+    x 1 pixel: two sums, a quarter of the units' rate). Dense: input lane ic + k adds into
+    chain k, the most chains, a power of two, that keeps chains x sums within FMA_CHAINS and
+    divides the lanes of every input block (`lanes_in`, the last block's `last_lanes`).
+    Depthwise (`lanes_in` = `last_lanes` = the filter's rows): a chain per filter row where the
+    tile has FMA_CHAINS / 2 pixels at most and its sums stay within AVX2's 12 accumulators (3
+    rows x 4 pixels; 5 rows x 2). 1 for a tile of FMA_CHAINS sums or more (the usual tiles)."""
+    if depthwise:
+        return lanes_in if 2 * sums <= FMA_CHAINS and 1 < lanes_in and lanes_in * sums <= 12 else 1
+    k = 1
+    while 2 * k * sums <= FMA_CHAINS and lanes_in % (2 * k) == 0 and last_lanes % (2 * k) == 0:
+        k *= 2
+    return k
+
+
 NCHWC_SLICE_FLOATS = 8192  # filters a tile's pass over the input blocks streams at most (32 KiB: an L1 data cache)
 NCHWC_PASS_BLOCKS = 8  # input blocks a pass reads at most: each a stream of its own (a block's pixels lie
 # together, blocks a plane apart), so a tile's loads follow at most 8 streams at a time

@@ -584,3 +584,35 @@ def test_a_strided_1x1_convs_blocks_of_rows_read_a_bounded_input():
     assert (strided.rows, strided.least_blocks, strided.tiles) == (1, 14, 64)
     plain = nchwc_items(8, False, (1, 512, 14, 14), (1, 1024, 14, 14), (1, 1, 1, 1), False)
     assert (plain.rows, plain.least_blocks) == (14, 1)
+
+
+def test_a_tile_of_few_sums_splits_its_work_into_chains():
+    """FMA_CHAINS independent sums keep the FMA units busy: a dense tile of fewer splits its input
+    lanes into chains (2 blocks x 1 pixel: 4 chains; 2 x 2: 2; 2 x 6: none), as many as divide
+    every input block's lanes (an image's 3 channels: none); a depthwise tile of 4 pixels at most
+    takes a chain per filter row while they fit 12 accumulators."""
+    from fusesearch.schedule import nchwc_chains
+
+    assert [nchwc_chains(n, 8, 8) for n in (1, 2, 3, 4, 8, 12)] == [8, 4, 2, 2, 1, 1]
+    assert nchwc_chains(2, 16, 8) == 4 and nchwc_chains(2, 3, 3) == 1 and nchwc_chains(1, 8, 2) == 2
+    assert [nchwc_chains(p, 3, 3, depthwise=True) for p in (1, 4, 5, 8)] == [3, 3, 1, 1]
+    assert [nchwc_chains(p, 5, 5, depthwise=True) for p in (2, 3)] == [5, 1]
+    assert nchwc_chains(1, 1, 1, depthwise=True) == 1  # a 1x1 depthwise filter: one row
+
+
+@needs_cc
+def test_border_tiles_of_few_sums_run_in_chains_and_equal_onnx_runtime(tmp_path):
+    """A 3x3 conv over 7 x 7 pixels at block 8: each corner is a tile of one pixel x 2 blocks, its
+    sums in 4 chains of input lanes added after its taps; the interior's 2 x 5 tiles in one. A
+    depthwise conv's border pixels sum each filter row apart. Both equal ONNX Runtime."""
+    graph, values = _conv_group(tmp_path, [1, 32, 7, 7], 32, 3, 1, residual=True, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), AVX2)
+    source = _runs_blocked(graph, kernel, values).c_source
+    assert "ic += 4)" in source and "a1_0 = a1_0 + a1_0_1 + a1_0_2 + a1_0_3;" in source
+    assert "ic += 1)" in source and "a1_4_1" not in source  # the 2 x 5 interior tile: one chain
+    folder = tmp_path / "dw"
+    folder.mkdir()
+    graph, values = _conv_group(folder, [1, 16, 7, 7], 16, 3, 1, depthwise=True, act="Relu")
+    (kernel,) = nchwc_choices(graph, _whole(graph), AVX2)
+    source = _runs_blocked(graph, kernel, values).c_source
+    assert "if (kh0 <= 2 && 2 < kh1)" in source and "a0_0 = a0_0 + a0_0_1 + a0_0_2;" in source

@@ -35,6 +35,7 @@ from fusesearch.ir.graph import Graph, Node
 from fusesearch.layout import Layout, copy_name
 from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
+    nchwc_chains,
     nchwc_chunk,
     nchwc_interior,
     nchwc_items,
@@ -169,7 +170,20 @@ class _Geometry:
                                              else "(fs_vb){0};") for i, j in slot]
         taps = self.kh_n * self.kw_n
         tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
-        if self.depthwise:
+        k_n = nchwc_chains(p, self.kh_n, self.kh_n, depthwise=True) if self.depthwise else 1
+        if k_n > 1:  # a chain per filter row, interleaved down each column of taps
+            chain = [[f"{acc[0][j]}_{k}" if k else acc[0][j] for j in range(p)] for k in range(k_n)]
+            lines += [f"fs_vb {chain[k][j]} = (fs_vb){{0}};" for k in range(1, k_n) for j in range(p)]
+            lines += [f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
+                      f"    const float* xp = {self.x} + {ocb0} * {hw * b}LL + kw * {xb}LL;",
+                      f"    const float* wq = {self.wp} + ({ocb0} * {taps}LL + kw) * {b}LL;",
+                      *[line for k in range(k_n) for line in (
+                          f"    if (kh0 <= {k} && {k} < kh1) {{",
+                          f"        fs_vb wv{k} = *(const fs_vb*)(wq + {k * self.kw_n * b}LL);",
+                          *[f"        {chain[k][j]} = FS_VB_FMA(wv{k}, *(const fs_vb*)(xp + {k * self.wd * xb}LL + x{j}),"
+                            f" {chain[k][j]});" for j in range(p)], "    }")],
+                      "}", *[f"{acc[0][j]} = {' + '.join(chain[k][j] for k in range(k_n))};" for j in range(p)]]
+        elif self.depthwise:
             lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
                       f"    const float* xp = {self.x} + {ocb0} * {hw * b}LL + {tap};",
@@ -178,6 +192,10 @@ class _Geometry:
                       "}"]
         else:
             panel = self.lanes_in * o * b  # the tile's filters per input block and tap
+            k_n = nchwc_chains(o * p, self.lanes_in, self.last_lanes)
+            chain = [[[f"{acc[i][j]}_{k}" if k else acc[i][j] for j in range(p)] for i in range(o)]
+                     for k in range(k_n)]
+            lines += [f"fs_vb {chain[k][i][j]} = (fs_vb){{0}};" for k in range(1, k_n) for i in range(o) for j in range(p)]
             lines += ["for (long long icb = c0; icb < c1; ++icb)",
                       "for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
@@ -185,13 +203,12 @@ class _Geometry:
                       f"    const float* wp = {self.wp} + {ocb0} * {self.icb * taps * self.lanes_in * b}LL"
                       f" + (icb * {taps}LL + kh * {self.kw_n}LL + kw) * {panel}LL;",
                       # GCC's full unroll interleaves the lanes and spills the accumulators
-                      "    #pragma GCC unroll 1", f"    for (int ic = 0; ic < {self._lanes('icb')}; ++ic) {{",
-                      *[f"        fs_vb w{i} = *(const fs_vb*)(wp + ic * {o * b} + {i * b}); FS_VB_REG(w{i});"
-                        for i in range(o)],
-                      *[line for j in range(p) for line in
-                        (f"        fs_vb v{j} = FS_VB_SET(xp[x{j} + ic * {self.xc}LL]);",
-                         *[f"        {acc[i][j]} = FS_VB_FMA(w{i}, v{j}, {acc[i][j]});" for i in range(o)])],
+                      "    #pragma GCC unroll 1",
+                      f"    for (int ic = 0; ic < {self._lanes('icb')}; ic += {k_n}) {{",
+                      *[line for k in range(k_n) for line in self._lane(o, p, k, chain[k])],
                       "    }", "}"]
+            lines += [f"{acc[i][j]} = {' + '.join(chain[k][i][j] for k in range(k_n))};"
+                      for i in range(o) for j in range(p) if k_n > 1]
         last = self.epilogue.tile([acc[i][j] for i in range(o) for j in range(p)], o, p, ocb0, where)
         if passes:
             lines += [f"if (c1 < {self.icb}LL) {{", *[f"    *(fs_vb*)({slot[i, j]}) = {acc[i][j]};" for i, j in slot],
@@ -199,6 +216,16 @@ class _Geometry:
         else:
             lines += last
         return ["{", *["    " + x_ for x_ in lines], "}"]
+
+    def _lane(self, o: int, p: int, k: int, acc: list[list[str]]) -> list[str]:
+        """C of input lane ic + `k` of a dense tile (`o` blocks x `p` pixels): its `o` filter
+        vectors, then per pixel its broadcast input and `o` FMAs into the sums `acc` (chain k's)."""
+        b, ic = self.b, f"(ic + {k})" if k else "ic"
+        return [*[f"        fs_vb w{i}_{k} = *(const fs_vb*)(wp + {ic} * {o * b} + {i * b}); FS_VB_REG(w{i}_{k});"
+                  for i in range(o)],
+                *[line for j in range(p) for line in
+                  (f"        fs_vb v{j}_{k} = FS_VB_SET(xp[x{j} + {ic} * {self.xc}LL]);",
+                   *[f"        {acc[i][j]} = FS_VB_FMA(w{i}_{k}, v{j}_{k}, {acc[i][j]});" for i in range(o)])]]
 
     def _lanes(self, icb: str) -> str:
         """The input lanes a dense tile reads of input block `icb`: all but the zero lanes past the
