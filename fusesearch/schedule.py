@@ -688,11 +688,12 @@ def nchwc_chains(sums: int, lanes_in: int, last_lanes: int, depthwise: bool = Fa
     x 1 pixel: two sums, a quarter of the units' rate). Dense: input lane ic + k adds into
     chain k, the most chains, a power of two, that keeps chains x sums within FMA_CHAINS and
     divides the lanes of every input block (`lanes_in`, the last block's `last_lanes`).
-    Depthwise (`lanes_in` = `last_lanes` = the filter's rows): a chain per filter row where the
-    tile has FMA_CHAINS / 2 pixels at most and its sums stay within AVX2's 12 accumulators (3
-    rows x 4 pixels; 5 rows x 2). 1 for a tile of FMA_CHAINS sums or more (the usual tiles)."""
+    Depthwise (`lanes_in` = `last_lanes` = the filter's rows): filter row kh adds into chain
+    kh mod k, as many chains as rows but within AVX2's 12 accumulators (3 x 1-4 pixels, 2 x 5-6:
+    a 7 x 7 conv's 5 interior pixels, 14 x 14's tiles of 6). 1 for a tile of FMA_CHAINS sums or
+    more (the usual tiles)."""
     if depthwise:
-        return lanes_in if 2 * sums <= FMA_CHAINS and 1 < lanes_in and lanes_in * sums <= 12 else 1
+        return max(1, min(lanes_in, 12 // sums)) if sums < FMA_CHAINS else 1
     k = 1
     while 2 * k * sums <= FMA_CHAINS and lanes_in % (2 * k) == 0 and last_lanes % (2 * k) == 0:
         k *= 2

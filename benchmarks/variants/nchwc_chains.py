@@ -14,4 +14,4 @@ GROUPS = [("resnet18", ("conv_18", "relu_15")), ("resnet18", ("conv_13", "relu_1
           ("resnet50", ("conv_48", "relu_44")), ("mobilenetv2", ("conv_1", "clip_1")),
           ("mobilenetv2", ("conv_7", "clip_5")), ("mobilenetv2", ("conv_13", "clip_9")),
           ("mobilenetv2", ("conv_22", "clip_15")), ("mobilenetv2", ("conv_49", "clip_33"))]
-CONSTANTS = {"one chain": {"FMA_CHAINS": 1}}
+CONSTANTS = {"one chain": {"FMA_CHAINS": 1}, "depthwise chains below 5 pixels": {"FMA_CHAINS": 5}}

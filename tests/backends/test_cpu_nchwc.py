@@ -589,14 +589,15 @@ def test_a_strided_1x1_convs_blocks_of_rows_read_a_bounded_input():
 def test_a_tile_of_few_sums_splits_its_work_into_chains():
     """FMA_CHAINS independent sums keep the FMA units busy: a dense tile of fewer splits its input
     lanes into chains (2 blocks x 1 pixel: 4 chains; 2 x 2: 2; 2 x 6: none), as many as divide
-    every input block's lanes (an image's 3 channels: none); a depthwise tile of 4 pixels at most
-    takes a chain per filter row while they fit 12 accumulators."""
+    every input block's lanes (an image's 3 channels: none); a depthwise tile of fewer than 8
+    pixels a chain per filter row, as many as fit 12 accumulators (filter row kh into chain kh
+    mod their count)."""
     from fusesearch.schedule import nchwc_chains
 
     assert [nchwc_chains(n, 8, 8) for n in (1, 2, 3, 4, 8, 12)] == [8, 4, 2, 2, 1, 1]
     assert nchwc_chains(2, 16, 8) == 4 and nchwc_chains(2, 3, 3) == 1 and nchwc_chains(1, 8, 2) == 2
-    assert [nchwc_chains(p, 3, 3, depthwise=True) for p in (1, 4, 5, 8)] == [3, 3, 1, 1]
-    assert [nchwc_chains(p, 5, 5, depthwise=True) for p in (2, 3)] == [5, 1]
+    assert [nchwc_chains(p, 3, 3, depthwise=True) for p in (1, 4, 5, 6, 7, 8)] == [3, 3, 2, 2, 1, 1]
+    assert [nchwc_chains(p, 5, 5, depthwise=True) for p in (2, 3, 4)] == [5, 4, 3]
     assert nchwc_chains(1, 1, 1, depthwise=True) == 1  # a 1x1 depthwise filter: one row
 
 
@@ -616,3 +617,4 @@ def test_border_tiles_of_few_sums_run_in_chains_and_equal_onnx_runtime(tmp_path)
     (kernel,) = nchwc_choices(graph, _whole(graph), AVX2)
     source = _runs_blocked(graph, kernel, values).c_source
     assert "if (kh0 <= 2 && 2 < kh1)" in source and "a0_0 = a0_0 + a0_0_1 + a0_0_2;" in source
+    assert "a0_4 = a0_4 + a0_4_1;" in source  # the 5 interior pixels: rows 0 and 2 in chain 0, 1 in 1

@@ -171,17 +171,17 @@ class _Geometry:
         taps = self.kh_n * self.kw_n
         tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
         k_n = nchwc_chains(p, self.kh_n, self.kh_n, depthwise=True) if self.depthwise else 1
-        if k_n > 1:  # a chain per filter row, interleaved down each column of taps
+        if k_n > 1:  # filter row kh into chain kh mod k_n, interleaved down each column of taps
             chain = [[f"{acc[0][j]}_{k}" if k else acc[0][j] for j in range(p)] for k in range(k_n)]
             lines += [f"fs_vb {chain[k][j]} = (fs_vb){{0}};" for k in range(1, k_n) for j in range(p)]
             lines += [f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
                       f"    const float* xp = {self.x} + {ocb0} * {hw * b}LL + kw * {xb}LL;",
                       f"    const float* wq = {self.wp} + ({ocb0} * {taps}LL + kw) * {b}LL;",
-                      *[line for k in range(k_n) for line in (
+                      *[line for k in range(self.kh_n) for line in (
                           f"    if (kh0 <= {k} && {k} < kh1) {{",
                           f"        fs_vb wv{k} = *(const fs_vb*)(wq + {k * self.kw_n * b}LL);",
-                          *[f"        {chain[k][j]} = FS_VB_FMA(wv{k}, *(const fs_vb*)(xp + {k * self.wd * xb}LL + x{j}),"
-                            f" {chain[k][j]});" for j in range(p)], "    }")],
+                          *[f"        {chain[k % k_n][j]} = FS_VB_FMA(wv{k}, *(const fs_vb*)(xp + {k * self.wd * xb}LL"
+                            f" + x{j}), {chain[k % k_n][j]});" for j in range(p)], "    }")],
                       "}", *[f"{acc[0][j]} = {' + '.join(chain[k][j] for k in range(k_n))};" for j in range(p)]]
         elif self.depthwise:
             lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
