@@ -7,8 +7,9 @@ that `Legality.choose` asks; a group's choices run on the plan device's backend 
 `measured` times every candidate the solver enumerates (`prefetch`, one batch); `hybrid` (`want`,
 looped by `tuned_search`) times only the choices of the groups the current plan uses, in the
 layout it runs them in (a form: `_form`; those within `band` of the form's best), and searches
-again until the plan's forms are all measured (at most MAX_ROUNDS; a capped last search prices
-untried forms without the band's optimism). An unmeasured choice costs its prediction times its
+again until the plan's forms are all measured (at most MAX_ROUNDS, capped: the last prices untried
+forms without the band's optimism; where it still picks some, they are timed and one closing
+search runs over timed forms only, so the plan holds measured groups only). An unmeasured choice costs its prediction times its
 class's (`cost_class`) median measured/predicted ratio (`Verdict.note`); `docs/DESIGN.md` has the band.
 Invariants: with `predicted` nothing here runs; the same database gives the same plan; samples
 come through `sampler` (tests pass fixed ones), so nothing depends on wall time but `stats.wall_s`.
@@ -40,7 +41,9 @@ MIN_PAIRS = 8  # measured choices before their error spread, not DEFAULT_BAND, s
 MIN_CLASS_PAIRS = 3  # measured choices of a class (`cost_class`) before it has its own scale
 BAND_QUANTILE = 80.0  # hybrid's band: this percentile of the model's |log error|
 OPTIMISM_QUANTILE = 20.0  # hybrid: a form no plan used yet is priced at this percentile of its plausible cost
-MAX_ROUNDS = 10  # hybrid: searches at most (the first is the model's plan)
+MAX_ROUNDS = 10  # hybrid: searches at most (the first is the model's plan; the last without optimism),
+# then one over measured forms only where the last picked forms never timed
+UNTRIED = 1e3  # hybrid's closing search: a form never timed priced this many times its measured-clock price
 BUDGET_S = 0.01  # seconds of samples per choice, over ROUNDS passes
 WARMUP_S = 0.02  # the first pass: long enough to wake an OpenMP pool (0.002 s left 20 ms samples)
 ROUNDS = 3
@@ -181,7 +184,7 @@ class TuneStats:
     lone: int = 0  # of those timed, the only choice of their group (timed to compare groups, not choices)
     wall_s: float = 0.0
     rounds: int = 1  # searches run (hybrid: the model's plan, then one per new set of groups measured)
-    capped: bool = False  # hybrid: the cap cut the searches short (the last one without the band's optimism)
+    capped: bool = False  # hybrid: searches reached MAX_ROUNDS (the last without the band's optimism, then a closing one)
     scales: dict = field(default_factory=lambda: {None: 1.0})  # `clock_scales`: unmeasured choices' factor
 
     @property
@@ -246,7 +249,8 @@ class Autotuner:
         self._pairs: dict[str, tuple[str, float, float]] = {}  # key -> (class, predicted, measured)
         self._group_of: dict[str, frozenset[int]] = {}  # key -> the nodes of the group it is a choice of
         self._wanted: set[tuple[frozenset[int], bool]] = set()  # hybrid: the forms (`_form`) some plan used
-        self.optimistic = True  # hybrid: an unmeasured form's price divided by the band (off for a capped last search)
+        self.optimistic = True  # hybrid: an unmeasured form's price divided by the band (off past the cap)
+        self.closed = False  # hybrid's closing search: a form never timed priced out of reach (UNTRIED)
         self._outside: set[str] = set()  # hybrid: choices skipped as beyond their group's band
         self._lone: set[str] = set()  # choices that were their group's only one
         self._values: dict | None = None
@@ -261,8 +265,11 @@ class Autotuner:
         group in the other layout, that the model may have overpriced by its usual error is tried,
         measured, and kept only if it holds)."""
         scale = self.scales.get(cost_class(kernel), self.scales[None])
-        if self.mode == "hybrid" and self.optimistic and _form(kernel) not in self._wanted:
-            scale /= optimism(self.band, self.pairwise)
+        if self.mode == "hybrid" and _form(kernel) not in self._wanted:
+            if self.closed:
+                return scale * UNTRIED
+            if self.optimistic:
+                scale /= optimism(self.band, self.pairwise)
         return scale
 
     def rescale(self) -> None:
@@ -583,8 +590,9 @@ def tuned_search(prep, spec, model, strategy: str, config, costs: str = "predict
                     **search_kwargs)
     if tuner is None:
         return result, problem
-    while tuner.mode == "hybrid" and tuner.optimistic and tuner.want(result, problem.legality):
+    while tuner.mode == "hybrid" and not tuner.closed and tuner.want(result, problem.legality):
         tuner.optimistic = tuner.stats.rounds < MAX_ROUNDS  # the cap's search: no optimism left
+        tuner.closed = tuner.stats.rounds > MAX_ROUNDS  # the capped search picked untried forms: timed now
         tuner.stats.capped = not tuner.optimistic
         problem = SearchProblem.build(prep.graph, spec, model, config, measurer=tuner)
         result = search(prep.graph, spec, model, strategy, config=config, profile=profile, problem=problem,

@@ -203,6 +203,33 @@ def test_hybrids_capped_last_search_prices_untried_forms_without_optimism(tmp_pa
     assert "(capped: the last without the band's optimism)" in tuner.stats.line()
 
 
+def test_where_the_capped_search_picks_untried_forms_a_closing_search_keeps_measured_ones(tmp_path, monkeypatch):
+    """With a cap of two searches the second is capped; where it picks forms never timed (the
+    search here gives the unfused plan: the lone MatMul and Relu), they are timed and one closing
+    search runs over timed forms only (an untried form priced UNTRIED times over), so the plan
+    returned holds measured groups only: three searches in all, never a fourth."""
+    import fusesearch.autotune as autotune
+    import fusesearch.search as searches
+
+    real = searches.search
+    strategies: list = []
+
+    def scripted(graph, spec, model, strategy, **kwargs):  # the model's plan, then the unfused one
+        strategies.append("cpsat" if not strategies else "none")
+        return real(graph, spec, model, strategies[-1], **kwargs)
+    monkeypatch.setattr(searches, "search", scripted)
+    monkeypatch.setattr(autotune, "MAX_ROUNDS", 2)
+    calls: list = []
+    plan, problem, tuner = _hybrid(_matmul_relu(tmp_path), _fixed(lambda r: 2e-4, calls))
+    assert [g.nodes for g in plan.groups] == [(0,), (1,)]
+    assert {g.source for g in plan.groups} == {"measured"}
+    assert strategies == ["cpsat", "none", "none"] and tuner.stats.capped and tuner.closed
+    assert [sorted({c[0] for c in call}) for call in calls] == [[(0, 1)], [(0,), (1,)]]
+    kernel = _choices_of(problem.legality, {1})[0][0]
+    tuner._wanted.discard(autotune._form(kernel))  # as if never timed: out of reach in the closing search
+    assert tuner.scale(kernel) == pytest.approx(tuner.scales[None] * autotune.UNTRIED)
+
+
 def test_hybrid_reports_its_share_the_band_and_the_lone_choices(tmp_path):
     """The share hybrid timed on a tiny graph with a known band, and why the rest was not: a lone
     MatMul (own, BLAS tied, the library call predicted beyond a band narrower than its gap) times
