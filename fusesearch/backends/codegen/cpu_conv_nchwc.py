@@ -161,7 +161,9 @@ class _Geometry:
         passes before read back from cbuf); stored into cbuf but at the last pass, where the
         epilogue runs on them. Dense: per input lane the tile's `o` filter vectors (contiguous)
         and `p` broadcast input values, o x p FMAs; depthwise: per tap one filter vector and `p`
-        input vectors."""
+        input vectors. A tile of fewer sums than the FMA units keep busy sums in chains
+        (`schedule.nchwc_chains`: dense by input lanes, `_lane`; depthwise by filter rows,
+        `_depthwise_chains`), added after its taps."""
         b, xb, hw, passes = self.b, self.xb, self.h * self.wd, self.chunk(o) < self.icb
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
         slot = {(i, j): f"cbuf + ({i * self.pixels}LL + {at[0]} + {j * at[1]}LL) * {b}LL" for i in range(o) for j in range(p)}
@@ -171,18 +173,8 @@ class _Geometry:
         taps = self.kh_n * self.kw_n
         tap = f"kh * {self.wd * xb}LL + kw * {xb}LL"
         k_n = nchwc_chains(p, self.kh_n, self.kh_n, depthwise=True) if self.depthwise else 1
-        if k_n > 1:  # filter row kh into chain kh mod k_n, interleaved down each column of taps
-            chain = [[f"{acc[0][j]}_{k}" if k else acc[0][j] for j in range(p)] for k in range(k_n)]
-            lines += [f"fs_vb {chain[k][j]} = (fs_vb){{0}};" for k in range(1, k_n) for j in range(p)]
-            lines += [f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
-                      f"    const float* xp = {self.x} + {ocb0} * {hw * b}LL + kw * {xb}LL;",
-                      f"    const float* wq = {self.wp} + ({ocb0} * {taps}LL + kw) * {b}LL;",
-                      *[line for k in range(self.kh_n) for line in (
-                          f"    if (kh0 <= {k} && {k} < kh1) {{",
-                          f"        fs_vb wv{k} = *(const fs_vb*)(wq + {k * self.kw_n * b}LL);",
-                          *[f"        {chain[k % k_n][j]} = FS_VB_FMA(wv{k}, *(const fs_vb*)(xp + {k * self.wd * xb}LL"
-                            f" + x{j}), {chain[k % k_n][j]});" for j in range(p)], "    }")],
-                      "}", *[f"{acc[0][j]} = {' + '.join(chain[k][j] for k in range(k_n))};" for j in range(p)]]
+        if k_n > 1:
+            lines += self._depthwise_chains(p, k_n, acc[0], ocb0, kw)
         elif self.depthwise:
             lines += ["for (long long kh = kh0; kh < kh1; ++kh)",
                       f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
@@ -216,6 +208,23 @@ class _Geometry:
         else:
             lines += last
         return ["{", *["    " + x_ for x_ in lines], "}"]
+
+    def _depthwise_chains(self, p: int, k_n: int, acc: list[str], ocb0: str, kw: tuple[str, str]) -> list[str]:
+        """C of a depthwise tile's taps (`p` pixels' sums `acc`) in `k_n` chains: down each
+        column of taps, filter row kh (kh0..kh1, each row a branch) adds into chain kh mod k_n;
+        the chains summed into `acc` after the last column."""
+        b, xb, taps = self.b, self.xb, self.kh_n * self.kw_n
+        chain = [[f"{acc[j]}_{k}" if k else acc[j] for j in range(p)] for k in range(k_n)]
+        rows = [line for k in range(self.kh_n) for line in (
+            f"    if (kh0 <= {k} && {k} < kh1) {{",
+            f"        fs_vb wv{k} = *(const fs_vb*)(wq + {k * self.kw_n * b}LL);",
+            *[f"        {chain[k % k_n][j]} = FS_VB_FMA(wv{k}, *(const fs_vb*)(xp + {k * self.wd * xb}LL + x{j}),"
+              f" {chain[k % k_n][j]});" for j in range(p)], "    }")]
+        return [*[f"fs_vb {chain[k][j]} = (fs_vb){{0}};" for k in range(1, k_n) for j in range(p)],
+                f"for (long long kw = {kw[0]}; kw < {kw[1]}; ++kw) {{",
+                f"    const float* xp = {self.x} + {ocb0} * {self.h * self.wd * b}LL + kw * {xb}LL;",
+                f"    const float* wq = {self.wp} + ({ocb0} * {taps}LL + kw) * {b}LL;", *rows, "}",
+                *[f"{acc[j]} = {' + '.join(chain[k][j] for k in range(k_n))};" for j in range(p)]]
 
     def _lane(self, o: int, p: int, k: int, acc: list[list[str]]) -> list[str]:
         """C of input lane ic + `k` of a dense tile (`o` blocks x `p` pixels): its `o` filter
