@@ -8,10 +8,11 @@ side, in channel blocks (LAYOUT):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ab_group.py benchmarks/variants/nchwc_chains.py
 
-Measured: see docs/benchmarks.md, "Chains of sums in a border pixel's tile"."""
+(The depthwise rule for rows of 5-7 pixels: `nchwc_depthwise_chains.py`.) Measured: see
+docs/benchmarks.md, "Chains of sums in a border pixel's tile"."""
 LAYOUT = "nchwc"
 GROUPS = [("resnet18", ("conv_18", "relu_15")), ("resnet18", ("conv_13", "relu_11")),
           ("resnet50", ("conv_48", "relu_44")), ("mobilenetv2", ("conv_1", "clip_1")),
           ("mobilenetv2", ("conv_7", "clip_5")), ("mobilenetv2", ("conv_13", "clip_9")),
           ("mobilenetv2", ("conv_22", "clip_15")), ("mobilenetv2", ("conv_49", "clip_33"))]
-CONSTANTS = {"one chain": {"FMA_CHAINS": 1}, "depthwise chains below 5 pixels": {"FMA_CHAINS": 5}}
+CONSTANTS = {"one chain": {"FMA_CHAINS": 1}}
