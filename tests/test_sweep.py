@@ -35,7 +35,7 @@ time_limit_s = [5, 10]
 # big enough that a kill lands mid-run (each cpsat cell of bert-small takes ~0.3-1 s here)
 KILL = """
 name = "kill"
-devices = ["t4", "a10", "h200"]
+devices = ["t4", "h200"]
 strategies = ["greedy", "cpsat"]
 models = ["zoo:rnn-control", "zoo:unet", {model = "zoo:bert-small", zoo = {layers = [1, 2]}}]
 [params]
@@ -161,7 +161,7 @@ def test_zoo_parameters_expand_into_models(tmp_path):
     cfg = load_config(_config(tmp_path, KILL))
     labels = [m.label for m in cfg.models]
     assert labels[-2:] == ["bert-small/layers=1", "bert-small/layers=2"]
-    assert len(expand(cfg)) == 4 * 3 * 2
+    assert len(expand(cfg)) == 4 * 2 * 2
 
 
 def test_a_cpu_sweep_measures_kernels_and_the_whole_plan_unless_told(tmp_path):

@@ -804,7 +804,10 @@ static inline void _mm_sfence(void) {}
 def _shared_library(tmp_path, sources: list[str], flags: list[str], stand_in: bool) -> ctypes.CDLL:
     """`sources` (translation units: the runtime's, a kernel's) compiled with `flags` into one shared
     library, as a kernel and the runtime it links are; `stand_in`: each with the AVX-512 intrinsics
-    replaced by plain C (`_AVX512_STAND_IN`, its call counter defined in the first)."""
+    replaced by plain C (`_AVX512_STAND_IN`, its call counter defined in the first) and compiled
+    unoptimized (its loops over structs take gcc -O2 about 10 s a unit to unroll)."""
+    if stand_in:
+        flags = [f for f in flags if not f.startswith("-O")] + ["-O0"]
     paths = []
     for i, source in enumerate(sources):
         if stand_in:
