@@ -26,7 +26,7 @@ from fusesearch.ir.shapes import ShapeBindings
 from fusesearch.lowering import lower
 from fusesearch.pipeline import prepare
 from fusesearch.verify import all_values, compare, random_feeds, run
-from tests.conftest import make_model, save
+from tests.conftest import make_model, save, zoo_params
 
 HALVES = ("float16", "bfloat16")
 F, H = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -339,7 +339,7 @@ def _zoo_half(name: str):
     return prep, make_plan(f"zoo:{name}", device="h100-sxm", strategy="rules", prepared=prep)
 
 
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+@pytest.mark.parametrize("name", zoo_params())
 def test_every_zoo_model_plans_in_float16(name):
     """Structural: every float activation is float16 except the inputs and outputs of ops kept in
     float32 (and their Casts; weights typed tensor(float), Resize's scales, stay float32); every

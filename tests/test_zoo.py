@@ -16,6 +16,7 @@ import pytest
 
 from fusesearch.errors import BadInput
 from fusesearch.zoo import ZOO, ZooEntry, build_model, list_models
+from tests.conftest import zoo_params
 
 NAMES = list(ZOO)
 SMALL_GPT2 = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 1000}
@@ -100,7 +101,7 @@ def test_bad_params_raise_bad_input():
 
 
 # ---- every model ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", zoo_params())
 def test_builds_and_passes_full_check(zoo, name):
     built = zoo(name)
     onnx.checker.check_model(built.data, full_check=True)
@@ -112,7 +113,7 @@ def test_builds_and_passes_full_check(zoo, name):
     assert all(names) and len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", zoo_params())
 def test_rebuild_is_byte_identical(zoo, name):
     assert build_model(name).SerializeToString() == zoo(name).data
 
