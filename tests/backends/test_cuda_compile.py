@@ -65,7 +65,7 @@ CHOICE_ARCH = "sm_90"  # the h100-sxm's, which priced them
 
 EVERY_ARCH = NO_TF32  # these models' planned kernels (every skeleton, both conv forms, the CUDA-core and the
 # tensor-core GEMMs) compile for every arch in nvrtc.ARCHES; the other models' for CHOICE_ARCH, the same
-# skeletons at other extents (each arch's twice the compile time: 3.5 of CI's 20 minutes)
+# skeletons at other extents (both arches for every model took 3.5 of CI's 20 minutes)
 
 
 REGISTER_BAND = (0.35, 4.5)  # ptxas registers over the cost model's per-thread estimate, every kernel here.
