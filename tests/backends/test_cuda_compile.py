@@ -1,5 +1,5 @@
-"""Every generated CUDA kernel of every zoo plan (all strategies) compiles for sm_80 and sm_90 with
-NVRTC (or nvcc), without a GPU, and ptxas's report is parsed: registers, shared memory, no spills.
+"""Every generated CUDA kernel of every zoo plan (all strategies) compiles for sm_90 (EVERY_ARCH's
+models' for sm_80 too) with NVRTC (or nvcc), without a GPU, and ptxas's report is parsed: registers, shared memory, no spills.
 The price is the kernel: for every distinct kernel, the skeleton, block and grid written are the
 schedule's (lowering's), split-K is 1 but on mma.sync tiles, the main loop is on tensor cores exactly for the `mma-*`
 skeletons, the grid the cost model counts is the grid launched, and ptxas's shared memory equals
@@ -11,7 +11,7 @@ made with TF32 allowed (the default: fused gemm and conv groups on tensor cores 
 model prices them faster than on CUDA cores, which the test re-prices), for the CUDA-core skeleton
 without (NO_TF32's models), for HALF's models in float16 (FP16 tensor cores), and for the T4
 (sm_75, compiled for sm_75), where the tensor-core skeleton (sm_80+) is never planned.
-For bert-small every choice of every planned group is compiled (each tile configuration, tensor
+For bert-small every choice of every group of its cpsat plan is compiled (each tile configuration, tensor
 or CUDA cores, our forms of a lone anchor: `lowering.choices`; those no plan chose for sm_90, the
 priced device's arch, alone), and every planned kernel is its group's cheapest choice. Distinct kernels (by source hash) are compiled once, several to an NVRTC program (each kernel in
 its own namespace, its `#include` lines first: `cuda_module`)."""
