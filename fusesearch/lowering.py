@@ -47,6 +47,7 @@ from fusesearch.schedule import (
     activation_sectors,
     anchor_derived,
     block_per_row,
+    chain_items,
     conv_reads_band,
     cpu_products,
     cpu_splits,
@@ -67,6 +68,7 @@ from fusesearch.schedule import (
     mma_sync_split,
     mma_sync_tiles,
     mma_tiles,
+    nchwc_chain,
     nchwc_conv,
     nchwc_input,
     nchwc_items,
@@ -649,6 +651,8 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
     block = host.channel_block
     nodes = [graph.nodes[i] for i in sorted(group.nodes)]
     anchors = [n for n in nodes if n.kind == OpKind.ANCHOR]
+    if block and len(anchors) == 2:
+        return _chain_choices(graph, nodes, Layout(block), host)
     if (not block or (not anchors and not nchwc_pointwise(graph, group.nodes, block))
             or (anchors and (len(anchors) != 1 or not nchwc_conv(graph, group.nodes, anchors[0])))
             or isinstance(_lower_checked(graph, nodes, host), FusionDecision)):  # the cheap checks first
@@ -671,6 +675,47 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
                         any(anchor.attrs.get("pads") or ()))
     kernel = replace(kernel, imbalance=items.imbalance(max(1, host.threads)))
     return with_one_thread_forms((_with_layouts(graph, kernel, anchor),), host)
+
+
+def _chain_choices(graph: Graph, nodes: list[Node], layout: Layout, host: CpuTarget) -> tuple[Kernel, ...]:
+    """An NCHWc chain's form (`schedule.nchwc_chain`: a 1x1 conv, its activation and the
+    depthwise conv after it, one kernel, product "nchwc-chain") at the target's threads and,
+    where `schedule.one_thread_forms` asks, on one thread, last; () for any other group of two
+    anchors. It has no NCHW form: lowering refuses two anchors (`_check_anchor`)."""
+    pair = nchwc_chain(graph, [n.id for n in nodes])
+    if pair is None or any(not check(graph, nodes) for check in (_check_shapes, _check_connected_convex, _check_dtype)):
+        return ()
+    kernel = _chain_kernel(graph, nodes, pair, layout, max(1, host.threads))
+    if not one_thread_forms([kernel.schedule], host):
+        return (kernel,)
+    serial = _chain_kernel(graph, nodes, pair, layout, 1)
+    return kernel, replace(serial, schedule=replace(serial.schedule, split=ONE_THREAD))
+
+
+def _chain_kernel(graph: Graph, nodes: list[Node], pair: tuple[Node, Node], layout: Layout, threads: int) -> Kernel:
+    """The chain priced as it runs at `threads` threads (`schedule.ChainItems`): the 1x1 conv and
+    the ops before the depthwise conv on each expanded row its blocks compute (the rows two
+    blocks share twice: `recompute`), their input rows read as often; the middle tensor never in
+    memory (it is no kernel input or output); every multiply-add on the packed product's rate."""
+    expand, dw = pair
+    schedule = replace(PACKED, product="nchwc-chain", layout_in=layout, layout_out=layout)
+    _, _, k = _gemm_dims(graph, expand)
+    kernel = _build(graph, nodes, "conv", expand.id, graph.tensors[dw.outputs[0]].size, k, 4 + 2 * len(nodes),
+                    schedule, host=True)
+    items = chain_items(graph, dw)
+    again = items.recompute(threads)
+    before = {n.id for n in nodes if n.id == expand.id or (graph.reaches(expand.id, n.id) and graph.reaches(n.id, dw.id))}
+    tc = scalar = trans = 0.0
+    for n in nodes:
+        times = again if n.id in before else 1.0
+        flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)) * times
+        trans += times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
+        tc, scalar = (tc + flops, scalar) if n.kind == OpKind.ANCHOR else (tc, scalar + flops)
+    x = graph.tensors[expand.inputs[0]]
+    rows = round(layout.nbytes(x.shape, 4) * (again - 1))
+    kernel = replace(kernel, tc_flops=round(tc), scalar_flops=round(scalar), transcendentals=round(trans),
+                     read_bytes=kernel.read_bytes + rows, imbalance=items.imbalance(threads))
+    return _with_layouts(graph, kernel, expand)
 
 
 def reorder(graph: Graph, tensor: str, source: Layout, target: Layout, split: str = "") -> Kernel:

@@ -540,6 +540,123 @@ def _laid_conv_group(graph: Graph, nodes: Collection[int], anchor: Node, dtype: 
                if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
 
 
+def nchwc_chain(graph: Graph, nodes: Collection[int]) -> tuple[Node, Node] | None:
+    """(expand, depthwise) where a group is an NCHWc chain of two anchors (product "nchwc-chain",
+    `codegen.cpu_conv_chain`): a dense 1x1 Conv (stride 1, no padding, float32 constant filters,
+    its input a kernel input, blocked), elementwise
+    or per-channel ops on its output (the middle: an activation), a depthwise Conv reading the
+    middle, and an epilogue after it as `nchwc_conv` allows; no tensor of the middle leaves the
+    group (it never reaches memory: that is the point). An inverted residual block's expansion
+    and depthwise conv (MobileNetV2's 96 x 112 x 112 activation, 4.8 MB, written and read back
+    between the two as separate kernels). None for any other group."""
+    anchors = [graph.nodes[i] for i in sorted(nodes) if graph.nodes[i].kind == OpKind.ANCHOR]
+    if len(anchors) != 2 or any(a.op_type != "Conv" or len(a.inputs) < 2 for a in anchors):
+        return None
+    expand, dw = anchors
+    if not (graph.reaches(expand.id, dw.id) and _plain_conv(graph, expand) and _plain_conv(graph, dw)):
+        return None
+    w = graph.tensors[expand.inputs[1]]
+    pads = tuple(expand.attrs.get("pads") or (0,) * 4)
+    if (int(expand.attrs.get("group", 1)) != 1 or tuple(w.shape[2:]) != (1, 1) or any(pads)
+            or tuple(expand.attrs.get("strides") or (1, 1)) != (1, 1) or graph.producer(expand.inputs[0]) in nodes):
+        return None
+    y = graph.tensors[expand.outputs[0]]
+    if not (int(dw.attrs.get("group", 1)) == y.shape[1] == graph.tensors[dw.outputs[0]].shape[1]):
+        return None
+    middle = [graph.nodes[i] for i in sorted(nodes) if graph.reaches(expand.id, i) and graph.reaches(i, dw.id)
+              and i not in (expand.id, dw.id)]
+    derived = {expand.outputs[0]}
+    for n in middle:
+        if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) or not any(t in derived for t in n.inputs):
+            return None
+        others = [graph.tensors[t] for t in n.inputs if t and t not in derived]
+        if any(o.dtype != "float32" or not per_channel(o.shape) for o in others):
+            return None
+        if any(graph.tensors[t].shape != y.shape for t in n.outputs if t):
+            return None
+        derived.update(t for t in n.outputs if t)
+    inside = set(nodes)
+    if dw.inputs[0] not in derived or any(graph.is_output(t) or any(c not in inside for c in graph.consumers(t))
+                                          for t in derived):
+        return None
+    rest = inside - {expand.id, *(n.id for n in middle)}
+    return (expand, dw) if _laid_conv_group(graph, rest, dw, "float32") else None
+
+
+def _plain_conv(graph: Graph, conv: Node) -> bool:
+    """A 2-D float32 Conv over constant float32 filters, undilated, its pads explicit (no
+    auto_pad: `ChainItems` reads them)."""
+    x, w, y = (graph.tensors[t] for t in (*conv.inputs[:2], conv.outputs[0]))
+    auto = conv.attrs.get("auto_pad", "NOTSET")
+    return (x.shape is not None and len(x.shape) == 4 and w.constant and {x.dtype, w.dtype, y.dtype} == {"float32"}
+            and all(d == 1 for d in conv.attrs.get("dilations") or ())
+            and (auto.decode() if isinstance(auto, bytes) else auto) == "NOTSET")
+
+
+@dataclass(frozen=True)
+class ChainItems:
+    """The work items of an NCHWc chain (`nchwc_chain`, `codegen.cpu_conv_chain`): images x
+    `blocks(T)` blocks of the depthwise conv's output rows, in contiguous shares. An item
+    computes the expanded rows its block reads into a ring of `kh` rows (every channel; the rows
+    between two output rows computed once), so a block recomputes the rows it shares with the
+    block above (kh - stride rows): one block per image at one thread, as many as the threads
+    need (at most one row each) otherwise."""
+
+    images: int
+    out_rows: int
+    in_rows: int
+    kh: int
+    stride: int
+    pad: int
+
+    def blocks(self, threads: int) -> int:
+        return max(1, min(self.out_rows, -(-threads // self.images))) if threads > 1 else 1
+
+    def c_blocks(self, threads: str) -> str:
+        """`blocks` as the C computes it from the team's size at run time (the C expression `threads`)."""
+        want = f"({threads} + {self.images - 1}LL) / {self.images}LL"
+        return f"({threads} > 1 ? ({want} < {self.out_rows}LL ? {want} : {self.out_rows}LL) : 1LL)"
+
+    def bounds(self, rb: int, blocks: int) -> tuple[int, int]:
+        return rb * self.out_rows // blocks, (rb + 1) * self.out_rows // blocks
+
+    def c_bounds(self, rb: str, blocks: str) -> tuple[str, str]:
+        return f"{rb} * {self.out_rows}LL / {blocks}", f"({rb} + 1) * {self.out_rows}LL / {blocks}"
+
+    def rows(self, rb: int, blocks: int) -> int:
+        """Expanded rows block rb computes (its windows' rows inside the input)."""
+        lo, hi = self.bounds(rb, blocks)
+        first, last = lo * self.stride - self.pad, (hi - 1) * self.stride - self.pad + self.kh
+        return max(0, min(self.in_rows, last) - max(0, first))
+
+    def recompute(self, threads: int) -> float:
+        """Expanded rows computed over the input's rows (>= 1: the blocks' shared rows twice)."""
+        blocks = self.blocks(threads)
+        return sum(self.rows(rb, blocks) for rb in range(blocks)) / self.in_rows
+
+    def imbalance(self, threads: int) -> float:
+        """The busiest thread's rows over an even share (OpenMP's static schedule, as `NchwcItems`)."""
+        if threads <= 1:
+            return 1.0
+        blocks = self.blocks(threads)
+        work = [self.rows(r % blocks, blocks) for r in range(self.images * blocks)]
+        q, extra = divmod(len(work), threads)
+        loads, r = [], 0
+        for k in range(threads):
+            take = q + (k < extra)
+            loads.append(sum(work[r:r + take]))
+            r += take
+        return max(1.0, max(loads) * threads / sum(work))
+
+
+def chain_items(graph: Graph, dw: Node) -> ChainItems:
+    """An NCHWc chain's items (`ChainItems`) from its depthwise conv."""
+    xs, ys = graph.tensors[dw.inputs[0]].shape, graph.tensors[dw.outputs[0]].shape
+    kh = graph.tensors[dw.inputs[1]].shape[2]
+    pads = tuple(dw.attrs.get("pads") or (0,) * 4)
+    return ChainItems(ys[0], ys[2], xs[2], kh, int((dw.attrs.get("strides") or (1, 1))[0]), int(pads[0]))
+
+
 def nchwc_input(graph: Graph, anchor: Node, blocked: Layout) -> Layout:
     """The layout an NCHWc conv reads its input in: NCHW for a dense conv over fewer channels
     than a block (an image's 3: padded to a block it would multiply 13 zero channels of 16, and
@@ -650,16 +767,20 @@ def _nchwc_member(graph: Graph, n: Node, block: int) -> bool:
 
 def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
     """How each of a kernel's `tensors` lies in memory under its schedule: a conv's activation
-    input in `layout_in`, its filters as in the model; every other 4-D tensor that is not per
-    channel (`per_channel`: a bias lies as in the model) in `layout_out`."""
-    x, filters = (anchor.inputs[0], set(anchor.inputs[1:])) if anchor is not None else (None, set())
+    input in `layout_in`, its filters (and any anchor's: a chain's second conv, `nchwc_chain`)
+    as in the model; every other 4-D tensor that is not per channel (`per_channel`: a bias lies
+    as in the model) in `layout_out`."""
+    x = anchor.inputs[0] if anchor is not None else None
+
+    def filters(t: str) -> bool:
+        return any(graph.nodes[c].kind == OpKind.ANCHOR and t in graph.nodes[c].inputs[1:] for c in graph.consumers(t))
 
     def laid(t: str) -> Layout:
         shape = graph.tensors[t].shape
         if t == x:
             return schedule.layout_in
-        return (schedule.layout_out if t not in filters and shape is not None and len(shape) == 4
-                and not per_channel(shape) else NCHW)
+        return (schedule.layout_out if shape is not None and len(shape) == 4 and not per_channel(shape)
+                and not filters(t) else NCHW)
     return {t: laid(t) for t in tensors}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fusesearch.backends.codegen.base import Arg, compute_dtype, shared_scratch
 from fusesearch.backends.codegen.cpu_conv import _conv_loops
+from fusesearch.backends.codegen.cpu_conv_chain import chain_loops
 from fusesearch.backends.codegen.cpu_gemm import _matmul_row_loops, _view_strides, gemm_product
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
@@ -26,6 +27,8 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict, def
     if kernel.anchor is None:
         return None
     anchor = graph.nodes[kernel.anchor]
+    if kernel.schedule.product == "nchwc-chain":  # a 1x1 conv and the depthwise conv after it
+        return chain_loops(graph, kernel, args, outs, packs)
     if anchor_derived(graph, kernel.nodes, anchor) is None:  # the epilogue moves elements
         return _materialized_loops(graph, kernel, args, outs, anchor, packs)
     if anchor.op_type in ("MatMul", "Gemm"):
