@@ -455,8 +455,10 @@ def _infeasible_reason(
 # classes, geometric means, after the epilogue moved onto the tile's registers): "nchwc" 1.12; the
 # NCHW depthwise loop (vectors along a row of pixels, a filter tap broadcast) 0.39x the rate of
 # the blocked one (a block of channels per vector, one FMA per tap; callgrind instructions 0.41x):
-# "depthwise" 0.44, 0.39 of the blocked rate. The rest price alike until a profile fits them.
-HOST_PRODUCT_EFFICIENCY = {"depthwise": 0.44, "nchwc": 1.12}
+# "depthwise" 0.44, 0.39 of the blocked rate; a chain of a 1x1 conv and a depthwise conv in one
+# blocked kernel ("nchwc-chain") at the blocked convs' rate, as the two it replaces, less their
+# middle tensor's traffic. The rest price alike until a profile fits them.
+HOST_PRODUCT_EFFICIENCY = {"depthwise": 0.44, "nchwc": 1.12, "nchwc-chain": 1.12}
 
 
 def host_params() -> RooflineParams:

@@ -29,6 +29,7 @@ from fusesearch.ir.pool import POOL_OPS, pool_window
 from fusesearch.layout import NCHW, NHWC, Layout
 from fusesearch.schedule import (
     ALIAS,
+    CHAIN,
     DEPTHWISE,
     LIBRARY,
     MAX_GRID_YZ,
@@ -698,7 +699,7 @@ def _chain_kernel(graph: Graph, nodes: list[Node], pair: tuple[Node, Node], layo
     blocks share twice: `recompute`), their input rows read as often; the middle tensor never in
     memory (it is no kernel input or output); every multiply-add on the packed product's rate."""
     expand, dw = pair
-    schedule = replace(PACKED, product="nchwc-chain", layout_in=layout, layout_out=layout)
+    schedule = replace(PACKED, product=CHAIN, layout_in=layout, layout_out=layout)
     _, _, k = _gemm_dims(graph, expand)
     kernel = _build(graph, nodes, "conv", expand.id, graph.tensors[dw.outputs[0]].size, k, 4 + 2 * len(nodes),
                     schedule, host=True)

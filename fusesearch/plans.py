@@ -223,7 +223,7 @@ class Plan:
         groups = []
         for new_id, gi in enumerate(order):
             verdict = legality.check(partition[gi])
-            if not verdict.decision:
+            if not verdict.decision and not (partition[gi] in blocked and legality.blocked_only(partition[gi])):
                 raise InvalidPlan(f"strategy {strategy} chose an illegal group: {verdict.decision.reason}")
             if partition[gi] in blocked:
                 verdict = legality.blocked(partition[gi])

@@ -540,6 +540,9 @@ def _laid_conv_group(graph: Graph, nodes: Collection[int], anchor: Node, dtype: 
                if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
 
 
+CHAIN = "nchwc-chain"  # the product of a chain of two anchors (`nchwc_chain`), which has no NCHW form
+
+
 def nchwc_chain(graph: Graph, nodes: Collection[int]) -> tuple[Node, Node] | None:
     """(expand, depthwise) where a group is an NCHWc chain of two anchors (product "nchwc-chain",
     `codegen.cpu_conv_chain`): a dense 1x1 Conv (stride 1, no padding, float32 constant filters,

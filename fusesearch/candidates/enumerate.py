@@ -10,8 +10,11 @@ seed stays the minimum — and kept only if legal; only legal sets grow further.
 checks per seed bounds the work (small groups come first, as BFS goes by size). Every single
 node is a candidate; `extra` groups (those the rules and greedy strategies formed) are added so
 the exact solver can always reproduce them.
-Invariants: groups are distinct, connected, convex and legal; the order is deterministic
-(by smallest node, size, then node ids).
+`blocked_only_candidates` adds the groups that run in the blocked layout alone (a 1x1 conv and
+the depthwise conv after it, `schedule.nchwc_chain`): the growth stops at a second anchor, so
+they are found from each depthwise conv instead, for the exact solver where it chooses layouts.
+Invariants: groups are distinct, connected, convex and legal (in NCHW, or in the blocked layout
+alone); the order is deterministic (by smallest node, size, then node ids).
 """
 
 from __future__ import annotations
@@ -110,3 +113,48 @@ def _grow(legality: Legality, graph: Graph, nbrs: list[tuple[int, ...]], seed: i
             if checks >= budget:
                 break
     return checks
+
+
+CHAIN_REACH = 4  # ops between a depthwise conv and the conv before it, and after it, at most
+
+
+def blocked_only_candidates(legality: Legality) -> tuple[frozenset[int], ...]:
+    """The groups legal in the blocked layout alone (`Legality.blocked_only`), where plans may
+    choose layouts: for each anchor, each anchor up to CHAIN_REACH ops above it with the ops on
+    the paths between them (the convex hull), and that with each run of single consumers after
+    it (its activation), CHAIN_REACH at most; in the enumeration's order."""
+    graph = legality.graph
+    if not legality.layout.blocked:
+        return ()
+    found: set[frozenset[int]] = set()
+    for second in (n for n in graph.nodes if n.kind == OpKind.ANCHOR):
+        for first in _anchors_above(graph, second.id):
+            core = convex_hull(graph, {first, second.id}, legality.max_group_size)
+            for group in (core, *_tails(graph, core, second.id, legality.max_group_size)) if core else ():
+                if legality.blocked_only(group):
+                    found.add(group)
+    return tuple(sorted(found, key=lambda g: (min(g), len(g), sorted(g))))
+
+
+def _anchors_above(graph: Graph, node: int) -> list[int]:
+    """The anchors within CHAIN_REACH ops above `node` through ops that are no anchors."""
+    out, frontier = [], [node]
+    for _ in range(CHAIN_REACH):
+        frontier = sorted({p for i in frontier for p in graph.predecessors(i)})
+        out += [p for p in frontier if graph.nodes[p].kind == OpKind.ANCHOR]
+        frontier = [p for p in frontier if graph.nodes[p].kind != OpKind.ANCHOR]
+    return sorted(set(out))
+
+
+def _tails(graph: Graph, core: frozenset[int], last: int, limit: int) -> list[frozenset[int]]:
+    """`core` grown by the run of single consumers after node `last` (one op, then two...)."""
+    out, group, node = [], core, last
+    for _ in range(CHAIN_REACH):
+        consumers = graph.successors(node)
+        if (len(consumers) != 1 or graph.nodes[consumers[0]].kind not in (OpKind.ELEMWISE, OpKind.BROADCAST)
+                or len(group) >= limit):
+            break
+        node = consumers[0]
+        group = group | {node}
+        out.append(group)
+    return out

@@ -35,6 +35,7 @@ from fusesearch.ir.graph import Graph
 from fusesearch.ir.structure import Structures
 from fusesearch.layout import NCHW, Layout
 from fusesearch.lowering import Kernel, choices, lower_as_library
+from fusesearch.schedule import CHAIN
 
 DEFAULT_MAX_GROUP_SIZE = 16
 
@@ -282,10 +283,23 @@ class Legality:
             return None
         if key not in self._blocked:
             options = self.blocked_options(key)
-            verdict = self.choose(options) if options and self.check(key).decision else None
+            legal = bool(options) and (bool(self.check(key).decision) or self._alone(key, options))
+            verdict = self.choose(options) if legal else None
             fits = verdict is not None and bool(verdict.decision) and verdict.cost.feasible
             self._blocked[key] = verdict if fits else None
         return self._blocked[key]
+
+    def blocked_only(self, nodes: Iterable[int]) -> bool:
+        """Whether a group runs in the blocked layout or not at all: it has a blocked form
+        (`blocked`) and no NCHW one (a chain of two anchors, `schedule.nchwc_chain`)."""
+        key = frozenset(nodes)
+        return self.layout.blocked and not self.check(key).decision and self.blocked(key) is not None
+
+    def _alone(self, nodes: frozenset[int], options: Sequence[Kernel]) -> bool:
+        """A group whose forms are all chains (`schedule.CHAIN`: lowering refuses two anchors in
+        NCHW) as the rules but lowering's take it: within the group size, generated."""
+        return all(k.schedule.product == CHAIN for k in options) and all(
+            rule.check(self, nodes, options[0]) for rule in (MaxGroupSize(), Generatable()))
 
     def blocked_options(self, nodes: Iterable[int]) -> tuple[Kernel, ...]:
         """The group's forms in the other layout (`costing.blocked_choices`); () where it has none."""

@@ -25,7 +25,11 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fusesearch.candidates.enumerate import enumerate_candidates
+from fusesearch.candidates.enumerate import (
+    CandidateSet,
+    blocked_only_candidates,
+    enumerate_candidates,
+)
 from fusesearch.errors import FusesearchError
 from fusesearch.layout import NCHW, Layout
 from fusesearch.lowering import kernel_layouts
@@ -69,10 +73,13 @@ class CpSatSolver:
         rules = rules_partition(problem)
         candidates = enumerate_candidates(problem.legality, budget_per_seed=problem.config.budget_per_seed,
                                           extra=[*greedy, *rules])
+        whole = not self._decomposes(problem)
+        if whole:  # the groups with a blocked form alone, where the one model chooses layouts
+            candidates = CandidateSet((*candidates.groups, *blocked_only_candidates(problem.legality)),
+                                      candidates.checked)
         enumerated_s = time.perf_counter() - start
         costs, unit = _costs(problem, candidates.groups)
         deadline = start + time_limit_s
-        whole = not self._decomposes(problem)
         chain = None if whole else decompose.split(len(problem.graph), candidates.groups)
         result = None
         if chain is not None and chain.pieces > 1:
@@ -183,7 +190,7 @@ class _Part:
 def _costs(problem: SearchProblem, groups: tuple[frozenset[int], ...]) -> tuple[list[int], int]:
     """Integer costs in units of `unit` picoseconds: 1 ps, or as coarse as keeps their sum within
     MAX_OBJECTIVE (a model at huge dims costs up to 1e18 ps per candidate)."""
-    ps = [problem.time_s(g) * PS_PER_S for g in groups]
+    ps = [problem.candidate_time_s(g) * PS_PER_S for g in groups]
     unit = max(1, math.ceil(sum(ps) / MAX_OBJECTIVE))
     return [round(t / unit) for t in ps], unit
 
@@ -407,6 +414,8 @@ def _add_layouts(model, problem: SearchProblem, groups, indices: list[int], x, c
             continue
         b[k] = model.new_bool_var(f"b{i}")
         model.add_implication(b[k], x[k])
+        if legality.blocked_only(groups[i]):  # chosen, it runs blocked (its cost is the blocked form's)
+            model.add_implication(x[k], b[k])
         terms.append((round(verdict.time_s * PS_PER_S / unit) - costs[i], b[k]))
         kernel = verdict.kernel
         for side, tensors in ((reads, kernel.inputs), (writes, kernel.outputs)):

@@ -107,6 +107,13 @@ class SearchProblem:
     def time_s(self, nodes: Iterable[int]) -> float:
         return self.legality.time_s(nodes)
 
+    def candidate_time_s(self, nodes: Iterable[int]) -> float:
+        """A candidate's price as the exact solver takes it: its NCHW form's, or for a group with
+        a blocked form alone (`Legality.blocked_only`) that form's."""
+        if self.legality.blocked_only(nodes):
+            return self.legality.blocked(nodes).time_s
+        return self.time_s(nodes)
+
     def partition_time_s(self, groups: Iterable[Iterable[int]]) -> float:
         return sum(self.time_s(g) for g in groups)
 

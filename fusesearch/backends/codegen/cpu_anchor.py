@@ -16,7 +16,7 @@ from fusesearch.backends.codegen.cpu_gemm import _matmul_row_loops, _view_stride
 from fusesearch.backends.codegen.pointwise import _pointwise_loops
 from fusesearch.ir.graph import Graph, Node
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_derived
+from fusesearch.schedule import CHAIN, anchor_derived
 
 
 def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict, defs: list[str] | None = None) -> list[str] | None:
@@ -27,7 +27,7 @@ def _anchor_row_loops(graph: Graph, kernel: Kernel, args, outs, packs: dict, def
     if kernel.anchor is None:
         return None
     anchor = graph.nodes[kernel.anchor]
-    if kernel.schedule.product == "nchwc-chain":  # a 1x1 conv and the depthwise conv after it
+    if kernel.schedule.product == CHAIN:  # a 1x1 conv and the depthwise conv after it
         return chain_loops(graph, kernel, args, outs, packs)
     if anchor_derived(graph, kernel.nodes, anchor) is None:  # the epilogue moves elements
         return _materialized_loops(graph, kernel, args, outs, anchor, packs)
