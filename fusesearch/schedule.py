@@ -541,13 +541,17 @@ def _laid_conv_group(graph: Graph, nodes: Collection[int], anchor: Node, dtype: 
 
 
 CHAIN = "nchwc-chain"  # the product of a chain of two anchors (`nchwc_chain`), which has no NCHW form
+# a chain's 1x1 filters at most (256 KiB, half a 512 KiB L2): each expanded row reads them all again,
+# so larger ones stream from L3 once per row (MobileNetV2's 160 -> 960 at 7 x 7, 614 KiB: 1.0-1.36x
+# the time of its two kernels; 96 -> 576, 221 KiB: 0.93-1.04x; 64 -> 384: 0.95-0.99x)
+CHAIN_FILTER_FLOATS = 1 << 16
 
 
 def nchwc_chain(graph: Graph, nodes: Collection[int]) -> tuple[Node, Node] | None:
-    """(expand, depthwise) where a group is an NCHWc chain of two anchors (product "nchwc-chain",
-    `codegen.cpu_conv_chain`): a dense 1x1 Conv (stride 1, no padding, float32 constant filters,
-    its input a kernel input, blocked), elementwise
-    or per-channel ops on its output (the middle: an activation), a depthwise Conv reading the
+    """(expand, depthwise) where a group is an NCHWc chain of two anchors (product CHAIN,
+    `codegen.cpu_conv_chain`): a dense 1x1 Conv (stride 1, no padding, float32 constant filters
+    of at most CHAIN_FILTER_FLOATS, its input a kernel input, blocked), elementwise or
+    per-channel ops on its output (the middle: an activation), a depthwise Conv reading the
     middle, and an epilogue after it as `nchwc_conv` allows; no tensor of the middle leaves the
     group (it never reaches memory: that is the point). An inverted residual block's expansion
     and depthwise conv (MobileNetV2's 96 x 112 x 112 activation, 4.8 MB, written and read back
@@ -564,7 +568,8 @@ def nchwc_chain(graph: Graph, nodes: Collection[int]) -> tuple[Node, Node] | Non
             or tuple(expand.attrs.get("strides") or (1, 1)) != (1, 1) or graph.producer(expand.inputs[0]) in nodes):
         return None
     y = graph.tensors[expand.outputs[0]]
-    if not (int(dw.attrs.get("group", 1)) == y.shape[1] == graph.tensors[dw.outputs[0]].shape[1]):
+    if not (int(dw.attrs.get("group", 1)) == y.shape[1] == graph.tensors[dw.outputs[0]].shape[1]
+            and w.size <= CHAIN_FILTER_FLOATS):
         return None
     middle = [graph.nodes[i] for i in sorted(nodes) if graph.reaches(expand.id, i) and graph.reaches(i, dw.id)
               and i not in (expand.id, dw.id)]
