@@ -175,14 +175,15 @@ def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: 
         from fusesearch.layout import NCHW
 
         # the file's groups are checked on this device; their size is the file's (no search limit)
-        legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
-                            max_group_size=len(prep.graph), measurer=legality.measurer)
-        groups = [frozenset(g) for g in plan_groups_from_json(plan_file, prep.graph, legality)]
         layout = device_layout(legality.device)
+        legality = Legality(prep.graph, legality.device, legality.model, legality.capabilities,
+                            max_group_size=len(prep.graph), measurer=legality.measurer, layout=layout)
+        groups = [frozenset(g) for g in plan_groups_from_json(plan_file, prep.graph, legality)]
         layouts, blocked = plan_layouts_from_json(plan_file, prep.graph, layout)
         legality.layout = layout if blocked else NCHW  # the file's laid-out groups as it chose them
+        priced = sum(legality.blocked(g).time_s if g in blocked else legality.time_s(g) for g in groups)
         plan_ = Plan.build(legality, groups, strategy="file", device=resolve_device(device, threads)[0],
-                           profile=None, solver=SolverInfo("FILE", sum(legality.time_s(g) for g in groups), None),
+                           profile=None, solver=SolverInfo("FILE", priced, None),
                            model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,
                            priced=none.priced, blocked=blocked, layouts=layouts)
     return plan_, unfused, prep

@@ -298,9 +298,10 @@ class Autotuner:
     def prefetch(self, legality, budget_per_seed: int) -> None:
         """Time, as one batch, the choices of every candidate the exact solver enumerates
         (`legality` predicts; its verdicts only say which groups are legal)."""
-        from fusesearch.candidates.enumerate import enumerate_candidates
+        from fusesearch.candidates.enumerate import blocked_only_candidates, enumerate_candidates
 
-        self.measure_groups(_priced(legality, enumerate_candidates(legality, budget_per_seed=budget_per_seed).groups))
+        groups = enumerate_candidates(legality, budget_per_seed=budget_per_seed).groups
+        self.measure_groups(_priced(legality, (*groups, *blocked_only_candidates(legality))))
         self.rescale()
 
     def want(self, plan, legality) -> bool:
@@ -540,14 +541,14 @@ def _skip(wanted: bool, predicted_s: float, best_s: float, band: float | None) -
 def _priced(legality, node_sets: Iterable[frozenset[int]]) -> list[tuple[list, list]]:
     """Each legal group's choices that fit the device and their predicted costs (what is timed),
     and apart from them its forms in the other layout where plans may choose one (`Legality.blocked`
-    then reads their times from the same batch)."""
+    then reads their times from the same batch; a group with a blocked form alone, those only)."""
     groups = []
     for nodes in node_sets:
         verdict = legality.check(nodes)
         options = legality.options(nodes, verdict.kernel) if verdict.decision else None
+        blocked = legality.layout.blocked and (bool(verdict.decision) or legality.blocked_only(nodes))
         for fits in ((legality.priced(options) if isinstance(options, tuple) else []),
-                     (legality.priced(legality.blocked_options(nodes)) if verdict.decision and legality.layout.blocked
-                      else [])):
+                     (legality.priced(legality.blocked_options(nodes)) if blocked else [])):
             if fits:
                 groups.append(([k for k, _ in fits], [c for _, c in fits]))
     return groups

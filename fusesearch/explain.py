@@ -17,7 +17,9 @@ Invariants: lines are deterministic and in group order; deltas are predicted mic
 from __future__ import annotations
 
 from fusesearch.candidates.rules import Legality
+from fusesearch.ir.op_kind import OpKind
 from fusesearch.plans import Plan
+from fusesearch.schedule import CHAIN
 
 
 def _label(plan: Plan, nodes) -> str:
@@ -48,7 +50,12 @@ def _layout_lines(plan: Plan, legality: Legality) -> list[str]:
     lines = []
     for g in plan.groups:
         schedule = g.kernel.schedule
-        if schedule.layout_out.blocked:
+        if schedule.layout_out.blocked and schedule.product == CHAIN:  # no NCHW form to compare with
+            parts = " + ".join(_label(plan, [i]) for i in g.nodes if plan.graph.nodes[i].kind == OpKind.ANCHOR)
+            lines.append(f"[layout] g{g.id} in {schedule.layout_out.name} (reads {schedule.layout_in.name}): {parts} "
+                         f"in one kernel, its middle tensor never in memory, {g.cost.time_s * 1e6:.1f} us "
+                         "(no NCHW form)")
+        elif schedule.layout_out.blocked:
             nchw = legality.check(frozenset(g.nodes)).time_s
             lines.append(f"[layout] g{g.id} in {schedule.layout_out.name} (reads {schedule.layout_in.name}): "
                          f"{_us(g.cost.time_s - nchw)} ({schedule.layout_out.name} {g.cost.time_s * 1e6:.1f} us vs NCHW "

@@ -30,6 +30,7 @@ from fusesearch.errors import BadInput, check_output_path
 from fusesearch.ir.graph import Graph
 from fusesearch.layout import Layout
 from fusesearch.plans import order_groups, validate_plan
+from fusesearch.schedule import CHAIN, nchwc_chain
 
 DOMAIN = "fusesearch"
 FUNCTION_OPSET = 1
@@ -251,10 +252,21 @@ def _check_kernels(path: Path, graph: Graph, doc: dict, groups: list[list[int]],
                             rules=(Lowerable(),))
     for g, members in zip(doc["groups"], groups, strict=True):
         decision = legality.check(members).decision
+        if not decision and _blocked_only(graph, g, frozenset(members), legality):
+            continue
         if not decision:
             names = ", ".join(graph.nodes[i].name for i in sorted(members))
             raise BadInput(f"{path}: group g{g['id']} ({names}) cannot be one kernel: {decision.reason}; "
                            "split it, or write the plan again with `fusesearch plan -o`")
+
+
+def _blocked_only(graph: Graph, g: dict, members: frozenset[int], legality: Legality) -> bool:
+    """Whether a plan's group that has no NCHW form runs as the blocked form it has alone (a
+    chain of two anchors, `schedule.nchwc_chain`): the plan says so, and the device's rules take
+    it (`Legality.blocked_only`; without a device, the chain alone)."""
+    if g.get("schedule", {}).get("product") != CHAIN or nchwc_chain(graph, members) is None:
+        return False
+    return legality.device is None or legality.blocked_only(members)
 
 
 def _read_plan(path: Path) -> dict:

@@ -7,7 +7,8 @@ Approach: x_g ∈ {0,1} per candidate, costs in integer picoseconds (coarser pas
 |C| − 1, solved again; after CUT_ROUNDS cuts, ranks r_v (equal inside a group, increasing between
 groups) exclude every cycle. Hinted with greedy's plan; with several workers one worker tries
 first (`ONE_WORKER_FIRST`), past it a one-worker re-solve at Σ c_g x_g ≤ optimum makes the plan
-deterministic. Layouts (`_add_layouts`): a bool b_g ≤ x_g per blocked-capable candidate, two per
+deterministic. Layouts (`_add_layouts`): a bool b_g ≤ x_g per blocked-capable candidate (b_g = x_g
+for one with a blocked form alone, `Legality.blocked_only`: whole graphs only), two per
 4-D tensor for its reorders; the LP fully linearized. Graphs from DECOMPOSE_FROM_NODES nodes are cut by
 `decompose.split`, each distinct piece solved once by one worker in NCHW, joined by `join`.
 Invariants: never worse than rules or greedy (their groups are candidates); a time-out returns the
@@ -394,7 +395,8 @@ def _add_ranks(model, graph, groups, indices: list[int], x, containing: list[lis
 def _add_layouts(model, problem: SearchProblem, groups, indices: list[int], x, containing: list[list[int]],
                  local: dict[int, int], costs: list[int], unit: int) -> tuple[dict[int, object], list[tuple[int, object]]]:
     """The layout variables (module docstring): b_k <= x_k per candidate with a blocked form
-    (`Legality.blocked`), priced at its blocked form's cost less its NCHW one; per 4-D tensor a
+    (`Legality.blocked`), priced at its blocked form's cost less its NCHW one (b_k = x_k, at no
+    difference, for a group with a blocked form alone: x_k's cost is that form's); per 4-D tensor a
     blocked form reads or writes blocked, a boolean per reorder it may need (`lowering.reorders`:
     to blocked, to NCHW), priced as `Legality.reorder`. W_t (its producer's group writes it
     blocked) and R_ct (consumer c's group reads it blocked) are sums of b over the candidates
