@@ -85,27 +85,30 @@ def bench_model(name: str, args) -> None:
     graph = legality.graph
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
-    chains = [g for g in blocked_only_candidates(legality) if len(g) == max(
-        len(h) for h in blocked_only_candidates(legality) if min(h) == min(g))]
-    print(f"{name}: {len(chains)} chains, {threads} thread(s), {args.rounds} interleaved rounds; ms, median (p20-p80)")
+    found = blocked_only_candidates(legality)
+    chains = [g for g in found if len(nchwc_chain(graph, g).anchors) == args.anchors and len(g) == max(
+        len(h) for h in found if min(h) == min(g) and len(nchwc_chain(graph, h).anchors) == args.anchors)]
+    print(f"{name}: {len(chains)} chains of {args.anchors} anchors, {threads} thread(s), {args.rounds} interleaved rounds; ms, median (p20-p80)")
     print(f"{'input -> output':>34} {'two kernels':>24} {'chain':>24} {'chain/two per round':>22} {'predicted two':>14} {'chain':>8}")
     for group in chains:
-        expand, dw = nchwc_chain(graph, group)
-        first = frozenset(i for i in group if i == expand.id or (graph.reaches(expand.id, i) and graph.reaches(i, dw.id)))
-        parts = [legality.blocked(first), legality.blocked(group - first)]
+        anchors = nchwc_chain(graph, group).anchors
+        # each anchor's own group: it and the ops after it up to the next anchor
+        owner = {i: max((a for a in anchors if a.id == i or graph.reaches(a.id, i)), key=lambda a: a.id).id
+                 for i in group}
+        parts = [legality.blocked(frozenset(i for i in group if owner[i] == a.id)) for a in anchors]
         chain = legality.blocked(group)
         kernels = [generate(graph, v.kernel) for v in parts]
-        buffers: dict = {}  # by tensor: the depthwise kernel reads the buffer the expansion writes
-        run_a, run_b = (_runner(gk, _feeds(gk, values), buffers) for gk in kernels)
+        buffers: dict = {}  # by tensor: each kernel reads the buffer the one before writes
+        runs = [_runner(gk, _feeds(gk, values), buffers) for gk in kernels]
         gk = generate(graph, chain.kernel)
         run_c = _runner(gk, _feeds(gk, values), {})
 
-        rounds = [measure_interleaved([lambda a=run_a, b=run_b: (a(), b()), run_c], budget_s=args.budget / args.rounds,
+        rounds = [measure_interleaved([lambda runs=runs: [r() for r in runs], run_c], budget_s=args.budget / args.rounds,
                                       rounds=1) for _ in range(args.rounds)]
         two_t = [statistics.median(r[0].samples_s) for r in rounds]
         chain_t = [statistics.median(r[1].samples_s) for r in rounds]
         med, lo, hi = _quantiles([c / t for c, t in zip(chain_t, two_t, strict=True)])
-        label = f"{graph.tensors[expand.inputs[0]].shape[1:]} -> {graph.tensors[dw.outputs[0]].shape[1:]}"
+        label = f"{graph.tensors[anchors[0].inputs[0]].shape[1:]} -> {graph.tensors[anchors[-1].outputs[0]].shape[1:]}"
         print(f"{label:>34} {spread(*_quantiles(two_t)):>24} {spread(*_quantiles(chain_t)):>24} "
               f"{('~' if lo <= 1 <= hi else '') + f'{med:.2f}x ({lo:.2f}-{hi:.2f})':>22} "
               f"{sum(p.time_s for p in parts) * 1e3:14.3f} {chain.time_s * 1e3:8.3f}", flush=True)
@@ -116,6 +119,8 @@ def main() -> None:
     parser.add_argument("--models", default="mobilenetv2")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--anchors", type=int, default=2, choices=(2, 3),
+                        help="2: expansion and depthwise conv; 3: and the projection")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for name in args.models.split(","):

@@ -262,7 +262,7 @@ def _check_kernels(path: Path, graph: Graph, doc: dict, groups: list[list[int]],
 
 def _blocked_only(graph: Graph, g: dict, members: frozenset[int], legality: Legality) -> bool:
     """Whether a plan's group that has no NCHW form runs as the blocked form it has alone (a
-    chain of two anchors, `schedule.nchwc_chain`): the plan says so, and the device's rules take
+    chain of anchors, `schedule.nchwc_chain`): the plan says so, and the device's rules take
     it (`Legality.blocked_only`; without a device, the chain alone)."""
     if g.get("schedule", {}).get("product") != CHAIN or nchwc_chain(graph, members) is None:
         return False

@@ -540,55 +540,87 @@ def _laid_conv_group(graph: Graph, nodes: Collection[int], anchor: Node, dtype: 
                if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
 
 
-CHAIN = "nchwc-chain"  # the product of a chain of two anchors (`nchwc_chain`), which has no NCHW form
+CHAIN = "nchwc-chain"  # the product of a chain of anchors (`nchwc_chain`), which has no NCHW form
 # a chain's 1x1 filters at most (256 KiB, half a 512 KiB L2): each expanded row reads them all again,
 # so larger ones stream from L3 once per row (MobileNetV2's 160 -> 960 at 7 x 7, 614 KiB: 1.0-1.36x
 # the time of its two kernels; 96 -> 576, 221 KiB: 0.93-1.04x; 64 -> 384: 0.95-0.99x)
 CHAIN_FILTER_FLOATS = 1 << 16
 
 
-def nchwc_chain(graph: Graph, nodes: Collection[int]) -> tuple[Node, Node] | None:
-    """(expand, depthwise) where a group is an NCHWc chain of two anchors (product CHAIN,
-    `codegen.cpu_conv_chain`): a dense 1x1 Conv (stride 1, no padding, float32 constant filters
-    of at most CHAIN_FILTER_FLOATS, its input a kernel input, blocked), elementwise or
-    per-channel ops on its output (the middle: an activation), a depthwise Conv reading the
-    middle, and an epilogue after it as `nchwc_conv` allows; no tensor of the middle leaves the
-    group (it never reaches memory: that is the point). An inverted residual block's expansion
-    and depthwise conv (MobileNetV2's 96 x 112 x 112 activation, 4.8 MB, written and read back
-    between the two as separate kernels). None for any other group."""
+@dataclass(frozen=True)
+class Chain:
+    """An NCHWc chain's anchors (`nchwc_chain`): the 1x1 expansion, the depthwise conv, and the
+    1x1 projection after it or None."""
+
+    expand: Node
+    dw: Node
+    project: Node | None = None
+
+    @property
+    def anchors(self) -> tuple[Node, ...]:
+        return (self.expand, self.dw) if self.project is None else (self.expand, self.dw, self.project)
+
+
+def nchwc_chain(graph: Graph, nodes: Collection[int]) -> Chain | None:
+    """The anchors where a group is an NCHWc chain (product CHAIN, `codegen.cpu_conv_chain`): a
+    dense 1x1 Conv (the expansion; its input a kernel input, blocked), elementwise or per-channel
+    ops on its output (an activation), a depthwise Conv reading them, and either an epilogue as
+    `nchwc_conv` allows or such ops and a dense 1x1 Conv (the projection) with that epilogue (a
+    residual Add); each 1x1 conv stride 1, unpadded, its float32 constant filters at most
+    CHAIN_FILTER_FLOATS; no tensor between two anchors leaves the group (it never reaches memory:
+    that is the point). An inverted residual block's expansion and depthwise conv (MobileNetV2's
+    96 x 112 x 112 activation, 4.8 MB, written and read back between the two as separate
+    kernels), and its projection (the depthwise conv's output). None for any other group."""
     anchors = [graph.nodes[i] for i in sorted(nodes) if graph.nodes[i].kind == OpKind.ANCHOR]
-    if len(anchors) != 2 or any(a.op_type != "Conv" or len(a.inputs) < 2 for a in anchors):
+    if len(anchors) not in (2, 3) or any(a.op_type != "Conv" or len(a.inputs) < 2 or not _plain_conv(graph, a)
+                                         for a in anchors):
         return None
-    expand, dw = anchors
-    if not (graph.reaches(expand.id, dw.id) and _plain_conv(graph, expand) and _plain_conv(graph, dw)):
+    expand, dw, *project = anchors
+    if not (_pointwise_conv(graph, expand) and all(_pointwise_conv(graph, a) for a in project)
+            and graph.producer(expand.inputs[0]) not in nodes):
         return None
-    w = graph.tensors[expand.inputs[1]]
-    pads = tuple(expand.attrs.get("pads") or (0,) * 4)
-    if (int(expand.attrs.get("group", 1)) != 1 or tuple(w.shape[2:]) != (1, 1) or any(pads)
-            or tuple(expand.attrs.get("strides") or (1, 1)) != (1, 1) or graph.producer(expand.inputs[0]) in nodes):
+    channels = graph.tensors[expand.outputs[0]].shape[1]
+    if not int(dw.attrs.get("group", 1)) == channels == graph.tensors[dw.outputs[0]].shape[1]:
         return None
-    y = graph.tensors[expand.outputs[0]]
-    if not (int(dw.attrs.get("group", 1)) == y.shape[1] == graph.tensors[dw.outputs[0]].shape[1]
-            and w.size <= CHAIN_FILTER_FLOATS):
+    inside, between = set(nodes), set()
+    for a, b in zip(anchors, anchors[1:], strict=False):
+        middle = _between(graph, inside, a, b)
+        if middle is None:
+            return None
+        between |= middle
+    last = anchors[-1]
+    rest = inside - between - {a.id for a in anchors[:-1]}
+    return Chain(expand, dw, *project) if _laid_conv_group(graph, rest, last, "float32") else None
+
+
+def _pointwise_conv(graph: Graph, conv: Node) -> bool:
+    """A dense 1x1 conv of stride 1, unpadded, its filters within CHAIN_FILTER_FLOATS."""
+    w = graph.tensors[conv.inputs[1]]
+    return (int(conv.attrs.get("group", 1)) == 1 and tuple(w.shape[2:]) == (1, 1) and w.size <= CHAIN_FILTER_FLOATS
+            and not any(conv.attrs.get("pads") or ()) and tuple(conv.attrs.get("strides") or (1, 1)) == (1, 1))
+
+
+def _between(graph: Graph, inside: set[int], a: Node, b: Node) -> set[int] | None:
+    """The ops of a chain between anchor `a` and the next, `b` (b reads what they compute from
+    a's output, elementwise or per channel, none of it leaving the group), or None."""
+    if not graph.reaches(a.id, b.id):
         return None
-    middle = [graph.nodes[i] for i in sorted(nodes) if graph.reaches(expand.id, i) and graph.reaches(i, dw.id)
-              and i not in (expand.id, dw.id)]
-    derived = {expand.outputs[0]}
+    shape = graph.tensors[a.outputs[0]].shape
+    middle = [graph.nodes[i] for i in sorted(inside) if graph.reaches(a.id, i) and graph.reaches(i, b.id)]
+    derived = {a.outputs[0]}
     for n in middle:
         if n.kind not in (OpKind.ELEMWISE, OpKind.BROADCAST) or not any(t in derived for t in n.inputs):
             return None
         others = [graph.tensors[t] for t in n.inputs if t and t not in derived]
         if any(o.dtype != "float32" or not per_channel(o.shape) for o in others):
             return None
-        if any(graph.tensors[t].shape != y.shape for t in n.outputs if t):
+        if any(graph.tensors[t].shape != shape for t in n.outputs if t):
             return None
         derived.update(t for t in n.outputs if t)
-    inside = set(nodes)
-    if dw.inputs[0] not in derived or any(graph.is_output(t) or any(c not in inside for c in graph.consumers(t))
-                                          for t in derived):
+    if b.inputs[0] not in derived or any(graph.is_output(t) or any(c not in inside for c in graph.consumers(t))
+                                         for t in derived):
         return None
-    rest = inside - {expand.id, *(n.id for n in middle)}
-    return (expand, dw) if _laid_conv_group(graph, rest, dw, "float32") else None
+    return {n.id for n in middle}
 
 
 def _plain_conv(graph: Graph, conv: Node) -> bool:
@@ -658,7 +690,8 @@ class ChainItems:
 
 
 def chain_items(graph: Graph, dw: Node) -> ChainItems:
-    """An NCHWc chain's items (`ChainItems`) from its depthwise conv."""
+    """An NCHWc chain's items (`ChainItems`) from its depthwise conv (a projection after it has
+    its rows)."""
     xs, ys = graph.tensors[dw.inputs[0]].shape, graph.tensors[dw.outputs[0]].shape
     kh = graph.tensors[dw.inputs[1]].shape[2]
     pads = tuple(dw.attrs.get("pads") or (0,) * 4)

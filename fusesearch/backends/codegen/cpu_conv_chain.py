@@ -1,20 +1,17 @@
-"""The NCHWc chain (C only): a 1x1 conv, its activation and the depthwise conv after it in one
-kernel (`schedule.nchwc_chain`, product "nchwc-chain").
+"""The NCHWc chain (C only): a 1x1 conv, its activation and the depthwise conv after it (and the
+1x1 projection after that) in one kernel (`schedule.nchwc_chain`, product CHAIN).
 
-Problem: an inverted residual block's expansion writes its widest tensor (MobileNetV2's 96 x
-112 x 112 floats, 4.8 MB) only for the depthwise conv to read it back; as two kernels the
-tensor goes to memory and returns.
-Approach: work items of output rows (`schedule.ChainItems`); an item walks its depthwise output
-rows in order, computing each expanded input row once, all channels, into a ring of KH rows
-(the thread's scratch, a few hundred KiB at most: L2), then the output row from the ring. An
-expanded row: register tiles of output blocks x pixels over the input blocks (as
-`cpu_conv_nchwc`'s 1x1 tiles, its packed filters `base.NchwcFilter`), the middle ops (an
-activation) on the sums in registers, stored into the ring between zero columns (the depthwise
-conv's padding: a window reads no border test); a row above or below the input reads a zero
-row. The output row: per channel block, tiles of pixels over the KH x KW taps, the epilogue
-and the one store of each output (`cpu_conv_nchwc._Epilogue`).
-Invariants: the middle tensor is no argument (it never leaves the ring); padded lanes store
-zeros; each expanded row an item needs is computed once per item, in increasing order."""
+Problem: an inverted residual block's expansion writes its widest tensor (MobileNetV2's 96 x 112
+x 112 floats, 4.8 MB) only for the depthwise conv to read it back, and the depthwise output goes
+the same way to the projection.
+Approach: items of output rows (`schedule.ChainItems`), each walking its rows in order: each
+expanded row computed once, every channel, into a ring of KH rows between zero columns (the
+padding) by 1x1 register tiles (`_Pointwise`, the ops up to the next anchor on their sums:
+`_middle`, `_lanes_store`); the depthwise row from the ring (`_DepthwiseRow`), with a projection
+into a row buffer that its 1x1 tiles read; the last anchor's tiles run the epilogue and the one
+store of each output (`cpu_conv_nchwc._Epilogue`).
+Invariants: the tensors between anchors are no arguments (they stay in the ring and the row
+buffer); padded lanes store zeros; an item computes each expanded row once, in order."""
 
 from __future__ import annotations
 
@@ -29,35 +26,58 @@ from fusesearch.schedule import chain_items, nchwc_chain, nchwc_pixels, nchwc_ti
 
 def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs: dict) -> list[str]:
     """The C body of an NCHWc chain (module docstring)."""
-    expand, dw = nchwc_chain(graph, kernel.nodes)
+    chain = nchwc_chain(graph, kernel.nodes)
+    expand, dw, project = chain.expand, chain.dw, chain.project
     b = kernel.schedule.layout_out.block
-    x, w1, w2 = expand.inputs[0], expand.inputs[1], dw.inputs[1]
-    (n_img, cin, h, wd), mid = graph.tensors[x].shape, dw.inputs[0]
-    ms, ws, ys = graph.tensors[mid].shape, graph.tensors[w2].shape, graph.tensors[dw.outputs[0]].shape
+    x, mid = expand.inputs[0], dw.inputs[0]
+    (n_img, cin, h, wd), ms = graph.tensors[x].shape, graph.tensors[mid].shape
+    ws, ys = graph.tensors[dw.inputs[1]].shape, graph.tensors[dw.outputs[0]].shape
+    layouts = {t: lt for t, lt in tensor_layouts(graph, expand, [*args, *(o.tensor for o in outs)],
+                                                 kernel.schedule).items() if lt.blocked}
     e = _Emitter(graph, kernel, args)
-    e.layouts = {t: lt for t, lt in tensor_layouts(graph, expand, [*args, *(o.tensor for o in outs)],
-                                                   kernel.schedule).items() if lt.blocked}
     _, (kh_n, kw_n), (sh, sw), _, (ph, pw) = _conv_geometry(e, dw, ms, ws, ys, False)
     icb, ecb = -(-cin // b), -(-ms[1] // b)
-    oh_n, ow_n = ys[2:]
+    ow_n = ys[3]
     cols = (ow_n - 1) * sw + kw_n  # the ring's columns: every window's, the padding zero
     valid = min(wd, cols - pw)  # expanded columns a window reads
-    o_tile = min(nchwc_tile(b, False, ecb), ecb)
-    packs.setdefault(w1, NchwcFilter(Arg(f"pk{len(packs)}", w1, (ecb * b * icb * b,), "float32"), args[w1].name,
-                                     ms[1], cin, 1, b, False, b, o_tile))
-    packs.setdefault(w2, NchwcFilter(Arg(f"pk{len(packs)}", w2, (ecb * b * kh_n * kw_n,), "float32"), args[w2].name,
-                                     ys[1], 1, kh_n * kw_n, b, True, 1))
     row = ecb * cols * b  # floats of one ring row (every channel block's columns)
+
+    def packed(conv, blocks_out: int, cin_: int, taps: int, depthwise: bool, tile: int = 1) -> str:
+        w = conv.inputs[1]
+        floats = blocks_out * b * taps * (1 if depthwise else -(-cin_ // b) * b)
+        packs.setdefault(w, NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name,
+                                        graph.tensors[w].shape[0], cin_, taps, b, depthwise, 1 if depthwise else b, tile))
+        return packs[w].arg.name
+
+    final = _Epilogue(_with_layouts(_Emitter(graph, kernel, args), layouts), outs,
+                      graph.tensors[chain.anchors[-1].outputs[0]].shape[1], b)
+    o_tile = min(nchwc_tile(b, False, ecb), ecb)
+    ring = f"ring + (ocb * {cols}LL + {pw}LL + q + tj) * {b}LL"
+    stages = [_Pointwise(b, icb, ecb, packed(expand, ecb, cin, 1, False, o_tile), valid,
+                         (f"{args[x].name} + nb * {icb * h * wd * b}LL + ih * {wd * b}LL", h * wd * b),
+                         _lanes_store(_middle(graph, kernel, args, mid, "ih"), ms[1], b, ring))]
+    row_store = None if project is None else _lanes_store(_middle(graph, kernel, args, project.inputs[0], "oh"), ys[1],
+                                                          b, f"dwrow + (ocb * {ow_n}LL + q + tj) * {b}LL")
+
+    def dw_store(acc: list[str], p: int) -> list[str]:  # the outputs, or the projection's row
+        return final.tile(acc, 1, p, "cb", "long long ow = q + tj;") if row_store is None else row_store(acc, 1, p, "cb")
+
+    def project_store(acc: list[str], o: int, p: int, ocb0: str) -> list[str]:
+        return final.tile(acc, o, p, ocb0, "long long ow = q + tj;")
+    dw_row = _DepthwiseRow(b, ecb, (kh_n, kw_n, sw, ow_n, cols), packed(dw, ecb, 1, kh_n * kw_n, True), dw_store)
+    out_lines = dw_row.lines()
+    if project is not None:
+        pcb = -(-graph.tensors[project.outputs[0]].shape[1] // b)
+        p_tile = min(nchwc_tile(b, False, pcb), pcb)
+        out_lines += _Pointwise(b, ecb, pcb, packed(project, pcb, ys[1], 1, False, p_tile), ow_n, ("dwrow", ow_n * b),
+                                project_store).lines()
     items = chain_items(graph, dw)
     lo, hi = items.c_bounds("rb", "blocks")
-    expand_row = _ExpandRow(e, graph, kernel, mid, b, (icb, ecb, o_tile), (h, wd, valid, cols, pw),
-                            (args[x].name, packs[w1].arg.name))
-    out_row = _DepthwiseRow(_Emitter(graph, kernel, args), outs, ys[1], b, ecb, (kh_n, kw_n, sw, ow_n, cols),
-                            packs[w2].arg.name, e.layouts)
     body = [f"for (long long r = 0; r < {n_img}LL * blocks; ++r) {{",
             "    long long nb = r / blocks, rb = r % blocks;",
             f"    long long oh0 = {lo}, oh1 = {hi};",
             "    " + scratch("cbuf", f"{(kh_n + 1) * row}LL"),
+            *(["    " + scratch("abuf", f"{ecb * ow_n * b}LL"), "    float* dwrow = abuf;"] if project is not None else []),
             f"    float* zero = cbuf + {kh_n * row}LL;  /* the rows above and below the input */",
             f"    for (long long q = 0; q < {row}LL; ++q) zero[q] = 0.0f;",
             f"    for (long long s = 0; s < {kh_n}LL; ++s)",
@@ -76,9 +96,9 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
             "            rows[kh] = ring;",
             "            if (ih <= done) continue;",
             "            done = ih;",
-            *["            " + line for line in expand_row.lines()],
+            *["            " + line for stage in stages for line in stage.lines()],
             "        }",
-            *["        " + line for line in out_row.lines()],
+            *["        " + line for line in out_lines],
             "    }",
             "}"]
     return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
@@ -86,49 +106,76 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
             f"    {OMP_FOR}\n" + _indent(body, 1)]
 
 
-class _ExpandRow:
-    """C computing expanded row `ih` of image `nb` into `ring` (every channel block's `cols`
-    columns, the row's pixel iw at column pw + iw): tiles of `o_tile` output blocks x
-    `nchwc_pixels` pixels, each input block's lanes one broadcast each against the tile's filter
-    vectors, then the middle ops on the sums (the emitter's values of the depthwise conv's input
-    with the 1x1 conv's sum in `fs_a[l]`), lanes past the channels zero."""
+def _with_layouts(e: _Emitter, layouts: dict) -> _Emitter:
+    e.layouts = layouts
+    return e
 
-    def __init__(self, e: _Emitter, graph: Graph, kernel: Kernel, mid: str, b: int, blocks, geometry, names) -> None:
-        self.b, (self.icb, self.ecb, self.o_tile) = b, blocks
-        self.h, self.wd, self.valid, self.cols, self.pw = geometry
-        self.x, self.wp = names
-        channels = graph.tensors[mid].shape[1]
-        e.channel_split = {"co": ("ocb", "l")}
-        e.acc_value = "fs_a[l]"
-        e.lines = []
-        e.push()
-        v = e.value(mid, ("nb", "co", "ih", "iw"))
-        self.body = ["long long co = ocb * " + f"{b}LL + l;", *e.lines, "rp[l] = " + v + ";"]
-        e.pop()
-        e.acc_value = ""
-        self.full, self.rest = divmod(channels, b)
+
+def _middle(graph: Graph, kernel: Kernel, args, tensor: str, row: str) -> list[str]:
+    """C of lane `l` of the value of `tensor` (what a chain's next anchor reads) at block `ocb`,
+    row `row`, pixel q + tj of image nb, from the anchor before's sum `fs_a[l]` through the ops
+    between them, stored at rp[l]."""
+    e = _Emitter(graph, kernel, args)
+    e.channel_split = {"co": ("ocb", "l")}
+    e.acc_value = "fs_a[l]"
+    e.push()
+    v = e.value(tensor, ("nb", "co", row, "q + tj"))
+    body = [f"long long co = ocb * {kernel.schedule.layout_out.block}LL + l;", *e.lines, f"rp[l] = {v};"]
+    e.pop()
+    return body
+
+
+def _lanes_store(body: list[str], channels: int, b: int, at: str):
+    """A tile's store(acc, o, p, ocb0): the sums set aside, then per pixel tj and block ocb one
+    loop over the lanes running `body` (reads fs_a[l], writes rp[l]; rp = `at`), the lanes past
+    `channels` zero."""
+    full, rest = divmod(channels, b)
+    lanes = ["#pragma omp simd", f"for (long long l = 0; l < {b}LL; ++l) {{", *["    " + x_ for x_ in body], "}"]
+    if rest:
+        lanes = [f"if (ocb < {full}LL) {{", *["    " + x_ for x_ in lanes], "} else {",
+                 "    #pragma omp simd", f"    for (long long l = 0; l < {rest}LL; ++l) {{",
+                 *["        " + x_ for x_ in body], "    }",
+                 f"    for (long long l = {rest}LL; l < {b}LL; ++l) rp[l] = 0.0f;", "}"]
+
+    def store(acc: list[str], o: int, p: int, ocb0: str) -> list[str]:
+        return [f"float fs_t[{len(acc) * b}] __attribute__((aligned(64)));",
+                *[f"*(fs_vb*)(fs_t + {k * b}) = {a};" for k, a in enumerate(acc)],
+                f"for (long long tj = 0; tj < {p}LL; ++tj)", f"    for (long long ti = 0; ti < {o}LL; ++ti) {{",
+                f"        long long ocb = {ocb0} + ti;", f"        const float* fs_a = fs_t + (ti * {p}LL + tj) * {b}LL;",
+                f"        float* rp = {at};", *["        " + x_ for x_ in lanes], "    }"]
+    return store
+
+
+class _Pointwise:
+    """C of a 1x1 conv over one row of `count` pixels: tiles of `nchwc_tile` output blocks x
+    `nchwc_pixels` pixels (`spans`) over `icb` input blocks of the row `src` = (C of its block 0,
+    pixel 0; floats between two of its blocks), each input lane one broadcast against the tile's
+    filter vectors (`wp`, packed as `base.NchwcFilter` with the tile); `store(acc, o, p, ocb0)`
+    the C storing a tile's sums (block ocb0 + i, pixel q + j at acc[i * p + j])."""
+
+    def __init__(self, b: int, icb: int, ocb: int, wp: str, count: int, src: tuple[str, int], store) -> None:
+        self.b, self.icb, self.ocb, self.wp, self.count, (self.src, self.stride), self.store = (
+            b, icb, ocb, wp, count, src, store)
+        self.o_tile = min(nchwc_tile(b, False, ocb), ocb)
 
     def lines(self) -> list[str]:
-        pixels = nchwc_pixels(self.b, self.o_tile, False)
-        full, rest = divmod(self.ecb, self.o_tile)
-        out = [f"const float* xr = {self.x} + nb * {self.icb * self.h * self.wd * self.b}LL + ih * {self.wd * self.b}LL;",
-               f"for (long long ot = 0; ot < {full}LL; ++ot) {{",
-               *["    " + x_ for x_ in self._blocks(self.o_tile, f"ot * {self.o_tile}LL", pixels)], "}"]
+        full, rest = divmod(self.ocb, self.o_tile)
+        out = [f"const float* xr = {self.src};", f"for (long long ot = 0; ot < {full}LL; ++ot) {{",
+               *["    " + x_ for x_ in self._blocks(self.o_tile, f"ot * {self.o_tile}LL")], "}"]
         if rest:
-            out += ["{", *["    " + x_ for x_ in self._blocks(rest, f"{full * self.o_tile}LL",
-                                                             nchwc_pixels(self.b, rest, False))], "}"]
-        return out
+            out += ["{", *["    " + x_ for x_ in self._blocks(rest, f"{full * self.o_tile}LL")], "}"]
+        return ["{", *["    " + x_ for x_ in out], "}"]
 
-    def _blocks(self, o: int, ocb0: str, pixels: int) -> list[str]:
+    def _blocks(self, o: int, ocb0: str) -> list[str]:
         return [f"long long ocb0 = {ocb0};", f"const float* wt = {self.wp} + ocb0 * {self.icb * self.b * self.b}LL;",
-                *spans(self.valid, pixels, lambda p: self._tile(o, p))]
+                *spans(self.count, nchwc_pixels(self.b, o, False), lambda p: self._tile(o, p))]
 
     def _tile(self, o: int, p: int) -> list[str]:
         b = self.b
         acc = [[f"a{i}_{j}" for j in range(p)] for i in range(o)]
         lines = [f"fs_vb {acc[i][j]} = (fs_vb){{0}};" for i in range(o) for j in range(p)]
         lines += [f"for (long long c = 0; c < {self.icb}LL; ++c) {{",
-                  f"    const float* xp = xr + c * {self.h * self.wd * b}LL + q * {b}LL;",
+                  f"    const float* xp = xr + c * {self.stride}LL + q * {b}LL;",
                   f"    const float* wq = wt + c * {b * o * b}LL;",
                   "    #pragma GCC unroll 1",
                   f"    for (int ic = 0; ic < {b}; ++ic) {{",
@@ -137,34 +184,18 @@ class _ExpandRow:
                       f"        fs_vb x{j} = FS_VB_SET(xp[{j * b} + ic]);",
                       *[f"        {acc[i][j]} = FS_VB_FMA(w{i}, x{j}, {acc[i][j]});" for i in range(o)])],
                   "    }", "}"]
-        flat = [acc[i][j] for i in range(o) for j in range(p)]
-        lanes = ["#pragma omp simd", f"for (long long l = 0; l < {b}LL; ++l) {{", *["    " + x_ for x_ in self.body], "}"]
-        if self.rest:
-            lanes = [f"if (ocb < {self.full}LL) {{", *["    " + x_ for x_ in lanes], "} else {",
-                     "    #pragma omp simd", f"    for (long long l = 0; l < {self.rest}LL; ++l) {{",
-                     *["        " + x_ for x_ in self.body], "    }",
-                     f"    for (long long l = {self.rest}LL; l < {b}LL; ++l) rp[l] = 0.0f;", "}"]
-        lines += [f"float fs_t[{len(flat) * b}] __attribute__((aligned(64)));",
-                  *[f"*(fs_vb*)(fs_t + {k * b}) = {a};" for k, a in enumerate(flat)],
-                  f"for (long long tj = 0; tj < {p}LL; ++tj) {{", "    long long iw = q + tj;",
-                  f"    for (long long ti = 0; ti < {o}LL; ++ti) {{",
-                  "        long long ocb = ocb0 + ti;",
-                  f"        const float* fs_a = fs_t + (ti * {p}LL + tj) * {b}LL;",
-                  f"        float* rp = ring + (ocb * {self.cols}LL + {self.pw}LL + iw) * {b}LL;",
-                  *["        " + x_ for x_ in lanes], "    }", "}"]
+        lines += self.store([acc[i][j] for i in range(o) for j in range(p)], o, p, "ocb0")
         return ["{", *["    " + x_ for x_ in lines], "}"]
 
 
 class _DepthwiseRow:
-    """C computing output row `oh` of image `nb` from the ring rows `rows[kh]`: per channel
-    block, tiles of the depthwise conv's pixels (`nchwc_pixels`) over its taps, a filter vector
-    per tap against each pixel's input vector, then the epilogue and the store
-    (`cpu_conv_nchwc._Epilogue`)."""
+    """C computing the depthwise conv's output row `oh` of image `nb` from the ring rows
+    `rows[kh]`: per channel block `cb`, tiles of its pixels (`nchwc_pixels`) over its taps, a
+    filter vector per tap against each pixel's input vector; `store(acc, p)` the C storing a
+    tile's sums (the epilogue and the outputs, or the ops before a projection into its row)."""
 
-    def __init__(self, e: _Emitter, outs, channels: int, b: int, ecb: int, geometry, wp: str, layouts) -> None:
-        e.layouts = layouts
-        self.epilogue = _Epilogue(e, outs, channels, b)
-        self.b, self.ecb, self.wp = b, ecb, wp
+    def __init__(self, b: int, ecb: int, geometry, wp: str, store) -> None:
+        self.b, self.ecb, self.wp, self.store = b, ecb, wp, store
         self.kh_n, self.kw_n, self.sw, self.ow_n, self.cols = geometry
 
     def lines(self) -> list[str]:
@@ -181,8 +212,7 @@ class _DepthwiseRow:
                           f"  {{ fs_vb wv = *(const fs_vb*)(wq + {(kh * self.kw_n + kw) * b}); FS_VB_REG(wv);",
                           *[f"    d{j} = FS_VB_FMA(wv, *(const fs_vb*)(rr + {(j * self.sw + kw) * b}), d{j});"
                             for j in range(p)], "  }")], "}"]
-        where = "long long ow = q + tj;"
-        lines += self.epilogue.tile([f"d{j}" for j in range(p)], 1, p, "cb", where)
+        lines += self.store([f"d{j}" for j in range(p)], p)
         return ["{", *["    " + x_ for x_ in lines], "}"]
 
 
