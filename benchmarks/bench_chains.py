@@ -86,9 +86,8 @@ def bench_model(name: str, args) -> None:
     canonical = to_proto(prep.canonical)
     values = all_values(canonical, random_feeds(canonical, 0))
     found = blocked_only_candidates(legality)
-    chains = [g for g in found if len(nchwc_chain(graph, g).anchors) == args.anchors and len(g) == max(
-        len(h) for h in found if min(h) == min(g) and len(nchwc_chain(graph, h).anchors) == args.anchors)]
-    print(f"{name}: {len(chains)} chains of {args.anchors} anchors, {threads} thread(s), {args.rounds} interleaved rounds; ms, median (p20-p80)")
+    chains = [g for g in found if len(g) == max(len(h) for h in found if min(h) == min(g))]
+    print(f"{name}: {len(chains)} chains, {threads} thread(s), {args.rounds} interleaved rounds; ms, median (p20-p80)")
     print(f"{'input -> output':>34} {'two kernels':>24} {'chain':>24} {'chain/two per round':>22} {'predicted two':>14} {'chain':>8}")
     for group in chains:
         anchors = nchwc_chain(graph, group).anchors
@@ -119,8 +118,6 @@ def main() -> None:
     parser.add_argument("--models", default="mobilenetv2")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--budget", type=float, default=0.5)
-    parser.add_argument("--anchors", type=int, default=2, choices=(2, 3),
-                        help="2: expansion and depthwise conv; 3: and the projection")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for name in args.models.split(","):

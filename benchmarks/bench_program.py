@@ -71,7 +71,7 @@ def one_model(name: str, runs: int, top: int) -> None:
     for g in sorted(inside, key=inside.get, reverse=True)[:top]:
         ratio = inside[g] / alone[g] if alone.get(g) else float("nan")
         print(f"   g{g:<4d} {inside[g] * 1e3:8.3f} ms {alone.get(g, float('nan')) * 1e3:6.3f} ms "
-              f"{predicted.get(g, float('nan')) * 1e3:6.3f} ms  {ratio:17.2f}x  {ops[g][:60]}")
+              f"{predicted.get(g, float('nan')) * 1e3:6.3f} ms  {ratio:17.2f}x  {ops.get(g, 'reorder')[:60]}")
     total_inside = sum(inside.values())
     total_alone = sum(alone[g] for g in inside if g in alone)
     total_predicted = sum(predicted[g] for g in inside if g in predicted)

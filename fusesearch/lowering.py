@@ -681,10 +681,9 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
 
 def _chain_choices(graph: Graph, nodes: list[Node], layout: Layout, host: CpuTarget) -> tuple[Kernel, ...]:
     """An NCHWc chain's form (`schedule.nchwc_chain`: a 1x1 conv, its activation and the
-    depthwise conv after it [and the 1x1 projection after that], one kernel, product CHAIN) at
-    the target's threads and, where `schedule.one_thread_forms` asks, on one thread, last; () for
-    any other group of several anchors. It has no NCHW form: lowering refuses two anchors
-    (`_check_anchor`)."""
+    depthwise conv after it, one kernel, product CHAIN) at the target's threads and, where
+    `schedule.one_thread_forms` asks, on one thread, last; () for any other group of several
+    anchors. It has no NCHW form: lowering refuses two anchors (`_check_anchor`)."""
     chain = nchwc_chain(graph, [n.id for n in nodes])
     if chain is None or any(not check(graph, nodes) for check in (_check_shapes, _check_connected_convex, _check_dtype)):
         return ()
@@ -698,13 +697,14 @@ def _chain_choices(graph: Graph, nodes: list[Node], layout: Layout, host: CpuTar
 def _chain_kernel(graph: Graph, nodes: list[Node], chain: Chain, layout: Layout, threads: int) -> Kernel:
     """The chain priced as it runs at `threads` threads (`schedule.ChainItems`): the 1x1 conv and
     the ops before the depthwise conv on each expanded row its blocks compute (the rows two
-    blocks share twice: `recompute`), their input rows read as often; the tensors between anchors
-    never in memory (no kernel input or output); every multiply-add at the packed product's rate."""
+    blocks share twice: `recompute`), their input rows read as often; the tensors between the
+    anchors never in memory (no kernel input or output); every multiply-add at the packed
+    product's rate."""
     expand, dw = chain.expand, chain.dw
     schedule = replace(PACKED, product=CHAIN, layout_in=layout, layout_out=layout)
     _, _, k = _gemm_dims(graph, expand)
-    kernel = _build(graph, nodes, "conv", expand.id, graph.tensors[chain.anchors[-1].outputs[0]].size, k,
-                    4 + 2 * len(nodes), schedule, host=True)
+    kernel = _build(graph, nodes, "conv", expand.id, graph.tensors[dw.outputs[0]].size, k, 4 + 2 * len(nodes),
+                    schedule, host=True)
     items = chain_items(graph, dw)
     again = items.recompute(threads)
     before = {n.id for n in nodes if n.id == expand.id or (graph.reaches(expand.id, n.id) and graph.reaches(n.id, dw.id))}

@@ -549,48 +549,43 @@ CHAIN_FILTER_FLOATS = 1 << 16
 
 @dataclass(frozen=True)
 class Chain:
-    """An NCHWc chain's anchors (`nchwc_chain`): the 1x1 expansion, the depthwise conv, and the
-    1x1 projection after it or None."""
+    """An NCHWc chain's anchors (`nchwc_chain`): the 1x1 expansion and the depthwise conv."""
 
     expand: Node
     dw: Node
-    project: Node | None = None
 
     @property
-    def anchors(self) -> tuple[Node, ...]:
-        return (self.expand, self.dw) if self.project is None else (self.expand, self.dw, self.project)
+    def anchors(self) -> tuple[Node, Node]:
+        return self.expand, self.dw
 
 
 def nchwc_chain(graph: Graph, nodes: Collection[int]) -> Chain | None:
     """The anchors where a group is an NCHWc chain (product CHAIN, `codegen.cpu_conv_chain`): a
-    dense 1x1 Conv (the expansion; its input a kernel input, blocked), elementwise or per-channel
-    ops on its output (an activation), a depthwise Conv reading them, and either an epilogue as
-    `nchwc_conv` allows or such ops and a dense 1x1 Conv (the projection) with that epilogue (a
-    residual Add); each 1x1 conv stride 1, unpadded, its float32 constant filters at most
-    CHAIN_FILTER_FLOATS; no tensor between two anchors leaves the group (it never reaches memory:
-    that is the point). An inverted residual block's expansion and depthwise conv (MobileNetV2's
-    96 x 112 x 112 activation, 4.8 MB, written and read back between the two as separate
-    kernels), and its projection (the depthwise conv's output). None for any other group."""
+    dense 1x1 Conv (the expansion: stride 1, unpadded, its float32 constant filters at most
+    CHAIN_FILTER_FLOATS, its input a kernel input, blocked), elementwise or per-channel ops on its
+    output (an activation), a depthwise Conv reading them, and an epilogue as `nchwc_conv` allows;
+    no tensor between the anchors leaves the group (it never reaches memory: that is the point).
+    An inverted residual block's expansion and depthwise conv (MobileNetV2's 96 x 112 x 112
+    activation, 4.8 MB, written and read back between the two as separate kernels). None for any
+    other group. (The block's 1x1 projection in the same kernel, from a row buffer of the
+    depthwise conv's output, measured 1.0-1.3x the time of this chain and the projection's own
+    kernel: not taken, `benchmarks/bench_chains.md`.)"""
     anchors = [graph.nodes[i] for i in sorted(nodes) if graph.nodes[i].kind == OpKind.ANCHOR]
-    if len(anchors) not in (2, 3) or any(a.op_type != "Conv" or len(a.inputs) < 2 or not _plain_conv(graph, a)
-                                         for a in anchors):
+    if len(anchors) != 2 or any(a.op_type != "Conv" or len(a.inputs) < 2 or not _plain_conv(graph, a)
+                                for a in anchors):
         return None
-    expand, dw, *project = anchors
-    if not (_pointwise_conv(graph, expand) and all(_pointwise_conv(graph, a) for a in project)
-            and graph.producer(expand.inputs[0]) not in nodes):
+    expand, dw = anchors
+    if not _pointwise_conv(graph, expand) or graph.producer(expand.inputs[0]) in nodes:
         return None
     channels = graph.tensors[expand.outputs[0]].shape[1]
     if not int(dw.attrs.get("group", 1)) == channels == graph.tensors[dw.outputs[0]].shape[1]:
         return None
-    inside, between = set(nodes), set()
-    for a, b in zip(anchors, anchors[1:], strict=False):
-        middle = _between(graph, inside, a, b)
-        if middle is None:
-            return None
-        between |= middle
-    last = anchors[-1]
-    rest = inside - between - {a.id for a in anchors[:-1]}
-    return Chain(expand, dw, *project) if _laid_conv_group(graph, rest, last, "float32") else None
+    inside = set(nodes)
+    middle = _between(graph, inside, expand, dw)
+    if middle is None:
+        return None
+    rest = inside - middle - {expand.id}
+    return Chain(expand, dw) if _laid_conv_group(graph, rest, dw, "float32") else None
 
 
 def _pointwise_conv(graph: Graph, conv: Node) -> bool:
@@ -690,8 +685,7 @@ class ChainItems:
 
 
 def chain_items(graph: Graph, dw: Node) -> ChainItems:
-    """An NCHWc chain's items (`ChainItems`) from its depthwise conv (a projection after it has
-    its rows)."""
+    """An NCHWc chain's items (`ChainItems`) from its depthwise conv."""
     xs, ys = graph.tensors[dw.inputs[0]].shape, graph.tensors[dw.outputs[0]].shape
     kh = graph.tensors[dw.inputs[1]].shape[2]
     pads = tuple(dw.attrs.get("pads") or (0,) * 4)

@@ -120,8 +120,7 @@ def blocked_only_candidates(legality: Legality) -> tuple[frozenset[int], ...]:
     """The groups legal in the blocked layout alone (`Legality.blocked_only`), where plans may
     choose layouts: for each anchor, each anchor up to CHAIN_REACH ops above it with the ops on
     the paths between them (the convex hull), and that with each run of single consumers after
-    it (its activation, and a projection with its own), CHAIN_REACH ops at most each; in the
-    enumeration's order."""
+    it (its activation), CHAIN_REACH at most; in the enumeration's order."""
     graph = legality.graph
     if not legality.layout.blocked:
         return ()
@@ -146,18 +145,15 @@ def _anchors_above(graph: Graph, node: int) -> list[int]:
 
 
 def _tails(graph: Graph, core: frozenset[int], last: int, limit: int) -> list[frozenset[int]]:
-    """`core` grown by the run of single consumers after node `last` (one op, then two...): ops
-    that are no anchors, and one anchor among them (a chain's projection)."""
-    out, group, node, anchors = [], core, last, 0
-    for _ in range(2 * CHAIN_REACH):
+    """`core` grown by the run of single consumers after node `last` (one op, then two...), ops
+    that are no anchors."""
+    out, group, node = [], core, last
+    for _ in range(CHAIN_REACH):
         consumers = graph.successors(node)
-        if len(consumers) != 1 or len(group) >= limit:
+        if (len(consumers) != 1 or graph.nodes[consumers[0]].kind not in (OpKind.ELEMWISE, OpKind.BROADCAST)
+                or len(group) >= limit):
             break
         node = consumers[0]
-        kind = graph.nodes[node].kind
-        anchors += kind == OpKind.ANCHOR
-        if kind not in (OpKind.ELEMWISE, OpKind.BROADCAST, OpKind.ANCHOR) or anchors > 1:
-            break
         group = group | {node}
         out.append(group)
     return out

@@ -1,17 +1,16 @@
-"""The NCHWc chain (C only): a 1x1 conv, its activation and the depthwise conv after it (and the
-1x1 projection after that) in one kernel (`schedule.nchwc_chain`, product CHAIN).
+"""The NCHWc chain (C only): a 1x1 conv, its activation and the depthwise conv after it in one
+kernel (`schedule.nchwc_chain`, product CHAIN).
 
 Problem: an inverted residual block's expansion writes its widest tensor (MobileNetV2's 96 x 112
-x 112 floats, 4.8 MB) only for the depthwise conv to read it back, and the depthwise output goes
-the same way to the projection.
+x 112 floats, 4.8 MB) only for the depthwise conv to read it back; as two kernels it goes to
+memory and returns.
 Approach: items of output rows (`schedule.ChainItems`), each walking its rows in order: each
 expanded row computed once, every channel, into a ring of KH rows between zero columns (the
-padding) by 1x1 register tiles (`_Pointwise`, the ops up to the next anchor on their sums:
-`_middle`, `_lanes_store`); the depthwise row from the ring (`_DepthwiseRow`), with a projection
-into a row buffer that its 1x1 tiles read; the last anchor's tiles run the epilogue and the one
-store of each output (`cpu_conv_nchwc._Epilogue`).
-Invariants: the tensors between anchors are no arguments (they stay in the ring and the row
-buffer); padded lanes store zeros; an item computes each expanded row once, in order."""
+padding) by 1x1 register tiles (`_Pointwise`, the ops up to the depthwise conv on their sums:
+`_middle`, `_lanes_store`); the output row from the ring (`_DepthwiseRow`), its tiles running the
+epilogue and the one store of each output (`cpu_conv_nchwc._Epilogue`).
+Invariants: the tensors between the anchors are no arguments (they stay in the ring); padded
+lanes store zeros; an item computes each expanded row once, in order."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from fusesearch.schedule import chain_items, nchwc_chain, nchwc_pixels, nchwc_ti
 def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs: dict) -> list[str]:
     """The C body of an NCHWc chain (module docstring)."""
     chain = nchwc_chain(graph, kernel.nodes)
-    expand, dw, project = chain.expand, chain.dw, chain.project
+    expand, dw = chain.expand, chain.dw
     b = kernel.schedule.layout_out.block
     x, mid = expand.inputs[0], dw.inputs[0]
     (n_img, cin, h, wd), ms = graph.tensors[x].shape, graph.tensors[mid].shape
@@ -41,43 +40,28 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
     cols = (ow_n - 1) * sw + kw_n  # the ring's columns: every window's, the padding zero
     valid = min(wd, cols - pw)  # expanded columns a window reads
     row = ecb * cols * b  # floats of one ring row (every channel block's columns)
-
-    def packed(conv, blocks_out: int, cin_: int, taps: int, depthwise: bool, tile: int = 1) -> str:
-        w = conv.inputs[1]
-        floats = blocks_out * b * taps * (1 if depthwise else -(-cin_ // b) * b)
-        packs.setdefault(w, NchwcFilter(Arg(f"pk{len(packs)}", w, (floats,), "float32"), args[w].name,
-                                        graph.tensors[w].shape[0], cin_, taps, b, depthwise, 1 if depthwise else b, tile))
-        return packs[w].arg.name
-
-    final = _Epilogue(_with_layouts(_Emitter(graph, kernel, args), layouts), outs,
-                      graph.tensors[chain.anchors[-1].outputs[0]].shape[1], b)
     o_tile = min(nchwc_tile(b, False, ecb), ecb)
+    w1, w2 = expand.inputs[1], dw.inputs[1]
+    packs.setdefault(w1, NchwcFilter(Arg(f"pk{len(packs)}", w1, (ecb * b * icb * b,), "float32"), args[w1].name,
+                                     ms[1], cin, 1, b, False, b, o_tile))
+    packs.setdefault(w2, NchwcFilter(Arg(f"pk{len(packs)}", w2, (ecb * b * kh_n * kw_n,), "float32"), args[w2].name,
+                                     ys[1], 1, kh_n * kw_n, b, True, 1))
     ring = f"ring + (ocb * {cols}LL + {pw}LL + q + tj) * {b}LL"
-    stages = [_Pointwise(b, icb, ecb, packed(expand, ecb, cin, 1, False, o_tile), valid,
-                         (f"{args[x].name} + nb * {icb * h * wd * b}LL + ih * {wd * b}LL", h * wd * b),
-                         _lanes_store(_middle(graph, kernel, args, mid, "ih"), ms[1], b, ring))]
-    row_store = None if project is None else _lanes_store(_middle(graph, kernel, args, project.inputs[0], "oh"), ys[1],
-                                                          b, f"dwrow + (ocb * {ow_n}LL + q + tj) * {b}LL")
+    expand_row = _Pointwise(b, icb, ecb, packs[w1].arg.name, valid,
+                            (f"{args[x].name} + nb * {icb * h * wd * b}LL + ih * {wd * b}LL", h * wd * b),
+                            _lanes_store(_middle(graph, kernel, args, mid, "ih"), ms[1], b, ring))
+    e.layouts = layouts
+    final = _Epilogue(e, outs, ys[1], b)
 
-    def dw_store(acc: list[str], p: int) -> list[str]:  # the outputs, or the projection's row
-        return final.tile(acc, 1, p, "cb", "long long ow = q + tj;") if row_store is None else row_store(acc, 1, p, "cb")
-
-    def project_store(acc: list[str], o: int, p: int, ocb0: str) -> list[str]:
-        return final.tile(acc, o, p, ocb0, "long long ow = q + tj;")
-    dw_row = _DepthwiseRow(b, ecb, (kh_n, kw_n, sw, ow_n, cols), packed(dw, ecb, 1, kh_n * kw_n, True), dw_store)
-    out_lines = dw_row.lines()
-    if project is not None:
-        pcb = -(-graph.tensors[project.outputs[0]].shape[1] // b)
-        p_tile = min(nchwc_tile(b, False, pcb), pcb)
-        out_lines += _Pointwise(b, ecb, pcb, packed(project, pcb, ys[1], 1, False, p_tile), ow_n, ("dwrow", ow_n * b),
-                                project_store).lines()
+    def dw_store(acc: list[str], p: int) -> list[str]:
+        return final.tile(acc, 1, p, "cb", "long long ow = q + tj;")
+    dw_row = _DepthwiseRow(b, ecb, (kh_n, kw_n, sw, ow_n, cols), packs[w2].arg.name, dw_store)
     items = chain_items(graph, dw)
     lo, hi = items.c_bounds("rb", "blocks")
     body = [f"for (long long r = 0; r < {n_img}LL * blocks; ++r) {{",
             "    long long nb = r / blocks, rb = r % blocks;",
             f"    long long oh0 = {lo}, oh1 = {hi};",
             "    " + scratch("cbuf", f"{(kh_n + 1) * row}LL"),
-            *(["    " + scratch("abuf", f"{ecb * ow_n * b}LL"), "    float* dwrow = abuf;"] if project is not None else []),
             f"    float* zero = cbuf + {kh_n * row}LL;  /* the rows above and below the input */",
             f"    for (long long q = 0; q < {row}LL; ++q) zero[q] = 0.0f;",
             f"    for (long long s = 0; s < {kh_n}LL; ++s)",
@@ -96,9 +80,9 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
             "            rows[kh] = ring;",
             "            if (ih <= done) continue;",
             "            done = ih;",
-            *["            " + line for stage in stages for line in stage.lines()],
+            *["            " + line for line in expand_row.lines()],
             "        }",
-            *["        " + line for line in out_lines],
+            *["        " + line for line in dw_row.lines()],
             "    }",
             "}"]
     return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
@@ -106,15 +90,10 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
             f"    {OMP_FOR}\n" + _indent(body, 1)]
 
 
-def _with_layouts(e: _Emitter, layouts: dict) -> _Emitter:
-    e.layouts = layouts
-    return e
-
-
 def _middle(graph: Graph, kernel: Kernel, args, tensor: str, row: str) -> list[str]:
-    """C of lane `l` of the value of `tensor` (what a chain's next anchor reads) at block `ocb`,
-    row `row`, pixel q + tj of image nb, from the anchor before's sum `fs_a[l]` through the ops
-    between them, stored at rp[l]."""
+    """C of lane `l` of the value of `tensor` (what the depthwise conv reads) at block `ocb`, row
+    `row`, pixel q + tj of image nb, from the 1x1 conv's sum `fs_a[l]` through the ops between
+    them, stored at rp[l]."""
     e = _Emitter(graph, kernel, args)
     e.channel_split = {"co": ("ocb", "l")}
     e.acc_value = "fs_a[l]"
@@ -192,7 +171,7 @@ class _DepthwiseRow:
     """C computing the depthwise conv's output row `oh` of image `nb` from the ring rows
     `rows[kh]`: per channel block `cb`, tiles of its pixels (`nchwc_pixels`) over its taps, a
     filter vector per tap against each pixel's input vector; `store(acc, p)` the C storing a
-    tile's sums (the epilogue and the outputs, or the ops before a projection into its row)."""
+    tile's sums (the epilogue and the outputs)."""
 
     def __init__(self, b: int, ecb: int, geometry, wp: str, store) -> None:
         self.b, self.ecb, self.wp, self.store = b, ecb, wp, store
