@@ -181,7 +181,7 @@ def measure_plans(prep, device, strategy, config, plan_file=None, lone_anchors: 
         groups = [frozenset(g) for g in plan_groups_from_json(plan_file, prep.graph, legality)]
         layouts, blocked = plan_layouts_from_json(plan_file, prep.graph, layout)
         legality.layout = layout if blocked else NCHW  # the file's laid-out groups as it chose them
-        priced = sum(legality.blocked(g).time_s if g in blocked else legality.time_s(g) for g in groups)
+        priced = sum(((legality.blocked(g) if g in blocked else None) or legality.check(g)).time_s for g in groups)
         plan_ = Plan.build(legality, groups, strategy="file", device=resolve_device(device, threads)[0],
                            profile=None, solver=SolverInfo("FILE", priced, None),
                            model=model_info(prep), unfused_time_s=none.time_s, lower_bound_s=none.lower_bound_s,

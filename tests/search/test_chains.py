@@ -155,8 +155,9 @@ def test_the_exact_search_runs_the_chain_blocked_and_the_plan_equals_onnx_runtim
 
 @needs_cc
 def test_a_plan_json_with_a_chain_runs_and_exports(tmp_path, run_cli):
-    """plan.json records the chain (product and layout), `--explain` says it has no NCHW form,
-    `run --plan` runs it equal to ONNX Runtime and `export` writes its ops as one function."""
+    """plan.json records the chain (product and layout), the same bytes every time; `--explain`
+    says it has no NCHW form, `run --plan` runs it equal to ONNX Runtime and `export` writes its
+    ops as one function."""
     import onnx
 
     from costmodels.profile import Profile, save_profile
@@ -169,6 +170,8 @@ def test_a_plan_json_with_a_chain_runs_and_exports(tmp_path, run_cli):
     code, _, err = run_cli("plan", path, "--device", profile, "-o", out, "--workers", "1", "--explain")
     assert code == 0, err
     assert "(no NCHW form)" in err and "conv" in err
+    code, _, err = run_cli("plan", path, "--device", profile, "-o", tmp_path / "again.json", "--workers", "1")
+    assert code == 0 and (tmp_path / "again.json").read_bytes() == out.read_bytes(), "the same file every time"
     doc = json.loads(out.read_text())
     (chain,) = [g for g in doc["groups"] if g["schedule"]["product"] == CHAIN]
     assert chain["ops"] == ["Conv", "Clip", "Conv", "Clip"]
