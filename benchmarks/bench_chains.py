@@ -1,6 +1,6 @@
 """NCHWc chains beside the two blocked kernels they replace (figures printed, never asserted).
 
-A chain (`schedule.nchwc_chain`: a 1x1 conv, its activation and the depthwise conv after it, one
+A chain (`schedule.anchor_chain`: a 1x1 conv, its activation and the depthwise conv after it, one
 kernel, `codegen.cpu_conv_chain`) saves its middle tensor's trip to memory and back. For each
 chain the exact search may choose in a zoo model (`candidates.enumerate.blocked_only_candidates`
 on this machine's host figures, the activation after the depthwise conv included), timed
@@ -40,7 +40,7 @@ from fusesearch.candidates.enumerate import blocked_only_candidates  # noqa: E40
 from fusesearch.ir.canonicalize import to_proto  # noqa: E402
 from fusesearch.layout import Layout, to_blocked  # noqa: E402
 from fusesearch.pipeline import prepare  # noqa: E402
-from fusesearch.schedule import nchwc_chain  # noqa: E402
+from fusesearch.schedule import anchor_chain  # noqa: E402
 from fusesearch.search.problem import SearchConfig  # noqa: E402
 from fusesearch.verify import all_values, random_feeds  # noqa: E402
 
@@ -90,7 +90,7 @@ def bench_model(name: str, args) -> None:
     print(f"{name}: {len(chains)} chains, {threads} thread(s), {args.rounds} interleaved rounds; ms, median (p20-p80)")
     print(f"{'input -> output':>34} {'two kernels':>24} {'chain':>24} {'chain/two per round':>22} {'predicted two':>14} {'chain':>8}")
     for group in chains:
-        anchors = nchwc_chain(graph, group).anchors
+        anchors = anchor_chain(graph, group).anchors
         # each anchor's own group: it and the ops after it up to the next anchor
         owner = {i: max((a for a in anchors if a.id == i or graph.reaches(a.id, i)), key=lambda a: a.id).id
                  for i in group}

@@ -24,7 +24,7 @@ TEMPLATES = ("pointwise", "rowwise", "gemm", "conv", "conv_disjoint", "depthwise
 IMPLS = ("generated", "library")  # our generated kernel, or a vendor library call (cuBLAS, MLAS, ...)
 UNITS = ("tensor-core", "cuda-core", "cpu-simd", "none")  # the main loop's instruction class (cpu-simd: C only)
 # how a generated gemm/conv's product runs in C (`fusesearch.schedule.Schedule.product`)
-# ("nchwc-chain": a 1x1 conv and the depthwise conv after it in one NCHWc kernel, `nchwc_chain`)
+# ("nchwc-chain": a 1x1 conv and the depthwise conv after it in one NCHWc kernel, `anchor_chain`)
 CPU_PRODUCTS = ("own", "blas", "loops", "band", "packed", "rows", "im2col", "depthwise", "nchwc", "nchwc-chain")
 TEMPLATE_PRODUCTS = {"gemm": ("own", "blas", "loops"),
                      "conv": ("band", "packed", "rows", "im2col", "loops", "nchwc", "nchwc-chain"),

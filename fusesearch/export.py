@@ -30,7 +30,7 @@ from fusesearch.errors import BadInput, check_output_path
 from fusesearch.ir.graph import Graph
 from fusesearch.layout import Layout
 from fusesearch.plans import order_groups, validate_plan
-from fusesearch.schedule import CHAIN, nchwc_chain
+from fusesearch.schedule import CHAIN, anchor_chain
 
 DOMAIN = "fusesearch"
 FUNCTION_OPSET = 1
@@ -262,9 +262,9 @@ def _check_kernels(path: Path, graph: Graph, doc: dict, groups: list[list[int]],
 
 def _blocked_only(graph: Graph, g: dict, members: frozenset[int], legality: Legality) -> bool:
     """Whether a plan's group that has no NCHW form runs as the blocked form it has alone (a
-    chain of anchors, `schedule.nchwc_chain`): the plan says so, and the device's rules take
+    chain of anchors, `schedule.anchor_chain`): the plan says so, and the device's rules take
     it (`Legality.blocked_only`; without a device, the chain alone)."""
-    if g.get("schedule", {}).get("product") != CHAIN or nchwc_chain(graph, members) is None:
+    if g.get("schedule", {}).get("product") != CHAIN or anchor_chain(graph, members) is None:
         return False
     return legality.device is None or legality.blocked_only(members)
 

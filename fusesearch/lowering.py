@@ -47,6 +47,7 @@ from fusesearch.schedule import (
     Schedule,
     a_load_elements,
     activation_sectors,
+    anchor_chain,
     anchor_derived,
     block_per_row,
     chain_items,
@@ -70,7 +71,6 @@ from fusesearch.schedule import (
     mma_sync_split,
     mma_sync_tiles,
     mma_tiles,
-    nchwc_chain,
     nchwc_conv,
     nchwc_input,
     nchwc_items,
@@ -680,11 +680,11 @@ def nchwc_choices(graph: Graph, group: FusionGroup, host: CpuTarget) -> tuple[Ke
 
 
 def _chain_choices(graph: Graph, nodes: list[Node], layout: Layout, host: CpuTarget) -> tuple[Kernel, ...]:
-    """An NCHWc chain's form (`schedule.nchwc_chain`: a 1x1 conv, its activation and the
+    """An NCHWc chain's form (`schedule.anchor_chain`: a 1x1 conv, its activation and the
     depthwise conv after it, one kernel, product CHAIN) at the target's threads and, where
     `schedule.one_thread_forms` asks, on one thread, last; () for any other group of several
     anchors. It has no NCHW form: lowering refuses two anchors (`_check_anchor`)."""
-    chain = nchwc_chain(graph, [n.id for n in nodes])
+    chain = anchor_chain(graph, [n.id for n in nodes])
     if chain is None or any(not check(graph, nodes) for check in (_check_shapes, _check_connected_convex, _check_dtype)):
         return ()
     kernel = _chain_kernel(graph, nodes, chain, layout, max(1, host.threads))

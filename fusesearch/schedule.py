@@ -540,7 +540,7 @@ def _laid_conv_group(graph: Graph, nodes: Collection[int], anchor: Node, dtype: 
                if graph.is_output(t) or any(c not in nodes for c in graph.consumers(t)))
 
 
-CHAIN = "nchwc-chain"  # the product of a chain of anchors (`nchwc_chain`), which has no NCHW form
+CHAIN = "nchwc-chain"  # the product of a chain of anchors (`anchor_chain`), which has no NCHW form
 # a chain's 1x1 filters at most (256 KiB, half a 512 KiB L2): each expanded row reads them all again,
 # so larger ones stream from L3 once per row (MobileNetV2's 160 -> 960 at 7 x 7, 614 KiB: 1.0-1.36x
 # the time of its two kernels; 96 -> 576, 221 KiB: 0.93-1.04x; 64 -> 384: 0.95-0.99x)
@@ -549,7 +549,7 @@ CHAIN_FILTER_FLOATS = 1 << 16
 
 @dataclass(frozen=True)
 class Chain:
-    """An NCHWc chain's anchors (`nchwc_chain`): the 1x1 expansion and the depthwise conv."""
+    """An NCHWc chain's anchors (`anchor_chain`): the 1x1 expansion and the depthwise conv."""
 
     expand: Node
     dw: Node
@@ -559,7 +559,7 @@ class Chain:
         return self.expand, self.dw
 
 
-def nchwc_chain(graph: Graph, nodes: Collection[int]) -> Chain | None:
+def anchor_chain(graph: Graph, nodes: Collection[int]) -> Chain | None:
     """The anchors where a group is an NCHWc chain (product CHAIN, `codegen.cpu_conv_chain`): a
     dense 1x1 Conv (the expansion: stride 1, unpadded, its float32 constant filters at most
     CHAIN_FILTER_FLOATS, its input a kernel input, blocked), elementwise or per-channel ops on its
@@ -630,7 +630,7 @@ def _plain_conv(graph: Graph, conv: Node) -> bool:
 
 @dataclass(frozen=True)
 class ChainItems:
-    """The work items of an NCHWc chain (`nchwc_chain`, `codegen.cpu_conv_chain`): images x
+    """The work items of an NCHWc chain (`anchor_chain`, `codegen.cpu_conv_chain`): images x
     `blocks(T)` blocks of the depthwise conv's output rows, in contiguous shares. An item
     computes the expanded rows its block reads into a ring of `kh` rows (every channel; the rows
     between two output rows computed once), so a block recomputes the rows it shares with the
@@ -802,7 +802,7 @@ def _nchwc_member(graph: Graph, n: Node, block: int) -> bool:
 
 def tensor_layouts(graph: Graph, anchor: Node | None, tensors: Collection[str], schedule: Schedule) -> dict[str, Layout]:
     """How each of a kernel's `tensors` lies in memory under its schedule: a conv's activation
-    input in `layout_in`, its filters (and any anchor's: a chain's second conv, `nchwc_chain`)
+    input in `layout_in`, its filters (and any anchor's: a chain's second conv, `anchor_chain`)
     as in the model; every other 4-D tensor that is not per channel (`per_channel`: a bias lies
     as in the model) in `layout_out`."""
     x = anchor.inputs[0] if anchor is not None else None

@@ -10,7 +10,7 @@ seed stays the minimum — and kept only if legal; only legal sets grow further.
 checks per seed bounds the work (small groups come first, as BFS goes by size). Every single
 node is a candidate; `extra` groups (those the rules and greedy strategies formed) are added so
 the exact solver can always reproduce them. `blocked_only_candidates`: groups with a blocked form
-alone (`schedule.nchwc_chain`), found from each anchor (the growth stops at a second one).
+alone (`schedule.anchor_chain`), found from each anchor (the growth stops at a second one).
 Invariants: groups are distinct, connected, convex and legal (in NCHW, or in the blocked layout
 alone); the order is deterministic (by smallest node, size, then node ids).
 """

@@ -291,7 +291,7 @@ class Legality:
 
     def blocked_only(self, nodes: Iterable[int]) -> bool:
         """Whether a group runs in the blocked layout or not at all: it has a blocked form
-        (`blocked`) and no NCHW one (a chain of anchors, `schedule.nchwc_chain`)."""
+        (`blocked`) and no NCHW one (a chain of anchors, `schedule.anchor_chain`)."""
         key = frozenset(nodes)
         return self.layout.blocked and not self.check(key).decision and self.blocked(key) is not None
 

@@ -1,5 +1,5 @@
 """NCHWc chains: a 1x1 conv, its activation and the depthwise conv after it as one kernel
-(`schedule.nchwc_chain`, product CHAIN), which has no NCHW form. Its C equals ONNX Runtime in
+(`schedule.anchor_chain`, product CHAIN), which has no NCHW form. Its C equals ONNX Runtime in
 its layout; it is priced as the two kernels it replaces less their middle tensor's traffic; the
 exact search finds it from each depthwise conv and runs it blocked (the heuristics and `--layouts
 nchw` never do); plan.json records it, `run --plan` runs it, the fused export keeps its ops."""
@@ -19,7 +19,7 @@ from fusesearch.layout import Layout
 from fusesearch.lowering import choices, nchwc_choices
 from fusesearch.pipeline import prepare
 from fusesearch.run import run_plan
-from fusesearch.schedule import CHAIN, CHAIN_FILTER_FLOATS, ChainItems, CpuTarget, nchwc_chain
+from fusesearch.schedule import CHAIN, CHAIN_FILTER_FLOATS, ChainItems, CpuTarget, anchor_chain
 from fusesearch.verify import all_values, random_feeds
 from tests.backends.test_cpu_nchwc import _runs_blocked
 from tests.conftest import make_model, save
@@ -125,14 +125,14 @@ def test_what_is_no_chain(tmp_path):
     """A middle op left out, the projection after the depthwise conv (a third anchor), 1x1
     filters past CHAIN_FILTER_FLOATS: no chain."""
     graph, _ = _graph(inverted_residual(tmp_path, (1, 16, 14, 14), 48))
-    assert nchwc_chain(graph, frozenset(range(len(graph)))) is None, "three anchors"
+    assert anchor_chain(graph, frozenset(range(len(graph)))) is None, "three anchors"
     whole = frozenset(range(len(graph))) - _ids(graph, "p")
-    assert nchwc_chain(graph, whole) is not None
-    assert nchwc_chain(graph, whole - _ids(graph, "y")) is not None, "the activation after it is optional"
-    assert nchwc_chain(graph, whole - _ids(graph, "m")) is None, "not convex: the Clip between them left out"
+    assert anchor_chain(graph, whole) is not None
+    assert anchor_chain(graph, whole - _ids(graph, "y")) is not None, "the activation after it is optional"
+    assert anchor_chain(graph, whole - _ids(graph, "m")) is None, "not convex: the Clip between them left out"
     wide = 1 + CHAIN_FILTER_FLOATS // 128
     big, _ = _graph(inverted_residual(tmp_path, (1, 128, 4, 4), -(-wide // 8) * 8, project=False))
-    assert nchwc_chain(big, frozenset(range(len(big)))) is None
+    assert anchor_chain(big, frozenset(range(len(big)))) is None
 
 
 @needs_cc

@@ -1,5 +1,5 @@
 """The NCHWc chain (C only): a 1x1 conv, its activation and the depthwise conv after it in one
-kernel (`schedule.nchwc_chain`, product CHAIN).
+kernel (`schedule.anchor_chain`, product CHAIN).
 
 Problem: an inverted residual block's expansion writes its widest tensor (MobileNetV2's 96 x 112
 x 112 floats, 4.8 MB) only for the depthwise conv to read it back; as two kernels it goes to
@@ -20,12 +20,12 @@ from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import chain_items, nchwc_chain, nchwc_pixels, nchwc_tile, tensor_layouts
+from fusesearch.schedule import anchor_chain, chain_items, nchwc_pixels, nchwc_tile, tensor_layouts
 
 
 def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs: dict) -> list[str]:
     """The C body of an NCHWc chain (module docstring)."""
-    chain = nchwc_chain(graph, kernel.nodes)
+    chain = anchor_chain(graph, kernel.nodes)
     expand, dw = chain.expand, chain.dw
     b = kernel.schedule.layout_out.block
     x, mid = expand.inputs[0], dw.inputs[0]
