@@ -22,8 +22,11 @@ import numpy as np
 from fusesearch.backends.codegen import c_prelude
 from fusesearch.backends.codegen.c_gemm import FS_NR
 from fusesearch.backends.codegen.c_prelude import (
+    _MINMAX_OFF,
+    _MINMAX_ON,
     _WIDE_OFF,
     _WIDE_ON,
+    MINMAX_OPS,
     SCRATCH_SLOTS,
     WIDE_OPS,
 )
@@ -337,7 +340,15 @@ def wide_kernel(ops, outs) -> bool:
     return any(op in WIDE_OPS for op in ops) or any(streams(o) for o in outs)
 
 
-def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bool = False, threads: int = 0) -> str:
+def minmax_kernel(ops, blocked: bool) -> bool:
+    """Whether a C kernel's Relu and Clip compile to vector min/max (`c_prelude._MINMAX_ON`):
+    a blocked conv (`blocked`: its epilogue runs lane by lane over a tile's sums) whose `ops` are
+    all in MINMAX_OPS, decided from its ops, never from its text."""
+    return blocked and "Conv" in ops and all(op in MINMAX_OPS for op in ops)
+
+
+def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bool = False, threads: int = 0,
+               minmax: bool = False) -> str:
     """A C kernel's source: the runtime's header (`c_runtime.C_HEADER`: the inline helpers and the
     declarations of what the shared runtime defines, the packed GEMM included), `defs` (file-scope
     definitions of the kernel's own: a tile epilogue with the tile kernels it is inlined into,
@@ -346,12 +357,13 @@ def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bo
     worksharing loops (`OMP_FOR`) share the work — one team per call, as the cost model prices a
     host kernel's launch — and its `<name>_pack`. `wide` (the caller's decision, `wide_kernel`):
     the kernel compiled for 512-bit vectors. `threads`: the region's team as the schedule says
-    (`Schedule.cpu_threads`): 0 the caller's threads, else `num_threads(threads)`."""
+    (`Schedule.cpu_threads`): 0 the caller's threads, else `num_threads(threads)`. `minmax`
+    (`minmax_kernel`): its min and max compiled as vector min/max."""
     body = hoist_loop_invariants(body)
     team = f" num_threads({threads})" if threads else ""
-    src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}\n"
+    src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}{_MINMAX_ON if minmax else ''}\n"
            f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n    #pragma omp parallel{team}\n    {{\n{body}    }}\n}}\n"
-           f"{_WIDE_OFF if wide else ''}")
+           f"{_MINMAX_OFF if minmax else ''}{_WIDE_OFF if wide else ''}")
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"
                 + "".join(f"    {p.pack_call()}\n" for p in packed) + "}\n")

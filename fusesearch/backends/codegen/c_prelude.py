@@ -310,6 +310,15 @@ WIDE_CALLS = ("fs_erff", "fs_gelu2f", "fs_expf", "fs_expf_le", *_VECTOR_MATH)  #
 WIDE_OPS = frozenset({"Exp", "Log", "Erf", "Tanh", "Sigmoid", "Sin", "Cos", "Elu", "Selu", "Celu", "Gelu", "Swish",
                       "Softplus", "Mish", "Softmax", "LogSoftmax", "ReduceLogSumExp", "ReduceLogSum"})
 _WIDE_OFF = "#if defined(__AVX512F__) && !defined(__clang__)\n#pragma GCC pop_options\n#endif\n"
+# GCC vectorizes FS_FMAX/FS_FMIN (`a > b ? a : b`, exactly x86's maxps) as a compare and a blend
+# unless it may assume finite values without signed zeros; then one vmaxps/vminps. A blocked conv's
+# Relu or Clip epilogue on a short K (MobileNetV2's 16 -> 96 expansion and its depthwise conv as one
+# chain) measured 0.78x the time so (`ab_group.py`, 2026-12-07). Only for kernels whose ops give
+# the same values on finite inputs either way (`MINMAX_OPS`: products, adds, Relu, Clip; no pool's
+# -INFINITY, no division, no exp); what a NaN input becomes there (NaN or the bound) is the compiler's.
+_MINMAX_ON = '#if !defined(__clang__)\n#pragma GCC push_options\n#pragma GCC optimize("finite-math-only", "no-signed-zeros")\n#endif\n'
+_MINMAX_OFF = "#if !defined(__clang__)\n#pragma GCC pop_options\n#endif\n"
+MINMAX_OPS = frozenset({"Conv", "Add", "Sub", "Mul", "Relu", "Clip", "LeakyRelu", "Identity"})
 
 
 _C_PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n#include <string.h>\n#ifdef FS_VECTOR_MATH\n"

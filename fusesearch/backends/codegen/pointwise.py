@@ -15,6 +15,7 @@ from fusesearch.backends.codegen.base import (
     _indent,
     c_function,
     cuda_entry,
+    minmax_kernel,
     parallel_rows,
     store,
     streamed_loop,
@@ -38,7 +39,8 @@ def _pointwise(graph, kernel, name, ins, outs, args, c_body: list[str] | None = 
     if c_body is not None:
         c_loops = c_body
     c_src = c_function(name, ins, outs, packed, "\n".join(c_loops) + "\n", defs if c_body is not None else "",
-                       wide=wide_kernel(kernel.ops, outs), threads=kernel.schedule.cpu_threads)
+                       wide=wide_kernel(kernel.ops, outs), threads=kernel.schedule.cpu_threads,
+                       minmax=minmax_kernel(kernel.ops, c_body is not None and bool(kernel.schedule.layout_out.block)))
     cu_src = "" if cpu_only else (f"{_CU_PRELUDE}\n{cuda_entry(name, ins, outs)} {{\n"
                                   + "\n".join(cu_loops) + "\n}\n")
     return c_src, cu_src, 0, 0
