@@ -618,3 +618,21 @@ def test_border_tiles_of_few_sums_run_in_chains_and_equal_onnx_runtime(tmp_path)
     source = _runs_blocked(graph, kernel, values).c_source
     assert "if (kh0 <= 2 && 2 < kh1)" in source and "a0_0 = a0_0 + a0_0_1 + a0_0_2;" in source
     assert "a0_4 = a0_4 + a0_4_1;" in source  # the 5 interior pixels: rows 0 and 2 in chain 0, 1 in 1
+
+
+def test_relu_and_clip_of_a_blocked_conv_compile_as_vector_min_max(tmp_path):
+    """A blocked conv of products, adds, Relu and Clip carries the pragma that lets GCC compile its
+    min/max as vmaxps/vminps (`base.minmax_kernel`), scoped to the kernel's function; one with a
+    Sigmoid, and the NCHW form, do not."""
+    from fusesearch.backends.codegen.c_prelude import _MINMAX_OFF, _MINMAX_ON
+
+    for act, expected in (("Relu", True), ("Clip", True), ("Sigmoid", False)):
+        graph, _ = _conv_group(tmp_path, [1, 16, 8, 8], 32, 3, 1, residual=True, act=act)
+        (kernel,) = nchwc_choices(graph, _whole(graph), AVX2)
+        source = generate(graph, kernel).c_source
+        assert (_MINMAX_ON in source) == expected, act
+        if expected:
+            body = source[source.index(_MINMAX_ON):source.index(_MINMAX_OFF)]
+            assert body.count("#pragma omp parallel") == 1 and "_pack(" not in body
+            nchw = choices(graph, _whole(graph), host=AVX2)[0]
+            assert _MINMAX_ON not in generate(graph, nchw).c_source, "NCHW: as before"
