@@ -695,29 +695,20 @@ def _chain_choices(graph: Graph, nodes: list[Node], layout: Layout, host: CpuTar
 
 
 def _chain_kernel(graph: Graph, nodes: list[Node], chain: Chain, layout: Layout, threads: int) -> Kernel:
-    """The chain priced as it runs at `threads` threads (`schedule.ChainItems`): the 1x1 conv and
-    the ops before the depthwise conv on each expanded row its blocks compute (the rows two
-    blocks share twice: `recompute`), their input rows read as often; the tensors between the
-    anchors never in memory (no kernel input or output); every multiply-add at the packed
-    product's rate."""
+    """The chain priced as it runs at `threads` threads (`schedule.ChainItems`): every op once,
+    the input read once per group of channel blocks; the tensors between the anchors never in
+    memory (no kernel input or output); every multiply-add at the packed product's rate."""
     expand, dw = chain.expand, chain.dw
     schedule = replace(PACKED, product=CHAIN, layout_in=layout, layout_out=layout)
     _, _, k = _gemm_dims(graph, expand)
     kernel = _build(graph, nodes, "conv", expand.id, graph.tensors[dw.outputs[0]].size, k, 4 + 2 * len(nodes),
                     schedule, host=True)
-    items = chain_items(graph, dw)
-    again = items.recompute(threads)
-    before = {n.id for n in nodes if n.id == expand.id or (graph.reaches(expand.id, n.id) and graph.reaches(n.id, dw.id))}
-    tc = scalar = trans = 0.0
-    for n in nodes:
-        times = again if n.id in before else 1.0
-        flops = node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n)) * times
-        trans += times * node_transcendentals(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
-        tc, scalar = (tc + flops, scalar) if n.kind == OpKind.ANCHOR else (tc, scalar + flops)
-    x = graph.tensors[expand.inputs[0]]
-    rows = round(layout.nbytes(x.shape, 4) * (again - 1))
-    kernel = replace(kernel, tc_flops=round(tc), scalar_flops=round(scalar), transcendentals=round(trans),
-                     read_bytes=kernel.read_bytes + rows, imbalance=items.imbalance(threads))
+    tc = sum(node_flops(n.op_type, n.attrs, graph.node_inputs(n), graph.node_outputs(n))
+             for n in nodes if n.kind == OpKind.ANCHOR)
+    items = chain_items(graph, chain, layout.block)
+    again = layout.nbytes(graph.tensors[expand.inputs[0]].shape, 4) * (items.groups(threads) - 1)
+    kernel = replace(kernel, tc_flops=tc, scalar_flops=kernel.scalar_flops + kernel.tc_flops - tc,
+                     read_bytes=kernel.read_bytes + again, imbalance=items.imbalance(threads))
     return _with_layouts(graph, kernel, expand)
 
 

@@ -620,7 +620,7 @@ def _between(graph: Graph, inside: set[int], a: Node, b: Node) -> set[int] | Non
 
 def _plain_conv(graph: Graph, conv: Node) -> bool:
     """A 2-D float32 Conv over constant float32 filters, undilated, its pads explicit (no
-    auto_pad: `ChainItems` reads them)."""
+    auto_pad: `_pointwise_conv` reads them)."""
     x, w, y = (graph.tensors[t] for t in (*conv.inputs[:2], conv.outputs[0]))
     auto = conv.attrs.get("auto_pad", "NOTSET")
     return (x.shape is not None and len(x.shape) == 4 and w.constant and {x.dtype, w.dtype, y.dtype} == {"float32"}
@@ -631,50 +631,48 @@ def _plain_conv(graph: Graph, conv: Node) -> bool:
 @dataclass(frozen=True)
 class ChainItems:
     """The work items of an NCHWc chain (`anchor_chain`, `codegen.cpu_conv_chain`): images x
-    `blocks(T)` blocks of the depthwise conv's output rows, in contiguous shares. An item
-    computes the expanded rows its block reads into a ring of `kh` rows (every channel; the rows
-    between two output rows computed once), so a block recomputes the rows it shares with the
-    block above (kh - stride rows): one block per image at one thread, as many as the threads
-    need (at most one row each) otherwise."""
+    `groups(T)` groups of the expanded channel blocks (whole tiles of `o_tile` blocks, the 1x1
+    conv's register tile), in contiguous shares; an item walks every output row, computing its
+    blocks of each expanded row once into its ring. A channel block of the chain depends on its
+    own expanded block alone (the depthwise conv is per channel), so the groups share no work:
+    each reads its image's input again (the thin side of the block) instead of recomputing rows
+    at the edges of row blocks. One group per image at one thread, as many as the threads need
+    (at most one tile each) otherwise."""
 
     images: int
-    out_rows: int
-    in_rows: int
-    kh: int
-    stride: int
-    pad: int
+    channel_blocks: int
+    o_tile: int
 
-    def blocks(self, threads: int) -> int:
-        return max(1, min(self.out_rows, -(-threads // self.images))) if threads > 1 else 1
+    @property
+    def tiles(self) -> int:
+        return -(-self.channel_blocks // self.o_tile)
 
-    def c_blocks(self, threads: str) -> str:
-        """`blocks` as the C computes it from the team's size at run time (the C expression `threads`)."""
+    def groups(self, threads: int) -> int:
+        return max(1, min(self.tiles, -(-threads // self.images))) if threads > 1 else 1
+
+    def c_groups(self, threads: str) -> str:
+        """`groups` as the C computes it from the team's size at run time (the C expression `threads`)."""
         want = f"({threads} + {self.images - 1}LL) / {self.images}LL"
-        return f"({threads} > 1 ? ({want} < {self.out_rows}LL ? {want} : {self.out_rows}LL) : 1LL)"
+        return f"({threads} > 1 ? ({want} < {self.tiles}LL ? {want} : {self.tiles}LL) : 1LL)"
 
-    def bounds(self, rb: int, blocks: int) -> tuple[int, int]:
-        return rb * self.out_rows // blocks, (rb + 1) * self.out_rows // blocks
+    def bounds(self, g: int, groups: int) -> tuple[int, int]:
+        """Group g's tiles [t0, t1) of `groups`."""
+        return g * self.tiles // groups, (g + 1) * self.tiles // groups
 
-    def c_bounds(self, rb: str, blocks: str) -> tuple[str, str]:
-        return f"{rb} * {self.out_rows}LL / {blocks}", f"({rb} + 1) * {self.out_rows}LL / {blocks}"
+    def c_bounds(self, g: str, groups: str) -> tuple[str, str]:
+        return f"{g} * {self.tiles}LL / {groups}", f"({g} + 1) * {self.tiles}LL / {groups}"
 
-    def rows(self, rb: int, blocks: int) -> int:
-        """Expanded rows block rb computes (its windows' rows inside the input)."""
-        lo, hi = self.bounds(rb, blocks)
-        first, last = lo * self.stride - self.pad, (hi - 1) * self.stride - self.pad + self.kh
-        return max(0, min(self.in_rows, last) - max(0, first))
-
-    def recompute(self, threads: int) -> float:
-        """Expanded rows computed over the input's rows (>= 1: the blocks' shared rows twice)."""
-        blocks = self.blocks(threads)
-        return sum(self.rows(rb, blocks) for rb in range(blocks)) / self.in_rows
+    def blocks(self, g: int, groups: int) -> int:
+        """Channel blocks of group g (the last tile holds the blocks left)."""
+        t0, t1 = self.bounds(g, groups)
+        return min(t1 * self.o_tile, self.channel_blocks) - t0 * self.o_tile
 
     def imbalance(self, threads: int) -> float:
-        """The busiest thread's rows over an even share (OpenMP's static schedule, as `NchwcItems`)."""
+        """The busiest thread's blocks over an even share (OpenMP's static schedule, as `NchwcItems`)."""
         if threads <= 1:
             return 1.0
-        blocks = self.blocks(threads)
-        work = [self.rows(r % blocks, blocks) for r in range(self.images * blocks)]
+        groups = self.groups(threads)
+        work = [self.blocks(r % groups, groups) for r in range(self.images * groups)]
         q, extra = divmod(len(work), threads)
         loads, r = [], 0
         for k in range(threads):
@@ -684,12 +682,12 @@ class ChainItems:
         return max(1.0, max(loads) * threads / sum(work))
 
 
-def chain_items(graph: Graph, dw: Node) -> ChainItems:
-    """An NCHWc chain's items (`ChainItems`) from its depthwise conv."""
-    xs, ys = graph.tensors[dw.inputs[0]].shape, graph.tensors[dw.outputs[0]].shape
-    kh = graph.tensors[dw.inputs[1]].shape[2]
-    pads = tuple(dw.attrs.get("pads") or (0,) * 4)
-    return ChainItems(ys[0], ys[2], xs[2], kh, int((dw.attrs.get("strides") or (1, 1))[0]), int(pads[0]))
+def chain_items(graph: Graph, chain: Chain, block: int) -> ChainItems:
+    """An NCHWc chain's items (`ChainItems`) at channel blocks of `block`: its expanded blocks in
+    tiles of `nchwc_tile` (the 1x1 conv's)."""
+    n, c = graph.tensors[chain.expand.outputs[0]].shape[:2]
+    blocks = -(-c // block)
+    return ChainItems(n, blocks, min(nchwc_tile(block, False, blocks), blocks))
 
 
 def nchwc_input(graph: Graph, anchor: Node, blocked: Layout) -> Layout:

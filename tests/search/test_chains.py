@@ -111,14 +111,29 @@ def test_a_chain_is_priced_as_its_two_kernels_less_their_middle_tensor(tmp_path)
     assert chain.write_bytes == dw.write_bytes and expand.write_bytes == middle
 
 
-def test_chain_items_recompute_the_rows_two_blocks_share():
-    """MobileNetV2's 112 -> 56 depthwise conv (3x3, stride 2, pad 1): one block at one thread, no
-    row twice; two blocks at two threads, input rows 0-55 and 55-111: row 55 twice."""
-    items = ChainItems(images=1, out_rows=56, in_rows=112, kh=3, stride=2, pad=1)
-    assert items.blocks(1) == 1 and items.recompute(1) == 1.0 and items.imbalance(1) == 1.0
-    assert items.blocks(2) == 2 and [items.rows(rb, 2) for rb in range(2)] == [56, 57]
-    assert items.recompute(2) == pytest.approx(113 / 112) and items.imbalance(2) == pytest.approx(114 / 113)
-    assert ChainItems(4, 14, 14, 3, 1, 1).blocks(2) == 1, "images share the threads first"
+def test_chain_items_split_the_expanded_channel_blocks():
+    """One group of every block per image at one thread; at two, the tiles of expanded blocks
+    (the 1x1 conv's register tile) in two contiguous groups, their imbalance from the blocks each
+    holds (MobileNetV2's 144 channels at block 8: 9 tiles of 2 blocks, 8 and 10 blocks); images
+    share the threads first."""
+    items = ChainItems(images=1, channel_blocks=18, o_tile=2)
+    assert items.groups(1) == 1 and items.imbalance(1) == 1.0
+    assert items.groups(2) == 2 and [items.bounds(g, 2) for g in range(2)] == [(0, 4), (4, 9)]
+    assert [items.blocks(g, 2) for g in range(2)] == [8, 10] and items.imbalance(2) == pytest.approx(20 / 18)
+    odd = ChainItems(1, 5, 2)  # 40 channels: tiles of 2, 2 and the one block left
+    assert [odd.blocks(g, 2) for g in range(2)] == [2, 3] and odd.imbalance(2) == pytest.approx(6 / 5)
+    assert ChainItems(4, 12, 2).groups(2) == 1, "images share the threads first"
+
+
+def test_a_chain_at_two_threads_reads_its_input_once_per_group(tmp_path):
+    """Priced for two threads the chain reads its input twice (each group of channel blocks reads
+    it all), computes nothing twice, and its imbalance is its groups'."""
+    graph, _ = _graph(inverted_residual(tmp_path, (1, 16, 14, 14), 48, project=False))
+    whole = FusionGroup(frozenset(range(len(graph))))
+    one = nchwc_choices(graph, whole, CpuTarget(lanes=8, threads=1))[0]
+    two = nchwc_choices(graph, whole, CpuTarget(lanes=8, threads=2))[0]
+    assert two.read_bytes - one.read_bytes == graph.tensors["x"].nbytes and two.tc_flops == one.tc_flops
+    assert two.imbalance == ChainItems(1, 6, 2).imbalance(2) == pytest.approx(4 / 3), "3 tiles of 2 blocks: 1 and 2"
 
 
 def test_what_is_no_chain(tmp_path):

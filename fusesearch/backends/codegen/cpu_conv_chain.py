@@ -4,11 +4,12 @@ kernel (`schedule.anchor_chain`, product CHAIN).
 Problem: an inverted residual block's expansion writes its widest tensor (MobileNetV2's 96 x 112
 x 112 floats, 4.8 MB) only for the depthwise conv to read it back; as two kernels it goes to
 memory and returns.
-Approach: items of output rows (`schedule.ChainItems`), each walking its rows in order: each
-expanded row computed once, every channel, into a ring of KH rows between zero columns (the
-padding) by 1x1 register tiles (`_Pointwise`, the ops up to the depthwise conv on their sums:
-`_middle`, `_lanes_store`); the output row from the ring (`_DepthwiseRow`), its tiles running the
-epilogue and the one store of each output (`cpu_conv_nchwc._Epilogue`).
+Approach: items of the expanded channel blocks (`schedule.ChainItems`: a channel of the chain
+depends on its own expanded channel alone), each walking every output row in order: its blocks of
+each expanded row computed once into a ring of KH rows between zero columns (the padding) by 1x1
+register tiles (`_Pointwise`, the ops up to the depthwise conv on their sums: `_middle`,
+`_lanes_store`); its blocks of the output row from the ring (`_DepthwiseRow`), their tiles running
+the epilogue and the one store of each output (`cpu_conv_nchwc._Epilogue`).
 Invariants: the tensors between the anchors are no arguments (they stay in the ring); padded
 lanes store zeros; an item computes each expanded row once, in order."""
 
@@ -20,7 +21,7 @@ from fusesearch.backends.codegen.emitter import _Emitter
 from fusesearch.backends.codegen.ops import _conv_geometry
 from fusesearch.ir.graph import Graph
 from fusesearch.lowering import Kernel
-from fusesearch.schedule import anchor_chain, chain_items, nchwc_pixels, nchwc_tile, tensor_layouts
+from fusesearch.schedule import anchor_chain, chain_items, nchwc_pixels, tensor_layouts
 
 
 def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs: dict) -> list[str]:
@@ -40,14 +41,15 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
     cols = (ow_n - 1) * sw + kw_n  # the ring's columns: every window's, the padding zero
     valid = min(wd, cols - pw)  # expanded columns a window reads
     row = ecb * cols * b  # floats of one ring row (every channel block's columns)
-    o_tile = min(nchwc_tile(b, False, ecb), ecb)
+    items = chain_items(graph, chain, b)
+    o_tile = items.o_tile
     w1, w2 = expand.inputs[1], dw.inputs[1]
     packs.setdefault(w1, NchwcFilter(Arg(f"pk{len(packs)}", w1, (ecb * b * icb * b,), "float32"), args[w1].name,
                                      ms[1], cin, 1, b, False, b, o_tile))
     packs.setdefault(w2, NchwcFilter(Arg(f"pk{len(packs)}", w2, (ecb * b * kh_n * kw_n,), "float32"), args[w2].name,
                                      ys[1], 1, kh_n * kw_n, b, True, 1))
     ring = f"ring + (ocb * {cols}LL + {pw}LL + q + tj) * {b}LL"
-    expand_row = _Pointwise(b, icb, ecb, packs[w1].arg.name, valid,
+    expand_row = _Pointwise(b, icb, ecb, o_tile, packs[w1].arg.name, valid,
                             (f"{args[x].name} + nb * {icb * h * wd * b}LL + ih * {wd * b}LL", h * wd * b),
                             _lanes_store(_middle(graph, kernel, args, mid, "ih"), ms[1], b, ring))
     e.layouts = layouts
@@ -55,23 +57,23 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
 
     def dw_store(acc: list[str], p: int) -> list[str]:
         return final.tile(acc, 1, p, "cb", "long long ow = q + tj;")
-    dw_row = _DepthwiseRow(b, ecb, (kh_n, kw_n, sw, ow_n, cols), packs[w2].arg.name, dw_store)
-    items = chain_items(graph, dw)
-    lo, hi = items.c_bounds("rb", "blocks")
-    body = [f"for (long long r = 0; r < {n_img}LL * blocks; ++r) {{",
-            "    long long nb = r / blocks, rb = r % blocks;",
-            f"    long long oh0 = {lo}, oh1 = {hi};",
+    dw_row = _DepthwiseRow(b, (kh_n, kw_n, sw, ow_n, cols), packs[w2].arg.name, dw_store)
+    lo, hi = items.c_bounds("g", "groups")
+    body = [f"for (long long r = 0; r < {n_img}LL * groups; ++r) {{",
+            "    long long nb = r / groups, g = r % groups;",
+            f"    long long t0 = {lo}, t1 = {hi};  /* the item's tiles of expanded blocks */",
+            f"    long long c0 = t0 * {o_tile}LL, c1 = t1 * {o_tile}LL < {ecb}LL ? t1 * {o_tile}LL : {ecb}LL;",
             "    " + scratch("cbuf", f"{(kh_n + 1) * row}LL"),
             f"    float* zero = cbuf + {kh_n * row}LL;  /* the rows above and below the input */",
             f"    for (long long q = 0; q < {row}LL; ++q) zero[q] = 0.0f;",
             f"    for (long long s = 0; s < {kh_n}LL; ++s)",
-            f"        for (long long c = 0; c < {ecb}LL; ++c) {{",
+            "        for (long long c = c0; c < c1; ++c) {",
             f"            float* rr = cbuf + s * {row}LL + c * {cols * b}LL;",
             f"            for (long long q = 0; q < {pw * b}LL; ++q) rr[q] = 0.0f;",
             f"            for (long long q = {(pw + valid) * b}LL; q < {cols * b}LL; ++q) rr[q] = 0.0f;",
             "        }",
-            f"    long long done = oh0 * {sh}LL - {ph}LL - 1;  /* the last expanded row in the ring */",
-            "    for (long long oh = oh0; oh < oh1; ++oh) {",
+            f"    long long done = -{ph}LL - 1;  /* the last expanded row in the ring */",
+            f"    for (long long oh = 0; oh < {ys[2]}LL; ++oh) {{",
             f"        const float* rows[{kh_n}];",
             f"        for (long long kh = 0; kh < {kh_n}LL; ++kh) {{",
             f"            long long ih = oh * {sh}LL - {ph}LL + kh;",
@@ -86,7 +88,7 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
             "    }",
             "}"]
     return [f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), may_alias));",
-            *_vector_fma(b), f"    long long nt = fs_threads(), blocks = {items.c_blocks('nt')};",
+            *_vector_fma(b), f"    long long nt = fs_threads(), groups = {items.c_groups('nt')};",
             f"    {OMP_FOR}\n" + _indent(body, 1)]
 
 
@@ -129,20 +131,22 @@ class _Pointwise:
     """C of a 1x1 conv over one row of `count` pixels: tiles of `nchwc_tile` output blocks x
     `nchwc_pixels` pixels (`spans`) over `icb` input blocks of the row `src` = (C of its block 0,
     pixel 0; floats between two of its blocks), each input lane one broadcast against the tile's
-    filter vectors (`wp`, packed as `base.NchwcFilter` with the tile); `store(acc, o, p, ocb0)`
+    filter vectors (`wp`, packed as `base.NchwcFilter` with the tiles of `o_tile`); `store(acc, o, p, ocb0)`
     the C storing a tile's sums (block ocb0 + i, pixel q + j at acc[i * p + j])."""
 
-    def __init__(self, b: int, icb: int, ocb: int, wp: str, count: int, src: tuple[str, int], store) -> None:
-        self.b, self.icb, self.ocb, self.wp, self.count, (self.src, self.stride), self.store = (
-            b, icb, ocb, wp, count, src, store)
-        self.o_tile = min(nchwc_tile(b, False, ocb), ocb)
+    def __init__(self, b: int, icb: int, ocb: int, o_tile: int, wp: str, count: int, src: tuple[str, int],
+                 store) -> None:
+        self.b, self.icb, self.ocb, self.o_tile, self.wp, self.count, (self.src, self.stride), self.store = (
+            b, icb, ocb, o_tile, wp, count, src, store)
 
     def lines(self) -> list[str]:
+        """The tiles t0..t1 of output blocks (C expressions in scope), the last one the blocks left."""
         full, rest = divmod(self.ocb, self.o_tile)
-        out = [f"const float* xr = {self.src};", f"for (long long ot = 0; ot < {full}LL; ++ot) {{",
+        out = [f"const float* xr = {self.src};",
+               f"for (long long ot = t0; ot < (t1 < {full}LL ? t1 : {full}LL); ++ot) {{",
                *["    " + x_ for x_ in self._blocks(self.o_tile, f"ot * {self.o_tile}LL")], "}"]
         if rest:
-            out += ["{", *["    " + x_ for x_ in self._blocks(rest, f"{full * self.o_tile}LL")], "}"]
+            out += [f"if (t1 > {full}LL) {{", *["    " + x_ for x_ in self._blocks(rest, f"{full * self.o_tile}LL")], "}"]
         return ["{", *["    " + x_ for x_ in out], "}"]
 
     def _blocks(self, o: int, ocb0: str) -> list[str]:
@@ -169,16 +173,16 @@ class _Pointwise:
 
 class _DepthwiseRow:
     """C computing the depthwise conv's output row `oh` of image `nb` from the ring rows
-    `rows[kh]`: per channel block `cb`, tiles of its pixels (`nchwc_pixels`) over its taps, a
+    `rows[kh]`: per channel block `cb` of the item's c0..c1, tiles of its pixels (`nchwc_pixels`) over its taps, a
     filter vector per tap against each pixel's input vector; `store(acc, p)` the C storing a
     tile's sums (the epilogue and the outputs)."""
 
-    def __init__(self, b: int, ecb: int, geometry, wp: str, store) -> None:
-        self.b, self.ecb, self.wp, self.store = b, ecb, wp, store
+    def __init__(self, b: int, geometry, wp: str, store) -> None:
+        self.b, self.wp, self.store = b, wp, store
         self.kh_n, self.kw_n, self.sw, self.ow_n, self.cols = geometry
 
     def lines(self) -> list[str]:
-        return [f"for (long long cb = 0; cb < {self.ecb}LL; ++cb) {{",
+        return ["for (long long cb = c0; cb < c1; ++cb) {",
                 f"    const float* wq = {self.wp} + cb * {self.kh_n * self.kw_n * self.b}LL;",
                 *["    " + x_ for x_ in spans(self.ow_n, nchwc_pixels(self.b, 1, True), self._tile)], "}"]
 
