@@ -668,18 +668,11 @@ class ChainItems:
         return min(t1 * self.o_tile, self.channel_blocks) - t0 * self.o_tile
 
     def imbalance(self, threads: int) -> float:
-        """The busiest thread's blocks over an even share (OpenMP's static schedule, as `NchwcItems`)."""
+        """The busiest thread's blocks over an even share (`static_imbalance`)."""
         if threads <= 1:
             return 1.0
         groups = self.groups(threads)
-        work = [self.blocks(r % groups, groups) for r in range(self.images * groups)]
-        q, extra = divmod(len(work), threads)
-        loads, r = [], 0
-        for k in range(threads):
-            take = q + (k < extra)
-            loads.append(sum(work[r:r + take]))
-            r += take
-        return max(1.0, max(loads) * threads / sum(work))
+        return static_imbalance([self.blocks(r % groups, groups) for r in range(self.images * groups)], threads)
 
 
 def chain_items(graph: Graph, chain: Chain, block: int) -> ChainItems:
@@ -967,19 +960,24 @@ class NchwcItems:
         return (hi - lo) * self.row_pixels * (self.rest if self.rest and t == self.tiles - 1 else self.o_tile)
 
     def imbalance(self, threads: int) -> float:
-        """The busiest thread's work over an even share (>= 1, `KernelSpec.imbalance`): thread k of
-        T takes the k-th contiguous share of the items (the first n mod T one item more, as
-        OpenMP's static schedule deals them); 1 at one thread."""
+        """The busiest thread's work over an even share (>= 1, `KernelSpec.imbalance`,
+        `static_imbalance`); 1 at one thread."""
         if threads <= 1:
             return 1.0
-        n = self.count(threads)
-        q, extra = divmod(n, threads)
-        loads, r = [], 0
-        for k in range(threads):
-            take = q + (k < extra)
-            loads.append(sum(self.work(i, threads) for i in range(r, r + take)))
-            r += take
-        return max(1.0, max(loads) * threads / sum(loads))
+        return static_imbalance([self.work(i, threads) for i in range(self.count(threads))], threads)
+
+
+def static_imbalance(work: Sequence[float], threads: int) -> float:
+    """The busiest thread's share of the items' `work` over an even share (>= 1): thread k of T
+    takes the k-th contiguous share of the items, the first n mod T one item more, as OpenMP's
+    static schedule deals them."""
+    q, extra = divmod(len(work), threads)
+    loads, r = [], 0
+    for k in range(threads):
+        take = q + (k < extra)
+        loads.append(sum(work[r:r + take]))
+        r += take
+    return max(1.0, max(loads) * threads / sum(work))
 
 
 def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape: Sequence[int],
