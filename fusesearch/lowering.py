@@ -7,9 +7,9 @@ OPAQUE op alone → `opaque` (a library call); one anchor → `conv`, `depthwise
 (`schedule.depthwise_conv`, `schedule.disjoint_windows`) or `gemm`, with prologue/epilogue (a row
 Softmax included); REDUCE without anchor → `rowwise`; the rest `pointwise`. `choices` lists every
 `Schedule` (default first; `host=True` for CPU products and splits), the search keeps the cheapest
-(`costing.cheapest`); `nchwc_choices` lists the blocked-layout form apart. Traffic is compulsory
-(blocked tensors with their padding; a Gather table costs its rows); prologues are charged per
-reload, ops under a pool per tap (`_window_recompute`); a lone view is a zero-cost alias.
+(`costing.cheapest`); `nchwc_choices` the blocked form apart (two anchors: a chain, blocked only,
+`schedule.anchor_chain`). Traffic is compulsory (blocked tensors padded; a Gather table its rows);
+prologues charged per reload, ops under a pool per tap; a lone view is a zero-cost alias.
 Invariants: a Kernel's `nodes` are in topological order; `inputs`/`outputs` are distinct and in
 first-use order; the same group always lowers to the same Kernel; a pool the generator does not
 take is refused (it runs alone, opaque)."""
