@@ -51,7 +51,7 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
     ring = f"ring + (ocb * {cols}LL + {pw}LL + q + tj) * {b}LL"
     expand_row = _Pointwise(b, icb, ecb, o_tile, packs[w1].arg.name, valid,
                             (f"{args[x].name} + nb * {icb * h * wd * b}LL + ih * {wd * b}LL", h * wd * b),
-                            _lanes_store(_middle(graph, kernel, args, mid, "ih"), ms[1], b, ring))
+                            _lanes_store(_middle(graph, kernel, args, mid), ms[1], b, ring))
     e.layouts = layouts
     final = _Epilogue(e, outs, ys[1], b)
 
@@ -92,15 +92,15 @@ def chain_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, packs:
             f"    {OMP_FOR}\n" + _indent(body, 1)]
 
 
-def _middle(graph: Graph, kernel: Kernel, args, tensor: str, row: str) -> list[str]:
+def _middle(graph: Graph, kernel: Kernel, args, tensor: str) -> list[str]:
     """C of lane `l` of the value of `tensor` (what the depthwise conv reads) at block `ocb`, row
-    `row`, pixel q + tj of image nb, from the 1x1 conv's sum `fs_a[l]` through the ops between
+    `ih`, pixel q + tj of image nb, from the 1x1 conv's sum `fs_a[l]` through the ops between
     them, stored at rp[l]."""
     e = _Emitter(graph, kernel, args)
     e.channel_split = {"co": ("ocb", "l")}
     e.acc_value = "fs_a[l]"
     e.push()
-    v = e.value(tensor, ("nb", "co", row, "q + tj"))
+    v = e.value(tensor, ("nb", "co", "ih", "q + tj"))
     body = [f"long long co = ocb * {kernel.schedule.layout_out.block}LL + l;", *e.lines, f"rp[l] = {v};"]
     e.pop()
     return body
