@@ -19,7 +19,14 @@ from fusesearch.layout import Layout
 from fusesearch.lowering import choices, nchwc_choices
 from fusesearch.pipeline import prepare
 from fusesearch.run import run_plan
-from fusesearch.schedule import CHAIN, CHAIN_FILTER_FLOATS, ChainItems, CpuTarget, anchor_chain
+from fusesearch.schedule import (
+    CHAIN,
+    CHAIN_FILTER_FLOATS,
+    ChainItems,
+    CpuTarget,
+    anchor_chain,
+    chain_items,
+)
 from fusesearch.verify import all_values, random_feeds
 from tests.backends.test_cpu_nchwc import _runs_blocked
 from tests.conftest import make_model, save
@@ -91,6 +98,11 @@ def test_a_chain_equals_onnx_runtime_in_its_layout(tmp_path, name, lanes):
     assert not {"e", "m", "d"} & {*kernel.inputs, *kernel.outputs}
     gk = _runs_blocked(graph, kernel, values)
     assert [a.tensor for a in gk.inputs if len(a.shape) == 5] == ["x", *(["r"] if residual else [])]
+    # the source runs the items and tiles the price was computed with (`schedule.ChainItems`)
+    items = chain_items(graph, anchor_chain(graph, group.nodes), lanes)
+    assert f"groups = {items.c_groups('nt')};" in gk.c_source
+    assert f"for (long long ot = t0; ot < (t1 < {items.channel_blocks // items.o_tile}LL" in gk.c_source
+    assert [p.tile for p in gk.packed] == [items.o_tile, 1]
     assert not choices(graph, group), "two anchors have no NCHW form"
 
 
