@@ -14,10 +14,11 @@ beside each kernel, `measure`'s time for the same kernel alone (its median, inte
 `--baseline generated`, so a lone conv or GEMM is our kernel there too, as in the program, not
 ONNX Runtime's) and the cost model's prediction; then the totals: the program's wall time and ONNX
 Runtime's (median, p20-p80), the sum of its kernels inside it (a mean: the C clock sums each call
-over the rounds), the sum alone and the prediction, all one thread.
+over the rounds), the sum alone and the prediction, all one thread (`--threads N`: the plan priced for and run with N,
+ONNX Runtime with N; the kernels alone are timed at OMP_NUM_THREADS's count, so set it to N too).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_program.py [--models resnet18,bert-small]
-        [--runs 20] [--top 12]
+        [--runs 20] [--top 12] [--threads 1]
 """
 
 from __future__ import annotations
@@ -38,16 +39,16 @@ from fusesearch.run import Program, plan_steps
 from fusesearch.verify import random_feeds, session, session_feeds
 
 
-def one_model(name: str, runs: int, top: int) -> None:
+def one_model(name: str, runs: int, top: int, threads: int) -> None:
     prep = prepare(f"zoo:{name}")
-    plan = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep)
-    unfused = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep)
+    plan = make_plan(f"zoo:{name}", device="host", strategy="cpsat", prepared=prep, threads=threads)
+    unfused = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep, threads=threads)
     canonical = to_proto(prep.canonical)
     weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
     feeds = random_feeds(canonical, 0)
-    program = Program(prep.graph, canonical, plan_steps(prep.graph, plan), weights, 1, profile=True)
+    program = Program(prep.graph, canonical, plan_steps(prep.graph, plan), weights, threads, profile=True)
     program.set_inputs(feeds)
-    ort = session(canonical, threads=1, optimize=True)
+    ort = session(canonical, threads=threads, optimize=True)
     names, ort_feeds = [o.name for o in ort.get_outputs()], session_feeds(ort, feeds)
     for _ in range(3):  # warm-up: weights packed, scratch allocated
         program.run()
@@ -91,10 +92,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet18,bert-small")
     parser.add_argument("--runs", type=int, default=20, help="timed rounds of the program and ONNX Runtime")
+    parser.add_argument("--threads", type=int, default=1, help="the plan priced for and run with these "
+                        "OpenMP threads, ONNX Runtime with as many")
     parser.add_argument("--top", type=int, default=12, help="kernels listed, the slowest inside the program first")
     args = parser.parse_args()
     for name in args.models.split(","):
-        one_model(name.strip(), args.runs, args.top)
+        one_model(name.strip(), args.runs, args.top, args.threads)
 
 
 if __name__ == "__main__":

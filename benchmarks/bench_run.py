@@ -4,8 +4,9 @@ printed, targets reported, not asserted).
 For each zoo model at its default dims (seq 128 where it has one): the plan (strategy, default
 cpsat on the `host` device) and the unfused graph run as programs (`fusesearch.run`), checked
 against ONNX Runtime, then timed with ONNX Runtime at ORT_ENABLE_ALL, ORT_ENABLE_EXTENDED (its
-fusions without the NCHWc layout transformer) and ORT_DISABLE_ALL, all on one thread, their rounds
-interleaved; each figure is printed as median (p20-p80), with the machine, and the plan's time
+fusions without the NCHWc layout transformer) and ORT_DISABLE_ALL, their rounds
+interleaved (`--threads`: the plans priced for that many threads and run with them, ONNX Runtime with as
+many intra-op threads); each figure is printed as median (p20-p80), with the machine, and the plan's time
 over ONNX Runtime ENABLE_ALL's round by round (`RunReport.paired`: median (p20-p80) of the
 per-round ratios, which a shared machine's slow drifts stretch less than either figure; '~'
 where that range holds 1: not distinguishable).
@@ -70,8 +71,8 @@ def main() -> None:
         try:
             prep = prepare(f"zoo:{name}")
             p = make_plan(f"zoo:{name}", device="host", strategy=args.strategy, prepared=prep,
-                          time_limit_s=args.time_limit)
-            none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep)
+                          time_limit_s=args.time_limit, threads=args.threads)
+            none = make_plan(f"zoo:{name}", device="host", strategy="none", prepared=prep, threads=args.threads)
             r = run_plan(prep, p, none, threads=args.threads, repeat=args.repeat, warmup=args.warmup)
         except FusesearchError as exc:
             print(f"{name:<12} FAILED: {exc}")
