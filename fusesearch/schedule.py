@@ -887,9 +887,6 @@ def nchwc_tile(block: int, depthwise: bool, blocks: int) -> int:
 
 NCHWC_SKIP_ROWS_BYTES = 128 << 10  # a strided 1x1 conv's block of rows reads input rows of at most this
 # many bytes (a quarter of a 512 KiB L2, at least one row): the block's input stays cached across its tiles
-NCHWC_GROUP_FILTERS_BYTES = 4 << 20  # filters past this (an L3's share, not an L2) stream from memory at each block
-# of rows that reads them all: such a conv's tiles go in groups (`NchwcItems.group`), each group over all rows
-NCHWC_GROUP_BYTES = 256 << 10  # a group's filters at most: half a 512 KiB L2, kept there across the rows
 NCHWC_RUN_PIXELS = 48  # pixels a block of output rows holds at least (whole rows): several tiles per block,
 # so each slice of filters a tile streams serves them all
 
@@ -900,9 +897,7 @@ class NchwcItems:
     (`codegen.cpu_conv_nchwc.nchwc_loops`): images x `blocks(T)` blocks of output rows x `tiles`
     tiles of `o_tile` output-channel blocks (the last tile `rest` blocks where they do not
     divide), item r = ((image, row block), tile) in that order, in contiguous shares (OpenMP's
-    static schedule: each thread's rows stay together, its input rows read by it alone); filters
-    too large to stay cached across the blocks (`group`, `_filter_group`) go in groups of tiles
-    outermost, r = (image, group, row block, tile of the group) (`order`). The
+    static schedule: each thread's rows stay together, its input rows read by it alone). The
     row blocks: `rows` rows each at least (a block's pixels serve each filter slice a tile
     streams), their count cut to a multiple of the T threads where there are T or more, their
     bounds OH - (count - k) x OH / count (sizes one apart, the larger first: the first thread,
@@ -916,30 +911,6 @@ class NchwcItems:
     rows: int
     o_tile: int
     channel_blocks: int
-    group: int = 0  # tiles per filter group, dividing `tiles` (0: all of them, one group)
-
-    @property
-    def per_group(self) -> int:
-        return self.group or self.tiles
-
-    @property
-    def groups(self) -> int:
-        return self.tiles // self.per_group
-
-    def order(self, r: int, threads: int) -> tuple[int, int, int]:
-        """Item r's (image, row block, tile) at `threads` threads: images, filter groups, row
-        blocks, the group's tiles, outermost first."""
-        blocks, g = self.blocks(threads), self.per_group
-        per = blocks * g
-        return r // (self.groups * per), r // g % blocks, r // per % self.groups * g + r % g
-
-    def c_order(self, r: str, blocks: str) -> tuple[str, str, str]:
-        """`order` as C expressions of the item `r` and the row blocks `blocks`."""
-        g, per = f"{self.per_group}LL", f"({blocks} * {self.per_group}LL)"
-        if self.groups == 1:
-            return f"{r} / {per}", f"{r} / {g} % {blocks}", f"{r} % {g}"
-        return (f"{r} / ({self.groups}LL * {per})", f"{r} / {g} % {blocks}",
-                f"{r} / {per} % {self.groups}LL * {g} + {r} % {g}")
 
     @property
     def least_blocks(self) -> int:
@@ -984,7 +955,7 @@ class NchwcItems:
     def work(self, r: int, threads: int) -> int:
         """Item r's output pixels x output-channel blocks at `threads` threads."""
         blocks = self.blocks(threads)
-        _, rb, t = self.order(r, threads)
+        rb, t = r // self.tiles % blocks, r % self.tiles
         lo, hi = self.bounds(rb, blocks)
         return (hi - lo) * self.row_pixels * (self.rest if self.rest and t == self.tiles - 1 else self.o_tile)
 
@@ -1036,18 +1007,7 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
         read = NCHWC_SKIP_ROWS_BYTES // (4 * -(-in_shape[1] // block) * block * in_shape[3])  # input rows, all channels
         rows = max(1, min(rows, (read - window[0]) // window[2] + 1))  # (rows - 1) x stride + kh input rows
     o_tile = ocb if depthwise else min(nchwc_tile(block, depthwise, ocb), ocb)
-    return NchwcItems(n, oh, ow, rows, o_tile, ocb, 0 if depthwise else _filter_group(
-        4 * ocb * block * in_shape[1] * window[0] * window[1], -(-ocb // o_tile), -(-oh // rows)))
-
-
-def _filter_group(filter_bytes: int, tiles: int, blocks: int) -> int:
-    """`NchwcItems.group`: 0 (one group, every block of rows streaming all the filters) unless
-    the filters pass NCHWC_GROUP_FILTERS_BYTES and the rows lie in several blocks; then the most
-    tiles, dividing them, whose filters fit NCHWC_GROUP_BYTES, at least one."""
-    if filter_bytes <= NCHWC_GROUP_FILTERS_BYTES or blocks <= 1:
-        return 0
-    tile = filter_bytes // tiles
-    return max(g for g in range(1, tiles + 1) if tiles % g == 0 and (g == 1 or g * tile <= NCHWC_GROUP_BYTES))
+    return NchwcItems(n, oh, ow, rows, o_tile, ocb)
 
 
 TILE_EPILOGUE_LANES = 16  # the tile epilogue is written for AVX-512's 16 floats a vector (FS_TILE_EPI)

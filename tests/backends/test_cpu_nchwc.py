@@ -586,50 +586,6 @@ def test_a_strided_1x1_convs_blocks_of_rows_read_a_bounded_input():
     assert (plain.rows, plain.least_blocks) == (14, 1)
 
 
-def test_filters_past_a_cache_go_in_groups_of_tiles_each_over_all_rows():
-    """resnet50's 1024 -> 2048 downsampling conv (stride 2, 14 -> 7 pixels a side): 8 MiB of
-    filters, past NCHWC_GROUP_FILTERS_BYTES, over 7 blocks of one row. In one group each block
-    would stream all of them (and two threads' 6 blocks split 4 rows and 3: 8/7); in groups of 4
-    tiles (4 x 64 KiB within NCHWC_GROUP_BYTES) each group reads its filters once over all rows,
-    the threads take whole groups (imbalance 1), and `order` visits every (image, block, tile)
-    once, the groups outermost. resnet50's other convs keep one group: their filters fit, or one
-    block holds all their rows."""
-    from fusesearch.schedule import NCHWC_GROUP_BYTES, NCHWC_GROUP_FILTERS_BYTES
-
-    items = nchwc_items(8, False, (1, 1024, 14, 14), (1, 2048, 7, 7), (1, 1, 2, 2), False)
-    assert 2048 * 1024 * 4 > NCHWC_GROUP_FILTERS_BYTES and 4 * 16 * 1024 * 4 <= NCHWC_GROUP_BYTES < 5 * 16 * 1024 * 4
-    assert (items.tiles, items.least_blocks, items.per_group, items.groups) == (128, 7, 4, 32)
-    assert items.imbalance(2) == 1.0
-    assert replace(items, group=0).imbalance(2) == pytest.approx(8 / 7)
-    for threads in (1, 2, 3):
-        seen = [items.order(r, threads) for r in range(items.count(threads))]
-        assert sorted(seen) == [(0, b, t) for b in range(items.blocks(threads)) for t in range(128)]
-        assert [t // 4 for _, _, t in seen] == sorted(t // 4 for _, _, t in seen)  # groups outermost
-    assert nchwc_items(8, False, (1, 512, 7, 7), (1, 512, 7, 7), (3, 3, 1, 1), True).group == 0  # one block
-    assert nchwc_items(8, False, (1, 512, 28, 28), (1, 1024, 14, 14), (1, 1, 2, 2), False).group == 0  # 2 MiB
-
-
-@needs_cc
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_conv_in_groups_of_tiles_equals_onnx_runtime(tmp_path, monkeypatch, threads):
-    """The grouped order in C (`NchwcItems.c_order`) with the thresholds lowered so a small
-    strided 1x1 conv (64 -> 96 channels, 4 KiB of filters a tile of 2 blocks) goes in groups of 2
-    of its 6 tiles over 7 blocks of one row: equal to ONNX Runtime at one and two threads."""
-    import fusesearch.schedule as schedule
-    from fusesearch.backends.cpu import openmp_threads
-
-    monkeypatch.setattr(schedule, "NCHWC_GROUP_FILTERS_BYTES", 1 << 10)
-    monkeypatch.setattr(schedule, "NCHWC_GROUP_BYTES", 8 << 10)
-    monkeypatch.setattr(schedule, "NCHWC_SKIP_ROWS_BYTES", 8 << 10)
-    graph, values = _conv_group(tmp_path, [1, 64, 14, 14], 96, 1, 2, act="Relu")
-    items = nchwc_items(8, False, (1, 64, 14, 14), (1, 96, 7, 7), (1, 1, 2, 2), False)
-    assert (items.tiles, items.per_group, items.least_blocks) == (6, 2, 7)
-    kernel = nchwc_choices(graph, _whole(graph), replace(AVX2, threads=threads))[0]  # at the target's threads
-    with openmp_threads(threads):
-        gk = _runs_blocked(graph, kernel, values)
-    assert "r / (3LL * (blocks * 2LL))" in gk.c_source
-
-
 def test_a_tile_of_few_sums_splits_its_work_into_chains():
     """FMA_CHAINS independent sums keep the FMA units busy: a dense tile of fewer splits its input
     lanes into chains (2 blocks x 1 pixel: 4 chains; 2 x 2: 2; 2 x 6: none), as many as divide

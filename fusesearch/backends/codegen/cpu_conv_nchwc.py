@@ -3,8 +3,9 @@
 Problem: in NCHW a conv's lanes run along short pixel rows and a depthwise conv has no long
 contiguous axis; NCHWc keeps a block of output channels in each vector register instead.
 Approach (a direct conv as MLAS's and oneDNN's NCHWc kernels): filters packed once in the order the
-tile reads them (`base.NchwcFilter`); work items (`schedule.NchwcItems`: images x blocks of
-output rows x tiles of output blocks, large filters' tiles in groups outermost) in contiguous shares; per item the input blocks in passes of `schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf),
+tile reads them (`base.NchwcFilter`); work items (`schedule.NchwcItems`: images x blocks of output
+rows, a multiple of the threads, x tiles of output blocks) in contiguous shares; per item the
+input blocks in passes of `schedule.nchwc_chunk` (the filter slice in L1; partial sums in cbuf),
 register tiles of output blocks x up to `nchwc_pixels` pixels (a span's tiles of sizes one apart),
 one FMA per filter vector (held in a register: `FS_VB_REG`) and broadcast input (`FS_VB_FMA`); a
 tile's last pass runs the epilogue on its sums in registers, one store per output. Padded inputs are read where they lie
@@ -100,9 +101,8 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     # the row blocks cut to a multiple of the team at run time, their bounds (`NchwcItems.blocks`, `bounds`)
     share = [f"long long nt = fs_threads(), blocks = {items.c_blocks('nt')};", f"long long per = blocks * {tiles}LL;"]
     lo, hi = items.c_bounds("rb", "blocks")
-    nb, rb, ot = items.c_order("r", "blocks")
     body = [f"for (long long r = 0; r < {ys[0]}LL * per; ++r) {{",
-            f"    long long nb = {nb}, rb = {rb}, ot = {ot};",
+            f"    long long nb = r / per, rb = r / {tiles}LL % blocks, ot = r % {tiles}LL;",
             f"    long long oh0 = {lo}, oh1 = {hi};",
             *(["    " + scratch("cbuf", f"{o_tile * geo.pixels * b}LL")] if geo.chunk(o_tile) < icb else []),
             *([f"    if (ot < {full}LL) {{"] if rest else ["    {"]),
