@@ -25,8 +25,11 @@ many MiB is summed before every sample, so each run finds its weights and inputs
 caches (256: from memory), as a kernel inside a whole program does after the rest of the model
 and ONNX Runtime ran (`bench_program.py`), not in the cache as when it runs many times in a row.
 
+With `--program` (CONSTANTS variants only) the group is timed inside the model's whole program
+instead, one program per variant, the order rotated each round (`run_program`).
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ab_group.py benchmarks/variants/gelu_epilogue.py
-        [--rounds 7] [--budget 0.3] [--flush MIB] [--check: only that every edit still applies]
+        [--rounds 7] [--budget 0.3] [--flush MIB] [--program] [--check: only that every edit still applies]
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ import argparse
 import re
 import statistics
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from costmodels.devices import host_cpu
 from fusesearch import schedule
@@ -190,6 +195,62 @@ def run_group(spec: dict, model: str, nodes, args) -> None:
               f"rounds {min(ratios):.3f}-{max(ratios):.3f}); base median {statistics.median(t[0] for t in rounds):.1f} us")
 
 
+def run_program(spec: dict, model: str, nodes, args) -> None:
+    """`--program`: the model's whole cpsat plan for this host (at OMP_NUM_THREADS's threads) built
+    as one program per CONSTANTS variant (every kernel generated under them), each checked against
+    ONNX Runtime, then run once a round in an order rotated each round (a program run first in
+    every round after ONNX Runtime's memory traffic, or after its own twin, would carry that
+    place's bias); per variant the named group's time inside the program (its C clock: where its
+    weights come from memory as the model runs) and the program's wall time, medians, and each
+    over the base's in the same round (median, p20-p80)."""
+    from fusesearch.api import plan as make_plan
+    from fusesearch.run import Program, plan_steps
+
+    if spec.get("VARIANTS"):
+        raise VariantError("--program times CONSTANTS variants only (a whole program is generated under each)")
+    prep = prepare(f"zoo:{model}")
+    threads = host_cpu().sm_count
+    plan = make_plan(f"zoo:{model}", device="host", strategy="cpsat", prepared=prep, threads=threads)
+    ids = {node.name: node.id for node in prep.graph.nodes}
+    if any(name not in ids for name in nodes):
+        raise VariantError(f"{model} has no node {next(n for n in nodes if n not in ids)} (NODES or GROUPS names the group's nodes)")
+    group = next((g.id for g in plan.groups if ids[nodes[0]] in g.nodes), None)
+    canonical = to_proto(prep.canonical)
+    feeds = random_feeds(canonical, 0)
+    values = all_values(canonical, feeds)
+    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    programs = {}
+    for label, consts in {"base": {}, **spec.get("CONSTANTS", {})}.items():
+        with constants(consts):
+            programs[label] = Program(prep.graph, canonical, plan_steps(prep.graph, plan), weights, threads, profile=True)
+        err = max_rel_err(programs[label](feeds), values)
+        print(f"  {label}: the program's error against ONNX Runtime {err:.1e}")
+        if err > CHECK:
+            sys.exit(f"variant '{label}' is wrong (error {err:.1e} > {CHECK})")
+    labels = list(programs)
+    for program in programs.values():
+        program.run()
+        program.kernel_seconds(reset=True)
+    wall: dict[str, list[float]] = {label: [] for label in labels}
+    inside: dict[str, list[float]] = {label: [] for label in labels}
+    for r in range(args.rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            start = time.perf_counter()
+            programs[label].run()
+            wall[label].append(time.perf_counter() - start)
+            inside[label].append(programs[label].kernel_seconds(reset=True).get(group, 0.0))
+    print(f"{model}, the group of {nodes[0]} (g{group}) in its {threads}-thread program, {args.rounds} rounds, "
+          "the order rotated each round:")
+    def spread(xs: list[float]) -> str:
+        return f"{np.percentile(xs, 50):.3f}x (p20-p80 {np.percentile(xs, 20):.3f}-{np.percentile(xs, 80):.3f})"
+
+    for label in labels:
+        mine = [a / b for a, b in zip(inside[label], inside["base"], strict=True)]
+        ratios = [a / b for a, b in zip(wall[label], wall["base"], strict=True)]
+        print(f"  {label}: group {statistics.median(inside[label]) * 1e6:.1f} us inside, per round {spread(mine)} "
+              f"the base's; program {statistics.median(wall[label]) * 1e3:.3f} ms, per round {spread(ratios)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("variants", type=Path, help="a variant file (benchmarks/variants/*.py)")
@@ -198,11 +259,13 @@ def main() -> None:
     parser.add_argument("--flush", type=int, default=0, metavar="MIB",
                         help="sum a buffer of MIB MiB before every sample: the group's data evicted from the caches")
     parser.add_argument("--check", action="store_true", help="only check that every edit still applies")
+    parser.add_argument("--program", action="store_true",
+                        help="the group inside the model's whole program, one program per CONSTANTS variant")
     args = parser.parse_args()
     try:
         spec = load_variants(args.variants)
         for model, nodes in groups(spec):
-            run_group(spec, model, nodes, args)
+            (run_program if args.program else run_group)(spec, model, nodes, args)
     except VariantError as exc:  # one line, exit code 2: the file does not fit this generator
         print(f"{args.variants}: {exc}", file=sys.stderr)
         sys.exit(2)
