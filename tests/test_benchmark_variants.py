@@ -66,3 +66,11 @@ def test_a_constants_variant_names_constants_the_schedule_has(tmp_path):
 def test_an_edit_that_no_longer_matches_is_refused():
     with pytest.raises(AB.VariantError, match="the generator changed"):
         AB.edited(("int x;", "int y;"), [(r"fs_erff\(", "(")], "erf taken out")
+
+
+def test_program_mode_takes_constants_variants_only():
+    """`--program` generates the whole program under each variant: a file of text edits (which
+    name one group's source) is refused in one line before anything is built."""
+    spec = AB.load_variants(ROOT / "benchmarks" / "variants" / "gelu_epilogue.py")
+    with pytest.raises(AB.VariantError, match="--program times CONSTANTS variants only"):
+        AB.run_program(spec, *AB.groups(spec)[0], None)
