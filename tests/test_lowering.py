@@ -110,6 +110,8 @@ def test_gemm_with_softmax_epilogue_tiles_the_row():
     (("a", "loop"), "opaque"),
 ])
 def test_refusals_carry_reasons(nodes_names, needle):
+    from fusesearch.ir.canonicalize import UNROLL_MAX_TRIPS
+
     body = helper.make_graph(
         [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Neg", ["v_in"], ["v_out"])],
         "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
@@ -122,7 +124,7 @@ def test_refusals_carry_reasons(nodes_names, needle):
              helper.make_node("MatMul", ["b", "W"], ["c0"], name="mm2"),
              helper.make_node("Abs", ["c0"], ["c"], name="c"),
              helper.make_node("Loop", ["trip", "", "a"], ["l"], body=body, name="loop")]
-    inits = [("W", np.eye(4, dtype=np.float32)), ("trip", np.array(2, np.int64))]
+    inits = [("W", np.eye(4, dtype=np.float32)), ("trip", np.array(UNROLL_MAX_TRIPS + 1, np.int64))]  # not unrolled
     g = graph_of(nodes, [("x", [4, 4])], [("c", None), ("l", None)], inits, opset=13)
     decision = try_lower(g, group(g, *nodes_names))
     assert isinstance(decision, FusionDecision) and needle in decision.reason

@@ -47,10 +47,11 @@ def mlp():
 
 
 def with_if():
-    """Relu, then an If on the sign of its sum (then: *2, else: negate, both capturing r), then Tanh."""
+    """Relu, then an If on the sign of its sum (then: *2, else: a Softmax, which keeps it an If run by ONNX
+    Runtime; both capturing r), then Tanh."""
     then = helper.make_graph([helper.make_node("Mul", ["r", "two"], ["a"], name="then_mul")], "then", [],
                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [8, 16])])
-    other = helper.make_graph([helper.make_node("Neg", ["r"], ["b"], name="else_neg")], "else", [],
+    other = helper.make_graph([helper.make_node("Softmax", ["r"], ["b"], name="else_softmax")], "else", [],
                               [helper.make_tensor_value_info("b", TensorProto.FLOAT, [8, 16])])
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
              helper.make_node("ReduceSum", ["r"], ["s"], name="sum", keepdims=0),
@@ -63,10 +64,10 @@ def with_if():
 
 
 def lone_if():
-    """Only an If: a plan with no generated kernel at all."""
+    """Only an If (a Softmax branch: run by ONNX Runtime): a plan with no generated kernel at all."""
     then = helper.make_graph([helper.make_node("Relu", ["x"], ["a"], name="then_relu")], "then", [],
                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 4])])
-    other = helper.make_graph([helper.make_node("Neg", ["x"], ["b"], name="else_neg")], "else", [],
+    other = helper.make_graph([helper.make_node("Softmax", ["x"], ["b"], name="else_softmax")], "else", [],
                               [helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 4])])
     nodes = [helper.make_node("If", ["c"], ["y"], name="choose", then_branch=then, else_branch=other)]
     return make_model(nodes, [("c", [], TensorProto.BOOL), ("x", [4, 4])], [("y", [4, 4])], opset=13)

@@ -65,10 +65,11 @@ def dense_gelu(rows: int = 256, width: int = 128, hidden: int = 512):
 
 
 def dense_if_norm():
-    """MatMul+Add+Relu, then an If on the sign of its sum (an ONNX Runtime step), then a LayerNorm."""
+    """MatMul+Add+Relu, then an If on the sign of its sum (an ONNX Runtime step: a Softmax branch), then a
+    LayerNorm."""
     then = helper.make_graph([helper.make_node("Mul", ["r", "two"], ["a"], name="then_mul")], "then", [],
                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 64])])
-    other = helper.make_graph([helper.make_node("Neg", ["r"], ["b"], name="else_neg")], "else", [],
+    other = helper.make_graph([helper.make_node("Softmax", ["r"], ["b"], name="else_softmax")], "else", [],
                               [helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 64])])
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
              helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),

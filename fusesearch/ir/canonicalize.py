@@ -1,18 +1,18 @@
 """Canonicalize a loaded model to a fixed point, counting what each pass did.
 
 Problem: exporters leave work no kernel should do (Identity, inference Dropout, static Shape
-chains, BatchNormalization after a conv, weights computed at run time); fusion and costs must see
-the graph a good compiler would run.
-Approach: loop over an `onnx_ir.Model`'s main graph until nothing changes: identity, dropout,
-noop_cast, noop_reshape, constant_folding, batchnorm_folding, conv_transpose_to_conv (kernel = stride:
-a 1x1 Conv + DepthToSpace), einsum_to_matmul, matmul_add_to_gemm,
-dead_nodes, then shape inference (`ShapeInferencePass`) and shape completion (running a node once
-on zeros). onnx's reference evaluator computes folded constants; the passes are ours (onnxscript's
-optimizer rewrites inside If/Loop and stops at a size limit, and has no per-pass counts): BN
-folding in float64 where the producer has no other consumer, MatMul+Add→Gemm only where exact.
+chains, BatchNormalization after a conv, weights computed at run time, a small loop); fusion and
+costs must see the graph a good compiler would run.
+Approach: loop over an `onnx_ir.Model`'s main graph until nothing changes: loop_unrolling and
+if_conversion (a Loop of a small constant trip count, an If of a few elementwise ops, inlined),
+identity, dropout, noop_cast, noop_reshape, constant_folding, common_subexpressions,
+batchnorm_folding, conv_transpose_to_conv (kernel = stride: a 1x1 Conv + DepthToSpace),
+einsum_to_matmul, matmul_add_to_gemm, dead_nodes, then shape inference and shape completion
+(running a node once on zeros). onnx's reference evaluator folds constants; the passes are ours:
+BN folding in float64 where the producer has no other consumer, MatMul+Add→Gemm only where exact.
 Invariants: results never change (tests compare ONNX Runtime outputs on every zoo model); graph
-input and output names are kept; If/Loop/Scan and their bodies are never rewritten; node names
-stay unique."""
+input and output names are kept; an If/Loop/Scan body is copied whole or left whole, never
+rewritten inside; node names stay unique."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def canonicalize(model: ir.Model) -> tuple[ir.Model, dict[str, int]]:
     counts: Counts = Counter()
     opset = model.opset_imports.get("", 21)
     passes: list[Callable[[ir.Graph, int], int]] = [
-        remove_identity, remove_dropout, remove_noop_cast, remove_noop_reshape,
-        fold_constants, fold_batchnorm, conv_transpose_to_conv, einsum_to_matmul, matmul_add_to_gemm,
-        remove_dead_nodes,
+        unroll_loops, if_to_where, remove_identity, remove_dropout, remove_noop_cast, remove_noop_reshape,
+        fold_constants, merge_duplicates, fold_batchnorm, conv_transpose_to_conv, einsum_to_matmul,
+        matmul_add_to_gemm, remove_dead_nodes,
     ]
     counts["shapes_completed"] += complete_shapes(model.graph, opset)
     for iteration in range(MAX_ITERATIONS):
@@ -78,7 +78,8 @@ def _pass_name(run: Callable) -> str:
         "fold_batchnorm": "batchnorm_folding", "conv_transpose_to_conv": "conv_transpose_to_conv",
         "einsum_to_matmul": "einsum_to_matmul",
         "matmul_add_to_gemm": "matmul_add_to_gemm",
-        "remove_dead_nodes": "dead_nodes",
+        "remove_dead_nodes": "dead_nodes", "unroll_loops": "loop_unrolling", "if_to_where": "if_conversion",
+        "merge_duplicates": "common_subexpressions",
     }[run.__name__]
 
 
@@ -261,6 +262,181 @@ def _estimated_bytes(node: ir.Node) -> int:
         itemsize = out.dtype.itemsize if out.dtype is not None else 8
         total += int(np.prod(shape, dtype=np.int64)) * int(itemsize)
     return total
+
+
+# -- control flow inlined ---------------------------------------------------------------------
+
+UNROLL_MAX_TRIPS = 16  # a Loop of at most this many iterations, known when the model loads, is unrolled
+UNROLL_MAX_NODES = 512  # ... where its body's nodes times its iterations stay within this
+IF_MAX_NODES = 8  # an If whose branches hold at most this many elementwise nodes each ...
+IF_MAX_ELEMENTS = 1 << 16  # ... and whose outputs hold at most this many elements computes both and selects
+IF_OPS = frozenset({  # floating-point elementwise ops that cannot fail on any input: both branches run
+    "Abs", "Add", "Ceil", "Clip", "Cos", "Div", "Elu", "Erf", "Exp", "Floor", "HardSigmoid", "HardSwish",
+    "Identity", "LeakyRelu", "Log", "Max", "Min", "Mul", "Neg", "Pow", "Reciprocal", "Relu", "Round",
+    "Selu", "Sigmoid", "Sign", "Sin", "Softplus", "Softsign", "Sqrt", "Sub", "Tanh",
+})
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+def _has_subgraph(node: ir.Node) -> bool:
+    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
+
+
+def _inline(graph: ir.Graph, at: ir.Node, body: ir.Graph, mapping: dict, prefix: str) -> None:
+    """Copies of `body`'s nodes inserted before `at`, each input read through `mapping` (a body
+    value to the main graph's; an outer-scope value is read as it is), named `prefix` + the
+    body's name; `mapping` then holds each body output's copy too. The body's weights become
+    weights of the main graph (`mapping` says where one already is)."""
+    for name, value in body.initializers.items():
+        if value not in mapping:
+            mapping[value] = _new_initializer(graph, f"{prefix}{name}", value.const_value.numpy())
+    copies = []
+    for i, node in enumerate(body):
+        attrs = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+        copy = ir.Node(node.domain, node.op_type, [mapping.get(v, v) for v in node.inputs], attributes=attrs,
+                       num_outputs=len(node.outputs), name=f"{prefix}{node.name or f'{node.op_type}{i}'}",
+                       version=node.version)
+        for j, (old, new) in enumerate(zip(node.outputs, copy.outputs, strict=True)):
+            new.name, new.type = f"{prefix}{old.name or f'{i}_{j}'}", old.type
+            mapping[old] = new
+        copies.append(copy)
+    graph.insert_before(at, copies)
+
+
+def _prefix(graph: ir.Graph, node: ir.Node, kind: str) -> str:
+    """A prefix for the copies of `node`'s bodies no name in `graph` starts with."""
+    base = node.name or kind
+    names = {n.name for n in graph} | {v.name for n in graph for v in n.outputs} | set(graph.initializers)
+    k, prefix = 0, f"{base}/"
+    while any(name and name.startswith(prefix) for name in names):
+        k, prefix = k + 1, f"{base}_{k + 1}/"
+    return prefix
+
+
+def _take_over(graph: ir.Graph, at: ir.Node, old: ir.Value, new: ir.Value) -> None:
+    """`old` (an output of `at`, about to go) replaced by `new` through an Identity (its own
+    output keeps a graph output's name; `remove_identity` removes it where it can)."""
+    identity = ir.Node("", "Identity", [new], num_outputs=1, name=f"{at.name or at.op_type}/{old.name}")
+    graph.insert_before(at, identity)
+    _bypass(graph, old, identity.outputs[0])
+
+
+def unroll_loops(graph: ir.Graph, opset: int) -> int:
+    """A Loop whose trip count is a constant of 1..UNROLL_MAX_TRIPS, whose condition is absent or
+    a constant true and stays true (the body passes it through or sets it true), with no
+    subgraph in its body, becomes its body's copies, one per iteration (the iteration number a
+    constant, the carried values threaded through; scan outputs stacked by Unsqueeze + Concat)."""
+    return sum(_unroll(graph, node, opset) for node in _main_nodes(graph, "Loop"))
+
+
+def _stays_true(cond_out: ir.Value, cond_in: ir.Value) -> bool:
+    producer = cond_out.producer()
+    constant = _const(cond_out)
+    if constant is not None:
+        return constant.size == 1 and bool(constant.reshape(()))
+    return cond_out is cond_in or (producer is not None and producer.op_type == "Identity"
+                                   and producer.inputs[0] is cond_in)
+
+
+def _unroll(graph: ir.Graph, loop: ir.Node, opset: int) -> int:
+    trips = _const(loop.inputs[0]) if loop.inputs and loop.inputs[0] is not None else None
+    cond = _const(loop.inputs[1]) if len(loop.inputs) > 1 and loop.inputs[1] is not None else np.array(True)
+    body = loop.attributes["body"].value
+    if trips is None or trips.size != 1 or cond is None or cond.size != 1 or not bool(cond.reshape(())):
+        return 0
+    count, carried = int(trips.reshape(())), len(loop.inputs) - 2
+    if (not 1 <= count <= UNROLL_MAX_TRIPS or count * len(body) > UNROLL_MAX_NODES or any(map(_has_subgraph, body))
+            or not _stays_true(body.outputs[0], body.inputs[1])):
+        return 0
+    state, scans = list(loop.inputs[2:]), [[] for _ in body.outputs[1 + carried:]]
+    prefix = _prefix(graph, loop, "loop")
+    mapping: dict = {body.inputs[1]: _new_initializer(graph, f"{prefix}cond", np.array(True))}
+    for it in range(count):
+        mapping.update({body.inputs[0]: _new_initializer(graph, f"{prefix}iteration{it}", np.array(it, np.int64))})
+        mapping.update(zip(body.inputs[2:], state, strict=True))
+        _inline(graph, loop, body, mapping, f"{prefix}{it}/")
+        state = [mapping.get(v, v) for v in body.outputs[1:1 + carried]]
+        for k, v in enumerate(body.outputs[1 + carried:]):
+            scans[k].append(mapping.get(v, v))
+    for old, new in zip(loop.outputs[:carried], state, strict=True):
+        _take_over(graph, loop, old, new)
+    axes = _new_initializer(graph, f"{prefix}axes", np.array([0], np.int64))
+    for k, (old, values) in enumerate(zip(loop.outputs[carried:], scans, strict=True)):
+        rows = [ir.Node("", "Unsqueeze", [v, axes], num_outputs=1, name=f"{prefix}scan{k}/{i}")
+                for i, v in enumerate(values)]
+        stack = ir.Node("", "Concat", [r.outputs[0] for r in rows], attributes=[ir.AttrInt64("axis", 0)],
+                        num_outputs=1, name=f"{prefix}scan{k}")
+        graph.insert_before(loop, [*rows, stack])
+        _take_over(graph, loop, old, stack.outputs[0])
+    _remove(graph, loop)
+    return 1
+
+
+def if_to_where(graph: ir.Graph, opset: int) -> int:
+    """An If whose condition holds one value and whose branches are at most IF_MAX_NODES nodes of
+    IF_OPS each, with floating-point outputs of the If's static shape and at most
+    IF_MAX_ELEMENTS elements, becomes both branches' copies and a Where per output (what a
+    compiler's if-conversion does: no call into control flow, both sides computed; neither can
+    fail, and Where takes only the chosen side's values, a NaN on the other included)."""
+    return sum(_if_to_where(graph, node) for node in _main_nodes(graph, "If"))
+
+
+def _convertible(node: ir.Node) -> bool:
+    cond_shape = static_shape(node.inputs[0])
+    if cond_shape is None or math.prod(cond_shape) != 1:
+        return False
+    for key in ("then_branch", "else_branch"):
+        branch = node.attributes[key].value
+        if (len(branch) > IF_MAX_NODES or branch.inputs
+                or any(n.domain not in ("", "ai.onnx") or n.op_type not in IF_OPS for n in branch)):
+            return False
+        for out, mine in zip(branch.outputs, node.outputs, strict=True):
+            shape = static_shape(mine)
+            if (shape is None or static_shape(out) != shape or math.prod(shape) > IF_MAX_ELEMENTS
+                    or mine.dtype not in FLOAT_TYPES or out.dtype != mine.dtype):
+                return False
+    return True
+
+
+def _if_to_where(graph: ir.Graph, node: ir.Node) -> int:
+    if not _convertible(node):
+        return 0
+    sides, prefix = [], _prefix(graph, node, "if")
+    for key in ("then_branch", "else_branch"):
+        branch, mapping = node.attributes[key].value, {}
+        _inline(graph, node, branch, mapping, f"{prefix}{key}/")
+        sides.append([mapping.get(v, v) for v in branch.outputs])
+    cond = node.inputs[0]
+    if static_shape(cond) != ():  # one value of another rank: a scalar, so Where keeps the outputs' shapes
+        scalar = _new_initializer(graph, f"{prefix}scalar", np.zeros(0, np.int64))
+        reshape = ir.Node("", "Reshape", [cond, scalar], num_outputs=1, name=f"{prefix}cond")
+        graph.insert_before(node, reshape)
+        cond = reshape.outputs[0]
+    for k, (old, then, other) in enumerate(zip(node.outputs, *sides, strict=True)):
+        where = ir.Node("", "Where", [cond, then, other], num_outputs=1, name=f"{prefix}where{k}")
+        graph.insert_before(node, where)
+        _take_over(graph, node, old, where.outputs[0])
+    _remove(graph, node)
+    return 1
+
+
+def merge_duplicates(graph: ir.Graph, opset: int) -> int:
+    """Common subexpressions: a node with the op, domain, inputs and attributes of an earlier one
+    (no subgraph, no random op) reads that one's outputs instead (an unrolled loop's
+    iterations repeat what does not depend on the iteration)."""
+    seen: dict[tuple, ir.Node] = {}
+    done = 0
+    for node in list(graph):
+        if _has_subgraph(node) or node.op_type in NEVER_FOLD:
+            continue
+        attrs = tuple(sorted((a.name, repr(a.value)) for a in node.attributes.values()))
+        key = (node.domain, node.op_type, node.overload, tuple(id(v) for v in node.inputs), attrs, len(node.outputs))
+        first = seen.setdefault(key, node)
+        if first is node or not all(_bypass(graph, old, new) for old, new in zip(node.outputs, first.outputs, strict=True)):
+            continue
+        _remove(graph, node)
+        done += 1
+    return done
 
 
 # -- BatchNormalization folding ---------------------------------------------------------------

@@ -62,10 +62,7 @@ DEVICE = "h100-sxm"
 TEXT_SEQ = 32
 ANCHORS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 OPAQUE = "lowers to the opaque template: runs as a library call (ONNX Runtime; arraylib on the GPU)"
-KNOWN_REFUSED: dict[tuple[str, tuple[str, ...]], str] = {
-    ("rnn-control", ("Loop",)): OPAQUE,
-    ("rnn-control", ("If",)): OPAQUE,
-}
+KNOWN_REFUSED: dict[tuple[str, tuple[str, ...]], str] = {}  # rnn-control's Loop and If are inlined when it loads
 
 
 @functools.lru_cache(maxsize=1)

@@ -258,3 +258,130 @@ def test_plan_names_the_opaque_ops_it_prices_as_library_calls(tmp_path, run_cli,
     assert ("1 opaque op priced as library calls: Einsum 'mix'" in out) == opaque
     code, out, err = run_cli("plan", path, "--device", "h100-sxm", "--json")
     assert json.loads(out)["run"]["opaque_ops"] == (["mix"] if opaque else [])
+
+
+def _loop_model(trips=3, cond_out="cond_in", scan=True):
+    """h <- tanh(h W + x + i) for a constant number of iterations i (the body reads the outer x
+    and the iteration number), h stacked per iteration as a scan output; `cond_out`: the body's
+    condition (its input passed through, or computed from h)."""
+    body_nodes = [helper.make_node("MatMul", ["h_in", "W"], ["hw"], name="mm"),
+                  helper.make_node("Cast", ["i"], ["fi"], to=TensorProto.FLOAT, name="cast"),
+                  helper.make_node("Add", ["hw", "x"], ["hx"], name="add_x"),
+                  helper.make_node("Add", ["hx", "fi"], ["hi"], name="add_i"),
+                  helper.make_node("Tanh", ["hi"], ["h_out"], name="tanh"),
+                  helper.make_node("Identity", ["h_out"], ["h_scan"], name="scan")]
+    if cond_out == "cond_in":
+        body_nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep"))
+    else:
+        body_nodes += [helper.make_node("ReduceSum", ["h_out"], ["s"], keepdims=0, name="sum"),
+                       helper.make_node("Greater", ["s", "zero"], ["cond_out"], name="more")]
+    outs = [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [2, 4])]
+    if scan:
+        outs.append(helper.make_tensor_value_info("h_scan", TensorProto.FLOAT, [2, 4]))
+    body = helper.make_graph(body_nodes, "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                                                  helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                                                  helper.make_tensor_value_info("h_in", TensorProto.FLOAT, [2, 4])],
+                             outs)
+    nodes = [helper.make_node("Loop", ["M", "go", "h0"], ["h", *(["hs"] if scan else [])], body=body, name="loop"),
+             helper.make_node("Relu", ["h"], ["y"], name="relu")]
+    outputs = [("y", [2, 4])] + ([("hs", [trips, 2, 4])] if scan else [])
+    inits = [("W", f32(4, 4)), ("M", np.array(trips, np.int64)), ("go", np.array(True)),
+             ("zero", np.array(-100.0, np.float32))]
+    return make_model(nodes, [("x", [2, 4]), ("h0", [2, 4])], outputs, inits, opset=13)
+
+
+def test_a_constant_loop_is_unrolled_and_equals_onnx_runtime():
+    """Three iterations of a body that reads an outer value and the iteration number, its state
+    carried and stacked: the Loop becomes three copies of its body (the iteration a constant
+    folded into each), the stack an Unsqueeze per iteration and a Concat; ONNX Runtime's values."""
+    ops, counts, proto = canon(_loop_model())
+    assert "Loop" not in ops and counts["loop_unrolling"] == 1
+    assert ops.count("Gemm") == 3 and ops.count("Tanh") == 3 and ops.count("Concat") == 1  # MatMul + Add: a Gemm
+    assert [o.name for o in proto.graph.output] == ["y", "hs"]
+
+
+def test_loops_that_cannot_be_unrolled_stay_loops():
+    """A condition computed from the data (the trip count then a bound, not a count), and more
+    iterations than UNROLL_MAX_TRIPS: each Loop stays, its body untouched."""
+    from fusesearch.ir.canonicalize import UNROLL_MAX_TRIPS
+
+    for model in (_loop_model(cond_out="data"), _loop_model(trips=UNROLL_MAX_TRIPS + 1)):
+        ops, counts, proto = canon(model)
+        assert "Loop" in ops and counts["loop_unrolling"] == 0
+        loop = next(n for n in proto.graph.node if n.op_type == "Loop")
+        assert [n.op_type for n in loop.attribute[0].g.node][:2] == ["MatMul", "Cast"]
+
+
+def _if_model(then_op="Relu", elements=(4, 8)):
+    then = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t0"], name="then_mul"),
+                              helper.make_node(then_op, ["t0"], ["t"], name="then_op")], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, list(elements))])
+    other = helper.make_graph([helper.make_node("Sigmoid", ["x"], ["e0"], name="else_sigmoid"),
+                               helper.make_node("Neg", ["e0"], ["e"], name="else_neg")], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, list(elements))])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0, name="sum"),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="positive"),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other, name="choose")]
+    return make_model(nodes, [("x", list(elements))], [("y", list(elements))],
+                      [("two", np.array(2.0, np.float32)), ("zero", np.array(0.0, np.float32))], opset=13)
+
+
+def test_an_if_of_small_elementwise_branches_computes_both_and_selects():
+    """Branches of Mul + Relu and Sigmoid + Neg: both computed, a Where picks one by the
+    condition; equal to ONNX Runtime whichever branch the data takes."""
+    model = _if_model()
+    ops, counts, proto = canon(model)
+    assert "If" not in ops and counts["if_conversion"] == 1 and ops.count("Where") == 1
+    for sign in (1.0, -1.0):
+        feeds = {"x": np.abs(f32(4, 8)) * sign}
+        assert all(d.ok for d in compare(run(model, feeds), run(proto, feeds)))
+
+
+def test_an_if_with_other_work_or_large_outputs_stays_an_if():
+    """A Softmax in a branch (not an IF_OPS op), and outputs past IF_MAX_ELEMENTS: the If stays
+    (run through ONNX Runtime), its branches untouched."""
+    from fusesearch.ir.canonicalize import IF_MAX_ELEMENTS
+
+    for model in (_if_model("Softmax"), _if_model(elements=(2, IF_MAX_ELEMENTS))):
+        ops, counts, _ = canon(model)
+        assert ops == ["ReduceSum", "Greater", "If"] and counts["if_conversion"] == 0
+
+
+def test_duplicate_nodes_are_computed_once():
+    """Two MatMuls of the same inputs (and two Softmaxes with different axes, which differ):
+    one MatMul is left, both Softmaxes stay."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"], name="a"),
+             helper.make_node("MatMul", ["x", "W"], ["b"], name="b"),
+             helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+             helper.make_node("Softmax", ["s"], ["p"], axis=0, name="p"),
+             helper.make_node("Softmax", ["s"], ["q"], axis=1, name="q"),
+             helper.make_node("Add", ["p", "q"], ["y"], name="out")]
+    ops, counts, _ = canon(make_model(nodes, [("x", [3, 4])], [("y", None)], [("W", f32(4, 5))]))
+    assert ops.count("MatMul") + ops.count("Gemm") == 1 and ops.count("Softmax") == 2
+    assert counts["common_subexpressions"] == 1
+
+
+def test_unnamed_ifs_of_a_one_element_condition_inline_under_unique_names():
+    """Two unnamed Ifs on a condition of shape [1] (Reshaped to a scalar, so Where keeps the [4]
+    outputs), the second reading the first: both inlined, every node and value name unique, equal
+    to ONNX Runtime either way."""
+    def branches(src, dst):
+        then = helper.make_graph([helper.make_node("Relu", [src], [f"{dst}_t"])], "then", [],
+                                 [helper.make_tensor_value_info(f"{dst}_t", TensorProto.FLOAT, [4])])
+        other = helper.make_graph([helper.make_node("Neg", [src], [f"{dst}_e"])], "else", [],
+                                  [helper.make_tensor_value_info(f"{dst}_e", TensorProto.FLOAT, [4])])
+        return {"then_branch": then, "else_branch": other}
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=1),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["a"], **branches("x", "a")),
+             helper.make_node("If", ["c"], ["y"], **branches("a", "y"))]
+    model = make_model(nodes, [("x", [4])], [("y", [4])], [("zero", np.array([0.0], np.float32))], opset=13)
+    ops, counts, proto = canon(model)
+    assert "If" not in ops and counts["if_conversion"] == 2 and ops.count("Where") == 2
+    names = [n.name for n in proto.graph.node]
+    values = [o for n in proto.graph.node for o in n.output]
+    assert len(set(names)) == len(names) and len(set(values)) == len(values)
+    for sign in (1.0, -1.0):
+        feeds = {"x": np.abs(f32(4)) * sign}
+        assert all(d.ok for d in compare(run(model, feeds), run(proto, feeds)))

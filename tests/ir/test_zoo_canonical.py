@@ -22,7 +22,7 @@ def test_canonical_model_runs_equal(name):
     diffs = compare(run(original, feeds), run(canonical, feeds), rtol=1e-4)
     assert diffs and all(d.ok for d in diffs), diffs
     ops = {n.op_type for n in prep.graph.nodes}
-    assert len(prep.graph) < prep.loaded.nodes
+    assert len(prep.graph) < prep.loaded.nodes or prep.passes["loop_unrolling"]  # a body's copies add nodes
     assert not ops & {"Identity", "Dropout", "BatchNormalization", "Constant", "Shape"}
     unknown = [t for n in prep.graph.nodes for t in n.outputs if prep.graph.tensors[t].shape is None]
     assert unknown == []
