@@ -360,9 +360,10 @@ def _unroll(graph: ir.Graph, loop: ir.Node, opset: int) -> int:
             scans[k].append(mapping.get(v, v))
     for old, new in zip(loop.outputs[:carried], state, strict=True):
         _take_over(graph, loop, old, new)
-    axes = _new_initializer(graph, f"{prefix}axes", np.array([0], np.int64))
+    axes = _new_initializer(graph, f"{prefix}axes", np.array([0], np.int64)) if opset >= 13 else None
     for k, (old, values) in enumerate(zip(loop.outputs[carried:], scans, strict=True)):
-        rows = [ir.Node("", "Unsqueeze", [v, axes], num_outputs=1, name=f"{prefix}scan{k}/{i}")
+        rows = [ir.Node("", "Unsqueeze", [v, axes] if axes is not None else [v], num_outputs=1, name=f"{prefix}scan{k}/{i}",
+                        attributes=[] if axes is not None else [ir.AttrInt64s("axes", [0])])
                 for i, v in enumerate(values)]
         stack = ir.Node("", "Concat", [r.outputs[0] for r in rows], attributes=[ir.AttrInt64("axis", 0)],
                         num_outputs=1, name=f"{prefix}scan{k}")
@@ -378,7 +379,7 @@ def if_to_where(graph: ir.Graph, opset: int) -> int:
     IF_MAX_ELEMENTS elements, becomes both branches' copies and a Where per output (what a
     compiler's if-conversion does: no call into control flow, both sides computed; neither can
     fail, and Where takes only the chosen side's values, a NaN on the other included)."""
-    return sum(_if_to_where(graph, node) for node in _main_nodes(graph, "If"))
+    return sum(_if_to_where(graph, node) for node in _main_nodes(graph, "If")) if opset >= 9 else 0  # Where: opset 9
 
 
 def _convertible(node: ir.Node) -> bool:

@@ -260,7 +260,7 @@ def test_plan_names_the_opaque_ops_it_prices_as_library_calls(tmp_path, run_cli,
     assert json.loads(out)["run"]["opaque_ops"] == (["mix"] if opaque else [])
 
 
-def _loop_model(trips=3, cond_out="cond_in", scan=True):
+def _loop_model(trips=3, cond_out="cond_in", scan=True, opset=13):
     """h <- tanh(h W + x + i) for a constant number of iterations i (the body reads the outer x
     and the iteration number), h stacked per iteration as a scan output; `cond_out`: the body's
     condition (its input passed through, or computed from h)."""
@@ -288,7 +288,7 @@ def _loop_model(trips=3, cond_out="cond_in", scan=True):
     outputs = [("y", [2, 4])] + ([("hs", [trips, 2, 4])] if scan else [])
     inits = [("W", f32(4, 4)), ("M", np.array(trips, np.int64)), ("go", np.array(True)),
              ("zero", np.array(-100.0, np.float32))]
-    return make_model(nodes, [("x", [2, 4]), ("h0", [2, 4])], outputs, inits, opset=13)
+    return make_model(nodes, [("x", [2, 4]), ("h0", [2, 4])], outputs, inits, opset=opset)
 
 
 def test_a_constant_loop_is_unrolled_and_equals_onnx_runtime():
@@ -299,6 +299,21 @@ def test_a_constant_loop_is_unrolled_and_equals_onnx_runtime():
     assert "Loop" not in ops and counts["loop_unrolling"] == 1
     assert ops.count("Gemm") == 3 and ops.count("Tanh") == 3 and ops.count("Concat") == 1  # MatMul + Add: a Gemm
     assert [o.name for o in proto.graph.output] == ["y", "hs"]
+
+
+def test_an_unrolled_loop_at_opset_11_stacks_with_unsqueezes_axes_attribute():
+    """Below opset 13 Unsqueeze takes its axes as an attribute: a model left at opset 11 (as when
+    the version converter fails) unrolls to a model ONNX Runtime runs, with its values."""
+    import onnx_ir as ir
+
+    model = _loop_model(opset=11)
+    canonical, counts = canonicalize(ir.serde.deserialize_model(model))
+    proto = to_proto(canonical)
+    assert counts["loop_unrolling"] == 1 and proto.opset_import[0].version == 11
+    unsqueeze = next(n for n in proto.graph.node if n.op_type == "Unsqueeze")
+    assert [a.name for a in unsqueeze.attribute] == ["axes"] and len(unsqueeze.input) == 1
+    feeds = random_feeds(model, seed=3)
+    assert all(d.ok for d in compare(run(model, feeds), run(proto, feeds)))
 
 
 def test_loops_that_cannot_be_unrolled_stay_loops():
