@@ -421,14 +421,20 @@ def _if_to_where(graph: ir.Graph, node: ir.Node) -> int:
     return 1
 
 
+_PLAIN_ATTRS = frozenset({ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING,
+                          ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS})
+
+
 def merge_duplicates(graph: ir.Graph, opset: int) -> int:
-    """Common subexpressions: a node with the op, domain, inputs and attributes of an earlier one
-    (no subgraph, no random op) reads that one's outputs instead (an unrolled loop's
-    iterations repeat what does not depend on the iteration)."""
+    """Common subexpressions: a standard-domain node with the op, inputs and attributes (numbers,
+    strings and their lists, compared exactly; a node with a tensor or a subgraph attribute is
+    left alone, as is a random op) of an earlier one reads that one's outputs instead (an unrolled
+    loop's iterations repeat what does not depend on the iteration)."""
     seen: dict[tuple, ir.Node] = {}
     done = 0
     for node in list(graph):
-        if _has_subgraph(node) or node.op_type in NEVER_FOLD:
+        if (node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD
+                or any(a.type not in _PLAIN_ATTRS for a in node.attributes.values())):
             continue
         attrs = tuple(sorted((a.name, repr(a.value)) for a in node.attributes.values()))
         key = (node.domain, node.op_type, node.overload, tuple(id(v) for v in node.inputs), attrs, len(node.outputs))
