@@ -28,6 +28,7 @@ from fusesearch.backends.timing import (
     NOT_DISTINGUISHABLE,
     Paired,
     Timing,
+    binding_warning,
     compared,
     distinguishable,
     load_warning,
@@ -216,6 +217,26 @@ def test_the_load_warning_says_spinning_threads_degrade_and_how_to_stop_them():
     assert "OMP_WAIT_POLICY" not in load_warning(load=3.4, cpus=2, threads=2, spinning=False)
     assert "OMP_WAIT_POLICY" not in load_warning(load=3.4, cpus=2, threads=1, spinning=True)
     assert "OMP_WAIT_POLICY" not in load_warning(load=10.1, cpus=16, threads=4, spinning=True)  # 6 others, 12 free
+
+
+def test_a_thread_binding_that_confines_onnx_runtime_to_one_core_is_said(monkeypatch, caplog):
+    """OMP_PROC_BIND (or OMP_PLACES, GOMP_CPU_AFFINITY) binds the first thread, whose mask ONNX
+    Runtime's threads inherit: at 2 threads the line names the variable and the way out; at one
+    thread, unset, or OMP_PROC_BIND=false: nothing. `warn_if_loaded` logs it before timing."""
+    from fusesearch.backends.timing import warn_if_loaded
+
+    line = binding_warning(2, {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"})
+    assert line.startswith("OMP_PROC_BIND=close binds this process's first thread to one CPU, and ONNX Runtime's 2")
+    assert line.endswith("unset OMP_PROC_BIND/OMP_PLACES/GOMP_CPU_AFFINITY to compare") and "\n" not in line
+    assert binding_warning(2, {"GOMP_CPU_AFFINITY": "0-1"}).startswith("GOMP_CPU_AFFINITY=0-1 binds")
+    assert binding_warning(1, {"OMP_PROC_BIND": "close"}) is None
+    assert binding_warning(2, {}) is None and binding_warning(2, {"OMP_PROC_BIND": "false"}) is None
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_PLACES", "cores")
+    with caplog.at_level("WARNING"):
+        warn_if_loaded(2)
+    assert any(r.getMessage().startswith("OMP_PLACES=cores binds") for r in caplog.records)
 
 
 def test_openmp_spins_unless_passive_or_a_zero_count(monkeypatch):

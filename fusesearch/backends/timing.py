@@ -209,11 +209,32 @@ def load_warning(load: float | None = None, cpus: int | None = None, threads: in
     return line + (SPIN_WARNING.format(threads=threads) if threads > 1 and spins and others > cpus - threads else "")
 
 
+# libgomp binds the process's first thread to one place when OMP_PROC_BIND (or OMP_PLACES, or
+# GOMP_CPU_AFFINITY) asks it to, and the threads ONNX Runtime creates inherit that one place: its
+# intra-op pool then runs on one core (yolo-neck at 2 threads, OMP_PROC_BIND=close
+# OMP_PLACES=cores: ONNX Runtime 31.6 ms against 13.1 ms unbound; our plan 10.7 and 11.4 ms).
+BIND_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+BIND_WARNING = ("{name}={value} binds this process's first thread to one CPU, and ONNX Runtime's {threads} "
+                "threads inherit it: its figures here run on one core; unset {names} to compare")
+
+
+def binding_warning(threads: int, environ=None) -> str | None:
+    """`BIND_WARNING` where a thread-binding variable is set (not OMP_PROC_BIND=false) and ONNX
+    Runtime is timed on more than one thread, else None."""
+    environ = os.environ if environ is None else environ
+    bound = [(name, environ[name].strip()) for name in BIND_VARIABLES if environ.get(name, "").strip()]
+    bound = [(name, value) for name, value in bound if not (name == "OMP_PROC_BIND" and value.lower() == "false")]
+    if threads <= 1 or not bound:
+        return None
+    return BIND_WARNING.format(name=bound[0][0], value=bound[0][1], threads=threads,
+                               names="/".join(BIND_VARIABLES))
+
+
 def warn_if_loaded(threads: int = 1) -> None:
-    """Log `load_warning`'s line, if any, before timing on `threads` threads."""
-    line = load_warning(threads=threads)
-    if line:
-        log.warning(line)
+    """Log `load_warning`'s line and `binding_warning`'s, if any, before timing on `threads` threads."""
+    for line in (load_warning(threads=threads), binding_warning(threads)):
+        if line:
+            log.warning(line)
 
 
 class Clock(Protocol):
