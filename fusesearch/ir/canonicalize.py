@@ -428,12 +428,12 @@ _PLAIN_ATTRS = frozenset({ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.Attri
 def merge_duplicates(graph: ir.Graph, opset: int) -> int:
     """Common subexpressions: a standard-domain node with the op, inputs and attributes (numbers,
     strings and their lists, compared exactly; a node with a tensor or a subgraph attribute is
-    left alone, as is a random op) of an earlier one reads that one's outputs instead (an unrolled
+    left alone, as is a random op or a Dropout, random when training) of an earlier one reads that one's outputs instead (an unrolled
     loop's iterations repeat what does not depend on the iteration)."""
     seen: dict[tuple, ir.Node] = {}
     done = 0
     for node in list(graph):
-        if (node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD
+        if (node.domain not in ("", "ai.onnx") or node.op_type in NEVER_FOLD or node.op_type == "Dropout"
                 or any(a.type not in _PLAIN_ATTRS for a in node.attributes.values())):
             continue
         attrs = tuple(sorted((a.name, repr(a.value)) for a in node.attributes.values()))
