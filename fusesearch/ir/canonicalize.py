@@ -346,8 +346,9 @@ def _unroll(graph: ir.Graph, loop: ir.Node, opset: int) -> int:
         return 0
     count, carried = int(trips.reshape(())), len(loop.inputs) - 2
     if (not 1 <= count <= UNROLL_MAX_TRIPS or count * len(body) > UNROLL_MAX_NODES or any(map(_has_subgraph, body))
+            or len(body.inputs) != carried + 2 or len(loop.outputs) != len(body.outputs) - 1
             or not _stays_true(body.outputs[0], body.inputs[1])):
-        return 0
+        return 0  # also a Loop whose outputs or body inputs do not match its carried values (left to ONNX Runtime)
     state, scans = list(loop.inputs[2:]), [[] for _ in body.outputs[1 + carried:]]
     prefix = _prefix(graph, loop, "loop")
     mapping: dict = {body.inputs[1]: _new_initializer(graph, f"{prefix}cond", np.array(True))}
@@ -388,7 +389,7 @@ def _convertible(node: ir.Node) -> bool:
         return False
     for key in ("then_branch", "else_branch"):
         branch = node.attributes[key].value
-        if (len(branch) > IF_MAX_NODES or branch.inputs
+        if (len(branch) > IF_MAX_NODES or branch.inputs or len(branch.outputs) != len(node.outputs)
                 or any(n.domain not in ("", "ai.onnx") or n.op_type not in IF_OPS for n in branch)):
             return False
         for out, mine in zip(branch.outputs, node.outputs, strict=True):
