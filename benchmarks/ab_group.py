@@ -43,7 +43,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from costmodels.devices import host_cpu
 from fusesearch import schedule
@@ -204,7 +203,7 @@ def run_program(spec: dict, model: str, nodes, args) -> None:
     weights come from memory as the model runs) and the program's wall time, medians, and each
     over the base's in the same round (median, p20-p80)."""
     from fusesearch.api import plan as make_plan
-    from fusesearch.run import Program, plan_steps
+    from fusesearch.run import Program, _reference, plan_steps
 
     if spec.get("VARIANTS"):
         raise VariantError("--program times CONSTANTS variants only (a whole program is generated under each)")
@@ -215,10 +214,7 @@ def run_program(spec: dict, model: str, nodes, args) -> None:
     if any(name not in ids for name in nodes):
         raise VariantError(f"{model} has no node {next(n for n in nodes if n not in ids)} (NODES or GROUPS names the group's nodes)")
     group = next((g.id for g in plan.groups if ids[nodes[0]] in g.nodes), None)
-    canonical = to_proto(prep.canonical)
-    feeds = random_feeds(canonical, 0)
-    values = all_values(canonical, feeds)
-    weights = {t.name: np.ascontiguousarray(onnx.numpy_helper.to_array(t)) for t in canonical.graph.initializer}
+    canonical, weights, feeds, values = _reference(prep, {"base": plan}, 0, None)
     programs = {}
     for label, consts in {"base": {}, **spec.get("CONSTANTS", {})}.items():
         with constants(consts):
