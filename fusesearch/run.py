@@ -404,6 +404,20 @@ class Layout:
         raise NotImplementedError
 
 
+def _teams(kernels: Sequence) -> list[list]:
+    """A segment's kernels in the order they run, split where one runs on one thread: each run of
+    kernels on the caller's team (`GeneratedKernel.c_threads` 0) shares one OpenMP region, its
+    kernels apart by barriers (a region's fork and join cost some three barriers); a one-thread
+    kernel runs alone, its own region of one thread, so that no team waits on it."""
+    teams: list[list] = []
+    for k in kernels:
+        if k.c_threads or not teams or teams[-1][0].c_threads:
+            teams.append([k])
+        else:
+            teams[-1].append(k)
+    return teams
+
+
 class Program(Layout):
     """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
 
@@ -443,7 +457,8 @@ class Program(Layout):
         if self.profile:  # each kernel call's seconds, summed over runs (omp_get_wtime: OpenMP's clock)
             lines.append(f"double fs_kernel_s[{max(1, len(kernels))}];")
         for k in kernels:
-            lines.append(f"void {k.name}({', '.join(c_params(k.inputs, k.outputs, k.packed, named=False))});")
+            params = ", ".join(c_params(k.inputs, k.outputs, k.packed, named=False))
+            lines.append(f"void {k.name}({params});" + ("" if k.c_threads else f" void {k.name}_team({params});"))
             if k.packed:
                 lines.append(f"void {k.name}_pack({', '.join(c_pack_params(k.inputs, k.packed, named=False))});")
         lines.append("void fs_pack(char* a, void** x) {")  # once, before the first run
@@ -454,19 +469,27 @@ class Program(Layout):
         called = 0
         for n, run in enumerate(runs):
             lines.append(f"void fs_segment_{n}(char* a, void** x) {{")
-            for s in run:
-                if s.kernel is None:
-                    continue
-                k = s.kernel
-                args = ([self._pointer(a.tensor, True, a.ctype) for a in k.inputs]
-                        + [self._pointer(a.tensor, False, a.ctype) for a in k.outputs]
-                        + [f"(const float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed])
-                call = f"{k.name}({', '.join(args)});"
-                lines.append(f"    {{ double t0 = omp_get_wtime(); {call} fs_kernel_s[{called}] += omp_get_wtime() - t0; }}"
-                             if self.profile else f"    {call}")
-                called += 1
+            for team in _teams([s.kernel for s in run if s.kernel is not None]):
+                calls = [self._call(k, called + i, member=len(team) > 1) for i, k in enumerate(team)]
+                called += len(team)
+                lines += (["    #pragma omp parallel", "    {", "\n    #pragma omp barrier\n".join(calls), "    }"]
+                          if len(team) > 1 else calls)
             lines.append("}")
         return "\n".join(lines) + "\n"
+
+    def _call(self, k, i: int, member: bool) -> str:
+        """C calling kernel `k`, the program's i-th: on its own (its region), or `member`: its body
+        by each member of the region the segment opened."""
+        args = ([self._pointer(a.tensor, True, a.ctype) for a in k.inputs]
+                + [self._pointer(a.tensor, False, a.ctype) for a in k.outputs]
+                + [f"(const float*)x[{self.pk_index[(k.name, p.arg.name)]}]" for p in k.packed])
+        call = f"{k.name}{'_team' if member else ''}({', '.join(args)});"
+        if not self.profile:
+            return f"    {call}"
+        if not member:
+            return f"    {{ double t0 = omp_get_wtime(); {call} fs_kernel_s[{i}] += omp_get_wtime() - t0; }}"
+        return (f"    {{ double t0 = omp_get_wtime(); {call}\n    #pragma omp barrier\n"
+                f"    if (omp_get_thread_num() == 0) fs_kernel_s[{i}] += omp_get_wtime() - t0; }}")
 
     def _calls(self, canonical: onnx.ModelProto) -> list[Callable[[], None]]:
         """A call per part of `split` (`segments`: maximal runs; `one_by_one`: a call per step)."""

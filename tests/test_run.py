@@ -539,3 +539,50 @@ def test_a_lone_anchor_runs_as_its_plan_priced_it(tmp_path):
         assert none.unfused_time_s == pytest.approx(none.time_s, rel=1e-12)  # the plan's reference is none's
     report = run_plan(prep, none, none, time_it=False)
     assert report.library_steps == 2 and report.max_rel_err < 1e-4
+
+
+def test_a_segment_runs_its_team_kernels_in_one_region_and_a_one_thread_kernel_alone(tmp_path):
+    """At 2 threads the two gemm kernels run on the team and share one OpenMP region, each called
+    by every member (`<name>_team`), a barrier between them; the tiny Tanh, priced on one thread,
+    is called alone (its own `num_threads(1)` region) so no team waits on it. The program, plain
+    and profiled, equals ONNX Runtime at 2 threads."""
+    import onnx
+
+    from fusesearch.api import plan as make_plan
+    from fusesearch.ir.canonicalize import to_proto
+    from fusesearch.pipeline import prepare
+    from fusesearch.run import Program, plan_steps, restore_threads
+    from fusesearch.verify import run as ort_run
+
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu1"),
+             helper.make_node("MatMul", ["r", "w2"], ["z"], name="mm2"),
+             helper.make_node("Tanh", ["s"], ["u"], name="small"),
+             helper.make_node("Relu", ["z"], ["y"], name="last")]
+    path = save(make_model(nodes, [("x", [32, 64]), ("s", [1, 64])], [("y", [32, 64]), ("u", [1, 64])],
+                           [("w1", _w(64, 128)), ("w2", _w(128, 64))]), tmp_path / "mix.onnx")
+    prep = prepare(path)
+    steps = plan_steps(prep.graph, make_plan(path, device="host", strategy="greedy", prepared=prep, threads=2))
+    kernels = [s.kernel for s in steps if s.kernel is not None]
+    assert [k.c_threads for k in kernels] == [0, 0, 1], [(k.name, k.c_threads) for k in kernels]
+    team, alone = kernels[:2], kernels[2]
+    assert all(f"void {k.name}_team(" in k.c_source for k in team) and f"void {alone.name}_team(" not in alone.c_source
+    canonical = to_proto(prep.canonical)
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in canonical.graph.initializer}
+    feeds = {"x": _w(32, 64), "s": _w(1, 64)}
+    want = ort_run(path, {k: v.copy() for k, v in feeds.items()})
+    try:
+        for profile in (False, True):
+            program = Program(prep.graph, canonical, steps, weights, 2, profile=profile)
+            driver = program.driver([steps])
+            segment = driver[driver.index("void fs_segment_0("):]
+            assert segment.count("#pragma omp parallel") == 1 and segment.count("#pragma omp barrier") == 1 + profile * 2
+            assert all(segment.count(f"{k.name}_team(") == 1 for k in team) and f" {alone.name}(" in segment
+            assert segment.index(f"{team[1].name}_team(") < segment.index("    }\n") < segment.index(f" {alone.name}(")
+            got = program(feeds)
+            for name in ("y", "u"):
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
+            if profile:
+                assert sorted(program.kernel_seconds()) == sorted(s.group for s in steps if s.kernel is not None)
+    finally:
+        restore_threads()

@@ -127,7 +127,7 @@ def generate(graph: Graph, kernel: Kernel, name: str = "") -> GeneratedKernel:
     return GeneratedKernel(name, kernel.template, ins, outs, c_src, cu_src, rows=rows, row_length=length,
                            source_hash=digest, grid=tuple(grid), block=(schedule.threads, 1, 1), skeleton=skeleton,
                            dynamic_smem=schedule.smem_bytes if skeleton in DYNAMIC_SMEM else 0,
-                           packed=tuple(packs.values()), c_units=units)
+                           packed=tuple(packs.values()), c_units=units, c_threads=schedule.cpu_threads)
 
 
 _CUDA_WRITERS = {Skeleton.TILED: _tiled, Skeleton.VECTORIZED: _vectorized,

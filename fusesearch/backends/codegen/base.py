@@ -88,6 +88,9 @@ class GeneratedKernel:
     # CUDA: bytes of dynamic shared memory the launch asks for (`extern __shared__`; the mma.sync
     # skeletons, whose stages pass the 48 KiB of static shared memory), 0 for the others
     dynamic_smem: int = 0
+    # C: the OpenMP team its region runs with (`Schedule.cpu_threads`, as `c_function` writes it):
+    # 0 the caller's, whose members a program's segment calls in one region (`<name>_team`); 1 one thread
+    c_threads: int = 0
 
     def with_c_source(self, c_source: str, c_units: tuple[str, ...] | None = None) -> GeneratedKernel:
         """The same kernel with another C source, and other C units where given (an edit of this
@@ -357,12 +360,19 @@ def c_function(name: str, ins, outs, packed, body: str, defs: str = "", wide: bo
     worksharing loops (`OMP_FOR`) share the work — one team per call, as the cost model prices a
     host kernel's launch — and its `<name>_pack`. `wide` (the caller's decision, `wide_kernel`):
     the kernel compiled for 512-bit vectors. `threads`: the region's team as the schedule says
-    (`Schedule.cpu_threads`): 0 the caller's threads, else `num_threads(threads)`. `minmax`
-    (`minmax_kernel`): its min and max compiled as vector min/max."""
+    (`Schedule.cpu_threads`): 0 the caller's threads, and the body is also `<name>_team`, run by
+    every member of a region the caller opened (a program's segment: `run.Program.driver`), else
+    `num_threads(threads)`. `minmax` (`minmax_kernel`): its min and max compiled as vector min/max."""
     body = hoist_loop_invariants(body)
+    params = ", ".join(c_params(ins, outs, packed))
+    args = ", ".join(a.name for a in (*ins, *outs, *(p.arg for p in packed)))
     team = f" num_threads({threads})" if threads else ""
+    # a team kernel's body also runs as a member of its caller's team (`<name>_team`)
+    member = "" if threads else f"void {name}_team({params}) {{\n    {name}_body({args});\n}}\n"
     src = (f"{C_HEADER}{defs}{_WIDE_ON if wide else ''}{_MINMAX_ON if minmax else ''}\n"
-           f"void {name}({', '.join(c_params(ins, outs, packed))}) {{\n    #pragma omp parallel{team}\n    {{\n{body}    }}\n}}\n"
+           f"static void {name}_body({params});\n"
+           f"void {name}({params}) {{\n    #pragma omp parallel{team}\n    {name}_body({args});\n}}\n"
+           f"{member}static void {name}_body({params}) {{\n{body}}}\n"
            f"{_MINMAX_OFF if minmax else ''}{_WIDE_OFF if wide else ''}")
     if packed:
         src += (f"void {name}_pack({', '.join(c_pack_params(ins, packed))}) {{\n"

@@ -401,7 +401,7 @@ def reorder_kernel(tensor: str, shape: tuple[int, ...], source: Layout, target: 
     src = c_function(name, ins, outs, (), f"    typedef float fs_vb __attribute__((vector_size({4 * b}), aligned(4), "
                      f"may_alias));\n    {OMP_FOR}\n" + _indent(body, 1) + "\n", threads=threads)
     return GeneratedKernel(name, "pointwise", ins, outs, src, "", source_hash=source_digest(src, ""),
-                           skeleton="packed")
+                           skeleton="packed", c_threads=threads)
 
 
 def _transpose(b: int, hw: int, into_blocked: bool) -> list[str]:
