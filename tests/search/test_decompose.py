@@ -254,16 +254,18 @@ def _zoo_problem(tmp_path, name: str, **sizes):
 
 
 def test_groups_of_one_structure_share_their_lowering_and_agree_with_their_own(tmp_path):
-    """Every candidate's shared decision and cost equal what lowering it itself gives, and a model
-    twice as deep lowers no more groups (its repeated blocks are lowered once)."""
+    """Every candidate's shared decision and cost equal what lowering it itself gives (at 2
+    layers, the second's groups twins of the first's), and a model twice as deep lowers no more
+    groups (its repeated blocks are lowered once)."""
     lowered = {}
     for layers in (2, 4):
         graph, problem = _zoo_problem(tmp_path, "llama-decode", layers=layers)
         candidates = enumerate_candidates(problem.legality).groups
-        own = SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1)).legality
-        for g in candidates:
-            assert own.check(g).decision and own.check(g).time_s == problem.time_s(g), sorted(g)
         lowered[layers] = problem.legality.evaluated
+        if layers == 2:
+            own = SearchProblem.build(graph, H100, MODEL, SearchConfig(workers=1)).legality
+            for g in candidates:
+                assert own.check(g).decision and own.check(g).time_s == problem.time_s(g), sorted(g)
     assert lowered[4] == lowered[2]
 
 
