@@ -885,8 +885,7 @@ def nchwc_tile(block: int, depthwise: bool, blocks: int) -> int:
     return 3 if blocks % 2 and blocks % 3 == 0 else 2
 
 
-NCHWC_SKIP_ROWS_BYTES = 128 << 10  # a strided 1x1 conv's block of rows reads input rows of at most this
-# many bytes (a quarter of a 512 KiB L2, at least one row): the block's input stays cached across its tiles
+NCHWC_COMPACT = True  # a strided 1x1 conv copies its blocks' pixels together first (`nchwc_compacts`)
 NCHWC_RUN_PIXELS = 48  # pixels a block of output rows holds at least (whole rows): several tiles per block,
 # so each slice of filters a tile streams serves them all
 
@@ -980,6 +979,20 @@ def static_imbalance(work: Sequence[float], threads: int) -> float:
     return max(1.0, max(loads) * threads / sum(work))
 
 
+def nchwc_compacts(block: int, depthwise: bool, in_shape: Sequence[int], window: tuple[int, int, int, int],
+                   padded: bool) -> bool:
+    """Whether an NCHWc conv copies each block of rows' input pixels together first (a thread's
+    scratch, once per block of rows it takes; `codegen.cpu_conv_nchwc`) and runs as a 1x1 conv
+    without a stride over them: a dense unpadded 1x1 conv with a stride over a blocked input
+    (`nchwc_input`). Read in place, its tiles' pixels lie a stride apart, every other row skipped:
+    half of each cache line used, the rows too far apart for the L2 to hold a block's input
+    across its tiles (resnet18's three downsampling convs 0.41, 0.38 and 0.35 ms in its program,
+    0.21, 0.19 and 0.18 ms over their input sliced first; `benchmarks/variants/nchwc_compact.py`)."""
+    kh, kw, sh, sw = window
+    return (NCHWC_COMPACT and not depthwise and not padded and (kh, kw) == (1, 1) and (sh, sw) != (1, 1)
+            and in_shape[1] >= block)
+
+
 def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape: Sequence[int],
                 window: tuple[int, int, int, int], padded: bool, channels: int | None = None) -> NchwcItems:
     """An NCHWc conv's work items (`NchwcItems`) from its input shape (N, C, H, W), output shape
@@ -989,23 +1002,17 @@ def nchwc_items(block: int, depthwise: bool, in_shape: Sequence[int], out_shape:
     across rows or the conv is dense, else one row (a depthwise window's rows); a dense conv
     whose filters outweigh an image's input (deep layers: 512 x 512 x 3 x 3 over 8 x 8 pixels)
     takes all its rows in one block, so each tile streams its filters once, not once per
-    block (U-Net's 8 x 8 convs 0.75x the time); but a conv whose stride passes its window (a 1x1
-    with stride 2: it reads every other row) takes as many rows as read NCHWC_SKIP_ROWS_BYTES of
-    input at most, at least one (resnet50's 512 -> 1024 and 1024 -> 2048 downsampling convs in
-    blocks of one row 0.76x and 0.87x the time in all rows at one thread,
-    `benchmarks/variants/nchwc_strided_rows.py`; a 1x1 without a stride or a 3x3 so cut measured
-    1.0-1.3x: not cut). `channels`: the output channels padded to whole blocks (default: O
-    rounded up)."""
+    block (U-Net's 8 x 8 convs 0.75x the time); a strided 1x1 conv (`nchwc_compacts`) weighs
+    the input it copies, its output's pixels. `channels`: the output channels padded to whole
+    blocks (default: O rounded up)."""
     n, c, oh, ow = out_shape
     ocb = (channels if channels is not None else -(-c // block) * block) // block
     run = tuple(window) == (1, 1, 1, 1) and not padded
     rows = min(oh, -(-NCHWC_RUN_PIXELS // ow)) if run or not depthwise else 1
     filters = ocb * block * in_shape[1] * window[0] * window[1]
-    if not depthwise and filters >= math.prod(in_shape[1:]):
+    read = in_shape[1] * oh * ow if nchwc_compacts(block, depthwise, in_shape, window, padded) else math.prod(in_shape[1:])
+    if not depthwise and filters >= read:
         rows = oh
-    if not depthwise and window[2] > window[0]:  # a stride past the window: cut to NCHWC_SKIP_ROWS_BYTES
-        read = NCHWC_SKIP_ROWS_BYTES // (4 * -(-in_shape[1] // block) * block * in_shape[3])  # input rows, all channels
-        rows = max(1, min(rows, (read - window[0]) // window[2] + 1))  # (rows - 1) x stride + kh input rows
     o_tile = ocb if depthwise else min(nchwc_tile(block, depthwise, ocb), ocb)
     return NchwcItems(n, oh, ow, rows, o_tile, ocb)
 

@@ -57,10 +57,10 @@ def test_a_constants_variant_names_constants_the_schedule_has(tmp_path):
     bad.write_text('MODEL = "resnet18"\nNODES = ("conv_0",)\nCONSTANTS = {"x": {"NCHWC_NO_SUCH": 1}}\n')
     with pytest.raises(AB.VariantError, match="fusesearch.schedule has no constant NCHWC_NO_SUCH"):
         AB.load_variants(bad)
-    before = schedule.NCHWC_SKIP_ROWS_BYTES
-    with AB.constants({"NCHWC_SKIP_ROWS_BYTES": 1}):
-        assert schedule.NCHWC_SKIP_ROWS_BYTES == 1
-    assert schedule.NCHWC_SKIP_ROWS_BYTES == before
+    before = schedule.NCHWC_RUN_PIXELS
+    with AB.constants({"NCHWC_RUN_PIXELS": 1}):
+        assert schedule.NCHWC_RUN_PIXELS == 1
+    assert schedule.NCHWC_RUN_PIXELS == before
 
 
 def test_an_edit_that_no_longer_matches_is_refused():

@@ -62,16 +62,19 @@ def _whole(graph) -> FusionGroup:
     return FusionGroup(frozenset(range(len(graph))))
 
 
-def _runs_blocked(graph, kernel, values):
-    """The kernel run on its inputs as they lie under its schedule; its outputs back in NCHW equal
-    ONNX Runtime's, padded lanes zero."""
+def _runs_blocked(graph, kernel, values, threads: int = 0):
+    """The kernel run on its inputs as they lie under its schedule (with `threads` OpenMP threads,
+    0: as set); its outputs back in NCHW equal ONNX Runtime's, padded lanes zero."""
+    from fusesearch.backends.cpu import openmp_threads
+
     gk = generate(graph, kernel)
     assert "fs_vb" in gk.c_source
     feeds = {}
     for a in gk.inputs:
         v = values[a.tensor]
         feeds[a.tensor] = to_blocked(v, Layout(a.shape[-1])) if len(a.shape) == 5 else v
-    out = cpu.run(gk, feeds)
+    with openmp_threads(threads):
+        out = cpu.run(gk, feeds)
     for a in gk.outputs:
         ref = values[a.tensor].astype(np.float64)
         assert len(a.shape) == 5, "every output of an NCHWc conv group lies blocked"
@@ -104,6 +107,11 @@ CASES = {  # xs, cout, k, stride, depthwise, residual, activation
     "1x1-input-passes-rest-tile": ([1, 160, 5, 6], 80, 1, 1, False, True, "Relu"),
     "3x3-stride2-channels-off-residual": ([1, 40, 13, 11], 56, 3, 2, False, True, None),
     "3x3-7x7-deep": ([1, 96, 7, 7], 96, 3, 1, False, True, "Relu"),
+    # strided 1x1 convs, their blocks' pixels copied together first: several blocks of rows
+    # (an odd side), two images, channels off the block with a residual, a stride of 3
+    "1x1-stride2-row-blocks-odd": ([2, 16, 41, 39], 24, 1, 2, False, False, "Relu"),
+    "1x1-stride2-channels-off-residual": ([1, 40, 13, 11], 56, 1, 2, False, True, None),
+    "1x1-stride3": ([1, 32, 10, 11], 40, 1, 3, False, False, "Sigmoid"),
 }
 
 
@@ -571,19 +579,38 @@ def test_work_items_split_evenly_among_threads_and_their_imbalance_is_priced(tmp
     assert "blocks = 7LL >= nt ? 7LL - 7LL % nt : 7LL" in generate(graph, two).c_source
 
 
-def test_a_strided_1x1_convs_blocks_of_rows_read_a_bounded_input():
-    """resnet50's downsampling 1x1 conv (512 -> 1024, stride 2, 28 -> 14 pixels a side): its
-    filters outweigh its input, which takes all 14 rows in one block without a stride; with it,
-    a block of one output row reads one input row of 512 channels x 28 pixels (56 KiB) within
-    NCHWC_SKIP_ROWS_BYTES, 2 rows would read 3 (168 KiB): blocks of one row. The same conv
-    without the stride keeps its one block (its rows read every input row)."""
-    from fusesearch.schedule import NCHWC_SKIP_ROWS_BYTES
+def test_a_strided_1x1_conv_copies_its_blocks_pixels_together_and_weighs_what_it_copies(tmp_path):
+    """A dense unpadded strided 1x1 conv over a blocked input copies each block of rows' pixels
+    into a thread's scratch (`nchwc_compacts`), once per block a thread takes, and runs without a
+    stride over them; a padded one, a 3x3, a depthwise one and an image's (NCHW) do not. Its
+    rows weigh the filters against the pixels it copies, its output's: resnet18's 256 -> 512
+    (14 -> 7 a side) and resnet50's 1024 -> 2048 take all their rows in one block (each tile's
+    filters read once), resnet50's 256 -> 512 (56 -> 28) blocks of 48 pixels. The source copies
+    with the stride and reads the copy without it; both targets equal ONNX Runtime at 2 threads
+    (`test_nchwc_conv_groups_equal_onnx_runtime_in_their_layout` at one)."""
+    from fusesearch.schedule import nchwc_compacts
 
-    assert 512 * 28 * 4 <= NCHWC_SKIP_ROWS_BYTES < 3 * 512 * 28 * 4
-    strided = nchwc_items(8, False, (1, 512, 28, 28), (1, 1024, 14, 14), (1, 1, 2, 2), False)
-    assert (strided.rows, strided.least_blocks, strided.tiles) == (1, 14, 64)
-    plain = nchwc_items(8, False, (1, 512, 14, 14), (1, 1024, 14, 14), (1, 1, 1, 1), False)
-    assert (plain.rows, plain.least_blocks) == (14, 1)
+    assert nchwc_compacts(8, False, (1, 256, 14, 14), (1, 1, 2, 2), False)
+    assert not nchwc_compacts(8, False, (1, 256, 14, 14), (1, 1, 1, 1), False)
+    assert not nchwc_compacts(8, False, (1, 256, 14, 14), (3, 3, 2, 2), False)
+    assert not nchwc_compacts(8, False, (1, 256, 14, 14), (1, 1, 2, 2), True)
+    assert not nchwc_compacts(8, True, (1, 256, 14, 14), (1, 1, 2, 2), False)
+    assert not nchwc_compacts(8, False, (1, 3, 14, 14), (1, 1, 2, 2), False)
+    r18 = nchwc_items(8, False, (1, 256, 14, 14), (1, 512, 7, 7), (1, 1, 2, 2), False)
+    r50 = nchwc_items(8, False, (1, 1024, 14, 14), (1, 2048, 7, 7), (1, 1, 2, 2), False)
+    wide = nchwc_items(8, False, (1, 256, 56, 56), (1, 512, 28, 28), (1, 1, 2, 2), False)
+    assert (r18.rows, r18.least_blocks, r50.rows, r50.least_blocks) == (7, 1, 7, 1)
+    assert (wide.rows, wide.least_blocks) == (2, 14)
+    graph, values = _conv_group(tmp_path, [1, 24, 17, 15], 32, 1, 2, residual=True, act="Relu")
+    for target in (AVX512, AVX2):
+        (kernel,) = nchwc_choices(graph, _whole(graph), target)
+        b = target.channel_block
+        gk = _runs_blocked(graph, kernel, values, threads=2)
+        assert "long long copied = -1;" in gk.c_source and f"src + ow * {2 * b}LL" in gk.c_source
+        assert "xq + " in gk.c_source
+    three, _ = _conv_group(tmp_path, [1, 24, 17, 15], 32, 3, 2)
+    (padded,) = nchwc_choices(three, _whole(three), AVX2)
+    assert "copied" not in generate(three, padded).c_source
 
 
 def test_a_tile_of_few_sums_splits_its_work_into_chains():

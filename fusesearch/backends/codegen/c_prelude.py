@@ -158,7 +158,7 @@ _C_MATH += (_rational("fs_erff", ERF_CLAMP, ERF_P, ERF_Q, "t * p / q", wide=Fals
 # to the system (which MALLOC_TRIM_THRESHOLD_ or a large block makes it do); the arena costs
 # nothing after the first call. Per thread, so OpenMP blocks never share one; a buffer the whole
 # kernel shares (the materialized product) is taken by the calling thread before its parallel loops.
-SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf", "apk", "offs", "bpk")
+SCRATCH_SLOTS = ("ybuf", "wbuf", "patch", "cbuf", "abuf", "bbuf", "apk", "offs", "bpk", "xq")
 _C_SCRATCH = (f"static _Thread_local void* fs_slot[{len(SCRATCH_SLOTS)}];\n"
               f"static _Thread_local size_t fs_slot_bytes[{len(SCRATCH_SLOTS)}];\n"
               "static inline float* fs_scratch(int slot, size_t bytes) {\n"

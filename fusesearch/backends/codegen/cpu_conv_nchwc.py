@@ -37,6 +37,7 @@ from fusesearch.lowering import Kernel
 from fusesearch.schedule import (
     nchwc_chains,
     nchwc_chunk,
+    nchwc_compacts,
     nchwc_interior,
     nchwc_items,
     nchwc_pixels,
@@ -74,13 +75,18 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     pixels = (items.most_rows * ow_n, rows * ow_n)  # a block's at most (cbuf), its usual (its tiles)
     planes = source.size(tuple(xs)) // (xs[0] * h * wd * (b if source.blocked else 1))  # per image
     main, _ = _split_outputs(graph, kernel, outs, anchor)
-    geo = _Geometry(b, icb, lanes_in, source.blocked, (h, wd, kh_n, kw_n, sw), depthwise, args[x].name,
+    compact = nchwc_compacts(b, depthwise, xs, (kh_n, kw_n, sh, sw), bool(ph or pw))
+    window = (items.most_rows, ow_n, 1, 1, 1) if compact else (h, wd, kh_n, kw_n, sw)
+    geo = _Geometry(b, icb, lanes_in, source.blocked, window, depthwise, "xq" if compact else args[x].name,
                     packs[w].arg.name, pixels, xs[1], _Epilogue(e, main, ys[1], b))
     image = f"nb * {planes * h * wd * geo.xb}LL"
     # every window inside the input (no padding): tiles across the item's rows; else per row
     inside = (ph, pw) == (0, 0) and all(nchwc_interior(n, k, s, 0, o)[1] == o for n, k, s, o in
                                         ((h, kh_n, sh, oh_n), (wd, kw_n, sw, ow_n)))
-    if run or (inside and source.blocked and not depthwise):
+    if compact:  # a stride-1 1x1 conv over the block's pixels, copied together
+        def sums(o: int, ocb0: str) -> list[str]:
+            return geo.span(o, ocb0, (1, 1), ow_n, "0", first="0")
+    elif run or (inside and source.blocked and not depthwise):
         def sums(o: int, ocb0: str) -> list[str]:
             return geo.span(o, ocb0, (sh, sw), ow_n, image)
     else:
@@ -101,9 +107,13 @@ def nchwc_loops(graph: Graph, kernel: Kernel, args: dict[str, Arg], outs, anchor
     # the row blocks cut to a multiple of the team at run time, their bounds (`NchwcItems.blocks`, `bounds`)
     share = [f"long long nt = fs_threads(), blocks = {items.c_blocks('nt')};", f"long long per = blocks * {tiles}LL;"]
     lo, hi = items.c_bounds("rb", "blocks")
+    if compact:
+        share += [scratch("xq", f"{icb * items.most_rows * ow_n * b}LL"), "long long copied = -1;"]
     body = [f"for (long long r = 0; r < {ys[0]}LL * per; ++r) {{",
             f"    long long nb = r / per, rb = r / {tiles}LL % blocks, ot = r % {tiles}LL;",
             f"    long long oh0 = {lo}, oh1 = {hi};",
+            *(["    " + x_ for x_ in _compacted(args[x].name, image, (icb, h, wd, b), (sh, sw),
+                                                 items.most_rows * ow_n, ow_n)] if compact else []),
             *(["    " + scratch("cbuf", f"{o_tile * geo.pixels * b}LL")] if geo.chunk(o_tile) < icb else []),
             *([f"    if (ot < {full}LL) {{"] if rest else ["    {"]),
             *["        " + x_ for x_ in item(o_tile, f"ot * {o_tile}LL")], "    }",
@@ -128,6 +138,27 @@ def _vector_fma(b: int) -> list[str]:
                   '#define FS_VB_REG(v) __asm__("" : "+v"(v))', "#else"]
     lines += ["#define FS_VB_FMA(w, x, a) ((w) * (x) + (a))", "#define FS_VB_REG(v) (void)0"]
     return lines + (["#endif"] if fma else [])
+
+
+def _compacted(x: str, image: str, dims: tuple[int, int, int, int], strides: tuple[int, int], plane: int,
+               ow_n: int) -> list[str]:
+    """C copying the input pixels a strided 1x1 conv's block of rows oh0..oh1 reads (every
+    stride-th row and column of image nb of NCHWc `x`: `dims` its blocks, rows, columns, block)
+    together into the thread's scratch xq (`plane` pixels a block, a row of `ow_n` after
+    another), where the thread's last copy was of another block (`copied`): a thread takes a
+    block's tiles one after another."""
+    icb, h, wd, b = dims
+    sh, sw = strides
+    return ["if (nb * blocks + rb != copied) {",
+            "    copied = nb * blocks + rb;",
+            f"    for (long long c = 0; c < {icb}LL; ++c)",
+            "        for (long long oh = oh0; oh < oh1; ++oh) {",
+            f"            const float* src = {x} + {image} + (c * {h}LL + oh * {sh}LL) * {wd * b}LL;",
+            f"            float* dst = xq + (c * {plane}LL + (oh - oh0) * {ow_n}LL) * {b}LL;",
+            f"            for (long long ow = 0; ow < {ow_n}LL; ++ow)",
+            f"                *(fs_vb*)(dst + ow * {b}LL) = *(const fs_vb*)(src + ow * {sw * b}LL);",
+            "        }",
+            "}"]
 
 
 class _Geometry:
@@ -304,16 +335,17 @@ class _Geometry:
                       "    }", "}"]
         return lines
 
-    def span(self, o: int, ocb0: str, strides: tuple[int, int], ow_n: int, image: str) -> list[str]:
+    def span(self, o: int, ocb0: str, strides: tuple[int, int], ow_n: int, image: str, first: str = "oh0") -> list[str]:
         """The item's output pixels as one span (every window inside the input: no padding),
         tiles across its rows: pixel q + j at output row oh0 + (q + j) / ow,
-        column (q + j) % ow."""
+        column (q + j) % ow; `first`: the input row of output row oh0 (0 where the block's input
+        was copied together, `_compacted`)."""
         sh, sw = strides
         one_run = (sh, sw, self.wd) == (1, 1, ow_n)  # consecutive pixels consecutive in the input
 
         def xoff(j: int) -> str:
             if one_run:
-                return f"x0 + {j * self.xb}LL" if j else f"{image} + (oh0 * {ow_n}LL + q) * {self.xb}LL"
+                return f"x0 + {j * self.xb}LL" if j else f"{image} + ({first} * {ow_n}LL + q) * {self.xb}LL"
             return (f"{image} + ((oh0 + (q + {j}LL) / {ow_n}LL) * {sh * self.wd}LL + (q + {j}LL) % {ow_n}LL * {sw}LL)"
                     f" * {self.xb}LL")
         where = "long long oh = oh0, ow = q + tj;"  # the pixel index oh * ow_n + ow is linear in q
