@@ -419,12 +419,14 @@ def _teams(kernels: Sequence) -> list[list]:
 
 
 class Program(Layout):
-    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs."""
+    """A plan compiled for the CPU: `__call__(feeds)` runs it and returns the model's outputs.
+    `shared`: a segment's team kernels share one OpenMP region (`_teams`); False: a region each
+    (`benchmarks/bench_regions.py`)."""
 
     def __init__(self, graph, canonical: onnx.ModelProto, steps: Sequence[Step], weights: Mapping[str, np.ndarray],
-                 threads: int, *, reuse: bool = True, profile: bool = False, split=segments) -> None:
+                 threads: int, *, reuse: bool = True, profile: bool = False, split=segments, shared: bool = True) -> None:
         super().__init__(graph, steps, weights, reuse=reuse)
-        self.threads, self.profile, self.split = threads, profile, split
+        self.threads, self.profile, self.split, self.shared = threads, profile, split, shared
         self._allocate(weights)
         # the weights kernels read packed: a buffer each after the external arrays, packed once below
         self.packed = {(s.kernel.name, p.arg.name): aligned_array(p.arg.shape, np.float32)
@@ -469,7 +471,8 @@ class Program(Layout):
         called = 0
         for n, run in enumerate(runs):
             lines.append(f"void fs_segment_{n}(char* a, void** x) {{")
-            for team in _teams([s.kernel for s in run if s.kernel is not None]):
+            ran = [s.kernel for s in run if s.kernel is not None]
+            for team in _teams(ran) if self.shared else [[k] for k in ran]:
                 calls = [self._call(k, called + i, member=len(team) > 1) for i, k in enumerate(team)]
                 called += len(team)
                 lines += (["    #pragma omp parallel", "    {", "\n    #pragma omp barrier\n".join(calls), "    }"]

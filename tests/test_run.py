@@ -545,7 +545,8 @@ def test_a_segment_runs_its_team_kernels_in_one_region_and_a_one_thread_kernel_a
     """At 2 threads the two gemm kernels run on the team and share one OpenMP region, each called
     by every member (`<name>_team`), a barrier between them; the tiny Tanh, priced on one thread,
     is called alone (its own `num_threads(1)` region) so no team waits on it. The program, plain
-    and profiled, equals ONNX Runtime at 2 threads."""
+    and profiled, equals ONNX Runtime at 2 threads, and so does one with a region per kernel
+    (`shared=False`, `benchmarks/bench_regions.py`)."""
     import onnx
 
     from fusesearch.api import plan as make_plan
@@ -584,5 +585,9 @@ def test_a_segment_runs_its_team_kernels_in_one_region_and_a_one_thread_kernel_a
                 np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
             if profile:
                 assert sorted(program.kernel_seconds()) == sorted(s.group for s in steps if s.kernel is not None)
+        apart = Program(prep.graph, canonical, steps, weights, 2, shared=False)  # a region per kernel
+        driver = apart.driver([steps])
+        assert "#pragma omp" not in driver and all(f" {k.name}(" in driver for k in kernels)
+        np.testing.assert_allclose(apart(feeds)["y"], want["y"], rtol=1e-4, atol=1e-5)
     finally:
         restore_threads()
