@@ -91,7 +91,12 @@ def assert_source_follows_schedule(gk, schedule) -> None:
         assert f"k0 += {schedule.tile[2]})" in src, (gk.name, schedule)
 
 
-@pytest.mark.parametrize("name,tf32,dtype", [pytest.param(name, True, "float32", marks=pytest.mark.slow if name in SCALED_TWINS else ())
+# vit-small's kernels are bert-small's (LayerNorm, the GEMMs with their GELU, attention) at other
+# extents and a patch conv (the conv skeletons compile for the conv nets): under -m slow, as its twin
+SLOW_COMPILES = (*SCALED_TWINS, "vit-small")
+
+
+@pytest.mark.parametrize("name,tf32,dtype", [pytest.param(name, True, "float32", marks=pytest.mark.slow if name in SLOW_COMPILES else ())
                                               for name in ZOO]
                          + [(name, False, "float32") for name in NO_TF32]
                          + [pytest.param(name, True, "float16", marks=() if name in FAST_HALF else pytest.mark.slow)
