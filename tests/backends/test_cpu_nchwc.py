@@ -608,6 +608,8 @@ def test_a_strided_1x1_conv_copies_its_blocks_pixels_together_and_weighs_what_it
         gk = _runs_blocked(graph, kernel, values, threads=2)
         assert "long long copied = -1;" in gk.c_source and f"src + ow * {2 * b}LL" in gk.c_source
         assert "xq + " in gk.c_source
+        priced = nchwc_items(b, False, (1, 24, 17, 15), (1, 32, 9, 8), (1, 1, 2, 2), False, kernel.schedule.layout_out.channels(32))
+        assert f"blocks = {priced.c_blocks('nt')};" in gk.c_source  # the rows written are the rows priced
     three, _ = _conv_group(tmp_path, [1, 24, 17, 15], 32, 3, 2)
     (padded,) = nchwc_choices(three, _whole(three), AVX2)
     assert "copied" not in generate(three, padded).c_source
