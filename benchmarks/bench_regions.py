@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from benchutil import machine
+from benchutil import machine, run_at
 
 from fusesearch.api import plan as make_plan
 from fusesearch.backends.timing import paired
@@ -34,13 +34,7 @@ def bench(name: str, threads: int, repeat: int, warmup: int, time_limit: float) 
         built[label], _, _ = RUN.checked(label, lambda reuse, shared=shared: RUN.Program(
             prep.graph, canonical, steps, weights, threads, reuse=reuse, shared=shared),
             canonical, feeds, reference, prepared_tolerance(prep), False)
-
-    def go(program):
-        def once() -> None:
-            program.library.fs_set_threads(threads)
-            program(feeds)
-        return once
-    runs = {label: go(p) for label, p in built.items()}
+    runs = {label: run_at(p, threads, feeds) for label, p in built.items()}
     try:
         for once in runs.values():
             for _ in range(warmup):

@@ -25,7 +25,7 @@ import argparse
 import os
 import time
 
-from benchutil import header, spread, zoo_models
+from benchutil import header, run_at, spread, zoo_models
 
 from fusesearch.api import plan as make_plan
 from fusesearch.backends.timing import paired
@@ -49,14 +49,6 @@ def programs(prep, plans: dict[int, object]) -> tuple[dict[int, Program], dict]:
             prep.graph, canonical, steps, weights, n, reuse=reuse, profile=True),
             canonical, feeds, reference, prepared_tolerance(prep), False)
     return built, feeds
-
-
-def run_at(program: Program, threads: int, feeds):
-    """One run of `program` with `threads` OpenMP threads (libgomp's count is the process's: set per run)."""
-    def go() -> None:
-        program.library.fs_set_threads(threads)
-        program(feeds)
-    return go
 
 
 def lost(built: dict[int, Program], plans: dict[int, object], repeat: int) -> list[str]:

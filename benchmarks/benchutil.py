@@ -54,6 +54,15 @@ def host_plan(prep, costs: str, *, strategy: str = "cpsat", time_limit_s: float 
                         costs, profile, cache=cache, device_label=label, model_info=model_info(prep))
 
 
+def run_at(program, threads: int, feeds):
+    """One run of CPU `program` (`run.Program`) with `threads` OpenMP threads (libgomp's count is
+    the process's: set per run)."""
+    def go() -> None:
+        program.library.fs_set_threads(threads)
+        program(feeds)
+    return go
+
+
 def spread(median: float, p20: float, p80: float, unit: float = 1e-3, digits: int = 3) -> str:
     """`median (p20-p80)` in `unit` (ms by default)."""
     return f"{median / unit:.{digits}f} ({p20 / unit:.{digits}f}-{p80 / unit:.{digits}f})"

@@ -407,7 +407,7 @@ class Layout:
 def _teams(kernels: Sequence) -> list[list]:
     """A segment's kernels in the order they run, split where one runs on one thread: each run of
     kernels on the caller's team (`GeneratedKernel.c_threads` 0) shares one OpenMP region, its
-    kernels apart by barriers (a region's fork and join cost some three barriers); a one-thread
+    kernels apart by barriers instead of a fork and a join each (`benchmarks/bench_regions.py`); a one-thread
     kernel runs alone, its own region of one thread, so that no team waits on it."""
     teams: list[list] = []
     for k in kernels:
